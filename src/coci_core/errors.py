@@ -1,0 +1,67 @@
+"""The CociError tree: every error coci raises.
+
+::
+
+    CociError(Exception)
+    ├── ConfigError(CociError, ValueError)        bad argument or configuration
+    ├── UnsupportedValueError(CociError, TypeError) a state value coci cannot store
+    ├── StorageError(CociError, OSError)           reading or writing the storage failed
+    ├── CheckpointError(CociError)                 a checkpoint cannot be used
+    │   ├── NoCheckpointError                      there is no committed checkpoint
+    │   └── CorruptCheckpointError                 checksum, size or manifest mismatch
+    └── BackgroundSaveError(CociError)             a background persist failed
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BackgroundSaveError",
+    "CheckpointError",
+    "CociError",
+    "ConfigError",
+    "CorruptCheckpointError",
+    "NoCheckpointError",
+    "StorageError",
+    "UnsupportedValueError",
+]
+
+
+class CociError(Exception):
+    """Base class of every error raised by coci."""
+
+
+class ConfigError(CociError, ValueError):
+    """An argument or configuration value is not allowed."""
+
+
+class UnsupportedValueError(CociError, TypeError):
+    """A value in the state cannot be stored without executing code on load."""
+
+
+class StorageError(CociError, OSError):
+    """Reading from or writing to the checkpoint storage failed."""
+
+
+class CheckpointError(CociError):
+    """A checkpoint cannot be used."""
+
+
+class NoCheckpointError(CheckpointError, FileNotFoundError):
+    """There is no committed checkpoint (at the requested step)."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint's manifest or data does not match what was committed."""
+
+    def __init__(self, message: str, *, step: int | None = None, bad: list[str] | None = None):
+        super().__init__(message)
+        self.step = step
+        self.bad = list(bad or [])
+
+
+class BackgroundSaveError(CociError):
+    """A save that ran in the background failed; nothing committed was touched."""
+
+    def __init__(self, message: str, *, step: int):
+        super().__init__(message)
+        self.step = step
