@@ -39,7 +39,13 @@ class UnsupportedValueError(CociError, TypeError):
 
 
 class StorageError(CociError, OSError):
-    """Reading from or writing to the checkpoint storage failed."""
+    """Reading from or writing to the checkpoint storage failed (``errno`` kept when known)."""
+
+    @classmethod
+    def wrap(cls, message: str, cause: BaseException) -> StorageError:
+        """A StorageError with ``message`` that keeps the errno of ``cause`` if it has one."""
+        code = getattr(cause, "errno", None)
+        return cls(code, message) if isinstance(code, int) else cls(message)
 
 
 class CheckpointError(CociError):

@@ -1,0 +1,455 @@
+"""CheckpointManager: wires snapshot, persist, commit, retention and restore together."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+import time
+import weakref
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal
+
+from coci_core.errors import (
+    BackgroundSaveError,
+    CheckpointError,
+    CociError,
+    ConfigError,
+    CorruptCheckpointError,
+    NoCheckpointError,
+)
+from coci_core.manifest import MANIFEST_NAME, Manifest, parse_step_dir, step_dir_name
+from coci_core.persist import PersistJob, PersistWorker, write_checkpoint
+from coci_core.restore import (
+    committed_steps,
+    load_checkpoint,
+    read_manifest,
+    verify_checkpoint,
+)
+from coci_core.snapshot import Snapshot, Snapshotter
+from coci_core.stateful import Stateful
+from coci_core.storage import Storage, open_storage
+from coci_core.telemetry import Listener, RestoreEvent, SaveEvent, emit
+from coci_core.tree import flatten_state
+
+__all__ = ["CheckpointManager", "SaveHandle"]
+
+logger = logging.getLogger(__name__)
+
+OnBusy = Literal["wait", "skip"]
+_ON_BUSY = ("wait", "skip")
+
+
+class SaveHandle:
+    """The pending result of one :meth:`CheckpointManager.save`."""
+
+    def __init__(self, step: int, *, block: bool, started: float, snapshot: Snapshot | None) -> None:
+        self.step = step
+        self.block = block
+        self._started = started
+        self._snapshot = snapshot
+        self._done = threading.Event()
+        self._stall_s = 0.0
+        self._event: SaveEvent | None = None
+        self._error: BaseException | None = None
+        self._reported = False
+
+    def __repr__(self) -> str:
+        state = self._event.outcome if self._event else "pending"
+        return f"SaveHandle(step={self.step}, {state})"
+
+    def done(self) -> bool:
+        """Whether the save has finished (committed, skipped or failed)."""
+        return self._done.is_set()
+
+    @property
+    def skipped(self) -> bool:
+        """Whether the save was skipped because the previous persist was still running."""
+        return self._event is not None and self._event.outcome == "skipped"
+
+    @property
+    def event(self) -> SaveEvent | None:
+        """What the save did, once it is done."""
+        return self._event
+
+    def wait(self, timeout_s: float | None = None) -> SaveEvent:
+        """Block until the save is durable (or skipped) and return what it did.
+
+        Raises:
+            BackgroundSaveError: the save failed; nothing was published.
+            TimeoutError: ``timeout_s`` passed first.
+        """
+        if not self._done.wait(timeout_s):
+            raise TimeoutError(f"save of step {self.step} not durable after {timeout_s} s")
+        if self._error is not None:
+            self._reported = True
+            raise BackgroundSaveError(
+                f"background save of step {self.step} failed: {self._error}", step=self.step
+            ) from self._error
+        if self._event is None:
+            raise AssertionError("a finished save has no event")
+        return self._event
+
+
+_LIVE: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    # Pending persists finish before the interpreter exits (the worker thread is a daemon).
+    for manager in list(_LIVE):
+        try:
+            manager.close()
+        except CociError as e:
+            logger.error("coci: %s", e)
+
+
+class CheckpointManager:
+    """Two-phase, asynchronous, atomic and verified checkpoints of a training state.
+
+    Args:
+        directory: a local path, an fsspec URL (``memory://``, ``file://``, ``s3://``...) or a
+            :class:`~coci_core.storage.Storage`.
+        keep_last: how many committed checkpoints to keep (``None`` keeps all). An old one is
+            deleted only after a newer one is durable.
+        on_busy: what ``save`` does while the previous persist is still running: ``"wait"``
+            for it (the wait counts as stall) or ``"skip"`` this save.
+        strict: when the newest checkpoint is damaged, raise instead of restoring the newest
+            intact one.
+        allow_torch_save: store values that are not tensors, arrays or JSON data with
+            ``torch.save``, and load them with ``torch.load(weights_only=True)``. Off by default:
+            such values are refused with an error naming them.
+        listeners: callables that receive a :class:`SaveEvent` or :class:`RestoreEvent`
+            (from the background thread for saves).
+        worker_niceness: how much to lower the writer thread's CPU priority (0 keeps it).
+        storage_options: passed to fsspec for URLs.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str] | Storage,
+        *,
+        keep_last: int | None = 3,
+        on_busy: OnBusy = "wait",
+        strict: bool = False,
+        allow_torch_save: bool = False,
+        listeners: Iterable[Listener] = (),
+        worker_niceness: int = 5,
+        storage_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
+            raise ConfigError(f"'keep_last' must be an integer >= 1 or None: {keep_last!r}")
+        if on_busy not in _ON_BUSY:
+            raise ConfigError(f"'on_busy' must be one of {_ON_BUSY}: {on_busy!r}")
+        if type(worker_niceness) is not int or not 0 <= worker_niceness <= 19:
+            raise ConfigError(f"'worker_niceness' must be an integer in [0, 19]: {worker_niceness!r}")
+        listeners = list(listeners)
+        for listener in listeners:
+            if not callable(listener):
+                raise ConfigError(f"'listeners' must be callables, got {listener!r}")
+        self.storage = open_storage(directory, **dict(storage_options or {}))
+        self.keep_last = keep_last
+        self.on_busy = on_busy
+        self.strict = bool(strict)
+        self.allow_torch_save = bool(allow_torch_save)
+        self.listeners: list[Listener] = listeners
+        self.last_restore: RestoreEvent | None = None
+        self._snapshotter = Snapshotter()
+        self._worker = PersistWorker(self._run_job, niceness=worker_niceness)
+        self._inflight: SaveHandle | None = None
+        self._failed: list[SaveHandle] = []
+        self._failed_lock = threading.Lock()
+        self._closed = False
+        self._remove_uncommitted()
+        _LIVE.add(self)
+
+    def __repr__(self) -> str:
+        return f"CheckpointManager({self.storage.url!r}, keep_last={self.keep_last})"
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- saving ---------------------------------------------------------------------------
+
+    def save(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        *,
+        block: bool = True,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> SaveHandle:
+        """Snapshot ``state`` as ``step`` and persist it in the background.
+
+        With ``block=True`` this returns once every tensor is copied into host memory, so
+        training may change the tensors at once. With ``block=False`` it returns at once and
+        the copy overlaps the next forward and backward pass; call :meth:`before_update`
+        before the next ``optimizer.step()`` (or anything else that changes the tensors).
+
+        Args:
+            step: the training step (an integer >= 0).
+            state: a mapping of tensors, numpy arrays, JSON values, lists, tuples and dicts.
+            block: wait for the copy (True) or let it overlap the caller's next work (False).
+            metadata: JSON values stored in the manifest (shown by ``coci ls``).
+
+        Raises:
+            BackgroundSaveError: an earlier background save failed (reported once).
+            UnsupportedValueError: ``state`` holds a value that cannot be stored without pickle.
+        """
+        started = time.perf_counter()
+        self._check_open()
+        if type(step) is not int or step < 0:
+            raise ConfigError(f"'step' must be an integer >= 0: {step!r}")
+        previous = self._inflight
+        if previous is not None and not previous.done():
+            if self.on_busy == "skip":
+                return self._skip(step, block=block, started=started)
+            previous._done.wait()
+        self._raise_failed()
+        flat = flatten_state(state, allow_torch_save=self.allow_torch_save)
+        snapshot = self._snapshotter.prepare(flat.leaves)
+        handle = SaveHandle(step, block=block, started=started, snapshot=snapshot)
+        if block:
+            self._snapshotter.copy(snapshot)
+            snapshot.wait_copied()
+        job = PersistJob(step, snapshot, flat.tree, _json_metadata(metadata))
+        self._inflight = handle
+        handle._stall_s = time.perf_counter() - started
+        self._worker.submit((job, handle))
+        return handle
+
+    def before_update(self) -> None:
+        """Wait, if needed, until a ``block=False`` snapshot is fully copied.
+
+        Call it just before ``optimizer.step()``; it returns at once when there is nothing to
+        wait for. The wait counts as stall.
+        """
+        handle = self._inflight
+        if handle is None or handle._snapshot is None or handle.block:
+            return
+        if handle._snapshot.copied.is_set():
+            return
+        started = time.perf_counter()
+        handle._snapshot.copied.wait()
+        handle._stall_s += time.perf_counter() - started
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Block until every pending save is durable.
+
+        Raises:
+            BackgroundSaveError: a background save failed (each failure is reported once).
+            TimeoutError: ``timeout_s`` passed first.
+        """
+        handle = self._inflight
+        if handle is not None and not handle._done.wait(timeout_s):
+            raise TimeoutError(f"save of step {handle.step} not durable after {timeout_s} s")
+        self._raise_failed()
+
+    def close(self) -> None:
+        """Wait for pending saves and stop the background worker (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        _LIVE.discard(self)
+        handle = self._inflight
+        if handle is not None:
+            handle._done.wait()
+        self._worker.stop()
+        self._raise_failed()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CociError(f"{self!r} is closed")
+
+    def _skip(self, step: int, *, block: bool, started: float) -> SaveHandle:
+        handle = SaveHandle(step, block=block, started=started, snapshot=None)
+        handle._stall_s = time.perf_counter() - started
+        handle._event = SaveEvent(step=step, outcome="skipped", stall_s=handle._stall_s, block=block)
+        handle._done.set()
+        logger.info("coci: skipped step %d: the previous persist is still running", step)
+        emit(self.listeners, handle._event)
+        return handle
+
+    def _raise_failed(self) -> None:
+        with self._failed_lock:
+            unreported = [h for h in self._failed if not h._reported]
+            self._failed = []
+        if not unreported:
+            return
+        for handle in unreported:
+            handle._reported = True
+        first = unreported[0]
+        steps = ", ".join(str(h.step) for h in unreported)
+        raise BackgroundSaveError(
+            f"background save of step {steps} failed: {first._error}; committed checkpoints "
+            "are intact",
+            step=first.step,
+        ) from first._error
+
+    def _run_job(self, item: tuple[PersistJob, SaveHandle]) -> None:
+        # WARNING: runs on the writer thread; it must never touch the training process group.
+        job, handle = item
+        snapshot = job.snapshot
+        try:
+            if not snapshot.copied.is_set():
+                self._snapshotter.copy(snapshot)
+            result = write_checkpoint(self.storage, job)
+        except BaseException as e:
+            handle._error = e
+            event = self._event(handle, snapshot, outcome="failed", error=f"{type(e).__name__}: {e}")
+            logger.error("coci: save of step %d failed: %s", job.step, e)
+            with self._failed_lock:
+                self._failed.append(handle)
+        else:
+            event = self._event(
+                handle, snapshot, outcome="committed", path=result.path,
+                bytes_written=result.bytes_written,
+            )
+            logger.info(
+                "coci: saved step %d to %s/%s (%.1f MB, stall %.3f s, durable after %.3f s)",
+                job.step, self.storage.url, result.path, result.bytes_written / 1e6,
+                event.stall_s, event.time_to_durable_s,
+            )
+            self._apply_retention(newest=job.step)
+        handle._event = event
+        handle._done.set()
+        emit(self.listeners, event)
+
+    def _event(self, handle: SaveHandle, snapshot: Snapshot, **fields: Any) -> SaveEvent:
+        now = time.perf_counter()
+        return SaveEvent(
+            step=handle.step,
+            stall_s=handle._stall_s,
+            copy_s=snapshot.copy_s,
+            persist_s=now - snapshot.copied_at if snapshot.copied_at else 0.0,
+            time_to_durable_s=now - handle._started,
+            first_save=snapshot.allocated,
+            block=handle.block,
+            **fields,
+        )
+
+    def _apply_retention(self, *, newest: int) -> None:
+        try:
+            if self.keep_last is not None:
+                steps = committed_steps(self.storage)
+                for step in steps[: max(0, len(steps) - self.keep_last)]:
+                    if step != newest:
+                        self.storage.remove_dir(step_dir_name(step))
+                        logger.debug("coci: retention removed step %d", step)
+            self._remove_uncommitted()
+        except CociError as e:
+            logger.warning("coci: retention after step %d failed: %s", newest, e)
+
+    def _remove_uncommitted(self) -> None:
+        # Only names that coci writes ("step-..."), and never a directory with a manifest.
+        for name in self.storage.list_dir(""):
+            if not name.startswith("step-"):
+                continue
+            if parse_step_dir(name) is not None and self.storage.exists(f"{name}/{MANIFEST_NAME}"):
+                continue
+            self.storage.remove_dir(name)
+            logger.debug("coci: removed uncommitted %s", name)
+
+    # -- restoring ------------------------------------------------------------------------
+
+    def steps(self) -> list[int]:
+        """Committed steps, ascending."""
+        return committed_steps(self.storage)
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or None."""
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def manifest(self, step: int) -> Manifest:
+        """The manifest of a committed step."""
+        return read_manifest(self.storage, step)
+
+    def restore(
+        self,
+        step: int | None = None,
+        *,
+        into: Mapping[str, Stateful] | None = None,
+        strict: bool | None = None,
+    ) -> dict[str, Any]:
+        """Read, verify and return a committed state (tensors on CPU).
+
+        Pending saves are made durable first. Without ``step`` the newest committed step is
+        used; if it is damaged, it is reported and the newest intact one is used instead
+        (unless ``strict``). ``into`` maps keys of the state to objects whose
+        ``load_state_dict`` receives them. The restored step is in ``last_restore.step``.
+
+        Raises:
+            NoCheckpointError: nothing is committed (or not ``step``).
+            CorruptCheckpointError: the requested (or, with ``strict``, the newest) checkpoint
+                is damaged, or no intact one is left.
+        """
+        self.wait()
+        strict = self.strict if strict is None else strict
+        started = time.perf_counter()
+        steps = committed_steps(self.storage)
+        if not steps:
+            raise NoCheckpointError(f"no committed checkpoint in {self.storage.url}")
+        candidates = [step] if step is not None else list(reversed(steps))
+        skipped: list[int] = []
+        errors: list[str] = []
+        for candidate in candidates:
+            try:
+                loaded = load_checkpoint(self.storage, candidate)
+                break
+            except CorruptCheckpointError as e:
+                if strict or step is not None:
+                    raise
+                logger.warning("coci: step %d is damaged, trying an older one: %s", candidate, e)
+                skipped.append(candidate)
+                errors.append(str(e))
+        else:
+            raise CorruptCheckpointError(
+                f"no intact checkpoint in {self.storage.url}: " + "; ".join(errors), bad=[]
+            )
+        if into is not None:
+            _load_into(loaded.state, into)
+        self.last_restore = RestoreEvent(
+            step=loaded.step,
+            seconds=time.perf_counter() - started,
+            bytes_read=loaded.bytes_read,
+            skipped_steps=tuple(skipped),
+        )
+        logger.info(
+            "coci: restored step %d from %s (%.1f MB, %.3f s)",
+            loaded.step, self.storage.url, loaded.bytes_read / 1e6, self.last_restore.seconds,
+        )
+        emit(self.listeners, self.last_restore)
+        return loaded.state
+
+    def verify(self, step: int | None = None) -> dict[int, list[str]]:
+        """Damaged array keys per committed step (all steps, or just ``step``)."""
+        steps = [step] if step is not None else self.steps()
+        return {s: verify_checkpoint(self.storage, s) for s in steps}
+
+
+def _load_into(state: Mapping[str, Any], into: Mapping[str, Stateful]) -> None:
+    missing = [key for key in into if key not in state]
+    if missing:
+        raise CheckpointError(
+            f"the restored state has no {missing}; it has {sorted(map(str, state))}"
+        )
+    for key, target in into.items():
+        if not hasattr(target, "load_state_dict"):
+            raise ConfigError(f"'into[{key!r}]' has no load_state_dict: {type(target).__name__}")
+        target.load_state_dict(state[key])
+
+
+def _json_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+    import json
+
+    if metadata is None:
+        return {}
+    try:
+        return dict(json.loads(json.dumps(dict(metadata), allow_nan=False)))
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"'metadata' must hold JSON values only: {e}") from e

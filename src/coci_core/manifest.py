@@ -1,0 +1,163 @@
+"""The versioned JSON manifest: the commit record of one checkpoint.
+
+A step directory is a checkpoint exactly when it holds a manifest that parses: the manifest is
+written last, after every data file is durable.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from coci_core.errors import CorruptCheckpointError
+
+__all__ = [
+    "FORMAT_VERSION",
+    "MANIFEST_NAME",
+    "DataFile",
+    "Manifest",
+    "TensorEntry",
+    "parse_step_dir",
+    "step_dir_name",
+]
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+_STEP_DIR = re.compile(r"^step-(\d{10,})$")
+
+
+def step_dir_name(step: int) -> str:
+    """The directory name of a committed step (zero-padded, so names sort by step)."""
+    return f"step-{step:010d}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    """The step of a committed step directory's name, or None for any other name."""
+    match = _STEP_DIR.match(name)
+    return int(match.group(1)) if match else None
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One array's bytes: where they are, how they were encoded and their checksum."""
+
+    key: str
+    kind: str
+    dtype: str
+    shape: tuple[int, ...]
+    file: str
+    offset: int
+    nbytes: int
+    codec: str
+    crc32c: int
+    numpy_dtype: str | None = None
+
+
+@dataclass(frozen=True)
+class DataFile:
+    """A data file of the checkpoint and its size in bytes."""
+
+    name: str
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Everything needed to find, verify and rebuild one checkpoint; no code, only data."""
+
+    step: int
+    created_unix: float
+    tree: Any
+    tensors: tuple[TensorEntry, ...]
+    files: tuple[DataFile, ...]
+    format_version: int = FORMAT_VERSION
+    world_size: int = 1
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        """Total size of the data files."""
+        return sum(f.nbytes for f in self.files)
+
+    def to_json(self) -> bytes:
+        """The manifest as UTF-8 JSON."""
+        doc = asdict(self)
+        doc["tensors"] = [asdict(t) for t in self.tensors]
+        doc["files"] = [asdict(f) for f in self.files]
+        return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")
+
+    @classmethod
+    def from_json(cls, data: bytes, *, where: str = "manifest") -> Manifest:
+        """Parse and check a manifest.
+
+        Raises:
+            CorruptCheckpointError: the manifest is not valid JSON, has an unknown format
+                version, or lacks or mistypes a field.
+        """
+        try:
+            doc = json.loads(data.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CorruptCheckpointError(f"{where} is not valid JSON: {e}") from e
+        if not isinstance(doc, dict):
+            raise CorruptCheckpointError(f"{where} is not a JSON object")
+        version = doc.get("format_version")
+        if version != FORMAT_VERSION:
+            raise CorruptCheckpointError(
+                f"{where} has format_version {version!r}; this coci reads {FORMAT_VERSION}"
+            )
+        try:
+            tensors = tuple(
+                TensorEntry(
+                    key=str(t["key"]),
+                    kind=_one_of(t["kind"], ("tensor", "ndarray", "torch_save"), "kind"),
+                    dtype=str(t["dtype"]),
+                    shape=tuple(_nonneg_int(x, "shape") for x in t["shape"]),
+                    file=_safe_name(t["file"]),
+                    offset=_nonneg_int(t["offset"], "offset"),
+                    nbytes=_nonneg_int(t["nbytes"], "nbytes"),
+                    codec=str(t["codec"]),
+                    crc32c=_nonneg_int(t["crc32c"], "crc32c"),
+                    numpy_dtype=None if t.get("numpy_dtype") is None else str(t["numpy_dtype"]),
+                )
+                for t in doc["tensors"]
+            )
+            files = tuple(
+                DataFile(name=_safe_name(f["name"]), nbytes=_nonneg_int(f["nbytes"], "nbytes"))
+                for f in doc["files"]
+            )
+            metadata = doc.get("metadata", {})
+            if not isinstance(metadata, dict):
+                raise TypeError("metadata must be an object")
+            return cls(
+                step=_nonneg_int(doc["step"], "step"),
+                created_unix=float(doc["created_unix"]),
+                tree=doc["tree"],
+                tensors=tensors,
+                files=files,
+                format_version=version,
+                world_size=_nonneg_int(doc.get("world_size", 1), "world_size"),
+                metadata=metadata,
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise CorruptCheckpointError(f"{where} is malformed: {type(e).__name__}: {e}") from e
+
+
+def _nonneg_int(value: Any, name: str) -> int:
+    if type(value) is not int or value < 0:
+        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+    return value
+
+
+def _one_of(value: Any, allowed: tuple[str, ...], name: str) -> str:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+    return str(value)
+
+
+def _safe_name(value: Any) -> str:
+    # File names come from the manifest: refuse anything that could point outside the step.
+    if type(value) is not str or not value or "/" in value or "\\" in value or value in (".", ".."):
+        raise ValueError(f"file name must be a plain name, got {value!r}")
+    return value

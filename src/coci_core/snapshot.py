@@ -1,0 +1,151 @@
+"""Phase 1: copy the state's arrays into host buffers that are allocated once and reused.
+
+All leaves of a save live in one flat, page-aligned host *arena*, each at an aligned offset, so
+that phase 2 can checksum and write the arena as it is, with large sequential writes and no
+serialization pass. The arena is kept and reused while later saves have the same layout
+(dtypes and shapes); a new layout allocates a new arena. When any leaf is on CUDA the arena
+is pinned and the copies run non-blocking on a side stream.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from coci_core.tree import ArrayLeaf
+
+__all__ = ["Arena", "LeafSlot", "Snapshot", "Snapshotter", "plan_layout"]
+
+ALIGN_BYTES = 64
+PAGE_BYTES = 4096
+
+
+@dataclass(frozen=True)
+class LeafSlot:
+    """Where one leaf's bytes sit in the arena (and so in the data file)."""
+
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
+def plan_layout(leaves: tuple[ArrayLeaf, ...]) -> tuple[tuple[LeafSlot, ...], int]:
+    """Aligned offsets of every leaf and the arena's total size (a whole number of pages)."""
+    slots = []
+    offset = 0
+    for leaf in leaves:
+        t = leaf.tensor
+        slots.append(LeafSlot(offset, leaf.nbytes, t.dtype, tuple(t.shape)))
+        offset = _round_up(offset + leaf.nbytes, ALIGN_BYTES)
+    return tuple(slots), max(_round_up(offset, PAGE_BYTES), PAGE_BYTES)
+
+
+class Arena:
+    """One page-aligned host buffer holding every leaf of a save."""
+
+    def __init__(self, total_bytes: int, *, pinned: bool) -> None:
+        raw = torch.empty(total_bytes + PAGE_BYTES, dtype=torch.uint8, pin_memory=pinned)
+        start = (-raw.data_ptr()) % PAGE_BYTES
+        self._raw = raw
+        self.bytes = raw[start : start + total_bytes]
+        self.pinned = pinned
+        self.total_bytes = total_bytes
+
+    def view(self, slot: LeafSlot) -> torch.Tensor:
+        """The typed, shaped view of ``slot``'s bytes."""
+        region = self.bytes[slot.offset : slot.offset + slot.nbytes]
+        return region.view(slot.dtype).view(slot.shape)
+
+    def memoryview(self, start: int = 0, stop: int | None = None) -> memoryview:
+        """A zero-copy memoryview of a byte range of the arena."""
+        array: np.ndarray[Any, Any] = self.bytes.numpy()
+        return memoryview(array[start:stop])
+
+
+@dataclass
+class Snapshot:
+    """A state's leaves, being (or having been) copied into an arena."""
+
+    arena: Arena
+    slots: tuple[LeafSlot, ...]
+    leaves: tuple[ArrayLeaf, ...]
+    allocated: bool
+    copied: threading.Event
+    copy_s: float = 0.0
+    copied_at: float = 0.0
+    error: BaseException | None = None
+    _cuda_event: Any = None
+
+    def wait_copied(self) -> None:
+        """Block until every leaf is in host memory (re-raises a failed copy)."""
+        self.copied.wait()
+        if self._cuda_event is not None:
+            self._cuda_event.synchronize()
+            self._cuda_event = None
+        if self.error is not None:
+            raise self.error
+
+
+class Snapshotter:
+    """Copies states into a reused arena; one snapshot may be in use at a time."""
+
+    def __init__(self) -> None:
+        self._arena: Arena | None = None
+        self._layout_key: tuple[Any, ...] | None = None
+        self._slots: tuple[LeafSlot, ...] = ()
+        self._stream: Any = None
+
+    def prepare(self, leaves: tuple[ArrayLeaf, ...]) -> Snapshot:
+        """Bind ``leaves`` to an arena (allocating one only when the layout changed)."""
+        on_cuda = any(leaf.tensor.device.type == "cuda" for leaf in leaves)
+        key = (on_cuda, *((leaf.tensor.dtype, tuple(leaf.tensor.shape)) for leaf in leaves))
+        allocated = False
+        if self._arena is None or key != self._layout_key:
+            self._arena = None  # free the old arena before allocating the new one
+            self._slots, total = plan_layout(leaves)
+            self._arena = Arena(total, pinned=on_cuda and torch.cuda.is_available())
+            self._layout_key = key
+            allocated = True
+        return Snapshot(self._arena, self._slots, leaves, allocated, threading.Event())
+
+    def copy(self, snap: Snapshot) -> None:
+        """Copy every leaf into the arena; sets ``snap.copied`` even when the copy fails."""
+        start = time.perf_counter()
+        try:
+            cuda_leaves = []
+            for leaf, slot in zip(snap.leaves, snap.slots, strict=True):
+                if leaf.tensor.device.type == "cuda":
+                    cuda_leaves.append((leaf, slot))
+                else:
+                    snap.arena.view(slot).copy_(leaf.tensor)
+            if cuda_leaves:
+                snap._cuda_event = self._copy_from_cuda(snap, cuda_leaves)
+        except BaseException as e:
+            snap.error = e
+        finally:
+            snap.copied_at = time.perf_counter()
+            snap.copy_s = snap.copied_at - start
+            snap.copied.set()
+
+    def _copy_from_cuda(self, snap: Snapshot, items: list[tuple[ArrayLeaf, LeafSlot]]) -> Any:
+        # Device-to-host copies on a side stream so that they overlap the next compute; the
+        # side stream first waits for the work that produced the tensors.
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        self._stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._stream):
+            for leaf, slot in items:
+                snap.arena.view(slot).copy_(leaf.tensor, non_blocking=snap.arena.pinned)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        return event

@@ -1,0 +1,106 @@
+"""Any fsspec file system (``memory://``, ``file://``, object stores): the manifest is the commit."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterable
+from typing import Any
+
+from coci_core.errors import ConfigError, StorageError
+
+__all__ = ["FsspecStorage"]
+
+
+class FsspecStorage:
+    """A directory under an fsspec URL.
+
+    Object stores have no atomic rename, so a checkpoint is written in place and the manifest,
+    written last as a single object, is the commit marker: a step without it does not exist.
+    """
+
+    def __init__(self, url: str, **storage_options: Any) -> None:
+        try:
+            import fsspec
+        except ImportError as e:  # pragma: no cover - fsspec is a dependency
+            raise ConfigError("fsspec URLs need the 'fsspec' package: pip install fsspec") from e
+        try:
+            self.fs, root = fsspec.core.url_to_fs(url, **storage_options)
+        except (ValueError, ImportError) as e:
+            raise ConfigError(f"'directory' is not a usable fsspec URL: {url!r}: {e}") from e
+        self.root = root.rstrip("/")
+        self.url = url
+
+    def __repr__(self) -> str:
+        return f"FsspecStorage({self.url!r})"
+
+    def _path(self, path: str) -> str:
+        return f"{self.root}/{path}" if path else self.root
+
+    def list_dir(self, path: str = "") -> list[str]:
+        full = self._path(path)
+        try:
+            if not self.fs.exists(full):
+                return []
+            names = self.fs.ls(full, detail=False)
+        except (OSError, FileNotFoundError):
+            return []
+        return sorted({str(n).rstrip("/").rsplit("/", 1)[-1] for n in names})
+
+    def exists(self, path: str) -> bool:
+        return bool(self.fs.exists(self._path(path)))
+
+    def write_file(self, path: str, chunks: Iterable[memoryview], *, aligned: bool = False) -> int:
+        full = self._path(path)
+        try:
+            parent = full.rsplit("/", 1)[0]
+            with contextlib.suppress(FileExistsError):
+                self.fs.makedirs(parent, exist_ok=True)
+            written = 0
+            with self.fs.open(full, "wb") as f:
+                for chunk in chunks:
+                    f.write(chunk)
+                    written += chunk.nbytes
+                _fsync_if_local(f)
+        except OSError as e:
+            raise StorageError.wrap(f"cannot write {self.url}/{path}: {e}", e) from e
+        return written
+
+    def read_bytes(self, path: str) -> bytes:
+        try:
+            return bytes(self.fs.cat_file(self._path(path)))
+        except OSError as e:
+            raise StorageError.wrap(f"cannot read {self.url}/{path}: {e}", e) from e
+
+    def read_into(self, path: str, offset: int, out: memoryview) -> None:
+        view = out.cast("B")
+        try:
+            data = self.fs.cat_file(self._path(path), start=offset, end=offset + len(view))
+        except OSError as e:
+            raise StorageError.wrap(f"cannot read {self.url}/{path}: {e}", e) from e
+        if len(data) != len(view):
+            raise StorageError(
+                f"{self.url}/{path} is shorter than expected: needed {len(view)} bytes at "
+                f"offset {offset}, got {len(data)}"
+            )
+        view[:] = data
+
+    def remove_dir(self, path: str) -> None:
+        with contextlib.suppress(FileNotFoundError, OSError):
+            self.fs.rm(self._path(path), recursive=True)
+
+    def staging_dir(self, final: str, token: str) -> str:
+        if self.exists(final):
+            self.remove_dir(final)  # a leftover or an older save of the same step
+        return final
+
+    def publish(self, staging: str, final: str) -> None:
+        if staging != final:
+            raise StorageError(f"cannot publish {staging!r} as {final!r}: no rename here")
+
+
+def _fsync_if_local(f: Any) -> None:
+    # fsspec's local files wrap a real file object: make them durable like LocalStorage does.
+    with contextlib.suppress(AttributeError, OSError, ValueError):
+        f.flush()
+        os.fsync(f.fileno())

@@ -1,0 +1,135 @@
+"""Local files: direct I/O from aligned buffers where the file system allows, fsync, rename."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+
+from coci_core.errors import StorageError
+
+__all__ = ["LocalStorage"]
+
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+class LocalStorage:
+    """A directory on a local file system.
+
+    Checkpoints are written into ``<step>.coci-tmp-<token>`` and published with an atomic
+    rename followed by an fsync of the parent directory.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], *, direct_io: bool = True) -> None:
+        self.root = Path(root).expanduser().absolute()
+        self.url = str(self.root)
+        self.direct_io = direct_io and bool(_O_DIRECT)
+
+    def __repr__(self) -> str:
+        return f"LocalStorage({self.url!r})"
+
+    def _path(self, path: str) -> Path:
+        return self.root / path if path else self.root
+
+    def list_dir(self, path: str = "") -> list[str]:
+        try:
+            return sorted(os.listdir(self._path(path)))
+        except FileNotFoundError:
+            return []
+        except OSError as e:
+            raise StorageError(f"cannot list {self._path(path)}: {e}") from e
+
+    def exists(self, path: str) -> bool:
+        return self._path(path).exists()
+
+    def write_file(self, path: str, chunks: Iterable[memoryview], *, aligned: bool = False) -> int:
+        target = self._path(path)
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd = self._open_for_write(target, direct=aligned and self.direct_io)
+            try:
+                written = 0
+                for chunk in chunks:
+                    written += _write_all(fd, chunk)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise StorageError.wrap(f"cannot write {target}: {e.strerror or e}", e) from e
+        return written
+
+    def _open_for_write(self, target: Path, *, direct: bool) -> int:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        if direct:
+            try:
+                return os.open(target, flags | _O_DIRECT, 0o644)
+            except OSError as e:
+                if e.errno != errno.EINVAL:  # EINVAL: this file system has no direct I/O
+                    raise
+        return os.open(target, flags, 0o644)
+
+    def read_bytes(self, path: str) -> bytes:
+        try:
+            return self._path(path).read_bytes()
+        except OSError as e:
+            raise StorageError.wrap(f"cannot read {self._path(path)}: {e}", e) from e
+
+    def read_into(self, path: str, offset: int, out: memoryview) -> None:
+        target = self._path(path)
+        try:
+            with open(target, "rb", buffering=0) as f:
+                f.seek(offset)
+                view = out.cast("B")
+                got = 0
+                while got < len(view):
+                    n = f.readinto(view[got:])
+                    if not n:
+                        raise StorageError(
+                            f"{target} is shorter than expected: needed {len(view)} bytes "
+                            f"at offset {offset}, got {got}"
+                        )
+                    got += n
+        except StorageError:
+            raise
+        except OSError as e:
+            raise StorageError.wrap(f"cannot read {target}: {e}", e) from e
+
+    def remove_dir(self, path: str) -> None:
+        shutil.rmtree(self._path(path), ignore_errors=True)
+
+    def staging_dir(self, final: str, token: str) -> str:
+        return f"{final}.coci-tmp-{token}"
+
+    def publish(self, staging: str, final: str) -> None:
+        src, dst = self._path(staging), self._path(final)
+        try:
+            _fsync_dir(src)
+            if dst.exists():
+                # Re-saving a step that is already committed: move the old one aside first.
+                aside = self._path(f"{final}.coci-old-{src.name.rsplit('-', 1)[-1]}")
+                os.rename(dst, aside)
+                os.rename(src, dst)
+                shutil.rmtree(aside, ignore_errors=True)
+            else:
+                os.rename(src, dst)
+            _fsync_dir(dst.parent)
+        except OSError as e:
+            raise StorageError.wrap(f"cannot publish {dst}: {e}", e) from e
+
+
+def _write_all(fd: int, chunk: memoryview) -> int:
+    view = chunk.cast("B") if chunk.format != "B" or chunk.ndim != 1 else chunk
+    done = 0
+    while done < len(view):
+        done += os.write(fd, view[done:])
+    return done
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
