@@ -44,7 +44,9 @@ _ON_BUSY = ("wait", "skip")
 class SaveHandle:
     """The pending result of one :meth:`CheckpointManager.save`."""
 
-    def __init__(self, step: int, *, block: bool, started: float, snapshot: Snapshot | None) -> None:
+    def __init__(
+        self, step: int, *, block: bool, started: float, snapshot: Snapshot | None
+    ) -> None:
         self.step = step
         self.block = block
         self._started = started
@@ -143,7 +145,9 @@ class CheckpointManager:
         if on_busy not in _ON_BUSY:
             raise ConfigError(f"'on_busy' must be one of {_ON_BUSY}: {on_busy!r}")
         if type(worker_niceness) is not int or not 0 <= worker_niceness <= 19:
-            raise ConfigError(f"'worker_niceness' must be an integer in [0, 19]: {worker_niceness!r}")
+            raise ConfigError(
+                f"'worker_niceness' must be an integer in [0, 19]: {worker_niceness!r}"
+            )
         listeners = list(listeners)
         for listener in listeners:
             if not callable(listener):
@@ -268,7 +272,9 @@ class CheckpointManager:
     def _skip(self, step: int, *, block: bool, started: float) -> SaveHandle:
         handle = SaveHandle(step, block=block, started=started, snapshot=None)
         handle._stall_s = time.perf_counter() - started
-        handle._event = SaveEvent(step=step, outcome="skipped", stall_s=handle._stall_s, block=block)
+        handle._event = SaveEvent(
+            step=step, outcome="skipped", stall_s=handle._stall_s, block=block
+        )
         handle._done.set()
         logger.info("coci: skipped step %d: the previous persist is still running", step)
         emit(self.listeners, handle._event)
@@ -300,19 +306,28 @@ class CheckpointManager:
             result = write_checkpoint(self.storage, job)
         except BaseException as e:
             handle._error = e
-            event = self._event(handle, snapshot, outcome="failed", error=f"{type(e).__name__}: {e}")
+            event = self._event(
+                handle, snapshot, outcome="failed", error=f"{type(e).__name__}: {e}"
+            )
             logger.error("coci: save of step %d failed: %s", job.step, e)
             with self._failed_lock:
                 self._failed.append(handle)
         else:
             event = self._event(
-                handle, snapshot, outcome="committed", path=result.path,
+                handle,
+                snapshot,
+                outcome="committed",
+                path=result.path,
                 bytes_written=result.bytes_written,
             )
             logger.info(
                 "coci: saved step %d to %s/%s (%.1f MB, stall %.3f s, durable after %.3f s)",
-                job.step, self.storage.url, result.path, result.bytes_written / 1e6,
-                event.stall_s, event.time_to_durable_s,
+                job.step,
+                self.storage.url,
+                result.path,
+                result.bytes_written / 1e6,
+                event.stall_s,
+                event.time_to_durable_s,
             )
             self._apply_retention(newest=job.step)
         handle._event = event
@@ -421,7 +436,10 @@ class CheckpointManager:
         )
         logger.info(
             "coci: restored step %d from %s (%.1f MB, %.3f s)",
-            loaded.step, self.storage.url, loaded.bytes_read / 1e6, self.last_restore.seconds,
+            loaded.step,
+            self.storage.url,
+            loaded.bytes_read / 1e6,
+            self.last_restore.seconds,
         )
         emit(self.listeners, self.last_restore)
         return loaded.state
@@ -450,6 +468,7 @@ def _json_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
     if metadata is None:
         return {}
     try:
-        return dict(json.loads(json.dumps(dict(metadata), allow_nan=False)))
+        decoded: dict[str, Any] = json.loads(json.dumps(dict(metadata), allow_nan=False))
+        return decoded
     except (TypeError, ValueError) as e:
         raise ConfigError(f"'metadata' must hold JSON values only: {e}") from e

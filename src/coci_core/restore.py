@@ -63,7 +63,7 @@ def read_manifest(storage: Storage, step: int) -> Manifest:
 def _fetch(storage: Storage, manifest: Manifest, entry: TensorEntry) -> torch.Tensor:
     """The entry's raw bytes as a uint8 tensor, checksum verified."""
     stored = torch.empty(entry.nbytes, dtype=torch.uint8)
-    view = memoryview(stored.numpy())
+    view = stored.numpy().data
     try:
         storage.read_into(f"{step_dir_name(manifest.step)}/{entry.file}", entry.offset, view)
     except StorageError as e:
@@ -75,14 +75,15 @@ def _fetch(storage: Storage, manifest: Manifest, entry: TensorEntry) -> torch.Te
         ) from e
     if crc32c.crc32c(view) != entry.crc32c:
         raise CorruptCheckpointError(
-            f"step {manifest.step}: checksum mismatch in {entry.key!r}", step=manifest.step,
+            f"step {manifest.step}: checksum mismatch in {entry.key!r}",
+            step=manifest.step,
             bad=[entry.key],
         )
     codec = from_descriptor(entry.codec)
     if entry.codec == "coci.raw/1":
         return stored
     out = torch.empty(_raw_nbytes(entry), dtype=torch.uint8)
-    codec.decode(view, memoryview(out.numpy()))
+    codec.decode(view, out.numpy().data)
     return out
 
 
@@ -113,7 +114,7 @@ class LoadedCheckpoint:
     """A restored state and what it cost to read."""
 
     step: int
-    state: Any
+    state: dict[str, Any]
     bytes_read: int
     manifest: Manifest
 

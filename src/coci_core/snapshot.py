@@ -69,7 +69,7 @@ class Arena:
     def memoryview(self, start: int = 0, stop: int | None = None) -> memoryview:
         """A zero-copy memoryview of a byte range of the arena."""
         array: np.ndarray[Any, Any] = self.bytes.numpy()
-        return memoryview(array[start:stop])
+        return array[start:stop].data
 
 
 @dataclass
@@ -141,11 +141,11 @@ class Snapshotter:
         # Device-to-host copies on a side stream so that they overlap the next compute; the
         # side stream first waits for the work that produced the tensors.
         if self._stream is None:
-            self._stream = torch.cuda.Stream()
+            self._stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
         self._stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self._stream):
             for leaf, slot in items:
                 snap.arena.view(slot).copy_(leaf.tensor, non_blocking=snap.arena.pinned)
-            event = torch.cuda.Event()
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(self._stream)
         return event

@@ -51,7 +51,15 @@ _SUPPORTED_DTYPES: dict[str, torch.dtype] = {
         torch.float8_e5m2fnuz,
     )
 }
-for _name in ("float8_e8m0fnu", "float4_e2m1fn_x2", "bits8", "bits16", "bits1x8", "bits2x4", "bits4x2"):
+for _name in (
+    "float8_e8m0fnu",
+    "float4_e2m1fn_x2",
+    "bits8",
+    "bits16",
+    "bits1x8",
+    "bits2x4",
+    "bits4x2",
+):
     if hasattr(torch, _name):
         _SUPPORTED_DTYPES[_name] = getattr(torch, _name)
 
@@ -110,7 +118,9 @@ class _Flattener:
         self.leaves: list[ArrayLeaf] = []
         self._aliases: dict[tuple[Any, ...], int] = {}
 
-    def add_leaf(self, key: str, t: torch.Tensor, kind: LeafKind, numpy_dtype: str | None = None) -> Any:
+    def add_leaf(
+        self, key: str, t: torch.Tensor, kind: LeafKind, numpy_dtype: str | None = None
+    ) -> Any:
         alias = _alias_key(t) if kind == "tensor" else None
         if alias is not None and alias in self._aliases:
             return {"t": "tensor", "id": self._aliases[alias]}
@@ -170,7 +180,9 @@ class _Flattener:
             node["items"] = [
                 [self._encode_key(k, key), self.encode(v, f"{key}/{k}")] for k, v in d.items()
             ]
-        metadata = getattr(d, "_metadata", None)  # nn.Module.state_dict() keeps module versions here
+        metadata = getattr(
+            d, "_metadata", None
+        )  # nn.Module.state_dict() keeps module versions here
         if metadata is not None:
             node["metadata"] = self.encode(metadata, f"{key}/_metadata")
         return node

@@ -41,7 +41,9 @@ class RawCodec:
 
     def decode(self, stored: memoryview, out: memoryview) -> None:
         if stored.nbytes != out.nbytes:
-            raise CorruptCheckpointError(f"raw data has {stored.nbytes} bytes, expected {out.nbytes}")
+            raise CorruptCheckpointError(
+                f"raw data has {stored.nbytes} bytes, expected {out.nbytes}"
+            )
         out.cast("B")[:] = stored.cast("B")
 
 

@@ -1,4 +1,4 @@
-"""Any fsspec file system (``memory://``, ``file://``, object stores): the manifest is the commit."""
+"""Any fsspec file system (``memory://``, ``file://``, object stores); the manifest commits."""
 
 from __future__ import annotations
 

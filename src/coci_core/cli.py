@@ -1,0 +1,161 @@
+"""The ``coci`` command line: ls, verify, export, demo (and plan, simulate from the planner)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from coci_core.errors import CociError, CorruptCheckpointError, NoCheckpointError
+from coci_core.restore import committed_steps, load_checkpoint, read_manifest, verify_checkpoint
+from coci_core.storage import open_storage
+
+__all__ = ["main"]
+
+
+def _ls(args: argparse.Namespace) -> int:
+    storage = open_storage(args.dir)
+    steps = committed_steps(storage)
+    if not steps:
+        print(f"no committed checkpoints in {storage.url}")
+        return 1
+    print(f"{'step':>10}  {'size':>12}  {'tensors':>7}  {'created':<19}  codec")
+    for step in steps:
+        try:
+            m = read_manifest(storage, step)
+        except CorruptCheckpointError as e:
+            print(f"{step:>10}  damaged manifest: {e}")
+            continue
+        codecs = ",".join(sorted({t.codec for t in m.tensors})) or "-"
+        created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.created_unix))
+        print(f"{step:>10}  {_size(m.nbytes):>12}  {len(m.tensors):>7}  {created}  {codecs}")
+    return 0
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000  # type: ignore[assignment]
+    return str(n)
+
+
+def _verify(args: argparse.Namespace) -> int:
+    storage = open_storage(args.dir)
+    steps = [args.step] if args.step is not None else committed_steps(storage)
+    if not steps:
+        print(f"no committed checkpoints in {storage.url}")
+        return 1
+    damaged = 0
+    for step in steps:
+        try:
+            bad = verify_checkpoint(
+                storage, step, on_bad=lambda key, why: print(f"  damaged: {key}: {why}")
+            )
+        except (CorruptCheckpointError, NoCheckpointError) as e:
+            print(f"step {step}: {e}")
+            damaged += 1
+            continue
+        print(f"step {step}: {'ok' if not bad else f'{len(bad)} damaged: ' + ', '.join(bad)}")
+        damaged += bool(bad)
+    return 1 if damaged else 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    import torch
+
+    storage = open_storage(args.dir)
+    step = args.step if args.step is not None else max(committed_steps(storage), default=None)
+    if step is None:
+        raise NoCheckpointError(f"no committed checkpoints in {storage.url}")
+    state = load_checkpoint(storage, step).state
+    out = Path(args.out)
+    if out.suffix == ".safetensors":
+        from safetensors.torch import save_file
+
+        tensors, rest = _split_for_safetensors(state)
+        save_file(
+            tensors, str(out), metadata={"coci_step": str(step), "coci_rest": json.dumps(rest)}
+        )
+        print(f"exported step {step}: {len(tensors)} tensors to {out} (safetensors)")
+    else:
+        torch.save(state, out)
+        print(f"exported step {step} to {out} (torch.save)")
+    return 0
+
+
+def _split_for_safetensors(state: Any) -> tuple[dict[str, Any], Any]:
+    import torch
+
+    tensors: dict[str, Any] = {}
+
+    def walk(value: Any, key: str) -> Any:
+        if isinstance(value, torch.Tensor):
+            tensors[key] = value.contiguous()
+            return {"tensor": key}
+        if isinstance(value, dict):
+            return {str(k): walk(v, f"{key}.{k}" if key else str(k)) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [walk(v, f"{key}.{i}") for i, v in enumerate(value)]
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        return repr(value)
+
+    rest = walk(state, "")
+    return tensors, rest
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from coci_core.demo import run
+
+    return run(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``coci`` argument parser."""
+    parser = argparse.ArgumentParser(prog="coci", description="coci checkpoints")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("ls", help="list committed checkpoints")
+    p.add_argument("dir")
+    p.set_defaults(func=_ls)
+    p = sub.add_parser("verify", help="check every checksum (exit 1 on damage)")
+    p.add_argument("dir")
+    p.add_argument("--step", type=int)
+    p.set_defaults(func=_verify)
+    p = sub.add_parser("export", help="write a step as one torch.save or .safetensors file")
+    p.add_argument("dir")
+    p.add_argument("out")
+    p.add_argument("--step", type=int, help="default: the newest committed step")
+    p.set_defaults(func=_export)
+    p = sub.add_parser("demo", help="kill a training run mid-persist and resume it exactly")
+    from coci_core.demo import add_arguments
+
+    add_arguments(p)
+    p.set_defaults(func=_demo)
+    try:
+        from coci_core.planner.cli import (  # type: ignore[import-not-found,unused-ignore]
+            add_subcommands,
+        )
+    except ImportError:
+        pass
+    else:
+        add_subcommands(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``coci``; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except CociError as e:
+        print(f"coci: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""Process death: SIGKILL inside a persist, then a new process resumes bit-exactly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from coci_core import CheckpointManager
+from coci_core.demo import run_child, train
+
+pytestmark = pytest.mark.faults
+
+TOTAL, EVERY, KILL = 120, 20, 80
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, str]:
+    """Final weights of an uninterrupted run."""
+    digests: dict[str, str] = train(None, total_steps=TOTAL, save_every=EVERY)["digests"]
+    return digests
+
+
+@pytest.mark.parametrize(
+    ("stage", "block"),
+    [("data", True), ("manifest", True), ("publish", True), ("manifest", False)],
+    ids=["mid-data-write", "before-manifest", "before-publish", "before-manifest-nonblocking"],
+)
+def test_sigkill_during_persist_then_exact_resume(
+    tmp_path: Path, reference: dict[str, str], stage: str, block: bool
+) -> None:
+    """Killed inside the persist of step 80: step 60 is the newest, the resume ends bit-exact."""
+    common = ["--dir", str(tmp_path), "--total-steps", str(TOTAL), "--save-every", str(EVERY)]
+    if not block:
+        common.append("--no-block")
+    code, result, paused_at = run_child(
+        [*common, "--pause-step", str(KILL), "--pause-stage", stage], kill_on_pause=True
+    )
+    assert code == -signal.SIGKILL
+    assert result is None
+    assert paused_at == stage
+    leftovers = [n for n in os.listdir(tmp_path) if ".coci-tmp-" in n]
+    assert len(leftovers) == 1  # the unpublished step 80
+    with CheckpointManager(tmp_path, keep_last=None) as mgr:
+        assert mgr.steps() == [20, 40, 60]
+    assert not [n for n in os.listdir(tmp_path) if ".coci-tmp-" in n]
+
+    code, resumed, _ = run_child(common, kill_on_pause=False)
+    assert code == 0
+    assert resumed is not None
+    assert resumed["restored_step"] == 60
+    assert [s["step"] for s in resumed["saves"]] == [80, 100, 120]
+    assert resumed["digests"] == reference
+
+
+def test_disk_full_in_background_surfaces_and_keeps_previous(tmp_path: Path) -> None:
+    """A real write failure (file size limit, EFBIG) in the writer thread is raised to the
+    caller, nothing is published, and the earlier checkpoint restores intact."""
+    script = textwrap.dedent(
+        f"""
+        import resource, signal, torch
+        from coci_core import CheckpointManager, BackgroundSaveError
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, 256 * 1024))
+        mgr = CheckpointManager({str(tmp_path)!r}, keep_last=None)
+        mgr.save(1, {{"w": torch.ones(1000)}}).wait()
+        mgr.save(2, {{"w": torch.zeros(1_000_000)}})
+        try:
+            mgr.wait()
+        except BackgroundSaveError as e:
+            print("ERROR", e.step, type(e.__cause__).__name__, e.__cause__.errno)
+        print("STEPS", mgr.steps())
+        print("W1", bool(torch.equal(mgr.restore()["w"], torch.ones(1000))))
+        mgr.close()
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
+    ).stdout
+    assert "ERROR 2 StorageError 27" in out  # 27 = EFBIG
+    assert "STEPS [1]" in out
+    assert "W1 True" in out
+    assert not [n for n in os.listdir(tmp_path) if ".coci-tmp-" in n]

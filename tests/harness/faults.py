@@ -1,0 +1,75 @@
+"""Storage wrappers that fail or hold at chosen calls, for fault-injection tests."""
+
+from __future__ import annotations
+
+import errno
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+
+from coci_core.storage import Storage
+
+
+class FaultyStorage:
+    """Delegates to ``inner`` but raises ``error`` on the listed calls of each operation.
+
+    ``fail={"write_file": [1], "publish": [0]}`` fails the second ``write_file`` and the first
+    ``publish`` (calls are counted from 0 per operation).
+    """
+
+    def __init__(
+        self,
+        inner: Storage,
+        fail: Mapping[str, Sequence[int]],
+        error: OSError | None = None,
+    ) -> None:
+        self.inner = inner
+        self.url = inner.url
+        self.fail = {op: set(calls) for op, calls in fail.items()}
+        self.error = error or OSError(errno.ENOSPC, "No space left on device")
+        self.calls: dict[str, int] = {}
+
+    def _maybe_fail(self, op: str) -> None:
+        n = self.calls.get(op, 0)
+        self.calls[op] = n + 1
+        if n in self.fail.get(op, ()):
+            raise self.error
+
+    def list_dir(self, path: str = "") -> list[str]:
+        return self.inner.list_dir(path)
+
+    def exists(self, path: str) -> bool:
+        return self.inner.exists(path)
+
+    def write_file(self, path: str, chunks: Iterable[memoryview], *, aligned: bool = False) -> int:
+        self._maybe_fail("write_file")
+        return self.inner.write_file(path, chunks, aligned=aligned)
+
+    def read_bytes(self, path: str) -> bytes:
+        return self.inner.read_bytes(path)
+
+    def read_into(self, path: str, offset: int, out: memoryview) -> None:
+        self.inner.read_into(path, offset, out)
+
+    def remove_dir(self, path: str) -> None:
+        self.inner.remove_dir(path)
+
+    def staging_dir(self, final: str, token: str) -> str:
+        return self.inner.staging_dir(final, token)
+
+    def publish(self, staging: str, final: str) -> None:
+        self._maybe_fail("publish")
+        self.inner.publish(staging, final)
+
+
+class HeldStorage(FaultyStorage):
+    """Holds every ``write_file`` until ``release`` is set; ``entered`` is set when one waits."""
+
+    def __init__(self, inner: Storage) -> None:
+        super().__init__(inner, fail={})
+        self.release = threading.Event()
+        self.entered = threading.Event()
+
+    def write_file(self, path: str, chunks: Iterable[memoryview], *, aligned: bool = False) -> int:
+        self.entered.set()
+        self.release.wait()
+        return self.inner.write_file(path, chunks, aligned=aligned)

@@ -1,0 +1,28 @@
+"""Package-level promises: the public API and the layering of core and adapters."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import coci_core
+
+
+def test_core_imports_no_host_framework() -> None:
+    """Importing coci_core (and its CLI) in a fresh interpreter loads neither Lightning nor
+    Accelerate."""
+    code = (
+        "import sys, coci_core, coci_core.cli, coci_core.demo; "
+        "bad = [m for m in sys.modules if m.split('.')[0] in "
+        "('lightning', 'pytorch_lightning', 'accelerate')]; print(bad)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_public_api_is_exactly_all() -> None:
+    """Every public name of coci_core is in __all__ and every name in __all__ exists."""
+    public = {n for n in vars(coci_core) if not n.startswith("_")}
+    modules = {n for n in public if type(getattr(coci_core, n)).__name__ == "module"}
+    assert set(coci_core.__all__) == public - modules
+    assert sorted(coci_core.__all__) == list(coci_core.__all__)
