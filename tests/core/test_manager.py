@@ -6,7 +6,6 @@ import errno
 import json
 import os
 import threading
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -250,11 +249,12 @@ def test_unobserved_failure_raises_on_next_save_wait_and_close(tmp_path: Path, w
     mgr = CheckpointManager(faulty, listeners=[lambda event: finished.set()])
     mgr.save(1, {"w": torch.ones(8)})
     assert finished.wait(timeout=60)
-    next_call: Callable[[], object] = {
-        "save": lambda: mgr.save(2, {"w": torch.ones(8)}),
-        "wait": mgr.wait,
-        "close": mgr.close,
-    }[where]
+
+    def next_call() -> object:
+        if where == "save":
+            return mgr.save(2, {"w": torch.ones(8)})
+        return mgr.wait() if where == "wait" else mgr.close()
+
     with pytest.raises(BackgroundSaveError, match="step 1 failed"):
         next_call()
     mgr.close()  # reported once: closing again does not raise
