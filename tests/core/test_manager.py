@@ -250,10 +250,13 @@ def test_unobserved_failure_raises_on_next_save_wait_and_close(tmp_path: Path, w
     mgr.save(1, {"w": torch.ones(8)})
     assert finished.wait(timeout=60)
 
-    def next_call() -> object:
+    def next_call() -> None:
         if where == "save":
-            return mgr.save(2, {"w": torch.ones(8)})
-        return mgr.wait() if where == "wait" else mgr.close()
+            mgr.save(2, {"w": torch.ones(8)})
+        elif where == "wait":
+            mgr.wait()
+        else:
+            mgr.close()
 
     with pytest.raises(BackgroundSaveError, match="step 1 failed"):
         next_call()
