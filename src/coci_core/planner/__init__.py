@@ -1,0 +1,1 @@
+"""Convergence-aware checkpoint planner."""
