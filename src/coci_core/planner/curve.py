@@ -3,15 +3,16 @@
 The fit runs on binned means (log-spaced bins of the step index), after the losses are mapped
 affinely onto [0, 1], so that neither the loss scale nor an added constant can change it; the
 residuals are taken in log space with a floor (``log(y + 0.1)``). Two shapes compete,
-``L∞ + A·(1 + k/k0)^(−α)`` and ``L∞ + A·e^(−k/κ)``, and the lower residual wins. A curve is
-*trusted* only when it explains most of the variance of the binned means and its drop is far
-above their noise; an untrusted curve has flat value (so the plan falls back to Daly). A
-regime change (a learning-rate drop) splits the curve into pieces fitted separately; the jump
+``L_inf + A·(1 + k/k0)^(-alpha)`` and ``L_inf + A·e^(-k/kappa)``, and the lower residual wins.
+A curve is *trusted* only when it explains most of the variance of the binned means and
+its drop is far above their noise; an untrusted curve has flat value (so the plan falls back
+to Daly). A regime change (a learning-rate drop) splits the curve into pieces fitted separately; the jump
 between pieces is not counted as value.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -98,7 +99,7 @@ class LossCurve:
         return out
 
     def drops(self, start_step: int, end_step: int) -> FloatArray:
-        """Per-step loss drop ``L(k) − L(k+1)`` for k in [start, end), jumps excluded."""
+        """Per-step loss drop ``L(k) - L(k+1)`` for k in [start, end), jumps excluded."""
         k = np.arange(start_step, end_step + 1, dtype=np.float64)
         if self.exact is not None:
             vals = self.predict(k)
@@ -133,7 +134,7 @@ FLAT = LossCurve(trusted=False, reason="no loss curve")
 def value_density(curve: LossCurve, start_step: int, end_step: int) -> FloatArray:
     """Normalised value of progress per step over the horizon: mean 1, or ones if flat.
 
-    ``v̄(k) = (L(k) − L(k+1)) · K / Σ drops``: invariant to the loss scale and offset.
+    ``v(k) = (L(k) - L(k+1)) · K / sum drops``: invariant to the loss scale and offset.
     """
     n = end_step - start_step
     if not curve.trusted:
@@ -169,15 +170,29 @@ def curve_from_callable(fn: Callable[[int], float], start_step: int, end_step: i
 
 
 def _bin(steps: FloatArray, losses: FloatArray, max_bins: int) -> tuple[FloatArray, ...]:
+    """Log-spaced bins of the step index, merged until each holds enough values."""
     lo, hi = float(steps.min()), float(steps.max())
     edges = np.unique(np.geomspace(lo + 1.0, hi + 2.0, max_bins + 1) - 1.0)
     idx = np.clip(np.searchsorted(edges, steps, side="right") - 1, 0, len(edges) - 2)
-    counts = np.bincount(idx, minlength=len(edges) - 1).astype(np.float64)
-    keep = counts > 0
-    sx = np.bincount(idx, weights=steps, minlength=len(counts))[keep]
-    sy = np.bincount(idx, weights=losses, minlength=len(counts))[keep]
-    syy = np.bincount(idx, weights=losses * losses, minlength=len(counts))[keep]
-    c = counts[keep]
+    counts = np.bincount(idx, minlength=len(edges) - 1)
+    need = max(3, steps.size // (3 * max_bins))
+    group = np.empty(len(counts), dtype=np.int64)
+    g, acc = 0, 0
+    for j, c in enumerate(counts):
+        group[j] = g
+        acc += int(c)
+        if acc >= need:
+            g, acc = g + 1, 0
+    if acc and g > 0:
+        group[group == g] = g - 1  # a short last group joins the one before
+    idx = group[idx]
+    n = int(idx.max()) + 1
+    c = np.bincount(idx, minlength=n).astype(np.float64)
+    keep = c > 0
+    sx = np.bincount(idx, weights=steps, minlength=n)[keep]
+    sy = np.bincount(idx, weights=losses, minlength=n)[keep]
+    syy = np.bincount(idx, weights=losses * losses, minlength=n)[keep]
+    c = c[keep]
     mean = sy / c
     var = np.maximum(syy / c - mean * mean, 0.0)
     return sx / c, mean, c, var
@@ -192,23 +207,38 @@ def _fit_piece(x: FloatArray, y: FloatArray, start: int) -> tuple[CurvePiece, fl
 
     def power(p: FloatArray) -> FloatArray:
         f, a, lk0, al = p
-        return np.asarray(np.log(np.maximum(f + a * (1 + k / math.exp(lk0)) ** (-al), -_EPS + 1e-9) + _EPS) - target)
+        return np.asarray(
+            np.log(np.maximum(f + a * (1 + k / math.exp(lk0)) ** (-al), -_EPS + 1e-9) + _EPS)
+            - target
+        )
 
     def expo(p: FloatArray) -> FloatArray:
         f, a, lkap = p
-        return np.asarray(np.log(np.maximum(f + a * np.exp(-k / math.exp(lkap)), -_EPS + 1e-9) + _EPS) - target)
+        return np.asarray(
+            np.log(np.maximum(f + a * np.exp(-k / math.exp(lkap)), -_EPS + 1e-9) + _EPS) - target
+        )
 
-    trials: list[tuple[str, Callable[[FloatArray], FloatArray], list[float], tuple[list[float], list[float]]]] = []
+    trials: list[
+        tuple[str, Callable[[FloatArray], FloatArray], list[float], tuple[list[float], list[float]]]
+    ] = []
     for frac in (0.01, 0.1):
         for alpha in (0.5, 1.5):
             trials.append(
-                ("power", power, [0.0, 1.0, math.log(span * frac), alpha],
-                 ([-1.0, 1e-6, math.log(1e-3), 0.01], [1.0, 1e3, math.log(span * 1e3), 5.0]))
+                (
+                    "power",
+                    power,
+                    [0.0, 1.0, math.log(span * frac), alpha],
+                    ([-1.0, 1e-6, math.log(1e-3), 0.01], [1.0, 1e3, math.log(span * 1e3), 5.0]),
+                )
             )
     for frac in (0.1, 0.5):
         trials.append(
-            ("exp", expo, [0.0, 1.0, math.log(span * frac)],
-             ([-1.0, 1e-6, math.log(1e-3)], [1.0, 1e3, math.log(span * 1e3)]))
+            (
+                "exp",
+                expo,
+                [0.0, 1.0, math.log(span * frac)],
+                ([-1.0, 1e-6, math.log(1e-3)], [1.0, 1e3, math.log(span * 1e3)]),
+            )
         )
     for kind, fun, p0, bounds in trials:
         try:
@@ -256,7 +286,7 @@ def fit_loss_curve(
         return LossCurve(trusted=False, reason=f"only {x.size} loss values (< {MIN_POINTS})")
     order = np.argsort(x, kind="stable")
     x, y = x[order], y[order]
-    bx, by, bc, bv = _bin(x, y, max_bins)
+    bx, by, _, _ = _bin(x, y, max_bins)
     offset, scale = float(by.min()), float(by.max() - by.min())
     if len(bx) < MIN_BINS or scale <= 0:
         return LossCurve(trusted=False, reason="too few distinct bins or a flat loss")
@@ -276,7 +306,7 @@ def _fit_pieces(
     pieces: list[CurvePiece] = []
     sse_total = sst_total = 0.0
     reasons: list[str] = []
-    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+    for lo, hi in itertools.pairwise(bounds):
         mask = (x >= lo) & (x < hi)
         if mask.sum() < MIN_POINTS:
             return LossCurve(trusted=False, reason=f"piece from step {lo} has too few values")
@@ -292,9 +322,10 @@ def _fit_pieces(
         sst = float(np.sum((target - target.mean()) ** 2))
         pred = piece.predict(bx)
         drop = float(pred[0] - piece.predict(np.array([bx[-1]]))[0])
-        se = float(np.sqrt(np.median(bv / bc))) / scale
+        # noise of the fitted drop: a bin mean's standard error, pooled over a quarter of the bins
+        se = float(np.sqrt(np.median(bv / bc))) / scale / math.sqrt(max(1.0, len(bx) / 4.0))
         if sst <= 0 or 1.0 - sse / sst < MIN_R2:
-            reasons.append(f"R² {1.0 - sse / max(sst, 1e-300):.2f} < {MIN_R2}")
+            reasons.append(f"R^2 {1.0 - sse / max(sst, 1e-300):.2f} < {MIN_R2}")
         if drop <= MIN_DROP_SE * se:
             reasons.append(f"fitted drop {drop:.3g} within noise ({se:.3g} per bin)")
         pieces.append(piece)

@@ -11,10 +11,11 @@ a restart. The job ends when it reaches ``end_step`` or is stopped by its termin
 
 Between two durable points the process renews, which gives each segment a closed form: with
 first-attempt exposure ``e1`` and retry exposure ``E2`` the expected time is
-``(1 - exp(-λ e1)) · exp(λ E2) · (1/λ + R)``, and the expected lost work is an integral of the
-weights against ``exp(-λ t) - exp(-λ e)``. :func:`expected_cost` sums those exactly (per step);
+``(1 - exp(-lambda e1)) · exp(lambda E2) · (1/lambda + R)``, and the expected lost work is an
+integral of the weights against ``exp(-lambda t) - exp(-lambda e)``. :func:`expected_cost` sums
+those exactly (per step);
 :func:`dp_schedule` minimises a cell-averaged version over a grid of candidate steps;
-:func:`closed_form_schedule` is the local rule ``T(k) = Daly(s, w_c / (λ(k) ρ(k)))``.
+:func:`closed_form_schedule` is the local rule ``T(k) = Daly(s, w_c / (lambda(k) rho(k)))``.
 """
 
 from __future__ import annotations
@@ -204,9 +205,7 @@ class CostBreakdown:
     def objective(self, name: str) -> float:
         """The figure the named objective minimises."""
         check_objective(name)
-        return {"time": self.wall_s, "convergence": self.convergence_s}.get(
-            name, self.progress_s
-        )
+        return {"time": self.wall_s, "convergence": self.convergence_s}.get(name, self.progress_s)
 
 
 _FIELDS = (
@@ -231,8 +230,10 @@ def normalize_steps(steps: npt.ArrayLike, start_step: int, end_step: int) -> Int
 # ----------------------------------------------------------------------------- exact evaluation
 
 
-def _exp_integrals(pb: Problem, u0: float, u1: float, c: float) -> tuple[float, float, float, float]:
-    """∫ over steps [u0, u1) of (1, v) × (e^{-c(u-u0)}, 1) du, for piecewise-constant v."""
+def _exp_integrals(
+    pb: Problem, u0: float, u1: float, c: float
+) -> tuple[float, float, float, float]:
+    """integral over steps [u0, u1) of (1, v) x (e^{-c(u-u0)}, 1) du, for piecewise-constant v."""
     if u1 <= u0:
         return 0.0, 0.0, 0.0, 0.0
     k0, k1 = math.floor(u0), math.ceil(u1)
@@ -242,10 +243,8 @@ def _exp_integrals(pb: Problem, u0: float, u1: float, c: float) -> tuple[float, 
     idx = np.clip(ks - pb.start_step, 0, pb.horizon_steps - 1)
     v = pb.v[idx]
     width = hi - lo
-    if c * (u1 - u0) < 1e-12:
-        ex = width
-    else:
-        ex = np.exp(-c * (lo - u0)) * -np.expm1(-c * width) / c
+    small = c * (u1 - u0) < 1e-12
+    ex = width if small else np.exp(-c * (lo - u0)) * -np.expm1(-c * width) / c
     return float(ex.sum()), float((v * ex).sum()), float(width.sum()), float((v * width).sum())
 
 
@@ -373,9 +372,9 @@ def uniform_schedule(pb: Problem, interval_steps: float) -> IntArray:
 
 
 def closed_form_schedule(pb: Problem, *, max_interval_steps: int | None = None) -> IntArray:
-    """March ``T(k) = Daly(s, w_c / (λ(k) ρ(k)))`` from the start (the fast path).
+    """March ``T(k) = Daly(s, w_c / (lambda(k) rho(k)))`` from the start (the fast path).
 
-    ``ρ`` is the mean value density over the next interval (two fixed-point passes); ``w_c`` is
+    ``rho`` is the mean value density over the next interval (two fixed-point passes); ``w_c`` is
     1, or the local value density for the ``progress`` objective. Termination is ignored (it
     cancels to first order away from kill points).
     """
@@ -412,6 +411,27 @@ def _grid(pb: Problem, points: int, extra: npt.ArrayLike) -> IntArray:
     ex = np.asarray(extra, dtype=np.int64)
     ex = ex[(ex > pb.start_step) & (ex < pb.end_step)]
     return np.unique(np.concatenate([g, ex, [pb.start_step, pb.end_step]]))
+
+
+def _dp_lost(
+    e: FloatArray,
+    d_a: FloatArray,
+    lam: FloatArray,
+    stall: FloatArray,
+    win: FloatArray,
+    rho_a: FloatArray,
+    ws: FloatArray,
+    rho_c: FloatArray,
+) -> FloatArray:
+    """Expected weighted loss of one attempt: compute d_a, stall, then the persist window."""
+    tail = np.exp(-lam * e)
+    ea = np.exp(-lam * d_a)
+    eb = np.exp(-lam * (d_a + stall))
+    return np.asarray(
+        rho_a * (-np.expm1(-lam * d_a) / lam - d_a * tail)
+        + ws * ((ea - eb) / lam - stall * tail)
+        + rho_c * ((eb - tail) / lam - win * tail)
+    )
 
 
 def dp_schedule(
@@ -483,17 +503,8 @@ def dp_schedule(
         ws = v_pt[js] if weight_stall else np.ones_like(w)
         wr = float(v_pt[i]) if weight_stall else 1.0
 
-        def lost(e: FloatArray, d_a: FloatArray) -> FloatArray:
-            tail = np.exp(-lam * e)
-            ea = np.exp(-lam * d_a)
-            eb = np.exp(-lam * (d_a + stall))
-            return (
-                rho_a * (-np.expm1(-lam * d_a) / lam - d_a * tail)
-                + ws * ((ea - eb) / lam - stall * tail)
-                + rho_c * ((eb - tail) / lam - win * tail)
-            )
-
-        lost_total = q * pre * rho_a + lost(e1, d1) + n_fail * lost(e2, w)
+        parts = (lam, stall, win, rho_a, ws, rho_c)
+        lost_total = q * pre * rho_a + _dp_lost(e1, d1, *parts) + n_fail * _dp_lost(e2, w, *parts)
         fail_cost = lost_total + r_s * wr * n_fail
         s_mean = (scum[gi[js]] - scum[gi[i]]) / span
         cost = s_after[js] * (stall + pre_wait) * ws + s_mean * fail_cost

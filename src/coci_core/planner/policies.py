@@ -67,7 +67,10 @@ class SavePolicy(Protocol):
     are shared with every rank. Must be pure and fast (< 0.5 s for 50k steps).
     """
 
-    name: str
+    @property
+    def name(self) -> str:
+        """The policy's registry name."""
+        ...
 
     def plan(self, problem: Problem, *, context: PlanContext) -> IntArray:
         """Return sorted checkpoint steps in ``(problem.start_step, problem.end_step)``."""
@@ -182,12 +185,12 @@ class Epoch:
 class CociPaper:
     """The published COCI rule, reproduced to show its flaws (do not use it to protect a job).
 
-    As described in background.md §1.3: fit ``loss(t) = exp(θ1·t + θ2)`` against wall-clock
+    As described in background.md §1.3: fit ``loss(t) = exp(theta1·t + theta2)`` against wall-clock
     time in ``time_unit_s`` units on the first ``min_iterations`` iterations (scipy
     ``curve_fit`` from its default start), then place checkpoints at equal drops of the fitted
     loss; the number of checkpoints is Young's count over the horizon (our reconstruction: the
     paper's own budget is not public). The rule depends on the time unit and, if the fit gives
-    ``θ1 >= 0`` (noisy early loss), places no checkpoint at all.
+    ``theta1 >= 0`` (noisy early loss), places no checkpoint at all.
     """
 
     time_unit_s: float = 60.0
@@ -287,5 +290,3 @@ def make_policy(name: str, **options: Any) -> SavePolicy:
         return POLICIES[name](**options)
     except TypeError as e:
         raise ConfigError(f"bad options for policy {name!r}: {e}") from e
-
-

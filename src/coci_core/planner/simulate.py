@@ -57,8 +57,9 @@ class SimulationResult:
     seed: int
     confidence: float
 
-    def table(self, metrics: tuple[str, ...] = ("wall_s", "convergence_excl_restart_s",
-                                                "progress_s")) -> str:
+    def table(
+        self, metrics: tuple[str, ...] = ("wall_s", "convergence_excl_restart_s", "progress_s")
+    ) -> str:
         """A plain-text table of policies x metrics with confidence intervals."""
         head = ["policy", *metrics]
         lines = [" | ".join(f"{h:>26}" for h in head)]
@@ -118,8 +119,18 @@ def _table(pb: Problem, ckpts: IntArray, end: int) -> _Table:
         win_c[-1], win_wait[-1], wait_at[-1] = w_all[n], 0.0, pts[n]
     e2 = w + stall + win_c + win_wait
     e1 = e2 - pre
-    return _Table(a=a, b=b, w=w, pre=pre, stall=stall, win_c=win_c, win_wait=win_wait,
-                  wait_at=wait_at, e1=e1, e2=e2)
+    return _Table(
+        a=a,
+        b=b,
+        w=w,
+        pre=pre,
+        stall=stall,
+        win_c=win_c,
+        win_wait=win_wait,
+        wait_at=wait_at,
+        e1=e1,
+        e2=e2,
+    )
 
 
 def _simulate_group(
@@ -138,16 +149,30 @@ def _simulate_group(
         return np.asarray(tau * (np.interp(u1, grid, vcum) - np.interp(u0, grid, vcum)))
 
     def v_at(step: FloatArray) -> FloatArray:
-        return np.asarray(pb.v[np.clip(step.astype(np.int64) - pb.start_step, 0, pb.horizon_steps - 1)])
+        return np.asarray(
+            pb.v[np.clip(step.astype(np.int64) - pb.start_step, 0, pb.horizon_steps - 1)]
+        )
 
     ce1 = np.cumsum(tb.e1)
     succ = tb.stall + tb.win_wait
     succ_v = tb.stall * v_at(tb.b) + tb.win_wait * v_at(tb.wait_at)
     cs = np.concatenate([[0.0], np.cumsum(succ)])
     cs_v = np.concatenate([[0.0], np.cumsum(succ_v)])
-    out = {k: np.zeros(runs) for k in (
-        "stall_s", "stall_value_s", "lost_compute_s", "lost_compute_value_s", "lost_stall_s",
-        "lost_stall_value_s", "restart_s", "restart_value_s", "failures", "end_time_s")}
+    out = {
+        k: np.zeros(runs)
+        for k in (
+            "stall_s",
+            "stall_value_s",
+            "lost_compute_s",
+            "lost_compute_value_s",
+            "lost_stall_s",
+            "lost_stall_value_s",
+            "restart_s",
+            "restart_value_s",
+            "failures",
+            "end_time_s",
+        )
+    }
     seg = np.zeros(runs, dtype=np.int64)
     fresh = np.ones(runs, dtype=bool)
     t0 = np.zeros(runs)
@@ -246,9 +271,17 @@ def simulate(
         expect = lam * span * 4.0
         blocks = max(1, math.ceil((expect + 10 * math.sqrt(expect) + 20) / _BLOCK))
         gaps = _failure_gaps(seed, runs, blocks)
-        per_run = {k: np.zeros(runs) for k in ("wall_s", "convergence_excl_restart_s",
-                                               "progress_s", "restart_s", "failures",
-                                               "end_time_s")}
+        per_run = {
+            k: np.zeros(runs)
+            for k in (
+                "wall_s",
+                "convergence_excl_restart_s",
+                "progress_s",
+                "restart_s",
+                "failures",
+                "end_time_s",
+            )
+        }
         for kill in np.unique(kills):
             mask = kills == kill
             res = _simulate_group(problem, ckpts[ckpts < kill], int(kill), gaps[mask], lam)
@@ -259,7 +292,9 @@ def simulate(
                 res["stall_s"] + res["lost_compute_value_s"] + res["lost_stall_s"]
             )
             per_run["progress_s"][mask] = (
-                res["stall_value_s"] + res["lost_compute_value_s"] + res["lost_stall_value_s"]
+                res["stall_value_s"]
+                + res["lost_compute_value_s"]
+                + res["lost_stall_value_s"]
                 + res["restart_value_s"]
             )
             per_run["restart_s"][mask] = res["restart_s"]
