@@ -4,10 +4,10 @@ The fit runs on binned means (log-spaced bins of the step index), after the loss
 affinely onto [0, 1], so that neither the loss scale nor an added constant can change it; the
 residuals are taken in log space with a floor (``log(y + 0.1)``). Two shapes compete,
 ``L_inf + A·(1 + k/k0)^(-alpha)`` and ``L_inf + A·e^(-k/kappa)``, and the lower residual wins.
-A curve is *trusted* only when it explains most of the variance of the binned means and
-its drop is far above their noise; an untrusted curve has flat value (so the plan falls back
-to Daly). A regime change (a learning-rate drop) splits the curve into pieces fitted separately; the jump
-between pieces is not counted as value.
+A curve is *trusted* only when it beats a flat line by a chi-square of at least 20 against
+the noise of the binned means (or, for noise-free data, has R^2 >= 0.6); an untrusted curve
+has flat value (so the plan falls back to Daly). A regime change (a learning-rate drop)
+splits the curve into pieces fitted separately; the jump between pieces is not value.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ FloatArray = npt.NDArray[np.float64]
 _EPS = 0.1  # floor of the log residuals, in units of the (normalised) loss range
 MIN_POINTS = 32
 MIN_BINS = 8
-MIN_R2 = 0.6
-MIN_DROP_SE = 6.0  # the fitted drop must exceed this many standard errors of a bin mean
+MIN_R2 = 0.6  # used only when the data show no noise at all
+MIN_CHI2 = 20.0  # the fit must beat a flat line by this much chi-square (p < 1e-3)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -221,17 +221,16 @@ def _fit_piece(x: FloatArray, y: FloatArray, start: int) -> tuple[CurvePiece, fl
     trials: list[
         tuple[str, Callable[[FloatArray], FloatArray], list[float], tuple[list[float], list[float]]]
     ] = []
-    for frac in (0.01, 0.1):
-        for alpha in (0.5, 1.5):
-            trials.append(
-                (
-                    "power",
-                    power,
-                    [0.0, 1.0, math.log(span * frac), alpha],
-                    ([-1.0, 1e-6, math.log(1e-3), 0.01], [1.0, 1e3, math.log(span * 1e3), 5.0]),
-                )
+    for frac, alpha in ((0.02, 0.5), (0.2, 1.5)):
+        trials.append(
+            (
+                "power",
+                power,
+                [0.0, 1.0, math.log(span * frac), alpha],
+                ([-1.0, 1e-6, math.log(1e-3), 0.01], [1.0, 1e3, math.log(span * 1e3), 5.0]),
             )
-    for frac in (0.1, 0.5):
+        )
+    for frac in (0.3,):
         trials.append(
             (
                 "exp",
@@ -242,7 +241,7 @@ def _fit_piece(x: FloatArray, y: FloatArray, start: int) -> tuple[CurvePiece, fl
         )
     for kind, fun, p0, bounds in trials:
         try:
-            res = least_squares(fun, np.array(p0), bounds=bounds, max_nfev=200)
+            res = least_squares(fun, np.array(p0), bounds=bounds, max_nfev=100)
         except (ValueError, FloatingPointError):
             continue
         sse = float(np.sum(res.fun**2))
@@ -322,12 +321,19 @@ def _fit_pieces(
         sst = float(np.sum((target - target.mean()) ** 2))
         pred = piece.predict(bx)
         drop = float(pred[0] - piece.predict(np.array([bx[-1]]))[0])
-        # noise of the fitted drop: a bin mean's standard error, pooled over a quarter of the bins
-        se = float(np.sqrt(np.median(bv / bc))) / scale / math.sqrt(max(1.0, len(bx) / 4.0))
-        if sst <= 0 or 1.0 - sse / sst < MIN_R2:
-            reasons.append(f"R^2 {1.0 - sse / max(sst, 1e-300):.2f} < {MIN_R2}")
-        if drop <= MIN_DROP_SE * se:
-            reasons.append(f"fitted drop {drop:.3g} within noise ({se:.3g} per bin)")
+        # significance against the noise: pooled within-bin variance, chi-square of flat vs fit
+        multi = bc >= 2
+        sigma2 = float(np.sum((bv * bc)[multi]) / max(float(np.sum(bc[multi])), 1.0)) / scale**2
+        r2 = 1.0 - sse / sst if sst > 0 else 0.0
+        if drop <= 0:
+            reasons.append("the fitted loss does not fall")
+        elif sigma2 > 0:
+            flat_mean = float(np.sum(bc * yn) / np.sum(bc))
+            gain = float(np.sum(bc * (yn - flat_mean) ** 2) - np.sum(bc * (yn - pred) ** 2))
+            if gain / sigma2 < MIN_CHI2:
+                reasons.append(f"fit beats a flat line by chi^2 {gain / sigma2:.1f} < {MIN_CHI2:g}")
+        elif r2 < MIN_R2:
+            reasons.append(f"R^2 {r2:.2f} < {MIN_R2}")
         pieces.append(piece)
         sse_total += sse
         sst_total += sst

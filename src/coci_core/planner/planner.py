@@ -37,6 +37,7 @@ from coci_core.planner.curve import FLAT, LossCurve, fit_loss_curve, value_densi
 from coci_core.planner.model import (
     DEFAULT_MTBF_S,
     FailureModel,
+    NoTermination,
     Termination,
     estimate_mtbf_s,
     make_termination,
@@ -489,6 +490,17 @@ class Planner:
         if len(ahead) < len(steps):
             # a checkpoint is already overdue: take it at the next step
             ahead.insert(0, k + 1)
+        if (
+            ahead
+            and self.policy_name == "coci"
+            and self.objective != "time"
+            and isinstance(self.termination, NoTermination)
+            and self._costs.get("stall_s").source == "default"
+        ):
+            # no save measured yet: take one early to measure stall and persist, then re-plan
+            profile = k + max(1, (ahead[0] - k) // 4)
+            if profile < ahead[0]:
+                ahead.insert(0, profile)
         self._schedule = ahead
         self._ptr = 0
         self._problem = pb
