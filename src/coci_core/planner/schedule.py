@@ -209,7 +209,7 @@ def plan_schedule(
         termination=term,
     )
     pol = make_policy(policy) if isinstance(policy, str) else policy
-    ctx = _context(loss, curve)
+    ctx = _context(loss, curve, start_step)
     steps = pol.plan(pb, context=ctx)
     return Schedule(
         steps=tuple(int(s) for s in steps),
@@ -220,7 +220,11 @@ def plan_schedule(
     )
 
 
-def _context(loss: Any, curve: LossCurve) -> PlanContext:
+def _context(loss: Any, curve: LossCurve, start_step: int) -> PlanContext:
+    if callable(loss):
+        ks = np.arange(start_step, start_step + 64, dtype=np.float64)
+        values = np.array([float(loss(int(k))) for k in ks])
+        return PlanContext(loss_steps=ks, loss_values=values, value_is_flat=not curve.trusted)
     if isinstance(loss, (tuple, list)) and len(loss) == 2:
         return PlanContext(
             loss_steps=np.asarray(loss[0], dtype=np.float64),
