@@ -1,0 +1,58 @@
+"""Argument checks shared by the planner modules; every failure is a ConfigError."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from coci_core.errors import ConfigError
+
+__all__ = ["check_int", "check_optional_positive", "check_positive", "check_nonnegative"]
+
+
+def _as_float(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{name!r} must be a number: {value!r}") from None
+    result = float(value)
+    if not math.isfinite(result):
+        raise ConfigError(f"{name!r} must be finite: {value!r}")
+    return result
+
+
+def check_positive(name: str, value: Any) -> float:
+    """Return ``value`` as a float, or raise ConfigError unless it is finite and > 0."""
+    result = _as_float(name, value)
+    if result <= 0:
+        raise ConfigError(f"{name!r} must be > 0: {value!r}")
+    return result
+
+
+def check_nonnegative(name: str, value: Any) -> float:
+    """Return ``value`` as a float, or raise ConfigError unless it is finite and >= 0."""
+    result = _as_float(name, value)
+    if result < 0:
+        raise ConfigError(f"{name!r} must be >= 0: {value!r}")
+    return result
+
+
+def check_optional_positive(name: str, value: Any) -> float | None:
+    """Like :func:`check_positive`, but let None through."""
+    return None if value is None else check_positive(name, value)
+
+
+def check_int(name: str, value: Any, *, minimum: int = 0) -> int:
+    """Return ``value`` as an int, or raise ConfigError unless it is an integer >= minimum."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{name!r} must be an integer: {value!r}")
+    try:
+        as_int = int(value)
+    except (TypeError, ValueError, OverflowError):
+        raise ConfigError(f"{name!r} must be an integer: {value!r}") from None
+    if as_int != value:
+        raise ConfigError(f"{name!r} must be an integer: {value!r}")
+    if as_int < minimum:
+        raise ConfigError(f"{name!r} must be >= {minimum}: {value!r}")
+    return as_int

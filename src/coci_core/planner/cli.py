@@ -1,0 +1,246 @@
+"""The ``coci plan`` and ``coci simulate`` subcommands (``python -m coci_core.planner.cli``)."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from coci_core.errors import CociError, ConfigError
+from coci_core.planner.curve import value_density
+from coci_core.planner.model import AshaRungs, FailureModel, Termination
+from coci_core.planner.optimize import OBJECTIVES, Problem
+from coci_core.planner.policies import POLICIES, PlanContext, make_policy
+from coci_core.planner.schedule import build_curve, plan_schedule
+from coci_core.planner.simulate import simulate
+
+__all__ = ["add_subcommands", "main"]
+
+_SAFE = {
+    "np": np,
+    "exp": np.exp,
+    "log": np.log,
+    "sqrt": np.sqrt,
+    "minimum": np.minimum,
+    "maximum": np.maximum,
+    "where": np.where,
+}
+
+
+def _loss_from_expr(expr: str) -> Callable[[Any], Any]:
+    """A loss callable from a numpy expression in ``k`` (the user's own command line)."""
+    code = compile(expr, "<--loss>", "eval")
+
+    def fn(k: Any) -> Any:
+        return eval(code, {"__builtins__": {}}, {**_SAFE, "k": np.asarray(k, dtype=np.float64)})
+
+    try:
+        fn(np.arange(3))
+    except Exception as e:
+        raise ConfigError(f"'--loss' is not a valid expression in k: {expr!r} ({e})") from e
+    return fn
+
+
+def _loss_from_csv(path: str) -> tuple[list[float], list[float]]:
+    """Observed ``(steps, losses)`` from a CSV of ``step,loss`` (a header row is allowed)."""
+    steps: list[float] = []
+    losses: list[float] = []
+    try:
+        with open(path, newline="") as f:
+            for row in csv.reader(f):
+                if len(row) < 2:
+                    continue
+                try:
+                    k, v = float(row[0]), float(row[1])
+                except ValueError:
+                    continue  # header or junk
+                if np.isfinite(v):
+                    steps.append(k)
+                    losses.append(v)
+    except OSError as e:
+        raise ConfigError(f"'--loss-csv' cannot be read: {path!r} ({e})") from e
+    if not steps:
+        raise ConfigError(f"'--loss-csv' has no step,loss rows: {path!r}")
+    return steps, losses
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--total-steps", type=int, required=True, help="the step the job ends at")
+    p.add_argument("--step-time-s", type=float, required=True, help="compute seconds per step")
+    p.add_argument("--stall-s", type=float, required=True, help="blocking snapshot seconds")
+    p.add_argument("--persist-s", type=float, default=0.0, help="background persist seconds")
+    p.add_argument("--restart-s", type=float, default=60.0, help="restart+restore seconds")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--mtbf-s", type=float, help="mean time between failures (job), seconds")
+    g.add_argument("--mtbf-h", type=float, help="mean time between failures (job), hours")
+    lg = p.add_mutually_exclusive_group()
+    lg.add_argument("--loss", help="loss formula in k, e.g. '1.5+5.4*(1+k/3000)**-0.5'")
+    lg.add_argument("--loss-csv", help="CSV of step,loss from a real run's log")
+    p.add_argument("--objective", choices=OBJECTIVES, default="convergence")
+    p.add_argument("--asha-rungs", help="comma-separated rung steps (ASHA early stopping)")
+    p.add_argument("--asha-eta", type=float, default=3.0, help="ASHA reduction factor")
+    p.add_argument("--start-step", type=int, default=0)
+
+
+def _inputs(args: argparse.Namespace) -> dict[str, Any]:
+    mtbf_s = args.mtbf_s if args.mtbf_s is not None else args.mtbf_h * 3600.0
+    loss: Any = None
+    if args.loss:
+        loss = _loss_from_expr(args.loss)
+    elif args.loss_csv:
+        loss = _loss_from_csv(args.loss_csv)
+    term: Termination | None = None
+    if args.asha_rungs:
+        try:
+            rungs = tuple(int(x) for x in args.asha_rungs.split(",") if x.strip())
+        except ValueError as e:
+            raise ConfigError(f"'--asha-rungs' must be integers: {args.asha_rungs!r}") from e
+        term = AshaRungs(rung_steps=rungs, reduction_factor=args.asha_eta)
+    return {
+        "total_steps": args.total_steps,
+        "step_time_s": args.step_time_s,
+        "stall_s": args.stall_s,
+        "persist_s": args.persist_s,
+        "restart_s": args.restart_s,
+        "mtbf_s": mtbf_s,
+        "loss": loss,
+        "objective": args.objective,
+        "termination": term,
+        "start_step": args.start_step,
+    }
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """``coci plan``: print the schedule and its explanation (or JSON)."""
+    try:
+        sched = plan_schedule(**_inputs(args), policy=args.policy)
+    except CociError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    ov = sched.expected_overhead_s
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "policy": sched.policy,
+                    "objective": ov.objective,
+                    "steps": list(sched.steps),
+                    "expected_overhead_s": {
+                        "objective_s": ov.objective_s,
+                        "wall_s": ov.wall_s,
+                        "daly_objective_s": ov.daly_objective_s,
+                        "daly_wall_s": ov.daly_wall_s,
+                    },
+                }
+            )
+        )
+        return 0
+    print(sched.explain())
+    shown = list(sched.steps[: args.show])
+    more = "" if len(sched.steps) <= args.show else f" ... ({len(sched.steps)} in all)"
+    print("steps: " + ", ".join(str(s) for s in shown) + more)
+    return 0
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    """``coci simulate``: print policies x metrics with confidence intervals."""
+    try:
+        inp = _inputs(args)
+        curve = build_curve(inp["loss"], inp["start_step"], inp["total_steps"])
+        kw = {} if inp["termination"] is None else {"termination": inp["termination"]}
+        pb = Problem(
+            start_step=inp["start_step"],
+            end_step=inp["total_steps"],
+            step_time_s=inp["step_time_s"],
+            stall_s=inp["stall_s"],
+            persist_s=inp["persist_s"],
+            restart_s=inp["restart_s"],
+            failure=FailureModel(mtbf_s=inp["mtbf_s"]),
+            value=value_density(curve, inp["start_step"], inp["total_steps"]),
+            objective=inp["objective"],
+            **kw,
+        )
+        names = [n.strip() for n in args.policies.split(",") if n.strip()]
+        scheds: dict[str, Any] = {}
+        for name in names:
+            base, _, obj = name.partition(":")
+            if base == "coci":
+                s = plan_schedule(**{**inp, "objective": obj or inp["objective"]})
+                scheds[f"coci[{obj or inp['objective']}]"] = s.steps
+                continue
+            opts: dict[str, Any] = {}
+            if base == "every_n_steps":
+                opts["every_n_steps"] = args.every_n_steps
+            elif base == "every_n_seconds":
+                opts["every_n_seconds"] = args.every_n_seconds
+            elif base == "epoch":
+                opts["steps_per_epoch"] = args.steps_per_epoch
+            elif base not in POLICIES:
+                raise ConfigError(f"'--policies' has an unknown policy: {base!r}")
+            ctx = PlanContext(value_is_flat=not curve.trusted)
+            if isinstance(inp["loss"], tuple):
+                ctx = PlanContext(
+                    loss_steps=np.asarray(inp["loss"][0], dtype=np.float64),
+                    loss_values=np.asarray(inp["loss"][1], dtype=np.float64),
+                    value_is_flat=not curve.trusted,
+                )
+            elif inp["loss"] is not None:
+                ks = np.arange(inp["start_step"], inp["start_step"] + 64, dtype=np.float64)
+                ctx = PlanContext(
+                    loss_steps=ks,
+                    loss_values=np.asarray(inp["loss"](ks)),
+                    value_is_flat=not curve.trusted,
+                )
+            scheds[base] = make_policy(base, **opts).plan(pb, context=ctx)
+        res = simulate(scheds, pb, runs=args.runs, seed=args.seed)
+    except CociError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(
+        f"{args.runs} runs per policy, seed {args.seed}, 95% confidence; overheads in seconds "
+        f"per run (convergence excludes restart)"
+    )
+    print(res.table())
+    return 0
+
+
+def add_subcommands(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add ``plan`` and ``simulate`` to a ``coci`` command's subparsers."""
+    plan = subparsers.add_parser("plan", help="print a checkpoint schedule and why")
+    _common(plan)
+    plan.add_argument("--policy", choices=list(POLICIES), default="coci")
+    plan.add_argument("--json", action="store_true", help="print JSON instead of text")
+    plan.add_argument("--show", type=int, default=20, help="how many steps to print")
+    plan.set_defaults(func=run_plan)
+    sim = subparsers.add_parser("simulate", help="Monte Carlo of policies x metrics")
+    _common(sim)
+    sim.add_argument(
+        "--policies",
+        default="young,daly,checkfreq,coci:time,coci:convergence",
+        help="comma-separated; coci:<objective> for the optimal plan",
+    )
+    sim.add_argument("--runs", type=int, default=20_000)
+    sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument("--every-n-steps", type=int, default=1000)
+    sim.add_argument("--every-n-seconds", type=float, default=600.0)
+    sim.add_argument("--steps-per-epoch", type=int, default=1000)
+    sim.set_defaults(func=run_simulate)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point for ``python -m coci_core.planner.cli``."""
+    parser = argparse.ArgumentParser(prog="coci", description="coci checkpoint planner")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_subcommands(sub)
+    args = parser.parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
+    return func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

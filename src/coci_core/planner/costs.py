@@ -1,0 +1,104 @@
+"""Online profiling: robust running estimates of step, stall, persist and restart times."""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from coci_core.planner._checks import check_optional_positive, check_positive
+
+__all__ = ["COST_NAMES", "CostEstimate", "CostEstimator"]
+
+COST_NAMES = ("step_time_s", "stall_s", "persist_s", "restart_s")
+_WINDOW = {"step_time_s": 256, "stall_s": 16, "persist_s": 16, "restart_s": 8}
+
+
+@dataclass(frozen=True, kw_only=True)
+class CostEstimate:
+    """One cost and its source: ``"user"``, ``"measured"``, ``"default"`` or ``"unknown"``."""
+
+    value: float | None
+    source: str
+
+
+class CostEstimator:
+    """Running medians over recent samples; user-given values override measured ones.
+
+    Thread-safe: ``add`` may be called from a background persist thread.
+    """
+
+    def __init__(
+        self,
+        *,
+        step_time_s: float | None = None,
+        stall_s: float | None = None,
+        persist_s: float | None = None,
+        restart_s: float | None = None,
+        default_restart_s: float = 60.0,
+        default_stall_s: float = 1.0,
+    ) -> None:
+        self._user = {
+            "step_time_s": check_optional_positive("step_time_s", step_time_s),
+            "stall_s": check_optional_positive("stall_s", stall_s),
+            "persist_s": None if persist_s is None else _nonneg("persist_s", persist_s),
+            "restart_s": None if restart_s is None else _nonneg("restart_s", restart_s),
+        }
+        self._defaults = {
+            "restart_s": check_positive("default_restart_s", default_restart_s),
+            "stall_s": check_positive("default_stall_s", default_stall_s),
+        }
+        self._samples: dict[str, deque[float]] = {k: deque(maxlen=_WINDOW[k]) for k in COST_NAMES}
+        self._lock = threading.Lock()
+
+    def add(self, name: str, seconds: float) -> bool:
+        """Record one measurement; ignore (and return False for) non-finite or negative ones."""
+        try:
+            x = float(seconds)
+        except (TypeError, ValueError):
+            return False
+        if not math.isfinite(x) or x < 0:
+            return False
+        with self._lock:
+            self._samples[name].append(x)
+        return True
+
+    def get(self, name: str) -> CostEstimate:
+        """The current estimate of ``name``."""
+        user = self._user[name]
+        if user is not None:
+            return CostEstimate(value=user, source="user")
+        with self._lock:
+            data = list(self._samples[name])
+        if data:
+            return CostEstimate(value=float(np.median(data)), source="measured")
+        if name in self._defaults:
+            return CostEstimate(value=self._defaults[name], source="default")
+        return CostEstimate(value=None, source="unknown")
+
+    def snapshot(self) -> dict[str, CostEstimate]:
+        """All estimates at once."""
+        return {k: self.get(k) for k in COST_NAMES}
+
+    def state_dict(self) -> dict[str, object]:
+        """JSON-compatible state (recent samples only; user values come from the config)."""
+        with self._lock:
+            return {k: list(v) for k, v in self._samples.items()}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        """Restore samples saved by :meth:`state_dict`."""
+        with self._lock:
+            for k in COST_NAMES:
+                values = state.get(k, [])
+                self._samples[k].clear()
+                if isinstance(values, list):
+                    self._samples[k].extend(float(x) for x in values)
+
+
+def _nonneg(name: str, value: float) -> float:
+    from coci_core.planner._checks import check_nonnegative
+
+    return check_nonnegative(name, value)

@@ -1,0 +1,278 @@
+"""Failure and early-termination models: when a job stops, by accident or on purpose."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import numpy.typing as npt
+
+from coci_core.errors import ConfigError
+from coci_core.planner._checks import check_int, check_nonnegative, check_positive
+
+__all__ = [
+    "DEFAULT_MTBF_S",
+    "AshaRungs",
+    "FailureModel",
+    "NoTermination",
+    "SurvivalFunction",
+    "Termination",
+    "UniformKill",
+    "estimate_mtbf_s",
+]
+
+FloatArray = npt.NDArray[np.float64]
+
+#: MTBF assumed for the whole job when the user gives none and the run has no restart history.
+DEFAULT_MTBF_S = 24 * 3600.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class FailureModel:
+    """Poisson failures: ``rate = nodes(step) / mtbf_s``.
+
+    Args:
+        mtbf_s: mean time between failures of one node, in seconds.
+        nodes: the number of nodes, or a callable giving it for a step (the world size may change
+            over time, e.g. under a quality-driven scheduler).
+    """
+
+    mtbf_s: float
+    nodes: int | Callable[[int], float] = 1
+
+    def __post_init__(self) -> None:
+        check_positive("mtbf_s", self.mtbf_s)
+        if not callable(self.nodes):
+            check_int("nodes", self.nodes, minimum=1)
+
+    def rate_per_s(self, steps: npt.ArrayLike) -> FloatArray:
+        """Return the failure rate (1/s) at each of ``steps``."""
+        ks = np.asarray(steps, dtype=np.int64)
+        if callable(self.nodes):
+            counts = np.array([float(self.nodes(int(k))) for k in ks], dtype=np.float64)
+            if not np.all(np.isfinite(counts)) or np.any(counts <= 0):
+                raise ConfigError(f"'nodes' must return finite values > 0: {counts.min()!r}")
+        else:
+            counts = np.full(ks.shape, float(self.nodes))
+        return counts / self.mtbf_s
+
+    @property
+    def is_constant(self) -> bool:
+        """Whether the rate is the same at every step."""
+        return not callable(self.nodes)
+
+
+def estimate_mtbf_s(
+    *, failures: int, elapsed_s: float, prior_mtbf_s: float = DEFAULT_MTBF_S
+) -> float:
+    """Estimate the job's MTBF from its own restart history.
+
+    A Gamma prior worth one failure at ``prior_mtbf_s``: ``(elapsed + prior) / (failures + 1)``.
+    With no history it returns the prior; each observed failure pulls it toward
+    ``elapsed_s / failures``.
+    """
+    check_nonnegative("elapsed_s", elapsed_s)
+    check_positive("prior_mtbf_s", prior_mtbf_s)
+    n = check_int("failures", failures, minimum=0)
+    return (elapsed_s + prior_mtbf_s) / (n + 1)
+
+
+@runtime_checkable
+class Termination(Protocol):
+    """When a job is stopped on purpose (early stopping, a hyper-parameter search).
+
+    Called as: 1) ``atoms(start, end)`` by the cost model and the simulator;
+    2) ``survival(steps)`` by the optimizer. Both are pure.
+    """
+
+    def atoms(self, start_step: int, end_step: int) -> tuple[FloatArray, FloatArray]:
+        """Return kill steps in ``(start, end]`` and their probabilities (``end`` = survives)."""
+        ...
+
+    def survival(self, steps: npt.ArrayLike) -> FloatArray:
+        """Return P(the job is still running at each step), conditioned on running at start."""
+        ...
+
+    def to_dict(self) -> dict[str, object]:
+        """Describe the model as JSON-compatible data."""
+        ...
+
+
+def _atoms_from_survival(
+    survival: FloatArray, steps: FloatArray, end_step: int
+) -> tuple[FloatArray, FloatArray]:
+    probs = -np.diff(np.concatenate([[1.0], survival]))
+    keep = probs > 1e-12
+    kill_steps = np.concatenate([steps[keep], [float(end_step)]])
+    kill_probs = np.concatenate([probs[keep], [float(survival[-1]) if len(survival) else 1.0]])
+    return kill_steps, kill_probs
+
+
+@dataclass(frozen=True, kw_only=True)
+class NoTermination:
+    """The job runs to its last step unless it fails."""
+
+    def atoms(self, start_step: int, end_step: int) -> tuple[FloatArray, FloatArray]:
+        """Return the single atom ``end_step`` with probability 1."""
+        return np.array([float(end_step)]), np.array([1.0])
+
+    def survival(self, steps: npt.ArrayLike) -> FloatArray:
+        """Return ones."""
+        return np.ones(np.shape(steps), dtype=np.float64)
+
+    def to_dict(self) -> dict[str, object]:
+        """Describe the model as JSON-compatible data."""
+        return {"kind": "none"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class AshaRungs:
+    """Successive halving: at each rung step a job continues with probability 1/reduction_factor.
+
+    Args:
+        rung_steps: the steps at which the job is evaluated and may be stopped.
+        reduction_factor: ASHA's eta (> 1); 1 - 1/eta of the jobs reaching a rung stop there.
+    """
+
+    rung_steps: tuple[int, ...]
+    reduction_factor: float = 3.0
+
+    def __post_init__(self) -> None:
+        if self.reduction_factor <= 1 or not math.isfinite(self.reduction_factor):
+            raise ConfigError(f"'reduction_factor' must be > 1: {self.reduction_factor!r}")
+        if not self.rung_steps:
+            raise ConfigError(f"'rung_steps' must not be empty: {self.rung_steps!r}")
+        for r in self.rung_steps:
+            check_int("rung_steps", r, minimum=1)
+        if list(self.rung_steps) != sorted(set(self.rung_steps)):
+            raise ConfigError(f"'rung_steps' must be strictly increasing: {self.rung_steps!r}")
+
+    @classmethod
+    def geometric(
+        cls, *, min_steps: int, reduction_factor: float = 3.0, max_steps: int
+    ) -> AshaRungs:
+        """Rungs at ``min_steps * eta**i`` below ``max_steps``."""
+        check_int("min_steps", min_steps, minimum=1)
+        rungs: list[int] = []
+        r = float(min_steps)
+        while r < max_steps:
+            rungs.append(round(r))
+            r *= reduction_factor
+        return cls(rung_steps=tuple(rungs), reduction_factor=reduction_factor)
+
+    def survival(self, steps: npt.ArrayLike) -> FloatArray:
+        """P(running at step k): (1/eta) ** (number of rungs strictly before k)."""
+        ks = np.asarray(steps, dtype=np.float64)
+        passed = np.searchsorted(np.asarray(self.rung_steps, dtype=np.float64), ks, side="left")
+        return np.asarray(self.reduction_factor ** (-passed.astype(np.float64)))
+
+    def atoms(self, start_step: int, end_step: int) -> tuple[FloatArray, FloatArray]:
+        """Kill steps are the rungs in ``(start, end)``."""
+        rungs = np.array([r for r in self.rung_steps if start_step < r < end_step], np.float64)
+        surv_start = float(self.survival(np.array([start_step + 1]))[0])
+        surv = self.survival(rungs + 1) / surv_start
+        return _atoms_from_survival(surv, rungs, end_step)
+
+    def to_dict(self) -> dict[str, object]:
+        """Describe the model as JSON-compatible data."""
+        return {
+            "kind": "asha",
+            "rung_steps": list(self.rung_steps),
+            "reduction_factor": self.reduction_factor,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class UniformKill:
+    """With ``probability`` the job is killed at a uniformly random step in ``[start, end)``."""
+
+    start_step: int
+    end_step: int
+    probability: float
+    atoms_count: int = field(default=32)
+
+    def __post_init__(self) -> None:
+        check_int("start_step", self.start_step, minimum=0)
+        check_int("end_step", self.end_step, minimum=self.start_step + 1)
+        if not 0 <= self.probability <= 1:
+            raise ConfigError(f"'probability' must be in [0, 1]: {self.probability!r}")
+        check_int("atoms_count", self.atoms_count, minimum=1)
+
+    def survival(self, steps: npt.ArrayLike) -> FloatArray:
+        """P(not killed before step k)."""
+        ks = np.asarray(steps, dtype=np.float64)
+        frac = np.clip((ks - self.start_step) / (self.end_step - self.start_step), 0.0, 1.0)
+        return np.asarray(1.0 - self.probability * frac)
+
+    def atoms(self, start_step: int, end_step: int) -> tuple[FloatArray, FloatArray]:
+        """Discretise the window into ``atoms_count`` equal-probability kill steps."""
+        return _discretise(self, start_step, end_step, self.atoms_count)
+
+    def to_dict(self) -> dict[str, object]:
+        """Describe the model as JSON-compatible data."""
+        return {
+            "kind": "uniform",
+            "start_step": self.start_step,
+            "end_step": self.end_step,
+            "probability": self.probability,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class SurvivalFunction:
+    """A user survival function ``S(step)`` (non-increasing, S(start) = 1)."""
+
+    fn: Callable[[int], float]
+    atoms_count: int = 32
+
+    def survival(self, steps: npt.ArrayLike) -> FloatArray:
+        """Evaluate the user function, clipped to [0, 1] and made non-increasing."""
+        ks = np.atleast_1d(np.asarray(steps, dtype=np.float64))
+        vals = np.array([float(self.fn(int(k))) for k in ks], dtype=np.float64)
+        if not np.all(np.isfinite(vals)):
+            raise ConfigError("'termination' survival function returned a non-finite value")
+        vals = np.clip(vals, 0.0, 1.0)
+        order = np.argsort(ks)
+        vals[order] = np.minimum.accumulate(vals[order])
+        return vals.reshape(np.shape(steps)) if np.ndim(steps) else vals[:1]
+
+    def atoms(self, start_step: int, end_step: int) -> tuple[FloatArray, FloatArray]:
+        """Discretise into at most ``atoms_count`` kill steps."""
+        return _discretise(self, start_step, end_step, self.atoms_count)
+
+    def to_dict(self) -> dict[str, object]:
+        """Describe the model as JSON-compatible data (the function itself is not stored)."""
+        return {"kind": "survival_function"}
+
+
+def _discretise(
+    model: Termination, start_step: int, end_step: int, count: int
+) -> tuple[FloatArray, FloatArray]:
+    edges = np.unique(np.linspace(start_step, end_step, count + 1).round())
+    surv = model.survival(edges)
+    base = float(surv[0]) if surv[0] > 0 else 1.0
+    surv = np.clip(surv / base, 0.0, 1.0)
+    # the kill mass between two edges is placed at the middle of the interval
+    mids = np.floor((edges[:-1] + edges[1:]) / 2.0)
+    probs = surv[:-1] - surv[1:]
+    keep = (probs > 1e-12) & (mids > start_step) & (mids < end_step)
+    return (
+        np.concatenate([mids[keep], [float(end_step)]]),
+        np.concatenate([probs[keep], [float(surv[-1])]]),
+    )
+
+
+def make_termination(spec: Termination | Sequence[int] | None) -> Termination:
+    """Normalise the ``termination`` argument (None, a model, or ASHA rung steps)."""
+    if spec is None:
+        return NoTermination()
+    if isinstance(spec, Termination):
+        return spec
+    if isinstance(spec, (list, tuple)):
+        return AshaRungs(rung_steps=tuple(int(s) for s in spec))
+    raise ConfigError(
+        f"'termination' must be None, a Termination model or a list of rung steps: {spec!r}"
+    )

@@ -1,0 +1,589 @@
+"""The exact expected cost of a checkpoint schedule, and the schedules that minimise it.
+
+The mechanism modelled (the same for every policy): at a checkpoint step the job first waits for
+the previous checkpoint's persist to finish, then stalls ``stall_s`` for a consistent snapshot,
+then persists for ``persist_s`` in the background while training continues. A checkpoint is
+durable only when its persist is done; a failure rolls back to the newest *durable* checkpoint
+(so a failure inside the persist window of the newest one rolls back to the one before), costs
+``restart_s``, and training resumes with nothing in flight. Failures are Poisson with the rate of
+a :class:`~coci_core.planner.model.FailureModel` (evaluated per segment), and never strike during
+a restart. The job ends when it reaches ``end_step`` or is stopped by its termination model.
+
+Between two durable points the process renews, which gives each segment a closed form: with
+first-attempt exposure ``e1`` and retry exposure ``E2`` the expected time is
+``(1 - exp(-lambda e1)) · exp(lambda E2) · (1/lambda + R)``, and the expected lost work is an
+integral of the weights against ``exp(-lambda t) - exp(-lambda e)``. :func:`expected_cost` sums
+those exactly (per step);
+:func:`dp_schedule` minimises a cell-averaged version over a grid of candidate steps;
+:func:`closed_form_schedule` is the local rule ``T(k) = Daly(s, w_c / (lambda(k) rho(k)))``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from coci_core.errors import ConfigError
+from coci_core.planner._checks import check_int, check_nonnegative, check_positive
+from coci_core.planner.model import FailureModel, NoTermination, Termination
+
+__all__ = [
+    "OBJECTIVES",
+    "CostBreakdown",
+    "Problem",
+    "closed_form_schedule",
+    "daly_interval_s",
+    "dp_schedule",
+    "expected_cost",
+    "normalize_steps",
+    "uniform_schedule",
+    "young_interval_s",
+]
+
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
+
+OBJECTIVES = ("time", "convergence", "progress")
+
+#: value density is floored here so that late intervals stay finite (at most 10x Young's).
+VALUE_FLOOR = 0.01
+
+
+def check_objective(objective: Any) -> str:
+    """Return ``objective`` or raise ConfigError naming the allowed values."""
+    if objective not in OBJECTIVES:
+        raise ConfigError(f"'objective' must be one of {', '.join(OBJECTIVES)}: {objective!r}")
+    return str(objective)
+
+
+def young_interval_s(stall_s: float, mtbf_s: float) -> float:
+    """Young (1974): ``sqrt(2 s M)``."""
+    return math.sqrt(2.0 * stall_s * mtbf_s)
+
+
+def daly_interval_s(stall_s: float, mtbf_s: float) -> float:
+    """Daly (2006, eq. 37): the higher-order estimate of the optimal compute interval."""
+    s, m = stall_s, mtbf_s
+    if s >= 2.0 * m:
+        return m
+    r = s / (2.0 * m)
+    return math.sqrt(2.0 * s * m) * (1.0 + math.sqrt(r) / 3.0 + r / 9.0) - s
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class Problem:
+    """Everything the cost model needs, in one place (times in any one unit, steps as ints).
+
+    Args:
+        start_step: the step the plan starts from (the latest durable state).
+        end_step: the step at which the job ends (exclusive bound for checkpoints).
+        step_time_s: compute time of one step.
+        stall_s: blocking snapshot time of a checkpoint.
+        persist_s: background persist time (0 for a synchronous save).
+        restart_s: time to restart and restore after a failure.
+        failure: the failure model.
+        value: normalised value density per step of ``[start_step, end_step)`` (mean 1);
+            None for a flat value.
+        objective: ``"time"``, ``"convergence"`` or ``"progress"``.
+        termination: the early-termination model.
+    """
+
+    start_step: int
+    end_step: int
+    step_time_s: float
+    stall_s: float
+    persist_s: float
+    restart_s: float
+    failure: FailureModel
+    value: FloatArray | None = None
+    objective: str = "convergence"
+    termination: Termination = field(default_factory=NoTermination)
+
+    def __post_init__(self) -> None:
+        check_int("start_step", self.start_step, minimum=0)
+        check_int("end_step", self.end_step, minimum=self.start_step + 1)
+        check_positive("step_time_s", self.step_time_s)
+        check_positive("stall_s", self.stall_s)
+        check_nonnegative("persist_s", self.persist_s)
+        check_nonnegative("restart_s", self.restart_s)
+        check_objective(self.objective)
+        n = self.end_step - self.start_step
+        if self.value is None:
+            value = np.ones(n)
+        else:
+            value = np.asarray(self.value, dtype=np.float64)
+            if value.shape != (n,) or not np.all(np.isfinite(value)) or np.any(value < 0):
+                raise ConfigError(
+                    f"'value' must be {n} finite values >= 0, one per step: shape {value.shape}"
+                )
+        object.__setattr__(self, "value", np.maximum(value, VALUE_FLOOR))
+        steps = np.arange(self.start_step, self.end_step)
+        rate = (
+            np.full(n, 1.0 / self.failure.mtbf_s * float(self.failure.nodes))  # type: ignore[arg-type]
+            if self.failure.is_constant
+            else self.failure.rate_per_s(steps)
+        )
+        object.__setattr__(self, "_rate", rate)
+        object.__setattr__(self, "_rate_cum", np.concatenate([[0.0], np.cumsum(rate)]))
+        object.__setattr__(self, "_value_cum", np.concatenate([[0.0], np.cumsum(self.v)]))
+
+    @property
+    def v(self) -> FloatArray:
+        """The (floored) value density per step."""
+        return self.value  # type: ignore[return-value]
+
+    @property
+    def horizon_steps(self) -> int:
+        """Number of steps planned over."""
+        return self.end_step - self.start_step
+
+    def mean_rate(self, lo: float, hi: float) -> float:
+        """Mean failure rate (1/s) over steps ``[lo, hi)``."""
+        cum: FloatArray = self._rate_cum  # type: ignore[attr-defined]
+        a = int(np.clip(math.floor(lo) - self.start_step, 0, self.horizon_steps - 1))
+        b = int(np.clip(math.ceil(hi) - self.start_step, a + 1, self.horizon_steps))
+        return float(cum[b] - cum[a]) / (b - a)
+
+    def weights(self) -> tuple[bool, bool]:
+        """(lost compute weighted by value, stall and restart weighted by value)."""
+        return self.objective != "time", self.objective == "progress"
+
+
+@dataclass(frozen=True, kw_only=True)
+class CostBreakdown:
+    """Expected overhead of one schedule, by kind; ``*_value_s`` are weighted by value density.
+
+    ``wall_s`` is the wall-clock overhead; ``convergence_s`` weights lost compute by value;
+    ``progress_s`` weights everything by value. ``convergence_excl_restart_s`` leaves out the
+    restart time, which no schedule can change.
+    """
+
+    stall_s: float
+    lost_compute_s: float
+    lost_stall_s: float
+    restart_s: float
+    failures: float
+    stall_value_s: float
+    lost_compute_value_s: float
+    lost_stall_value_s: float
+    restart_value_s: float
+
+    @classmethod
+    def from_vector(cls, vec: FloatArray) -> CostBreakdown:
+        """Build from the internal component vector."""
+        return cls(**{name: float(x) for name, x in zip(_FIELDS, vec, strict=True)})
+
+    @property
+    def wall_s(self) -> float:
+        """Wall-clock overhead: stall + lost work + restart."""
+        return self.stall_s + self.lost_compute_s + self.lost_stall_s + self.restart_s
+
+    @property
+    def convergence_s(self) -> float:
+        """Lost compute weighted by value; stall and restart unweighted."""
+        return self.stall_s + self.lost_compute_value_s + self.lost_stall_s + self.restart_s
+
+    @property
+    def convergence_excl_restart_s(self) -> float:
+        """:attr:`convergence_s` without the restart time."""
+        return self.convergence_s - self.restart_s
+
+    @property
+    def progress_s(self) -> float:
+        """Everything weighted by value density."""
+        return (
+            self.stall_value_s
+            + self.lost_compute_value_s
+            + self.lost_stall_value_s
+            + self.restart_value_s
+        )
+
+    def objective(self, name: str) -> float:
+        """The figure the named objective minimises."""
+        check_objective(name)
+        return {"time": self.wall_s, "convergence": self.convergence_s}.get(name, self.progress_s)
+
+
+_FIELDS = (
+    "stall_s",
+    "lost_compute_s",
+    "lost_stall_s",
+    "restart_s",
+    "failures",
+    "stall_value_s",
+    "lost_compute_value_s",
+    "lost_stall_value_s",
+    "restart_value_s",
+)
+
+
+def normalize_steps(steps: npt.ArrayLike, start_step: int, end_step: int) -> IntArray:
+    """Sorted unique integer steps strictly inside ``(start_step, end_step)``."""
+    arr = np.unique(np.asarray(steps, dtype=np.float64).round().astype(np.int64))
+    return arr[(arr > start_step) & (arr < end_step)]
+
+
+# ----------------------------------------------------------------------------- exact evaluation
+
+
+def _exp_integrals(
+    pb: Problem, u0: float, u1: float, c: float
+) -> tuple[float, float, float, float]:
+    """integral over steps [u0, u1) of (1, v) x (e^{-c(u-u0)}, 1) du, for piecewise-constant v."""
+    if u1 <= u0:
+        return 0.0, 0.0, 0.0, 0.0
+    k0, k1 = math.floor(u0), math.ceil(u1)
+    ks = np.arange(k0, k1)
+    lo = np.maximum(ks, u0)
+    hi = np.minimum(ks + 1, u1)
+    idx = np.clip(ks - pb.start_step, 0, pb.horizon_steps - 1)
+    v = pb.v[idx]
+    width = hi - lo
+    small = c * (u1 - u0) < 1e-12
+    ex = width if small else np.exp(-c * (lo - u0)) * -np.expm1(-c * width) / c
+    return float(ex.sum()), float((v * ex).sum()), float(width.sum()), float((v * width).sum())
+
+
+def _v_at(pb: Problem, step: float) -> float:
+    return float(pb.v[int(np.clip(int(step) - pb.start_step, 0, pb.horizon_steps - 1))])
+
+
+def _segment_vector(pb: Problem, pts: FloatArray, i: int) -> FloatArray:
+    """Expected cost components of segment ``i`` of the schedule ``pts`` (start, ckpts..., end)."""
+    tau, s, p, r_s = pb.step_time_s, pb.stall_s, pb.persist_s, pb.restart_s
+    n = len(pts) - 2  # number of checkpoints
+    w_all = tau * np.diff(pts)
+    merged = n >= 1 and w_all[n] < p
+    a, b = float(pts[i]), float(pts[i + 1])
+    w = float(w_all[i])
+    is_ckpt = i < n
+    pre = 0.0 if i == 0 else min(w, p)
+    if is_ckpt:
+        stall = s
+        if merged and i == n - 1:
+            win_c, win_wait, wait_at = float(w_all[n]), 0.0, b
+        else:
+            win_c = min(p, float(w_all[i + 1]))
+            win_wait = max(0.0, p - float(w_all[i + 1]))
+            wait_at = float(pts[i + 2])
+    else:
+        stall, win_c, win_wait, wait_at = 0.0, 0.0, 0.0, b
+    d_first = w - pre
+    e1 = d_first + stall + win_c + win_wait
+    e2 = w + stall + win_c + win_wait
+    lam = pb.mean_rate(a, b + win_c / tau)
+    q = -math.expm1(-lam * e1)
+    n_fail = q * math.exp(lam * e2)
+    ws_b, ws_w, wr = _v_at(pb, b), _v_at(pb, wait_at), _v_at(pb, a)
+    # the pre-durable part (compute of this segment done inside the previous persist window)
+    _, _, pre_plain, pre_val = _exp_integrals(pb, a, a + pre / tau, 0.0)
+
+    def lost(first: bool, e: float) -> FloatArray:
+        u0 = a + pre / tau if first else a
+        d_a = w - pre if first else w
+        tail = math.exp(-lam * e)
+        exa, exa_v, pla, pla_v = _exp_integrals(pb, u0, b, lam * tau)
+        exc, exc_v, plc, plc_v = _exp_integrals(pb, b, b + win_c / tau, lam * tau)
+        t_c = d_a + stall
+        e_c = math.exp(-lam * t_c)
+        comp = tau * (exa - tail * pla) + tau * (e_c * exc - tail * plc)
+        comp_v = tau * (exa_v - tail * pla_v) + tau * (e_c * exc_v - tail * plc_v)
+
+        def const_piece(t0: float, dur: float) -> float:
+            if dur <= 0:
+                return 0.0
+            return math.exp(-lam * t0) * -math.expm1(-lam * dur) / lam - dur * tail
+
+        jb = const_piece(d_a, stall)
+        jd = const_piece(d_a + stall + win_c, win_wait)
+        return np.array([comp, comp_v, jb + jd, jb * ws_b + jd * ws_w])
+
+    l1 = lost(True, e1)
+    l2 = lost(False, e2)
+    tot = l1 + n_fail * l2
+    tot[0] += q * tau * pre_plain
+    tot[1] += q * tau * pre_val
+    return np.array(
+        [
+            stall + win_wait,
+            tot[0],
+            tot[2],
+            r_s * n_fail,
+            n_fail,
+            stall * ws_b + win_wait * ws_w,
+            tot[1],
+            tot[3],
+            r_s * n_fail * wr,
+        ]
+    )
+
+
+def _horizon_vectors(pb: Problem, ckpts: IntArray, end: int) -> FloatArray:
+    pts = np.concatenate([[pb.start_step], ckpts, [end]]).astype(np.float64)
+    n = len(ckpts)
+    merged = n >= 1 and pb.step_time_s * (pts[-1] - pts[-2]) < pb.persist_s
+    count = n if merged else n + 1
+    return np.array([_segment_vector(pb, pts, i) for i in range(count)])
+
+
+def expected_cost(pb: Problem, steps: npt.ArrayLike) -> CostBreakdown:
+    """Exact expected overhead of checkpointing at ``steps`` (see the module docstring).
+
+    Exact for a constant failure rate; with a rate that varies by step the rate is averaged per
+    segment. Termination is a mixture over the model's kill atoms.
+    """
+    ckpts = normalize_steps(steps, pb.start_step, pb.end_step)
+    full = _horizon_vectors(pb, ckpts, pb.end_step)
+    prefix = np.vstack([np.zeros(len(_FIELDS)), np.cumsum(full, axis=0)])
+    kill_steps, probs = pb.termination.atoms(pb.start_step, pb.end_step)
+    total = np.zeros(len(_FIELDS))
+    for kill, prob in zip(kill_steps, probs, strict=True):
+        end = int(kill)
+        if prob <= 0:
+            continue
+        if end >= pb.end_step:
+            total += prob * prefix[-1]
+            continue
+        c = ckpts[ckpts < end]
+        n_k = len(c)
+        # segments before the last two are unchanged by the truncation
+        keep = max(0, n_k - 1)
+        pts = np.concatenate([[pb.start_step], c, [end]]).astype(np.float64)
+        merged = n_k >= 1 and pb.step_time_s * (pts[-1] - pts[-2]) < pb.persist_s
+        count = n_k if merged else n_k + 1
+        tail = sum(
+            (_segment_vector(pb, pts, i) for i in range(keep, count)), np.zeros(len(_FIELDS))
+        )
+        total += prob * (prefix[keep] + tail)
+    return CostBreakdown.from_vector(total)
+
+
+# ----------------------------------------------------------------------------- schedules
+
+
+def uniform_schedule(pb: Problem, interval_steps: float) -> IntArray:
+    """Checkpoints every ``interval_steps`` (rounded, at least 1) from ``start_step``."""
+    k = max(1, round(interval_steps))
+    return np.arange(pb.start_step + k, pb.end_step, k, dtype=np.int64)
+
+
+def closed_form_schedule(pb: Problem, *, max_interval_steps: int | None = None) -> IntArray:
+    """March ``T(k) = Daly(s, w_c / (lambda(k) rho(k)))`` from the start (the fast path).
+
+    ``rho`` is the mean value density over the next interval (two fixed-point passes); ``w_c`` is
+    1, or the local value density for the ``progress`` objective. Termination is ignored (it
+    cancels to first order away from kill points).
+    """
+    weight_lost, weight_stall = pb.weights()
+    tau = pb.step_time_s
+    cum: FloatArray = pb._value_cum  # type: ignore[attr-defined]
+    out: list[int] = []
+    x = pb.start_step
+    interval = 1.0
+    lam0 = pb.mean_rate(x, x + 1)
+    interval = max(1.0, daly_interval_s(pb.stall_s, 1.0 / lam0) / tau)
+    while True:
+        for _ in range(2):
+            hi = min(pb.end_step, x + max(1, round(interval)))
+            a, b = x - pb.start_step, hi - pb.start_step
+            rho = float(cum[b] - cum[a]) / max(1, b - a) if weight_lost else 1.0
+            w_c = _v_at(pb, x) if weight_stall else 1.0
+            lam = pb.mean_rate(x, hi)
+            interval = max(1.0, daly_interval_s(pb.stall_s, w_c / (lam * rho)) / tau)
+            if max_interval_steps is not None:
+                interval = min(interval, float(max_interval_steps))
+        nxt = x + max(1, round(interval))
+        if nxt >= pb.end_step:
+            break
+        out.append(nxt)
+        x = nxt
+    return np.asarray(out, dtype=np.int64)
+
+
+def _grid(pb: Problem, points: int, extra: npt.ArrayLike) -> IntArray:
+    n = pb.horizon_steps
+    cell = max(1, math.ceil(n / points))
+    g = np.arange(pb.start_step, pb.end_step, cell, dtype=np.int64)
+    ex = np.asarray(extra, dtype=np.int64)
+    ex = ex[(ex > pb.start_step) & (ex < pb.end_step)]
+    return np.unique(np.concatenate([g, ex, [pb.start_step, pb.end_step]]))
+
+
+def _dp_lost(
+    e: FloatArray,
+    d_a: FloatArray,
+    lam: FloatArray,
+    stall: FloatArray,
+    win: FloatArray,
+    rho_a: FloatArray,
+    ws: FloatArray,
+    rho_c: FloatArray,
+) -> FloatArray:
+    """Expected weighted loss of one attempt: compute d_a, stall, then the persist window."""
+    tail = np.exp(-lam * e)
+    ea = np.exp(-lam * d_a)
+    eb = np.exp(-lam * (d_a + stall))
+    return np.asarray(
+        rho_a * (-np.expm1(-lam * d_a) / lam - d_a * tail)
+        + ws * ((ea - eb) / lam - stall * tail)
+        + rho_c * ((eb - tail) / lam - win * tail)
+    )
+
+
+def dp_schedule(
+    pb: Problem,
+    *,
+    grid_points: int = 1000,
+    max_interval_steps: int | None = None,
+    band_factor: float = 4.0,
+) -> IntArray:
+    """Minimise the objective over checkpoints on a grid by dynamic programming.
+
+    The segment cost is the exact one of :func:`expected_cost` with the value density averaged
+    over the segment, the persist-window weight taken at the checkpoint and the wait for a
+    previous persist charged to the segment that waits. Termination is exact per segment: a
+    segment is paid in full if the job outlives its checkpoint, and as a final segment
+    (no stall) up to each kill atom inside it otherwise; kill atoms (e.g. ASHA rungs) are
+    grid points. Segments longer than ``band_factor`` times the longest closed-form interval
+    are not considered, which bounds the work to O(grid x band), vectorised by blocks of rows.
+    """
+    check_int("grid_points", grid_points, minimum=2)
+    tau, s, p = pb.step_time_s, pb.stall_s, pb.persist_s
+    weight_lost, weight_stall = pb.weights()
+    kill_steps, kill_probs = pb.termination.atoms(pb.start_step, pb.end_step)
+    inner = kill_steps < pb.end_step
+    atoms, atom_p = kill_steps[inner].astype(np.int64), kill_probs[inner]
+    p_end = float(kill_probs[~inner].sum())
+    g = _grid(pb, grid_points, atoms)
+    n_g = len(g) - 1
+    gi = g - pb.start_step
+    vcum: FloatArray = pb._value_cum  # type: ignore[attr-defined]
+    rcum: FloatArray = pb._rate_cum  # type: ignore[attr-defined]
+    v_pt = pb.v[np.clip(gi, 0, pb.horizon_steps - 1)]
+    # P(K > g) for every grid point (K the kill step; the end atom counts as "survives")
+    tail_p = np.array([float(atom_p[atoms > x].sum()) + p_end for x in g])
+    tail_p[-1] = p_end
+    lam_min = float(np.min(rcum[1:] - rcum[:-1]))
+    rho_min = float(np.min(pb.v)) if weight_lost and not weight_stall else 1.0
+    longest = daly_interval_s(s, 1.0 / (lam_min * rho_min)) / tau
+    if max_interval_steps is not None:
+        longest = min(longest, float(max_interval_steps))
+    band_steps = band_factor * longest + 2 * (pb.horizon_steps / n_g)
+    band = max(8, int(np.searchsorted(g, g[0] + band_steps)) + 1)
+    offsets = np.arange(1, band + 1)
+    value = np.full(n_g + 1, np.inf)
+    value[n_g] = 0.0
+    nxt = np.full(n_g + 1, n_g, dtype=np.int64)
+    block = max(1, 200_000 // (band + 1))
+    for hi_row in range(n_g, 0, -block):
+        rows = np.arange(max(0, hi_row - block), hi_row)
+        js = np.concatenate(
+            [np.minimum(rows[:, None] + offsets[None, :], n_g), np.full((len(rows), 1), n_g)],
+            axis=1,
+        )
+        ii = rows[:, None]
+        cost = _dp_costs(pb, gi, js, ii, v_pt, vcum, rcum, tail_p, weight_lost, weight_stall)
+        if atoms.size:
+            cost = cost + _dp_kill_costs(
+                pb, g, gi, js, rows, atoms, atom_p, v_pt, weight_lost, weight_stall
+            )
+        span = (gi[js] - gi[ii]).astype(np.float64)
+        if max_interval_steps is not None:
+            cost = np.where(span > max_interval_steps, np.inf, cost)
+        # a checkpoint whose persist cannot finish before the end is never worth it
+        cost = np.where((js == n_g) & (ii > 0) & (tau * span < p), np.inf, cost)
+        for r in range(len(rows) - 1, -1, -1):
+            i = int(rows[r])
+            total = cost[r] + value[js[r]]
+            k = int(np.argmin(total))
+            value[i] = total[k]
+            nxt[i] = js[r, k]
+    out: list[int] = []
+    i = int(nxt[0])
+    while i < n_g:
+        out.append(int(g[i]))
+        i = int(nxt[i])
+    return np.asarray(out, dtype=np.int64)
+
+
+def _dp_costs(
+    pb: Problem,
+    gi: IntArray,
+    js: IntArray,
+    ii: IntArray,
+    v_pt: FloatArray,
+    vcum: FloatArray,
+    rcum: FloatArray,
+    tail_p: FloatArray,
+    weight_lost: bool,
+    weight_stall: bool,
+) -> FloatArray:
+    """Cost of segments ``ii -> js`` when the job outlives ``js`` (x its probability)."""
+    tau, s, p, r_s = pb.step_time_s, pb.stall_s, pb.persist_s, pb.restart_s
+    n_g = len(gi) - 1
+    span = np.maximum((gi[js] - gi[ii]).astype(np.float64), 1e-9)
+    w = tau * span
+    lam = (rcum[gi[js]] - rcum[gi[ii]]) / span
+    is_end = js == n_g
+    first = ii == 0
+    pre = np.where(first, 0.0, np.minimum(w, p))
+    stall = np.where(is_end, 0.0, s)
+    win = np.where(is_end, 0.0, p)
+    pre_wait = np.where(first | is_end, 0.0, np.maximum(0.0, p - w))
+    d1 = w - pre
+    e1 = d1 + stall + win
+    e2 = w + stall + win
+    q = -np.expm1(-lam * e1)
+    n_fail = q * np.exp(lam * e2)
+    ones = np.ones_like(w)
+    if weight_lost:
+        rho_a = (vcum[gi[js]] - vcum[gi[ii]]) / span
+        rho_c = v_pt[js]
+    else:
+        rho_a = rho_c = ones
+    ws = v_pt[js] if weight_stall else ones
+    wr = v_pt[ii] * ones if weight_stall else ones
+    parts = (lam, stall, win, rho_a, ws, rho_c)
+    lost_total = q * pre * rho_a + _dp_lost(e1, d1, *parts) + n_fail * _dp_lost(e2, w, *parts)
+    cost = (stall + pre_wait) * ws + lost_total + r_s * wr * n_fail
+    return np.asarray(tail_p[js] * cost)
+
+
+def _dp_kill_costs(
+    pb: Problem,
+    g: IntArray,
+    gi: IntArray,
+    js: IntArray,
+    rows: IntArray,
+    atoms: IntArray,
+    atom_p: FloatArray,
+    v_pt: FloatArray,
+    weight_lost: bool,
+    weight_stall: bool,
+) -> FloatArray:
+    """Expected cost of segments cut short by a kill at an atom inside them."""
+    tau, p, r_s = pb.step_time_s, pb.persist_s, pb.restart_s
+    vcum: FloatArray = pb._value_cum  # type: ignore[attr-defined]
+    rcum: FloatArray = pb._rate_cum  # type: ignore[attr-defined]
+    a = gi[rows][:, None].astype(np.int64)
+    r = (atoms - pb.start_step)[None, :]
+    span = np.maximum((r - a).astype(np.float64), 1e-9)
+    w = tau * span
+    lam = np.maximum((rcum[np.maximum(r, a)] - rcum[a]) / span, 1e-300)
+    pre = np.where(rows[:, None] == 0, 0.0, np.minimum(w, p))
+    zero = np.zeros_like(w)
+    rho = (vcum[np.maximum(r, a)] - vcum[a]) / span if weight_lost else np.ones_like(w)
+    wr = v_pt[rows][:, None] * np.ones_like(w) if weight_stall else np.ones_like(w)
+    d1 = w - pre
+    q = -np.expm1(-lam * d1)
+    n_fail = q * np.exp(lam * w)
+    parts = (lam, zero, zero, rho, zero, zero)
+    lost = q * pre * rho + _dp_lost(d1, d1, *parts) + n_fail * _dp_lost(w, w, *parts)
+    per_atom = np.where(r > a, atom_p[None, :] * (lost + r_s * wr * n_fail), 0.0)
+    cum = np.concatenate([np.zeros((len(rows), 1)), np.cumsum(per_atom, axis=1)], axis=1)
+    upto = np.searchsorted(atoms, g[js], side="right")  # atoms <= the segment's end
+    return np.asarray(np.take_along_axis(cum, upto, axis=1))
