@@ -1,3 +1,5 @@
-"""coci for PyTorch Lightning: ``Trainer(callbacks=[CociCheckpoint()])`` (in progress, issue 4)."""
+"""coci for PyTorch Lightning: ``Trainer(callbacks=[CociCheckpoint()])``."""
 
-__all__: list[str] = []
+from coci_lightning.callback import CociCheckpoint
+
+__all__ = ["CociCheckpoint"]

@@ -1,0 +1,158 @@
+"""Checkpointer: the planner and the engine joined, as every framework adapter uses them.
+
+An adapter calls, on every rank: ``observe(step, loss=..., step_time_s=...)`` then
+``should_save(step)``; ``save(step, state)`` when it says so; ``before_update()`` before each
+optimizer step; ``restore()`` on resume; ``close()`` at teardown. The Checkpointer feeds the
+measured stall, persist and restore times back into the planner.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from coci_core.errors import ConfigError
+from coci_core.manager import CheckpointManager, SaveHandle
+from coci_core.planner import Planner
+from coci_core.stateful import Stateful
+from coci_core.storage import Storage
+from coci_core.telemetry import Event, Listener, RestoreEvent, SaveEvent
+
+__all__ = ["COMPRESSION_MODES", "Checkpointer"]
+
+logger = logging.getLogger(__name__)
+
+COMPRESSION_MODES = ("none",)
+
+
+def check_compression(compression: str | None) -> str:
+    """The compression mode, or a ConfigError saying which modes this version has."""
+    mode = "none" if compression is None else compression
+    if mode not in COMPRESSION_MODES:
+        raise ConfigError(
+            f"'compression' must be one of {COMPRESSION_MODES} in this version of coci: "
+            f"{compression!r}"
+        )
+    return mode
+
+
+class Checkpointer:
+    """Decides when to checkpoint (a :class:`~coci_core.planner.Planner`) and saves through a
+    :class:`~coci_core.CheckpointManager`.
+
+    Args:
+        directory: where checkpoints go (a path, an fsspec URL or a Storage).
+        policy: ``"coci"`` (default) or a baseline policy of the planner (``"every_n_steps"``,
+            ``"every_n_seconds"``, ``"daly"``, ``"young"``, ``"checkfreq"``, ``"epoch"``,
+            ``"coci_paper"``).
+        objective: ``"convergence"`` (default), ``"time"`` or ``"progress"``.
+        mtbf_s: mean time between failures of one node in seconds; None estimates it from the
+            run's own restarts with a documented default.
+        keep_last: committed checkpoints to keep.
+        compression: ``"none"`` (the only mode in this version).
+        block: snapshot synchronously (True) or overlap the copy with the next forward and
+            backward pass until ``before_update`` (False, the default).
+        listeners: telemetry listeners for every save and restore event.
+        planner_options: further keyword arguments of :class:`~coci_core.planner.Planner`
+            (``every_n_steps``, ``every_n_seconds``, ``total_steps``, ``steps_per_epoch``, ...).
+        manager_options: further keyword arguments of :class:`~coci_core.CheckpointManager`.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str] | Storage,
+        *,
+        policy: str = "coci",
+        objective: str = "convergence",
+        mtbf_s: float | None = None,
+        keep_last: int | None = 3,
+        compression: str | None = "none",
+        block: bool = False,
+        listeners: Iterable[Listener] = (),
+        planner_options: Mapping[str, Any] | None = None,
+        manager_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.compression = check_compression(compression)
+        if not isinstance(block, bool):
+            raise ConfigError(f"'block' must be a bool: {block!r}")
+        self.block = block
+        self.planner = Planner(
+            policy=policy, objective=objective, mtbf_s=mtbf_s, **dict(planner_options or {})
+        )
+        self._listeners: list[Listener] = list(listeners)
+        self.manager = CheckpointManager(
+            directory,
+            keep_last=keep_last,
+            listeners=[self._on_event],
+            **dict(manager_options or {}),
+        )
+        self.last_save: SaveEvent | None = None
+
+    def __repr__(self) -> str:
+        return f"Checkpointer({self.manager.storage.url!r}, policy={self.planner.policy_name!r})"
+
+    def add_listener(self, listener: Callable[[Event], None]) -> None:
+        """Also give every later save and restore event to ``listener``."""
+        self._listeners.append(listener)
+
+    def _on_event(self, event: Event) -> None:
+        if isinstance(event, SaveEvent):
+            if event.outcome == "committed":
+                self.planner.record_save(stall_s=event.stall_s, persist_s=event.persist_s)
+            self.last_save = event
+        for listener in list(self._listeners):
+            try:
+                listener(event)
+            except Exception:
+                logger.exception("coci telemetry listener %r failed", listener)
+
+    def observe(
+        self, step: int, *, loss: float | None = None, step_time_s: float | None = None
+    ) -> None:
+        """Record one training step (never raises on odd loss or time values)."""
+        self.planner.observe(step, loss=loss, step_time_s=step_time_s)
+
+    def should_save(self, step: int) -> bool:
+        """Whether the plan checkpoints after ``step``."""
+        return self.planner.should_save(step)
+
+    def save(self, step: int, state: Mapping[str, Any], *, block: bool | None = None) -> SaveHandle:
+        """Save ``state`` as ``step`` (see :meth:`CheckpointManager.save`)."""
+        return self.manager.save(step, state, block=self.block if block is None else block)
+
+    def before_update(self) -> None:
+        """Call before each optimizer step: waits only for an unfinished snapshot copy."""
+        self.manager.before_update()
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or None."""
+        return self.manager.latest_step()
+
+    def restore(
+        self, step: int | None = None, *, into: Mapping[str, Stateful] | None = None
+    ) -> dict[str, Any]:
+        """Restore (see :meth:`CheckpointManager.restore`) and tell the planner what it cost."""
+        state = self.manager.restore(step, into=into)
+        event: RestoreEvent | None = self.manager.last_restore
+        if event is not None:
+            self.planner.record_restore(event.seconds)
+        return state
+
+    def wait(self) -> None:
+        """Block until every pending save is durable (re-raises background errors)."""
+        self.manager.wait()
+
+    def close(self) -> None:
+        """Wait for pending saves and stop the writer."""
+        self.manager.close()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The planner's estimates (JSON), so that a resumed run keeps them."""
+        return {"planner": self.planner.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore the planner's estimates."""
+        if "planner" in state:
+            self.planner.load_state_dict(dict(state["planner"]))

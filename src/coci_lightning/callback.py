@@ -1,0 +1,237 @@
+"""CociCheckpoint: convergence-aware, asynchronous checkpoints for a Lightning Trainer."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
+from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.utilities import rank_zero_warn
+from typing_extensions import override
+
+from coci_core.checkpointer import Checkpointer, check_compression
+from coci_core.errors import ConfigError
+from coci_core.manifest import step_dir_name
+from coci_core.planner import POLICIES, Planner
+from coci_core.restore import committed_steps
+from coci_core.storage import open_storage
+from coci_lightning._resume import CociCheckpointIO, install_last_resolution
+
+__all__ = ["CociCheckpoint"]
+
+
+class CociCheckpoint(Checkpoint):
+    """Checkpoints a Lightning run when coci's planner says so; resumes it exactly.
+
+    Args:
+        dirpath: where checkpoints go; default ``<default_root_dir>/coci``.
+        policy: ``"coci"`` or a baseline of the planner (e.g. ``"every_n_steps"``).
+        objective: ``"convergence"`` (default), ``"time"`` or ``"progress"``.
+        mtbf_s: mean time between failures of one node, in seconds (None: estimated).
+        keep_last: committed checkpoints to keep.
+        compression: ``"none"`` (the only mode in this version).
+        resume: continue from the newest committed checkpoint when ``fit`` gets no ckpt_path.
+        every_n_steps, every_n_seconds: the interval of those policies (a cap for ``coci``).
+        monitor: a logged metric to use as the loss (default: the training step's loss).
+        block: snapshot synchronously instead of overlapping the copy with the next step.
+        save_on_train_end, save_on_exception: also save at the end and on an exception or
+            SIGTERM.
+        planner_options: further keyword arguments of :class:`coci_core.planner.Planner`.
+    """
+
+    def __init__(
+        self,
+        dirpath: str | Path | None = None,
+        *,
+        policy: str = "coci",
+        objective: str = "convergence",
+        mtbf_s: float | None = None,
+        keep_last: int | None = 3,
+        compression: str | None = "none",
+        resume: bool = False,
+        every_n_steps: int | None = None,
+        every_n_seconds: float | None = None,
+        monitor: str | None = None,
+        block: bool = False,
+        save_on_train_end: bool = True,
+        save_on_exception: bool = True,
+        planner_options: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        if policy not in POLICIES:
+            raise ConfigError(f"'policy' must be one of {', '.join(POLICIES)}: {policy!r}")
+        if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
+            raise ConfigError(f"'keep_last' must be an integer >= 1 or None: {keep_last!r}")
+        for name, value in (("resume", resume), ("block", block)):
+            if not isinstance(value, bool):
+                raise ConfigError(f"'{name}' must be a bool: {value!r}")
+        self.dirpath = dirpath
+        self.policy = policy
+        self.objective = objective
+        self.mtbf_s = mtbf_s
+        self.keep_last = keep_last
+        self.compression = check_compression(compression)
+        self.resume = resume
+        self.monitor = monitor
+        self.block = block
+        self.save_on_train_end = save_on_train_end
+        self.save_on_exception = save_on_exception
+        self.planner_options = dict(planner_options or {})
+        if every_n_steps is not None:
+            self.planner_options["every_n_steps"] = every_n_steps
+        if every_n_seconds is not None:
+            self.planner_options["every_n_seconds"] = every_n_seconds
+        Planner(policy=policy, objective=objective, mtbf_s=mtbf_s, **self.planner_options)
+        self.checkpointer: Checkpointer | None = None
+        self._planner_state: dict[str, Any] | None = None
+        self._pending_rng: dict[str, Any] | None = None
+        self._last_end: float | None = None
+        self._last_saved_step: int | None = None
+        self._fallback_for: str | None = None
+        install_last_resolution()
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return "CociCheckpoint"
+
+    def resolve_dirpath(self, trainer: pl.Trainer) -> Path:
+        """The checkpoint directory: ``dirpath`` or ``<default_root_dir>/coci``."""
+        if self.dirpath is not None:
+            return Path(self.dirpath)
+        return Path(trainer.default_root_dir) / "coci"
+
+    def newest_step_dir(self, trainer: pl.Trainer) -> Path | None:
+        """The newest committed step directory, or None."""
+        root = self.resolve_dirpath(trainer)
+        steps = committed_steps(open_storage(str(root)))
+        return root / step_dir_name(steps[-1]) if steps else None
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        options = dict(self.planner_options)
+        options.setdefault("total_steps", trainer.max_steps if trainer.max_steps > 0 else None)
+        self.checkpointer = Checkpointer(
+            self.resolve_dirpath(trainer),
+            policy=self.policy,
+            objective=self.objective,
+            mtbf_s=self.mtbf_s,
+            keep_last=self.keep_last,
+            block=self.block,
+            planner_options=options,
+        )
+        if self._planner_state is not None:
+            self.checkpointer.load_state_dict(self._planner_state)
+        strategy = trainer.strategy
+        if not isinstance(strategy.checkpoint_io, CociCheckpointIO):
+            strategy.checkpoint_io = CociCheckpointIO(strategy.checkpoint_io, self._on_restore)
+        strategy.checkpoint_io.fallback_for = self._fallback_for
+
+    def _on_restore(self, seconds: float) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.planner.record_restore(seconds)
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        loaders = trainer.fit_loop._combined_loader
+        flat = loaders.flattened if loaders is not None else []
+        if any(not hasattr(dl, "state_dict") for dl in flat):
+            rank_zero_warn(
+                "coci: the train DataLoader is not stateful, so a run resumed mid-epoch sees "
+                "some samples twice and some never. Use torchdata's StatefulDataLoader "
+                "(pip install torchdata; from torchdata.stateful_dataloader import "
+                "StatefulDataLoader) for exactly-once resumes."
+            )
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._pending_rng is not None:  # after a resume: continue the saved random streams
+            _set_rng_states(self._pending_rng)
+            self._pending_rng = None
+        if self._last_end is None:
+            self._last_end = time.perf_counter()
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.before_update()
+
+    @override
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        ckpt = self.checkpointer
+        if ckpt is None:
+            return
+        now = time.perf_counter()
+        step_time = None if self._last_end is None else now - self._last_end
+        ckpt.observe(trainer.global_step, loss=self._loss(trainer, outputs), step_time_s=step_time)
+        if ckpt.should_save(trainer.global_step):
+            self._save(trainer)
+        self._last_end = time.perf_counter()
+
+    def _loss(self, trainer: pl.Trainer, outputs: Any) -> float | None:
+        value = trainer.callback_metrics.get(self.monitor) if self.monitor else outputs
+        if isinstance(value, dict):
+            value = value.get("loss")
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            return float(value.detach())
+        return float(value) if isinstance(value, (int, float)) else None
+
+    def _save(self, trainer: pl.Trainer, *, block: bool | None = None) -> None:
+        if self.checkpointer is None or self._last_saved_step == trainer.global_step:
+            return
+        state = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        self._last_saved_step = trainer.global_step
+        if trainer.is_global_zero:
+            self.checkpointer.save(trainer.global_step, state, block=block)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.save_on_train_end:
+            self._save(trainer, block=True)
+        if self.checkpointer is not None:
+            self.checkpointer.wait()
+
+    @override
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        if self.save_on_exception and trainer.state.fn == "fit":
+            self._save(trainer, block=True)
+        self.teardown(trainer, pl_module, "fit")  # Lightning skips teardown hooks on errors
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.close()
+            self.checkpointer = None
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"rng": _collect_rng_states()}
+        if self.checkpointer is not None:
+            state.update(self.checkpointer.state_dict())
+        return state
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._pending_rng = state_dict.get("rng")
+        self._planner_state = state_dict
+        if self.checkpointer is not None:
+            self.checkpointer.load_state_dict(state_dict)

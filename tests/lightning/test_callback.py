@@ -1,0 +1,219 @@
+"""CociCheckpoint on a real Lightning Trainer (CPU): exact resume, fallback, warnings, errors."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from coci_core import CheckpointManager, ConfigError
+from coci_core.manifest import step_dir_name
+from coci_lightning import CociCheckpoint
+from tests.lightning.models import DigitsModel, digest
+
+STEPS_PER_EPOCH = 16  # 256 samples, batches of 16
+
+
+def _trainer(root: Path, max_steps: int, callbacks: list[pl.Callback]) -> pl.Trainer:
+    return pl.Trainer(
+        accelerator="cpu",
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+        callbacks=callbacks,
+        log_every_n_steps=1,
+    )
+
+
+def _fit(
+    root: Path, max_steps: int, callbacks: list[pl.Callback], seed: int = 1, **fit_kwargs: Any
+) -> DigitsModel:
+    pl.seed_everything(seed, verbose=False)
+    model = DigitsModel()
+    _trainer(root, max_steps, callbacks).fit(model, **fit_kwargs)
+    return model
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> DigitsModel:
+    """An uninterrupted 40-step run (2.5 epochs) without checkpoints."""
+    return _fit(tmp_path_factory.mktemp("ref"), 40, [])
+
+
+@pytest.mark.parametrize("how", ["ckpt_path_last", "resume_true", "explicit_step_dir"])
+def test_interrupted_run_resumes_bit_exact_and_exactly_once(
+    tmp_path: Path, reference: DigitsModel, how: str
+) -> None:
+    """A run stopped at step 23 and resumed (from step 20, mid-epoch) ends bit-identical,
+    having trained on each remaining sample exactly once."""
+    first = _fit(
+        tmp_path,
+        23,
+        [CociCheckpoint(policy="every_n_steps", every_n_steps=5, save_on_train_end=False)],
+    )
+    assert CheckpointManager(tmp_path / "coci", keep_last=None).steps() == [10, 15, 20]
+    kwargs: dict[str, Any] = {}
+    if how == "ckpt_path_last":
+        kwargs["ckpt_path"] = "last"
+    elif how == "explicit_step_dir":
+        kwargs["ckpt_path"] = str(tmp_path / "coci" / step_dir_name(20))
+    callback = CociCheckpoint(policy="every_n_steps", every_n_steps=5, resume=how == "resume_true")
+    resumed = _fit(tmp_path, 40, [callback], seed=99, **kwargs)  # another seed: state comes back
+    assert digest(resumed) == digest(reference)
+    done = 20 * 16
+    assert first.seen[:done] == reference.seen[:done]
+    assert resumed.seen == reference.seen[done:]
+    epoch2 = first.seen[256:done] + resumed.seen[: 512 - done]
+    assert sorted(epoch2) == list(range(256))
+
+
+def test_sigkill_mid_epoch_then_resume(tmp_path: Path, reference: DigitsModel) -> None:
+    """A Trainer killed with SIGKILL at step 21 resumes from its newest committed step in a new
+    process and ends bit-identical to an uninterrupted run of the same seed."""
+    command = [sys.executable, "-m", "tests.lightning._child", str(tmp_path), "40"]
+    with subprocess.Popen(
+        [*command, "21"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    ) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("AT 21"):
+                proc.send_signal(signal.SIGKILL)
+        assert proc.wait() == -signal.SIGKILL
+    steps = CheckpointManager(tmp_path / "coci", keep_last=None).steps()
+    # step 18's persist may still have been running at the kill: then 12 is the newest
+    assert steps in ([6, 12], [6, 12, 18])
+    out = subprocess.run(command, capture_output=True, text=True, timeout=300, check=True).stdout
+    result = json.loads(next(x for x in out.splitlines() if x.startswith("RESULT "))[7:])
+    uninterrupted = subprocess.run(
+        [sys.executable, "-m", "tests.lightning._child", str(tmp_path / "u"), "40"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    ).stdout
+    expected = json.loads(
+        next(x for x in uninterrupted.splitlines() if x.startswith("RESULT "))[7:]
+    )
+    assert result["digest"] == expected["digest"]
+    assert result["seen"] == expected["seen"][steps[-1] * 16 :]
+
+
+def test_damaged_newest_falls_back_to_previous(tmp_path: Path, reference: DigitsModel) -> None:
+    """With the newest step damaged, ckpt_path='last' resumes from the one before, exactly."""
+    _fit(
+        tmp_path,
+        23,
+        [
+            CociCheckpoint(
+                policy="every_n_steps", every_n_steps=5, save_on_train_end=False, keep_last=None
+            )
+        ],
+    )
+    data = tmp_path / "coci" / step_dir_name(20) / "data-r0.bin"
+    raw = bytearray(data.read_bytes())
+    raw[100] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    with pytest.warns(UserWarning, match="step 20 is damaged"):
+        resumed = _fit(
+            tmp_path,
+            40,
+            [CociCheckpoint(policy="every_n_steps", every_n_steps=5)],
+            ckpt_path="last",
+        )
+    assert digest(resumed) == digest(reference)
+    assert resumed.seen == reference.seen[15 * 16 :]
+
+
+def test_default_callback_saves_at_end_with_lightning_state(tmp_path: Path) -> None:
+    """CociCheckpoint() with no arguments saves (at least) the final step with the full
+    Lightning state, under default_root_dir/coci."""
+    _fit(tmp_path, 12, [CociCheckpoint()])
+    with CheckpointManager(tmp_path / "coci") as mgr:
+        assert mgr.steps()[-1] == 12
+        state = mgr.restore()
+    for key in ("state_dict", "optimizer_states", "lr_schedulers", "loops", "callbacks"):
+        assert key in state
+    assert state["global_step"] == 12
+    assert "planner" in state["callbacks"]["CociCheckpoint"]
+
+
+class _Boom(pl.Callback):
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == 7:
+            raise RuntimeError("boom")
+
+
+def test_exception_saves_a_checkpoint(tmp_path: Path) -> None:
+    """An exception during fit saves the current step before the error propagates."""
+    with pytest.raises(RuntimeError, match="boom"):
+        _fit(tmp_path, 30, [CociCheckpoint(policy="every_n_steps", every_n_steps=100), _Boom()])
+    assert CheckpointManager(tmp_path / "coci").steps() == [7]
+
+
+def test_planner_state_survives_resume(tmp_path: Path) -> None:
+    """The planner's measured estimates saved with a step come back into the resumed planner."""
+    _fit(tmp_path, 10, [CociCheckpoint(policy="every_n_steps", every_n_steps=5)])
+    with CheckpointManager(tmp_path / "coci") as mgr:
+        saved = mgr.restore()["callbacks"]["CociCheckpoint"]["planner"]
+    seen: dict[str, Any] = {}
+
+    class _Peek(pl.Callback):
+        def on_train_start(self, trainer: pl.Trainer, *args: Any) -> None:
+            seen.update(callback.checkpointer.planner.state_dict())  # type: ignore[union-attr]
+
+    callback = CociCheckpoint(policy="every_n_steps", every_n_steps=5, resume=True)
+    _fit(tmp_path, 12, [callback, _Peek()])
+    assert seen == json.loads(json.dumps(saved))
+
+
+def test_plain_dataloader_warns_once(tmp_path: Path) -> None:
+    """A plain DataLoader gets one clear warning naming StatefulDataLoader."""
+    pl.seed_everything(1, verbose=False)
+    model = DigitsModel(stateful_loader=False)
+    with pytest.warns(UserWarning, match="StatefulDataLoader") as record:
+        _trainer(tmp_path, 3, [CociCheckpoint()]).fit(model)
+    assert sum("StatefulDataLoader" in str(w.message) for w in record) == 1
+
+
+def test_resume_with_nothing_committed_starts_fresh(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """resume=True on an empty directory trains from step 0 and says so."""
+    with caplog.at_level("INFO"):
+        model = _fit(tmp_path, 5, [CociCheckpoint(resume=True)])
+    assert len(model.seen) == 5 * 16
+    assert "starting fresh" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"policy": "sometimes"}, "'policy' must be one of"),
+        ({"keep_last": 0}, "'keep_last'"),
+        ({"mtbf_s": -1.0}, "'mtbf_s'"),
+        ({"objective": "speed"}, "'objective'"),
+        ({"compression": "zstd"}, "'compression'"),
+        ({"policy": "every_n_steps"}, "'every_n_steps' must be given"),
+        ({"resume": "yes"}, "'resume' must be a bool"),
+    ],
+)
+def test_bad_arguments_raise_at_construction(kwargs: dict[str, Any], message: str) -> None:
+    """Each bad argument raises ConfigError naming it, before any training."""
+    with pytest.raises(ConfigError, match=message):
+        CociCheckpoint(**kwargs)
+
+
+def test_replaces_default_model_checkpoint(tmp_path: Path) -> None:
+    """As a Checkpoint callback it replaces Lightning's default ModelCheckpoint."""
+    trainer = _trainer(tmp_path, 1, [CociCheckpoint()])
+    assert [type(cb).__name__ for cb in trainer.checkpoint_callbacks] == ["CociCheckpoint"]
+    assert torch.get_num_threads() >= 1
