@@ -13,6 +13,7 @@ import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from coci_core.decision import SharedDecision
 from coci_core.errors import ConfigError
 from coci_core.manager import CheckpointManager, SaveHandle
 from coci_core.planner import Planner
@@ -58,6 +59,9 @@ class Checkpointer:
         planner_options: further keyword arguments of :class:`~coci_core.planner.Planner`
             (``every_n_steps``, ``every_n_seconds``, ``total_steps``, ``steps_per_epoch``, ...).
         manager_options: further keyword arguments of :class:`~coci_core.CheckpointManager`.
+        rank: this process's global rank; only rank 0 writes (until sharded saves).
+        broadcast: for several processes, a collective that sends rank 0's object to every
+            rank; save decisions are then shared at a few sync steps (see ``decision.py``).
     """
 
     def __init__(
@@ -73,6 +77,8 @@ class Checkpointer:
         listeners: Iterable[Listener] = (),
         planner_options: Mapping[str, Any] | None = None,
         manager_options: Mapping[str, Any] | None = None,
+        rank: int = 0,
+        broadcast: Callable[[Any], Any] | None = None,
     ) -> None:
         self.compression = check_compression(compression)
         if not isinstance(block, bool):
@@ -81,6 +87,8 @@ class Checkpointer:
         self.planner = Planner(
             policy=policy, objective=objective, mtbf_s=mtbf_s, **dict(planner_options or {})
         )
+        self.rank = rank
+        self.decision = SharedDecision(self.planner, rank=rank, broadcast=broadcast)
         self._listeners: list[Listener] = list(listeners)
         self.manager = CheckpointManager(
             directory,
@@ -116,7 +124,7 @@ class Checkpointer:
 
     def should_save(self, step: int) -> bool:
         """Whether the plan checkpoints after ``step``."""
-        return self.planner.should_save(step)
+        return self.decision.should_save(step)
 
     def save(self, step: int, state: Mapping[str, Any], *, block: bool | None = None) -> SaveHandle:
         """Save ``state`` as ``step`` (see :meth:`CheckpointManager.save`)."""

@@ -92,6 +92,7 @@ class CociCheckpoint(Checkpoint):
         self._last_end: float | None = None
         self._last_saved_step: int | None = None
         self._fallback_for: str | None = None
+        self._rng_per_rank: list[Any] | None = None
         install_last_resolution()
 
     @property
@@ -125,6 +126,10 @@ class CociCheckpoint(Checkpoint):
             keep_last=self.keep_last,
             block=self.block,
             planner_options=options,
+            rank=trainer.global_rank,
+            broadcast=(lambda obj: trainer.strategy.broadcast(obj, src=0))
+            if trainer.world_size > 1
+            else None,
         )
         if self._planner_state is not None:
             self.checkpointer.load_state_dict(self._planner_state)
@@ -154,7 +159,7 @@ class CociCheckpoint(Checkpoint):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if self._pending_rng is not None:  # after a resume: continue the saved random streams
-            _set_rng_states(self._pending_rng)
+            _set_rng_states(self._rng_for_rank(trainer, self._pending_rng))
             self._pending_rng = None
         if self._last_end is None:
             self._last_end = time.perf_counter()
@@ -194,12 +199,28 @@ class CociCheckpoint(Checkpoint):
         return float(value) if isinstance(value, (int, float)) else None
 
     def _save(self, trainer: pl.Trainer, *, block: bool | None = None) -> None:
+        # Every rank gets here at the same steps (the decision is shared); rank 0 writes.
         if self.checkpointer is None or self._last_saved_step == trainer.global_step:
             return
+        self._rng_per_rank = _gather_rng_states(trainer.world_size)
         state = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        self._rng_per_rank = None
         self._last_saved_step = trainer.global_step
         if trainer.is_global_zero:
             self.checkpointer.save(trainer.global_step, state, block=block)
+
+    @staticmethod
+    def _rng_for_rank(trainer: pl.Trainer, saved: dict[str, Any]) -> dict[str, Any]:
+        per_rank = saved.get("per_rank")
+        if per_rank is None:
+            return saved
+        if len(per_rank) != trainer.world_size:
+            rank_zero_warn(
+                f"coci: the checkpoint has random states of {len(per_rank)} ranks, this run has "
+                f"{trainer.world_size}; every rank continues rank 0's streams"
+            )
+            return dict(per_rank[0])
+        return dict(per_rank[trainer.global_rank])
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -224,7 +245,10 @@ class CociCheckpoint(Checkpoint):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"rng": _collect_rng_states()}
+        rng: dict[str, Any] = _collect_rng_states()
+        if self._rng_per_rank is not None:
+            rng = {**rng, "per_rank": self._rng_per_rank}
+        state: dict[str, Any] = {"rng": rng}
         if self.checkpointer is not None:
             state.update(self.checkpointer.state_dict())
         return state
@@ -235,3 +259,12 @@ class CociCheckpoint(Checkpoint):
         self._planner_state = state_dict
         if self.checkpointer is not None:
             self.checkpointer.load_state_dict(state_dict)
+
+
+def _gather_rng_states(world_size: int) -> list[Any] | None:
+    """Every rank's random states, gathered on every rank (None for one process)."""
+    if world_size <= 1 or not torch.distributed.is_initialized():
+        return None
+    gathered: list[Any] = [None] * world_size
+    torch.distributed.all_gather_object(gathered, _collect_rng_states())
+    return gathered
