@@ -145,14 +145,23 @@ class CociCheckpoint(Checkpoint):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         loaders = trainer.fit_loop._combined_loader
-        flat = loaders.flattened if loaders is not None else []
-        if any(not hasattr(dl, "state_dict") for dl in flat):
-            rank_zero_warn(
-                "coci: the train DataLoader is not stateful, so a run resumed mid-epoch sees "
-                "some samples twice and some never. Use torchdata's StatefulDataLoader "
-                "(pip install torchdata; from torchdata.stateful_dataloader import "
-                "StatefulDataLoader) for exactly-once resumes."
-            )
+        for loader in loaders.flattened if loaders is not None else []:
+            if not hasattr(loader, "state_dict"):
+                rank_zero_warn(
+                    "coci: the train DataLoader is not stateful, so a run resumed mid-epoch sees "
+                    "some samples twice and some never. Use torchdata's StatefulDataLoader "
+                    "(pip install torchdata; from torchdata.stateful_dataloader import "
+                    "StatefulDataLoader) for exactly-once resumes."
+                )
+            elif trainer.world_size > 1 and not hasattr(
+                getattr(getattr(loader, "batch_sampler", None), "sampler", None), "state_dict"
+            ):
+                rank_zero_warn(
+                    "coci: with several processes the train sampler must be stateful and "
+                    "seeded for exactly-once resumes: pass sampler=StatefulDistributedSampler("
+                    "dataset, shuffle=True, seed=...) (from torchdata.stateful_dataloader."
+                    "sampler) to the StatefulDataLoader instead of shuffle=True."
+                )
 
     @override
     def on_train_batch_start(

@@ -9,6 +9,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
 
 class IndexedDigits(Dataset[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]):
@@ -31,13 +32,16 @@ class IndexedDigits(Dataset[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]):
 class DigitsModel(pl.LightningModule):
     """An MLP with dropout trained with Adam and a step LR schedule."""
 
-    def __init__(self, stateful_loader: bool = True, batch_size: int = 16) -> None:
+    def __init__(
+        self, stateful_loader: bool = True, batch_size: int = 16, distributed: bool = False
+    ) -> None:
         super().__init__()
         self.net = torch.nn.Sequential(
             torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(64, 10)
         )
         self.stateful_loader = stateful_loader
         self.batch_size = batch_size
+        self.distributed = distributed
         self.seen: list[int] = []
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -53,6 +57,9 @@ class DigitsModel(pl.LightningModule):
 
     def train_dataloader(self) -> Any:
         data = IndexedDigits()
+        if self.distributed:  # one shuffled order per epoch, split over ranks, stateful
+            sampler = StatefulDistributedSampler(data, shuffle=True, seed=3)
+            return StatefulDataLoader(data, batch_size=self.batch_size, sampler=sampler)
         if self.stateful_loader:
             return StatefulDataLoader(data, batch_size=self.batch_size, shuffle=True)
         return torch.utils.data.DataLoader(data, batch_size=self.batch_size, shuffle=True)
