@@ -54,6 +54,7 @@ FORMAT_VERSION = 1
 _MAX_CHUNKS = 1024
 _COST_CHECK_EVERY = 64
 _REGIME_CHECK_EVERY = 256
+_UNTRUSTED_CHECK_EVERY = 128
 _CHANGE = 0.2
 
 
@@ -285,6 +286,7 @@ class Planner:
         self._plan_inputs: dict[str, float] = {}
         self._horizon_end: int | None = None
         self._curve: LossCurve = FLAT
+        self._pending_curve: LossCurve | None = None
         self._regime_flagged = False
         self._problem: Problem | None = None
         self._overhead: ExpectedOverhead | None = None
@@ -419,6 +421,18 @@ class Planner:
                         return True
         if self._observed % _REGIME_CHECK_EVERY == 0 and self._curve.trusted:
             return self._regime_changed(k)
+        if (
+            self.policy_name == "coci"
+            and self.objective != "time"
+            and not self._curve.trusted
+            and self._observed % _UNTRUSTED_CHECK_EVERY == 0
+            and self._losses.count() >= 64
+        ):
+            # the value only matters once the curve is trusted: re-plan as soon as it is
+            curve = self._fit()
+            if curve.trusted:
+                self._pending_curve = curve
+                return True
         rolling = self.total_steps is None and self._horizon_end is not None
         return rolling and k >= (self._horizon_end or 0) - 1
 
@@ -456,7 +470,10 @@ class Planner:
         if end - start < 2:
             self._schedule, self._ptr = [], 0
             return
-        self._curve = self._fit() if self.policy_name == "coci" else FLAT
+        if self._pending_curve is not None:
+            self._curve, self._pending_curve = self._pending_curve, None
+        else:
+            self._curve = self._fit() if self.policy_name == "coci" else FLAT
         self._regime_flagged = False
         cap = self._cap_steps(tau)
         nodes = self.nodes if callable(self.nodes) else 1
