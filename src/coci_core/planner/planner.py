@@ -33,7 +33,13 @@ from coci_core.planner._checks import (
     check_positive,
 )
 from coci_core.planner.costs import COST_NAMES, CostEstimator
-from coci_core.planner.curve import FLAT, LossCurve, fit_loss_curve, value_density
+from coci_core.planner.curve import (
+    FLAT,
+    LossCurve,
+    curve_from_dict,
+    fit_loss_curve,
+    value_density,
+)
 from coci_core.planner.model import (
     DEFAULT_MTBF_S,
     FailureModel,
@@ -648,6 +654,8 @@ class Planner:
             "plan_inputs": dict(self._plan_inputs),
             "horizon_end": self._horizon_end,
             "regime_flagged": self._regime_flagged,
+            "curve": self._curve.to_dict(),
+            "pending_curve": None if self._pending_curve is None else self._pending_curve.to_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -683,6 +691,8 @@ class Planner:
         self._plan_inputs = {str(k): float(v) for k, v in state["plan_inputs"].items()}
         self._horizon_end = None if state["horizon_end"] is None else int(state["horizon_end"])
         self._regime_flagged = bool(state["regime_flagged"])
-        self._curve = self._fit() if self.policy_name == "coci" and self._losses.chunks else FLAT
+        self._curve = curve_from_dict(state["curve"]) if state.get("curve") else FLAT
+        pending = state.get("pending_curve")
+        self._pending_curve = curve_from_dict(pending) if pending else None
         self._problem = None
         self._overhead = None
