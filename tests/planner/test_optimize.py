@@ -132,3 +132,12 @@ def test_common_random_numbers_give_identical_results_for_identical_schedules():
     res = simulate({"a": steps, "b": steps.copy()}, pb, runs=300, seed=7)
     assert res.rows["a"]["wall_s"].mean == res.rows["b"]["wall_s"].mean
     assert res.rows["a"]["failures"].mean > 0
+
+
+def test_a_run_needing_many_failures_is_simulated_not_truncated():
+    """With no checkpoint and a short MTBF, runs need many failures; the mean stays exact."""
+    pb = _problem(total=10_000, mtbf_h=0.4, objective="time")
+    exact = expected_cost(pb, [])
+    row = simulate({"none": []}, pb, runs=3_000, seed=4, confidence=0.99).rows["none"]
+    assert exact.failures > 5
+    assert abs(row["wall_s"].mean - exact.wall_s) <= row["wall_s"].half_width
