@@ -178,3 +178,15 @@ def test_time_objective_matches_daly_intervals_once_costs_are_measured():
     gaps = np.diff(saves)
     assert len(gaps) > 10
     assert np.all(np.abs(gaps - 283) <= 1)
+
+
+def test_zero_step_times_and_odd_restores_never_crash_observe():
+    """Degenerate measurements (0 s steps, junk restores) keep the planner running."""
+    p = _planner()
+    for k in range(1, 300):
+        p.observe(k, loss=1.0 / k, step_time_s=0.0)
+        p.should_save(k)
+    p.record_restore("soon")
+    p.record_restore(-4.0)
+    p.observe(300, loss=0.5, step_time_s=0.0)
+    assert p.report().cost_sources["restart_s"] == "default"

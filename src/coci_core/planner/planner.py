@@ -331,7 +331,8 @@ class Planner:
             except (TypeError, ValueError):
                 st = math.nan
             if math.isfinite(st) and st >= 0:
-                self._elapsed_s += st
+                with self._lock:
+                    self._elapsed_s += st
                 if not exclude:
                     self._costs.add("step_time_s", st)
         self._last_step = k
@@ -363,7 +364,7 @@ class Planner:
         """Record a save's measured stall and/or persist time (thread-safe)."""
         if stall_s is not None:
             self._costs.add("stall_s", stall_s)
-            with contextlib.suppress(TypeError, ValueError):
+            with contextlib.suppress(TypeError, ValueError), self._lock:
                 self._elapsed_s += max(0.0, float(stall_s))
         if persist_s is not None:
             self._costs.add("persist_s", persist_s)
@@ -458,6 +459,13 @@ class Planner:
         return False
 
     def _replan(self, k: int) -> None:
+        """Re-plan from the newest checkpoint; on any error keep the previous plan."""
+        try:
+            self._replan_unsafe(k)
+        except Exception:  # planning must never crash training
+            logger.exception("re-planning at step %d failed; keeping the previous plan", k)
+
+    def _replan_unsafe(self, k: int) -> None:
         t0 = time.perf_counter()
         self._force_replan = False
         inputs = self._inputs()
@@ -504,11 +512,7 @@ class Planner:
             value_is_flat=not self._curve.trusted,
             max_interval_steps=cap,
         )
-        try:
-            steps = self._policy.plan(pb, context=ctx)
-        except Exception:  # planning must never crash training: keep the old plan
-            logger.exception("re-planning at step %d failed; keeping the previous plan", k)
-            return
+        steps = self._policy.plan(pb, context=ctx)
         ahead = [int(s) for s in steps if s > k]
         if len(ahead) < len(steps):
             # a checkpoint is already overdue: take it at the next step
