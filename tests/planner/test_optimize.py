@@ -141,3 +141,15 @@ def test_a_run_needing_many_failures_is_simulated_not_truncated():
     row = simulate({"none": []}, pb, runs=3_000, seed=4, confidence=0.99).rows["none"]
     assert exact.failures > 5
     assert abs(row["wall_s"].mean - exact.wall_s) <= row["wall_s"].half_width
+
+
+def test_more_nodes_early_means_denser_checkpoints_early(resnet):
+    """A world size of 8 then 2 nodes gives intervals about twice as short early (sqrt(4))."""
+    from coci_core.planner import plan_schedule
+
+    resnet["mtbf_s"] = 24 * 3600.0
+    sched = plan_schedule(**resnet, objective="time", nodes=lambda k: 8 if k < 25_000 else 2)
+    steps = np.array(sched.steps)
+    early = np.diff(steps[steps < 20_000]).mean()
+    late = np.diff(steps[steps > 30_000]).mean()
+    assert 1.6 < late / early < 2.4

@@ -490,7 +490,8 @@ class Planner:
             self._curve = self._fit() if self.policy_name == "coci" else FLAT
         self._regime_flagged = False
         cap = self._cap_steps(tau)
-        nodes = self.nodes if callable(self.nodes) else 1
+        # a per-node MTBF scales with the world size; an estimated one is already job-level
+        nodes = self.nodes if callable(self.nodes) and self.mtbf_s is not None else 1
         pb = Problem(
             start_step=start,
             end_step=end,
