@@ -34,7 +34,10 @@ _SAFE = {
 
 def _loss_from_expr(expr: str) -> Callable[[Any], Any]:
     """A loss callable from a numpy expression in ``k`` (the user's own command line)."""
-    code = compile(expr, "<--loss>", "eval")
+    try:
+        code = compile(expr, "<--loss>", "eval")
+    except SyntaxError as e:
+        raise ConfigError(f"'--loss' is not a valid expression in k: {expr!r} ({e.msg})") from e
 
     def fn(k: Any) -> Any:
         return eval(code, {"__builtins__": {}}, {**_SAFE, "k": np.asarray(k, dtype=np.float64)})

@@ -128,6 +128,27 @@ class LossCurve:
         }
 
 
+def curve_from_dict(state: dict[str, object]) -> LossCurve:
+    """Rebuild a fitted curve from :meth:`LossCurve.to_dict` (exact curves are not stored)."""
+    raw = state.get("pieces", [])
+    pieces = tuple(
+        CurvePiece(
+            start_step=int(p["start_step"]),
+            kind=str(p["kind"]),
+            params=tuple(float(x) for x in p["params"]),
+        )
+        for p in (raw if isinstance(raw, list) else [])
+    )
+    return LossCurve(
+        trusted=bool(state.get("trusted", False)) and bool(pieces),
+        pieces=pieces,
+        r2=float(state.get("r2", 0.0)),  # type: ignore[arg-type]
+        reason=str(state.get("reason", "")),
+        scale=float(state.get("scale", 1.0)),  # type: ignore[arg-type]
+        offset=float(state.get("offset", 0.0)),  # type: ignore[arg-type]
+    )
+
+
 FLAT = LossCurve(trusted=False, reason="no loss curve")
 
 

@@ -33,7 +33,13 @@ from coci_core.planner._checks import (
     check_positive,
 )
 from coci_core.planner.costs import COST_NAMES, CostEstimator
-from coci_core.planner.curve import FLAT, LossCurve, fit_loss_curve, value_density
+from coci_core.planner.curve import (
+    FLAT,
+    LossCurve,
+    curve_from_dict,
+    fit_loss_curve,
+    value_density,
+)
 from coci_core.planner.model import (
     DEFAULT_MTBF_S,
     FailureModel,
@@ -54,6 +60,7 @@ FORMAT_VERSION = 1
 _MAX_CHUNKS = 1024
 _COST_CHECK_EVERY = 64
 _REGIME_CHECK_EVERY = 256
+_UNTRUSTED_CHECK_EVERY = 128
 _CHANGE = 0.2
 
 
@@ -285,6 +292,7 @@ class Planner:
         self._plan_inputs: dict[str, float] = {}
         self._horizon_end: int | None = None
         self._curve: LossCurve = FLAT
+        self._pending_curve: LossCurve | None = None
         self._regime_flagged = False
         self._problem: Problem | None = None
         self._overhead: ExpectedOverhead | None = None
@@ -323,7 +331,8 @@ class Planner:
             except (TypeError, ValueError):
                 st = math.nan
             if math.isfinite(st) and st >= 0:
-                self._elapsed_s += st
+                with self._lock:
+                    self._elapsed_s += st
                 if not exclude:
                     self._costs.add("step_time_s", st)
         self._last_step = k
@@ -355,7 +364,7 @@ class Planner:
         """Record a save's measured stall and/or persist time (thread-safe)."""
         if stall_s is not None:
             self._costs.add("stall_s", stall_s)
-            with contextlib.suppress(TypeError, ValueError):
+            with contextlib.suppress(TypeError, ValueError), self._lock:
                 self._elapsed_s += max(0.0, float(stall_s))
         if persist_s is not None:
             self._costs.add("persist_s", persist_s)
@@ -419,6 +428,18 @@ class Planner:
                         return True
         if self._observed % _REGIME_CHECK_EVERY == 0 and self._curve.trusted:
             return self._regime_changed(k)
+        if (
+            self.policy_name == "coci"
+            and self.objective != "time"
+            and not self._curve.trusted
+            and self._observed % _UNTRUSTED_CHECK_EVERY == 0
+            and self._losses.count() >= 64
+        ):
+            # the value only matters once the curve is trusted: re-plan as soon as it is
+            curve = self._fit()
+            if curve.trusted:
+                self._pending_curve = curve
+                return True
         rolling = self.total_steps is None and self._horizon_end is not None
         return rolling and k >= (self._horizon_end or 0) - 1
 
@@ -438,6 +459,13 @@ class Planner:
         return False
 
     def _replan(self, k: int) -> None:
+        """Re-plan from the newest checkpoint; on any error keep the previous plan."""
+        try:
+            self._replan_unsafe(k)
+        except Exception:  # planning must never crash training
+            logger.exception("re-planning at step %d failed; keeping the previous plan", k)
+
+    def _replan_unsafe(self, k: int) -> None:
         t0 = time.perf_counter()
         self._force_replan = False
         inputs = self._inputs()
@@ -456,10 +484,14 @@ class Planner:
         if end - start < 2:
             self._schedule, self._ptr = [], 0
             return
-        self._curve = self._fit() if self.policy_name == "coci" else FLAT
+        if self._pending_curve is not None:
+            self._curve, self._pending_curve = self._pending_curve, None
+        else:
+            self._curve = self._fit() if self.policy_name == "coci" else FLAT
         self._regime_flagged = False
         cap = self._cap_steps(tau)
-        nodes = self.nodes if callable(self.nodes) else 1
+        # a per-node MTBF scales with the world size; an estimated one is already job-level
+        nodes = self.nodes if callable(self.nodes) and self.mtbf_s is not None else 1
         pb = Problem(
             start_step=start,
             end_step=end,
@@ -481,11 +513,7 @@ class Planner:
             value_is_flat=not self._curve.trusted,
             max_interval_steps=cap,
         )
-        try:
-            steps = self._policy.plan(pb, context=ctx)
-        except Exception:  # planning must never crash training: keep the old plan
-            logger.exception("re-planning at step %d failed; keeping the previous plan", k)
-            return
+        steps = self._policy.plan(pb, context=ctx)
         ahead = [int(s) for s in steps if s > k]
         if len(ahead) < len(steps):
             # a checkpoint is already overdue: take it at the next step
@@ -631,6 +659,8 @@ class Planner:
             "plan_inputs": dict(self._plan_inputs),
             "horizon_end": self._horizon_end,
             "regime_flagged": self._regime_flagged,
+            "curve": self._curve.to_dict(),
+            "pending_curve": None if self._pending_curve is None else self._pending_curve.to_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -666,6 +696,8 @@ class Planner:
         self._plan_inputs = {str(k): float(v) for k, v in state["plan_inputs"].items()}
         self._horizon_end = None if state["horizon_end"] is None else int(state["horizon_end"])
         self._regime_flagged = bool(state["regime_flagged"])
-        self._curve = self._fit() if self.policy_name == "coci" and self._losses.chunks else FLAT
+        self._curve = curve_from_dict(state["curve"]) if state.get("curve") else FLAT
+        pending = state.get("pending_curve")
+        self._pending_curve = curve_from_dict(pending) if pending else None
         self._problem = None
         self._overhead = None

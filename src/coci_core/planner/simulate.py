@@ -83,6 +83,10 @@ def _kill_steps(pb: Problem, seed: int, runs: int) -> FloatArray:
     return np.asarray(kills[np.minimum(np.searchsorted(cdf, u, side="right"), len(kills) - 1)])
 
 
+class _OutOfFailures(Exception):
+    """A run needed more failure times than were drawn (the caller draws more)."""
+
+
 @dataclass(frozen=True, kw_only=True, eq=False)
 class _Table:
     """Per-segment arrays of one schedule truncated at one end step."""
@@ -180,7 +184,7 @@ def _simulate_group(
     live = np.arange(runs)
     while live.size:
         if int(ptr[live].max()) >= fail_t.shape[1]:
-            raise RuntimeError("simulation ran out of failure times")
+            raise _OutOfFailures
         i, fr, t = seg[live], fresh[live], t0[live]
         f = fail_t[live, ptr[live]]
         e_cur = np.where(fr, tb.e2[i], tb.e1[i])
@@ -284,7 +288,19 @@ def simulate(
         }
         for kill in np.unique(kills):
             mask = kills == kill
-            res = _simulate_group(problem, ckpts[ckpts < kill], int(kill), gaps[mask], lam)
+            while True:
+                try:
+                    res = _simulate_group(problem, ckpts[ckpts < kill], int(kill), gaps[mask], lam)
+                    break
+                except _OutOfFailures:
+                    # the same seed and blocks give the same first columns: CRN is preserved
+                    if blocks >= 4096:
+                        raise ConfigError(
+                            f"'schedules' entry {name!r} needs more than "
+                            f"{blocks * _BLOCK} failures per run: the job hardly ever finishes"
+                        ) from None
+                    blocks *= 2
+                    gaps = _failure_gaps(seed, runs, blocks)
             per_run["wall_s"][mask] = (
                 res["stall_s"] + res["lost_compute_s"] + res["lost_stall_s"] + res["restart_s"]
             )

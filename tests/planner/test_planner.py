@@ -1,0 +1,192 @@
+"""The online Planner: decisions, robustness, thread safety, state round trip and reporting."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import numpy as np
+import pytest
+from planner_helpers import noisy_run
+
+from coci_core.planner import Planner, PlannerReport
+
+
+def _drive(planner, losses, start, stop, *, stall=0.5, persist=2.0):
+    """Run steps [start, stop): observe, decide, record; return the decisions."""
+    decisions = []
+    for k in range(start, stop):
+        planner.observe(k, loss=float(losses[k]), step_time_s=0.3)
+        save = planner.should_save(k)
+        decisions.append(save)
+        if save:
+            planner.record_save(stall_s=stall, persist_s=persist)
+    return decisions
+
+
+def _planner(**kw):
+    args = {"total_steps": 20_000, "mtbf_s": 2 * 3600.0}
+    args.update(kw)
+    return Planner(**args)
+
+
+def test_state_dict_round_trips_mid_run_and_the_restored_planner_decides_the_same():
+    """A Planner restored from a JSON state makes exactly the same decisions afterwards."""
+    losses = noisy_run(20_000, seed=11)
+    a = _planner()
+    _drive(a, losses, 1, 6_000)
+    state = json.loads(json.dumps(a.state_dict(), allow_nan=False))
+    b = _planner()
+    b.load_state_dict(state)
+    assert b.schedule == a.schedule
+    da = _drive(a, losses, 6_000, 20_000)
+    db = _drive(b, losses, 6_000, 20_000)
+    assert sum(da) >= 5
+    assert da == db
+
+
+def test_state_dict_holds_only_json_values():
+    """The state survives a strict JSON round trip unchanged (no pickle needed)."""
+    p = _planner()
+    _drive(p, noisy_run(3_000, seed=2), 1, 3_000)
+    p.observe(3_000, loss=float("nan"))
+    state = p.state_dict()
+    assert json.loads(json.dumps(state, allow_nan=False)) == state
+
+
+def test_nan_and_inf_losses_are_skipped_and_counted():
+    """Non-finite or junk losses never raise, are not fitted and are counted."""
+    p = _planner()
+    bad = [float("nan"), float("inf"), -float("inf"), "junk"]
+    for k, loss in enumerate(bad, start=1):
+        p.observe(k, loss=loss, step_time_s=0.3)
+    p.observe(5, loss=1.0, step_time_s=float("nan"))
+    assert p.report().skipped_losses == len(bad)
+    assert p.state_dict()["losses"]["chunks"] == [[0.0, 5.0, 1.0, 1.0]]
+
+
+@pytest.mark.parametrize("step", [None, "x", 1.5, -3, 10**30, np.int64(7), float("nan"), [1]])
+def test_should_save_never_raises_on_odd_input(step):
+    """should_save answers a bool for anything, and False for what is not a planned step."""
+    p = _planner(step_time_s=0.3)
+    p.observe(1, loss=1.0)
+    assert p.should_save(step) in (True, False)
+    huge = isinstance(step, int) and step == 10**30  # past every planned step: overdue
+    assert p.should_save(step) is huge
+
+
+def test_a_late_step_triggers_the_overdue_checkpoint_once_per_step():
+    """Skipping past a planned step saves at the next step asked, and repeated asks agree."""
+    p = _planner(policy="every_n_steps", every_n_steps=100, step_time_s=0.3)
+    p.observe(1)
+    assert not p.should_save(99)
+    assert p.should_save(150)
+    assert p.should_save(150)
+    assert not p.should_save(151)
+    assert p.should_save(200)
+
+
+def test_record_save_is_thread_safe_and_measured_costs_are_used():
+    """Concurrent record_save calls are all kept; the median becomes the planned cost."""
+    p = _planner(step_time_s=0.3)
+    barrier = threading.Barrier(8)
+
+    def worker():
+        barrier.wait()
+        for _ in range(200):
+            p.record_save(persist_s=4.0)
+            p.record_save(stall_s=1.5)
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    rep = p.report()
+    assert rep.cost_sources["persist_s"] == "measured"
+    assert rep.costs["persist_s"] == 4.0
+    assert rep.costs["stall_s"] == 1.5
+
+
+def test_user_given_costs_override_measurements_and_are_reported_as_such():
+    """A stall given by the user wins over a measured one, and the report says which is which."""
+    p = _planner(stall_s=2.0)
+    p.record_save(stall_s=9.0, persist_s=3.0)
+    rep = p.report()
+    assert (rep.costs["stall_s"], rep.cost_sources["stall_s"]) == (2.0, "user")
+    assert (rep.costs["persist_s"], rep.cost_sources["persist_s"]) == (3.0, "measured")
+    assert rep.cost_sources["restart_s"] == "default"
+
+
+def test_restores_feed_the_mtbf_estimate_when_none_is_given():
+    """Without mtbf_s, restarts pull the MTBF estimate below the documented default."""
+    p = Planner(total_steps=10_000, default_mtbf_s=24 * 3600.0)
+    assert p.report().mtbf_source == "default"
+    for k in range(1, 200):
+        p.observe(k, loss=1.0, step_time_s=60.0)
+    p.record_restore(30.0)
+    p.record_restore(50.0)
+    rep = p.report()
+    assert rep.mtbf_source == "estimated"
+    assert rep.mtbf_s < 24 * 3600.0
+    assert (rep.costs["restart_s"], rep.cost_sources["restart_s"]) == (40.0, "measured")
+
+
+def test_an_unknown_total_plans_over_a_rolling_horizon():
+    """With total_steps=None the planner still plans ahead and says the horizon is rolling."""
+    p = Planner(mtbf_s=3600.0, stall_s=1.0, step_time_s=0.5)
+    decisions = _drive(p, noisy_run(6_000, seed=4), 1, 6_000)
+    rep = p.report()
+    assert rep.rolling
+    assert rep.horizon_end_step is not None
+    assert rep.horizon_end_step > 5_999
+    assert sum(decisions) >= 3
+    assert rep.next_steps
+
+
+def test_every_n_steps_with_coci_caps_the_interval():
+    """every_n_steps given to the coci policy is an upper bound on the interval."""
+    p = _planner(every_n_steps=150, mtbf_s=100 * 3600.0)
+    decisions = _drive(p, noisy_run(5_000, seed=6), 1, 5_000)
+    saves = np.flatnonzero(decisions) + 1
+    assert len(saves) > 10
+    assert np.diff(saves).max() <= 150
+
+
+def test_report_and_explain_describe_the_plan():
+    """report() carries plan vs Daly figures and fitted loss; explain() names the inputs."""
+    losses = noisy_run(20_000, seed=8)
+    p = _planner()
+    _drive(p, losses, 1, 9_000)
+    rep = p.report()
+    assert isinstance(rep, PlannerReport)
+    assert rep.expected_overhead is not None
+    assert rep.expected_overhead.daly_wall_s > 0
+    assert rep.fitted_loss is not None
+    assert abs(rep.fitted_loss - 1.5 - 5.4 * 4**-0.5) < 0.3
+    assert rep.replans >= 5
+    text = p.explain(rep.next_steps[0])
+    assert "checkpoint" in text
+    assert "stall_s 0.5 (measured)" in text
+    assert "Daly" in text
+
+
+def test_time_objective_matches_daly_intervals_once_costs_are_measured():
+    """With the time objective and no termination the online intervals are Daly's."""
+    p = _planner(objective="time", stall_s=0.5, persist_s=2.0, step_time_s=0.3)
+    saves = np.flatnonzero(_drive(p, noisy_run(20_000, seed=1), 1, 20_000)) + 1
+    gaps = np.diff(saves)
+    assert len(gaps) > 10
+    assert np.all(np.abs(gaps - 283) <= 1)
+
+
+def test_zero_step_times_and_odd_restores_never_crash_observe():
+    """Degenerate measurements (0 s steps, junk restores) keep the planner running."""
+    p = _planner()
+    for k in range(1, 300):
+        p.observe(k, loss=1.0 / k, step_time_s=0.0)
+        p.should_save(k)
+    p.record_restore("soon")
+    p.record_restore(-4.0)
+    p.observe(300, loss=0.5, step_time_s=0.0)
+    assert p.report().cost_sources["restart_s"] == "default"
