@@ -9,6 +9,7 @@ measured stall, persist and restore times back into the planner.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -19,7 +20,7 @@ from coci_core.manager import CheckpointManager, SaveHandle
 from coci_core.planner import Planner
 from coci_core.stateful import Stateful
 from coci_core.storage import Storage
-from coci_core.telemetry import Event, Listener, RestoreEvent, SaveEvent
+from coci_core.telemetry import Event, Listener, RestoreEvent, SaveEvent, TelemetrySink
 
 __all__ = ["COMPRESSION_MODES", "Checkpointer"]
 
@@ -62,6 +63,9 @@ class Checkpointer:
         rank: this process's global rank; only rank 0 writes (until sharded saves).
         broadcast: for several processes, a collective that sends rank 0's object to every
             rank; save decisions are then shared at a few sync steps (see ``decision.py``).
+        sinks: telemetry sinks (TensorBoard, JSON lines): every save and restore event, the
+            plan whenever it changes and at each save, and the observed loss beside the fitted
+            curve every ``telemetry_every_n_steps`` steps.
     """
 
     def __init__(
@@ -79,6 +83,8 @@ class Checkpointer:
         manager_options: Mapping[str, Any] | None = None,
         rank: int = 0,
         broadcast: Callable[[Any], Any] | None = None,
+        sinks: Iterable[TelemetrySink] = (),
+        telemetry_every_n_steps: int = 50,
     ) -> None:
         self.compression = check_compression(compression)
         if not isinstance(block, bool):
@@ -87,7 +93,16 @@ class Checkpointer:
         self.planner = Planner(
             policy=policy, objective=objective, mtbf_s=mtbf_s, **dict(planner_options or {})
         )
+        if type(telemetry_every_n_steps) is not int or telemetry_every_n_steps < 1:
+            raise ConfigError(
+                f"'telemetry_every_n_steps' must be an integer >= 1: {telemetry_every_n_steps!r}"
+            )
         self.rank = rank
+        self.sinks: list[TelemetrySink] = list(sinks)
+        self.telemetry_every_n_steps = telemetry_every_n_steps
+        self._replans_seen = -1
+        self._telemetry_step = -telemetry_every_n_steps
+        self._last_loss: float | None = None
         self.decision = SharedDecision(self.planner, rank=rank, broadcast=broadcast)
         self._listeners: list[Listener] = list(listeners)
         self.manager = CheckpointManager(
@@ -110,7 +125,8 @@ class Checkpointer:
             if event.outcome == "committed":
                 self.planner.record_save(stall_s=event.stall_s, persist_s=event.persist_s)
             self.last_save = event
-        for listener in list(self._listeners):
+        receivers: list[Callable[[Event], None]] = [*self.sinks, *self._listeners]
+        for listener in receivers:
             try:
                 listener(event)
             except Exception:
@@ -121,6 +137,29 @@ class Checkpointer:
     ) -> None:
         """Record one training step (never raises on odd loss or time values)."""
         self.planner.observe(step, loss=loss, step_time_s=step_time_s)
+        if not self.sinks:
+            return
+        if loss is not None and math.isfinite(loss):
+            self._last_loss = float(loss)
+        if (
+            self.planner.replans != self._replans_seen
+            or step - self._telemetry_step >= self.telemetry_every_n_steps
+        ):
+            self._record_telemetry(step)
+
+    def _record_telemetry(self, step: int, *, plan: bool = False) -> None:
+        report = self.planner.report()
+        plan = plan or report.replans != self._replans_seen
+        self._replans_seen = report.replans
+        self._telemetry_step = step
+        for sink in self.sinks:
+            try:
+                if plan:
+                    sink.record_plan(step, report)
+                if self._last_loss is not None:
+                    sink.record_loss(step, self._last_loss, report.fitted_loss)
+            except Exception:
+                logger.exception("coci telemetry sink %r failed", sink)
 
     def should_save(self, step: int) -> bool:
         """Whether the plan checkpoints after ``step``."""
@@ -128,7 +167,10 @@ class Checkpointer:
 
     def save(self, step: int, state: Mapping[str, Any], *, block: bool | None = None) -> SaveHandle:
         """Save ``state`` as ``step`` (see :meth:`CheckpointManager.save`)."""
-        return self.manager.save(step, state, block=self.block if block is None else block)
+        handle = self.manager.save(step, state, block=self.block if block is None else block)
+        if self.sinks:
+            self._record_telemetry(step, plan=True)
+        return handle
 
     def before_update(self) -> None:
         """Call before each optimizer step: waits only for an unfinished snapshot copy."""
@@ -153,8 +195,15 @@ class Checkpointer:
         self.manager.wait()
 
     def close(self) -> None:
-        """Wait for pending saves and stop the writer."""
-        self.manager.close()
+        """Wait for pending saves, stop the writer and close the telemetry sinks."""
+        try:
+            self.manager.close()
+        finally:
+            for sink in self.sinks:
+                try:
+                    sink.close()
+                except Exception:
+                    logger.exception("coci telemetry sink %r failed to close", sink)
 
     def state_dict(self) -> dict[str, Any]:
         """The planner's estimates (JSON), so that a resumed run keeps them."""

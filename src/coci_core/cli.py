@@ -109,6 +109,19 @@ def _split_for_safetensors(state: Any) -> tuple[dict[str, Any], Any]:
     return tensors, rest
 
 
+def _report(args: argparse.Namespace) -> int:
+    from coci_core.report import render, summarize
+
+    try:
+        summary = summarize(args.dir)
+    except FileNotFoundError as e:
+        print(f"coci: {e}", file=sys.stderr)
+        return 1
+    tb = Path(args.dir) / "tensorboard"
+    print(render(summary, tensorboard_dir=args.tensorboard or (str(tb) if tb.is_dir() else None)))
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from coci_core.demo import run
 
@@ -131,6 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out")
     p.add_argument("--step", type=int, help="default: the newest committed step")
     p.set_defaults(func=_export)
+    p = sub.add_parser("report", help="what a run's checkpoints cost, planned vs actual")
+    p.add_argument("dir")
+    p.add_argument("--tensorboard", help="the TensorBoard log directory to point to")
+    p.set_defaults(func=_report)
     p = sub.add_parser("demo", help="kill a training run mid-persist and resume it exactly")
     from coci_core.demo import add_arguments
 

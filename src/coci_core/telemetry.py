@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import math
+import os
+import threading
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Literal, TypeAlias
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal, Protocol, TypeAlias
 
-__all__ = ["Event", "Listener", "RestoreEvent", "SaveEvent", "emit"]
+__all__ = [
+    "Event",
+    "JsonlTelemetry",
+    "Listener",
+    "RestoreEvent",
+    "SaveEvent",
+    "TelemetrySink",
+    "emit",
+    "read_jsonl",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -66,3 +80,106 @@ def emit(listeners: list[Listener], event: Event) -> None:
             listener(event)
         except Exception:
             logger.exception("coci telemetry listener %r failed on %r", listener, event)
+
+
+class TelemetrySink(Protocol):
+    """Where an adapter's telemetry goes (TensorBoard, a JSON-lines file, ...).
+
+    Called as (rank 0): ``sink(event)`` for each save (from the writer thread) and restore;
+    ``record_plan(step, report)`` when the plan changes; ``record_loss(step, loss, fitted)``;
+    ``flush()``; ``close()``.
+    """
+
+    def __call__(self, event: Event) -> None: ...
+
+    def record_plan(self, step: int, report: Any) -> None: ...
+
+    def record_loss(self, step: int, loss: float, fitted: float | None = None) -> None: ...
+
+    def flush(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _finite_or_none(x: Any) -> Any:
+    """``x`` with every non-finite float (at any depth) replaced by None, for strict JSON."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _finite_or_none(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite_or_none(v) for v in x]
+    return x
+
+
+class JsonlTelemetry:
+    """Appends telemetry as JSON lines to one file, for ``coci report``; thread-safe."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        self._lock = threading.Lock()
+
+    def _write(self, record: dict[str, Any]) -> None:
+        line = json.dumps(record, default=str, allow_nan=False)
+        with self._lock:
+            if not self._file.closed:
+                self._file.write(line + "\n")
+                self._file.flush()
+
+    def __call__(self, event: Event) -> None:
+        kind = "save" if isinstance(event, SaveEvent) else "restore"
+        fields = {k: _finite_or_none(v) for k, v in asdict(event).items()}
+        self._write({"type": kind, **fields})
+
+    def record_plan(self, step: int, report: Any) -> None:
+        overhead = getattr(report, "expected_overhead", None)
+        self._write(
+            {
+                "type": "plan",
+                "step": int(step),
+                "policy": report.policy,
+                "objective": report.objective,
+                "next_steps": [int(s) for s in report.next_steps],
+                "interval_steps": report.interval_steps,
+                "mtbf_s": _finite_or_none(report.mtbf_s),
+                "mtbf_source": report.mtbf_source,
+                "costs": {k: _finite_or_none(v) for k, v in report.costs.items()},
+                "cost_sources": dict(report.cost_sources),
+                "expected_overhead": None
+                if overhead is None
+                else {k: _finite_or_none(v) for k, v in asdict(overhead).items()},
+            }
+        )
+
+    def record_loss(self, step: int, loss: float, fitted: float | None = None) -> None:
+        self._write(
+            {
+                "type": "loss",
+                "step": int(step),
+                "loss": _finite_or_none(float(loss)),
+                "fitted": None if fitted is None else _finite_or_none(float(fitted)),
+            }
+        )
+
+    def flush(self) -> None:
+        with self._lock:
+            if not self._file.closed:
+                self._file.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+
+def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The records of a telemetry file (a torn last line, from a killed run, is skipped)."""
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return records

@@ -20,6 +20,7 @@ from coci_core.planner import POLICIES, Planner
 from coci_core.restore import committed_steps
 from coci_core.storage import open_storage
 from coci_lightning._resume import CociCheckpointIO, install_last_resolution
+from coci_lightning._telemetry import LoggerRelay, make_sinks
 
 __all__ = ["CociCheckpoint"]
 
@@ -93,6 +94,7 @@ class CociCheckpoint(Checkpoint):
         self._last_saved_step: int | None = None
         self._fallback_for: str | None = None
         self._rng_per_rank: list[Any] | None = None
+        self._relay = LoggerRelay()
         install_last_resolution()
 
     @property
@@ -127,6 +129,8 @@ class CociCheckpoint(Checkpoint):
             block=self.block,
             planner_options=options,
             rank=trainer.global_rank,
+            sinks=make_sinks(trainer, self.resolve_dirpath(trainer)),
+            listeners=[self._relay],
             broadcast=(lambda obj: trainer.strategy.broadcast(obj, src=0))
             if trainer.world_size > 1
             else None,
@@ -197,6 +201,8 @@ class CociCheckpoint(Checkpoint):
         ckpt.observe(trainer.global_step, loss=self._loss(trainer, outputs), step_time_s=step_time)
         if ckpt.should_save(trainer.global_step):
             self._save(trainer)
+        if trainer.is_global_zero:
+            self._relay.drain(trainer)
         self._last_end = time.perf_counter()
 
     def _loss(self, trainer: pl.Trainer, outputs: Any) -> float | None:
@@ -237,6 +243,8 @@ class CociCheckpoint(Checkpoint):
             self._save(trainer, block=True)
         if self.checkpointer is not None:
             self.checkpointer.wait()
+        if trainer.is_global_zero:
+            self._relay.drain(trainer)
 
     @override
     def on_exception(

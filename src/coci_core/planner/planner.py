@@ -381,6 +381,11 @@ class Planner:
     # ------------------------------------------------------------------ planning
 
     @property
+    def replans(self) -> int:
+        """How many plans have been made (cheap: tells telemetry when the plan changed)."""
+        return self._replans
+
+    @property
     def schedule(self) -> tuple[int, ...]:
         """The planned checkpoint steps still ahead."""
         return tuple(self._schedule[self._ptr :])

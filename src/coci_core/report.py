@@ -1,0 +1,107 @@
+"""``coci report DIR``: what a run's checkpoints cost and how they compare with the plan."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any
+
+from coci_core.telemetry import read_jsonl
+
+__all__ = ["RunSummary", "summarize", "render"]
+
+TELEMETRY_FILE = "telemetry.jsonl"
+
+
+class RunSummary:
+    """The facts ``coci report`` prints, gathered from a checkpoint directory's telemetry."""
+
+    def __init__(self, records: list[dict[str, Any]]) -> None:
+        self.saves = [r for r in records if r.get("type") == "save"]
+        self.plans = [r for r in records if r.get("type") == "plan"]
+        self.restores = [r for r in records if r.get("type") == "restore"]
+        self.losses = [r for r in records if r.get("type") == "loss"]
+        self.committed = [s for s in self.saves if s.get("outcome") == "committed"]
+        self.planned = sorted({int(s) for p in self.plans for s in p.get("next_steps", [])})
+        self.lost_steps = self._lost_steps(records)
+
+    @staticmethod
+    def _lost_steps(records: list[dict[str, Any]]) -> list[int]:
+        # Steps recorded after the newest checkpoint and before a restore were trained twice.
+        lost: list[int] = []
+        last: int | None = None
+        for r in records:
+            if r.get("type") in ("loss", "plan", "save"):
+                last = r["step"] if last is None else max(last, r["step"])
+            elif r.get("type") == "restore":
+                lost.append(max(0, (last or r["step"]) - r["step"]))
+                last = r["step"]
+        return lost
+
+    @property
+    def last_plan(self) -> dict[str, Any] | None:
+        return self.plans[-1] if self.plans else None
+
+
+def summarize(directory: str | Path) -> RunSummary:
+    """Read ``DIR/telemetry.jsonl`` (written by the Lightning and Accelerate adapters)."""
+    path = Path(directory) / TELEMETRY_FILE
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"no {TELEMETRY_FILE} in {directory}: was it written by an adapter?"
+        )
+    return RunSummary(read_jsonl(path))
+
+
+def _ms(values: list[float]) -> str:
+    return f"{1e3 * statistics.median(values):.1f} ms" if values else "-"
+
+
+def render(summary: RunSummary, *, tensorboard_dir: str | None = None) -> str:
+    """The report as text."""
+    lines = []
+    actual = [s["step"] for s in summary.committed]
+    lines.append(f"checkpoints committed: {len(actual)} at steps {actual}")
+    planned_ahead = [s for s in summary.planned if not actual or s > actual[-1]]
+    lines.append(
+        f"planned checkpoint steps seen: {len(summary.planned)}; still ahead: {planned_ahead[:10]}"
+    )
+    skipped = [s["step"] for s in summary.saves if s.get("outcome") == "skipped"]
+    failed = [s["step"] for s in summary.saves if s.get("outcome") == "failed"]
+    if skipped or failed:
+        lines.append(f"skipped saves: {skipped}; failed saves: {failed}")
+    lines.append("")
+    lines.append(f"{'step':>8} {'stall ms':>10} {'persist ms':>11} {'durable ms':>11} {'MB':>9}")
+    for s in summary.committed:
+        lines.append(
+            f"{s['step']:>8} {1e3 * s['stall_s']:>10.2f} {1e3 * s['persist_s']:>11.2f} "
+            f"{1e3 * s['time_to_durable_s']:>11.2f} {s['bytes_written'] / 1e6:>9.2f}"
+        )
+    lines.append(
+        f"median stall {_ms([s['stall_s'] for s in summary.committed])}, "
+        f"median persist {_ms([s['persist_s'] for s in summary.committed])}"
+    )
+    for r, lost in zip(summary.restores, summary.lost_steps, strict=False):
+        lines.append(
+            f"restart: restored step {r['step']} in {r['seconds']:.2f} s; "
+            f"about {lost} steps of work were lost and redone"
+        )
+    plan = summary.last_plan
+    if plan is not None:
+        lines.append("")
+        lines.append(
+            f"plan: policy {plan['policy']}, objective {plan['objective']}, interval "
+            f"{plan['interval_steps']} steps, MTBF {plan['mtbf_s']} s "
+            f"({plan['mtbf_source']})"
+        )
+        overhead = plan.get("expected_overhead")
+        if overhead:
+            lines.append(
+                f"expected overhead over the horizon: plan {overhead['wall_s']:.1f} s wall-clock "
+                f"({overhead['objective_s']:.1f} s by its objective) vs Daly "
+                f"{overhead['daly_wall_s']:.1f} s ({overhead['daly_objective_s']:.1f} s)"
+            )
+    if tensorboard_dir:
+        lines.append("")
+        lines.append(f"open the panel: tensorboard --logdir {tensorboard_dir}")
+    return "\n".join(lines)

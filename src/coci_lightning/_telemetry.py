@@ -1,0 +1,64 @@
+"""Where a Lightning run's coci telemetry goes: the Trainer's loggers, TensorBoard, a JSON file."""
+
+from __future__ import annotations
+
+import collections
+import threading
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.loggers import TensorBoardLogger
+
+from coci_core.errors import ConfigError
+from coci_core.telemetry import Event, JsonlTelemetry, SaveEvent, TelemetrySink
+
+TELEMETRY_FILE = "telemetry.jsonl"
+
+
+def make_sinks(trainer: pl.Trainer, root: Path) -> list[TelemetrySink]:
+    """On rank 0: a JSON-lines file under ``root`` and TensorBoard (the Trainer's
+    TensorBoardLogger when it has one, else coci's own writer under ``root/tensorboard`` if
+    tensorboard is installed)."""
+    if not trainer.is_global_zero:
+        return []
+    from coci_core.tensorboard import TensorBoardTelemetry
+
+    sinks: list[TelemetrySink] = [JsonlTelemetry(root / TELEMETRY_FILE)]
+    loggers = [lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
+    try:
+        if loggers:
+            sinks.append(TensorBoardTelemetry(writer=loggers[0].experiment))
+        else:
+            sinks.append(TensorBoardTelemetry(root / "tensorboard"))
+    except ConfigError:  # tensorboard is not installed: the JSON file still has everything
+        pass
+    return sinks
+
+
+class LoggerRelay:
+    """Passes committed saves (reported on the writer thread) to the Trainer's other loggers,
+    on the training thread."""
+
+    def __init__(self) -> None:
+        self._events: collections.deque[SaveEvent] = collections.deque()
+        self._lock = threading.Lock()
+
+    def __call__(self, event: Event) -> None:
+        if isinstance(event, SaveEvent) and event.outcome == "committed":
+            with self._lock:
+                self._events.append(event)
+
+    def drain(self, trainer: pl.Trainer) -> None:
+        """Log the saves that finished since the last call (rank 0; TensorBoard has its panel)."""
+        with self._lock:
+            events, self._events = list(self._events), collections.deque()
+        loggers: list[Any] = [lg for lg in trainer.loggers if not isinstance(lg, TensorBoardLogger)]
+        for event in events:
+            metrics = {
+                "coci/stall_ms": 1e3 * event.stall_s,
+                "coci/persist_ms": 1e3 * event.persist_s,
+                "coci/bytes_written": float(event.bytes_written),
+            }
+            for lg in loggers:
+                lg.log_metrics(metrics, step=event.step)
