@@ -73,14 +73,15 @@ def test_errors_exit_1_with_message(tmp_path: Path, capsys: pytest.CaptureFixtur
 
 
 @pytest.mark.slow
-def test_coci_demo_end_to_end(tmp_path: Path) -> None:
-    """`coci demo` kills a trainer mid-persist and reports a bit-identical resume."""
+def test_coci_demo_engine_end_to_end(tmp_path: Path) -> None:
+    """`coci demo --engine` kills a trainer mid-persist and reports a bit-identical resume."""
     proc = subprocess.run(
         [
             sys.executable,
             "-m",
             "coci_core.cli",
             "demo",
+            "--engine",
             "--dir",
             str(tmp_path / "demo"),
             "--total-steps",
@@ -98,3 +99,32 @@ def test_coci_demo_end_to_end(tmp_path: Path) -> None:
     assert "killed with SIGKILL during the persist of step 60" in proc.stdout
     assert "resumed in a new process from step 40" in proc.stdout
     assert "bit-identical to the uninterrupted run: True" in proc.stdout
+
+
+@pytest.mark.slow
+def test_coci_demo_lightning_end_to_end(tmp_path: Path) -> None:
+    """`coci demo` kills a Lightning run at a step, resumes it exactly and reports the plan."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "coci_core.cli",
+            "demo",
+            "--dir",
+            str(tmp_path / "demo"),
+            "--total-steps",
+            "200",
+            "--kill-step",
+            "120",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "killed with SIGKILL at step 120" in out
+    assert "final weights bit-identical to the uninterrupted run: True" in out
+    assert "each remaining sample trained on exactly once, in the same order: True" in out
+    assert "checkfreq" in out
+    assert "tensorboard --logdir" in out

@@ -123,6 +123,16 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    if not args.engine:
+        try:
+            from coci_lightning.demo import run as lightning_demo
+        except ImportError:
+            print(
+                "coci demo: Lightning is not installed (pip install 'coci[demo]'); "
+                "running the engine-only demo"
+            )
+        else:
+            return lightning_demo(args)
     from coci_core.demo import run
 
     return run(args)
@@ -149,9 +159,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensorboard", help="the TensorBoard log directory to point to")
     p.set_defaults(func=_report)
     p = sub.add_parser("demo", help="kill a training run mid-persist and resume it exactly")
-    from coci_core.demo import add_arguments
-
-    add_arguments(p)
+    p.add_argument(
+        "--engine",
+        action="store_true",
+        help="the engine-only demo (no Lightning): kill inside a persist",
+    )
+    p.add_argument("--dir", help="run directory (default: a new temporary one)")
+    p.add_argument("--total-steps", type=int, help="training steps")
+    p.add_argument("--kill-step", type=int, help="the step at which the run is killed")
+    p.add_argument("--save-every", type=int, default=25, help="(engine demo) save interval")
+    p.add_argument("--seed", type=int, help="seed of the random kill step")
     p.set_defaults(func=_demo)
     try:
         from coci_core.planner.cli import (  # type: ignore[import-not-found,unused-ignore]

@@ -250,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Run the demo with parsed options; returns the exit code."""
+    args.total_steps = args.total_steps or 300
+    args.kill_step = args.kill_step or args.total_steps // 2
+    args.save_every = args.save_every or 25
     if (
         args.save_every < 1
         or args.kill_step % args.save_every

@@ -331,8 +331,8 @@ class CheckpointManager:
             )
             self._apply_retention(newest=job.step)
         handle._event = event
+        emit(self.listeners, event)  # before done: once wait() returns, listeners have it
         handle._done.set()
-        emit(self.listeners, event)
 
     def _event(self, handle: SaveHandle, snapshot: Snapshot, **fields: Any) -> SaveEvent:
         now = time.perf_counter()

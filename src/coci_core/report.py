@@ -8,7 +8,7 @@ from typing import Any
 
 from coci_core.telemetry import read_jsonl
 
-__all__ = ["RunSummary", "summarize", "render"]
+__all__ = ["RunSummary", "compare_policies", "render", "render_policies", "summarize"]
 
 TELEMETRY_FILE = "telemetry.jsonl"
 
@@ -51,6 +51,63 @@ def summarize(directory: str | Path) -> RunSummary:
             f"no {TELEMETRY_FILE} in {directory}: was it written by an adapter?"
         )
     return RunSummary(read_jsonl(path))
+
+
+def compare_policies(
+    summary: RunSummary, total_steps: int, policies: tuple[str, ...] = ("coci", "daly", "checkfreq")
+) -> list[dict[str, Any]]:
+    """Each policy's expected overhead for this run, from the last plan's measured costs and
+    the observed losses (rows with ``policy``, ``checkpoints``, ``wall_s``, ``objective_s``)."""
+    from coci_core.errors import ConfigError
+    from coci_core.planner import plan_schedule
+
+    plan = summary.last_plan
+    if plan is None or plan.get("mtbf_s") is None:
+        return []
+    costs = plan["costs"]
+    if not costs.get("step_time_s"):
+        return []
+    steps = [r["step"] for r in summary.losses if r.get("loss") is not None]
+    losses = [r["loss"] for r in summary.losses if r.get("loss") is not None]
+    rows = []
+    for policy in policies:
+        try:
+            sched = plan_schedule(
+                total_steps=total_steps,
+                step_time_s=costs["step_time_s"],
+                stall_s=max(costs.get("stall_s") or 0.0, 1e-6),
+                persist_s=costs.get("persist_s") or 0.0,
+                restart_s=costs.get("restart_s") or 0.0,
+                mtbf_s=plan["mtbf_s"],
+                loss=(steps, losses) if len(steps) >= 8 else None,
+                objective=plan["objective"],
+                policy=policy,
+            )
+        except ConfigError:
+            continue
+        ov = sched.expected_overhead_s
+        rows.append(
+            {
+                "policy": policy,
+                "checkpoints": len(sched.steps),
+                "wall_s": ov.wall_s,
+                "objective_s": ov.objective_s,
+            }
+        )
+    return rows
+
+
+def render_policies(rows: list[dict[str, Any]]) -> str:
+    """The policy comparison as a table."""
+    if not rows:
+        return "(no measured costs yet to compare policies)"
+    lines = [f"{'policy':<10} {'checkpoints':>11} {'wall-clock s':>13} {'objective s':>12}"]
+    for r in rows:
+        lines.append(
+            f"{r['policy']:<10} {r['checkpoints']:>11} {r['wall_s']:>13.2f} "
+            f"{r['objective_s']:>12.2f}"
+        )
+    return "\n".join(lines)
 
 
 def _ms(values: list[float]) -> str:

@@ -49,7 +49,7 @@ class LoggerRelay:
             with self._lock:
                 self._events.append(event)
 
-    def drain(self, trainer: pl.Trainer) -> None:
+    def drain(self, trainer: pl.Trainer, *, final: bool = False) -> None:
         """Log the saves that finished since the last call (rank 0; TensorBoard has its panel)."""
         with self._lock:
             events, self._events = list(self._events), collections.deque()
@@ -62,3 +62,6 @@ class LoggerRelay:
             }
             for lg in loggers:
                 lg.log_metrics(metrics, step=event.step)
+        if events and final:
+            for lg in loggers:
+                lg.save()  # the run is ending: do not leave the last save's metrics unwritten

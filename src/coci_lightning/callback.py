@@ -244,7 +244,7 @@ class CociCheckpoint(Checkpoint):
         if self.checkpointer is not None:
             self.checkpointer.wait()
         if trainer.is_global_zero:
-            self._relay.drain(trainer)
+            self._relay.drain(trainer, final=True)
 
     @override
     def on_exception(

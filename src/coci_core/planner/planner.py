@@ -380,6 +380,11 @@ class Planner:
 
     # ------------------------------------------------------------------ planning
 
+    def cost_source(self, name: str) -> str:
+        """Where cost ``name`` comes from: ``"user"``, ``"measured"``, ``"default"`` or
+        ``"unknown"`` (cheap)."""
+        return self._costs.get(name).source
+
     @property
     def replans(self) -> int:
         """How many plans have been made (cheap: tells telemetry when the plan changed)."""
