@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import dataclasses
 import logging
 import math
 import threading
@@ -516,8 +517,12 @@ class Planner:
         steps = self._policy.plan(pb, context=ctx)
         ahead = [int(s) for s in steps if s > k]
         if len(ahead) < len(steps):
-            # a checkpoint is already overdue: take it at the next step
-            ahead.insert(0, k + 1)
+            # a checkpoint is already overdue: take it at the next step, and plan the rest
+            # from there (not from the overdue point, which would bunch two checkpoints)
+            if end - (k + 1) >= 2:
+                pb = dataclasses.replace(pb, start_step=k + 1, value=pb.v[k + 1 - start :])
+                steps = self._policy.plan(pb, context=ctx)
+            ahead = [k + 1, *(int(s) for s in steps if s > k + 1)]
         if (
             ahead
             and self.policy_name == "coci"
@@ -526,7 +531,8 @@ class Planner:
             and self._costs.get("stall_s").source == "default"
         ):
             # no save measured yet: take one early to measure stall and persist, then re-plan
-            profile = k + max(1, (ahead[0] - k) // 4)
+            # (from the plan's start, so that re-plans before it do not push it back)
+            profile = max(k + 1, start + max(1, (ahead[0] - start) // 4))
             if profile < ahead[0]:
                 ahead.insert(0, profile)
         self._schedule = ahead
