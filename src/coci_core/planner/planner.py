@@ -83,6 +83,8 @@ class PlannerReport:
             "measured", "default" or "unknown".
         replans: number of plans made; last_replan_s: duration of the last one.
         skipped_losses: NaN/inf losses skipped.
+        plan_method: how the current plan was made (e.g. Daly's interval because the value is
+            flat, or the DP for the objective).
     """
 
     step: int
@@ -103,6 +105,7 @@ class PlannerReport:
     replans: int
     last_replan_s: float
     skipped_losses: int
+    plan_method: str
 
 
 class _LossBuffer:
@@ -297,6 +300,8 @@ class Planner:
         self._regime_flagged = False
         self._problem: Problem | None = None
         self._overhead: ExpectedOverhead | None = None
+        self._plan_method = "no plan yet"
+        self._method = method
 
     # ------------------------------------------------------------------ hot path
 
@@ -537,12 +542,22 @@ class Planner:
                 ahead.insert(0, profile)
         self._schedule = ahead
         self._ptr = 0
+        self._plan_method = self._describe_method(pb)
         self._problem = pb
         self._overhead = None
         self._horizon_end = end
         self._plan_inputs = inputs
         self._replans += 1
         self._last_replan_s = time.perf_counter() - t0
+
+    def _describe_method(self, pb: Problem) -> str:
+        if self.policy_name != "coci":
+            return f"the {self.policy_name} policy"
+        simple = isinstance(pb.termination, NoTermination) and pb.failure.is_constant
+        if simple and (not self._curve.trusted or self.objective == "time"):
+            why = "time objective" if self.objective == "time" else "flat value"
+            return f"Daly's interval ({why}, no termination model)"
+        return f"{self._method} for the {self.objective} objective"
 
     def _cap_steps(self, tau: float) -> int | None:
         if self.policy_name not in ("coci", "daly", "young"):
@@ -588,6 +603,7 @@ class Planner:
         lines.append(
             f"  MTBF {rep.mtbf_s} s ({rep.mtbf_source}); loss curve: {rep.loss_fit_reason}"
         )
+        lines.append(f"  plan: {rep.plan_method}")
         if self._problem is not None:
             i = int(np.clip(k - self._problem.start_step, 0, self._problem.horizon_steps - 1))
             lines.append(f"  value density here {float(self._problem.v[i]):.2f} (mean 1)")
@@ -602,7 +618,11 @@ class Planner:
         return "\n".join(lines)
 
     def report(self) -> PlannerReport:
-        """A snapshot for telemetry (computes the plan-vs-Daly figures once per plan)."""
+        """A snapshot for telemetry.
+
+        The plan-vs-Daly figures are computed on the first call after each plan (tens of ms,
+        up to ~0.1 s for thousands of checkpoints) and cached; later calls are cheap.
+        """
         if self._overhead is None and self._problem is not None:
             self._overhead = compare_with_daly(self._problem, self._schedule)
         snap = self._costs.snapshot()
@@ -635,6 +655,7 @@ class Planner:
             replans=self._replans,
             last_replan_s=self._last_replan_s,
             skipped_losses=self._skipped,
+            plan_method=self._plan_method,
         )
 
     # ------------------------------------------------------------------ state
