@@ -531,11 +531,13 @@ class Planner:
         if (
             ahead
             and self.policy_name == "coci"
-            and self.objective != "time"
+            and self.objective == "convergence"
             and isinstance(self.termination, NoTermination)
             and self._costs.get("stall_s").source == "default"
         ):
             # no save measured yet: take one early to measure stall and persist, then re-plan
+            # (only for "convergence": under "progress" an early stall is weighted by the high
+            # early value and costs more than it teaches)
             # (from the plan's start, so that re-plans before it do not push it back)
             profile = max(k + 1, start + max(1, (ahead[0] - start) // 4))
             if profile < ahead[0]:
