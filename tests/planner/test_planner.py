@@ -169,6 +169,7 @@ def test_report_and_explain_describe_the_plan():
     assert "checkpoint" in text
     assert "stall_s 0.5 (measured)" in text
     assert "Daly" in text
+    assert rep.plan_method == "dp for the convergence objective"
 
 
 def test_time_objective_matches_daly_intervals_once_costs_are_measured():
@@ -178,6 +179,7 @@ def test_time_objective_matches_daly_intervals_once_costs_are_measured():
     gaps = np.diff(saves)
     assert len(gaps) > 10
     assert np.all(np.abs(gaps - 283) <= 1)
+    assert p.report().plan_method.startswith("Daly's interval (time objective")
 
 
 def test_zero_step_times_and_odd_restores_never_crash_observe():

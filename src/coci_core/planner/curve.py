@@ -4,7 +4,7 @@ The fit runs on binned means (log-spaced bins of the step index), after the loss
 affinely onto [0, 1], so that neither the loss scale nor an added constant can change it; the
 residuals are taken in log space with a floor (``log(y + 0.1)``). Two shapes compete,
 ``L_inf + A·(1 + k/k0)^(-alpha)`` and ``L_inf + A·e^(-k/kappa)``, and the lower residual wins.
-A curve is *trusted* only when it beats a flat line by a chi-square of at least 20 against
+A curve is *trusted* only when it beats a flat line by a chi-square of at least 16 against
 the noise of the binned means (or, for noise-free data, has R^2 >= 0.6); an untrusted curve
 has flat value (so the plan falls back to Daly). A regime change (a learning-rate drop)
 splits the curve into pieces fitted separately; the jump between pieces is not value.
@@ -31,7 +31,7 @@ _EPS = 0.1  # floor of the log residuals, in units of the (normalised) loss rang
 MIN_POINTS = 32
 MIN_BINS = 8
 MIN_R2 = 0.6  # used only when the data show no noise at all
-MIN_CHI2 = 20.0  # the fit must beat a flat line by this much chi-square (p < 1e-3)
+MIN_CHI2 = 16.0  # the fit must beat a flat line by this much chi-square (p < 1e-3)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -439,7 +439,7 @@ def dp_schedule(
     *,
     grid_points: int = 1000,
     max_interval_steps: int | None = None,
-    band_factor: float = 4.0,
+    band_factor: float = 2.0,
 ) -> IntArray:
     """Minimise the objective over checkpoints on a grid by dynamic programming.
 

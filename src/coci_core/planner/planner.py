@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import dataclasses
 import logging
 import math
 import threading
@@ -82,6 +83,8 @@ class PlannerReport:
             "measured", "default" or "unknown".
         replans: number of plans made; last_replan_s: duration of the last one.
         skipped_losses: NaN/inf losses skipped.
+        plan_method: how the current plan was made (e.g. Daly's interval because the value is
+            flat, or the DP for the objective).
     """
 
     step: int
@@ -102,6 +105,7 @@ class PlannerReport:
     replans: int
     last_replan_s: float
     skipped_losses: int
+    plan_method: str
 
 
 class _LossBuffer:
@@ -296,6 +300,8 @@ class Planner:
         self._regime_flagged = False
         self._problem: Problem | None = None
         self._overhead: ExpectedOverhead | None = None
+        self._plan_method = "no plan yet"
+        self._method = method
 
     # ------------------------------------------------------------------ hot path
 
@@ -526,27 +532,44 @@ class Planner:
         steps = self._policy.plan(pb, context=ctx)
         ahead = [int(s) for s in steps if s > k]
         if len(ahead) < len(steps):
-            # a checkpoint is already overdue: take it at the next step
-            ahead.insert(0, k + 1)
+            # a checkpoint is already overdue: take it at the next step, and plan the rest
+            # from there (not from the overdue point, which would bunch two checkpoints)
+            if end - (k + 1) >= 2:
+                pb = dataclasses.replace(pb, start_step=k + 1, value=pb.v[k + 1 - start :])
+                steps = self._policy.plan(pb, context=ctx)
+            ahead = [k + 1, *(int(s) for s in steps if s > k + 1)]
         if (
             ahead
             and self.policy_name == "coci"
-            and self.objective != "time"
+            and self.objective == "convergence"
             and isinstance(self.termination, NoTermination)
             and self._costs.get("stall_s").source == "default"
         ):
             # no save measured yet: take one early to measure stall and persist, then re-plan
-            profile = k + max(1, (ahead[0] - k) // 4)
+            # (only for "convergence": under "progress" an early stall is weighted by the high
+            # early value and costs more than it teaches)
+            # (from the plan's start, so that re-plans before it do not push it back)
+            profile = max(k + 1, start + max(1, (ahead[0] - start) // 4))
             if profile < ahead[0]:
                 ahead.insert(0, profile)
         self._schedule = ahead
         self._ptr = 0
+        self._plan_method = self._describe_method(pb)
         self._problem = pb
         self._overhead = None
         self._horizon_end = end
         self._plan_inputs = inputs
         self._replans += 1
         self._last_replan_s = time.perf_counter() - t0
+
+    def _describe_method(self, pb: Problem) -> str:
+        if self.policy_name != "coci":
+            return f"the {self.policy_name} policy"
+        simple = isinstance(pb.termination, NoTermination) and pb.failure.is_constant
+        if simple and (not self._curve.trusted or self.objective == "time"):
+            why = "time objective" if self.objective == "time" else "flat value"
+            return f"Daly's interval ({why}, no termination model)"
+        return f"{self._method} for the {self.objective} objective"
 
     def _cap_steps(self, tau: float) -> int | None:
         if self.policy_name not in ("coci", "daly", "young"):
@@ -592,6 +615,7 @@ class Planner:
         lines.append(
             f"  MTBF {rep.mtbf_s} s ({rep.mtbf_source}); loss curve: {rep.loss_fit_reason}"
         )
+        lines.append(f"  plan: {rep.plan_method}")
         if self._problem is not None:
             i = int(np.clip(k - self._problem.start_step, 0, self._problem.horizon_steps - 1))
             lines.append(f"  value density here {float(self._problem.v[i]):.2f} (mean 1)")
@@ -606,7 +630,11 @@ class Planner:
         return "\n".join(lines)
 
     def report(self) -> PlannerReport:
-        """A snapshot for telemetry (computes the plan-vs-Daly figures once per plan)."""
+        """A snapshot for telemetry.
+
+        The plan-vs-Daly figures are computed on the first call after each plan (tens of ms,
+        up to ~0.1 s for thousands of checkpoints) and cached; later calls are cheap.
+        """
         if self._overhead is None and self._problem is not None:
             self._overhead = compare_with_daly(self._problem, self._schedule)
         snap = self._costs.snapshot()
@@ -639,6 +667,7 @@ class Planner:
             replans=self._replans,
             last_replan_s=self._last_replan_s,
             skipped_losses=self._skipped,
+            plan_method=self._plan_method,
         )
 
     # ------------------------------------------------------------------ state
