@@ -27,8 +27,6 @@ __all__ = ["COMPRESSION_MODES", "Checkpointer"]
 logger = logging.getLogger(__name__)
 
 COMPRESSION_MODES = ("none",)
-# Policies whose plan depends on the checkpoint's cost (the others have a fixed interval).
-_COST_BASED_POLICIES = ("coci", "daly", "young", "checkfreq", "coci_paper")
 
 
 def check_compression(compression: str | None) -> str:
@@ -68,10 +66,6 @@ class Checkpointer:
         sinks: telemetry sinks (TensorBoard, JSON lines): every save and restore event, the
             plan whenever it changes and at each save, and the observed loss beside the fitted
             curve every ``telemetry_every_n_steps`` steps.
-        calibrate_after_steps: while a cost-based policy (``coci``, ``daly``, ``young``,
-            ``checkfreq``) has no measured (or user-given) stall, take one save this many steps
-            into the run to measure what a checkpoint costs (the
-            planner's defaults are deliberately pessimistic); None never does.
     """
 
     def __init__(
@@ -91,7 +85,6 @@ class Checkpointer:
         broadcast: Callable[[Any], Any] | None = None,
         sinks: Iterable[TelemetrySink] = (),
         telemetry_every_n_steps: int = 50,
-        calibrate_after_steps: int | None = 10,
     ) -> None:
         self.compression = check_compression(compression)
         if not isinstance(block, bool):
@@ -104,16 +97,6 @@ class Checkpointer:
             raise ConfigError(
                 f"'telemetry_every_n_steps' must be an integer >= 1: {telemetry_every_n_steps!r}"
             )
-        if calibrate_after_steps is not None and (
-            type(calibrate_after_steps) is not int or calibrate_after_steps < 1
-        ):
-            raise ConfigError(
-                "'calibrate_after_steps' must be an integer >= 1 or None: "
-                f"{calibrate_after_steps!r}"
-            )
-        self.calibrate_after_steps = calibrate_after_steps
-        self._calibration_step: int | None = None
-        self._calibration_checked = False
         self.rank = rank
         self.sinks: list[TelemetrySink] = list(sinks)
         self.telemetry_every_n_steps = telemetry_every_n_steps
@@ -154,15 +137,6 @@ class Checkpointer:
     ) -> None:
         """Record one training step (never raises on odd loss or time values)."""
         self.planner.observe(step, loss=loss, step_time_s=step_time_s)
-        if not self._calibration_checked:
-            # Decided once, from state every rank shares (a fresh run, or a restored planner).
-            self._calibration_checked = True
-            if (
-                self.calibrate_after_steps is not None
-                and self.planner.policy_name in _COST_BASED_POLICIES
-                and self.planner.cost_source("stall_s") == "default"
-            ):
-                self._calibration_step = step + self.calibrate_after_steps
         if not self.sinks:
             return
         if loss is not None and math.isfinite(loss):
@@ -188,12 +162,8 @@ class Checkpointer:
                 logger.exception("coci telemetry sink %r failed", sink)
 
     def should_save(self, step: int) -> bool:
-        """Whether the plan (or the one calibration save) checkpoints after ``step``."""
-        planned = self.decision.should_save(step)  # every rank calls it at every step
-        if self._calibration_step is not None and step >= self._calibration_step:
-            self._calibration_step = None
-            return True
-        return planned
+        """Whether the plan checkpoints after ``step`` (the same on every rank)."""
+        return self.decision.should_save(step)
 
     def save(self, step: int, state: Mapping[str, Any], *, block: bool | None = None) -> SaveHandle:
         """Save ``state`` as ``step`` (see :meth:`CheckpointManager.save`)."""

@@ -25,31 +25,12 @@ def test_measured_save_costs_reach_the_planner(tmp_path: Path) -> None:
     with_ckpt.close()
 
 
-@pytest.mark.parametrize(("policy", "calibrates"), [("coci", True), ("every_n_steps", False)])
-def test_one_calibration_save_for_cost_based_policies(
-    tmp_path: Path, policy: str, calibrates: bool
-) -> None:
-    """With unmeasured costs, a cost-based policy saves once, 10 steps in; fixed ones do not."""
-    ckpt = Checkpointer(
-        tmp_path, policy=policy, mtbf_s=1e9, planner_options={"every_n_steps": 1000}
-    )
-    decisions = []
-    for step in range(1, 30):
-        ckpt.observe(step, loss=1.0, step_time_s=0.01)
-        decisions.append(ckpt.should_save(step))
-    ckpt.close()
-    expected = [step == 11 for step in range(1, 30)] if calibrates else [False] * 29
-    assert decisions == expected
-
-
 def test_bad_arguments(tmp_path: Path) -> None:
     """Compression modes not in this version and bad telemetry settings are refused."""
     with pytest.raises(ConfigError, match="'compression'"):
         Checkpointer(tmp_path, compression="lossy")
     with pytest.raises(ConfigError, match="'telemetry_every_n_steps'"):
         Checkpointer(tmp_path, telemetry_every_n_steps=0)
-    with pytest.raises(ConfigError, match="'calibrate_after_steps'"):
-        Checkpointer(tmp_path, calibrate_after_steps=0)
     with pytest.raises(ConfigError, match="'policy'"):
         Checkpointer(tmp_path, policy="often")
 

@@ -539,8 +539,7 @@ class Planner:
                 steps = self._policy.plan(pb, context=ctx)
             ahead = [k + 1, *(int(s) for s in steps if s > k + 1)]
         if (
-            ahead
-            and self.policy_name == "coci"
+            self.policy_name == "coci"
             and self.objective == "convergence"
             and isinstance(self.termination, NoTermination)
             and self._costs.get("stall_s").source == "default"
@@ -549,8 +548,11 @@ class Planner:
             # (only for "convergence": under "progress" an early stall is weighted by the high
             # early value and costs more than it teaches)
             # (from the plan's start, so that re-plans before it do not push it back)
-            profile = max(k + 1, start + max(1, (ahead[0] - start) // 4))
-            if profile < ahead[0]:
+            # (with nothing planned yet, e.g. a short job under the pessimistic defaults, a
+            # quarter of the way to the horizon's end)
+            first = ahead[0] if ahead else end
+            profile = max(k + 1, start + max(1, (first - start) // 4))
+            if profile < first:
                 ahead.insert(0, profile)
         self._schedule = ahead
         self._ptr = 0
