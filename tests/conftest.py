@@ -16,6 +16,6 @@ def _no_leaked_writer_threads() -> Iterator[None]:
     leaked = [
         t.name
         for t in threading.enumerate()
-        if t.ident not in before and t.name == "coci-persist" and t.is_alive()
+        if t.ident not in before and t.name in ("coci-persist", "coci-telemetry") and t.is_alive()
     ]
     assert not leaked, f"writer threads left running (close the CheckpointManager): {leaked}"

@@ -8,6 +8,7 @@ measured stall, persist and restore times back into the planner.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -17,7 +18,9 @@ from typing import Any
 from coci_core.decision import SharedDecision
 from coci_core.errors import ConfigError
 from coci_core.manager import CheckpointManager, SaveHandle
+from coci_core.persist import LatestOnlyWorker
 from coci_core.planner import Planner
+from coci_core.planner.schedule import compare_with_daly
 from coci_core.stateful import Stateful
 from coci_core.storage import Storage
 from coci_core.telemetry import Event, Listener, RestoreEvent, SaveEvent, TelemetrySink
@@ -27,6 +30,7 @@ __all__ = ["COMPRESSION_MODES", "Checkpointer"]
 logger = logging.getLogger(__name__)
 
 COMPRESSION_MODES = ("none",)
+_MAX_CHECKPOINTS_COSTED = 5000
 
 
 def check_compression(compression: str | None) -> str:
@@ -103,6 +107,7 @@ class Checkpointer:
         self._replans_seen = -1
         self._telemetry_step = -telemetry_every_n_steps
         self._last_loss: float | None = None
+        self._plans = LatestOnlyWorker(self._record_plan, name="coci-telemetry")
         self.decision = SharedDecision(self.planner, rank=rank, broadcast=broadcast)
         self._listeners: list[Listener] = list(listeners)
         self.manager = CheckpointManager(
@@ -148,16 +153,28 @@ class Checkpointer:
             self._record_telemetry(step)
 
     def _record_telemetry(self, step: int, *, plan: bool = False) -> None:
-        report = self.planner.report()
+        report = self.planner.report(with_overhead=False)  # cheap on the training thread
         plan = plan or report.replans != self._replans_seen
         self._replans_seen = report.replans
         self._telemetry_step = step
         for sink in self.sinks:
             try:
-                if plan:
-                    sink.record_plan(step, report)
                 if self._last_loss is not None:
                     sink.record_loss(step, self._last_loss, report.fitted_loss)
+            except Exception:
+                logger.exception("coci telemetry sink %r failed", sink)
+        if plan:
+            self._plans.submit(step, report, self.planner.overhead_inputs())
+
+    def _record_plan(self, step: int, report: Any, inputs: Any) -> None:
+        # WARNING: runs on the telemetry thread (the expected overhead can take seconds).
+        # The exact cost is linear in the number of checkpoints; a rolling horizon of a
+        # fixed-interval policy can hold hundreds of thousands: then it is left out.
+        if inputs is not None and len(inputs[1]) <= _MAX_CHECKPOINTS_COSTED:
+            report = dataclasses.replace(report, expected_overhead=compare_with_daly(*inputs))
+        for sink in self.sinks:
+            try:
+                sink.record_plan(step, report)
             except Exception:
                 logger.exception("coci telemetry sink %r failed", sink)
 
@@ -199,6 +216,7 @@ class Checkpointer:
         try:
             self.manager.close()
         finally:
+            self._plans.stop()
             for sink in self.sinks:
                 try:
                     sink.close()

@@ -331,8 +331,10 @@ class CheckpointManager:
             )
             self._apply_retention(newest=job.step)
         handle._event = event
-        emit(self.listeners, event)  # before done: once wait() returns, listeners have it
-        handle._done.set()
+        try:
+            emit(self.listeners, event)  # before done: once wait() returns, listeners have it
+        finally:
+            handle._done.set()
 
     def _event(self, handle: SaveHandle, snapshot: Snapshot, **fields: Any) -> SaveEvent:
         now = time.perf_counter()
@@ -348,6 +350,7 @@ class CheckpointManager:
         )
 
     def _apply_retention(self, *, newest: int) -> None:
+        # Retention never fails a save that is already durable: its errors are logged.
         try:
             if self.keep_last is not None:
                 steps = committed_steps(self.storage)
@@ -356,7 +359,7 @@ class CheckpointManager:
                         self.storage.remove_dir(step_dir_name(step))
                         logger.debug("coci: retention removed step %d", step)
             self._remove_uncommitted()
-        except CociError as e:
+        except Exception as e:
             logger.warning("coci: retention after step %d failed: %s", newest, e)
 
     def _remove_uncommitted(self) -> None:

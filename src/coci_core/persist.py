@@ -26,7 +26,7 @@ from coci_core.snapshot import Snapshot
 from coci_core.storage import Storage
 from coci_core.tree import encode_dtype
 
-__all__ = ["PersistJob", "PersistWorker", "WriteResult", "write_checkpoint"]
+__all__ = ["LatestOnlyWorker", "PersistJob", "PersistWorker", "WriteResult", "write_checkpoint"]
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +137,10 @@ class PersistWorker:
             job = self._queue.get()
             if job is None:
                 return
-            self._run(job)
+            try:
+                self._run(job)
+            except Exception:  # the job reports its own errors; never let the worker die
+                logger.exception("coci: unexpected error in the writer thread")
 
     def stop(self) -> None:
         """Finish the queued jobs and end the thread."""
@@ -145,4 +148,52 @@ class PersistWorker:
             thread, self._thread = self._thread, None
         if thread is not None and thread.is_alive():
             self._queue.put(None)
+            thread.join()
+
+
+class LatestOnlyWorker:
+    """A background thread that runs ``fn(*args)`` for the newest submission only: work that
+    is superseded before it starts (an older plan's telemetry) is dropped."""
+
+    def __init__(self, fn: Callable[..., None], *, name: str, niceness: int = 5) -> None:
+        self._fn = fn
+        self._name = name
+        self._niceness = niceness
+        self._pending: tuple[Any, ...] | None = None
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    def submit(self, *args: Any) -> None:
+        """Replace any pending work with ``args``."""
+        with self._cond:
+            if self._stopping:
+                return
+            self._pending = args
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def _loop(self) -> None:
+        _lower_thread_priority(self._niceness)
+        while True:
+            with self._cond:
+                while self._pending is None and not self._stopping:
+                    self._cond.wait()
+                if self._pending is None:
+                    return
+                args, self._pending = self._pending, None
+            try:
+                self._fn(*args)
+            except Exception:
+                logger.exception("coci: error in %s", self._name)
+
+    def stop(self) -> None:
+        """Finish the pending work, then end the thread."""
+        with self._cond:
+            self._stopping = True
+            thread = self._thread
+            self._cond.notify()
+        if thread is not None:
             thread.join()

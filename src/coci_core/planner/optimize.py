@@ -252,11 +252,18 @@ def _v_at(pb: Problem, step: float) -> float:
     return float(pb.v[int(np.clip(int(step) - pb.start_step, 0, pb.horizon_steps - 1))])
 
 
-def _segment_vector(pb: Problem, pts: FloatArray, i: int) -> FloatArray:
-    """Expected cost components of segment ``i`` of the schedule ``pts`` (start, ckpts..., end)."""
+def _segment_vector(
+    pb: Problem, pts: FloatArray, i: int, w_all: FloatArray | None = None
+) -> FloatArray:
+    """Expected cost components of segment ``i`` of the schedule ``pts`` (start, ckpts..., end).
+
+    ``w_all`` (``step_time_s * diff(pts)``) is passed by callers that visit every segment, so
+    that a schedule's cost stays linear in its number of checkpoints.
+    """
     tau, s, p, r_s = pb.step_time_s, pb.stall_s, pb.persist_s, pb.restart_s
     n = len(pts) - 2  # number of checkpoints
-    w_all = tau * np.diff(pts)
+    if w_all is None:
+        w_all = tau * np.diff(pts)
     merged = n >= 1 and w_all[n] < p
     a, b = float(pts[i]), float(pts[i + 1])
     w = float(w_all[i])
@@ -327,7 +334,8 @@ def _horizon_vectors(pb: Problem, ckpts: IntArray, end: int) -> FloatArray:
     n = len(ckpts)
     merged = n >= 1 and pb.step_time_s * (pts[-1] - pts[-2]) < pb.persist_s
     count = n if merged else n + 1
-    return np.array([_segment_vector(pb, pts, i) for i in range(count)])
+    w_all = pb.step_time_s * np.diff(pts)
+    return np.array([_segment_vector(pb, pts, i, w_all) for i in range(count)])
 
 
 def expected_cost(pb: Problem, steps: npt.ArrayLike) -> CostBreakdown:

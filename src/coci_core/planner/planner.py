@@ -391,6 +391,13 @@ class Planner:
         ``"unknown"`` (cheap)."""
         return self._costs.get(name).source
 
+    def overhead_inputs(self) -> tuple[Problem, tuple[int, ...]] | None:
+        """The current plan's problem and steps, so that its expected overhead against Daly
+        (``schedule.compare_with_daly``) can be computed off the training thread."""
+        if self._problem is None:
+            return None
+        return self._problem, tuple(self._schedule)
+
     @property
     def replans(self) -> int:
         """How many plans have been made (cheap: tells telemetry when the plan changed)."""
@@ -631,13 +638,15 @@ class Planner:
             )
         return "\n".join(lines)
 
-    def report(self) -> PlannerReport:
+    def report(self, *, with_overhead: bool = True) -> PlannerReport:
         """A snapshot for telemetry.
 
-        The plan-vs-Daly figures are computed on the first call after each plan (tens of ms,
-        up to ~0.1 s for thousands of checkpoints) and cached; later calls are cheap.
+        The plan-vs-Daly figures are computed on the first call after each plan and cached;
+        on a horizon of thousands of checkpoints that takes seconds, so a caller on the
+        training thread passes ``with_overhead=False`` and computes them elsewhere from
+        :meth:`overhead_inputs`.
         """
-        if self._overhead is None and self._problem is not None:
+        if with_overhead and self._overhead is None and self._problem is not None:
             self._overhead = compare_with_daly(self._problem, self._schedule)
         snap = self._costs.snapshot()
         ahead = self._schedule[self._ptr :]

@@ -1,0 +1,155 @@
+"""What Accelerate's ``save_state`` saves, gathered as one coci state, and put back.
+
+Per-process state (random states, registered objects) is gathered from every process at the
+save (a collective at save steps only) and put back on the process of the same index.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+from accelerate import Accelerator
+
+from coci_core.errors import CheckpointError
+
+LAYOUT = "coci.accelerate/1"
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _gather(accelerator: Accelerator, value: Any) -> list[Any]:
+    if accelerator.num_processes == 1 or not torch.distributed.is_initialized():
+        return [value]
+    gathered: list[Any] = [None] * accelerator.num_processes
+    torch.distributed.all_gather_object(gathered, value)
+    return gathered
+
+
+def own_loader_generators(accelerator: Accelerator) -> None:
+    """Give every prepared loader that has none its own generator for its iterators' seeds.
+
+    A PyTorch DataLoader without a ``generator`` draws each new iterator's base seed from the
+    global random state. A resumed run creates its iterator at the restored step instead of at
+    the epoch's start, so that draw would shift every random number after it (dropout masks,
+    augmentations) against the uninterrupted run. With its own generator it shifts nothing.
+    """
+    for loader in accelerator._dataloaders:
+        base = getattr(loader, "base_dataloader", loader)
+        if getattr(base, "generator", None) is None:
+            base.generator = torch.Generator().manual_seed(int(torch.initial_seed()) % 2**63)
+
+
+def _loader_state(loader: Any) -> dict[str, Any]:
+    base = getattr(loader, "base_dataloader", loader)
+    generator = getattr(base, "generator", None)
+    return {
+        "iteration": int(getattr(loader, "iteration", 0)),
+        "state": loader.state_dict() if getattr(loader, "use_stateful_dataloader", False) else None,
+        "generator": generator.get_state() if generator is not None else None,
+    }
+
+
+def collect(accelerator: Accelerator, step: int, *, skip: object) -> dict[str, Any]:
+    """Everything ``save_state`` would save, as one state (call on every process)."""
+    acc = accelerator
+    custom = [None if obj is skip else obj.state_dict() for obj in acc._custom_objects]
+    per_process = _gather(acc, {"rng": _rng_state(), "custom": custom})
+    return {
+        "layout": LAYOUT,
+        "num_processes": acc.num_processes,
+        "step": step,
+        "accelerate_step": acc.step,
+        "models": [acc.get_state_dict(m, unwrap=False) for m in acc._models],
+        "optimizers": [opt.state_dict() for opt in acc._optimizers],
+        "schedulers": [s.state_dict() for s in acc._schedulers],
+        "dataloaders": [_loader_state(dl) for dl in acc._dataloaders],
+        "scaler": acc.scaler.state_dict() if acc.scaler is not None else None,
+        "per_process": per_process,
+    }
+
+
+def _check_fits(accelerator: Accelerator, state: dict[str, Any]) -> None:
+    acc = accelerator
+    if state.get("layout") != LAYOUT:
+        raise CheckpointError(
+            f"this checkpoint was not written by coci_accelerate (layout {state.get('layout')!r}, "
+            f"expected {LAYOUT!r}): point CociCheckpointer at its own directory"
+        )
+    counts = {
+        "models": len(acc._models),
+        "optimizers": len(acc._optimizers),
+        "schedulers": len(acc._schedulers),
+        "dataloaders": len(acc._dataloaders),
+        "registered objects": len(acc._custom_objects),
+    }
+    saved = {
+        "models": len(state["models"]),
+        "optimizers": len(state["optimizers"]),
+        "schedulers": len(state["schedulers"]),
+        "dataloaders": len(state["dataloaders"]),
+        "registered objects": len(state["per_process"][0]["custom"]),
+    }
+    wrong = [
+        f"{k}: saved {saved[k]}, prepared now {counts[k]}" for k in counts if saved[k] != counts[k]
+    ]
+    if wrong:
+        raise CheckpointError(
+            "the checkpoint does not match what this run prepared and registered ("
+            + "; ".join(wrong)
+            + "): prepare and register the same objects, in the same order"
+        )
+    if state["num_processes"] != acc.num_processes:
+        raise CheckpointError(
+            f"the checkpoint was written by {state['num_processes']} processes and this run has "
+            f"{acc.num_processes}: the data loaders' positions and every process's random "
+            "states cannot follow a change in the number of processes; resume with "
+            f"{state['num_processes']} processes"
+        )
+
+
+def apply(accelerator: Accelerator, state: dict[str, Any], *, skip: object) -> None:
+    """Put a collected state back into the prepared and registered objects (every process)."""
+    acc = accelerator
+    _check_fits(acc, state)
+    for model, model_state in zip(acc._models, state["models"], strict=True):
+        model.load_state_dict(model_state)
+    for opt, opt_state in zip(acc._optimizers, state["optimizers"], strict=True):
+        opt.load_state_dict(opt_state)
+    for sched, sched_state in zip(acc._schedulers, state["schedulers"], strict=True):
+        sched.load_state_dict(sched_state)
+    for loader, loader_state in zip(acc._dataloaders, state["dataloaders"], strict=True):
+        if hasattr(loader, "iteration"):
+            loader.iteration = loader_state["iteration"]
+        if loader_state["state"] is not None:
+            loader.load_state_dict(loader_state["state"])
+        generator = getattr(getattr(loader, "base_dataloader", loader), "generator", None)
+        if generator is not None and loader_state.get("generator") is not None:
+            generator.set_state(loader_state["generator"])
+    if acc.scaler is not None and state["scaler"] is not None:
+        acc.scaler.load_state_dict(state["scaler"])
+    acc.step = state["accelerate_step"]
+    mine = state["per_process"][acc.process_index]
+    for obj, obj_state in zip(acc._custom_objects, mine["custom"], strict=True):
+        if obj is not skip and obj_state is not None:
+            obj.load_state_dict(obj_state)
+    _set_rng_state(mine["rng"])

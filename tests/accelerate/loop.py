@@ -1,0 +1,116 @@
+"""The issue's Accelerate loop on scikit-learn's digits, as a function and as a process.
+
+Run as ``python -m tests.accelerate.loop DIR TOTAL [KILL]`` (also under ``accelerate launch``
+or torchrun): with KILL it prints ``AT <step>`` after that step and waits to be killed; at the
+end each process prints ``RESULT <json>`` (process index, weights digest, samples trained on).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import threading
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration, set_seed
+from torch.utils.data import DataLoader, TensorDataset
+
+from coci_accelerate import CociCheckpointer, CociTracker
+
+
+def digits(n: int = 512) -> TensorDataset:
+    """The first ``n`` digits with their indices."""
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    return TensorDataset(
+        torch.tensor(x[:n] / 16.0, dtype=torch.float32), torch.tensor(y[:n]), torch.arange(n)
+    )
+
+
+def train(
+    directory: str,
+    total_steps: int,
+    *,
+    kill_at: int | None = None,
+    on_kill: Any = None,
+    every_n_steps: int = 5,
+    batch_size: int = 16,
+    epochs: int = 3,
+) -> dict[str, Any]:
+    """The issue's loop: prepare, resume, train with ``accelerator.log`` and ``ckpt.step``."""
+    set_seed(5)
+    accelerator = Accelerator(
+        cpu=True,
+        log_with=[CociTracker()],
+        project_dir=directory,
+        dataloader_config=DataLoaderConfiguration(
+            use_seedable_sampler=True, use_stateful_dataloader=True
+        ),
+    )
+    accelerator.init_trackers("digits")
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(64, 10)
+    )
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=20, gamma=0.5)
+    dataloader = DataLoader(digits(), batch_size=batch_size, shuffle=True)
+    model, optimizer, dataloader, scheduler = accelerator.prepare(
+        model, optimizer, dataloader, scheduler
+    )
+    ckpt = CociCheckpointer(accelerator, policy="every_n_steps", every_n_steps=every_n_steps)
+    start_step = ckpt.resume()
+    seen: list[int] = []
+    step = start_step
+    try:
+        while step < total_steps:
+            for batch in dataloader:
+                x, y, idx = batch
+                seen.extend(idx.tolist())
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+                accelerator.backward(loss)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+                accelerator.log({"loss": loss.item()}, step=step)
+                ckpt.step(step)
+                if kill_at is not None and step == kill_at:
+                    on_kill(accelerator)
+                step += 1
+                if step >= total_steps:
+                    break
+    finally:
+        ckpt.close()
+    accelerator.end_training()
+    digest = hashlib.sha256()
+    for name, t in accelerator.unwrap_model(model).state_dict().items():
+        digest.update(name.encode() + t.contiguous().view(torch.uint8).numpy().tobytes())
+    return {
+        "rank": accelerator.process_index,
+        "digest": digest.hexdigest(),
+        "seen": seen,
+        "start": start_step,
+    }
+
+
+def _wait_for_kill(accelerator: Accelerator) -> None:
+    if accelerator.is_main_process:
+        print(f"AT {os.environ['COCI_KILL_AT']}", flush=True)
+    threading.Event().wait()
+
+
+def main() -> None:
+    directory, total = sys.argv[1], int(sys.argv[2])
+    kill = int(sys.argv[3]) if len(sys.argv) > 3 else None
+    if kill is not None:
+        os.environ["COCI_KILL_AT"] = str(kill)
+    result = train(directory, total, kill_at=kill, on_kill=_wait_for_kill)
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,274 @@
+"""CociTracker and CociCheckpointer on a real Accelerator (CPU): resume, ranks, errors."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState
+from accelerate.utils import DataLoaderConfiguration
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from coci_accelerate import CociCheckpointer, CociTracker
+from coci_accelerate import _state as accelerate_state
+from coci_core import CheckpointError, CheckpointManager, CociError
+from coci_core.telemetry import read_jsonl
+from tests.accelerate.loop import train
+
+BATCH = 16
+SAMPLES = 512
+STEPS_PER_EPOCH = SAMPLES // BATCH
+
+
+def _results(stdout: str) -> dict[int, dict[str, Any]]:
+    rows = [json.loads(x[7:]) for x in stdout.splitlines() if x.startswith("RESULT ")]
+    return {row["rank"]: row for row in rows}
+
+
+def _descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it (torchrun starts its workers in new sessions)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        todo.extend(children.get(p, []))
+    return found
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL a launcher and all its workers at once, as a node failure would."""
+    for p in _descendants(pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)
+
+
+def _kill_and_resume(
+    command: list[str], directory: Path, total: int, kill: int
+) -> tuple[list[int], dict[int, dict[str, Any]]]:
+    with subprocess.Popen(
+        [*command, str(directory), str(total), str(kill)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    ) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith(f"AT {kill}"):
+                _kill_tree(proc.pid)
+        proc.wait()
+    steps = CheckpointManager(directory / "coci", keep_last=None).steps()
+    out = subprocess.run(
+        [*command, str(directory), str(total)], capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return steps, _results(out.stdout)
+
+
+class _Stop(Exception):
+    pass
+
+
+def _stop(accelerator: Accelerator) -> None:
+    raise _Stop
+
+
+def test_in_process_resume_is_bit_exact(tmp_path: Path) -> None:
+    """A loop stopped at step 43 and resumed (from 35, in epoch 2) ends bit-identical and
+    trains on exactly the samples the uninterrupted loop did after step 35."""
+    reference = train(str(tmp_path / "ref"), 70)
+    AcceleratorState._reset_state(True)
+    with pytest.raises(_Stop):
+        train(str(tmp_path / "run"), 70, kill_at=43, on_kill=_stop)
+    AcceleratorState._reset_state(True)
+    resumed = train(str(tmp_path / "run"), 70)
+    assert resumed["start"] in (36, 41)  # step 40's persist may not be durable yet
+    assert resumed["digest"] == reference["digest"]
+    assert resumed["seen"] == reference["seen"][resumed["start"] * BATCH :]
+
+
+@pytest.mark.slow
+def test_sigkill_mid_epoch_single_process(tmp_path: Path) -> None:
+    """SIGKILL at step 45 (mid-epoch 2); a new process resumes and ends bit-identical, each
+    remaining sample of the epoch once."""
+    command = [sys.executable, "-m", "tests.accelerate.loop"]
+    expected = _results(
+        subprocess.run(
+            [*command, str(tmp_path / "ref"), "70"],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=True,
+        ).stdout
+    )[0]
+    steps, resumed = _kill_and_resume(command, tmp_path / "run", 70, 45)
+    assert steps[-1] in (35, 40)
+    start = steps[-1] + 1
+    assert resumed[0]["start"] == start
+    assert resumed[0]["digest"] == expected["digest"]
+    assert resumed[0]["seen"] == expected["seen"][start * BATCH :]
+    epoch2 = (
+        expected["seen"][STEPS_PER_EPOCH * BATCH : start * BATCH]
+        + resumed[0]["seen"][: (2 * STEPS_PER_EPOCH - start) * BATCH]
+    )
+    assert sorted(epoch2) == list(range(SAMPLES))
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_sigkill_two_processes(tmp_path: Path) -> None:
+    """The same with 2 processes (torchrun, gloo): every process ends bit-identical and sees
+    each of its remaining samples once."""
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "tests.accelerate.loop",
+    ]
+    expected = _results(
+        subprocess.run(
+            [*command, str(tmp_path / "ref"), "40"],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=True,
+        ).stdout
+    )
+    steps, resumed = _kill_and_resume(command, tmp_path / "run", 40, 23)
+    assert steps[-1] in (15, 20)
+    start = steps[-1] + 1
+    for rank in (0, 1):
+        assert resumed[rank]["digest"] == expected[rank]["digest"]
+        # 2 processes: each takes half of every global batch of 2 x 16
+        assert resumed[rank]["seen"] == expected[rank]["seen"][start * BATCH :]
+
+
+def _accelerator(tmp_path: Path, **kwargs: Any) -> Accelerator:
+    return Accelerator(
+        cpu=True,
+        project_dir=str(tmp_path),
+        dataloader_config=DataLoaderConfiguration(
+            use_seedable_sampler=True, use_stateful_dataloader=True
+        ),
+        **kwargs,
+    )
+
+
+def _prepared(accelerator: Accelerator) -> tuple[Any, Any]:
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return accelerator.prepare(model, optimizer)
+
+
+def test_tracker_losses_reach_the_planner_and_the_panel(tmp_path: Path) -> None:
+    """Losses given to accelerator.log reach the planner (its telemetry records them) and the
+    TensorBoard panel is written."""
+    accelerator = _accelerator(tmp_path, log_with=[CociTracker()])
+    accelerator.init_trackers("t")
+    model, optimizer = _prepared(accelerator)
+    ckpt = CociCheckpointer(accelerator, policy="every_n_steps", every_n_steps=10)
+    ckpt.checkpointer.telemetry_every_n_steps = 1
+    for step in range(25):
+        loss = model(torch.randn(3, 4)).pow(2).mean()
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        accelerator.log({"loss": 1.0 / (step + 1)}, step=step)
+        ckpt.step(step)
+    ckpt.close()
+    records = read_jsonl(tmp_path / "coci" / "telemetry.jsonl")
+    losses = {r["step"]: r["loss"] for r in records if r["type"] == "loss"}
+    assert losses[7] == pytest.approx(1 / 8)
+    assert [r["step"] for r in records if r["type"] == "save"] == [10, 20]
+    acc = EventAccumulator(str(tmp_path / "coci" / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("coci/save/committed_step")] == [10, 20]
+
+
+def test_save_state_carries_the_planner_state(tmp_path: Path) -> None:
+    """accelerator.save_state / load_state take the planner's estimates along."""
+    accelerator = _accelerator(tmp_path)
+    _prepared(accelerator)
+    ckpt = CociCheckpointer(accelerator)
+    for step in range(30):
+        ckpt.checkpointer.observe(step, loss=2.0 - step / 30, step_time_s=0.05)
+    saved = ckpt.checkpointer.planner.state_dict()
+    accelerator.save_state(str(tmp_path / "state"))
+    ckpt.close()
+    AcceleratorState._reset_state(True)
+    accelerator = _accelerator(tmp_path / "other")
+    _prepared(accelerator)
+    other = CociCheckpointer(accelerator)
+    accelerator.load_state(str(tmp_path / "state"))
+    assert other.checkpointer.planner.state_dict() == saved
+    other.close()
+
+
+def test_step_before_prepare_is_refused(tmp_path: Path) -> None:
+    """ckpt.step() before accelerator.prepare() says what to do."""
+    ckpt = CociCheckpointer(_accelerator(tmp_path))
+    with pytest.raises(CociError, match=r"call accelerator\.prepare"):
+        ckpt.step(0)
+    ckpt.close()
+
+
+def test_foreign_layout_and_world_size_change_are_refused(tmp_path: Path) -> None:
+    """A directory of another layout, other prepared objects or another number of processes
+    gives a clear error instead of a half-restored run."""
+    with CheckpointManager(tmp_path / "coci") as mgr:
+        mgr.save(3, {"state_dict": {"w": torch.ones(2)}, "global_step": 3})
+    accelerator = _accelerator(tmp_path)
+    _prepared(accelerator)
+    ckpt = CociCheckpointer(accelerator)
+    with pytest.raises(CheckpointError, match="not written by coci_accelerate"):
+        ckpt.resume()
+    ckpt.close()
+    state = accelerate_state.collect(accelerator, 5, skip=ckpt)
+    with pytest.raises(CheckpointError, match="written by 2 processes and this run has 1"):
+        accelerate_state.apply(accelerator, {**state, "num_processes": 2}, skip=ckpt)
+    with pytest.raises(CheckpointError, match="models: saved 2, prepared now 1"):
+        accelerate_state.apply(accelerator, {**state, "models": state["models"] * 2}, skip=ckpt)
+
+
+def test_inexact_dataloader_configuration_warns(tmp_path: Path) -> None:
+    """Without a seedable sampler and a stateful loader, one warning says what to set."""
+    accelerator = Accelerator(cpu=True, project_dir=str(tmp_path))
+    with pytest.warns(UserWarning, match="use_seedable_sampler=True"):
+        ckpt = CociCheckpointer(accelerator)
+    ckpt.close()
+
+
+def test_bad_arguments(tmp_path: Path) -> None:
+    """Bad arguments raise at construction, naming the parameter."""
+    from coci_core import ConfigError
+
+    accelerator = _accelerator(tmp_path)
+    with pytest.raises(ConfigError, match="'policy'"):
+        CociCheckpointer(accelerator, policy="often")
+    with pytest.raises(ConfigError, match="'every_n_steps' must be given"):
+        CociCheckpointer(accelerator, policy="every_n_steps")
+    with pytest.raises(ConfigError, match="'accelerator'"):
+        CociCheckpointer("acc")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="'loss_key'"):
+        CociTracker(loss_key="")
