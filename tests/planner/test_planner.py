@@ -192,3 +192,28 @@ def test_zero_step_times_and_odd_restores_never_crash_observe():
     p.record_restore(-4.0)
     p.observe(300, loss=0.5, step_time_s=0.0)
     assert p.report().cost_sources["restart_s"] == "default"
+
+
+def test_garbage_input_never_raises_and_never_fails_a_replan(caplog):
+    """Random odd steps, losses, times and restores: no exception, no logged re-plan failure."""
+    rng = np.random.default_rng(2)
+    configs = [
+        {"total_steps": 5_000, "mtbf_s": 60.0, "objective": "convergence"},
+        {"total_steps": None, "mtbf_s": None, "objective": "progress"},
+        {"total_steps": 5_000, "mtbf_s": 1e6, "objective": "time", "termination": [100, 300]},
+    ]
+    for cfg in configs:
+        p = Planner(**cfg)
+        k = 0
+        for i in range(1_200):
+            k += int(rng.integers(-3, 5))
+            loss = rng.choice([rng.normal() * 1e300, -5.0, 1.0 / (i + 1), np.nan, 0.0])
+            step_time = rng.choice([0.0, 1e-9, 0.3, 1e6, -1.0, np.inf])
+            p.observe(k, loss=loss, step_time_s=step_time)
+            if p.should_save(k):
+                p.record_save(stall_s=rng.choice([0.0, 1e-6, 5.0, 1e9]), persist_s=20.0)
+            if i % 400 == 399:
+                p.record_restore(rng.choice([0.0, 30.0, np.nan]))
+        json.dumps(p.state_dict(), allow_nan=False)
+        assert p.report().skipped_losses > 0
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]

@@ -12,6 +12,7 @@ splits the curve into pieces fitted separately; the jump between pieces is not v
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Callable, Sequence
@@ -193,7 +194,7 @@ def curve_from_callable(fn: Callable[[int], float], start_step: int, end_step: i
 def _bin(steps: FloatArray, losses: FloatArray, max_bins: int) -> tuple[FloatArray, ...]:
     """Log-spaced bins of the step index, merged until each holds enough values."""
     lo, hi = float(steps.min()), float(steps.max())
-    edges = np.unique(np.geomspace(lo + 1.0, hi + 2.0, max_bins + 1) - 1.0)
+    edges = lo + np.unique(np.geomspace(1.0, hi - lo + 2.0, max_bins + 1) - 1.0)
     idx = np.clip(np.searchsorted(edges, steps, side="right") - 1, 0, len(edges) - 2)
     counts = np.bincount(idx, minlength=len(edges) - 1)
     need = max(3, steps.size // (3 * max_bins))
@@ -223,7 +224,7 @@ def _fit_piece(x: FloatArray, y: FloatArray, start: int) -> tuple[CurvePiece, fl
     """Fit both shapes to normalised binned means; return the better piece and its SSE."""
     k = x - start
     span = max(float(k.max()), 1.0)
-    target = np.log(y + _EPS)
+    target = np.log(np.maximum(y, -_EPS / 2) + _EPS)
     best: tuple[CurvePiece, float] | None = None
 
     def power(p: FloatArray) -> FloatArray:
@@ -305,7 +306,14 @@ def fit_loss_curve(
     if x.size < MIN_POINTS:
         return LossCurve(trusted=False, reason=f"only {x.size} loss values (< {MIN_POINTS})")
     order = np.argsort(x, kind="stable")
-    x, y = x[order], y[order]
+    x, raw = x[order], y[order]
+    # map the raw values onto [0, 1] first, so that huge losses cannot overflow the sums
+    with np.errstate(all="ignore"):
+        raw_lo = float(raw.min())
+        raw_span = float(raw.max()) - raw_lo
+    if not math.isfinite(raw_span) or raw_span <= 0:
+        return LossCurve(trusted=False, reason="a flat loss, or values out of range")
+    y = (raw - raw_lo) / raw_span
     bx, by, _, _ = _bin(x, y, max_bins)
     offset, scale = float(by.min()), float(by.max() - by.min())
     if len(bx) < MIN_BINS or scale <= 0:
@@ -315,8 +323,11 @@ def fit_loss_curve(
     if detect_regimes and not cuts and curve.trusted:
         split = _detect_regime(x, y, offset, scale, curve, max_bins)
         if split is not None:
-            return split
-    return curve
+            curve = split
+    # back to the caller's loss units
+    return dataclasses.replace(
+        curve, offset=raw_lo + raw_span * curve.offset, scale=raw_span * curve.scale
+    )
 
 
 def _fit_pieces(
@@ -338,7 +349,7 @@ def _fit_pieces(
         if fit is None:
             return LossCurve(trusted=False, reason="the fit did not converge")
         piece, sse = fit
-        target = np.log(yn + _EPS)
+        target = np.log(np.maximum(yn, -_EPS / 2) + _EPS)
         sst = float(np.sum((target - target.mean()) ** 2))
         pred = piece.predict(bx)
         drop = float(pred[0] - piece.predict(np.array([bx[-1]]))[0])

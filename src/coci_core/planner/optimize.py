@@ -284,7 +284,7 @@ def _segment_vector(
     e2 = w + stall + win_c + win_wait
     lam = pb.mean_rate(a, b + win_c / tau)
     q = -math.expm1(-lam * e1)
-    n_fail = q * math.exp(lam * e2)
+    n_fail = q * math.exp(min(lam * e2, 700.0))  # capped: beyond it the job never finishes
     ws_b, ws_w, wr = _v_at(pb, b), _v_at(pb, wait_at), _v_at(pb, a)
     # the pre-durable part (compute of this segment done inside the previous persist window)
     _, _, pre_plain, pre_val = _exp_integrals(pb, a, a + pre / tau, 0.0)
@@ -494,11 +494,14 @@ def dp_schedule(
             axis=1,
         )
         ii = rows[:, None]
-        cost = _dp_costs(pb, gi, js, ii, v_pt, vcum, rcum, tail_p, weight_lost, weight_stall)
-        if atoms.size:
-            cost = cost + _dp_kill_costs(
-                pb, g, gi, js, rows, atoms, atom_p, v_pt, weight_lost, weight_stall
-            )
+        # absurd segments (e.g. exp(lambda E) beyond float range) become +inf, never NaN
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            cost = _dp_costs(pb, gi, js, ii, v_pt, vcum, rcum, tail_p, weight_lost, weight_stall)
+            if atoms.size:
+                cost = cost + _dp_kill_costs(
+                    pb, g, gi, js, rows, atoms, atom_p, v_pt, weight_lost, weight_stall
+                )
+        cost = np.where(np.isnan(cost), np.inf, cost)
         span = (gi[js] - gi[ii]).astype(np.float64)
         if max_interval_steps is not None:
             cost = np.where(span > max_interval_steps, np.inf, cost)

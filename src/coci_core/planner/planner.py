@@ -63,6 +63,8 @@ _COST_CHECK_EVERY = 64
 _REGIME_CHECK_EVERY = 256
 _UNTRUSTED_CHECK_EVERY = 128
 _CHANGE = 0.2
+#: the longest horizon planned at once (per-step arrays); longer runs are planned in windows
+MAX_HORIZON_STEPS = 2_000_000
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -301,6 +303,7 @@ class Planner:
         self._problem: Problem | None = None
         self._overhead: ExpectedOverhead | None = None
         self._plan_method = "no plan yet"
+        self._warned = False
         self._method = method
 
     # ------------------------------------------------------------------ hot path
@@ -342,8 +345,13 @@ class Planner:
                 if not exclude:
                     self._costs.add("step_time_s", st)
         self._last_step = k
-        if self._should_replan(k):
-            self._replan(k)
+        try:
+            if self._should_replan(k):
+                self._replan(k)
+        except Exception:  # the planner must never crash training
+            if not self._warned:
+                logger.exception("checking for a re-plan at step %d failed", k)
+                self._warned = True
 
     def should_save(self, step: int) -> bool:
         """Whether to checkpoint after ``step``: O(1), never raises (False on odd input)."""
@@ -463,8 +471,10 @@ class Planner:
             if curve.trusted:
                 self._pending_curve = curve
                 return True
-        rolling = self.total_steps is None and self._horizon_end is not None
-        return rolling and k >= (self._horizon_end or 0) - 1
+        horizon_cut = self._horizon_end is not None and (
+            self.total_steps is None or self._horizon_end < self.total_steps
+        )
+        return horizon_cut and k >= (self._horizon_end or 0) - 1
 
     def _regime_changed(self, k: int) -> bool:
         if self._regime_flagged:
@@ -473,9 +483,12 @@ class Planner:
         recent = steps >= k - _REGIME_CHECK_EVERY
         if recent.sum() < 8:
             return False
-        resid = losses[recent] - self._curve.predict(steps[recent])
-        se = float(np.std(resid)) / math.sqrt(int(recent.sum())) + 1e-12
-        shift = float(np.mean(resid))
+        with np.errstate(all="ignore"):
+            resid = losses[recent] - self._curve.predict(steps[recent])
+            se = float(np.std(resid)) / math.sqrt(int(recent.sum())) + 1e-12
+            shift = float(np.mean(resid))
+        if not (math.isfinite(se) and math.isfinite(shift)):
+            return False
         if abs(shift) > max(6 * se, 0.05 * self._curve.scale):
             self._regime_flagged = True
             return True
@@ -486,7 +499,9 @@ class Planner:
         try:
             self._replan_unsafe(k)
         except Exception:  # planning must never crash training
-            logger.exception("re-planning at step %d failed; keeping the previous plan", k)
+            if not self._warned:
+                logger.exception("re-planning at step %d failed; keeping the previous plan", k)
+                self._warned = True
 
     def _replan_unsafe(self, k: int) -> None:
         t0 = time.perf_counter()
@@ -497,13 +512,15 @@ class Planner:
         since = max(1, k - self.start_step)
         self._next_replan = self.start_step + max(64, 2 * since)
         # plan from the newest checkpoint: the work since then is already at risk
-        start = min(k, max(self._last_true, self.start_step))
+        start = max(self.start_step, min(k, self._last_true))
         tau = inputs["step_time_s"]
         if self.total_steps is not None:
             end = self.total_steps
         else:
             daly_steps = daly_interval_s(inputs["stall_s"], inputs["mtbf_s"]) / tau
             end = start + max(self.min_horizon_steps, 2 * since, math.ceil(20 * daly_steps))
+        # per-step arrays bound the horizon; a longer run is planned in windows
+        end = min(end, start + MAX_HORIZON_STEPS)
         if end - start < 2:
             self._schedule, self._ptr = [], 0
             return
