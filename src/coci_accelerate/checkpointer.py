@@ -80,7 +80,7 @@ class CociCheckpointer:
         if is_main:
             sinks.append(JsonlTelemetry(self.dirpath / TELEMETRY_FILE))
             with contextlib.suppress(ConfigError):  # tensorboard is not installed
-                sinks.append(TensorBoardTelemetry(self.dirpath / "tensorboard"))
+                sinks.append(_tensorboard_sink(accelerator, self.dirpath / "tensorboard"))
         self.checkpointer = Checkpointer(
             self.dirpath,
             policy=policy,
@@ -190,6 +190,15 @@ class CociCheckpointer:
             if id(inner) not in self._hooked:
                 inner.register_step_pre_hook(lambda *_: self.checkpointer.before_update())
                 self._hooked.add(id(inner))
+
+
+def _tensorboard_sink(accelerator: Accelerator, own_dir: Path) -> TensorBoardTelemetry:
+    """The panel goes through Accelerate's TensorBoard tracker when the run has one (after
+    ``init_trackers``), else to coci's own writer under ``own_dir``."""
+    for tracker in accelerator.trackers:
+        if type(tracker).__name__ == "TensorBoardTracker":
+            return TensorBoardTelemetry(writer=tracker.writer)
+    return TensorBoardTelemetry(own_dir)
 
 
 def _broadcast(obj: Any) -> Any:

@@ -272,3 +272,20 @@ def test_bad_arguments(tmp_path: Path) -> None:
         CociCheckpointer("acc")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="'loss_key'"):
         CociTracker(loss_key="")
+
+
+def test_panel_goes_through_accelerates_tensorboard_tracker(tmp_path: Path) -> None:
+    """With log_with=["tensorboard"], the coci series land in Accelerate's own event file."""
+    accelerator = _accelerator(tmp_path, log_with=["tensorboard", CociTracker()])
+    accelerator.init_trackers("tb")
+    _prepared(accelerator)
+    ckpt = CociCheckpointer(accelerator, policy="every_n_steps", every_n_steps=4)
+    for step in range(9):
+        accelerator.log({"loss": 1.0}, step=step)
+        ckpt.step(step)
+    ckpt.close()
+    accelerator.end_training()
+    acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("coci/save/committed_step")] == [4, 8]
+    assert "loss" in acc.Tags()["scalars"]
