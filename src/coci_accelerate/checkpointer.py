@@ -14,10 +14,9 @@ from accelerate.utils import broadcast_object_list
 
 from coci_accelerate import _state
 from coci_accelerate.tracker import CociTracker
-from coci_core.checkpointer import Checkpointer, check_compression
+from coci_core.checkpointer import Checkpointer, adapter_planner_options
 from coci_core.errors import CociError, ConfigError, NoCheckpointError
 from coci_core.manager import SaveHandle
-from coci_core.planner import POLICIES, Planner
 from coci_core.telemetry import JsonlTelemetry, TelemetrySink
 from coci_core.tensorboard import TensorBoardTelemetry
 
@@ -61,17 +60,17 @@ class CociCheckpointer:
             raise ConfigError(
                 f"'accelerator' must be an Accelerator, got {type(accelerator).__name__}"
             )
-        if policy not in POLICIES:
-            raise ConfigError(f"'policy' must be one of {', '.join(POLICIES)}: {policy!r}")
-        if not isinstance(block, bool):
-            raise ConfigError(f"'block' must be a bool: {block!r}")
-        self.compression = check_compression(compression)
-        options = dict(planner_options or {})
-        if every_n_steps is not None:
-            options["every_n_steps"] = every_n_steps
-        if every_n_seconds is not None:
-            options["every_n_seconds"] = every_n_seconds
-        Planner(policy=policy, objective=objective, mtbf_s=mtbf_s, **options)  # validates now
+        options = adapter_planner_options(
+            policy=policy,
+            objective=objective,
+            mtbf_s=mtbf_s,
+            keep_last=keep_last,
+            compression=compression,
+            block=block,
+            every_n_steps=every_n_steps,
+            every_n_seconds=every_n_seconds,
+            planner_options=planner_options,
+        )
         self.accelerator = accelerator
         root = Path(accelerator.project_dir) if accelerator.project_dir else Path.cwd()
         self.dirpath = Path(dirpath) if dirpath is not None else root / "coci"

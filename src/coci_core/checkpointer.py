@@ -19,7 +19,7 @@ from coci_core.decision import SharedDecision
 from coci_core.errors import ConfigError
 from coci_core.manager import CheckpointManager, SaveHandle
 from coci_core.persist import LatestOnlyWorker
-from coci_core.planner import Planner
+from coci_core.planner import POLICIES, Planner
 from coci_core.planner.schedule import compare_with_daly
 from coci_core.stateful import Stateful
 from coci_core.storage import Storage
@@ -42,6 +42,36 @@ def check_compression(compression: str | None) -> str:
             f"{compression!r}"
         )
     return mode
+
+
+def adapter_planner_options(
+    *,
+    policy: str,
+    objective: str,
+    mtbf_s: float | None,
+    keep_last: int | None,
+    compression: str | None,
+    block: bool,
+    every_n_steps: int | None,
+    every_n_seconds: float | None,
+    planner_options: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    """Check the arguments every framework adapter takes (raising ConfigError at construction,
+    naming the argument) and return the further keyword options of the Planner."""
+    if policy not in POLICIES:
+        raise ConfigError(f"'policy' must be one of {', '.join(POLICIES)}: {policy!r}")
+    if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
+        raise ConfigError(f"'keep_last' must be an integer >= 1 or None: {keep_last!r}")
+    if not isinstance(block, bool):
+        raise ConfigError(f"'block' must be a bool: {block!r}")
+    check_compression(compression)
+    options = dict(planner_options or {})
+    if every_n_steps is not None:
+        options["every_n_steps"] = every_n_steps
+    if every_n_seconds is not None:
+        options["every_n_seconds"] = every_n_seconds
+    Planner(policy=policy, objective=objective, mtbf_s=mtbf_s, **options)  # checks the rest
+    return options
 
 
 class Checkpointer:

@@ -13,10 +13,9 @@ from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from coci_core.checkpointer import Checkpointer, check_compression
+from coci_core.checkpointer import Checkpointer, adapter_planner_options
 from coci_core.errors import ConfigError
 from coci_core.manifest import step_dir_name
-from coci_core.planner import POLICIES, Planner
 from coci_core.restore import committed_steps
 from coci_core.storage import open_storage
 from coci_lightning._resume import CociCheckpointIO, install_last_resolution
@@ -63,30 +62,30 @@ class CociCheckpoint(Checkpoint):
         planner_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        if policy not in POLICIES:
-            raise ConfigError(f"'policy' must be one of {', '.join(POLICIES)}: {policy!r}")
-        if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
-            raise ConfigError(f"'keep_last' must be an integer >= 1 or None: {keep_last!r}")
-        for name, value in (("resume", resume), ("block", block)):
-            if not isinstance(value, bool):
-                raise ConfigError(f"'{name}' must be a bool: {value!r}")
+        if not isinstance(resume, bool):
+            raise ConfigError(f"'resume' must be a bool: {resume!r}")
+        self.planner_options = adapter_planner_options(
+            policy=policy,
+            objective=objective,
+            mtbf_s=mtbf_s,
+            keep_last=keep_last,
+            compression=compression,
+            block=block,
+            every_n_steps=every_n_steps,
+            every_n_seconds=every_n_seconds,
+            planner_options=planner_options,
+        )
         self.dirpath = dirpath
         self.policy = policy
         self.objective = objective
         self.mtbf_s = mtbf_s
         self.keep_last = keep_last
-        self.compression = check_compression(compression)
+        self.compression = compression or "none"
         self.resume = resume
         self.monitor = monitor
         self.block = block
         self.save_on_train_end = save_on_train_end
         self.save_on_exception = save_on_exception
-        self.planner_options = dict(planner_options or {})
-        if every_n_steps is not None:
-            self.planner_options["every_n_steps"] = every_n_steps
-        if every_n_seconds is not None:
-            self.planner_options["every_n_seconds"] = every_n_seconds
-        Planner(policy=policy, objective=objective, mtbf_s=mtbf_s, **self.planner_options)
         self.checkpointer: Checkpointer | None = None
         self._planner_state: dict[str, Any] | None = None
         self._pending_rng: dict[str, Any] | None = None
