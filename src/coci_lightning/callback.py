@@ -93,6 +93,7 @@ class CociCheckpoint(Checkpoint):
         self._last_saved_step: int | None = None
         self._fallback_for: str | None = None
         self._rng_per_rank: list[Any] | None = None
+        self._deferred = False
         self._relay = LoggerRelay()
         install_last_resolution()
 
@@ -198,8 +199,12 @@ class CociCheckpoint(Checkpoint):
         now = time.perf_counter()
         step_time = None if self._last_end is None else now - self._last_end
         ckpt.observe(trainer.global_step, loss=self._loss(trainer, outputs), step_time_s=step_time)
-        if ckpt.should_save(trainer.global_step):
-            self._save(trainer)
+        if ckpt.should_save(trainer.global_step) or self._deferred:
+            # Not on an epoch's last batch: Lightning's epoch-end work (epoch-interval LR
+            # schedulers, epoch hooks) would not be redone on resume. The next step saves.
+            self._deferred = bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
+            if not self._deferred:
+                self._save(trainer)
         if trainer.is_global_zero:
             self._relay.drain(trainer)
         self._last_end = time.perf_counter()

@@ -217,3 +217,25 @@ def test_replaces_default_model_checkpoint(tmp_path: Path) -> None:
     trainer = _trainer(tmp_path, 1, [CociCheckpoint()])
     assert [type(cb).__name__ for cb in trainer.checkpoint_callbacks] == ["CociCheckpoint"]
     assert torch.get_num_threads() >= 1
+
+
+def test_save_planned_on_an_epochs_last_batch_moves_to_the_next_step(
+    tmp_path: Path, reference: DigitsModel
+) -> None:
+    """A save planned on the last batch of an epoch (whose epoch-end work a resume would not
+    redo) is taken one step later, and the resume from it is bit-exact."""
+    _fit(
+        tmp_path,
+        20,
+        [CociCheckpoint(policy="every_n_steps", every_n_steps=16, save_on_train_end=False)],
+    )
+    assert CheckpointManager(tmp_path / "coci").steps() == [17]
+    resumed = _fit(
+        tmp_path,
+        40,
+        [CociCheckpoint(policy="every_n_steps", every_n_steps=16)],
+        seed=99,
+        ckpt_path="last",
+    )
+    assert digest(resumed) == digest(reference)
+    assert resumed.seen == reference.seen[17 * 16 :]
