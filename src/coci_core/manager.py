@@ -329,12 +329,15 @@ class CheckpointManager:
                 event.stall_s,
                 event.time_to_durable_s,
             )
-            self._apply_retention(newest=job.step)
         handle._event = event
         try:
             emit(self.listeners, event)  # before done: once wait() returns, listeners have it
         finally:
             handle._done.set()
+        if event.outcome == "committed":
+            # After done: deleting old steps (0.3 s per GB here) must not hold up wait() or
+            # the next save; the next job on this thread starts once it is finished.
+            self._apply_retention(newest=job.step)
 
     def _event(self, handle: SaveHandle, snapshot: Snapshot, **fields: Any) -> SaveEvent:
         now = time.perf_counter()
