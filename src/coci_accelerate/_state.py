@@ -62,6 +62,14 @@ def own_loader_generators(accelerator: Accelerator) -> None:
 def _loader_state(loader: Any) -> dict[str, Any]:
     base = getattr(loader, "base_dataloader", loader)
     generator = getattr(base, "generator", None)
+    if getattr(loader, "end_of_dataloader", False):
+        # Saved on an epoch's last batch: resume at the start of the next epoch (an exhausted
+        # loader state would end the epoch without counting it, replaying its order).
+        return {
+            "iteration": int(getattr(loader, "iteration", 0)) + 1,
+            "state": None,
+            "generator": generator.get_state() if generator is not None else None,
+        }
     return {
         "iteration": int(getattr(loader, "iteration", 0)),
         "state": loader.state_dict() if getattr(loader, "use_stateful_dataloader", False) else None,

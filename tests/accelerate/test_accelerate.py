@@ -289,3 +289,17 @@ def test_panel_goes_through_accelerates_tensorboard_tracker(tmp_path: Path) -> N
     acc.Reload()
     assert [e.step for e in acc.Scalars("coci/save/committed_step")] == [4, 8]
     assert "loss" in acc.Tags()["scalars"]
+
+
+def test_resume_from_an_epochs_last_batch_is_bit_exact(tmp_path: Path) -> None:
+    """A checkpoint taken on the last batch of an epoch (step 31 of 32) resumes at the next
+    epoch's start, not into a replay of the finished epoch's order."""
+    reference = train(str(tmp_path / "ref"), 70, every_n_steps=31)
+    AcceleratorState._reset_state(True)
+    with pytest.raises(_Stop):
+        train(str(tmp_path / "run"), 70, kill_at=40, on_kill=_stop, every_n_steps=31)
+    AcceleratorState._reset_state(True)
+    resumed = train(str(tmp_path / "run"), 70, every_n_steps=31)
+    assert resumed["start"] == 32
+    assert resumed["digest"] == reference["digest"]
+    assert resumed["seen"] == reference["seen"][32 * BATCH :]
