@@ -30,7 +30,7 @@ from coci_core.manifest import MANIFEST_NAME
 from coci_core.storage import LocalStorage
 from coci_core.telemetry import Event, SaveEvent
 
-__all__ = ["main", "train"]
+__all__ = ["run", "run_child", "train"]
 
 PAUSE_MARK = "COCI-DEMO-PERSISTING"
 PAUSE_STAGES = ("data", "manifest", "publish")
@@ -231,21 +231,6 @@ def run_child(args: list[str], *, kill_on_pause: bool) -> tuple[int, dict[str, A
                 result = json.loads(line[len("RESULT ") :])
         returncode = proc.wait()
     return returncode, result, paused_at
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of ``coci demo``."""
-    parser.add_argument("--dir", help="checkpoint directory (default: a new temporary one)")
-    parser.add_argument("--total-steps", type=int, default=300)
-    parser.add_argument("--save-every", type=int, default=25)
-    parser.add_argument("--kill-step", type=int, default=150, help="step whose persist is killed")
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``coci demo``: kill a trainer mid-persist, resume it, compare with an uninterrupted run."""
-    parser = argparse.ArgumentParser(prog="coci demo", description=main.__doc__)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["run"]
 
 BATCH = 32
 TRAIN_SAMPLES = 1500
@@ -112,14 +112,6 @@ def _child(argv: list[str]) -> None:
     Path(result_file).write_text(
         json.dumps({"digest": digest.hexdigest(), "seen": model.seen, "accuracy": accuracy})
     )
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of ``coci demo``."""
-    parser.add_argument("--dir", help="run directory (default: a new temporary one)")
-    parser.add_argument("--total-steps", type=int, default=600)
-    parser.add_argument("--kill-step", type=int, help="default: a random step in the middle")
-    parser.add_argument("--seed", type=int, help="seed of the random kill step")
 
 
 def _train(directory: Path, total: int, result: Path, kill: int | None = None) -> int:
