@@ -43,9 +43,9 @@ def test_verify_ok_then_damaged(ckpt_dir: Path, capsys: pytest.CaptureFixture[st
     assert main(["verify", str(ckpt_dir)]) == 0
     manifest = json.loads((ckpt_dir / step_dir_name(9) / "manifest.json").read_text())
     entry = next(t for t in manifest["tensors"] if t["key"] == "/model/0.weight")
-    data = ckpt_dir / step_dir_name(9) / entry["file"]
+    data = ckpt_dir / step_dir_name(9) / entry["pieces"][0]["file"]
     raw = bytearray(data.read_bytes())
-    raw[entry["offset"] + 10] ^= 0x40
+    raw[entry["pieces"][0]["offset"] + 10] ^= 0x40
     data.write_bytes(bytes(raw))
     capsys.readouterr()
     assert main(["verify", str(ckpt_dir)]) == 1

@@ -9,7 +9,8 @@
     ├── CheckpointError(CociError)                 a checkpoint cannot be used
     │   ├── NoCheckpointError                      there is no committed checkpoint
     │   └── CorruptCheckpointError                 checksum, size or manifest mismatch
-    └── BackgroundSaveError(CociError)             a background persist failed
+    ├── BackgroundSaveError(CociError)             a background persist failed
+    └── CommitError(CociError)                     a rank of a sharded save failed (its cause)
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ __all__ = [
     "BackgroundSaveError",
     "CheckpointError",
     "CociError",
+    "CommitError",
     "ConfigError",
     "CorruptCheckpointError",
     "NoCheckpointError",
@@ -71,3 +73,11 @@ class BackgroundSaveError(CociError):
     def __init__(self, message: str, *, step: int):
         super().__init__(message)
         self.step = step
+
+
+class CommitError(CociError):
+    """The ranks of a sharded save did not all succeed, so nothing was published."""
+
+    def __init__(self, message: str, *, ranks: list[int]):
+        super().__init__(message)
+        self.ranks = sorted(ranks)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import hashlib
 import logging
 import os
 import threading
@@ -19,7 +20,9 @@ from coci_core.errors import (
     CorruptCheckpointError,
     NoCheckpointError,
 )
+from coci_core.group import RankGroup
 from coci_core.manifest import MANIFEST_NAME, Manifest, parse_step_dir, step_dir_name
+from coci_core.partition import DEFAULT_CHUNK_BYTES, Share, partition
 from coci_core.persist import PersistJob, PersistWorker, write_checkpoint
 from coci_core.restore import (
     committed_steps,
@@ -31,7 +34,7 @@ from coci_core.snapshot import Snapshot, Snapshotter
 from coci_core.stateful import Stateful
 from coci_core.storage import Storage, open_storage
 from coci_core.telemetry import Listener, RestoreEvent, SaveEvent, emit
-from coci_core.tree import flatten_state
+from coci_core.tree import ArrayLeaf, FlatState, flatten_state
 
 __all__ = ["CheckpointManager", "SaveHandle"]
 
@@ -126,6 +129,12 @@ class CheckpointManager:
             (from the background thread for saves).
         worker_niceness: how much to lower the writer thread's CPU priority (0 keeps it).
         storage_options: passed to fsspec for URLs.
+        group: the ranks that write each checkpoint together (every rank of a data-parallel
+            job makes its own manager with its :class:`RankGroup`, e.g.
+            ``RankGroup.from_torch_distributed()``). Each rank then snapshots and writes only
+            its share of the (replicated) state, rank 0 commits once every rank succeeded,
+            and only rank 0 deletes old checkpoints. Default: this process alone.
+        chunk_bytes: the unit in which the state is split over ranks (a multiple of 64).
     """
 
     def __init__(
@@ -139,6 +148,8 @@ class CheckpointManager:
         listeners: Iterable[Listener] = (),
         worker_niceness: int = 5,
         storage_options: Mapping[str, Any] | None = None,
+        group: RankGroup | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     ) -> None:
         if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
             raise ConfigError(f"'keep_last' must be an integer >= 1 or None: {keep_last!r}")
@@ -148,6 +159,15 @@ class CheckpointManager:
             raise ConfigError(
                 f"'worker_niceness' must be an integer in [0, 19]: {worker_niceness!r}"
             )
+        if group is not None and not isinstance(group, RankGroup):
+            raise ConfigError(f"'group' must be a RankGroup or None, got {group!r}")
+        group = group or RankGroup.single()
+        if group.world_size > 1 and on_busy != "wait":
+            raise ConfigError(
+                "'on_busy' must be 'wait' when several ranks write a checkpoint (a skip on one "
+                "rank but not another would leave the save incomplete)"
+            )
+        partition([], 1, chunk_bytes=chunk_bytes)  # validates chunk_bytes
         listeners = list(listeners)
         for listener in listeners:
             if not callable(listener):
@@ -159,13 +179,17 @@ class CheckpointManager:
         self.allow_torch_save = bool(allow_torch_save)
         self.listeners: list[Listener] = listeners
         self.last_restore: RestoreEvent | None = None
+        self.group = group
+        self.chunk_bytes = chunk_bytes
+        self._saves = 0
         self._snapshotter = Snapshotter()
         self._worker = PersistWorker(self._run_job, niceness=worker_niceness)
         self._inflight: SaveHandle | None = None
         self._failed: list[SaveHandle] = []
         self._failed_lock = threading.Lock()
         self._closed = False
-        self._remove_uncommitted()
+        if group.is_coordinator:
+            self._remove_uncommitted(done_seq=None)
         _LIVE.add(self)
 
     def __repr__(self) -> str:
@@ -186,6 +210,7 @@ class CheckpointManager:
         *,
         block: bool = True,
         metadata: Mapping[str, Any] | None = None,
+        per_rank: Mapping[str, Any] | None = None,
     ) -> SaveHandle:
         """Snapshot ``state`` as ``step`` and persist it in the background.
 
@@ -199,6 +224,10 @@ class CheckpointManager:
             state: a mapping of tensors, numpy arrays, JSON values, lists, tuples and dicts.
             block: wait for the copy (True) or let it overlap the caller's next work (False).
             metadata: JSON values stored in the manifest (shown by ``coci ls``).
+            per_rank: state that differs per rank (random states, ...), under keys that
+                ``state`` does not use; each rank writes its own, and :meth:`restore` merges
+                the restoring rank's into the state. With several ranks, ``state`` must be the
+                same on every rank (it is split over them and written once).
 
         Raises:
             BackgroundSaveError: an earlier background save failed (reported once).
@@ -215,16 +244,55 @@ class CheckpointManager:
             previous._done.wait()
         self._raise_failed()
         flat = flatten_state(state, allow_torch_save=self.allow_torch_save)
-        snapshot = self._snapshotter.prepare(flat.leaves)
+        own = self._flatten_per_rank(state, per_rank)
+        leaves = flat.leaves + (own.leaves if own else ())
+        regions = self._regions(flat.leaves, leaves)
+        snapshot = self._snapshotter.prepare(leaves, regions)
         handle = SaveHandle(step, block=block, started=started, snapshot=snapshot)
         if block:
             self._snapshotter.copy(snapshot)
             snapshot.wait_copied()
-        job = PersistJob(step, snapshot, flat.tree, _json_metadata(metadata))
+        job = PersistJob(
+            step,
+            snapshot,
+            flat.tree,
+            _json_metadata(metadata),
+            token=f"{self.group.session}-{self._saves}",
+            n_shared=len(flat.leaves),
+            rank_tree=own.tree if own else None,
+            layout=_layout_digest(flat.leaves, self.chunk_bytes) if regions else "",
+            group=self.group,
+        )
+        self._saves += 1
         self._inflight = handle
         handle._stall_s = time.perf_counter() - started
         self._worker.submit((job, handle))
         return handle
+
+    def _flatten_per_rank(
+        self, state: Mapping[str, Any], per_rank: Mapping[str, Any] | None
+    ) -> FlatState | None:
+        if per_rank is None:
+            return None
+        if not isinstance(per_rank, Mapping):
+            raise ConfigError(f"'per_rank' must be a mapping or None, got {type(per_rank)}")
+        clash = sorted(str(k) for k in per_rank if k in state)
+        if clash:
+            raise ConfigError(f"'per_rank' keys {clash} are also keys of 'state'")
+        return flatten_state(per_rank, allow_torch_save=self.allow_torch_save)
+
+    def _regions(
+        self, shared: tuple[ArrayLeaf, ...], leaves: tuple[ArrayLeaf, ...]
+    ) -> tuple[Share, ...] | None:
+        # One rank writes every leaf whole; several split the shared leaves and each writes
+        # its own per-rank leaves whole.
+        if self.group.world_size == 1:
+            return None
+        mine = partition(
+            [leaf.nbytes for leaf in shared], self.group.world_size, chunk_bytes=self.chunk_bytes
+        )[self.group.rank]
+        own = tuple(Share(i, 0, leaves[i].nbytes) for i in range(len(shared), len(leaves)))
+        return mine + own
 
     def before_update(self) -> None:
         """Wait, if needed, until a ``block=False`` snapshot is fully copied.
@@ -334,10 +402,10 @@ class CheckpointManager:
             emit(self.listeners, event)  # before done: once wait() returns, listeners have it
         finally:
             handle._done.set()
-        if event.outcome == "committed":
+        if event.outcome == "committed" and self.group.is_coordinator:
             # After done: deleting old steps (0.3 s per GB here) must not hold up wait() or
             # the next save; the next job on this thread starts once it is finished.
-            self._apply_retention(newest=job.step)
+            self._apply_retention(newest=job.step, done_seq=int(job.token.rsplit("-", 1)[1]))
 
     def _event(self, handle: SaveHandle, snapshot: Snapshot, **fields: Any) -> SaveEvent:
         now = time.perf_counter()
@@ -352,7 +420,7 @@ class CheckpointManager:
             **fields,
         )
 
-    def _apply_retention(self, *, newest: int) -> None:
+    def _apply_retention(self, *, newest: int, done_seq: int) -> None:
         # Retention never fails a save that is already durable: its errors are logged.
         try:
             if self.keep_last is not None:
@@ -361,17 +429,31 @@ class CheckpointManager:
                     if step != newest:
                         self.storage.remove_dir(step_dir_name(step))
                         logger.debug("coci: retention removed step %d", step)
-            self._remove_uncommitted()
+            self._remove_uncommitted(done_seq=done_seq, newest=newest)
         except Exception as e:
             logger.warning("coci: retention after step %d failed: %s", newest, e)
 
-    def _remove_uncommitted(self) -> None:
-        # Only names that coci writes ("step-..."), and never a directory with a manifest.
+    def _remove_uncommitted(self, *, done_seq: int | None, newest: int | None = None) -> None:
+        # Only names that coci writes ("step-..."), never a directory with a manifest, and
+        # never a save that another rank of this session may still be writing: that is, only
+        # another session's leftovers and this session's saves older than ``done_seq``.
+        sharded = self.group.world_size > 1
         for name in self.storage.list_dir(""):
             if not name.startswith("step-"):
                 continue
-            if parse_step_dir(name) is not None and self.storage.exists(f"{name}/{MANIFEST_NAME}"):
-                continue
+            step = parse_step_dir(name)
+            if step is not None:
+                if self.storage.exists(f"{name}/{MANIFEST_NAME}"):
+                    continue
+                # A storage that stages in the final directory (fsspec) names no session.
+                if sharded and (newest is None or step >= newest):
+                    continue
+            elif sharded and ".coci-tmp-" in name:
+                session, _, seq = name.rsplit(".coci-tmp-", 1)[1].rpartition("-")
+                if session == self.group.session and (
+                    done_seq is None or not seq.isdigit() or int(seq) >= done_seq
+                ):
+                    continue
             self.storage.remove_dir(name)
             logger.debug("coci: removed uncommitted %s", name)
 
@@ -396,8 +478,13 @@ class CheckpointManager:
         *,
         into: Mapping[str, Stateful] | None = None,
         strict: bool | None = None,
+        rank: int | None = None,
     ) -> dict[str, Any]:
         """Read, verify and return a committed state (tensors on CPU).
+
+        A checkpoint restores on any number of ranks, whatever number wrote it. The per-rank
+        state that rank ``rank`` (default: this manager's rank) saved is merged in; a rank the
+        checkpoint does not have gets none (logged; ``last_restore.rank_state_restored``).
 
         Pending saves are made durable first. Without ``step`` the newest committed step is
         used; if it is damaged, it is reported and the newest intact one is used instead
@@ -420,7 +507,9 @@ class CheckpointManager:
         errors: list[str] = []
         for candidate in candidates:
             try:
-                loaded = load_checkpoint(self.storage, candidate)
+                loaded = load_checkpoint(
+                    self.storage, candidate, rank=self.group.rank if rank is None else rank
+                )
                 break
             except CorruptCheckpointError as e:
                 if strict or step is not None:
@@ -439,6 +528,7 @@ class CheckpointManager:
             seconds=time.perf_counter() - started,
             bytes_read=loaded.bytes_read,
             skipped_steps=tuple(skipped),
+            rank_state_restored=loaded.rank_state_restored,
         )
         logger.info(
             "coci: restored step %d from %s (%.1f MB, %.3f s)",
@@ -466,6 +556,12 @@ def _load_into(state: Mapping[str, Any], into: Mapping[str, Stateful]) -> None:
         if not hasattr(target, "load_state_dict"):
             raise ConfigError(f"'into[{key!r}]' has no load_state_dict: {type(target).__name__}")
         target.load_state_dict(state[key])
+
+
+def _layout_digest(leaves: tuple[ArrayLeaf, ...], chunk_bytes: int) -> str:
+    """What every rank must agree on to split the state the same way."""
+    text = repr([(leaf.key, str(leaf.tensor.dtype), tuple(leaf.tensor.shape)) for leaf in leaves])
+    return hashlib.sha1(f"{chunk_bytes}|{text}".encode()).hexdigest()[:16]
 
 
 def _json_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:

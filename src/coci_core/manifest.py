@@ -1,7 +1,10 @@
 """The versioned JSON manifest: the commit record of one checkpoint.
 
 A step directory is a checkpoint exactly when it holds a manifest that parses: the manifest is
-written last, after every data file is durable.
+written last, after every data file (of every rank) is durable.
+
+Format 2 stores each array as one or more *pieces* (byte ranges, possibly in different ranks'
+data files); format 1 (one piece per array, in ``data-r0.bin``) is still read.
 """
 
 from __future__ import annotations
@@ -18,12 +21,16 @@ __all__ = [
     "MANIFEST_NAME",
     "DataFile",
     "Manifest",
+    "Piece",
+    "RankState",
     "TensorEntry",
     "parse_step_dir",
+    "parse_tensor_entry",
     "step_dir_name",
 ]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+_READABLE_VERSIONS = (1, 2)
 MANIFEST_NAME = "manifest.json"
 _STEP_DIR = re.compile(r"^step-(\d{10,})$")
 
@@ -40,19 +47,42 @@ def parse_step_dir(name: str) -> int | None:
 
 
 @dataclass(frozen=True)
+class Piece:
+    """A byte range of one array as stored: ``length`` raw bytes from ``start`` of the array,
+    stored as ``nbytes`` bytes at ``offset`` of ``file``, with the checksum of the stored bytes."""
+
+    file: str
+    offset: int
+    nbytes: int
+    start: int
+    length: int
+    crc32c: int
+
+
+@dataclass(frozen=True)
 class TensorEntry:
-    """One array's bytes: where they are, how they were encoded and their checksum."""
+    """One array: what it is, how it was encoded, and where its pieces are."""
 
     key: str
     kind: str
     dtype: str
     shape: tuple[int, ...]
-    file: str
-    offset: int
-    nbytes: int
     codec: str
-    crc32c: int
+    pieces: tuple[Piece, ...]
     numpy_dtype: str | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Stored bytes of every piece."""
+        return sum(p.nbytes for p in self.pieces)
+
+
+@dataclass(frozen=True)
+class RankState:
+    """State that differs per rank (random states, ...): its tree and its arrays."""
+
+    tree: Any
+    tensors: tuple[TensorEntry, ...]
 
 
 @dataclass(frozen=True)
@@ -75,6 +105,8 @@ class Manifest:
     format_version: int = FORMAT_VERSION
     world_size: int = 1
     metadata: dict[str, Any] = field(default_factory=dict)
+    per_rank: tuple[RankState, ...] = ()
+    token: str = ""
 
     @property
     def nbytes(self) -> int:
@@ -84,8 +116,7 @@ class Manifest:
     def to_json(self) -> bytes:
         """The manifest as UTF-8 JSON."""
         doc = asdict(self)
-        doc["tensors"] = [asdict(t) for t in self.tensors]
-        doc["files"] = [asdict(f) for f in self.files]
+        doc["format_version"] = FORMAT_VERSION
         return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")
 
     @classmethod
@@ -103,26 +134,12 @@ class Manifest:
         if not isinstance(doc, dict):
             raise CorruptCheckpointError(f"{where} is not a JSON object")
         version = doc.get("format_version")
-        if version != FORMAT_VERSION:
+        if version not in _READABLE_VERSIONS:
             raise CorruptCheckpointError(
-                f"{where} has format_version {version!r}; this coci reads {FORMAT_VERSION}"
+                f"{where} has format_version {version!r}; this coci reads {_READABLE_VERSIONS}"
             )
         try:
-            tensors = tuple(
-                TensorEntry(
-                    key=str(t["key"]),
-                    kind=_one_of(t["kind"], ("tensor", "ndarray", "torch_save"), "kind"),
-                    dtype=str(t["dtype"]),
-                    shape=tuple(_nonneg_int(x, "shape") for x in t["shape"]),
-                    file=_safe_name(t["file"]),
-                    offset=_nonneg_int(t["offset"], "offset"),
-                    nbytes=_nonneg_int(t["nbytes"], "nbytes"),
-                    codec=str(t["codec"]),
-                    crc32c=_nonneg_int(t["crc32c"], "crc32c"),
-                    numpy_dtype=None if t.get("numpy_dtype") is None else str(t["numpy_dtype"]),
-                )
-                for t in doc["tensors"]
-            )
+            tensors = tuple(parse_tensor_entry(t, version) for t in doc["tensors"])
             files = tuple(
                 DataFile(name=_safe_name(f["name"]), nbytes=_nonneg_int(f["nbytes"], "nbytes"))
                 for f in doc["files"]
@@ -130,6 +147,13 @@ class Manifest:
             metadata = doc.get("metadata", {})
             if not isinstance(metadata, dict):
                 raise TypeError("metadata must be an object")
+            per_rank = tuple(
+                RankState(
+                    tree=r["tree"],
+                    tensors=tuple(parse_tensor_entry(t, version) for t in r["tensors"]),
+                )
+                for r in doc.get("per_rank", ())
+            )
             return cls(
                 step=_nonneg_int(doc["step"], "step"),
                 created_unix=float(doc["created_unix"]),
@@ -139,9 +163,49 @@ class Manifest:
                 format_version=version,
                 world_size=_nonneg_int(doc.get("world_size", 1), "world_size"),
                 metadata=metadata,
+                per_rank=per_rank,
+                token=str(doc.get("token", "")),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise CorruptCheckpointError(f"{where} is malformed: {type(e).__name__}: {e}") from e
+
+
+def parse_tensor_entry(t: Any, version: int = FORMAT_VERSION) -> TensorEntry:
+    """A tensor entry from its JSON form (format ``version``)."""
+    shape = tuple(_nonneg_int(x, "shape") for x in t["shape"])
+    if version == 1:
+        nbytes = _nonneg_int(t["nbytes"], "nbytes")
+        pieces: tuple[Piece, ...] = (
+            Piece(
+                file=_safe_name(t["file"]),
+                offset=_nonneg_int(t["offset"], "offset"),
+                nbytes=nbytes,
+                start=0,
+                length=nbytes,
+                crc32c=_nonneg_int(t["crc32c"], "crc32c"),
+            ),
+        )
+    else:
+        pieces = tuple(
+            Piece(
+                file=_safe_name(p["file"]),
+                offset=_nonneg_int(p["offset"], "offset"),
+                nbytes=_nonneg_int(p["nbytes"], "nbytes"),
+                start=_nonneg_int(p["start"], "start"),
+                length=_nonneg_int(p["length"], "length"),
+                crc32c=_nonneg_int(p["crc32c"], "crc32c"),
+            )
+            for p in t["pieces"]
+        )
+    return TensorEntry(
+        key=str(t["key"]),
+        kind=_one_of(t["kind"], ("tensor", "ndarray", "torch_save"), "kind"),
+        dtype=str(t["dtype"]),
+        shape=shape,
+        codec=str(t["codec"]),
+        pieces=pieces,
+        numpy_dtype=None if t.get("numpy_dtype") is None else str(t["numpy_dtype"]),
+    )
 
 
 def _nonneg_int(value: Any, name: str) -> int:

@@ -1,8 +1,10 @@
-"""Phase 2: checksum, write and commit a snapshot, in one background worker thread.
+"""Phase 2: checksum, write and commit a snapshot, in one background worker thread per rank.
 
-The data file is the snapshot's arena written as it is (large sequential writes from the reused
-buffer, direct I/O where the file system allows), then the manifest, then the atomic publish.
-Nothing here pickles, and nothing runs on the training thread.
+Each rank writes its share of the arrays (and its own per-rank state) as one data file: the
+snapshot's arena as it is (large sequential writes from the reused buffer, direct I/O where the
+file system allows). With one rank the manifest follows at once; with several, each rank leaves
+a marker naming its pieces, and rank 0 writes the manifest only when every rank's marker is
+there (``commit.py``). Nothing here pickles, and nothing runs on the training thread.
 """
 
 from __future__ import annotations
@@ -13,44 +15,72 @@ import os
 import queue
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import crc32c
 
+from coci_core import commit
 from coci_core.codecs import RawCodec
-from coci_core.manifest import MANIFEST_NAME, DataFile, Manifest, TensorEntry, step_dir_name
+from coci_core.group import RankGroup
+from coci_core.manifest import (
+    MANIFEST_NAME,
+    DataFile,
+    Manifest,
+    Piece,
+    RankState,
+    TensorEntry,
+    step_dir_name,
+)
 from coci_core.snapshot import Snapshot
 from coci_core.storage import Storage
-from coci_core.tree import encode_dtype
+from coci_core.tree import ArrayLeaf, encode_dtype
 
-__all__ = ["LatestOnlyWorker", "PersistJob", "PersistWorker", "WriteResult", "write_checkpoint"]
+__all__ = [
+    "LatestOnlyWorker",
+    "PersistJob",
+    "PersistWorker",
+    "WriteResult",
+    "data_file_name",
+    "write_checkpoint",
+]
 
 logger = logging.getLogger(__name__)
 
 WRITE_CHUNK_BYTES = 64 * 1024 * 1024
-DATA_FILE = "data-r0.bin"
+
+
+def data_file_name(rank: int) -> str:
+    """The data file that ``rank`` writes."""
+    return f"data-r{rank}.bin"
 
 
 @dataclass
 class PersistJob:
-    """One snapshot to make durable."""
+    """One snapshot to make durable.
+
+    The snapshot's first ``n_shared`` leaves are the state shared by every rank (``tree``);
+    the rest are this rank's own state (``rank_tree``).
+    """
 
     step: int
     snapshot: Snapshot
     tree: Any
     metadata: dict[str, Any]
-    token: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    token: str
+    n_shared: int
+    rank_tree: Any = None
+    layout: str = ""
+    group: RankGroup = field(default_factory=RankGroup.single)
 
 
 @dataclass(frozen=True)
 class WriteResult:
-    """A committed checkpoint: where, its manifest, and how many bytes were written."""
+    """A committed checkpoint: where, its manifest, and how many bytes this rank wrote."""
 
     path: str
-    manifest: Manifest
+    manifest: Manifest | None
     bytes_written: int
 
 
@@ -60,46 +90,98 @@ def _chunks(snap: Snapshot) -> Iterator[memoryview]:
         yield snap.arena.memoryview(start, min(start + WRITE_CHUNK_BYTES, total))
 
 
+def _entry(leaf: ArrayLeaf, pieces: list[Piece], codec: str) -> TensorEntry:
+    t = leaf.tensor
+    return TensorEntry(
+        key=leaf.key,
+        kind=leaf.kind,
+        dtype=encode_dtype(t.dtype),
+        shape=tuple(t.shape),
+        codec=codec,
+        pieces=tuple(sorted(pieces, key=lambda p: p.start)),
+        numpy_dtype=leaf.numpy_dtype,
+    )
+
+
+def _my_share(job: PersistJob, file: str) -> commit.RankShare:
+    """Checksum this rank's regions: the pieces of the shared arrays and its own entries."""
+    snap = job.snapshot
+    codec = RawCodec()
+    shared: list[tuple[int, Piece]] = []
+    own: dict[int, list[Piece]] = {}
+    for slot in snap.slots:
+        stored = codec.encode(snap.arena.memoryview(slot.offset, slot.offset + slot.nbytes))
+        piece = Piece(
+            file, slot.offset, slot.nbytes, slot.start, slot.nbytes, crc32c.crc32c(stored)
+        )
+        if slot.leaf < job.n_shared:
+            shared.append((slot.leaf, piece))
+        else:
+            own.setdefault(slot.leaf, []).append(piece)
+    own_leaves = snap.leaves[job.n_shared :]
+    rank_state = RankState(
+        tree=job.rank_tree,
+        tensors=tuple(
+            _entry(leaf, own.get(job.n_shared + i, []), codec.descriptor())
+            for i, leaf in enumerate(own_leaves)
+        ),
+    )
+    return commit.RankShare(
+        rank=job.group.rank,
+        token=job.token,
+        layout=job.layout,
+        pieces=tuple(shared),
+        per_rank=rank_state,
+        file=DataFile(file, 0),
+    )
+
+
 def write_checkpoint(storage: Storage, job: PersistJob) -> WriteResult:
-    """Checksum the snapshot, write data then manifest, and publish; clean up on failure."""
+    """Checksum this rank's part of the snapshot, write it, and commit with the other ranks;
+    clean up on failure (a failure on any rank publishes nothing).
+
+    Raises:
+        StorageError: this rank's write failed.
+        CommitError: another rank failed, or did not report within the group's timeout.
+    """
     snap = job.snapshot
     snap.wait_copied()
-    codec = RawCodec()
-    entries = []
-    for leaf, slot in zip(snap.leaves, snap.slots, strict=True):
-        stored = codec.encode(snap.arena.memoryview(slot.offset, slot.offset + slot.nbytes))
-        entries.append(
-            TensorEntry(
-                key=leaf.key,
-                kind=leaf.kind,
-                dtype=encode_dtype(slot.dtype),
-                shape=slot.shape,
-                file=DATA_FILE,
-                offset=slot.offset,
-                nbytes=slot.nbytes,
-                codec=codec.descriptor(),
-                crc32c=crc32c.crc32c(stored),
-                numpy_dtype=leaf.numpy_dtype,
-            )
-        )
+    group = job.group
+    file = data_file_name(group.rank)
+    share = _my_share(job, file)
     final = step_dir_name(job.step)
     staging = storage.staging_dir(final, job.token)
     try:
-        data_bytes = storage.write_file(f"{staging}/{DATA_FILE}", _chunks(snap), aligned=True)
+        data_bytes = storage.write_file(f"{staging}/{file}", _chunks(snap), aligned=True)
+        share = share.with_file(DataFile(file, data_bytes))
+        if not group.is_coordinator:
+            commit.report_share(storage, staging, share)
+            commit.await_outcome(storage, staging, final, job.token, group)
+            return WriteResult(final, None, data_bytes)
+        shares = commit.collect_shares(storage, staging, share, group)
         manifest = Manifest(
             step=job.step,
             created_unix=time.time(),
             tree=job.tree,
-            tensors=tuple(entries),
-            files=(DataFile(DATA_FILE, data_bytes),),
+            tensors=tuple(
+                _entry(leaf, pieces, RawCodec().descriptor())
+                for leaf, pieces in zip(
+                    snap.leaves[: job.n_shared],
+                    commit.pieces_by_leaf(shares, job.n_shared),
+                    strict=True,
+                )
+            ),
+            files=tuple(s.file for s in shares),
+            world_size=group.world_size,
             metadata=job.metadata,
+            per_rank=tuple(s.per_rank for s in shares),
+            token=job.token,
         )
         manifest_json = manifest.to_json()
         storage.write_file(f"{staging}/{MANIFEST_NAME}", [memoryview(manifest_json)])
         storage.publish(staging, final)
-    except BaseException:
-        with contextlib.suppress(Exception):
-            storage.remove_dir(staging)
+    except BaseException as e:
+        commit.fail(storage, staging, group, e)
         raise
     return WriteResult(final, manifest, data_bytes + len(manifest_json))
 

@@ -61,29 +61,61 @@ def read_manifest(storage: Storage, step: int) -> Manifest:
 
 
 def _fetch(storage: Storage, manifest: Manifest, entry: TensorEntry) -> torch.Tensor:
-    """The entry's raw bytes as a uint8 tensor, checksum verified."""
-    stored = torch.empty(entry.nbytes, dtype=torch.uint8)
-    view = stored.numpy().data
-    try:
-        storage.read_into(f"{step_dir_name(manifest.step)}/{entry.file}", entry.offset, view)
-    except StorageError as e:
+    """The entry's raw bytes as a uint8 tensor, assembled from its pieces, checksums verified."""
+    nbytes = (
+        _raw_nbytes(entry) if entry.kind != "torch_save" else sum(p.length for p in entry.pieces)
+    )
+    out = torch.empty(nbytes, dtype=torch.uint8)
+    out_view = out.numpy().data
+    codec = from_descriptor(entry.codec)
+    covered = 0
+    for piece in entry.pieces:
+        if piece.start != covered or piece.start + piece.length > nbytes:
+            raise CorruptCheckpointError(
+                f"step {manifest.step}: the pieces of {entry.key!r} do not tile its {nbytes} bytes",
+                step=manifest.step,
+                bad=[entry.key],
+            )
+        raw = entry.codec == "coci.raw/1"
+        stored = (
+            out[piece.start : piece.start + piece.length]
+            if raw
+            else torch.empty(piece.nbytes, dtype=torch.uint8)
+        )
+        view = stored.numpy().data
+        if view.nbytes != piece.nbytes:
+            raise CorruptCheckpointError(
+                f"step {manifest.step}: a piece of {entry.key!r} has {piece.nbytes} stored "
+                f"bytes for {piece.length} raw ones",
+                step=manifest.step,
+                bad=[entry.key],
+            )
+        try:
+            storage.read_into(f"{step_dir_name(manifest.step)}/{piece.file}", piece.offset, view)
+        except StorageError as e:
+            raise CorruptCheckpointError(
+                f"step {manifest.step}: cannot read {entry.key!r}: {e}; the checkpoint is "
+                "incomplete or corrupted",
+                step=manifest.step,
+                bad=[entry.key],
+            ) from e
+        if crc32c.crc32c(view) != piece.crc32c:
+            raise CorruptCheckpointError(
+                f"step {manifest.step}: checksum mismatch in {entry.key!r} (bytes "
+                f"{piece.start}-{piece.start + piece.length} in {piece.file})",
+                step=manifest.step,
+                bad=[entry.key],
+            )
+        if not raw:
+            codec.decode(view, out_view[piece.start : piece.start + piece.length])
+        covered += piece.length
+    if covered != nbytes:
         raise CorruptCheckpointError(
-            f"step {manifest.step}: cannot read {entry.key!r}: {e}; the checkpoint is incomplete "
-            "or corrupted",
-            step=manifest.step,
-            bad=[entry.key],
-        ) from e
-    if crc32c.crc32c(view) != entry.crc32c:
-        raise CorruptCheckpointError(
-            f"step {manifest.step}: checksum mismatch in {entry.key!r}",
+            f"step {manifest.step}: the pieces of {entry.key!r} cover {covered} of its "
+            f"{nbytes} bytes",
             step=manifest.step,
             bad=[entry.key],
         )
-    codec = from_descriptor(entry.codec)
-    if entry.codec == "coci.raw/1":
-        return stored
-    out = torch.empty(_raw_nbytes(entry), dtype=torch.uint8)
-    codec.decode(view, out.numpy().data)
     return out
 
 
@@ -117,26 +149,51 @@ class LoadedCheckpoint:
     state: dict[str, Any]
     bytes_read: int
     manifest: Manifest
+    rank_state_restored: bool = True
 
 
-def load_checkpoint(storage: Storage, step: int) -> LoadedCheckpoint:
-    """Read, verify and rebuild the state of ``step`` (tensors on CPU).
+def _values(storage: Storage, manifest: Manifest, entries: Any) -> tuple[list[Any], int]:
+    values, nbytes = [], 0
+    for entry in entries:
+        values.append(_as_value(entry, _fetch(storage, manifest, entry)))
+        nbytes += entry.nbytes
+    return values, nbytes
+
+
+def load_checkpoint(storage: Storage, step: int, *, rank: int = 0) -> LoadedCheckpoint:
+    """Read, verify and rebuild the state of ``step`` (tensors on CPU), with the per-rank
+    state that rank ``rank`` saved merged in (when the checkpoint has that rank).
 
     Raises:
         NoCheckpointError: ``step`` is not committed.
         CorruptCheckpointError: the manifest or any array is damaged (the error names them).
     """
     manifest = read_manifest(storage, step)
-    values = []
-    bytes_read = 0
-    for entry in manifest.tensors:
-        raw = _fetch(storage, manifest, entry)
-        bytes_read += entry.nbytes
-        values.append(_as_value(entry, raw))
+    values, bytes_read = _values(storage, manifest, manifest.tensors)
     state = unflatten_state(manifest.tree, values)
     if not isinstance(state, dict):
         raise CorruptCheckpointError(f"step {step}: the state is not a mapping", step=step)
-    return LoadedCheckpoint(step, state, bytes_read, manifest)
+    has_rank_state = any(r.tree is not None for r in manifest.per_rank)
+    restored = not has_rank_state
+    if has_rank_state and rank < len(manifest.per_rank):
+        own = manifest.per_rank[rank]
+        own_values, n = _values(storage, manifest, own.tensors)
+        bytes_read += n
+        own_state = unflatten_state(own.tree, own_values)
+        if not isinstance(own_state, dict):
+            raise CorruptCheckpointError(
+                f"step {step}: the state of rank {rank} is not a mapping", step=step
+            )
+        state.update(own_state)
+        restored = True
+    elif has_rank_state:
+        logger.warning(
+            "coci: step %d was written by %d rank(s); rank %d gets no per-rank state",
+            step,
+            len(manifest.per_rank),
+            rank,
+        )
+    return LoadedCheckpoint(step, state, bytes_read, manifest, restored)
 
 
 def verify_checkpoint(
@@ -150,7 +207,7 @@ def verify_checkpoint(
     """
     manifest = read_manifest(storage, step)
     bad = []
-    for entry in manifest.tensors:
+    for entry in (*manifest.tensors, *(t for r in manifest.per_rank for t in r.tensors)):
         try:
             _as_value(entry, _fetch(storage, manifest, entry))
         except CorruptCheckpointError as e:

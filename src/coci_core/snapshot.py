@@ -2,9 +2,11 @@
 
 All leaves of a save live in one flat, page-aligned host *arena*, each at an aligned offset, so
 that phase 2 can checksum and write the arena as it is, with large sequential writes and no
-serialization pass. The arena is kept and reused while later saves have the same layout
-(dtypes and shapes); a new layout allocates a new arena. When any leaf is on CUDA the arena
-is pinned and the copies run non-blocking on a side stream.
+serialization pass. With several ranks a snapshot holds only this rank's *regions* (byte ranges
+of leaves, see ``partition.py``), so each rank copies only what it writes. The arena is kept
+and reused while later saves have the same layout (dtypes, shapes and regions); a new layout
+allocates a new arena. When any leaf is on CUDA the arena is pinned and the copies run
+non-blocking on a side stream.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from coci_core.partition import Share
 from coci_core.tree import ArrayLeaf
 
-__all__ = ["Arena", "LeafSlot", "Snapshot", "Snapshotter", "plan_layout"]
+__all__ = ["Arena", "LeafSlot", "Snapshot", "Snapshotter", "plan_layout", "whole_leaves"]
 
 ALIGN_BYTES = 64
 PAGE_BYTES = 4096
@@ -27,27 +30,50 @@ PAGE_BYTES = 4096
 
 @dataclass(frozen=True)
 class LeafSlot:
-    """Where one leaf's bytes sit in the arena (and so in the data file)."""
+    """Where bytes ``[start, start + nbytes)`` of leaf ``leaf`` sit in the arena (and so in the
+    data file). ``shape`` is the leaf's shape for a whole leaf, else the region's length."""
 
     offset: int
     nbytes: int
     dtype: torch.dtype
     shape: tuple[int, ...]
+    leaf: int = 0
+    start: int = 0
+    whole: bool = True
 
 
 def _round_up(n: int, multiple: int) -> int:
     return (n + multiple - 1) // multiple * multiple
 
 
-def plan_layout(leaves: tuple[ArrayLeaf, ...]) -> tuple[tuple[LeafSlot, ...], int]:
-    """Aligned offsets of every leaf and the arena's total size (a whole number of pages)."""
+def whole_leaves(leaves: tuple[ArrayLeaf, ...]) -> tuple[Share, ...]:
+    """One region per leaf, covering all of it."""
+    return tuple(Share(i, 0, leaf.nbytes) for i, leaf in enumerate(leaves))
+
+
+def plan_layout(
+    leaves: tuple[ArrayLeaf, ...], regions: tuple[Share, ...] | None = None
+) -> tuple[tuple[LeafSlot, ...], int]:
+    """Aligned offsets of every region (default: whole leaves) and the arena's total size (a
+    whole number of pages)."""
     slots = []
     offset = 0
-    for leaf in leaves:
-        t = leaf.tensor
-        slots.append(LeafSlot(offset, leaf.nbytes, t.dtype, tuple(t.shape)))
-        offset = _round_up(offset + leaf.nbytes, ALIGN_BYTES)
+    for region in whole_leaves(leaves) if regions is None else regions:
+        t = leaves[region.leaf].tensor
+        whole = region.start == 0 and region.nbytes == leaves[region.leaf].nbytes
+        shape = tuple(t.shape) if whole else (region.nbytes // t.element_size(),)
+        slots.append(
+            LeafSlot(offset, region.nbytes, t.dtype, shape, region.leaf, region.start, whole)
+        )
+        offset = _round_up(offset + region.nbytes, ALIGN_BYTES)
     return tuple(slots), max(_round_up(offset, PAGE_BYTES), PAGE_BYTES)
+
+
+def _source(leaf: ArrayLeaf, slot: LeafSlot) -> torch.Tensor:
+    if slot.whole:
+        return leaf.tensor
+    item = leaf.tensor.element_size()
+    return leaf.tensor.reshape(-1)[slot.start // item : (slot.start + slot.nbytes) // item]
 
 
 class Arena:
@@ -105,14 +131,21 @@ class Snapshotter:
         self._slots: tuple[LeafSlot, ...] = ()
         self._stream: Any = None
 
-    def prepare(self, leaves: tuple[ArrayLeaf, ...]) -> Snapshot:
-        """Bind ``leaves`` to an arena (allocating one only when the layout changed)."""
+    def prepare(
+        self, leaves: tuple[ArrayLeaf, ...], regions: tuple[Share, ...] | None = None
+    ) -> Snapshot:
+        """Bind ``regions`` of ``leaves`` (default: all of every leaf) to an arena, allocating
+        one only when the layout changed."""
         on_cuda = any(leaf.tensor.device.type == "cuda" for leaf in leaves)
-        key = (on_cuda, *((leaf.tensor.dtype, tuple(leaf.tensor.shape)) for leaf in leaves))
+        key = (
+            on_cuda,
+            regions,
+            *((leaf.tensor.dtype, tuple(leaf.tensor.shape)) for leaf in leaves),
+        )
         allocated = False
         if self._arena is None or key != self._layout_key:
             self._arena = None  # free the old arena before allocating the new one
-            self._slots, total = plan_layout(leaves)
+            self._slots, total = plan_layout(leaves, regions)
             self._arena = Arena(total, pinned=on_cuda and torch.cuda.is_available())
             self._layout_key = key
             allocated = True
@@ -123,11 +156,12 @@ class Snapshotter:
         start = time.perf_counter()
         try:
             cuda_leaves = []
-            for leaf, slot in zip(snap.leaves, snap.slots, strict=True):
+            for slot in snap.slots:
+                leaf = snap.leaves[slot.leaf]
                 if leaf.tensor.device.type == "cuda":
                     cuda_leaves.append((leaf, slot))
                 else:
-                    snap.arena.view(slot).copy_(leaf.tensor)
+                    snap.arena.view(slot).copy_(_source(leaf, slot))
             if cuda_leaves:
                 snap._cuda_event = self._copy_from_cuda(snap, cuda_leaves)
         except BaseException as e:
@@ -145,7 +179,7 @@ class Snapshotter:
         self._stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self._stream):
             for leaf, slot in items:
-                snap.arena.view(slot).copy_(leaf.tensor, non_blocking=snap.arena.pinned)
+                snap.arena.view(slot).copy_(_source(leaf, slot), non_blocking=snap.arena.pinned)
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(self._stream)
         return event

@@ -61,12 +61,15 @@ class SaveEvent:
 
 @dataclass(frozen=True, kw_only=True)
 class RestoreEvent:
-    """What one restore did; ``skipped_steps`` were newer but damaged and passed over."""
+    """What one restore did; ``skipped_steps`` were newer but damaged and passed over;
+    ``rank_state_restored`` is False when the checkpoint had per-rank state but none for the
+    restoring rank (it was written by fewer ranks)."""
 
     step: int
     seconds: float
     bytes_read: int
     skipped_steps: tuple[int, ...] = ()
+    rank_state_restored: bool = True
 
 
 Event: TypeAlias = SaveEvent | RestoreEvent

@@ -155,7 +155,7 @@ def _corrupt_latest(tmp_path: Path) -> None:
     data = tmp_path / step_dir_name(2) / "data-r0.bin"
     manifest = json.loads((tmp_path / step_dir_name(2) / "manifest.json").read_text())
     entry = next(t for t in manifest["tensors"] if t["key"] == "/w")
-    _flip_byte(data, entry["offset"] + 3)
+    _flip_byte(data, entry["pieces"][0]["offset"] + 3)
 
 
 def test_corrupt_latest_falls_back_and_strict_raises(tmp_path: Path) -> None:
@@ -183,7 +183,9 @@ def test_corrupt_latest_falls_back_and_strict_raises(tmp_path: Path) -> None:
     [
         (lambda m: m.update(format_version=99), "format_version 99"),
         (lambda m: m.pop("tensors"), "malformed"),
-        (lambda m: m["tensors"][0].update(file="../../etc/passwd"), "plain name"),
+        (lambda m: m["tensors"][0]["pieces"][0].update(file="../../etc/passwd"), "plain name"),
+        (lambda m: m["tensors"][0]["pieces"][0].update(start=4), "do not tile"),
+        (lambda m: m["tensors"][0].update(pieces=[]), "cover 0 of its 8 bytes"),
         (lambda m: m["tensors"][0].update(dtype="object"), "unknown dtype"),
         (lambda m: m["tensors"][0].update(codec="evil/1"), "unknown codec"),
         (lambda m: m.update(tree={"t": "pickle", "v": "x"}), "unknown state tree node"),

@@ -1,0 +1,234 @@
+"""The commit across ranks, coordinated through the storage alone.
+
+Every rank writes and syncs its data file into the shared staging directory, then (ranks > 0)
+a marker ``rank-<r>.json`` naming its pieces, or ``rank-<r>.failed`` with the reason. Rank 0
+waits for every marker; only when all ranks succeeded does it write the manifest and publish.
+Otherwise it writes ``ABORT.json`` naming the failed ranks, which the other ranks wait for.
+No collective runs on any process group, so a killed rank costs the others a timeout, not a
+hang. The waits poll the storage with a short, growing interval (a storage has no
+notifications).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import Any, TypeVar
+
+from coci_core.errors import CommitError, CorruptCheckpointError, StorageError
+from coci_core.group import RankGroup
+from coci_core.manifest import (
+    MANIFEST_NAME,
+    DataFile,
+    Manifest,
+    Piece,
+    RankState,
+    parse_tensor_entry,
+)
+
+__all__ = ["RankShare", "await_outcome", "collect_shares", "fail", "report_share"]
+
+ABORT_NAME = "ABORT.json"
+_T = TypeVar("_T")
+
+
+def _share_name(rank: int) -> str:
+    return f"rank-{rank:05d}.json"
+
+
+def _failed_name(rank: int) -> str:
+    return f"rank-{rank:05d}.failed"
+
+
+@dataclass(frozen=True)
+class RankShare:
+    """What one rank wrote: its pieces of the shared arrays (by leaf index), its own state,
+    its data file, and the layout digest every rank must agree on."""
+
+    rank: int
+    token: str
+    layout: str
+    pieces: tuple[tuple[int, Piece], ...]
+    per_rank: RankState
+    file: DataFile
+
+    def with_file(self, file: DataFile) -> RankShare:
+        return replace(self, file=file)
+
+    def to_json(self) -> bytes:
+        doc = {
+            "rank": self.rank,
+            "token": self.token,
+            "layout": self.layout,
+            "pieces": [[leaf, asdict(p)] for leaf, p in self.pieces],
+            "per_rank": asdict(self.per_rank),
+            "file": asdict(self.file),
+        }
+        return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")
+
+    @classmethod
+    def from_json(cls, data: bytes) -> RankShare:
+        doc = json.loads(data.decode("utf-8"))
+        pieces = []
+        for leaf, p in doc["pieces"]:
+            entry = parse_tensor_entry(
+                {"key": "", "kind": "tensor", "dtype": "", "shape": [], "codec": "", "pieces": [p]}
+            )
+            pieces.append((int(leaf), entry.pieces[0]))
+        rank_state = doc["per_rank"]
+        return cls(
+            rank=int(doc["rank"]),
+            token=str(doc["token"]),
+            layout=str(doc["layout"]),
+            pieces=tuple(pieces),
+            per_rank=RankState(
+                tree=rank_state["tree"],
+                tensors=tuple(parse_tensor_entry(t) for t in rank_state["tensors"]),
+            ),
+            file=DataFile(str(doc["file"]["name"]), int(doc["file"]["nbytes"])),
+        )
+
+
+def _poll(check: Callable[[], _T | None], timeout_s: float) -> _T | None:
+    deadline = time.monotonic() + timeout_s
+    delay = 0.002
+    while True:
+        result = check()
+        if result is not None:
+            return result
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None
+        time.sleep(min(delay, left))
+        delay = min(delay * 2, 0.1)
+
+
+def _read_text(storage: Any, path: str) -> str:
+    try:
+        return bytes(storage.read_bytes(path)).decode("utf-8", "replace")
+    except StorageError as e:
+        return f"(unreadable: {e})"
+
+
+def report_share(storage: Any, staging: str, share: RankShare) -> None:
+    """Tell the coordinator that this rank's data file is durable (ranks > 0)."""
+    storage.write_file(f"{staging}/{_share_name(share.rank)}", [memoryview(share.to_json())])
+
+
+def collect_shares(storage: Any, staging: str, own: RankShare, group: RankGroup) -> list[RankShare]:
+    """Every rank's share, in rank order, once all have reported (the coordinator).
+
+    Raises:
+        CommitError: a rank reported a failure, did not report within ``group.timeout_s``, or
+            saved a state of another layout.
+    """
+    shares: dict[int, RankShare] = {0: own}
+    failed: dict[int, str] = {}
+    pending = set(range(1, group.world_size))
+
+    def check() -> bool | None:
+        for rank in sorted(pending):
+            if storage.exists(f"{staging}/{_failed_name(rank)}"):
+                failed[rank] = _read_text(storage, f"{staging}/{_failed_name(rank)}")
+                pending.discard(rank)
+            elif storage.exists(f"{staging}/{_share_name(rank)}"):
+                try:
+                    share = RankShare.from_json(
+                        storage.read_bytes(f"{staging}/{_share_name(rank)}")
+                    )
+                except (ValueError, KeyError, TypeError, CorruptCheckpointError, StorageError):
+                    continue  # still being written: read it again on the next poll
+                shares[rank] = share
+                pending.discard(rank)
+        return True if failed or not pending else None
+
+    _poll(check, group.timeout_s)
+    if failed:
+        reasons = "; ".join(f"rank {r}: {why}" for r, why in sorted(failed.items()))
+        raise CommitError(f"rank(s) {sorted(failed)} failed: {reasons}", ranks=sorted(failed))
+    if pending:
+        raise CommitError(
+            f"rank(s) {sorted(pending)} did not report within {group.timeout_s:g} s "
+            "(killed, hung or much slower)",
+            ranks=sorted(pending),
+        )
+    strangers = [r for r, s in shares.items() if s.layout != own.layout or s.token != own.token]
+    if strangers:
+        raise CommitError(
+            f"rank(s) {strangers} saved a state of another layout than rank 0 (every rank "
+            "must pass the same shared state)",
+            ranks=strangers,
+        )
+    return [shares[r] for r in range(group.world_size)]
+
+
+def pieces_by_leaf(shares: Sequence[RankShare], n_leaves: int) -> list[list[Piece]]:
+    """Every rank's pieces of each shared leaf."""
+    out: list[list[Piece]] = [[] for _ in range(n_leaves)]
+    for share in shares:
+        for leaf, piece in share.pieces:
+            if not 0 <= leaf < n_leaves:
+                raise CommitError(
+                    f"rank {share.rank} wrote a piece of array {leaf}, the state has {n_leaves}",
+                    ranks=[share.rank],
+                )
+            out[leaf].append(piece)
+    return out
+
+
+def await_outcome(storage: Any, staging: str, final: str, token: str, group: RankGroup) -> None:
+    """Wait until the coordinator published this save or gave it up (ranks > 0).
+
+    Raises:
+        CommitError: the coordinator aborted the save (naming the failed ranks) or did not
+            decide within twice ``group.timeout_s``.
+    """
+    manifest_path = f"{final}/{MANIFEST_NAME}"
+
+    def check() -> str | None:
+        if storage.exists(f"{staging}/{ABORT_NAME}"):
+            return "abort"
+        if storage.exists(manifest_path):
+            try:
+                if Manifest.from_json(storage.read_bytes(manifest_path)).token == token:
+                    return "committed"
+            except (CorruptCheckpointError, StorageError):
+                return None
+        return None
+
+    outcome = _poll(check, 2 * group.timeout_s)
+    if outcome == "committed":
+        return
+    if outcome == "abort":
+        try:
+            doc = json.loads(storage.read_bytes(f"{staging}/{ABORT_NAME}"))
+            ranks, reason = [int(r) for r in doc["ranks"]], str(doc["reason"])
+        except (ValueError, KeyError, TypeError, StorageError) as e:
+            ranks, reason = [0], f"unreadable abort record: {e}"
+        raise CommitError(f"the save was abandoned: {reason}", ranks=ranks)
+    raise CommitError(
+        f"rank 0 (the coordinator) did not commit within {2 * group.timeout_s:g} s", ranks=[0]
+    )
+
+
+def fail(storage: Any, staging: str, group: RankGroup, error: BaseException) -> None:
+    """Record this rank's failure where the others look for it (best effort).
+
+    One rank alone removes its staging directory. The coordinator of several writes
+    ``ABORT.json`` and leaves the directory to a later clean-up (the other ranks read it);
+    another rank writes ``rank-<r>.failed`` unless the save was already abandoned.
+    """
+    try:
+        if group.world_size == 1:
+            storage.remove_dir(staging)
+        elif group.is_coordinator:
+            ranks = error.ranks if isinstance(error, CommitError) else [0]
+            doc = {"ranks": ranks, "reason": f"{type(error).__name__}: {error}"}
+            storage.write_file(f"{staging}/{ABORT_NAME}", [memoryview(json.dumps(doc).encode())])
+        elif not isinstance(error, CommitError):
+            reason = f"{type(error).__name__}: {error}".encode()
+            storage.write_file(f"{staging}/{_failed_name(group.rank)}", [memoryview(reason)])
+    except Exception:  # the original error is what the caller reports
+        pass
