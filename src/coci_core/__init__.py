@@ -4,14 +4,18 @@ from coci_core.errors import (
     BackgroundSaveError,
     CheckpointError,
     CociError,
+    CommitError,
     ConfigError,
     CorruptCheckpointError,
     NoCheckpointError,
     StorageError,
     UnsupportedValueError,
 )
+from coci_core.group import RankGroup
 from coci_core.manager import CheckpointManager, SaveHandle
 from coci_core.manifest import Manifest
+from coci_core.partition import Share, partition
+from coci_core.sampler import GlobalSampler
 from coci_core.stateful import Stateful
 from coci_core.storage import FsspecStorage, LocalStorage, Storage
 from coci_core.telemetry import RestoreEvent, SaveEvent
@@ -21,19 +25,24 @@ __all__ = [
     "CheckpointError",
     "CheckpointManager",
     "CociError",
+    "CommitError",
     "ConfigError",
     "CorruptCheckpointError",
     "FsspecStorage",
+    "GlobalSampler",
     "LocalStorage",
     "Manifest",
     "NoCheckpointError",
+    "RankGroup",
     "RestoreEvent",
     "SaveEvent",
     "SaveHandle",
+    "Share",
     "Stateful",
     "Storage",
     "StorageError",
     "UnsupportedValueError",
+    "partition",
 ]
 
 __version__ = "0.1.0.dev0"

@@ -1,0 +1,215 @@
+"""The commit across ranks, with every rank's manager in this process (the real-process tests
+are in test_processes.py): pieces, per-rank state, failures, timeouts, clean-up."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from coci_core import (
+    BackgroundSaveError,
+    CheckpointManager,
+    CommitError,
+    ConfigError,
+    LocalStorage,
+    RankGroup,
+)
+from coci_core.manifest import step_dir_name
+from coci_core.restore import load_checkpoint
+from tests.harness.faults import FaultyStorage
+
+CHUNK = 4096
+
+
+def _state(seed: int = 0) -> dict[str, object]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "emb": torch.randn(300, 64, generator=g),
+        "w": torch.randn(17, 5, generator=g).to(torch.bfloat16),
+        "flags": torch.rand(33, generator=g) > 0.5,
+        "empty": torch.zeros(0, 3),
+        "step": 7,
+        "nested": {"b": torch.arange(10, dtype=torch.int64)[::2]},
+    }
+
+
+def _managers(
+    path: Path, world: int, *, session: str = "s1", timeout_s: float = 30.0, **kwargs: object
+) -> list[CheckpointManager]:
+    return [
+        CheckpointManager(
+            path,
+            group=RankGroup(rank, world, session, timeout_s=timeout_s),
+            chunk_bytes=CHUNK,
+            **kwargs,  # type: ignore[arg-type]
+        )
+        for rank in range(world)
+    ]
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return a == b
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_rank_writes_its_share_and_any_world_size_restores(
+    tmp_path: Path, world: int
+) -> None:
+    managers = _managers(tmp_path, world)
+    state = _state()
+    handles = [
+        m.save(5, state, per_rank={"rng": torch.full((4,), float(m.group.rank))}) for m in managers
+    ]
+    events = [h.wait(timeout_s=60) for h in handles]
+    assert all(e.outcome == "committed" for e in events)
+    manifest = managers[0].manifest(5)
+    assert manifest.world_size == world
+    assert [f.name for f in manifest.files] == [f"data-r{r}.bin" for r in range(world)]
+    shared_by_file = {f.name: 0 for f in manifest.files}
+    for entry in manifest.tensors:
+        for piece in entry.pieces:
+            shared_by_file[piece.file] += piece.length
+    assert sum(shared_by_file.values()) == sum(e.nbytes for e in manifest.tensors)
+    assert max(shared_by_file.values()) - min(shared_by_file.values()) <= CHUNK + 64 * 6
+    assert len(manifest.tensors[0].pieces) > 1  # the large array is split over ranks
+    # each rank restores the shared state and its own per-rank state
+    for m in managers:
+        restored = m.restore()
+        assert _same({k: v for k, v in restored.items() if k != "rng"}, state)
+        assert torch.equal(restored["rng"], torch.full((4,), float(m.group.rank)))
+    # on fewer ranks (and on one, as for export): the shared state, and rank r's own state
+    for rank in range(world):
+        loaded = load_checkpoint(LocalStorage(tmp_path), 5, rank=rank)
+        assert _same({k: v for k, v in loaded.state.items() if k != "rng"}, state)
+        assert torch.equal(loaded.state["rng"], torch.full((4,), float(rank)))
+    # a rank the checkpoint does not have gets no per-rank state, and is told so
+    with CheckpointManager(tmp_path, group=RankGroup(world, world + 1, "s2")) as extra:
+        restored = extra.restore()
+        assert "rng" not in restored
+        assert extra.last_restore is not None and not extra.last_restore.rank_state_restored
+    for m in managers:
+        m.close()
+    assert not [n for n in os.listdir(tmp_path) if "coci-tmp" in n]
+
+
+def test_a_rank_that_fails_to_write_aborts_the_save_on_every_rank(tmp_path: Path) -> None:
+    r0, r1 = _managers(tmp_path, 2, keep_last=None)
+    for m in (r0, r1):
+        m.save(1, _state())
+    r0.wait(timeout_s=60)
+    r1.wait(timeout_s=60)
+    # rank 1's disk is full on its next data file
+    faulty = FaultyStorage(LocalStorage(tmp_path), fail={"write_file": [0]})
+    r1.close()
+    r1 = CheckpointManager(faulty, group=RankGroup(1, 2, "s1"), chunk_bytes=CHUNK)
+    r1._saves = r0._saves  # the same save count on both ranks, as in a real job
+    h0, h1 = r0.save(2, _state(1)), r1.save(2, _state(1))
+    with pytest.raises(BackgroundSaveError) as on_r1:
+        h1.wait(timeout_s=60)
+    assert isinstance(on_r1.value.__cause__, OSError)
+    assert on_r1.value.__cause__.errno == errno.ENOSPC
+    with pytest.raises(BackgroundSaveError, match=r"rank\(s\) \[1\] failed") as on_r0:
+        h0.wait(timeout_s=60)
+    assert isinstance(on_r0.value.__cause__, CommitError)
+    assert on_r0.value.__cause__.ranks == [1]
+    assert r0.steps() == [1]  # nothing published, the previous one intact
+    assert _same(r0.restore(), _state())
+    for m in (r0, r1):
+        m.close()  # each failure was reported once, by the handle's wait()
+
+
+def test_a_rank_that_never_reports_times_out_instead_of_hanging(tmp_path: Path) -> None:
+    (r0,) = _managers(tmp_path, 1)
+    r0.close()
+    r0 = CheckpointManager(tmp_path, group=RankGroup(0, 3, "s1", timeout_s=0.5), chunk_bytes=CHUNK)
+    r1 = CheckpointManager(tmp_path, group=RankGroup(1, 3, "s1", timeout_s=0.5), chunk_bytes=CHUNK)
+    h0, h1 = r0.save(3, _state()), r1.save(3, _state())  # rank 2 never saves
+    with pytest.raises(BackgroundSaveError, match=r"rank\(s\) \[2\] did not report within 0.5 s"):
+        h0.wait(timeout_s=30)
+    with pytest.raises(BackgroundSaveError, match=r"abandoned: CommitError: rank\(s\) \[2\]"):
+        h1.wait(timeout_s=30)
+    assert r0.steps() == []
+    leftovers = [n for n in os.listdir(tmp_path) if "coci-tmp" in n]
+    assert len(leftovers) == 1 and "ABORT.json" in os.listdir(tmp_path / leftovers[0])
+    r0.close()
+    r1.close()
+
+
+def test_ranks_that_save_different_states_do_not_commit(tmp_path: Path) -> None:
+    r0, r1 = _managers(tmp_path, 2)
+    h0 = r0.save(1, {"w": torch.ones(100)})
+    h1 = r1.save(1, {"w": torch.ones(101)})
+    with pytest.raises(BackgroundSaveError, match=r"rank\(s\) \[1\] saved a state of another"):
+        h0.wait(timeout_s=30)
+    with pytest.raises(BackgroundSaveError, match="abandoned"):
+        h1.wait(timeout_s=30)
+    assert r0.steps() == []
+    r0.close()
+    r1.close()
+
+
+def test_another_sessions_leftovers_are_removed_but_not_this_ones(tmp_path: Path) -> None:
+    stale = tmp_path / "step-0000000009.coci-tmp-deadrun-4"
+    stale.mkdir()
+    (stale / "rank-00001.json").write_text("{}")
+    r0, r1 = _managers(tmp_path, 2)
+    assert not stale.exists()  # a killed attempt's markers can never join this session's save
+    mine = tmp_path / "step-0000000011.coci-tmp-s1-1"
+    mine.mkdir()  # as if rank 1 had started the next save already
+    r0.save(10, _state())
+    r1.save(10, _state())
+    r0.wait(timeout_s=60)
+    r1.wait(timeout_s=60)
+    r0.close()  # retention ran after the commit
+    r1.close()
+    assert mine.exists()
+    assert r0.steps() == [10]
+
+
+def test_only_rank_zero_deletes_old_checkpoints(tmp_path: Path) -> None:
+    managers = _managers(tmp_path, 2, keep_last=1)
+    for step in (1, 2, 3):
+        handles = [m.save(step, _state(step)) for m in managers]
+        for h in handles:
+            h.wait(timeout_s=60)
+    for m in managers:
+        m.close()
+    assert managers[0].steps() == [3]
+
+
+def test_format_1_manifests_are_still_read(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(4, {"w": torch.arange(6.0), "n": 2}).wait()
+    path = tmp_path / step_dir_name(4) / "manifest.json"
+    doc = json.loads(path.read_text())
+    doc["format_version"] = 1
+    for t in doc["tensors"]:
+        (piece,) = t.pop("pieces")
+        t.update(file=piece["file"], offset=piece["offset"], nbytes=piece["nbytes"])
+        t["crc32c"] = piece["crc32c"]
+    doc.pop("per_rank")
+    path.write_text(json.dumps(doc))
+    with CheckpointManager(tmp_path) as mgr:
+        assert _same(mgr.restore(), {"w": torch.arange(6.0), "n": 2})
+
+
+def test_bad_group_arguments_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="'rank' must be an integer in"):
+        RankGroup(2, 2, "s")
+    with pytest.raises(ConfigError, match="'session' must be 1-64 letters or digits"):
+        RankGroup(0, 2, "a/b")
+    with pytest.raises(ConfigError, match="'on_busy' must be 'wait'"):
+        CheckpointManager(tmp_path, group=RankGroup(0, 2, "s"), on_busy="skip")
+    with pytest.raises(ConfigError, match="'per_rank' keys"):
+        CheckpointManager(tmp_path).save(1, {"a": 1}, per_rank={"a": 2})
+    with pytest.raises(ConfigError, match="'group' must be a RankGroup"):
+        CheckpointManager(tmp_path, group=3)  # type: ignore[arg-type]
