@@ -1,0 +1,192 @@
+"""One rank of a data-parallel digits job that saves with every rank writing its share.
+
+Run by ``launch`` as ``python -m tests.sharding._dist_child JSON`` with RANK, WORLD_SIZE,
+MASTER_ADDR and MASTER_PORT set. The job resumes from the newest checkpoint, trains until
+``stop_step`` (or the end of epoch 0), saving every ``every`` steps, and prints ``RESULT
+<json>``: the samples it took per step, digests of its per-rank random state at each save and
+after the restore, and the model's digest. With ``pause_rank``/``pause_step`` that rank stops in
+the middle of writing its data file of that step and prints ``PAUSED``; the others wait for the
+save and report its error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, TensorDataset
+
+from coci_core import (
+    BackgroundSaveError,
+    CheckpointManager,
+    GlobalSampler,
+    LocalStorage,
+    NoCheckpointError,
+    RankGroup,
+)
+
+SAMPLES, BATCH = 1536, 16
+
+
+def digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def model_digest(model: torch.nn.Module) -> str:
+    return hashlib.sha256(
+        "".join(digest(v) for v in model.state_dict().values()).encode()
+    ).hexdigest()
+
+
+class _PausingStorage(LocalStorage):
+    def __init__(self, root: str, step: int) -> None:
+        super().__init__(root)
+        self._dir = f"step-{step:010d}"
+
+    def write_file(self, path: str, chunks: Iterable[memoryview], *, aligned: bool = False) -> int:
+        if path.startswith(self._dir) and path.endswith(".bin"):
+            first = next(iter(chunks))
+            super().write_file(path, [first[: len(first) // 2]])
+            print("PAUSED", flush=True)
+            os.read(sys.stdin.fileno(), 1)  # the parent never writes: wait for SIGKILL
+            raise SystemExit("not killed")
+        return super().write_file(path, chunks, aligned=aligned)
+
+
+def main(cfg: dict[str, Any]) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    x = torch.tensor(data.data[:SAMPLES], dtype=torch.float32) / 16
+    y = torch.tensor(data.target[:SAMPLES])
+    dataset = TensorDataset(torch.arange(SAMPLES), x, y)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    ddp = DistributedDataParallel(model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    sampler = GlobalSampler(dataset, seed=5)
+    loader = DataLoader(dataset, batch_size=BATCH, sampler=sampler)
+    torch.manual_seed(100 + rank)  # per-rank random streams
+    pausing = cfg.get("pause_rank") == rank
+    storage = (
+        _PausingStorage(cfg["dir"], cfg["pause_step"]) if pausing else LocalStorage(cfg["dir"])
+    )
+    group = RankGroup.from_torch_distributed(timeout_s=cfg.get("timeout_s", 60.0))
+    mgr = CheckpointManager(storage, keep_last=None, group=group, chunk_bytes=64 * 1024)
+    out: dict[str, Any] = {"rank": rank, "world": world, "steps": {}, "rng_at_save": {}}
+    step = 0
+    try:
+        state = mgr.restore(into={"model": model, "optim": optimizer, "sampler": sampler})
+        step = int(state["step"])
+        out["restored_step"] = step
+        if "rng" in state:
+            torch.set_rng_state(state["rng"])
+            out["restored_rng"] = digest(state["rng"])
+    except NoCheckpointError:
+        out["restored_step"] = None
+    sampler.set_epoch(0)
+    for ids, xb, yb in loader:
+        torch.rand(3)  # advances this rank's random stream
+        loss = torch.nn.functional.cross_entropy(ddp(xb), yb)
+        optimizer.zero_grad()
+        loss.backward()  # type: ignore[no-untyped-call]
+        optimizer.step()
+        step += 1
+        out["steps"][step] = ids.tolist()
+        if step % cfg["every"] == 0:
+            rng = torch.get_rng_state()
+            out["rng_at_save"][step] = digest(rng)
+            state = {
+                "model": model.state_dict(),
+                "optim": optimizer.state_dict(),
+                "sampler": sampler.state_dict(),
+                "step": step,
+            }
+            mgr.save(step, state, per_rank={"rng": rng})
+            if step == cfg.get("pause_step"):
+                try:
+                    mgr.wait()
+                except BackgroundSaveError as e:
+                    out["save_error"] = f"{e} <- {e.__cause__}"
+                    mgr.close()
+                    return out
+        if step == cfg.get("stop_step"):
+            break
+    mgr.close()
+    out["model"] = model_digest(model)
+    dist.barrier()
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launch(
+    world: int, cfg: dict[str, Any], *, kill_rank: int | None = None, timeout_s: float = 240
+) -> list[tuple[int, dict[str, Any] | None]]:
+    """Run ``world`` ranks; SIGKILL ``kill_rank`` when it says PAUSED. Exit codes and results."""
+    port = _free_port()
+    procs = []
+    for rank in range(world):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "tests.sharding._dist_child", json.dumps(cfg)],
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+        )
+    results: dict[int, tuple[int, dict[str, Any] | None]] = {}
+    order = sorted(range(world), key=lambda r: r != kill_rank)  # the rank to kill first
+    try:
+        for rank in order:
+            proc = procs[rank]
+            result = None
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                if line.startswith("PAUSED") and rank == kill_rank:
+                    proc.send_signal(signal.SIGKILL)
+                elif line.startswith("RESULT "):
+                    result = json.loads(line[len("RESULT ") :])
+            results[rank] = (proc.wait(timeout=timeout_s), result)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            for pipe in (proc.stdin, proc.stdout):
+                if pipe is not None:
+                    pipe.close()
+    return [results[r] for r in range(world)]
+
+
+if __name__ == "__main__":
+    result = main(json.loads(sys.argv[1]))
+    print("RESULT " + json.dumps(result), flush=True)
+    sys.stdout.flush()
+    os._exit(0)
