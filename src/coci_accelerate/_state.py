@@ -1,7 +1,8 @@
 """What Accelerate's ``save_state`` saves, gathered as one coci state, and put back.
 
-Per-process state (random states, registered objects) is gathered from every process at the
-save (a collective at save steps only) and put back on the process of the same index.
+Per-process state (random states, registered objects) is written by each process itself, as
+coci per-rank state under ``PROCESS_KEY``, and put back on the process of the same index. The
+rest is the same on every process and is split over them.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from accelerate import Accelerator
 from coci_core.errors import CheckpointError
 
 LAYOUT = "coci.accelerate/1"
+PROCESS_KEY = "coci_process"
 
 
 def _rng_state() -> dict[str, Any]:
@@ -35,14 +37,6 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _gather(accelerator: Accelerator, value: Any) -> list[Any]:
-    if accelerator.num_processes == 1 or not torch.distributed.is_initialized():
-        return [value]
-    gathered: list[Any] = [None] * accelerator.num_processes
-    torch.distributed.all_gather_object(gathered, value)
-    return gathered
 
 
 def own_loader_generators(accelerator: Accelerator) -> None:
@@ -77,11 +71,15 @@ def _loader_state(loader: Any) -> dict[str, Any]:
     }
 
 
-def collect(accelerator: Accelerator, step: int, *, skip: object) -> dict[str, Any]:
-    """Everything ``save_state`` would save, as one state (call on every process)."""
+def collect_own(accelerator: Accelerator, *, skip: object) -> dict[str, Any]:
+    """This process's own state: random states and registered objects."""
+    custom = [None if obj is skip else obj.state_dict() for obj in accelerator._custom_objects]
+    return {"rng": _rng_state(), "custom": custom}
+
+
+def collect(accelerator: Accelerator, step: int) -> dict[str, Any]:
+    """Everything ``save_state`` would save that is the same on every process."""
     acc = accelerator
-    custom = [None if obj is skip else obj.state_dict() for obj in acc._custom_objects]
-    per_process = _gather(acc, {"rng": _rng_state(), "custom": custom})
     return {
         "layout": LAYOUT,
         "num_processes": acc.num_processes,
@@ -92,8 +90,15 @@ def collect(accelerator: Accelerator, step: int, *, skip: object) -> dict[str, A
         "schedulers": [s.state_dict() for s in acc._schedulers],
         "dataloaders": [_loader_state(dl) for dl in acc._dataloaders],
         "scaler": acc.scaler.state_dict() if acc.scaler is not None else None,
-        "per_process": per_process,
     }
+
+
+def _own(accelerator: Accelerator, state: dict[str, Any]) -> dict[str, Any] | None:
+    if "per_process" in state:  # written before every process wrote its own share
+        mine: dict[str, Any] = state["per_process"][accelerator.process_index]
+        return mine
+    own = state.get(PROCESS_KEY)
+    return own if isinstance(own, dict) else None
 
 
 def _check_fits(accelerator: Accelerator, state: dict[str, Any]) -> None:
@@ -115,7 +120,7 @@ def _check_fits(accelerator: Accelerator, state: dict[str, Any]) -> None:
         "optimizers": len(state["optimizers"]),
         "schedulers": len(state["schedulers"]),
         "dataloaders": len(state["dataloaders"]),
-        "registered objects": len(state["per_process"][0]["custom"]),
+        "registered objects": len((_own(acc, state) or {"custom": []})["custom"]),
     }
     wrong = [
         f"{k}: saved {saved[k]}, prepared now {counts[k]}" for k in counts if saved[k] != counts[k]
@@ -156,7 +161,9 @@ def apply(accelerator: Accelerator, state: dict[str, Any], *, skip: object) -> N
     if acc.scaler is not None and state["scaler"] is not None:
         acc.scaler.load_state_dict(state["scaler"])
     acc.step = state["accelerate_step"]
-    mine = state["per_process"][acc.process_index]
+    mine = _own(acc, state)
+    if mine is None:
+        raise CheckpointError(f"the checkpoint has no state of process {acc.process_index}")
     for obj, obj_state in zip(acc._custom_objects, mine["custom"], strict=True):
         if obj is not skip and obj_state is not None:
             obj.load_state_dict(obj_state)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import uuid
 import warnings
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from coci_accelerate import _state
 from coci_accelerate.tracker import CociTracker
 from coci_core.checkpointer import Checkpointer, adapter_planner_options
 from coci_core.errors import CociError, ConfigError, NoCheckpointError
+from coci_core.group import RankGroup
 from coci_core.manager import SaveHandle
 from coci_core.telemetry import JsonlTelemetry, TelemetrySink
 from coci_core.tensorboard import TensorBoardTelemetry
@@ -91,6 +93,7 @@ class CociCheckpointer:
             rank=accelerator.process_index,
             broadcast=_broadcast if accelerator.num_processes > 1 else None,
             sinks=sinks,
+            manager_options={"group": _rank_group(accelerator)},
         )
         self._tracker = _find_tracker(accelerator)
         config = accelerator.dataloader_config
@@ -130,14 +133,14 @@ class CociCheckpointer:
         self._last_step_end = time.perf_counter()
         return handle
 
-    def save(self, step: int) -> SaveHandle | None:
-        """Save now, on every process (a collective: call it on all of them)."""
+    def save(self, step: int) -> SaveHandle:
+        """Save now; call it on every process at the same step: each writes its share of the
+        state and its own random states and registered objects (no collective)."""
         self._check_prepared()
-        state = _state.collect(self.accelerator, step, skip=self)
+        state = _state.collect(self.accelerator, step)
         state["coci"] = self.checkpointer.state_dict()
-        if not self.accelerator.is_main_process:
-            return None
-        return self.checkpointer.save(step, state)
+        own = _state.collect_own(self.accelerator, skip=self)
+        return self.checkpointer.save(step, state, per_rank={_state.PROCESS_KEY: own})
 
     def wait(self) -> None:
         """Block until pending saves are durable (re-raises background errors)."""
@@ -216,3 +219,14 @@ def _find_tracker(accelerator: Accelerator) -> CociTracker | None:
                 )
             return tracker
     return None
+
+
+def _rank_group(accelerator: Accelerator) -> RankGroup:
+    """Every process writes its share; the session name comes from the main process."""
+    if accelerator.num_processes == 1:
+        return RankGroup.single()
+    return RankGroup(
+        accelerator.process_index,
+        accelerator.num_processes,
+        str(_broadcast(uuid.uuid4().hex[:16])),
+    )

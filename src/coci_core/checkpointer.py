@@ -94,7 +94,7 @@ class Checkpointer:
         planner_options: further keyword arguments of :class:`~coci_core.planner.Planner`
             (``every_n_steps``, ``every_n_seconds``, ``total_steps``, ``steps_per_epoch``, ...).
         manager_options: further keyword arguments of :class:`~coci_core.CheckpointManager`.
-        rank: this process's global rank; only rank 0 writes (until sharded saves).
+        rank: this process's global rank (rank 0 decides when to save and commits).
         broadcast: for several processes, a collective that sends rank 0's object to every
             rank; save decisions are then shared at a few sync steps (see ``decision.py``).
         sinks: telemetry sinks (TensorBoard, JSON lines): every save and restore event, the
@@ -212,9 +212,23 @@ class Checkpointer:
         """Whether the plan checkpoints after ``step`` (the same on every rank)."""
         return self.decision.should_save(step)
 
-    def save(self, step: int, state: Mapping[str, Any], *, block: bool | None = None) -> SaveHandle:
+    def save(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        *,
+        block: bool | None = None,
+        per_rank: Mapping[str, Any] | None = None,
+        alone: bool = False,
+    ) -> SaveHandle:
         """Save ``state`` as ``step`` (see :meth:`CheckpointManager.save`)."""
-        handle = self.manager.save(step, state, block=self.block if block is None else block)
+        handle = self.manager.save(
+            step,
+            state,
+            block=self.block if block is None else block,
+            per_rank=per_rank,
+            alone=alone,
+        )
         if self.sinks:
             self._record_telemetry(step, plan=True)
         return handle

@@ -211,6 +211,7 @@ class CheckpointManager:
         block: bool = True,
         metadata: Mapping[str, Any] | None = None,
         per_rank: Mapping[str, Any] | None = None,
+        alone: bool = False,
     ) -> SaveHandle:
         """Snapshot ``state`` as ``step`` and persist it in the background.
 
@@ -228,6 +229,8 @@ class CheckpointManager:
                 ``state`` does not use; each rank writes its own, and :meth:`restore` merges
                 the restoring rank's into the state. With several ranks, ``state`` must be the
                 same on every rank (it is split over them and written once).
+            alone: rank 0 writes the whole state by itself while the other ranks do not save
+                (for a save only rank 0 reaches, such as one on an exception).
 
         Raises:
             BackgroundSaveError: an earlier background save failed (reported once).
@@ -243,10 +246,13 @@ class CheckpointManager:
                 return self._skip(step, block=block, started=started)
             previous._done.wait()
         self._raise_failed()
+        if alone and not self.group.is_coordinator:
+            raise ConfigError("'alone' saves are made by rank 0 only")
+        group = RankGroup(0, 1, self.group.session) if alone else self.group
         flat = flatten_state(state, allow_torch_save=self.allow_torch_save)
         own = self._flatten_per_rank(state, per_rank)
         leaves = flat.leaves + (own.leaves if own else ())
-        regions = self._regions(flat.leaves, leaves)
+        regions = None if alone else self._regions(flat.leaves, leaves)
         snapshot = self._snapshotter.prepare(leaves, regions)
         handle = SaveHandle(step, block=block, started=started, snapshot=snapshot)
         if block:
@@ -257,13 +263,14 @@ class CheckpointManager:
             snapshot,
             flat.tree,
             _json_metadata(metadata),
-            token=f"{self.group.session}-{self._saves}",
+            # A save that only rank 0 makes must not shift the count the ranks agree on.
+            token=f"{self.group.session}{'solo' if alone else ''}-{self._saves}",
             n_shared=len(flat.leaves),
             rank_tree=own.tree if own else None,
             layout=_layout_digest(flat.leaves, self.chunk_bytes) if regions else "",
-            group=self.group,
+            group=group,
         )
-        self._saves += 1
+        self._saves += 0 if alone else 1
         self._inflight = handle
         handle._stall_s = time.perf_counter() - started
         self._worker.submit((job, handle))

@@ -51,6 +51,7 @@ class CociCheckpointIO(CheckpointIO):
         self.inner = inner
         self._on_restore = on_restore
         self.fallback_for: str | None = None
+        self.rank = 0  # whose per-rank state to merge in (set by the callback's setup)
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None
@@ -73,7 +74,7 @@ class CociCheckpointIO(CheckpointIO):
             candidates = [s for s in reversed(committed_steps(storage)) if s <= step]
         for candidate in candidates:
             try:
-                loaded = load_checkpoint(storage, candidate)
+                loaded = load_checkpoint(storage, candidate, rank=self.rank)
                 break
             except CorruptCheckpointError as e:
                 if candidate == candidates[-1]:

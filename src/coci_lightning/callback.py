@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import time
+import uuid
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -15,13 +17,17 @@ from typing_extensions import override
 
 from coci_core.checkpointer import Checkpointer, adapter_planner_options
 from coci_core.errors import ConfigError
+from coci_core.group import RankGroup
 from coci_core.manifest import step_dir_name
 from coci_core.restore import committed_steps
 from coci_core.storage import open_storage
-from coci_lightning._resume import CociCheckpointIO, install_last_resolution
+from coci_lightning._resume import CociCheckpointIO, coci_step_of, install_last_resolution
 from coci_lightning._telemetry import LoggerRelay, make_sinks
 
 __all__ = ["CociCheckpoint"]
+
+
+RANK_STATE_KEY = "coci_rank_state"  # per-rank state in coci's saves: {"rng": ...}
 
 
 class CociCheckpoint(Checkpoint):
@@ -92,7 +98,7 @@ class CociCheckpoint(Checkpoint):
         self._last_end: float | None = None
         self._last_saved_step: int | None = None
         self._fallback_for: str | None = None
-        self._rng_per_rank: list[Any] | None = None
+        self._rng_in_state = True
         self._deferred = False
         self._relay = LoggerRelay()
         install_last_resolution()
@@ -134,6 +140,7 @@ class CociCheckpoint(Checkpoint):
             broadcast=(lambda obj: trainer.strategy.broadcast(obj, src=0))
             if trainer.world_size > 1
             else None,
+            manager_options={"group": _rank_group(trainer)},
         )
         if self._planner_state is not None:
             self.checkpointer.load_state_dict(self._planner_state)
@@ -141,6 +148,7 @@ class CociCheckpoint(Checkpoint):
         if not isinstance(strategy.checkpoint_io, CociCheckpointIO):
             strategy.checkpoint_io = CociCheckpointIO(strategy.checkpoint_io, self._on_restore)
         strategy.checkpoint_io.fallback_for = self._fallback_for
+        strategy.checkpoint_io.rank = trainer.global_rank
 
     def _on_restore(self, seconds: float) -> None:
         if self.checkpointer is not None:
@@ -217,16 +225,27 @@ class CociCheckpoint(Checkpoint):
             return float(value.detach())
         return float(value) if isinstance(value, (int, float)) else None
 
-    def _save(self, trainer: pl.Trainer, *, block: bool | None = None) -> None:
-        # Every rank gets here at the same steps (the decision is shared); rank 0 writes.
+    def _save(self, trainer: pl.Trainer, *, block: bool | None = None, alone: bool = False) -> None:
+        # Every rank gets here at the same steps (the decision is shared) and writes its share
+        # of the state, and its own random states; ``alone``: only rank 0 got here.
         if self.checkpointer is None or self._last_saved_step == trainer.global_step:
             return
-        self._rng_per_rank = _gather_rng_states(trainer.world_size)
-        state = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-        self._rng_per_rank = None
+        alone = alone and trainer.world_size > 1
+        if alone and not trainer.is_global_zero:
+            return
+        self._rng_in_state = False
+        try:
+            state = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        finally:
+            self._rng_in_state = True
         self._last_saved_step = trainer.global_step
-        if trainer.is_global_zero:
-            self.checkpointer.save(trainer.global_step, state, block=block)
+        self.checkpointer.save(
+            trainer.global_step,
+            state,
+            block=block,
+            per_rank={RANK_STATE_KEY: {"rng": _collect_rng_states()}},
+            alone=alone,
+        )
 
     @staticmethod
     def _rng_for_rank(trainer: pl.Trainer, saved: dict[str, Any]) -> dict[str, Any]:
@@ -255,7 +274,9 @@ class CociCheckpoint(Checkpoint):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
         if self.save_on_exception and trainer.state.fn == "fit":
-            self._save(trainer, block=True)
+            # Another rank may not be here (the exception may be this rank's own): rank 0
+            # saves by itself instead of waiting for the others' shares.
+            self._save(trainer, block=True, alone=True)
         self.teardown(trainer, pl_module, "fit")  # Lightning skips teardown hooks on errors
 
     @override
@@ -266,26 +287,43 @@ class CociCheckpoint(Checkpoint):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        rng: dict[str, Any] = _collect_rng_states()
-        if self._rng_per_rank is not None:
-            rng = {**rng, "per_rank": self._rng_per_rank}
-        state: dict[str, Any] = {"rng": rng}
+        # In coci's own saves the random states are per-rank state (written by each rank);
+        # in a Lightning checkpoint made by anything else, they are this rank's.
+        state: dict[str, Any] = {"rng": _collect_rng_states()} if self._rng_in_state else {}
         if self.checkpointer is not None:
             state.update(self.checkpointer.state_dict())
         return state
 
     @override
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        own = checkpoint.get(RANK_STATE_KEY)
+        if isinstance(own, dict) and "rng" in own:
+            self._pending_rng = own["rng"]
+        elif (
+            trainer.world_size > 1
+            and coci_step_of(trainer.ckpt_path) is not None
+            and "rng" not in checkpoint.get("callbacks", {}).get(self.state_key, {})
+        ):
+            warnings.warn(
+                f"coci: the checkpoint has no random states for rank {trainer.global_rank} (it "
+                "was written by fewer ranks); this rank continues its own seeded streams",
+                stacklevel=2,
+            )
+
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._pending_rng = state_dict.get("rng")
+        if "rng" in state_dict:  # older coci checkpoints, and Lightning's own
+            self._pending_rng = state_dict["rng"]
         self._planner_state = state_dict
         if self.checkpointer is not None:
             self.checkpointer.load_state_dict(state_dict)
 
 
-def _gather_rng_states(world_size: int) -> list[Any] | None:
-    """Every rank's random states, gathered on every rank (None for one process)."""
-    if world_size <= 1 or not torch.distributed.is_initialized():
-        return None
-    gathered: list[Any] = [None] * world_size
-    torch.distributed.all_gather_object(gathered, _collect_rng_states())
-    return gathered
+def _rank_group(trainer: pl.Trainer) -> RankGroup:
+    """Every rank writes its share; the session name comes from rank 0 (one broadcast)."""
+    if trainer.world_size == 1:
+        return RankGroup.single()
+    session = trainer.strategy.broadcast(uuid.uuid4().hex[:16], src=0)
+    return RankGroup(trainer.global_rank, trainer.world_size, str(session))

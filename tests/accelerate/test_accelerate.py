@@ -157,6 +157,13 @@ def test_sigkill_two_processes(tmp_path: Path) -> None:
     )
     steps, resumed = _kill_and_resume(command, tmp_path / "run", 40, 23)
     assert steps[-1] in (15, 20)
+    with CheckpointManager(tmp_path / "run" / "coci") as mgr:
+        manifest = mgr.manifest(mgr.steps()[-1])
+    # both processes wrote their share, and each its own random states
+    assert manifest.world_size == 2
+    assert [f.name for f in manifest.files] == ["data-r0.bin", "data-r1.bin"]
+    assert all(f.nbytes > 0 for f in manifest.files)
+    assert len(manifest.per_rank) == 2 and all(r.tree for r in manifest.per_rank)
     start = steps[-1] + 1
     for rank in (0, 1):
         assert resumed[rank]["digest"] == expected[rank]["digest"]
@@ -244,7 +251,10 @@ def test_foreign_layout_and_world_size_change_are_refused(tmp_path: Path) -> Non
     with pytest.raises(CheckpointError, match="not written by coci_accelerate"):
         ckpt.resume()
     ckpt.close()
-    state = accelerate_state.collect(accelerator, 5, skip=ckpt)
+    state = {
+        **accelerate_state.collect(accelerator, 5),
+        accelerate_state.PROCESS_KEY: accelerate_state.collect_own(accelerator, skip=ckpt),
+    }
     with pytest.raises(CheckpointError, match="written by 2 processes and this run has 1"):
         accelerate_state.apply(accelerator, {**state, "num_processes": 2}, skip=ckpt)
     with pytest.raises(CheckpointError, match="models: saved 2, prepared now 1"):

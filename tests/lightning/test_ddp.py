@@ -59,6 +59,11 @@ def test_ddp_killed_mid_epoch_resumes_bit_exact(tmp_path: Path) -> None:
     # the persist of step 15 may not have been durable yet when the kill came
     assert steps in ([5, 10], [5, 10, 15])
     restored = steps[-1]
+    manifest = CheckpointManager(tmp_path / "run" / "coci").manifest(restored)
+    # both ranks wrote their share, and each its own random states
+    assert manifest.world_size == 2
+    assert [f.name for f in manifest.files] == ["data-r0.bin", "data-r1.bin"]
+    assert all(r.tree for r in manifest.per_rank) and len(manifest.per_rank) == 2
     resumed = _run(tmp_path / "run", 30)
     epoch_steps = SAMPLES_PER_RANK // PER_RANK_BATCH
     for rank in (0, 1):
