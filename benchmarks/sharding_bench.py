@@ -1,0 +1,217 @@
+#!/usr/bin/env python
+"""Sharded saves over 1, 2 and 4 processes on one machine: every rank writing its share (coci),
+rank 0 writing everything (coci with ``alone=True``, what coci did before sharding), and
+``torch.distributed.checkpoint.save`` with its default, deduplicating planner.
+
+Run (a few minutes; it only creates and deletes run-*/ under --dir):
+
+    python benchmarks/sharding_bench.py --worlds 1,2,4 --size 1G --reps 5 \
+        --dir /work/bench-tmp/sharding
+
+The state is the engine benchmark's transformer (fp32 weights + Adam state), the same on every
+rank (data parallel). Every repetition runs the methods in an order rotated by one; before each
+method all ranks meet at a barrier, and each rank times its own part from there. Reported per
+method and world size (medians over repetitions): the stall of the slowest rank (the save call,
+block=True: the copy), the critical path (rank 0's time until the checkpoint is committed:
+coci's ``wait()``, DCP's ``save`` return), the bytes the busiest rank wrote against the total.
+Results: benchmarks/results/sharding-<time>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+METHODS = ("coci_sharded", "coci_rank0", "dcp")
+
+
+def _dir_bytes(path: Path, prefix: str) -> int:
+    return sum(p.stat().st_size for p in path.rglob(f"{prefix}*") if p.is_file())
+
+
+def rank_main(cfg: dict[str, Any]) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from engine_bench import build_state
+
+    from coci_core import CheckpointManager, RankGroup
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    state, _ = build_state(cfg["size"])
+    root = Path(cfg["dir"]) / f"run-w{world}"
+    group = RankGroup.from_torch_distributed(timeout_s=600)
+    sharded = CheckpointManager(root / "coci_sharded", keep_last=1, group=group)
+    rank0 = CheckpointManager(root / "coci_rank0", keep_last=1, group=group)
+    samples: list[dict[str, Any]] = []
+    for rep in range(cfg["reps"] + 1):  # repetition 0 is the warm-up
+        order = METHODS[rep % 3 :] + METHODS[: rep % 3]
+        for method in order:
+            dist.barrier()
+            t0 = time.perf_counter()
+            stall = durable = 0.0
+            written = 0
+            if method == "coci_sharded":
+                handle = sharded.save(rep, state)
+                stall = time.perf_counter() - t0
+                event = handle.wait()
+                durable = time.perf_counter() - t0
+                written = event.bytes_written
+            elif method == "coci_rank0":
+                if rank == 0:
+                    handle = rank0.save(rep, state, alone=True)
+                    stall = time.perf_counter() - t0
+                    event = handle.wait()
+                    durable = time.perf_counter() - t0
+                    written = event.bytes_written
+            else:
+                target = root / "dcp" / f"rep{rep}"
+                dcp.save(state, checkpoint_id=str(target))
+                durable = stall = time.perf_counter() - t0
+                dist.barrier()
+                written = _dir_bytes(target, f"__{rank}_")
+            samples.append(
+                {
+                    "rep": rep,
+                    "method": method,
+                    "rank": rank,
+                    "stall_s": stall,
+                    "durable_s": durable,
+                    "bytes": written,
+                }
+            )
+            dist.barrier()
+            if method == "dcp" and rank == 0:
+                shutil.rmtree(root / "dcp", ignore_errors=True)
+    sharded.close()
+    rank0.close()
+    print("SAMPLES " + json.dumps(samples), flush=True)
+    dist.barrier()
+    os._exit(0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_world(world: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
+    port = _free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--rank-config", json.dumps(cfg)],
+            env={
+                **os.environ,
+                "RANK": str(r),
+                "WORLD_SIZE": str(world),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "OMP_NUM_THREADS": "1",
+            },
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(world)
+    ]
+    samples: list[dict[str, Any]] = []
+    for proc in procs:
+        out, _ = proc.communicate(timeout=3600)
+        if proc.returncode != 0:
+            raise SystemExit(f"a rank failed with {proc.returncode}")
+        for line in out.splitlines():
+            if line.startswith("SAMPLES "):
+                samples += json.loads(line[len("SAMPLES ") :])
+    return samples
+
+
+def summarize(world: int, samples: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for method in METHODS:
+        reps = sorted({s["rep"] for s in samples if s["rep"] > 0})
+        stall, crit, busiest, total = [], [], [], []
+        for rep in reps:
+            rows = [s for s in samples if s["rep"] == rep and s["method"] == method]
+            stall.append(max(r["stall_s"] for r in rows))
+            crit.append(max(r["durable_s"] for r in rows))
+            busiest.append(max(r["bytes"] for r in rows))
+            total.append(sum(r["bytes"] for r in rows))
+        out[method] = {
+            "stall_s": statistics.median(stall),
+            "critical_path_s": statistics.median(crit),
+            "critical_path_range": [min(crit), max(crit)],
+            "busiest_rank_bytes": statistics.median(busiest),
+            "total_bytes": statistics.median(total),
+        }
+    return out
+
+
+def _size(text: str) -> int:
+    units = {"M": 10**6, "G": 10**9}
+    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--worlds", default="1,2,4")
+    parser.add_argument("--size", default="1G")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--dir", default="/work/bench-tmp/sharding")
+    parser.add_argument("--rank-config")
+    args = parser.parse_args()
+    if args.rank_config:
+        rank_main(json.loads(args.rank_config))
+        return
+    shutil.rmtree(args.dir, ignore_errors=True)
+    cfg = {"dir": args.dir, "size": _size(args.size), "reps": args.reps}
+    load_before = Path("/proc/loadavg").read_text().split()[:3]
+    results: dict[str, Any] = {"config": cfg, "load_before": load_before, "worlds": {}}
+    for world in [int(w) for w in args.worlds.split(",")]:
+        started = time.perf_counter()
+        samples = run_world(world, cfg)
+        results["worlds"][str(world)] = {
+            "samples": samples,
+            "summary": summarize(world, samples),
+            "seconds": time.perf_counter() - started,
+            "load_after": Path("/proc/loadavg").read_text().split()[:3],
+        }
+        shutil.rmtree(Path(args.dir) / f"run-w{world}", ignore_errors=True)
+    out = (
+        Path(__file__).parent
+        / "results"
+        / time.strftime("sharding-%Y%m%dT%H%M%SZ.json", time.gmtime())
+    )
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(results, indent=1))
+    print(f"results: {out}; load before {load_before}")
+    print(
+        "| world | method | stall s (slowest rank) | critical path s (min-max) "
+        "| busiest rank MB | total MB | busiest / total |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for world, cell in results["worlds"].items():
+        for method, m in cell["summary"].items():
+            lo, hi = m["critical_path_range"]
+            print(
+                f"| {world} | {method} | {m['stall_s']:.3f} | {m['critical_path_s']:.3f} "
+                f"({lo:.3f}-{hi:.3f}) | {m['busiest_rank_bytes'] / 1e6:.0f} | "
+                f"{m['total_bytes'] / 1e6:.0f} | "
+                f"{m['busiest_rank_bytes'] / max(1, m['total_bytes']):.2f} |"
+            )
+
+
+if __name__ == "__main__":
+    main()
