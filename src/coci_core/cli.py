@@ -1,4 +1,5 @@
-"""The ``coci`` command line: ls, verify, export, demo (and plan, simulate from the planner)."""
+"""The ``coci`` command line: ls, verify, export, import, report, demo (and plan, simulate from
+the planner)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import argparse
 import json
 import sys
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -72,9 +74,12 @@ def _export(args: argparse.Namespace) -> int:
     step = args.step if args.step is not None else max(committed_steps(storage), default=None)
     if step is None:
         raise NoCheckpointError(f"no committed checkpoints in {storage.url}")
-    state = load_checkpoint(storage, step).state
+    state = load_checkpoint(storage, step, rank=args.rank).state
     out = Path(args.out)
-    if out.suffix == ".safetensors":
+    fmt = args.format
+    if fmt == "auto":
+        fmt = "safetensors" if out.suffix == ".safetensors" else "torch"
+    if fmt == "safetensors":
         from safetensors.torch import save_file
 
         tensors, rest = _split_for_safetensors(state)
@@ -82,10 +87,51 @@ def _export(args: argparse.Namespace) -> int:
             tensors, str(out), metadata={"coci_step": str(step), "coci_rest": json.dumps(rest)}
         )
         print(f"exported step {step}: {len(tensors)} tensors to {out} (safetensors)")
+    elif fmt == "dcp":
+        from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+        with warnings.catch_warnings():  # "assuming ... a single process": that is the intent
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp_save(state, checkpoint_id=str(out), no_dist=True)
+        print(f"exported step {step} to {out} (torch.distributed.checkpoint)")
     else:
         torch.save(state, out)
         print(f"exported step {step} to {out} (torch.save)")
     return 0
+
+
+def _import(args: argparse.Namespace) -> int:
+    from coci_core.manager import CheckpointManager
+
+    state = read_foreign(Path(args.src))
+    with CheckpointManager(args.dir, keep_last=None) as mgr:
+        mgr.save(args.step, state).wait()
+    print(f"imported {args.src} into {args.dir} as step {args.step}")
+    return 0
+
+
+def read_foreign(src: Path) -> dict[str, Any]:
+    """A state from a ``torch.save`` file, a ``.safetensors`` file or a
+    ``torch.distributed.checkpoint`` directory, loaded without running code from it."""
+    import tempfile
+
+    import torch
+
+    if src.is_dir():
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        with tempfile.TemporaryDirectory() as tmp:
+            dcp_to_torch_save(str(src), f"{tmp}/state.pt")
+            state = torch.load(f"{tmp}/state.pt", weights_only=True)
+    elif src.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        state = load_file(str(src))
+    else:
+        state = torch.load(src, weights_only=True)
+    if not isinstance(state, dict):
+        raise CociError(f"{src} holds a {type(state).__name__}, not a mapping")
+    return state
 
 
 def _split_for_safetensors(state: Any) -> tuple[dict[str, Any], Any]:
@@ -149,11 +195,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir")
     p.add_argument("--step", type=int)
     p.set_defaults(func=_verify)
-    p = sub.add_parser("export", help="write a step as one torch.save or .safetensors file")
+    p = sub.add_parser(
+        "export", help="write a step as a torch.save file, a .safetensors file or a DCP directory"
+    )
     p.add_argument("dir")
     p.add_argument("out")
     p.add_argument("--step", type=int, help="default: the newest committed step")
+    p.add_argument(
+        "--format",
+        choices=("auto", "torch", "safetensors", "dcp"),
+        default="auto",
+        help="auto: safetensors for a .safetensors name, else torch.save",
+    )
+    p.add_argument(
+        "--rank", type=int, default=0, help="whose per-rank state (random states) to include"
+    )
     p.set_defaults(func=_export)
+    p = sub.add_parser(
+        "import", help="save a torch.save / .safetensors file or a DCP directory as a coci step"
+    )
+    p.add_argument("src")
+    p.add_argument("dir")
+    p.add_argument("--step", type=int, required=True)
+    p.set_defaults(func=_import)
     p = sub.add_parser("report", help="what a run's checkpoints cost, planned vs actual")
     p.add_argument("dir")
     p.add_argument("--tensorboard", help="the TensorBoard log directory to point to")
