@@ -291,15 +291,26 @@ class CheckpointManager:
     def _regions(
         self, shared: tuple[ArrayLeaf, ...], leaves: tuple[ArrayLeaf, ...]
     ) -> tuple[Share, ...] | None:
-        # One rank writes every leaf whole; several split the shared leaves and each writes
-        # its own per-rank leaves whole.
+        # One rank writes every leaf whole; several split the replicated leaves and each writes
+        # its shards of sharded tensors and its own per-rank leaves whole.
         if self.group.world_size == 1:
+            partial = [
+                leaf.key for leaf in shared if leaf.owned and leaf.shape != leaf.tensor.shape
+            ]
+            if partial:
+                raise ConfigError(
+                    f"{partial[:3]} are shards of DTensors: every rank must save, with a "
+                    "'group' (RankGroup.from_torch_distributed())"
+                )
             return None
         mine = partition(
-            [leaf.nbytes for leaf in shared], self.group.world_size, chunk_bytes=self.chunk_bytes
+            [0 if leaf.owned else leaf.nbytes for leaf in shared],
+            self.group.world_size,
+            chunk_bytes=self.chunk_bytes,
         )[self.group.rank]
+        owned = tuple(Share(i, 0, leaf.nbytes) for i, leaf in enumerate(shared) if leaf.owned)
         own = tuple(Share(i, 0, leaves[i].nbytes) for i in range(len(shared), len(leaves)))
-        return mine + own
+        return mine + owned + own
 
     def before_update(self) -> None:
         """Wait, if needed, until a ``block=False`` snapshot is fully copied.
@@ -567,7 +578,7 @@ def _load_into(state: Mapping[str, Any], into: Mapping[str, Stateful]) -> None:
 
 def _layout_digest(leaves: tuple[ArrayLeaf, ...], chunk_bytes: int) -> str:
     """What every rank must agree on to split the state the same way."""
-    text = repr([(leaf.key, str(leaf.tensor.dtype), tuple(leaf.tensor.shape)) for leaf in leaves])
+    text = repr([(leaf.key, str(leaf.tensor.dtype), leaf.shape, leaf.owned) for leaf in leaves])
     return hashlib.sha1(f"{chunk_bytes}|{text}".encode()).hexdigest()[:16]
 
 

@@ -96,7 +96,7 @@ def _entry(leaf: ArrayLeaf, pieces: list[Piece], codec: str) -> TensorEntry:
         key=leaf.key,
         kind=leaf.kind,
         dtype=encode_dtype(t.dtype),
-        shape=tuple(t.shape),
+        shape=leaf.shape,
         codec=codec,
         pieces=tuple(sorted(pieces, key=lambda p: p.start)),
         numpy_dtype=leaf.numpy_dtype,
@@ -111,9 +111,8 @@ def _my_share(job: PersistJob, file: str) -> commit.RankShare:
     own: dict[int, list[Piece]] = {}
     for slot in snap.slots:
         stored = codec.encode(snap.arena.memoryview(slot.offset, slot.offset + slot.nbytes))
-        piece = Piece(
-            file, slot.offset, slot.nbytes, slot.start, slot.nbytes, crc32c.crc32c(stored)
-        )
+        start = snap.leaves[slot.leaf].global_start + slot.start
+        piece = Piece(file, slot.offset, slot.nbytes, start, slot.nbytes, crc32c.crc32c(stored))
         if slot.leaf < job.n_shared:
             shared.append((slot.leaf, piece))
         else:

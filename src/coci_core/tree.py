@@ -85,10 +85,23 @@ class ArrayLeaf:
     tensor: torch.Tensor
     kind: LeafKind
     numpy_dtype: str | None = None
+    global_shape: tuple[int, ...] | None = None
+    global_start: int = 0
 
     @property
     def nbytes(self) -> int:
         return self.tensor.numel() * self.tensor.element_size()
+
+    @property
+    def owned(self) -> bool:
+        """A shard of a larger tensor (``global_shape``), at byte ``global_start`` of it:
+        written by the rank that holds it, not split over ranks."""
+        return self.global_shape is not None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape of the whole array (for a shard, of the tensor it is part of)."""
+        return self.global_shape if self.global_shape is not None else tuple(self.tensor.shape)
 
 
 @dataclass(frozen=True)
@@ -119,13 +132,28 @@ class _Flattener:
         self._aliases: dict[tuple[Any, ...], int] = {}
 
     def add_leaf(
-        self, key: str, t: torch.Tensor, kind: LeafKind, numpy_dtype: str | None = None
+        self,
+        key: str,
+        t: torch.Tensor,
+        kind: LeafKind,
+        numpy_dtype: str | None = None,
+        shard: tuple[tuple[int, ...], int] | None = None,
     ) -> Any:
         alias = _alias_key(t) if kind == "tensor" else None
         if alias is not None and alias in self._aliases:
             return {"t": "tensor", "id": self._aliases[alias]}
         index = len(self.leaves)
-        self.leaves.append(ArrayLeaf(key=key, tensor=t, kind=kind, numpy_dtype=numpy_dtype))
+        global_shape, global_start = shard if shard is not None else (None, 0)
+        self.leaves.append(
+            ArrayLeaf(
+                key=key,
+                tensor=t,
+                kind=kind,
+                numpy_dtype=numpy_dtype,
+                global_shape=global_shape,
+                global_start=global_start,
+            )
+        )
         if alias is not None:
             self._aliases[alias] = index
         return {"t": kind, "id": index}
@@ -163,9 +191,40 @@ class _Flattener:
             return self._fallback(t, key, why=f"dtype {t.dtype} is not stored")
         if t.device.type == "meta":
             raise UnsupportedValueError(f"state value at {key!r} is a meta tensor: it has no data")
+        if type(t).__name__ == "DTensor":
+            return self._encode_dtensor(t, key)
         if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
             return self._fallback(t, key, why=f"tensor subclass {type(t).__name__} is not stored")
         return self.add_leaf(key, t.detach(), "tensor")
+
+    def _encode_dtensor(self, t: Any, key: str) -> Any:
+        # Replicated: like any tensor (split over ranks). Shard(0) on a 1-D mesh (FSDP2): the
+        # local rows are one byte range of the whole tensor, written by their owner.
+        from torch.distributed.tensor import Replicate, Shard
+
+        placements = tuple(t.placements)
+        local = t.to_local().detach()
+        if all(isinstance(p, Replicate) for p in placements):
+            return self.add_leaf(key, local, "tensor")
+        mesh = t.device_mesh
+        if mesh.ndim != 1 or placements != (Shard(0),):
+            raise UnsupportedValueError(
+                f"state value at {key!r} is a DTensor with placements {placements} on a "
+                f"{mesh.ndim}-D mesh; coci stores Replicate() and Shard(0) on a 1-D mesh: save "
+                "its full_tensor() (or a full state dict) instead"
+            )
+        rows = int(t.shape[0])
+        world, rank = mesh.size(), mesh.get_local_rank()
+        per_rank = -(-rows // world) if rows else 0
+        first = min(rows, rank * per_rank)
+        count = max(0, min(rows, first + per_rank) - first)
+        if tuple(local.shape) != (count, *t.shape[1:]):
+            raise UnsupportedValueError(
+                f"state value at {key!r}: a DTensor shard of shape {tuple(local.shape)} where "
+                f"torch.chunk over {world} ranks gives {(count, *t.shape[1:])}"
+            )
+        row_bytes = local.element_size() * math.prod(t.shape[1:])
+        return self.add_leaf(key, local, "tensor", shard=(tuple(t.shape), first * row_bytes))
 
     def _encode_ndarray(self, a: np.ndarray, key: str) -> Any:
         if a.dtype.kind not in "biufc" or a.dtype.byteorder == ">":

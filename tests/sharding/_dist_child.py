@@ -138,9 +138,15 @@ def _free_port() -> int:
 
 
 def launch(
-    world: int, cfg: dict[str, Any], *, kill_rank: int | None = None, timeout_s: float = 240
+    world: int,
+    cfg: dict[str, Any],
+    *,
+    kill_rank: int | None = None,
+    timeout_s: float = 240,
+    module: str = "tests.sharding._dist_child",
 ) -> list[tuple[int, dict[str, Any] | None]]:
-    """Run ``world`` ranks; SIGKILL ``kill_rank`` when it says PAUSED. Exit codes and results."""
+    """Run ``world`` ranks of ``module``; SIGKILL ``kill_rank`` when it says PAUSED. Exit codes
+    and results."""
     port = _free_port()
     procs = []
     for rank in range(world):
@@ -154,7 +160,7 @@ def launch(
         }
         procs.append(
             subprocess.Popen(
-                [sys.executable, "-m", "tests.sharding._dist_child", json.dumps(cfg)],
+                [sys.executable, "-m", module, json.dumps(cfg)],
                 env=env,
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,

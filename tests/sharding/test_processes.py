@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from coci_core import CheckpointManager
 from coci_core.restore import load_checkpoint
@@ -82,3 +83,30 @@ def test_rank_killed_during_persist_publishes_nothing_and_the_others_get_an_erro
     assert [r["restored_step"] for r in resumed] == [10, 10]
     assert resumed[0]["restored_rng"] == r0["rng_at_save"]["10"]
     assert resumed[1]["restored_rng"] != resumed[0]["restored_rng"]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_dtensor_shards_are_written_by_their_owners_and_restore_whole(
+    tmp_path: Path, world: int
+) -> None:
+    """Shard(0) DTensors (uneven over 4 ranks) are written by the rank that holds each shard,
+    with their global offsets; the checkpoint restores whole, on those ranks and on one."""
+    from tests.sharding._dtensor_child import full_state
+
+    results = _ok(
+        launch(world, {"dir": str(tmp_path / "ckpt")}, module="tests.sharding._dtensor_child")
+    )
+    assert all(r["restored_equal"] for r in results)
+    assert all("Shard(dim=1)" in r["refused"] for r in results)
+    manifest = CheckpointManager(tmp_path / "ckpt").manifest(3)
+    entries = {e.key: e for e in manifest.tensors}
+    emb = entries["/model/emb"]
+    assert emb.shape == (10, 7)
+    row = 7 * 4
+    rows = [r["local_rows"] for r in sorted(results, key=lambda r: r["rank"])]
+    assert [(p.file, p.start, p.length) for p in emb.pieces] == [
+        (f"data-r{r}.bin", sum(rows[:r]) * row, rows[r] * row) for r in range(world) if rows[r]
+    ]
+    state = load_checkpoint(LocalStorage(tmp_path / "ckpt"), 3).state
+    for key in ("emb", "w", "rep"):
+        assert torch.equal(state["model"][key], full_state()[key])
