@@ -21,7 +21,7 @@ import numpy as np
 import zstandard
 
 sys.path.insert(0, os.path.dirname(__file__))
-from digits_states import states  # noqa: E402
+from digits_states import states
 
 from coci_core.codecs.lossless import decode_lossless, decode_xor, encode_lossless, encode_xor
 
@@ -37,19 +37,25 @@ def _best(fn: Callable[[], Any], reps: int) -> tuple[float, Any]:
     return best, out
 
 
-def _row(name: str, enc: Callable[[np.ndarray, np.ndarray | None], Any], dec: Callable[
-    [Any, np.ndarray, np.ndarray | None], None], size: Callable[[Any], int], data: Arrays,
-         bases: list[np.ndarray | None], reps: int) -> str:
+def _row(
+    name: str,
+    enc: Callable[[np.ndarray, np.ndarray | None], Any],
+    dec: Callable[[Any, np.ndarray, np.ndarray | None], None],
+    size: Callable[[Any], int],
+    data: Arrays,
+    bases: list[np.ndarray | None],
+    reps: int,
+) -> str:
     n = sum(a.nbytes for a in data)
-    te, stored = _best(lambda: [enc(a, b) for a, b in zip(data, bases)], reps)
+    te, stored = _best(lambda: [enc(a, b) for a, b in zip(data, bases, strict=True)], reps)
     outs = [np.empty_like(a) for a in data]
 
     def decode_all() -> None:
-        for s, o, b in zip(stored, outs, bases):
+        for s, o, b in zip(stored, outs, bases, strict=True):
             dec(s, o, b)
 
     td, _ = _best(decode_all, reps)
-    for a, o in zip(data, outs):
+    for a, o in zip(data, outs, strict=True):
         assert np.array_equal(a, o), name
     ratio = n / sum(size(s) for s in stored)
     return f"| {name} | {ratio:.3f} | {n / te / 1e6:.0f} | {n / td / 1e6:.0f} |"
@@ -73,33 +79,64 @@ def main() -> None:
 
     for level in (1, 3):
         for threads in (1, 2):
-            print(_row(
-                f"coci.zstd/1 (zstandard, numpy shuffle) L{level} threads={threads}",
-                lambda a, b, lv=level, th=threads: encode_lossless(a, "float32", level=lv,
-                                                                   threads=th),
-                lambda s, o, b, th=threads: decode_lossless(s.data, s.params, o, threads=th),
-                lambda s: s.nbytes, full, none, reps))
+            print(
+                _row(
+                    f"coci.zstd/1 (zstandard, numpy shuffle) L{level} threads={threads}",
+                    lambda a, b, lv=level, th=threads: encode_lossless(
+                        a, "float32", level=lv, threads=th
+                    ),
+                    lambda s, o, b, th=threads: decode_lossless(s.data, s.params, o, threads=th),
+                    lambda s: s.nbytes,
+                    full,
+                    none,
+                    reps,
+                )
+            )
     zc, zd = zstandard.ZstdCompressor(level=3), zstandard.ZstdDecompressor()
-    print(_row("plain zstd L3, no shuffle (DCP-like)", lambda a, b: zc.compress(a),
-               lambda s, o, b: o.__setitem__(slice(None), np.frombuffer(zd.decompress(s),
-                                                                         np.uint8)),
-               len, full, none, reps))
+    print(
+        _row(
+            "plain zstd L3, no shuffle (DCP-like)",
+            lambda a, b: zc.compress(a),
+            lambda s, o, b: o.__setitem__(slice(None), np.frombuffer(zd.decompress(s), np.uint8)),
+            len,
+            full,
+            none,
+            reps,
+        )
+    )
     try:
         import blosc2
 
         for filt in (blosc2.Filter.SHUFFLE, blosc2.Filter.BITSHUFFLE):
             for level in (1, 3):
                 for th in (1, 2):
-                    def enc(a: np.ndarray, b: Any, f: Any = filt, lv: int = level,
-                            t: int = th) -> bytes:
-                        return blosc2.compress2(a, typesize=4, clevel=lv, filters=[f],
-                                                codec=blosc2.Codec.ZSTD, nthreads=t)
+
+                    def enc(
+                        a: np.ndarray, b: Any, f: Any = filt, lv: int = level, t: int = th
+                    ) -> bytes:
+                        return blosc2.compress2(
+                            a,
+                            typesize=4,
+                            clevel=lv,
+                            filters=[f],
+                            codec=blosc2.Codec.ZSTD,
+                            nthreads=t,
+                        )
 
                     def dec(s: bytes, o: np.ndarray, b: Any, t: int = th) -> None:
                         blosc2.decompress2(s, dst=o, nthreads=t)
 
-                    print(_row(f"blosc2 {blosc2.__version__} {filt.name} zstd L{level} "
-                               f"nthreads={th}", enc, dec, len, full, none, reps))
+                    print(
+                        _row(
+                            f"blosc2 {blosc2.__version__} {filt.name} zstd L{level} nthreads={th}",
+                            enc,
+                            dec,
+                            len,
+                            full,
+                            none,
+                            reps,
+                        )
+                    )
     except ImportError:
         print("| blosc2 not installed | | | |")
     try:
@@ -109,31 +146,60 @@ def main() -> None:
         numcodecs.blosc.set_nthreads(2)
         for level in (1, 3):
             bc = Blosc(cname="zstd", clevel=level, shuffle=Blosc.SHUFFLE)
-            print(_row(f"numcodecs {numcodecs.__version__} Blosc(zstd, SHUFFLE) L{level} 2 thr",
-                       lambda a, b, c=bc: c.encode(a),
-                       lambda s, o, b, c=bc: c.decode(s, out=o), len, full, none, reps))
+            print(
+                _row(
+                    f"numcodecs {numcodecs.__version__} Blosc(zstd, SHUFFLE) L{level} 2 thr",
+                    lambda a, b, c=bc: c.encode(a),
+                    lambda s, o, b, c=bc: c.decode(s, out=o),
+                    len,
+                    full,
+                    none,
+                    reps,
+                )
+            )
         sh, zs = Shuffle(elementsize=4), Zstd(level=1)
-        print(_row("numcodecs Shuffle + Zstd L1", lambda a, b: zs.encode(sh.encode(a)),
-                   lambda s, o, b: o.__setitem__(slice(None), np.frombuffer(
-                       sh.decode(zs.decode(s)), np.uint8)), len, full, none, reps))
+        print(
+            _row(
+                "numcodecs Shuffle + Zstd L1",
+                lambda a, b: zs.encode(sh.encode(a)),
+                lambda s, o, b: o.__setitem__(
+                    slice(None), np.frombuffer(sh.decode(zs.decode(s)), np.uint8)
+                ),
+                len,
+                full,
+                none,
+                reps,
+            )
+        )
     except ImportError:
         print("| numcodecs not installed | | | |")
 
     print("\nXOR delta against an earlier checkpoint (coci.xor-zstd/1, L1, threads=1):\n")
     print("| saved every | ratio | encode MB/s | decode MB/s |\n|---|---|---|---|")
-    for every, (a, b) in {"1 step": (100, 101), "10 steps": (100, 110),
-                          "100 steps": (100, 200)}.items():
+    for every, (a, b) in {
+        "1 step": (100, 101),
+        "10 steps": (100, 110),
+        "100 steps": (100, 200),
+    }.items():
         base: list[np.ndarray | None] = list(arrays(a))
-        print(_row(every, lambda x, y: encode_xor(x, y, "float32"),
-                   lambda s, o, y: decode_xor(s.data, s.params, o, y), lambda s: s.nbytes,
-                   arrays(b), base, reps).replace("| 1 step", "| 1 step", 1))
+        print(
+            _row(
+                every,
+                lambda x, y: encode_xor(x, y, "float32"),
+                lambda s, o, y: decode_xor(s.data, s.params, o, y),
+                lambda s: s.nbytes,
+                arrays(b),
+                base,
+                reps,
+            )
+        )
 
     print("\nChunk hashes (64 KiB chunks) over the whole state, MB/s:\n")
     import crc32c
     import xxhash
 
     blob = np.concatenate(full)
-    chunks = [blob[i: i + 65536] for i in range(0, blob.nbytes, 65536)]
+    chunks = [blob[i : i + 65536] for i in range(0, blob.nbytes, 65536)]
     for name, fn in {
         "xxh3_128 (xxhash)": lambda c: xxhash.xxh3_128_digest(c),
         "xxh3_64 (xxhash)": lambda c: xxhash.xxh3_64_digest(c),

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, TypeVar, Union
+from typing import Any, TypeAlias, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -23,10 +23,10 @@ import xxhash
 
 from coci_core.errors import ConfigError, CorruptCheckpointError
 
-JSON = Union[None, bool, int, float, str, list["JSON"], dict[str, "JSON"]]
-Params = dict[str, JSON]
-Buffer = Union[memoryview, bytes, bytearray, npt.NDArray[Any]]
-U8 = npt.NDArray[np.uint8]
+JSON: TypeAlias = bool | int | float | str | list["JSON"] | dict[str, "JSON"] | None
+Params: TypeAlias = dict[str, JSON]
+Buffer: TypeAlias = memoryview | bytes | bytearray | npt.NDArray[Any]
+U8: TypeAlias = npt.NDArray[np.uint8]
 
 _MAGIC = b"COCI"
 _HEAD = struct.Struct("<4sI")
@@ -89,7 +89,7 @@ def itemsize_of(dtype: str | torch.dtype) -> int:
 
 def xxh128(data: Buffer) -> str:
     """Hex XXH3-128 of ``data`` (used to check that a decoder was given the right base)."""
-    return xxhash.xxh3_128_hexdigest(u8(data))
+    return xxhash.xxh3_128_hexdigest(u8(data).data)
 
 
 # --- parameter access: a manifest is data from disk, so every field is checked -------------
@@ -153,7 +153,9 @@ def check_out(params: Params, out: U8) -> int:
 def check_base(params: Params, base: Buffer | None, n: int) -> U8:
     """The base as uint8, after checking its size and its recorded hash."""
     if base is None:
-        raise CorruptCheckpointError("this piece is a delta: its base checkpoint's bytes are needed")
+        raise CorruptCheckpointError(
+            "this piece is a delta: its base checkpoint's bytes are needed"
+        )
     b = u8(base)
     if b.nbytes != n:
         raise CorruptCheckpointError(f"base has {b.nbytes} bytes, the delta expects {n}")
@@ -175,7 +177,7 @@ def base_fields(base_step: int | None) -> Params:
 
 def pack_sections(sections: Sequence[Buffer]) -> bytes:
     """One blob holding ``sections`` (see the module docstring)."""
-    views = [memoryview(s).cast("B") if memoryview(s).ndim else memoryview(s) for s in sections]
+    views = [u8(s).data for s in sections]
     head = _HEAD.pack(_MAGIC, len(views)) + struct.pack(
         f"<{len(views)}Q", *(v.nbytes for v in views)
     )
@@ -184,7 +186,7 @@ def pack_sections(sections: Sequence[Buffer]) -> bytes:
 
 def unpack_sections(blob: Buffer, count: int | None = None) -> list[memoryview]:
     """The sections of a blob made by :func:`pack_sections`; checks magic, count and sizes."""
-    mv = memoryview(u8(blob))
+    mv = u8(blob).data
     if mv.nbytes < _HEAD.size:
         raise CorruptCheckpointError(f"stored piece is too short ({mv.nbytes} bytes)")
     magic, n = _HEAD.unpack_from(mv, 0)

@@ -63,7 +63,7 @@ def chunk_hashes(data: Buffer, chunk: int = DEFAULT_CHUNK) -> bytes:
         raise ConfigError(f"chunk must be a positive multiple of 64, got {chunk}")
     arr = u8(data)
     return b"".join(
-        xxhash.xxh3_128_digest(arr[i : i + chunk]) for i in range(0, arr.nbytes, chunk)
+        xxhash.xxh3_128_digest(arr[i : i + chunk].data) for i in range(0, arr.nbytes, chunk)
     )
 
 
@@ -217,6 +217,6 @@ def decode_chunked(
             pos += hi - lo
         else:
             dst[lo:hi] = b[lo:hi]
-        if xxhash.xxh3_128_digest(dst[lo:hi]) != hashes[i * HASH_SIZE : (i + 1) * HASH_SIZE]:
+        if xxhash.xxh3_128_digest(dst[lo:hi].data) != hashes[i * HASH_SIZE : (i + 1) * HASH_SIZE]:
             where = "stored" if is_new[i] else "base"
             raise CorruptCheckpointError(f"chunk {i} ({where}) does not match its recorded hash")

@@ -99,14 +99,16 @@ def _frame_size(start: int, stop: int, plane: int, itemsize: int) -> int:
     return stop - start if plane < 0 else (stop - start) // itemsize
 
 
-def _compress(arr: U8, itemsize: int, shuffle: bool, level: int, threads: int, segment: int) -> bytes:
+def _compress(
+    arr: U8, itemsize: int, shuffle: bool, level: int, threads: int, segment: int
+) -> bytes:
     def one(frame: tuple[int, int, int]) -> tuple[int, bytes | U8]:
         start, stop, plane = frame
         src = arr[start:stop]
         if plane >= 0:
             # a strided view copied to contiguous: ~2.5 GB/s, far faster than the zstd after it
             src = np.ascontiguousarray(src.reshape(-1, itemsize)[:, plane])
-        z = _compressor(level).compress(src)
+        z = _compressor(level).compress(src.data)
         return (_ZSTD, z) if len(z) < src.nbytes else (_RAW, src)
 
     done = pmap(one, _frames(arr.nbytes, itemsize, shuffle, segment), threads)

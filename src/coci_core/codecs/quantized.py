@@ -175,16 +175,14 @@ class _Parts:
     q: npt.NDArray[np.int8]  # (nblocks * block,)
 
 
-def _reconstruct(
-    ref: U8, parts: _Parts, dtype: str, itemsize: int, block: int, nonneg: bool
-) -> U8:
+def _reconstruct(ref: U8, parts: _Parts, dtype: str, itemsize: int, block: int, nonneg: bool) -> U8:
     n = ref.nbytes // itemsize
     nb = parts.scales.size
     r = _to_work(ref, dtype)
     wdt = r.dtype
-    step = (parts.q.reshape(nb, block).astype(wdt) * parts.scales.astype(wdt)[:, None]).reshape(
-        -1
-    )[:n]
+    step = (parts.q.reshape(nb, block).astype(wdt) * parts.scales.astype(wdt)[:, None]).reshape(-1)[
+        :n
+    ]
     w = r + step
     if nonneg:
         w = np.maximum(w, wdt.type(0))
@@ -223,9 +221,10 @@ def _quantize(
     dd[:n] = d
     blocks = dd.reshape(nb, block)
     mag = np.abs(blocks)
+    pos: npt.NDArray[np.uint16]
     if promote:
-        pos = np.argpartition(mag, block - promote, axis=1)[:, block - promote :]
-        pos = np.sort(pos, axis=1).astype(np.uint16)
+        top = np.argpartition(mag, block - promote, axis=1)[:, block - promote :]
+        pos = np.sort(top, axis=1).astype(np.uint16)
         np.put_along_axis(mag, pos.astype(np.int64), 0, axis=1)
     else:
         pos = np.zeros((nb, 0), np.uint16)
@@ -242,8 +241,9 @@ def _quantize(
     promo_val = np.zeros((flat.size, itemsize), np.uint8)
     promo_val[flat < n] = xv[flat[flat < n]]
     exc_idx = np.flatnonzero(exc).astype(np.uint64)
-    parts = _Parts(scales, pos, promo_val.reshape(-1), exc_idx, xv[exc].reshape(-1).copy(),
-                   q.reshape(-1))
+    parts = _Parts(
+        scales, pos, promo_val.reshape(-1), exc_idx, xv[exc].reshape(-1).copy(), q.reshape(-1)
+    )
     rec = _reconstruct(r_raw, parts, dtype, itemsize, block, nonneg)
     rw = _to_work(rec, dtype)
     bad = np.isfinite(x) & ~np.isfinite(rw)  # overflow at the top of the dtype's range
@@ -396,8 +396,14 @@ def decode_quantized(stored: Buffer, params: Params, out: Buffer, base: Buffer |
     ref = check_base(params, base, n_bytes)
     n = n_bytes // itemsize
     nb = -(-n // block)
-    sizes = [nb * 4, nb * promote * 2, nb * promote * itemsize, nexc * 8, nexc * itemsize,
-             -(-nb * block // (8 // bits))]
+    sizes = [
+        nb * 4,
+        nb * promote * 2,
+        nb * promote * itemsize,
+        nexc * 8,
+        nexc * itemsize,
+        -(-nb * block // (8 // bits)),
+    ]
     inner = p_dict(params, "inner")
     if p_str(inner, "codec") != LOSSLESS or p_int(inner, "nbytes") != 8 + 8 * 6 + sum(sizes):
         raise CorruptCheckpointError("quantized delta's inner stream has the wrong size")
