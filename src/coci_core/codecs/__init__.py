@@ -143,6 +143,8 @@ def decode(
     Raises CorruptCheckpointError on any malformed input; never executes code from data.
     """
     codec = p_str(params, "codec")
+    if codec != "coci.raw/1" and not needs_base(params):
+        base = None  # validates the "base" field, and a stray base is never consulted
     if codec == "coci.raw/1":
         RawCodec().decode(u8(stored).data, writable_u8(out).data)
     elif codec == LOSSLESS:

@@ -165,6 +165,12 @@ def check_base(params: Params, base: Buffer | None, n: int) -> U8:
     return b
 
 
+def check_result(params: Params, out: U8) -> None:
+    """End-to-end check: the decoded bytes hash to what the encoder recorded."""
+    if xxh128(out) != p_str(params, "xxh3"):
+        raise CorruptCheckpointError("decoded piece does not match its recorded hash")
+
+
 def base_fields(base_step: int | None) -> Params:
     out: Params = {"base": True}
     if base_step is not None:

@@ -28,6 +28,7 @@ from coci_core.codecs._common import (
     base_fields,
     check_codec,
     check_out,
+    check_result,
     itemsize_of,
     p_bool,
     p_dict,
@@ -37,6 +38,7 @@ from coci_core.codecs._common import (
     u8,
     unpack_sections,
     writable_u8,
+    xxh128,
 )
 from coci_core.codecs.lossless import LOSSLESS, decode_lossless, encode_lossless
 from coci_core.errors import ConfigError, CorruptCheckpointError
@@ -139,6 +141,7 @@ def encode_chunked(
         **(base_fields(base_step) if use_base else {"base": False}),
         "inner": inner,
         "exact": True,
+        "xxh3": xxh128(arr),
     }
     if use_base:
         assert base_hashes is not None
@@ -175,6 +178,7 @@ def decode_chunked(
     dst = writable_u8(out)
     n = check_out(params, dst)
     chunk = p_int(params, "chunk", lo=64)
+    p_int(params, "itemsize", lo=1, hi=64)
     nchunks = p_int(params, "nchunks")
     if nchunks != -(-n // chunk):
         raise CorruptCheckpointError("chunk count does not match size and chunk length")
@@ -220,3 +224,4 @@ def decode_chunked(
         if xxhash.xxh3_128_digest(dst[lo:hi].data) != hashes[i * HASH_SIZE : (i + 1) * HASH_SIZE]:
             where = "stored" if is_new[i] else "base"
             raise CorruptCheckpointError(f"chunk {i} ({where}) does not match its recorded hash")
+    check_result(params, dst)

@@ -30,6 +30,7 @@ from coci_core.codecs._common import (
     check_base,
     check_codec,
     check_out,
+    check_result,
     itemsize_of,
     p_bool,
     p_int,
@@ -197,6 +198,7 @@ def encode_lossless(
         "segment": segment,
         "base": False,
         "exact": True,
+        "xxh3": xxh128(arr),
     }
     return Encoded(blob, params)
 
@@ -208,6 +210,7 @@ def decode_lossless(stored: Buffer, params: Params, out: Buffer, *, threads: int
     check_out(params, dst)
     itemsize, shuffle, segment = _read_layout(params)
     _decompress(stored, dst, itemsize, shuffle, segment, threads)
+    check_result(params, dst)
 
 
 def encode_xor(
@@ -241,6 +244,7 @@ def encode_xor(
         **base_fields(base_step),
         "base_xxh3": xxh128(b),
         "exact": True,
+        "xxh3": xxh128(arr),
     }
     return Encoded(blob, params)
 
@@ -256,3 +260,4 @@ def decode_xor(
     itemsize, shuffle, segment = _read_layout(params)
     _decompress(stored, dst, itemsize, shuffle, segment, threads)
     np.bitwise_xor(dst, b, out=dst)
+    check_result(params, dst)

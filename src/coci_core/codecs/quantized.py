@@ -40,6 +40,7 @@ from coci_core.codecs._common import (
     check_base,
     check_codec,
     check_out,
+    check_result,
     dtype_name,
     p_bool,
     p_dict,
@@ -367,6 +368,7 @@ def encode_quantized(
         "max_abs_error": max_err,
         "rel_error": rel,
         "generation": state.generation + 1,
+        "xxh3": xxh128(rec),
         "inner": inner.params,
     }
     state._pending = (rec, x.copy(), step)
@@ -428,3 +430,4 @@ def decode_quantized(stored: Buffer, params: Params, out: Buffer, base: Buffer |
         _unpack(np.frombuffer(secs[5], np.uint8), bits, nb * block),
     )
     dst[:] = _reconstruct(ref, parts, name, itemsize, block, p_bool(params, "nonnegative"))
+    check_result(params, dst)
