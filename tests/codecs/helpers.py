@@ -44,6 +44,8 @@ def float_bytes(dtype: str, n: int, seed: int = 0, special: bool = True) -> np.n
 
 def as_float64(raw: np.ndarray, dtype: str) -> np.ndarray:
     """The values of ``raw`` (bytes of ``dtype``) as float64, via torch."""
+    if raw.size == 0:
+        return np.zeros(0)
     t = torch.frombuffer(bytearray(raw.tobytes()), dtype=getattr(torch, dtype))
     return t.to(torch.float64).numpy()
 

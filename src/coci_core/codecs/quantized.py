@@ -184,10 +184,13 @@ def _reconstruct(ref: U8, parts: _Parts, dtype: str, itemsize: int, block: int, 
     step = (parts.q.reshape(nb, block).astype(wdt) * parts.scales.astype(wdt)[:, None]).reshape(-1)[
         :n
     ]
-    w = r + step
-    if nonneg:
-        w = np.maximum(w, wdt.type(0))
-    out = _from_work(w, dtype).copy()
+    # non-finite entries are overwritten from the exceptions below; overflow is detected by
+    # the encoder and turned into exceptions, so these warnings are expected
+    with np.errstate(invalid="ignore", over="ignore"):
+        w = r + step
+        if nonneg:
+            w = np.maximum(w, wdt.type(0))
+        out = _from_work(w, dtype).copy()
     view = out.reshape(n, itemsize) if itemsize else out
     if parts.promo_pos.size:
         flat = (np.arange(nb, dtype=np.int64)[:, None] * block + parts.promo_pos).reshape(-1)
