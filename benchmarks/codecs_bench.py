@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from digits_states import states
 
 from coci_core.codecs.lossless import decode_lossless, decode_xor, encode_lossless, encode_xor
+from coci_core.codecs.quantized import QuantState, decode_quantized, encode_quantized
 
 Arrays = list[np.ndarray]
 
@@ -77,13 +78,15 @@ def main() -> None:
     print(f"state: {len(full)} tensors, {mb:.2f} MB (step 300); load {os.getloadavg()}\n")
     print("| codec | ratio | encode MB/s | decode MB/s |\n|---|---|---|---|")
 
-    for level in (1, 3):
+    for level, low in ((1, None), (1, 1), (3, None)):
         for threads in (1, 2):
+            low_txt = f"{min(level, -1)} (default)" if low is None else str(low)
             print(
                 _row(
-                    f"coci.zstd/1 (zstandard, numpy shuffle) L{level} threads={threads}",
-                    lambda a, b, lv=level, th=threads: encode_lossless(
-                        a, "float32", level=lv, threads=th
+                    f"coci.zstd/1 top plane L{level}, mantissa planes L{low_txt}, "
+                    f"threads={threads}",
+                    lambda a, b, lv=level, lo=low, th=threads: encode_lossless(
+                        a, "float32", level=lv, low_level=lo, threads=th
                     ),
                     lambda s, o, b, th=threads: decode_lossless(s.data, s.params, o, threads=th),
                     lambda s: s.nbytes,
@@ -193,6 +196,25 @@ def main() -> None:
                 reps,
             )
         )
+
+    print("\nQuantized delta (coci.qdelta/1, block 256, 4 promoted per block), whole state:\n")
+    print("| saved every | bits | ratio | rel. L2 error | encode MB/s | decode MB/s |")
+    print("|---|---|---|---|---|---|")
+    for every, (a, b) in {"1 step": (100, 101), "100 steps": (100, 200)}.items():
+        for bits in (8, 4, 2):
+            x, ref = np.concatenate(arrays(b)), np.concatenate(arrays(a))
+            state = QuantState()
+            state.reset(ref)
+            te, enc = _best(
+                lambda x=x, s=state, bt=bits: encode_quantized(x, "float32", s, bits=bt), 3
+            )
+            out = np.empty_like(x)
+            td, _ = _best(lambda e=enc, o=out, r=ref: decode_quantized(e.data, e.params, o, r), 3)
+            print(
+                f"| {every} | {bits} | {x.nbytes / enc.nbytes:.1f} | "
+                f"{enc.params['rel_error']:.1e} | {x.nbytes / te / 1e6:.0f} | "
+                f"{x.nbytes / td / 1e6:.0f} |"
+            )
 
     print("\nChunk hashes (64 KiB chunks) over the whole state, MB/s:\n")
     import crc32c

@@ -204,7 +204,7 @@ def test_bad_params_raise(name: str) -> None:
     for key in enc.params:
         broken = dict(enc.params)
         del broken[key]
-        if key in ("base_step", "base_root", "level", "exact"):  # informational fields
+        if key in ("base_step", "base_root", "level", "low_level", "exact"):  # informational fields
             continue
         with pytest.raises(CorruptCheckpointError):
             decode(enc.data, broken, out, b)
