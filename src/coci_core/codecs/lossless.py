@@ -242,9 +242,12 @@ def encode_xor(
     """XOR with ``base`` (the same piece in an earlier checkpoint), then shuffle + zstd. Exact.
 
     Bits that did not change become zeros, so the sign/exponent planes compress to almost
-    nothing. The base's XXH3-128 is recorded: decoding against another base is an error.
+    nothing. ``low_level`` defaults to ``level`` here (measured: a fast level on the mantissa
+    planes costs 6% of the ratio on XOR deltas). The base's XXH3-128 is recorded: decoding
+    against another base is an error.
     """
-    levels = (level, min(level, -1) if low_level is None else low_level)
+    # XOR zeroes the unchanged high mantissa bits too: those planes are worth a real level
+    levels = (level, level if low_level is None else low_level)
     itemsize, shuffle = _layout(dtype, shuffle, levels, threads, segment)
     arr, b = u8(data), u8(base)
     if arr.nbytes != b.nbytes:
