@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -34,6 +36,7 @@ def _encode_decode(
     state = QuantState()
     state.reset(base, step=5)
     enc = encode_quantized(x, dtype, state, **kw)  # type: ignore[arg-type]
+    assert json.loads(json.dumps(enc.params, allow_nan=False)) == enc.params
     out = np.empty_like(x)
     decode(enc.data, enc.params, out, base)
     return out, enc.params
@@ -237,7 +240,7 @@ def test_corruption_is_detected() -> None:
 @given(
     dtype=st.sampled_from(FLOATS),
     n=st.integers(min_value=0, max_value=3000),
-    scale=st.sampled_from([0.0, 1e-6, 1e-3, 1.0, 1e4]),
+    scale=st.sampled_from([0.0, 1e-6, 1e-3, 1.0, 1e4, 1e300]),
     bits=st.sampled_from([2, 4, 8]),
     block=st.sampled_from([16, 256, 4096]),
     promote=st.integers(min_value=0, max_value=8),
@@ -262,3 +265,17 @@ def test_bfloat16_rounding_matches_torch() -> None:
     same = ours == theirs
     assert same[4:].all() and same[1:4].all()
     assert np.isnan(_to_work(ours.view(np.uint8)[:2], "bfloat16")[0])
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_real_digits_deltas_in_every_float_dtype(digits: States, dtype: str) -> None:
+    def cast(a: np.ndarray) -> np.ndarray:
+        t = torch.from_numpy(a.reshape(-1)).to(getattr(torch, dtype))
+        return t.view(torch.uint8).numpy().copy()
+
+    for key in ("model.5.weight", "optim.5.weight.exp_avg", "optim.5.weight.exp_avg_sq"):
+        base, x = cast(digits[10][key]), cast(digits[20][key])
+        for bits in (2, 8):
+            out, params = _encode_decode(x, base, dtype, bits=bits, nonnegative=key.endswith("sq"))
+            assert _max_err(x, out, dtype) <= params["max_abs_error"]
+            assert params["rel_error"] < (0.5 if bits == 2 else 0.05), (key, bits)

@@ -4,8 +4,8 @@ The delta between the piece and its *reconstruction* in the previous checkpoint 
 of that checkpoint produces, kept in a :class:`QuantState` by the caller) is cut into blocks of
 ``block`` values. In each block the ``promote`` largest |delta| are kept exactly (priority
 promotion, as in LC-Checkpoint), the rest are quantized symmetrically to ``bits`` (8, 4 or 2)
-with one float32 scale per block, then the whole is zstd-compressed (zstd's entropy stage stands
-in for LC-Checkpoint's Huffman code).
+with one float32 scale per block (float64 for float64 pieces), then the whole is
+zstd-compressed (zstd's entropy stage stands in for LC-Checkpoint's Huffman code).
 
 Error feedback: because the delta is taken against the previous *reconstruction*, the
 quantization residual of one save is part of the next save's delta, so errors do not add up
@@ -140,6 +140,10 @@ def _float_dtype(dtype: str | torch.dtype) -> tuple[str, int]:
 # --- the shared reconstruction (encoder simulates exactly what the decoder does) ---------
 
 
+def _scale_dtype(dtype: str) -> str:
+    return "<f8" if dtype == "float64" else "<f4"
+
+
 def _qmax(bits: int) -> int:
     return (1 << (bits - 1)) - 1
 
@@ -168,7 +172,7 @@ def _unpack(packed: U8, bits: int, count: int) -> npt.NDArray[np.int8]:
 
 @dataclass
 class _Parts:
-    scales: npt.NDArray[np.float32]  # (nblocks,)
+    scales: Work  # (nblocks,) float32, or float64 for float64 pieces (deltas beyond float32)
     promo_pos: npt.NDArray[np.uint16]  # (nblocks, promote) positions within the block
     promo_val: U8  # (nblocks * promote * itemsize) exact bytes; padding positions hold zeros
     exc_idx: npt.NDArray[np.uint64]  # indices stored exactly (non-finite values and bases)
@@ -233,7 +237,7 @@ def _quantize(
     else:
         pos = np.zeros((nb, 0), np.uint16)
     qm = _qmax(bits)
-    scales = (mag.max(axis=1, initial=0) / qm).astype(np.float32)
+    scales = (mag.max(axis=1, initial=0) / qm).astype(_scale_dtype(dtype))
     sc = scales.astype(d.dtype)[:, None]
     with np.errstate(invalid="ignore", divide="ignore"):
         q = np.where(sc > 0, np.rint(blocks / np.where(sc > 0, sc, 1)), 0)
@@ -259,8 +263,12 @@ def _quantize(
     fin = np.isfinite(x)
     err = np.abs(x[fin].astype(np.float64) - rw[fin].astype(np.float64))
     max_err = float(err.max(initial=0.0))
-    norm = float(np.linalg.norm(x[fin].astype(np.float64)))
-    rel = float(np.linalg.norm(err)) / norm if norm > 0 else (0.0 if max_err == 0 else 1.0)
+    xf = np.abs(x[fin].astype(np.float64))
+    peak = float(xf.max(initial=0.0))
+    if peak > 0:  # scaled, so that float64 values near the top of the range do not overflow
+        rel = float(np.linalg.norm(err / peak)) / float(np.linalg.norm(xf / peak))
+    else:
+        rel = 0.0 if max_err == 0 else 1.0
     return parts, rec, max_err, rel
 
 
@@ -346,7 +354,7 @@ def encode_quantized(
     )
     blob = pack_sections(
         [
-            parts.scales.astype("<f4"),
+            parts.scales.astype(_scale_dtype(name)),
             parts.promo_pos.astype("<u2"),
             parts.promo_val,
             parts.exc_idx.astype("<u8"),
@@ -402,7 +410,7 @@ def decode_quantized(stored: Buffer, params: Params, out: Buffer, base: Buffer |
     n = n_bytes // itemsize
     nb = -(-n // block)
     sizes = [
-        nb * 4,
+        nb * np.dtype(_scale_dtype(name)).itemsize,
         nb * promote * 2,
         nb * promote * itemsize,
         nexc * 8,
@@ -421,7 +429,7 @@ def decode_quantized(stored: Buffer, params: Params, out: Buffer, base: Buffer |
     exc_idx = np.frombuffer(secs[3], "<u8")
     if (pos.size and int(pos.max()) >= block) or (exc_idx.size and int(exc_idx.max()) >= n):
         raise CorruptCheckpointError("quantized delta has out-of-range indices")
-    scales = np.frombuffer(secs[0], "<f4").astype(np.float32)
+    scales = np.frombuffer(secs[0], _scale_dtype(name)).astype(_scale_dtype(name))
     if not np.all(np.isfinite(scales)):
         raise CorruptCheckpointError("quantized delta has non-finite scales")
     parts = _Parts(
