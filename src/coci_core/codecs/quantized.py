@@ -1,0 +1,444 @@
+"""Quantized delta (``coci.qdelta/1``): lossy, opt-in, with a recorded error bound.
+
+The delta between the piece and its *reconstruction* in the previous checkpoint (what a restore
+of that checkpoint produces, kept in a :class:`QuantState` by the caller) is cut into blocks of
+``block`` values. In each block the ``promote`` largest |delta| are kept exactly (priority
+promotion, as in LC-Checkpoint), the rest are quantized symmetrically to ``bits`` (8, 4 or 2)
+with one float32 scale per block (float64 for float64 pieces), then the whole is
+zstd-compressed (zstd's entropy stage stands in for LC-Checkpoint's Huffman code).
+
+Error feedback: because the delta is taken against the previous *reconstruction*, the
+quantization residual of one save is part of the next save's delta, so errors do not add up
+over a chain; each save's error is that save's quantization error alone. (With
+``QuantState(error_feedback=False)`` the delta is taken against the true previous values and
+errors accumulate: kept to show the difference.)
+
+Non-finite values (in the piece or its base) are stored exactly. ``max_abs_error`` in the
+parameters is the measured maximum |original - decoded| (computed from the same reconstruction
+the decoder performs, so a decode never exceeds it); ``rel_error`` is
+||original - decoded||_2 / ||original||_2. Bits may be chosen per tensor (``bits="auto"``): the
+fewest bits whose ``rel_error`` stays under ``target`` (Inshrinkerator's idea of per-tensor
+precision from measured sensitivity, with the reconstruction error as the measure).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from coci_core.codecs._common import (
+    FLOAT_DTYPES,
+    U8,
+    Buffer,
+    Encoded,
+    Params,
+    base_fields,
+    check_base,
+    check_codec,
+    check_out,
+    check_result,
+    dtype_name,
+    p_bool,
+    p_dict,
+    p_int,
+    p_str,
+    pack_sections,
+    u8,
+    unpack_sections,
+    writable_u8,
+    xxh128,
+)
+from coci_core.codecs.lossless import LOSSLESS, decode_lossless, encode_lossless
+from coci_core.errors import ConfigError, CorruptCheckpointError
+
+__all__ = [
+    "QDELTA",
+    "QuantState",
+    "choose_bits",
+    "decode_quantized",
+    "encode_quantized",
+]
+
+QDELTA = "coci.qdelta/1"
+BITS = (2, 4, 8)
+Work = npt.NDArray[Any]  # float32 (float16/bfloat16/float32 pieces) or float64
+
+
+@dataclass
+class QuantState:
+    """What the caller keeps per piece between lossy saves (one copy of the piece's bytes).
+
+    ``reset(data, step)`` after the piece was saved losslessly (a new base); ``encode_quantized``
+    computes the new reconstruction and holds it as pending; ``commit()`` once that checkpoint
+    is durable makes it the reference for the next save (skip it if the save failed: the next
+    delta is then taken against the last durable one).
+    """
+
+    error_feedback: bool = True
+    ref: U8 | None = field(default=None, repr=False)
+    ref_step: int | None = None
+    generation: int = 0  # lossy saves since the last lossless base
+    _prev: U8 | None = field(default=None, repr=False)
+    _pending: tuple[U8, U8, int | None] | None = field(default=None, repr=False)
+
+    def reset(self, data: Buffer, step: int | None = None) -> None:
+        """The piece was stored exactly (at ``step``): it is the reference from now on."""
+        self.ref = u8(data).copy()
+        self._prev = self.ref if not self.error_feedback else None
+        self.ref_step = step
+        self.generation = 0
+        self._pending = None
+
+    def commit(self) -> None:
+        """The last encoded save is durable: its reconstruction is the next reference."""
+        if self._pending is None:
+            raise ConfigError("nothing to commit: no quantized encode since the last commit")
+        self.ref, prev, self.ref_step = self._pending
+        if not self.error_feedback:
+            self._prev = prev
+        self.generation += 1
+        self._pending = None
+
+
+# --- float views ------------------------------------------------------------------------
+
+
+def _to_work(raw: U8, dtype: str) -> Work:
+    if dtype == "float16":
+        return raw.view(np.float16).astype(np.float32)
+    if dtype == "bfloat16":
+        return (raw.view("<u2").astype(np.uint32) << 16).view(np.float32)
+    if dtype == "float32":
+        return raw.view("<f4").astype(np.float32)
+    return raw.view("<f8").astype(np.float64)
+
+
+def _from_work(w: Work, dtype: str) -> U8:
+    if dtype == "float16":
+        return w.astype(np.float16).view(np.uint8)
+    if dtype == "bfloat16":
+        u = w.astype(np.float32).view(np.uint32)
+        # round to nearest even on the 16 dropped bits; NaNs stay (quiet) NaNs
+        r = ((u + np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))) >> 16).astype("<u2")
+        nan = (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+        r[nan] = ((u[nan] >> 16) | np.uint32(0x40)).astype("<u2")
+        return r.view(np.uint8)
+    return w.astype("<f4" if dtype == "float32" else "<f8").view(np.uint8)
+
+
+def _float_dtype(dtype: str | torch.dtype) -> tuple[str, int]:
+    name = dtype_name(dtype)
+    if name not in FLOAT_DTYPES:
+        raise ConfigError(f"quantized delta needs a float dtype, got {name!r}")
+    return name, FLOAT_DTYPES[name]
+
+
+# --- the shared reconstruction (encoder simulates exactly what the decoder does) ---------
+
+
+def _scale_dtype(dtype: str) -> str:
+    return "<f8" if dtype == "float64" else "<f4"
+
+
+def _qmax(bits: int) -> int:
+    return (1 << (bits - 1)) - 1
+
+
+def _pack(q: npt.NDArray[np.int8], bits: int) -> U8:
+    u = (q.astype(np.int16) + _qmax(bits)).astype(np.uint8)
+    per = 8 // bits
+    u = np.concatenate([u, np.zeros(-u.size % per, np.uint8)]).reshape(-1, per)
+    out = np.zeros(u.shape[0], np.uint8)
+    for j in range(per):
+        out |= u[:, j] << np.uint8(j * bits)
+    return out
+
+
+def _unpack(packed: U8, bits: int, count: int) -> npt.NDArray[np.int8]:
+    per = 8 // bits
+    mask = np.uint8((1 << bits) - 1)
+    u = np.empty((packed.size, per), np.uint8)
+    for j in range(per):
+        u[:, j] = (packed >> np.uint8(j * bits)) & mask
+    q = u.reshape(-1)[:count].astype(np.int16) - _qmax(bits)
+    if q.size and (q.min() < -_qmax(bits) or q.max() > _qmax(bits)):
+        raise CorruptCheckpointError("quantized values out of range")
+    return q.astype(np.int8)
+
+
+@dataclass
+class _Parts:
+    scales: Work  # (nblocks,) float32, or float64 for float64 pieces (deltas beyond float32)
+    promo_pos: npt.NDArray[np.uint16]  # (nblocks, promote) positions within the block
+    promo_val: U8  # (nblocks * promote * itemsize) exact bytes; padding positions hold zeros
+    exc_idx: npt.NDArray[np.uint64]  # indices stored exactly (non-finite values and bases)
+    exc_val: U8
+    q: npt.NDArray[np.int8]  # (nblocks * block,)
+
+
+def _reconstruct(ref: U8, parts: _Parts, dtype: str, itemsize: int, block: int, nonneg: bool) -> U8:
+    n = ref.nbytes // itemsize
+    nb = parts.scales.size
+    r = _to_work(ref, dtype)
+    wdt = r.dtype
+    step = (parts.q.reshape(nb, block).astype(wdt) * parts.scales.astype(wdt)[:, None]).reshape(-1)[
+        :n
+    ]
+    # non-finite entries are overwritten from the exceptions below; overflow is detected by
+    # the encoder and turned into exceptions, so these warnings are expected
+    with np.errstate(invalid="ignore", over="ignore"):
+        w = r + step
+        if nonneg:
+            w = np.maximum(w, wdt.type(0))
+        out = _from_work(w, dtype).copy()
+    view = out.reshape(n, itemsize) if itemsize else out
+    if parts.promo_pos.size:
+        flat = (np.arange(nb, dtype=np.int64)[:, None] * block + parts.promo_pos).reshape(-1)
+        keep = flat < n
+        vals = parts.promo_val.reshape(-1, itemsize)
+        view[flat[keep]] = vals[keep]
+    if parts.exc_idx.size:
+        view[parts.exc_idx.astype(np.int64)] = parts.exc_val.reshape(-1, itemsize)
+    return out
+
+
+def _quantize(
+    x_raw: U8,
+    p_raw: U8,
+    r_raw: U8,
+    dtype: str,
+    itemsize: int,
+    bits: int,
+    block: int,
+    promote: int,
+    nonneg: bool,
+) -> tuple[_Parts, U8, float, float]:
+    """Parts, reconstruction, max abs error, relative L2 error of one quantized delta."""
+    n = x_raw.nbytes // itemsize
+    x, p, r = _to_work(x_raw, dtype), _to_work(p_raw, dtype), _to_work(r_raw, dtype)
+    with np.errstate(invalid="ignore", over="ignore"):
+        d = x - p
+    exc = ~(np.isfinite(x) & np.isfinite(r) & np.isfinite(d))
+    d[exc] = 0
+    nb = -(-n // block)
+    dd = np.zeros(nb * block, d.dtype)
+    dd[:n] = d
+    blocks = dd.reshape(nb, block)
+    mag = np.abs(blocks)
+    pos: npt.NDArray[np.uint16]
+    if promote:
+        top = np.argpartition(mag, block - promote, axis=1)[:, block - promote :]
+        pos = np.sort(top, axis=1).astype(np.uint16)
+        np.put_along_axis(mag, pos.astype(np.int64), 0, axis=1)
+    else:
+        pos = np.zeros((nb, 0), np.uint16)
+    qm = _qmax(bits)
+    scales = (mag.max(axis=1, initial=0) / qm).astype(_scale_dtype(dtype))
+    sc = scales.astype(d.dtype)[:, None]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        q = np.where(sc > 0, np.rint(blocks / np.where(sc > 0, sc, 1)), 0)
+    q = np.clip(q, -qm, qm).astype(np.int8)
+    if promote:
+        np.put_along_axis(q, pos.astype(np.int64), 0, axis=1)
+    xv = x_raw.reshape(n, itemsize)
+    flat = (np.arange(nb, dtype=np.int64)[:, None] * block + pos).reshape(-1)
+    promo_val = np.zeros((flat.size, itemsize), np.uint8)
+    promo_val[flat < n] = xv[flat[flat < n]]
+    exc_idx = np.flatnonzero(exc).astype(np.uint64)
+    parts = _Parts(
+        scales, pos, promo_val.reshape(-1), exc_idx, xv[exc].reshape(-1).copy(), q.reshape(-1)
+    )
+    rec = _reconstruct(r_raw, parts, dtype, itemsize, block, nonneg)
+    rw = _to_work(rec, dtype)
+    bad = np.isfinite(x) & ~np.isfinite(rw)  # overflow at the top of the dtype's range
+    if bad.any():
+        parts.exc_idx = np.flatnonzero(exc | bad).astype(np.uint64)
+        parts.exc_val = xv[exc | bad].reshape(-1).copy()
+        rec = _reconstruct(r_raw, parts, dtype, itemsize, block, nonneg)
+        rw = _to_work(rec, dtype)
+    fin = np.isfinite(x)
+    err = np.abs(x[fin].astype(np.float64) - rw[fin].astype(np.float64))
+    max_err = float(err.max(initial=0.0))
+    xf = np.abs(x[fin].astype(np.float64))
+    peak = float(xf.max(initial=0.0))
+    if peak > 0:  # scaled, so that float64 values near the top of the range do not overflow
+        rel = float(np.linalg.norm(err / peak)) / float(np.linalg.norm(xf / peak))
+    else:
+        rel = 0.0 if max_err == 0 else 1.0
+    return parts, rec, max_err, rel
+
+
+def _check_args(bits: int, block: int, promote: int) -> None:
+    if bits not in BITS:
+        raise ConfigError(f"bits must be one of {BITS}, got {bits}")
+    if not 1 <= block <= 65536:
+        raise ConfigError(f"block must be in [1, 65536], got {block}")
+    if not 0 <= promote < block:
+        raise ConfigError(f"promote must be in [0, block), got {promote}")
+
+
+def _inputs(data: Buffer, dtype: str | torch.dtype, state: QuantState) -> tuple[U8, str, int]:
+    name, itemsize = _float_dtype(dtype)
+    x = u8(data)
+    if x.nbytes % itemsize:
+        raise ConfigError(f"a {name} piece must be a whole number of elements")
+    if state.ref is None:
+        raise ConfigError("QuantState has no reference: save the piece losslessly, then reset()")
+    if state.ref.nbytes != x.nbytes:
+        raise ConfigError(f"piece has {x.nbytes} bytes, its reference {state.ref.nbytes}")
+    return x, name, itemsize
+
+
+def choose_bits(
+    data: Buffer,
+    dtype: str | torch.dtype,
+    state: QuantState,
+    *,
+    target: float = 1e-3,
+    candidates: tuple[int, ...] = BITS,
+    block: int = 256,
+    promote: int = 4,
+    nonnegative: bool = False,
+) -> int:
+    """The fewest bits in ``candidates`` whose relative L2 reconstruction error is <= ``target``.
+
+    Quantizes the delta once per candidate (cheap next to a save's I/O); the largest candidate
+    when none meets the target.
+    """
+    x, name, itemsize = _inputs(data, dtype, state)
+    assert state.ref is not None
+    prev = state.ref if state.error_feedback or state._prev is None else state._prev
+    for bits in sorted(candidates):
+        _check_args(bits, block, promote)
+        *_, rel = _quantize(x, prev, state.ref, name, itemsize, bits, block, promote, nonnegative)
+        if rel <= target:
+            return bits
+    return max(candidates)
+
+
+def encode_quantized(
+    data: Buffer,
+    dtype: str | torch.dtype,
+    state: QuantState,
+    *,
+    bits: int | Literal["auto"] = 8,
+    block: int = 256,
+    promote: int = 4,
+    target: float = 1e-3,
+    nonnegative: bool = False,
+    level: int = 3,
+    step: int | None = None,
+) -> Encoded:
+    """Lossy delta of ``data`` against ``state.ref``; then call ``state.commit()`` once durable.
+
+    ``promote`` values per block are kept exactly; ``nonnegative`` clamps the reconstruction at
+    zero (for values that are never negative, e.g. Adam's ``exp_avg_sq``, where a small negative
+    error would make a NaN). Parameters record ``bits``, ``max_abs_error``, ``rel_error``,
+    ``generation`` (lossy saves since the lossless base, this one included) and the base
+    (``base_step`` is ``state.ref_step``; ``step``, this save's step, becomes it on commit).
+    """
+    x, name, itemsize = _inputs(data, dtype, state)
+    assert state.ref is not None
+    if bits == "auto":
+        bits = choose_bits(
+            x, name, state, target=target, block=block, promote=promote, nonnegative=nonnegative
+        )
+    _check_args(bits, block, promote)
+    prev = state.ref if state.error_feedback or state._prev is None else state._prev
+    parts, rec, max_err, rel = _quantize(
+        x, prev, state.ref, name, itemsize, bits, block, promote, nonnegative
+    )
+    blob = pack_sections(
+        [
+            parts.scales.astype(_scale_dtype(name)),
+            parts.promo_pos.astype("<u2"),
+            parts.promo_val,
+            parts.exc_idx.astype("<u8"),
+            parts.exc_val,
+            _pack(parts.q, bits),
+        ]
+    )
+    inner = encode_lossless(np.frombuffer(blob, np.uint8), "uint8", level=level)
+    params: Params = {
+        "codec": QDELTA,
+        "nbytes": x.nbytes,
+        "itemsize": itemsize,
+        "dtype": name,
+        "bits": bits,
+        "block": block,
+        "promote": promote,
+        "nonnegative": nonnegative,
+        "exceptions": int(parts.exc_idx.size),
+        **base_fields(state.ref_step),
+        "base_xxh3": xxh128(state.ref),
+        "exact": False,
+        "max_abs_error": max_err,
+        "rel_error": rel,
+        "generation": state.generation + 1,
+        "xxh3": xxh128(rec),
+        "inner": inner.params,
+    }
+    state._pending = (rec, x.copy(), step)
+    return Encoded(inner.data, params)
+
+
+def decode_quantized(stored: Buffer, params: Params, out: Buffer, base: Buffer | None) -> None:
+    """Write the reconstruction into ``out``; ``base`` is the previous checkpoint's decoded piece.
+
+    The result differs from the original by at most ``params["max_abs_error"]`` per value.
+    """
+    check_codec(params, QDELTA)
+    dst = writable_u8(out)
+    n_bytes = check_out(params, dst)
+    name = p_str(params, "dtype")
+    if name not in FLOAT_DTYPES or p_int(params, "itemsize") != FLOAT_DTYPES[name]:
+        raise CorruptCheckpointError(f"bad dtype/itemsize for a quantized delta: {name!r}")
+    itemsize = FLOAT_DTYPES[name]
+    bits, block, promote = p_int(params, "bits"), p_int(params, "block"), p_int(params, "promote")
+    nexc = p_int(params, "exceptions")
+    try:
+        _check_args(bits, block, promote)
+    except ConfigError as e:
+        raise CorruptCheckpointError(str(e)) from None
+    if n_bytes % itemsize or nexc > n_bytes // itemsize:
+        raise CorruptCheckpointError("quantized delta has inconsistent sizes")
+    ref = check_base(params, base, n_bytes)
+    n = n_bytes // itemsize
+    nb = -(-n // block)
+    sizes = [
+        nb * np.dtype(_scale_dtype(name)).itemsize,
+        nb * promote * 2,
+        nb * promote * itemsize,
+        nexc * 8,
+        nexc * itemsize,
+        -(-nb * block // (8 // bits)),
+    ]
+    inner = p_dict(params, "inner")
+    if p_str(inner, "codec") != LOSSLESS or p_int(inner, "nbytes") != 8 + 8 * 6 + sum(sizes):
+        raise CorruptCheckpointError("quantized delta's inner stream has the wrong size")
+    blob = np.empty(8 + 8 * 6 + sum(sizes), np.uint8)
+    decode_lossless(stored, inner, blob)
+    secs = unpack_sections(blob, 6)
+    if [s.nbytes for s in secs] != sizes:
+        raise CorruptCheckpointError("quantized delta's sections have the wrong sizes")
+    pos = np.frombuffer(secs[1], "<u2").reshape(nb, promote)
+    exc_idx = np.frombuffer(secs[3], "<u8")
+    if (pos.size and int(pos.max()) >= block) or (exc_idx.size and int(exc_idx.max()) >= n):
+        raise CorruptCheckpointError("quantized delta has out-of-range indices")
+    scales = np.frombuffer(secs[0], _scale_dtype(name)).astype(_scale_dtype(name))
+    if not np.all(np.isfinite(scales)):
+        raise CorruptCheckpointError("quantized delta has non-finite scales")
+    parts = _Parts(
+        scales,
+        pos.astype(np.uint16),
+        np.frombuffer(secs[2], np.uint8),
+        exc_idx.astype(np.uint64),
+        np.frombuffer(secs[4], np.uint8),
+        _unpack(np.frombuffer(secs[5], np.uint8), bits, nb * block),
+    )
+    dst[:] = _reconstruct(ref, parts, name, itemsize, block, p_bool(params, "nonnegative"))
+    check_result(params, dst)

@@ -1,0 +1,113 @@
+"""Which codec for which tensor, and whether compressing pays off in time to durable.
+
+Pure functions: the writer measures, these decide.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from coci_core.codecs._common import FLOAT_DTYPES, dtype_name
+from coci_core.codecs.chunked import CHUNKS
+from coci_core.codecs.lossless import LOSSLESS, XOR
+from coci_core.codecs.quantized import QDELTA
+from coci_core.errors import ConfigError
+
+__all__ = ["RAW", "BaseAvailable", "Mode", "choose_codec", "compression_pays", "time_to_durable"]
+
+RAW = "coci.raw/1"
+Mode = Literal["none", "lossless", "lossy", "auto"]
+BaseAvailable = Literal["none", "hashes", "bytes", "reference"]
+MODES = ("none", "lossless", "lossy", "auto")
+
+# Below this, zstd's frame overhead eats the gain (measured: tensors under ~1 KiB grow).
+MIN_BYTES = 4096
+
+
+def time_to_durable(
+    nbytes: int,
+    *,
+    write_mbps: float,
+    encode_mbps: float | None = None,
+    ratio: float = 1.0,
+    pipelined: bool = False,
+) -> float:
+    """Seconds to encode and write ``nbytes`` (``encode_mbps=None``: written raw).
+
+    Not pipelined (the writer encodes a piece, then writes it, in one thread: coci's writer
+    today) the times add: ``n/encode + n/ratio/write``. Pipelined (piece i+1 encoded while piece i
+    is written) the slower stage dominates: ``max(n/encode, n/ratio/write)``. MB/s are 1e6 B/s.
+    """
+    if write_mbps <= 0 or ratio <= 0 or (encode_mbps is not None and encode_mbps <= 0):
+        raise ConfigError("speeds and ratio must be positive")
+    write = nbytes / (write_mbps * 1e6)
+    if encode_mbps is None:
+        return write
+    enc = nbytes / (encode_mbps * 1e6)
+    return max(enc, write / ratio) if pipelined else enc + write / ratio
+
+
+def compression_pays(
+    *,
+    encode_mbps: float,
+    ratio: float,
+    write_mbps: float,
+    pipelined: bool = False,
+    margin: float = 0.05,
+) -> bool:
+    """Whether compressing shortens the time to durable by more than ``margin`` (a fraction).
+
+    Size-independent (both times are proportional to the bytes). ``margin`` keeps ``"auto"``
+    from switching on noise: compression must win by 5% by default.
+    """
+    raw = time_to_durable(1_000_000, write_mbps=write_mbps)
+    comp = time_to_durable(
+        1_000_000, write_mbps=write_mbps, encode_mbps=encode_mbps, ratio=ratio, pipelined=pipelined
+    )
+    return comp < raw * (1.0 - margin)
+
+
+def choose_codec(
+    dtype: str | torch.dtype,
+    nbytes: int,
+    mode: Mode,
+    *,
+    base: BaseAvailable = "none",
+    compress_pays: bool = True,
+    min_bytes: int = MIN_BYTES,
+) -> str:
+    """The codec name for one tensor piece.
+
+    ``base`` says what the caller has of the same piece in the previous checkpoint: nothing,
+    its chunk hashes (``coci.chunks/1`` possible), its bytes (``coci.xor-zstd/1`` possible) or a
+    lossy reference (a :class:`QuantState` that was reset: ``coci.qdelta/1`` possible; it also
+    means the bytes are available). ``compress_pays`` is :func:`compression_pays`'s verdict,
+    used by ``"auto"`` only.
+
+    - ``"none"``: raw. Pieces under ``min_bytes``: raw in every mode.
+    - ``"lossless"``: float dtypes: XOR delta with base bytes, else shuffle + zstd (with hashes
+      only: chunk-incremental with zstd inside). Other dtypes: chunk-incremental with hashes,
+      else plain zstd (an XOR of integers compresses no better than the chunks).
+    - ``"lossy"``: float dtypes with a reference: quantized delta; else as ``"lossless"``.
+    - ``"auto"``: as ``"lossless"`` when it pays, else chunk-incremental when hashes are known
+      (hashing is ~20 GB/s, it only ever removes bytes; call it with ``compress=False``), else
+      raw.
+    """
+    if mode not in MODES:
+        raise ConfigError(f"compression must be one of {MODES}, got {mode!r}")
+    if nbytes < 0:
+        raise ConfigError("nbytes must be >= 0")
+    is_float = dtype_name(dtype) in FLOAT_DTYPES
+    if mode == "none" or nbytes < min_bytes:
+        return RAW
+    if mode == "lossy" and is_float and base == "reference":
+        return QDELTA
+    if mode == "auto" and not compress_pays:
+        return CHUNKS if base == "hashes" else RAW
+    if is_float and base in ("bytes", "reference"):
+        return XOR
+    if base == "hashes":
+        return CHUNKS
+    return LOSSLESS
