@@ -88,6 +88,7 @@ class CociCheckpointer:
             objective=objective,
             mtbf_s=mtbf_s,
             keep_last=keep_last,
+            compression=compression,
             block=block,
             planner_options=options,
             rank=accelerator.process_index,

@@ -29,7 +29,7 @@ __all__ = ["COMPRESSION_MODES", "Checkpointer"]
 
 logger = logging.getLogger(__name__)
 
-COMPRESSION_MODES = ("none",)
+COMPRESSION_MODES = ("none", "lossless", "lossy", "auto")
 _MAX_CHECKPOINTS_COSTED = 500  # about 0.25 s of the telemetry thread
 
 
@@ -37,10 +37,7 @@ def check_compression(compression: str | None) -> str:
     """The compression mode, or a ConfigError saying which modes this version has."""
     mode = "none" if compression is None else compression
     if mode not in COMPRESSION_MODES:
-        raise ConfigError(
-            f"'compression' must be one of {COMPRESSION_MODES} in this version of coci: "
-            f"{compression!r}"
-        )
+        raise ConfigError(f"'compression' must be one of {COMPRESSION_MODES}: {compression!r}")
     return mode
 
 
@@ -87,7 +84,8 @@ class Checkpointer:
         mtbf_s: mean time between failures of one node in seconds; None estimates it from the
             run's own restarts with a documented default.
         keep_last: committed checkpoints to keep.
-        compression: ``"none"`` (the only mode in this version).
+        compression: ``"none"`` (default), ``"lossless"``, ``"lossy"`` or ``"auto"`` (see
+            docs/compression.md; knobs through ``manager_options["compression_options"]``).
         block: snapshot synchronously (True) or overlap the copy with the next forward and
             backward pass until ``before_update`` (False, the default).
         listeners: telemetry listeners for every save and restore event.
@@ -143,6 +141,7 @@ class Checkpointer:
         self.manager = CheckpointManager(
             directory,
             keep_last=keep_last,
+            compression=self.compression,
             listeners=[self._on_event],
             **dict(manager_options or {}),
         )

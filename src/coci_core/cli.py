@@ -25,16 +25,33 @@ def _ls(args: argparse.Namespace) -> int:
     if not steps:
         print(f"no committed checkpoints in {storage.url}")
         return 1
-    print(f"{'step':>10}  {'size':>12}  {'tensors':>7}  {'created':<19}  codec")
+    print(f"{'step':>10}  {'size':>12}  {'ratio':>6}  {'tensors':>7}  {'created':<19}  codec")
     for step in steps:
         try:
             m = read_manifest(storage, step)
         except CorruptCheckpointError as e:
             print(f"{step:>10}  damaged manifest: {e}")
             continue
-        codecs = ",".join(sorted({t.codec for t in m.tensors})) or "-"
+        codecs = (
+            ",".join(
+                sorted(
+                    {
+                        str(p.params["codec"]) if p.params else t.codec
+                        for t in m.tensors
+                        for p in t.pieces
+                    }
+                )
+            )
+            or "-"
+        )
+        raw = sum(t.raw_nbytes for t in m.tensors)
+        ratio = f"{raw / m.nbytes:.2f}x" if m.nbytes else "-"
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.created_unix))
-        print(f"{step:>10}  {_size(m.nbytes):>12}  {len(m.tensors):>7}  {created}  {codecs}")
+        bases = f"  (delta of {', '.join(map(str, m.bases))})" if m.bases else ""
+        print(
+            f"{step:>10}  {_size(m.nbytes):>12}  {ratio:>6}  {len(m.tensors):>7}  {created}  "
+            f"{codecs}{bases}"
+        )
     return 0
 
 

@@ -12,6 +12,7 @@ import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
+from coci_core.compress import CompressionPolicy, PieceEncoder, check_policy
 from coci_core.errors import (
     BackgroundSaveError,
     CheckpointError,
@@ -135,6 +136,11 @@ class CheckpointManager:
             its share of the (replicated) state, rank 0 commits once every rank succeeded,
             and only rank 0 deletes old checkpoints. Default: this process alone.
         chunk_bytes: the unit in which the state is split over ranks (a multiple of 64).
+        compression: ``"none"`` (default), ``"lossless"``, ``"lossy"`` (opt-in, bounded error)
+            or ``"auto"`` (compress where it shortens the time to durable); or a
+            :class:`~coci_core.compress.CompressionPolicy`. See docs/compression.md.
+        compression_options: knobs of :class:`~coci_core.compress.CompressionPolicy`
+            (``full_every``, ``max_lossy_generations``, ``lossy_bits``, ...).
     """
 
     def __init__(
@@ -150,6 +156,8 @@ class CheckpointManager:
         storage_options: Mapping[str, Any] | None = None,
         group: RankGroup | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        compression: str | CompressionPolicy | None = "none",
+        compression_options: Mapping[str, Any] | None = None,
     ) -> None:
         if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
             raise ConfigError(f"'keep_last' must be an integer >= 1 or None: {keep_last!r}")
@@ -168,6 +176,7 @@ class CheckpointManager:
                 "rank but not another would leave the save incomplete)"
             )
         partition([], 1, chunk_bytes=chunk_bytes)  # validates chunk_bytes
+        self.compression = check_policy(compression, compression_options)
         listeners = list(listeners)
         for listener in listeners:
             if not callable(listener):
@@ -183,6 +192,7 @@ class CheckpointManager:
         self.chunk_bytes = chunk_bytes
         self._saves = 0
         self._snapshotter = Snapshotter()
+        self._encoder = PieceEncoder(self.compression)
         self._worker = PersistWorker(self._run_job, niceness=worker_niceness)
         self._inflight: SaveHandle | None = None
         self._failed: list[SaveHandle] = []
@@ -389,8 +399,9 @@ class CheckpointManager:
         try:
             if not snapshot.copied.is_set():
                 self._snapshotter.copy(snapshot)
-            result = write_checkpoint(self.storage, job)
+            result = write_checkpoint(self.storage, job, self._encoder)
         except BaseException as e:
+            self._encoder.finish(committed=False, raw_bytes=0, stored_bytes=0, write_s=0.0)
             handle._error = e
             event = self._event(
                 handle, snapshot, outcome="failed", error=f"{type(e).__name__}: {e}"
@@ -399,12 +410,20 @@ class CheckpointManager:
             with self._failed_lock:
                 self._failed.append(handle)
         else:
+            self._encoder.finish(
+                committed=True,
+                raw_bytes=result.raw_bytes,
+                stored_bytes=result.bytes_written,
+                write_s=0.0 if result.encoded else result.write_s,
+            )
             event = self._event(
                 handle,
                 snapshot,
                 outcome="committed",
                 path=result.path,
                 bytes_written=result.bytes_written,
+                raw_bytes=result.raw_bytes,
+                compressed=result.encoded,
             )
             logger.info(
                 "coci: saved step %d to %s/%s (%.1f MB, stall %.3f s, durable after %.3f s)",
@@ -443,13 +462,26 @@ class CheckpointManager:
         try:
             if self.keep_last is not None:
                 steps = committed_steps(self.storage)
+                kept = steps[max(0, len(steps) - self.keep_last) :]
+                needed = self._bases_of(kept)
                 for step in steps[: max(0, len(steps) - self.keep_last)]:
-                    if step != newest:
+                    if step != newest and step not in needed:
                         self.storage.remove_dir(step_dir_name(step))
                         logger.debug("coci: retention removed step %d", step)
             self._remove_uncommitted(done_seq=done_seq, newest=newest)
         except Exception as e:
             logger.warning("coci: retention after step %d failed: %s", newest, e)
+
+    def _bases_of(self, steps: list[int]) -> set[int]:
+        # Steps whose deltas a kept checkpoint needs are kept too (a damaged manifest needs
+        # nothing: it cannot be restored anyway).
+        needed: set[int] = set()
+        for step in steps:
+            try:
+                needed.update(read_manifest(self.storage, step).bases)
+            except CheckpointError as e:
+                logger.warning("coci: retention cannot read step %d: %s", step, e)
+        return needed
 
     def _remove_uncommitted(self, *, done_seq: int | None, newest: int | None = None) -> None:
         # Only names that coci writes ("step-..."), never a directory with a manifest, and

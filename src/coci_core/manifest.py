@@ -57,6 +57,7 @@ class Piece:
     start: int
     length: int
     crc32c: int
+    params: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,11 @@ class TensorEntry:
     def nbytes(self) -> int:
         """Stored bytes of every piece."""
         return sum(p.nbytes for p in self.pieces)
+
+    @property
+    def raw_nbytes(self) -> int:
+        """The array's bytes in memory."""
+        return sum(p.length for p in self.pieces)
 
 
 @dataclass(frozen=True)
@@ -107,6 +113,7 @@ class Manifest:
     metadata: dict[str, Any] = field(default_factory=dict)
     per_rank: tuple[RankState, ...] = ()
     token: str = ""
+    bases: tuple[int, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -165,6 +172,7 @@ class Manifest:
                 metadata=metadata,
                 per_rank=per_rank,
                 token=str(doc.get("token", "")),
+                bases=tuple(_nonneg_int(b, "bases") for b in doc.get("bases", ())),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise CorruptCheckpointError(f"{where} is malformed: {type(e).__name__}: {e}") from e
@@ -194,6 +202,7 @@ def parse_tensor_entry(t: Any, version: int = FORMAT_VERSION) -> TensorEntry:
                 start=_nonneg_int(p["start"], "start"),
                 length=_nonneg_int(p["length"], "length"),
                 crc32c=_nonneg_int(p["crc32c"], "crc32c"),
+                params=_params(p.get("params")),
             )
             for p in t["pieces"]
         )
@@ -206,6 +215,12 @@ def parse_tensor_entry(t: Any, version: int = FORMAT_VERSION) -> TensorEntry:
         pieces=pieces,
         numpy_dtype=None if t.get("numpy_dtype") is None else str(t["numpy_dtype"]),
     )
+
+
+def _params(value: Any) -> dict[str, Any] | None:
+    if value is not None and not isinstance(value, dict):
+        raise ValueError(f"params must be an object, got {value!r}")
+    return value
 
 
 def _nonneg_int(value: Any, name: str) -> int:

@@ -22,7 +22,7 @@ from typing import Any
 import crc32c
 
 from coci_core import commit
-from coci_core.codecs import RawCodec
+from coci_core.compress import PieceEncoder
 from coci_core.group import RankGroup
 from coci_core.manifest import (
     MANIFEST_NAME,
@@ -33,6 +33,7 @@ from coci_core.manifest import (
     TensorEntry,
     step_dir_name,
 )
+from coci_core.restore import read_manifest
 from coci_core.snapshot import Snapshot
 from coci_core.storage import Storage
 from coci_core.tree import ArrayLeaf, encode_dtype
@@ -49,6 +50,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 WRITE_CHUNK_BYTES = 64 * 1024 * 1024
+RAW_CODEC = "coci.raw/1"
 
 
 def data_file_name(rank: int) -> str:
@@ -77,11 +79,15 @@ class PersistJob:
 
 @dataclass(frozen=True)
 class WriteResult:
-    """A committed checkpoint: where, its manifest, and how many bytes this rank wrote."""
+    """A committed checkpoint: where, its manifest, how many bytes this rank wrote, how many
+    raw bytes they hold, and how long the write (with any encoding) took."""
 
     path: str
     manifest: Manifest | None
     bytes_written: int
+    raw_bytes: int = 0
+    write_s: float = 0.0
+    encoded: bool = False
 
 
 def _chunks(snap: Snapshot) -> Iterator[memoryview]:
@@ -90,54 +96,116 @@ def _chunks(snap: Snapshot) -> Iterator[memoryview]:
         yield snap.arena.memoryview(start, min(start + WRITE_CHUNK_BYTES, total))
 
 
-def _entry(leaf: ArrayLeaf, pieces: list[Piece], codec: str) -> TensorEntry:
-    t = leaf.tensor
+def _entry(leaf: ArrayLeaf, pieces: list[Piece]) -> TensorEntry:
+    codecs = {str(p.params["codec"]) for p in pieces if p.params} or {RAW_CODEC}
     return TensorEntry(
         key=leaf.key,
         kind=leaf.kind,
-        dtype=encode_dtype(t.dtype),
+        dtype=encode_dtype(leaf.tensor.dtype),
         shape=leaf.shape,
-        codec=codec,
+        codec=codecs.pop() if len(codecs) == 1 else "mixed",
         pieces=tuple(sorted(pieces, key=lambda p: p.start)),
         numpy_dtype=leaf.numpy_dtype,
     )
 
 
-def _my_share(job: PersistJob, file: str) -> commit.RankShare:
-    """Checksum this rank's regions: the pieces of the shared arrays and its own entries."""
-    snap = job.snapshot
-    codec = RawCodec()
-    shared: list[tuple[int, Piece]] = []
-    own: dict[int, list[Piece]] = {}
-    for slot in snap.slots:
-        stored = codec.encode(snap.arena.memoryview(slot.offset, slot.offset + slot.nbytes))
-        start = snap.leaves[slot.leaf].global_start + slot.start
-        piece = Piece(file, slot.offset, slot.nbytes, start, slot.nbytes, crc32c.crc32c(stored))
-        if slot.leaf < job.n_shared:
-            shared.append((slot.leaf, piece))
-        else:
-            own.setdefault(slot.leaf, []).append(piece)
-    own_leaves = snap.leaves[job.n_shared :]
-    rank_state = RankState(
-        tree=job.rank_tree,
-        tensors=tuple(
-            _entry(leaf, own.get(job.n_shared + i, []), codec.descriptor())
-            for i, leaf in enumerate(own_leaves)
-        ),
-    )
-    return commit.RankShare(
-        rank=job.group.rank,
-        token=job.token,
-        layout=job.layout,
-        pieces=tuple(shared),
-        per_rank=rank_state,
-        file=DataFile(file, 0),
-    )
+class _Pieces:
+    """This rank's pieces as they are written: raw from the arena, or encoded."""
+
+    def __init__(self, job: PersistJob, file: str) -> None:
+        self.job = job
+        self.file = file
+        self.placed: list[tuple[int, Piece]] = []
+        self.raw_bytes = 0
+        self.stored_bytes = 0
+        self.encoded = False
+
+    def raw(self) -> Iterator[memoryview]:
+        """The arena as it is (large aligned writes); pieces at their arena offsets."""
+        snap = self.job.snapshot
+        for slot in snap.slots:
+            data = snap.arena.memoryview(slot.offset, slot.offset + slot.nbytes)
+            self._place(slot, slot.offset, data, None)
+        return _chunks(snap)
+
+    def encoded_stream(self, encoder: PieceEncoder) -> Iterator[memoryview]:
+        """Each piece encoded (on this thread) and written right after, back to back."""
+        snap = self.job.snapshot
+        offset = 0
+        for slot in snap.slots:
+            leaf = snap.leaves[slot.leaf]
+            data = snap.arena.memoryview(slot.offset, slot.offset + slot.nbytes)
+            enc = None
+            if slot.leaf < self.job.n_shared and leaf.kind != "torch_save":
+                dtype = encode_dtype(leaf.tensor.dtype)
+                where = (leaf.key, leaf.global_start + slot.start, slot.nbytes, dtype)
+                enc = encoder.encode(where, data, dtype, leaf.key)
+            stored = data if enc is None else memoryview(enc.data).cast("B")
+            self._place(slot, offset, stored, enc.params if enc is not None else None)
+            self.encoded = self.encoded or (enc is not None and _compressed(enc.params))
+            offset += stored.nbytes
+            yield stored
+
+    def _place(self, slot: Any, offset: int, stored: memoryview, params: Any) -> None:
+        start = self.job.snapshot.leaves[slot.leaf].global_start + slot.start
+        crc = crc32c.crc32c(stored)
+        piece = Piece(self.file, offset, stored.nbytes, start, slot.nbytes, crc, params)
+        self.placed.append((slot.leaf, piece))
+        self.raw_bytes += slot.nbytes
+        self.stored_bytes += stored.nbytes
+
+    def share(self, data_bytes: int) -> commit.RankShare:
+        job = self.job
+        shared = [(leaf, p) for leaf, p in self.placed if leaf < job.n_shared]
+        own: dict[int, list[Piece]] = {}
+        for leaf, p in self.placed:
+            if leaf >= job.n_shared:
+                own.setdefault(leaf, []).append(p)
+        own_leaves = job.snapshot.leaves[job.n_shared :]
+        rank_state = RankState(
+            tree=job.rank_tree,
+            tensors=tuple(
+                _entry(leaf, own.get(job.n_shared + i, [])) for i, leaf in enumerate(own_leaves)
+            ),
+        )
+        return commit.RankShare(
+            rank=job.group.rank,
+            token=job.token,
+            layout=job.layout,
+            pieces=tuple(shared),
+            per_rank=rank_state,
+            file=DataFile(self.file, data_bytes),
+        )
 
 
-def write_checkpoint(storage: Storage, job: PersistJob) -> WriteResult:
-    """Checksum this rank's part of the snapshot, write it, and commit with the other ranks;
-    clean up on failure (a failure on any rank publishes nothing).
+def _compressed(params: dict[str, Any]) -> bool:
+    """Whether a piece's bytes went through a compressor (not only chunk selection)."""
+    inner = params.get("inner")
+    if params.get("codec") == "coci.chunks/1" and isinstance(inner, dict):
+        return _compressed(inner)
+    return params.get("codec") not in (None, RAW_CODEC)
+
+
+def _bases(storage: Storage, shares: list[commit.RankShare]) -> tuple[int, ...]:
+    """Every earlier step this checkpoint's deltas need, through their own bases."""
+    direct = {
+        int(p.params["base_step"])
+        for s in shares
+        for _, p in s.pieces
+        if p.params and p.params.get("base") and "base_step" in p.params
+    }
+    needed = set(direct)
+    for step in direct:
+        needed.update(read_manifest(storage, step).bases)
+    return tuple(sorted(needed))
+
+
+def write_checkpoint(
+    storage: Storage, job: PersistJob, encoder: PieceEncoder | None = None
+) -> WriteResult:
+    """Checksum (and, with an active ``encoder``, encode) this rank's part of the snapshot,
+    write it, and commit with the other ranks; clean up on failure (a failure on any rank
+    publishes nothing).
 
     Raises:
         StorageError: this rank's write failed.
@@ -147,24 +215,32 @@ def write_checkpoint(storage: Storage, job: PersistJob) -> WriteResult:
     snap.wait_copied()
     group = job.group
     file = data_file_name(group.rank)
-    share = _my_share(job, file)
+    pieces = _Pieces(job, file)
     final = step_dir_name(job.step)
     staging = storage.staging_dir(final, job.token)
+    started = time.perf_counter()
     try:
-        data_bytes = storage.write_file(f"{staging}/{file}", _chunks(snap), aligned=True)
-        share = share.with_file(DataFile(file, data_bytes))
+        if encoder is not None and encoder.active:
+            encoder.begin(job.step, _probe(job))
+            data_bytes = storage.write_file(
+                f"{staging}/{file}", pieces.encoded_stream(encoder), aligned=False
+            )
+        else:
+            data_bytes = storage.write_file(f"{staging}/{file}", pieces.raw(), aligned=True)
+        write_s = time.perf_counter() - started
+        share = pieces.share(data_bytes)
         if not group.is_coordinator:
             commit.report_share(storage, staging, share)
             commit.await_outcome(storage, staging, final, job.token, group)
-            return WriteResult(final, None, data_bytes)
+            return WriteResult(final, None, data_bytes, pieces.raw_bytes, write_s, pieces.encoded)
         shares = commit.collect_shares(storage, staging, share, group)
         manifest = Manifest(
             step=job.step,
             created_unix=time.time(),
             tree=job.tree,
             tensors=tuple(
-                _entry(leaf, pieces, RawCodec().descriptor())
-                for leaf, pieces in zip(
+                _entry(leaf, leaf_pieces)
+                for leaf, leaf_pieces in zip(
                     snap.leaves[: job.n_shared],
                     commit.pieces_by_leaf(shares, job.n_shared),
                     strict=True,
@@ -175,6 +251,7 @@ def write_checkpoint(storage: Storage, job: PersistJob) -> WriteResult:
             metadata=job.metadata,
             per_rank=tuple(s.per_rank for s in shares),
             token=job.token,
+            bases=_bases(storage, shares),
         )
         manifest_json = manifest.to_json()
         storage.write_file(f"{staging}/{MANIFEST_NAME}", [memoryview(manifest_json)])
@@ -182,7 +259,27 @@ def write_checkpoint(storage: Storage, job: PersistJob) -> WriteResult:
     except BaseException as e:
         commit.fail(storage, staging, group, e)
         raise
-    return WriteResult(final, manifest, data_bytes + len(manifest_json))
+    return WriteResult(
+        final,
+        manifest,
+        data_bytes + len(manifest_json),
+        pieces.raw_bytes,
+        write_s,
+        pieces.encoded,
+    )
+
+
+def _probe(job: PersistJob) -> list[tuple[memoryview, str]]:
+    """Float pieces of this save, largest first: what "auto" measures compression on."""
+    snap = job.snapshot
+    slots = sorted(
+        (s for s in snap.slots if s.leaf < job.n_shared and s.dtype.is_floating_point),
+        key=lambda s: -s.nbytes,
+    )
+    return [
+        (snap.arena.memoryview(s.offset, s.offset + s.nbytes), encode_dtype(s.dtype))
+        for s in slots[:4]
+    ]
 
 
 def _lower_thread_priority(niceness: int) -> None:

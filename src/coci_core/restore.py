@@ -11,7 +11,7 @@ import crc32c
 import numpy as np
 import torch
 
-from coci_core.codecs import from_descriptor
+from coci_core.codecs import decode, from_descriptor, needs_base
 from coci_core.errors import CorruptCheckpointError, NoCheckpointError, StorageError
 from coci_core.manifest import MANIFEST_NAME, Manifest, TensorEntry, parse_step_dir, step_dir_name
 from coci_core.storage import Storage
@@ -60,63 +60,122 @@ def read_manifest(storage: Storage, step: int) -> Manifest:
     return manifest
 
 
+class _Reader:
+    """Reads arrays of one storage, resolving delta pieces through their bases."""
+
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+        self._manifests: dict[int, Manifest] = {}
+        self._decoded: dict[tuple[int, str], torch.Tensor] = {}
+
+    def forget(self) -> None:
+        """Drop decoded base arrays (after each array of the checkpoint being restored)."""
+        self._decoded.clear()
+
+    def _base(self, step: int, base_step: int, key: str, start: int, length: int) -> Any:
+        cached = self._decoded.get((base_step, key))
+        if cached is None:
+            try:
+                manifest = self._manifests.get(base_step) or read_manifest(self.storage, base_step)
+            except (NoCheckpointError, CorruptCheckpointError) as e:
+                raise CorruptCheckpointError(
+                    f"step {step}: {key!r} is a delta against step {base_step}, which cannot be "
+                    f"read: {e}",
+                    step=step,
+                    bad=[key],
+                ) from e
+            self._manifests[base_step] = manifest
+            entry = next((t for t in manifest.tensors if t.key == key), None)
+            if entry is None:
+                raise CorruptCheckpointError(
+                    f"step {step}: {key!r} is a delta against step {base_step}, which has no "
+                    "such array",
+                    step=step,
+                    bad=[key],
+                )
+            cached = self.fetch(manifest, entry)
+            self._decoded[(base_step, key)] = cached
+        if start + length > cached.numel():
+            raise CorruptCheckpointError(
+                f"step {step}: {key!r} needs bytes {start}-{start + length} of step {base_step}'s, "
+                f"which has {cached.numel()}",
+                step=step,
+                bad=[key],
+            )
+        return cached[start : start + length].numpy()
+
+    def fetch(self, manifest: Manifest, entry: TensorEntry) -> torch.Tensor:
+        """The entry's raw bytes as a uint8 tensor, assembled from its pieces (decoded, through
+        their bases), every checksum verified."""
+        step = manifest.step
+        nbytes = _raw_nbytes(entry)
+        out = torch.empty(nbytes, dtype=torch.uint8)
+        covered = 0
+        for piece in entry.pieces:
+            if piece.start != covered or piece.start + piece.length > nbytes:
+                raise CorruptCheckpointError(
+                    f"step {step}: the pieces of {entry.key!r} do not tile its {nbytes} bytes",
+                    step=step,
+                    bad=[entry.key],
+                )
+            target = out[piece.start : piece.start + piece.length]
+            raw = piece.params is None
+            if raw and entry.codec not in ("coci.raw/1", "mixed"):
+                from_descriptor(entry.codec)  # an unknown codec name is refused
+            if raw and piece.nbytes != piece.length:
+                raise CorruptCheckpointError(
+                    f"step {step}: a raw piece of {entry.key!r} has {piece.nbytes} stored bytes "
+                    f"for {piece.length} raw ones",
+                    step=step,
+                    bad=[entry.key],
+                )
+            stored = target if raw else torch.empty(piece.nbytes, dtype=torch.uint8)
+            view = stored.numpy().data
+            try:
+                self.storage.read_into(f"{step_dir_name(step)}/{piece.file}", piece.offset, view)
+            except StorageError as e:
+                raise CorruptCheckpointError(
+                    f"step {step}: cannot read {entry.key!r}: {e}; the checkpoint is incomplete "
+                    "or corrupted",
+                    step=step,
+                    bad=[entry.key],
+                ) from e
+            if crc32c.crc32c(view) != piece.crc32c:
+                raise CorruptCheckpointError(
+                    f"step {step}: checksum mismatch in {entry.key!r} (bytes "
+                    f"{piece.start}-{piece.start + piece.length} in {piece.file})",
+                    step=step,
+                    bad=[entry.key],
+                )
+            if piece.params is not None:
+                base = None
+                if needs_base(piece.params):
+                    base_step = piece.params.get("base_step")
+                    if type(base_step) is not int:
+                        raise CorruptCheckpointError(
+                            f"step {step}: a delta piece of {entry.key!r} names no base step",
+                            step=step,
+                            bad=[entry.key],
+                        )
+                    base = self._base(step, base_step, entry.key, piece.start, piece.length)
+                try:
+                    decode(stored.numpy(), piece.params, target.numpy(), base)
+                except CorruptCheckpointError as e:
+                    raise CorruptCheckpointError(
+                        f"step {step}: {entry.key!r}: {e}", step=step, bad=[entry.key]
+                    ) from e
+            covered += piece.length
+        if covered != nbytes:
+            raise CorruptCheckpointError(
+                f"step {step}: the pieces of {entry.key!r} cover {covered} of its {nbytes} bytes",
+                step=step,
+                bad=[entry.key],
+            )
+        return out
+
+
 def _fetch(storage: Storage, manifest: Manifest, entry: TensorEntry) -> torch.Tensor:
-    """The entry's raw bytes as a uint8 tensor, assembled from its pieces, checksums verified."""
-    nbytes = (
-        _raw_nbytes(entry) if entry.kind != "torch_save" else sum(p.length for p in entry.pieces)
-    )
-    out = torch.empty(nbytes, dtype=torch.uint8)
-    out_view = out.numpy().data
-    codec = from_descriptor(entry.codec)
-    covered = 0
-    for piece in entry.pieces:
-        if piece.start != covered or piece.start + piece.length > nbytes:
-            raise CorruptCheckpointError(
-                f"step {manifest.step}: the pieces of {entry.key!r} do not tile its {nbytes} bytes",
-                step=manifest.step,
-                bad=[entry.key],
-            )
-        raw = entry.codec == "coci.raw/1"
-        stored = (
-            out[piece.start : piece.start + piece.length]
-            if raw
-            else torch.empty(piece.nbytes, dtype=torch.uint8)
-        )
-        view = stored.numpy().data
-        if view.nbytes != piece.nbytes:
-            raise CorruptCheckpointError(
-                f"step {manifest.step}: a piece of {entry.key!r} has {piece.nbytes} stored "
-                f"bytes for {piece.length} raw ones",
-                step=manifest.step,
-                bad=[entry.key],
-            )
-        try:
-            storage.read_into(f"{step_dir_name(manifest.step)}/{piece.file}", piece.offset, view)
-        except StorageError as e:
-            raise CorruptCheckpointError(
-                f"step {manifest.step}: cannot read {entry.key!r}: {e}; the checkpoint is "
-                "incomplete or corrupted",
-                step=manifest.step,
-                bad=[entry.key],
-            ) from e
-        if crc32c.crc32c(view) != piece.crc32c:
-            raise CorruptCheckpointError(
-                f"step {manifest.step}: checksum mismatch in {entry.key!r} (bytes "
-                f"{piece.start}-{piece.start + piece.length} in {piece.file})",
-                step=manifest.step,
-                bad=[entry.key],
-            )
-        if not raw:
-            codec.decode(view, out_view[piece.start : piece.start + piece.length])
-        covered += piece.length
-    if covered != nbytes:
-        raise CorruptCheckpointError(
-            f"step {manifest.step}: the pieces of {entry.key!r} cover {covered} of its "
-            f"{nbytes} bytes",
-            step=manifest.step,
-            bad=[entry.key],
-        )
-    return out
+    return _Reader(storage).fetch(manifest, entry)
 
 
 def _raw_nbytes(entry: TensorEntry) -> int:
@@ -153,9 +212,11 @@ class LoadedCheckpoint:
 
 
 def _values(storage: Storage, manifest: Manifest, entries: Any) -> tuple[list[Any], int]:
+    reader = _Reader(storage)
     values, nbytes = [], 0
     for entry in entries:
-        values.append(_as_value(entry, _fetch(storage, manifest, entry)))
+        values.append(_as_value(entry, reader.fetch(manifest, entry)))
+        reader.forget()
         nbytes += entry.nbytes
     return values, nbytes
 

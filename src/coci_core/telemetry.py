@@ -41,9 +41,12 @@ class SaveEvent:
         copy_s: time spent copying the state into host buffers.
         persist_s: time from the end of the copy to the commit (checksums, writes, fsync, rename).
         time_to_durable_s: time from the ``save`` call to the commit.
-        bytes_written: bytes of data and manifest written.
+        bytes_written: bytes of data and manifest written (by this rank).
+        raw_bytes: the bytes in memory of what this rank wrote (``raw_bytes / bytes_written``
+            is the compression ratio).
         first_save: the host buffers were allocated by this save (not reused).
         path: where the checkpoint was published.
+        compressed: some piece was stored encoded (compression on, and it paid).
     """
 
     step: int
@@ -53,10 +56,12 @@ class SaveEvent:
     persist_s: float = 0.0
     time_to_durable_s: float = 0.0
     bytes_written: int = 0
+    raw_bytes: int = 0
     first_save: bool = False
     block: bool = True
     path: str = ""
     error: str | None = None
+    compressed: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)

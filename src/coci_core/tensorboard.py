@@ -22,6 +22,7 @@ tag                                 value at step ``x``
 ``coci/save/persist_ms``            end of the copy to the commit (committed saves)
 ``coci/save/time_to_durable_ms``    ``save`` call to the commit (committed saves)
 ``coci/save/bytes_written``         bytes of data and manifest written (committed saves)
+``coci/save/compression_ratio``     raw bytes / bytes written (committed saves)
 ``coci/restore/seconds``            duration of the restore of step ``x``
 ``coci/restore/bytes_read``         bytes read by that restore
 ``coci/plan/next_step``             the first of the plan's next steps, as planned at step ``x``
@@ -95,6 +96,7 @@ LAYOUT: Mapping[str, tuple[str, ...]] = {
         "coci/save/stall_ms",
         "coci/save/persist_ms",
         "coci/save/time_to_durable_ms",
+        "coci/save/compression_ratio",
         "coci/overhead/plan_wall_s",
         "coci/overhead/daly_wall_s",
         "coci/overhead/plan_objective_s",
@@ -339,6 +341,7 @@ class TensorBoardTelemetry:
             ("coci/save/persist_ms", 1e3 * event.persist_s),
             ("coci/save/time_to_durable_ms", 1e3 * event.time_to_durable_s),
             ("coci/save/bytes_written", float(event.bytes_written)),
+            ("coci/save/compression_ratio", event.raw_bytes / max(1, event.bytes_written)),
         ]
 
     def _new_planned_steps(self, step: int, next_steps: tuple[int, ...]) -> list[int]:

@@ -39,7 +39,8 @@ class CociCheckpoint(Checkpoint):
         objective: ``"convergence"`` (default), ``"time"`` or ``"progress"``.
         mtbf_s: mean time between failures of one node, in seconds (None: estimated).
         keep_last: committed checkpoints to keep.
-        compression: ``"none"`` (the only mode in this version).
+        compression: ``"none"`` (default), ``"lossless"``, ``"lossy"`` (opt-in, bounded
+            error) or ``"auto"``; see docs/compression.md.
         resume: continue from the newest committed checkpoint when ``fit`` gets no ckpt_path.
         every_n_steps, every_n_seconds: the interval of those policies (a cap for ``coci``).
         monitor: a logged metric to use as the loss (default: the training step's loss).
@@ -132,6 +133,7 @@ class CociCheckpoint(Checkpoint):
             objective=self.objective,
             mtbf_s=self.mtbf_s,
             keep_last=self.keep_last,
+            compression=self.compression,
             block=self.block,
             planner_options=options,
             rank=trainer.global_rank,

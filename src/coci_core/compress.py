@@ -1,0 +1,247 @@
+"""Which codec each piece of a save gets, and the memory of earlier saves that deltas need.
+
+Runs on the writer thread only. Every ``full_every`` saves (and after any failure) a save is a
+*base*: every piece stored on its own (zstd, or raw). Between bases, pieces are deltas against
+the base: the XOR of their bytes (``"lossless"``), a quantized delta against the previous
+reconstruction (``"lossy"``, at most ``max_lossy_generations`` in a row), or, under ``"auto"``
+when compressing does not pay, only the chunks whose hash changed. Each piece describes itself
+(its ``params`` in the manifest), so restore needs no configuration.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+from coci_core.codecs import (
+    Encoded,
+    QuantState,
+    choose_codec,
+    chunk_hashes,
+    compression_pays,
+    encode_chunked,
+    encode_lossless,
+    encode_quantized,
+    encode_xor,
+)
+from coci_core.codecs.chunked import CHUNKS
+from coci_core.codecs.lossless import LOSSLESS, XOR
+from coci_core.codecs.quantized import QDELTA
+from coci_core.codecs.select import MODES, RAW
+from coci_core.errors import ConfigError
+
+__all__ = ["MODES", "CompressionPolicy", "PieceEncoder", "check_policy"]
+
+PROBE_BYTES = 16 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class CompressionPolicy:
+    """How a manager compresses (see docs/compression.md).
+
+    Args:
+        mode: ``"none"``, ``"lossless"``, ``"lossy"`` (opt-in, bounded error) or ``"auto"``
+            (compress only where it shortens the time to durable).
+        full_every: a base (no delta) every this many saves.
+        max_lossy_generations: lossy deltas in a row before a lossless base is forced.
+        lossy_bits: 8, 4, 2 or ``"auto"`` (the fewest bits whose relative error of the
+            tensor's delta stays under ``lossy_target``).
+        lossy_target: the relative error ``"auto"`` bits aim for.
+        lossy_optimizer: ``"quantized"`` or ``"lossless"`` for optimizer moments
+            (keys holding ``exp_avg``).
+        level: the zstd level.
+    """
+
+    mode: str = "none"
+    full_every: int = 8
+    max_lossy_generations: int = 8
+    lossy_bits: int | str = "auto"
+    lossy_target: float = 1e-3
+    lossy_optimizer: str = "quantized"
+    level: int = 1
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"'compression' must be one of {MODES}: {self.mode!r}")
+        for name in ("full_every", "max_lossy_generations"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ConfigError(f"'{name}' must be an integer >= 1: {value!r}")
+        if self.lossy_bits not in (8, 4, 2, "auto"):
+            raise ConfigError(f"'lossy_bits' must be 8, 4, 2 or 'auto': {self.lossy_bits!r}")
+        if not isinstance(self.lossy_target, (int, float)) or not 0 < self.lossy_target < 1:
+            raise ConfigError(f"'lossy_target' must be in (0, 1): {self.lossy_target!r}")
+        if self.lossy_optimizer not in ("quantized", "lossless"):
+            raise ConfigError(
+                f"'lossy_optimizer' must be 'quantized' or 'lossless': {self.lossy_optimizer!r}"
+            )
+        if type(self.level) is not int or not -7 <= self.level <= 22:
+            raise ConfigError(f"'level' must be an integer in [-7, 22]: {self.level!r}")
+
+
+def check_policy(
+    compression: str | CompressionPolicy | None, options: Mapping[str, Any] | None = None
+) -> CompressionPolicy:
+    """A policy from a mode name (plus knobs) or a policy."""
+    if isinstance(compression, CompressionPolicy):
+        return compression
+    return CompressionPolicy(mode=compression or "none", **dict(options or {}))
+
+
+@dataclass
+class _Memory:
+    """What the writer keeps of one piece of the last base (and the lossy chain)."""
+
+    base: np.ndarray[Any, Any] | None = None
+    hashes: bytes | None = None
+    quant: QuantState | None = None
+
+
+@dataclass
+class _Pending:
+    full: bool
+    step: int
+    updates: dict[tuple[Any, ...], _Memory] = field(default_factory=dict)
+    quantized: list[QuantState] = field(default_factory=list)
+
+
+class PieceEncoder:
+    """Encodes one save's pieces; :meth:`finish` after the save committed (or failed)."""
+
+    def __init__(self, policy: CompressionPolicy) -> None:
+        self.policy = policy
+        self._memory: dict[tuple[Any, ...], _Memory] = {}
+        self._base_step: int | None = None
+        self._since_base = 0
+        self._lossy_generation = 0
+        self._pending: _Pending | None = None
+        self._pays: bool | None = None
+        self.write_mbps: float | None = None
+        self.last_ratio: float | None = None
+
+    @property
+    def active(self) -> bool:
+        """Whether saves may store anything but raw bytes."""
+        return self.policy.mode != "none"
+
+    def begin(self, step: int, probe: list[tuple[memoryview, str]]) -> None:
+        """Decide whether this save is a base; ``probe``: (bytes, dtype) samples for "auto"."""
+        p = self.policy
+        full = (
+            self._base_step is None
+            or self._since_base >= p.full_every
+            or (p.mode == "lossy" and self._lossy_generation >= p.max_lossy_generations)
+        )
+        if p.mode == "auto" and (full or self._pays is None):
+            self._pays = self._compression_pays(probe)
+        self._pending = _Pending(full=full, step=step)
+
+    def _compression_pays(self, probe: list[tuple[memoryview, str]]) -> bool | None:
+        if self.write_mbps is None:
+            return None  # nothing measured yet: this save writes raw, measures, and decides next
+        raw = stored = 0
+        started = time.perf_counter()
+        for data, dtype in probe:
+            enc = encode_lossless(data, dtype, level=self.policy.level)
+            raw += data.nbytes
+            stored += enc.nbytes
+            if raw >= PROBE_BYTES:
+                break
+        seconds = time.perf_counter() - started
+        if raw == 0 or seconds <= 0:
+            return None
+        return compression_pays(
+            encode_mbps=raw / seconds / 1e6, ratio=raw / max(1, stored), write_mbps=self.write_mbps
+        )
+
+    def encode(
+        self, piece: tuple[Any, ...], data: memoryview, dtype: str, key: str
+    ) -> Encoded | None:
+        """The stored form of one piece (None: store it raw, as it is)."""
+        pending = self._pending
+        if pending is None:
+            raise ConfigError("PieceEncoder.begin() must come first")
+        p = self.policy
+        memory = None if pending.full else self._memory.get(piece)
+        base: Literal["none", "hashes", "bytes", "reference"] = "none"
+        if memory is not None:
+            if memory.quant is not None and memory.quant.ref is not None:
+                base = "reference"
+            elif memory.base is not None:
+                base = "bytes"
+            elif memory.hashes is not None:
+                base = "hashes"
+        lossy_key = p.lossy_optimizer == "quantized" or "exp_avg" not in key
+        mode: Any = p.mode if (p.mode != "lossy" or lossy_key) else "lossless"
+        codec = choose_codec(dtype, data.nbytes, mode, base=base, compress_pays=bool(self._pays))
+        update = _Memory()
+        enc: Encoded | None = None
+        if codec == RAW:
+            pass
+        elif codec == LOSSLESS:
+            enc = encode_lossless(data, dtype, level=p.level)
+        elif codec == XOR:
+            assert memory is not None
+            assert memory.base is not None
+            enc = encode_xor(data, memory.base, dtype, base_step=self._base_step, level=p.level)
+        elif codec == CHUNKS:
+            enc = encode_chunked(
+                data,
+                dtype,
+                base_hashes=memory.hashes if memory else None,
+                base_step=self._base_step if memory else None,
+                compress=bool(self._pays) or p.mode != "auto",
+                level=p.level,
+            )
+        elif codec == QDELTA:
+            assert memory is not None
+            assert memory.quant is not None
+            enc = encode_quantized(
+                data,
+                dtype,
+                memory.quant,
+                bits=p.lossy_bits,  # type: ignore[arg-type]
+                target=p.lossy_target,
+                nonnegative="exp_avg_sq" in key,
+                step=pending.step,
+            )
+            pending.quantized.append(memory.quant)
+        if pending.full:
+            # What the next deltas need of this base: its bytes (XOR, lossy) or its hashes.
+            if p.mode in ("lossless", "lossy") or (p.mode == "auto" and self._pays):
+                update.base = np.array(data, dtype=np.uint8, copy=True)
+                if p.mode == "lossy" and dtype in ("float16", "bfloat16", "float32", "float64"):
+                    update.quant = QuantState()
+                    update.quant.reset(update.base, pending.step)
+            else:
+                update.hashes = enc.hashes if enc is not None and enc.hashes else chunk_hashes(data)
+            pending.updates[piece] = update
+        return enc
+
+    def finish(self, *, committed: bool, raw_bytes: int, stored_bytes: int, write_s: float) -> None:
+        """Update the memory after the save: a failed save is forgotten and the next one is a
+        base (its deltas would point at nothing)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        if not committed:
+            self._base_step = None
+            return
+        if write_s > 0 and stored_bytes > 0:
+            self.write_mbps = stored_bytes / write_s / 1e6
+        self.last_ratio = raw_bytes / stored_bytes if stored_bytes else None
+        if pending.full:
+            self._memory = pending.updates
+            self._base_step = pending.step
+            self._since_base = 1
+            self._lossy_generation = 0
+        else:
+            self._since_base += 1
+            for state in pending.quantized:
+                state.commit()
+            if pending.quantized:
+                self._lossy_generation += 1

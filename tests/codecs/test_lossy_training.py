@@ -1,0 +1,80 @@
+"""Training the digits CNN with 10 restores from lossy checkpoints spread over the run ends
+within 0.5 percentage points of the uninterrupted run's test accuracy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from coci_core import CheckpointManager
+
+STEPS, SAVE_EVERY, RESTORE_EVERY = 400, 10, 40  # 10 restores
+
+
+def _cnn() -> torch.nn.Module:
+    return torch.nn.Sequential(
+        torch.nn.Unflatten(1, (1, 8, 8)),
+        torch.nn.Conv2d(1, 16, 3),
+        torch.nn.ReLU(),
+        torch.nn.Conv2d(16, 32, 3),
+        torch.nn.ReLU(),
+        torch.nn.Flatten(),
+        torch.nn.Linear(32 * 4 * 4, 10),
+    )
+
+
+def _train(directory: Path | None) -> tuple[float, int]:
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    x = torch.tensor(x / 16.0, dtype=torch.float32)
+    y = torch.tensor(y)
+    train_x, train_y, test_x, test_y = x[:1400], y[:1400], x[1400:], y[1400:]
+    torch.manual_seed(0)
+    model = _cnn()
+    optim = torch.optim.Adam(model.parameters(), lr=2e-3)
+    mgr = (
+        CheckpointManager(directory, compression="lossy", keep_last=2)
+        if directory is not None
+        else None
+    )
+    restores = 0
+    for step in range(1, STEPS + 1):
+        g = torch.Generator().manual_seed(step)
+        idx = torch.randint(0, len(train_x), (64,), generator=g)
+        loss = torch.nn.functional.cross_entropy(model(train_x[idx]), train_y[idx])
+        optim.zero_grad()
+        loss.backward()  # type: ignore[no-untyped-call]
+        optim.step()
+        if mgr is not None and step % SAVE_EVERY == 0:
+            mgr.save(step, {"model": model.state_dict(), "optim": optim.state_dict()}).wait()
+        if mgr is not None and step % RESTORE_EVERY == 0:
+            # a failure right after the save: the run continues from the lossy checkpoint
+            mgr.restore(into={"model": model, "optim": optim})
+            restores += 1
+    if mgr is not None:
+        mgr.close()
+    with torch.no_grad():
+        accuracy = (model(test_x).argmax(1) == test_y).float().mean().item()
+    return accuracy, restores
+
+
+@pytest.mark.slow
+def test_ten_lossy_restores_cost_under_half_a_point_of_accuracy(tmp_path: Path) -> None:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        reference, _ = _train(None)
+        lossy, restores = _train(tmp_path)
+    finally:
+        torch.set_num_threads(threads)
+    assert restores == 10
+    assert reference > 0.9
+    assert abs(lossy - reference) <= 0.005, (lossy, reference)
+    # the restores really were lossy: the newest checkpoint holds quantized deltas
+    with CheckpointManager(tmp_path) as mgr:
+        manifest = mgr.manifest(mgr.steps()[-1])
+    codecs = {p.params["codec"] for t in manifest.tensors for p in t.pieces if p.params}
+    assert "coci.qdelta/1" in codecs

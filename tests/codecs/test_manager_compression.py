@@ -1,0 +1,208 @@
+"""Compression through CheckpointManager: every mode round-trips, deltas chain to bases that
+retention keeps, a damaged base is detected and restore falls back, lossy error stays within
+its recorded bound, and "auto" compresses only where it pays."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from coci_core import CheckpointManager, ConfigError, LocalStorage
+from coci_core.manifest import step_dir_name
+from coci_core.restore import load_checkpoint
+
+FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _special(dtype: torch.dtype) -> torch.Tensor:
+    t = torch.randn(4096, generator=torch.Generator().manual_seed(1)).to(dtype)
+    t[:6] = torch.tensor([float("nan"), float("inf"), float("-inf"), -0.0, 0.0, 1e-40]).to(dtype)
+    return t
+
+
+def _states(n: int) -> list[dict[str, Any]]:
+    """A state that drifts a little each save (as training does), with a frozen half."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(256, 256, generator=g)
+    frozen = torch.randn(512, 256, generator=g)
+    states = []
+    for i in range(n):
+        w = w + 1e-3 * torch.randn(w.shape, generator=g)
+        states.append(
+            {
+                "model": {"w": w.clone(), "frozen": frozen, "count": torch.arange(5000) + i},
+                "optim": {"exp_avg": w * 0.1, "exp_avg_sq": (w * w) * 0.01},
+                "special": {str(d): _special(d) for d in FLOATS},
+                "flags": torch.ones(100, dtype=torch.bool),
+                "step": i,
+            }
+        )
+    return states
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return (
+            isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and bool((a.view(torch.uint8) == b.view(torch.uint8)).all())
+            if a.numel()
+            else a.shape == b.shape
+        )
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    return bool(a == b)
+
+
+def _save_all(mgr: CheckpointManager, states: Iterable[dict[str, Any]]) -> list[Any]:
+    return [mgr.save(i + 1, s).wait() for i, s in enumerate(states)]
+
+
+@pytest.mark.parametrize("mode", ["lossless", "auto", "none"])
+def test_exact_modes_round_trip_every_step_bit_for_bit(tmp_path: Path, mode: str) -> None:
+    states = _states(6)
+    with CheckpointManager(
+        tmp_path, keep_last=None, compression=mode, compression_options={"full_every": 3}
+    ) as mgr:
+        events = _save_all(mgr, states)
+        for i, state in enumerate(states):
+            assert _equal(mgr.restore(step=i + 1), state)
+        assert mgr.verify() == {i + 1: [] for i in range(6)}
+    if mode == "lossless":
+        assert all(e.compressed for e in events)
+        # deltas (saves 2, 3, 5, 6) against the bases (1, 4)
+        assert [
+            load_checkpoint(LocalStorage(tmp_path), s).manifest.bases for s in (2, 3, 4, 5)
+        ] == [
+            (1,),
+            (1,),
+            (),
+            (4,),
+        ]
+        delta, base = events[1].bytes_written, events[0].bytes_written
+        assert delta < 0.6 * base  # the frozen half and the drift compress to little
+        assert base < events[0].raw_bytes  # shuffle + zstd alone is smaller than raw
+
+
+def test_damaged_base_is_detected_and_restore_falls_back(tmp_path: Path) -> None:
+    states = _states(4)
+    with CheckpointManager(
+        tmp_path, keep_last=None, compression="lossless", compression_options={"full_every": 2}
+    ) as mgr:
+        _save_all(mgr, states)  # bases 1 and 3; 2 and 4 are their deltas
+        assert mgr.manifest(4).bases == (3,)
+        data = tmp_path / step_dir_name(3) / "data-r0.bin"
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 2] ^= 0x10
+        data.write_bytes(bytes(raw))
+        restored = mgr.restore()
+        assert mgr.last_restore is not None
+        assert mgr.last_restore.step == 2 and mgr.last_restore.skipped_steps == (4, 3)
+        assert _equal(restored, states[1])
+        bad = mgr.verify(4)[4]
+        assert bad  # step 4's deltas cannot be checked against a damaged base
+    import shutil
+
+    shutil.rmtree(tmp_path / step_dir_name(1))
+    with CheckpointManager(tmp_path) as mgr, pytest.raises(Exception, match="step 1"):
+        mgr.restore(step=2, strict=True)
+
+
+def test_retention_keeps_every_base_a_kept_checkpoint_needs(tmp_path: Path) -> None:
+    states = _states(5)
+    with CheckpointManager(
+        tmp_path, keep_last=1, compression="lossless", compression_options={"full_every": 4}
+    ) as mgr:
+        for i, state in enumerate(states[:4]):
+            mgr.save(i + 1, state).wait()
+        mgr.close()
+        assert mgr.steps() == [1, 4]  # 4 is a delta of 1
+        assert _equal(mgr.restore(), states[3])
+    with CheckpointManager(
+        tmp_path, keep_last=1, compression="lossless", compression_options={"full_every": 4}
+    ) as mgr:
+        mgr.save(5, states[4]).wait()  # a new manager starts with a base
+    assert CheckpointManager(tmp_path).steps() == [5]
+
+
+def test_lossy_error_stays_within_its_recorded_bound_and_bases_are_forced(tmp_path: Path) -> None:
+    states = _states(7)
+    with CheckpointManager(
+        tmp_path,
+        keep_last=None,
+        compression="lossy",
+        compression_options={"full_every": 100, "max_lossy_generations": 3},
+    ) as mgr:
+        _save_all(mgr, states)
+        for i, state in enumerate(states):
+            manifest = mgr.manifest(i + 1)
+            restored = mgr.restore(step=i + 1)
+            w = manifest_entry(manifest, "/model/w")
+            generations = {p.params.get("generation") for p in w.pieces if p.params}
+            if i in (0, 4):  # lossless bases: the first save, and after 3 lossy generations
+                assert all(p.params["codec"] != "coci.qdelta/1" for p in w.pieces if p.params)
+                assert _equal(restored, state)
+                continue
+            assert generations == {i if i < 4 else i - 4}
+            bound = max(float(p.params["max_abs_error"]) for p in w.pieces)
+            err = (restored["model"]["w"] - state["model"]["w"]).abs().max().item()
+            assert 0 < err <= bound
+            # integers, booleans and the special values' exact bits are never lossy
+            assert _equal(restored["model"]["count"], state["model"]["count"])
+            assert bool((restored["optim"]["exp_avg_sq"] >= 0).all())
+        ratio = sum(e.raw_nbytes for e in mgr.manifest(3).tensors) / mgr.manifest(3).nbytes
+        assert ratio > 4
+
+
+def manifest_entry(manifest: Any, key: str) -> Any:
+    return next(t for t in manifest.tensors if t.key == key)
+
+
+class _SlowStorage(LocalStorage):
+    """Local files written at about ``mbps`` MB/s: an object store, as far as timing goes."""
+
+    def __init__(self, root: Path, mbps: float) -> None:
+        super().__init__(root, direct_io=False)
+        self.mbps = mbps
+
+    def write_file(self, path: str, chunks: Iterable[memoryview], *, aligned: bool = False) -> int:
+        started = time.perf_counter()
+        n = super().write_file(path, chunks, aligned=aligned)
+        time.sleep(max(0.0, n / (self.mbps * 1e6) - (time.perf_counter() - started)))
+        return n
+
+
+def test_auto_compresses_on_slow_storage_and_not_on_fast_disk(tmp_path: Path) -> None:
+    # float32 values with bfloat16 precision: zstd halves them, as it does real weights' planes
+    g = torch.Generator().manual_seed(2)
+    states = [{"w": torch.randn(1 << 19, generator=g).bfloat16().float()} for _ in range(3)]
+    with CheckpointManager(_SlowStorage(tmp_path / "slow", mbps=20), compression="auto") as mgr:
+        slow = _save_all(mgr, states)
+    assert [e.compressed for e in slow] == [False, True, True]  # the first save measures
+    noise = [{"x": torch.randn(1 << 20)} for _ in range(3)]  # incompressible, on a fast disk
+    with CheckpointManager(tmp_path / "fast", compression="auto") as mgr:
+        fast = _save_all(mgr, noise)
+    assert not any(e.compressed for e in fast)
+    # fast disk: no compression, but unchanged chunks are still not written again
+    frozen = {"frozen": torch.randn(1 << 20)}
+    with CheckpointManager(tmp_path / "frozen", compression="auto") as mgr:
+        events = _save_all(mgr, [frozen, frozen])
+        assert _equal(mgr.restore(), frozen)
+    assert events[1].bytes_written < 0.05 * events[0].bytes_written
+    assert os.path.getsize(tmp_path / "frozen" / step_dir_name(2) / "data-r0.bin") < 1 << 16
+
+
+def test_bad_compression_arguments(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="'compression' must be one of"):
+        CheckpointManager(tmp_path, compression="zstd")
+    with pytest.raises(ConfigError, match="'full_every' must be an integer >= 1"):
+        CheckpointManager(tmp_path, compression="lossless", compression_options={"full_every": 0})
+    with pytest.raises(ConfigError, match="'lossy_bits' must be 8, 4, 2 or 'auto'"):
+        CheckpointManager(tmp_path, compression="lossy", compression_options={"lossy_bits": 3})
