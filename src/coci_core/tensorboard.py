@@ -56,7 +56,8 @@ Values are TensorBoard ``simple_value`` scalars, i.e. float32: steps and byte co
 The custom-scalars layout (written once per writer) has one category ``"coci"`` with the
 multiline charts of :data:`LAYOUT`: ``"planned vs actual"`` (the plan series and the
 committed, skipped and failed steps), ``"cost"`` (measured save times in ms beside the
-expected overhead of the plan and of Daly in s: use the chart's log scale) and ``"loss fit"``.
+expected overhead of the plan and of Daly in s: use the chart's log scale), ``"loss fit"`` and
+``"compression"`` (raw bytes / bytes written per save).
 A TensorBoard run shows one custom-scalars layout: on a writer that already has one (written by
 the host or the user), the one written last is shown.
 """
@@ -96,13 +97,13 @@ LAYOUT: Mapping[str, tuple[str, ...]] = {
         "coci/save/stall_ms",
         "coci/save/persist_ms",
         "coci/save/time_to_durable_ms",
-        "coci/save/compression_ratio",
         "coci/overhead/plan_wall_s",
         "coci/overhead/daly_wall_s",
         "coci/overhead/plan_objective_s",
         "coci/overhead/daly_objective_s",
     ),
     "loss fit": ("coci/loss/observed", "coci/loss/fitted"),
+    "compression": ("coci/save/compression_ratio",),
 }
 """Chart title -> the tags it draws, in the custom-scalars category :data:`LAYOUT_TITLE`."""
 

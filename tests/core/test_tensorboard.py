@@ -238,8 +238,8 @@ def test_loss_beside_fitted_loss(tmp_path: Path) -> None:
 def test_layout_named_coci_with_three_charts(
     tmp_path: Path, reports: dict[int, PlannerReport]
 ) -> None:
-    """The run holds one custom-scalars layout: category "coci" with the three multiline charts,
-    each drawing tags the telemetry writes."""
+    """The run holds one custom-scalars layout: category "coci" with the multiline charts, each
+    drawing tags the telemetry writes."""
     with TensorBoardTelemetry(tmp_path) as tele:
         tele(SaveEvent(step=5, outcome="committed", stall_s=0.01, persist_s=0.2))
         tele(SaveEvent(step=6, outcome="skipped"))
@@ -251,7 +251,7 @@ def test_layout_named_coci_with_three_charts(
     (category,) = layout.category
     assert category.title == LAYOUT_TITLE == "coci"
     charts = {c.title: list(c.multiline.tag) for c in category.chart}
-    assert list(charts) == ["planned vs actual", "cost", "loss fit"]
+    assert list(charts) == ["planned vs actual", "cost", "loss fit", "compression"]
     assert charts == {title: list(tags) for title, tags in LAYOUT.items()}
     assert {"coci/plan/next_step", "coci/plan/planned_step", "coci/save/committed_step"} <= set(
         charts["planned vs actual"]
@@ -266,6 +266,7 @@ def test_layout_named_coci_with_three_charts(
         "coci/overhead/daly_objective_s",
     } == set(charts["cost"])
     assert charts["loss fit"] == ["coci/loss/observed", "coci/loss/fitted"]
+    assert charts["compression"] == ["coci/save/compression_ratio"]
     written = set(acc.Tags()["scalars"])
     assert {t for tags in charts.values() for t in tags} <= written
 
