@@ -37,6 +37,7 @@ from coci_core.errors import ConfigError
 __all__ = ["MODES", "CompressionPolicy", "PieceEncoder", "check_policy"]
 
 PROBE_BYTES = 16 * 1024 * 1024
+_FLOATS = ("float16", "bfloat16", "float32", "float64")
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,12 @@ class _Pending:
 
 
 class PieceEncoder:
-    """Encodes one save's pieces; :meth:`finish` after the save committed (or failed)."""
+    """Encodes one save's pieces; :meth:`finish` after the save committed (or failed).
+
+    Deltas need the base in memory: under ``"lossless"``, ``"lossy"`` and a paying ``"auto"``
+    the writer keeps one host copy of this rank's share of the last base (or of the last lossy
+    reconstruction); otherwise only 16 bytes of hash per 64 KiB chunk.
+    """
 
     def __init__(self, policy: CompressionPolicy) -> None:
         self.policy = policy
@@ -212,11 +218,11 @@ class PieceEncoder:
             pending.quantized.append(memory.quant)
         if pending.full:
             # What the next deltas need of this base: its bytes (XOR, lossy) or its hashes.
-            if p.mode in ("lossless", "lossy") or (p.mode == "auto" and self._pays):
+            if p.mode == "lossy" and lossy_key and dtype in _FLOATS:
+                update.quant = QuantState()  # holds the one copy the quantized deltas need
+                update.quant.reset(data, pending.step)
+            elif p.mode in ("lossless", "lossy") or (p.mode == "auto" and self._pays):
                 update.base = np.array(data, dtype=np.uint8, copy=True)
-                if p.mode == "lossy" and dtype in ("float16", "bfloat16", "float32", "float64"):
-                    update.quant = QuantState()
-                    update.quant.reset(update.base, pending.step)
             else:
                 update.hashes = enc.hashes if enc is not None and enc.hashes else chunk_hashes(data)
             pending.updates[piece] = update
