@@ -30,12 +30,28 @@ def ckpt_dir(tmp_path: Path) -> Path:
 def test_ls_lists_steps_sizes_and_codecs(
     ckpt_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """ls prints one row per committed step with its size and codec."""
+    """ls prints one row per committed step with its size, ratio and codec."""
     assert main(["ls", str(ckpt_dir)]) == 0
     rows = capsys.readouterr().out.splitlines()
-    assert rows[0].split()[:3] == ["step", "size", "tensors"]
+    assert rows[0].split()[:4] == ["step", "size", "ratio", "tensors"]
     assert [r.split()[0] for r in rows[1:]] == ["5", "9"]
     assert all("coci.raw/1" in r for r in rows[1:])
+
+
+def test_ls_shows_compression_ratio_and_delta_bases(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A lossless delta shows its codecs, a ratio above 1 and the base it needs."""
+    w = torch.zeros(64, 1024)
+    with CheckpointManager(tmp_path, compression="lossless") as mgr:
+        mgr.save(1, {"w": w}).wait()
+        mgr.save(2, {"w": w + 1}).wait()
+    assert main(["ls", str(tmp_path)]) == 0
+    rows = capsys.readouterr().out.splitlines()
+    base, delta = rows[1], rows[2]
+    assert "coci.zstd/1" in base and "delta of" not in base
+    assert "coci.xor-zstd/1" in delta and "(delta of 1)" in delta
+    assert float(delta.split()[3].rstrip("x")) > 10
 
 
 def test_verify_ok_then_damaged(ckpt_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
