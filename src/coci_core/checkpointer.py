@@ -85,7 +85,9 @@ class Checkpointer:
             run's own restarts with a documented default.
         keep_last: committed checkpoints to keep.
         compression: ``"none"`` (default), ``"lossless"``, ``"lossy"`` or ``"auto"`` (see
-            docs/compression.md; knobs through ``manager_options["compression_options"]``).
+            docs/compression.md).
+        compression_options: its knobs (``full_every``, ``lossy_bits``, ...; see
+            :class:`~coci_core.compress.CompressionPolicy`).
         block: snapshot synchronously (True) or overlap the copy with the next forward and
             backward pass until ``before_update`` (False, the default).
         listeners: telemetry listeners for every save and restore event.
@@ -109,6 +111,7 @@ class Checkpointer:
         mtbf_s: float | None = None,
         keep_last: int | None = 3,
         compression: str | None = "none",
+        compression_options: Mapping[str, Any] | None = None,
         block: bool = False,
         listeners: Iterable[Listener] = (),
         planner_options: Mapping[str, Any] | None = None,
@@ -142,6 +145,7 @@ class Checkpointer:
             directory,
             keep_last=keep_last,
             compression=self.compression,
+            compression_options=compression_options,
             listeners=[self._on_event],
             **dict(manager_options or {}),
         )

@@ -36,7 +36,8 @@ from coci_core.errors import ConfigError
 
 __all__ = ["MODES", "CompressionPolicy", "PieceEncoder", "check_policy"]
 
-PROBE_BYTES = 16 * 1024 * 1024
+PROBE_BYTES = 4 * 1024 * 1024
+_OPTIMIZER_CHOICES = ("first_moment", "quantized", "lossless")
 _FLOATS = ("float16", "bfloat16", "float32", "float64")
 
 
@@ -49,20 +50,23 @@ class CompressionPolicy:
             (compress only where it shortens the time to durable).
         full_every: a base (no delta) every this many saves.
         max_lossy_generations: lossy deltas in a row before a lossless base is forced.
-        lossy_bits: 8, 4, 2 or ``"auto"`` (the fewest bits whose relative error of the
-            tensor's delta stays under ``lossy_target``).
+        lossy_bits: 8 (default), 4, 2 or ``"auto"`` (per tensor, the fewest bits whose
+            relative error of the delta stays under ``lossy_target``; it quantizes each delta
+            once per candidate, so it encodes several times slower).
         lossy_target: the relative error ``"auto"`` bits aim for.
-        lossy_optimizer: ``"quantized"`` or ``"lossless"`` for optimizer moments
-            (keys holding ``exp_avg``).
+        lossy_optimizer: for Adam's moments: ``"first_moment"`` (default: ``exp_avg``
+            quantized, ``exp_avg_sq`` lossless), ``"quantized"`` (both) or ``"lossless"``
+            (both). A positive second moment reconstructed as 0 makes Adam's next step
+            ``m / (sqrt(v) + eps)`` explode, which is why it is lossless by default.
         level: the zstd level.
     """
 
     mode: str = "none"
     full_every: int = 8
     max_lossy_generations: int = 8
-    lossy_bits: int | str = "auto"
+    lossy_bits: int | str = 8
     lossy_target: float = 1e-3
-    lossy_optimizer: str = "quantized"
+    lossy_optimizer: str = "first_moment"
     level: int = 1
 
     def __post_init__(self) -> None:
@@ -76,9 +80,9 @@ class CompressionPolicy:
             raise ConfigError(f"'lossy_bits' must be 8, 4, 2 or 'auto': {self.lossy_bits!r}")
         if not isinstance(self.lossy_target, (int, float)) or not 0 < self.lossy_target < 1:
             raise ConfigError(f"'lossy_target' must be in (0, 1): {self.lossy_target!r}")
-        if self.lossy_optimizer not in ("quantized", "lossless"):
+        if self.lossy_optimizer not in _OPTIMIZER_CHOICES:
             raise ConfigError(
-                f"'lossy_optimizer' must be 'quantized' or 'lossless': {self.lossy_optimizer!r}"
+                f"'lossy_optimizer' must be one of {_OPTIMIZER_CHOICES}: {self.lossy_optimizer!r}"
             )
         if type(self.level) is not int or not -7 <= self.level <= 22:
             raise ConfigError(f"'level' must be an integer in [-7, 22]: {self.level!r}")
@@ -134,6 +138,12 @@ class PieceEncoder:
         """Whether saves may store anything but raw bytes."""
         return self.policy.mode != "none"
 
+    @property
+    def writes_raw(self) -> bool:
+        """After :meth:`begin`: whether this save is written raw from the arena (``"auto"``
+        where compressing does not pay: as fast as ``"none"``, no deltas)."""
+        return self.policy.mode == "none" or (self.policy.mode == "auto" and not self._pays)
+
     def begin(self, step: int, probe: list[tuple[memoryview, str]]) -> None:
         """Decide whether this save is a base; ``probe``: (bytes, dtype) samples for "auto"."""
         p = self.policy
@@ -144,6 +154,7 @@ class PieceEncoder:
         )
         if p.mode == "auto" and (full or self._pays is None):
             self._pays = self._compression_pays(probe)
+            full = full or bool(self._pays)  # a delta needs a base that kept its bytes
         self._pending = _Pending(full=full, step=step)
 
     def _compression_pays(self, probe: list[tuple[memoryview, str]]) -> bool | None:
@@ -161,7 +172,10 @@ class PieceEncoder:
         if raw == 0 or seconds <= 0:
             return None
         return compression_pays(
-            encode_mbps=raw / seconds / 1e6, ratio=raw / max(1, stored), write_mbps=self.write_mbps
+            encode_mbps=raw / seconds / 1e6,
+            ratio=raw / max(1, stored),
+            write_mbps=self.write_mbps,
+            pipelined=True,  # the writer encodes the next piece while it writes this one
         )
 
     def encode(
@@ -181,7 +195,10 @@ class PieceEncoder:
                 base = "bytes"
             elif memory.hashes is not None:
                 base = "hashes"
-        lossy_key = p.lossy_optimizer == "quantized" or "exp_avg" not in key
+        lossy_key = "exp_avg" not in key or (
+            p.lossy_optimizer == "quantized"
+            or (p.lossy_optimizer == "first_moment" and "exp_avg_sq" not in key)
+        )
         mode: Any = p.mode if (p.mode != "lossy" or lossy_key) else "lossless"
         codec = choose_codec(dtype, data.nbytes, mode, base=base, compress_pays=bool(self._pays))
         update = _Memory()

@@ -16,6 +16,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -129,22 +130,34 @@ class _Pieces:
         return _chunks(snap)
 
     def encoded_stream(self, encoder: PieceEncoder) -> Iterator[memoryview]:
-        """Each piece encoded (on this thread) and written right after, back to back."""
+        """Each piece encoded and written back to back; the next piece is encoded (on a helper
+        thread: zstd and the hashes release the GIL) while this one is written."""
         snap = self.job.snapshot
-        offset = 0
-        for slot in snap.slots:
+
+        def encode(slot: Any) -> tuple[memoryview, Any]:
             leaf = snap.leaves[slot.leaf]
             data = snap.arena.memoryview(slot.offset, slot.offset + slot.nbytes)
-            enc = None
-            if slot.leaf < self.job.n_shared and leaf.kind != "torch_save":
-                dtype = encode_dtype(leaf.tensor.dtype)
-                where = (leaf.key, leaf.global_start + slot.start, slot.nbytes, dtype)
-                enc = encoder.encode(where, data, dtype, leaf.key)
-            stored = data if enc is None else memoryview(enc.data).cast("B")
-            self._place(slot, offset, stored, enc.params if enc is not None else None)
-            self.encoded = self.encoded or (enc is not None and _compressed(enc.params))
-            offset += stored.nbytes
-            yield stored
+            if slot.leaf >= self.job.n_shared or leaf.kind == "torch_save":
+                return data, None
+            dtype = encode_dtype(leaf.tensor.dtype)
+            where = (leaf.key, leaf.global_start + slot.start, slot.nbytes, dtype)
+            return data, encoder.encode(where, data, dtype, leaf.key)
+
+        offset = 0
+        with ThreadPoolExecutor(
+            1, "coci-encode", initializer=_lower_thread_priority, initargs=(5,)
+        ) as pool:
+            slots = list(snap.slots)
+            ahead = pool.submit(encode, slots[0]) if slots else None
+            for i, slot in enumerate(slots):
+                assert ahead is not None
+                data, enc = ahead.result()
+                ahead = pool.submit(encode, slots[i + 1]) if i + 1 < len(slots) else None
+                stored = data if enc is None else memoryview(enc.data).cast("B")
+                self._place(slot, offset, stored, enc.params if enc is not None else None)
+                self.encoded = self.encoded or (enc is not None and _compressed(enc.params))
+                offset += stored.nbytes
+                yield stored
 
     def _place(self, slot: Any, offset: int, stored: memoryview, params: Any) -> None:
         start = self.job.snapshot.leaves[slot.leaf].global_start + slot.start
@@ -222,6 +235,7 @@ def write_checkpoint(
     try:
         if encoder is not None and encoder.active:
             encoder.begin(job.step, _probe(job))
+        if encoder is not None and encoder.active and not encoder.writes_raw:
             data_bytes = storage.write_file(
                 f"{staging}/{file}", pieces.encoded_stream(encoder), aligned=False
             )

@@ -16,6 +16,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from coci_core.checkpointer import Checkpointer, adapter_planner_options
+from coci_core.compress import check_policy
 from coci_core.errors import ConfigError
 from coci_core.group import RankGroup
 from coci_core.manifest import step_dir_name
@@ -41,6 +42,8 @@ class CociCheckpoint(Checkpoint):
         keep_last: committed checkpoints to keep.
         compression: ``"none"`` (default), ``"lossless"``, ``"lossy"`` (opt-in, bounded
             error) or ``"auto"``; see docs/compression.md.
+        compression_options: the knobs of ``coci_core.compress.CompressionPolicy``
+            (``full_every``, ``lossy_bits``, ``max_lossy_generations``, ...).
         resume: continue from the newest committed checkpoint when ``fit`` gets no ckpt_path.
         every_n_steps, every_n_seconds: the interval of those policies (a cap for ``coci``).
         monitor: a logged metric to use as the loss (default: the training step's loss).
@@ -59,6 +62,7 @@ class CociCheckpoint(Checkpoint):
         mtbf_s: float | None = None,
         keep_last: int | None = 3,
         compression: str | None = "none",
+        compression_options: dict[str, Any] | None = None,
         resume: bool = False,
         every_n_steps: int | None = None,
         every_n_seconds: float | None = None,
@@ -88,6 +92,8 @@ class CociCheckpoint(Checkpoint):
         self.mtbf_s = mtbf_s
         self.keep_last = keep_last
         self.compression = compression or "none"
+        self.compression_options = dict(compression_options or {})
+        check_policy(self.compression, self.compression_options)  # errors at construction
         self.resume = resume
         self.monitor = monitor
         self.block = block
@@ -134,6 +140,7 @@ class CociCheckpoint(Checkpoint):
             mtbf_s=self.mtbf_s,
             keep_last=self.keep_last,
             compression=self.compression,
+            compression_options=self.compression_options,
             block=self.block,
             planner_options=options,
             rank=trainer.global_rank,

@@ -154,11 +154,12 @@ def test_lossy_error_stays_within_its_recorded_bound_and_bases_are_forced(tmp_pa
             bound = max(float(p.params["max_abs_error"]) for p in w.pieces)
             err = (restored["model"]["w"] - state["model"]["w"]).abs().max().item()
             assert 0 < err <= bound
-            # integers, booleans and the special values' exact bits are never lossy
+            # integers, booleans and Adam's second moment are never lossy (by default)
             assert _equal(restored["model"]["count"], state["model"]["count"])
-            assert bool((restored["optim"]["exp_avg_sq"] >= 0).all())
-        ratio = sum(e.raw_nbytes for e in mgr.manifest(3).tensors) / mgr.manifest(3).nbytes
-        assert ratio > 4
+            assert _equal(restored["optim"]["exp_avg_sq"], state["optim"]["exp_avg_sq"])
+            assert not _equal(restored["optim"]["exp_avg"], state["optim"]["exp_avg"])
+        w3 = manifest_entry(mgr.manifest(3), "/model/w")
+        assert w3.raw_nbytes / w3.nbytes > 3.5  # 8 bits and a few exact outliers per block
 
 
 def manifest_entry(manifest: Any, key: str) -> Any:
@@ -190,13 +191,9 @@ def test_auto_compresses_on_slow_storage_and_not_on_fast_disk(tmp_path: Path) ->
     with CheckpointManager(tmp_path / "fast", compression="auto") as mgr:
         fast = _save_all(mgr, noise)
     assert not any(e.compressed for e in fast)
-    # fast disk: no compression, but unchanged chunks are still not written again
-    frozen = {"frozen": torch.randn(1 << 20)}
-    with CheckpointManager(tmp_path / "frozen", compression="auto") as mgr:
-        events = _save_all(mgr, [frozen, frozen])
-        assert _equal(mgr.restore(), frozen)
-    assert events[1].bytes_written < 0.05 * events[0].bytes_written
-    assert os.path.getsize(tmp_path / "frozen" / step_dir_name(2) / "data-r0.bin") < 1 << 16
+    # on a fast disk "auto" writes raw from the arena, as "none" does
+    files = sorted((tmp_path / "fast").glob("step-*/data-r0.bin"))
+    assert [os.path.getsize(f) for f in files] == [4 << 20] * 3
 
 
 def test_bad_compression_arguments(tmp_path: Path) -> None:

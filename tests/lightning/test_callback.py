@@ -224,6 +224,7 @@ def test_resume_with_nothing_committed_starts_fresh(
         ({"mtbf_s": -1.0}, "'mtbf_s'"),
         ({"objective": "speed"}, "'objective'"),
         ({"compression": "zstd"}, "'compression'"),
+        ({"compression": "lossy", "compression_options": {"lossy_bits": 3}}, "'lossy_bits'"),
         ({"policy": "every_n_steps"}, "'every_n_steps' must be given"),
         ({"resume": "yes"}, "'resume' must be a bool"),
     ],
