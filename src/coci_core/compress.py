@@ -238,9 +238,9 @@ class PieceEncoder:
             if p.mode == "lossy" and lossy_key and dtype in _FLOATS:
                 update.quant = QuantState()  # holds the one copy the quantized deltas need
                 update.quant.reset(data, pending.step)
-            elif p.mode in ("lossless", "lossy") or (p.mode == "auto" and self._pays):
+            elif dtype in _FLOATS and (p.mode in ("lossless", "lossy") or self._pays):
                 update.base = np.array(data, dtype=np.uint8, copy=True)
-            else:
+            else:  # integers, booleans: the chunks that changed (an XOR compresses no better)
                 update.hashes = enc.hashes if enc is not None and enc.hashes else chunk_hashes(data)
             pending.updates[piece] = update
         return enc

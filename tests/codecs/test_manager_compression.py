@@ -36,7 +36,12 @@ def _states(n: int) -> list[dict[str, Any]]:
         w = w + 1e-3 * torch.randn(w.shape, generator=g)
         states.append(
             {
-                "model": {"w": w.clone(), "frozen": frozen, "count": torch.arange(5000) + i},
+                "model": {
+                    "w": w.clone(),
+                    "frozen": frozen,
+                    "count": torch.arange(5000) + i,
+                    "ids": torch.arange(100_000),  # a frozen integer buffer
+                },
                 "optim": {"exp_avg": w * 0.1, "exp_avg_sq": (w * w) * 0.01},
                 "special": {str(d): _special(d) for d in FLOATS},
                 "flags": torch.ones(100, dtype=torch.bool),
@@ -89,6 +94,11 @@ def test_exact_modes_round_trip_every_step_bit_for_bit(tmp_path: Path, mode: str
         delta, base = events[1].bytes_written, events[0].bytes_written
         assert delta < 0.6 * base  # the frozen half and the drift compress to little
         assert base < events[0].raw_bytes  # shuffle + zstd alone is smaller than raw
+        with CheckpointManager(tmp_path) as mgr:
+            ids = manifest_entry(mgr.manifest(2), "/model/ids")
+        # chunk-incremental: an unchanged integer buffer costs its chunk hashes only
+        assert ids.codec == "coci.chunks/1"
+        assert ids.nbytes < 0.01 * ids.raw_nbytes
 
 
 def test_damaged_base_is_detected_and_restore_falls_back(tmp_path: Path) -> None:
