@@ -36,7 +36,7 @@ from coci_core.errors import ConfigError
 
 __all__ = ["MODES", "CompressionPolicy", "PieceEncoder", "check_policy"]
 
-PROBE_BYTES = 4 * 1024 * 1024
+PROBE_BYTES = 1024 * 1024
 _OPTIMIZER_CHOICES = ("first_moment", "quantized", "lossless")
 _FLOATS = ("float16", "bfloat16", "float32", "float64")
 
@@ -163,6 +163,7 @@ class PieceEncoder:
         raw = stored = 0
         started = time.perf_counter()
         for data, dtype in probe:
+            data = data[:PROBE_BYTES]
             enc = encode_lossless(data, dtype, level=self.policy.level)
             raw += data.nbytes
             stored += enc.nbytes
@@ -244,6 +245,11 @@ class PieceEncoder:
                 update.hashes = enc.hashes if enc is not None and enc.hashes else chunk_hashes(data)
             pending.updates[piece] = update
         return enc
+
+    @property
+    def base_step(self) -> int | None:
+        """The step the next deltas are taken against (None: the next save is a base)."""
+        return self._base_step
 
     def finish(self, *, committed: bool, raw_bytes: int, stored_bytes: int, write_s: float) -> None:
         """Update the memory after the save: a failed save is forgotten and the next one is a

@@ -463,7 +463,11 @@ class CheckpointManager:
             if self.keep_last is not None:
                 steps = committed_steps(self.storage)
                 kept = steps[max(0, len(steps) - self.keep_last) :]
-                needed = self._bases_of(kept)
+                # The newest save's bases, and the base the next deltas will use, are needed
+                # even when older runs left higher step numbers in the directory.
+                needed = self._bases_of([*kept, newest])
+                if self._encoder.base_step is not None:
+                    needed.add(self._encoder.base_step)
                 for step in steps[: max(0, len(steps) - self.keep_last)]:
                     if step != newest and step not in needed:
                         self.storage.remove_dir(step_dir_name(step))

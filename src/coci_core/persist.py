@@ -231,10 +231,10 @@ def write_checkpoint(
     pieces = _Pieces(job, file)
     final = step_dir_name(job.step)
     staging = storage.staging_dir(final, job.token)
-    started = time.perf_counter()
     try:
         if encoder is not None and encoder.active:
             encoder.begin(job.step, _probe(job))
+        started = time.perf_counter()  # the write (and encoding), not the probe
         if encoder is not None and encoder.active and not encoder.writes_raw:
             data_bytes = storage.write_file(
                 f"{staging}/{file}", pieces.encoded_stream(encoder), aligned=False

@@ -213,3 +213,17 @@ def test_bad_compression_arguments(tmp_path: Path) -> None:
         CheckpointManager(tmp_path, compression="lossless", compression_options={"full_every": 0})
     with pytest.raises(ConfigError, match="'lossy_bits' must be 8, 4, 2 or 'auto'"):
         CheckpointManager(tmp_path, compression="lossy", compression_options={"lossy_bits": 3})
+
+
+def test_retention_keeps_the_base_of_new_deltas_below_older_steps(tmp_path: Path) -> None:
+    """A directory that already holds higher steps (an older run's): the new run's base is
+    kept for its deltas although it is not among the newest steps by number."""
+    states = _states(3)
+    with CheckpointManager(tmp_path, keep_last=None) as old:
+        for step in (10, 11, 12):
+            old.save(step, states[0]).wait()
+    with CheckpointManager(tmp_path, keep_last=3, compression="lossless") as mgr:
+        for step, state in zip((1, 2, 3), states, strict=True):
+            assert mgr.save(step, state).wait().outcome == "committed"
+        assert 1 in mgr.steps()
+        assert _equal(mgr.restore(step=3), states[2])

@@ -36,9 +36,9 @@ def time_to_durable(
 ) -> float:
     """Seconds to encode and write ``nbytes`` (``encode_mbps=None``: written raw).
 
-    Not pipelined (the writer encodes a piece, then writes it, in one thread: coci's writer
-    today) the times add: ``n/encode + n/ratio/write``. Pipelined (piece i+1 encoded while piece i
-    is written) the slower stage dominates: ``max(n/encode, n/ratio/write)``. MB/s are 1e6 B/s.
+    Not pipelined (a writer that encodes a piece, then writes it, in one thread) the times add:
+    ``n/encode + n/ratio/write``. Pipelined (piece i+1 encoded while piece i is written: coci's
+    writer) the slower stage dominates: ``max(n/encode, n/ratio/write)``. MB/s are 1e6 B/s.
     """
     if write_mbps <= 0 or ratio <= 0 or (encode_mbps is not None and encode_mbps <= 0):
         raise ConfigError("speeds and ratio must be positive")
@@ -92,8 +92,8 @@ def choose_codec(
       else plain zstd (an XOR of integers compresses no better than the chunks).
     - ``"lossy"``: float dtypes with a reference: quantized delta; else as ``"lossless"``.
     - ``"auto"``: as ``"lossless"`` when it pays, else chunk-incremental when hashes are known
-      (hashing is ~20 GB/s, it only ever removes bytes; call it with ``compress=False``), else
-      raw.
+      (with ``compress=False``), else raw. (coci's writer does not call this for a save under
+      ``"auto"`` that does not pay: it writes the arena raw, the fastest path.)
     """
     if mode not in MODES:
         raise ConfigError(f"compression must be one of {MODES}, got {mode!r}")

@@ -13,6 +13,7 @@ from coci_core.errors import StorageError
 __all__ = ["LocalStorage"]
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
+SYNC_EVERY_BYTES = 32 * 1024 * 1024
 
 
 class LocalStorage:
@@ -50,9 +51,16 @@ class LocalStorage:
             target.parent.mkdir(parents=True, exist_ok=True)
             fd = self._open_for_write(target, direct=aligned and self.direct_io)
             try:
-                written = 0
+                written = unsynced = 0
                 for chunk in chunks:
-                    written += _write_all(fd, chunk)
+                    n = _write_all(fd, chunk)
+                    written += n
+                    unsynced += n
+                    if unsynced >= SYNC_EVERY_BYTES:
+                        # Push buffered bytes to the disk now, while the producer of the next
+                        # chunk (an encoder) works, instead of all at once in the final fsync.
+                        os.fdatasync(fd)
+                        unsynced = 0
                 os.fsync(fd)
             finally:
                 os.close(fd)
