@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Compression in the engine on real checkpoint sequences (issue 7, docs/compression.md).
 
-Run (about 5-8 minutes on a loaded 2-core machine; it only writes under --dir):
+Run (about 4-8 minutes on a loaded 2-core machine; it only writes under --dir):
 
     PYTHONPATH=src python benchmarks/compression_bench.py --dir /work/bench-tmp/compression
 
@@ -20,7 +20,8 @@ The full state (``model.state_dict()`` and ``optimizer.state_dict()``) is captur
 steps of each sequence: every step (steps 385-400), every 10 steps (250-400) and every 100 steps
 (100-400) of the 400 training steps; every 10 steps (10-160) of the fine-tune. Each sequence is
 then saved, state by state, through one ``CheckpointManager`` per mode (none, lossless, lossy,
-auto, and lossy with ``lossy_bits=2``), by plain zstd (level 3 of each tensor's bytes, one file,
+auto, and lossy with ``lossy_bits=2, lossy_optimizer="quantized"``, the most aggressive
+setting), by plain zstd (level 3 of each tensor's bytes, one file,
 fsync) and by ``torch.distributed.checkpoint.save`` with and without its ``ZStandard`` stream
 extension. For each state the methods run in an order rotated by one, each save waited for
 (``save(...).wait()``) before the next, so they see the same load. Then the last step is
@@ -77,11 +78,14 @@ FT_SCHEDULE = list(range(10, FT_STEPS + 1, 10))
 COCI = {
     "none": ("none", None),
     "lossless": ("lossless", None),
+    # lossy defaults: 8 bits, Adam's exp_avg quantized, exp_avg_sq lossless
     "lossy": ("lossy", None),
-    "lossy_b2": ("lossy", {"lossy_bits": 2}),
+    # the most aggressive setting: 2 bits, both Adam moments quantized
+    "lossy_b2q": ("lossy", {"lossy_bits": 2, "lossy_optimizer": "quantized"}),
     "auto": ("auto", None),
 }
 OTHER = ("zstd3", "dcp_zstd", "dcp")
+B2Q = {"lossy_bits": 2, "lossy_optimizer": "quantized"}
 
 
 def uptime() -> str:
@@ -114,8 +118,9 @@ class Block(torch.nn.Module):
 class GPT(torch.nn.Module):
     """A small decoder-only transformer (learned positions, untied head)."""
 
-    def __init__(self, vocab: int = 256, d: int = 256, heads: int = 4, layers: int = 4,
-                 context: int = 32) -> None:
+    def __init__(
+        self, vocab: int = 256, d: int = 256, heads: int = 4, layers: int = 4, context: int = 32
+    ) -> None:
         super().__init__()
         self.tok = torch.nn.Embedding(vocab, d)
         self.pos = torch.nn.Embedding(context, d)
@@ -187,8 +192,13 @@ def digits_run(steps: int, wanted: set[int]) -> tuple[dict[int, State], Callable
 
 def gpt_runs(
     steps: int, wanted: set[int], ft_steps: int, ft_wanted: set[int]
-) -> tuple[dict[int, State], dict[int, State], Callable[[State], float],
-           Callable[[State], float], dict[str, Any]]:
+) -> tuple[
+    dict[int, State],
+    dict[int, State],
+    Callable[[State], float],
+    Callable[[State], float],
+    dict[str, Any],
+]:
     vocab, context, batch = 256, 32, 8
     pre, post = MarkovTokens(vocab, 1), MarkovTokens(vocab, 2)
     g = torch.Generator().manual_seed(0)
@@ -201,8 +211,9 @@ def gpt_runs(
         logits = m(seq[:, :-1])
         return torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), seq[:, 1:].reshape(-1))
 
-    def train(m: torch.nn.Module, opt: torch.optim.Optimizer, chain: MarkovTokens, n: int,
-              want: set[int]) -> dict[int, State]:
+    def train(
+        m: torch.nn.Module, opt: torch.optim.Optimizer, chain: MarkovTokens, n: int, want: set[int]
+    ) -> dict[int, State]:
         out = {}
         for step in range(1, n + 1):
             loss = loss_of(m, chain.sample(batch, context + 1, g))
@@ -445,8 +456,9 @@ def manifest_info(mgr: CheckpointManager, step: int) -> dict[str, Any]:
     }
 
 
-def replay(name: str, seq: Seq, accuracy: Callable[[State], float], root: Path,
-           methods: list[str]) -> dict[str, Any]:
+def replay(
+    name: str, seq: Seq, accuracy: Callable[[State], float], root: Path, methods: list[str]
+) -> dict[str, Any]:
     base = root / name
     shutil.rmtree(base, ignore_errors=True)
     base.mkdir(parents=True)
@@ -454,8 +466,9 @@ def replay(name: str, seq: Seq, accuracy: Callable[[State], float], root: Path,
     for m in methods:
         if m in COCI:
             mode, opts = COCI[m]
-            mgrs[m] = CheckpointManager(base / m, compression=mode, compression_options=opts,
-                                        keep_last=3)
+            mgrs[m] = CheckpointManager(
+                base / m, compression=mode, compression_options=opts, keep_last=3
+            )
             timers[m] = Timed(mgrs[m])
         else:
             (base / m).mkdir()
@@ -463,23 +476,27 @@ def replay(name: str, seq: Seq, accuracy: Callable[[State], float], root: Path,
     raws = [raw_bytes(state) for _, state in seq]
     up_before = uptime()
     for i, (step, state) in enumerate(seq):
-        order = methods[i % len(methods):] + methods[: i % len(methods)]
+        order = methods[i % len(methods) :] + methods[: i % len(methods)]
         for m in order:
             rec: dict[str, Any] = {"step": step, "raw_state_bytes": raws[i]}
             if m in COCI:
                 ev = mgrs[m].save(step, state).wait()
                 enc_s, begin_s = timers[m].take()
                 rec.update(
-                    time_to_durable_s=ev.time_to_durable_s, persist_s=ev.persist_s,
-                    copy_s=ev.copy_s, bytes_written=ev.bytes_written, raw_bytes=ev.raw_bytes,
-                    compressed=ev.compressed, encode_s=enc_s, begin_s=begin_s,
+                    time_to_durable_s=ev.time_to_durable_s,
+                    persist_s=ev.persist_s,
+                    copy_s=ev.copy_s,
+                    bytes_written=ev.bytes_written,
+                    raw_bytes=ev.raw_bytes,
+                    compressed=ev.compressed,
+                    encode_s=enc_s,
+                    begin_s=begin_s,
                     **manifest_info(mgrs[m], step),
                 )
             elif m == "zstd3":
                 rec.update(zstd_save(base / m, step, state), raw_bytes=raws[i])
             else:
-                rec.update(dcp_save(base / m, step, state, zstd=m == "dcp_zstd"),
-                           raw_bytes=raws[i])
+                rec.update(dcp_save(base / m, step, state, zstd=m == "dcp_zstd"), raw_bytes=raws[i])
                 old = sorted(base.joinpath(m).iterdir(), key=lambda p: int(p.name[5:]))[:-3]
                 for p in old:
                     shutil.rmtree(p)
@@ -502,7 +519,9 @@ def replay(name: str, seq: Seq, accuracy: Callable[[State], float], root: Path,
         seconds = time.perf_counter() - t
         exact, diff = compare(last_state, restored)
         restores[m] = {
-            "seconds": seconds, "exact": exact, "max_abs_diff": diff,
+            "seconds": seconds,
+            "exact": exact,
+            "max_abs_diff": diff,
             "accuracy": exact_acc if exact else accuracy(restored),
         }
         if m in COCI and not exact:
@@ -512,9 +531,14 @@ def replay(name: str, seq: Seq, accuracy: Callable[[State], float], root: Path,
         mgr.close()
     shutil.rmtree(base, ignore_errors=True)
     return {
-        "name": name, "steps": [s for s, _ in seq], "raw_state_bytes": raws,
-        "exact_accuracy": exact_acc, "saves": saves, "restores": restores,
-        "uptime_before": up_before, "uptime_after": uptime(),
+        "name": name,
+        "steps": [s for s, _ in seq],
+        "raw_state_bytes": raws,
+        "exact_accuracy": exact_acc,
+        "saves": saves,
+        "restores": restores,
+        "uptime_before": up_before,
+        "uptime_after": uptime(),
     }
 
 
@@ -566,8 +590,10 @@ def summarize(run: dict[str, Any]) -> dict[str, dict[str, Any]]:
 def _tiny_cnn() -> torch.nn.Module:
     return torch.nn.Sequential(
         torch.nn.Unflatten(1, (1, 8, 8)),
-        torch.nn.Conv2d(1, 16, 3), torch.nn.ReLU(),
-        torch.nn.Conv2d(16, 32, 3), torch.nn.ReLU(),
+        torch.nn.Conv2d(1, 16, 3),
+        torch.nn.ReLU(),
+        torch.nn.Conv2d(16, 32, 3),
+        torch.nn.ReLU(),
         torch.nn.Flatten(),
         torch.nn.Linear(32 * 4 * 4, 10),
     )
@@ -582,9 +608,14 @@ class _Flat(torch.nn.Module):
         return self.net(x.reshape(-1, 1, 8, 8))
 
 
-def lossy_restores(model_name: str, directory: Path | None, options: dict[str, Any] | None,
-                   steps: int = 400, save_every: int = 10, restore_every: int = 40
-                   ) -> dict[str, Any]:
+def lossy_restores(
+    model_name: str,
+    directory: Path | None,
+    options: dict[str, Any] | None,
+    steps: int = 400,
+    save_every: int = 10,
+    restore_every: int = 40,
+) -> dict[str, Any]:
     from sklearn.datasets import load_digits
 
     x, y = load_digits(return_X_y=True)
@@ -597,8 +628,9 @@ def lossy_restores(model_name: str, directory: Path | None, options: dict[str, A
     mgr = None
     if directory is not None:
         shutil.rmtree(directory, ignore_errors=True)
-        mgr = CheckpointManager(directory, compression="lossy", keep_last=2,
-                                compression_options=options)
+        mgr = CheckpointManager(
+            directory, compression="lossy", keep_last=2, compression_options=options
+        )
     saves, restores, restore_s = [], 0, 0.0
     for step in range(1, steps + 1):
         g = torch.Generator().manual_seed(step)
@@ -610,11 +642,16 @@ def lossy_restores(model_name: str, directory: Path | None, options: dict[str, A
         if mgr is not None and step % save_every == 0:
             ev = mgr.save(step, {"model": model.state_dict(), "optim": optim.state_dict()}).wait()
             info = manifest_info(mgr, step)
-            saves.append({
-                "step": step, "bytes_written": ev.bytes_written, "raw_bytes": ev.raw_bytes,
-                "time_to_durable_s": ev.time_to_durable_s,
-                "lossy": "coci.qdelta/1" in info["codec_raw"], **info,
-            })
+            saves.append(
+                {
+                    "step": step,
+                    "bytes_written": ev.bytes_written,
+                    "raw_bytes": ev.raw_bytes,
+                    "time_to_durable_s": ev.time_to_durable_s,
+                    "lossy": "coci.qdelta/1" in info["codec_raw"],
+                    **info,
+                }
+            )
         if mgr is not None and step % restore_every == 0:
             t = time.perf_counter()
             mgr.restore(into={"model": model, "optim": optim})
@@ -625,8 +662,13 @@ def lossy_restores(model_name: str, directory: Path | None, options: dict[str, A
         shutil.rmtree(directory, ignore_errors=True)  # type: ignore[arg-type]
     with torch.no_grad():
         acc = float((model(test_x).argmax(1) == test_y).float().mean())
-    out: dict[str, Any] = {"model": model_name, "options": options, "accuracy": acc,
-                           "restores": restores, "saves": saves}
+    out: dict[str, Any] = {
+        "model": model_name,
+        "options": options,
+        "accuracy": acc,
+        "restores": restores,
+        "saves": saves,
+    }
     if saves:
         lossy = [s for s in saves if s["lossy"]]
         q_raw = sum(s["codec_raw"].get("coci.qdelta/1", 0) for s in saves)
@@ -684,9 +726,12 @@ def tables(res: dict[str, Any]) -> str:
                 f"{_f(err, '.2e') if err else '-'} | {r['restore_accuracy']:.4f} |"
             )
         mix = {m: r.get("codec_mix_steady") for m, r in summ.items() if r.get("codec_mix_steady")}
-        lines.append("\nCodec mix (share of raw bytes, steady state): " + "; ".join(
-            f"{m}: " + ", ".join(f"{k} {v:.0%}" for k, v in mx.items()) for m, mx in mix.items()
-        ))
+        lines.append(
+            "\nCodec mix (share of raw bytes, steady state): "
+            + "; ".join(
+                f"{m}: " + ", ".join(f"{k} {v:.0%}" for k, v in mx.items()) for m, mx in mix.items()
+            )
+        )
         if "auto" in summ:
             a = summ["auto"]
             lines.append(
@@ -711,7 +756,8 @@ def tables(res: dict[str, Any]) -> str:
             f"{100 * (r['accuracy'] - ref):+.2f} | {r['restores']} | {r['lossy_saves']} | "
             f"{r['ratio_lossy_saves']:.1f} | {_f(r['ratio_qdelta_pieces'], '.1f')} | "
             f"{r['ratio_all_saves']:.1f} | {r['max_abs_error']:.2e} | "
-            + ", ".join(f"{b}: {v / tot:.0%}" for b, v in sorted(bits.items())) + " |"
+            + ", ".join(f"{b}: {v / tot:.0%}" for b, v in sorted(bits.items()))
+            + " |"
         )
     lines.append(
         "\nReference (no restores): "
@@ -768,8 +814,9 @@ def main() -> None:
     for model, states, acc in (("digits", d_states, d_acc), ("gpt", g_states, g_acc)):
         for sname, steps in scheds.items():
             sequences.append((f"{model}-{sname}", [(s, states[s]) for s in steps], acc))
-    sequences.append(("gpt-finetune-half-frozen-every10", [(s, ft_states[s]) for s in ft_sched],
-                      ft_acc))
+    sequences.append(
+        ("gpt-finetune-half-frozen-every10", [(s, ft_states[s]) for s in ft_sched], ft_acc)
+    )
     res["replays"] = []
     for name, seq, acc in sequences:
         log(f"replay {name} ({uptime()})")
@@ -780,11 +827,12 @@ def main() -> None:
     log(f"10 lossy restores ({uptime()})")
     lr: dict[str, Any] = {"uptime_before": uptime(), "reference": {}, "runs": []}
     configs = [
-        ("test_cnn", None),
-        ("test_cnn", {"lossy_bits": 2}),
-        ("test_cnn", {"lossy_bits": 2, "full_every": 40, "max_lossy_generations": 40}),
+        ("test_cnn", None),  # defaults: 8 bits, exp_avg_sq lossless
+        ("test_cnn", B2Q),
+        ("test_cnn", {**B2Q, "full_every": 40, "max_lossy_generations": 40}),
         ("digits_cnn", None),
-        ("digits_cnn", {"lossy_bits": 2}),
+        ("digits_cnn", {"lossy_bits": 2}),  # 2 bits, exp_avg_sq still lossless
+        ("digits_cnn", B2Q),
     ]
     if args.quick:
         configs = configs[:2]
@@ -793,9 +841,11 @@ def main() -> None:
         lr["reference"][model] = lossy_restores(model, None, None, steps=steps)["accuracy"]
     for model, opts in configs:
         r = lossy_restores(model, root / "lossy-restores", opts, steps=steps)
-        log(f"  {model} {opts}: accuracy {r['accuracy']:.4f} "
+        log(
+            f"  {model} {opts}: accuracy {r['accuracy']:.4f} "
             f"(reference {lr['reference'][model]:.4f}), ratio of lossy saves "
-            f"{r.get('ratio_lossy_saves', 0):.1f}")
+            f"{r.get('ratio_lossy_saves', 0):.1f}"
+        )
         lr["runs"].append(r)
     lr["uptime_after"] = uptime()
     res["lossy_restores"] = lr
