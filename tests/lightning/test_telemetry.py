@@ -53,7 +53,7 @@ def test_panel_written_through_the_trainers_tensorboard_logger(tmp_path: Path) -
     layout.ParseFromString(layout_events[-1].tensor_proto.string_val[0])
     assert [c.title for c in layout.category] == ["coci"]
     charts = [chart.title for chart in layout.category[0].chart]
-    assert charts == ["planned vs actual", "cost", "loss fit"]
+    assert charts == ["planned vs actual", "cost", "loss fit", "compression"]
 
 
 def test_without_a_logger_coci_writes_its_own_tensorboard_run(tmp_path: Path) -> None:
