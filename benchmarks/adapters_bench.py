@@ -289,7 +289,12 @@ def run_accelerate(method: str, cfg: dict[str, Any], a: argparse.Namespace, d: P
     ckpt = None
     if method == "coci_every_k":
         ckpt = CociCheckpointer(
-            accelerator, d / "coci", policy="every_n_steps", every_n_steps=a.every, keep_last=3
+            accelerator,
+            d / "coci",
+            policy="every_n_steps",
+            every_n_steps=a.every,
+            keep_last=3,
+            block=a.coci_block,
         )
     starts: dict[int, float] = {}
     saved: list[int] = []
@@ -599,6 +604,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--methods", default="", help="only these methods (comma-separated)")
     p.add_argument("--quick", action="store_true", help="1 repetition of 60 steps")
+    p.add_argument(
+        "--coci-block", action="store_true", help="coci snapshots on the training thread"
+    )
     p.add_argument("--out", default=None)
     p.add_argument("--report", default=None, help="print the tables of an earlier results file")
     a = p.parse_args()
