@@ -182,6 +182,12 @@ class CheckpointManager:
             if not callable(listener):
                 raise ConfigError(f"'listeners' must be callables, got {listener!r}")
         self.storage = open_storage(directory, **dict(storage_options or {}))
+        if group.world_size > 1 and self.storage.staging_dir("step-x", "t") == "step-x":
+            raise ConfigError(
+                f"several ranks cannot write one checkpoint to {self.storage.url!r} yet: it has "
+                "no atomic rename, so the ranks would share one directory before the commit; "
+                "use a local or shared file system path"
+            )
         self.keep_last = keep_last
         self.on_busy = on_busy
         self.strict = bool(strict)
@@ -262,6 +268,11 @@ class CheckpointManager:
         flat = flatten_state(state, allow_torch_save=self.allow_torch_save)
         own = self._flatten_per_rank(state, per_rank)
         leaves = flat.leaves + (own.leaves if own else ())
+        if alone and any(leaf.owned and leaf.shape != leaf.tensor.shape for leaf in flat.leaves):
+            raise ConfigError(
+                "an 'alone' save cannot hold shards of DTensors: the other ranks' rows are not "
+                "written (save a full state dict instead)"
+            )
         regions = None if alone else self._regions(flat.leaves, leaves)
         snapshot = self._snapshotter.prepare(leaves, regions)
         handle = SaveHandle(step, block=block, started=started, snapshot=snapshot)

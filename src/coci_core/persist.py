@@ -98,7 +98,7 @@ def _chunks(snap: Snapshot) -> Iterator[memoryview]:
 
 
 def _entry(leaf: ArrayLeaf, pieces: list[Piece]) -> TensorEntry:
-    codecs = {str(p.params["codec"]) for p in pieces if p.params} or {RAW_CODEC}
+    codecs = {str(p.params["codec"]) if p.params else RAW_CODEC for p in pieces} or {RAW_CODEC}
     return TensorEntry(
         key=leaf.key,
         kind=leaf.kind,

@@ -120,7 +120,11 @@ class _Reader:
                 )
             target = out[piece.start : piece.start + piece.length]
             raw = piece.params is None
-            if raw and entry.codec not in ("coci.raw/1", "mixed"):
+            if (
+                raw
+                and entry.codec not in ("coci.raw/1", "mixed")
+                and not any(q.params for q in entry.pieces)
+            ):
                 from_descriptor(entry.codec)  # an unknown codec name is refused
             if raw and piece.nbytes != piece.length:
                 raise CorruptCheckpointError(
@@ -151,9 +155,10 @@ class _Reader:
                 base = None
                 if needs_base(piece.params):
                     base_step = piece.params.get("base_step")
-                    if type(base_step) is not int:
+                    if type(base_step) is not int or not 0 <= base_step < step:
                         raise CorruptCheckpointError(
-                            f"step {step}: a delta piece of {entry.key!r} names no base step",
+                            f"step {step}: a delta piece of {entry.key!r} names no earlier base "
+                            f"step ({base_step!r})",
                             step=step,
                             bad=[entry.key],
                         )

@@ -17,7 +17,7 @@ from typing_extensions import override
 
 from coci_core.checkpointer import Checkpointer, adapter_planner_options
 from coci_core.compress import check_policy
-from coci_core.errors import ConfigError
+from coci_core.errors import CociError, ConfigError
 from coci_core.group import RankGroup
 from coci_core.manifest import step_dir_name
 from coci_core.restore import committed_steps
@@ -285,7 +285,10 @@ class CociCheckpoint(Checkpoint):
         if self.save_on_exception and trainer.state.fn == "fit":
             # Another rank may not be here (the exception may be this rank's own): rank 0
             # saves by itself instead of waiting for the others' shares.
-            self._save(trainer, block=True, alone=True)
+            try:
+                self._save(trainer, block=True, alone=True)
+            except CociError as e:  # never hide the exception that stopped training
+                rank_zero_warn(f"coci: no checkpoint saved on the exception: {e}")
         self.teardown(trainer, pl_module, "fit")  # Lightning skips teardown hooks on errors
 
     @override

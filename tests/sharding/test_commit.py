@@ -244,3 +244,28 @@ def test_compressed_sharded_saves_round_trip(tmp_path: Path, mode: str) -> None:
     else:
         assert torch.allclose(restored["emb"], states[-1]["emb"], atol=1e-3)  # type: ignore[arg-type]
         assert torch.equal(restored["nested"]["b"], states[-1]["nested"]["b"])  # type: ignore[index]
+
+
+def test_a_tensor_with_raw_and_compressed_pieces_restores(tmp_path: Path) -> None:
+    """A chunk boundary leaves one rank a piece under 4 KiB (stored raw) and the other a large
+    one (compressed): the entry is "mixed" and restores exactly."""
+    w = torch.zeros(CHUNK // 4 + 256)  # rank 0: one chunk (compressed); rank 1: 1 KiB (raw)
+    r0, r1 = _managers(tmp_path, 2, compression="lossless")
+    for h in [m.save(1, {"w": w}) for m in (r0, r1)]:
+        h.wait(timeout_s=60)
+    r0.close()
+    r1.close()
+    with CheckpointManager(tmp_path) as one:
+        (entry,) = one.manifest(1).tensors
+        assert entry.codec == "mixed"
+        assert {p.params["codec"] if p.params else "raw" for p in entry.pieces} == {
+            "coci.zstd/1",
+            "raw",
+        }
+        assert torch.equal(one.restore()["w"], w)
+        assert one.verify() == {1: []}
+
+
+def test_sharded_saves_to_storage_without_rename_are_refused() -> None:
+    with pytest.raises(ConfigError, match="several ranks cannot write one checkpoint"):
+        CheckpointManager("memory://sharded-refused", group=RankGroup(0, 2, "s"))
