@@ -7,6 +7,8 @@ from collections.abc import Iterator
 
 import pytest
 
+_WRITER_THREADS = ("coci-persist", "coci-persist-ahead", "coci-telemetry")
+
 
 @pytest.fixture(autouse=True)
 def _no_leaked_writer_threads() -> Iterator[None]:
@@ -16,6 +18,6 @@ def _no_leaked_writer_threads() -> Iterator[None]:
     leaked = [
         t.name
         for t in threading.enumerate()
-        if t.ident not in before and t.name in ("coci-persist", "coci-telemetry") and t.is_alive()
+        if t.ident not in before and t.name in _WRITER_THREADS and t.is_alive()
     ]
     assert not leaked, f"writer threads left running (close the CheckpointManager): {leaked}"

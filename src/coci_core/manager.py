@@ -60,6 +60,7 @@ class SaveHandle:
         self._event: SaveEvent | None = None
         self._error: BaseException | None = None
         self._reported = False
+        self._returned = threading.Event()  # save() has returned: _stall_s is final
 
     def __repr__(self) -> str:
         state = self._event.outcome if self._event else "pending"
@@ -276,9 +277,6 @@ class CheckpointManager:
         regions = None if alone else self._regions(flat.leaves, leaves)
         snapshot = self._snapshotter.prepare(leaves, regions)
         handle = SaveHandle(step, block=block, started=started, snapshot=snapshot)
-        if block:
-            self._snapshotter.copy(snapshot)
-            snapshot.wait_copied()
         job = PersistJob(
             step,
             snapshot,
@@ -290,11 +288,24 @@ class CheckpointManager:
             rank_tree=own.tree if own else None,
             layout=_layout_digest(flat.leaves, self.chunk_bytes) if regions else "",
             group=group,
+            copy_in_writer=not block,
         )
         self._saves += 0 if alone else 1
         self._inflight = handle
-        handle._stall_s = time.perf_counter() - started
+        # Submitted before the copy: the writer writes each chunk of the arena as soon as it
+        # is copied, so the write overlaps the copy instead of following it.
         self._worker.submit((job, handle))
+        try:
+            if block:
+                self._snapshotter.copy(snapshot)
+                try:
+                    snapshot.wait_copied()
+                except BaseException:
+                    handle._reported = True  # raised here; the failed job must not raise it again
+                    raise
+        finally:
+            handle._stall_s = time.perf_counter() - started
+            handle._returned.set()
         return handle
 
     def _flatten_per_rank(
@@ -408,7 +419,7 @@ class CheckpointManager:
         job, handle = item
         snapshot = job.snapshot
         try:
-            if not snapshot.copied.is_set():
+            if job.copy_in_writer:
                 self._snapshotter.copy(snapshot)
             result = write_checkpoint(self.storage, job, self._encoder)
         except BaseException as e:
@@ -457,6 +468,7 @@ class CheckpointManager:
 
     def _event(self, handle: SaveHandle, snapshot: Snapshot, **fields: Any) -> SaveEvent:
         now = time.perf_counter()
+        handle._returned.wait()
         return SaveEvent(
             step=handle.step,
             stall_s=handle._stall_s,

@@ -76,6 +76,7 @@ class PersistJob:
     rank_tree: Any = None
     layout: str = ""
     group: RankGroup = field(default_factory=RankGroup.single)
+    copy_in_writer: bool = False  # block=False: the writer thread makes the copy
 
 
 @dataclass(frozen=True)
@@ -91,10 +92,59 @@ class WriteResult:
     encoded: bool = False
 
 
-def _chunks(snap: Snapshot) -> Iterator[memoryview]:
-    total = snap.arena.total_bytes
-    for start in range(0, total, WRITE_CHUNK_BYTES):
-        yield snap.arena.memoryview(start, min(start + WRITE_CHUNK_BYTES, total))
+class _RunAhead:
+    """Runs an iterator on a helper thread, up to ``depth`` items ahead of its consumer, so
+    that producing the next chunk (waiting for the copy, checksums, encoding) overlaps the
+    write of this one. Use as a context manager: leaving it stops and joins the thread."""
+
+    _END = object()
+
+    def __init__(self, items: Iterator[memoryview], *, depth: int = 2) -> None:
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._fill, args=(items,), name="coci-persist-ahead", daemon=True
+        )
+
+    def __enter__(self) -> Iterator[memoryview]:
+        self._thread.start()
+        return self._drain()
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _fill(self, items: Iterator[memoryview]) -> None:
+        _lower_thread_priority(5)
+        try:
+            for item in items:
+                if not self._put(item):
+                    return
+            self._put(self._END)
+        except BaseException as e:
+            self._put(e)
+        finally:
+            close = getattr(items, "close", None)
+            if close is not None:
+                close()  # a generator's own clean-up (its encoder pool) runs here, not later
+
+    def _put(self, item: Any) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue  # the consumer is writing; re-check whether it gave up
+        return False
+
+    def _drain(self) -> Iterator[memoryview]:
+        while True:
+            item = self._queue.get()
+            if item is self._END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
 
 
 def _entry(leaf: ArrayLeaf, pieces: list[Piece]) -> TensorEntry:
@@ -122,12 +172,31 @@ class _Pieces:
         self.encoded = False
 
     def raw(self) -> Iterator[memoryview]:
-        """The arena as it is (large aligned writes); pieces at their arena offsets."""
+        """The arena as it is, in large aligned chunks, pieces at their arena offsets. Each
+        chunk is yielded as soon as it is copied (the copy may still be running), and the
+        pieces' checksums are computed chunk by chunk."""
         snap = self.job.snapshot
-        for slot in snap.slots:
-            data = snap.arena.memoryview(slot.offset, slot.offset + slot.nbytes)
-            self._place(slot, slot.offset, data, None)
-        return _chunks(snap)
+        slots = snap.slots
+        total = snap.arena.total_bytes
+        data_end = slots[-1].offset + slots[-1].nbytes if slots else 0
+        i, crc = 0, 0
+        for start in range(0, total, WRITE_CHUNK_BYTES):
+            stop = min(start + WRITE_CHUNK_BYTES, total)
+            snap.wait_copied_upto(min(stop, data_end))
+            while i < len(slots) and slots[i].offset < stop:
+                slot = slots[i]
+                end = slot.offset + slot.nbytes
+                lo, hi = max(slot.offset, start), min(end, stop)
+                if hi > lo:
+                    crc = crc32c.crc32c(snap.arena.memoryview(lo, hi), crc)
+                if end > stop:
+                    break  # the rest of this slot is in the next chunk
+                self._place(slot, slot.offset, snap.arena.memoryview(slot.offset, end), None, crc)
+                i, crc = i + 1, 0
+            yield snap.arena.memoryview(start, stop)
+        for slot in slots[i:]:  # empty leaves at the very end of the arena
+            self._place(slot, slot.offset, snap.arena.memoryview(slot.offset, slot.offset), None)
+        snap.wait_copied()  # re-raises a failed copy before anything is committed
 
     def encoded_stream(self, encoder: PieceEncoder) -> Iterator[memoryview]:
         """Each piece encoded and written back to back; the next piece is encoded (on a helper
@@ -159,9 +228,11 @@ class _Pieces:
                 offset += stored.nbytes
                 yield stored
 
-    def _place(self, slot: Any, offset: int, stored: memoryview, params: Any) -> None:
+    def _place(
+        self, slot: Any, offset: int, stored: memoryview, params: Any, crc: int | None = None
+    ) -> None:
         start = self.job.snapshot.leaves[slot.leaf].global_start + slot.start
-        crc = crc32c.crc32c(stored)
+        crc = crc32c.crc32c(stored) if crc is None else crc
         piece = Piece(self.file, offset, stored.nbytes, start, slot.nbytes, crc, params)
         self.placed.append((slot.leaf, piece))
         self.raw_bytes += slot.nbytes
@@ -225,22 +296,24 @@ def write_checkpoint(
         CommitError: another rank failed, or did not report within the group's timeout.
     """
     snap = job.snapshot
-    snap.wait_copied()
     group = job.group
     file = data_file_name(group.rank)
     pieces = _Pieces(job, file)
     final = step_dir_name(job.step)
     staging = storage.staging_dir(final, job.token)
     try:
-        if encoder is not None and encoder.active:
+        encoding = encoder is not None and encoder.active
+        if encoding:
+            snap.wait_copied()  # the encoder reads whole pieces (and the probe, any of them)
+            assert encoder is not None
             encoder.begin(job.step, _probe(job))
         started = time.perf_counter()  # the write (and encoding), not the probe
-        if encoder is not None and encoder.active and not encoder.writes_raw:
-            data_bytes = storage.write_file(
-                f"{staging}/{file}", pieces.encoded_stream(encoder), aligned=False
-            )
+        if encoding and encoder is not None and not encoder.writes_raw:
+            stream, aligned = pieces.encoded_stream(encoder), False
         else:
-            data_bytes = storage.write_file(f"{staging}/{file}", pieces.raw(), aligned=True)
+            stream, aligned = pieces.raw(), True
+        with _RunAhead(stream) as chunks:
+            data_bytes = storage.write_file(f"{staging}/{file}", chunks, aligned=aligned)
         write_s = time.perf_counter() - started
         share = pieces.share(data_bytes)
         if not group.is_coordinator:

@@ -49,14 +49,14 @@ class LocalStorage:
         target = self._path(path)
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
-            fd = self._open_for_write(target, direct=aligned and self.direct_io)
+            fd, direct = self._open_for_write(target, direct=aligned and self.direct_io)
             try:
                 written = unsynced = 0
                 for chunk in chunks:
                     n = _write_all(fd, chunk)
                     written += n
                     unsynced += n
-                    if unsynced >= SYNC_EVERY_BYTES:
+                    if not direct and unsynced >= SYNC_EVERY_BYTES:
                         # Push buffered bytes to the disk now, while the producer of the next
                         # chunk (an encoder) works, instead of all at once in the final fsync.
                         os.fdatasync(fd)
@@ -68,15 +68,16 @@ class LocalStorage:
             raise StorageError.wrap(f"cannot write {target}: {e.strerror or e}", e) from e
         return written
 
-    def _open_for_write(self, target: Path, *, direct: bool) -> int:
+    def _open_for_write(self, target: Path, *, direct: bool) -> tuple[int, bool]:
+        """The file descriptor, and whether it writes with direct I/O."""
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
         if direct:
             try:
-                return os.open(target, flags | _O_DIRECT, 0o644)
+                return os.open(target, flags | _O_DIRECT, 0o644), True
             except OSError as e:
                 if e.errno != errno.EINVAL:  # EINVAL: this file system has no direct I/O
                     raise
-        return os.open(target, flags, 0o644)
+        return os.open(target, flags, 0o644), False
 
     def read_bytes(self, path: str) -> bytes:
         try:
