@@ -52,7 +52,7 @@ class CociCheckpointer:
         objective: str = "convergence",
         mtbf_s: float | None = None,
         keep_last: int | None = 3,
-        compression: str | None = "none",
+        compression: str | None = "auto",
         compression_options: dict[str, Any] | None = None,
         every_n_steps: int | None = None,
         every_n_seconds: float | None = None,

@@ -84,8 +84,8 @@ class Checkpointer:
         mtbf_s: mean time between failures of one node in seconds; None estimates it from the
             run's own restarts with a documented default.
         keep_last: committed checkpoints to keep.
-        compression: ``"none"`` (default), ``"lossless"``, ``"lossy"`` or ``"auto"`` (see
-            docs/compression.md).
+        compression: ``"auto"`` (default: compress only where it shortens the time to
+            durable), ``"none"``, ``"lossless"`` or ``"lossy"`` (see docs/compression.md).
         compression_options: its knobs (``full_every``, ``lossy_bits``, ...; see
             :class:`~coci_core.compress.CompressionPolicy`).
         block: snapshot synchronously (True) or overlap the copy with the next forward and
@@ -110,7 +110,7 @@ class Checkpointer:
         objective: str = "convergence",
         mtbf_s: float | None = None,
         keep_last: int | None = 3,
-        compression: str | None = "none",
+        compression: str | None = "auto",
         compression_options: Mapping[str, Any] | None = None,
         block: bool = False,
         listeners: Iterable[Listener] = (),

@@ -11,7 +11,7 @@ when compressing does not pay, only the chunks whose hash changed. Each piece de
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -37,6 +37,7 @@ from coci_core.errors import ConfigError
 __all__ = ["MODES", "CompressionPolicy", "PieceEncoder", "check_policy"]
 
 PROBE_BYTES = 1024 * 1024
+AUTO_MIN_BYTES = 16 * 1024 * 1024  # "auto" never compresses saves smaller than this
 _OPTIMIZER_CHOICES = ("first_moment", "quantized", "lossless")
 _FLOATS = ("float16", "bfloat16", "float32", "float64")
 
@@ -59,19 +60,25 @@ class CompressionPolicy:
             (both). A positive second moment reconstructed as 0 makes Adam's next step
             ``m / (sqrt(v) + eps)`` explode, which is why it is lossless by default.
         level: the zstd level.
+        auto_min_bytes: ``"auto"`` never compresses a run whose saves write fewer bytes than
+            this (default 16 MiB): their time is the storage's latency (open, fsync, rename),
+            which compression does not shorten.
     """
 
-    mode: str = "none"
+    mode: str = "auto"
     full_every: int = 8
     max_lossy_generations: int = 8
     lossy_bits: int | str = 8
     lossy_target: float = 1e-3
     lossy_optimizer: str = "first_moment"
     level: int = 1
+    auto_min_bytes: int = AUTO_MIN_BYTES
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ConfigError(f"'compression' must be one of {MODES}: {self.mode!r}")
+        if type(self.auto_min_bytes) is not int or self.auto_min_bytes < 0:
+            raise ConfigError(f"'auto_min_bytes' must be an integer >= 0: {self.auto_min_bytes!r}")
         for name in ("full_every", "max_lossy_generations"):
             value = getattr(self, name)
             if type(value) is not int or value < 1:
@@ -131,6 +138,7 @@ class PieceEncoder:
         self._pending: _Pending | None = None
         self._pays: bool | None = None
         self.write_mbps: float | None = None
+        self._write_sample_bytes = 0
         self.last_ratio: float | None = None
 
     @property
@@ -144,8 +152,10 @@ class PieceEncoder:
         where compressing does not pay: as fast as ``"none"``, no deltas)."""
         return self.policy.mode == "none" or (self.policy.mode == "auto" and not self._pays)
 
-    def begin(self, step: int, probe: list[tuple[memoryview, str]]) -> None:
-        """Decide whether this save is a base; ``probe``: (bytes, dtype) samples for "auto"."""
+    def begin(self, step: int, probe: Callable[[], list[tuple[memoryview, str]]]) -> None:
+        """Decide whether this save is a base. ``probe()`` gives (bytes, dtype) samples of the
+        save for "auto" to measure; it is called only when "auto" decides (it waits for the
+        copy, which a raw save does not)."""
         p = self.policy
         full = (
             self._base_step is None
@@ -157,12 +167,17 @@ class PieceEncoder:
             full = full or bool(self._pays)  # a delta needs a base that kept its bytes
         self._pending = _Pending(full=full, step=step)
 
-    def _compression_pays(self, probe: list[tuple[memoryview, str]]) -> bool | None:
+    def _compression_pays(self, probe: Callable[[], list[tuple[memoryview, str]]]) -> bool | None:
         if self.write_mbps is None:
             return None  # nothing measured yet: this save writes raw, measures, and decides next
+        if self._write_sample_bytes < self.policy.auto_min_bytes:
+            # A small save's time is the storage's latency (open, fsync, rename), which
+            # compression does not shorten; its bytes/second say nothing about bandwidth.
+            return False
+        samples = probe()
         raw = stored = 0
         started = time.perf_counter()
-        for data, dtype in probe:
+        for data, dtype in samples:
             data = data[:PROBE_BYTES]
             enc = encode_lossless(data, dtype, level=self.policy.level)
             raw += data.nbytes
@@ -248,8 +263,9 @@ class PieceEncoder:
 
     @property
     def base_step(self) -> int | None:
-        """The step the next deltas are taken against (None: the next save is a base)."""
-        return self._base_step
+        """The step the next deltas are taken against (None: the next save is a base, or
+        saves store no deltas: ``"none"``, or ``"auto"`` writing raw)."""
+        return self._base_step if self._memory else None
 
     def finish(self, *, committed: bool, raw_bytes: int, stored_bytes: int, write_s: float) -> None:
         """Update the memory after the save: a failed save is forgotten and the next one is a
@@ -262,6 +278,7 @@ class PieceEncoder:
             return
         if write_s > 0 and stored_bytes > 0:
             self.write_mbps = stored_bytes / write_s / 1e6
+            self._write_sample_bytes = stored_bytes
         self.last_ratio = raw_bytes / stored_bytes if stored_bytes else None
         if pending.full:
             self._memory = pending.updates

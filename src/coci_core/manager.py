@@ -137,8 +137,9 @@ class CheckpointManager:
             its share of the (replicated) state, rank 0 commits once every rank succeeded,
             and only rank 0 deletes old checkpoints. Default: this process alone.
         chunk_bytes: the unit in which the state is split over ranks (a multiple of 64).
-        compression: ``"none"`` (default), ``"lossless"``, ``"lossy"`` (opt-in, bounded error)
-            or ``"auto"`` (compress where it shortens the time to durable); or a
+        compression: ``"auto"`` (default: compress only where it shortens the time to
+            durable; raw on a fast local disk), ``"none"``, ``"lossless"``, ``"lossy"``
+            (opt-in, bounded error); or a
             :class:`~coci_core.compress.CompressionPolicy`. See docs/compression.md.
         compression_options: knobs of :class:`~coci_core.compress.CompressionPolicy`
             (``full_every``, ``max_lossy_generations``, ``lossy_bits``, ...).
@@ -157,7 +158,7 @@ class CheckpointManager:
         storage_options: Mapping[str, Any] | None = None,
         group: RankGroup | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        compression: str | CompressionPolicy | None = "none",
+        compression: str | CompressionPolicy | None = "auto",
         compression_options: Mapping[str, Any] | None = None,
     ) -> None:
         if keep_last is not None and (type(keep_last) is not int or keep_last < 1):

@@ -172,31 +172,27 @@ class _Pieces:
         self.encoded = False
 
     def raw(self) -> Iterator[memoryview]:
-        """The arena as it is, in large aligned chunks, pieces at their arena offsets. Each
-        chunk is yielded as soon as it is copied (the copy may still be running), and the
-        pieces' checksums are computed chunk by chunk."""
+        """The arena as it is, in large aligned chunks, each yielded as soon as it is copied
+        (the caller may still be copying the rest). Checksums: :meth:`checksum_raw`."""
         snap = self.job.snapshot
         slots = snap.slots
         total = snap.arena.total_bytes
         data_end = slots[-1].offset + slots[-1].nbytes if slots else 0
-        i, crc = 0, 0
         for start in range(0, total, WRITE_CHUNK_BYTES):
             stop = min(start + WRITE_CHUNK_BYTES, total)
             snap.wait_copied_upto(min(stop, data_end))
-            while i < len(slots) and slots[i].offset < stop:
-                slot = slots[i]
-                end = slot.offset + slot.nbytes
-                lo, hi = max(slot.offset, start), min(end, stop)
-                if hi > lo:
-                    crc = crc32c.crc32c(snap.arena.memoryview(lo, hi), crc)
-                if end > stop:
-                    break  # the rest of this slot is in the next chunk
-                self._place(slot, slot.offset, snap.arena.memoryview(slot.offset, end), None, crc)
-                i, crc = i + 1, 0
             yield snap.arena.memoryview(start, stop)
-        for slot in slots[i:]:  # empty leaves at the very end of the arena
-            self._place(slot, slot.offset, snap.arena.memoryview(slot.offset, slot.offset), None)
         snap.wait_copied()  # re-raises a failed copy before anything is committed
+
+    def checksum_raw(self) -> None:
+        """Checksum and place every piece of the raw arena, once the copy is complete (not
+        during it: the copy on the training thread should have the cores), while the rest
+        of the arena is still being written."""
+        snap = self.job.snapshot
+        snap.wait_copied()
+        for slot in snap.slots:
+            data = snap.arena.memoryview(slot.offset, slot.offset + slot.nbytes)
+            self._place(slot, slot.offset, data, None)
 
     def encoded_stream(self, encoder: PieceEncoder) -> Iterator[memoryview]:
         """Each piece encoded and written back to back; the next piece is encoded (on a helper
@@ -228,11 +224,9 @@ class _Pieces:
                 offset += stored.nbytes
                 yield stored
 
-    def _place(
-        self, slot: Any, offset: int, stored: memoryview, params: Any, crc: int | None = None
-    ) -> None:
+    def _place(self, slot: Any, offset: int, stored: memoryview, params: Any) -> None:
         start = self.job.snapshot.leaves[slot.leaf].global_start + slot.start
-        crc = crc32c.crc32c(stored) if crc is None else crc
+        crc = crc32c.crc32c(stored)
         piece = Piece(self.file, offset, stored.nbytes, start, slot.nbytes, crc, params)
         self.placed.append((slot.leaf, piece))
         self.raw_bytes += slot.nbytes
@@ -302,18 +296,21 @@ def write_checkpoint(
     final = step_dir_name(job.step)
     staging = storage.staging_dir(final, job.token)
     try:
-        encoding = encoder is not None and encoder.active
-        if encoding:
-            snap.wait_copied()  # the encoder reads whole pieces (and the probe, any of them)
-            assert encoder is not None
-            encoder.begin(job.step, _probe(job))
+        if encoder is not None and encoder.active:
+            encoder.begin(job.step, lambda: _probe(job))
         started = time.perf_counter()  # the write (and encoding), not the probe
-        if encoding and encoder is not None and not encoder.writes_raw:
-            stream, aligned = pieces.encoded_stream(encoder), False
+        path = f"{staging}/{file}"
+        if encoder is not None and encoder.active and not encoder.writes_raw:
+            snap.wait_copied()  # the encoder reads whole pieces
+            with _RunAhead(pieces.encoded_stream(encoder)) as chunks:
+                data_bytes = storage.write_file(path, chunks, aligned=False)
         else:
-            stream, aligned = pieces.raw(), True
-        with _RunAhead(stream) as chunks:
-            data_bytes = storage.write_file(f"{staging}/{file}", chunks, aligned=aligned)
+            with ThreadPoolExecutor(
+                1, "coci-persist-crc", initializer=_lower_thread_priority, initargs=(5,)
+            ) as pool:
+                checksums = pool.submit(pieces.checksum_raw)
+                data_bytes = storage.write_file(path, pieces.raw(), aligned=True)
+                checksums.result()
         write_s = time.perf_counter() - started
         share = pieces.share(data_bytes)
         if not group.is_coordinator:
@@ -359,6 +356,7 @@ def write_checkpoint(
 def _probe(job: PersistJob) -> list[tuple[memoryview, str]]:
     """Float pieces of this save, largest first: what "auto" measures compression on."""
     snap = job.snapshot
+    snap.wait_copied()
     slots = sorted(
         (s for s in snap.slots if s.leaf < job.n_shared and s.dtype.is_floating_point),
         key=lambda s: -s.nbytes,

@@ -40,8 +40,9 @@ class CociCheckpoint(Checkpoint):
         objective: ``"convergence"`` (default), ``"time"`` or ``"progress"``.
         mtbf_s: mean time between failures of one node, in seconds (None: estimated).
         keep_last: committed checkpoints to keep.
-        compression: ``"none"`` (default), ``"lossless"``, ``"lossy"`` (opt-in, bounded
-            error) or ``"auto"``; see docs/compression.md.
+        compression: ``"auto"`` (default: compress only where it shortens the time to
+            durable; raw on a fast local disk), ``"none"``, ``"lossless"`` or ``"lossy"``
+            (opt-in, bounded error); see docs/compression.md.
         compression_options: the knobs of ``coci_core.compress.CompressionPolicy``
             (``full_every``, ``lossy_bits``, ``max_lossy_generations``, ...).
         resume: continue from the newest committed checkpoint when ``fit`` gets no ckpt_path.
@@ -61,7 +62,7 @@ class CociCheckpoint(Checkpoint):
         objective: str = "convergence",
         mtbf_s: float | None = None,
         keep_last: int | None = 3,
-        compression: str | None = "none",
+        compression: str | None = "auto",
         compression_options: dict[str, Any] | None = None,
         resume: bool = False,
         every_n_steps: int | None = None,

@@ -194,9 +194,17 @@ def test_auto_compresses_on_slow_storage_and_not_on_fast_disk(tmp_path: Path) ->
     # float32 values with bfloat16 precision: zstd halves them, as it does real weights' planes
     g = torch.Generator().manual_seed(2)
     states = [{"w": torch.randn(1 << 19, generator=g).bfloat16().float()} for _ in range(3)]
-    with CheckpointManager(_SlowStorage(tmp_path / "slow", mbps=20), compression="auto") as mgr:
+    with CheckpointManager(
+        _SlowStorage(tmp_path / "slow", mbps=20),
+        compression="auto",
+        compression_options={"auto_min_bytes": 1 << 20},
+    ) as mgr:
         slow = _save_all(mgr, states)
     assert [e.compressed for e in slow] == [False, True, True]  # the first save measures
+    # by default, saves under 16 MiB are latency, not bandwidth: never compressed by "auto"
+    with CheckpointManager(_SlowStorage(tmp_path / "small", mbps=20)) as mgr:
+        small = _save_all(mgr, states)
+    assert not any(e.compressed for e in small)
     noise = [{"x": torch.randn(1 << 20)} for _ in range(3)]  # incompressible, on a fast disk
     with CheckpointManager(tmp_path / "fast", compression="auto") as mgr:
         fast = _save_all(mgr, noise)
@@ -209,6 +217,8 @@ def test_auto_compresses_on_slow_storage_and_not_on_fast_disk(tmp_path: Path) ->
 def test_bad_compression_arguments(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="'compression' must be one of"):
         CheckpointManager(tmp_path, compression="zstd")
+    with pytest.raises(ConfigError, match="'auto_min_bytes' must be an integer >= 0"):
+        CheckpointManager(tmp_path, compression_options={"auto_min_bytes": -1})
     with pytest.raises(ConfigError, match="'full_every' must be an integer >= 1"):
         CheckpointManager(tmp_path, compression="lossless", compression_options={"full_every": 0})
     with pytest.raises(ConfigError, match="'lossy_bits' must be 8, 4, 2 or 'auto'"):

@@ -68,18 +68,22 @@ class _FailAfterFirstChunk(LocalStorage):
         return super().write_file(path, chunks, aligned=aligned)
 
 
-def test_failed_write_stops_the_read_ahead_and_keeps_the_previous(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("compression", ["none", "lossless"])
+def test_failed_write_stops_the_helpers_and_keeps_the_previous(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, compression: str
 ) -> None:
-    """A write that fails mid-file surfaces, commits nothing and leaves no helper thread."""
+    """A write that fails mid-file surfaces, commits nothing and leaves no helper thread
+    (the raw path's checksum thread, the encoded path's read-ahead)."""
     monkeypatch.setattr(persist, "WRITE_CHUNK_BYTES", CHUNK)
     state = _state()
     with CheckpointManager(tmp_path) as mgr:
         mgr.save(1, state).wait()
-    with CheckpointManager(_FailAfterFirstChunk(tmp_path)) as mgr:
-        big = {"w": torch.randn(20 * CHUNK)}  # 80 chunks: the read-ahead is mid-stream
+    with CheckpointManager(_FailAfterFirstChunk(tmp_path), compression=compression) as mgr:
+        # many chunks or pieces: the helpers are mid-stream when the write fails
+        big = {f"w{i}": torch.randn(4 * CHUNK) for i in range(8)}
         with pytest.raises(BackgroundSaveError, match="No space left"):
             mgr.save(2, big).wait()
-        assert not [t for t in threading.enumerate() if t.name == "coci-persist-ahead"]
+        helpers = [t.name for t in threading.enumerate() if t.name.startswith("coci-persist-")]
+        assert not helpers
         assert mgr.steps() == [1]
         assert_same(mgr.restore(), state)
