@@ -86,6 +86,7 @@ COCI = {
 }
 OTHER = ("zstd3", "dcp_zstd", "dcp")
 B2Q = {"lossy_bits": 2, "lossy_optimizer": "quantized"}
+QDELTAS = ("coci.qdelta/1", "coci.qdelta/2", "coci.qdelta-log/1")
 
 
 def uptime() -> str:
@@ -434,7 +435,7 @@ def manifest_info(mgr: CheckpointManager, step: int) -> dict[str, Any]:
     codec_raw: Counter[str] = Counter()
     codec_stored: Counter[str] = Counter()
     bits: Counter[str] = Counter()
-    max_err = 0.0
+    max_err = max_rel = 0.0
     for entry in m.tensors:
         for p in entry.pieces:
             params = p.params or {"codec": "coci.raw/1"}
@@ -447,11 +448,14 @@ def manifest_info(mgr: CheckpointManager, step: int) -> dict[str, Any]:
             if "max_abs_error" in params:
                 max_err = max(max_err, float(params["max_abs_error"]))
                 bits[str(params["bits"])] += p.length
+            if "max_rel_error" in params:
+                max_rel = max(max_rel, float(params["max_rel_error"]))
     return {
         "codec_raw": dict(codec_raw),
         "codec_stored": dict(codec_stored),
         "bits_raw": dict(bits),
         "max_abs_error": max_err,
+        "max_rel_error": max_rel,
         "bases": list(m.bases),
     }
 
@@ -648,7 +652,7 @@ def lossy_restores(
                     "bytes_written": ev.bytes_written,
                     "raw_bytes": ev.raw_bytes,
                     "time_to_durable_s": ev.time_to_durable_s,
-                    "lossy": "coci.qdelta/1" in info["codec_raw"],
+                    "lossy": any(c in info["codec_raw"] for c in QDELTAS),
                     **info,
                 }
             )
@@ -671,8 +675,8 @@ def lossy_restores(
     }
     if saves:
         lossy = [s for s in saves if s["lossy"]]
-        q_raw = sum(s["codec_raw"].get("coci.qdelta/1", 0) for s in saves)
-        q_stored = sum(s["codec_stored"].get("coci.qdelta/1", 0) for s in saves)
+        q_raw = sum(s["codec_raw"].get(c, 0) for s in saves for c in QDELTAS)
+        q_stored = sum(s["codec_stored"].get(c, 0) for s in saves for c in QDELTAS)
         out.update(
             raw_state_bytes=saves[0]["raw_bytes"],
             lossy_saves=len(lossy),
@@ -686,6 +690,7 @@ def lossy_restores(
                 s["bytes_written"] - sum(s["codec_stored"].values()) for s in saves
             ),
             max_abs_error=max(s["max_abs_error"] for s in saves),
+            max_rel_error=max(s["max_rel_error"] for s in saves),
             bits=dict(sum((Counter(s["bits_raw"]) for s in saves), Counter())),
             restore_s_mean=restore_s / max(1, restores),
         )

@@ -38,7 +38,8 @@ __all__ = ["MODES", "CompressionPolicy", "PieceEncoder", "check_policy"]
 
 PROBE_BYTES = 1024 * 1024
 AUTO_MIN_BYTES = 16 * 1024 * 1024  # "auto" never compresses saves smaller than this
-_OPTIMIZER_CHOICES = ("first_moment", "quantized", "lossless")
+OUTLIERS = 4
+_OPTIMIZER_CHOICES = ("log_second_moment", "first_moment", "quantized", "lossless")
 _FLOATS = ("float16", "bfloat16", "float32", "float64")
 
 
@@ -55,10 +56,14 @@ class CompressionPolicy:
             relative error of the delta stays under ``lossy_target``; it quantizes each delta
             once per candidate, so it encodes several times slower).
         lossy_target: the relative error ``"auto"`` bits aim for.
-        lossy_optimizer: for Adam's moments: ``"first_moment"`` (default: ``exp_avg``
-            quantized, ``exp_avg_sq`` lossless), ``"quantized"`` (both) or ``"lossless"``
-            (both). A positive second moment reconstructed as 0 makes Adam's next step
-            ``m / (sqrt(v) + eps)`` explode, which is why it is lossless by default.
+        lossy_optimizer: for Adam's moments: ``"log_second_moment"`` (default: ``exp_avg``
+            quantized, ``exp_avg_sq`` quantized in the log domain, ``coci.qdelta-log/1``: a
+            bounded relative error, positive values stay positive, zeros stay zero),
+            ``"first_moment"`` (``exp_avg`` quantized, ``exp_avg_sq`` lossless),
+            ``"quantized"`` (both linear: a positive second moment reconstructed as 0 makes
+            Adam's next step ``m / (sqrt(v) + eps)`` explode) or ``"lossless"`` (both).
+        lossy_outliers: values per block of 256 of a linear quantized delta stored apart (as
+            float16 multiples of the block's scale); None: 4.
         level: the zstd level.
         auto_min_bytes: ``"auto"`` never compresses a run whose saves write fewer bytes than
             this (default 16 MiB): their time is the storage's latency (open, fsync, rename),
@@ -70,7 +75,8 @@ class CompressionPolicy:
     max_lossy_generations: int = 8
     lossy_bits: int | str = 8
     lossy_target: float = 1e-3
-    lossy_optimizer: str = "first_moment"
+    lossy_optimizer: str = "log_second_moment"
+    lossy_outliers: int | None = None
     level: int = 1
     auto_min_bytes: int = AUTO_MIN_BYTES
 
@@ -90,6 +96,12 @@ class CompressionPolicy:
         if self.lossy_optimizer not in _OPTIMIZER_CHOICES:
             raise ConfigError(
                 f"'lossy_optimizer' must be one of {_OPTIMIZER_CHOICES}: {self.lossy_optimizer!r}"
+            )
+        if self.lossy_outliers is not None and (
+            type(self.lossy_outliers) is not int or not 0 <= self.lossy_outliers <= 64
+        ):
+            raise ConfigError(
+                f"'lossy_outliers' must be None or an integer in [0, 64]: {self.lossy_outliers!r}"
             )
         if type(self.level) is not int or not -7 <= self.level <= 22:
             raise ConfigError(f"'level' must be an integer in [-7, 22]: {self.level!r}")
@@ -211,10 +223,12 @@ class PieceEncoder:
                 base = "bytes"
             elif memory.hashes is not None:
                 base = "hashes"
+        second_moment = "exp_avg_sq" in key  # also AMSGrad's max_exp_avg_sq
         lossy_key = "exp_avg" not in key or (
-            p.lossy_optimizer == "quantized"
-            or (p.lossy_optimizer == "first_moment" and "exp_avg_sq" not in key)
+            p.lossy_optimizer in ("quantized", "log_second_moment")
+            or (p.lossy_optimizer == "first_moment" and not second_moment)
         )
+        log_domain = second_moment and p.lossy_optimizer == "log_second_moment"
         mode: Any = p.mode if (p.mode != "lossy" or lossy_key) else "lossless"
         codec = choose_codec(dtype, data.nbytes, mode, base=base, compress_pays=bool(self._pays))
         update = _Memory()
@@ -244,8 +258,10 @@ class PieceEncoder:
                 dtype,
                 memory.quant,
                 bits=p.lossy_bits,  # type: ignore[arg-type]
+                promote=0 if log_domain else self.outliers,  # log: beyond its cap is exact
                 target=p.lossy_target,
-                nonnegative="exp_avg_sq" in key,
+                nonnegative=second_moment,
+                domain="log" if log_domain else "linear",
                 step=pending.step,
             )
             pending.quantized.append(memory.quant)
@@ -260,6 +276,12 @@ class PieceEncoder:
                 update.hashes = enc.hashes if enc is not None and enc.hashes else chunk_hashes(data)
             pending.updates[piece] = update
         return enc
+
+    @property
+    def outliers(self) -> int:
+        """Values per block of 256 that a quantized delta keeps exactly."""
+        p = self.policy
+        return OUTLIERS if p.lossy_outliers is None else p.lossy_outliers
 
     @property
     def base_step(self) -> int | None:

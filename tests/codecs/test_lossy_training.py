@@ -1,5 +1,7 @@
 """Training the digits CNN with 10 restores from lossy checkpoints spread over the run ends
-within 0.5 percentage points of the uninterrupted run's test accuracy."""
+within 0.5 percentage points of the uninterrupted run's test accuracy (this small CNN: at 8 and
+4 bits; 2 bits costs it 2 test images, -0.50 points, and meets the target only on the 0.55 M
+CNN of benchmarks/lossy_restores_bench.py, see docs/compression.md)."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ def _cnn() -> torch.nn.Module:
     )
 
 
-def _train(directory: Path | None) -> tuple[float, int]:
+def _train(directory: Path | None, options: dict[str, object] | None = None) -> tuple[float, int]:
     from sklearn.datasets import load_digits
 
     x, y = load_digits(return_X_y=True)
@@ -36,7 +38,7 @@ def _train(directory: Path | None) -> tuple[float, int]:
     model = _cnn()
     optim = torch.optim.Adam(model.parameters(), lr=2e-3)
     mgr = (
-        CheckpointManager(directory, compression="lossy", keep_last=2)
+        CheckpointManager(directory, compression="lossy", keep_last=2, compression_options=options)
         if directory is not None
         else None
     )
@@ -61,13 +63,32 @@ def _train(directory: Path | None) -> tuple[float, int]:
     return accuracy, restores
 
 
-@pytest.mark.slow
-def test_ten_lossy_restores_cost_under_half_a_point_of_accuracy(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def reference() -> float:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        reference, _ = _train(None)
-        lossy, restores = _train(tmp_path)
+        return _train(None)[0]
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "options",
+    [
+        None,  # the defaults: 8 bits, exp_avg_sq in the log domain
+        {"lossy_bits": 4},  # 4 bits, exp_avg_sq in the log domain
+        {"lossy_optimizer": "first_moment"},  # exp_avg_sq lossless
+    ],
+)
+def test_ten_lossy_restores_cost_under_half_a_point_of_accuracy(
+    tmp_path: Path, reference: float, options: dict[str, object] | None
+) -> None:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        lossy, restores = _train(tmp_path, options)
     finally:
         torch.set_num_threads(threads)
     assert restores == 10
@@ -77,4 +98,6 @@ def test_ten_lossy_restores_cost_under_half_a_point_of_accuracy(tmp_path: Path) 
     with CheckpointManager(tmp_path) as mgr:
         manifest = mgr.manifest(mgr.steps()[-1])
     codecs = {p.params["codec"] for t in manifest.tensors for p in t.pieces if p.params}
-    assert "coci.qdelta/1" in codecs
+    assert "coci.qdelta/2" in codecs
+    first_moment = (options or {}).get("lossy_optimizer") == "first_moment"
+    assert ("coci.qdelta-log/1" in codecs) is not first_moment

@@ -157,17 +157,28 @@ def test_lossy_error_stays_within_its_recorded_bound_and_bases_are_forced(tmp_pa
             w = manifest_entry(manifest, "/model/w")
             generations = {p.params.get("generation") for p in w.pieces if p.params}
             if i in (0, 4):  # lossless bases: the first save, and after 3 lossy generations
-                assert all(p.params["codec"] != "coci.qdelta/1" for p in w.pieces if p.params)
+                assert all(
+                    not str(p.params["codec"]).startswith("coci.qdelta")
+                    for p in w.pieces
+                    if p.params
+                )
                 assert _equal(restored, state)
                 continue
             assert generations == {i if i < 4 else i - 4}
             bound = max(float(p.params["max_abs_error"]) for p in w.pieces)
             err = (restored["model"]["w"] - state["model"]["w"]).abs().max().item()
             assert 0 < err <= bound
-            # integers, booleans and Adam's second moment are never lossy (by default)
+            # integers and booleans are never lossy; Adam's second moment is quantized in the
+            # log domain (by default): within its recorded relative bound, never 0
             assert _equal(restored["model"]["count"], state["model"]["count"])
-            assert _equal(restored["optim"]["exp_avg_sq"], state["optim"]["exp_avg_sq"])
             assert not _equal(restored["optim"]["exp_avg"], state["optim"]["exp_avg"])
+            v, v_restored = state["optim"]["exp_avg_sq"], restored["optim"]["exp_avg_sq"]
+            sq = manifest_entry(manifest, "/optim/exp_avg_sq")
+            assert {p.params["codec"] for p in sq.pieces} == {"coci.qdelta-log/1"}
+            rel_bound = max(float(p.params["max_rel_error"]) for p in sq.pieces)
+            rel = ((v_restored.double() - v.double()).abs() / v.double()).max().item()
+            assert 0 < rel <= rel_bound < 0.01
+            assert bool((v_restored > 0).all()) and bool((v > 0).all())
         w3 = manifest_entry(mgr.manifest(3), "/model/w")
         assert w3.raw_nbytes / w3.nbytes > 3.5  # 8 bits and a few exact outliers per block
 
@@ -223,6 +234,52 @@ def test_bad_compression_arguments(tmp_path: Path) -> None:
         CheckpointManager(tmp_path, compression="lossless", compression_options={"full_every": 0})
     with pytest.raises(ConfigError, match="'lossy_bits' must be 8, 4, 2 or 'auto'"):
         CheckpointManager(tmp_path, compression="lossy", compression_options={"lossy_bits": 3})
+    with pytest.raises(ConfigError, match="'lossy_optimizer' must be one of"):
+        CheckpointManager(
+            tmp_path, compression="lossy", compression_options={"lossy_optimizer": "log"}
+        )
+    for bad in (-1, 65, 2.0, True):
+        with pytest.raises(ConfigError, match="'lossy_outliers' must be None or an integer"):
+            CheckpointManager(
+                tmp_path, compression="lossy", compression_options={"lossy_outliers": bad}
+            )
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "codec"),
+    [("log_second_moment", "coci.qdelta-log/1"), ("quantized", "coci.qdelta/2")],
+)
+def test_two_bit_second_moment_stays_positive_only_in_the_log_domain(
+    tmp_path: Path, optimizer: str, codec: str
+) -> None:
+    """Adam's second moment at 2 bits: linear quantization turns small positive values into 0
+    (Adam's next step m / (sqrt(v) + eps) then explodes); the log domain never does."""
+    g = torch.Generator().manual_seed(3)
+    # gradient scales over 8 orders of magnitude, as in a real network; Adam's update of v
+    scale = 10.0 ** (-5 + 4 * torch.rand(1 << 16, generator=g))
+    v = torch.zeros(1 << 16, dtype=torch.float64)
+    options = {"lossy_bits": 2, "lossy_optimizer": optimizer}
+    with CheckpointManager(
+        tmp_path, keep_last=None, compression="lossy", compression_options=options
+    ) as mgr:
+        for step in range(1, 6):
+            if step == 3:  # half the units die (their gradients become 0): their v decays
+                scale = scale * (torch.rand(scale.shape, generator=g) < 0.5)
+            for _ in range(10):
+                grad = scale * torch.randn(v.shape, generator=g, dtype=torch.float64)
+                v = 0.9 * v + 0.1 * grad**2
+            state = {"optim": {"exp_avg_sq": v.float()}}
+            mgr.save(step, state).wait()
+        restored = mgr.restore(step=5)["optim"]["exp_avg_sq"]
+        pieces = manifest_entry(mgr.manifest(5), "/optim/exp_avg_sq").pieces
+    assert {p.params["codec"] for p in pieces} == {codec}
+    collapsed = int(((restored <= 0) & (state["optim"]["exp_avg_sq"] > 0)).sum())
+    if optimizer == "log_second_moment":
+        assert collapsed == 0
+        rel = (restored.double() - v.float().double()).abs() / v.float().double()
+        assert rel.max().item() <= max(float(p.params["max_rel_error"]) for p in pieces) < 0.2
+    else:
+        assert collapsed > 1000  # the failure mode the log domain avoids
 
 
 def test_retention_keeps_the_base_of_new_deltas_below_older_steps(tmp_path: Path) -> None:

@@ -11,6 +11,8 @@ are functions: an encoder returns :class:`Encoded` (stored bytes + JSON-able ``p
 - :func:`encode_xor` ``coci.xor-zstd/1``: XOR against the base's bytes, then as above;
 - :func:`encode_chunked` ``coci.chunks/1``: only chunks whose XXH3-128 differs from the base's;
 - :func:`encode_quantized` ``coci.qdelta/1``: lossy quantized delta with a recorded error bound;
+  ``coci.qdelta-log/1`` (``domain="log"``): the same on ``log2`` of positive values, with a
+  recorded relative bound;
 - :func:`choose_codec`, :func:`compression_pays`: which codec, and whether compressing pays.
 """
 
@@ -115,7 +117,7 @@ from coci_core.codecs.lossless import (  # noqa: E402
     encode_xor,
 )
 from coci_core.codecs.quantized import (  # noqa: E402
-    QDELTA,
+    QDELTAS,
     QuantState,
     choose_bits,
     decode_quantized,
@@ -153,7 +155,7 @@ def decode(
         decode_xor(stored, params, out, base, threads=threads)
     elif codec == CHUNKS:
         decode_chunked(stored, params, out, base, threads=threads)
-    elif codec == QDELTA:
+    elif codec in QDELTAS:
         decode_quantized(stored, params, out, base)
     else:
         raise CorruptCheckpointError(f"unknown array codec {codec!r}")
