@@ -172,24 +172,16 @@ class _Pieces:
         self.encoded = False
 
     def raw(self) -> Iterator[memoryview]:
-        """The arena as it is, in large aligned chunks, each yielded as soon as it is copied
-        (the caller may still be copying the rest). Checksums: :meth:`checksum_raw`."""
+        """The arena as it is, in large aligned chunks (checksums: :meth:`checksum_raw`)."""
         snap = self.job.snapshot
-        slots = snap.slots
         total = snap.arena.total_bytes
-        data_end = slots[-1].offset + slots[-1].nbytes if slots else 0
         for start in range(0, total, WRITE_CHUNK_BYTES):
-            stop = min(start + WRITE_CHUNK_BYTES, total)
-            snap.wait_copied_upto(min(stop, data_end))
-            yield snap.arena.memoryview(start, stop)
-        snap.wait_copied()  # re-raises a failed copy before anything is committed
+            yield snap.arena.memoryview(start, min(start + WRITE_CHUNK_BYTES, total))
 
     def checksum_raw(self) -> None:
-        """Checksum and place every piece of the raw arena, once the copy is complete (not
-        during it: the copy on the training thread should have the cores), while the rest
-        of the arena is still being written."""
+        """Checksum and place every piece of the raw arena (on a helper thread, while the
+        arena is being written: CRC32C releases the GIL)."""
         snap = self.job.snapshot
-        snap.wait_copied()
         for slot in snap.slots:
             data = snap.arena.memoryview(slot.offset, slot.offset + slot.nbytes)
             self._place(slot, slot.offset, data, None)
@@ -290,6 +282,7 @@ def write_checkpoint(
         CommitError: another rank failed, or did not report within the group's timeout.
     """
     snap = job.snapshot
+    snap.wait_copied()
     group = job.group
     file = data_file_name(group.rank)
     pieces = _Pieces(job, file)
@@ -301,7 +294,6 @@ def write_checkpoint(
         started = time.perf_counter()  # the write (and encoding), not the probe
         path = f"{staging}/{file}"
         if encoder is not None and encoder.active and not encoder.writes_raw:
-            snap.wait_copied()  # the encoder reads whole pieces
             with _RunAhead(pieces.encoded_stream(encoder)) as chunks:
                 data_bytes = storage.write_file(path, chunks, aligned=False)
         else:
@@ -356,7 +348,6 @@ def write_checkpoint(
 def _probe(job: PersistJob) -> list[tuple[memoryview, str]]:
     """Float pieces of this save, largest first: what "auto" measures compression on."""
     snap = job.snapshot
-    snap.wait_copied()
     slots = sorted(
         (s for s in snap.slots if s.leaf < job.n_shared and s.dtype.is_floating_point),
         key=lambda s: -s.nbytes,

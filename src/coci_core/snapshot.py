@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -111,27 +111,6 @@ class Snapshot:
     copied_at: float = 0.0
     error: BaseException | None = None
     _cuda_event: Any = None
-    # arena bytes [0, copied_bytes) hold their final values (host copies only): the writer
-    # may write them while the rest is still being copied
-    copied_bytes: int = 0
-    _progress: threading.Condition = field(default_factory=threading.Condition)
-
-    def wait_copied_upto(self, offset: int) -> None:
-        """Block until arena bytes ``[0, offset)`` are copied (or the whole copy ended)."""
-        with self._progress:
-            self._progress.wait_for(lambda: self.copied_bytes >= offset or self.copied.is_set())
-        if self.copied_bytes < offset:
-            self.wait_copied()
-
-    def _advance(self, offset: int) -> None:
-        with self._progress:
-            self.copied_bytes = offset
-            self._progress.notify_all()
-
-    def _finish(self) -> None:
-        with self._progress:
-            self.copied.set()
-            self._progress.notify_all()
 
     def wait_copied(self) -> None:
         """Block until every leaf is in host memory (re-raises a failed copy)."""
@@ -183,8 +162,6 @@ class Snapshotter:
                     cuda_leaves.append((leaf, slot))
                 else:
                     snap.arena.view(slot).copy_(_source(leaf, slot))
-                    if not cuda_leaves:  # device copies are only done once their event is
-                        snap._advance(slot.offset + slot.nbytes)
             if cuda_leaves:
                 snap._cuda_event = self._copy_from_cuda(snap, cuda_leaves)
         except BaseException as e:
@@ -192,7 +169,7 @@ class Snapshotter:
         finally:
             snap.copied_at = time.perf_counter()
             snap.copy_s = snap.copied_at - start
-            snap._finish()
+            snap.copied.set()
 
     def _copy_from_cuda(self, snap: Snapshot, items: list[tuple[ArrayLeaf, LeafSlot]]) -> Any:
         # Device-to-host copies on a side stream so that they overlap the next compute; the
