@@ -192,7 +192,12 @@ def digits_run(steps: int, wanted: set[int]) -> tuple[dict[int, State], Callable
 
 
 def gpt_runs(
-    steps: int, wanted: set[int], ft_steps: int, ft_wanted: set[int]
+    steps: int,
+    wanted: set[int],
+    ft_steps: int,
+    ft_wanted: set[int],
+    *,
+    keep_optimizer: bool = False,
 ) -> tuple[
     dict[int, State],
     dict[int, State],
@@ -234,14 +239,22 @@ def gpt_runs(
             p.requires_grad_(False)
     n_frozen = sum(p.numel() for mod in frozen for p in mod.parameters())
     n_all = sum(p.numel() for p in model.parameters())
-    ft_opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    if keep_optimizer:
+        # layers frozen mid-run, the optimizer kept: Adam skips parameters without gradients,
+        # so the frozen half's moments stay in the state, unchanged
+        ft_opt = opt
+    else:
+        ft_opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     ft_states = train(model, ft_opt, post, ft_steps, ft_wanted)
+    moments = n_all if keep_optimizer else n_all - n_frozen
     info = {
         "params": n_all,
         "frozen_params": n_frozen,
         "frozen_fraction_of_params": n_frozen / n_all,
-        # weights of every parameter + exp_avg and exp_avg_sq of the trainable ones
-        "frozen_fraction_of_state": n_frozen / (n_all + 2 * (n_all - n_frozen)),
+        "optimizer_kept": keep_optimizer,
+        # weights of every parameter + exp_avg and exp_avg_sq of the parameters Adam holds
+        "frozen_fraction_of_state": (n_frozen * (3 if keep_optimizer else 1))
+        / (n_all + 2 * moments),
     }
 
     def accuracy_on(held: torch.Tensor) -> Callable[[State], float]:
