@@ -20,7 +20,8 @@ from coci_core.errors import ConfigError
 from coci_core.manager import CheckpointManager, SaveHandle
 from coci_core.persist import LatestOnlyWorker
 from coci_core.planner import POLICIES, Planner
-from coci_core.planner.schedule import compare_with_daly
+from coci_core.planner.optimize import Problem
+from coci_core.planner.schedule import ExpectedOverhead, compare_with_daly
 from coci_core.stateful import Stateful
 from coci_core.storage import Storage
 from coci_core.telemetry import Event, Listener, RestoreEvent, SaveEvent, TelemetrySink
@@ -139,6 +140,8 @@ class Checkpointer:
         self._telemetry_step = -telemetry_every_n_steps
         self._last_loss: float | None = None
         self._plans = LatestOnlyWorker(self._record_plan, name="coci-telemetry")
+        # Telemetry thread only: the last plan costed and its cost (one plan, many saves).
+        self._costed: tuple[Any, ExpectedOverhead | None] | None = None
         self.decision = SharedDecision(self.planner, rank=rank, broadcast=broadcast)
         self._listeners: list[Listener] = list(listeners)
         self.manager = CheckpointManager(
@@ -203,13 +206,29 @@ class Checkpointer:
         # WARNING: runs on the telemetry thread (the expected overhead can take seconds).
         # The exact cost is linear in the number of checkpoints; a rolling horizon of a
         # fixed-interval policy can hold hundreds of thousands: then it is left out.
-        if inputs is not None and len(inputs[1]) <= _MAX_CHECKPOINTS_COSTED:
-            report = dataclasses.replace(report, expected_overhead=compare_with_daly(*inputs))
+        overhead = self._expected_overhead(inputs)
+        if overhead is not None:
+            report = dataclasses.replace(report, expected_overhead=overhead)
         for sink in self.sinks:
             try:
                 sink.record_plan(step, report)
             except Exception:
                 logger.exception("coci telemetry sink %r failed", sink)
+
+    def _expected_overhead(
+        self, inputs: tuple[Problem, tuple[int, ...]] | None
+    ) -> ExpectedOverhead | None:
+        """The plan's expected overhead against Daly, computed once per plan (a save that
+        does not change the plan reuses it: costing takes tens of ms that training shares)."""
+        if inputs is None or len(inputs[1]) > _MAX_CHECKPOINTS_COSTED:
+            return None
+        if self._costed is not None:
+            (problem, steps), overhead = self._costed
+            if problem is inputs[0] and steps == inputs[1]:
+                return overhead
+        overhead = compare_with_daly(*inputs)
+        self._costed = (inputs, overhead)
+        return overhead
 
     def should_save(self, step: int) -> bool:
         """Whether the plan checkpoints after ``step`` (the same on every rank)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -67,3 +68,57 @@ def test_shared_decision_same_on_every_rank_with_few_broadcasts() -> None:
     assert len(decided[0]) >= 3
     assert calls[0] == calls[1]
     assert len(calls[0]) < len(decided[0]) + 15
+
+
+class _PlanRecorder:
+    """A telemetry sink that keeps each recorded plan and signals its arrival."""
+
+    def __init__(self) -> None:
+        self.plans: list[tuple[int, Any]] = []
+        self.arrived = threading.Event()
+
+    def __call__(self, event: Any) -> None:
+        pass
+
+    def record_plan(self, step: int, report: Any) -> None:
+        self.plans.append((step, report))
+        self.arrived.set()
+
+    def record_loss(self, step: int, loss: float, fitted: float | None = None) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_plan_is_costed_once_not_at_every_save(tmp_path: Path) -> None:
+    """Saves that leave the plan unchanged reuse its expected overhead against Daly (costing
+    a plan takes tens of ms that the training thread shares); a new plan is costed anew."""
+    sink = _PlanRecorder()
+    ckpt = Checkpointer(
+        tmp_path,
+        policy="daly",
+        mtbf_s=3600.0,
+        keep_last=1,
+        compression="none",
+        sinks=[sink],
+        planner_options={"total_steps": 2000, "step_time_s": 0.1, "stall_s": 0.5},
+    )
+    try:
+        for step in range(1, 40):
+            ckpt.observe(step, loss=2.0 / step, step_time_s=0.1)
+            if step % 10 == 0:
+                sink.arrived.clear()
+                ckpt.save(step, {"w": torch.full((8,), float(step))})
+                assert sink.arrived.wait(timeout=60), "no plan reached the sink"
+    finally:
+        ckpt.close()
+    by_plan: dict[int, set[int]] = {}
+    for _, report in sink.plans:
+        assert report.expected_overhead is not None
+        by_plan.setdefault(report.replans, set()).add(id(report.expected_overhead))
+    assert all(len(ids) == 1 for ids in by_plan.values()), by_plan
+    assert sum(1 for _ in sink.plans) > len(by_plan), "every save changed the plan: test is void"
