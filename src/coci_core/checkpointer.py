@@ -164,7 +164,11 @@ class Checkpointer:
     def _on_event(self, event: Event) -> None:
         if isinstance(event, SaveEvent):
             if event.outcome == "committed":
-                self.planner.record_save(stall_s=event.stall_s, persist_s=event.persist_s)
+                self.planner.record_save(
+                    stall_s=event.stall_s,
+                    persist_s=event.persist_s,
+                    unobserved_stall_s=event.stall_s - event.update_wait_s,
+                )
             self.last_save = event
         receivers: list[Callable[[Event], None]] = [*self.sinks, *self._listeners]
         for listener in receivers:

@@ -57,6 +57,7 @@ class SaveHandle:
         self._snapshot = snapshot
         self._done = threading.Event()
         self._stall_s = 0.0
+        self._update_wait_s = 0.0
         self._event: SaveEvent | None = None
         self._error: BaseException | None = None
         self._reported = False
@@ -350,7 +351,9 @@ class CheckpointManager:
             return
         started = time.perf_counter()
         handle._snapshot.copied.wait()
-        handle._stall_s += time.perf_counter() - started
+        waited = time.perf_counter() - started
+        handle._stall_s += waited
+        handle._update_wait_s += waited
 
     def wait(self, timeout_s: float | None = None) -> None:
         """Block until every pending save is durable.
@@ -413,7 +416,7 @@ class CheckpointManager:
         snapshot = job.snapshot
         try:
             if job.copy_in_writer:
-                self._snapshotter.copy(snapshot)
+                self._snapshotter.copy(snapshot, background=True)
             result = write_checkpoint(self.storage, job, self._encoder)
         except BaseException as e:
             self._encoder.finish(committed=False, raw_bytes=0, stored_bytes=0, write_s=0.0)
@@ -464,6 +467,7 @@ class CheckpointManager:
         return SaveEvent(
             step=handle.step,
             stall_s=handle._stall_s,
+            update_wait_s=handle._update_wait_s,
             copy_s=snapshot.copy_s,
             persist_s=now - snapshot.copied_at if snapshot.copied_at else 0.0,
             time_to_durable_s=now - handle._started,

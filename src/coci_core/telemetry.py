@@ -38,6 +38,7 @@ class SaveEvent:
             and ``on_busy="skip"``) or ``"failed"`` (see ``error``; nothing was published).
         stall_s: time the training loop was held: the ``save`` call, including any wait for the
             previous persist, plus the wait in ``before_update`` when ``block=False``.
+        update_wait_s: the part of ``stall_s`` spent waiting in ``before_update``.
         copy_s: time spent copying the state into host buffers.
         persist_s: time from the end of the copy to the commit (checksums, writes, fsync, rename).
         time_to_durable_s: time from the ``save`` call to the commit.
@@ -52,6 +53,7 @@ class SaveEvent:
     step: int
     outcome: SaveOutcome
     stall_s: float = 0.0
+    update_wait_s: float = 0.0
     copy_s: float = 0.0
     persist_s: float = 0.0
     time_to_durable_s: float = 0.0

@@ -1,4 +1,7 @@
-"""Online profiling: robust running estimates of step, stall, persist and restart times."""
+"""Online profiling: robust running estimates of step, stall, persist and restart times, and
+of what a save costs the training loop in all (``loop_cost_s``: its stall plus the slowdown of
+the steps that overlap its persist, which is not free when training and the writer share CPU
+cores)."""
 
 from __future__ import annotations
 
@@ -13,8 +16,8 @@ from coci_core.planner._checks import check_optional_positive, check_positive
 
 __all__ = ["COST_NAMES", "CostEstimate", "CostEstimator"]
 
-COST_NAMES = ("step_time_s", "stall_s", "persist_s", "restart_s")
-_WINDOW = {"step_time_s": 256, "stall_s": 16, "persist_s": 16, "restart_s": 8}
+COST_NAMES = ("step_time_s", "stall_s", "persist_s", "restart_s", "loop_cost_s")
+_WINDOW = {"step_time_s": 256, "stall_s": 16, "persist_s": 16, "restart_s": 8, "loop_cost_s": 16}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,6 +49,7 @@ class CostEstimator:
             "stall_s": check_optional_positive("stall_s", stall_s),
             "persist_s": None if persist_s is None else _nonneg("persist_s", persist_s),
             "restart_s": None if restart_s is None else _nonneg("restart_s", restart_s),
+            "loop_cost_s": None,  # measured only
         }
         self._defaults = {
             "restart_s": check_positive("default_restart_s", default_restart_s),

@@ -63,6 +63,7 @@ _COST_CHECK_EVERY = 64
 _REGIME_CHECK_EVERY = 256
 _UNTRUSTED_CHECK_EVERY = 128
 _CHANGE = 0.2
+_MAX_CHARGED_STEPS = 256  # a persist that does not end within this many steps is not charged
 #: the longest horizon planned at once (per-step arrays); longer runs are planned in windows
 MAX_HORIZON_STEPS = 2_000_000
 
@@ -291,6 +292,9 @@ class Planner:
         self._ptr = 0
         self._last_true = -1
         self._exclude_next = False
+        # The save being charged for its cost to the loop: [its stall (None until its persist
+        # ended), excess step time so far, steps counted].
+        self._charge: list[Any] | None = None
         self._next_replan: int | None = None
         self._force_replan = False
         self._replans = 0
@@ -342,6 +346,8 @@ class Planner:
             if math.isfinite(st) and st >= 0:
                 with self._lock:
                     self._elapsed_s += st
+                if self._charge is not None:
+                    self._charge_step(st)
                 if not exclude:
                     self._costs.add("step_time_s", st)
         self._last_step = k
@@ -368,14 +374,27 @@ class Planner:
                 self._ptr = i
                 self._last_true = k
                 self._exclude_next = True
+                with self._lock:
+                    self._charge = [None, 0.0, 0]
                 return True
             self._ptr = i
             return False
         except Exception:
             return False
 
-    def record_save(self, *, stall_s: float | None = None, persist_s: float | None = None) -> None:
-        """Record a save's measured stall and/or persist time (thread-safe)."""
+    def record_save(
+        self,
+        *,
+        stall_s: float | None = None,
+        persist_s: float | None = None,
+        unobserved_stall_s: float | None = None,
+    ) -> None:
+        """Record a save's measured stall and/or persist time (thread-safe).
+
+        ``unobserved_stall_s``: the part of the stall that the step times given to
+        :meth:`observe` do not include (default: all of it; a wait inside the next step, as
+        in ``before_update``, is already in that step's time).
+        """
         if stall_s is not None:
             self._costs.add("stall_s", stall_s)
             with contextlib.suppress(TypeError, ValueError), self._lock:
@@ -384,6 +403,26 @@ class Planner:
             self._costs.add("persist_s", persist_s)
         with self._lock:
             self._exclude_next = True
+            if self._charge is not None and self._charge[0] is None:
+                outside = stall_s if unobserved_stall_s is None else unobserved_stall_s
+                with contextlib.suppress(TypeError, ValueError):
+                    self._charge[0] = max(0.0, float(outside or 0.0))
+
+    def _charge_step(self, step_time_s: float) -> None:
+        """Charge a step that overlapped a save's persist with its excess over the usual step
+        time; once the persist has ended (this step included), record the save's loop cost."""
+        tau = self._costs.get("step_time_s").value
+        with self._lock:
+            charge = self._charge
+            if charge is None or tau is None:
+                return
+            charge[1] += step_time_s - tau
+            charge[2] += 1
+            if charge[0] is None and charge[2] < _MAX_CHARGED_STEPS:
+                return
+            self._charge = None
+        if charge[0] is not None:  # else the save never committed: nothing to learn
+            self._costs.add("loop_cost_s", max(charge[0], charge[0] + charge[1]))
 
     def record_restore(self, seconds: float) -> None:
         """Record a restore after a failure: one more failure, and its measured duration."""
@@ -432,6 +471,10 @@ class Planner:
         if step_t is None or step_t <= 0:
             return None
         stall = snap["stall_s"].value
+        loop_cost = snap["loop_cost_s"].value
+        if stall is not None and loop_cost is not None and snap["stall_s"].source != "user":
+            # what a checkpoint costs is the training time it takes, not only its stall
+            stall = max(stall, loop_cost)
         persist = snap["persist_s"].value
         return {
             "step_time_s": step_t,
