@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -23,6 +22,7 @@ from coci_accelerate import _state as accelerate_state
 from coci_core import CheckpointError, CheckpointManager, CociError
 from coci_core.telemetry import read_jsonl
 from tests.accelerate.loop import train
+from tests.harness.results import result_rows
 
 BATCH = 16
 SAMPLES = 512
@@ -30,8 +30,7 @@ STEPS_PER_EPOCH = SAMPLES // BATCH
 
 
 def _results(stdout: str) -> dict[int, dict[str, Any]]:
-    rows = [json.loads(x[7:]) for x in stdout.splitlines() if x.startswith("RESULT ")]
-    return {row["rank"]: row for row in rows}
+    return {row["rank"]: row for row in result_rows(stdout)}
 
 
 def _descendants(pid: int) -> list[int]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -13,6 +12,7 @@ from typing import Any
 import pytest
 
 from coci_core import CheckpointManager
+from tests.harness.results import result_rows
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -22,8 +22,7 @@ SAMPLES_PER_RANK = 128  # 256 samples over 2 ranks
 
 
 def _results(stdout: str) -> dict[int, dict[str, Any]]:
-    rows = [json.loads(x[7:]) for x in stdout.splitlines() if x.startswith("RESULT ")]
-    return {row["rank"]: row for row in rows}
+    return {row["rank"]: row for row in result_rows(stdout)}
 
 
 def _run(directory: Path, total: int) -> dict[int, dict[str, Any]]:
