@@ -69,11 +69,11 @@ def plan_layout(
     return tuple(slots), max(_round_up(offset, PAGE_BYTES), PAGE_BYTES)
 
 
-def _source(leaf: ArrayLeaf, slot: LeafSlot) -> torch.Tensor:
+def _source(tensor: torch.Tensor, slot: LeafSlot) -> torch.Tensor:
     if slot.whole:
-        return leaf.tensor
-    item = leaf.tensor.element_size()
-    return leaf.tensor.reshape(-1)[slot.start // item : (slot.start + slot.nbytes) // item]
+        return tensor
+    item = tensor.element_size()
+    return tensor.reshape(-1)[slot.start // item : (slot.start + slot.nbytes) // item]
 
 
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -95,10 +95,7 @@ def copy_outside_torch(dst: torch.Tensor, tensor: torch.Tensor, slot: LeafSlot) 
     """
     src = tensor.detach()
     if src.is_conj() or src.is_neg() or src.layout != torch.strided or src.is_quantized:
-        # no numpy view of these (lazily conjugated or negated, sparse, quantized): rare
-        item = src.element_size()
-        region = src if slot.whole else src.reshape(-1)[slot.start // item :][: slot.nbytes // item]
-        dst.copy_(region)
+        dst.copy_(_source(src, slot))  # no numpy view of these (conj/neg views, sparse): rare
         return
     bits = _numpy_bits(src)
     out = _numpy_bits(dst)
@@ -200,7 +197,7 @@ class Snapshotter:
                 elif background:
                     copy_outside_torch(snap.arena.view(slot), leaf.tensor, slot)
                 else:
-                    snap.arena.view(slot).copy_(_source(leaf, slot))
+                    snap.arena.view(slot).copy_(_source(leaf.tensor, slot))
             if cuda_leaves:
                 snap._cuda_event = self._copy_from_cuda(snap, cuda_leaves)
         except BaseException as e:
@@ -218,7 +215,9 @@ class Snapshotter:
         self._stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self._stream):
             for leaf, slot in items:
-                snap.arena.view(slot).copy_(_source(leaf, slot), non_blocking=snap.arena.pinned)
+                snap.arena.view(slot).copy_(
+                    _source(leaf.tensor, slot), non_blocking=snap.arena.pinned
+                )
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(self._stream)
         return event
