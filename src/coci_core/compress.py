@@ -171,6 +171,9 @@ class PieceEncoder:
         p = self.policy
         full = (
             self._base_step is None
+            # A delta must name an earlier step: a save at or below the base (a rollback, a
+            # counter that restarted) is a base itself.
+            or step <= self._base_step
             or self._since_base >= p.full_every
             or (p.mode == "lossy" and self._lossy_generation >= p.max_lossy_generations)
         )

@@ -10,6 +10,7 @@
     │   ├── NoCheckpointError                      there is no committed checkpoint
     │   └── CorruptCheckpointError                 checksum, size or manifest mismatch
     ├── BackgroundSaveError(CociError)             a background persist failed
+    ├── DirectoryInUseError(CociError)             another writer owns the directory
     └── CommitError(CociError)                     a rank of a sharded save failed (its cause)
 """
 
@@ -22,6 +23,7 @@ __all__ = [
     "CommitError",
     "ConfigError",
     "CorruptCheckpointError",
+    "DirectoryInUseError",
     "NoCheckpointError",
     "StorageError",
     "UnsupportedValueError",
@@ -73,6 +75,10 @@ class BackgroundSaveError(CociError):
     def __init__(self, message: str, *, step: int):
         super().__init__(message)
         self.step = step
+
+
+class DirectoryInUseError(CociError):
+    """Another manager (in this process or another) is writing checkpoints to the directory."""
 
 
 class CommitError(CociError):

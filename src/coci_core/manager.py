@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import atexit
+import errno
 import hashlib
 import logging
 import os
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal
 
 from coci_core.compress import CompressionPolicy, PieceEncoder, check_policy
@@ -19,9 +20,12 @@ from coci_core.errors import (
     CociError,
     ConfigError,
     CorruptCheckpointError,
+    DirectoryInUseError,
     NoCheckpointError,
+    StorageError,
 )
 from coci_core.group import RankGroup
+from coci_core.lease import Lease, acquire_lease
 from coci_core.manifest import MANIFEST_NAME, Manifest, parse_step_dir, step_dir_name
 from coci_core.partition import DEFAULT_CHUNK_BYTES, Share, partition
 from coci_core.persist import PersistJob, PersistWorker, write_checkpoint
@@ -201,13 +205,24 @@ class CheckpointManager:
         self._saves = 0
         self._snapshotter = Snapshotter()
         self._encoder = PieceEncoder(self.compression)
-        self._worker = PersistWorker(self._run_job, niceness=worker_niceness)
+        # The writer thread holds the manager only weakly: an unclosed manager that nothing
+        # else references is freed (its thread ends, its lease is released).
+        self._worker = PersistWorker(_weak_runner(self), niceness=worker_niceness)
         self._inflight: SaveHandle | None = None
         self._failed: list[SaveHandle] = []
         self._failed_lock = threading.Lock()
+        self._save_lock = threading.RLock()
         self._closed = False
+        self._owner = _Owner()
+        self._finalizer = weakref.finalize(self, self._owner.release, self._worker)
         if group.is_coordinator:
-            self._remove_uncommitted(done_seq=None)
+            try:
+                self._owner.lease = acquire_lease(self.storage, group.session)
+            except DirectoryInUseError as e:
+                # Reading is fine while another writer runs; save() asks again and raises.
+                logger.info("coci: %s; this manager can restore, not save, until it is free", e)
+            else:
+                self._remove_uncommitted(done_seq=None)
         _LIVE.add(self)
 
     def __repr__(self) -> str:
@@ -250,14 +265,33 @@ class CheckpointManager:
             alone: rank 0 writes the whole state by itself while the other ranks do not save
                 (for a save only rank 0 reaches, such as one on an exception).
 
+        ``save`` may be called from any thread: concurrent calls run one after the other.
+
         Raises:
             BackgroundSaveError: an earlier background save failed (reported once).
             UnsupportedValueError: ``state`` holds a value that cannot be stored without pickle.
+            DirectoryInUseError: another manager (in this or another process) is writing to
+                the directory.
         """
+        with self._save_lock:  # saves from several threads run one after the other
+            return self._save(step, state, block, metadata, per_rank, alone)
+
+    def _save(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        block: bool,
+        metadata: Mapping[str, Any] | None,
+        per_rank: Mapping[str, Any] | None,
+        alone: bool,
+    ) -> SaveHandle:
         started = time.perf_counter()
         self._check_open()
         if type(step) is not int or step < 0:
             raise ConfigError(f"'step' must be an integer >= 0: {step!r}")
+        if self.group.is_coordinator and self._owner.lease is None:
+            self._owner.lease = acquire_lease(self.storage, self.group.session)
+            self._remove_uncommitted(done_seq=None)
         previous = self._inflight
         if previous is not None and not previous.done():
             if self.on_busy == "skip":
@@ -369,15 +403,18 @@ class CheckpointManager:
 
     def close(self) -> None:
         """Wait for pending saves and stop the background worker (idempotent)."""
-        if self._closed:
-            return
-        self._closed = True
-        _LIVE.discard(self)
-        handle = self._inflight
-        if handle is not None:
-            handle._done.wait()
-        self._worker.stop()
-        self._raise_failed()
+        with self._save_lock:
+            if self._closed:
+                return
+            self._closed = True
+            _LIVE.discard(self)
+            handle = self._inflight
+            if handle is not None:
+                handle._done.wait()
+            self._worker.stop()
+            self._finalizer.detach()
+            self._owner.release(None)
+            self._raise_failed()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -417,9 +454,12 @@ class CheckpointManager:
         try:
             if job.copy_in_writer:
                 self._snapshotter.copy(snapshot, background=True)
+            if self.group.is_coordinator:
+                self._make_room(job)
             result = write_checkpoint(self.storage, job, self._encoder)
         except BaseException as e:
             self._encoder.finish(committed=False, raw_bytes=0, stored_bytes=0, write_s=0.0)
+            e = self._explain_full_disk(e)
             handle._error = e
             event = self._event(
                 handle, snapshot, outcome="failed", error=f"{type(e).__name__}: {e}"
@@ -489,7 +529,7 @@ class CheckpointManager:
                     needed.add(self._encoder.base_step)
                 for step in steps[: max(0, len(steps) - self.keep_last)]:
                     if step != newest and step not in needed:
-                        self.storage.remove_dir(step_dir_name(step))
+                        _retire(self.storage, step)
                         logger.debug("coci: retention removed step %d", step)
             self._remove_uncommitted(done_seq=done_seq, newest=newest)
         except Exception as e:
@@ -507,11 +547,14 @@ class CheckpointManager:
         return needed
 
     def _remove_uncommitted(self, *, done_seq: int | None, newest: int | None = None) -> None:
-        # Only names that coci writes ("step-..."), never a directory with a manifest, and
-        # never a save that another rank of this session may still be writing: that is, only
-        # another session's leftovers and this session's saves older than ``done_seq``.
+        # Runs only while this manager holds the directory's lease, so no other writer can own
+        # what it removes. Only names that coci writes ("step-..."), never a directory with a
+        # manifest, and never a save that another rank of this session may still be writing:
+        # that is, only another session's leftovers and this session's saves older than
+        # ``done_seq``. A step that a crash left renamed aside mid-publish is put back first.
         sharded = self.group.world_size > 1
-        for name in self.storage.list_dir(""):
+        names = self.storage.list_dir("")
+        for name in names:
             if not name.startswith("step-"):
                 continue
             step = parse_step_dir(name)
@@ -521,6 +564,18 @@ class CheckpointManager:
                 # A storage that stages in the final directory (fsspec) names no session.
                 if sharded and (newest is None or step >= newest):
                     continue
+            elif ".coci-old-" in name:
+                final = name.split(".coci-old-", 1)[0]
+                if (
+                    parse_step_dir(final) is not None
+                    and not self.storage.exists(f"{final}/{MANIFEST_NAME}")
+                    and self.storage.exists(f"{name}/{MANIFEST_NAME}")
+                ):
+                    # A crash between the two renames of a re-save: the old step comes back.
+                    self.storage.remove_dir(final)
+                    self.storage.publish(name, final)
+                    logger.warning("coci: restored step %s, left aside by a crash", final)
+                    continue
             elif sharded and ".coci-tmp-" in name:
                 session, _, seq = name.rsplit(".coci-tmp-", 1)[1].rpartition("-")
                 if session == self.group.session and (
@@ -529,6 +584,54 @@ class CheckpointManager:
                     continue
             self.storage.remove_dir(name)
             logger.debug("coci: removed uncommitted %s", name)
+
+    def _make_room(self, job: PersistJob) -> None:
+        """When the storage reports too little free space for this save, delete now the old
+        steps that retention would delete once it commits (never the newest step, nor a base
+        that a kept step or the next delta needs)."""
+        free_bytes = getattr(self.storage, "free_bytes", None)
+        if free_bytes is None or self.keep_last is None:
+            return
+        free = free_bytes()
+        needed = job.snapshot.arena.total_bytes * job.group.world_size + _ROOM_MARGIN
+        if free is None or free >= needed:
+            return
+        steps = committed_steps(self.storage)
+        if not steps:
+            return
+        keep = [*steps[max(0, len(steps) - (self.keep_last - 1)) :], steps[-1]]
+        protected = set(keep) | self._bases_of(keep) | {job.step}
+        if self._encoder.base_step is not None:
+            protected.add(self._encoder.base_step)
+        for step in steps:
+            if step in protected:
+                continue
+            _retire(self.storage, step)
+            logger.warning(
+                "coci: %.1f MB free, step %d needs about %.1f MB: removed step %d early (it "
+                "was beyond keep_last=%d once this save commits)",
+                free / 1e6,
+                job.step,
+                needed / 1e6,
+                step,
+                self.keep_last,
+            )
+            free = free_bytes()
+            if free is None or free >= needed:
+                return
+
+    def _explain_full_disk(self, error: BaseException) -> BaseException:
+        if not isinstance(error, OSError) or error.errno != errno.ENOSPC:
+            return error
+        steps = committed_steps(self.storage)
+        new = StorageError(
+            errno.ENOSPC,
+            f"{error.strerror or error}. The storage is full: {len(steps)} committed checkpoint(s) are kept "
+            f"(keep_last={self.keep_last}) and none was deleted for this save; free space, "
+            "lower keep_last, or enable compression",
+        )
+        new.__cause__ = error
+        return new
 
     # -- restoring ------------------------------------------------------------------------
 
@@ -617,6 +720,45 @@ class CheckpointManager:
         """Damaged array keys per committed step (all steps, or just ``step``)."""
         steps = [step] if step is not None else self.steps()
         return {s: verify_checkpoint(self.storage, s) for s in steps}
+
+
+_ROOM_MARGIN = 1024 * 1024
+
+
+class _Owner:
+    """What a manager holds that must be given up even when it is never closed: the
+    directory's lease and the writer thread (see ``weakref.finalize`` in the manager)."""
+
+    def __init__(self) -> None:
+        self.lease: Lease | None = None
+
+    def release(self, worker: PersistWorker | None) -> None:
+        if worker is not None:
+            worker.stop(wait=False)
+        lease, self.lease = self.lease, None
+        if lease is not None:
+            lease.release()
+
+
+def _weak_runner(manager: CheckpointManager) -> Callable[[Any], None]:
+    ref = weakref.ref(manager)
+
+    def run(item: Any) -> None:
+        owner = ref()
+        if owner is not None:
+            owner._run_job(item)
+
+    return run
+
+
+def _retire(storage: Storage, step: int) -> None:
+    """Delete a committed step so that no crash leaves its manifest without its data: the
+    storage un-publishes it first where it can (``retire``)."""
+    retire = getattr(storage, "retire", None)
+    if retire is not None:
+        retire(step_dir_name(step))
+    else:
+        storage.remove_dir(step_dir_name(step))
 
 
 def _load_into(state: Mapping[str, Any], into: Mapping[str, Stateful]) -> None:

@@ -24,6 +24,7 @@ import crc32c
 
 from coci_core import commit
 from coci_core.compress import PieceEncoder
+from coci_core.errors import StorageError
 from coci_core.group import RankGroup
 from coci_core.manifest import (
     MANIFEST_NAME,
@@ -54,9 +55,10 @@ WRITE_CHUNK_BYTES = 64 * 1024 * 1024
 RAW_CODEC = "coci.raw/1"
 
 
-def data_file_name(rank: int) -> str:
-    """The data file that ``rank`` writes."""
-    return f"data-r{rank}.bin"
+def data_file_name(rank: int, token: str | None = None) -> str:
+    """The data file that ``rank`` writes (named after the save too where a storage writes in
+    place, so that a re-save never overwrites the committed step's files)."""
+    return f"data-r{rank}.bin" if token is None else f"data-r{rank}-{token}.bin"
 
 
 @dataclass
@@ -284,10 +286,10 @@ def write_checkpoint(
     snap = job.snapshot
     snap.wait_copied()
     group = job.group
-    file = data_file_name(group.rank)
-    pieces = _Pieces(job, file)
     final = step_dir_name(job.step)
     staging = storage.staging_dir(final, job.token)
+    file = data_file_name(group.rank, job.token if staging == final else None)
+    pieces = _Pieces(job, file)
     try:
         if encoder is not None and encoder.active:
             encoder.begin(job.step, lambda: _probe(job))
@@ -331,6 +333,14 @@ def write_checkpoint(
         )
         manifest_json = manifest.to_json()
         storage.write_file(f"{staging}/{MANIFEST_NAME}", [memoryview(manifest_json)])
+        # The staging directory may have been removed under us (by hand, or by a tool that is
+        # not coci): the manifest write would then recreate it with no data in it.
+        missing = [s.file.name for s in shares if not storage.exists(f"{staging}/{s.file.name}")]
+        if missing:
+            raise StorageError(
+                f"the data files {missing} of step {job.step} disappeared before the commit "
+                f"(was {storage.url}/{staging} removed?); nothing was published"
+            )
         storage.publish(staging, final)
     except BaseException as e:
         commit.fail(storage, staging, group, e)
@@ -396,13 +406,15 @@ class PersistWorker:
             except Exception:  # the job reports its own errors; never let the worker die
                 logger.exception("coci: unexpected error in the writer thread")
 
-    def stop(self) -> None:
-        """Finish the queued jobs and end the thread."""
+    def stop(self, *, wait: bool = True) -> None:
+        """Finish the queued jobs and end the thread (``wait``: join it, unless called from
+        the thread itself)."""
         with self._lock:
             thread, self._thread = self._thread, None
         if thread is not None and thread.is_alive():
             self._queue.put(None)
-            thread.join()
+            if wait and thread is not threading.current_thread():
+                thread.join()
 
 
 class LatestOnlyWorker:

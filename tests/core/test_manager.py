@@ -24,6 +24,7 @@ from coci_core import (
     SaveEvent,
     StorageError,
 )
+from coci_core.lease import LEASE_NAME
 from coci_core.manifest import step_dir_name
 from tests.harness.faults import FaultyStorage, HeldStorage
 from tests.harness.states import assert_same, tiny_model_state
@@ -240,7 +241,10 @@ def test_background_failure_surfaces_and_keeps_previous(
         mgr.wait()
         assert mgr.steps() == [1, 3]
         assert torch.equal(mgr.restore(step=1)["w"], torch.ones(8))
-    assert sorted(os.listdir(tmp_path)) == [step_dir_name(1), step_dir_name(3)]
+    assert sorted(n for n in os.listdir(tmp_path) if n != LEASE_NAME) == [
+        step_dir_name(1),
+        step_dir_name(3),
+    ]
 
 
 @pytest.mark.parametrize("where", ["save", "wait", "close"])
@@ -274,7 +278,7 @@ def test_leftovers_are_removed_at_start(tmp_path: Path) -> None:
     (tmp_path / "notes.txt").write_text("mine")
     with CheckpointManager(tmp_path) as mgr:
         assert mgr.steps() == []
-    assert sorted(os.listdir(tmp_path)) == ["notes.txt"]
+    assert sorted(n for n in os.listdir(tmp_path) if n != LEASE_NAME) == ["notes.txt"]
 
 
 def test_resave_same_step_replaces_it(tmp_path: Path) -> None:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import uuid
 from collections.abc import Iterable
 from typing import Any
 
@@ -11,12 +13,17 @@ from coci_core.errors import ConfigError, StorageError
 
 __all__ = ["FsspecStorage"]
 
+_MANIFEST = "manifest.json"
+
 
 class FsspecStorage:
     """A directory under an fsspec URL.
 
     Object stores have no atomic rename, so a checkpoint is written in place and the manifest,
     written last as a single object, is the commit marker: a step without it does not exist.
+    Each save names its data files after itself, so re-saving a committed step never touches
+    the files of the old one: the new manifest replaces the old in one put (written aside, then
+    moved), and only then are the old files deleted.
     """
 
     def __init__(self, url: str, **storage_options: Any) -> None:
@@ -57,11 +64,16 @@ class FsspecStorage:
             with contextlib.suppress(FileExistsError):
                 self.fs.makedirs(parent, exist_ok=True)
             written = 0
-            with self.fs.open(full, "wb") as f:
+            # A manifest replaces an older one in one step: written aside, then moved.
+            atomic = full.rsplit("/", 1)[-1] == _MANIFEST
+            target = f"{full}.coci-tmp-{uuid.uuid4().hex[:12]}" if atomic else full
+            with self.fs.open(target, "wb") as f:
                 for chunk in chunks:
                     f.write(chunk)
                     written += chunk.nbytes
                 _fsync_if_local(f)
+            if atomic:
+                self.fs.mv(target, full)
         except OSError as e:
             raise StorageError.wrap(f"cannot write {self.url}/{path}: {e}", e) from e
         return written
@@ -90,13 +102,35 @@ class FsspecStorage:
             self.fs.rm(self._path(path), recursive=True)
 
     def staging_dir(self, final: str, token: str) -> str:
-        if self.exists(final):
-            self.remove_dir(final)  # a leftover or an older save of the same step
         return final
 
     def publish(self, staging: str, final: str) -> None:
+        """The manifest is already in place; delete what an older save of the step left."""
         if staging != final:
             raise StorageError(f"cannot publish {staging!r} as {final!r}: no rename here")
+        try:
+            doc = json.loads(self.read_bytes(f"{final}/{_MANIFEST}"))
+            kept = {str(f["name"]) for f in doc["files"]} | {_MANIFEST}
+        except (StorageError, ValueError, KeyError, TypeError):
+            return  # nothing is deleted unless the new manifest says what it needs
+        for name in self.list_dir(final):
+            if name not in kept and name.startswith(("data-", f"{_MANIFEST}.coci-tmp-")):
+                with contextlib.suppress(FileNotFoundError, OSError):
+                    self.fs.rm(self._path(f"{final}/{name}"))
+
+    def retire(self, final: str) -> None:
+        """Un-publish a committed step (delete its manifest first), then delete its files."""
+        with contextlib.suppress(FileNotFoundError):
+            try:
+                self.fs.rm(self._path(f"{final}/{_MANIFEST}"))
+            except OSError as e:
+                raise StorageError.wrap(f"cannot remove {self.url}/{final}: {e}", e) from e
+        self.remove_dir(final)
+
+    def local_root(self) -> str | None:
+        """The local path of this storage when fsspec's file system is the local one."""
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
+        return self.root if {"file", "local"} & set(protocols) else None
 
 
 def _fsync_if_local(f: Any) -> None:

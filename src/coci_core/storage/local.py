@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import shutil
+import uuid
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -27,6 +29,7 @@ class LocalStorage:
         self.root = Path(root).expanduser().absolute()
         self.url = str(self.root)
         self.direct_io = direct_io and bool(_O_DIRECT)
+        self.exchange = True  # swap directories atomically on re-save where possible
 
     def __repr__(self) -> str:
         return f"LocalStorage({self.url!r})"
@@ -112,20 +115,52 @@ class LocalStorage:
         return f"{final}.coci-tmp-{token}"
 
     def publish(self, staging: str, final: str) -> None:
+        """Rename ``staging`` to ``final``. Re-saving a committed step swaps the two
+        directories in one step (``renameat2(RENAME_EXCHANGE)``) where the kernel and file
+        system allow; elsewhere the old one is first renamed to ``<final>.coci-old-<token>``,
+        which the next manager renames back if a crash left ``final`` missing."""
         src, dst = self._path(staging), self._path(final)
         try:
             _fsync_dir(src)
             if dst.exists():
-                # Re-saving a step that is already committed: move the old one aside first.
+                if self.exchange and _rename_exchange(src, dst):
+                    _fsync_dir(dst.parent)
+                    shutil.rmtree(src, ignore_errors=True)  # now the old step
+                    return
                 aside = self._path(f"{final}.coci-old-{src.name.rsplit('-', 1)[-1]}")
                 os.rename(dst, aside)
                 os.rename(src, dst)
+                _fsync_dir(dst.parent)
                 shutil.rmtree(aside, ignore_errors=True)
             else:
                 os.rename(src, dst)
             _fsync_dir(dst.parent)
         except OSError as e:
             raise StorageError.wrap(f"cannot publish {dst}: {e}", e) from e
+
+    def retire(self, final: str) -> None:
+        """Un-publish the committed step ``final`` in one rename, then delete its files (a
+        crash in between leaves a ``.coci-del-`` directory, never a manifest without data)."""
+        src = self._path(final)
+        doomed = self._path(f"{final}.coci-del-{uuid.uuid4().hex[:12]}")
+        try:
+            os.rename(src, doomed)
+            _fsync_dir(src.parent)
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            raise StorageError.wrap(f"cannot remove {src}: {e}", e) from e
+        shutil.rmtree(doomed, ignore_errors=True)
+
+    def free_bytes(self) -> int | None:
+        """Free bytes on the file system that holds the directory (None: unknown)."""
+        path = self.root
+        while not path.exists() and path != path.parent:
+            path = path.parent
+        try:
+            return shutil.disk_usage(path).free
+        except OSError:
+            return None
 
 
 def _write_all(fd: int, chunk: memoryview) -> int:
@@ -134,6 +169,33 @@ def _write_all(fd: int, chunk: memoryview) -> int:
     while done < len(view):
         done += os.write(fd, view[done:])
     return done
+
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def _rename_exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically (Linux ``renameat2``); False where that is not available."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_uint,
+    ]
+    renameat2.restype = ctypes.c_int
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
 
 
 def _fsync_dir(path: Path) -> None:

@@ -1,0 +1,232 @@
+"""Two of everything at once: threads, managers and processes on one directory."""
+
+from __future__ import annotations
+
+import gc
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import threading
+import weakref
+from collections.abc import Iterable
+from pathlib import Path
+
+import pytest
+import torch
+
+from coci_core import (
+    BackgroundSaveError,
+    CheckpointManager,
+    DirectoryInUseError,
+    LocalStorage,
+    StorageError,
+)
+from coci_core.manifest import step_dir_name
+from tests.harness.faults import FaultyStorage, HeldStorage
+
+
+def _state(step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(64, 256, generator=g), "b": torch.full((300,), float(step))}
+
+
+def _assert_every_step_exact(directory: Path) -> list[int]:
+    with CheckpointManager(directory, keep_last=None) as reader:
+        steps = reader.steps()
+        for step in steps:
+            restored = reader.restore(step=step)
+            expected = _state(step)
+            for key, value in expected.items():
+                assert torch.equal(restored[key], value), f"step {step} restored other values"
+            assert reader.verify(step) == {step: []}
+    return steps
+
+
+@pytest.mark.parametrize(
+    ("compression", "block"), [("none", True), ("lossless", False)], ids=["raw", "lossless-nb"]
+)
+def test_two_threads_saving_on_one_manager(tmp_path: Path, compression: str, block: bool) -> None:
+    """50 saves from two threads: every committed step restores its own values exactly."""
+    errors: list[BaseException] = []
+    with CheckpointManager(tmp_path, keep_last=None, compression=compression) as mgr:
+
+        def saver(steps: range) -> None:
+            try:
+                for step in steps:
+                    mgr.save(step, _state(step), block=block)
+                    mgr.before_update()
+            except BaseException as e:  # pragma: no cover - reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=saver, args=(range(first, 50, 2),)) for first in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        mgr.wait()
+    assert errors == []
+    assert _assert_every_step_exact(tmp_path) == list(range(50))
+
+
+def test_second_manager_in_process_cannot_write(tmp_path: Path) -> None:
+    """A second manager may restore while the first writes, but its save is refused with an
+    error naming the directory; once the first is closed it may write."""
+    first = CheckpointManager(tmp_path)
+    first.save(1, _state(1)).wait()
+    second = CheckpointManager(tmp_path)
+    assert torch.equal(second.restore()["w"], _state(1)["w"])
+    with pytest.raises(DirectoryInUseError, match="close\\(\\) it first"):
+        second.save(2, _state(2))
+    first.close()
+    second.save(2, _state(2)).wait()
+    second.close()
+    assert _assert_every_step_exact(tmp_path) == [1, 2]
+
+
+def test_second_manager_never_removes_a_live_save(tmp_path: Path) -> None:
+    """A manager opened while another is mid-save leaves its staging alone: the save commits
+    with all its data (before the lease, it deleted the staging and a manifest-only step was
+    published)."""
+    held = HeldStorage(LocalStorage(tmp_path))
+    with CheckpointManager(held, keep_last=None) as writer:
+        handle = writer.save(7, _state(7))
+        assert held.entered.wait(30)
+        staging = [n for n in os.listdir(tmp_path) if ".coci-tmp-" in n]
+        CheckpointManager(tmp_path).close()  # a second manager starts and ends meanwhile
+        assert [n for n in os.listdir(tmp_path) if ".coci-tmp-" in n] == staging
+        held.release.set()
+        handle.wait()
+    assert _assert_every_step_exact(tmp_path) == [7]
+
+
+class _RemovesStaging(FaultyStorage):
+    """Someone (not coci) removes the staging directory right after the data file is written."""
+
+    def __init__(self, inner: LocalStorage) -> None:
+        super().__init__(inner, fail={})
+        self.armed = False
+
+    def write_file(self, path: str, chunks: Iterable[memoryview], *, aligned: bool = False) -> int:
+        n = self.inner.write_file(path, chunks, aligned=aligned)
+        if self.armed and path.endswith(".bin"):
+            shutil.rmtree(Path(self.inner.url) / path.split("/")[0])
+        return n
+
+
+def test_directory_removed_during_save_publishes_nothing(tmp_path: Path) -> None:
+    """The staging directory removed under a save: the save fails and no manifest-only step
+    is published (the manifest write used to recreate the directory)."""
+    storage = _RemovesStaging(LocalStorage(tmp_path))
+    with CheckpointManager(storage, keep_last=None) as writer:
+        writer.save(1, _state(1)).wait()
+        storage.armed = True
+        handle = writer.save(2, _state(2))
+        with pytest.raises(BackgroundSaveError) as info:
+            handle.wait()
+        assert isinstance(info.value.__cause__, StorageError)
+    assert not (tmp_path / step_dir_name(2)).exists()
+    assert _assert_every_step_exact(tmp_path) == [1]
+
+
+_WRITER = textwrap.dedent(
+    """
+    import sys, torch
+    from coci_core import CheckpointManager, DirectoryInUseError
+    directory, first, go = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    def state(step):
+        g = torch.Generator().manual_seed(step)
+        return {"w": torch.randn(64, 256, generator=g), "b": torch.full((300,), float(step))}
+    mgr = CheckpointManager(directory, keep_last=None)
+    print("READY", flush=True)
+    sys.stdin.readline()  # both writers start saving together
+    committed, refused = [], 0
+    for step in range(first, first + 20, 2):
+        try:
+            mgr.save(step, state(step)).wait()
+            committed.append(step)
+        except DirectoryInUseError:
+            refused += 1
+    print("RESULT", committed, refused, flush=True)
+    mgr.close()
+    """
+)
+
+
+def test_two_writer_processes_and_a_reader(tmp_path: Path) -> None:
+    """Two processes saving to one directory while a third restores: exactly one writes, the
+    other is refused on every save, and every committed step (seen by the reader while they
+    run, and afterwards) restores exactly."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _WRITER, str(tmp_path), str(first), "go"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for first in (0, 1)
+    ]
+    for p in procs:
+        assert p.stdout is not None and p.stdout.readline().strip() == "READY"
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    seen: set[int] = set()
+    while any(p.poll() is None for p in procs):
+        seen.update(_assert_every_step_exact(tmp_path))
+    outputs = [p.communicate(timeout=120)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outputs
+    results = [
+        line.split(" ", 1)[1]
+        for out in outputs
+        for line in out.splitlines()
+        if line.startswith("RESULT")
+    ]
+    committed = [eval(r.rsplit(" ", 1)[0]) for r in results]
+    refused = [int(r.rsplit(" ", 1)[1]) for r in results]
+    assert sorted(refused) == [0, 10]  # one process wrote everything, the other nothing
+    steps = _assert_every_step_exact(tmp_path)
+    assert steps == sorted(committed[0] + committed[1])
+    assert seen <= set(steps)
+
+
+def test_lease_is_released_by_a_killed_process(tmp_path: Path) -> None:
+    """A writer killed with SIGKILL leaves no lease behind: the next manager writes."""
+    script = textwrap.dedent(
+        f"""
+        import os, signal, torch
+        from coci_core import CheckpointManager
+        mgr = CheckpointManager({str(tmp_path)!r})
+        mgr.save(1, {{"w": torch.ones(4)}}).wait()
+        os.kill(os.getpid(), signal.SIGKILL)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], timeout=120, check=False)
+    assert proc.returncode == -9
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(2, {"w": torch.zeros(4)}).wait()
+        assert mgr.steps() == [1, 2]
+
+
+def test_unclosed_managers_are_freed(tmp_path: Path) -> None:
+    """Managers dropped without close() free their writer thread, memory and lease (the
+    thread used to hold its manager for ever: ten managers, ten threads and arenas)."""
+    refs = []
+    threads_before = threading.active_count()
+    for i in range(10):
+        mgr = CheckpointManager(tmp_path / "run", keep_last=1)
+        mgr.save(i, {"w": torch.full((1 << 20,), float(i))}).wait()
+        refs.append(weakref.ref(mgr))
+        writer = next(t for t in threading.enumerate() if t.name == "coci-persist")
+        del mgr
+        # The writer thread ends by itself once its last job is done and nothing else holds
+        # the manager: joining it is the synchronisation.
+        gc.collect()
+        writer.join(timeout=60)
+        assert not writer.is_alive()
+        assert refs[-1]() is None
+    assert threading.active_count() == threads_before
+    with CheckpointManager(tmp_path / "run") as mgr:  # the lease was given back
+        mgr.save(10, {"w": torch.ones(4)}).wait()
