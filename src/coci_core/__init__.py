@@ -9,6 +9,7 @@ from coci_core.errors import (
     CorruptCheckpointError,
     NoCheckpointError,
     StorageError,
+    UnsafeCheckpointError,
     UnsupportedValueError,
 )
 from coci_core.group import RankGroup
@@ -41,6 +42,7 @@ __all__ = [
     "Stateful",
     "Storage",
     "StorageError",
+    "UnsafeCheckpointError",
     "UnsupportedValueError",
     "partition",
 ]
