@@ -165,8 +165,11 @@ class _MetadataUnpickler(pickle.Unpickler):
             value = vars(torch).get(name)
             if isinstance(value, _TORCH_ENUMS):
                 return value
+        ref = f"{module}.{name}"
+        if not ref.isprintable() or len(ref) > 200:  # names come from the file: no escapes
+            ref = _short(ref)
         raise UnsafeCheckpointError(
-            f"refusing to import {self._where}: .metadata references {module}.{name}; coci "
+            f"refusing to import {self._where}: .metadata references {ref}; coci "
             "never runs code from a checkpoint (a DCP .metadata may name only DCP's metadata "
             "classes, torch.Size, torch dtypes and layouts, OrderedDict, paths and sets)"
         )
@@ -290,8 +293,11 @@ def _load_metadata(directory: Path, where: str) -> Any:
     except CociError:
         raise
     except Exception as e:  # a garbled pickle raises anything
+        why = str(e)
+        if not why.isprintable() or len(why) > 300:
+            why = _short(why)
         raise CorruptCheckpointError(
-            f"{where}: {METADATA_NAME} cannot be read ({type(e).__name__}: {e})"
+            f"{where}: {METADATA_NAME} cannot be read ({type(e).__name__}: {why})"
         ) from e
     if type(meta) is not Metadata:
         raise CorruptCheckpointError(

@@ -402,6 +402,8 @@ def _reason(error: BaseException) -> str:
     found = re.search(r"WeightsUnpickler error: ([^\n]*)", text)
     line = found.group(1) if found else (text.strip().splitlines() or [""])[0]
     line = line or type(error).__name__
+    if not line.isprintable():  # messages may quote bytes of the file: no terminal escapes
+        line = repr(line)
     return line if len(line) <= 300 else line[:300] + "..."
 
 

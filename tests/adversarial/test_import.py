@@ -286,6 +286,18 @@ def test_the_refused_global_is_named(tmp_path: Path, marker: Path) -> None:
     assert not marker.exists()
 
 
+def test_names_from_the_file_are_quoted_in_messages(tmp_path: Path) -> None:
+    """A global name with terminal escapes is shown escaped, not sent to the terminal."""
+    src = tmp_path / "evil"
+    src.mkdir()
+    raw = b"\x80\x04" + _short_str("os\x1b[2J") + _short_str("system") + b"\x93"
+    (src / ".metadata").write_bytes(raw + _short_str("x") + b"\x85R.")
+    with pytest.raises(UnsafeCheckpointError) as info:
+        read_foreign(src)
+    assert "\x1b" not in str(info.value)
+    assert "os\\x1b[2J.system" in str(info.value)
+
+
 def test_code_hidden_inside_real_metadata_is_refused(
     dcp_dir: Path, marker: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
