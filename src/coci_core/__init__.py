@@ -10,6 +10,7 @@ from coci_core.errors import (
     DirectoryInUseError,
     NoCheckpointError,
     StorageError,
+    UnsafeCheckpointError,
     UnsupportedValueError,
 )
 from coci_core.group import RankGroup
@@ -43,6 +44,7 @@ __all__ = [
     "Stateful",
     "Storage",
     "StorageError",
+    "UnsafeCheckpointError",
     "UnsupportedValueError",
     "partition",
 ]

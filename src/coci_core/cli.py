@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from coci_core.errors import CociError, CorruptCheckpointError, NoCheckpointError
+from coci_core.foreign import read_foreign  # also coci_core.cli.read_foreign, as before
 from coci_core.restore import committed_steps, load_checkpoint, read_manifest, verify_checkpoint
 from coci_core.storage import open_storage
 
@@ -125,30 +126,6 @@ def _import(args: argparse.Namespace) -> int:
         mgr.save(args.step, state).wait()
     print(f"imported {args.src} into {args.dir} as step {args.step}")
     return 0
-
-
-def read_foreign(src: Path) -> dict[str, Any]:
-    """A state from a ``torch.save`` file, a ``.safetensors`` file or a
-    ``torch.distributed.checkpoint`` directory, loaded without running code from it."""
-    import tempfile
-
-    import torch
-
-    if src.is_dir():
-        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-        with tempfile.TemporaryDirectory() as tmp:
-            dcp_to_torch_save(str(src), f"{tmp}/state.pt")
-            state = torch.load(f"{tmp}/state.pt", weights_only=True)
-    elif src.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        state = load_file(str(src))
-    else:
-        state = torch.load(src, weights_only=True)
-    if not isinstance(state, dict):
-        raise CociError(f"{src} holds a {type(state).__name__}, not a mapping")
-    return state
 
 
 def _split_for_safetensors(state: Any) -> tuple[dict[str, Any], Any]:

@@ -9,6 +9,7 @@
     ├── CheckpointError(CociError)                 a checkpoint cannot be used
     │   ├── NoCheckpointError                      there is no committed checkpoint
     │   └── CorruptCheckpointError                 checksum, size or manifest mismatch
+    │       └── UnsafeCheckpointError              loading it would run code from it (refused)
     ├── BackgroundSaveError(CociError)             a background persist failed
     ├── DirectoryInUseError(CociError)             another writer owns the directory
     └── CommitError(CociError)                     a rank of a sharded save failed (its cause)
@@ -26,6 +27,7 @@ __all__ = [
     "DirectoryInUseError",
     "NoCheckpointError",
     "StorageError",
+    "UnsafeCheckpointError",
     "UnsupportedValueError",
 ]
 
@@ -67,6 +69,12 @@ class CorruptCheckpointError(CheckpointError):
         super().__init__(message)
         self.step = step
         self.bad = list(bad or [])
+
+
+class UnsafeCheckpointError(CorruptCheckpointError):
+    """A checkpoint (or a file being imported) could only be loaded by running code from it: a
+    pickle in it names a function or class outside what coci allows. It is refused; coci never
+    runs code from a checkpoint."""
 
 
 class BackgroundSaveError(CociError):

@@ -192,7 +192,7 @@ def _raw_nbytes(entry: TensorEntry) -> int:
 
 def _as_value(entry: TensorEntry, raw: torch.Tensor) -> Any:
     if entry.kind == "torch_save":
-        return load_torch_saved(raw.numpy().tobytes())
+        return load_torch_saved(raw.numpy().tobytes(), entry.key)
     dtype = decode_dtype(entry.dtype)
     if raw.numel() != _raw_nbytes(entry):
         raise CorruptCheckpointError(

@@ -11,6 +11,9 @@ from __future__ import annotations
 import base64
 import io
 import math
+import os
+import pickle
+import re
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -19,7 +22,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from coci_core.errors import CorruptCheckpointError, UnsupportedValueError
+from coci_core.errors import CorruptCheckpointError, UnsafeCheckpointError, UnsupportedValueError
 
 __all__ = ["ArrayLeaf", "FlatState", "decode_dtype", "flatten_state", "unflatten_state"]
 
@@ -267,8 +270,35 @@ class _Flattener:
             )
         buffer = io.BytesIO()
         torch.save(value, buffer)
+        _check_loadable(buffer.getvalue(), value, key)
         data = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
         return self.add_leaf(key, data, "torch_save")
+
+
+def _check_loadable(data: bytes, value: Any, key: str) -> None:
+    """Refuse at save what ``load_torch_saved`` would refuse at restore: the value must load back
+    with ``torch.load(weights_only=True)`` (with whatever ``add_safe_globals`` registered)."""
+    try:  # the fast path: the weights-only unpickler runs, storages are not read (meta)
+        torch.load(io.BytesIO(data), weights_only=True, map_location="meta")
+        return
+    except Exception:  # decided by the full load below
+        pass
+    try:  # some tensors (quantized) cannot be rebuilt on meta: the load restore does
+        torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as e:  # any failure means it could never be restored
+        name = refused_global(e)
+        what = (
+            f"refers to {name}, which torch.load(weights_only=True) does not allow"
+            if name is not None
+            else f"does not load back with torch.load(weights_only=True) ({_reason(e)})"
+        )
+        cls = type(value)
+        raise UnsupportedValueError(
+            f"state value at {key!r} of type {cls.__module__}.{cls.__qualname__} {what}, so "
+            "the checkpoint could never be restored; store it as a str or a number (or lists "
+            "and dicts of those) instead, or, if you trust that type, register it with "
+            "torch.serialization.add_safe_globals([...]) (before saving and before restoring)"
+        ) from e
 
 
 def flatten_state(state: Mapping[str, Any], *, allow_torch_save: bool = False) -> FlatState:
@@ -339,6 +369,64 @@ def _decode_key(k: Any) -> Any:
     return k
 
 
-def load_torch_saved(data: bytes) -> Any:
-    """Load an opt-in ``torch.save`` leaf without executing code (``weights_only=True``)."""
-    return torch.load(io.BytesIO(data), weights_only=True)
+def load_torch_saved(data: bytes, key: str | None = None) -> Any:
+    """Load an opt-in ``torch.save`` leaf without executing code (``weights_only=True``).
+
+    Raises:
+        CorruptCheckpointError: the bytes do not load (``UnsafeCheckpointError`` when they
+            name a global that ``weights_only`` refuses), so a restore moves on to an older
+            checkpoint instead of crashing.
+    """
+    what = f"the torch.save'd value at {key!r}" if key is not None else "a torch.save'd value"
+    try:
+        return load_weights_only(data, what=what)
+    except CorruptCheckpointError as e:
+        e.bad = [key] if key is not None else []
+        raise
+
+
+_REFUSED_GLOBAL = re.compile(r"GLOBAL ([A-Za-z_][\w.]*)")
+
+
+def refused_global(error: BaseException) -> str | None:
+    """The global that ``torch.load(weights_only=True)`` refused, when that is why it failed."""
+    if isinstance(error, pickle.UnpicklingError):
+        found = _REFUSED_GLOBAL.search(str(error))
+        if found is not None:
+            return found.group(1)
+    return None
+
+
+def _reason(error: BaseException) -> str:
+    text = str(error)
+    found = re.search(r"WeightsUnpickler error: ([^\n]*)", text)
+    line = found.group(1) if found else (text.strip().splitlines() or [""])[0]
+    line = line or type(error).__name__
+    if not line.isprintable():  # messages may quote bytes of the file: no terminal escapes
+        line = repr(line)
+    return line if len(line) <= 300 else line[:300] + "..."
+
+
+def load_weights_only(
+    data: bytes | os.PathLike[str], *, what: str, map_location: str | None = None
+) -> Any:
+    """``torch.load(data, weights_only=True)`` (bytes or a file), every failure a CociError
+    naming ``what``.
+
+    Raises:
+        UnsafeCheckpointError: the pickle names a global that ``weights_only`` refuses (loading
+            it would run code from the file).
+        CorruptCheckpointError: the bytes are not a loadable ``torch.save`` file.
+    """
+    try:
+        source = io.BytesIO(data) if isinstance(data, bytes) else data
+        return torch.load(source, weights_only=True, map_location=map_location)
+    except Exception as e:  # torch raises many types for a bad file (OSError included)
+        name = refused_global(e)
+        if name is not None:
+            raise UnsafeCheckpointError(
+                f"{what} cannot be loaded without running code: it refers to {name}, which "
+                "torch.load(weights_only=True) does not allow; coci never runs code from a "
+                "checkpoint"
+            ) from e
+        raise CorruptCheckpointError(f"{what} cannot be read: {_reason(e)}") from e
