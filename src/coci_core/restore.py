@@ -178,12 +178,20 @@ class _Reader:
         for piece in entry.pieces:
             span = f"{piece.start}-{piece.start + piece.length}"
             where = f"step {step}: a piece of {key!r} (bytes {span})"
+            try:
+                if piece.params is None:
+                    if entry.codec not in (RAW_CODEC, "mixed") and not any(
+                        q.params for q in entry.pieces
+                    ):
+                        from_descriptor(entry.codec)  # an unknown codec name is refused
+                    delta = False
+                else:
+                    delta = needs_base(piece.params)
+            except CorruptCheckpointError as e:
+                raise CorruptCheckpointError(f"{where}: {e}", step=step, bad=[key]) from e
             if piece.params is None:
-                if entry.codec not in (RAW_CODEC, "mixed") and not any(
-                    q.params for q in entry.pieces
-                ):
-                    from_descriptor(entry.codec)  # an unknown codec name is refused
-            elif needs_base(piece.params):
+                pass
+            elif delta:
                 base_step = piece.params.get("base_step")
                 if type(base_step) is not int or not 0 <= base_step < step:
                     raise CorruptCheckpointError(
@@ -443,6 +451,10 @@ def verify_checkpoint(
     path = f"{step_dir_name(step)}/{MANIFEST_NAME}"
     try:
         manifest = read_manifest(storage, step)
+        # the values in the trees (numpy scalars, bytes...), as restore would build them
+        unflatten_state(manifest.tree, [None] * len(manifest.tensors))
+        for own in manifest.per_rank:
+            unflatten_state(own.tree, [None] * len(own.tensors))
     except CorruptCheckpointError:
         _raise_if_removed(storage, step, path)
         raise
