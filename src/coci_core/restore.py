@@ -34,6 +34,7 @@ __all__ = [
     "MAX_DELTA_CHAIN",
     "ZSTD_MAX_RATIO",
     "LoadedCheckpoint",
+    "RestoreCache",
     "committed_steps",
     "load_checkpoint",
     "read_manifest",
@@ -284,6 +285,9 @@ class _Reader:
                 step=manifest.step,
                 bad=[entry.key],
             )
+        known = self._damaged.get((manifest.step, entry.key))
+        if known is not None:
+            raise known
         self._manifests.setdefault(manifest.step, manifest)
         plan = self._plan(manifest, entry)
         uses = Counter(b for _, _, bases in plan for b in bases)
@@ -390,7 +394,20 @@ def _unexpected(step: int, e: Exception, what: str = "") -> CorruptCheckpointErr
     )
 
 
-def load_checkpoint(storage: Storage, step: int, *, rank: int = 0) -> LoadedCheckpoint:
+class RestoreCache:
+    """What restoring from ``storage`` learned (manifests, data file sizes, bases found
+    damaged), shared by the steps one fallback loop tries: pass it to each
+    :func:`load_checkpoint` of the loop, and a base found damaged for one step is not read and
+    decoded again for the next. Use one per restore (a step may be saved again later)."""
+
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+        self._reader = _Reader(storage)
+
+
+def load_checkpoint(
+    storage: Storage, step: int, *, rank: int = 0, cache: RestoreCache | None = None
+) -> LoadedCheckpoint:
     """Read, verify and rebuild the state of ``step`` (tensors on CPU), with the per-rank
     state that rank ``rank`` saved merged in (when the checkpoint has that rank).
 
@@ -399,17 +416,17 @@ def load_checkpoint(storage: Storage, step: int, *, rank: int = 0) -> LoadedChec
         CorruptCheckpointError: the manifest or any array is damaged (the error names them);
             also any error that reading the checkpoint raised unforeseen.
     """
+    reader = cache._reader if cache is not None and cache.storage is storage else None
     try:
-        return _load(storage, step, rank)
+        return _load(storage, step, rank, reader or _Reader(storage))
     except CheckpointError:
         raise
     except Exception as e:
         raise _unexpected(step, e) from e
 
 
-def _load(storage: Storage, step: int, rank: int) -> LoadedCheckpoint:
+def _load(storage: Storage, step: int, rank: int, reader: _Reader) -> LoadedCheckpoint:
     manifest = read_manifest(storage, step)
-    reader = _Reader(storage)
     values, bytes_read = _values(reader, manifest, manifest.tensors)
     state = unflatten_state(manifest.tree, values)
     if not isinstance(state, dict):

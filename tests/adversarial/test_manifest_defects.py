@@ -364,6 +364,33 @@ def test_long_delta_chains_fail_fast_and_fall_back(tmp_path: Path, list_bases: b
     assert time.perf_counter() - started < 30
 
 
+def test_a_fallback_loop_does_not_decode_a_damaged_base_again(
+    tmp_path: Path, allocations: list[int]
+) -> None:
+    """With a RestoreCache shared by the steps a fallback loop tries, a base found damaged is
+    remembered: the steps above it fail without decoding their chains again."""
+    state = craft_chain(tmp_path, 10)
+    data = tmp_path / step_dir_name(3) / "data-r0.bin"
+    data.write_bytes(b"\xff" * data.stat().st_size)
+    storage = LocalStorage(tmp_path)
+
+    def fall_back(cache: Any) -> tuple[int, int]:
+        allocations.clear()
+        for step in range(9, -1, -1):
+            try:
+                loaded = load_checkpoint(storage, step, cache=cache)
+            except CorruptCheckpointError:
+                continue
+            assert same(loaded.state, state)
+            return step, sum(n == 80000 for n in allocations)  # arrays decoded
+        raise AssertionError("nothing restored")
+
+    # arrays allocated: each of 9..4 decodes 0, 1, 2 and fails at 3; 3 fails; 2 is restored
+    assert fall_back(None) == (2, 6 * 4 + 4 + 3)
+    # with the cache, 9 finds 3 damaged, and 8..3 fail at once
+    assert fall_back(restore.RestoreCache(storage)) == (2, 4 + 3)
+
+
 @pytest.mark.parametrize("kind", ["fifo", "dev-zero", "directory"])
 def test_data_files_that_are_not_regular_files_are_refused(
     tmp_path: Path, kind: str, allocations: list[int], capsys: pytest.CaptureFixture[str]
