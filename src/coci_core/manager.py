@@ -26,6 +26,7 @@ from coci_core.manifest import MANIFEST_NAME, Manifest, parse_step_dir, step_dir
 from coci_core.partition import DEFAULT_CHUNK_BYTES, Share, partition
 from coci_core.persist import PersistJob, PersistWorker, write_checkpoint
 from coci_core.restore import (
+    RestoreCache,
     committed_steps,
     load_checkpoint,
     read_manifest,
@@ -578,10 +579,14 @@ class CheckpointManager:
         candidates = [step] if step is not None else list(reversed(steps))
         skipped: list[int] = []
         errors: list[str] = []
+        cache = RestoreCache(self.storage)  # a base found damaged is not decoded again
         for candidate in candidates:
             try:
                 loaded = load_checkpoint(
-                    self.storage, candidate, rank=self.group.rank if rank is None else rank
+                    self.storage,
+                    candidate,
+                    rank=self.group.rank if rank is None else rank,
+                    cache=cache,
                 )
                 break
             except CorruptCheckpointError as e:
