@@ -14,6 +14,7 @@ from typing import Any
 
 from coci_core.errors import CociError, CorruptCheckpointError, NoCheckpointError
 from coci_core.foreign import read_foreign  # also coci_core.cli.read_foreign, as before
+from coci_core.manifest import MANIFEST_NAME, step_dir_name
 from coci_core.restore import committed_steps, load_checkpoint, read_manifest, verify_checkpoint
 from coci_core.storage import open_storage
 
@@ -30,7 +31,11 @@ def _ls(args: argparse.Namespace) -> int:
     for step in steps:
         try:
             m = read_manifest(storage, step)
+        except NoCheckpointError:
+            continue  # removed (by retention) since it was listed
         except CorruptCheckpointError as e:
+            if not storage.exists(f"{step_dir_name(step)}/{MANIFEST_NAME}"):
+                continue  # removed while it was being read: gone, not damaged
             print(f"{step:>10}  damaged manifest: {e}")
             continue
         codecs = (
@@ -47,13 +52,20 @@ def _ls(args: argparse.Namespace) -> int:
         )
         raw = sum(t.raw_nbytes for t in m.tensors)
         ratio = f"{raw / m.nbytes:.2f}x" if m.nbytes else "-"
-        created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.created_unix))
+        created = _time(m.created_unix)
         bases = f"  (delta of {', '.join(map(str, m.bases))})" if m.bases else ""
         print(
             f"{step:>10}  {_size(m.nbytes):>12}  {ratio:>6}  {len(m.tensors):>7}  {created}  "
             f"{codecs}{bases}"
         )
     return 0
+
+
+def _time(unix: float) -> str:
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(unix))
+    except (OverflowError, OSError, ValueError):
+        return f"{'?':<19}"
 
 
 def _size(n: int) -> str:
@@ -72,14 +84,26 @@ def _verify(args: argparse.Namespace) -> int:
         return 1
     damaged = 0
     for step in steps:
+        reasons: list[str] = []
+
+        def report(key: str, why: str, reasons: list[str] = reasons) -> None:
+            reasons.append(f"  damaged: {key}: {why}")
+
         try:
-            bad = verify_checkpoint(
-                storage, step, on_bad=lambda key, why: print(f"  damaged: {key}: {why}")
-            )
-        except (CorruptCheckpointError, NoCheckpointError) as e:
+            bad = verify_checkpoint(storage, step, on_bad=report)
+        except NoCheckpointError as e:
+            # A step listed here and then removed (retention) is gone, not damaged; a step
+            # asked for by --step that is not there is an error.
+            gone = "removed while verifying (not damaged)"
+            print(f"step {step}: {gone if args.step is None else e}")
+            damaged += args.step is not None
+            continue
+        except CorruptCheckpointError as e:
             print(f"step {step}: {e}")
             damaged += 1
             continue
+        for line in reasons:
+            print(line)
         print(f"step {step}: {'ok' if not bad else f'{len(bad)} damaged: ' + ', '.join(bad)}")
         damaged += bool(bad)
     return 1 if damaged else 0

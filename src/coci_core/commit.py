@@ -20,12 +20,17 @@ from typing import Any, TypeVar
 from coci_core.errors import CommitError, CorruptCheckpointError, StorageError
 from coci_core.group import RankGroup
 from coci_core.manifest import (
+    FORMAT_VERSION,
     MANIFEST_NAME,
+    MAX_TOKEN,
+    MAX_WORLD_SIZE,
     DataFile,
     Manifest,
     Piece,
     RankState,
-    parse_tensor_entry,
+    RecordChecker,
+    load_sealed,
+    seal,
 )
 
 __all__ = ["RankShare", "await_outcome", "collect_shares", "fail", "report_share"]
@@ -58,6 +63,7 @@ class RankShare:
         return replace(self, file=file)
 
     def to_json(self) -> bytes:
+        """The marker as JSON, sealed with its checksum like a manifest."""
         doc = {
             "rank": self.rank,
             "token": self.token,
@@ -66,28 +72,41 @@ class RankShare:
             "per_rank": asdict(self.per_rank),
             "file": asdict(self.file),
         }
-        return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")
+        return seal(json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8"))
 
     @classmethod
-    def from_json(cls, data: bytes) -> RankShare:
-        doc = json.loads(data.decode("utf-8"))
+    def from_json(cls, data: bytes, *, where: str = "rank marker") -> RankShare:
+        """Parse a marker, checked like a manifest (its checksum, then every field).
+
+        Raises:
+            CorruptCheckpointError: the marker is damaged, incomplete or malformed.
+        """
+        doc = load_sealed(data, where=where)
+        c = RecordChecker(where, None)
+        fields = ("rank", "token", "layout", "pieces", "per_rank", "file")
+        doc = c.obj(doc, "(the document)", fields, fields)
+        f = c.obj(doc["file"], "file", ("name", "nbytes"), ("name", "nbytes"))
+        file = DataFile(c.file_name(f["name"], "file.name"), c.int_(f["nbytes"], "file.nbytes"))
+        files = {file.name: file.nbytes}
         pieces = []
-        for leaf, p in doc["pieces"]:
-            entry = parse_tensor_entry(
-                {"key": "", "kind": "tensor", "dtype": "", "shape": [], "codec": "", "pieces": [p]}
-            )
-            pieces.append((int(leaf), entry.pieces[0]))
-        rank_state = doc["per_rank"]
+        for i, pair in enumerate(c.list_(doc["pieces"], "pieces")):
+            if type(pair) is not list or len(pair) != 2:
+                c.fail(f"pieces[{i}]", "must be a pair [array, piece]")
+            piece = c.piece(pair[1], f"pieces[{i}][1]", strict=True)
+            if piece.file != file.name or piece.offset + piece.nbytes > file.nbytes:
+                c.fail(f"pieces[{i}][1]", f"is not within {file.name} ({file.nbytes} bytes)")
+            pieces.append((c.int_(pair[0], f"pieces[{i}][0]"), piece))
+        rank_state = c.obj(doc["per_rank"], "per_rank", ("tree", "tensors"), ("tree", "tensors"))
+        own = c.entries(rank_state["tensors"], "per_rank.tensors", FORMAT_VERSION, files)
+        if rank_state["tree"] is not None or own:
+            c.tree(rank_state["tree"], "per_rank.tree", own, strict=True, root=True)
         return cls(
-            rank=int(doc["rank"]),
-            token=str(doc["token"]),
-            layout=str(doc["layout"]),
+            rank=c.int_(doc["rank"], "rank", 0, MAX_WORLD_SIZE - 1),
+            token=c.str_(doc["token"], "token", MAX_TOKEN),
+            layout=c.str_(doc["layout"], "layout", MAX_TOKEN),
             pieces=tuple(pieces),
-            per_rank=RankState(
-                tree=rank_state["tree"],
-                tensors=tuple(parse_tensor_entry(t) for t in rank_state["tensors"]),
-            ),
-            file=DataFile(str(doc["file"]["name"]), int(doc["file"]["nbytes"])),
+            per_rank=RankState(tree=rank_state["tree"], tensors=own),
+            file=file,
         )
 
 

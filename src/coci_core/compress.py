@@ -39,6 +39,7 @@ __all__ = ["MODES", "CompressionPolicy", "PieceEncoder", "check_policy"]
 PROBE_BYTES = 1024 * 1024
 AUTO_MIN_BYTES = 16 * 1024 * 1024  # "auto" never compresses saves smaller than this
 OUTLIERS = 4
+MAX_LOSSY_GENERATIONS = 63
 _OPTIMIZER_CHOICES = ("log_second_moment", "first_moment", "quantized", "lossless")
 _FLOATS = ("float16", "bfloat16", "float32", "float64")
 
@@ -89,6 +90,12 @@ class CompressionPolicy:
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 raise ConfigError(f"'{name}' must be an integer >= 1: {value!r}")
+        if self.max_lossy_generations > MAX_LOSSY_GENERATIONS:
+            # restore refuses delta chains deeper than 64 steps: save must not write them
+            raise ConfigError(
+                f"'max_lossy_generations' must be at most {MAX_LOSSY_GENERATIONS}: "
+                f"{self.max_lossy_generations!r}"
+            )
         if self.lossy_bits not in (8, 4, 2, "auto"):
             raise ConfigError(f"'lossy_bits' must be 8, 4, 2 or 'auto': {self.lossy_bits!r}")
         if not isinstance(self.lossy_target, (int, float)) or not 0 < self.lossy_target < 1:

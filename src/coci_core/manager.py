@@ -30,6 +30,7 @@ from coci_core.manifest import MANIFEST_NAME, Manifest, parse_step_dir, step_dir
 from coci_core.partition import DEFAULT_CHUNK_BYTES, Share, partition
 from coci_core.persist import PersistJob, PersistWorker, write_checkpoint
 from coci_core.restore import (
+    RestoreCache,
     committed_steps,
     load_checkpoint,
     read_manifest,
@@ -576,6 +577,8 @@ class CheckpointManager:
                     self.storage.publish(name, final)
                     logger.warning("coci: restored step %s, left aside by a crash", final)
                     continue
+            elif ".coci-" not in name:
+                continue  # not a name coci writes: someone else's, left alone
             elif sharded and ".coci-tmp-" in name:
                 session, _, seq = name.rsplit(".coci-tmp-", 1)[1].rpartition("-")
                 if session == self.group.session and (
@@ -626,9 +629,9 @@ class CheckpointManager:
         steps = committed_steps(self.storage)
         new = StorageError(
             errno.ENOSPC,
-            f"{error.strerror or error}. The storage is full: {len(steps)} committed checkpoint(s) are kept "
-            f"(keep_last={self.keep_last}) and none was deleted for this save; free space, "
-            "lower keep_last, or enable compression",
+            f"{error.strerror or error}. The storage is full: {len(steps)} committed "
+            f"checkpoint(s) are kept (keep_last={self.keep_last}) and none was deleted for "
+            "this save; free space, lower keep_last, or enable compression",
         )
         new.__cause__ = error
         return new
@@ -681,12 +684,22 @@ class CheckpointManager:
         candidates = [step] if step is not None else list(reversed(steps))
         skipped: list[int] = []
         errors: list[str] = []
+        cache = RestoreCache(self.storage)  # a base found damaged is not decoded again
         for candidate in candidates:
             try:
                 loaded = load_checkpoint(
-                    self.storage, candidate, rank=self.group.rank if rank is None else rank
+                    self.storage,
+                    candidate,
+                    rank=self.group.rank if rank is None else rank,
+                    cache=cache,
                 )
                 break
+            except NoCheckpointError:
+                if step is not None:
+                    raise
+                # Removed while we read it (retention of the writer): not damage.
+                logger.info("coci: step %d was removed while restoring it", candidate)
+                errors.append(f"step {candidate} was removed")
             except CorruptCheckpointError as e:
                 if strict or step is not None:
                     raise
@@ -717,9 +730,17 @@ class CheckpointManager:
         return loaded.state
 
     def verify(self, step: int | None = None) -> dict[int, list[str]]:
-        """Damaged array keys per committed step (all steps, or just ``step``)."""
-        steps = [step] if step is not None else self.steps()
-        return {s: verify_checkpoint(self.storage, s) for s in steps}
+        """Damaged array keys per committed step (all steps, or just ``step``); a step that
+        retention removes while it is checked is left out, not reported damaged."""
+        if step is not None:
+            return {step: verify_checkpoint(self.storage, step)}
+        found: dict[int, list[str]] = {}
+        for s in self.steps():
+            try:
+                found[s] = verify_checkpoint(self.storage, s)
+            except NoCheckpointError:
+                continue
+        return found
 
 
 _ROOM_MARGIN = 1024 * 1024
@@ -787,5 +808,5 @@ def _json_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
     try:
         decoded: dict[str, Any] = json.loads(json.dumps(dict(metadata), allow_nan=False))
         return decoded
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, RecursionError) as e:
         raise ConfigError(f"'metadata' must hold JSON values only: {e}") from e

@@ -3,36 +3,61 @@
 A step directory is a checkpoint exactly when it holds a manifest that parses: the manifest is
 written last, after every data file (of every rank) is durable.
 
-Format 2 stores each array as one or more *pieces* (byte ranges, possibly in different ranks'
-data files); format 1 (one piece per array, in ``data-r0.bin``) is still read.
+Format 3 protects the manifest itself: its last field, ``"checksum"``, is the SHA-256 of the
+exact bytes written before it (the document with that field left out), and a reader verifies it
+before it uses anything in the manifest. Every field is then checked against hard limits before
+anything is allocated or read (see :class:`Manifest.from_json`). Format 2 stores each array as
+one or more *pieces* (byte ranges, possibly in different ranks' data files); formats 2 and 1
+(one piece per array, in ``data-r0.bin``) have no checksum and are still read.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import re
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 from coci_core.errors import CorruptCheckpointError
+from coci_core.tree import check_tree, decode_dtype, ndarray_dtype
 
 __all__ = [
     "FORMAT_VERSION",
     "MANIFEST_NAME",
+    "MAX_ARRAY_BYTES",
+    "MAX_MANIFEST_BYTES",
     "DataFile",
     "Manifest",
     "Piece",
     "RankState",
     "TensorEntry",
+    "load_sealed",
     "parse_step_dir",
     "parse_tensor_entry",
+    "seal",
     "step_dir_name",
 ]
 
-FORMAT_VERSION = 2
-_READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+_READABLE_VERSIONS = (1, 2, 3)
 MANIFEST_NAME = "manifest.json"
-_STEP_DIR = re.compile(r"^step-(\d{10,})$")
+
+# Hard limits, checked before anything is allocated or read.
+MAX_MANIFEST_BYTES = 256 * 1024 * 1024  # ~1M pieces with codec parameters fit many times over
+MAX_ARRAY_BYTES = 1 << 48  # one array (256 TiB); also bounds the product of a shape's dims
+MAX_INT = (1 << 63) - 1  # every integer field (offsets, sizes, steps, dims)
+MAX_NDIM = 64
+MAX_WORLD_SIZE = 1 << 20
+MAX_TOKEN = 256
+MAX_CREATED_UNIX = float(1 << 37)  # the year 6325
+_FILE_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}", re.ASCII)
+_STEP_DIR = re.compile(r"step-([0-9]{10,19})", re.ASCII)
+
+_SEAL_HEAD = b',"checksum":"sha256:'
+_SEAL_TAIL = re.compile(rb',"checksum":"sha256:([0-9a-f]{64})"\}')
+_SEAL_LEN = len(_SEAL_HEAD) + 64 + 2
 
 
 def step_dir_name(step: int) -> str:
@@ -41,9 +66,85 @@ def step_dir_name(step: int) -> str:
 
 
 def parse_step_dir(name: str) -> int | None:
-    """The step of a committed step directory's name, or None for any other name."""
-    match = _STEP_DIR.match(name)
-    return int(match.group(1)) if match else None
+    """The step of a committed step directory's name, or None for any other name.
+
+    Only the canonical name ``step_dir_name(step)`` counts (ASCII digits, exactly that
+    padding): another spelling of the same number would name a directory that restore does
+    not read.
+    """
+    match = _STEP_DIR.fullmatch(name)
+    if match is None:
+        return None
+    step = int(match.group(1))
+    return step if step <= MAX_INT and step_dir_name(step) == name else None
+
+
+# --- the checksum ----------------------------------------------------------------------
+
+
+def seal(body: bytes) -> bytes:
+    """A JSON object's bytes with a last field ``"checksum": "sha256:<hex>"`` holding the
+    SHA-256 of ``body`` (the bytes without that field)."""
+    if not body.startswith(b"{") or not body.endswith(b"}") or body == b"{}":
+        raise ValueError("only a non-empty JSON object can be sealed")
+    digest = hashlib.sha256(body).hexdigest().encode("ascii")
+    return body[:-1] + _SEAL_HEAD + digest + b'"}'
+
+
+def _unseal(data: bytes, where: str, step: int | None) -> bytes | None:
+    """The checked body of sealed ``data``, or None when ``data`` carries no checksum."""
+    match = _SEAL_TAIL.fullmatch(data[-_SEAL_LEN:])
+    if match is None:
+        return None
+    body = data[:-_SEAL_LEN] + b"}"
+    if hashlib.sha256(body).hexdigest().encode("ascii") != match.group(1):
+        raise CorruptCheckpointError(
+            f"{where}: checksum mismatch: the manifest was changed or damaged after it was written",
+            step=step,
+        )
+    return body
+
+
+def _refuse_constant(name: str) -> NoReturn:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:40]} is out of range")
+    return value
+
+
+def _loads(body: bytes, where: str, step: int | None) -> Any:
+    """Strict JSON: UTF-8, no NaN or Infinity, finite floats, bounded nesting (the parser's
+    recursion limit: a deeper document raises RecursionError, refused here)."""
+    try:
+        return json.loads(
+            body.decode("utf-8"), parse_constant=_refuse_constant, parse_float=_finite_float
+        )
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise CorruptCheckpointError(
+            f"{where} is not valid JSON: {type(e).__name__}: {str(e)[:200]}", step=step
+        ) from e
+
+
+def load_sealed(data: bytes, *, where: str, limit: int = MAX_MANIFEST_BYTES) -> Any:
+    """The JSON document in sealed ``data`` (see :func:`seal`), after checking its size and its
+    checksum.
+
+    Raises:
+        CorruptCheckpointError: too large, no checksum, a checksum mismatch or invalid JSON.
+    """
+    if len(data) > limit:
+        raise CorruptCheckpointError(f"{where} has {len(data)} bytes, more than {limit}")
+    body = _unseal(data, where, None)
+    if body is None:
+        raise CorruptCheckpointError(f"{where} has no checksum")
+    return _loads(body, where, None)
+
+
+# --- the records -----------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -121,122 +222,327 @@ class Manifest:
         return sum(f.nbytes for f in self.files)
 
     def to_json(self) -> bytes:
-        """The manifest as UTF-8 JSON."""
+        """The manifest as UTF-8 JSON (format 3: with its checksum as the last field)."""
         doc = asdict(self)
         doc["format_version"] = FORMAT_VERSION
-        return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")
+        return seal(json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8"))
 
     @classmethod
-    def from_json(cls, data: bytes, *, where: str = "manifest") -> Manifest:
+    def from_json(
+        cls, data: bytes, *, where: str = "manifest", step: int | None = None
+    ) -> Manifest:
         """Parse and check a manifest.
 
+        Format 3: the checksum is verified first. Every field (of every version) is then
+        checked: its JSON type; integers within ``[0, 2**63)``; file names plain ASCII
+        (``[A-Za-z0-9._-]``, at most 128); dtypes known, numpy dtypes numbers of the matching
+        size; each array's shape times its itemsize (at most ``MAX_ARRAY_BYTES``) equal to its
+        pieces' lengths, which tile it in order; raw pieces stored as they are; every piece
+        within its data file's recorded size; the state tree well formed, at most
+        ``MAX_TREE_DEPTH`` deep, every array node naming an array (format 3: in the order and
+        at the paths the arrays' keys say, every array once).
+
         Raises:
-            CorruptCheckpointError: the manifest is not valid JSON, has an unknown format
-                version, or lacks or mistypes a field.
+            CorruptCheckpointError: naming the field (and ``step``, when given).
         """
-        try:
-            doc = json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CorruptCheckpointError(f"{where} is not valid JSON: {e}") from e
-        if not isinstance(doc, dict):
-            raise CorruptCheckpointError(f"{where} is not a JSON object")
-        version = doc.get("format_version")
-        if version not in _READABLE_VERSIONS:
+        if len(data) > MAX_MANIFEST_BYTES:
             raise CorruptCheckpointError(
-                f"{where} has format_version {version!r}; this coci reads {_READABLE_VERSIONS}"
+                f"{where} has {len(data)} bytes, more than {MAX_MANIFEST_BYTES}", step=step
             )
-        try:
-            tensors = tuple(parse_tensor_entry(t, version) for t in doc["tensors"])
-            files = tuple(
-                DataFile(name=_safe_name(f["name"]), nbytes=_nonneg_int(f["nbytes"], "nbytes"))
-                for f in doc["files"]
-            )
-            metadata = doc.get("metadata", {})
-            if not isinstance(metadata, dict):
-                raise TypeError("metadata must be an object")
-            per_rank = tuple(
-                RankState(
-                    tree=r["tree"],
-                    tensors=tuple(parse_tensor_entry(t, version) for t in r["tensors"]),
-                )
-                for r in doc.get("per_rank", ())
-            )
-            return cls(
-                step=_nonneg_int(doc["step"], "step"),
-                created_unix=float(doc["created_unix"]),
-                tree=doc["tree"],
-                tensors=tensors,
-                files=files,
-                format_version=version,
-                world_size=_nonneg_int(doc.get("world_size", 1), "world_size"),
-                metadata=metadata,
-                per_rank=per_rank,
-                token=str(doc.get("token", "")),
-                bases=tuple(_nonneg_int(b, "bases") for b in doc.get("bases", ())),
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise CorruptCheckpointError(f"{where} is malformed: {type(e).__name__}: {e}") from e
+        body = _unseal(data, where, step)
+        doc = _loads(data if body is None else body, where, step)
+        return RecordChecker(where, step).manifest(doc, sealed=body is not None)
 
 
 def parse_tensor_entry(t: Any, version: int = FORMAT_VERSION) -> TensorEntry:
-    """A tensor entry from its JSON form (format ``version``)."""
-    shape = tuple(_nonneg_int(x, "shape") for x in t["shape"])
-    if version == 1:
-        nbytes = _nonneg_int(t["nbytes"], "nbytes")
-        pieces: tuple[Piece, ...] = (
-            Piece(
-                file=_safe_name(t["file"]),
-                offset=_nonneg_int(t["offset"], "offset"),
-                nbytes=nbytes,
-                start=0,
-                length=nbytes,
-                crc32c=_nonneg_int(t["crc32c"], "crc32c"),
-            ),
-        )
-    else:
-        pieces = tuple(
-            Piece(
-                file=_safe_name(p["file"]),
-                offset=_nonneg_int(p["offset"], "offset"),
-                nbytes=_nonneg_int(p["nbytes"], "nbytes"),
-                start=_nonneg_int(p["start"], "start"),
-                length=_nonneg_int(p["length"], "length"),
-                crc32c=_nonneg_int(p["crc32c"], "crc32c"),
-                params=_params(p.get("params")),
+    """A tensor entry from its JSON form (format ``version``), checked as in a manifest
+    (without the data files' sizes).
+
+    Raises:
+        CorruptCheckpointError: the entry is malformed.
+    """
+    return RecordChecker("tensor entry", None).entry(t, "entry", version, files=None)
+
+
+# --- checking ---------------------------------------------------------------------------
+
+_TOP_FIELDS = (
+    "format_version",
+    "step",
+    "created_unix",
+    "tree",
+    "tensors",
+    "files",
+    "world_size",
+    "metadata",
+    "per_rank",
+    "token",
+    "bases",
+)
+_ENTRY_FIELDS = ("key", "kind", "dtype", "shape", "codec", "pieces", "numpy_dtype")
+_ENTRY_FIELDS_V1 = ("key", "kind", "dtype", "shape", "codec", "file", "offset", "nbytes", "crc32c")
+_PIECE_FIELDS = ("file", "offset", "nbytes", "start", "length", "crc32c", "params")
+_KINDS = ("tensor", "ndarray", "torch_save")
+
+
+def _show(value: Any) -> str:
+    """A short description of a JSON value for an error message (never a huge repr)."""
+    if type(value) is int:
+        return repr(value) if value.bit_length() <= 64 else f"a {value.bit_length()}-bit integer"
+    if value is None or type(value) in (bool, float):
+        return repr(value)
+    if type(value) is str:
+        return repr(value[:60]) + ("..." if len(value) > 60 else "")
+    if type(value) in (list, dict):
+        return f"a JSON {'array' if type(value) is list else 'object'} of {len(value)}"
+    return type(value).__name__
+
+
+class RecordChecker:
+    """Checks a manifest's JSON document (or a manifest-like record: a rank's commit marker)
+    field by field; every error is a CorruptCheckpointError naming ``where`` and the field."""
+
+    def __init__(self, where: str, step: int | None) -> None:
+        self.where = where
+        self.step = step
+
+    def fail(self, name: str, why: str) -> NoReturn:
+        raise CorruptCheckpointError(f"{self.where}: field {name} {why}", step=self.step)
+
+    def obj(
+        self, value: Any, name: str, required: tuple[str, ...], allowed: tuple[str, ...] | None
+    ) -> dict[str, Any]:
+        if type(value) is not dict:
+            self.fail(name, f"must be an object, got {_show(value)}")
+        missing = [k for k in required if k not in value]
+        if missing:
+            self.fail(name, f"lacks {missing}")
+        if allowed is not None:
+            extra = sorted(str(k)[:40] for k in value if k not in allowed)
+            if extra:
+                self.fail(name, f"has unknown fields {extra[:5]}")
+        return value
+
+    def int_(self, value: Any, name: str, lo: int = 0, hi: int = MAX_INT) -> int:
+        if type(value) is not int or not lo <= value <= hi:
+            self.fail(name, f"must be an integer in [{lo}, {hi}], got {_show(value)}")
+        return value
+
+    def str_(self, value: Any, name: str, max_len: int | None = None) -> str:
+        if type(value) is not str or (max_len is not None and len(value) > max_len):
+            limit = f" of at most {max_len} characters" if max_len is not None else ""
+            self.fail(name, f"must be a string{limit}, got {_show(value)}")
+        return value
+
+    def list_(self, value: Any, name: str) -> list[Any]:
+        if type(value) is not list:
+            self.fail(name, f"must be an array, got {_show(value)}")
+        return value
+
+    def file_name(self, value: Any, name: str) -> str:
+        # File names come from the manifest: plain ASCII names, never a path or "." / "..".
+        if type(value) is not str or not _FILE_NAME.fullmatch(value) or value in (".", ".."):
+            self.fail(name, f"must be a plain name ([A-Za-z0-9._-]), got {_show(value)}")
+        return value
+
+    def manifest(self, doc: Any, *, sealed: bool) -> Manifest:
+        doc = self.obj(doc, "(the document)", ("format_version",), None)
+        version = doc["format_version"]
+        if type(version) is not int or version not in _READABLE_VERSIONS:
+            raise CorruptCheckpointError(
+                f"{self.where} has format_version {_show(version)}; this coci reads "
+                f"{_READABLE_VERSIONS}",
+                step=self.step,
             )
-            for p in t["pieces"]
+        if sealed != (version >= 3):
+            why = "has a checksum" if sealed else "has no valid checksum"
+            raise CorruptCheckpointError(
+                f"{self.where}: format {version} {why}; the manifest is damaged", step=self.step
+            )
+        strict = version >= 3
+        self.obj(
+            doc,
+            "(the document)",
+            ("step", "created_unix", "tree", "tensors", "files")
+            + (_TOP_FIELDS[6:] if strict else ()),
+            _TOP_FIELDS if strict else None,
         )
-    return TensorEntry(
-        key=str(t["key"]),
-        kind=_one_of(t["kind"], ("tensor", "ndarray", "torch_save"), "kind"),
-        dtype=str(t["dtype"]),
-        shape=shape,
-        codec=str(t["codec"]),
-        pieces=pieces,
-        numpy_dtype=None if t.get("numpy_dtype") is None else str(t["numpy_dtype"]),
-    )
+        step = self.int_(doc["step"], "step")
+        created = doc["created_unix"]
+        if type(created) not in (int, float) or not 0 <= created <= MAX_CREATED_UNIX:
+            self.fail("created_unix", f"must be a time in [0, 2**37], got {_show(created)}")
+        files: dict[str, int] = {}
+        for i, f in enumerate(self.list_(doc["files"], "files")):
+            f = self.obj(f, f"files[{i}]", ("name", "nbytes"), ("name", "nbytes"))
+            name = self.file_name(f["name"], f"files[{i}].name")
+            if name in files:
+                self.fail(f"files[{i}].name", f"repeats {name!r}")
+            files[name] = self.int_(f["nbytes"], f"files[{i}].nbytes")
+        world_size = self.int_(doc.get("world_size", 1), "world_size", 1, MAX_WORLD_SIZE)
+        metadata = doc.get("metadata", {})
+        if type(metadata) is not dict:
+            self.fail("metadata", f"must be an object, got {_show(metadata)}")
+        token = self.str_(doc.get("token", ""), "token", MAX_TOKEN)
+        bases = tuple(
+            self.int_(b, f"bases[{i}]", 0, step - 1)
+            for i, b in enumerate(self.list_(doc.get("bases", []), "bases"))
+        )
+        if len(set(bases)) != len(bases):
+            self.fail("bases", "repeats a step")
+        tensors = self.entries(doc["tensors"], "tensors", version, files)
+        self.tree(doc["tree"], "tree", tensors, strict, root=True)
+        per_rank = []
+        ranks = self.list_(doc.get("per_rank", []), "per_rank")
+        if len(ranks) > world_size:
+            self.fail("per_rank", f"has {len(ranks)} ranks, the world size is {world_size}")
+        for r, rank in enumerate(ranks):
+            name = f"per_rank[{r}]"
+            rank = self.obj(
+                rank, name, ("tree", "tensors"), ("tree", "tensors") if strict else None
+            )
+            own = self.entries(rank["tensors"], f"{name}.tensors", version, files)
+            if rank["tree"] is not None or own:
+                self.tree(rank["tree"], f"{name}.tree", own, strict, root=True)
+            per_rank.append(RankState(tree=rank["tree"], tensors=own))
+        return Manifest(
+            step=step,
+            created_unix=float(created),
+            tree=doc["tree"],
+            tensors=tensors,
+            files=tuple(DataFile(n, size) for n, size in files.items()),
+            format_version=version,
+            world_size=world_size,
+            metadata=metadata,
+            per_rank=tuple(per_rank),
+            token=token,
+            bases=bases,
+        )
 
+    def tree(
+        self, tree: Any, name: str, entries: tuple[TensorEntry, ...], strict: bool, root: bool
+    ) -> None:
+        try:
+            check_tree(
+                tree,
+                n_leaves=len(entries),
+                kinds=[e.kind for e in entries],
+                keys=[e.key for e in entries] if strict else None,
+                what=f"field {name}",
+            )
+        except CorruptCheckpointError as e:
+            raise CorruptCheckpointError(f"{self.where}: {e}", step=self.step) from None
+        if root and not (type(tree) is dict and tree.get("t") in ("dict", "odict")):
+            self.fail(name, f"must be a dict node, got {_show(tree)}")
 
-def _params(value: Any) -> dict[str, Any] | None:
-    if value is not None and not isinstance(value, dict):
-        raise ValueError(f"params must be an object, got {value!r}")
-    return value
+    def entries(
+        self, value: Any, name: str, version: int, files: dict[str, int]
+    ) -> tuple[TensorEntry, ...]:
+        return tuple(
+            self.entry(t, f"{name}[{i}]", version, files)
+            for i, t in enumerate(self.list_(value, name))
+        )
 
+    def entry(self, t: Any, name: str, version: int, files: dict[str, int] | None) -> TensorEntry:
+        strict = version >= 3
+        if version == 1:
+            t = self.obj(t, name, _ENTRY_FIELDS_V1, None)
+        else:
+            t = self.obj(t, name, _ENTRY_FIELDS[:-1], _ENTRY_FIELDS if strict else None)
+        key = self.str_(t["key"], f"{name}.key")
+        where = f"{name} ({key[:200]!r})"
+        kind = t["kind"]
+        if kind not in _KINDS:
+            self.fail(f"{where}.kind", f"must be one of {_KINDS}, got {_show(kind)}")
+        dtype = self.str_(t["dtype"], f"{where}.dtype", 64)
+        try:
+            itemsize = decode_dtype(dtype).itemsize
+        except CorruptCheckpointError:
+            self.fail(f"{where}.dtype", f"is an unknown dtype {dtype!r}")
+        dims = self.list_(t["shape"], f"{where}.shape")
+        if len(dims) > MAX_NDIM:
+            self.fail(f"{where}.shape", f"has {len(dims)} dimensions, more than {MAX_NDIM}")
+        shape = tuple(self.int_(n, f"{where}.shape[{i}]") for i, n in enumerate(dims))
+        numel, extent = 1, 1
+        for n in shape:
+            numel *= n
+            extent *= max(n, 1)
+            if extent > MAX_ARRAY_BYTES:
+                self.fail(f"{where}.shape", f"{list(shape)} is larger than any array coci stores")
+        raw = numel * itemsize
+        if raw > MAX_ARRAY_BYTES:
+            self.fail(f"{where}.shape", f"{list(shape)} of {dtype} is {raw} bytes, too large")
+        numpy_dtype = t.get("numpy_dtype")
+        if kind == "ndarray":
+            try:
+                ndarray_dtype(numpy_dtype, dtype)
+            except CorruptCheckpointError as e:
+                self.fail(f"{where}.numpy_dtype", f"is wrong: {e}")
+        elif numpy_dtype is not None:
+            if strict:
+                self.fail(f"{where}.numpy_dtype", f"is set for a {kind}")
+            numpy_dtype = self.str_(numpy_dtype, f"{where}.numpy_dtype", 64)
+        if kind == "torch_save" and (dtype != "uint8" or len(shape) != 1):
+            self.fail(f"{where}", "is a torch.save leaf that is not a 1-D uint8 array")
+        codec = self.str_(t["codec"], f"{where}.codec", 64)
+        if version == 1:
+            nbytes = self.int_(t["nbytes"], f"{where}.nbytes")
+            pieces: tuple[Piece, ...] = (
+                Piece(
+                    file=self.file_name(t["file"], f"{where}.file"),
+                    offset=self.int_(t["offset"], f"{where}.offset"),
+                    nbytes=nbytes,
+                    start=0,
+                    length=nbytes,
+                    crc32c=self.int_(t["crc32c"], f"{where}.crc32c", 0, 0xFFFFFFFF),
+                ),
+            )
+        else:
+            pieces = tuple(
+                self.piece(p, f"{where}.pieces[{i}]", strict)
+                for i, p in enumerate(self.list_(t["pieces"], f"{where}.pieces"))
+            )
+        covered = 0
+        for i, p in enumerate(pieces):
+            pname = f"{where}.pieces[{i}]"
+            if p.start != covered:
+                self.fail(f"{pname}.start", f"is {p.start}: the pieces do not tile the array")
+            covered += p.length
+            if covered > raw:
+                self.fail(f"{pname}.length", f"goes past the array's {raw} bytes")
+            if p.params is None and p.nbytes != p.length:
+                self.fail(f"{pname}.nbytes", f"is {p.nbytes} for a raw piece of {p.length}")
+            if files is not None:
+                if p.file not in files:
+                    self.fail(f"{pname}.file", f"names {p.file!r}, which is not in files")
+                if p.offset + p.nbytes > files[p.file]:
+                    self.fail(
+                        f"{pname}.offset",
+                        f"{p.offset} + {p.nbytes} bytes is past the end of {p.file} "
+                        f"({files[p.file]} bytes)",
+                    )
+        if covered != raw:
+            self.fail(f"{where}.pieces", f"cover {covered} of its {raw} bytes ({shape}, {dtype})")
+        return TensorEntry(
+            key=key,
+            kind=kind,
+            dtype=dtype,
+            shape=shape,
+            codec=codec,
+            pieces=pieces,
+            numpy_dtype=numpy_dtype,
+        )
 
-def _nonneg_int(value: Any, name: str) -> int:
-    if type(value) is not int or value < 0:
-        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
-    return value
-
-
-def _one_of(value: Any, allowed: tuple[str, ...], name: str) -> str:
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
-    return str(value)
-
-
-def _safe_name(value: Any) -> str:
-    # File names come from the manifest: refuse anything that could point outside the step.
-    if type(value) is not str or not value or "/" in value or "\\" in value or value in (".", ".."):
-        raise ValueError(f"file name must be a plain name, got {value!r}")
-    return value
+    def piece(self, p: Any, name: str, strict: bool) -> Piece:
+        p = self.obj(p, name, _PIECE_FIELDS[:-1], _PIECE_FIELDS if strict else None)
+        params = p.get("params")
+        if params is not None and type(params) is not dict:
+            self.fail(f"{name}.params", f"must be an object or null, got {_show(params)}")
+        return Piece(
+            file=self.file_name(p["file"], f"{name}.file"),
+            offset=self.int_(p["offset"], f"{name}.offset"),
+            nbytes=self.int_(p["nbytes"], f"{name}.nbytes"),
+            start=self.int_(p["start"], f"{name}.start"),
+            length=self.int_(p["length"], f"{name}.length"),
+            crc32c=self.int_(p["crc32c"], f"{name}.crc32c", 0, 0xFFFFFFFF),
+            params=params,
+        )

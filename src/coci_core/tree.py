@@ -9,6 +9,7 @@ leaves, which are read back with ``torch.load(weights_only=True)``.
 from __future__ import annotations
 
 import base64
+import binascii
 import io
 import math
 import os
@@ -24,7 +25,16 @@ import torch
 
 from coci_core.errors import CorruptCheckpointError, UnsafeCheckpointError, UnsupportedValueError
 
-__all__ = ["ArrayLeaf", "FlatState", "decode_dtype", "flatten_state", "unflatten_state"]
+__all__ = [
+    "MAX_TREE_DEPTH",
+    "ArrayLeaf",
+    "FlatState",
+    "check_tree",
+    "decode_dtype",
+    "flatten_state",
+    "ndarray_dtype",
+    "unflatten_state",
+]
 
 LeafKind = Literal["tensor", "ndarray", "torch_save"]
 
@@ -65,6 +75,43 @@ for _name in (
 ):
     if hasattr(torch, _name):
         _SUPPORTED_DTYPES[_name] = getattr(torch, _name)
+
+
+# How deeply containers (dicts, lists, tuples, tuple keys) may nest in a state: deeper states are
+# refused when saved, and deeper trees when read. It keeps every recursive walk of a tree (and
+# the JSON parser's, about three levels per container) far from Python's recursion limit.
+MAX_TREE_DEPTH = 128
+
+# numpy dtypes of stored arrays (``ndarray`` leaves): little-endian or byte-sized numbers that
+# torch.from_numpy takes, by their ``dtype.str``, with the torch dtype of their bytes. Object,
+# void, structured, string and big-endian dtypes are never constructed from a manifest.
+_NDARRAY_DTYPES: dict[str, str] = {}
+for _char in "?bBhHiIlLqQefdFD":
+    _np = np.dtype(_char)
+    if _np.byteorder != ">":
+        try:
+            _t = torch.from_numpy(np.empty(1, _np.str)).dtype
+        except TypeError:  # pragma: no cover - depends on the torch build
+            continue
+        _NDARRAY_DTYPES[_np.str] = str(_t).removeprefix("torch.")
+# numpy scalar dtypes of ``{"t": "np"}`` nodes: booleans, integers and floats.
+_NP_SCALAR_DTYPES = frozenset(
+    np.dtype(c).str for c in "?bBhHiIlLqQefdg" if np.dtype(c).byteorder != ">"
+)
+_NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def ndarray_dtype(name: Any, torch_dtype: str) -> np.dtype[Any]:
+    """The numpy dtype of a stored ndarray, checked against the torch dtype of its bytes.
+
+    Raises:
+        CorruptCheckpointError: the name is not an allowed numpy dtype, or does not match.
+    """
+    if type(name) is not str or _NDARRAY_DTYPES.get(name) != torch_dtype:
+        raise CorruptCheckpointError(
+            f"numpy dtype {str(name)[:40]!r} is not allowed for an array of {torch_dtype}"
+        )
+    return np.dtype(name)
 
 
 def encode_dtype(dtype: torch.dtype) -> str:
@@ -133,6 +180,16 @@ class _Flattener:
         self.allow_torch_save = allow_torch_save
         self.leaves: list[ArrayLeaf] = []
         self._aliases: dict[tuple[Any, ...], int] = {}
+        self._depth = 0
+
+    def _enter(self, key: str) -> None:
+        # Containers nested deeper than a manifest may hold are refused here, at save time.
+        self._depth += 1
+        if self._depth > MAX_TREE_DEPTH:
+            raise UnsupportedValueError(
+                f"state value at {key[:200]!r} is nested more than {MAX_TREE_DEPTH} containers "
+                "deep (dicts, lists, tuples, tuple keys): flatten it"
+            )
 
     def add_leaf(
         self,
@@ -181,9 +238,17 @@ class _Flattener:
         if isinstance(value, bytes):
             return {"t": "bytes", "v": base64.b64encode(value).decode("ascii")}
         if type(value) in (dict, OrderedDict):
-            return self._encode_dict(value, key)
+            self._enter(key)
+            try:
+                return self._encode_dict(value, key)
+            finally:
+                self._depth -= 1
         if type(value) in (list, tuple):
-            items = [self.encode(v, f"{key}/{i}") for i, v in enumerate(value)]
+            self._enter(key)
+            try:
+                items = [self.encode(v, f"{key}/{i}") for i, v in enumerate(value)]
+            finally:
+                self._depth -= 1
             return {"t": "list" if type(value) is list else "tuple", "v": items}
         return self._fallback(value, key)
 
@@ -230,9 +295,11 @@ class _Flattener:
         return self.add_leaf(key, local, "tensor", shard=(tuple(t.shape), first * row_bytes))
 
     def _encode_ndarray(self, a: np.ndarray, key: str) -> Any:
-        if a.dtype.kind not in "biufc" or a.dtype.byteorder == ">":
+        name = a.dtype.str
+        if a.dtype.kind not in "biufc" or a.dtype.byteorder == ">" or name not in _NDARRAY_DTYPES:
             return self._fallback(a, key, why=f"numpy dtype {a.dtype} is not stored")
-        return self.add_leaf(key, torch.from_numpy(np.ascontiguousarray(a)), "ndarray", a.dtype.str)
+        data = np.ascontiguousarray(a).view(np.dtype(name))  # e.g. ulonglong as uint64
+        return self.add_leaf(key, torch.from_numpy(data), "ndarray", name)
 
     def _encode_dict(self, d: Mapping[Any, Any], key: str) -> Any:
         node: dict[str, Any] = {"t": "odict" if type(d) is OrderedDict else "dict"}
@@ -253,7 +320,11 @@ class _Flattener:
         if k is None or type(k) in (str, int, bool) or (type(k) is float and math.isfinite(k)):
             return k
         if type(k) is tuple:
-            return {"t": "tuple", "v": [self._encode_key(x, key) for x in k]}
+            self._enter(key)
+            try:
+                return {"t": "tuple", "v": [self._encode_key(x, key) for x in k]}
+            finally:
+                self._depth -= 1
         raise UnsupportedValueError(
             f"dict key {k!r} of type {type(k).__name__} at {key!r} is not stored: "
             "keys may be str, int, float, bool, None or tuples of those"
@@ -318,31 +389,195 @@ def flatten_state(state: Mapping[str, Any], *, allow_torch_save: bool = False) -
 
 
 def unflatten_state(tree: Any, leaves: list[Any]) -> Any:
-    """Rebuild a state from its JSON tree; ``leaves[i]`` is the restored value of leaf ``i``."""
+    """Rebuild a state from its JSON tree; ``leaves[i]`` is the restored value of leaf ``i``.
+
+    Raises:
+        CorruptCheckpointError: the tree is malformed (checked first, without recursion).
+    """
+    check_tree(tree, n_leaves=len(leaves))
     return _decode(tree, leaves)
 
 
+_LEAF_TAGS = ("tensor", "ndarray", "torch_save")
+_CONTAINER_TAGS = ("list", "tuple", "dict", "odict")
+_NODE_FIELDS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
+    # tag: (required fields, optional fields), besides "t"
+    **{tag: (frozenset({"id"}), frozenset()) for tag in _LEAF_TAGS},
+    "float": (frozenset({"v"}), frozenset()),
+    "np": (frozenset({"dtype", "v"}), frozenset()),
+    "dtype": (frozenset({"v"}), frozenset()),
+    "size": (frozenset({"v"}), frozenset()),
+    "bytes": (frozenset({"v"}), frozenset()),
+    "list": (frozenset({"v"}), frozenset()),
+    "tuple": (frozenset({"v"}), frozenset()),
+    "dict": (frozenset(), frozenset({"v", "items", "metadata"})),
+    "odict": (frozenset(), frozenset({"v", "items", "metadata"})),
+}
+_MAX_INT64 = 2**63 - 1
+
+
+def _is_scalar(node: Any) -> bool:
+    return node is None or type(node) in (bool, int, float, str)
+
+
+def check_tree(
+    tree: Any,
+    *,
+    n_leaves: int,
+    kinds: Any = None,
+    keys: Any = None,
+    what: str = "tree",
+) -> None:
+    """Check a state tree from a manifest without recursion, before anything is built from it.
+
+    Every node must be of a known type with exactly its fields, of the right JSON types;
+    containers may nest at most :data:`MAX_TREE_DEPTH` deep; every array node must name one of
+    the ``n_leaves`` arrays. With ``kinds`` (the arrays' kinds) an array node must have its
+    array's kind (a repeated node, a tied tensor, is ``"tensor"``). With ``keys`` (the arrays'
+    keys, format 3) the arrays must appear in the order the state was flattened, each first
+    at the path its key names, and every array must appear.
+
+    Raises:
+        CorruptCheckpointError: naming the path of the first bad node.
+    """
+    next_id = 0
+    # (node, its path, the depth of the container holding it)
+    stack: list[tuple[Any, str, int]] = [(tree, "", 0)]
+    while stack:
+        node, path, depth = stack.pop()
+        where = f"{what} at {path[:200] or '/'!r}"
+        if _is_scalar(node):
+            if type(node) is float and not math.isfinite(node):
+                raise CorruptCheckpointError(f"{where}: a non-finite number")
+            continue
+        if type(node) is not dict or type(node.get("t")) is not str:
+            raise CorruptCheckpointError(f"{where}: not a tree node ({type(node).__name__})")
+        tag = node["t"]
+        fields = _NODE_FIELDS.get(tag)
+        if fields is None:
+            raise CorruptCheckpointError(f"{where}: unknown state tree node type {tag[:40]!r}")
+        required, optional = fields
+        present = set(node) - {"t"}
+        if not required <= present or not present <= required | optional:
+            raise CorruptCheckpointError(
+                f"{where}: a {tag!r} node has fields {sorted(present)[:8]}, "
+                f"expected {sorted(required)} (and optionally {sorted(optional)})"
+            )
+        value = node.get("v")
+        if tag in _LEAF_TAGS:
+            i = node["id"]
+            if type(i) is not int or not 0 <= i < n_leaves:
+                raise CorruptCheckpointError(
+                    f"{where}: array id {str(i)[:40]} is not one of the {n_leaves} arrays"
+                )
+            if kinds is not None and kinds[i] != tag:
+                raise CorruptCheckpointError(f"{where}: array {i} is a {kinds[i]}, not a {tag}")
+            if keys is not None:
+                if i == next_id:
+                    if keys[i] != path:
+                        raise CorruptCheckpointError(
+                            f"{where}: array {i} is stored as {str(keys[i])[:200]!r}"
+                        )
+                    next_id += 1
+                elif i > next_id or tag != "tensor":
+                    raise CorruptCheckpointError(
+                        f"{where}: array {i} out of order (array {next_id} comes next)"
+                    )
+        elif tag == "float":
+            if type(value) is not str or value not in _NONFINITE:
+                raise CorruptCheckpointError(f"{where}: a float node holds {str(value)[:40]!r}")
+        elif tag == "np":
+            inner = node["v"]
+            dtype = node["dtype"]
+            if (
+                type(dtype) is not str
+                or dtype not in _NP_SCALAR_DTYPES
+                or not (
+                    type(inner) in (bool, int, float)
+                    or (type(inner) is dict and inner.get("t") == "float")
+                )
+            ):
+                raise CorruptCheckpointError(f"{where}: a numpy scalar node is malformed")
+            stack.append((inner, path, depth))
+        elif tag == "dtype":
+            if type(value) is not str or value not in _SUPPORTED_DTYPES:
+                raise CorruptCheckpointError(f"{where}: unknown dtype {str(value)[:40]!r}")
+        elif tag == "size":
+            if type(value) is not list or not all(
+                type(x) is int and 0 <= x <= _MAX_INT64 for x in value
+            ):
+                raise CorruptCheckpointError(f"{where}: a torch.Size node is malformed")
+        elif tag == "bytes":
+            if type(value) is not str:
+                raise CorruptCheckpointError(f"{where}: a bytes node holds no string")
+        else:  # containers
+            if depth + 1 > MAX_TREE_DEPTH:
+                raise CorruptCheckpointError(f"{where}: nested more than {MAX_TREE_DEPTH} deep")
+            children: list[tuple[Any, str, int]] = []
+            if tag in ("list", "tuple"):
+                if type(value) is not list:
+                    raise CorruptCheckpointError(f"{where}: a {tag} node holds no list")
+                children = [(v, f"{path}/{i}", depth + 1) for i, v in enumerate(value)]
+            elif ("v" in node) == ("items" in node):
+                raise CorruptCheckpointError(f"{where}: a dict node needs 'v' or 'items'")
+            elif "v" in node:
+                if type(value) is not dict:
+                    raise CorruptCheckpointError(f"{where}: a dict node's 'v' is no object")
+                children = [(v, f"{path}/{k}", depth + 1) for k, v in value.items()]
+            else:
+                items = node["items"]
+                if type(items) is not list or not all(
+                    type(kv) is list and len(kv) == 2 for kv in items
+                ):
+                    raise CorruptCheckpointError(f"{where}: a dict node's 'items' are malformed")
+                for k, v in items:
+                    _check_key(k, where, depth + 1)
+                    children.append((v, f"{path}/{_decode_key(k)}", depth + 1))
+            if "metadata" in node:
+                children.append((node["metadata"], f"{path}/_metadata", depth + 1))
+            stack.extend(reversed(children))
+    if keys is not None and next_id != n_leaves:
+        raise CorruptCheckpointError(
+            f"{what}: holds {next_id} of its {n_leaves} arrays (array {next_id} is not in it)"
+        )
+
+
+def _check_key(k: Any, where: str, depth: int) -> None:
+    """A dict key of the "items" form: a scalar, or a tuple of keys (nesting counts as depth)."""
+    stack = [(k, depth)]
+    while stack:
+        item, d = stack.pop()
+        if _is_scalar(item):
+            if type(item) is float and not math.isfinite(item):
+                raise CorruptCheckpointError(f"{where}: a non-finite dict key")
+            continue
+        if type(item) is not dict or item.get("t") != "tuple" or set(item) != {"t", "v"}:
+            raise CorruptCheckpointError(f"{where}: a dict key must be a scalar or a tuple")
+        if type(item["v"]) is not list:
+            raise CorruptCheckpointError(f"{where}: a tuple key holds no list")
+        if d + 1 > MAX_TREE_DEPTH:
+            raise CorruptCheckpointError(f"{where}: nested more than {MAX_TREE_DEPTH} deep")
+        stack.extend((x, d + 1) for x in item["v"])
+
+
 def _decode(node: Any, leaves: list[Any]) -> Any:
-    if node is None or isinstance(node, (bool, int, float, str)):
+    # The tree was checked by check_tree: only values still need checking here.
+    if _is_scalar(node):
         return node
-    if isinstance(node, list):
-        raise CorruptCheckpointError("malformed state tree: bare list node")
-    if not isinstance(node, dict) or "t" not in node:
-        raise CorruptCheckpointError(f"malformed state tree node: {str(node)[:80]}")
     tag = node["t"]
     try:
-        if tag in ("tensor", "ndarray", "torch_save"):
-            return leaves[int(node["id"])]
+        if tag in _LEAF_TAGS:
+            return leaves[node["id"]]
         if tag == "float":
-            return float(node["v"])
+            return _NONFINITE[node["v"]]
         if tag == "np":
             return np.dtype(node["dtype"]).type(_decode(node["v"], leaves))
         if tag == "dtype":
             return decode_dtype(node["v"])
         if tag == "size":
-            return torch.Size(int(x) for x in node["v"])
+            return torch.Size(node["v"])
         if tag == "bytes":
-            return base64.b64decode(node["v"])
+            return base64.b64decode(node["v"], validate=True)
         if tag == "list":
             return [_decode(v, leaves) for v in node["v"]]
         if tag == "tuple":
@@ -358,9 +593,9 @@ def _decode(node: Any, leaves: list[Any]) -> Any:
             if "metadata" in node:
                 out._metadata = _decode(node["metadata"], leaves)  # type: ignore[attr-defined]
             return out
-    except (KeyError, IndexError, TypeError, ValueError) as e:
+    except (KeyError, IndexError, TypeError, ValueError, OverflowError, binascii.Error) as e:
         raise CorruptCheckpointError(f"malformed state tree node {tag!r}: {e}") from e
-    raise CorruptCheckpointError(f"unknown state tree node type {tag!r}")
+    raise CorruptCheckpointError(f"unknown state tree node type {str(tag)[:40]!r}")
 
 
 def _decode_key(k: Any) -> Any:

@@ -25,7 +25,7 @@ from coci_core import (
     StorageError,
 )
 from coci_core.lease import LEASE_NAME
-from coci_core.manifest import step_dir_name
+from coci_core.manifest import seal, step_dir_name
 from tests.harness.faults import FaultyStorage, HeldStorage
 from tests.harness.states import assert_same, tiny_model_state
 
@@ -193,16 +193,29 @@ def test_corrupt_latest_falls_back_and_strict_raises(tmp_path: Path) -> None:
         (lambda m: m.update(step=5), "says step 5"),
     ],
 )
-def test_malformed_manifest_gives_clear_error(tmp_path: Path, edit: Any, message: str) -> None:
-    """Each kind of damaged manifest is refused with an error saying what is wrong."""
-    with CheckpointManager(tmp_path) as mgr:
+@pytest.mark.parametrize("resealed", [True, False], ids=["crafted", "damaged"])
+def test_malformed_manifest_gives_clear_error(
+    tmp_path: Path, edit: Any, message: str, resealed: bool
+) -> None:
+    """Each kind of malformed manifest is refused with an error saying what is wrong; with its
+    checksum left as it was, the checksum finds the change first."""
+    with CheckpointManager(tmp_path, keep_last=None) as mgr:
         mgr.save(1, {"w": torch.ones(2)}).wait()
-        path = tmp_path / step_dir_name(1) / "manifest.json"
-        doc = json.loads(path.read_text())
-        edit(doc)
-        path.write_text(json.dumps(doc))
-        with pytest.raises(CorruptCheckpointError, match=message):
-            mgr.restore(step=1)
+    path = tmp_path / step_dir_name(1) / "manifest.json"
+    doc = json.loads(path.read_text())
+    checksum = doc.pop("checksum")
+    edit(doc)
+    body = json.dumps(doc, separators=(",", ":")).encode()
+    if resealed:
+        path.write_bytes(seal(body))
+    else:
+        path.write_bytes(body[:-1] + b',"checksum":' + json.dumps(checksum).encode() + b"}")
+        message = "checksum mismatch"
+    with (
+        CheckpointManager(tmp_path, keep_last=None) as mgr,
+        pytest.raises(CorruptCheckpointError, match=message),
+    ):
+        mgr.restore(step=1)
 
 
 def test_manifest_that_is_not_json(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import stat
 import uuid
 from collections.abc import Iterable
 from typing import Any
@@ -78,17 +79,54 @@ class FsspecStorage:
             raise StorageError.wrap(f"cannot write {self.url}/{path}: {e}", e) from e
         return written
 
+    def _local(self, path: str) -> str | None:
+        """The OS path of ``path`` when this file system is the local one."""
+        return self._path(path) if getattr(self.fs, "local_file", False) else None
+
+    def size(self, path: str) -> int:
+        """The size of the file at ``path`` (on a local file system: a regular file only; a
+        FIFO or a device could block or never end)."""
+        local = self._local(path)
+        try:
+            if local is not None:
+                st = os.stat(local)
+                if not stat.S_ISREG(st.st_mode):
+                    raise StorageError(f"cannot read {self.url}/{path}: not a regular file")
+                return st.st_size
+            info = self.fs.info(self._path(path))
+        except StorageError:
+            raise
+        except (OSError, ValueError) as e:
+            raise StorageError.wrap(f"cannot read {self.url}/{path}: {e}", e) from e
+        size = info.get("size")
+        if info.get("type") != "file" or type(size) is not int or size < 0:
+            raise StorageError(f"cannot read {self.url}/{path}: not a file of known size")
+        return size
+
     def read_bytes(self, path: str) -> bytes:
         try:
+            if self._local(path) is not None:
+                self.size(path)  # a regular file, not a FIFO or a device
             return bytes(self.fs.cat_file(self._path(path)))
-        except OSError as e:
+        except StorageError:
+            raise
+        except (OSError, ValueError) as e:
             raise StorageError.wrap(f"cannot read {self.url}/{path}: {e}", e) from e
 
     def read_into(self, path: str, offset: int, out: memoryview) -> None:
         view = out.cast("B")
         try:
+            if self._local(path) is not None:
+                size = self.size(path)  # a regular file, not a FIFO or a device
+                if offset + len(view) > size:
+                    raise StorageError(
+                        f"{self.url}/{path} is shorter than expected: needed {len(view)} bytes "
+                        f"at offset {offset}, it has {size}"
+                    )
             data = self.fs.cat_file(self._path(path), start=offset, end=offset + len(view))
-        except OSError as e:
+        except StorageError:
+            raise
+        except (OSError, ValueError) as e:
             raise StorageError.wrap(f"cannot read {self.url}/{path}: {e}", e) from e
         if len(data) != len(view):
             raise StorageError(

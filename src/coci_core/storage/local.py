@@ -6,6 +6,7 @@ import ctypes
 import errno
 import os
 import shutil
+import stat
 import uuid
 from collections.abc import Iterable
 from pathlib import Path
@@ -82,18 +83,40 @@ class LocalStorage:
                     raise
         return os.open(target, flags, 0o644), False
 
-    def read_bytes(self, path: str) -> bytes:
+    def size(self, path: str) -> int:
+        """The size of the regular file at ``path`` (a FIFO, a device or a directory is
+        refused: reading one could block or never end)."""
+        target = self._path(path)
         try:
-            return self._path(path).read_bytes()
-        except OSError as e:
-            raise StorageError.wrap(f"cannot read {self._path(path)}: {e}", e) from e
+            st = os.stat(target)
+        except (OSError, ValueError) as e:
+            raise StorageError.wrap(f"cannot read {target}: {e}", e) from e
+        if not stat.S_ISREG(st.st_mode):
+            raise StorageError(f"cannot read {target}: not a regular file")
+        return st.st_size
+
+    def read_bytes(self, path: str) -> bytes:
+        target = self._path(path)
+        try:
+            with open(_open_regular(target), "rb") as f:
+                return f.read()
+        except StorageError:
+            raise
+        except (OSError, ValueError) as e:
+            raise StorageError.wrap(f"cannot read {target}: {e}", e) from e
 
     def read_into(self, path: str, offset: int, out: memoryview) -> None:
         target = self._path(path)
+        view = out.cast("B")
         try:
-            with open(target, "rb", buffering=0) as f:
+            with open(_open_regular(target), "rb", buffering=0) as f:
+                size = os.fstat(f.fileno()).st_size
+                if offset + len(view) > size:
+                    raise StorageError(
+                        f"{target} is shorter than expected: needed {len(view)} bytes at "
+                        f"offset {offset}, it has {size}"
+                    )
                 f.seek(offset)
-                view = out.cast("B")
                 got = 0
                 while got < len(view):
                     n = f.readinto(view[got:])
@@ -105,7 +128,7 @@ class LocalStorage:
                     got += n
         except StorageError:
             raise
-        except OSError as e:
+        except (OSError, ValueError, OverflowError) as e:
             raise StorageError.wrap(f"cannot read {target}: {e}", e) from e
 
     def remove_dir(self, path: str) -> None:
@@ -161,6 +184,20 @@ class LocalStorage:
             return shutil.disk_usage(path).free
         except OSError:
             return None
+
+
+def _open_regular(target: Path) -> int:
+    """A read-only descriptor of the regular file ``target``: opened without blocking (a FIFO
+    would wait for a writer) and refused unless it is a regular file (a FIFO or a device such
+    as /dev/zero, maybe through a symlink, could block or never end)."""
+    fd = os.open(target, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise StorageError(f"cannot read {target}: not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _write_all(fd: int, chunk: memoryview) -> int:
