@@ -30,6 +30,7 @@ from coci_core.manifest import (
     RankState,
     RecordChecker,
     load_sealed,
+    parse_step_dir,
     seal,
 )
 
@@ -241,7 +242,12 @@ def fail(storage: Any, staging: str, group: RankGroup, error: BaseException) -> 
     """
     try:
         if group.world_size == 1:
-            storage.remove_dir(staging)
+            # A storage that writes in place (no rename) stages in the step's own directory:
+            # when an earlier save of that step is committed there, its files stay (this
+            # save's are named after it, and the next commit of the step removes them).
+            in_place = parse_step_dir(staging) is not None
+            if not (in_place and storage.exists(f"{staging}/{MANIFEST_NAME}")):
+                storage.remove_dir(staging)
         elif group.is_coordinator:
             ranks = error.ranks if isinstance(error, CommitError) else [0]
             doc = {"ranks": ranks, "reason": f"{type(error).__name__}: {error}"}

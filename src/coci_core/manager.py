@@ -455,6 +455,9 @@ class CheckpointManager:
         try:
             if job.copy_in_writer:
                 self._snapshotter.copy(snapshot, background=True)
+            resaved = self.group.is_coordinator and self.storage.exists(
+                f"{step_dir_name(job.step)}/{MANIFEST_NAME}"
+            )
             if self.group.is_coordinator:
                 self._make_room(job)
             result = write_checkpoint(self.storage, job, self._encoder)
@@ -501,6 +504,8 @@ class CheckpointManager:
         if event.outcome == "committed" and self.group.is_coordinator:
             # After done: deleting old steps (0.3 s per GB here) must not hold up wait() or
             # the next save; the next job on this thread starts once it is finished.
+            if resaved:
+                self._drop_dependants(job.step)
             self._apply_retention(newest=job.step, done_seq=int(job.token.rsplit("-", 1)[1]))
 
     def _event(self, handle: SaveHandle, snapshot: Snapshot, **fields: Any) -> SaveEvent:
@@ -516,6 +521,29 @@ class CheckpointManager:
             block=handle.block,
             **fields,
         )
+
+    def _drop_dependants(self, step: int) -> None:
+        """A re-saved step replaced the base that later steps' deltas were taken against:
+        those steps can no longer be restored (their base checks would fail), so they go."""
+        try:
+            for other in committed_steps(self.storage):
+                if other == step:
+                    continue
+                try:
+                    bases = read_manifest(self.storage, other).bases
+                except CheckpointError:
+                    continue
+                if step in bases:
+                    logger.warning(
+                        "coci: step %d was re-saved and step %d was a delta against its old "
+                        "contents: step %d is removed",
+                        step,
+                        other,
+                        other,
+                    )
+                    _retire(self.storage, other)
+        except Exception as e:  # never fails a save that is durable; restore would detect it
+            logger.warning("coci: after re-saving step %d: %s", step, e)
 
     def _apply_retention(self, *, newest: int, done_seq: int) -> None:
         # Retention never fails a save that is already durable: its errors are logged.
