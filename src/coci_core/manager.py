@@ -219,9 +219,10 @@ class CheckpointManager:
         if group.is_coordinator:
             try:
                 self._owner.lease = acquire_lease(self.storage, group.session)
-            except DirectoryInUseError as e:
-                # Reading is fine while another writer runs; save() asks again and raises.
-                logger.info("coci: %s; this manager can restore, not save, until it is free", e)
+            except (DirectoryInUseError, StorageError) as e:
+                # Reading is fine while another writer runs (or from a read-only directory);
+                # save() asks again and raises.
+                logger.info("coci: %s; this manager can restore, not save, for now", e)
             else:
                 self._remove_uncommitted(done_seq=None)
         _LIVE.add(self)
@@ -290,9 +291,6 @@ class CheckpointManager:
         self._check_open()
         if type(step) is not int or step < 0:
             raise ConfigError(f"'step' must be an integer >= 0: {step!r}")
-        if self.group.is_coordinator and self._owner.lease is None:
-            self._owner.lease = acquire_lease(self.storage, self.group.session)
-            self._remove_uncommitted(done_seq=None)
         previous = self._inflight
         if previous is not None and not previous.done():
             if self.on_busy == "skip":
@@ -304,6 +302,9 @@ class CheckpointManager:
         group = RankGroup(0, 1, self.group.session) if alone else self.group
         flat = flatten_state(state, allow_torch_save=self.allow_torch_save)
         own = self._flatten_per_rank(state, per_rank)
+        if self.group.is_coordinator and self._owner.lease is None:  # after the input checks
+            self._owner.lease = acquire_lease(self.storage, self.group.session)
+            self._remove_uncommitted(done_seq=None)
         leaves = flat.leaves + (own.leaves if own else ())
         if alone and any(leaf.owned and leaf.shape != leaf.tensor.shape for leaf in flat.leaves):
             raise ConfigError(

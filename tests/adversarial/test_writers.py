@@ -230,3 +230,22 @@ def test_unclosed_managers_are_freed(tmp_path: Path) -> None:
     assert threading.active_count() == threads_before
     with CheckpointManager(tmp_path / "run") as mgr:  # the lease was given back
         mgr.save(10, {"w": torch.ones(4)}).wait()
+
+
+def test_read_only_directory_restores(tmp_path: Path) -> None:
+    """A manager on a directory it cannot write (an evaluation job on a read-only mount) still
+    restores; its save() fails with a clear StorageError."""
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, _state(1)).wait()
+    (tmp_path / ".coci-owner").unlink()
+    tmp_path.chmod(0o555)
+    try:
+        if os.access(tmp_path, os.W_OK):  # root writes anyway: make the lease file a directory
+            tmp_path.chmod(0o755)
+            (tmp_path / ".coci-owner").mkdir()
+        with CheckpointManager(tmp_path) as reader:
+            assert torch.equal(reader.restore()["w"], _state(1)["w"])
+            with pytest.raises(StorageError, match="lease"):
+                reader.save(2, _state(2))
+    finally:
+        tmp_path.chmod(0o755)
