@@ -12,13 +12,15 @@ from __future__ import annotations
 import re
 import uuid
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 from coci_core.errors import ConfigError
 
-__all__ = ["DEFAULT_COMMIT_TIMEOUT_S", "RankGroup"]
+__all__ = ["DEFAULT_COMMIT_TIMEOUT_S", "JOIN_TIMEOUT_S", "RankGroup"]
 
 DEFAULT_COMMIT_TIMEOUT_S = 600.0
+JOIN_TIMEOUT_S = 300.0  # how long the ranks wait for each other's manager (RankGroup.default)
 _SESSION = re.compile(r"^[A-Za-z0-9]{1,64}$")
 
 
@@ -81,3 +83,62 @@ class RankGroup:
             box, src=dist.get_global_rank(group, 0) if group else 0, group=group
         )
         return cls(rank, world, str(box[0]), timeout_s)
+
+    @classmethod
+    def default(cls, *, timeout_s: float = DEFAULT_COMMIT_TIMEOUT_S) -> RankGroup:
+        """The default group of an initialized ``torch.distributed`` job of several processes
+        (every rank then writes its share of each checkpoint), else this process alone.
+
+        Every rank must make its manager (in the same order): the ranks agree on a session
+        through the job's rendezvous store, not a collective, so a manager made on one rank
+        only fails within ``JOIN_TIMEOUT_S`` with an error saying so instead of hanging.
+
+        Raises:
+            ConfigError: another rank did not make its manager within ``JOIN_TIMEOUT_S``.
+        """
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return cls(0, 1, uuid.uuid4().hex[:16], timeout_s)
+        try:
+            # Private, but the only handle on the job's own key-value store without running a
+            # collective (which would hang if only some ranks made a manager).
+            from torch.distributed.distributed_c10d import _get_default_store
+
+            store = _get_default_store()
+        except (ImportError, RuntimeError, ValueError):
+            return cls.from_torch_distributed(timeout_s=timeout_s)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        n = store.add(f"coci/managers/r{rank}", 1)  # the n-th manager of this rank
+        session_key = f"coci/session/{n}"
+        wait = timedelta(seconds=JOIN_TIMEOUT_S)
+        hint = (
+            "with an initialized torch.distributed job, make a CheckpointManager on every "
+            "rank (each writes its share of the state), or pass group=RankGroup.single() for "
+            "a manager of this process alone, with a directory of its own"
+        )
+        if rank == 0:
+            session = uuid.uuid4().hex[:16]
+            store.set(session_key, session)
+            missing = []
+            for other in range(1, world):
+                try:
+                    store.wait([f"coci/joined/{n}/r{other}"], wait)
+                except RuntimeError:
+                    missing.append(other)
+            if missing:
+                raise ConfigError(
+                    f"rank(s) {missing} made no CheckpointManager within {JOIN_TIMEOUT_S:g} s of "
+                    f"rank 0's: {hint}"
+                )
+            return cls(0, world, session, timeout_s)
+        try:
+            store.wait([session_key], wait)
+            session = store.get(session_key).decode("ascii")
+        except RuntimeError as e:
+            raise ConfigError(
+                f"rank 0 made no CheckpointManager within {JOIN_TIMEOUT_S:g} s of rank "
+                f"{rank}'s: {hint}"
+            ) from e
+        store.set(f"coci/joined/{n}/r{rank}", "1")
+        return cls(rank, world, session, timeout_s)

@@ -136,11 +136,13 @@ class CheckpointManager:
             (from the background thread for saves).
         worker_niceness: how much to lower the writer thread's CPU priority (0 keeps it).
         storage_options: passed to fsspec for URLs.
-        group: the ranks that write each checkpoint together (every rank of a data-parallel
-            job makes its own manager with its :class:`RankGroup`, e.g.
-            ``RankGroup.from_torch_distributed()``). Each rank then snapshots and writes only
-            its share of the (replicated) state, rank 0 commits once every rank succeeded,
-            and only rank 0 deletes old checkpoints. Default: this process alone.
+        group: the ranks that write each checkpoint together. Default: in an initialized
+            ``torch.distributed`` job of several processes, its default group
+            (:meth:`RankGroup.default`: every rank must make its manager), else this process
+            alone. Each rank then snapshots and writes only its share of the (replicated)
+            state, rank 0 commits once every rank succeeded, and only rank 0 deletes old
+            checkpoints. ``RankGroup.single()`` opts out: a manager of this process alone
+            (give it a directory of its own: one writer per directory).
         chunk_bytes: the unit in which the state is split over ranks (a multiple of 64).
         compression: ``"auto"`` (default: compress only where it shortens the time to
             durable; raw on a fast local disk), ``"none"``, ``"lossless"``, ``"lossy"``
@@ -176,11 +178,12 @@ class CheckpointManager:
             )
         if group is not None and not isinstance(group, RankGroup):
             raise ConfigError(f"'group' must be a RankGroup or None, got {group!r}")
-        group = group or RankGroup.single()
+        group = group if group is not None else RankGroup.default()
         if group.world_size > 1 and on_busy != "wait":
             raise ConfigError(
                 "'on_busy' must be 'wait' when several ranks write a checkpoint (a skip on one "
-                "rank but not another would leave the save incomplete)"
+                "rank but not another would leave the save incomplete); for a manager of this "
+                "process alone pass group=RankGroup.single()"
             )
         partition([], 1, chunk_bytes=chunk_bytes)  # validates chunk_bytes
         self.compression = check_policy(compression, compression_options)
@@ -323,7 +326,7 @@ class CheckpointManager:
             token=f"{self.group.session}{'solo' if alone else ''}-{self._saves}",
             n_shared=len(flat.leaves),
             rank_tree=own.tree if own else None,
-            layout=_layout_digest(flat.leaves, self.chunk_bytes) if regions else "",
+            layout=_layout_digest(flat.leaves, self.chunk_bytes) if regions is not None else "",
             group=group,
             copy_in_writer=not block,
         )
