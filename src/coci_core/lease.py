@@ -27,7 +27,8 @@ __all__ = ["LEASE_NAME", "Lease", "acquire_lease"]
 LEASE_NAME = ".coci-owner"
 
 _HELD: dict[str, str] = {}
-_HELD_LOCK = threading.Lock()
+# Re-entrant: a manager freed by the garbage collector inside acquire_lease releases its own.
+_HELD_LOCK = threading.RLock()
 
 
 class Lease:

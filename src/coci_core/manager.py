@@ -219,6 +219,7 @@ class CheckpointManager:
         self._closed = False
         self._owner = _Owner()
         self._finalizer = weakref.finalize(self, self._owner.release, self._worker)
+        self._finalizer.atexit = False  # at exit, _close_at_exit makes pending saves durable
         if group.is_coordinator:
             try:
                 self._owner.lease = acquire_lease(self.storage, group.session)
