@@ -201,7 +201,7 @@ def _import(args: argparse.Namespace) -> int:
         raise  # refused: it would run code (exit 1)
     except CociError as e:  # missing, not a checkpoint, damaged: not something to import
         raise BadInput(str(e)) from e
-    with CheckpointManager(args.dir, keep_last=None) as mgr:
+    with CheckpointManager(args.dir, keep_last=None, allow_torch_save=args.allow_torch_save) as mgr:
         if args.step in mgr.steps() and not args.force:
             raise BadInput(
                 f"step {args.step} already exists in {args.dir}: pass --force to replace it"
@@ -289,6 +289,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir", metavar="DIR", help="the checkpoint directory to save into")
     p.add_argument("--step", type=_step, required=True, help="the step to save it as")
     p.add_argument("--force", action="store_true", help="replace the step if DIR has it")
+    p.add_argument(
+        "--allow-torch-save",
+        action="store_true",
+        help="keep values coci cannot store as data (sets, custom classes torch.load "
+        "allows) as torch.save'd leaves, read back with weights_only=True",
+    )
     p.set_defaults(func=_import)
     p = sub.add_parser("report", help="what a run's checkpoints cost, planned vs actual")
     p.add_argument("dir", metavar="DIR", help="a run's checkpoint directory (with telemetry)")

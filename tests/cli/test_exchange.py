@@ -147,3 +147,18 @@ def test_a_tampered_note_is_refused_not_followed(
     err = capsys.readouterr().err
     assert "leads nowhere" in err and "Traceback" not in err
     assert not (tmp_path / "back").exists() or not list((tmp_path / "back").glob("step*"))
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_torch_saved_values_round_trip_with_allow_torch_save(fmt: str, tmp_path: Path) -> None:
+    """A value coci keeps only as a torch.save'd leaf (a set) comes back with
+    `coci import --allow-torch-save`, in every format."""
+    state = {"seen": {1, 2, 3}, "w": torch.arange(4)}
+    with CheckpointManager(tmp_path / "src", allow_torch_save=True) as mgr:
+        mgr.save(2, state).wait()
+    name, extra = FORMATS[fmt]
+    assert main(["export", str(tmp_path / "src"), str(tmp_path / name), *extra]) == 0
+    argv = ["import", str(tmp_path / name), str(tmp_path / "back"), "--step", "2"]
+    assert main([*argv, "--allow-torch-save"]) == 0
+    with CheckpointManager(tmp_path / "back", allow_torch_save=True) as mgr:
+        assert_same(mgr.restore(), state)
