@@ -50,7 +50,7 @@ __all__ = [
     "SAFETENSORS_NOTE",
     "export_state",
     "from_note",
-    "pt_locate",
+    "pt_locator",
     "read_pt_note",
 ]
 
@@ -231,22 +231,33 @@ def _export_dcp(natural: _Natural, out: Path, step: int) -> str:
 # -- import ---------------------------------------------------------------------------------
 
 
-def pt_locate(state: Any, pos: Any, what: str) -> Any:
-    """The value at positional path ``pos`` (the i-th item of each container) in ``state``."""
-    if type(pos) is not list or not all(type(i) is int and i >= 0 for i in pos):
-        raise CorruptCheckpointError(f"{what}: the note has a bad array position")
-    node = state
-    for i in pos:
-        if isinstance(node, Mapping):
-            items = list(node.values())
-        elif type(node) in (list, tuple):
-            items = list(node)
-        else:
-            raise CorruptCheckpointError(f"{what}: an array position of the note leads nowhere")
-        if i >= len(items):
-            raise CorruptCheckpointError(f"{what}: an array position of the note leads nowhere")
-        node = items[i]
-    return node
+def pt_locator(state: Any, what: str) -> Callable[[Any], Any]:
+    """A function giving the value at a positional path (the i-th item of each container) in
+    ``state``; each container's items are listed once, however many paths go through it."""
+    items_of: dict[int, list[Any]] = {}
+
+    def locate(pos: Any) -> Any:
+        if type(pos) is not list or not all(type(i) is int and i >= 0 for i in pos):
+            raise CorruptCheckpointError(f"{what}: the note has a bad array position")
+        node = state
+        for i in pos:
+            items = items_of.get(id(node))
+            if items is None:
+                if isinstance(node, Mapping):
+                    items = list(node.values())
+                elif type(node) in (list, tuple):
+                    items = list(node)
+                else:
+                    raise CorruptCheckpointError(
+                        f"{what}: an array position of the note leads nowhere"
+                    )
+                items_of[id(node)] = items
+            if i >= len(items):
+                raise CorruptCheckpointError(f"{what}: an array position of the note leads nowhere")
+            node = items[i]
+        return node
+
+    return locate
 
 
 def read_pt_note(src: Path) -> str | None:

@@ -2,6 +2,9 @@
 
 - A ``torch.save`` file: ``torch.load(weights_only=True)``.
 - A ``.safetensors`` file: safetensors (no pickle at all).
+- What ``coci export`` wrote (any of the three) carries a note, ``coci_export.json``, from which
+  the exact state is rebuilt (:mod:`coci_core.exchange`); the note is JSON, checked like a
+  manifest's tree, and every array it names must be a tensor of the file.
 - A ``torch.distributed.checkpoint`` (DCP) directory, read here and not by DCP: DCP loads its
   ``.metadata`` with ``pickle.load`` and its non-tensor values with
   ``torch.load(weights_only=False)``, both of which run whatever code the files name. Here
@@ -56,7 +59,7 @@ def read_foreign(src: Path) -> dict[str, Any]:
         CorruptCheckpointError: ``src`` is damaged or not in the format its name says.
         CociError: ``src`` does not exist or does not hold a mapping.
     """
-    from coci_core.exchange import from_note, pt_locate, read_pt_note
+    from coci_core.exchange import from_note, pt_locator, read_pt_note
 
     src = Path(src)
     if src.is_dir():
@@ -71,8 +74,7 @@ def read_foreign(src: Path) -> dict[str, Any]:
         state = load_weights_only(src, what=str(src), map_location="cpu")
         note = read_pt_note(src)
         if note is not None:  # written by coci export: rebuild the exact state
-            loaded = state
-            state = from_note(note, lambda at: pt_locate(loaded, at, str(src)), str(src))
+            state = from_note(note, pt_locator(state, str(src)), str(src))
     if not isinstance(state, dict):
         raise CociError(f"{src} holds a {type(state).__name__}, not a mapping")
     return state
@@ -102,7 +104,7 @@ def _read_safetensors(src: Path) -> dict[str, Any]:
 
 def _read_dcp_exported(directory: Path) -> dict[str, Any]:
     """A DCP directory: as coci exported it when it holds coci's note, else as DCP nests it."""
-    from coci_core.exchange import NOTE_FILE, from_note, pt_locate
+    from coci_core.exchange import NOTE_FILE, from_note, pt_locator
 
     meta, values, paths = _read_dcp_values(Path(directory))
     note_path = Path(directory) / NOTE_FILE
@@ -115,10 +117,13 @@ def _read_dcp_exported(directory: Path) -> dict[str, Any]:
     except UnicodeDecodeError as e:
         raise CorruptCheckpointError(f"{directory}: {NOTE_FILE} is not text") from e
 
+    inside = pt_locator(values, str(directory))  # values: DCP key -> value, in its order
+    position = {key: i for i, key in enumerate(values)}
+
     def locate(at: Any) -> Any:
         if type(at) is not list or len(at) != 2 or type(at[0]) is not str or at[0] not in values:
             raise CorruptCheckpointError(f"{directory}: the note names an array DCP lacks")
-        return pt_locate(values[at[0]], at[1], str(directory))
+        return inside([position[at[0]], *at[1]] if type(at[1]) is list else at[1])
 
     return from_note(note, locate, str(directory))
 

@@ -128,25 +128,62 @@ def test_exported_safetensors_keeps_readable_names_and_the_tree(
     assert_same(_restored(tmp_path / "flat"), tensors)
 
 
+def _tamper(out: Path, fmt: str, change: Any) -> None:
+    """Rewrite the note of an exported file or directory through ``change(note)``."""
+    if fmt == "torch":
+        with zipfile.ZipFile(out) as archive:
+            name = next(n for n in archive.namelist() if n.endswith("/coci_export.json"))
+            note = json.loads(archive.read(name))
+        torch.save(torch.load(out), out)  # the same state, without the note
+        with zipfile.ZipFile(out, "a") as archive:
+            prefix = archive.namelist()[0].split("/")[0]
+            archive.writestr(f"{prefix}/coci_export.json", json.dumps(change(note)))
+    elif fmt == "safetensors":
+        with safe_open(str(out), framework="pt") as f:
+            metadata = f.metadata()
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+        note = json.dumps(change(json.loads(metadata["coci_export"])))
+        save_file(tensors, str(out), metadata={**metadata, "coci_export": note})
+    else:
+        path = out / "coci_export.json"
+        path.write_text(json.dumps(change(json.loads(path.read_text()))))
+
+
+def _misplaced(note: Any) -> Any:
+    at = note["leaves"][0]["at"]
+    note["leaves"][0]["at"] = (
+        [99, 0] if isinstance(at, list) and not isinstance(at[0], str) else "nothing"
+    )
+    return note
+
+
+def _wrong_kind(note: Any) -> Any:
+    note["leaves"][0]["kind"] = "ndarray"  # the tree says tensor
+    return note
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("change", [_misplaced, _wrong_kind], ids=["misplaced", "wrong-kind"])
 def test_a_tampered_note_is_refused_not_followed(
-    saved: tuple[Path, dict[str, Any]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    fmt: str,
+    change: Any,
+    saved: tuple[Path, dict[str, Any]],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """A note naming an array the file does not hold is a one-line error, nothing imported."""
+    """A note naming an array the file does not hold, or contradicting its own tree, is a
+    one-line error (exit 2) in every format; nothing is imported."""
     src, _ = saved
-    out = tmp_path / "state.pt"
-    assert main(["export", str(src), str(out)]) == 0
-    with zipfile.ZipFile(out) as archive:
-        name = next(n for n in archive.namelist() if n.endswith("/coci_export.json"))
-        note = json.loads(archive.read(name))
-    note["leaves"][0]["at"] = [99, 0]
-    torch.save(torch.load(out), out)  # the same state, without the note
-    with zipfile.ZipFile(out, "a") as archive:
-        prefix = archive.namelist()[0].split("/")[0]
-        archive.writestr(f"{prefix}/coci_export.json", json.dumps(note))
+    name, extra = FORMATS[fmt]
+    out = tmp_path / name
+    assert main(["export", str(src), str(out), *extra]) == 0
+    _tamper(out, fmt, change)
+    capsys.readouterr()
     assert main(["import", str(out), str(tmp_path / "back"), "--step", "1"]) == 2
     err = capsys.readouterr().err
-    assert "leads nowhere" in err and "Traceback" not in err
-    assert not (tmp_path / "back").exists() or not list((tmp_path / "back").glob("step*"))
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert ("leads nowhere" in err or "lacks" in err) if change is _misplaced else "array 0" in err
+    assert not (tmp_path / "back").exists()
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
