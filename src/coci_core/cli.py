@@ -1,28 +1,81 @@
 """The ``coci`` command line: ls, verify, export, import, report, demo (and plan, simulate from
-the planner)."""
+the planner).
+
+Exit codes: 0 done; 1 the checkpoints have a problem (none committed, damage found, a failed
+save); 2 the command line or its input is unusable (a missing directory or file, a file that
+is not a checkpoint, a step that is not there, a step import would overwrite without
+``--force``). Errors are one line on stderr, never a traceback.
+
+Building the parser imports nothing heavy (no torch, numpy, scipy): each subcommand imports
+what it needs when it runs, so ``coci --help`` answers at once.
+"""
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
-from coci_core.errors import CociError, CorruptCheckpointError, NoCheckpointError
-from coci_core.foreign import read_foreign  # also coci_core.cli.read_foreign, as before
-from coci_core.manifest import MANIFEST_NAME, step_dir_name
-from coci_core.restore import committed_steps, load_checkpoint, read_manifest, verify_checkpoint
-from coci_core.storage import open_storage
+__all__ = ["build_parser", "main"]
 
-__all__ = ["main"]
+
+def __getattr__(name: str) -> Any:
+    # coci_core.cli.read_foreign, as before, without importing torch with the module
+    if name == "read_foreign":
+        from coci_core.foreign import read_foreign
+
+        return read_foreign
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class BadInput(Exception):
+    """The command line or its input is unusable: one line on stderr, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are a one-line :class:`BadInput` (exit code 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise BadInput(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
+def _step(text: str) -> int:
+    try:
+        step = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a step number: {text!r}") from None
+    if step < 0:
+        raise argparse.ArgumentTypeError(f"a step is >= 0: {text!r}")
+    return step
+
+
+def open_storage(target: str) -> Any:
+    """:func:`coci_core.storage.open_storage`, imported when a subcommand runs."""
+    from coci_core.storage import open_storage as open_
+
+    return open_(target)
+
+
+def _checkpoint_dir(target: str) -> Any:
+    """The storage of an existing checkpoint directory (a local one must exist)."""
+    if "://" not in target:
+        path = Path(target)
+        if not path.exists():
+            raise BadInput(f"{target}: the directory does not exist")
+        if not path.is_dir():
+            raise BadInput(f"{target}: not a directory")
+    return open_storage(target)
 
 
 def _ls(args: argparse.Namespace) -> int:
-    storage = open_storage(args.dir)
+    from coci_core.errors import CorruptCheckpointError, NoCheckpointError
+    from coci_core.manifest import MANIFEST_NAME, step_dir_name
+    from coci_core.restore import committed_steps, read_manifest
+
+    storage = _checkpoint_dir(args.dir)
     steps = committed_steps(storage)
     if not steps:
         print(f"no committed checkpoints in {storage.url}")
@@ -77,7 +130,10 @@ def _size(n: int) -> str:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    storage = open_storage(args.dir)
+    from coci_core.errors import CorruptCheckpointError, NoCheckpointError
+    from coci_core.restore import committed_steps, verify_checkpoint
+
+    storage = _checkpoint_dir(args.dir)
     steps = [args.step] if args.step is not None else committed_steps(storage)
     if not steps:
         print(f"no committed checkpoints in {storage.url}")
@@ -86,17 +142,18 @@ def _verify(args: argparse.Namespace) -> int:
     for step in steps:
         reasons: list[str] = []
 
-        def report(key: str, why: str, reasons: list[str] = reasons) -> None:
-            reasons.append(f"  damaged: {key}: {why}")
+        def report(key: str, why: str, step: int = step, reasons: list[str] = reasons) -> None:
+            # the reason names the step and the key again: say each once
+            why = why.removeprefix(f"step {step}: ").replace(f" in {key!r}", "")
+            reasons.append(f"  damaged {key}: {why}")
 
         try:
             bad = verify_checkpoint(storage, step, on_bad=report)
         except NoCheckpointError as e:
-            # A step listed here and then removed (retention) is gone, not damaged; a step
-            # asked for by --step that is not there is an error.
-            gone = "removed while verifying (not damaged)"
-            print(f"step {step}: {gone if args.step is None else e}")
-            damaged += args.step is not None
+            if args.step is not None:
+                raise BadInput(str(e)) from e
+            # listed here and then removed (retention): gone, not damaged
+            print(f"step {step}: removed while verifying (not damaged)")
             continue
         except CorruptCheckpointError as e:
             print(f"step {step}: {e}")
@@ -104,78 +161,60 @@ def _verify(args: argparse.Namespace) -> int:
             continue
         for line in reasons:
             print(line)
-        print(f"step {step}: {'ok' if not bad else f'{len(bad)} damaged: ' + ', '.join(bad)}")
+        print(f"step {step}: {'ok' if not bad else f'{len(bad)} damaged'}")
         damaged += bool(bad)
     return 1 if damaged else 0
 
 
 def _export(args: argparse.Namespace) -> int:
-    import torch
+    from coci_core.errors import NoCheckpointError
+    from coci_core.exchange import export_state
+    from coci_core.restore import committed_steps, load_checkpoint
 
-    storage = open_storage(args.dir)
-    step = args.step if args.step is not None else max(committed_steps(storage), default=None)
+    storage = _checkpoint_dir(args.dir)
+    out = Path(args.out)
+    if not out.parent.is_dir():
+        raise BadInput(f"{args.out}: the directory {out.parent} does not exist")
+    steps = committed_steps(storage)
+    if args.step is not None and args.step not in steps:
+        shown = ", ".join(map(str, steps[-10:])) or "none"
+        raise BadInput(f"step {args.step} is not committed in {storage.url} (its steps: {shown})")
+    step = args.step if args.step is not None else max(steps, default=None)
     if step is None:
         raise NoCheckpointError(f"no committed checkpoints in {storage.url}")
     state = load_checkpoint(storage, step, rank=args.rank).state
-    out = Path(args.out)
     fmt = args.format
     if fmt == "auto":
         fmt = "safetensors" if out.suffix == ".safetensors" else "torch"
-    if fmt == "safetensors":
-        from safetensors.torch import save_file
-
-        tensors, rest = _split_for_safetensors(state)
-        save_file(
-            tensors, str(out), metadata={"coci_step": str(step), "coci_rest": json.dumps(rest)}
-        )
-        print(f"exported step {step}: {len(tensors)} tensors to {out} (safetensors)")
-    elif fmt == "dcp":
-        from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
-
-        with warnings.catch_warnings():  # "assuming ... a single process": that is the intent
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp_save(state, checkpoint_id=str(out), no_dist=True)
-        print(f"exported step {step} to {out} (torch.distributed.checkpoint)")
-    else:
-        torch.save(state, out)
-        print(f"exported step {step} to {out} (torch.save)")
+    print(export_state(state, out, fmt, step))
     return 0
 
 
 def _import(args: argparse.Namespace) -> int:
+    from coci_core.errors import CociError, UnsafeCheckpointError
+    from coci_core.foreign import read_foreign
     from coci_core.manager import CheckpointManager
 
-    state = read_foreign(Path(args.src))
-    with CheckpointManager(args.dir, keep_last=None) as mgr:
+    try:
+        state = read_foreign(Path(args.src))
+    except UnsafeCheckpointError:
+        raise  # refused: it would run code (exit 1)
+    except CociError as e:  # missing, not a checkpoint, damaged: not something to import
+        raise BadInput(str(e)) from e
+    with CheckpointManager(args.dir, keep_last=None, allow_torch_save=args.allow_torch_save) as mgr:
+        if args.step in mgr.steps() and not args.force:
+            raise BadInput(
+                f"step {args.step} already exists in {args.dir}: pass --force to replace it"
+            )
         mgr.save(args.step, state).wait()
     print(f"imported {args.src} into {args.dir} as step {args.step}")
     return 0
 
 
-def _split_for_safetensors(state: Any) -> tuple[dict[str, Any], Any]:
-    import torch
-
-    tensors: dict[str, Any] = {}
-
-    def walk(value: Any, key: str) -> Any:
-        if isinstance(value, torch.Tensor):
-            tensors[key] = value.contiguous()
-            return {"tensor": key}
-        if isinstance(value, dict):
-            return {str(k): walk(v, f"{key}.{k}" if key else str(k)) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return [walk(v, f"{key}.{i}") for i, v in enumerate(value)]
-        if value is None or isinstance(value, (bool, int, float, str)):
-            return value
-        return repr(value)
-
-    rest = walk(state, "")
-    return tensors, rest
-
-
 def _report(args: argparse.Namespace) -> int:
     from coci_core.report import render, summarize
 
+    _checkpoint_dir(args.dir)
     try:
         summary = summarize(args.dir)
     except FileNotFoundError as e:
@@ -203,22 +242,31 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``coci`` argument parser."""
-    parser = argparse.ArgumentParser(prog="coci", description="coci checkpoints")
-    sub = parser.add_subparsers(dest="command", required=True)
+    """The ``coci`` argument parser (imports nothing heavy)."""
+    parser = _Parser(
+        prog="coci",
+        description="coci checkpoints: list, verify, export, import, report, demo, plan",
+        epilog="exit codes: 0 done, 1 a checkpoint problem, 2 bad command line or input",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    dir_help = "the checkpoint directory (a path or an fsspec URL)"
     p = sub.add_parser("ls", help="list committed checkpoints")
-    p.add_argument("dir")
+    p.add_argument("dir", metavar="DIR", help=dir_help)
     p.set_defaults(func=_ls)
     p = sub.add_parser("verify", help="check every checksum (exit 1 on damage)")
-    p.add_argument("dir")
-    p.add_argument("--step", type=int)
+    p.add_argument("dir", metavar="DIR", help=dir_help)
+    p.add_argument("--step", type=_step, help="verify only this step (default: every step)")
     p.set_defaults(func=_verify)
     p = sub.add_parser(
-        "export", help="write a step as a torch.save file, a .safetensors file or a DCP directory"
+        "export",
+        help="write a step as a torch.save file, a .safetensors file or a DCP directory",
+        description="Write a step as a torch.save file (loads with plain torch.load), a "
+        ".safetensors file or a torch.distributed.checkpoint directory; each keeps a note "
+        "with which `coci import` rebuilds the exact state.",
     )
-    p.add_argument("dir")
-    p.add_argument("out")
-    p.add_argument("--step", type=int, help="default: the newest committed step")
+    p.add_argument("dir", metavar="DIR", help=dir_help)
+    p.add_argument("out", metavar="OUT", help="the file (or DCP directory) to write")
+    p.add_argument("--step", type=_step, help="default: the newest committed step")
     p.add_argument(
         "--format",
         choices=("auto", "torch", "safetensors", "dcp"),
@@ -226,18 +274,30 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto: safetensors for a .safetensors name, else torch.save",
     )
     p.add_argument(
-        "--rank", type=int, default=0, help="whose per-rank state (random states) to include"
+        "--rank",
+        type=int,
+        default=0,
+        help="whose per-rank state (random states) to include (default: 0)",
     )
     p.set_defaults(func=_export)
     p = sub.add_parser(
         "import", help="save a torch.save / .safetensors file or a DCP directory as a coci step"
     )
-    p.add_argument("src")
-    p.add_argument("dir")
-    p.add_argument("--step", type=int, required=True)
+    p.add_argument(
+        "src", metavar="SRC", help="a torch.save file, a .safetensors file or a DCP directory"
+    )
+    p.add_argument("dir", metavar="DIR", help="the checkpoint directory to save into")
+    p.add_argument("--step", type=_step, required=True, help="the step to save it as")
+    p.add_argument("--force", action="store_true", help="replace the step if DIR has it")
+    p.add_argument(
+        "--allow-torch-save",
+        action="store_true",
+        help="keep values coci cannot store as data (sets, custom classes torch.load "
+        "allows) as torch.save'd leaves, read back with weights_only=True",
+    )
     p.set_defaults(func=_import)
     p = sub.add_parser("report", help="what a run's checkpoints cost, planned vs actual")
-    p.add_argument("dir")
+    p.add_argument("dir", metavar="DIR", help="a run's checkpoint directory (with telemetry)")
     p.add_argument("--tensorboard", help="the TensorBoard log directory to point to")
     p.set_defaults(func=_report)
     p = sub.add_parser("demo", help="kill a training run mid-persist and resume it exactly")
@@ -252,24 +312,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-every", type=int, default=25, help="(engine demo) save interval")
     p.add_argument("--seed", type=int, help="seed of the random kill step")
     p.set_defaults(func=_demo)
-    try:
-        from coci_core.planner.cli import (  # type: ignore[import-not-found,unused-ignore]
-            add_subcommands,
-        )
-    except ImportError:
-        pass
-    else:
-        add_subcommands(sub)
+    from coci_core._cli_plan import add_subcommands
+
+    add_subcommands(sub)
     return parser
 
 
+def _one_line(error: BaseException) -> str:
+    return " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``coci``; returns the exit code."""
-    args = build_parser().parse_args(argv)
+    """Run ``coci``; returns the exit code (0 done, 1 a checkpoint problem, 2 bad input)."""
+    try:
+        args = build_parser().parse_args(argv)
+    except BadInput as e:
+        print(_one_line(e), file=sys.stderr)
+        return 2
+    from coci_core.errors import CociError
+
     try:
         return int(args.func(args))
+    except BadInput as e:
+        print(f"coci: {_one_line(e)}", file=sys.stderr)
+        return 2
     except CociError as e:
-        print(f"coci: {e}", file=sys.stderr)
+        print(f"coci: {_one_line(e)}", file=sys.stderr)
+        return 1
+    except OSError as e:  # the disk, permissions: not a bug in coci
+        print(f"coci: {_one_line(e)}", file=sys.stderr)
         return 1
 
 

@@ -2,6 +2,9 @@
 
 - A ``torch.save`` file: ``torch.load(weights_only=True)``.
 - A ``.safetensors`` file: safetensors (no pickle at all).
+- What ``coci export`` wrote (any of the three) carries a note, ``coci_export.json``, from which
+  the exact state is rebuilt (:mod:`coci_core.exchange`); the note is JSON, checked like a
+  manifest's tree, and every array it names must be a tensor of the file.
 - A ``torch.distributed.checkpoint`` (DCP) directory, read here and not by DCP: DCP loads its
   ``.metadata`` with ``pickle.load`` and its non-tensor values with
   ``torch.load(weights_only=False)``, both of which run whatever code the files name. Here
@@ -56,9 +59,11 @@ def read_foreign(src: Path) -> dict[str, Any]:
         CorruptCheckpointError: ``src`` is damaged or not in the format its name says.
         CociError: ``src`` does not exist or does not hold a mapping.
     """
+    from coci_core.exchange import from_note, pt_locator, read_pt_note
+
     src = Path(src)
     if src.is_dir():
-        state: Any = read_dcp(src)
+        state: Any = _read_dcp_exported(src)
     elif not src.exists():
         raise CociError(f"{src}: no such file or directory")
     elif not src.is_file():
@@ -67,18 +72,60 @@ def read_foreign(src: Path) -> dict[str, Any]:
         state = _read_safetensors(src)
     else:
         state = load_weights_only(src, what=str(src), map_location="cpu")
+        note = read_pt_note(src)
+        if note is not None:  # written by coci export: rebuild the exact state
+            state = from_note(note, pt_locator(state, str(src)), str(src))
     if not isinstance(state, dict):
         raise CociError(f"{src} holds a {type(state).__name__}, not a mapping")
     return state
 
 
 def _read_safetensors(src: Path) -> dict[str, Any]:
-    from safetensors.torch import load_file
+    from safetensors import safe_open
+
+    from coci_core.exchange import SAFETENSORS_NOTE, from_note
 
     try:
-        return dict(load_file(str(src)))
+        with safe_open(str(src), framework="pt") as f:
+            metadata = f.metadata() or {}
+            tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
     except Exception as e:  # safetensors raises its own error types
         raise CorruptCheckpointError(f"cannot read {src} as a .safetensors file: {e}") from e
+    if SAFETENSORS_NOTE not in metadata:  # another tool's file: its flat names
+        return tensors
+
+    def locate(name: Any) -> Any:
+        if type(name) is not str or name not in tensors:
+            raise CorruptCheckpointError(f"{src}: the note names an array the file lacks")
+        return tensors[name]
+
+    return from_note(metadata[SAFETENSORS_NOTE], locate, str(src))
+
+
+def _read_dcp_exported(directory: Path) -> dict[str, Any]:
+    """A DCP directory: as coci exported it when it holds coci's note, else as DCP nests it."""
+    from coci_core.exchange import NOTE_FILE, from_note, pt_locator
+
+    meta, values, paths = _read_dcp_values(Path(directory))
+    note_path = Path(directory) / NOTE_FILE
+    if not note_path.exists() and not note_path.is_symlink():
+        return _nest(meta, values, paths, str(directory))
+    with _open_regular(note_path, str(directory)) as f:
+        data = f.read(1 << 28)
+    try:
+        note = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise CorruptCheckpointError(f"{directory}: {NOTE_FILE} is not text") from e
+
+    inside = pt_locator(values, str(directory))  # values: DCP key -> value, in its order
+    position = {key: i for i, key in enumerate(values)}
+
+    def locate(at: Any) -> Any:
+        if type(at) is not list or len(at) != 2 or type(at[0]) is not str or at[0] not in values:
+            raise CorruptCheckpointError(f"{directory}: the note names an array DCP lacks")
+        return inside([position[at[0]], *at[1]] if type(at[1]) is list else at[1])
+
+    return from_note(note, locate, str(directory))
 
 
 # -- the restricted unpickler of .metadata ---------------------------------------------------
@@ -211,6 +258,14 @@ def read_dcp(directory: Path) -> dict[str, Any]:
         CorruptCheckpointError: a file is missing, truncated, garbled or inconsistent.
     """
     directory = Path(directory)
+    meta, values, paths = _read_dcp_values(directory)
+    return _nest(meta, values, paths, str(directory))
+
+
+def _read_dcp_values(
+    directory: Path,
+) -> tuple[Any, dict[str, Any], dict[str, tuple[str | int, ...]]]:
+    """The metadata, each stored value by its DCP key, and the nesting path of each key."""
     where = str(directory)
     meta = _load_metadata(directory, where)
     tensors, items, paths = _plan(meta, where)
@@ -253,6 +308,12 @@ def read_dcp(directory: Path) -> dict[str, Any]:
                     )
                 else:
                     _copy_chunk(values[item.key], tensors[item.key], item, data, where)
+    return meta, values, paths
+
+
+def _nest(
+    meta: Any, values: dict[str, Any], paths: dict[str, tuple[str | int, ...]], where: str
+) -> dict[str, Any]:
     state: dict[str, Any] = {}
     for key in meta.state_dict_metadata:
         _set_element(state, paths[key], values[key], where)

@@ -110,8 +110,17 @@ def render_policies(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _ms(values: list[float]) -> str:
-    return f"{1e3 * statistics.median(values):.1f} ms" if values else "-"
+def _ms(values: list[Any]) -> str:
+    known = [v for v in values if isinstance(v, (int, float))]
+    return f"{1e3 * statistics.median(known):.1f} ms" if known else "-"
+
+
+def _num(value: Any, spec: str, scale: float = 1.0, unknown: str = "-") -> str:
+    """``value * scale`` formatted by ``spec``; ``unknown`` for a missing (None) value, which
+    telemetry writes for a non-finite or not yet measured one."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return unknown
+    return format(value * scale, spec)
 
 
 def render(summary: RunSummary, *, tensorboard_dir: str | None = None) -> str:
@@ -131,32 +140,43 @@ def render(summary: RunSummary, *, tensorboard_dir: str | None = None) -> str:
     lines.append(f"{'step':>8} {'stall ms':>10} {'persist ms':>11} {'durable ms':>11} {'MB':>9}")
     for s in summary.committed:
         lines.append(
-            f"{s['step']:>8} {1e3 * s['stall_s']:>10.2f} {1e3 * s['persist_s']:>11.2f} "
-            f"{1e3 * s['time_to_durable_s']:>11.2f} {s['bytes_written'] / 1e6:>9.2f}"
+            f"{s['step']:>8} {_num(s.get('stall_s'), '.2f', 1e3):>10} "
+            f"{_num(s.get('persist_s'), '.2f', 1e3):>11} "
+            f"{_num(s.get('time_to_durable_s'), '.2f', 1e3):>11} "
+            f"{_num(s.get('bytes_written'), '.2f', 1e-6):>9}"
         )
     lines.append(
-        f"median stall {_ms([s['stall_s'] for s in summary.committed])}, "
-        f"median persist {_ms([s['persist_s'] for s in summary.committed])}"
+        f"median stall {_ms([s.get('stall_s') for s in summary.committed])}, "
+        f"median persist {_ms([s.get('persist_s') for s in summary.committed])}"
     )
     for r, lost in zip(summary.restores, summary.lost_steps, strict=False):
         lines.append(
-            f"restart: restored step {r['step']} in {r['seconds']:.2f} s; "
-            f"about {lost} steps of work were lost and redone"
+            f"restart: restored step {r['step']} in {_num(r.get('seconds'), '.2f', unknown='?')}"
+            f" s; about {lost} steps of work were lost and redone"
         )
     plan = summary.last_plan
     if plan is not None:
         lines.append("")
+        interval = plan.get("interval_steps")
+        mtbf = _num(plan.get("mtbf_s"), ".0f", unknown="")
+        source = plan.get("mtbf_source")
         lines.append(
-            f"plan: policy {plan['policy']}, objective {plan['objective']}, interval "
-            f"{plan['interval_steps']} steps, MTBF {plan['mtbf_s']} s "
-            f"({plan['mtbf_source']})"
+            f"plan: policy {plan.get('policy') or '?'}, objective "
+            f"{plan.get('objective') or '?'}, "
+            + (f"interval {interval} steps, " if interval is not None else "no interval yet, ")
+            + (f"MTBF {mtbf} s" if mtbf else "MTBF unknown")
+            + (f" ({source})" if source else "")
         )
         overhead = plan.get("expected_overhead")
         if overhead:
+
+            def cost(key: str) -> str:
+                return _num(overhead.get(key), ".1f", unknown="?")
+
             lines.append(
-                f"expected overhead over the horizon: plan {overhead['wall_s']:.1f} s wall-clock "
-                f"({overhead['objective_s']:.1f} s by its objective) vs Daly "
-                f"{overhead['daly_wall_s']:.1f} s ({overhead['daly_objective_s']:.1f} s)"
+                f"expected overhead over the horizon: plan {cost('wall_s')} s wall-clock "
+                f"({cost('objective_s')} s by its objective) vs Daly "
+                f"{cost('daly_wall_s')} s ({cost('daly_objective_s')} s)"
             )
     if tensorboard_dir:
         lines.append("")

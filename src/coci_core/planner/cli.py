@@ -9,38 +9,38 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
-
+from coci_core._cli_plan import (
+    _POLICY_OPTIONS,
+    _SIMULATE_DEFAULTS,
+    OBJECTIVE_NAMES,
+    POLICY_NAMES,
+    add_subcommands,
+)
 from coci_core.errors import CociError, ConfigError
-from coci_core.planner.curve import value_density
-from coci_core.planner.model import AshaRungs, FailureModel, Termination
-from coci_core.planner.optimize import OBJECTIVES, Problem
-from coci_core.planner.policies import POLICIES, PlanContext, make_policy
-from coci_core.planner.schedule import build_curve, plan_schedule
-from coci_core.planner.simulate import simulate
 
-__all__ = ["add_subcommands", "main"]
-
-_SAFE = {
-    "np": np,
-    "exp": np.exp,
-    "log": np.log,
-    "sqrt": np.sqrt,
-    "minimum": np.minimum,
-    "maximum": np.maximum,
-    "where": np.where,
-}
+__all__ = ["OBJECTIVE_NAMES", "POLICY_NAMES", "add_subcommands", "main", "run_plan", "run_simulate"]
 
 
 def _loss_from_expr(expr: str) -> Callable[[Any], Any]:
     """A loss callable from a numpy expression in ``k`` (the user's own command line)."""
+    import numpy as np
+
+    safe = {
+        "np": np,
+        "exp": np.exp,
+        "log": np.log,
+        "sqrt": np.sqrt,
+        "minimum": np.minimum,
+        "maximum": np.maximum,
+        "where": np.where,
+    }
     try:
         code = compile(expr, "<--loss>", "eval")
     except SyntaxError as e:
         raise ConfigError(f"'--loss' is not a valid expression in k: {expr!r} ({e.msg})") from e
 
     def fn(k: Any) -> Any:
-        return eval(code, {"__builtins__": {}}, {**_SAFE, "k": np.asarray(k, dtype=np.float64)})
+        return eval(code, {"__builtins__": {}}, {**safe, "k": np.asarray(k, dtype=np.float64)})
 
     try:
         fn(np.arange(3))
@@ -51,6 +51,8 @@ def _loss_from_expr(expr: str) -> Callable[[Any], Any]:
 
 def _loss_from_csv(path: str) -> tuple[list[float], list[float]]:
     """Observed ``(steps, losses)`` from a CSV of ``step,loss`` (a header row is allowed)."""
+    import numpy as np
+
     steps: list[float] = []
     losses: list[float] = []
     try:
@@ -72,25 +74,37 @@ def _loss_from_csv(path: str) -> tuple[list[float], list[float]]:
     return steps, losses
 
 
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--total-steps", type=int, required=True, help="the step the job ends at")
-    p.add_argument("--step-time-s", type=float, required=True, help="compute seconds per step")
-    p.add_argument("--stall-s", type=float, required=True, help="blocking snapshot seconds")
-    p.add_argument("--persist-s", type=float, default=0.0, help="background persist seconds")
-    p.add_argument("--restart-s", type=float, default=60.0, help="restart+restore seconds")
-    g = p.add_mutually_exclusive_group(required=True)
-    g.add_argument("--mtbf-s", type=float, help="mean time between failures (job), seconds")
-    g.add_argument("--mtbf-h", type=float, help="mean time between failures (job), hours")
-    lg = p.add_mutually_exclusive_group()
-    lg.add_argument("--loss", help="loss formula in k, e.g. '1.5+5.4*(1+k/3000)**-0.5'")
-    lg.add_argument("--loss-csv", help="CSV of step,loss from a real run's log")
-    p.add_argument("--objective", choices=OBJECTIVES, default="convergence")
-    p.add_argument("--asha-rungs", help="comma-separated rung steps (ASHA early stopping)")
-    p.add_argument("--asha-eta", type=float, default=3.0, help="ASHA reduction factor")
-    p.add_argument("--start-step", type=int, default=0)
+def _policy_options(args: argparse.Namespace, name: str) -> dict[str, Any]:
+    """The parameter of a policy that needs one, from its option."""
+    option = _POLICY_OPTIONS.get(name)
+    if option is None:
+        return {}
+    value = getattr(args, option)
+    if value is None:
+        raise ConfigError(f"the {name} policy needs --{option.replace('_', '-')}")
+    return {option: value}
+
+
+def _plan_policy(args: argparse.Namespace) -> Any:
+    """The policy ``coci plan`` follows: --policy, or the one whose option is given."""
+    from coci_core.planner.policies import make_policy
+
+    name = args.policy
+    if name is None:
+        given = [p for p, o in _POLICY_OPTIONS.items() if getattr(args, o) is not None]
+        if len(given) > 1:
+            raise ConfigError(
+                "give one of --every-n-steps, --every-n-seconds, --steps-per-epoch (or --policy)"
+            )
+        name = given[0] if given else "coci"
+    if name not in _POLICY_OPTIONS:
+        return name
+    return make_policy(name, **_policy_options(args, name))
 
 
 def _inputs(args: argparse.Namespace) -> dict[str, Any]:
+    from coci_core.planner.model import AshaRungs, Termination
+
     mtbf_s = args.mtbf_s if args.mtbf_s is not None else args.mtbf_h * 3600.0
     loss: Any = None
     if args.loss:
@@ -120,10 +134,12 @@ def _inputs(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_plan(args: argparse.Namespace) -> int:
     """``coci plan``: print the schedule and its explanation (or JSON)."""
+    from coci_core.planner.schedule import plan_schedule
+
     try:
-        sched = plan_schedule(**_inputs(args), policy=args.policy)
+        sched = plan_schedule(**_inputs(args), policy=_plan_policy(args))
     except CociError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"coci plan: {e}", file=sys.stderr)
         return 2
     ov = sched.expected_overhead_s
     if args.json:
@@ -152,6 +168,15 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def run_simulate(args: argparse.Namespace) -> int:
     """``coci simulate``: print policies x metrics with confidence intervals."""
+    import numpy as np
+
+    from coci_core.planner.curve import value_density
+    from coci_core.planner.model import FailureModel
+    from coci_core.planner.optimize import Problem
+    from coci_core.planner.policies import POLICIES, PlanContext, make_policy
+    from coci_core.planner.schedule import build_curve, plan_schedule
+    from coci_core.planner.simulate import simulate
+
     try:
         inp = _inputs(args)
         curve = build_curve(inp["loss"], inp["start_step"], inp["total_steps"])
@@ -176,15 +201,13 @@ def run_simulate(args: argparse.Namespace) -> int:
                 s = plan_schedule(**{**inp, "objective": obj or inp["objective"]})
                 scheds[f"coci[{obj or inp['objective']}]"] = s.steps
                 continue
-            opts: dict[str, Any] = {}
-            if base == "every_n_steps":
-                opts["every_n_steps"] = args.every_n_steps
-            elif base == "every_n_seconds":
-                opts["every_n_seconds"] = args.every_n_seconds
-            elif base == "epoch":
-                opts["steps_per_epoch"] = args.steps_per_epoch
-            elif base not in POLICIES:
+            if base not in POLICIES:
                 raise ConfigError(f"'--policies' has an unknown policy: {base!r}")
+            opts = {
+                o: getattr(args, o) if getattr(args, o) is not None else default
+                for o, default in _SIMULATE_DEFAULTS.items()
+                if _POLICY_OPTIONS.get(base) == o
+            }
             ctx = PlanContext(value_is_flat=not curve.trusted)
             if isinstance(inp["loss"], tuple):
                 ctx = PlanContext(
@@ -202,7 +225,7 @@ def run_simulate(args: argparse.Namespace) -> int:
             scheds[base] = make_policy(base, **opts).plan(pb, context=ctx)
         res = simulate(scheds, pb, runs=args.runs, seed=args.seed)
     except CociError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"coci simulate: {e}", file=sys.stderr)
         return 2
     print(
         f"{args.runs} runs per policy, seed {args.seed}, 95% confidence; overheads in seconds "
@@ -210,29 +233,6 @@ def run_simulate(args: argparse.Namespace) -> int:
     )
     print(res.table())
     return 0
-
-
-def add_subcommands(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    """Add ``plan`` and ``simulate`` to a ``coci`` command's subparsers."""
-    plan = subparsers.add_parser("plan", help="print a checkpoint schedule and why")
-    _common(plan)
-    plan.add_argument("--policy", choices=list(POLICIES), default="coci")
-    plan.add_argument("--json", action="store_true", help="print JSON instead of text")
-    plan.add_argument("--show", type=int, default=20, help="how many steps to print")
-    plan.set_defaults(func=run_plan)
-    sim = subparsers.add_parser("simulate", help="Monte Carlo of policies x metrics")
-    _common(sim)
-    sim.add_argument(
-        "--policies",
-        default="young,daly,checkfreq,coci:time,coci:convergence",
-        help="comma-separated; coci:<objective> for the optimal plan",
-    )
-    sim.add_argument("--runs", type=int, default=20_000)
-    sim.add_argument("--seed", type=int, default=0)
-    sim.add_argument("--every-n-steps", type=int, default=1000)
-    sim.add_argument("--every-n-seconds", type=float, default=600.0)
-    sim.add_argument("--steps-per-epoch", type=int, default=1000)
-    sim.set_defaults(func=run_simulate)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

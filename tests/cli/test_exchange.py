@@ -1,0 +1,201 @@
+"""`coci export` then `coci import` gives back the same state, in every export format; an
+exported .pt loads with plain ``torch.load``; a plain safetensors file imports flat."""
+
+from __future__ import annotations
+
+import json
+import zipfile
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from coci_core import CheckpointManager
+from coci_core.cli import main
+from tests.harness.states import assert_same, tiny_model_state
+
+FORMATS = {
+    "torch": ("state.pt", []),
+    "safetensors": ("state.safetensors", []),
+    "dcp": ("state_dcp", ["--format", "dcp"]),
+}
+
+
+def realistic_state() -> dict[str, Any]:
+    """A nested model + Adam state (int keys), numpy RNG state, per-step scalars."""
+    state = tiny_model_state(3)
+    state["rng"] = {
+        "numpy": np.random.RandomState(7).get_state(),  # a tuple with a uint32 array
+        "torch": torch.get_rng_state(),
+        "python": (3, tuple(range(5)), None),
+    }
+    state["loop"] = {
+        "step": 120,
+        "lr": 1e-3,
+        "name": "run-a",
+        "best": float("inf"),
+        "ema": np.float32(0.25),
+        "counts": np.arange(6, dtype=np.int16).reshape(2, 3),
+        "history": [{"step": s, "loss": 1.0 / (s + 1)} for s in range(3)],
+        "tag": b"\x00\xff",
+        "dtype": torch.bfloat16,
+        "shape": torch.Size([2, 3]),
+    }
+    state["half"] = torch.randn(4, 4).to(torch.bfloat16)
+    return state
+
+
+def _restored(directory: Path) -> dict[str, Any]:
+    with CheckpointManager(directory) as mgr:
+        return mgr.restore()
+
+
+@pytest.fixture
+def saved(tmp_path: Path) -> tuple[Path, dict[str, Any]]:
+    """A coci checkpoint of the realistic state at step 120, and that state as restored."""
+    with CheckpointManager(tmp_path / "src") as mgr:
+        mgr.save(120, realistic_state()).wait()
+    return tmp_path / "src", _restored(tmp_path / "src")
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_export_then_import_restores_the_same_state(
+    fmt: str, saved: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    """Bitwise tensors, the same types (int keys, tuples, numpy arrays and scalars, bytes,
+    dtypes, OrderedDict with its _metadata) after export + import, in every format."""
+    src, original = saved
+    name, extra = FORMATS[fmt]
+    assert main(["export", str(src), str(tmp_path / name), *extra]) == 0
+    assert main(["import", str(tmp_path / name), str(tmp_path / "back"), "--step", "120"]) == 0
+    back = _restored(tmp_path / "back")
+    assert_same(back, original)
+    assert_same(back, realistic_state())
+    assert isinstance(back["loop"]["counts"], np.ndarray)
+    assert type(back["loop"]["ema"]) is np.float32
+    assert isinstance(back["model"], OrderedDict)
+    assert back["model"]._metadata == original["model"]._metadata  # type: ignore[attr-defined]
+    assert list(back["optim"]["state"]) == [0, 1, 2, 3, 4, 5]
+
+
+def test_exported_pt_loads_with_plain_torch_load(
+    saved: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    """Plain torch.load (weights_only=True by default) reads the export: numpy arrays are
+    tensors of the same bytes, numpy scalars numbers; the note is a record beside the state."""
+    src, original = saved
+    out = tmp_path / "state.pt"
+    assert main(["export", str(src), str(out)]) == 0
+    loaded = torch.load(out)
+    rng = loaded["rng"]["numpy"]
+    assert isinstance(rng, tuple) and rng[0] == "MT19937"
+    assert isinstance(rng[1], torch.Tensor) and rng[1].dtype == torch.uint32
+    assert rng[1].numpy().tobytes() == original["rng"]["numpy"][1].tobytes()
+    assert loaded["loop"]["ema"] == 0.25 and type(loaded["loop"]["ema"]) is float
+    assert torch.equal(loaded["model"]["0.weight"], original["model"]["0.weight"])
+    assert loaded["optim"]["state"][0]["step"] == original["optim"]["state"][0]["step"]
+    assert sorted(loaded) == sorted(original)
+    with zipfile.ZipFile(out) as archive:
+        note = [n for n in archive.namelist() if n.endswith("/coci_export.json")]
+        assert len(note) == 1 and json.loads(archive.read(note[0]))["step"] == 120
+
+
+def test_exported_safetensors_keeps_readable_names_and_the_tree(
+    saved: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    """Other tools see one tensor per array by its path; the tree is in the metadata; a
+    safetensors file without coci's note imports flat, as before."""
+    src, original = saved
+    out = tmp_path / "state.safetensors"
+    assert main(["export", str(src), str(out)]) == 0
+    with safe_open(str(out), framework="pt") as f:
+        assert torch.equal(f.get_tensor("model.0.weight"), original["model"]["0.weight"])
+        assert torch.equal(
+            f.get_tensor("optim.state.0.exp_avg"), original["optim"]["state"][0]["exp_avg"]
+        )
+        note = json.loads(f.metadata()["coci_export"])
+    assert note["step"] == 120 and note["tree"]["t"] == "dict"
+    # a file from another tool (no note) still imports as its flat names, in its order
+    tensors = {"a.weight": torch.randn(3, 2), "b": torch.arange(4)}
+    save_file(tensors, str(tmp_path / "other.safetensors"), metadata={"format": "pt"})
+    other = str(tmp_path / "other.safetensors")
+    assert main(["import", other, str(tmp_path / "flat"), "--step", "1"]) == 0
+    assert_same(_restored(tmp_path / "flat"), tensors)
+
+
+def _tamper(out: Path, fmt: str, change: Any) -> None:
+    """Rewrite the note of an exported file or directory through ``change(note)``."""
+    if fmt == "torch":
+        with zipfile.ZipFile(out) as archive:
+            name = next(n for n in archive.namelist() if n.endswith("/coci_export.json"))
+            note = json.loads(archive.read(name))
+        torch.save(torch.load(out), out)  # the same state, without the note
+        with zipfile.ZipFile(out, "a") as archive:
+            prefix = archive.namelist()[0].split("/")[0]
+            archive.writestr(f"{prefix}/coci_export.json", json.dumps(change(note)))
+    elif fmt == "safetensors":
+        with safe_open(str(out), framework="pt") as f:
+            metadata = f.metadata()
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+        note = json.dumps(change(json.loads(metadata["coci_export"])))
+        save_file(tensors, str(out), metadata={**metadata, "coci_export": note})
+    else:
+        path = out / "coci_export.json"
+        path.write_text(json.dumps(change(json.loads(path.read_text()))))
+
+
+def _misplaced(note: Any) -> Any:
+    at = note["leaves"][0]["at"]
+    note["leaves"][0]["at"] = (
+        [99, 0] if isinstance(at, list) and not isinstance(at[0], str) else "nothing"
+    )
+    return note
+
+
+def _wrong_kind(note: Any) -> Any:
+    note["leaves"][0]["kind"] = "ndarray"  # the tree says tensor
+    return note
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("change", [_misplaced, _wrong_kind], ids=["misplaced", "wrong-kind"])
+def test_a_tampered_note_is_refused_not_followed(
+    fmt: str,
+    change: Any,
+    saved: tuple[Path, dict[str, Any]],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A note naming an array the file does not hold, or contradicting its own tree, is a
+    one-line error (exit 2) in every format; nothing is imported."""
+    src, _ = saved
+    name, extra = FORMATS[fmt]
+    out = tmp_path / name
+    assert main(["export", str(src), str(out), *extra]) == 0
+    _tamper(out, fmt, change)
+    capsys.readouterr()
+    assert main(["import", str(out), str(tmp_path / "back"), "--step", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert ("leads nowhere" in err or "lacks" in err) if change is _misplaced else "array 0" in err
+    assert not (tmp_path / "back").exists()
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_torch_saved_values_round_trip_with_allow_torch_save(fmt: str, tmp_path: Path) -> None:
+    """A value coci keeps only as a torch.save'd leaf (a set) comes back with
+    `coci import --allow-torch-save`, in every format."""
+    state = {"seen": {1, 2, 3}, "w": torch.arange(4)}
+    with CheckpointManager(tmp_path / "src", allow_torch_save=True) as mgr:
+        mgr.save(2, state).wait()
+    name, extra = FORMATS[fmt]
+    assert main(["export", str(tmp_path / "src"), str(tmp_path / name), *extra]) == 0
+    argv = ["import", str(tmp_path / name), str(tmp_path / "back"), "--step", "2"]
+    assert main([*argv, "--allow-torch-save"]) == 0
+    with CheckpointManager(tmp_path / "back", allow_torch_save=True) as mgr:
+        assert_same(mgr.restore(), state)
