@@ -22,7 +22,7 @@ def test_core_imports_no_host_framework() -> None:
 
 def test_public_api_is_exactly_all() -> None:
     """Every public name of coci_core is in __all__ and every name in __all__ exists."""
-    public = {n for n in vars(coci_core) if not n.startswith("_")}
+    public = {n for n in dir(coci_core) if not n.startswith("_")}  # lazy names included
     modules = {n for n in public if type(getattr(coci_core, n)).__name__ == "module"}
     assert set(coci_core.__all__) == public - modules
     assert sorted(coci_core.__all__) == list(coci_core.__all__)

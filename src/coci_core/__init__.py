@@ -1,5 +1,7 @@
 """coci: convergence-aware, asynchronous, verified checkpoints for PyTorch training."""
 
+import typing as _typing
+
 from coci_core.errors import (
     BackgroundSaveError,
     CheckpointError,
@@ -13,14 +15,49 @@ from coci_core.errors import (
     UnsafeCheckpointError,
     UnsupportedValueError,
 )
-from coci_core.group import RankGroup
-from coci_core.manager import CheckpointManager, SaveHandle
-from coci_core.manifest import Manifest
+
+# Eager: the function shares its name with its module, which a submodule import would bind.
 from coci_core.partition import Share, partition
-from coci_core.sampler import GlobalSampler
-from coci_core.stateful import Stateful
-from coci_core.storage import FsspecStorage, LocalStorage, Storage
-from coci_core.telemetry import RestoreEvent, SaveEvent
+
+if _typing.TYPE_CHECKING:
+    from coci_core.group import RankGroup
+    from coci_core.manager import CheckpointManager, SaveHandle
+    from coci_core.manifest import Manifest
+    from coci_core.sampler import GlobalSampler
+    from coci_core.stateful import Stateful
+    from coci_core.storage import FsspecStorage, LocalStorage, Storage
+    from coci_core.telemetry import RestoreEvent, SaveEvent
+
+# Imported on first use, so that `coci --help` and the errors need no torch.
+_LAZY = {
+    "RankGroup": "coci_core.group",
+    "CheckpointManager": "coci_core.manager",
+    "SaveHandle": "coci_core.manager",
+    "Manifest": "coci_core.manifest",
+    "GlobalSampler": "coci_core.sampler",
+    "Stateful": "coci_core.stateful",
+    "FsspecStorage": "coci_core.storage",
+    "LocalStorage": "coci_core.storage",
+    "Storage": "coci_core.storage",
+    "RestoreEvent": "coci_core.telemetry",
+    "SaveEvent": "coci_core.telemetry",
+}
+
+
+def __getattr__(name: str) -> _typing.Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'coci_core' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])
+
 
 __all__ = [
     "BackgroundSaveError",

@@ -1,0 +1,32 @@
+"""`coci --help` through the installed package loads no torch (it answers in a fraction of a
+second); the package's names still import."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def test_help_through_the_package_imports_no_torch() -> None:
+    code = (
+        "import sys\n"
+        "from coci_core.cli import main\n"
+        "try:\n"
+        "    main(['--help'])\n"
+        "except SystemExit as e:\n"
+        "    assert e.code == 0\n"
+        "print(sorted(m for m in ('torch', 'numpy', 'scipy') if m in sys.modules))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
+    assert "usage: coci" in out
+    assert out.strip().splitlines()[-1] == "[]"
+
+
+def test_package_names_resolve() -> None:
+    import coci_core
+
+    for name in coci_core.__all__:
+        assert getattr(coci_core, name) is not None, name
+    assert "CheckpointManager" in dir(coci_core)
