@@ -53,9 +53,11 @@ def own_loader_generators(accelerator: Accelerator) -> None:
             base.generator = torch.Generator().manual_seed(int(torch.initial_seed()) % 2**63)
 
 
-def _loader_state(loader: Any) -> dict[str, Any]:
+def _loader_state(loader: Any, standin: Any = None) -> dict[str, Any]:
     base = getattr(loader, "base_dataloader", loader)
     generator = getattr(base, "generator", None)
+    if standin is not None:  # skip_first_batches made it to run the rest of loader's epoch
+        loader = standin
     if getattr(loader, "end_of_dataloader", False):
         # Saved on an epoch's last batch: resume at the start of the next epoch (an exhausted
         # loader state would end the epoch without counting it, replaying its order).
@@ -77,18 +79,32 @@ def collect_own(accelerator: Accelerator, *, skip: object) -> dict[str, Any]:
     return {"rng": _rng_state(), "custom": custom}
 
 
-def collect(accelerator: Accelerator, step: int) -> dict[str, Any]:
-    """Everything ``save_state`` would save that is the same on every process."""
+def completed_steps(state: dict[str, Any]) -> int:
+    """The optimizer steps completed when ``state`` was saved (before this was recorded, the
+    label was the 0-based index of the last step taken)."""
+    if "completed_steps" in state:
+        return int(state["completed_steps"])
+    return int(state["step"]) + 1
+
+
+def collect(
+    accelerator: Accelerator, step: int, *, standins: dict[int, Any] | None = None
+) -> dict[str, Any]:
+    """Everything ``save_state`` would save that is the same on every process; ``step`` is
+    the number of optimizer steps completed; ``standins``: by ``id`` of a prepared loader, the
+    ``skip_first_batches`` loader running the rest of its epoch."""
     acc = accelerator
+    standins = standins or {}
     return {
         "layout": LAYOUT,
         "num_processes": acc.num_processes,
         "step": step,
+        "completed_steps": step,
         "accelerate_step": acc.step,
         "models": [acc.get_state_dict(m, unwrap=False) for m in acc._models],
         "optimizers": [opt.state_dict() for opt in acc._optimizers],
         "schedulers": [s.state_dict() for s in acc._schedulers],
-        "dataloaders": [_loader_state(dl) for dl in acc._dataloaders],
+        "dataloaders": [_loader_state(dl, standins.get(id(dl))) for dl in acc._dataloaders],
         "scaler": acc.scaler.state_dict() if acc.scaler is not None else None,
     }
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 import uuid
@@ -100,50 +101,90 @@ class CociCheckpointer:
         )
         self._tracker = _find_tracker(accelerator)
         config = accelerator.dataloader_config
-        if not (config.use_seedable_sampler and getattr(config, "use_stateful_dataloader", False)):
+        if not config.use_seedable_sampler:
             warnings.warn(
                 "coci: a run resumed mid-epoch sees each remaining sample exactly once only with "
-                "Accelerator(dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, "
-                "use_stateful_dataloader=True)) (the stateful loader needs torchdata); with this "
-                "configuration the resumed epoch may repeat or skip samples",
+                "Accelerator(dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))"
+                " and either use_stateful_dataloader=True (needs torchdata) or "
+                "accelerator.skip_first_batches(dataloader, ckpt.resume() % len(dataloader)); "
+                "with this configuration the resumed epoch may repeat or skip samples",
                 UserWarning,
                 stacklevel=2,
             )
         self._last_step_end: float | None = None
         self._hooked: set[int] = set()
+        self._opt_counts: dict[int, int] = {}
+        self._count = 0  # optimizer steps completed
+        self._observed: int | None = None  # the count at the last step() that observed
+        self._saved: int | None = None  # the count at the last save
+        self._standins: dict[int, Any] = {}
+        self._install_skip_tracking()
+        self._hook_optimizers()
+        _state.own_loader_generators(accelerator)
         accelerator.register_for_checkpointing(self)
 
     # -- the training loop ----------------------------------------------------------------
 
-    def step(self, step: int, *, loss: float | None = None) -> SaveHandle | None:
-        """Call once per training step, after ``optimizer.step()``; saves when the plan says so.
+    def step(self, step: int | None = None, *, loss: float | None = None) -> SaveHandle | None:
+        """Call once per batch, after ``optimizer.step()``; saves when the plan says so.
 
-        ``loss`` is only needed without a ``CociTracker`` in ``log_with``.
+        coci counts the optimizer steps itself (a checkpoint is labelled with the number of
+        optimizer steps completed when it was taken, as ``overall_step`` in Accelerate's
+        checkpointing example), so ``step`` is optional; when given it must be that count, else
+        ``ConfigError``. A call after which no optimizer step completed (gradient accumulation)
+        does nothing. ``loss`` is only needed without a ``CociTracker`` in ``log_with``.
         Returns the save's handle on the process that writes, else None.
         """
         self._check_prepared()
-        if not self._hooked:  # first step of this process
+        if self._hook_optimizers(late=True):
             _state.own_loader_generators(self.accelerator)
-            self._hook_optimizers()
+        count = self._count
+        if step is not None and (type(step) is not int or step != count):
+            raise ConfigError(
+                f"ckpt.step({step!r}): coci labels a step with the number of optimizer steps "
+                f"completed so far, {count} here: count overall_step += 1 after "
+                "optimizer.step() (as Accelerate's checkpointing example does) and pass that, "
+                "or call ckpt.step() with no argument; ckpt.resume() returns that count"
+            )
+        if count == 0 or count == self._observed:
+            return None  # no optimizer step since the last call (accumulating gradients)
+        self._observed = count
         now = time.perf_counter()
         step_time = None if self._last_step_end is None else now - self._last_step_end
         if loss is None and self._tracker is not None:
-            loss = self._tracker.pop_loss(step)
-        self.checkpointer.observe(step, loss=loss, step_time_s=step_time)
+            loss = self._tracker.pop_loss(count)
+            if loss is None:  # logged with the 0-based index of the step just taken
+                loss = self._tracker.pop_loss(count - 1)
+        self.checkpointer.observe(count, loss=loss, step_time_s=step_time)
         handle = None
-        if self.checkpointer.should_save(step):
-            handle = self.save(step)
+        if self.checkpointer.should_save(count):
+            handle = self.save()
         self._last_step_end = time.perf_counter()
         return handle
 
-    def save(self, step: int) -> SaveHandle:
-        """Save now; call it on every process at the same step: each writes its share of the
-        state and its own random states and registered objects (no collective)."""
+    @property
+    def completed_steps(self) -> int:
+        """Optimizer steps completed (restored by ``resume()``): the label of the next save."""
+        return self._count
+
+    def save(self, step: int | None = None) -> SaveHandle:
+        """Save now, labelled with the optimizer steps completed; call it on every process at
+        the same step: each writes its share of the state and its own random states and
+        registered objects (no collective). ``step``, if given, must be that count."""
         self._check_prepared()
-        state = _state.collect(self.accelerator, step)
+        self._hook_optimizers()
+        count = self._count
+        if step is not None and (type(step) is not int or step != count):
+            raise ConfigError(
+                f"ckpt.save({step!r}): coci labels a checkpoint with the number of optimizer "
+                f"steps completed, {count} here; call ckpt.save() with no argument"
+            )
+        state = _state.collect(self.accelerator, count, standins=self._standins)
         state["coci"] = self.checkpointer.state_dict()
         own = _state.collect_own(self.accelerator, skip=self)
-        return self.checkpointer.save(step, state, per_rank={_state.PROCESS_KEY: own})
+        handle = self.checkpointer.save(count, state, per_rank={_state.PROCESS_KEY: own})
+        self._saved = count
+        return handle
 
     def wait(self) -> None:
         """Block until pending saves are durable (re-raises background errors)."""
@@ -155,8 +196,10 @@ class CociCheckpointer:
 
     def resume(self) -> int:
         """Restore the newest committed checkpoint, if any, into everything Accelerate
-        prepared and registered; returns the step to continue from (0 when starting fresh)."""
+        prepared and registered; returns the number of optimizer steps it had completed (0
+        when starting fresh): the batches of the run already trained on, to skip."""
         self._check_prepared()
+        self._hook_optimizers()
         _state.own_loader_generators(self.accelerator)
         try:
             state = self.checkpointer.restore()
@@ -166,7 +209,13 @@ class CociCheckpointer:
         _state.apply(self.accelerator, state, skip=self)
         self.checkpointer.load_state_dict(state.get("coci", {}))
         self._last_step_end = None
-        return int(state["step"]) + 1
+        count = _state.completed_steps(state)
+        self._count = count
+        self._opt_counts = dict.fromkeys(self._opt_counts, count)
+        self._observed = self._saved = count
+        if self.accelerator.is_main_process:
+            _log_skip_advice(self.accelerator, count)
+        return count
 
     # -- Accelerate's register_for_checkpointing ------------------------------------------
 
@@ -188,13 +237,96 @@ class CociCheckpointer:
                 "optimizer, ...) before ckpt.step() or ckpt.resume()"
             )
 
-    def _hook_optimizers(self) -> None:
-        # The snapshot may overlap the next forward/backward: wait for it before any update.
+    def _hook_optimizers(self, *, late: bool = False) -> bool:
+        """Count every prepared optimizer's steps; True if one was not counted yet.
+
+        ``late``: from ``step()``, after an optimizer step nobody counted (the checkpointer
+        was made before ``accelerator.prepare``): count that one step."""
+        new = False
         for opt in self.accelerator._optimizers:
+            if id(opt) in self._hooked:
+                continue
+            self._hooked.add(id(opt))
+            new = True
             inner = getattr(opt, "optimizer", opt)
-            if id(inner) not in self._hooked:
-                inner.register_step_pre_hook(lambda *_: self.checkpointer.before_update())
-                self._hooked.add(id(inner))
+            # The snapshot may overlap the next forward/backward: wait for it before any update.
+            inner.register_step_pre_hook(lambda *_: self.checkpointer.before_update())
+            self._opt_counts[id(opt)] = self._count + (1 if late else 0)
+            _count_steps(opt, functools.partial(self._counted, id(opt)))
+        if new:
+            self._count = max(self._opt_counts.values(), default=0)
+        return new
+
+    def _counted(self, key: int) -> None:
+        # An update (or an fp16 update the scaler skipped: the batch is consumed either way).
+        self._opt_counts[key] += 1
+        self._count = max(self._opt_counts.values())
+
+    def _install_skip_tracking(self) -> None:
+        """``accelerator.skip_first_batches(loader, n)`` makes a new loader that runs the rest
+        of ``loader``'s current epoch in its place; coci saves its position for ``loader`` and
+        moves ``loader`` to the next epoch when it ends (else the next epoch replays this one)."""
+        acc = self.accelerator
+        original = acc.skip_first_batches
+        standins = self._standins
+
+        def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
+            skipped = original(dataloader, num_batches)
+            if not any(dataloader is dl for dl in acc._dataloaders) or not hasattr(
+                skipped, "iteration"
+            ):
+                return skipped
+            standin: Any = skipped
+            loader: Any = dataloader
+            standins[id(loader)] = standin
+            end = standin.end
+
+            def end_of_epoch() -> None:
+                iteration = standin.iteration  # the next epoch's
+                if standins.get(id(loader)) is standin:
+                    loader.iteration = iteration
+                    del standins[id(loader)]
+                end()
+
+            standin.end = end_of_epoch
+            return skipped
+
+        acc.skip_first_batches = skip_first_batches
+
+
+def _count_steps(opt: Any, counted: Any) -> None:
+    """Call ``counted`` after each ``opt.step()`` that updates (not accumulation steps)."""
+    original = opt.step
+    state = getattr(opt, "gradient_state", None)
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        if state is None or state.sync_gradients:
+            counted()
+        return result
+
+    opt.step = step
+
+
+def _log_skip_advice(accelerator: Accelerator, count: int) -> None:
+    for i, loader in enumerate(accelerator._dataloaders):
+        if getattr(loader, "use_stateful_dataloader", False):
+            continue
+        try:
+            per_epoch = len(loader)
+        except TypeError:
+            continue
+        if per_epoch and count % per_epoch:
+            logger.info(
+                "coci: resumed after %d optimizer steps, %d batches into an epoch of data "
+                "loader %d, which is not stateful: skip them with "
+                "accelerator.skip_first_batches(dataloader, %d) (or use "
+                "DataLoaderConfiguration(use_stateful_dataloader=True))",
+                count,
+                count % per_epoch,
+                i,
+                count % per_epoch,
+            )
 
 
 def _tensorboard_sink(accelerator: Accelerator, own_dir: Path) -> TensorBoardTelemetry:
