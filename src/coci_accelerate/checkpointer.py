@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import sys
 import time
 import uuid
 import warnings
@@ -41,7 +42,8 @@ class CociCheckpointer:
         dirpath: where checkpoints go; default ``<project_dir>/coci``.
         policy, objective, mtbf_s, keep_last, compression, every_n_steps, every_n_seconds,
         block, planner_options: as for ``coci_lightning.CociCheckpoint``.
-        loss_key: the logged value ``CociTracker`` passes to the planner as the loss.
+        save_on_close: ``close()`` saves the final state (like Lightning's
+            ``save_on_train_end``); False: only the planned saves.
     """
 
     def __init__(
@@ -59,6 +61,7 @@ class CociCheckpointer:
         every_n_seconds: float | None = None,
         block: bool = False,
         planner_options: dict[str, Any] | None = None,
+        save_on_close: bool = True,
     ) -> None:
         if not isinstance(accelerator, Accelerator):
             raise ConfigError(
@@ -75,6 +78,9 @@ class CociCheckpointer:
             every_n_seconds=every_n_seconds,
             planner_options=planner_options,
         )
+        if not isinstance(save_on_close, bool):
+            raise ConfigError(f"'save_on_close' must be a bool: {save_on_close!r}")
+        self.save_on_close = save_on_close
         self.accelerator = accelerator
         root = Path(accelerator.project_dir) if accelerator.project_dir else Path.cwd()
         self.dirpath = Path(dirpath) if dirpath is not None else root / "coci"
@@ -190,9 +196,29 @@ class CociCheckpointer:
         """Block until pending saves are durable (re-raises background errors)."""
         self.checkpointer.wait()
 
-    def close(self) -> None:
-        """Wait for pending saves and stop the writer."""
-        self.checkpointer.close()
+    def close(self, *, save: bool | None = None) -> None:
+        """Save the final state (unless ``save_on_close=False`` or ``save=False``), wait for
+        pending saves and stop the writer; call it on every process.
+
+        The final save is skipped when no optimizer step completed since the last save, and
+        while an exception propagates (``close()`` in a ``finally``: another process may be
+        gone, the step may be half done); ``save=True`` forces it then.
+        """
+        try:
+            forced = save is True
+            wanted = self.save_on_close if save is None else save
+            if wanted and self._count > 0 and self._count != self._saved:
+                if forced or sys.exc_info()[1] is None:
+                    self.save()
+                else:
+                    logger.info(
+                        "coci: an exception is propagating: no final save at step %d (the "
+                        "newest checkpoint stays step %s); ckpt.close(save=True) forces it",
+                        self._count,
+                        self._saved,
+                    )
+        finally:
+            self.checkpointer.close()
 
     def resume(self) -> int:
         """Restore the newest committed checkpoint, if any, into everything Accelerate

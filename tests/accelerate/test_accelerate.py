@@ -206,10 +206,10 @@ def test_tracker_losses_reach_the_planner_and_the_panel(tmp_path: Path) -> None:
     records = read_jsonl(tmp_path / "coci" / "telemetry.jsonl")
     losses = {r["step"]: r["loss"] for r in records if r["type"] == "loss"}
     assert losses[8] == pytest.approx(1 / 8)
-    assert [r["step"] for r in records if r["type"] == "save"] == [10, 20]
+    assert [r["step"] for r in records if r["type"] == "save"] == [10, 20, 25]  # 25: close()
     acc = EventAccumulator(str(tmp_path / "coci" / "tensorboard"), size_guidance={"scalars": 0})
     acc.Reload()
-    assert [e.step for e in acc.Scalars("coci/save/committed_step")] == [10, 20]
+    assert [e.step for e in acc.Scalars("coci/save/committed_step")] == [10, 20, 25]
 
 
 def test_save_state_carries_the_planner_state(tmp_path: Path) -> None:
@@ -299,7 +299,7 @@ def test_panel_goes_through_accelerates_tensorboard_tracker(tmp_path: Path) -> N
     accelerator.end_training()
     acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0})
     acc.Reload()
-    assert [e.step for e in acc.Scalars("coci/save/committed_step")] == [4, 8]
+    assert [e.step for e in acc.Scalars("coci/save/committed_step")] == [4, 8, 9]
     assert "loss" in acc.Tags()["scalars"]
 
 
