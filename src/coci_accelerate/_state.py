@@ -117,7 +117,14 @@ def _own(accelerator: Accelerator, state: dict[str, Any]) -> dict[str, Any] | No
     return own if isinstance(own, dict) else None
 
 
-def _check_fits(accelerator: Accelerator, state: dict[str, Any]) -> None:
+def run_save_hooks(accelerator: Accelerator, state: dict[str, Any], output_dir: str) -> None:
+    """The hooks of ``register_save_state_pre_hook``, as ``save_state`` runs them: they may
+    change or remove entries of the model state dicts to save (``state["models"]``)."""
+    for hook in accelerator._save_model_state_pre_hook.values():
+        hook(list(accelerator._models), state["models"], output_dir)
+
+
+def _check_fits(accelerator: Accelerator, state: dict[str, Any], models: list[Any]) -> None:
     acc = accelerator
     if state.get("layout") != LAYOUT:
         raise CheckpointError(
@@ -125,7 +132,7 @@ def _check_fits(accelerator: Accelerator, state: dict[str, Any]) -> None:
             f"expected {LAYOUT!r}): point CociCheckpointer at its own directory"
         )
     counts = {
-        "models": len(acc._models),
+        "models": len(models),
         "optimizers": len(acc._optimizers),
         "schedulers": len(acc._schedulers),
         "dataloaders": len(acc._dataloaders),
@@ -156,11 +163,19 @@ def _check_fits(accelerator: Accelerator, state: dict[str, Any]) -> None:
         )
 
 
-def apply(accelerator: Accelerator, state: dict[str, Any], *, skip: object) -> None:
-    """Put a collected state back into the prepared and registered objects (every process)."""
+def apply(
+    accelerator: Accelerator, state: dict[str, Any], *, skip: object, input_dir: str = ""
+) -> None:
+    """Put a collected state back into the prepared and registered objects (every process).
+
+    First the hooks of ``register_load_state_pre_hook`` run, as in ``load_state``: the models
+    they remove from the list they are given are not loaded from the checkpoint."""
     acc = accelerator
-    _check_fits(acc, state)
-    for model, model_state in zip(acc._models, state["models"], strict=True):
+    models = list(acc._models)
+    for hook in acc._load_model_state_pre_hook.values():
+        hook(models, input_dir)
+    _check_fits(acc, state, models)
+    for model, model_state in zip(models, state["models"], strict=True):
         model.load_state_dict(model_state)
     for opt, opt_state in zip(acc._optimizers, state["optimizers"], strict=True):
         opt.load_state_dict(opt_state)

@@ -186,6 +186,7 @@ class CociCheckpointer:
                 f"steps completed, {count} here; call ckpt.save() with no argument"
             )
         state = _state.collect(self.accelerator, count, standins=self._standins)
+        _state.run_save_hooks(self.accelerator, state, str(self.dirpath))
         state["coci"] = self.checkpointer.state_dict()
         own = _state.collect_own(self.accelerator, skip=self)
         handle = self.checkpointer.save(count, state, per_rank={_state.PROCESS_KEY: own})
@@ -232,7 +233,7 @@ class CociCheckpointer:
         except NoCheckpointError:
             logger.info("coci: no committed checkpoint in %s; starting fresh", self.dirpath)
             return 0
-        _state.apply(self.accelerator, state, skip=self)
+        _state.apply(self.accelerator, state, skip=self, input_dir=str(self.dirpath))
         self.checkpointer.load_state_dict(state.get("coci", {}))
         self._last_step_end = None
         count = _state.completed_steps(state)
