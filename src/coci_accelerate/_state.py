@@ -53,6 +53,12 @@ def own_loader_generators(accelerator: Accelerator) -> None:
             base.generator = torch.Generator().manual_seed(int(torch.initial_seed()) % 2**63)
 
 
+def _iterated(loader: Any) -> list[Any]:
+    """The loaders being iterated over now (Accelerate's gradient state)."""
+    state = getattr(loader, "gradient_state", None)
+    return list(getattr(state, "dataloader_references", []) or [])
+
+
 def _loader_state(loader: Any, standin: Any = None) -> dict[str, Any]:
     base = getattr(loader, "base_dataloader", loader)
     generator = getattr(base, "generator", None)
@@ -60,9 +66,11 @@ def _loader_state(loader: Any, standin: Any = None) -> dict[str, Any]:
         loader = standin
     if getattr(loader, "end_of_dataloader", False):
         # Saved on an epoch's last batch: resume at the start of the next epoch (an exhausted
-        # loader state would end the epoch without counting it, replaying its order).
+        # loader state would end the epoch without counting it, replaying its order). Once
+        # the loop over it has ended (a save after the epoch), ``iteration`` already counts it.
+        iterating = any(ref is loader for ref in _iterated(loader))
         return {
-            "iteration": int(getattr(loader, "iteration", 0)) + 1,
+            "iteration": int(getattr(loader, "iteration", 0)) + (1 if iterating else 0),
             "state": None,
             "generator": generator.get_state() if generator is not None else None,
         }
