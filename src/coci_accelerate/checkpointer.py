@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import sys
 import time
 import uuid
@@ -44,6 +45,9 @@ class CociCheckpointer:
         block, planner_options: as for ``coci_lightning.CociCheckpoint``.
         save_on_close: ``close()`` saves the final state (like Lightning's
             ``save_on_train_end``); False: only the planned saves.
+        total_steps: the optimizer steps the whole run takes, for the planner's horizon; or
+        num_epochs: the run's epochs (then ``total_steps`` is the first prepared loader's
+            length, in optimizer steps, times ``num_epochs``). Neither: a rolling horizon.
     """
 
     def __init__(
@@ -62,11 +66,16 @@ class CociCheckpointer:
         block: bool = False,
         planner_options: dict[str, Any] | None = None,
         save_on_close: bool = True,
+        total_steps: int | None = None,
+        num_epochs: int | None = None,
     ) -> None:
         if not isinstance(accelerator, Accelerator):
             raise ConfigError(
                 f"'accelerator' must be an Accelerator, got {type(accelerator).__name__}"
             )
+        planner_options, self._total_source = _total_steps(
+            accelerator, total_steps, num_epochs, policy, planner_options
+        )
         options = adapter_planner_options(
             policy=policy,
             objective=objective,
@@ -124,6 +133,7 @@ class CociCheckpointer:
         self._observed: int | None = None  # the count at the last step() that observed
         self._saved: int | None = None  # the count at the last save
         self._standins: dict[int, Any] = {}
+        self._announced = False
         self._install_skip_tracking()
         self._hook_optimizers()
         _state.own_loader_generators(accelerator)
@@ -155,6 +165,8 @@ class CociCheckpointer:
         if count == 0 or count == self._observed:
             return None  # no optimizer step since the last call (accumulating gradients)
         self._observed = count
+        announce = not self._announced
+        self._announced = True
         now = time.perf_counter()
         step_time = None if self._last_step_end is None else now - self._last_step_end
         if loss is None and self._tracker is not None:
@@ -163,10 +175,55 @@ class CociCheckpointer:
                 loss = self._tracker.pop_loss(count - 1)
         self.checkpointer.observe(count, loss=loss, step_time_s=step_time)
         handle = None
+        if announce and self.accelerator.is_main_process:
+            self._announce_plan()
         if self.checkpointer.should_save(count):
             handle = self.save()
         self._last_step_end = time.perf_counter()
         return handle
+
+    def _announce_plan(self) -> None:
+        """One log line at the first step: what coci plans and how to change it."""
+        planner = self.checkpointer.planner
+        report = planner.report(with_overhead=False)
+        every = planner.every_n_steps
+        if report.next_steps:
+            first = f"first planned save at step {report.next_steps[0]}"
+        elif report.policy == "every_n_steps" and every is not None:
+            first = f"first planned save at step {(report.step // every + 1) * every}"
+        else:
+            first = "first save planned once a few step times are measured"
+        if report.interval_steps is not None:
+            interval = f"every {report.interval_steps} steps"
+        elif report.policy == "every_n_steps" and every is not None:
+            interval = f"every {every} steps"
+        elif report.policy == "every_n_seconds":
+            interval = f"every {planner.every_n_seconds} s"
+        else:
+            interval = "interval from the measured costs" + (
+                f", at most {every} steps" if every is not None else ""
+            )
+        mtbf_source = {
+            "user": "given as mtbf_s",
+            "estimated": "estimated from this run's restarts",
+            "default": "coci's default, refined from restarts",
+        }.get(report.mtbf_source, report.mtbf_source)
+        total = (
+            f"{planner.total_steps} total steps ({self._total_source})"
+            if planner.total_steps is not None
+            else "total steps unknown (rolling horizon; pass total_steps= or num_epochs=)"
+        )
+        logger.info(
+            "coci: plan at step %d: policy %s, %s; %s, %s; MTBF %.0f s assumed (%s); "
+            "change with CociCheckpointer(..., mtbf_s=, every_n_steps=, policy=, total_steps=)",
+            report.step,
+            report.policy,
+            total,
+            first,
+            interval,
+            report.mtbf_s if report.mtbf_s is not None else float("nan"),
+            mtbf_source,
+        )
 
     @property
     def completed_steps(self) -> int:
@@ -319,6 +376,43 @@ class CociCheckpointer:
             return skipped
 
         acc.skip_first_batches = skip_first_batches
+
+
+def _total_steps(
+    accelerator: Accelerator,
+    total_steps: int | None,
+    num_epochs: int | None,
+    policy: str,
+    planner_options: dict[str, Any] | None,
+) -> tuple[dict[str, Any], str]:
+    """The planner options with ``total_steps`` (and the epoch policy's ``steps_per_epoch``),
+    and where the total comes from."""
+    options = dict(planner_options or {})
+    for name, value in (("total_steps", total_steps), ("num_epochs", num_epochs)):
+        if value is not None and (type(value) is not int or value < 1):
+            raise ConfigError(f"'{name}' must be an integer >= 1 or None: {value!r}")
+    if total_steps is not None and num_epochs is not None:
+        raise ConfigError("give 'total_steps' or 'num_epochs', not both")
+    per_epoch = None
+    for loader in accelerator._dataloaders:
+        with contextlib.suppress(TypeError):
+            per_epoch = math.ceil(len(loader) / accelerator.gradient_accumulation_steps)
+            break
+    source = "given as planner_options['total_steps']"
+    if total_steps is not None:
+        options["total_steps"] = total_steps
+        source = "given as total_steps"
+    elif num_epochs is not None:
+        if per_epoch is None:
+            raise ConfigError(
+                "'num_epochs' needs a prepared data loader with a length: make the "
+                "CociCheckpointer after accelerator.prepare(..., dataloader), or pass total_steps"
+            )
+        options["total_steps"] = per_epoch * num_epochs
+        source = f"len(dataloader) {per_epoch} x num_epochs {num_epochs}"
+    if policy == "epoch" and per_epoch is not None:
+        options.setdefault("steps_per_epoch", per_epoch)
+    return options, source
 
 
 def _count_steps(opt: Any, counted: Any) -> None:
