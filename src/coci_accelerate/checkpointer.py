@@ -304,12 +304,20 @@ class CociCheckpointer:
     # -- Accelerate's register_for_checkpointing ------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """The planner's state, for ``accelerator.save_state``."""
-        return self.checkpointer.state_dict()
+        """The planner's state and the optimizer steps completed, for
+        ``accelerator.save_state``."""
+        return {**self.checkpointer.state_dict(), "completed_steps": self._count}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the planner's state, from ``accelerator.load_state``."""
+        """Restore the planner's state and the optimizer steps completed, from
+        ``accelerator.load_state``."""
         self.checkpointer.load_state_dict(state_dict)
+        if "completed_steps" in state_dict:
+            self._hook_optimizers()
+            count = int(state_dict["completed_steps"])
+            self._count = count
+            self._opt_counts = dict.fromkeys(self._opt_counts, count)
+            self._observed = self._saved = count
 
     # -- internals ------------------------------------------------------------------------
 

@@ -231,6 +231,33 @@ def test_save_state_carries_the_planner_state(tmp_path: Path) -> None:
     other.close()
 
 
+def test_load_state_carries_the_step_count(tmp_path: Path) -> None:
+    """After accelerator.load_state, coci's count of optimizer steps is the saved one, so the
+    loop's restored overall_step is accepted by ckpt.step(overall_step)."""
+    accelerator = _accelerator(tmp_path)
+    model, optimizer = _prepared(accelerator)
+    ckpt = CociCheckpointer(accelerator, save_on_close=False)
+    for _ in range(3):
+        accelerator.backward(model(torch.ones(1, 4)).sum())
+        optimizer.step()
+        optimizer.zero_grad()
+        ckpt.step()
+    accelerator.save_state(str(tmp_path / "state"))
+    ckpt.close()
+    AcceleratorState._reset_state(True)
+    accelerator = _accelerator(tmp_path / "other")
+    model, optimizer = _prepared(accelerator)
+    other = CociCheckpointer(accelerator, save_on_close=False)
+    try:
+        accelerator.load_state(str(tmp_path / "state"))
+        assert other.completed_steps == 3
+        accelerator.backward(model(torch.ones(1, 4)).sum())
+        optimizer.step()
+        other.step(4)
+    finally:
+        other.close()
+
+
 def test_step_before_prepare_is_refused(tmp_path: Path) -> None:
     """ckpt.step() before accelerator.prepare() says what to do."""
     ckpt = CociCheckpointer(_accelerator(tmp_path))
