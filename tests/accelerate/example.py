@@ -6,6 +6,9 @@ skipped with ``accelerator.skip_first_batches``; a seedable sampler, no stateful
 from __future__ import annotations
 
 import hashlib
+import json
+import sys
+import threading
 from typing import Any
 
 import torch
@@ -45,6 +48,7 @@ def train_like_example(
     *,
     epochs: int = 3,
     kill_at: int | None = None,
+    on_kill: Any = None,
     every_n_steps: int = 4,
     explicit: bool = True,
     resume: bool = True,
@@ -52,7 +56,8 @@ def train_like_example(
     **ckpt_options: Any,
 ) -> dict[str, Any]:
     """Train; ``explicit``: ``ckpt.step(overall_step)``, else ``ckpt.step()``; ``resume``:
-    call ``ckpt.resume()`` first (else start at 0). Raises ``Stop`` after step ``kill_at``."""
+    call ``ckpt.resume()`` first (else start at 0). After step ``kill_at``: ``on_kill()``, or
+    raise ``Stop``."""
     set_seed(7)
     accelerator = Accelerator(
         cpu=True,
@@ -100,7 +105,29 @@ def train_like_example(
                 else:
                     ckpt.step(loss=loss.item())
                 if overall_step == kill_at:
-                    raise Stop
+                    if on_kill is None:
+                        raise Stop
+                    on_kill()
     finally:
         ckpt.close()
     return {"digest": digest(accelerator.unwrap_model(model)), "seen": seen, "start": start}
+
+
+def _wait_for_kill(step: int) -> None:
+    print(f"AT {step}", flush=True)
+    threading.Event().wait()
+
+
+def main() -> None:
+    """``python -m tests.accelerate.example DIR EPOCHS [KILL]``: with KILL, prints ``AT KILL``
+    after that step and waits to be killed; at the end prints ``RESULT <json>``."""
+    directory, epochs = sys.argv[1], int(sys.argv[2])
+    kill = int(sys.argv[3]) if len(sys.argv) > 3 else None
+    result = train_like_example(
+        directory, epochs=epochs, kill_at=kill, on_kill=lambda: _wait_for_kill(kill or 0)
+    )
+    print("RESULT " + json.dumps({"rank": 0, **result}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -3,6 +3,7 @@ checkpointing example; a script written that way resumes bit-identical."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from accelerate.utils import DataLoaderConfiguration
 from coci_accelerate import CociCheckpointer
 from coci_core import CheckpointManager, ConfigError
 from tests.accelerate.example import BATCH, STEPS_PER_EPOCH, Stop, train_like_example
+from tests.accelerate.test_accelerate import _kill_and_resume
 
 
 def _fresh() -> None:
@@ -73,3 +75,17 @@ def test_a_step_of_another_convention_is_refused_at_once(tmp_path: Path) -> None
         assert ckpt.completed_steps == 1
     finally:
         ckpt.close()
+
+
+@pytest.mark.slow
+@pytest.mark.faults
+def test_example_shaped_script_survives_sigkill(tmp_path: Path) -> None:
+    """The same script as a process, SIGKILLed after step 17 (its save at 16 may still be
+    in flight): a new process resumes from the newest committed step and ends bit-identical."""
+    command = [sys.executable, "-m", "tests.accelerate.example"]
+    reference = train_like_example(str(tmp_path / "ref"))
+    steps, resumed = _kill_and_resume(command, tmp_path / "run", 3, 17)
+    assert steps[-1] in (12, 16)
+    assert resumed[0]["start"] == steps[-1]
+    assert resumed[0]["seen"] == reference["seen"][steps[-1] * BATCH :]
+    assert resumed[0]["digest"] == reference["digest"]
