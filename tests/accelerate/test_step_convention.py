@@ -3,6 +3,7 @@ checkpointing example; a script written that way resumes bit-identical."""
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 
@@ -22,10 +23,12 @@ def _fresh() -> None:
     AcceleratorState._reset_state(True)
 
 
-def test_example_shaped_loop_resumes_bit_identical(tmp_path: Path) -> None:
+def test_example_shaped_loop_resumes_bit_identical(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """Killed at step 17 (5 batches into epoch 2), resumed in a fresh Accelerator: resume()
-    returns 16, the checkpoint's label, the loop skips 4 batches and ends bit-identical,
-    each sample of the later epochs in the uninterrupted order."""
+    returns 16, the checkpoint's label, says to skip 4 batches; the loop skips them and ends
+    bit-identical, each sample of the later epochs in the uninterrupted order."""
     reference = train_like_example(str(tmp_path / "ref"))
     _fresh()
     with pytest.raises(Stop):
@@ -33,7 +36,9 @@ def test_example_shaped_loop_resumes_bit_identical(tmp_path: Path) -> None:
     with CheckpointManager(tmp_path / "run" / "coci", keep_last=None) as mgr:
         assert mgr.steps() == [4, 8, 12, 16]
     _fresh()
-    resumed = train_like_example(str(tmp_path / "run"))
+    with caplog.at_level(logging.INFO, logger="coci_accelerate"):
+        resumed = train_like_example(str(tmp_path / "run"))
+    assert "accelerator.skip_first_batches(dataloader, 4)" in caplog.text
     assert resumed["start"] == 16
     assert resumed["seen"] == reference["seen"][16 * BATCH :]
     assert resumed["digest"] == reference["digest"]
