@@ -189,9 +189,7 @@ class CociCheckpointer:
         every = planner.every_n_steps
         if report.next_steps:
             first = f"first planned save at step {report.next_steps[0]}"
-        elif report.policy == "every_n_steps" and every is not None:
-            first = f"first planned save at step {(report.step // every + 1) * every}"
-        else:
+        else:  # the planner plans once it has measured step times, even for a fixed interval
             first = "first save planned once a few step times are measured"
         if report.interval_steps is not None:
             interval = f"every {report.interval_steps} steps"

@@ -94,3 +94,31 @@ def test_example_shaped_script_survives_sigkill(tmp_path: Path) -> None:
     assert resumed[0]["start"] == steps[-1]
     assert resumed[0]["seen"] == reference["seen"][steps[-1] * BATCH :]
     assert resumed[0]["digest"] == reference["digest"]
+
+
+def test_gradient_accumulation_counts_optimizer_updates(tmp_path: Path) -> None:
+    """With gradient_accumulation_steps=2 and ckpt.step() after every batch, the count is
+    the updates made (half the batches); saves are labelled with it and land on updates."""
+    accelerator = Accelerator(
+        cpu=True,
+        project_dir=str(tmp_path),
+        gradient_accumulation_steps=2,
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+    )
+    model = torch.nn.Linear(2, 1)
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    ckpt = CociCheckpointer(
+        accelerator, policy="every_n_steps", every_n_steps=4, save_on_close=False
+    )
+    try:
+        for _ in range(16):
+            with accelerator.accumulate(model):
+                accelerator.backward(model(torch.ones(1, 2)).sum())
+                optimizer.step()
+                optimizer.zero_grad()
+            ckpt.step()
+        assert ckpt.completed_steps == 8
+    finally:
+        ckpt.close()
+    with CheckpointManager(tmp_path / "coci", keep_last=None) as mgr:
+        assert mgr.steps() == [4, 8]
