@@ -53,14 +53,24 @@ def own_loader_generators(accelerator: Accelerator) -> None:
             base.generator = torch.Generator().manual_seed(int(torch.initial_seed()) % 2**63)
 
 
-def _loader_state(loader: Any) -> dict[str, Any]:
+def _iterated(loader: Any) -> list[Any]:
+    """The loaders being iterated over now (Accelerate's gradient state)."""
+    state = getattr(loader, "gradient_state", None)
+    return list(getattr(state, "dataloader_references", []) or [])
+
+
+def _loader_state(loader: Any, standin: Any = None) -> dict[str, Any]:
     base = getattr(loader, "base_dataloader", loader)
     generator = getattr(base, "generator", None)
+    if standin is not None:  # skip_first_batches made it to run the rest of loader's epoch
+        loader = standin
     if getattr(loader, "end_of_dataloader", False):
         # Saved on an epoch's last batch: resume at the start of the next epoch (an exhausted
-        # loader state would end the epoch without counting it, replaying its order).
+        # loader state would end the epoch without counting it, replaying its order). Once
+        # the loop over it has ended (a save after the epoch), ``iteration`` already counts it.
+        iterating = any(ref is loader for ref in _iterated(loader))
         return {
-            "iteration": int(getattr(loader, "iteration", 0)) + 1,
+            "iteration": int(getattr(loader, "iteration", 0)) + (1 if iterating else 0),
             "state": None,
             "generator": generator.get_state() if generator is not None else None,
         }
@@ -77,18 +87,32 @@ def collect_own(accelerator: Accelerator, *, skip: object) -> dict[str, Any]:
     return {"rng": _rng_state(), "custom": custom}
 
 
-def collect(accelerator: Accelerator, step: int) -> dict[str, Any]:
-    """Everything ``save_state`` would save that is the same on every process."""
+def completed_steps(state: dict[str, Any]) -> int:
+    """The optimizer steps completed when ``state`` was saved (before this was recorded, the
+    label was the 0-based index of the last step taken)."""
+    if "completed_steps" in state:
+        return int(state["completed_steps"])
+    return int(state["step"]) + 1
+
+
+def collect(
+    accelerator: Accelerator, step: int, *, standins: dict[int, Any] | None = None
+) -> dict[str, Any]:
+    """Everything ``save_state`` would save that is the same on every process; ``step`` is
+    the number of optimizer steps completed; ``standins``: by ``id`` of a prepared loader, the
+    ``skip_first_batches`` loader running the rest of its epoch."""
     acc = accelerator
+    standins = standins or {}
     return {
         "layout": LAYOUT,
         "num_processes": acc.num_processes,
         "step": step,
+        "completed_steps": step,
         "accelerate_step": acc.step,
         "models": [acc.get_state_dict(m, unwrap=False) for m in acc._models],
         "optimizers": [opt.state_dict() for opt in acc._optimizers],
         "schedulers": [s.state_dict() for s in acc._schedulers],
-        "dataloaders": [_loader_state(dl) for dl in acc._dataloaders],
+        "dataloaders": [_loader_state(dl, standins.get(id(dl))) for dl in acc._dataloaders],
         "scaler": acc.scaler.state_dict() if acc.scaler is not None else None,
     }
 
@@ -101,7 +125,14 @@ def _own(accelerator: Accelerator, state: dict[str, Any]) -> dict[str, Any] | No
     return own if isinstance(own, dict) else None
 
 
-def _check_fits(accelerator: Accelerator, state: dict[str, Any]) -> None:
+def run_save_hooks(accelerator: Accelerator, state: dict[str, Any], output_dir: str) -> None:
+    """The hooks of ``register_save_state_pre_hook``, as ``save_state`` runs them: they may
+    change or remove entries of the model state dicts to save (``state["models"]``)."""
+    for hook in accelerator._save_model_state_pre_hook.values():
+        hook(list(accelerator._models), state["models"], output_dir)
+
+
+def _check_fits(accelerator: Accelerator, state: dict[str, Any], models: list[Any]) -> None:
     acc = accelerator
     if state.get("layout") != LAYOUT:
         raise CheckpointError(
@@ -109,7 +140,7 @@ def _check_fits(accelerator: Accelerator, state: dict[str, Any]) -> None:
             f"expected {LAYOUT!r}): point CociCheckpointer at its own directory"
         )
     counts = {
-        "models": len(acc._models),
+        "models": len(models),
         "optimizers": len(acc._optimizers),
         "schedulers": len(acc._schedulers),
         "dataloaders": len(acc._dataloaders),
@@ -140,11 +171,19 @@ def _check_fits(accelerator: Accelerator, state: dict[str, Any]) -> None:
         )
 
 
-def apply(accelerator: Accelerator, state: dict[str, Any], *, skip: object) -> None:
-    """Put a collected state back into the prepared and registered objects (every process)."""
+def apply(
+    accelerator: Accelerator, state: dict[str, Any], *, skip: object, input_dir: str = ""
+) -> None:
+    """Put a collected state back into the prepared and registered objects (every process).
+
+    First the hooks of ``register_load_state_pre_hook`` run, as in ``load_state``: the models
+    they remove from the list they are given are not loaded from the checkpoint."""
     acc = accelerator
-    _check_fits(acc, state)
-    for model, model_state in zip(acc._models, state["models"], strict=True):
+    models = list(acc._models)
+    for hook in acc._load_model_state_pre_hook.values():
+        hook(models, input_dir)
+    _check_fits(acc, state, models)
+    for model, model_state in zip(models, state["models"], strict=True):
         model.load_state_dict(model_state)
     for opt, opt_state in zip(acc._optimizers, state["optimizers"], strict=True):
         opt.load_state_dict(opt_state)

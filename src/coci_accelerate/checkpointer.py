@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import math
+import sys
 import time
 import uuid
 import warnings
@@ -40,7 +43,11 @@ class CociCheckpointer:
         dirpath: where checkpoints go; default ``<project_dir>/coci``.
         policy, objective, mtbf_s, keep_last, compression, every_n_steps, every_n_seconds,
         block, planner_options: as for ``coci_lightning.CociCheckpoint``.
-        loss_key: the logged value ``CociTracker`` passes to the planner as the loss.
+        save_on_close: ``close()`` saves the final state (like Lightning's
+            ``save_on_train_end``); False: only the planned saves.
+        total_steps: the optimizer steps the whole run takes, for the planner's horizon; or
+        num_epochs: the run's epochs (then ``total_steps`` is the first prepared loader's
+            length, in optimizer steps, times ``num_epochs``). Neither: a rolling horizon.
     """
 
     def __init__(
@@ -58,11 +65,17 @@ class CociCheckpointer:
         every_n_seconds: float | None = None,
         block: bool = False,
         planner_options: dict[str, Any] | None = None,
+        save_on_close: bool = True,
+        total_steps: int | None = None,
+        num_epochs: int | None = None,
     ) -> None:
         if not isinstance(accelerator, Accelerator):
             raise ConfigError(
                 f"'accelerator' must be an Accelerator, got {type(accelerator).__name__}"
             )
+        planner_options, self._total_source = _total_steps(
+            accelerator, total_steps, num_epochs, policy, planner_options
+        )
         options = adapter_planner_options(
             policy=policy,
             objective=objective,
@@ -74,6 +87,9 @@ class CociCheckpointer:
             every_n_seconds=every_n_seconds,
             planner_options=planner_options,
         )
+        if not isinstance(save_on_close, bool):
+            raise ConfigError(f"'save_on_close' must be a bool: {save_on_close!r}")
+        self.save_on_close = save_on_close
         self.accelerator = accelerator
         root = Path(accelerator.project_dir) if accelerator.project_dir else Path.cwd()
         self.dirpath = Path(dirpath) if dirpath is not None else root / "coci"
@@ -100,83 +116,206 @@ class CociCheckpointer:
         )
         self._tracker = _find_tracker(accelerator)
         config = accelerator.dataloader_config
-        if not (config.use_seedable_sampler and getattr(config, "use_stateful_dataloader", False)):
+        if not config.use_seedable_sampler:
             warnings.warn(
                 "coci: a run resumed mid-epoch sees each remaining sample exactly once only with "
-                "Accelerator(dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, "
-                "use_stateful_dataloader=True)) (the stateful loader needs torchdata); with this "
-                "configuration the resumed epoch may repeat or skip samples",
+                "Accelerator(dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))"
+                " and either use_stateful_dataloader=True (needs torchdata) or "
+                "accelerator.skip_first_batches(dataloader, ckpt.resume() % len(dataloader)); "
+                "with this configuration the resumed epoch may repeat or skip samples",
                 UserWarning,
                 stacklevel=2,
             )
         self._last_step_end: float | None = None
         self._hooked: set[int] = set()
+        self._opt_counts: dict[int, int] = {}
+        self._count = 0  # optimizer steps completed
+        self._observed: int | None = None  # the count at the last step() that observed
+        self._saved: int | None = None  # the count at the last save
+        self._standins: dict[int, Any] = {}
+        self._announced = False
+        self._install_skip_tracking()
+        self._hook_optimizers()
+        _state.own_loader_generators(accelerator)
         accelerator.register_for_checkpointing(self)
 
     # -- the training loop ----------------------------------------------------------------
 
-    def step(self, step: int, *, loss: float | None = None) -> SaveHandle | None:
-        """Call once per training step, after ``optimizer.step()``; saves when the plan says so.
+    def step(self, step: int | None = None, *, loss: float | None = None) -> SaveHandle | None:
+        """Call once per batch, after ``optimizer.step()``; saves when the plan says so.
 
-        ``loss`` is only needed without a ``CociTracker`` in ``log_with``.
+        coci counts the optimizer steps itself (a checkpoint is labelled with the number of
+        optimizer steps completed when it was taken, as ``overall_step`` in Accelerate's
+        checkpointing example), so ``step`` is optional; when given it must be that count, else
+        ``ConfigError``. A call after which no optimizer step completed (gradient accumulation)
+        does nothing. ``loss`` is only needed without a ``CociTracker`` in ``log_with``.
         Returns the save's handle on the process that writes, else None.
         """
         self._check_prepared()
-        if not self._hooked:  # first step of this process
+        if self._hook_optimizers(late=True):
             _state.own_loader_generators(self.accelerator)
-            self._hook_optimizers()
+        count = self._count
+        if step is not None and (type(step) is not int or step != count):
+            raise ConfigError(
+                f"ckpt.step({step!r}): coci labels a step with the number of optimizer steps "
+                f"completed so far, {count} here: count overall_step += 1 after "
+                "optimizer.step() (as Accelerate's checkpointing example does) and pass that, "
+                "or call ckpt.step() with no argument; ckpt.resume() returns that count"
+            )
+        if count == 0 or count == self._observed:
+            return None  # no optimizer step since the last call (accumulating gradients)
+        self._observed = count
+        announce = not self._announced
+        self._announced = True
         now = time.perf_counter()
         step_time = None if self._last_step_end is None else now - self._last_step_end
         if loss is None and self._tracker is not None:
-            loss = self._tracker.pop_loss(step)
-        self.checkpointer.observe(step, loss=loss, step_time_s=step_time)
+            loss = self._tracker.pop_loss(count)
+            if loss is None:  # logged with the 0-based index of the step just taken
+                loss = self._tracker.pop_loss(count - 1)
+        self.checkpointer.observe(count, loss=loss, step_time_s=step_time)
         handle = None
-        if self.checkpointer.should_save(step):
-            handle = self.save(step)
+        if announce and self.accelerator.is_main_process:
+            self._announce_plan()
+        if self.checkpointer.should_save(count):
+            handle = self.save()
         self._last_step_end = time.perf_counter()
         return handle
 
-    def save(self, step: int) -> SaveHandle:
-        """Save now; call it on every process at the same step: each writes its share of the
-        state and its own random states and registered objects (no collective)."""
+    def _announce_plan(self) -> None:
+        """One log line at the first step: what coci plans and how to change it."""
+        planner = self.checkpointer.planner
+        report = planner.report(with_overhead=False)
+        every = planner.every_n_steps
+        if report.next_steps:
+            first = f"first planned save at step {report.next_steps[0]}"
+        else:  # the planner plans once it has measured step times, even for a fixed interval
+            first = "first save planned once a few step times are measured"
+        if report.interval_steps is not None:
+            interval = f"every {report.interval_steps} steps"
+        elif report.policy == "every_n_steps" and every is not None:
+            interval = f"every {every} steps"
+        elif report.policy == "every_n_seconds":
+            interval = f"every {planner.every_n_seconds} s"
+        else:
+            interval = "interval from the measured costs" + (
+                f", at most {every} steps" if every is not None else ""
+            )
+        mtbf_source = {
+            "user": "given as mtbf_s",
+            "estimated": "estimated from this run's restarts",
+            "default": "coci's default, refined from restarts",
+        }.get(report.mtbf_source, report.mtbf_source)
+        total = (
+            f"{planner.total_steps} total steps ({self._total_source})"
+            if planner.total_steps is not None
+            else "total steps unknown (rolling horizon; pass total_steps= or num_epochs=)"
+        )
+        logger.info(
+            "coci: plan at step %d: policy %s, %s; %s, %s; MTBF %.0f s assumed (%s); "
+            "change with CociCheckpointer(..., mtbf_s=, every_n_steps=, policy=, total_steps=)",
+            report.step,
+            report.policy,
+            total,
+            first,
+            interval,
+            report.mtbf_s if report.mtbf_s is not None else float("nan"),
+            mtbf_source,
+        )
+
+    @property
+    def completed_steps(self) -> int:
+        """Optimizer steps completed (restored by ``resume()``): the label of the next save."""
+        return self._count
+
+    def save(self, step: int | None = None) -> SaveHandle:
+        """Save now, labelled with the optimizer steps completed; call it on every process at
+        the same step: each writes its share of the state and its own random states and
+        registered objects (no collective). ``step``, if given, must be that count."""
         self._check_prepared()
-        state = _state.collect(self.accelerator, step)
+        self._hook_optimizers()
+        count = self._count
+        if step is not None and (type(step) is not int or step != count):
+            raise ConfigError(
+                f"ckpt.save({step!r}): coci labels a checkpoint with the number of optimizer "
+                f"steps completed, {count} here; call ckpt.save() with no argument"
+            )
+        state = _state.collect(self.accelerator, count, standins=self._standins)
+        _state.run_save_hooks(self.accelerator, state, str(self.dirpath))
         state["coci"] = self.checkpointer.state_dict()
         own = _state.collect_own(self.accelerator, skip=self)
-        return self.checkpointer.save(step, state, per_rank={_state.PROCESS_KEY: own})
+        handle = self.checkpointer.save(count, state, per_rank={_state.PROCESS_KEY: own})
+        self._saved = count
+        return handle
 
     def wait(self) -> None:
         """Block until pending saves are durable (re-raises background errors)."""
         self.checkpointer.wait()
 
-    def close(self) -> None:
-        """Wait for pending saves and stop the writer."""
-        self.checkpointer.close()
+    def close(self, *, save: bool | None = None) -> None:
+        """Save the final state (unless ``save_on_close=False`` or ``save=False``), wait for
+        pending saves and stop the writer; call it on every process.
+
+        The final save is skipped when no optimizer step completed since the last save, and
+        while an exception propagates (``close()`` in a ``finally``: another process may be
+        gone, the step may be half done); ``save=True`` forces it then.
+        """
+        try:
+            forced = save is True
+            wanted = self.save_on_close if save is None else save
+            if wanted and self._count > 0 and self._count != self._saved:
+                if forced or sys.exc_info()[1] is None:
+                    self.save()
+                else:
+                    logger.info(
+                        "coci: an exception is propagating: no final save at step %d (the "
+                        "newest checkpoint stays step %s); ckpt.close(save=True) forces it",
+                        self._count,
+                        self._saved,
+                    )
+        finally:
+            self.checkpointer.close()
 
     def resume(self) -> int:
         """Restore the newest committed checkpoint, if any, into everything Accelerate
-        prepared and registered; returns the step to continue from (0 when starting fresh)."""
+        prepared and registered; returns the number of optimizer steps it had completed (0
+        when starting fresh): the batches of the run already trained on, to skip."""
         self._check_prepared()
+        self._hook_optimizers()
         _state.own_loader_generators(self.accelerator)
         try:
             state = self.checkpointer.restore()
         except NoCheckpointError:
             logger.info("coci: no committed checkpoint in %s; starting fresh", self.dirpath)
             return 0
-        _state.apply(self.accelerator, state, skip=self)
+        _state.apply(self.accelerator, state, skip=self, input_dir=str(self.dirpath))
         self.checkpointer.load_state_dict(state.get("coci", {}))
         self._last_step_end = None
-        return int(state["step"]) + 1
+        count = _state.completed_steps(state)
+        self._count = count
+        self._opt_counts = dict.fromkeys(self._opt_counts, count)
+        self._observed = self._saved = count
+        if self.accelerator.is_main_process:
+            _log_skip_advice(self.accelerator, count)
+        return count
 
     # -- Accelerate's register_for_checkpointing ------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """The planner's state, for ``accelerator.save_state``."""
-        return self.checkpointer.state_dict()
+        """The planner's state and the optimizer steps completed, for
+        ``accelerator.save_state``."""
+        return {**self.checkpointer.state_dict(), "completed_steps": self._count}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the planner's state, from ``accelerator.load_state``."""
+        """Restore the planner's state and the optimizer steps completed, from
+        ``accelerator.load_state``."""
         self.checkpointer.load_state_dict(state_dict)
+        if "completed_steps" in state_dict:
+            self._hook_optimizers()
+            count = int(state_dict["completed_steps"])
+            self._count = count
+            self._opt_counts = dict.fromkeys(self._opt_counts, count)
+            self._observed = self._saved = count
 
     # -- internals ------------------------------------------------------------------------
 
@@ -188,13 +327,133 @@ class CociCheckpointer:
                 "optimizer, ...) before ckpt.step() or ckpt.resume()"
             )
 
-    def _hook_optimizers(self) -> None:
-        # The snapshot may overlap the next forward/backward: wait for it before any update.
+    def _hook_optimizers(self, *, late: bool = False) -> bool:
+        """Count every prepared optimizer's steps; True if one was not counted yet.
+
+        ``late``: from ``step()``, after an optimizer step nobody counted (the checkpointer
+        was made before ``accelerator.prepare``): count that one step."""
+        new = False
         for opt in self.accelerator._optimizers:
+            if id(opt) in self._hooked:
+                continue
+            self._hooked.add(id(opt))
+            new = True
             inner = getattr(opt, "optimizer", opt)
-            if id(inner) not in self._hooked:
-                inner.register_step_pre_hook(lambda *_: self.checkpointer.before_update())
-                self._hooked.add(id(inner))
+            # The snapshot may overlap the next forward/backward: wait for it before any update.
+            inner.register_step_pre_hook(lambda *_: self.checkpointer.before_update())
+            self._opt_counts[id(opt)] = self._count + (1 if late else 0)
+            _count_steps(opt, functools.partial(self._counted, id(opt)))
+        if new:
+            self._count = max(self._opt_counts.values(), default=0)
+        return new
+
+    def _counted(self, key: int) -> None:
+        # An update (or an fp16 update the scaler skipped: the batch is consumed either way).
+        self._opt_counts[key] += 1
+        self._count = max(self._opt_counts.values())
+
+    def _install_skip_tracking(self) -> None:
+        """``accelerator.skip_first_batches(loader, n)`` makes a new loader that runs the rest
+        of ``loader``'s current epoch in its place; coci saves its position for ``loader`` and
+        moves ``loader`` to the next epoch when it ends (else the next epoch replays this one)."""
+        acc = self.accelerator
+        original = acc.skip_first_batches
+        standins = self._standins
+
+        def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
+            skipped = original(dataloader, num_batches)
+            if not any(dataloader is dl for dl in acc._dataloaders) or not hasattr(
+                skipped, "iteration"
+            ):
+                return skipped
+            standin: Any = skipped
+            loader: Any = dataloader
+            standins[id(loader)] = standin
+            end = standin.end
+
+            def end_of_epoch() -> None:
+                iteration = standin.iteration  # the next epoch's
+                if standins.get(id(loader)) is standin:
+                    loader.iteration = iteration
+                    del standins[id(loader)]
+                end()
+
+            standin.end = end_of_epoch
+            return skipped
+
+        acc.skip_first_batches = skip_first_batches
+
+
+def _total_steps(
+    accelerator: Accelerator,
+    total_steps: int | None,
+    num_epochs: int | None,
+    policy: str,
+    planner_options: dict[str, Any] | None,
+) -> tuple[dict[str, Any], str]:
+    """The planner options with ``total_steps`` (and the epoch policy's ``steps_per_epoch``),
+    and where the total comes from."""
+    options = dict(planner_options or {})
+    for name, value in (("total_steps", total_steps), ("num_epochs", num_epochs)):
+        if value is not None and (type(value) is not int or value < 1):
+            raise ConfigError(f"'{name}' must be an integer >= 1 or None: {value!r}")
+    if total_steps is not None and num_epochs is not None:
+        raise ConfigError("give 'total_steps' or 'num_epochs', not both")
+    per_epoch = None
+    for loader in accelerator._dataloaders:
+        with contextlib.suppress(TypeError):
+            per_epoch = math.ceil(len(loader) / accelerator.gradient_accumulation_steps)
+            break
+    source = "given as planner_options['total_steps']"
+    if total_steps is not None:
+        options["total_steps"] = total_steps
+        source = "given as total_steps"
+    elif num_epochs is not None:
+        if per_epoch is None:
+            raise ConfigError(
+                "'num_epochs' needs a prepared data loader with a length: make the "
+                "CociCheckpointer after accelerator.prepare(..., dataloader), or pass total_steps"
+            )
+        options["total_steps"] = per_epoch * num_epochs
+        source = f"len(dataloader) {per_epoch} x num_epochs {num_epochs}"
+    if policy == "epoch" and per_epoch is not None:
+        options.setdefault("steps_per_epoch", per_epoch)
+    return options, source
+
+
+def _count_steps(opt: Any, counted: Any) -> None:
+    """Call ``counted`` after each ``opt.step()`` that updates (not accumulation steps)."""
+    original = opt.step
+    state = getattr(opt, "gradient_state", None)
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        if state is None or state.sync_gradients:
+            counted()
+        return result
+
+    opt.step = step
+
+
+def _log_skip_advice(accelerator: Accelerator, count: int) -> None:
+    for i, loader in enumerate(accelerator._dataloaders):
+        if getattr(loader, "use_stateful_dataloader", False):
+            continue
+        try:
+            per_epoch = len(loader)
+        except TypeError:
+            continue
+        if per_epoch and count % per_epoch:
+            logger.info(
+                "coci: resumed after %d optimizer steps, %d batches into an epoch of data "
+                "loader %d, which is not stateful: skip them with "
+                "accelerator.skip_first_batches(dataloader, %d) (or use "
+                "DataLoaderConfiguration(use_stateful_dataloader=True))",
+                count,
+                count % per_epoch,
+                i,
+                count % per_epoch,
+            )
 
 
 def _tensorboard_sink(accelerator: Accelerator, own_dir: Path) -> TensorBoardTelemetry:

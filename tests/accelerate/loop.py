@@ -63,7 +63,7 @@ def train(
         model, optimizer, dataloader, scheduler
     )
     ckpt = CociCheckpointer(accelerator, policy="every_n_steps", every_n_steps=every_n_steps)
-    start_step = ckpt.resume()
+    start_step = ckpt.resume()  # optimizer steps completed: the label of the checkpoint
     seen: list[int] = []
     step = start_step
     try:
@@ -76,11 +76,11 @@ def train(
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()
+                step += 1
                 accelerator.log({"loss": loss.item()}, step=step)
                 ckpt.step(step)
                 if kill_at is not None and step == kill_at:
                     on_kill(accelerator)
-                step += 1
                 if step >= total_steps:
                     break
     finally:

@@ -91,15 +91,15 @@ def _stop(accelerator: Accelerator) -> None:
 
 
 def test_in_process_resume_is_bit_exact(tmp_path: Path) -> None:
-    """A loop stopped at step 43 and resumed (from 35, in epoch 2) ends bit-identical and
-    trains on exactly the samples the uninterrupted loop did after step 35."""
+    """A loop stopped after step 43 and resumed (from 40, in epoch 2) ends bit-identical and
+    trains on exactly the samples the uninterrupted loop did after step 40."""
     reference = train(str(tmp_path / "ref"), 70)
     AcceleratorState._reset_state(True)
     with pytest.raises(_Stop):
         train(str(tmp_path / "run"), 70, kill_at=43, on_kill=_stop)
     AcceleratorState._reset_state(True)
     resumed = train(str(tmp_path / "run"), 70)
-    assert resumed["start"] in (36, 41)  # step 40's persist may not be durable yet
+    assert resumed["start"] == 40  # close() waits until the save at 40 is durable
     assert resumed["digest"] == reference["digest"]
     assert resumed["seen"] == reference["seen"][resumed["start"] * BATCH :]
 
@@ -120,7 +120,7 @@ def test_sigkill_mid_epoch_single_process(tmp_path: Path) -> None:
     )[0]
     steps, resumed = _kill_and_resume(command, tmp_path / "run", 70, 45)
     assert steps[-1] in (35, 40)
-    start = steps[-1] + 1
+    start = steps[-1]  # the number of optimizer steps completed
     assert resumed[0]["start"] == start
     assert resumed[0]["digest"] == expected["digest"]
     assert resumed[0]["seen"] == expected["seen"][start * BATCH :]
@@ -163,7 +163,7 @@ def test_sigkill_two_processes(tmp_path: Path) -> None:
     assert [f.name for f in manifest.files] == ["data-r0.bin", "data-r1.bin"]
     assert all(f.nbytes > 0 for f in manifest.files)
     assert len(manifest.per_rank) == 2 and all(r.tree for r in manifest.per_rank)
-    start = steps[-1] + 1
+    start = steps[-1]
     for rank in (0, 1):
         assert resumed[rank]["digest"] == expected[rank]["digest"]
         # 2 processes: each takes half of every global batch of 2 x 16
@@ -200,16 +200,16 @@ def test_tracker_losses_reach_the_planner_and_the_panel(tmp_path: Path) -> None:
         accelerator.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
-        accelerator.log({"loss": 1.0 / (step + 1)}, step=step)
-        ckpt.step(step)
+        accelerator.log({"loss": 1.0 / (step + 1)}, step=step + 1)
+        ckpt.step(step + 1)
     ckpt.close()
     records = read_jsonl(tmp_path / "coci" / "telemetry.jsonl")
     losses = {r["step"]: r["loss"] for r in records if r["type"] == "loss"}
-    assert losses[7] == pytest.approx(1 / 8)
-    assert [r["step"] for r in records if r["type"] == "save"] == [10, 20]
+    assert losses[8] == pytest.approx(1 / 8)
+    assert [r["step"] for r in records if r["type"] == "save"] == [10, 20, 25]  # 25: close()
     acc = EventAccumulator(str(tmp_path / "coci" / "tensorboard"), size_guidance={"scalars": 0})
     acc.Reload()
-    assert [e.step for e in acc.Scalars("coci/save/committed_step")] == [10, 20]
+    assert [e.step for e in acc.Scalars("coci/save/committed_step")] == [10, 20, 25]
 
 
 def test_save_state_carries_the_planner_state(tmp_path: Path) -> None:
@@ -229,6 +229,33 @@ def test_save_state_carries_the_planner_state(tmp_path: Path) -> None:
     accelerator.load_state(str(tmp_path / "state"))
     assert other.checkpointer.planner.state_dict() == saved
     other.close()
+
+
+def test_load_state_carries_the_step_count(tmp_path: Path) -> None:
+    """After accelerator.load_state, coci's count of optimizer steps is the saved one, so the
+    loop's restored overall_step is accepted by ckpt.step(overall_step)."""
+    accelerator = _accelerator(tmp_path)
+    model, optimizer = _prepared(accelerator)
+    ckpt = CociCheckpointer(accelerator, save_on_close=False)
+    for _ in range(3):
+        accelerator.backward(model(torch.ones(1, 4)).sum())
+        optimizer.step()
+        optimizer.zero_grad()
+        ckpt.step()
+    accelerator.save_state(str(tmp_path / "state"))
+    ckpt.close()
+    AcceleratorState._reset_state(True)
+    accelerator = _accelerator(tmp_path / "other")
+    model, optimizer = _prepared(accelerator)
+    other = CociCheckpointer(accelerator, save_on_close=False)
+    try:
+        accelerator.load_state(str(tmp_path / "state"))
+        assert other.completed_steps == 3
+        accelerator.backward(model(torch.ones(1, 4)).sum())
+        optimizer.step()
+        other.step(4)
+    finally:
+        other.close()
 
 
 def test_step_before_prepare_is_refused(tmp_path: Path) -> None:
@@ -287,28 +314,31 @@ def test_panel_goes_through_accelerates_tensorboard_tracker(tmp_path: Path) -> N
     """With log_with=["tensorboard"], the coci series land in Accelerate's own event file."""
     accelerator = _accelerator(tmp_path, log_with=["tensorboard", CociTracker()])
     accelerator.init_trackers("tb")
-    _prepared(accelerator)
+    model, optimizer = _prepared(accelerator)
     ckpt = CociCheckpointer(accelerator, policy="every_n_steps", every_n_steps=4)
-    for step in range(9):
+    for step in range(1, 10):
+        accelerator.backward(model(torch.ones(1, 4)).sum())
+        optimizer.step()
+        optimizer.zero_grad()
         accelerator.log({"loss": 1.0}, step=step)
         ckpt.step(step)
     ckpt.close()
     accelerator.end_training()
     acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0})
     acc.Reload()
-    assert [e.step for e in acc.Scalars("coci/save/committed_step")] == [4, 8]
+    assert [e.step for e in acc.Scalars("coci/save/committed_step")] == [4, 8, 9]
     assert "loss" in acc.Tags()["scalars"]
 
 
 def test_resume_from_an_epochs_last_batch_is_bit_exact(tmp_path: Path) -> None:
-    """A checkpoint taken on the last batch of an epoch (step 31 of 32) resumes at the next
+    """A checkpoint taken on the last batch of an epoch (step 32 of 32) resumes at the next
     epoch's start, not into a replay of the finished epoch's order."""
-    reference = train(str(tmp_path / "ref"), 70, every_n_steps=31)
+    reference = train(str(tmp_path / "ref"), 70, every_n_steps=32)
     AcceleratorState._reset_state(True)
     with pytest.raises(_Stop):
-        train(str(tmp_path / "run"), 70, kill_at=40, on_kill=_stop, every_n_steps=31)
+        train(str(tmp_path / "run"), 70, kill_at=40, on_kill=_stop, every_n_steps=32)
     AcceleratorState._reset_state(True)
-    resumed = train(str(tmp_path / "run"), 70, every_n_steps=31)
+    resumed = train(str(tmp_path / "run"), 70, every_n_steps=32)
     assert resumed["start"] == 32
     assert resumed["digest"] == reference["digest"]
     assert resumed["seen"] == reference["seen"][32 * BATCH :]

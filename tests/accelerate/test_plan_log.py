@@ -1,0 +1,75 @@
+"""Issue 15, item 5: one main-process log line at the first step tells the user the plan."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration
+from torch.utils.data import DataLoader
+
+from coci_accelerate import CociCheckpointer
+from coci_core import ConfigError
+from tests.accelerate.example import dataset
+
+
+def _plan_lines(tmp_path: Path, caplog: pytest.LogCaptureFixture, **options: Any) -> list[str]:
+    accelerator = Accelerator(
+        cpu=True,
+        project_dir=str(tmp_path),
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+    )
+    model = torch.nn.Linear(8, 3)
+    model, optimizer, loader = accelerator.prepare(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        DataLoader(dataset(), batch_size=8, shuffle=True),  # 12 batches
+    )
+    ckpt = CociCheckpointer(accelerator, save_on_close=False, **options)
+    with caplog.at_level(logging.INFO, logger="coci_accelerate"):
+        try:
+            for step, (x, y, _) in enumerate(loader):
+                accelerator.backward(torch.nn.functional.cross_entropy(model(x), y))
+                optimizer.step()
+                optimizer.zero_grad()
+                ckpt.step(loss=1.0)
+                if step == 5:
+                    break
+        finally:
+            ckpt.close()
+    return [r.getMessage() for r in caplog.records if "coci: plan" in r.getMessage()]
+
+
+def test_plan_from_the_loaders_length(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """num_epochs=3 with 12 batches an epoch: 36 steps; one line, at step 1, with the first
+    save, the interval, the MTBF assumed, its source and how to change it."""
+    (line,) = _plan_lines(tmp_path, caplog, policy="every_n_steps", every_n_steps=4, num_epochs=3)
+    assert "plan at step 1" in line
+    assert "36 total steps (len(dataloader) 12 x num_epochs 3)" in line
+    assert "first save planned once a few step times are measured, every 4 steps" in line
+    assert "MTBF 86400 s assumed (coci's default" in line
+    assert "mtbf_s=" in line
+
+
+def test_plan_with_given_total_and_mtbf(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """total_steps and mtbf_s given: the line says so."""
+    (line,) = _plan_lines(tmp_path, caplog, total_steps=100, mtbf_s=3600.0)
+    assert "100 total steps (given as total_steps)" in line
+    assert "MTBF 3600 s assumed (given as mtbf_s)" in line
+
+
+def test_num_epochs_needs_a_prepared_loader(tmp_path: Path) -> None:
+    """num_epochs before the loader is prepared, or with total_steps, is refused."""
+    accelerator = Accelerator(
+        cpu=True,
+        project_dir=str(tmp_path),
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+    )
+    with pytest.raises(ConfigError, match="'num_epochs' needs a prepared data loader"):
+        CociCheckpointer(accelerator, num_epochs=2)
+    with pytest.raises(ConfigError, match="not both"):
+        CociCheckpointer(accelerator, num_epochs=2, total_steps=10)

@@ -1,0 +1,124 @@
+"""Issue 15, item 1: the step is the number of optimizer steps completed, as in Accelerate's
+checkpointing example; a script written that way resumes bit-identical."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState
+from accelerate.utils import DataLoaderConfiguration
+
+from coci_accelerate import CociCheckpointer
+from coci_core import CheckpointManager, ConfigError
+from tests.accelerate.example import BATCH, STEPS_PER_EPOCH, Stop, train_like_example
+from tests.accelerate.test_accelerate import _kill_and_resume
+
+
+def _fresh() -> None:
+    AcceleratorState._reset_state(True)
+
+
+def test_example_shaped_loop_resumes_bit_identical(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Killed at step 17 (5 batches into epoch 2), resumed in a fresh Accelerator: resume()
+    returns 16, the checkpoint's label, says to skip 4 batches; the loop skips them and ends
+    bit-identical, each sample of the later epochs in the uninterrupted order."""
+    reference = train_like_example(str(tmp_path / "ref"))
+    _fresh()
+    with pytest.raises(Stop):
+        train_like_example(str(tmp_path / "run"), kill_at=17)
+    with CheckpointManager(tmp_path / "run" / "coci", keep_last=None) as mgr:
+        assert mgr.steps() == [4, 8, 12, 16]
+    _fresh()
+    with caplog.at_level(logging.INFO, logger="coci_accelerate"):
+        resumed = train_like_example(str(tmp_path / "run"))
+    assert "accelerator.skip_first_batches(dataloader, 4)" in caplog.text
+    assert resumed["start"] == 16
+    assert resumed["seen"] == reference["seen"][16 * BATCH :]
+    assert resumed["digest"] == reference["digest"]
+
+
+def test_chained_resumes_with_implicit_step(tmp_path: Path) -> None:
+    """ckpt.step() with no argument; killed at 17 and again at 27, after a save on the last
+    batch of the epoch that skip_first_batches ran: still bit-identical."""
+    reference = train_like_example(str(tmp_path / "ref"), epochs=4, explicit=False)
+    run = str(tmp_path / "run")
+    for kill in (17, 27):
+        _fresh()
+        with pytest.raises(Stop):
+            train_like_example(run, epochs=4, explicit=False, kill_at=kill, every_n_steps=8)
+    _fresh()
+    resumed = train_like_example(run, epochs=4, explicit=False, every_n_steps=8)
+    assert resumed["start"] == 2 * STEPS_PER_EPOCH
+    assert resumed["seen"] == reference["seen"][2 * STEPS_PER_EPOCH * BATCH :]
+    assert resumed["digest"] == reference["digest"]
+
+
+def test_a_step_of_another_convention_is_refused_at_once(tmp_path: Path) -> None:
+    """ckpt.step(n) with n not the count of optimizer steps completed (the 0-based index of
+    the step just taken, say) raises ConfigError at the first call, naming the convention."""
+    accelerator = Accelerator(
+        cpu=True,
+        project_dir=str(tmp_path),
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+    )
+    model = torch.nn.Linear(2, 1)
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    ckpt = CociCheckpointer(accelerator)
+    try:
+        accelerator.backward(model(torch.ones(1, 2)).sum())
+        optimizer.step()
+        with pytest.raises(ConfigError, match=r"optimizer steps completed so far, 1 here"):
+            ckpt.step(0)
+        assert ckpt.step(1) is None
+        assert ckpt.completed_steps == 1
+    finally:
+        ckpt.close()
+
+
+@pytest.mark.slow
+@pytest.mark.faults
+def test_example_shaped_script_survives_sigkill(tmp_path: Path) -> None:
+    """The same script as a process, SIGKILLed after step 17 (its save at 16 may still be
+    in flight): a new process resumes from the newest committed step and ends bit-identical."""
+    command = [sys.executable, "-m", "tests.accelerate.example"]
+    reference = train_like_example(str(tmp_path / "ref"))
+    steps, resumed = _kill_and_resume(command, tmp_path / "run", 3, 17)
+    assert steps[-1] in (12, 16)
+    assert resumed[0]["start"] == steps[-1]
+    assert resumed[0]["seen"] == reference["seen"][steps[-1] * BATCH :]
+    assert resumed[0]["digest"] == reference["digest"]
+
+
+def test_gradient_accumulation_counts_optimizer_updates(tmp_path: Path) -> None:
+    """With gradient_accumulation_steps=2 and ckpt.step() after every batch, the count is
+    the updates made (half the batches); saves are labelled with it and land on updates."""
+    accelerator = Accelerator(
+        cpu=True,
+        project_dir=str(tmp_path),
+        gradient_accumulation_steps=2,
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+    )
+    model = torch.nn.Linear(2, 1)
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    ckpt = CociCheckpointer(
+        accelerator, policy="every_n_steps", every_n_steps=4, save_on_close=False
+    )
+    try:
+        for _ in range(16):
+            with accelerator.accumulate(model):
+                accelerator.backward(model(torch.ones(1, 2)).sum())
+                optimizer.step()
+                optimizer.zero_grad()
+            ckpt.step()
+        assert ckpt.completed_steps == 8
+    finally:
+        ckpt.close()
+    with CheckpointManager(tmp_path / "coci", keep_last=None) as mgr:
+        assert mgr.steps() == [4, 8]
