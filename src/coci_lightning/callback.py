@@ -10,7 +10,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
@@ -23,6 +22,7 @@ from coci_core.manifest import step_dir_name
 from coci_core.restore import committed_steps
 from coci_core.storage import open_storage
 from coci_lightning._resume import CociCheckpointIO, coci_step_of, install_last_resolution
+from coci_lightning._rng import collect_plain_rng_states, set_plain_rng_states
 from coci_lightning._telemetry import LoggerRelay, make_sinks
 
 __all__ = ["CociCheckpoint"]
@@ -190,7 +190,7 @@ class CociCheckpoint(Checkpoint):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if self._pending_rng is not None:  # after a resume: continue the saved random streams
-            _set_rng_states(self._rng_for_rank(trainer, self._pending_rng))
+            set_plain_rng_states(self._rng_for_rank(trainer, self._pending_rng))
             self._pending_rng = None
         if self._last_end is None:
             self._last_end = time.perf_counter()
@@ -253,7 +253,7 @@ class CociCheckpoint(Checkpoint):
             trainer.global_step,
             state,
             block=block,
-            per_rank={RANK_STATE_KEY: {"rng": _collect_rng_states()}},
+            per_rank={RANK_STATE_KEY: {"rng": collect_plain_rng_states()}},
             alone=alone,
         )
 
@@ -302,7 +302,7 @@ class CociCheckpoint(Checkpoint):
     def state_dict(self) -> dict[str, Any]:
         # In coci's own saves the random states are per-rank state (written by each rank);
         # in a Lightning checkpoint made by anything else, they are this rank's.
-        state: dict[str, Any] = {"rng": _collect_rng_states()} if self._rng_in_state else {}
+        state: dict[str, Any] = {"rng": collect_plain_rng_states()} if self._rng_in_state else {}
         if self.checkpointer is not None:
             state.update(self.checkpointer.state_dict())
         return state

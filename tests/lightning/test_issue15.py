@@ -1,0 +1,75 @@
+"""Issue 15: a normal Lightning script (ModelCheckpoint, other entry points, ddp_spawn)
+keeps working with CociCheckpoint attached."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from coci_lightning import CociCheckpoint
+from tests.lightning.models import DigitsModel, digest
+
+
+def _trainer(root: Path, max_steps: int, callbacks: list[pl.Callback], **kwargs: Any) -> pl.Trainer:
+    options: dict[str, Any] = {
+        "accelerator": "cpu",
+        "max_steps": max_steps,
+        "logger": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "default_root_dir": root,
+        "callbacks": callbacks,
+        "log_every_n_steps": 1,
+    }
+    options.update(kwargs)
+    return pl.Trainer(**options)
+
+
+@pytest.mark.filterwarnings("ignore:Checkpoint directory .* exists and is not empty")
+def test_model_checkpoint_files_load_with_weights_only(tmp_path: Path) -> None:
+    """The .ckpt files that ModelCheckpoint and trainer.save_checkpoint write next to
+    CociCheckpoint load with torch.load (weights_only=True), load_from_checkpoint and
+    fit(ckpt_path=...), and the RNG state in them still resumes the random streams."""
+    pl.seed_everything(1, verbose=False)
+    model = DigitsModel()
+    mc = ModelCheckpoint(dirpath=tmp_path / "mc", every_n_train_steps=4, save_top_k=-1)
+    trainer = _trainer(tmp_path, 8, [CociCheckpoint(save_on_train_end=False), mc])
+    trainer.fit(model)
+    trainer.save_checkpoint(tmp_path / "manual.ckpt")
+    paths = [*sorted((tmp_path / "mc").glob("*.ckpt")), tmp_path / "manual.ckpt"]
+    assert len(paths) == 3
+    for path in paths:
+        loaded = torch.load(path)  # weights_only=True is torch's default
+        assert "rng" in loaded["callbacks"]["CociCheckpoint"]
+        restored = DigitsModel.load_from_checkpoint(path)
+        assert digest(restored) == digest(model) or path != paths[-1]
+    resumed = DigitsModel()
+    mc2 = ModelCheckpoint(dirpath=tmp_path / "mc", every_n_train_steps=4, save_top_k=-1)
+    _trainer(tmp_path, 10, [CociCheckpoint(save_on_train_end=False), mc2]).fit(
+        resumed, ckpt_path=paths[0]
+    )
+    assert len(resumed.seen) == 6 * 16  # resumed from step 4 of the ModelCheckpoint file
+
+
+def test_plain_rng_states_round_trip() -> None:
+    """The callback's random states are plain values and put every stream back."""
+    import random
+
+    import numpy as np
+
+    from coci_lightning._rng import collect_plain_rng_states, set_plain_rng_states
+
+    states = collect_plain_rng_states()
+    expected = (torch.rand(3), np.random.rand(3), random.random())
+    torch.save(states, buffer := __import__("io").BytesIO())
+    buffer.seek(0)
+    set_plain_rng_states(torch.load(buffer))  # weights_only=True
+    assert torch.equal(torch.rand(3), expected[0])
+    assert np.array_equal(np.random.rand(3), expected[1])
+    assert random.random() == expected[2]
+
