@@ -44,6 +44,16 @@ class LoggerRelay:
         self._events: collections.deque[SaveEvent] = collections.deque()
         self._lock = threading.Lock()
 
+    def __getstate__(self) -> dict[str, Any]:
+        # A lock neither pickles nor deep-copies (Lightning deep-copies callbacks, and
+        # strategy="ddp_spawn" pickles them): the copy gets its own lock and the pending events.
+        with self._lock:
+            return {"events": list(self._events)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._events = collections.deque(state.get("events", ()))
+        self._lock = threading.Lock()
+
     def __call__(self, event: Event) -> None:
         if isinstance(event, SaveEvent) and event.outcome == "committed":
             with self._lock:

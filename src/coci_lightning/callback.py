@@ -111,6 +111,19 @@ class CociCheckpoint(Checkpoint):
         self._relay = LoggerRelay()
         install_last_resolution()
 
+    def __getstate__(self) -> dict[str, Any]:
+        # The live Checkpointer (an open directory lease, a writer thread) belongs to this
+        # process's run: a copy (copy.deepcopy, pickle for strategy="ddp_spawn") gets none and
+        # opens its own in ``setup``. Its planner estimates travel as ``_planner_state``.
+        state = self.__dict__.copy()
+        if self.checkpointer is not None:
+            state["_planner_state"] = self.checkpointer.state_dict()
+        state["checkpointer"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
     @property
     @override
     def state_key(self) -> str:

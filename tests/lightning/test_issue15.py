@@ -3,6 +3,8 @@ keeps working with CociCheckpoint attached."""
 
 from __future__ import annotations
 
+import copy
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +13,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from coci_core import CheckpointManager
 from coci_lightning import CociCheckpoint
 from tests.lightning.models import DigitsModel, digest
 
@@ -73,3 +76,72 @@ def test_plain_rng_states_round_trip() -> None:
     assert np.array_equal(np.random.rand(3), expected[1])
     assert random.random() == expected[2]
 
+
+def _configured() -> CociCheckpoint:
+    return CociCheckpoint(
+        "runs/x",
+        policy="every_n_steps",
+        every_n_steps=2,
+        keep_last=2,
+        compression="lossless",
+        monitor="train_loss",
+    )
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_callback_copies_and_pickles(tmp_path: Path, how: str) -> None:
+    """A configured callback deep-copies and pickles (Lightning deep-copies callbacks;
+    strategy="ddp_spawn" pickles them) into one with the same settings that trains and saves."""
+    callback = _configured()
+    callback._relay(_committed_event())  # a pending telemetry event goes along
+    copied = copy.deepcopy(callback) if how == "deepcopy" else pickle.loads(pickle.dumps(callback))
+    assert copied is not callback
+    for name in ("dirpath", "policy", "keep_last", "compression", "monitor", "planner_options"):
+        assert getattr(copied, name) == getattr(callback, name)
+    assert len(copied._relay._events) == 1
+    copied.dirpath = tmp_path / "coci"
+    pl.seed_everything(1, verbose=False)
+    _trainer(tmp_path, 8, [copied]).fit(DigitsModel())
+    with CheckpointManager(tmp_path / "coci") as mgr:
+        assert mgr.steps()[-1] == 8 and len(mgr.steps()) <= 3  # keep_last=2 (+ a delta base)
+
+
+def test_callback_with_a_live_checkpointer_copies(tmp_path: Path) -> None:
+    """A copy taken during fit does not share (or try to copy) the live writer; it keeps the
+    planner's estimates."""
+    callback = CociCheckpoint(policy="every_n_steps", every_n_steps=2)
+    copies: list[CociCheckpoint] = []
+
+    class _Copy(pl.Callback):
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            if trainer.global_step == 3:
+                copies.append(copy.deepcopy(callback))
+                copies.append(pickle.loads(pickle.dumps(callback)))
+
+    pl.seed_everything(1, verbose=False)
+    _trainer(tmp_path, 6, [callback, _Copy()]).fit(DigitsModel())
+    assert len(copies) == 2
+    for copied in copies:
+        assert copied.checkpointer is None
+        assert copied._planner_state is not None and "planner" in copied._planner_state
+    with CheckpointManager(tmp_path / "coci") as mgr:
+        assert mgr.steps()[-1] == 6
+
+
+def _committed_event() -> Any:
+    from coci_core.telemetry import SaveEvent
+
+    return SaveEvent(step=2, outcome="committed")
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_ddp_spawn_fit(tmp_path: Path) -> None:
+    """strategy="ddp_spawn" (which pickles the callbacks into 2 CPU processes) trains and saves."""
+    pl.seed_everything(1, verbose=False)
+    callback = CociCheckpoint(policy="every_n_steps", every_n_steps=2, block=True)
+    trainer = _trainer(tmp_path, 4, [callback], devices=2, strategy="ddp_spawn")
+    trainer.fit(DigitsModel(batch_size=8, distributed=True))
+    with CheckpointManager(tmp_path / "coci") as mgr:
+        assert mgr.steps()[-1] == 4
+        assert mgr.restore()["global_step"] == 4
