@@ -108,6 +108,7 @@ class CociCheckpoint(Checkpoint):
         self._fallback_for: str | None = None
         self._rng_in_state = True
         self._deferred = False
+        self._start_step: int | None = None  # global_step at on_train_start (None: not started)
         self._relay = LoggerRelay()
         install_last_resolution()
 
@@ -179,6 +180,7 @@ class CociCheckpoint(Checkpoint):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._start_step = trainer.global_step
         loaders = trainer.fit_loop._combined_loader
         for loader in loaders.flattened if loaders is not None else []:
             if not hasattr(loader, "state_dict"):
@@ -296,7 +298,11 @@ class CociCheckpoint(Checkpoint):
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        if self.save_on_exception and trainer.state.fn == "fit":
+        # Nothing trained in this run (the sanity check failed, or training failed before its
+        # first optimizer step): there is nothing new to save, and a step-0 save would be what
+        # "last" resumes from next time.
+        trained = self._start_step is not None and trainer.global_step > self._start_step
+        if self.save_on_exception and trainer.state.fn == "fit" and trained:
             # Another rank may not be here (the exception may be this rank's own): rank 0
             # saves by itself instead of waiting for the others' shares.
             try:
@@ -310,6 +316,7 @@ class CociCheckpoint(Checkpoint):
         if self.checkpointer is not None:
             self.checkpointer.close()
             self.checkpointer = None
+        self._start_step = None
 
     @override
     def state_dict(self) -> dict[str, Any]:

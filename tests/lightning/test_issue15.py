@@ -14,8 +14,10 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from coci_core import CheckpointManager
+from coci_core.restore import committed_steps
+from coci_core.storage import open_storage
 from coci_lightning import CociCheckpoint
-from tests.lightning.models import DigitsModel, digest
+from tests.lightning.models import DigitsModel, IndexedDigits, digest
 
 
 def _trainer(root: Path, max_steps: int, callbacks: list[pl.Callback], **kwargs: Any) -> pl.Trainer:
@@ -145,3 +147,34 @@ def test_ddp_spawn_fit(tmp_path: Path) -> None:
     with CheckpointManager(tmp_path / "coci") as mgr:
         assert mgr.steps()[-1] == 4
         assert mgr.restore()["global_step"] == 4
+
+
+class _BadValidation(DigitsModel):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        raise RuntimeError("validation is broken")
+
+    def val_dataloader(self) -> Any:
+        return torch.utils.data.DataLoader(IndexedDigits(32), batch_size=16)
+
+
+def test_failed_sanity_check_commits_nothing(tmp_path: Path) -> None:
+    """An exception in the sanity check (before any training) commits no checkpoint: there is
+    nothing to save, and a step-0 save would be what "last" resumes from next time."""
+    pl.seed_everything(1, verbose=False)
+    callback = CociCheckpoint(policy="every_n_steps", every_n_steps=2)
+    with pytest.raises(RuntimeError, match="validation is broken"):
+        _trainer(tmp_path, 4, [callback]).fit(_BadValidation())
+    assert callback.checkpointer is None  # closed
+    assert committed_steps(open_storage(str(tmp_path / "coci"))) == []
+
+
+def test_exception_after_training_started_still_saves(tmp_path: Path) -> None:
+    """The guard only skips saves with nothing trained: a failure in the first validation
+    after some steps still saves the step reached."""
+    pl.seed_everything(1, verbose=False)
+    callback = CociCheckpoint(policy="every_n_steps", every_n_steps=100)
+    with pytest.raises(RuntimeError, match="validation is broken"):
+        _trainer(tmp_path, 10, [callback], num_sanity_val_steps=0, val_check_interval=3).fit(
+            _BadValidation()
+        )
+    assert committed_steps(open_storage(str(tmp_path / "coci"))) == [3]
