@@ -110,6 +110,10 @@ class CociCheckpoint(Checkpoint):
         self._deferred = False
         self._start_step: int | None = None  # global_step at on_train_start (None: not started)
         self._relay = LoggerRelay()
+        # policy="every_n_steps": save exactly at the multiples of N of trainer.global_step
+        self._fixed_every: int | None = (
+            int(self.planner_options["every_n_steps"]) if policy == "every_n_steps" else None
+        )
         install_last_resolution()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -232,7 +236,13 @@ class CociCheckpoint(Checkpoint):
         now = time.perf_counter()
         step_time = None if self._last_end is None else now - self._last_end
         ckpt.observe(trainer.global_step, loss=self._loss(trainer, outputs), step_time_s=step_time)
-        if ckpt.should_save(trainer.global_step) or self._deferred:
+        planned = ckpt.should_save(trainer.global_step)  # every rank asks (shared decision)
+        if self._fixed_every is not None:
+            # A fixed interval is known before any measurement: exactly the multiples of N
+            # (the planner plans only after a few measured steps, and moves a multiple it
+            # has passed by then to the next step; nor does it plan the run's last step).
+            planned = trainer.global_step > 0 and trainer.global_step % self._fixed_every == 0
+        if planned or self._deferred:
             # Not on an epoch's last batch: Lightning's epoch-end work (epoch-interval LR
             # schedulers, epoch hooks) would not be redone on resume. The next step saves.
             self._deferred = bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)

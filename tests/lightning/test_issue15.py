@@ -178,3 +178,20 @@ def test_exception_after_training_started_still_saves(tmp_path: Path) -> None:
             _BadValidation()
         )
     assert committed_steps(open_storage(str(tmp_path / "coci"))) == [3]
+
+
+@pytest.mark.parametrize(("n", "expected"), [(3, [3, 6, 9, 12]), (2, [2, 4, 6, 8, 10, 12])])
+def test_every_n_steps_saves_exactly_at_multiples(
+    tmp_path: Path, n: int, expected: list[int]
+) -> None:
+    """policy="every_n_steps" saves after the optimizer steps that are multiples of N
+    (trainer.global_step), from the first one on: docs/planner.md, "every_n_steps: multiples
+    of N"."""
+    callback = CociCheckpoint(
+        policy="every_n_steps", every_n_steps=n, keep_last=None, save_on_train_end=False
+    )
+    pl.seed_everything(1, verbose=False)
+    _trainer(tmp_path, 12, [callback]).fit(DigitsModel())
+    with CheckpointManager(tmp_path / "coci", keep_last=None) as mgr:
+        assert mgr.steps() == expected
+        assert [mgr.restore(s)["global_step"] for s in expected] == expected
