@@ -21,7 +21,7 @@ from coci_core.group import RankGroup
 from coci_core.manifest import step_dir_name
 from coci_core.restore import committed_steps
 from coci_core.storage import open_storage
-from coci_lightning._resume import CociCheckpointIO, coci_step_of, install_last_resolution
+from coci_lightning._resume import coci_step_of, install_last_resolution, use_coci_io
 from coci_lightning._rng import collect_plain_rng_states, set_plain_rng_states
 from coci_lightning._telemetry import LoggerRelay, make_sinks
 
@@ -148,6 +148,11 @@ class CociCheckpoint(Checkpoint):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # Every entry point (fit, validate, test, predict) reads coci step directories.
+        io = use_coci_io(trainer)
+        io.on_restore = self._on_restore
+        io.fallback_for = self._fallback_for
+        io.rank = trainer.global_rank
         if stage != "fit":
             return
         options = dict(self.planner_options)
@@ -172,11 +177,6 @@ class CociCheckpoint(Checkpoint):
         )
         if self._planner_state is not None:
             self.checkpointer.load_state_dict(self._planner_state)
-        strategy = trainer.strategy
-        if not isinstance(strategy.checkpoint_io, CociCheckpointIO):
-            strategy.checkpoint_io = CociCheckpointIO(strategy.checkpoint_io, self._on_restore)
-        strategy.checkpoint_io.fallback_for = self._fallback_for
-        strategy.checkpoint_io.rank = trainer.global_rank
 
     def _on_restore(self, seconds: float) -> None:
         if self.checkpointer is not None:

@@ -14,6 +14,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from coci_core import CheckpointManager
+from coci_core.manifest import step_dir_name
 from coci_core.restore import committed_steps
 from coci_core.storage import open_storage
 from coci_lightning import CociCheckpoint
@@ -195,3 +196,80 @@ def test_every_n_steps_saves_exactly_at_multiples(
     with CheckpointManager(tmp_path / "coci", keep_last=None) as mgr:
         assert mgr.steps() == expected
         assert [mgr.restore(s)["global_step"] for s in expected] == expected
+
+
+class _EvalModel(DigitsModel):
+    """Also validates, tests and predicts on 32 unshuffled samples."""
+
+    def _loss(self, batch: Any) -> torch.Tensor:
+        x, y, _ = batch
+        return torch.nn.functional.cross_entropy(self.net(x), y)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self._loss(batch))
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("test_loss", self._loss(batch))
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.net(batch[0])
+
+    def _eval_loader(self) -> Any:
+        return torch.utils.data.DataLoader(IndexedDigits(32), batch_size=16)
+
+    val_dataloader = test_dataloader = predict_dataloader = _eval_loader
+
+
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """A 6-step run with coci saves at steps 3 and 6: (its directory, the final weights' digest)."""
+    root = tmp_path_factory.mktemp("fitted")
+    pl.seed_everything(1, verbose=False)
+    model = _EvalModel()
+    callback = CociCheckpoint(policy="every_n_steps", every_n_steps=3, keep_last=None)
+    _trainer(root, 6, [callback], limit_val_batches=0).fit(model)
+    with CheckpointManager(root / "coci", keep_last=None) as mgr:
+        assert mgr.steps() == [3, 6]
+    return root, digest(model)
+
+
+@pytest.mark.parametrize("entry", ["validate", "test", "predict"])
+@pytest.mark.parametrize("which", ["step_dir", "last", "step_dir_without_callback"])
+def test_evaluation_entry_points_read_coci_steps(
+    tmp_path: Path, fitted: tuple[Path, str], entry: str, which: str
+) -> None:
+    """validate/test/predict(ckpt_path=<coci step dir> or "last") on a fresh Trainer load the
+    coci checkpoint's weights (the step directory also without a CociCheckpoint attached)."""
+    root, final = fitted
+    pl.seed_everything(5, verbose=False)
+    model = _EvalModel()
+    assert digest(model) != final
+    callbacks: list[pl.Callback] = []
+    if which != "step_dir_without_callback":
+        callbacks.append(CociCheckpoint(root / "coci"))
+    ckpt_path = "last" if which == "last" else str(root / "coci" / step_dir_name(6))
+    trainer = _trainer(tmp_path, 1, callbacks)
+    if callbacks:
+        result = getattr(trainer, entry)(model, ckpt_path=ckpt_path)
+    else:  # Lightning's own note that the checkpoint has a callback's state
+        with pytest.warns(UserWarning, match="callbacks used to create the checkpoint"):
+            result = getattr(trainer, entry)(model, ckpt_path=ckpt_path)
+    assert digest(model) == final
+    if entry == "predict":
+        assert len(result) == 2 and result[0].shape == (16, 10)
+    else:
+        assert f"{entry.replace('validate', 'val')}_loss" in result[0]
+
+
+def test_evaluation_does_not_resume_and_fit_resume_still_does(
+    tmp_path: Path, fitted: tuple[Path, str]
+) -> None:
+    """resume=True means "fit continues": validate(model) without ckpt_path keeps the model's
+    own weights, as in Lightning (it used to try to read the newest coci step)."""
+    root, final = fitted
+    pl.seed_everything(5, verbose=False)
+    model = _EvalModel()
+    before = digest(model)
+    assert before != final
+    _trainer(tmp_path, 1, [CociCheckpoint(root / "coci", resume=True)]).validate(model)
+    assert digest(model) == before
