@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
@@ -35,7 +38,8 @@ class CociCheckpoint(Checkpoint):
     """Checkpoints a Lightning run when coci's planner says so; resumes it exactly.
 
     Args:
-        dirpath: where checkpoints go; default ``<default_root_dir>/coci``.
+        dirpath: where checkpoints go (a str path, an os.PathLike, or an fsspec URL string
+            such as ``"s3://bucket/run"``, kept a string); default ``<default_root_dir>/coci``.
         policy: ``"coci"`` or a baseline of the planner (e.g. ``"every_n_steps"``).
         objective: ``"convergence"`` (default), ``"time"`` or ``"progress"``.
         mtbf_s: mean time between failures of one node, in seconds (None: estimated).
@@ -56,7 +60,7 @@ class CociCheckpoint(Checkpoint):
 
     def __init__(
         self,
-        dirpath: str | Path | None = None,
+        dirpath: str | os.PathLike[str] | None = None,
         *,
         policy: str = "coci",
         objective: str = "convergence",
@@ -74,8 +78,32 @@ class CociCheckpoint(Checkpoint):
         planner_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        if not isinstance(resume, bool):
-            raise ConfigError(f"'resume' must be a bool: {resume!r}")
+        dirpath = _check_dirpath(dirpath)
+        for name, flag in (
+            ("resume", resume),
+            ("save_on_train_end", save_on_train_end),
+            ("save_on_exception", save_on_exception),
+        ):
+            if not isinstance(flag, bool):
+                raise ConfigError(f"'{name}' must be a bool (True or False): {flag!r}")
+        for name, value in (("policy", policy), ("objective", objective)):
+            if not isinstance(value, str):
+                raise ConfigError(f"'{name}' must be a string: {value!r}")
+        if monitor is not None and (not isinstance(monitor, str) or not monitor):
+            raise ConfigError(
+                f"'monitor' must be the name of a logged metric (a non-empty str) or None: "
+                f"{monitor!r}"
+            )
+        for name, options in (
+            ("compression_options", compression_options),
+            ("planner_options", planner_options),
+        ):
+            if options is not None and not (
+                isinstance(options, Mapping) and all(isinstance(k, str) for k in options)
+            ):
+                raise ConfigError(
+                    f"'{name}' must be a dict of keyword arguments (str keys) or None: {options!r}"
+                )
         self.planner_options = adapter_planner_options(
             policy=policy,
             objective=objective,
@@ -97,6 +125,7 @@ class CociCheckpoint(Checkpoint):
         check_policy(self.compression, self.compression_options)  # errors at construction
         self.resume = resume
         self.monitor = monitor
+        self._monitor_warned = False
         self.block = block
         self.save_on_train_end = save_on_train_end
         self.save_on_exception = save_on_exception
@@ -134,17 +163,24 @@ class CociCheckpoint(Checkpoint):
     def state_key(self) -> str:
         return "CociCheckpoint"
 
-    def resolve_dirpath(self, trainer: pl.Trainer) -> Path:
-        """The checkpoint directory: ``dirpath`` or ``<default_root_dir>/coci``."""
+    def resolve_dirpath(self, trainer: pl.Trainer) -> Path | str:
+        """The checkpoint directory: ``dirpath`` (an fsspec URL stays a string) or
+        ``<default_root_dir>/coci``."""
+        if isinstance(self.dirpath, str) and _is_url(self.dirpath):
+            return self.dirpath
         if self.dirpath is not None:
             return Path(self.dirpath)
         return Path(trainer.default_root_dir) / "coci"
 
-    def newest_step_dir(self, trainer: pl.Trainer) -> Path | None:
+    def newest_step_dir(self, trainer: pl.Trainer) -> Path | str | None:
         """The newest committed step directory, or None."""
         root = self.resolve_dirpath(trainer)
         steps = committed_steps(open_storage(str(root)))
-        return root / step_dir_name(steps[-1]) if steps else None
+        if not steps:
+            return None
+        if isinstance(root, str):
+            return root.rstrip("/") + "/" + step_dir_name(steps[-1])
+        return root / step_dir_name(steps[-1])
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -242,6 +278,7 @@ class CociCheckpoint(Checkpoint):
             # (the planner plans only after a few measured steps, and moves a multiple it
             # has passed by then to the next step; nor does it plan the run's last step).
             planned = trainer.global_step > 0 and trainer.global_step % self._fixed_every == 0
+        self._check_monitor(trainer, planned)
         if planned or self._deferred:
             # Not on an epoch's last batch: Lightning's epoch-end work (epoch-interval LR
             # schedulers, epoch hooks) would not be redone on resume. The next step saves.
@@ -251,6 +288,28 @@ class CociCheckpoint(Checkpoint):
         if trainer.is_global_zero:
             self._relay.drain(trainer)
         self._last_end = time.perf_counter()
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.state.fn == "fit" and not trainer.sanity_checking:
+            self._check_monitor(trainer, planned=False)  # where ModelCheckpoint checks
+
+    def _check_monitor(self, trainer: pl.Trainer, planned: bool) -> None:
+        """As ``ModelCheckpoint(monitor=...)``: a missing metric is an error once a validation
+        has run (the metric may be a validation one, logged only then), and a warning (once) at
+        a save before that."""
+        if not self.monitor or self.monitor in trainer.callback_metrics:
+            return
+        message = (
+            f"`CociCheckpoint(monitor={self.monitor!r})` could not find the monitored key in "
+            f"the logged metrics: {list(trainer.callback_metrics)}. HINT: Did you call "
+            f"`log({self.monitor!r}, value)` in the `LightningModule`?"
+        )
+        if trainer.fit_loop.epoch_loop.val_loop._has_run:
+            raise MisconfigurationException(message)
+        if planned and not self._monitor_warned:
+            self._monitor_warned = True
+            rank_zero_warn(message)
 
     def _loss(self, trainer: pl.Trainer, outputs: Any) -> float | None:
         value = trainer.callback_metrics.get(self.monitor) if self.monitor else outputs
@@ -362,6 +421,22 @@ class CociCheckpoint(Checkpoint):
         self._planner_state = state_dict
         if self.checkpointer is not None:
             self.checkpointer.load_state_dict(state_dict)
+
+
+def _is_url(path: str) -> bool:
+    return "://" in path
+
+
+def _check_dirpath(dirpath: Any) -> Any:
+    """``dirpath`` is None, a str path, an os.PathLike or an fsspec URL string (kept a str)."""
+    if dirpath is None or isinstance(dirpath, os.PathLike):
+        return dirpath
+    if isinstance(dirpath, str) and dirpath.strip():
+        return dirpath
+    raise ConfigError(
+        "'dirpath' must be a directory path (a str or an os.PathLike such as pathlib.Path), "
+        f"an fsspec URL string (e.g. 's3://bucket/run'), or None: {dirpath!r}"
+    )
 
 
 def _rank_group(trainer: pl.Trainer) -> RankGroup:

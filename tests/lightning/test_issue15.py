@@ -11,9 +11,10 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from coci_core import CheckpointManager
+from coci_core import CheckpointManager, ConfigError
 from coci_core.manifest import step_dir_name
 from coci_core.restore import committed_steps
 from coci_core.storage import open_storage
@@ -273,3 +274,65 @@ def test_evaluation_does_not_resume_and_fit_resume_still_does(
     assert before != final
     _trainer(tmp_path, 1, [CociCheckpoint(root / "coci", resume=True)]).validate(model)
     assert digest(model) == before
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"dirpath": 123}, r"'dirpath' must be .*str.*os\.PathLike.*fsspec URL.*: 123"),
+        ({"dirpath": ""}, "'dirpath' must be"),
+        ({"dirpath": ["runs"]}, "'dirpath' must be"),
+        ({"save_on_train_end": "yes"}, "'save_on_train_end' must be a bool"),
+        ({"save_on_exception": 1}, "'save_on_exception' must be a bool"),
+        ({"monitor": 5}, "'monitor' must be the name of a logged metric"),
+        ({"monitor": ""}, "'monitor' must be the name of a logged metric"),
+        ({"compression_options": [("lossy_bits", 8)]}, "'compression_options' must be a dict"),
+        ({"planner_options": "total_steps=10"}, "'planner_options' must be a dict"),
+    ],
+)
+def test_every_argument_is_checked_at_construction(kwargs: dict[str, Any], message: str) -> None:
+    """Each bad argument raises ConfigError naming it and what is allowed (the others:
+    test_callback.py::test_bad_arguments_raise_at_construction)."""
+    with pytest.raises(ConfigError, match=message):
+        CociCheckpoint(**kwargs)
+
+
+def test_dirpath_kinds(tmp_path: Path) -> None:
+    """A str path and a PathLike resolve to that directory; an fsspec URL stays a string (a
+    pathlib.Path would turn "s3://bucket/run" into "s3:/bucket/run")."""
+    trainer = _trainer(tmp_path, 1, [])
+    assert CociCheckpoint(str(tmp_path / "a")).resolve_dirpath(trainer) == tmp_path / "a"
+    assert CociCheckpoint(tmp_path / "b").resolve_dirpath(trainer) == tmp_path / "b"
+    url = CociCheckpoint("s3://bucket/run").resolve_dirpath(trainer)
+    assert url == "s3://bucket/run" and isinstance(url, str)
+
+
+def test_fit_to_an_fsspec_url(tmp_path: Path) -> None:
+    """A run saves to an fsspec URL (memory://) and "last" finds its newest step there."""
+    url = f"memory://coci-lightning-{tmp_path.name}/run"
+    pl.seed_everything(1, verbose=False)
+    callback = CociCheckpoint(url, policy="every_n_steps", every_n_steps=2)
+    _trainer(tmp_path, 4, [callback]).fit(DigitsModel())
+    assert committed_steps(open_storage(url)) == [2, 4]
+    newest = CociCheckpoint(url).newest_step_dir(_trainer(tmp_path, 1, []))
+    assert newest == f"{url}/{step_dir_name(4)}"
+
+
+def test_monitor_never_logged_raises_like_model_checkpoint(tmp_path: Path) -> None:
+    """monitor= a metric that is never logged: a warning at a save before any validation,
+    then MisconfigurationException once a validation has run without it (as ModelCheckpoint);
+    the metric that validation does log is fine."""
+    pl.seed_everything(1, verbose=False)
+    callback = CociCheckpoint(policy="every_n_steps", every_n_steps=3, monitor="val_loss")
+    trainer = _trainer(tmp_path, 4, [callback], val_check_interval=2, num_sanity_val_steps=0)
+    trainer.fit(_EvalModel())
+    assert trainer.global_step == 4
+    pl.seed_everything(1, verbose=False)
+    callback = CociCheckpoint(policy="every_n_steps", every_n_steps=1, monitor="val_los")
+    trainer = _trainer(tmp_path, 8, [callback], val_check_interval=3, num_sanity_val_steps=0)
+    with (
+        pytest.warns(UserWarning, match="could not find the monitored key"),
+        pytest.raises(MisconfigurationException, match=r"monitor='val_los'.*val_loss"),
+    ):
+        trainer.fit(_EvalModel())
+    assert trainer.global_step == 3  # right after the first validation, as ModelCheckpoint
