@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import math
 import os
 import time
 import uuid
@@ -30,6 +32,8 @@ from coci_lightning._telemetry import LoggerRelay, make_sinks
 
 __all__ = ["CociCheckpoint"]
 
+
+logger = logging.getLogger(__name__)
 
 RANK_STATE_KEY = "coci_rank_state"  # per-rank state in coci's saves: {"rng": ...}
 
@@ -138,6 +142,7 @@ class CociCheckpoint(Checkpoint):
         self._rng_in_state = True
         self._deferred = False
         self._start_step: int | None = None  # global_step at on_train_start (None: not started)
+        self._plan_told = False
         self._relay = LoggerRelay()
         # policy="every_n_steps": save exactly at the multiples of N of trainer.global_step
         self._fixed_every: int | None = (
@@ -221,6 +226,13 @@ class CociCheckpoint(Checkpoint):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._start_step = trainer.global_step
+        self._plan_told = False
+        planner = self.checkpointer.planner if self.checkpointer is not None else None
+        if planner is not None and planner.total_steps is None:
+            # max_epochs without max_steps: the Trainer's estimate of the run's optimizer steps
+            estimated = trainer.estimated_stepping_batches
+            if math.isfinite(estimated) and int(estimated) > max(planner.start_step, 0):
+                planner.total_steps = int(estimated)
         loaders = trainer.fit_loop._combined_loader
         for loader in loaders.flattened if loaders is not None else []:
             if not hasattr(loader, "state_dict"):
@@ -287,7 +299,55 @@ class CociCheckpoint(Checkpoint):
                 self._save(trainer)
         if trainer.is_global_zero:
             self._relay.drain(trainer)
+            if not self._plan_told and ckpt.planner.report(with_overhead=False).replans > 0:
+                self._plan_told = True
+                self._tell_plan(trainer, ckpt)
         self._last_end = time.perf_counter()
+
+    def _tell_plan(self, trainer: pl.Trainer, ckpt: Checkpointer) -> None:
+        """One log line (rank 0) once the first plan is made: what it is and how to change it."""
+        report = ckpt.planner.report(with_overhead=False)
+        step = trainer.global_step
+        total = ckpt.planner.total_steps
+        if self._fixed_every is not None:
+            n = self._fixed_every
+            first: int | None = (step // n + 1) * n
+            interval: int | None = n
+        else:
+            ahead = [s for s in report.next_steps if s > step]
+            first = ahead[0] if ahead else None
+            interval = ahead[1] - ahead[0] if len(ahead) > 1 else report.interval_steps
+        if first is not None and total is not None and first > total:
+            first = None
+        step_time = report.costs.get("step_time_s") or 0.0
+        mtbf = report.mtbf_s if report.mtbf_s is not None else float("nan")
+        source = {
+            "user": "given as mtbf_s",
+            "estimated": "estimated from this run's restarts",
+            "default": "default: no mtbf_s given and no failure seen yet",
+        }.get(report.mtbf_source, report.mtbf_source)
+        length = f"of {total} steps" if total is not None else "over a rolling horizon"
+        if first is None:
+            when = "no save planned before the end" + (
+                " (only the final save)" if self.save_on_train_end else ""
+            )
+        else:
+            when = f"first save at step {first} (in ~{(first - step) * step_time:.3g} s)"
+        every = (
+            f"then every {interval} steps (~{interval * step_time:.3g} s)"
+            if interval
+            else "no further save planned yet"
+        )
+        message = (
+            f"coci: plan ({self.policy} policy, {self.objective} objective) {length}: {when}, "
+            f"{every}; MTBF assumed {mtbf:.6g} s ({source}). Change it with "
+            "CociCheckpoint(mtbf_s=..., every_n_steps=N (a cap on the interval), "
+            "policy='every_n_steps'); the plan is re-made as costs are measured."
+        )
+        if first is None:
+            logger.warning(message)
+        else:
+            logger.info(message)
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

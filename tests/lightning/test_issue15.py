@@ -336,3 +336,39 @@ def test_monitor_never_logged_raises_like_model_checkpoint(tmp_path: Path) -> No
     ):
         trainer.fit(_EvalModel())
     assert trainer.global_step == 3  # right after the first validation, as ModelCheckpoint
+
+
+def _plan_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("coci: plan")]
+
+
+@pytest.mark.slow
+def test_max_epochs_run_is_planned_and_told(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A 640-step run given by max_epochs (no max_steps) with default settings is planned over
+    its estimated 640 steps, saves before its end, and says its plan in one rank-zero log line:
+    the first planned save, the interval, the MTBF and where it came from, how to change it."""
+    callback = CociCheckpoint(keep_last=None, save_on_train_end=False)
+    pl.seed_everything(1, verbose=False)
+    trainer = _trainer(tmp_path, -1, [callback], max_epochs=40, log_every_n_steps=50)
+    with caplog.at_level("INFO"):
+        trainer.fit(DigitsModel())
+    assert trainer.global_step == 640
+    with CheckpointManager(tmp_path / "coci", keep_last=None) as mgr:
+        steps = mgr.steps()
+    assert steps and steps[0] < 640
+    (line,) = _plan_lines(caplog)
+    for part in ("of 640 steps", "first save at step", "interval", "MTBF", "mtbf_s="):
+        assert part in line, line
+    assert "default" in line  # the MTBF's source: nothing given, no failure seen yet
+
+
+def test_every_n_steps_plan_is_told(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The fixed policy's plan line names its first save and interval."""
+    pl.seed_everything(1, verbose=False)
+    callback = CociCheckpoint(policy="every_n_steps", every_n_steps=4)
+    with caplog.at_level("INFO"):
+        _trainer(tmp_path, 8, [callback]).fit(DigitsModel())
+    (line,) = _plan_lines(caplog)
+    assert "first save at step 4" in line and "every 4 steps" in line, line
