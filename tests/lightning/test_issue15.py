@@ -161,7 +161,8 @@ class _BadValidation(DigitsModel):
 
 def test_failed_sanity_check_commits_nothing(tmp_path: Path) -> None:
     """An exception in the sanity check (before any training) commits no checkpoint: there is
-    nothing to save, and a step-0 save would be what "last" resumes from next time."""
+    nothing to save, and a step-0 save would be what "last" resumes from next time. A failure
+    in a validation after some steps still saves the step reached."""
     pl.seed_everything(1, verbose=False)
     callback = CociCheckpoint(policy="every_n_steps", every_n_steps=2)
     with pytest.raises(RuntimeError, match="validation is broken"):
@@ -169,16 +170,11 @@ def test_failed_sanity_check_commits_nothing(tmp_path: Path) -> None:
     assert callback.checkpointer is None  # closed
     assert committed_steps(open_storage(str(tmp_path / "coci"))) == []
 
-
-def test_exception_after_training_started_still_saves(tmp_path: Path) -> None:
-    """The guard only skips saves with nothing trained: a failure in the first validation
-    after some steps still saves the step reached."""
     pl.seed_everything(1, verbose=False)
     callback = CociCheckpoint(policy="every_n_steps", every_n_steps=100)
+    trainer = _trainer(tmp_path, 10, [callback], num_sanity_val_steps=0, val_check_interval=3)
     with pytest.raises(RuntimeError, match="validation is broken"):
-        _trainer(tmp_path, 10, [callback], num_sanity_val_steps=0, val_check_interval=3).fit(
-            _BadValidation()
-        )
+        trainer.fit(_BadValidation())
     assert committed_steps(open_storage(str(tmp_path / "coci"))) == [3]
 
 
