@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 import pickle
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -368,3 +370,18 @@ def test_every_n_steps_plan_is_told(tmp_path: Path, caplog: pytest.LogCaptureFix
         _trainer(tmp_path, 8, [callback]).fit(DigitsModel())
     (line,) = _plan_lines(caplog)
     assert "first save at step 4" in line and "every 4 steps" in line, line
+
+
+def test_importing_coci_lightning_is_enough_to_read_step_dirs() -> None:
+    """In a fresh process, importing coci_lightning (without making a CociCheckpoint) installs
+    the resolution that reads coci step directories, as docs/lightning.md says."""
+    code = (
+        "import coci_lightning\n"
+        "from lightning.pytorch.trainer.connectors.checkpoint_connector import "
+        "_CheckpointConnector\n"
+        "print(getattr(_CheckpointConnector._parse_ckpt_path, '_coci', False))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.strip() == "True"
