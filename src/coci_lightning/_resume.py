@@ -49,7 +49,7 @@ class CociCheckpointIO(CheckpointIO):
     ) -> None:
         super().__init__()
         self.inner = inner
-        self._on_restore = on_restore
+        self.on_restore = on_restore
         self.fallback_for: str | None = None
         self.rank = 0  # whose per-rank state to merge in (set by the callback's setup)
 
@@ -80,8 +80,8 @@ class CociCheckpointIO(CheckpointIO):
                 if candidate == candidates[-1]:
                     raise
                 rank_zero_warn(f"coci: step {candidate} is damaged, using an older one: {e}")
-        if self._on_restore is not None:
-            self._on_restore(time.perf_counter() - started)
+        if self.on_restore is not None:
+            self.on_restore(time.perf_counter() - started)
         logger.info("coci: Lightning restores step %d from %s", loaded.step, root)
         return loaded.state
 
@@ -90,6 +90,16 @@ class CociCheckpointIO(CheckpointIO):
 
     def teardown(self) -> None:
         self.inner.teardown()
+
+
+def use_coci_io(trainer: Any) -> CociCheckpointIO:
+    """Wrap the strategy's CheckpointIO (once) so that it reads coci step directories."""
+    strategy = trainer.strategy
+    io = strategy.checkpoint_io
+    if not isinstance(io, CociCheckpointIO):
+        io = CociCheckpointIO(io)
+        strategy.checkpoint_io = io
+    return io
 
 
 def install_last_resolution() -> None:
@@ -106,21 +116,26 @@ def install_last_resolution() -> None:
 
         callbacks = getattr(self.trainer, "callbacks", [])
         cocis = [cb for cb in callbacks if isinstance(cb, CociCheckpoint)]
-        if cocis and (ckpt_path == "last" or (ckpt_path is None and cocis[0].resume)):
+        fitting = str(getattr(state_fn, "value", state_fn)) == "fit"
+        # "last" for every entry point; resume=True (no ckpt_path) only for fit
+        if cocis and (ckpt_path == "last" or (ckpt_path is None and fitting and cocis[0].resume)):
             newest = cocis[0].newest_step_dir(self.trainer)
             if newest is not None:
-                io = self.trainer.strategy.checkpoint_io
                 # setup() has not run yet: remember that this path may fall back past damage
                 cocis[0]._fallback_for = str(newest)
-                if isinstance(io, CociCheckpointIO):
-                    io.fallback_for = str(newest)
+                use_coci_io(self.trainer).fallback_for = str(newest)
                 return str(newest)
             rank_zero_info(
                 f"coci: no committed checkpoint in {cocis[0].resolve_dirpath(self.trainer)}; "
                 "starting fresh"
             )
             return None
-        return original(self, state_fn, ckpt_path, **kwargs)
+        resolved = original(self, state_fn, ckpt_path, **kwargs)
+        if coci_step_of(resolved) is not None:
+            # validate/test/predict (and fit) of a coci step directory, with or without a
+            # CociCheckpoint attached: read it with coci's restore
+            use_coci_io(self.trainer)
+        return resolved
 
     parse_ckpt_path._coci = True  # type: ignore[attr-defined]
     _CheckpointConnector._parse_ckpt_path = parse_ckpt_path  # type: ignore[method-assign,assignment]

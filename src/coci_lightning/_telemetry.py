@@ -16,21 +16,22 @@ from coci_core.telemetry import Event, JsonlTelemetry, SaveEvent, TelemetrySink
 TELEMETRY_FILE = "telemetry.jsonl"
 
 
-def make_sinks(trainer: pl.Trainer, root: Path) -> list[TelemetrySink]:
+def make_sinks(trainer: pl.Trainer, root: Path | str) -> list[TelemetrySink]:
     """On rank 0: a JSON-lines file under ``root`` and TensorBoard (the Trainer's
     TensorBoardLogger when it has one, else coci's own writer under ``root/tensorboard`` if
-    tensorboard is installed)."""
+    tensorboard is installed). For an fsspec URL ``root``, only the Trainer's TensorBoard."""
     if not trainer.is_global_zero:
         return []
     from coci_core.tensorboard import TensorBoardTelemetry
 
-    sinks: list[TelemetrySink] = [JsonlTelemetry(root / TELEMETRY_FILE)]
+    local = root if isinstance(root, Path) else None
+    sinks: list[TelemetrySink] = [] if local is None else [JsonlTelemetry(local / TELEMETRY_FILE)]
     loggers = [lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
     try:
         if loggers:
             sinks.append(TensorBoardTelemetry(writer=loggers[0].experiment))
-        else:
-            sinks.append(TensorBoardTelemetry(root / "tensorboard"))
+        elif local is not None:
+            sinks.append(TensorBoardTelemetry(local / "tensorboard"))
     except ConfigError:  # tensorboard is not installed: the JSON file still has everything
         pass
     return sinks
@@ -42,6 +43,16 @@ class LoggerRelay:
 
     def __init__(self) -> None:
         self._events: collections.deque[SaveEvent] = collections.deque()
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A lock neither pickles nor deep-copies (Lightning deep-copies callbacks, and
+        # strategy="ddp_spawn" pickles them): the copy gets its own lock and the pending events.
+        with self._lock:
+            return {"events": list(self._events)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._events = collections.deque(state.get("events", ()))
         self._lock = threading.Lock()
 
     def __call__(self, event: Event) -> None:

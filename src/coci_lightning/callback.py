@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import logging
+import math
+import os
 import time
 import uuid
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
@@ -22,11 +26,14 @@ from coci_core.group import RankGroup
 from coci_core.manifest import step_dir_name
 from coci_core.restore import committed_steps
 from coci_core.storage import open_storage
-from coci_lightning._resume import CociCheckpointIO, coci_step_of, install_last_resolution
+from coci_lightning._resume import coci_step_of, install_last_resolution, use_coci_io
+from coci_lightning._rng import collect_plain_rng_states, set_plain_rng_states
 from coci_lightning._telemetry import LoggerRelay, make_sinks
 
 __all__ = ["CociCheckpoint"]
 
+
+logger = logging.getLogger(__name__)
 
 RANK_STATE_KEY = "coci_rank_state"  # per-rank state in coci's saves: {"rng": ...}
 
@@ -35,7 +42,8 @@ class CociCheckpoint(Checkpoint):
     """Checkpoints a Lightning run when coci's planner says so; resumes it exactly.
 
     Args:
-        dirpath: where checkpoints go; default ``<default_root_dir>/coci``.
+        dirpath: where checkpoints go (a str path, an os.PathLike, or an fsspec URL string
+            such as ``"s3://bucket/run"``, kept a string); default ``<default_root_dir>/coci``.
         policy: ``"coci"`` or a baseline of the planner (e.g. ``"every_n_steps"``).
         objective: ``"convergence"`` (default), ``"time"`` or ``"progress"``.
         mtbf_s: mean time between failures of one node, in seconds (None: estimated).
@@ -56,7 +64,7 @@ class CociCheckpoint(Checkpoint):
 
     def __init__(
         self,
-        dirpath: str | Path | None = None,
+        dirpath: str | os.PathLike[str] | None = None,
         *,
         policy: str = "coci",
         objective: str = "convergence",
@@ -74,8 +82,32 @@ class CociCheckpoint(Checkpoint):
         planner_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        if not isinstance(resume, bool):
-            raise ConfigError(f"'resume' must be a bool: {resume!r}")
+        dirpath = _check_dirpath(dirpath)
+        for name, flag in (
+            ("resume", resume),
+            ("save_on_train_end", save_on_train_end),
+            ("save_on_exception", save_on_exception),
+        ):
+            if not isinstance(flag, bool):
+                raise ConfigError(f"'{name}' must be a bool (True or False): {flag!r}")
+        for name, value in (("policy", policy), ("objective", objective)):
+            if not isinstance(value, str):
+                raise ConfigError(f"'{name}' must be a string: {value!r}")
+        if monitor is not None and (not isinstance(monitor, str) or not monitor):
+            raise ConfigError(
+                f"'monitor' must be the name of a logged metric (a non-empty str) or None: "
+                f"{monitor!r}"
+            )
+        for name, options in (
+            ("compression_options", compression_options),
+            ("planner_options", planner_options),
+        ):
+            if options is not None and not (
+                isinstance(options, Mapping) and all(isinstance(k, str) for k in options)
+            ):
+                raise ConfigError(
+                    f"'{name}' must be a dict of keyword arguments (str keys) or None: {options!r}"
+                )
         self.planner_options = adapter_planner_options(
             policy=policy,
             objective=objective,
@@ -97,6 +129,7 @@ class CociCheckpoint(Checkpoint):
         check_policy(self.compression, self.compression_options)  # errors at construction
         self.resume = resume
         self.monitor = monitor
+        self._monitor_warned = False
         self.block = block
         self.save_on_train_end = save_on_train_end
         self.save_on_exception = save_on_exception
@@ -108,28 +141,59 @@ class CociCheckpoint(Checkpoint):
         self._fallback_for: str | None = None
         self._rng_in_state = True
         self._deferred = False
+        self._start_step: int | None = None  # global_step at on_train_start (None: not started)
+        self._plan_told = False
         self._relay = LoggerRelay()
+        # policy="every_n_steps": save exactly at the multiples of N of trainer.global_step
+        self._fixed_every: int | None = (
+            int(self.planner_options["every_n_steps"]) if policy == "every_n_steps" else None
+        )
         install_last_resolution()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The live Checkpointer (an open directory lease, a writer thread) belongs to this
+        # process's run: a copy (copy.deepcopy, pickle for strategy="ddp_spawn") gets none and
+        # opens its own in ``setup``. Its planner estimates travel as ``_planner_state``.
+        state = self.__dict__.copy()
+        if self.checkpointer is not None:
+            state["_planner_state"] = self.checkpointer.state_dict()
+        state["checkpointer"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
 
     @property
     @override
     def state_key(self) -> str:
         return "CociCheckpoint"
 
-    def resolve_dirpath(self, trainer: pl.Trainer) -> Path:
-        """The checkpoint directory: ``dirpath`` or ``<default_root_dir>/coci``."""
+    def resolve_dirpath(self, trainer: pl.Trainer) -> Path | str:
+        """The checkpoint directory: ``dirpath`` (an fsspec URL stays a string) or
+        ``<default_root_dir>/coci``."""
+        if isinstance(self.dirpath, str) and _is_url(self.dirpath):
+            return self.dirpath
         if self.dirpath is not None:
             return Path(self.dirpath)
         return Path(trainer.default_root_dir) / "coci"
 
-    def newest_step_dir(self, trainer: pl.Trainer) -> Path | None:
+    def newest_step_dir(self, trainer: pl.Trainer) -> Path | str | None:
         """The newest committed step directory, or None."""
         root = self.resolve_dirpath(trainer)
         steps = committed_steps(open_storage(str(root)))
-        return root / step_dir_name(steps[-1]) if steps else None
+        if not steps:
+            return None
+        if isinstance(root, str):
+            return root.rstrip("/") + "/" + step_dir_name(steps[-1])
+        return root / step_dir_name(steps[-1])
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # Every entry point (fit, validate, test, predict) reads coci step directories.
+        io = use_coci_io(trainer)
+        io.on_restore = self._on_restore
+        io.fallback_for = self._fallback_for
+        io.rank = trainer.global_rank
         if stage != "fit":
             return
         options = dict(self.planner_options)
@@ -154,11 +218,6 @@ class CociCheckpoint(Checkpoint):
         )
         if self._planner_state is not None:
             self.checkpointer.load_state_dict(self._planner_state)
-        strategy = trainer.strategy
-        if not isinstance(strategy.checkpoint_io, CociCheckpointIO):
-            strategy.checkpoint_io = CociCheckpointIO(strategy.checkpoint_io, self._on_restore)
-        strategy.checkpoint_io.fallback_for = self._fallback_for
-        strategy.checkpoint_io.rank = trainer.global_rank
 
     def _on_restore(self, seconds: float) -> None:
         if self.checkpointer is not None:
@@ -166,6 +225,14 @@ class CociCheckpoint(Checkpoint):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._start_step = trainer.global_step
+        self._plan_told = False
+        planner = self.checkpointer.planner if self.checkpointer is not None else None
+        if planner is not None and planner.total_steps is None:
+            # max_epochs without max_steps: the Trainer's estimate of the run's optimizer steps
+            estimated = trainer.estimated_stepping_batches
+            if math.isfinite(estimated) and int(estimated) > max(planner.start_step, 0):
+                planner.total_steps = int(estimated)
         loaders = trainer.fit_loop._combined_loader
         for loader in loaders.flattened if loaders is not None else []:
             if not hasattr(loader, "state_dict"):
@@ -190,7 +257,7 @@ class CociCheckpoint(Checkpoint):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if self._pending_rng is not None:  # after a resume: continue the saved random streams
-            _set_rng_states(self._rng_for_rank(trainer, self._pending_rng))
+            set_plain_rng_states(self._rng_for_rank(trainer, self._pending_rng))
             self._pending_rng = None
         if self._last_end is None:
             self._last_end = time.perf_counter()
@@ -217,7 +284,14 @@ class CociCheckpoint(Checkpoint):
         now = time.perf_counter()
         step_time = None if self._last_end is None else now - self._last_end
         ckpt.observe(trainer.global_step, loss=self._loss(trainer, outputs), step_time_s=step_time)
-        if ckpt.should_save(trainer.global_step) or self._deferred:
+        planned = ckpt.should_save(trainer.global_step)  # every rank asks (shared decision)
+        if self._fixed_every is not None:
+            # A fixed interval is known before any measurement: exactly the multiples of N
+            # (the planner plans only after a few measured steps, and moves a multiple it
+            # has passed by then to the next step; nor does it plan the run's last step).
+            planned = trainer.global_step > 0 and trainer.global_step % self._fixed_every == 0
+        self._check_monitor(trainer, planned)
+        if planned or self._deferred:
             # Not on an epoch's last batch: Lightning's epoch-end work (epoch-interval LR
             # schedulers, epoch hooks) would not be redone on resume. The next step saves.
             self._deferred = bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
@@ -225,7 +299,77 @@ class CociCheckpoint(Checkpoint):
                 self._save(trainer)
         if trainer.is_global_zero:
             self._relay.drain(trainer)
+            if not self._plan_told and ckpt.planner.report(with_overhead=False).replans > 0:
+                self._plan_told = True
+                self._tell_plan(trainer, ckpt)
         self._last_end = time.perf_counter()
+
+    def _tell_plan(self, trainer: pl.Trainer, ckpt: Checkpointer) -> None:
+        """One log line (rank 0) once the first plan is made: what it is and how to change it."""
+        report = ckpt.planner.report(with_overhead=False)
+        step = trainer.global_step
+        total = ckpt.planner.total_steps
+        if self._fixed_every is not None:
+            n = self._fixed_every
+            first: int | None = (step // n + 1) * n
+            interval: int | None = n
+        else:
+            ahead = [s for s in report.next_steps if s > step]
+            first = ahead[0] if ahead else None
+            interval = ahead[1] - ahead[0] if len(ahead) > 1 else report.interval_steps
+        if first is not None and total is not None and first > total:
+            first = None
+        step_time = report.costs.get("step_time_s") or 0.0
+        mtbf = report.mtbf_s if report.mtbf_s is not None else float("nan")
+        source = {
+            "user": "given as mtbf_s",
+            "estimated": "estimated from this run's restarts",
+            "default": "default: no mtbf_s given and no failure seen yet",
+        }.get(report.mtbf_source, report.mtbf_source)
+        length = f"of {total} steps" if total is not None else "over a rolling horizon"
+        if first is None:
+            when = "no save planned before the end" + (
+                " (only the final save)" if self.save_on_train_end else ""
+            )
+        else:
+            when = f"first save at step {first} (in ~{(first - step) * step_time:.3g} s)"
+        every = (
+            f"then every {interval} steps (~{interval * step_time:.3g} s)"
+            if interval
+            else "no further save planned yet"
+        )
+        message = (
+            f"coci: plan ({self.policy} policy, {self.objective} objective) {length}: {when}, "
+            f"{every}; MTBF assumed {mtbf:.6g} s ({source}). Change it with "
+            "CociCheckpoint(mtbf_s=..., every_n_steps=N (a cap on the interval), "
+            "policy='every_n_steps'); the plan is re-made as costs are measured."
+        )
+        if first is None:
+            logger.warning(message)
+        else:
+            logger.info(message)
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.state.fn == "fit" and not trainer.sanity_checking:
+            self._check_monitor(trainer, planned=False)  # where ModelCheckpoint checks
+
+    def _check_monitor(self, trainer: pl.Trainer, planned: bool) -> None:
+        """As ``ModelCheckpoint(monitor=...)``: a missing metric is an error once a validation
+        has run (the metric may be a validation one, logged only then), and a warning (once) at
+        a save before that."""
+        if not self.monitor or self.monitor in trainer.callback_metrics:
+            return
+        message = (
+            f"`CociCheckpoint(monitor={self.monitor!r})` could not find the monitored key in "
+            f"the logged metrics: {list(trainer.callback_metrics)}. HINT: Did you call "
+            f"`log({self.monitor!r}, value)` in the `LightningModule`?"
+        )
+        if trainer.fit_loop.epoch_loop.val_loop._has_run:
+            raise MisconfigurationException(message)
+        if planned and not self._monitor_warned:
+            self._monitor_warned = True
+            rank_zero_warn(message)
 
     def _loss(self, trainer: pl.Trainer, outputs: Any) -> float | None:
         value = trainer.callback_metrics.get(self.monitor) if self.monitor else outputs
@@ -253,7 +397,7 @@ class CociCheckpoint(Checkpoint):
             trainer.global_step,
             state,
             block=block,
-            per_rank={RANK_STATE_KEY: {"rng": _collect_rng_states()}},
+            per_rank={RANK_STATE_KEY: {"rng": collect_plain_rng_states()}},
             alone=alone,
         )
 
@@ -283,7 +427,11 @@ class CociCheckpoint(Checkpoint):
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        if self.save_on_exception and trainer.state.fn == "fit":
+        # Nothing trained in this run (the sanity check failed, or training failed before its
+        # first optimizer step): there is nothing new to save, and a step-0 save would be what
+        # "last" resumes from next time.
+        trained = self._start_step is not None and trainer.global_step > self._start_step
+        if self.save_on_exception and trainer.state.fn == "fit" and trained:
             # Another rank may not be here (the exception may be this rank's own): rank 0
             # saves by itself instead of waiting for the others' shares.
             try:
@@ -297,12 +445,13 @@ class CociCheckpoint(Checkpoint):
         if self.checkpointer is not None:
             self.checkpointer.close()
             self.checkpointer = None
+        self._start_step = None
 
     @override
     def state_dict(self) -> dict[str, Any]:
         # In coci's own saves the random states are per-rank state (written by each rank);
         # in a Lightning checkpoint made by anything else, they are this rank's.
-        state: dict[str, Any] = {"rng": _collect_rng_states()} if self._rng_in_state else {}
+        state: dict[str, Any] = {"rng": collect_plain_rng_states()} if self._rng_in_state else {}
         if self.checkpointer is not None:
             state.update(self.checkpointer.state_dict())
         return state
@@ -332,6 +481,22 @@ class CociCheckpoint(Checkpoint):
         self._planner_state = state_dict
         if self.checkpointer is not None:
             self.checkpointer.load_state_dict(state_dict)
+
+
+def _is_url(path: str) -> bool:
+    return "://" in path
+
+
+def _check_dirpath(dirpath: Any) -> Any:
+    """``dirpath`` is None, a str path, an os.PathLike or an fsspec URL string (kept a str)."""
+    if dirpath is None or isinstance(dirpath, os.PathLike):
+        return dirpath
+    if isinstance(dirpath, str) and dirpath.strip():
+        return dirpath
+    raise ConfigError(
+        "'dirpath' must be a directory path (a str or an os.PathLike such as pathlib.Path), "
+        f"an fsspec URL string (e.g. 's3://bucket/run'), or None: {dirpath!r}"
+    )
 
 
 def _rank_group(trainer: pl.Trainer) -> RankGroup:

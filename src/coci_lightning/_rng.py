@@ -1,0 +1,51 @@
+"""Random states as plain values (tensors, numbers, strings, lists, dicts).
+
+Lightning's ``_collect_rng_states`` returns numpy's state as a tuple holding an ndarray, which
+``torch.load(weights_only=True)`` (torch's default) refuses. The callback's state goes into every
+``.ckpt`` file the Trainer writes (``ModelCheckpoint``, ``trainer.save_checkpoint``), so it must
+only hold what a weights-only load accepts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
+
+
+def collect_plain_rng_states() -> dict[str, Any]:
+    """This process's random states (torch, CUDA, numpy, Python), as plain values."""
+    states = _collect_rng_states()
+    numpy_state = states.get("numpy")
+    if numpy_state is not None:
+        name, keys, pos, has_gauss, cached = numpy_state
+        states["numpy"] = [
+            str(name),
+            torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            int(pos),
+            int(has_gauss),
+            float(cached),
+        ]
+    version, internal, gauss = states["python"]
+    states["python"] = [int(version), [int(x) for x in internal], gauss]
+    return states
+
+
+def set_plain_rng_states(states: dict[str, Any]) -> None:
+    """Restore states from :func:`collect_plain_rng_states` (or Lightning's own form)."""
+    states = dict(states)
+    numpy_state = states.get("numpy")
+    if numpy_state is not None:
+        name, keys, pos, has_gauss, cached = numpy_state
+        if isinstance(keys, torch.Tensor):
+            keys = keys.numpy()
+        states["numpy"] = (
+            str(name),
+            np.asarray(keys, dtype=np.uint32),
+            int(pos),
+            int(has_gauss),
+            float(cached),
+        )
+    _set_rng_states(states)
