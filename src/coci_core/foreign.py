@@ -29,7 +29,6 @@ import math
 import os
 import pickle
 import reprlib
-import stat
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -38,7 +37,8 @@ from typing import Any, BinaryIO
 
 import torch
 
-from coci_core.errors import CociError, CorruptCheckpointError, UnsafeCheckpointError
+from coci_core.errors import CociError, CorruptCheckpointError, StorageError, UnsafeCheckpointError
+from coci_core.storage.local import open_regular
 from coci_core.tree import load_weights_only
 
 __all__ = ["read_dcp", "read_foreign"]
@@ -322,21 +322,11 @@ def _nest(
 
 def _open_regular(path: Path, where: str) -> BinaryIO:
     """``path`` opened for reading if it is a regular file (not a link, a FIFO, a device)."""
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
-    flags |= getattr(os, "O_BINARY", 0)
     try:
-        if path.is_symlink():
-            raise CorruptCheckpointError(f"{where}: {path.name} is a symbolic link, not a file")
-        fd = os.open(path, flags)
-    except OSError as e:
-        raise CorruptCheckpointError(f"{where}: cannot open {path.name}: {e}") from e
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise CorruptCheckpointError(f"{where}: {path.name} is not a regular file")
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
+        fd = open_regular(path, follow_links=False)
+    except StorageError as e:
+        raise CorruptCheckpointError(f"{where}: {path.name}: {e}") from e
+    return os.fdopen(fd, "rb")
 
 
 def _load_metadata(directory: Path, where: str) -> Any:

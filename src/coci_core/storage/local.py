@@ -13,7 +13,7 @@ from pathlib import Path
 
 from coci_core.errors import StorageError
 
-__all__ = ["LocalStorage"]
+__all__ = ["LocalStorage", "open_regular"]
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 SYNC_EVERY_BYTES = 32 * 1024 * 1024
@@ -98,7 +98,7 @@ class LocalStorage:
     def read_bytes(self, path: str) -> bytes:
         target = self._path(path)
         try:
-            with open(_open_regular(target), "rb") as f:
+            with open(open_regular(target), "rb") as f:
                 return f.read()
         except StorageError:
             raise
@@ -109,7 +109,7 @@ class LocalStorage:
         target = self._path(path)
         view = out.cast("B")
         try:
-            with open(_open_regular(target), "rb", buffering=0) as f:
+            with open(open_regular(target), "rb", buffering=0) as f:
                 size = os.fstat(f.fileno()).st_size
                 if offset + len(view) > size:
                     raise StorageError(
@@ -186,11 +186,24 @@ class LocalStorage:
             return None
 
 
-def _open_regular(target: Path) -> int:
+def open_regular(target: str | os.PathLike[str], *, follow_links: bool = True) -> int:
     """A read-only descriptor of the regular file ``target``: opened without blocking (a FIFO
     would wait for a writer) and refused unless it is a regular file (a FIFO or a device such
-    as /dev/zero, maybe through a symlink, could block or never end)."""
-    fd = os.open(target, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    as /dev/zero, maybe through a symlink, could block or never end). With ``follow_links``
+    off, a symbolic link is refused too.
+
+    Raises:
+        StorageError: it cannot be opened, or is not a regular file (or is a link).
+    """
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    if not follow_links:
+        if os.path.islink(target):
+            raise StorageError(f"cannot read {target}: a symbolic link, not a file")
+        flags |= getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(target, flags)
+    except (OSError, ValueError) as e:  # ValueError: a NUL in the path
+        raise StorageError.wrap(f"cannot open {target}: {e}", e) from e
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise StorageError(f"cannot read {target}: not a regular file")
