@@ -176,6 +176,7 @@ class CociCheckpointer:
         self.checkpointer.observe(count, loss=loss, step_time_s=step_time)
         handle = None
         if announce and self.accelerator.is_main_process:
+            self.checkpointer.warn_if_not_empty()  # a fresh run into another run's directory
             self._announce_plan()
         if self.checkpointer.should_save(count):
             handle = self.save()
@@ -240,6 +241,8 @@ class CociCheckpointer:
                 f"ckpt.save({step!r}): coci labels a checkpoint with the number of optimizer "
                 f"steps completed, {count} here; call ckpt.save() with no argument"
             )
+        if self.accelerator.is_main_process:
+            self.checkpointer.warn_if_not_empty()  # a fresh run into another run's directory
         state = _state.collect(self.accelerator, count, standins=self._standins)
         _state.run_save_hooks(self.accelerator, state, str(self.dirpath))
         state["coci"] = self.checkpointer.state_dict()

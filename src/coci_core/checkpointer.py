@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from coci_core.decision import SharedDecision
-from coci_core.errors import ConfigError
+from coci_core.errors import ConfigError, StepExistsError
 from coci_core.manager import CheckpointManager, SaveHandle
 from coci_core.persist import LatestOnlyWorker
 from coci_core.planner import POLICIES, Planner
@@ -153,6 +153,8 @@ class Checkpointer:
             **dict(manager_options or {}),
         )
         self.last_save: SaveEvent | None = None
+        self._checked_not_empty = False
+        self.resumed_from: int | None = None  # the step this run was restored from
 
     def __repr__(self) -> str:
         return f"Checkpointer({self.manager.storage.url!r}, policy={self.planner.policy_name!r})"
@@ -247,17 +249,70 @@ class Checkpointer:
         per_rank: Mapping[str, Any] | None = None,
         alone: bool = False,
     ) -> SaveHandle:
-        """Save ``state`` as ``step`` (see :meth:`CheckpointManager.save`)."""
-        handle = self.manager.save(
-            step,
-            state,
-            block=self.block if block is None else block,
-            per_rank=per_rank,
-            alone=alone,
-        )
+        """Save ``state`` as ``step`` (see :meth:`CheckpointManager.save`).
+
+        A step the directory already holds is replaced when it belongs to this run (a run
+        that went back to an older step and trained on), and never when it belongs to
+        another run: that save is skipped with a warning. The step this run resumed from is
+        not saved again.
+        """
+        try:
+            handle = self.manager.save(
+                step,
+                state,
+                block=self.block if block is None else block,
+                per_rank=per_rank,
+                alone=alone,
+            )
+        except StepExistsError as e:
+            if e.own and self.resumed_from != step:
+                handle = self.manager.save(
+                    step,
+                    state,
+                    block=self.block if block is None else block,
+                    per_rank=per_rank,
+                    alone=alone,
+                    overwrite=True,
+                )
+            elif e.own:
+                return self.manager.skip(step, "it is the checkpoint this run resumed from")
+            else:
+                if self.rank == 0:
+                    logger.warning(
+                        "coci: step %d is not saved: %s holds another run's checkpoint of "
+                        "that step, and coci never overwrites another run's checkpoints "
+                        "(resume to continue that run, or use a directory of your own)",
+                        step,
+                        self.manager.storage.url,
+                    )
+                return self.manager.skip(step, "another run's checkpoint has that step")
         if self.sinks:
             self._record_telemetry(step, plan=True)
         return handle
+
+    def warn_if_not_empty(self) -> bool:
+        """At the start of a run that did not resume: warn (rank 0, at the first call) when
+        the directory holds checkpoints of another run, as Lightning's ModelCheckpoint warns
+        of a non-empty directory. Returns whether it did."""
+        if self._checked_not_empty or self.rank != 0 or self.resumed_from is not None:
+            return False
+        self._checked_not_empty = True
+        runs = {r: s for r, s in self.manager.runs().items() if r != self.manager.run_id}
+        if not runs:
+            return False
+        steps = sorted(s for run_steps in runs.values() for s in run_steps)
+        shown = ", ".join(map(str, steps[:5])) + (", ..." if len(steps) > 5 else "")
+        logger.warning(
+            "coci: %s holds %d checkpoint(s) of %s (steps %s). This run starts fresh and saves "
+            "beside them; they are never deleted or overwritten by it, and a resume takes this "
+            "run's newest checkpoint once it has one. To continue that run instead, resume "
+            "from it; to keep runs apart, give each run a directory of its own.",
+            self.manager.storage.url,
+            len(steps),
+            "another run" if len(runs) == 1 else f"{len(runs)} other runs",
+            shown,
+        )
+        return True
 
     def before_update(self) -> None:
         """Call before each optimizer step: waits only for an unfinished snapshot copy."""
@@ -275,7 +330,16 @@ class Checkpointer:
         event: RestoreEvent | None = self.manager.last_restore
         if event is not None:
             self.planner.record_restore(event.seconds)
+            self.resumed_from = event.step
         return state
+
+    def restored_elsewhere(self, step: int, run: str, seconds: float) -> None:
+        """A checkpoint of this directory was restored by other code (Lightning's own
+        restore through coci's CheckpointIO): continue its run and count its cost."""
+        self.planner.record_restore(seconds)
+        self.resumed_from = step
+        if run:
+            self.manager.run_id = run
 
     def wait(self) -> None:
         """Block until every pending save is durable (re-raises background errors)."""

@@ -26,6 +26,7 @@ __all__ = [
     "CorruptCheckpointError",
     "DirectoryInUseError",
     "NoCheckpointError",
+    "StepExistsError",
     "StorageError",
     "UnsafeCheckpointError",
     "UnsupportedValueError",
@@ -87,6 +88,18 @@ class BackgroundSaveError(CociError):
 
 class DirectoryInUseError(CociError):
     """Another manager (in this process or another) is writing checkpoints to the directory."""
+
+
+class StepExistsError(CociError, FileExistsError):
+    """``save`` of a step that the directory already holds, without ``overwrite=True``.
+
+    ``own`` says whether the existing checkpoint belongs to the saving manager's run."""
+
+    def __init__(self, message: str, *, step: int, run: str, own: bool):
+        super().__init__(message)
+        self.step = step
+        self.run = run
+        self.own = own
 
 
 class CommitError(CociError):

@@ -22,6 +22,7 @@ from coci_core.errors import (
     CorruptCheckpointError,
     DirectoryInUseError,
     NoCheckpointError,
+    StepExistsError,
     StorageError,
 )
 from coci_core.group import RankGroup
@@ -31,9 +32,11 @@ from coci_core.partition import DEFAULT_CHUNK_BYTES, Share, partition
 from coci_core.persist import PersistJob, PersistWorker, write_checkpoint
 from coci_core.restore import (
     RestoreCache,
+    StepInfo,
     committed_steps,
     load_checkpoint,
     read_manifest,
+    step_infos,
     verify_checkpoint,
 )
 from coci_core.snapshot import Snapshot, Snapshotter
@@ -123,8 +126,9 @@ class CheckpointManager:
     Args:
         directory: a local path, an fsspec URL (``memory://``, ``file://``, ``s3://``...) or a
             :class:`~coci_core.storage.Storage`.
-        keep_last: how many committed checkpoints to keep (``None`` keeps all). An old one is
-            deleted only after a newer one is durable.
+        keep_last: how many committed checkpoints of this run to keep (``None`` keeps all).
+            An old one is deleted only after a newer one is durable; checkpoints of other runs
+            in the directory are never deleted (see ``run_id``).
         on_busy: what ``save`` does while the previous persist is still running: ``"wait"``
             for it (the wait counts as stall) or ``"skip"`` this save.
         strict: when the newest checkpoint is damaged, raise instead of restoring the newest
@@ -150,6 +154,12 @@ class CheckpointManager:
             :class:`~coci_core.compress.CompressionPolicy`. See docs/compression.md.
         compression_options: knobs of :class:`~coci_core.compress.CompressionPolicy`
             (``full_every``, ``max_lossy_generations``, ``lossy_bits``, ...).
+
+    Runs: each manager starts a new run (``run_id``, stored in every manifest); a restore
+    continues the restored checkpoint's run. Restoring without a step takes the newest
+    checkpoint of the newest run (by creation time, not step number), retention counts and
+    deletes only this run's checkpoints, and ``save`` of a step the directory already holds
+    raises :class:`StepExistsError` unless ``overwrite=True``.
     """
 
     def __init__(
@@ -205,6 +215,10 @@ class CheckpointManager:
         self.listeners: list[Listener] = listeners
         self.last_restore: RestoreEvent | None = None
         self.group = group
+        # The run this manager's saves belong to: new for each manager (the group's session,
+        # the same on every rank), and the restored checkpoint's run after a restore, so that
+        # a resumed run continues its own retention while other runs' checkpoints are left be.
+        self.run_id = group.session
         self.chunk_bytes = chunk_bytes
         self._saves = 0
         self._snapshotter = Snapshotter()
@@ -251,6 +265,7 @@ class CheckpointManager:
         metadata: Mapping[str, Any] | None = None,
         per_rank: Mapping[str, Any] | None = None,
         alone: bool = False,
+        overwrite: bool = False,
     ) -> SaveHandle:
         """Snapshot ``state`` as ``step`` and persist it in the background.
 
@@ -270,6 +285,8 @@ class CheckpointManager:
                 same on every rank (it is split over them and written once).
             alone: rank 0 writes the whole state by itself while the other ranks do not save
                 (for a save only rank 0 reaches, such as one on an exception).
+            overwrite: replace the checkpoint if the directory already holds ``step`` (the
+                old one stays readable until the new one is committed).
 
         ``save`` may be called from any thread: concurrent calls run one after the other.
 
@@ -278,9 +295,10 @@ class CheckpointManager:
             UnsupportedValueError: ``state`` holds a value that cannot be stored without pickle.
             DirectoryInUseError: another manager (in this or another process) is writing to
                 the directory.
+            StepExistsError: the directory holds ``step`` and ``overwrite`` is False.
         """
         with self._save_lock:  # saves from several threads run one after the other
-            return self._save(step, state, block, metadata, per_rank, alone)
+            return self._save(step, state, block, metadata, per_rank, alone, overwrite)
 
     def _save(
         self,
@@ -290,17 +308,25 @@ class CheckpointManager:
         metadata: Mapping[str, Any] | None,
         per_rank: Mapping[str, Any] | None,
         alone: bool,
+        overwrite: bool,
     ) -> SaveHandle:
         started = time.perf_counter()
         self._check_open()
         if type(step) is not int or step < 0:
             raise ConfigError(f"'step' must be an integer >= 0: {step!r}")
+        if type(overwrite) is not bool:
+            raise ConfigError(f"'overwrite' must be True or False: {overwrite!r}")
         previous = self._inflight
         if previous is not None and not previous.done():
-            if self.on_busy == "skip":
+            if previous.step == step:
+                previous._done.wait()  # its commit decides whether the step exists
+            elif self.on_busy == "skip":
                 return self._skip(step, block=block, started=started)
-            previous._done.wait()
+            else:
+                previous._done.wait()
         self._raise_failed()
+        if not overwrite:
+            self._refuse_existing(step)
         if alone and not self.group.is_coordinator:
             raise ConfigError("'alone' saves are made by rank 0 only")
         group = RankGroup(0, 1, self.group.session) if alone else self.group
@@ -330,6 +356,7 @@ class CheckpointManager:
             layout=_layout_digest(flat.leaves, self.chunk_bytes) if regions is not None else "",
             group=group,
             copy_in_writer=not block,
+            run=self.run_id,
         )
         if block:
             # Copied before the writer starts: writing the copied part of the arena while the
@@ -341,6 +368,25 @@ class CheckpointManager:
         handle._stall_s = time.perf_counter() - started
         self._worker.submit((job, handle))
         return handle
+
+    def _refuse_existing(self, step: int) -> None:
+        if not self.storage.exists(f"{step_dir_name(step)}/{MANIFEST_NAME}"):
+            return
+        try:
+            run = read_manifest(self.storage, step).run
+        except NoCheckpointError:
+            return  # removed meanwhile
+        except CheckpointError:
+            run = "?"
+        own = run == self.run_id
+        whose = "this run's" if own else f"run {run or '(unnamed)'}'s"
+        raise StepExistsError(
+            f"{self.storage.url} already holds {whose} checkpoint of step {step}; pass "
+            "overwrite=True to replace it, or save into another directory",
+            step=step,
+            run=run,
+            own=own,
+        )
 
     def _flatten_per_rank(
         self, state: Mapping[str, Any], per_rank: Mapping[str, Any] | None
@@ -426,14 +472,26 @@ class CheckpointManager:
         if self._closed:
             raise CociError(f"{self!r} is closed")
 
-    def _skip(self, step: int, *, block: bool, started: float) -> SaveHandle:
+    def skip(self, step: int, reason: str) -> SaveHandle:
+        """Record that ``step`` is not saved, for ``reason``: listeners get a skipped
+        :class:`SaveEvent` (telemetry shows it), and nothing is written."""
+        return self._skip(step, block=True, started=time.perf_counter(), reason=reason)
+
+    def _skip(
+        self,
+        step: int,
+        *,
+        block: bool,
+        started: float,
+        reason: str = "the previous persist is still running",
+    ) -> SaveHandle:
         handle = SaveHandle(step, block=block, started=started, snapshot=None)
         handle._stall_s = time.perf_counter() - started
         handle._event = SaveEvent(
             step=step, outcome="skipped", stall_s=handle._stall_s, block=block
         )
         handle._done.set()
-        logger.info("coci: skipped step %d: the previous persist is still running", step)
+        logger.info("coci: skipped step %d: %s", step, reason)
         emit(self.listeners, handle._event)
         return handle
 
@@ -554,7 +612,7 @@ class CheckpointManager:
         # Retention never fails a save that is already durable: its errors are logged.
         try:
             if self.keep_last is not None:
-                steps = committed_steps(self.storage)
+                steps = self._own_steps()
                 kept = steps[max(0, len(steps) - self.keep_last) :]
                 # The newest save's bases, and the base the next deltas will use, are needed
                 # even when older runs left higher step numbers in the directory.
@@ -568,6 +626,12 @@ class CheckpointManager:
             self._remove_uncommitted(done_seq=done_seq, newest=newest)
         except Exception as e:
             logger.warning("coci: retention after step %d failed: %s", newest, e)
+
+    def _own_steps(self) -> list[int]:
+        """This run's committed steps, oldest first (by creation: a run that went back to an
+        older step and trained on has its abandoned later steps first)."""
+        infos: list[StepInfo] = step_infos(self.storage)
+        return [i.step for i in reversed(infos) if i.intact and i.run == self.run_id]
 
     def _bases_of(self, steps: list[int]) -> set[int]:
         # Steps whose deltas a kept checkpoint needs are kept too (a damaged manifest needs
@@ -632,7 +696,7 @@ class CheckpointManager:
         needed = job.snapshot.arena.total_bytes * job.group.world_size + _ROOM_MARGIN
         if free is None or free >= needed:
             return
-        steps = committed_steps(self.storage)
+        steps = self._own_steps()
         if not steps:
             return
         keep = [*steps[max(0, len(steps) - (self.keep_last - 1)) :], steps[-1]]
@@ -676,9 +740,18 @@ class CheckpointManager:
         return committed_steps(self.storage)
 
     def latest_step(self) -> int | None:
-        """The newest committed step, or None."""
-        steps = self.steps()
-        return steps[-1] if steps else None
+        """The step a restore without ``step`` tries first: the newest checkpoint of the
+        newest run (by creation time), or None when nothing is committed."""
+        infos = step_infos(self.storage)
+        return infos[0].step if infos else None
+
+    def runs(self) -> dict[str, list[int]]:
+        """The committed steps of each run in the directory (ascending), newest run first."""
+        found: dict[str, list[int]] = {}
+        for info in step_infos(self.storage):
+            if info.intact:
+                found.setdefault(info.run, []).append(info.step)
+        return {run: sorted(steps) for run, steps in found.items()}
 
     def manifest(self, step: int) -> Manifest:
         """The manifest of a committed step."""
@@ -698,10 +771,12 @@ class CheckpointManager:
         state that rank ``rank`` (default: this manager's rank) saved is merged in; a rank the
         checkpoint does not have gets none (logged; ``last_restore.rank_state_restored``).
 
-        Pending saves are made durable first. Without ``step`` the newest committed step is
-        used; if it is damaged, it is reported and the newest intact one is used instead
-        (unless ``strict``). ``into`` maps keys of the state to objects whose
-        ``load_state_dict`` receives them. The restored step is in ``last_restore.step``.
+        Pending saves are made durable first. Without ``step`` the newest checkpoint of the
+        newest run is used (:meth:`latest_step`); if it is damaged, it is reported and the
+        next newest intact one is used instead (unless ``strict``). Later saves of this
+        manager continue the restored checkpoint's run. ``into`` maps keys of the state to
+        objects whose ``load_state_dict`` receives them. The restored step is in
+        ``last_restore.step``.
 
         Raises:
             NoCheckpointError: nothing is committed (or not ``step``).
@@ -711,10 +786,10 @@ class CheckpointManager:
         self.wait()
         strict = self.strict if strict is None else strict
         started = time.perf_counter()
-        steps = committed_steps(self.storage)
-        if not steps:
+        order = step_infos(self.storage)
+        if not order:
             raise NoCheckpointError(f"no committed checkpoint in {self.storage.url}")
-        candidates = [step] if step is not None else list(reversed(steps))
+        candidates = [step] if step is not None else [i.step for i in order]
         skipped: list[int] = []
         errors: list[str] = []
         cache = RestoreCache(self.storage)  # a base found damaged is not decoded again
@@ -745,6 +820,8 @@ class CheckpointManager:
             )
         if into is not None:
             _load_into(loaded.state, into)
+        if loaded.manifest.run:
+            self.run_id = loaded.manifest.run  # later saves continue the restored run
         self.last_restore = RestoreEvent(
             step=loaded.step,
             seconds=time.perf_counter() - started,

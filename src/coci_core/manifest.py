@@ -51,6 +51,7 @@ MAX_INT = (1 << 63) - 1  # every integer field (offsets, sizes, steps, dims)
 MAX_NDIM = 64
 MAX_WORLD_SIZE = 1 << 20
 MAX_TOKEN = 256
+MAX_RUN = 64  # a run id: the RankGroup session that first wrote the run (letters and digits)
 MAX_CREATED_UNIX = float(1 << 37)  # the year 6325
 _FILE_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}", re.ASCII)
 _STEP_DIR = re.compile(r"step-([0-9]{10,19})", re.ASCII)
@@ -215,6 +216,7 @@ class Manifest:
     per_rank: tuple[RankState, ...] = ()
     token: str = ""
     bases: tuple[int, ...] = ()
+    run: str = ""
 
     @property
     def nbytes(self) -> int:
@@ -278,7 +280,9 @@ _TOP_FIELDS = (
     "per_rank",
     "token",
     "bases",
+    "run",
 )
+_REQUIRED_V3 = ("world_size", "metadata", "per_rank", "token", "bases")
 _ENTRY_FIELDS = ("key", "kind", "dtype", "shape", "codec", "pieces", "numpy_dtype")
 _ENTRY_FIELDS_V1 = ("key", "kind", "dtype", "shape", "codec", "file", "offset", "nbytes", "crc32c")
 _PIECE_FIELDS = ("file", "offset", "nbytes", "start", "length", "crc32c", "params")
@@ -363,8 +367,7 @@ class RecordChecker:
         self.obj(
             doc,
             "(the document)",
-            ("step", "created_unix", "tree", "tensors", "files")
-            + (_TOP_FIELDS[6:] if strict else ()),
+            ("step", "created_unix", "tree", "tensors", "files") + (_REQUIRED_V3 if strict else ()),
             _TOP_FIELDS if strict else None,
         )
         step = self.int_(doc["step"], "step")
@@ -383,6 +386,9 @@ class RecordChecker:
         if type(metadata) is not dict:
             self.fail("metadata", f"must be an object, got {_show(metadata)}")
         token = self.str_(doc.get("token", ""), "token", MAX_TOKEN)
+        run = self.str_(doc.get("run", ""), "run", MAX_RUN)
+        if not run.isascii() or not (run == "" or run.isalnum()):
+            self.fail("run", f"must be letters and digits, got {_show(run)}")
         bases = tuple(
             self.int_(b, f"bases[{i}]", 0, step - 1)
             for i, b in enumerate(self.list_(doc.get("bases", []), "bases"))
@@ -416,6 +422,7 @@ class RecordChecker:
             per_rank=tuple(per_rank),
             token=token,
             bases=bases,
+            run=run,
         )
 
     def tree(

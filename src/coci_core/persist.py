@@ -79,6 +79,7 @@ class PersistJob:
     layout: str = ""
     group: RankGroup = field(default_factory=RankGroup.single)
     copy_in_writer: bool = False  # block=False: the writer thread makes the copy
+    run: str = ""  # the run the checkpoint belongs to (see CheckpointManager.run_id)
 
 
 @dataclass(frozen=True)
@@ -330,6 +331,7 @@ def write_checkpoint(
             per_rank=tuple(s.per_rank for s in shares),
             token=job.token,
             bases=_bases(storage, shares),
+            run=job.run,
         )
         manifest_json = manifest.to_json()
         storage.write_file(f"{staging}/{MANIFEST_NAME}", [memoryview(manifest_json)])

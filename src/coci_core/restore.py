@@ -37,6 +37,7 @@ __all__ = [
     "RestoreCache",
     "committed_steps",
     "load_checkpoint",
+    "newest_first",
     "read_manifest",
     "verify_checkpoint",
 ]
@@ -63,6 +64,45 @@ def committed_steps(storage: Storage) -> list[int]:
         if step is not None and storage.exists(f"{name}/{MANIFEST_NAME}"):
             steps.append(step)
     return sorted(steps)
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """What ordering and retention need of a committed step: its run and creation time
+    (``intact`` False: its manifest cannot be read; run and time are then unknown)."""
+
+    step: int
+    run: str
+    created_unix: float
+    intact: bool
+
+
+def step_infos(storage: Storage) -> list[StepInfo]:
+    """Every committed step, newest first: by creation time, so that the newest checkpoint
+    of the newest run comes first even when an older run left higher step numbers (and a
+    run that went back to an older step and trained on prefers its new branch).
+
+    A step whose manifest cannot be read is placed where its step number would place it in
+    one run (tried just before the newest intact step below it), so that restore reports it.
+    """
+    infos: list[StepInfo] = []
+    for step in committed_steps(storage):
+        try:
+            m = read_manifest(storage, step)
+        except NoCheckpointError:
+            continue  # removed meanwhile (retention)
+        except CorruptCheckpointError:
+            below = [i.created_unix for i in infos if i.intact]
+            created = max(below) if below else float("-inf")
+            infos.append(StepInfo(step, "", created, intact=False))
+        else:
+            infos.append(StepInfo(step, m.run, m.created_unix, intact=True))
+    return sorted(infos, key=lambda i: (i.created_unix, i.intact is False, i.step), reverse=True)
+
+
+def newest_first(storage: Storage) -> list[int]:
+    """Committed steps in the order a resume tries them (see :func:`step_infos`)."""
+    return [i.step for i in step_infos(storage)]
 
 
 def _size(storage: Storage, path: str) -> int | None:

@@ -23,7 +23,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from coci_core.errors import CorruptCheckpointError
 from coci_core.manifest import MANIFEST_NAME, parse_step_dir
-from coci_core.restore import committed_steps, load_checkpoint
+from coci_core.restore import LoadedCheckpoint, load_checkpoint, newest_first
 from coci_core.storage import open_storage
 
 logger = logging.getLogger(__name__)
@@ -45,7 +45,9 @@ class CociCheckpointIO(CheckpointIO):
     """Reads coci step directories with coci's verified restore; delegates everything else."""
 
     def __init__(
-        self, inner: CheckpointIO, on_restore: Callable[[float], None] | None = None
+        self,
+        inner: CheckpointIO,
+        on_restore: Callable[[LoadedCheckpoint, float], None] | None = None,
     ) -> None:
         super().__init__()
         self.inner = inner
@@ -71,7 +73,8 @@ class CociCheckpointIO(CheckpointIO):
         storage = open_storage(str(root))
         candidates = [step]
         if getattr(self, "fallback_for", None) == str(path):  # "last": fall back past damage
-            candidates = [s for s in reversed(committed_steps(storage)) if s <= step]
+            order = newest_first(storage)
+            candidates = order[order.index(step) :] if step in order else [step]
         for candidate in candidates:
             try:
                 loaded = load_checkpoint(storage, candidate, rank=self.rank)
@@ -81,7 +84,7 @@ class CociCheckpointIO(CheckpointIO):
                     raise
                 rank_zero_warn(f"coci: step {candidate} is damaged, using an older one: {e}")
         if self.on_restore is not None:
-            self.on_restore(time.perf_counter() - started)
+            self.on_restore(loaded, time.perf_counter() - started)
         logger.info("coci: Lightning restores step %d from %s", loaded.step, root)
         return loaded.state
 

@@ -24,7 +24,7 @@ from coci_core.compress import check_policy
 from coci_core.errors import CociError, ConfigError
 from coci_core.group import RankGroup
 from coci_core.manifest import step_dir_name
-from coci_core.restore import committed_steps
+from coci_core.restore import LoadedCheckpoint, newest_first
 from coci_core.storage import open_storage
 from coci_lightning._resume import coci_step_of, install_last_resolution, use_coci_io
 from coci_lightning._rng import collect_plain_rng_states, set_plain_rng_states
@@ -178,14 +178,15 @@ class CociCheckpoint(Checkpoint):
         return Path(trainer.default_root_dir) / "coci"
 
     def newest_step_dir(self, trainer: pl.Trainer) -> Path | str | None:
-        """The newest committed step directory, or None."""
+        """The step directory a resume takes (the newest checkpoint of the newest run), or
+        None."""
         root = self.resolve_dirpath(trainer)
-        steps = committed_steps(open_storage(str(root)))
+        steps = newest_first(open_storage(str(root)))  # the newest run's newest checkpoint
         if not steps:
             return None
         if isinstance(root, str):
-            return root.rstrip("/") + "/" + step_dir_name(steps[-1])
-        return root / step_dir_name(steps[-1])
+            return root.rstrip("/") + "/" + step_dir_name(steps[0])
+        return root / step_dir_name(steps[0])
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -219,14 +220,16 @@ class CociCheckpoint(Checkpoint):
         if self._planner_state is not None:
             self.checkpointer.load_state_dict(self._planner_state)
 
-    def _on_restore(self, seconds: float) -> None:
+    def _on_restore(self, loaded: LoadedCheckpoint, seconds: float) -> None:
         if self.checkpointer is not None:
-            self.checkpointer.planner.record_restore(seconds)
+            self.checkpointer.restored_elsewhere(loaded.step, loaded.manifest.run, seconds)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._start_step = trainer.global_step
         self._plan_told = False
+        if self.checkpointer is not None:
+            self.checkpointer.warn_if_not_empty()  # a fresh run into another run's directory
         planner = self.checkpointer.planner if self.checkpointer is not None else None
         if planner is not None and planner.total_steps is None:
             # max_epochs without max_steps: the Trainer's estimate of the run's optimizer steps

@@ -60,3 +60,23 @@ def test_a_run_that_never_called_resume_is_reproduced(tmp_path: Path) -> None:
     with pytest.raises(Stop):
         _run(tmp_path / "run", resume=False, kill_at=2 * STEPS_PER_EPOCH + 5)
     assert _run(tmp_path / "run", resume=True) == reference
+
+
+def test_a_fresh_run_into_another_runs_directory_warns_and_keeps_them(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A second run without resume() into the same directory warns once, saves beside the
+    first run's checkpoints without overwriting any, and a resume() then continues it."""
+    reference = _run(tmp_path / "ref", resume=False)
+    with pytest.raises(Stop):
+        _run(tmp_path / "run", resume=False, kill_at=3 * STEPS_PER_EPOCH + 1)
+    root = tmp_path / "run"
+    coci_dir = next(p.parent.parent for p in root.rglob("manifest.json"))
+    first = {p: p.read_bytes() for p in coci_dir.glob("step-*/manifest.json")}
+    assert len(first) >= 2
+    with caplog.at_level("WARNING", logger="coci_core"), pytest.raises(Stop):
+        _run(root, resume=False, kill_at=2 * STEPS_PER_EPOCH + 3)
+    assert caplog.text.count("of another run") == 1
+    assert "is not saved" in caplog.text  # the end of epoch 1 and 2: the first run's steps
+    assert {p: p.read_bytes() for p in first} == first
+    assert _run(root, resume=True) == reference

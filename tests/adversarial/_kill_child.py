@@ -46,7 +46,7 @@ def main() -> None:
     local._rename_exchange = point(local._rename_exchange)
     shutil.rmtree = point(shutil.rmtree)
 
-    mgr.save(5, state(2.0)).wait()  # re-save of a committed step
+    mgr.save(5, state(2.0), overwrite=True).wait()  # re-save of a committed step
     mgr.save(6, state(3.0)).wait()  # retention removes step 5
     mgr.close()
     print("OPS", calls["n"], flush=True)

@@ -94,10 +94,10 @@ def test_fsspec_resave_that_fails_keeps_the_committed_step() -> None:
         faulty = FaultyStorage(inner, fail={"write_file": [0]})
         with CheckpointManager(faulty, keep_last=None) as mgr:
             with pytest.raises(BackgroundSaveError):
-                mgr.save(3, {"w": torch.zeros(1000)}).wait()
+                mgr.save(3, {"w": torch.zeros(1000)}, overwrite=True).wait()
             assert torch.equal(mgr.restore(step=3)["w"], torch.ones(1000))
         with CheckpointManager(inner, keep_last=None) as mgr:
-            mgr.save(3, {"w": torch.full((1000,), 2.0)}).wait()
+            mgr.save(3, {"w": torch.full((1000,), 2.0)}, overwrite=True).wait()
             assert torch.equal(mgr.restore(step=3)["w"], torch.full((1000,), 2.0))
             names = inner.list_dir("step-0000000003")
             assert len([n for n in names if n.startswith("data-")]) == 1  # the old files went
@@ -119,7 +119,7 @@ def test_save_below_the_delta_base_is_restorable(tmp_path: Path, compression: st
             g = torch.Generator().manual_seed(step)
             states[step] = {"w": torch.randn(1 << 18, generator=g)}
             states[step]["w"][: 1 << 16] = 0.5
-            mgr.save(step, states[step]).wait()
+            mgr.save(step, states[step], overwrite=True).wait()
         # Re-saving step 10 replaced the base of 11 and 12 (deltas against the old 10): they
         # are removed rather than left to fail their base checks.
         survivors = mgr.steps()

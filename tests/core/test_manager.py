@@ -50,7 +50,7 @@ def test_save_restore_and_steps(tmp_path: Path) -> None:
             assert result.bytes_written > 0
             assert result.time_to_durable_s >= result.stall_s >= 0
         assert mgr.steps() == [10, 20, 30]
-        assert_same(mgr.restore(), states[30])
+        assert_same(mgr.restore(), states[20])  # the newest save, not the highest step
         assert_same(mgr.restore(step=20), states[20])
         assert mgr.last_restore is not None
         assert mgr.last_restore.step == 20
@@ -298,7 +298,7 @@ def test_resave_same_step_replaces_it(tmp_path: Path) -> None:
     """Saving a step that is already committed replaces it atomically."""
     with CheckpointManager(tmp_path) as mgr:
         mgr.save(4, {"v": 1}).wait()
-        mgr.save(4, {"v": 2}).wait()
+        mgr.save(4, {"v": 2}, overwrite=True).wait()
         assert mgr.steps() == [4]
         assert mgr.restore()["v"] == 2
 

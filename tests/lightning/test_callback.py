@@ -262,3 +262,34 @@ def test_save_planned_on_an_epochs_last_batch_moves_to_the_next_step(
     )
     assert digest(resumed) == digest(reference)
     assert resumed.seen == reference.seen[17 * 16 :]
+
+
+def test_a_fresh_fit_into_another_runs_directory(
+    tmp_path: Path, reference: DigitsModel, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A fresh fit() into a directory with another run's checkpoints warns, never deletes or
+    overwrites them (a step both runs reach is not saved), and ckpt_path="last" then resumes
+    the new run's newest checkpoint, exactly."""
+    _fit(tmp_path, 40, [CociCheckpoint(policy="every_n_steps", every_n_steps=10)], seed=7)
+    root = tmp_path / "coci"
+    old = {s: (root / step_dir_name(s) / "manifest.json").read_bytes() for s in (20, 30, 40)}
+    with caplog.at_level("WARNING", logger="coci_core"):
+        _fit(
+            tmp_path,
+            23,
+            [CociCheckpoint(policy="every_n_steps", every_n_steps=10, save_on_train_end=False)],
+        )
+    assert "holds 3 checkpoint(s) of another run (steps 20, 30, 40)" in caplog.text
+    assert "step 20 is not saved" in caplog.text
+    assert {s: (root / step_dir_name(s) / "manifest.json").read_bytes() for s in old} == old
+    with CheckpointManager(root) as mgr:
+        assert mgr.latest_step() == 10  # the new run's newest, not the old run's step 40
+    resumed = _fit(
+        tmp_path,
+        40,
+        [CociCheckpoint(policy="every_n_steps", every_n_steps=10)],
+        seed=99,
+        ckpt_path="last",
+    )
+    assert digest(resumed) == digest(reference)
+    assert {s: (root / step_dir_name(s) / "manifest.json").read_bytes() for s in old} == old

@@ -1,0 +1,177 @@
+"""One run per directory, or a clear choice: runs never delete or overwrite each other's
+checkpoints, a resume takes the newest checkpoint of the newest run, and saving a step that
+exists is refused unless asked (issue 15)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from coci_core import CheckpointManager, StepExistsError
+from coci_core.checkpointer import Checkpointer
+from coci_core.errors import CorruptCheckpointError
+from coci_core.manifest import MANIFEST_NAME, step_dir_name
+from coci_core.restore import newest_first, read_manifest
+from coci_core.storage import open_storage
+
+
+def _state(value: float) -> dict[str, torch.Tensor]:
+    return {"w": torch.full((64,), value)}
+
+
+def _manifest_bytes(root: Path, step: int) -> bytes:
+    return (root / step_dir_name(step) / MANIFEST_NAME).read_bytes()
+
+
+def test_a_fresh_run_never_touches_another_runs_checkpoints(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path, keep_last=2, compression="none") as old:
+        for step in (10, 20, 30):
+            old.save(step, _state(step)).wait()
+        old_run = old.run_id
+    assert [s for s in newest_first(open_storage(str(tmp_path)))] == [30, 20]
+    before = {s: _manifest_bytes(tmp_path, s) for s in (20, 30)}
+
+    with CheckpointManager(tmp_path, keep_last=2, compression="none") as new:
+        assert new.run_id != old_run
+        with pytest.raises(StepExistsError, match="overwrite=True") as caught:
+            new.save(20, _state(-1.0))
+        assert caught.value.run == old_run and not caught.value.own
+        for step in (1, 2, 3, 4):
+            new.save(step, _state(1000 + step)).wait()
+        new_run = new.run_id
+    with CheckpointManager(tmp_path, compression="none") as reader:  # after close: retired
+        # retention counted only the new run's checkpoints
+        assert reader.runs() == {new_run: [3, 4], old_run: [20, 30]}
+        # the newest run's newest checkpoint, although the old run has higher steps
+        assert reader.latest_step() == 4
+        assert float(reader.restore()["w"][0]) == 1004.0
+    assert {s: _manifest_bytes(tmp_path, s) for s in (20, 30)} == before
+
+
+def test_a_restore_continues_the_restored_run(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path, keep_last=2, compression="none") as first:
+        for step in (1, 2):
+            first.save(step, _state(step)).wait()
+        run = first.run_id
+    with CheckpointManager(tmp_path, keep_last=2, compression="none") as resumed:
+        assert resumed.restore()["w"][0] == 2.0
+        assert resumed.run_id == run
+        resumed.save(3, _state(3)).wait()
+        assert read_manifest(resumed.storage, 3).run == run
+    with CheckpointManager(tmp_path) as reader:
+        assert reader.steps() == [2, 3]  # its step 1 was retired, as in one run
+
+
+def test_overwrite_true_replaces_a_step(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path, compression="none") as mgr:
+        mgr.save(5, _state(1.0)).wait()
+        with pytest.raises(StepExistsError, match=r"this run's checkpoint of step 5") as caught:
+            mgr.save(5, _state(2.0))
+        assert caught.value.own
+        mgr.save(5, _state(2.0), overwrite=True).wait()
+        assert float(mgr.restore(5)["w"][0]) == 2.0
+        with pytest.raises(ValueError, match="'overwrite' must be True or False"):
+            mgr.save(6, _state(2.0), overwrite=1)  # type: ignore[arg-type]
+
+
+def test_a_run_that_went_back_prefers_its_new_branch(tmp_path: Path) -> None:
+    """Resumed from an older step, a run that trains on and saves is resumed from its new
+    checkpoint, not from a higher step it abandoned; re-saving its own old steps is allowed."""
+    with CheckpointManager(tmp_path, keep_last=None, compression="none") as first:
+        for step in (10, 20, 30):
+            first.save(step, _state(step)).wait()
+    ckpt = Checkpointer(tmp_path, keep_last=None, compression="none", block=True)
+    try:
+        ckpt.restore(10)
+        ckpt.save(15, _state(15.0)).wait()
+        ckpt.save(20, _state(-20.0)).wait()  # its own abandoned step 20: replaced
+    finally:
+        ckpt.close()
+    order = newest_first(open_storage(str(tmp_path)))
+    assert order[:2] == [20, 15] and set(order) == {10, 15, 20, 30}
+    with CheckpointManager(tmp_path, keep_last=None, compression="none") as mgr:
+        assert float(mgr.restore()["w"][0]) == -20.0
+
+
+def test_saves_of_the_same_step_in_flight_are_ordered(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path, compression="none") as mgr:
+        mgr.save(1, _state(1.0), block=False)
+        with pytest.raises(StepExistsError):
+            mgr.save(1, _state(2.0), block=False)  # waits for the first, which committed
+        assert float(mgr.restore(1)["w"][0]) == 1.0
+
+
+def test_checkpointer_skips_another_runs_step_and_overwrites_its_own(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with CheckpointManager(tmp_path, keep_last=None, compression="none") as other:
+        other.save(4, _state(-4.0)).wait()
+    foreign = _manifest_bytes(tmp_path, 4)
+    events: list[object] = []
+    ckpt = Checkpointer(
+        tmp_path, keep_last=None, compression="none", block=True, listeners=[events.append]
+    )
+    try:
+        with caplog.at_level(logging.WARNING, logger="coci_core"):
+            assert ckpt.warn_if_not_empty()
+            assert not ckpt.warn_if_not_empty()  # once
+            ckpt.save(2, _state(2.0)).wait()
+            ckpt.save(4, _state(4.0)).wait()  # another run's step: skipped, not overwritten
+            assert ckpt.save(2, _state(22.0)).wait().outcome == "committed"  # its own: replaced
+        assert "holds 1 checkpoint(s) of another run (steps 4)" in caplog.text
+        assert "step 4 is not saved" in caplog.text
+        assert [getattr(e, "outcome", None) for e in events] == [
+            "committed",
+            "skipped",
+            "committed",
+        ]
+        assert _manifest_bytes(tmp_path, 4) == foreign
+        assert float(ckpt.manager.restore(2)["w"][0]) == 22.0
+    finally:
+        ckpt.close()
+
+
+def test_the_step_a_run_resumed_from_is_not_saved_again(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path, compression="none") as first:
+        first.save(7, _state(7.0)).wait()
+    before = _manifest_bytes(tmp_path, 7)
+    ckpt = Checkpointer(tmp_path, compression="none", block=True)
+    try:
+        ckpt.restore()
+        assert not ckpt.warn_if_not_empty()  # resumed: nothing to warn about
+        assert ckpt.save(7, _state(7.0)).wait().outcome == "skipped"
+        assert ckpt.save(8, _state(8.0)).wait().outcome == "committed"
+    finally:
+        ckpt.close()
+    assert _manifest_bytes(tmp_path, 7) == before
+
+
+def test_a_damaged_newest_manifest_is_reported_and_skipped(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path, keep_last=None, compression="none") as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, _state(step)).wait()
+    path = tmp_path / step_dir_name(3) / MANIFEST_NAME
+    path.write_bytes(path.read_bytes()[:-10])
+    assert newest_first(open_storage(str(tmp_path))) == [3, 2, 1]
+    with CheckpointManager(tmp_path, compression="none") as mgr:
+        assert float(mgr.restore()["w"][0]) == 2.0
+        assert mgr.last_restore is not None and mgr.last_restore.skipped_steps == (3,)
+
+
+@pytest.mark.parametrize("run", [17, None, "a-b", "x" * 65, "é", ["a"]])
+def test_a_bad_run_field_is_refused(tmp_path: Path, run: object) -> None:
+    from coci_core.manifest import Manifest, seal
+
+    with CheckpointManager(tmp_path, compression="none") as mgr:
+        mgr.save(1, _state(1.0)).wait()
+    path = tmp_path / step_dir_name(1) / MANIFEST_NAME
+    doc = json.loads(path.read_bytes())
+    del doc["checksum"]
+    doc["run"] = run
+    data = seal(json.dumps(doc, separators=(",", ":")).encode())
+    with pytest.raises(CorruptCheckpointError, match="run"):
+        Manifest.from_json(data)
