@@ -18,7 +18,7 @@ from accelerate.utils import broadcast_object_list
 
 from coci_accelerate import _state
 from coci_accelerate.tracker import CociTracker
-from coci_core.checkpointer import Checkpointer, adapter_planner_options
+from coci_core.checkpointer import Checkpointer, adapter_planner_options, check_verbose
 from coci_core.errors import CociError, ConfigError, NoCheckpointError
 from coci_core.group import RankGroup
 from coci_core.manager import SaveHandle
@@ -48,6 +48,8 @@ class CociCheckpointer:
         total_steps: the optimizer steps the whole run takes, for the planner's horizon; or
         num_epochs: the run's epochs (then ``total_steps`` is the first prepared loader's
             length, in optimizer steps, times ``num_epochs``). Neither: a rolling horizon.
+        verbose: the main process logs a line per save (step, stall, MB written,
+            compression, when durable). ``close()`` logs one summary line either way.
     """
 
     def __init__(
@@ -68,6 +70,7 @@ class CociCheckpointer:
         save_on_close: bool = True,
         total_steps: int | None = None,
         num_epochs: int | None = None,
+        verbose: bool = False,
     ) -> None:
         if not isinstance(accelerator, Accelerator):
             raise ConfigError(
@@ -89,6 +92,7 @@ class CociCheckpointer:
         )
         if not isinstance(save_on_close, bool):
             raise ConfigError(f"'save_on_close' must be a bool: {save_on_close!r}")
+        self.verbose = check_verbose(verbose)
         self.save_on_close = save_on_close
         self.accelerator = accelerator
         root = Path(accelerator.project_dir) if accelerator.project_dir else Path.cwd()
@@ -113,7 +117,9 @@ class CociCheckpointer:
             broadcast=_broadcast if accelerator.num_processes > 1 else None,
             sinks=sinks,
             manager_options={"group": _rank_group(accelerator)},
+            verbose=self.verbose,
         )
+        self._closed = False
         self._tracker = _find_tracker(accelerator)
         config = accelerator.dataloader_config
         if not config.use_seedable_sampler:
@@ -277,7 +283,16 @@ class CociCheckpointer:
                         self._saved,
                     )
         finally:
-            self.checkpointer.close()
+            try:
+                self.checkpointer.close()
+            finally:  # the end of training: one summary line on the main process
+                if not self._closed and self.accelerator.is_main_process:
+                    line = self.checkpointer.summary_line()
+                    if self.checkpointer.summary.failed:
+                        logger.warning(line)
+                    else:
+                        logger.info(line)
+                self._closed = True
 
     def resume(self) -> int:
         """Restore the newest committed checkpoint, if any, into everything Accelerate

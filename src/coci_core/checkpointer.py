@@ -24,6 +24,7 @@ from coci_core.planner.optimize import Problem
 from coci_core.planner.schedule import ExpectedOverhead, compare_with_daly
 from coci_core.stateful import Stateful
 from coci_core.storage import Storage
+from coci_core.summary import SaveSummary, save_line
 from coci_core.telemetry import Event, Listener, RestoreEvent, SaveEvent, TelemetrySink
 
 __all__ = ["COMPRESSION_MODES", "Checkpointer"]
@@ -40,6 +41,13 @@ def check_compression(compression: str | None) -> str:
     if mode not in COMPRESSION_MODES:
         raise ConfigError(f"'compression' must be one of {COMPRESSION_MODES}: {compression!r}")
     return mode
+
+
+def check_verbose(verbose: object) -> bool:
+    """``verbose`` is a bool, or a ConfigError naming it."""
+    if not isinstance(verbose, bool):
+        raise ConfigError(f"'verbose' must be a bool (True or False): {verbose!r}")
+    return verbose
 
 
 def adapter_planner_options(
@@ -101,6 +109,8 @@ class Checkpointer:
         sinks: telemetry sinks (TensorBoard, JSON lines): every save and restore event, the
             plan whenever it changes and at each save, and the observed loss beside the fitted
             curve every ``telemetry_every_n_steps`` steps.
+        verbose: rank 0 logs one line per save (step, stall, MB written, compression, when
+            durable); :meth:`summary_line` is the end-of-training summary either way.
     """
 
     def __init__(
@@ -121,8 +131,11 @@ class Checkpointer:
         broadcast: Callable[[Any], Any] | None = None,
         sinks: Iterable[TelemetrySink] = (),
         telemetry_every_n_steps: int = 50,
+        verbose: bool = False,
     ) -> None:
         self.compression = check_compression(compression)
+        self.verbose = check_verbose(verbose)
+        self.summary = SaveSummary()
         if not isinstance(block, bool):
             raise ConfigError(f"'block' must be a bool: {block!r}")
         self.block = block
@@ -172,12 +185,24 @@ class Checkpointer:
                     unobserved_stall_s=event.stall_s - event.update_wait_s,
                 )
             self.last_save = event
+            self.summary.add(event)
+            if self.verbose and self.rank == 0:
+                if event.outcome == "failed":
+                    logger.warning(save_line(event))
+                else:
+                    logger.info(save_line(event))
         receivers: list[Callable[[Event], None]] = [*self.sinks, *self._listeners]
         for listener in receivers:
             try:
                 listener(event)
             except Exception:
                 logger.exception("coci telemetry listener %r failed", listener)
+
+    def summary_line(self) -> str:
+        """One line on this rank's saves so far: checkpoints committed, skipped and failed
+        (when any), total stall and bytes written (see :class:`~coci_core.summary.SaveSummary`).
+        """
+        return self.summary.line(world_size=self.manager.group.world_size)
 
     def observe(
         self, step: int, *, loss: float | None = None, step_time_s: float | None = None

@@ -19,7 +19,7 @@ from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from coci_core.checkpointer import Checkpointer, adapter_planner_options
+from coci_core.checkpointer import Checkpointer, adapter_planner_options, check_verbose
 from coci_core.compress import check_policy
 from coci_core.errors import CociError, ConfigError
 from coci_core.group import RankGroup
@@ -60,6 +60,8 @@ class CociCheckpoint(Checkpoint):
         save_on_train_end, save_on_exception: also save at the end and on an exception or
             SIGTERM.
         planner_options: further keyword arguments of :class:`coci_core.planner.Planner`.
+        verbose: rank 0 logs a line per save (step, stall, MB written, compression, when
+            durable). One summary line is logged at the end of ``fit`` either way.
     """
 
     def __init__(
@@ -80,9 +82,11 @@ class CociCheckpoint(Checkpoint):
         save_on_train_end: bool = True,
         save_on_exception: bool = True,
         planner_options: dict[str, Any] | None = None,
+        verbose: bool = False,
     ) -> None:
         super().__init__()
         dirpath = _check_dirpath(dirpath)
+        self.verbose = check_verbose(verbose)
         for name, flag in (
             ("resume", resume),
             ("save_on_train_end", save_on_train_end),
@@ -216,6 +220,7 @@ class CociCheckpoint(Checkpoint):
             if trainer.world_size > 1
             else None,
             manager_options={"group": _rank_group(trainer)},
+            verbose=self.verbose,
         )
         if self._planner_state is not None:
             self.checkpointer.load_state_dict(self._planner_state)
@@ -446,8 +451,12 @@ class CociCheckpoint(Checkpoint):
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self.checkpointer is not None:
-            self.checkpointer.close()
-            self.checkpointer = None
+            ckpt, self.checkpointer = self.checkpointer, None
+            try:
+                ckpt.close()
+            finally:  # the end of fit: one summary line (also after an exception)
+                if trainer.is_global_zero:
+                    _log_summary(ckpt)
         self._start_step = None
 
     @override
@@ -484,6 +493,14 @@ class CociCheckpoint(Checkpoint):
         self._planner_state = state_dict
         if self.checkpointer is not None:
             self.checkpointer.load_state_dict(state_dict)
+
+
+def _log_summary(ckpt: Checkpointer) -> None:
+    line = ckpt.summary_line()
+    if ckpt.summary.failed:
+        logger.warning(line)
+    else:
+        logger.info(line)
 
 
 def _is_url(path: str) -> bool:

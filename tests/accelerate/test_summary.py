@@ -1,0 +1,69 @@
+"""Issue 15: CociCheckpointer(verbose=True) logs a line per save; close() logs one summary."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration, set_seed
+
+from coci_accelerate import CociCheckpointer
+from coci_core import ConfigError
+
+
+def _accelerator(tmp_path: Path) -> Accelerator:
+    return Accelerator(
+        cpu=True,
+        project_dir=str(tmp_path),
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+    )
+
+
+@pytest.mark.parametrize("verbose", [True, False])
+def test_verbose_lines_and_one_summary_at_close(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, verbose: bool
+) -> None:
+    """10 steps, saves at 4 and 8 and the final one at close(): with verbose a line for each
+    (step, stall in ms, MB written, durable); always one summary line, even if close() is
+    called twice."""
+    set_seed(3)
+    accelerator = _accelerator(tmp_path)
+    model = torch.nn.Linear(4, 2)
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    ckpt = CociCheckpointer(accelerator, policy="every_n_steps", every_n_steps=4, verbose=verbose)
+    with caplog.at_level(logging.INFO):
+        for _ in range(10):
+            accelerator.backward(model(torch.randn(3, 4)).pow(2).mean())
+            optimizer.step()
+            optimizer.zero_grad()
+            ckpt.step()
+        ckpt.close()
+        ckpt.close()
+    messages = [(r.name, r.getMessage()) for r in caplog.records]
+    per_save = [m for name, m in messages if name == "coci_core.checkpointer"]
+    if verbose:
+        assert [m.split(" saved")[0] for m in per_save] == [
+            "coci: step 4",
+            "coci: step 8",
+            "coci: step 10",
+        ]
+        assert all(" ms, " in m and " MB written" in m and "durable" in m for m in per_save)
+    else:
+        assert per_save == []
+    summary = [
+        m for name, m in messages if name == "coci_accelerate.checkpointer" and "committed" in m
+    ]
+    assert len(summary) == 1
+    assert summary[0].startswith("coci: 3 checkpoints committed (newest step 10), total stall ")
+    assert summary[0].endswith(" MB written")
+
+
+def test_verbose_is_checked(tmp_path: Path) -> None:
+    accelerator = _accelerator(tmp_path)
+    model = torch.nn.Linear(4, 2)
+    accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ConfigError, match="'verbose' must be a bool"):
+        CociCheckpointer(accelerator, verbose=1)  # type: ignore[arg-type]

@@ -1,0 +1,48 @@
+"""The end-of-training summary line counts committed, skipped and failed saves."""
+
+from __future__ import annotations
+
+from coci_core.summary import SaveSummary, save_line
+from coci_core.telemetry import SaveEvent
+
+
+def test_summary_counts_every_outcome() -> None:
+    summary = SaveSummary()
+    assert summary.line() == "coci: no checkpoint committed, total stall 0.000 s, 0 MB written"
+    summary.add(
+        SaveEvent(
+            step=5, outcome="committed", stall_s=0.25, bytes_written=2_000_000, raw_bytes=2_000_000
+        )
+    )
+    summary.add(
+        SaveEvent(
+            step=10,
+            outcome="committed",
+            stall_s=0.5,
+            bytes_written=1_000_000,
+            raw_bytes=3_000_000,
+            compressed=True,
+        )
+    )
+    summary.add(SaveEvent(step=12, outcome="skipped", stall_s=0.25))
+    summary.add(SaveEvent(step=15, outcome="failed", error="OSError: disk full"))
+    assert summary.line(world_size=2) == (
+        "coci: 2 checkpoints committed (newest step 10), 1 skipped, 1 failed, total stall "
+        "1.000 s, 3 MB written (this rank's share), compressed 1.67x"
+    )
+
+
+def test_save_line() -> None:
+    event = SaveEvent(
+        step=7,
+        outcome="committed",
+        stall_s=0.0123,
+        bytes_written=1_500_000,
+        raw_bytes=3_000_000,
+        compressed=True,
+        time_to_durable_s=0.2,
+    )
+    assert save_line(event) == (
+        "coci: step 7 saved: stall 12.3 ms, 1.5 MB written, compressed 2.00x, durable 200 ms "
+        "after the save began"
+    )
