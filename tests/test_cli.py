@@ -119,7 +119,8 @@ def test_coci_demo_engine_end_to_end(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_coci_demo_lightning_end_to_end(tmp_path: Path) -> None:
-    """`coci demo` kills a Lightning run at a step, resumes it exactly and reports the plan."""
+    """`coci demo` kills a Lightning run at a step, resumes it exactly and reports the plan;
+    no third-party noise, one progress bar per phase, and it says where its files are."""
     proc = subprocess.run(
         [
             sys.executable,
@@ -134,16 +135,27 @@ def test_coci_demo_lightning_end_to_end(tmp_path: Path) -> None:
             "120",
         ],
         capture_output=True,
-        text=True,
         timeout=600,
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    out = proc.stdout
+    # decoded by hand: text=True would turn the progress bars' carriage returns into newlines
+    out, err = proc.stdout.decode(), proc.stderr.decode()
+    assert proc.returncode == 0, out + err
     assert "killed with SIGKILL at step 120" in out
     assert "final weights bit-identical to the uninterrupted run: True" in out
     assert "each remaining sample trained on exactly once, in the same order: True" in out
     assert "checkfreq" in out
     assert "tensorboard --logdir" in out
+    assert f"files in {tmp_path / 'demo'}" in out.splitlines()[0]
+    assert f"files in {tmp_path / 'demo'}: reference/" in out.splitlines()[-1]
+    # one stated overhead per policy: the table, not also the plan's figure over its horizon
+    assert "expected overhead over the horizon" not in out
+    for noise in ("Warning", "deprecated", "GPU available", "Tip", "Restoring states", "Epoch"):
+        assert noise not in err and noise not in out, (noise, err)
+    # one progress bar per phase (each ends where its run ended: the kill, or the last step)
+    bars = [line.split("\r")[-1] for line in err.split("\n")]
+    bars = [bar for bar in bars if bar.strip().startswith("training:")]
+    assert len(bars) == 3, err
+    assert ["200/200" in bars[0], "120/200" in bars[1], "200/200" in bars[2]] == [True] * 3, bars
 
 
 def test_sharded_checkpoint_exports_to_dcp_and_imports_back(tmp_path: Path) -> None:

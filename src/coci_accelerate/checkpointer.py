@@ -196,7 +196,7 @@ class CociCheckpointer:
         every = planner.every_n_steps
         if report.next_steps:
             first = f"first planned save at step {report.next_steps[0]}"
-        else:  # the planner plans once it has measured step times, even for a fixed interval
+        else:  # the planner plans once it has measured step times (a fixed interval at once)
             first = "first save planned once a few step times are measured"
         if report.interval_steps is not None:
             interval = f"every {report.interval_steps} steps"

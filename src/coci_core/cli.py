@@ -3,8 +3,9 @@ the planner).
 
 Exit codes: 0 done; 1 the checkpoints have a problem (none committed, damage found, a failed
 save); 2 the command line or its input is unusable (a missing directory or file, a file that
-is not a checkpoint, a step that is not there, a step import would overwrite without
-``--force``). Errors are one line on stderr, never a traceback.
+is not a checkpoint or is damaged, a file import refuses because loading it would run code, a
+step that is not there, a step import would overwrite without ``--force``). Errors are one
+line on stderr, never a traceback.
 
 Building the parser imports nothing heavy (no torch, numpy, scipy): each subcommand imports
 what it needs when it runs, so ``coci --help`` answers at once.
@@ -191,23 +192,22 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _import(args: argparse.Namespace) -> int:
-    from coci_core.errors import CociError, UnsafeCheckpointError
-    from coci_core.foreign import read_foreign
+    from coci_core.errors import CociError
+    from coci_core.foreign import read_foreign_with_step
     from coci_core.manager import CheckpointManager
 
     try:
-        state = read_foreign(Path(args.src))
-    except UnsafeCheckpointError:
-        raise  # refused: it would run code (exit 1)
-    except CociError as e:  # missing, not a checkpoint, damaged: not something to import
+        state, recorded = read_foreign_with_step(Path(args.src))
+    except CociError as e:
+        # missing, not a checkpoint, damaged, or refused because loading it would run code
+        # from the file (UnsafeCheckpointError): not something to import
         raise BadInput(str(e)) from e
+    step = args.step if args.step is not None else recorded if recorded is not None else 0
     with CheckpointManager(args.dir, keep_last=None, allow_torch_save=args.allow_torch_save) as mgr:
-        if args.step in mgr.steps() and not args.force:
-            raise BadInput(
-                f"step {args.step} already exists in {args.dir}: pass --force to replace it"
-            )
-        mgr.save(args.step, state).wait()
-    print(f"imported {args.src} into {args.dir} as step {args.step}")
+        if step in mgr.steps() and not args.force:
+            raise BadInput(f"step {step} already exists in {args.dir}: pass --force to replace it")
+        mgr.save(step, state).wait()
+    print(f"imported {args.src} into {args.dir} as step {step}")
     return 0
 
 
@@ -287,7 +287,11 @@ def build_parser() -> argparse.ArgumentParser:
         "src", metavar="SRC", help="a torch.save file, a .safetensors file or a DCP directory"
     )
     p.add_argument("dir", metavar="DIR", help="the checkpoint directory to save into")
-    p.add_argument("--step", type=_step, required=True, help="the step to save it as")
+    p.add_argument(
+        "--step",
+        type=_step,
+        help="the step to save it as (default: the step `coci export` recorded in SRC, else 0)",
+    )
     p.add_argument("--force", action="store_true", help="replace the step if DIR has it")
     p.add_argument(
         "--allow-torch-save",

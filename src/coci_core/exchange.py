@@ -50,6 +50,7 @@ __all__ = [
     "SAFETENSORS_NOTE",
     "export_state",
     "from_note",
+    "note_step",
     "pt_locator",
     "read_pt_note",
 ]
@@ -277,6 +278,15 @@ def read_pt_note(src: Path) -> str | None:
             return archive.read(info).decode("utf-8")
     except (zipfile.BadZipFile, OSError, UnicodeDecodeError, ValueError, NotImplementedError) as e:
         raise CorruptCheckpointError(f"{src}: cannot read the coci export note: {e}") from e
+
+
+def note_step(text: str) -> int | None:
+    """The step a note records (None if it records none a step can be: read as untrusted)."""
+    try:
+        step = json.loads(text).get("step")
+    except (ValueError, RecursionError, AttributeError):
+        return None
+    return step if type(step) is int and step >= 0 else None
 
 
 def from_note(text: Any, locate: Callable[[Any], Any], what: str) -> dict[str, Any]:

@@ -41,7 +41,7 @@ from coci_core.errors import CociError, CorruptCheckpointError, StorageError, Un
 from coci_core.storage.local import open_regular
 from coci_core.tree import load_weights_only
 
-__all__ = ["read_dcp", "read_foreign"]
+__all__ = ["read_dcp", "read_foreign", "read_foreign_with_step"]
 
 METADATA_NAME = ".metadata"
 # A DCP path into a list pads the list with None up to the index: a bound on what a list index
@@ -59,17 +59,24 @@ def read_foreign(src: Path) -> dict[str, Any]:
         CorruptCheckpointError: ``src`` is damaged or not in the format its name says.
         CociError: ``src`` does not exist or does not hold a mapping.
     """
-    from coci_core.exchange import from_note, pt_locator, read_pt_note
+    return read_foreign_with_step(src)[0]
+
+
+def read_foreign_with_step(src: Path) -> tuple[dict[str, Any], int | None]:
+    """:func:`read_foreign`, and the step ``coci export`` recorded in ``src`` (None for a
+    file another tool wrote)."""
+    from coci_core.exchange import from_note, note_step, pt_locator, read_pt_note
 
     src = Path(src)
+    note: str | None = None
     if src.is_dir():
-        state: Any = _read_dcp_exported(src)
+        state, note = _read_dcp_exported(src)
     elif not src.exists():
         raise CociError(f"{src}: no such file or directory")
     elif not src.is_file():
         raise CociError(f"{src} is not a regular file or a directory")
     elif src.suffix == ".safetensors":
-        state = _read_safetensors(src)
+        state, note = _read_safetensors(src)
     else:
         state = load_weights_only(src, what=str(src), map_location="cpu")
         note = read_pt_note(src)
@@ -77,10 +84,10 @@ def read_foreign(src: Path) -> dict[str, Any]:
             state = from_note(note, pt_locator(state, str(src)), str(src))
     if not isinstance(state, dict):
         raise CociError(f"{src} holds a {type(state).__name__}, not a mapping")
-    return state
+    return state, None if note is None else note_step(note)
 
 
-def _read_safetensors(src: Path) -> dict[str, Any]:
+def _read_safetensors(src: Path) -> tuple[Any, str | None]:
     from safetensors import safe_open
 
     from coci_core.exchange import SAFETENSORS_NOTE, from_note
@@ -92,24 +99,25 @@ def _read_safetensors(src: Path) -> dict[str, Any]:
     except Exception as e:  # safetensors raises its own error types
         raise CorruptCheckpointError(f"cannot read {src} as a .safetensors file: {e}") from e
     if SAFETENSORS_NOTE not in metadata:  # another tool's file: its flat names
-        return tensors
+        return tensors, None
 
     def locate(name: Any) -> Any:
         if type(name) is not str or name not in tensors:
             raise CorruptCheckpointError(f"{src}: the note names an array the file lacks")
         return tensors[name]
 
-    return from_note(metadata[SAFETENSORS_NOTE], locate, str(src))
+    note = metadata[SAFETENSORS_NOTE]
+    return from_note(note, locate, str(src)), note
 
 
-def _read_dcp_exported(directory: Path) -> dict[str, Any]:
+def _read_dcp_exported(directory: Path) -> tuple[Any, str | None]:
     """A DCP directory: as coci exported it when it holds coci's note, else as DCP nests it."""
     from coci_core.exchange import NOTE_FILE, from_note, pt_locator
 
     meta, values, paths = _read_dcp_values(Path(directory))
     note_path = Path(directory) / NOTE_FILE
     if not note_path.exists() and not note_path.is_symlink():
-        return _nest(meta, values, paths, str(directory))
+        return _nest(meta, values, paths, str(directory)), None
     with _open_regular(note_path, str(directory)) as f:
         data = f.read(1 << 28)
     try:
@@ -125,7 +133,7 @@ def _read_dcp_exported(directory: Path) -> dict[str, Any]:
             raise CorruptCheckpointError(f"{directory}: the note names an array DCP lacks")
         return inside([position[at[0]], *at[1]] if type(at[1]) is list else at[1])
 
-    return from_note(note, locate, str(directory))
+    return from_note(note, locate, str(directory)), note
 
 
 # -- the restricted unpickler of .metadata ---------------------------------------------------

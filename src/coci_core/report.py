@@ -123,8 +123,11 @@ def _num(value: Any, spec: str, scale: float = 1.0, unknown: str = "-") -> str:
     return format(value * scale, spec)
 
 
-def render(summary: RunSummary, *, tensorboard_dir: str | None = None) -> str:
-    """The report as text."""
+def render(
+    summary: RunSummary, *, tensorboard_dir: str | None = None, with_overhead: bool = True
+) -> str:
+    """The report as text (``with_overhead=False``: without the plan's expected overhead, for
+    a caller that states each policy's overhead itself)."""
     lines = []
     actual = [s["step"] for s in summary.committed]
     lines.append(f"checkpoints committed: {len(actual)} at steps {actual}")
@@ -167,7 +170,7 @@ def render(summary: RunSummary, *, tensorboard_dir: str | None = None) -> str:
             + (f"MTBF {mtbf} s" if mtbf else "MTBF unknown")
             + (f" ({source})" if source else "")
         )
-        overhead = plan.get("expected_overhead")
+        overhead = plan.get("expected_overhead") if with_overhead else None
         if overhead:
 
             def cost(key: str) -> str:

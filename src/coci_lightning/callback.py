@@ -148,10 +148,6 @@ class CociCheckpoint(Checkpoint):
         self._start_step: int | None = None  # global_step at on_train_start (None: not started)
         self._plan_told = False
         self._relay = LoggerRelay()
-        # policy="every_n_steps": save exactly at the multiples of N of trainer.global_step
-        self._fixed_every: int | None = (
-            int(self.planner_options["every_n_steps"]) if policy == "every_n_steps" else None
-        )
         install_last_resolution()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -293,11 +289,6 @@ class CociCheckpoint(Checkpoint):
         step_time = None if self._last_end is None else now - self._last_end
         ckpt.observe(trainer.global_step, loss=self._loss(trainer, outputs), step_time_s=step_time)
         planned = ckpt.should_save(trainer.global_step)  # every rank asks (shared decision)
-        if self._fixed_every is not None:
-            # A fixed interval is known before any measurement: exactly the multiples of N
-            # (the planner plans only after a few measured steps, and moves a multiple it
-            # has passed by then to the next step; nor does it plan the run's last step).
-            planned = trainer.global_step > 0 and trainer.global_step % self._fixed_every == 0
         self._check_monitor(trainer, planned)
         if planned or self._deferred:
             # Not on an epoch's last batch: Lightning's epoch-end work (epoch-interval LR
@@ -317,14 +308,9 @@ class CociCheckpoint(Checkpoint):
         report = ckpt.planner.report(with_overhead=False)
         step = trainer.global_step
         total = ckpt.planner.total_steps
-        if self._fixed_every is not None:
-            n = self._fixed_every
-            first: int | None = (step // n + 1) * n
-            interval: int | None = n
-        else:
-            ahead = [s for s in report.next_steps if s > step]
-            first = ahead[0] if ahead else None
-            interval = ahead[1] - ahead[0] if len(ahead) > 1 else report.interval_steps
+        ahead = [s for s in report.next_steps if s > step]
+        first = ahead[0] if ahead else None
+        interval = ahead[1] - ahead[0] if len(ahead) > 1 else report.interval_steps
         if first is not None and total is not None and first > total:
             first = None
         step_time = report.costs.get("step_time_s") or 0.0

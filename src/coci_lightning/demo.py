@@ -29,8 +29,26 @@ BATCH = 32
 TRAIN_SAMPLES = 1500
 
 
+def _quiet() -> None:
+    """No third-party noise in the demo's output: Lightning's info lines (accelerator, tips,
+    restoring) and the deprecation warnings that torch, torchdata and Lightning raise about
+    each other. coci's own warnings still show."""
+    import logging
+    import warnings
+
+    for name in ("lightning.pytorch", "lightning.fabric", "lightning_fabric", "pytorch_lightning"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    third_party = r"(torch|torchdata|lightning|lightning_fabric|pytorch_lightning)(\.|$)"
+    for category in (DeprecationWarning, FutureWarning, UserWarning):
+        warnings.filterwarnings("ignore", category=category, module=third_party)
+    warnings.filterwarnings("ignore", message=".*is deprecated", module=third_party)
+
+
 def _child(argv: list[str]) -> None:
     """One training process: ``python -m coci_lightning.demo DIR TOTAL RESULT_FILE [KILL FD]``."""
+    _quiet()
+    import logging
+
     import lightning.pytorch as pl
     import torch
     from sklearn.datasets import load_digits
@@ -80,9 +98,42 @@ def _child(argv: list[str]) -> None:
         def train_dataloader(self) -> Any:
             return StatefulDataLoader(train, batch_size=BATCH, shuffle=True)
 
+    class Progress(pl.Callback):
+        """One progress bar for the whole run (on stderr), not one per epoch."""
+
+        def __init__(self) -> None:
+            self.bar: Any = None
+
+        def on_train_start(self, trainer: pl.Trainer, *args: Any) -> None:
+            from tqdm import tqdm  # type: ignore[import-untyped]  # (a Lightning dependency)
+
+            self.bar = tqdm(
+                total=total,
+                initial=trainer.global_step,
+                desc="      training",
+                unit="step",
+                mininterval=0.5,
+                dynamic_ncols=True,
+            )
+
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            if self.bar is not None:
+                self.bar.update(trainer.global_step - self.bar.n)
+
+        def on_train_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            self.close()
+
+        def close(self) -> None:
+            if self.bar is not None:
+                self.bar.close()
+                self.bar = None
+
+    progress = Progress()
+
     class KillPoint(pl.Callback):
         def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
             if kill is not None and marker_fd is not None and trainer.global_step == kill:
+                progress.close()  # the bar ends where the run is killed
                 os.write(marker_fd, f"AT {kill}\n".encode())
                 os.read(sys.stdin.fileno(), 1)  # the parent SIGKILLs this process here
 
@@ -93,11 +144,15 @@ def _child(argv: list[str]) -> None:
         max_steps=total,
         logger=False,
         enable_model_summary=False,
+        enable_progress_bar=False,
         default_root_dir=directory,
-        callbacks=[callback, KillPoint()],
+        callbacks=[callback, progress, KillPoint()],
         log_every_n_steps=10,
     )
-    trainer.fit(model)
+    from tqdm.contrib.logging import logging_redirect_tqdm  # type: ignore[import-untyped]
+
+    with logging_redirect_tqdm(loggers=[logging.getLogger("coci_lightning")]):
+        trainer.fit(model)  # coci's own lines are written above the progress bar
     with torch.no_grad():
         model.eval()
         accuracy = (
@@ -152,7 +207,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     started = time.perf_counter()
     print(
-        f"coci demo: a CNN on scikit-learn's digits, {total} steps, CociCheckpoint(policy='coci')"
+        f"coci demo: a CNN on scikit-learn's digits, {total} steps, CociCheckpoint(policy='coci');"
+        f" files in {root}"
     )
     print("[1/3] the uninterrupted run, for reference")
     if _train(root / "reference", total, root / "reference.json") != 0:
@@ -177,9 +233,14 @@ def run(args: argparse.Namespace) -> int:
     same_samples = resumed["seen"] == reference["seen"][consumed:]
     print()
     summary = summarize(ckpt_dir)
-    print(render(summary, tensorboard_dir=str(ckpt_dir / "tensorboard")))
+    # one expected overhead per policy: the table below (the plan's own figure over its
+    # re-planned horizon would be a second, different number for the same policy)
+    print(render(summary, tensorboard_dir=str(ckpt_dir / "tensorboard"), with_overhead=False))
     print()
-    print("expected overhead of this run's plan against the baselines, from the measured costs:")
+    print(
+        f"expected overhead of each policy over this run's {total} steps, from the measured "
+        "costs (the run itself used coci):"
+    )
     print(render_policies(compare_policies(summary, total)))
     print()
     print(
@@ -190,7 +251,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"each remaining sample trained on exactly once, in the same order: {same_samples}")
     print(
         f"test accuracy {resumed['accuracy']:.4f} (uninterrupted {reference['accuracy']:.4f}); "
-        f"demo took {time.perf_counter() - started:.0f} s; files in {root}"
+        f"demo took {time.perf_counter() - started:.0f} s"
+    )
+    print(
+        f"files in {root}: reference/ (the uninterrupted run), run/coci/ (the killed and "
+        "resumed run's checkpoints, telemetry.jsonl, tensorboard/)"
     )
     return 0 if same_weights and same_samples else 1
 

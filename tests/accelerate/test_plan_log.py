@@ -50,7 +50,7 @@ def test_plan_from_the_loaders_length(tmp_path: Path, caplog: pytest.LogCaptureF
     (line,) = _plan_lines(tmp_path, caplog, policy="every_n_steps", every_n_steps=4, num_epochs=3)
     assert "plan at step 1" in line
     assert "36 total steps (len(dataloader) 12 x num_epochs 3)" in line
-    assert "first save planned once a few step times are measured, every 4 steps" in line
+    assert "first planned save at step 4, every 4 steps" in line
     assert "MTBF 86400 s assumed (coci's default" in line
     assert "mtbf_s=" in line
 

@@ -263,12 +263,12 @@ def test_code_in_metadata_is_refused_by_read_foreign(
 def test_code_in_metadata_is_refused_by_the_cli(
     tmp_path: Path, marker: Path, payload: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """``coci import`` exits 1 with a message naming the refused global; nothing runs."""
+    """``coci import`` exits 2 with one line naming the refused global; nothing runs."""
     src = tmp_path / "evil"
     src.mkdir()
     (src / ".metadata").write_bytes(PAYLOADS[payload](marker))
     code, err = _import_cli(src, tmp_path, capsys)
-    assert code == 1
+    assert code == 2
     assert not marker.exists()
     assert err.startswith("coci: refusing to import")
     assert "never runs code" in err
@@ -309,7 +309,7 @@ def test_code_hidden_inside_real_metadata_is_refused(
     with pytest.raises(UnsafeCheckpointError, match=r"posix\.system|os\.system"):
         read_foreign(dcp_dir)
     code, err = _import_cli(dcp_dir, tmp_path, capsys)
-    assert code == 1
+    assert code == 2
     assert "refusing to import" in err
     assert not marker.exists()
 
@@ -361,7 +361,7 @@ def test_code_in_a_stored_value_is_refused(
     with pytest.raises(UnsafeCheckpointError, match="'note' cannot be loaded without running"):
         read_foreign(dcp_dir)
     code, err = _import_cli(dcp_dir, tmp_path, capsys)
-    assert code == 1
+    assert code == 2
     assert "'note'" in err
     assert "without running code" in err
     assert not marker.exists()
@@ -675,7 +675,7 @@ def test_torch_save_files_never_run_code(
     with pytest.raises(UnsafeCheckpointError, match=r"posix\.system|os\.system"):
         read_foreign(src)
     code, err = _import_cli(src, tmp_path, capsys)
-    assert code == 1
+    assert code == 2
     assert "without running code" in err
     assert not marker.exists()
 

@@ -70,7 +70,7 @@ def test_bad_steps(ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str
     _fails(["verify", str(ckpt), "--step", "x"], capsys, "--step", "not a step number")
     _fails(["export", str(ckpt), out, "--step", "-3"], capsys, "--step", ">= 0")
     _fails(["import", out, str(ckpt), "--step", "1.5"], capsys, "--step")
-    _fails(["import", out, str(ckpt)], capsys, "--step")
+    _fails(["import", out, str(ckpt), "--step"], capsys, "--step", "expected one argument")
     _fails(["verify", str(ckpt), "--step", "7"], capsys, "7")
     _fails(["export", str(ckpt), out, "--step", "7"], capsys, "step 7", "its steps: 5")
     _fails(["export", str(ckpt), str(tmp_path / "no" / "o.pt")], capsys, "does not exist")

@@ -70,6 +70,35 @@ def test_shared_decision_same_on_every_rank_with_few_broadcasts() -> None:
     assert len(calls[0]) < len(decided[0]) + 15
 
 
+def test_shared_decision_of_every_n_steps_syncs_at_the_multiples() -> None:
+    """policy every_n_steps with two ranks: both save at exactly 3, 6, 9 (the multiples are
+    sync steps from the start, before any plan), broadcasting at far fewer steps than run."""
+    sent: dict[int, Any] = {}
+    calls: dict[int, list[int]] = {0: [], 1: []}
+    current = [0]
+
+    def broadcaster(rank: int) -> Any:
+        def broadcast(obj: Any) -> Any:
+            calls[rank].append(current[0])
+            if rank == 0:
+                sent[current[0]] = obj
+            return sent[current[0]]
+
+        return broadcast
+
+    planners = [Planner(policy="every_n_steps", every_n_steps=3, total_steps=40) for _ in (0, 1)]
+    ranks = [SharedDecision(planners[r], rank=r, broadcast=broadcaster(r)) for r in (0, 1)]
+    decided: dict[int, list[int]] = {0: [], 1: []}
+    for step in range(1, 41):
+        current[0] = step
+        for r in (0, 1):
+            if ranks[r].should_save(step):
+                decided[r].append(step)
+    assert decided[0] == decided[1] == list(range(3, 40, 3))
+    assert calls[0] == calls[1]
+    assert set(range(3, 40, 3)) <= set(calls[0]) and len(calls[0]) < 25
+
+
 class _PlanRecorder:
     """A telemetry sink that keeps each recorded plan and signals its arrival."""
 

@@ -77,7 +77,7 @@ def test_should_save_never_raises_on_odd_input(step):
 
 def test_a_late_step_triggers_the_overdue_checkpoint_once_per_step():
     """Skipping past a planned step saves at the next step asked, and repeated asks agree."""
-    p = _planner(policy="every_n_steps", every_n_steps=100, step_time_s=0.3)
+    p = _planner(policy="every_n_seconds", every_n_seconds=30.0, step_time_s=0.3)
     p.observe(1)
     assert not p.should_save(99)
     assert p.should_save(150)
@@ -217,3 +217,34 @@ def test_garbage_input_never_raises_and_never_fails_a_replan(caplog):
         json.dumps(p.state_dict(), allow_nan=False)
         assert p.report().skipped_losses > 0
     assert not [r for r in caplog.records if r.levelname == "ERROR"]
+
+
+@pytest.mark.parametrize(
+    ("policy", "option"),
+    [("every_n_steps", {"every_n_steps": 3}), ("epoch", {"steps_per_epoch": 3})],
+)
+def test_a_fixed_interval_saves_at_exactly_the_multiples_from_step_one(policy, option):
+    """every_n_steps/epoch need no measurement: multiples of N from the first step (before
+    any plan), the run's last step included, and the schedule says so from the start."""
+    p = Planner(policy=policy, total_steps=12, **option)
+    assert p.schedule[:4] == (3, 6, 9, 12)
+    report = p.report()
+    assert report.next_steps == (3, 6, 9, 12) and report.interval_steps == 3
+    saved = []
+    for k in range(1, 13):
+        p.observe(k, loss=1.0, step_time_s=0.3)
+        if p.should_save(k):
+            p.record_save(stall_s=0.1, persist_s=0.1)
+            saved.append(k)
+    assert saved == [3, 6, 9, 12]
+    assert p.replans >= 1  # the plan was made (costs measured), and did not move a multiple
+
+
+def test_a_fixed_interval_is_kept_across_a_restore_and_a_slow_first_plan():
+    """A resumed every_n_steps planner keeps the multiples; a skipped multiple is not moved."""
+    p = Planner(policy="every_n_steps", every_n_steps=4, start_step=6)
+    assert p.schedule[:2] == (8, 12)
+    assert not p.should_save(7) and p.should_save(8)
+    assert not p.should_save(9) and not p.should_save(13) and p.should_save(16)
+    assert "checkpoint" in p.explain(12).splitlines()[0]
+    assert "no checkpoint" in p.explain(13).splitlines()[0]

@@ -272,6 +272,15 @@ class Planner:
             options["method"] = method
             options["grid_points"] = grid_points
         self._policy: SavePolicy = make_policy(policy, **options)
+        # A fixed interval (every_n_steps, epoch) needs no measurement: it saves at exactly
+        # the multiples of N from step 1, the run's last step included.
+        self._fixed_every: int | None = (
+            int(options["every_n_steps"])
+            if policy == "every_n_steps"
+            else int(options["steps_per_epoch"])
+            if policy == "epoch"
+            else None
+        )
         self._costs = CostEstimator(
             step_time_s=step_time_s,
             stall_s=stall_s,
@@ -306,7 +315,7 @@ class Planner:
         self._regime_flagged = False
         self._problem: Problem | None = None
         self._overhead: ExpectedOverhead | None = None
-        self._plan_method = "no plan yet"
+        self._plan_method = "no plan yet" if self._fixed_every is None else f"the {policy} policy"
         self._warned = False
         self._method = method
 
@@ -365,6 +374,12 @@ class Planner:
             k = int(step)
             if k == self._last_true:
                 return True
+            n = self._fixed_every
+            if n is not None:
+                if k > 0 and k % n == 0:
+                    self._mark_save(k)
+                    return True
+                return False
             sched = self._schedule
             i = self._ptr
             if i > 0 and k < sched[i - 1]:
@@ -372,15 +387,28 @@ class Planner:
             if i < len(sched) and k >= sched[i]:
                 i = bisect.bisect_right(sched, k, lo=i)
                 self._ptr = i
-                self._last_true = k
-                self._exclude_next = True
-                with self._lock:
-                    self._charge = [None, 0.0, 0]
+                self._mark_save(k)
                 return True
             self._ptr = i
             return False
         except Exception:
             return False
+
+    def _mark_save(self, k: int) -> None:
+        """``should_save(k)`` answered True: remember it, and charge the save's cost."""
+        self._last_true = k
+        self._exclude_next = True
+        with self._lock:
+            self._charge = [None, 0.0, 0]
+
+    def _fixed_ahead(self, n: int, count: int) -> list[int]:
+        """The next ``count`` multiples of ``n`` after the current step (to the last step)."""
+        now = max(self.start_step, self._last_true, self._last_step or 0)
+        first = (now // n + 1) * n
+        last = first + (count - 1) * n
+        if self.total_steps is not None:
+            last = min(last, self.total_steps)
+        return list(range(first, last + 1, n))
 
     def record_save(
         self,
@@ -452,7 +480,10 @@ class Planner:
 
     @property
     def schedule(self) -> tuple[int, ...]:
-        """The planned checkpoint steps still ahead."""
+        """The planned checkpoint steps still ahead (for a fixed interval, the next 64,
+        known from the start: no measurement is needed to plan them)."""
+        if self._fixed_every is not None:
+            return tuple(self._fixed_ahead(self._fixed_every, 64))
         return tuple(self._schedule[self._ptr :])
 
     def _mtbf(self) -> tuple[float, str]:
@@ -560,8 +591,10 @@ class Planner:
         if self.total_steps is not None:
             end = self.total_steps
         else:
-            daly_steps = daly_interval_s(inputs["stall_s"], inputs["mtbf_s"]) / tau
-            end = start + max(self.min_horizon_steps, 2 * since, math.ceil(20 * daly_steps))
+            interval = self._fixed_every or (
+                daly_interval_s(inputs["stall_s"], inputs["mtbf_s"]) / tau
+            )
+            end = start + max(self.min_horizon_steps, 2 * since, math.ceil(20 * interval))
         # per-step arrays bound the horizon; a longer run is planned in windows
         end = min(end, start + MAX_HORIZON_STEPS)
         if end - start < 2:
@@ -598,7 +631,11 @@ class Planner:
         )
         steps = self._policy.plan(pb, context=ctx)
         ahead = [int(s) for s in steps if s > k]
-        if len(ahead) < len(steps):
+        if self._fixed_every is not None:
+            # exact multiples: never moved (should_save answers them without the schedule)
+            if end % self._fixed_every == 0 and end > k:
+                ahead.append(end)
+        elif len(ahead) < len(steps):
             # a checkpoint is already overdue: take it at the next step, and plan the rest
             # from there (not from the overdue point, which would bunch two checkpoints)
             if end - (k + 1) >= 2:
@@ -666,6 +703,11 @@ class Planner:
             return f"step {step!r} is not an integer step"
         sched = self._schedule
         planned = k in sched or k == self._last_true
+        n = self._fixed_every
+        if n is not None:
+            near = max(1, k // n - 1) * n
+            sched = list(range(near, k + 2 * n + 1, n))
+            planned = k > 0 and k % n == 0
         before = [s for s in sched if s < k]
         after = [s for s in sched if s > k]
         rep = self.report()
@@ -709,10 +751,12 @@ class Planner:
         if with_overhead and self._overhead is None and self._problem is not None:
             self._overhead = compare_with_daly(self._problem, self._schedule)
         snap = self._costs.snapshot()
-        ahead = self._schedule[self._ptr :]
+        ahead = list(self.schedule)
         k = self._last_step if self._last_step is not None else self.start_step
         interval = None
-        if len(self._schedule) >= 2:
+        if self._fixed_every is not None:
+            interval = self._fixed_every
+        elif len(self._schedule) >= 2:
             j = min(max(self._ptr, 1), len(self._schedule) - 1)
             interval = self._schedule[j] - self._schedule[j - 1]
         fitted = None
