@@ -206,7 +206,7 @@ def _import(args: argparse.Namespace) -> int:
     with CheckpointManager(args.dir, keep_last=None, allow_torch_save=args.allow_torch_save) as mgr:
         if step in mgr.steps() and not args.force:
             raise BadInput(f"step {step} already exists in {args.dir}: pass --force to replace it")
-        mgr.save(step, state).wait()
+        mgr.save(step, state, overwrite=bool(args.force)).wait()
     print(f"imported {args.src} into {args.dir} as step {step}")
     return 0
 
