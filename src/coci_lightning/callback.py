@@ -55,6 +55,10 @@ class CociCheckpoint(Checkpoint):
             (``full_every``, ``lossy_bits``, ``max_lossy_generations``, ...).
         resume: continue from the newest committed checkpoint when ``fit`` gets no ckpt_path.
         every_n_steps, every_n_seconds: the interval of those policies (a cap for ``coci``).
+        every_n_epochs: also save after every N-th training epoch (as
+            ``ModelCheckpoint(every_n_epochs=N)``), at the end of the next epoch's first step
+            (so that the resume is exact). ``policy="epoch"`` saves only there (every epoch by
+            default), with the steps per epoch taken from the Trainer.
         monitor: a logged metric to use as the loss (default: the training step's loss).
         block: snapshot synchronously instead of overlapping the copy with the next step.
         save_on_train_end, save_on_exception: also save at the end and on an exception or
@@ -77,6 +81,7 @@ class CociCheckpoint(Checkpoint):
         resume: bool = False,
         every_n_steps: int | None = None,
         every_n_seconds: float | None = None,
+        every_n_epochs: int | None = None,
         monitor: str | None = None,
         block: bool = False,
         save_on_train_end: bool = True,
@@ -112,6 +117,15 @@ class CociCheckpoint(Checkpoint):
                 raise ConfigError(
                     f"'{name}' must be a dict of keyword arguments (str keys) or None: {options!r}"
                 )
+        if every_n_epochs is not None and (type(every_n_epochs) is not int or every_n_epochs < 1):
+            raise ConfigError(
+                f"'every_n_epochs' must be an integer >= 1 or None: {every_n_epochs!r}"
+            )
+        self.every_n_epochs = every_n_epochs
+        if policy == "epoch":
+            self.every_n_epochs = every_n_epochs or 1
+            # the steps per epoch come from the Trainer in setup(); checked here with a stand-in
+            planner_options = {"steps_per_epoch": 1, **dict(planner_options or {})}
         self.planner_options = adapter_planner_options(
             policy=policy,
             objective=objective,
@@ -199,6 +213,8 @@ class CociCheckpoint(Checkpoint):
             return
         options = dict(self.planner_options)
         options.setdefault("total_steps", trainer.max_steps if trainer.max_steps > 0 else None)
+        if self.policy == "epoch":  # the real interval is set in on_train_start
+            options["steps_per_epoch"] = 1
         self.checkpointer = Checkpointer(
             self.resolve_dirpath(trainer),
             policy=self.policy,
@@ -232,6 +248,8 @@ class CociCheckpoint(Checkpoint):
         if self.checkpointer is not None:
             self.checkpointer.warn_if_not_empty()  # a fresh run into another run's directory
         planner = self.checkpointer.planner if self.checkpointer is not None else None
+        if planner is not None and self.policy == "epoch":
+            planner.set_steps_per_epoch(self._steps_per_epoch(trainer) * (self.every_n_epochs or 1))
         if planner is not None and planner.total_steps is None:
             # max_epochs without max_steps: the Trainer's estimate of the run's optimizer steps
             estimated = trainer.estimated_stepping_batches
@@ -289,6 +307,8 @@ class CociCheckpoint(Checkpoint):
         step_time = None if self._last_end is None else now - self._last_end
         ckpt.observe(trainer.global_step, loss=self._loss(trainer, outputs), step_time_s=step_time)
         planned = ckpt.should_save(trainer.global_step)  # every rank asks (shared decision)
+        if self.policy == "epoch":
+            planned = False  # saved in on_train_epoch_end, after the epoch's last batch
         self._check_monitor(trainer, planned)
         if planned or self._deferred:
             # Not on an epoch's last batch: Lightning's epoch-end work (epoch-interval LR
@@ -342,6 +362,29 @@ class CociCheckpoint(Checkpoint):
             logger.warning(message)
         else:
             logger.info(message)
+
+    @staticmethod
+    def _steps_per_epoch(trainer: pl.Trainer) -> int:
+        """Optimizer steps per training epoch, from the Trainer."""
+        batches = trainer.num_training_batches  # known once training starts
+        if not math.isfinite(batches) or batches < 1:
+            raise ConfigError(
+                "policy='epoch' needs the number of batches per epoch, and the train "
+                f"DataLoader has no length ({batches}); use policy='every_n_steps' instead"
+            )
+        return max(1, math.ceil(int(batches) / trainer.accumulate_grad_batches))
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Saved at the end of the next epoch's first step, as a planned save on an epoch's
+        # last batch is: a checkpoint taken between epochs does not resume exactly (the data
+        # order of the next epoch and its epoch-end work). Not when the epoch was cut short.
+        if (
+            self.every_n_epochs is not None
+            and (trainer.current_epoch + 1) % self.every_n_epochs == 0
+            and trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+        ):
+            self._deferred = True
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -293,3 +293,28 @@ def test_a_fresh_fit_into_another_runs_directory(
     )
     assert digest(resumed) == digest(reference)
     assert {s: (root / step_dir_name(s) / "manifest.json").read_bytes() for s in old} == old
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"policy": "epoch"}, {"every_n_epochs": 1, "policy": "every_n_steps", "every_n_steps": 100}],
+    ids=["policy_epoch", "every_n_epochs"],
+)
+def test_epoch_end_saves_resume_exactly(
+    tmp_path: Path, reference: DigitsModel, options: dict[str, Any]
+) -> None:
+    """policy="epoch" (steps per epoch from the Trainer) and every_n_epochs save once each
+    epoch ended (at the next epoch's first step); a run resumed from such a checkpoint (with an
+    epoch-interval LR schedule) ends bit-identical."""
+    _fit(tmp_path, 2 * STEPS_PER_EPOCH + 7, [CociCheckpoint(save_on_train_end=False, **options)])
+    with CheckpointManager(tmp_path / "coci") as mgr:
+        # after each epoch's end work, at the next epoch's first step
+        assert mgr.steps() == [STEPS_PER_EPOCH + 1, 2 * STEPS_PER_EPOCH + 1]
+    resumed = _fit(tmp_path, 40, [CociCheckpoint(**options)], seed=99, ckpt_path="last")
+    assert digest(resumed) == digest(reference)
+    assert resumed.seen == reference.seen[(2 * STEPS_PER_EPOCH + 1) * 16 :]
+
+
+def test_every_n_epochs_is_checked() -> None:
+    with pytest.raises(ConfigError, match="'every_n_epochs' must be an integer >= 1"):
+        CociCheckpoint(every_n_epochs=0)

@@ -368,6 +368,18 @@ class Planner:
                 logger.exception("checking for a re-plan at step %d failed", k)
                 self._warned = True
 
+    def set_steps_per_epoch(self, steps_per_epoch: int) -> None:
+        """Set the ``epoch`` policy's interval once the run knows it (a Lightning Trainer
+        knows its batches per epoch only when training starts)."""
+        if self.policy_name != "epoch":
+            raise ConfigError(
+                f"'steps_per_epoch' is the interval of policy 'epoch', not {self.policy_name!r}"
+            )
+        steps = check_int("steps_per_epoch", steps_per_epoch, minimum=1)
+        with self._lock:
+            self._policy = make_policy("epoch", steps_per_epoch=steps)
+            self._fixed_every = steps
+
     def should_save(self, step: int) -> bool:
         """Whether to checkpoint after ``step``: O(1), never raises (False on odd input)."""
         try:
