@@ -144,6 +144,13 @@ def test_load_from_checkpoint_reads_a_coci_step(tmp_path: Path) -> None:
         loaded = _EvalModel.load_from_checkpoint(path, map_location="cpu")
         assert digest(loaded) == digest(model)
         assert not loaded.training or loaded.net[0].weight.device == torch.device("cpu")
+    # the exported .pt loads with plain torch.load (weights_only) and load_from_checkpoint
+    from coci_core.cli import main
+
+    assert main(["export", str(tmp_path / "coci"), str(tmp_path / "model.pt")]) == 0
+    assert "state_dict" in torch.load(tmp_path / "model.pt")
+    exported = _EvalModel.load_from_checkpoint(tmp_path / "model.pt", map_location="cpu")
+    assert digest(exported) == digest(model)
 
 
 def _messages(caplog: pytest.LogCaptureFixture, logger: str) -> list[str]:
