@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file
 
 from coci_core import CheckpointManager
-from coci_core.cli import main
-from coci_core.manifest import step_dir_name
+from coci_core.commands.cli import main
+from coci_core.engine.manifest import step_dir_name
 from tests.harness.states import assert_same, tiny_model_state
 
 
@@ -95,7 +95,7 @@ def test_coci_demo_engine_end_to_end(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "coci_core.cli",
+            "coci_core.commands.cli",
             "demo",
             "--engine",
             "--dir",
@@ -125,7 +125,7 @@ def test_coci_demo_lightning_end_to_end(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "coci_core.cli",
+            "coci_core.commands.cli",
             "demo",
             "--dir",
             str(tmp_path / "demo"),

@@ -12,7 +12,7 @@ def test_core_imports_no_host_framework() -> None:
     """Importing coci_core (and its CLI) in a fresh interpreter loads neither Lightning nor
     Accelerate."""
     code = (
-        "import sys, coci_core, coci_core.cli, coci_core.demo; "
+        "import sys, coci_core, coci_core.commands.cli, coci_core.commands.demo; "
         "bad = [m for m in sys.modules if m.split('.')[0] in "
         "('lightning', 'pytorch_lightning', 'accelerate')]; print(bad)"
     )

@@ -18,12 +18,12 @@ from accelerate.utils import broadcast_object_list
 
 from coci_accelerate import _state
 from coci_accelerate.tracker import CociTracker
-from coci_core.checkpointer import Checkpointer, adapter_planner_options, check_verbose
+from coci_core.engine.group import RankGroup
+from coci_core.engine.manager import SaveHandle
 from coci_core.errors import CociError, ConfigError, NoCheckpointError
-from coci_core.group import RankGroup
-from coci_core.manager import SaveHandle
 from coci_core.telemetry import JsonlTelemetry, TelemetrySink
-from coci_core.tensorboard import TensorBoardTelemetry
+from coci_core.telemetry.tensorboard import TensorBoardTelemetry
+from coci_core.training.checkpointer import Checkpointer, adapter_planner_options, check_verbose
 
 __all__ = ["CociCheckpointer"]
 

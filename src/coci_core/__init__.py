@@ -2,6 +2,8 @@
 
 import typing as _typing
 
+# Eager: the function shares its name with its module, which a submodule import would bind.
+from coci_core.engine.partition import Share, partition
 from coci_core.errors import (
     BackgroundSaveError,
     CheckpointError,
@@ -17,26 +19,23 @@ from coci_core.errors import (
     UnsupportedValueError,
 )
 
-# Eager: the function shares its name with its module, which a submodule import would bind.
-from coci_core.partition import Share, partition
-
 if _typing.TYPE_CHECKING:
-    from coci_core.group import RankGroup
-    from coci_core.manager import CheckpointManager, SaveHandle
-    from coci_core.manifest import Manifest
-    from coci_core.sampler import GlobalSampler
-    from coci_core.stateful import Stateful
+    from coci_core.engine.group import RankGroup
+    from coci_core.engine.manager import CheckpointManager, SaveHandle
+    from coci_core.engine.manifest import Manifest
+    from coci_core.engine.stateful import Stateful
     from coci_core.storage import FsspecStorage, LocalStorage, Storage
     from coci_core.telemetry import RestoreEvent, SaveEvent
+    from coci_core.training.sampler import GlobalSampler
 
 # Imported on first use, so that `coci --help` and the errors need no torch.
 _LAZY = {
-    "RankGroup": "coci_core.group",
-    "CheckpointManager": "coci_core.manager",
-    "SaveHandle": "coci_core.manager",
-    "Manifest": "coci_core.manifest",
-    "GlobalSampler": "coci_core.sampler",
-    "Stateful": "coci_core.stateful",
+    "RankGroup": "coci_core.engine.group",
+    "CheckpointManager": "coci_core.engine.manager",
+    "SaveHandle": "coci_core.engine.manager",
+    "Manifest": "coci_core.engine.manifest",
+    "GlobalSampler": "coci_core.training.sampler",
+    "Stateful": "coci_core.engine.stateful",
     "FsspecStorage": "coci_core.storage",
     "LocalStorage": "coci_core.storage",
     "Storage": "coci_core.storage",

@@ -37,9 +37,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+from coci_core.engine.manifest import MANIFEST_NAME, parse_step_dir
+from coci_core.engine.restore import LoadedCheckpoint, load_checkpoint, newest_first
 from coci_core.errors import CorruptCheckpointError
-from coci_core.manifest import MANIFEST_NAME, parse_step_dir
-from coci_core.restore import LoadedCheckpoint, load_checkpoint, newest_first
 from coci_core.storage import open_storage
 
 logger = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ def make_sinks(trainer: pl.Trainer, root: Path | str) -> list[TelemetrySink]:
     tensorboard is installed). For an fsspec URL ``root``, only the Trainer's TensorBoard."""
     if not trainer.is_global_zero:
         return []
-    from coci_core.tensorboard import TensorBoardTelemetry
+    from coci_core.telemetry.tensorboard import TensorBoardTelemetry
 
     local = root if isinstance(root, Path) else None
     sinks: list[TelemetrySink] = [] if local is None else [JsonlTelemetry(local / TELEMETRY_FILE)]

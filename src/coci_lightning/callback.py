@@ -19,13 +19,13 @@ from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from coci_core.checkpointer import Checkpointer, adapter_planner_options, check_verbose
-from coci_core.compress import check_policy
+from coci_core.engine.compress import check_policy
+from coci_core.engine.group import RankGroup
+from coci_core.engine.manifest import step_dir_name
+from coci_core.engine.restore import LoadedCheckpoint, newest_first
 from coci_core.errors import CociError, ConfigError
-from coci_core.group import RankGroup
-from coci_core.manifest import step_dir_name
-from coci_core.restore import LoadedCheckpoint, newest_first
 from coci_core.storage import open_storage
+from coci_core.training.checkpointer import Checkpointer, adapter_planner_options, check_verbose
 from coci_lightning._resume import coci_step_of, install_last_resolution, use_coci_io
 from coci_lightning._rng import collect_plain_rng_states, set_plain_rng_states
 from coci_lightning._telemetry import LoggerRelay, make_sinks
@@ -51,7 +51,7 @@ class CociCheckpoint(Checkpoint):
         compression: ``"auto"`` (default: compress only where it shortens the time to
             durable; raw on a fast local disk), ``"none"``, ``"lossless"`` or ``"lossy"``
             (opt-in, bounded error); see docs/compression.md.
-        compression_options: the knobs of ``coci_core.compress.CompressionPolicy``
+        compression_options: the knobs of ``coci_core.engine.compress.CompressionPolicy``
             (``full_every``, ``lossy_bits``, ``max_lossy_generations``, ...).
         resume: continue from the newest committed checkpoint when ``fit`` gets no ckpt_path.
         every_n_steps, every_n_seconds: the interval of those policies (a cap for ``coci``).

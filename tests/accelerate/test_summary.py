@@ -43,7 +43,7 @@ def test_verbose_lines_and_one_summary_at_close(
         ckpt.close()
         ckpt.close()
     messages = [(r.name, r.getMessage()) for r in caplog.records]
-    per_save = [m for name, m in messages if name == "coci_core.checkpointer"]
+    per_save = [m for name, m in messages if name == "coci_core.training.checkpointer"]
     if verbose:
         assert [m.split(" saved")[0] for m in per_save] == [
             "coci: step 4",

@@ -44,9 +44,9 @@ from coci_core import (
     CorruptCheckpointError,
     UnsafeCheckpointError,
 )
-from coci_core.cli import main
-from coci_core.cli import read_foreign as cli_read_foreign
-from coci_core.foreign import read_dcp, read_foreign
+from coci_core.commands.cli import main
+from coci_core.commands.cli import read_foreign as cli_read_foreign
+from coci_core.interop.foreign import read_dcp, read_foreign
 
 # -- payloads ----------------------------------------------------------------------------------
 

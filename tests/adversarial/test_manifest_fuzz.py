@@ -49,9 +49,10 @@ import numpy as np
 import pytest
 import torch
 
-from coci_core import CheckpointManager, CorruptCheckpointError, restore
-from coci_core.manifest import step_dir_name
-from coci_core.restore import load_checkpoint, verify_checkpoint
+from coci_core import CheckpointManager, CorruptCheckpointError
+from coci_core.engine import restore
+from coci_core.engine.manifest import step_dir_name
+from coci_core.engine.restore import load_checkpoint, verify_checkpoint
 from coci_core.storage import LocalStorage
 from tests.adversarial.craft import encode_doc, manifest_path, read_doc, same
 

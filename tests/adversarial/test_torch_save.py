@@ -31,7 +31,7 @@ from coci_core import (
     UnsafeCheckpointError,
     UnsupportedValueError,
 )
-from coci_core.manifest import MANIFEST_NAME, seal, step_dir_name
+from coci_core.engine.manifest import MANIFEST_NAME, seal, step_dir_name
 
 
 @dataclass

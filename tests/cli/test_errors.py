@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from coci_core import CheckpointManager
-from coci_core.cli import main
+from coci_core.commands.cli import main
 from tests.harness.states import assert_same
 
 

@@ -16,7 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from coci_core import CheckpointManager
-from coci_core.cli import main
+from coci_core.commands.cli import main
 from tests.harness.states import assert_same, tiny_model_state
 
 FORMATS = {

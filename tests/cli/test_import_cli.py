@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from coci_core import CheckpointManager
-from coci_core.cli import build_parser, main
+from coci_core.commands.cli import build_parser, main
 from tests.harness.states import assert_same
 
 STATE = {"w": torch.arange(6.0), "epoch": 3}

@@ -10,7 +10,7 @@ import sys
 def test_help_through_the_package_imports_no_torch() -> None:
     code = (
         "import sys\n"
-        "from coci_core.cli import main\n"
+        "from coci_core.commands.cli import main\n"
         "try:\n"
         "    main(['--help'])\n"
         "except SystemExit as e:\n"

@@ -15,8 +15,8 @@ import torch
 
 import coci_core
 from coci_core import CheckpointManager
-from coci_core.cli import build_parser, main
-from coci_core.manifest import step_dir_name
+from coci_core.commands.cli import build_parser, main
+from coci_core.engine.manifest import step_dir_name
 from coci_core.planner.schedule import ExpectedOverhead
 from coci_core.telemetry import JsonlTelemetry
 
@@ -24,7 +24,8 @@ JOB = ["--total-steps", "2000", "--step-time-s", "0.3", "--stall-s", "0.5", "--m
 
 
 def test_the_cli_parser_imports_no_torch_numpy_or_scipy() -> None:
-    """Importing coci_core.cli and building its whole parser (with its help) imports none of
+    """Importing coci_core.commands.cli and building its whole parser (with its help) imports
+    none of
     torch, numpy, scipy, safetensors. (coci_core/__init__ is bypassed here: it imports the
     engine, and so torch, by itself.)"""
     src = str(Path(coci_core.__file__).parent)
@@ -33,7 +34,7 @@ def test_the_cli_parser_imports_no_torch_numpy_or_scipy() -> None:
         "pkg = types.ModuleType('coci_core')\n"
         f"pkg.__path__ = [{src!r}]\n"
         "sys.modules['coci_core'] = pkg\n"
-        "import coci_core.cli as cli\n"
+        "import coci_core.commands.cli as cli\n"
         "parser = cli.build_parser()\n"
         "parser.format_help()\n"
         "args = parser.parse_args(['plan', '--total-steps', '9', '--step-time-s', '1',"
@@ -51,7 +52,7 @@ def test_the_cli_parser_imports_no_torch_numpy_or_scipy() -> None:
 
 
 def test_the_cli_names_of_policies_and_objectives_are_the_planner_s() -> None:
-    from coci_core._cli_plan import OBJECTIVE_NAMES, POLICY_NAMES
+    from coci_core.commands.plan import OBJECTIVE_NAMES, POLICY_NAMES
     from coci_core.planner.optimize import OBJECTIVES
     from coci_core.planner.policies import POLICIES
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from coci_core import CheckpointManager
-from coci_core.partition import Share
-from coci_core.snapshot import LeafSlot, copy_outside_torch, plan_layout
-from coci_core.tree import ArrayLeaf
+from coci_core.engine.partition import Share
+from coci_core.engine.snapshot import LeafSlot, copy_outside_torch, plan_layout
+from coci_core.engine.tree import ArrayLeaf
 
 DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64,

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from coci_core import ConfigError
-from coci_core.checkpointer import Checkpointer
-from coci_core.decision import SharedDecision
 from coci_core.planner import Planner
+from coci_core.training.checkpointer import Checkpointer
+from coci_core.training.decision import SharedDecision
 
 
 def test_measured_save_costs_reach_the_planner(tmp_path: Path) -> None:

@@ -10,8 +10,9 @@ import crc32c
 import pytest
 import torch
 
-from coci_core import BackgroundSaveError, CheckpointManager, LocalStorage, persist
-from coci_core.manifest import step_dir_name
+from coci_core import BackgroundSaveError, CheckpointManager, LocalStorage
+from coci_core.engine import persist
+from coci_core.engine.manifest import step_dir_name
 from tests.harness.states import assert_same
 
 CHUNK = 8192

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from coci_core.summary import SaveSummary, save_line
 from coci_core.telemetry import SaveEvent
+from coci_core.telemetry.summary import SaveSummary, save_line
 
 
 def test_summary_counts_every_outcome() -> None:

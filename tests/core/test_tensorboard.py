@@ -18,7 +18,7 @@ import torch
 
 from coci_core import CheckpointManager, ConfigError, RestoreEvent, SaveEvent
 from coci_core.planner import Planner, PlannerReport
-from coci_core.tensorboard import LAYOUT, LAYOUT_TITLE, TensorBoardTelemetry
+from coci_core.telemetry.tensorboard import LAYOUT, LAYOUT_TITLE, TensorBoardTelemetry
 
 needs_tensorboard = pytest.mark.skipif(
     importlib.util.find_spec("tensorboard") is None,
@@ -307,7 +307,7 @@ def test_close_closes_its_own_writer_and_drops_later_records(
     tele.record_loss(1, 1.0)
     tele.close()
     tele.close()  # idempotent
-    with caplog.at_level(logging.WARNING, logger="coci_core.tensorboard"):
+    with caplog.at_level(logging.WARNING, logger="coci_core.telemetry.tensorboard"):
         tele.record_loss(2, 0.5)
         tele(SaveEvent(step=2, outcome="committed"))
         tele.flush()
@@ -467,10 +467,11 @@ def test_missing_tensorboard_names_the_extra(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_import_does_not_load_tensorboard() -> None:
-    """Importing coci_core.tensorboard in a fresh interpreter loads neither tensorboard nor
+    """Importing coci_core.telemetry.tensorboard in a fresh interpreter loads neither tensorboard
+    nor
     the planner."""
     code = (
-        "import sys, coci_core.tensorboard; "
+        "import sys, coci_core.telemetry.tensorboard; "
         "print(sorted(m for m in ('tensorboard', 'torch.utils.tensorboard', "
         "'coci_core.planner') if m in sys.modules))"
     )

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from coci_core import CheckpointManager, UnsupportedValueError
-from coci_core.tree import _SUPPORTED_DTYPES, flatten_state, unflatten_state
+from coci_core.engine.tree import _SUPPORTED_DTYPES, flatten_state, unflatten_state
 from tests.harness.states import assert_same, tiny_model_state
 
 ALL_DTYPES = sorted(_SUPPORTED_DTYPES.values(), key=str)

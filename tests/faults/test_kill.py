@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from coci_core import CheckpointManager
-from coci_core.demo import run_child, train
+from coci_core.commands.demo import run_child, train
 
 pytestmark = pytest.mark.faults
 

@@ -14,7 +14,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from coci_core import ConfigError
-from coci_core.manifest import MANIFEST_NAME, step_dir_name
+from coci_core.engine.manifest import MANIFEST_NAME, step_dir_name
 from coci_lightning import CociCheckpoint
 from tests.lightning.models import digest
 from tests.lightning.test_issue15 import _EvalModel, _trainer
@@ -145,7 +145,7 @@ def test_load_from_checkpoint_reads_a_coci_step(tmp_path: Path) -> None:
         assert digest(loaded) == digest(model)
         assert not loaded.training or loaded.net[0].weight.device == torch.device("cpu")
     # the exported .pt loads with plain torch.load (weights_only) and load_from_checkpoint
-    from coci_core.cli import main
+    from coci_core.commands.cli import main
 
     assert main(["export", str(tmp_path / "coci"), str(tmp_path / "model.pt")]) == 0
     assert "state_dict" in torch.load(tmp_path / "model.pt")
@@ -166,7 +166,9 @@ def test_verbose_lines_and_end_summary(
     coci = CociCheckpoint(policy="every_n_steps", every_n_steps=3, verbose=verbose)
     with caplog.at_level(logging.INFO):
         _trainer(tmp_path, 6, [coci], limit_val_batches=0).fit(_EvalModel())
-    per_save = [m for m in _messages(caplog, "coci_core.checkpointer") if "saved: stall" in m]
+    per_save = [
+        m for m in _messages(caplog, "coci_core.training.checkpointer") if "saved: stall" in m
+    ]
     if verbose:
         assert [m.split(" saved")[0] for m in per_save] == ["coci: step 3", "coci: step 6"]
         assert all(" ms, " in m and " MB written" in m and "durable" in m for m in per_save)

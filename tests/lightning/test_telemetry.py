@@ -10,7 +10,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.custom_scalar import layout_pb2
 
-from coci_core.cli import main
+from coci_core.commands.cli import main
 from coci_lightning import CociCheckpoint
 from tests.lightning.models import DigitsModel
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from coci_core.planner.cli import add_subcommands, main
+from coci_core.commands.simulate import add_subcommands, main
 
 JOB = [
     "--total-steps",

@@ -11,14 +11,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-import coci_core.group
+import coci_core.engine.group
 from coci_core import CheckpointManager, CociError, RankGroup
 
 
 def main(cfg: dict[str, Any]) -> dict[str, Any]:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    coci_core.group.JOIN_TIMEOUT_S = 5.0
+    coci_core.engine.group.JOIN_TIMEOUT_S = 5.0
     state = {"w": torch.arange(100_000, dtype=torch.float32), "step": 4}
     out: dict[str, Any] = {"rank": rank}
     try:

@@ -19,8 +19,8 @@ from coci_core import (
     LocalStorage,
     RankGroup,
 )
-from coci_core.manifest import step_dir_name
-from coci_core.restore import load_checkpoint
+from coci_core.engine.manifest import step_dir_name
+from coci_core.engine.restore import load_checkpoint
 from tests.harness.faults import FaultyStorage
 
 CHUNK = 4096

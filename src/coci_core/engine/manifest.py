@@ -20,8 +20,8 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, NoReturn
 
+from coci_core.engine.tree import check_tree, decode_dtype, ndarray_dtype
 from coci_core.errors import CorruptCheckpointError
-from coci_core.tree import check_tree, decode_dtype, ndarray_dtype
 
 __all__ = [
     "FORMAT_VERSION",

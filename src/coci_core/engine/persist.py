@@ -22,11 +22,10 @@ from typing import Any
 
 import crc32c
 
-from coci_core import commit
-from coci_core.compress import PieceEncoder
-from coci_core.errors import StorageError
-from coci_core.group import RankGroup
-from coci_core.manifest import (
+from coci_core.engine import commit
+from coci_core.engine.compress import PieceEncoder
+from coci_core.engine.group import RankGroup
+from coci_core.engine.manifest import (
     MANIFEST_NAME,
     DataFile,
     Manifest,
@@ -35,10 +34,11 @@ from coci_core.manifest import (
     TensorEntry,
     step_dir_name,
 )
-from coci_core.restore import read_manifest
-from coci_core.snapshot import Snapshot
+from coci_core.engine.restore import read_manifest
+from coci_core.engine.snapshot import Snapshot
+from coci_core.engine.tree import ArrayLeaf, encode_dtype
+from coci_core.errors import StorageError
 from coci_core.storage import Storage
-from coci_core.tree import ArrayLeaf, encode_dtype
 
 __all__ = [
     "LatestOnlyWorker",

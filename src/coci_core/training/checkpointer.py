@@ -15,17 +15,17 @@ import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from coci_core.decision import SharedDecision
+from coci_core.engine.manager import CheckpointManager, SaveHandle
+from coci_core.engine.persist import LatestOnlyWorker
+from coci_core.engine.stateful import Stateful
 from coci_core.errors import ConfigError, StepExistsError
-from coci_core.manager import CheckpointManager, SaveHandle
-from coci_core.persist import LatestOnlyWorker
 from coci_core.planner import POLICIES, Planner
 from coci_core.planner.optimize import Problem
 from coci_core.planner.schedule import ExpectedOverhead, compare_with_daly
-from coci_core.stateful import Stateful
 from coci_core.storage import Storage
-from coci_core.summary import SaveSummary, save_line
 from coci_core.telemetry import Event, Listener, RestoreEvent, SaveEvent, TelemetrySink
+from coci_core.telemetry.summary import SaveSummary, save_line
+from coci_core.training.decision import SharedDecision
 
 __all__ = ["COMPRESSION_MODES", "Checkpointer"]
 
@@ -96,7 +96,7 @@ class Checkpointer:
         compression: ``"auto"`` (default: compress only where it shortens the time to
             durable), ``"none"``, ``"lossless"`` or ``"lossy"`` (see docs/compression.md).
         compression_options: its knobs (``full_every``, ``lossy_bits``, ...; see
-            :class:`~coci_core.compress.CompressionPolicy`).
+            :class:`~coci_core.engine.compress.CompressionPolicy`).
         block: snapshot synchronously (True) or overlap the copy with the next forward and
             backward pass until ``before_update`` (False, the default).
         listeners: telemetry listeners for every save and restore event.
@@ -200,7 +200,8 @@ class Checkpointer:
 
     def summary_line(self) -> str:
         """One line on this rank's saves so far: checkpoints committed, skipped and failed
-        (when any), total stall and bytes written (see :class:`~coci_core.summary.SaveSummary`).
+        (when any), total stall and bytes written (see
+        :class:`~coci_core.telemetry.summary.SaveSummary`).
         """
         return self.summary.line(world_size=self.manager.group.world_size)
 

@@ -13,7 +13,24 @@ import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal
 
-from coci_core.compress import CompressionPolicy, PieceEncoder, check_policy
+from coci_core.engine.compress import CompressionPolicy, PieceEncoder, check_policy
+from coci_core.engine.group import RankGroup
+from coci_core.engine.lease import Lease, acquire_lease
+from coci_core.engine.manifest import MANIFEST_NAME, Manifest, parse_step_dir, step_dir_name
+from coci_core.engine.partition import DEFAULT_CHUNK_BYTES, Share, partition
+from coci_core.engine.persist import PersistJob, PersistWorker, write_checkpoint
+from coci_core.engine.restore import (
+    RestoreCache,
+    StepInfo,
+    committed_steps,
+    load_checkpoint,
+    read_manifest,
+    step_infos,
+    verify_checkpoint,
+)
+from coci_core.engine.snapshot import Snapshot, Snapshotter
+from coci_core.engine.stateful import Stateful
+from coci_core.engine.tree import ArrayLeaf, FlatState, flatten_state
 from coci_core.errors import (
     BackgroundSaveError,
     CheckpointError,
@@ -25,25 +42,8 @@ from coci_core.errors import (
     StepExistsError,
     StorageError,
 )
-from coci_core.group import RankGroup
-from coci_core.lease import Lease, acquire_lease
-from coci_core.manifest import MANIFEST_NAME, Manifest, parse_step_dir, step_dir_name
-from coci_core.partition import DEFAULT_CHUNK_BYTES, Share, partition
-from coci_core.persist import PersistJob, PersistWorker, write_checkpoint
-from coci_core.restore import (
-    RestoreCache,
-    StepInfo,
-    committed_steps,
-    load_checkpoint,
-    read_manifest,
-    step_infos,
-    verify_checkpoint,
-)
-from coci_core.snapshot import Snapshot, Snapshotter
-from coci_core.stateful import Stateful
 from coci_core.storage import Storage, open_storage
 from coci_core.telemetry import Listener, RestoreEvent, SaveEvent, emit
-from coci_core.tree import ArrayLeaf, FlatState, flatten_state
 
 __all__ = ["CheckpointManager", "SaveHandle"]
 
@@ -151,8 +151,8 @@ class CheckpointManager:
         compression: ``"auto"`` (default: compress only where it shortens the time to
             durable; raw on a fast local disk), ``"none"``, ``"lossless"``, ``"lossy"``
             (opt-in, bounded error); or a
-            :class:`~coci_core.compress.CompressionPolicy`. See docs/compression.md.
-        compression_options: knobs of :class:`~coci_core.compress.CompressionPolicy`
+            :class:`~coci_core.engine.compress.CompressionPolicy`. See docs/compression.md.
+        compression_options: knobs of :class:`~coci_core.engine.compress.CompressionPolicy`
             (``full_every``, ``max_lossy_generations``, ``lossy_bits``, ...).
 
     Runs: each manager starts a new run (``run_id``, stored in every manifest); a restore

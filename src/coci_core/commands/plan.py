@@ -1,5 +1,5 @@
 """The ``coci plan`` and ``coci simulate`` command lines, built without importing numpy, scipy
-or the planner (``coci --help`` answers at once); they run ``coci_core.planner.cli``."""
+or the planner (``coci --help`` answers at once); they run ``coci_core.commands.simulate``."""
 
 from __future__ import annotations
 
@@ -67,13 +67,13 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    from coci_core.planner.cli import run_plan
+    from coci_core.commands.simulate import run_plan
 
     return run_plan(args)
 
 
 def _run_simulate(args: argparse.Namespace) -> int:
-    from coci_core.planner.cli import run_simulate
+    from coci_core.commands.simulate import run_simulate
 
     return run_simulate(args)
 

@@ -1,7 +1,8 @@
 """What a run's saves did, in one line: a line per save (``verbose``) and the end summary.
 
 :class:`SaveSummary` adds up the :class:`~coci_core.telemetry.SaveEvent` s one rank sees; the
-:class:`~coci_core.checkpointer.Checkpointer` feeds it every event, and the framework adapters
+:class:`~coci_core.training.checkpointer.Checkpointer` feeds it every event, and the framework
+adapters
 log :meth:`SaveSummary.line` once at the end of training (rank 0).
 """
 

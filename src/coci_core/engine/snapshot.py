@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from coci_core.partition import Share
-from coci_core.tree import ArrayLeaf
+from coci_core.engine.partition import Share
+from coci_core.engine.tree import ArrayLeaf
 
 __all__ = ["Arena", "LeafSlot", "Snapshot", "Snapshotter", "plan_layout", "whole_leaves"]
 

@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
+from coci_core.engine.manager import CheckpointManager
+from coci_core.engine.manifest import MANIFEST_NAME
 from coci_core.errors import NoCheckpointError
-from coci_core.manager import CheckpointManager
-from coci_core.manifest import MANIFEST_NAME
 from coci_core.storage import LocalStorage
 from coci_core.telemetry import Event, SaveEvent
 
@@ -191,7 +191,7 @@ def _digest(t: torch.Tensor) -> str:
 
 
 def _child_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m coci_core.demo")
+    parser = argparse.ArgumentParser(prog="python -m coci_core.commands.demo")
     parser.add_argument("--dir", required=True)
     parser.add_argument("--total-steps", type=int, required=True)
     parser.add_argument("--save-every", type=int, required=True)
@@ -216,7 +216,7 @@ def run_child(args: list[str], *, kill_on_pause: bool) -> tuple[int, dict[str, A
     result = None
     paused_at = ""
     with subprocess.Popen(
-        [sys.executable, "-m", "coci_core.demo", *args],
+        [sys.executable, "-m", "coci_core.commands.demo", *args],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,

@@ -34,8 +34,7 @@ from typing import Any
 
 import torch
 
-from coci_core.errors import CociError, CorruptCheckpointError
-from coci_core.tree import (
+from coci_core.engine.tree import (
     check_tree,
     encode_dtype,
     flatten_state,
@@ -43,6 +42,7 @@ from coci_core.tree import (
     ndarray_dtype,
     unflatten_state,
 )
+from coci_core.errors import CociError, CorruptCheckpointError
 
 __all__ = [
     "NOTE_FILE",

@@ -17,9 +17,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any, TypeVar
 
-from coci_core.errors import CommitError, CorruptCheckpointError, StorageError
-from coci_core.group import RankGroup
-from coci_core.manifest import (
+from coci_core.engine.group import RankGroup
+from coci_core.engine.manifest import (
     FORMAT_VERSION,
     MANIFEST_NAME,
     MAX_TOKEN,
@@ -33,6 +32,7 @@ from coci_core.manifest import (
     parse_step_dir,
     seal,
 )
+from coci_core.errors import CommitError, CorruptCheckpointError, StorageError
 
 __all__ = ["RankShare", "await_outcome", "collect_shares", "fail", "report_share"]
 

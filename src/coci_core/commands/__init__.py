@@ -1,0 +1,1 @@
+"""The ``coci`` command line."""

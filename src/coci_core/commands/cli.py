@@ -1,0 +1,352 @@
+"""The ``coci`` command line: ls, verify, export, import, report, demo (and plan, simulate from
+the planner).
+
+Exit codes: 0 done; 1 the checkpoints have a problem (none committed, damage found, a failed
+save); 2 the command line or its input is unusable (a missing directory or file, a file that
+is not a checkpoint or is damaged, a file import refuses because loading it would run code, a
+step that is not there, a step import would overwrite without ``--force``). Errors are one
+line on stderr, never a traceback.
+
+Building the parser imports nothing heavy (no torch, numpy, scipy): each subcommand imports
+what it needs when it runs, so ``coci --help`` answers at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+__all__ = ["build_parser", "main"]
+
+
+def __getattr__(name: str) -> Any:
+    # coci_core.commands.cli.read_foreign, as before, without importing torch with the module
+    if name == "read_foreign":
+        from coci_core.interop.foreign import read_foreign
+
+        return read_foreign
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class BadInput(Exception):
+    """The command line or its input is unusable: one line on stderr, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are a one-line :class:`BadInput` (exit code 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise BadInput(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
+def _step(text: str) -> int:
+    try:
+        step = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a step number: {text!r}") from None
+    if step < 0:
+        raise argparse.ArgumentTypeError(f"a step is >= 0: {text!r}")
+    return step
+
+
+def open_storage(target: str) -> Any:
+    """:func:`coci_core.storage.open_storage`, imported when a subcommand runs."""
+    from coci_core.storage import open_storage as open_
+
+    return open_(target)
+
+
+def _checkpoint_dir(target: str) -> Any:
+    """The storage of an existing checkpoint directory (a local one must exist)."""
+    if "://" not in target:
+        path = Path(target)
+        if not path.exists():
+            raise BadInput(f"{target}: the directory does not exist")
+        if not path.is_dir():
+            raise BadInput(f"{target}: not a directory")
+    return open_storage(target)
+
+
+def _ls(args: argparse.Namespace) -> int:
+    from coci_core.engine.manifest import MANIFEST_NAME, step_dir_name
+    from coci_core.engine.restore import committed_steps, read_manifest
+    from coci_core.errors import CorruptCheckpointError, NoCheckpointError
+
+    storage = _checkpoint_dir(args.dir)
+    steps = committed_steps(storage)
+    if not steps:
+        print(f"no committed checkpoints in {storage.url}")
+        return 1
+    print(f"{'step':>10}  {'size':>12}  {'ratio':>6}  {'tensors':>7}  {'created':<19}  codec")
+    for step in steps:
+        try:
+            m = read_manifest(storage, step)
+        except NoCheckpointError:
+            continue  # removed (by retention) since it was listed
+        except CorruptCheckpointError as e:
+            if not storage.exists(f"{step_dir_name(step)}/{MANIFEST_NAME}"):
+                continue  # removed while it was being read: gone, not damaged
+            print(f"{step:>10}  damaged manifest: {e}")
+            continue
+        codecs = (
+            ",".join(
+                sorted(
+                    {
+                        str(p.params["codec"]) if p.params else t.codec
+                        for t in m.tensors
+                        for p in t.pieces
+                    }
+                )
+            )
+            or "-"
+        )
+        raw = sum(t.raw_nbytes for t in m.tensors)
+        ratio = f"{raw / m.nbytes:.2f}x" if m.nbytes else "-"
+        created = _time(m.created_unix)
+        bases = f"  (delta of {', '.join(map(str, m.bases))})" if m.bases else ""
+        print(
+            f"{step:>10}  {_size(m.nbytes):>12}  {ratio:>6}  {len(m.tensors):>7}  {created}  "
+            f"{codecs}{bases}"
+        )
+    return 0
+
+
+def _time(unix: float) -> str:
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(unix))
+    except (OverflowError, OSError, ValueError):
+        return f"{'?':<19}"
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000  # type: ignore[assignment]
+    return str(n)
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from coci_core.engine.restore import committed_steps, verify_checkpoint
+    from coci_core.errors import CorruptCheckpointError, NoCheckpointError
+
+    storage = _checkpoint_dir(args.dir)
+    steps = [args.step] if args.step is not None else committed_steps(storage)
+    if not steps:
+        print(f"no committed checkpoints in {storage.url}")
+        return 1
+    damaged = 0
+    for step in steps:
+        reasons: list[str] = []
+
+        def report(key: str, why: str, step: int = step, reasons: list[str] = reasons) -> None:
+            # the reason names the step and the key again: say each once
+            why = why.removeprefix(f"step {step}: ").replace(f" in {key!r}", "")
+            reasons.append(f"  damaged {key}: {why}")
+
+        try:
+            bad = verify_checkpoint(storage, step, on_bad=report)
+        except NoCheckpointError as e:
+            if args.step is not None:
+                raise BadInput(str(e)) from e
+            # listed here and then removed (retention): gone, not damaged
+            print(f"step {step}: removed while verifying (not damaged)")
+            continue
+        except CorruptCheckpointError as e:
+            print(f"step {step}: {e}")
+            damaged += 1
+            continue
+        for line in reasons:
+            print(line)
+        print(f"step {step}: {'ok' if not bad else f'{len(bad)} damaged'}")
+        damaged += bool(bad)
+    return 1 if damaged else 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from coci_core.engine.restore import committed_steps, load_checkpoint
+    from coci_core.errors import NoCheckpointError
+    from coci_core.interop.exchange import export_state
+
+    storage = _checkpoint_dir(args.dir)
+    out = Path(args.out)
+    if not out.parent.is_dir():
+        raise BadInput(f"{args.out}: the directory {out.parent} does not exist")
+    steps = committed_steps(storage)
+    if args.step is not None and args.step not in steps:
+        shown = ", ".join(map(str, steps[-10:])) or "none"
+        raise BadInput(f"step {args.step} is not committed in {storage.url} (its steps: {shown})")
+    step = args.step if args.step is not None else max(steps, default=None)
+    if step is None:
+        raise NoCheckpointError(f"no committed checkpoints in {storage.url}")
+    state = load_checkpoint(storage, step, rank=args.rank).state
+    fmt = args.format
+    if fmt == "auto":
+        fmt = "safetensors" if out.suffix == ".safetensors" else "torch"
+    print(export_state(state, out, fmt, step))
+    return 0
+
+
+def _import(args: argparse.Namespace) -> int:
+    from coci_core.engine.manager import CheckpointManager
+    from coci_core.errors import CociError
+    from coci_core.interop.foreign import read_foreign_with_step
+
+    try:
+        state, recorded = read_foreign_with_step(Path(args.src))
+    except CociError as e:
+        # missing, not a checkpoint, damaged, or refused because loading it would run code
+        # from the file (UnsafeCheckpointError): not something to import
+        raise BadInput(str(e)) from e
+    step = args.step if args.step is not None else recorded if recorded is not None else 0
+    with CheckpointManager(args.dir, keep_last=None, allow_torch_save=args.allow_torch_save) as mgr:
+        if step in mgr.steps() and not args.force:
+            raise BadInput(f"step {step} already exists in {args.dir}: pass --force to replace it")
+        mgr.save(step, state, overwrite=bool(args.force)).wait()
+    print(f"imported {args.src} into {args.dir} as step {step}")
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from coci_core.telemetry.report import render, summarize
+
+    _checkpoint_dir(args.dir)
+    try:
+        summary = summarize(args.dir)
+    except FileNotFoundError as e:
+        print(f"coci: {e}", file=sys.stderr)
+        return 1
+    tb = Path(args.dir) / "tensorboard"
+    print(render(summary, tensorboard_dir=args.tensorboard or (str(tb) if tb.is_dir() else None)))
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    if not args.engine:
+        try:
+            from coci_lightning.demo import run as lightning_demo
+        except ImportError:
+            print(
+                "coci demo: Lightning is not installed (pip install 'coci[demo]'); "
+                "running the engine-only demo"
+            )
+        else:
+            return lightning_demo(args)
+    from coci_core.commands.demo import run
+
+    return run(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``coci`` argument parser (imports nothing heavy)."""
+    parser = _Parser(
+        prog="coci",
+        description="coci checkpoints: list, verify, export, import, report, demo, plan",
+        epilog="exit codes: 0 done, 1 a checkpoint problem, 2 bad command line or input",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    dir_help = "the checkpoint directory (a path or an fsspec URL)"
+    p = sub.add_parser("ls", help="list committed checkpoints")
+    p.add_argument("dir", metavar="DIR", help=dir_help)
+    p.set_defaults(func=_ls)
+    p = sub.add_parser("verify", help="check every checksum (exit 1 on damage)")
+    p.add_argument("dir", metavar="DIR", help=dir_help)
+    p.add_argument("--step", type=_step, help="verify only this step (default: every step)")
+    p.set_defaults(func=_verify)
+    p = sub.add_parser(
+        "export",
+        help="write a step as a torch.save file, a .safetensors file or a DCP directory",
+        description="Write a step as a torch.save file (loads with plain torch.load), a "
+        ".safetensors file or a torch.distributed.checkpoint directory; each keeps a note "
+        "with which `coci import` rebuilds the exact state.",
+    )
+    p.add_argument("dir", metavar="DIR", help=dir_help)
+    p.add_argument("out", metavar="OUT", help="the file (or DCP directory) to write")
+    p.add_argument("--step", type=_step, help="default: the newest committed step")
+    p.add_argument(
+        "--format",
+        choices=("auto", "torch", "safetensors", "dcp"),
+        default="auto",
+        help="auto: safetensors for a .safetensors name, else torch.save",
+    )
+    p.add_argument(
+        "--rank",
+        type=int,
+        default=0,
+        help="whose per-rank state (random states) to include (default: 0)",
+    )
+    p.set_defaults(func=_export)
+    p = sub.add_parser(
+        "import", help="save a torch.save / .safetensors file or a DCP directory as a coci step"
+    )
+    p.add_argument(
+        "src", metavar="SRC", help="a torch.save file, a .safetensors file or a DCP directory"
+    )
+    p.add_argument("dir", metavar="DIR", help="the checkpoint directory to save into")
+    p.add_argument(
+        "--step",
+        type=_step,
+        help="the step to save it as (default: the step `coci export` recorded in SRC, else 0)",
+    )
+    p.add_argument("--force", action="store_true", help="replace the step if DIR has it")
+    p.add_argument(
+        "--allow-torch-save",
+        action="store_true",
+        help="keep values coci cannot store as data (sets, custom classes torch.load "
+        "allows) as torch.save'd leaves, read back with weights_only=True",
+    )
+    p.set_defaults(func=_import)
+    p = sub.add_parser("report", help="what a run's checkpoints cost, planned vs actual")
+    p.add_argument("dir", metavar="DIR", help="a run's checkpoint directory (with telemetry)")
+    p.add_argument("--tensorboard", help="the TensorBoard log directory to point to")
+    p.set_defaults(func=_report)
+    p = sub.add_parser("demo", help="kill a training run mid-persist and resume it exactly")
+    p.add_argument(
+        "--engine",
+        action="store_true",
+        help="the engine-only demo (no Lightning): kill inside a persist",
+    )
+    p.add_argument("--dir", help="run directory (default: a new temporary one)")
+    p.add_argument("--total-steps", type=int, help="training steps")
+    p.add_argument("--kill-step", type=int, help="the step at which the run is killed")
+    p.add_argument("--save-every", type=int, default=25, help="(engine demo) save interval")
+    p.add_argument("--seed", type=int, help="seed of the random kill step")
+    p.set_defaults(func=_demo)
+    from coci_core.commands.plan import add_subcommands
+
+    add_subcommands(sub)
+    return parser
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``coci``; returns the exit code (0 done, 1 a checkpoint problem, 2 bad input)."""
+    try:
+        args = build_parser().parse_args(argv)
+    except BadInput as e:
+        print(_one_line(e), file=sys.stderr)
+        return 2
+    from coci_core.errors import CociError
+
+    try:
+        return int(args.func(args))
+    except BadInput as e:
+        print(f"coci: {_one_line(e)}", file=sys.stderr)
+        return 2
+    except CociError as e:
+        print(f"coci: {_one_line(e)}", file=sys.stderr)
+        return 1
+    except OSError as e:  # the disk, permissions: not a bug in coci
+        print(f"coci: {_one_line(e)}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

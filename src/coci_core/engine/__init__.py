@@ -1,0 +1,1 @@
+"""The checkpoint engine: snapshot, persist, commit, restore, and the on-disk format."""

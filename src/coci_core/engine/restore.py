@@ -1,0 +1,550 @@
+"""Restore: discover committed steps, read a manifest, fetch and verify every array, rebuild."""
+
+from __future__ import annotations
+
+import heapq
+import logging
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import crc32c
+import torch
+
+from coci_core.codecs import decode, from_descriptor, needs_base
+from coci_core.engine.manifest import (
+    MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    Manifest,
+    TensorEntry,
+    parse_step_dir,
+    step_dir_name,
+)
+from coci_core.engine.tree import decode_dtype, load_torch_saved, ndarray_dtype, unflatten_state
+from coci_core.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    NoCheckpointError,
+    StorageError,
+)
+from coci_core.storage import Storage
+
+__all__ = [
+    "MAX_DELTA_CHAIN",
+    "ZSTD_MAX_RATIO",
+    "LoadedCheckpoint",
+    "RestoreCache",
+    "committed_steps",
+    "load_checkpoint",
+    "newest_first",
+    "read_manifest",
+    "verify_checkpoint",
+]
+
+logger = logging.getLogger(__name__)
+
+RAW_CODEC = "coci.raw/1"
+# A delta is decoded against its base, which may itself be a delta: at most this many steps
+# are read to rebuild one array (the array's own step and its bases). The writer's chains are
+# at most ``max_lossy_generations`` + 1 steps deep (lossy deltas each against the previous
+# reconstruction, back to a lossless base); lossless deltas are one step deep.
+MAX_DELTA_CHAIN = 64
+# zstd stores at most 128 KiB of output per 4 bytes of input (an RLE block: a 3-byte header and
+# the byte): a piece decoded without a base holds at most this many times its stored bytes.
+# (Measured: 128 MiB of zeros compress 32585x.) A delta piece is bounded by its base instead.
+ZSTD_MAX_RATIO = 32768
+
+
+def committed_steps(storage: Storage) -> list[int]:
+    """Steps that have a committed manifest, ascending (damage is found on read, not here)."""
+    steps = []
+    for name in storage.list_dir(""):
+        step = parse_step_dir(name)
+        if step is not None and storage.exists(f"{name}/{MANIFEST_NAME}"):
+            steps.append(step)
+    return sorted(steps)
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """What ordering and retention need of a committed step: its run and creation time
+    (``intact`` False: its manifest cannot be read; run and time are then unknown)."""
+
+    step: int
+    run: str
+    created_unix: float
+    intact: bool
+
+
+def step_infos(storage: Storage) -> list[StepInfo]:
+    """Every committed step, newest first: by creation time, so that the newest checkpoint
+    of the newest run comes first even when an older run left higher step numbers (and a
+    run that went back to an older step and trained on prefers its new branch).
+
+    A step whose manifest cannot be read is placed where its step number would place it in
+    one run (tried just before the newest intact step below it), so that restore reports it.
+    """
+    infos: list[StepInfo] = []
+    for step in committed_steps(storage):
+        try:
+            m = read_manifest(storage, step)
+        except NoCheckpointError:
+            continue  # removed meanwhile (retention)
+        except CorruptCheckpointError:
+            below = [i.created_unix for i in infos if i.intact]
+            created = max(below) if below else float("-inf")
+            infos.append(StepInfo(step, "", created, intact=False))
+        else:
+            infos.append(StepInfo(step, m.run, m.created_unix, intact=True))
+    return sorted(infos, key=lambda i: (i.created_unix, i.intact is False, i.step), reverse=True)
+
+
+def newest_first(storage: Storage) -> list[int]:
+    """Committed steps in the order a resume tries them (see :func:`step_infos`)."""
+    return [i.step for i in step_infos(storage)]
+
+
+def _size(storage: Storage, path: str) -> int | None:
+    """The size of a file, when the storage can tell it without reading it (``size()``)."""
+    size = getattr(storage, "size", None)
+    return int(size(path)) if callable(size) else None
+
+
+def read_manifest(storage: Storage, step: int) -> Manifest:
+    """The manifest of ``step``, checked (see :meth:`Manifest.from_json`).
+
+    Raises:
+        NoCheckpointError: ``step`` is not committed.
+        CorruptCheckpointError: the manifest is too large, cannot be read or parsed, fails
+            its checksum or a check, or names another step.
+    """
+    path = f"{step_dir_name(step)}/{MANIFEST_NAME}"
+    if not storage.exists(path):
+        raise NoCheckpointError(f"no committed checkpoint at step {step} in {storage.url}")
+    where = f"manifest of step {step} in {storage.url}"
+    try:
+        size = _size(storage, path)
+        if size is not None and size > MAX_MANIFEST_BYTES:
+            raise CorruptCheckpointError(
+                f"{where} has {size} bytes, more than {MAX_MANIFEST_BYTES}", step=step
+            )
+        data = storage.read_bytes(path)
+    except StorageError as e:
+        raise CorruptCheckpointError(f"cannot read manifest of step {step}: {e}", step=step) from e
+    manifest = Manifest.from_json(data, where=where, step=step)
+    if manifest.step != step:
+        raise CorruptCheckpointError(
+            f"manifest in {step_dir_name(step)} says step {manifest.step}", step=step
+        )
+    return manifest
+
+
+def _alloc(nbytes: int) -> torch.Tensor:
+    """A buffer of ``nbytes`` for an array or a stored piece: every size that reaches here was
+    checked against the manifest's limits and the data files' sizes."""
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
+class _Reader:
+    """Reads arrays of one storage, resolving delta pieces through their bases.
+
+    An array stored as a delta is rebuilt bottom-up, without recursion: first every base it
+    needs (through their own bases) is found and checked, at most :data:`MAX_DELTA_CHAIN`
+    steps in all, each one listed in the restored manifest's ``bases``; then each is decoded
+    once, oldest first, and dropped once nothing above it needs it. Manifests, file sizes and
+    the bases found damaged are remembered for the reader's life.
+    """
+
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+        self._manifests: dict[int, Manifest | CheckpointError] = {}
+        self._by_key: dict[int, dict[str, TensorEntry]] = {}
+        self._sizes: dict[tuple[int, str], int | StorageError | None] = {}
+        self._damaged: dict[tuple[int, str], CorruptCheckpointError] = {}
+
+    def _manifest(self, step: int, top: int, key: str) -> Manifest:
+        cached = self._manifests.get(step)
+        if cached is None:
+            try:
+                cached = read_manifest(self.storage, step)
+            except CheckpointError as e:
+                cached = e
+            self._manifests[step] = cached
+        if isinstance(cached, CheckpointError):
+            raise CorruptCheckpointError(
+                f"step {top}: {key!r} is a delta against step {step}, which cannot be read: "
+                f"{cached}",
+                step=top,
+                bad=[key],
+            ) from cached
+        return cached
+
+    def _entry(self, manifest: Manifest, key: str, top: int) -> TensorEntry:
+        by_key = self._by_key.get(manifest.step)
+        if by_key is None:
+            by_key = self._by_key[manifest.step] = {t.key: t for t in manifest.tensors}
+        entry = by_key.get(key)
+        if entry is None:
+            raise CorruptCheckpointError(
+                f"step {top}: {key!r} is a delta against step {manifest.step}, which has no "
+                "such array",
+                step=top,
+                bad=[key],
+            )
+        return entry
+
+    def _file_size(self, step: int, name: str, key: str) -> int | None:
+        cached = self._sizes.get((step, name), -1)
+        if cached == -1:
+            try:
+                cached = _size(self.storage, f"{step_dir_name(step)}/{name}")
+            except StorageError as e:
+                cached = e
+            self._sizes[(step, name)] = cached
+        if isinstance(cached, StorageError):
+            raise CorruptCheckpointError(
+                f"step {step}: cannot read {key!r}: {cached}; the checkpoint is incomplete or "
+                "corrupted",
+                step=step,
+                bad=[key],
+            )
+        return cached
+
+    def _check(self, manifest: Manifest, entry: TensorEntry) -> tuple[int, ...]:
+        """Check what the entry's pieces claim against its codecs' limits and the data files'
+        actual sizes, before anything is allocated or read; return the steps of its bases."""
+        step, key = manifest.step, entry.key
+        bases = set()
+        for piece in entry.pieces:
+            span = f"{piece.start}-{piece.start + piece.length}"
+            where = f"step {step}: a piece of {key!r} (bytes {span})"
+            try:
+                if piece.params is None:
+                    if entry.codec not in (RAW_CODEC, "mixed") and not any(
+                        q.params for q in entry.pieces
+                    ):
+                        from_descriptor(entry.codec)  # an unknown codec name is refused
+                    delta = False
+                else:
+                    delta = needs_base(piece.params)
+            except CorruptCheckpointError as e:
+                raise CorruptCheckpointError(f"{where}: {e}", step=step, bad=[key]) from e
+            if piece.params is None:
+                pass
+            elif delta:
+                base_step = piece.params.get("base_step")
+                if type(base_step) is not int or not 0 <= base_step < step:
+                    raise CorruptCheckpointError(
+                        f"{where} is a delta that names no earlier base step ({base_step!r})",
+                        step=step,
+                        bad=[key],
+                    )
+                bases.add(base_step)
+            elif piece.length > ZSTD_MAX_RATIO * piece.nbytes:
+                raise CorruptCheckpointError(
+                    f"{where} claims {piece.length} bytes from {piece.nbytes} stored ones, more "
+                    f"than zstd can expand ({ZSTD_MAX_RATIO}x)",
+                    step=step,
+                    bad=[key],
+                )
+            size = self._file_size(step, piece.file, key)
+            if size is not None and piece.offset + piece.nbytes > size:
+                raise CorruptCheckpointError(
+                    f"{where} is stored at {piece.offset}-{piece.offset + piece.nbytes} of "
+                    f"{piece.file}, which has {size} bytes; the checkpoint is incomplete or "
+                    "corrupted",
+                    step=step,
+                    bad=[key],
+                )
+        return tuple(sorted(bases))
+
+    def _plan(
+        self, manifest: Manifest, entry: TensorEntry
+    ) -> list[tuple[Manifest, TensorEntry, tuple[int, ...]]]:
+        """The entry and every base entry it needs, each with its bases' steps, oldest first."""
+        top, key = manifest.step, entry.key
+        nodes = {top: (manifest, entry)}
+        depth = {top: 1}
+        bases_of: dict[int, tuple[int, ...]] = {}
+        listed = set(manifest.bases)
+        heap = [-top]
+        while heap:  # newest first: every step's dependents are done before it
+            step = -heapq.heappop(heap)
+            m, e = nodes[step]
+            bases_of[step] = bases = self._check(m, e)
+            for base in bases:
+                known = self._damaged.get((base, key))
+                if known is not None:
+                    raise CorruptCheckpointError(
+                        f"step {top}: {key!r} needs step {base}'s, which is damaged: {known}",
+                        step=top,
+                        bad=[key],
+                    )
+                if base not in listed:
+                    raise CorruptCheckpointError(
+                        f"step {top}: {key!r} needs step {base} (through step {step}), which "
+                        f"the manifest of step {top} does not list among its bases",
+                        step=top,
+                        bad=[key],
+                    )
+                if base not in nodes:
+                    bm = self._manifest(base, top, key)
+                    nodes[base] = (bm, self._entry(bm, key, top))
+                    heapq.heappush(heap, -base)
+                depth[base] = max(depth.get(base, 0), depth[step] + 1)
+                if depth[base] > MAX_DELTA_CHAIN:
+                    raise CorruptCheckpointError(
+                        f"step {top}: {key!r} is a chain of deltas more than {MAX_DELTA_CHAIN} "
+                        "steps deep",
+                        step=top,
+                        bad=[key],
+                    )
+                base_raw = nodes[base][1].raw_nbytes
+                for p in e.pieces:
+                    if (
+                        p.params is not None
+                        and p.params.get("base_step") == base
+                        and p.start + p.length > base_raw
+                    ):
+                        raise CorruptCheckpointError(
+                            f"step {step}: {key!r} needs bytes {p.start}-{p.start + p.length} "
+                            f"of step {base}'s, which has {base_raw}",
+                            step=top,
+                            bad=[key],
+                        )
+        return [(nodes[s][0], nodes[s][1], bases_of[s]) for s in sorted(nodes)]
+
+    def fetch(self, manifest: Manifest, entry: TensorEntry) -> torch.Tensor:
+        """The entry's raw bytes as a uint8 tensor, assembled from its pieces (decoded, through
+        their bases), every checksum verified."""
+        if len(manifest.bases) >= MAX_DELTA_CHAIN:
+            raise CorruptCheckpointError(
+                f"step {manifest.step} lists {len(manifest.bases)} bases; a chain of deltas is "
+                f"at most {MAX_DELTA_CHAIN} steps deep",
+                step=manifest.step,
+                bad=[entry.key],
+            )
+        known = self._damaged.get((manifest.step, entry.key))
+        if known is not None:
+            raise known
+        self._manifests.setdefault(manifest.step, manifest)
+        plan = self._plan(manifest, entry)
+        uses = Counter(b for _, _, bases in plan for b in bases)
+        decoded: dict[int, torch.Tensor] = {}
+        for m, e, bases in plan:
+            try:
+                decoded[m.step] = self._decode(m, e, decoded)
+            except CorruptCheckpointError as err:
+                if m.step == manifest.step:
+                    raise
+                self._damaged[(m.step, e.key)] = err
+                raise CorruptCheckpointError(
+                    f"step {manifest.step}: {e.key!r} is a delta against step {m.step}, which "
+                    f"is damaged: {err}",
+                    step=manifest.step,
+                    bad=[e.key],
+                ) from err
+            for b in bases:
+                uses[b] -= 1
+                if not uses[b]:
+                    del decoded[b]
+        return decoded[manifest.step]
+
+    def _decode(
+        self, manifest: Manifest, entry: TensorEntry, bases: dict[int, torch.Tensor]
+    ) -> torch.Tensor:
+        step = manifest.step
+        out = _alloc(entry.raw_nbytes)
+        for piece in entry.pieces:
+            target = out[piece.start : piece.start + piece.length]
+            stored = target if piece.params is None else _alloc(piece.nbytes)
+            view = stored.numpy().data
+            try:
+                self.storage.read_into(f"{step_dir_name(step)}/{piece.file}", piece.offset, view)
+            except StorageError as e:
+                raise CorruptCheckpointError(
+                    f"step {step}: cannot read {entry.key!r}: {e}; the checkpoint is incomplete "
+                    "or corrupted",
+                    step=step,
+                    bad=[entry.key],
+                ) from e
+            if crc32c.crc32c(view) != piece.crc32c:
+                raise CorruptCheckpointError(
+                    f"step {step}: checksum mismatch in {entry.key!r} (bytes "
+                    f"{piece.start}-{piece.start + piece.length} in {piece.file})",
+                    step=step,
+                    bad=[entry.key],
+                )
+            if piece.params is not None:
+                base = None
+                if needs_base(piece.params):
+                    whole = bases[piece.params["base_step"]]
+                    base = whole[piece.start : piece.start + piece.length].numpy()
+                try:
+                    decode(stored.numpy(), piece.params, target.numpy(), base)
+                except CorruptCheckpointError as e:
+                    raise CorruptCheckpointError(
+                        f"step {step}: {entry.key!r}: {e}", step=step, bad=[entry.key]
+                    ) from e
+        return out
+
+
+def _fetch(storage: Storage, manifest: Manifest, entry: TensorEntry) -> torch.Tensor:
+    return _Reader(storage).fetch(manifest, entry)
+
+
+def _as_value(entry: TensorEntry, raw: torch.Tensor) -> Any:
+    if raw.numel() != entry.raw_nbytes:
+        raise CorruptCheckpointError(
+            f"{entry.key!r} has {raw.numel()} bytes, its shape and dtype need {entry.raw_nbytes}"
+        )
+    if entry.kind == "torch_save":
+        return load_torch_saved(raw.numpy().tobytes(), entry.key)
+    if entry.kind == "ndarray":
+        dtype = ndarray_dtype(entry.numpy_dtype, entry.dtype)
+        return raw.numpy().view(dtype).reshape(entry.shape)
+    return raw.view(decode_dtype(entry.dtype)).reshape(entry.shape)
+
+
+@dataclass(frozen=True)
+class LoadedCheckpoint:
+    """A restored state and what it cost to read."""
+
+    step: int
+    state: dict[str, Any]
+    bytes_read: int
+    manifest: Manifest
+    rank_state_restored: bool = True
+
+
+def _values(reader: _Reader, manifest: Manifest, entries: Any) -> tuple[list[Any], int]:
+    values, nbytes = [], 0
+    for entry in entries:
+        values.append(_as_value(entry, reader.fetch(manifest, entry)))
+        nbytes += entry.nbytes
+    return values, nbytes
+
+
+def _unexpected(step: int, e: Exception, what: str = "") -> CorruptCheckpointError:
+    """The CorruptCheckpointError for an error that no check foresaw (a safety net: malformed
+    data must never escape as a ValueError, a RecursionError, a MemoryError, ...)."""
+    return CorruptCheckpointError(
+        f"step {step}{what}: cannot be read: {type(e).__name__}: {str(e)[:300]}", step=step
+    )
+
+
+class RestoreCache:
+    """What restoring from ``storage`` learned (manifests, data file sizes, bases found
+    damaged), shared by the steps one fallback loop tries: pass it to each
+    :func:`load_checkpoint` of the loop, and a base found damaged for one step is not read and
+    decoded again for the next. Use one per restore (a step may be saved again later)."""
+
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+        self._reader = _Reader(storage)
+
+
+def load_checkpoint(
+    storage: Storage, step: int, *, rank: int = 0, cache: RestoreCache | None = None
+) -> LoadedCheckpoint:
+    """Read, verify and rebuild the state of ``step`` (tensors on CPU), with the per-rank
+    state that rank ``rank`` saved merged in (when the checkpoint has that rank).
+
+    Raises:
+        NoCheckpointError: ``step`` is not committed.
+        CorruptCheckpointError: the manifest or any array is damaged (the error names them);
+            also any error that reading the checkpoint raised unforeseen.
+    """
+    reader = cache._reader if cache is not None and cache.storage is storage else None
+    try:
+        return _load(storage, step, rank, reader or _Reader(storage))
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise _unexpected(step, e) from e
+
+
+def _load(storage: Storage, step: int, rank: int, reader: _Reader) -> LoadedCheckpoint:
+    manifest = read_manifest(storage, step)
+    values, bytes_read = _values(reader, manifest, manifest.tensors)
+    state = unflatten_state(manifest.tree, values)
+    if not isinstance(state, dict):
+        raise CorruptCheckpointError(f"step {step}: the state is not a mapping", step=step)
+    has_rank_state = any(r.tree is not None for r in manifest.per_rank)
+    restored = not has_rank_state
+    if has_rank_state and rank < len(manifest.per_rank):
+        own = manifest.per_rank[rank]
+        own_values, n = _values(reader, manifest, own.tensors)
+        bytes_read += n
+        own_state = unflatten_state(own.tree, own_values)
+        if not isinstance(own_state, dict):
+            raise CorruptCheckpointError(
+                f"step {step}: the state of rank {rank} is not a mapping", step=step
+            )
+        state.update(own_state)
+        restored = True
+    elif has_rank_state:
+        logger.warning(
+            "coci: step %d was written by %d rank(s); rank %d gets no per-rank state",
+            step,
+            len(manifest.per_rank),
+            rank,
+        )
+    return LoadedCheckpoint(step, state, bytes_read, manifest, restored)
+
+
+def verify_checkpoint(
+    storage: Storage, step: int, *, on_bad: Callable[[str, str], None] | None = None
+) -> list[str]:
+    """Check the manifest of ``step`` (its checksum and every field) and every array against
+    its checksums; return the keys that are damaged.
+
+    Raises:
+        NoCheckpointError: ``step`` is not committed, or was removed (by retention, say) while
+            it was being verified: then it is gone, not damaged.
+        CorruptCheckpointError: the manifest itself is damaged.
+    """
+    path = f"{step_dir_name(step)}/{MANIFEST_NAME}"
+    try:
+        manifest = read_manifest(storage, step)
+        # the values in the trees (numpy scalars, bytes...), as restore would build them
+        unflatten_state(manifest.tree, [None] * len(manifest.tensors))
+        for own in manifest.per_rank:
+            unflatten_state(own.tree, [None] * len(own.tensors))
+    except CorruptCheckpointError:
+        _raise_if_removed(storage, step, path)
+        raise
+    except CheckpointError:
+        raise
+    except Exception as e:
+        _raise_if_removed(storage, step, path)
+        raise _unexpected(step, e, " (its manifest)") from e
+    reader = _Reader(storage)
+    bad = []
+    for entry in (*manifest.tensors, *(t for r in manifest.per_rank for t in r.tensors)):
+        try:
+            _as_value(entry, reader.fetch(manifest, entry))
+        except Exception as e:
+            if isinstance(e, CheckpointError) and not isinstance(e, CorruptCheckpointError):
+                raise
+            bad.append(entry.key)
+            if on_bad is not None:
+                why = str(e) if isinstance(e, CorruptCheckpointError) else str(_unexpected(step, e))
+                on_bad(entry.key, why)
+    if bad:
+        _raise_if_removed(storage, step, path)
+    return bad
+
+
+def _raise_if_removed(storage: Storage, step: int, path: str) -> None:
+    """Reading failed: when the step's manifest is gone, the step was removed (retention
+    un-publishes a step before it deletes its files), not damaged."""
+    try:
+        present = storage.exists(path)
+    except Exception:  # the storage cannot tell: keep the original error
+        return
+    if not present:
+        raise NoCheckpointError(
+            f"step {step} was removed from {storage.url} while it was being read (not damaged)"
+        )

@@ -1,0 +1,1 @@
+"""Other checkpoint formats: reading DCP and torch.save files, exporting and importing."""

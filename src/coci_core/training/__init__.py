@@ -1,0 +1,1 @@
+"""The one door the framework adapters use: a planner and a manager together."""
