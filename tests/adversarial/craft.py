@@ -111,6 +111,7 @@ class HookedStorage:
     def __init__(self, inner: Storage, hook: Callable[[str, str], None]) -> None:
         self.inner = inner
         self.url = inner.url
+        self.renames = inner.renames
         self.hook = hook
 
     def list_dir(self, path: str = "") -> list[str]:

@@ -24,6 +24,7 @@ class FaultyStorage:
     ) -> None:
         self.inner = inner
         self.url = inner.url
+        self.renames = inner.renames
         self.fail = {op: set(calls) for op, calls in fail.items()}
         self.error = error or OSError(errno.ENOSPC, "No space left on device")
         self.calls: dict[str, int] = {}

@@ -225,17 +225,23 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+DEMO_ENTRY_POINTS = "coci.demos"  # adapters register their demo here (pyproject.toml)
+
+
 def _demo(args: argparse.Namespace) -> int:
     if not args.engine:
-        try:
-            from coci_lightning.demo import run as lightning_demo
-        except ImportError:
-            print(
-                "coci demo: Lightning is not installed (pip install 'coci[demo]'); "
-                "running the engine-only demo"
-            )
-        else:
-            return lightning_demo(args)
+        from importlib.metadata import entry_points
+
+        for entry in entry_points(group=DEMO_ENTRY_POINTS, name="lightning"):
+            try:
+                adapter_demo = entry.load()
+            except ImportError:
+                print(
+                    "coci demo: Lightning is not installed (pip install 'coci[demo]'); "
+                    "running the engine-only demo"
+                )
+            else:
+                return int(adapter_demo(args))
     from coci_core.commands.demo import run
 
     return run(args)

@@ -88,6 +88,38 @@ class SaveHandle:
         """What the save did, once it is done."""
         return self._event
 
+    # -- completion: the manager reports through these, the handle keeps its own state ----
+
+    def _add_stall(self, seconds: float, *, update_wait: bool = False) -> None:
+        self._stall_s += seconds
+        if update_wait:
+            self._update_wait_s += seconds
+
+    def _finish(
+        self,
+        event: SaveEvent,
+        error: BaseException | None = None,
+        notify: Callable[[SaveEvent], None] | None = None,
+    ) -> None:
+        """Record the outcome, give it to ``notify`` (listeners: before ``wait()`` returns,
+        they have it), then wake the waiters."""
+        self._event = event
+        self._error = error
+        try:
+            if notify is not None:
+                notify(event)
+        finally:
+            self._done.set()
+
+    def _wait_done(self, timeout_s: float | None = None) -> bool:
+        return self._done.wait(timeout_s)
+
+    def _take_unreported_error(self) -> BaseException | None:
+        if self._reported or self._error is None:
+            return None
+        self._reported = True
+        return self._error
+
     def wait(self, timeout_s: float | None = None) -> SaveEvent:
         """Block until the save is durable (or skipped) and return what it did.
 
@@ -202,7 +234,7 @@ class CheckpointManager:
             if not callable(listener):
                 raise ConfigError(f"'listeners' must be callables, got {listener!r}")
         self.storage = open_storage(directory, **dict(storage_options or {}))
-        if group.world_size > 1 and self.storage.staging_dir("step-x", "t") == "step-x":
+        if group.world_size > 1 and not self.storage.renames:
             raise ConfigError(
                 f"several ranks cannot write one checkpoint to {self.storage.url!r} yet: it has "
                 "no atomic rename, so the ranks would share one directory before the commit; "
@@ -319,11 +351,11 @@ class CheckpointManager:
         previous = self._inflight
         if previous is not None and not previous.done():
             if previous.step == step:
-                previous._done.wait()  # its commit decides whether the step exists
+                previous._wait_done()  # its commit decides whether the step exists
             elif self.on_busy == "skip":
                 return self._skip(step, block=block, started=started)
             else:
-                previous._done.wait()
+                previous._wait_done()
         self._raise_failed()
         if not overwrite:
             self._refuse_existing(step)
@@ -350,12 +382,12 @@ class CheckpointManager:
             flat.tree,
             _json_metadata(metadata),
             # A save that only rank 0 makes must not shift the count the ranks agree on.
-            token=f"{self.group.session}{'solo' if alone else ''}-{self._saves}",
+            seq=self._saves,
+            solo=alone,
             n_shared=len(flat.leaves),
             rank_tree=own.tree if own else None,
             layout=_layout_digest(flat.leaves, self.chunk_bytes) if regions is not None else "",
             group=group,
-            copy_in_writer=not block,
             run=self.run_id,
         )
         if block:
@@ -365,7 +397,7 @@ class CheckpointManager:
             snapshot.wait_copied()
         self._saves += 0 if alone else 1
         self._inflight = handle
-        handle._stall_s = time.perf_counter() - started
+        handle._add_stall(time.perf_counter() - started)
         self._worker.submit((job, handle))
         return handle
 
@@ -437,9 +469,7 @@ class CheckpointManager:
             return
         started = time.perf_counter()
         handle._snapshot.copied.wait()
-        waited = time.perf_counter() - started
-        handle._stall_s += waited
-        handle._update_wait_s += waited
+        handle._add_stall(time.perf_counter() - started, update_wait=True)
 
     def wait(self, timeout_s: float | None = None) -> None:
         """Block until every pending save is durable.
@@ -449,7 +479,7 @@ class CheckpointManager:
             TimeoutError: ``timeout_s`` passed first.
         """
         handle = self._inflight
-        if handle is not None and not handle._done.wait(timeout_s):
+        if handle is not None and not handle._wait_done(timeout_s):
             raise TimeoutError(f"save of step {handle.step} not durable after {timeout_s} s")
         self._raise_failed()
 
@@ -462,7 +492,7 @@ class CheckpointManager:
             _LIVE.discard(self)
             handle = self._inflight
             if handle is not None:
-                handle._done.wait()
+                handle._wait_done()
             self._worker.stop()
             self._finalizer.detach()
             self._owner.release(None)
@@ -486,37 +516,33 @@ class CheckpointManager:
         reason: str = "the previous persist is still running",
     ) -> SaveHandle:
         handle = SaveHandle(step, block=block, started=started, snapshot=None)
-        handle._stall_s = time.perf_counter() - started
-        handle._event = SaveEvent(
-            step=step, outcome="skipped", stall_s=handle._stall_s, block=block
-        )
-        handle._done.set()
+        stall = time.perf_counter() - started
+        handle._add_stall(stall)
         logger.info("coci: skipped step %d: %s", step, reason)
-        emit(self.listeners, handle._event)
+        event = SaveEvent(step=step, outcome="skipped", stall_s=stall, block=block)
+        handle._finish(event, notify=lambda e: emit(self.listeners, e))
         return handle
 
     def _raise_failed(self) -> None:
         with self._failed_lock:
-            unreported = [h for h in self._failed if not h._reported]
-            self._failed = []
+            failed, self._failed = self._failed, []
+        unreported = [(h.step, e) for h in failed if (e := h._take_unreported_error()) is not None]
         if not unreported:
             return
-        for handle in unreported:
-            handle._reported = True
-        first = unreported[0]
-        steps = ", ".join(str(h.step) for h in unreported)
+        first_step, first_error = unreported[0]
+        steps = ", ".join(str(step) for step, _ in unreported)
         raise BackgroundSaveError(
-            f"background save of step {steps} failed: {first._error}; committed checkpoints "
+            f"background save of step {steps} failed: {first_error}; committed checkpoints "
             "are intact",
-            step=first.step,
-        ) from first._error
+            step=first_step,
+        ) from first_error
 
     def _run_job(self, item: tuple[PersistJob, SaveHandle]) -> None:
         # WARNING: runs on the writer thread; it must never touch the training process group.
         job, handle = item
         snapshot = job.snapshot
         try:
-            if job.copy_in_writer:
+            if not handle.block:  # the copy overlaps the caller's next work
                 self._snapshotter.copy(snapshot, background=True)
             resaved = self.group.is_coordinator and self.storage.exists(
                 f"{step_dir_name(job.step)}/{MANIFEST_NAME}"
@@ -525,22 +551,13 @@ class CheckpointManager:
                 self._make_room(job)
             result = write_checkpoint(self.storage, job, self._encoder)
         except BaseException as e:
-            self._encoder.finish(committed=False, raw_bytes=0, stored_bytes=0, write_s=0.0)
-            e = self._explain_full_disk(e)
-            handle._error = e
+            error: BaseException | None = self._explain_full_disk(e)
             event = self._event(
-                handle, snapshot, outcome="failed", error=f"{type(e).__name__}: {e}"
+                handle, snapshot, outcome="failed", error=f"{type(error).__name__}: {error}"
             )
-            logger.error("coci: save of step %d failed: %s", job.step, e)
-            with self._failed_lock:
-                self._failed.append(handle)
+            logger.error("coci: save of step %d failed: %s", job.step, error)
         else:
-            self._encoder.finish(
-                committed=True,
-                raw_bytes=result.raw_bytes,
-                stored_bytes=result.bytes_written,
-                write_s=0.0 if result.encoded else result.write_s,
-            )
+            error = None
             event = self._event(
                 handle,
                 snapshot,
@@ -559,17 +576,20 @@ class CheckpointManager:
                 event.stall_s,
                 event.time_to_durable_s,
             )
-        handle._event = event
-        try:
-            emit(self.listeners, event)  # before done: once wait() returns, listeners have it
-        finally:
-            handle._done.set()
+
+        def notify(event: SaveEvent) -> None:
+            if error is not None:  # reported by the next save/wait/close if nobody waits on it
+                with self._failed_lock:
+                    self._failed.append(handle)
+            emit(self.listeners, event)
+
+        handle._finish(event, error, notify=notify)
         if event.outcome == "committed" and self.group.is_coordinator:
             # After done: deleting old steps (0.3 s per GB here) must not hold up wait() or
             # the next save; the next job on this thread starts once it is finished.
             if resaved:
                 self._drop_dependants(job.step)
-            self._apply_retention(newest=job.step, done_seq=int(job.token.rsplit("-", 1)[1]))
+            self._apply_retention(newest=job.step, done_seq=job.seq)
 
     def _event(self, handle: SaveHandle, snapshot: Snapshot, **fields: Any) -> SaveEvent:
         now = time.perf_counter()

@@ -73,13 +73,19 @@ class PersistJob:
     snapshot: Snapshot
     tree: Any
     metadata: dict[str, Any]
-    token: str
     n_shared: int
+    seq: int = 0  # the save's number in its session (the same on every rank)
+    solo: bool = False  # rank 0 saves alone (not counted in ``seq``)
     rank_tree: Any = None
     layout: str = ""
     group: RankGroup = field(default_factory=RankGroup.single)
-    copy_in_writer: bool = False  # block=False: the writer thread makes the copy
     run: str = ""  # the run the checkpoint belongs to (see CheckpointManager.run_id)
+
+    @property
+    def token(self) -> str:
+        """The save's name in staging directories and data files: unique per session and
+        save, and the same on every rank."""
+        return f"{self.group.session}{'solo' if self.solo else ''}-{self.seq}"
 
 
 @dataclass(frozen=True)
@@ -278,12 +284,31 @@ def write_checkpoint(
 ) -> WriteResult:
     """Checksum (and, with an active ``encoder``, encode) this rank's part of the snapshot,
     write it, and commit with the other ranks; clean up on failure (a failure on any rank
-    publishes nothing).
+    publishes nothing). The encoder's session for this save begins and ends here.
 
     Raises:
         StorageError: this rank's write failed.
         CommitError: another rank failed, or did not report within the group's timeout.
     """
+    try:
+        result = _write_checkpoint(storage, job, encoder)
+    except BaseException:
+        if encoder is not None:
+            encoder.finish(committed=False, raw_bytes=0, stored_bytes=0, write_s=0.0)
+        raise
+    if encoder is not None:
+        encoder.finish(
+            committed=True,
+            raw_bytes=result.raw_bytes,
+            stored_bytes=result.bytes_written,
+            write_s=0.0 if result.encoded else result.write_s,  # encoding time is not disk time
+        )
+    return result
+
+
+def _write_checkpoint(
+    storage: Storage, job: PersistJob, encoder: PieceEncoder | None
+) -> WriteResult:
     snap = job.snapshot
     snap.wait_copied()
     group = job.group

@@ -19,6 +19,10 @@ class Storage(Protocol):
     """
 
     url: str
+    #: True: ``staging_dir`` is a directory of its own that ``publish`` renames into place
+    #: (several ranks may write one checkpoint). False: the data goes straight into the final
+    #: directory and the manifest, written last, commits it (object stores).
+    renames: bool
 
     def list_dir(self, path: str = "") -> list[str]:
         """Names directly under ``path`` (empty when it does not exist)."""

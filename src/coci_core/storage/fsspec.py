@@ -27,6 +27,8 @@ class FsspecStorage:
     moved), and only then are the old files deleted.
     """
 
+    renames = False  # object stores have no atomic rename: the manifest is the commit
+
     def __init__(self, url: str, **storage_options: Any) -> None:
         try:
             import fsspec

@@ -26,6 +26,8 @@ class LocalStorage:
     rename followed by an fsync of the parent directory.
     """
 
+    renames = True
+
     def __init__(self, root: str | os.PathLike[str], *, direct_io: bool = True) -> None:
         self.root = Path(root).expanduser().absolute()
         self.url = str(self.root)
