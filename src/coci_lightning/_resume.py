@@ -25,7 +25,6 @@ from __future__ import annotations
 import functools
 import io
 import logging
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -38,9 +37,9 @@ from lightning.pytorch.trainer.connectors.checkpoint_connector import _Checkpoin
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from coci_core.engine.manifest import MANIFEST_NAME, parse_step_dir
-from coci_core.engine.restore import LoadedCheckpoint, load_checkpoint, newest_first
-from coci_core.errors import CorruptCheckpointError
+from coci_core.engine.restore import LoadedCheckpoint, restore_newest
 from coci_core.storage import open_storage
+from coci_core.telemetry import RestoreEvent
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +62,7 @@ class CociCheckpointIO(CheckpointIO):
     def __init__(
         self,
         inner: CheckpointIO,
-        on_restore: Callable[[LoadedCheckpoint, float], None] | None = None,
+        on_restore: Callable[[LoadedCheckpoint, RestoreEvent], None] | None = None,
     ) -> None:
         super().__init__()
         self.inner = inner
@@ -85,22 +84,13 @@ class CociCheckpointIO(CheckpointIO):
                 path, map_location=map_location, weights_only=weights_only
             )
         root, step = found
-        started = time.perf_counter()
         storage = open_storage(str(root))
-        candidates = [step]
         if getattr(self, "fallback_for", None) == str(path):  # "last": fall back past damage
-            order = newest_first(storage)
-            candidates = order[order.index(step) :] if step in order else [step]
-        for candidate in candidates:
-            try:
-                loaded = load_checkpoint(storage, candidate, rank=self.rank)
-                break
-            except CorruptCheckpointError as e:
-                if candidate == candidates[-1]:
-                    raise
-                rank_zero_warn(f"coci: step {candidate} is damaged, using an older one: {e}")
+            loaded, event = restore_newest(storage, start_at=step, rank=self.rank)
+        else:
+            loaded, event = restore_newest(storage, step, rank=self.rank)
         if self.on_restore is not None:
-            self.on_restore(loaded, time.perf_counter() - started)
+            self.on_restore(loaded, event)
         logger.info("coci: Lightning restores step %d from %s", loaded.step, root)
         return loaded.state
 
@@ -293,7 +283,7 @@ def _install_load_from_checkpoint() -> None:
         if not isinstance(path_or_url, (str, Path)) or coci_step_of(path_or_url) is None:
             return original(path_or_url, map_location=map_location, weights_only=weights_only)
         root, step = coci_step_of(path_or_url)  # type: ignore[misc]
-        state = load_checkpoint(open_storage(str(root)), step).state
+        state = restore_newest(open_storage(str(root)), step)[0].state
         buffer = io.BytesIO()
         torch.save(state, buffer)
         buffer.seek(0)

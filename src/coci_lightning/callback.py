@@ -25,6 +25,7 @@ from coci_core.engine.manifest import step_dir_name
 from coci_core.engine.restore import LoadedCheckpoint, newest_first
 from coci_core.errors import CociError, ConfigError
 from coci_core.storage import open_storage
+from coci_core.telemetry import RestoreEvent
 from coci_core.training.checkpointer import Checkpointer, adapter_planner_options, check_verbose
 from coci_lightning._resume import coci_step_of, install_last_resolution, use_coci_io
 from coci_lightning._rng import collect_plain_rng_states, set_plain_rng_states
@@ -237,9 +238,9 @@ class CociCheckpoint(Checkpoint):
         if self._planner_state is not None:
             self.checkpointer.load_state_dict(self._planner_state)
 
-    def _on_restore(self, loaded: LoadedCheckpoint, seconds: float) -> None:
+    def _on_restore(self, loaded: LoadedCheckpoint, event: RestoreEvent) -> None:
         if self.checkpointer is not None:
-            self.checkpointer.restored_elsewhere(loaded.step, loaded.manifest.run, seconds)
+            self.checkpointer.restored_elsewhere(loaded.manifest.run, event)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

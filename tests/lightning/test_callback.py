@@ -129,7 +129,9 @@ def test_sigkill_mid_epoch_then_resume(tmp_path: Path, reference: DigitsModel) -
     assert result["seen"] == expected["seen"][steps[-1] * 16 :]
 
 
-def test_damaged_newest_falls_back_to_previous(tmp_path: Path, reference: DigitsModel) -> None:
+def test_damaged_newest_falls_back_to_previous(
+    tmp_path: Path, reference: DigitsModel, caplog: pytest.LogCaptureFixture
+) -> None:
     """With the newest step damaged, ckpt_path='last' resumes from the one before, exactly."""
     _fit(
         tmp_path,
@@ -144,13 +146,19 @@ def test_damaged_newest_falls_back_to_previous(tmp_path: Path, reference: Digits
     raw = bytearray(data.read_bytes())
     raw[100] ^= 0xFF
     data.write_bytes(bytes(raw))
-    with pytest.warns(UserWarning, match="step 20 is damaged"):
+    with caplog.at_level("WARNING", logger="coci_core"):
         resumed = _fit(
             tmp_path,
             40,
             [CociCheckpoint(policy="every_n_steps", every_n_steps=5)],
             ckpt_path="last",
         )
+    assert "step 20 is damaged, trying an older one" in caplog.text
+    # Lightning's restore reports its event like the manager's, to the run's telemetry
+    lines = (tmp_path / "coci" / "telemetry.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    restores = [r for r in records if r["type"] == "restore"]
+    assert [(r["step"], r["skipped_steps"]) for r in restores] == [(15, [20])]
     assert digest(resumed) == digest(reference)
     assert resumed.seen == reference.seen[15 * 16 :]
 

@@ -20,11 +20,10 @@ from coci_core.engine.manifest import MANIFEST_NAME, Manifest, parse_step_dir, s
 from coci_core.engine.partition import DEFAULT_CHUNK_BYTES, Share, partition
 from coci_core.engine.persist import PersistJob, PersistWorker, write_checkpoint
 from coci_core.engine.restore import (
-    RestoreCache,
     StepInfo,
     committed_steps,
-    load_checkpoint,
     read_manifest,
+    restore_newest,
     step_infos,
     verify_checkpoint,
 )
@@ -36,7 +35,6 @@ from coci_core.errors import (
     CheckpointError,
     CociError,
     ConfigError,
-    CorruptCheckpointError,
     DirectoryInUseError,
     NoCheckpointError,
     StepExistsError,
@@ -804,58 +802,16 @@ class CheckpointManager:
                 is damaged, or no intact one is left.
         """
         self.wait()
-        strict = self.strict if strict is None else strict
-        started = time.perf_counter()
-        order = step_infos(self.storage)
-        if not order:
-            raise NoCheckpointError(f"no committed checkpoint in {self.storage.url}")
-        candidates = [step] if step is not None else [i.step for i in order]
-        skipped: list[int] = []
-        errors: list[str] = []
-        cache = RestoreCache(self.storage)  # a base found damaged is not decoded again
-        for candidate in candidates:
-            try:
-                loaded = load_checkpoint(
-                    self.storage,
-                    candidate,
-                    rank=self.group.rank if rank is None else rank,
-                    cache=cache,
-                )
-                break
-            except NoCheckpointError:
-                if step is not None:
-                    raise
-                # Removed while we read it (retention of the writer): not damage.
-                logger.info("coci: step %d was removed while restoring it", candidate)
-                errors.append(f"step {candidate} was removed")
-            except CorruptCheckpointError as e:
-                if strict or step is not None:
-                    raise
-                logger.warning("coci: step %d is damaged, trying an older one: %s", candidate, e)
-                skipped.append(candidate)
-                errors.append(str(e))
-        else:
-            raise CorruptCheckpointError(
-                f"no intact checkpoint in {self.storage.url}: " + "; ".join(errors), bad=[]
-            )
+        loaded, self.last_restore = restore_newest(
+            self.storage,
+            step,
+            rank=self.group.rank if rank is None else rank,
+            strict=self.strict if strict is None else strict,
+        )
         if into is not None:
             _load_into(loaded.state, into)
         if loaded.manifest.run:
             self.run_id = loaded.manifest.run  # later saves continue the restored run
-        self.last_restore = RestoreEvent(
-            step=loaded.step,
-            seconds=time.perf_counter() - started,
-            bytes_read=loaded.bytes_read,
-            skipped_steps=tuple(skipped),
-            rank_state_restored=loaded.rank_state_restored,
-        )
-        logger.info(
-            "coci: restored step %d from %s (%.1f MB, %.3f s)",
-            loaded.step,
-            self.storage.url,
-            loaded.bytes_read / 1e6,
-            self.last_restore.seconds,
-        )
         emit(self.listeners, self.last_restore)
         return loaded.state
 

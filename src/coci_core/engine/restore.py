@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from coci_core.errors import (
     StorageError,
 )
 from coci_core.storage import Storage
+from coci_core.telemetry.events import RestoreEvent
 
 __all__ = [
     "MAX_DELTA_CHAIN",
@@ -39,6 +41,7 @@ __all__ = [
     "load_checkpoint",
     "newest_first",
     "read_manifest",
+    "restore_newest",
     "verify_checkpoint",
 ]
 
@@ -548,3 +551,70 @@ def _raise_if_removed(storage: Storage, step: int, path: str) -> None:
         raise NoCheckpointError(
             f"step {step} was removed from {storage.url} while it was being read (not damaged)"
         )
+
+
+def restore_newest(
+    storage: Storage,
+    step: int | None = None,
+    *,
+    start_at: int | None = None,
+    rank: int = 0,
+    strict: bool = False,
+) -> tuple[LoadedCheckpoint, RestoreEvent]:
+    """Restore ``step``, or without it the newest checkpoint of the newest run (from
+    ``start_at`` on, in that order, when given), falling back past damaged ones unless
+    ``strict``: the one restore path that every caller (the manager, the Lightning adapter)
+    uses, returning the event to report.
+
+    Raises:
+        NoCheckpointError: nothing is committed (or not ``step``).
+        CorruptCheckpointError: ``step`` (or, with ``strict``, the newest) is damaged, or no
+            intact checkpoint is left.
+    """
+    started = time.perf_counter()
+    if step is not None:
+        candidates = [step]
+    else:
+        candidates = newest_first(storage)
+        if not candidates:
+            raise NoCheckpointError(f"no committed checkpoint in {storage.url}")
+        if start_at is not None and start_at in candidates:
+            candidates = candidates[candidates.index(start_at) :]
+    skipped: list[int] = []
+    errors: list[str] = []
+    cache = RestoreCache(storage)  # a base found damaged is not decoded again
+    for candidate in candidates:
+        try:
+            loaded = load_checkpoint(storage, candidate, rank=rank, cache=cache)
+            break
+        except NoCheckpointError:
+            if step is not None:
+                raise
+            # Removed while we read it (retention of the writer): not damage.
+            logger.info("coci: step %d was removed while restoring it", candidate)
+            errors.append(f"step {candidate} was removed")
+        except CorruptCheckpointError as e:
+            if strict or step is not None:
+                raise
+            logger.warning("coci: step %d is damaged, trying an older one: %s", candidate, e)
+            skipped.append(candidate)
+            errors.append(str(e))
+    else:
+        raise CorruptCheckpointError(
+            f"no intact checkpoint in {storage.url}: " + "; ".join(errors), bad=[]
+        )
+    event = RestoreEvent(
+        step=loaded.step,
+        seconds=time.perf_counter() - started,
+        bytes_read=loaded.bytes_read,
+        skipped_steps=tuple(skipped),
+        rank_state_restored=loaded.rank_state_restored,
+    )
+    logger.info(
+        "coci: restored step %d from %s (%.1f MB, %.3f s)",
+        loaded.step,
+        storage.url,
+        loaded.bytes_read / 1e6,
+        event.seconds,
+    )
+    return loaded, event

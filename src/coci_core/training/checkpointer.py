@@ -177,6 +177,8 @@ class Checkpointer:
         self._listeners.append(listener)
 
     def _on_event(self, event: Event) -> None:
+        if isinstance(event, RestoreEvent):
+            self.planner.record_restore(event.seconds)
         if isinstance(event, SaveEvent):
             if event.outcome == "committed":
                 self.planner.record_save(
@@ -353,19 +355,20 @@ class Checkpointer:
     ) -> dict[str, Any]:
         """Restore (see :meth:`CheckpointManager.restore`) and tell the planner what it cost."""
         state = self.manager.restore(step, into=into)
-        event: RestoreEvent | None = self.manager.last_restore
+        event: RestoreEvent | None = self.manager.last_restore  # reported by the manager
         if event is not None:
-            self.planner.record_restore(event.seconds)
             self.resumed_from = event.step
         return state
 
-    def restored_elsewhere(self, step: int, run: str, seconds: float) -> None:
+    def restored_elsewhere(self, run: str, event: RestoreEvent) -> None:
         """A checkpoint of this directory was restored by other code (Lightning's own
-        restore through coci's CheckpointIO): continue its run and count its cost."""
-        self.planner.record_restore(seconds)
-        self.resumed_from = step
+        restore through coci's CheckpointIO, with :func:`restore_newest`): continue its run,
+        count its cost and report its event as the manager reports its own."""
+        self.resumed_from = event.step
         if run:
             self.manager.run_id = run
+        self.manager.last_restore = event
+        self._on_event(event)
 
     def wait(self) -> None:
         """Block until every pending save is durable (re-raises background errors)."""
