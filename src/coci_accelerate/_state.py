@@ -1,5 +1,10 @@
 """What Accelerate's ``save_state`` saves, gathered as one coci state, and put back.
 
+Accelerate keeps what ``prepare`` and ``register_for_checkpointing`` registered (models,
+optimizers, loaders, custom objects, save/load hooks) only in private attributes
+(``accelerator._models`` ...), which its own ``save_state``/``load_state`` read; coci reads
+the same ones, so that it saves exactly what ``save_state`` would.
+
 Per-process state (random states, registered objects) is written by each process itself, as
 coci per-rank state under ``PROCESS_KEY``, and put back on the process of the same index. The
 rest is the same on every process and is split over them.

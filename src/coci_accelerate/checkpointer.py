@@ -18,12 +18,16 @@ from accelerate.utils import broadcast_object_list
 
 from coci_accelerate import _state
 from coci_accelerate.tracker import CociTracker
-from coci_core.engine.group import RankGroup
-from coci_core.engine.manager import SaveHandle
 from coci_core.errors import CociError, ConfigError, NoCheckpointError
 from coci_core.telemetry import JsonlTelemetry, TelemetrySink
 from coci_core.telemetry.tensorboard import TensorBoardTelemetry
-from coci_core.training.checkpointer import Checkpointer, adapter_planner_options, check_verbose
+from coci_core.training import (
+    Checkpointer,
+    RankGroup,
+    SaveHandle,
+    adapter_planner_options,
+    check_verbose,
+)
 
 __all__ = ["CociCheckpointer"]
 
@@ -351,7 +355,7 @@ class CociCheckpointer:
         ``late``: from ``step()``, after an optimizer step nobody counted (the checkpointer
         was made before ``accelerator.prepare``): count that one step."""
         new = False
-        for opt in self.accelerator._optimizers:
+        for opt in self.accelerator._optimizers:  # private: see _state.py
             if id(opt) in self._hooked:
                 continue
             self._hooked.add(id(opt))
@@ -418,7 +422,7 @@ def _total_steps(
     if total_steps is not None and num_epochs is not None:
         raise ConfigError("give 'total_steps' or 'num_epochs', not both")
     per_epoch = None
-    for loader in accelerator._dataloaders:
+    for loader in accelerator._dataloaders:  # private: see _state.py
         with contextlib.suppress(TypeError):
             per_epoch = math.ceil(len(loader) / accelerator.gradient_accumulation_steps)
             break
@@ -454,7 +458,7 @@ def _count_steps(opt: Any, counted: Any) -> None:
 
 
 def _log_skip_advice(accelerator: Accelerator, count: int) -> None:
-    for i, loader in enumerate(accelerator._dataloaders):
+    for i, loader in enumerate(accelerator._dataloaders):  # private: see _state.py
         if getattr(loader, "use_stateful_dataloader", False):
             continue
         try:

@@ -36,10 +36,14 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from coci_core.engine.manifest import MANIFEST_NAME, parse_step_dir
-from coci_core.engine.restore import LoadedCheckpoint, restore_newest
-from coci_core.storage import open_storage
 from coci_core.telemetry import RestoreEvent
+from coci_core.training import (
+    MANIFEST_NAME,
+    LoadedCheckpoint,
+    open_storage,
+    parse_step_dir,
+    restore_newest,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +119,8 @@ def install_last_resolution() -> None:
     """Make ``ckpt_path="last"/"best"`` work with coci checkpoints, and
     ``load_from_checkpoint`` read a coci step directory (safe to call many times)."""
     _install_load_from_checkpoint()
+    # Private: Lightning resolves "last"/"best" here, before any callback hook runs, and
+    # offers no hook to extend it; wrapping it is the only way for "last" to mean coci's step.
     original = _CheckpointConnector._parse_ckpt_path
     if getattr(original, "_coci", False):
         return

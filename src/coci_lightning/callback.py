@@ -19,14 +19,19 @@ from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from coci_core.engine.compress import check_policy
-from coci_core.engine.group import RankGroup
-from coci_core.engine.manifest import step_dir_name
-from coci_core.engine.restore import LoadedCheckpoint, newest_first
 from coci_core.errors import CociError, ConfigError
-from coci_core.storage import open_storage
 from coci_core.telemetry import RestoreEvent
-from coci_core.training.checkpointer import Checkpointer, adapter_planner_options, check_verbose
+from coci_core.training import (
+    Checkpointer,
+    LoadedCheckpoint,
+    RankGroup,
+    adapter_planner_options,
+    check_policy,
+    check_verbose,
+    newest_first,
+    open_storage,
+    step_dir_name,
+)
 from coci_lightning._resume import coci_step_of, install_last_resolution, use_coci_io
 from coci_lightning._rng import collect_plain_rng_states, set_plain_rng_states
 from coci_lightning._telemetry import LoggerRelay, make_sinks
@@ -256,6 +261,8 @@ class CociCheckpoint(Checkpoint):
             estimated = trainer.estimated_stepping_batches
             if math.isfinite(estimated) and int(estimated) > max(planner.start_step, 0):
                 planner.total_steps = int(estimated)
+        # Private: the Trainer exposes its train loaders publicly only as the user's objects,
+        # not as the flattened loaders it iterates, which are what must be stateful.
         loaders = trainer.fit_loop._combined_loader
         for loader in loaders.flattened if loaders is not None else []:
             if not hasattr(loader, "state_dict"):
@@ -403,6 +410,7 @@ class CociCheckpoint(Checkpoint):
             f"the logged metrics: {list(trainer.callback_metrics)}. HINT: Did you call "
             f"`log({self.monitor!r}, value)` in the `LightningModule`?"
         )
+        # Private: whether a validation ran yet is what ModelCheckpoint's own check uses.
         if trainer.fit_loop.epoch_loop.val_loop._has_run:
             raise MisconfigurationException(message)
         if planned and not self._monitor_warned:
@@ -427,6 +435,8 @@ class CociCheckpoint(Checkpoint):
             return
         self._rng_in_state = False
         try:
+            # Private: the exact dict trainer.save_checkpoint writes, without writing a file
+            # (Lightning has no public way to get it).
             state = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         finally:
             self._rng_in_state = True

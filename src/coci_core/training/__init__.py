@@ -1,1 +1,28 @@
-"""The one door the framework adapters use: a planner and a manager together."""
+"""The one door the framework adapters use: a planner and a manager together
+(:class:`Checkpointer`), the checks every adapter makes of its arguments, and the few engine
+names an adapter needs to find and read checkpoints (Lightning restores through its own path).
+"""
+
+from coci_core.engine.compress import check_policy
+from coci_core.engine.group import RankGroup
+from coci_core.engine.manager import SaveHandle
+from coci_core.engine.manifest import MANIFEST_NAME, parse_step_dir, step_dir_name
+from coci_core.engine.restore import LoadedCheckpoint, newest_first, restore_newest
+from coci_core.storage import open_storage
+from coci_core.training.checkpointer import Checkpointer, adapter_planner_options, check_verbose
+
+__all__ = [
+    "MANIFEST_NAME",
+    "Checkpointer",
+    "LoadedCheckpoint",
+    "RankGroup",
+    "SaveHandle",
+    "adapter_planner_options",
+    "check_policy",
+    "check_verbose",
+    "newest_first",
+    "open_storage",
+    "parse_step_dir",
+    "restore_newest",
+    "step_dir_name",
+]
