@@ -45,8 +45,15 @@ class CociCheckpointer:
     Args:
         accelerator: the run's Accelerator.
         dirpath: where checkpoints go; default ``<project_dir>/coci``.
-        policy, objective, mtbf_s, keep_last, compression, every_n_steps, every_n_seconds,
-        block, planner_options: as for ``coci_lightning.CociCheckpoint``.
+        policy: as for ``coci_lightning.CociCheckpoint``.
+        objective: as for ``CociCheckpoint``.
+        mtbf_s: as for ``CociCheckpoint``.
+        keep_last: as for ``CociCheckpoint``.
+        compression: as for ``CociCheckpoint``.
+        every_n_steps: as for ``CociCheckpoint``.
+        every_n_seconds: as for ``CociCheckpoint``.
+        block: as for ``CociCheckpoint``.
+        planner_options: as for ``CociCheckpoint``.
         save_on_close: ``close()`` saves the final state (like Lightning's
             ``save_on_train_end``); False: only the planned saves.
         total_steps: the optimizer steps the whole run takes, for the planner's horizon; or

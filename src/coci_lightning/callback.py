@@ -57,18 +57,19 @@ class CociCheckpoint(Checkpoint):
         compression: ``"auto"`` (default: compress only where it shortens the time to
             durable; raw on a fast local disk), ``"none"``, ``"lossless"`` or ``"lossy"``
             (opt-in, bounded error); see docs/compression.md.
-        compression_options: the knobs of ``coci_core.engine.compress.CompressionPolicy``
+        compression_options: the knobs of ``coci_core.compress.CompressionPolicy``
             (``full_every``, ``lossy_bits``, ``max_lossy_generations``, ...).
         resume: continue from the newest committed checkpoint when ``fit`` gets no ckpt_path.
-        every_n_steps, every_n_seconds: the interval of those policies (a cap for ``coci``).
+        every_n_steps: the interval of that policy (a cap on the interval for ``coci``).
+        every_n_seconds: the interval of that policy (a cap on the interval for ``coci``).
         every_n_epochs: also save after every N-th training epoch (as
             ``ModelCheckpoint(every_n_epochs=N)``), at the end of the next epoch's first step
             (so that the resume is exact). ``policy="epoch"`` saves only there (every epoch by
             default), with the steps per epoch taken from the Trainer.
         monitor: a logged metric to use as the loss (default: the training step's loss).
         block: snapshot synchronously instead of overlapping the copy with the next step.
-        save_on_train_end, save_on_exception: also save at the end and on an exception or
-            SIGTERM.
+        save_on_train_end: also save when training ends.
+        save_on_exception: also save on an exception (or SIGTERM) that stops training.
         planner_options: further keyword arguments of :class:`coci_core.planner.Planner`.
         verbose: rank 0 logs a line per save (step, stall, MB written, compression, when
             durable). One summary line is logged at the end of ``fit`` either way.
