@@ -175,3 +175,20 @@ def test_a_bad_run_field_is_refused(tmp_path: Path, run: object) -> None:
     data = seal(json.dumps(doc, separators=(",", ":")).encode())
     with pytest.raises(CorruptCheckpointError, match="run"):
         Manifest.from_json(data)
+
+
+def test_coci_ls_shows_each_checkpoints_run_and_what_a_resume_takes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from coci_core.commands.cli import main
+
+    with CheckpointManager(tmp_path, compression="none") as old:
+        old.save(30, _state(30.0)).wait()
+    with CheckpointManager(tmp_path, compression="none") as new:
+        new.save(5, _state(5.0)).wait()
+        runs = {5: new.run_id[:8], 30: old.run_id[:8]}
+    assert main(["ls", str(tmp_path)]) == 0
+    lines = {int(line.split()[0]): line for line in capsys.readouterr().out.splitlines()[1:]}
+    assert runs[5] in lines[5] and runs[30] in lines[30]
+    assert "a resume takes this one" in lines[5]
+    assert "a resume takes this one" not in lines[30]

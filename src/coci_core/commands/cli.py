@@ -73,7 +73,7 @@ def _checkpoint_dir(target: str) -> Any:
 
 def _ls(args: argparse.Namespace) -> int:
     from coci_core.engine.manifest import MANIFEST_NAME, step_dir_name
-    from coci_core.engine.restore import committed_steps, read_manifest
+    from coci_core.engine.restore import committed_steps, newest_first, read_manifest
     from coci_core.errors import CorruptCheckpointError, NoCheckpointError
 
     storage = _checkpoint_dir(args.dir)
@@ -81,7 +81,12 @@ def _ls(args: argparse.Namespace) -> int:
     if not steps:
         print(f"no committed checkpoints in {storage.url}")
         return 1
-    print(f"{'step':>10}  {'size':>12}  {'ratio':>6}  {'tensors':>7}  {'created':<19}  codec")
+    order = newest_first(storage)
+    resume = order[0] if order else None
+    print(
+        f"{'step':>10}  {'size':>12}  {'ratio':>6}  {'tensors':>7}  {'created':<19}  "
+        f"{'run':<8}  codec"
+    )
     for step in steps:
         try:
             m = read_manifest(storage, step)
@@ -108,9 +113,10 @@ def _ls(args: argparse.Namespace) -> int:
         ratio = f"{raw / m.nbytes:.2f}x" if m.nbytes else "-"
         created = _time(m.created_unix)
         bases = f"  (delta of {', '.join(map(str, m.bases))})" if m.bases else ""
+        mark = "  <- a resume takes this one" if step == resume else ""
         print(
             f"{step:>10}  {_size(m.nbytes):>12}  {ratio:>6}  {len(m.tensors):>7}  {created}  "
-            f"{codecs}{bases}"
+            f"{(m.run or '-')[:8]:<8}  {codecs}{bases}{mark}"
         )
     return 0
 
