@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from tests.harness.digits import digits_images
+
 FLOATS = ["float16", "bfloat16", "float32", "float64"]
 
 # NaN payloads (quiet, signalling, negative) and other special bit patterns, per dtype.
@@ -55,12 +57,8 @@ States = dict[int, dict[str, np.ndarray]]
 
 def digits_states(steps: list[int], width: int = 8, seed: int = 0) -> States:
     """A small CNN on scikit-learn's digits trained with Adam; float32 state after each step."""
-    from sklearn.datasets import load_digits
-
     torch.manual_seed(seed)
-    d = load_digits()
-    x = torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    y = torch.tensor(d.target)
+    x, y = digits_images()
     model = torch.nn.Sequential(
         torch.nn.Conv2d(1, width, 3, padding=1),
         torch.nn.ReLU(),
