@@ -55,7 +55,7 @@ from typing import Any
 import numpy as np
 import torch
 import zstandard
-from tests.harness.digits import DigitsCNN, digits_images, digits_split, small_cnn
+from tests.harness.digits import DigitsCNN, digits_images, digits_split, small_cnn, train_steps
 
 from benchmarks._lib.files import fsync_path
 from benchmarks._lib.machine import uptime
@@ -170,12 +170,7 @@ def digits_run(steps: int, wanted: set[int]) -> tuple[dict[int, State], Callable
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(0)
     out: dict[int, State] = {}
-    for step in range(1, steps + 1):
-        idx = torch.randint(0, len(train_x), (64,), generator=g)
-        loss = torch.nn.functional.cross_entropy(model(train_x[idx]), train_y[idx])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    for step in train_steps(model, opt, train_x, train_y, g, steps):
         if step in wanted:
             out[step] = capture(model, opt)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from tests.harness.digits import DigitsCNN, digits_images
+from tests.harness.digits import DigitsCNN, digits_images, train_steps
 
 
 def _capture(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, np.ndarray]:
@@ -37,12 +37,7 @@ def states(
     result: dict[int, dict[str, np.ndarray]] = {}
     if 0 in wanted:
         result[0] = _capture(model, opt)
-    for step in range(1, max(steps) + 1):
-        idx = torch.randint(0, x.shape[0], (batch,), generator=g)
-        loss = torch.nn.functional.cross_entropy(model(x[idx]), y[idx])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    for step in train_steps(model, opt, x, y, g, max(steps), batch):
         if step in wanted:
             result[step] = _capture(model, opt)
     return result

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tests.harness.digits import digits_images
+from tests.harness.digits import digits_images, train_steps
 
 FLOATS = ["float16", "bfloat16", "float32", "float64"]
 
@@ -82,12 +82,7 @@ def digits_states(steps: list[int], width: int = 8, seed: int = 0) -> States:
 
 
 def _train(model, opt, x, y, g, steps, out) -> None:  # type: ignore[no-untyped-def]
-    for step in range(1, max(steps) + 1):
-        idx = torch.randint(0, x.shape[0], (64,), generator=g)
-        loss = torch.nn.functional.cross_entropy(model(x[idx]), y[idx])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    for step in train_steps(model, opt, x, y, g, max(steps)):
         if step in steps:
             snap = {}
             for name, p in model.named_parameters():

@@ -6,6 +6,8 @@ data and orders: change none of them."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 
@@ -60,3 +62,23 @@ def small_cnn() -> torch.nn.Module:
         torch.nn.Flatten(),
         torch.nn.Linear(32 * 4 * 4, 10),
     )
+
+
+def train_steps(
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    g: torch.Generator,
+    steps: int,
+    batch: int = 64,
+) -> Iterator[int]:
+    """Train on random batches of (x, y) drawn with ``g``, cross-entropy; yields each step
+    (1..steps) after its optimizer step, for the caller to capture the state."""
+    for step in range(1, steps + 1):
+        idx = torch.randint(0, x.shape[0], (batch,), generator=g)
+        loss = torch.nn.functional.cross_entropy(model(x[idx]), y[idx])
+        opt.zero_grad()
+        loss.backward()  # type: ignore[no-untyped-call]
+        opt.step()
+        yield step
