@@ -11,7 +11,7 @@ Run (about 8 minutes on 2 idle cores, 3 repetitions; ``--quick``: about 3 minute
 repetition; with 2 torch threads a busy neighbour can make steps 10-20x slower, see
 docs/benchmarks-adapters.md, where ``--threads 1 --reps 2`` took 7.5 minutes):
 
-    python benchmarks/adapters_bench.py --dir /work/bench-tmp/adapters
+    python -m benchmarks.adapters_bench --dir /work/bench-tmp/adapters
 
 Writes benchmarks/results/adapters-<time>.json (every run: per-step times, load, CPU used by
 other processes, checkpoints, coci's save telemetry) and prints Markdown tables;
@@ -39,7 +39,6 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 import warnings
@@ -48,69 +47,12 @@ from typing import Any
 
 import torch
 
+from benchmarks._lib.files import clean, dir_bytes
+from benchmarks._lib.machine import Idle, Others, loadavg, thread_cpu, uptime
+from benchmarks._lib.results import results_path
+from benchmarks._lib.timing import med
+
 perf = time.perf_counter
-ROOT = Path(__file__).resolve().parent
-
-# -- machine and load ---------------------------------------------------------------------
-
-
-def loadavg() -> list[float]:
-    return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
-
-
-def uptime() -> str:
-    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-
-
-_HZ = os.sysconf("SC_CLK_TCK")
-
-
-def _cpu_jiffies() -> tuple[int, int]:
-    """(busy jiffies of the whole machine, jiffies of this process and its threads)."""
-    f = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in f[:8])
-    own = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-    return user + nice + system + irq + softirq + steal, int(own[11]) + int(own[12])
-
-
-class Others:
-    """Cores used by everything but this process over a window (kernel writeback included)."""
-
-    def __enter__(self) -> Others:
-        self.t0, (self.b0, self.s0) = perf(), _cpu_jiffies()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        b, own = _cpu_jiffies()
-        wall = max(perf() - self.t0, 1e-3)
-        self.cores = max(0.0, ((b - self.b0) - (own - self.s0)) / _HZ / wall)
-
-
-def thread_cpu() -> dict[str, float]:
-    """CPU seconds used so far by this process's live Python threads other than the main one,
-    by thread name (coci's writer and telemetry threads, AsyncCheckpointIO's executor...)."""
-    import threading
-
-    out: dict[str, float] = {}
-    for th in threading.enumerate():
-        if th is threading.main_thread() or th.native_id is None:
-            continue
-        try:
-            f = Path(f"/proc/self/task/{th.native_id}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        out[th.name] = out.get(th.name, 0.0) + (int(f[11]) + int(f[12])) / _HZ
-    return out
-
-
-def dir_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else 0
-
-
-def clean(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)
-    os.sync()
-
 
 # -- model and data -----------------------------------------------------------------------
 
@@ -417,29 +359,16 @@ LABEL = {
 }
 
 
-IDLE_LEFT = [0.0]  # seconds of idle-waiting left in this run's budget
 DISTURBED = 0.3  # cores used by other processes during a run above which it is run again
-
-
-def wait_idle(log: Any) -> float:
-    """Wait (at most 20 s, within the run's budget) until other processes leave the cores."""
-    start, quiet = perf(), 0
-    while quiet < 2 and perf() - start < 20 and IDLE_LEFT[0] - (perf() - start) > 0:
-        with Others() as o:
-            time.sleep(0.5)
-        quiet = quiet + 1 if o.cores < DISTURBED else 0
-    waited = perf() - start
-    IDLE_LEFT[0] -= waited
-    if waited > 2:
-        log(f"    (waited {waited:.0f} s for other processes; {uptime()})")
-    return waited
+# waits (at most 20 s at a time, within the run's budget) until other processes leave the cores
+IDLE = Idle(0.0, DISTURBED, lambda m: print(m, flush=True), poll_s=0.5, log_after_s=2.0)
 
 
 def one(adapter: str, method: str, cfg: dict[str, Any], a: argparse.Namespace) -> dict:
     discarded: list[dict[str, Any]] = []
     for attempt in range(a.retries + 1):
         r = _one(adapter, method, cfg, a)
-        if r["others_cores"] < DISTURBED or attempt == a.retries or IDLE_LEFT[0] <= 0:
+        if r["others_cores"] < DISTURBED or attempt == a.retries or IDLE.left_s <= 0:
             break
         print(
             f"    (disturbed: others used {r['others_cores']:.2f} cores, mean step "
@@ -456,7 +385,7 @@ def _one(adapter: str, method: str, cfg: dict[str, Any], a: argparse.Namespace) 
     clean(d)
     d.mkdir(parents=True)
     gc.collect()
-    waited = wait_idle(lambda m: print(m, flush=True))
+    waited = IDLE.wait(20)
     up0, la0 = uptime(), loadavg()
     cpu0 = time.process_time()
     with Others() as o:
@@ -479,10 +408,6 @@ def _one(adapter: str, method: str, cfg: dict[str, Any], a: argparse.Namespace) 
 
 
 # -- report -------------------------------------------------------------------------------
-
-
-def med(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else math.nan
 
 
 def tables(res: dict[str, Any]) -> str:
@@ -614,7 +539,7 @@ def main() -> None:
         print(tables(json.loads(Path(a.report).read_text())))
         return
     a.methods = [m for m in a.methods.split(",") if m]
-    IDLE_LEFT[0] = a.idle_budget
+    IDLE.budget_s = a.idle_budget
     if a.quick:
         a.reps, a.steps, a.idle_budget, a.retries = 1, 60, 30.0, 0
     if a.threads:
@@ -639,9 +564,11 @@ def main() -> None:
         "batch": a.batch,
     }
     n_params, mb = state_mb(cfg)
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    out = Path(a.out) if a.out else ROOT / "results" / f"adapters-{stamp}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
+    if a.out:
+        out = Path(a.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+    else:
+        out = results_path("adapters")
     res: dict[str, Any] = {
         "args": vars(a),
         "model": cfg,

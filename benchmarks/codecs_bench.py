@@ -1,6 +1,6 @@
 """Lossless codec comparison on real fp32 weights + Adam state (digits CNN, see digits_states).
 
-    PYTHONPATH=src python benchmarks/codecs_bench.py [--reps 7]
+    python -m benchmarks.codecs_bench [--reps 7]
 
 Prints a markdown table: ratio (raw / stored), encode and decode MB/s (best of ``reps``, MB =
 1e6 bytes of raw data), for coci's codecs and for blosc2 / numcodecs when they are installed.
@@ -12,30 +12,18 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
-import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import zstandard
 
-sys.path.insert(0, os.path.dirname(__file__))
-from digits_states import states
-
+from benchmarks._lib.timing import best_of
+from benchmarks.digits_states import states
 from coci_core.codecs.lossless import decode_lossless, decode_xor, encode_lossless, encode_xor
 from coci_core.codecs.quantized import QuantState, decode_quantized, encode_quantized
 
 Arrays = list[np.ndarray]
-
-
-def _best(fn: Callable[[], Any], reps: int) -> tuple[float, Any]:
-    best, out = float("inf"), None
-    for _ in range(reps):
-        t = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - t)
-    return best, out
 
 
 def _row(
@@ -48,14 +36,14 @@ def _row(
     reps: int,
 ) -> str:
     n = sum(a.nbytes for a in data)
-    te, stored = _best(lambda: [enc(a, b) for a, b in zip(data, bases, strict=True)], reps)
+    te, stored = best_of(lambda: [enc(a, b) for a, b in zip(data, bases, strict=True)], reps)
     outs = [np.empty_like(a) for a in data]
 
     def decode_all() -> None:
         for s, o, b in zip(stored, outs, bases, strict=True):
             dec(s, o, b)
 
-    td, _ = _best(decode_all, reps)
+    td, _ = best_of(decode_all, reps)
     for a, o in zip(data, outs, strict=True):
         assert np.array_equal(a, o), name
     ratio = n / sum(size(s) for s in stored)
@@ -205,11 +193,11 @@ def main() -> None:
             x, ref = np.concatenate(arrays(b)), np.concatenate(arrays(a))
             state = QuantState()
             state.reset(ref)
-            te, enc = _best(
+            te, enc = best_of(
                 lambda x=x, s=state, bt=bits: encode_quantized(x, "float32", s, bits=bt), 3
             )
             out = np.empty_like(x)
-            td, _ = _best(lambda e=enc, o=out, r=ref: decode_quantized(e.data, e.params, o, r), 3)
+            td, _ = best_of(lambda e=enc, o=out, r=ref: decode_quantized(e.data, e.params, o, r), 3)
             print(
                 f"| {every} | {bits} | {x.nbytes / enc.nbytes:.1f} | "
                 f"{enc.params['rel_error']:.1e} | {x.nbytes / te / 1e6:.0f} | "
@@ -228,7 +216,7 @@ def main() -> None:
         "crc32c": lambda c: crc32c.crc32c(c),
         "blake2b-128 (hashlib)": lambda c: hashlib.blake2b(c, digest_size=16).digest(),
     }.items():
-        t, _ = _best(lambda f=fn: [f(c) for c in chunks], reps)
+        t, _ = best_of(lambda f=fn: [f(c) for c in chunks], reps)
         print(f"| {name} | {blob.nbytes / t / 1e6:.0f} |")
 
 

@@ -3,12 +3,12 @@
 
 Run (about 4-8 minutes on a loaded 2-core machine; it only writes under --dir):
 
-    PYTHONPATH=src python benchmarks/compression_bench.py --dir /work/bench-tmp/compression
+    python -m benchmarks.compression_bench --dir /work/bench-tmp/compression
 
 Three training runs make the checkpoint sequences (nothing is downloaded):
 
-- the digits CNN of ``digits_states.py`` (0.55 M parameters) on scikit-learn's bundled digits
-  (train on the first 1400, accuracy on the 397 others), Adam;
+- the digits CNN of ``tests/harness/digits.py`` (0.55 M parameters) on scikit-learn's bundled
+  digits (train on the first 1400, accuracy on the 397 others), Adam;
 - a small GPT-style transformer (4 pre-norm blocks, d=256, 4 heads, vocabulary 256, context 32;
   3.3 M parameters) on synthetic tokens from a sparse Markov chain (each token has 4 possible
   successors), Adam; accuracy = next-token accuracy on held-out sequences;
@@ -44,7 +44,6 @@ import os
 import pickle
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 import warnings
@@ -56,10 +55,12 @@ from typing import Any
 import numpy as np
 import torch
 import zstandard
+from tests.harness.digits import DigitsCNN, digits_images, digits_split, small_cnn, train_steps
 
-sys.path.insert(0, str(Path(__file__).parent))
-from digits_states import DigitsCNN, digits_tensors
-
+from benchmarks._lib.files import fsync_path
+from benchmarks._lib.machine import uptime
+from benchmarks._lib.results import log as _log
+from benchmarks._lib.results import results_path, write_json
 from coci_core import CheckpointManager
 
 State = dict[str, Any]
@@ -89,12 +90,8 @@ B2Q = {"lossy_bits": 2, "lossy_optimizer": "quantized"}
 QDELTAS = ("coci.qdelta/1", "coci.qdelta/2", "coci.qdelta-log/1")
 
 
-def uptime() -> str:
-    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-
-
 def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+    _log(msg, file=sys.stderr)
 
 
 # --- models and data --------------------------------------------------------------------
@@ -166,19 +163,14 @@ def capture(model: torch.nn.Module, opt: torch.optim.Optimizer) -> State:
 
 
 def digits_run(steps: int, wanted: set[int]) -> tuple[dict[int, State], Callable[[State], float]]:
-    x, y = digits_tensors()
+    x, y = digits_images()
     train_x, train_y, test_x, test_y = x[:1400], y[:1400], x[1400:], y[1400:]
     torch.manual_seed(0)
     model = DigitsCNN()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(0)
     out: dict[int, State] = {}
-    for step in range(1, steps + 1):
-        idx = torch.randint(0, len(train_x), (64,), generator=g)
-        loss = torch.nn.functional.cross_entropy(model(train_x[idx]), train_y[idx])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    for step in train_steps(model, opt, train_x, train_y, g, steps):
         if step in wanted:
             out[step] = capture(model, opt)
 
@@ -309,14 +301,6 @@ def _u8(t: torch.Tensor) -> np.ndarray:
     return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 # --- the methods that are not coci --------------------------------------------------------
 
 
@@ -341,7 +325,7 @@ def zstd_save(directory: Path, step: int, state: State) -> dict[str, Any]:
         f.write(pickle.dumps((index, skeleton)))
         f.flush()
         os.fsync(f.fileno())
-    _fsync_dir(directory)
+    fsync_path(directory)
     ttd = time.perf_counter() - started
     written = sum(p.stat().st_size for p in path.iterdir())
     return {"time_to_durable_s": ttd, "bytes_written": written, "encode_s": encode_s}
@@ -604,18 +588,6 @@ def summarize(run: dict[str, Any]) -> dict[str, dict[str, Any]]:
 # --- 10 lossy restores (tests/codecs/test_lossy_training.py's protocol) ---------------------
 
 
-def _tiny_cnn() -> torch.nn.Module:
-    return torch.nn.Sequential(
-        torch.nn.Unflatten(1, (1, 8, 8)),
-        torch.nn.Conv2d(1, 16, 3),
-        torch.nn.ReLU(),
-        torch.nn.Conv2d(16, 32, 3),
-        torch.nn.ReLU(),
-        torch.nn.Flatten(),
-        torch.nn.Linear(32 * 4 * 4, 10),
-    )
-
-
 class _Flat(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -633,14 +605,9 @@ def lossy_restores(
     save_every: int = 10,
     restore_every: int = 40,
 ) -> dict[str, Any]:
-    from sklearn.datasets import load_digits
-
-    x, y = load_digits(return_X_y=True)
-    x = torch.tensor(x / 16.0, dtype=torch.float32)
-    y = torch.tensor(y)
-    train_x, train_y, test_x, test_y = x[:1400], y[:1400], x[1400:], y[1400:]
+    train_x, train_y, test_x, test_y = digits_split()
     torch.manual_seed(0)
-    model = _tiny_cnn() if model_name == "test_cnn" else _Flat()
+    model = small_cnn() if model_name == "test_cnn" else _Flat()
     optim = torch.optim.Adam(model.parameters(), lr=2e-3)
     mgr = None
     if directory is not None:
@@ -869,10 +836,8 @@ def main() -> None:
     res["lossy_restores"] = lr
     res["uptime_end"] = uptime()
     res["seconds"] = time.time() - started
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"compression-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
-    path.write_text(json.dumps(res, indent=1, default=str))
+    path = results_path("compression", args.out)
+    write_json(path, res)
     print(tables(res))
     log(f"done in {res['seconds'] / 60:.1f} min; results in {path}")
 

@@ -5,7 +5,7 @@
    next piece is encoded) against one fsync at the end;
 2. "auto" against "none", alternating, 80 saves each (medians).
 
-    python benchmarks/compression_quick.py --dir /work/bench-tmp
+    python -m benchmarks.compression_quick --dir /work/bench-tmp
 """
 
 from __future__ import annotations

@@ -11,29 +11,27 @@
 Each sequence (saves every 10 steps) is replayed through coci's ``none``, ``lossless`` and
 ``auto`` modes by ``compression_bench.replay``; the table gives written / raw bytes.
 
-    python benchmarks/finetune_bench.py --dir /work/bench-tmp/finetune
+    python -m benchmarks.finetune_bench --dir /work/bench-tmp/finetune
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
 import warnings
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from compression_bench import (
+from benchmarks._lib.machine import uptime
+from benchmarks._lib.results import results_path, write_json
+from benchmarks.compression_bench import (
     FT_SCHEDULE,
     TRAIN_STEPS,
     gpt_runs,
     log,
     replay,
     summarize,
-    uptime,
 )
 
 
@@ -67,9 +65,8 @@ def main() -> None:
         runs.append(run)
     res["runs"] = runs
     res["uptime_end"] = uptime()
-    out = Path(args.out) / f"finetune-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=1, default=str))
+    out = results_path("finetune", args.out)
+    write_json(out, res)
     print(f"uptime before/after: `{res['uptime_start']}` / `{res['uptime_end']}`; results {out}")
     print(
         "| fine-tune | frozen share of state bytes | method | written / raw, steady "

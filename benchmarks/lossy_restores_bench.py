@@ -6,7 +6,7 @@ steps, a restore into the model and the optimizer every 40: 10 restores), on the
 CNN (``test_cnn``) and on the 0.55 M digits CNN (``digits_cnn``). About 30-60 s per setting on
 one core. Run:
 
-    PYTHONPATH=src python benchmarks/lossy_restores_bench.py --dir /work/bench-tmp/lossy \\
+    python -m benchmarks.lossy_restores_bench --dir /work/bench-tmp/lossy \\
         --models digits_cnn,test_cnn --configs defaults,b2q,b2log
 
 Prints a markdown table (the columns of docs/compression.md's table, plus the largest recorded
@@ -25,8 +25,9 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from compression_bench import log, lossy_restores, uptime
+from benchmarks._lib.machine import uptime
+from benchmarks._lib.results import results_path, write_json
+from benchmarks.compression_bench import log, lossy_restores
 
 CONFIGS: dict[str, dict[str, Any] | None] = {
     "defaults": None,
@@ -83,10 +84,8 @@ def main() -> None:
             log(lines[-1])
     res["uptime_after"] = uptime()
     res["seconds"] = time.time() - started
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"lossy-restores-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
-    path.write_text(json.dumps(res, indent=1, default=str))
+    path = results_path("lossy-restores", args.out)
+    write_json(path, res)
     print(
         "| model | options | raw state KB | accuracy | vs. no restores (points) | restores | "
         "lossy saves | ratio of lossy saves | qdelta pieces ratio | ratio all saves | "

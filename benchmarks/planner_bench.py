@@ -1,6 +1,6 @@
 """Benchmark of the convergence-aware planner on the ResNet-like setting of background.md §1.
 
-Run:  PYTHONPATH=src python benchmarks/planner_bench.py [--quick] [--runs N] [--seed S]
+Run:  python -m benchmarks.planner_bench [--quick] [--runs N] [--seed S]
 
 Setting: 0.3 s/step, 50k steps, restart 60 s; stall/persist 0.5/2 s and 5/20 s; MTBF 2, 8 and
 24 h; loss ``1.5 + 5.4*(1+k/3000)**-0.5`` with 10% multiplicative noise, fitted online by the

@@ -5,7 +5,7 @@ rank 0 writing everything (coci with ``alone=True``, what coci did before shardi
 
 Run (a few minutes; it only creates and deletes run-*/ under --dir):
 
-    python benchmarks/sharding_bench.py --worlds 1,2,4 --size 1G --reps 5 \
+    python -m benchmarks.sharding_bench --worlds 1,2,4 --size 1G --reps 5 \
         --dir /work/bench-tmp/sharding
 
 The state is the engine benchmark's transformer (fp32 weights + Adam state), the same on every
@@ -31,21 +31,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).parent))
+from benchmarks._lib.files import dir_bytes
+from benchmarks._lib.machine import loadavg
+from benchmarks._lib.results import results_path, write_json
+from benchmarks._lib.timing import parse_size
 
 METHODS = ("coci_sharded", "coci_rank0", "dcp")
-
-
-def _dir_bytes(path: Path, prefix: str) -> int:
-    return sum(p.stat().st_size for p in path.rglob(f"{prefix}*") if p.is_file())
 
 
 def rank_main(cfg: dict[str, Any]) -> None:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from engine_bench import build_state
 
+    from benchmarks.engine.state import build_state
     from coci_core import CheckpointManager, RankGroup
 
     torch.set_num_threads(1)
@@ -82,7 +81,7 @@ def rank_main(cfg: dict[str, Any]) -> None:
                 dcp.save(state, checkpoint_id=str(target))
                 durable = stall = time.perf_counter() - t0
                 dist.barrier()
-                written = _dir_bytes(target, f"__{rank}_")
+                written = dir_bytes(target, f"__{rank}_")
             samples.append(
                 {
                     "rep": rep,
@@ -113,7 +112,7 @@ def run_world(world: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
     port = _free_port()
     procs = [
         subprocess.Popen(
-            [sys.executable, __file__, "--rank-config", json.dumps(cfg)],
+            [sys.executable, "-m", "benchmarks.sharding_bench", "--rank-config", json.dumps(cfg)],
             env={
                 **os.environ,
                 "RANK": str(r),
@@ -124,6 +123,7 @@ def run_world(world: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
             },
             stdout=subprocess.PIPE,
             text=True,
+            cwd=Path(__file__).resolve().parent.parent,  # the repository: -m finds benchmarks
         )
         for r in range(world)
     ]
@@ -159,11 +159,6 @@ def summarize(world: int, samples: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _size(text: str) -> int:
-    units = {"M": 10**6, "G": 10**9}
-    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--worlds", default="1,2,4")
@@ -176,8 +171,8 @@ def main() -> None:
         rank_main(json.loads(args.rank_config))
         return
     shutil.rmtree(args.dir, ignore_errors=True)
-    cfg = {"dir": args.dir, "size": _size(args.size), "reps": args.reps}
-    load_before = Path("/proc/loadavg").read_text().split()[:3]
+    cfg = {"dir": args.dir, "size": parse_size(args.size), "reps": args.reps}
+    load_before = loadavg()
     results: dict[str, Any] = {"config": cfg, "load_before": load_before, "worlds": {}}
     for world in [int(w) for w in args.worlds.split(",")]:
         started = time.perf_counter()
@@ -186,16 +181,11 @@ def main() -> None:
             "samples": samples,
             "summary": summarize(world, samples),
             "seconds": time.perf_counter() - started,
-            "load_after": Path("/proc/loadavg").read_text().split()[:3],
+            "load_after": loadavg(),
         }
         shutil.rmtree(Path(args.dir) / f"run-w{world}", ignore_errors=True)
-    out = (
-        Path(__file__).parent
-        / "results"
-        / time.strftime("sharding-%Y%m%dT%H%M%SZ.json", time.gmtime())
-    )
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(results, indent=1))
+    out = results_path("sharding")
+    write_json(out, results)
     print(f"results: {out}; load before {load_before}")
     print(
         "| world | method | stall s (slowest rank) | critical path s (min-max) "

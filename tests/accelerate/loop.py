@@ -20,16 +20,13 @@ from accelerate.utils import DataLoaderConfiguration, set_seed
 from torch.utils.data import DataLoader, TensorDataset
 
 from coci_accelerate import CociCheckpointer, CociTracker
+from tests.harness.digits import digits_flat
 
 
 def digits(n: int = 512) -> TensorDataset:
     """The first ``n`` digits with their indices."""
-    from sklearn.datasets import load_digits
-
-    x, y = load_digits(return_X_y=True)
-    return TensorDataset(
-        torch.tensor(x[:n] / 16.0, dtype=torch.float32), torch.tensor(y[:n]), torch.arange(n)
-    )
+    x, y = digits_flat(n)
+    return TensorDataset(x, y, torch.arange(n))
 
 
 def train(

@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from tests.harness.digits import digits_images, train_steps
+
 FLOATS = ["float16", "bfloat16", "float32", "float64"]
 
 # NaN payloads (quiet, signalling, negative) and other special bit patterns, per dtype.
@@ -55,12 +57,8 @@ States = dict[int, dict[str, np.ndarray]]
 
 def digits_states(steps: list[int], width: int = 8, seed: int = 0) -> States:
     """A small CNN on scikit-learn's digits trained with Adam; float32 state after each step."""
-    from sklearn.datasets import load_digits
-
     torch.manual_seed(seed)
-    d = load_digits()
-    x = torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    y = torch.tensor(d.target)
+    x, y = digits_images()
     model = torch.nn.Sequential(
         torch.nn.Conv2d(1, width, 3, padding=1),
         torch.nn.ReLU(),
@@ -84,12 +82,7 @@ def digits_states(steps: list[int], width: int = 8, seed: int = 0) -> States:
 
 
 def _train(model, opt, x, y, g, steps, out) -> None:  # type: ignore[no-untyped-def]
-    for step in range(1, max(steps) + 1):
-        idx = torch.randint(0, x.shape[0], (64,), generator=g)
-        loss = torch.nn.functional.cross_entropy(model(x[idx]), y[idx])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    for step in train_steps(model, opt, x, y, g, max(steps)):
         if step in steps:
             snap = {}
             for name, p in model.named_parameters():

@@ -1,7 +1,8 @@
 """Training the digits CNN with 10 restores from lossy checkpoints spread over the run ends
 within 0.5 percentage points of the uninterrupted run's test accuracy (this small CNN: at 8 and
 4 bits; 2 bits costs it 2 test images, -0.50 points, and meets the target only on the 0.55 M
-CNN of benchmarks/lossy_restores_bench.py, see docs/compression.md)."""
+CNN of benchmarks/lossy_restores_bench.py, see docs/compression.md; both CNNs are in
+tests/harness/digits.py)."""
 
 from __future__ import annotations
 
@@ -11,31 +12,15 @@ import pytest
 import torch
 
 from coci_core import CheckpointManager
+from tests.harness.digits import digits_split, small_cnn
 
 STEPS, SAVE_EVERY, RESTORE_EVERY = 400, 10, 40  # 10 restores
 
 
-def _cnn() -> torch.nn.Module:
-    return torch.nn.Sequential(
-        torch.nn.Unflatten(1, (1, 8, 8)),
-        torch.nn.Conv2d(1, 16, 3),
-        torch.nn.ReLU(),
-        torch.nn.Conv2d(16, 32, 3),
-        torch.nn.ReLU(),
-        torch.nn.Flatten(),
-        torch.nn.Linear(32 * 4 * 4, 10),
-    )
-
-
 def _train(directory: Path | None, options: dict[str, object] | None = None) -> tuple[float, int]:
-    from sklearn.datasets import load_digits
-
-    x, y = load_digits(return_X_y=True)
-    x = torch.tensor(x / 16.0, dtype=torch.float32)
-    y = torch.tensor(y)
-    train_x, train_y, test_x, test_y = x[:1400], y[:1400], x[1400:], y[1400:]
+    train_x, train_y, test_x, test_y = digits_split()
     torch.manual_seed(0)
-    model = _cnn()
+    model = small_cnn()
     optim = torch.optim.Adam(model.parameters(), lr=2e-3)
     mgr = (
         CheckpointManager(directory, compression="lossy", keep_last=2, compression_options=options)

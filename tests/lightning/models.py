@@ -11,16 +11,14 @@ from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
+from tests.harness.digits import digits_flat
+
 
 class IndexedDigits(Dataset[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]):
     """Digits (8x8 images, 10 classes) with each sample's index, to count what was seen."""
 
     def __init__(self, n: int = 256) -> None:
-        from sklearn.datasets import load_digits
-
-        x, y = load_digits(return_X_y=True)
-        self.x = torch.tensor(x[:n] / 16.0, dtype=torch.float32)
-        self.y = torch.tensor(y[:n], dtype=torch.int64)
+        self.x, self.y = digits_flat(n)
 
     def __len__(self) -> int:
         return len(self.x)

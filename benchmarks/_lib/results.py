@@ -1,0 +1,37 @@
+"""Result files (``benchmarks/results/<name>-<time>.json``, not in git) and timestamped logs."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+RESULTS = Path(__file__).resolve().parent.parent / "results"
+
+
+def stamp() -> str:
+    """The UTC time as in result file names: ``20260101T120000Z``."""
+    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+
+
+def results_path(name: str, out_dir: str | Path | None = None) -> Path:
+    """``<out_dir or benchmarks/results>/<name>-<time>.json``, its directory created."""
+    out = Path(out_dir) if out_dir is not None else RESULTS
+    out.mkdir(parents=True, exist_ok=True)
+    return out / f"{name}-{stamp()}.json"
+
+
+def write_json(path: Path, res: Any) -> None:
+    path.write_text(json.dumps(res, indent=1, default=str))
+
+
+def command() -> str:
+    """This run's command line."""
+    return " ".join([sys.executable, *sys.argv])
+
+
+def log(msg: str, file: TextIO | None = None) -> None:
+    """``[HH:MM:SS] msg``, flushed (to stdout unless ``file``)."""
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=file or sys.stdout, flush=True)
