@@ -90,7 +90,7 @@ def test_example_shaped_script_survives_sigkill(tmp_path: Path) -> None:
     command = [sys.executable, "-m", "tests.accelerate.example"]
     reference = train_like_example(str(tmp_path / "ref"))
     steps, resumed = _kill_and_resume(command, tmp_path / "run", 3, 17)
-    assert steps[-1] in (12, 16)
+    assert steps and steps[-1] <= 17 and steps[-1] % 4 == 0  # older if the writer lagged
     assert resumed[0]["start"] == steps[-1]
     assert resumed[0]["seen"] == reference["seen"][steps[-1] * BATCH :]
     assert resumed[0]["digest"] == reference["digest"]
