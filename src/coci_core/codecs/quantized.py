@@ -544,27 +544,39 @@ def choose_bits(
     when none meets the target.
     """
     x, name, itemsize = _inputs(data, dtype, state)
-    assert state.ref is not None
-    prev = state.ref if state.error_feedback or state._prev is None else state._prev
     for bits in sorted(candidates):
-        _check_args(bits, block, promote)
-        _, _, _, rel, _ = _quantize_any(
-            domain,
-            x,
-            prev,
-            state.ref,
-            name,
-            itemsize,
-            bits,
-            block,
-            promote,
-            nonnegative,
-            max_log_step,
-            not exact_outliers,
-        )
+        _, _, _, rel, _ = _quantize_delta(
+            x, name, itemsize, state, bits, block, promote, nonnegative, domain, max_log_step,
+            compact=not exact_outliers,
+        )  # fmt: skip
         if rel <= target:
             return bits
     return max(candidates)
+
+
+def _quantize_delta(
+    x: U8,
+    name: str,
+    itemsize: int,
+    state: QuantState,
+    bits: int,
+    block: int,
+    promote: int,
+    nonnegative: bool,
+    domain: Domain,
+    max_log_step: float | None,
+    *,
+    compact: bool,
+) -> tuple[_Parts, U8, float, float, float]:
+    """Check the arguments and quantize ``x``'s delta against the state's reference (with
+    error feedback from the previous reconstruction unless the state disables it)."""
+    _check_args(bits, block, promote)
+    assert state.ref is not None
+    prev = state.ref if state.error_feedback or state._prev is None else state._prev
+    return _quantize_any(
+        domain, x, prev, state.ref, name, itemsize, bits, block, promote, nonnegative,
+        max_log_step, compact,
+    )  # fmt: skip
 
 
 def encode_quantized(
@@ -615,25 +627,13 @@ def encode_quantized(
             max_log_step=max_log_step,
             exact_outliers=exact_outliers,
         )
-    _check_args(bits, block, promote)
-    prev = state.ref if state.error_feedback or state._prev is None else state._prev
     if max_log_step is not None and not 0 < max_log_step <= LOG_MAX_STEP:
         raise ConfigError(f"max_log_step must be in (0, {LOG_MAX_STEP}], got {max_log_step}")
     compact = domain == "linear" and not exact_outliers
-    parts, rec, max_err, rel, max_rel = _quantize_any(
-        domain,
-        x,
-        prev,
-        state.ref,
-        name,
-        itemsize,
-        bits,
-        block,
-        promote,
-        nonnegative,
-        max_log_step,
-        compact,
-    )
+    parts, rec, max_err, rel, max_rel = _quantize_delta(
+        x, name, itemsize, state, bits, block, promote, nonnegative, domain, max_log_step,
+        compact=compact,
+    )  # fmt: skip
     blob = pack_sections(
         [
             parts.scales.astype(_scale_dtype(name)),
