@@ -161,6 +161,22 @@ def test_cli_reads_s3_through_the_environment(
     assert torch.equal(torch.load(out, weights_only=True)["w"], torch.arange(10.0))
     for proc in (ls, verify, export):
         assert SECRET_KEY not in proc.stdout + proc.stderr
+    # fsspec's own variables (FSSPEC_S3_<option>) work as well.
+    fsspec_env = {k: v for k, v in env.items() if not k.startswith("AWS_")}
+    fsspec_env.update(
+        FSSPEC_S3_ENDPOINT_URL=s3_server.endpoint,
+        FSSPEC_S3_KEY=s3_server.storage_options["key"],
+        FSSPEC_S3_SECRET=SECRET_KEY,
+        AWS_DEFAULT_REGION="us-east-1",
+    )
+    ls2 = subprocess.run(
+        [sys.executable, "-m", "coci_core.cli", "ls", url],
+        env=fsspec_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert ls2.returncode == 0 and ls2.stdout == ls.stdout, ls2.stderr
     # Without the variables, the CLI cannot reach the server: the test above is not vacuous.
     env = {k: v for k, v in env.items() if not k.startswith("AWS_")}
     env.update(AWS_ACCESS_KEY_ID="nobody", AWS_SECRET_ACCESS_KEY="wrong")

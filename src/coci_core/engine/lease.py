@@ -104,10 +104,19 @@ class _OwnerRecord:
                 return
 
     def renew(self) -> None:
+        """Rewrite the record with a new time, only if it is still this writer's.
+
+        Raises:
+            FileExistsError: it is not (another writer took it over).
+        """
         doc = dict(self.doc, renewed=time.time())
-        self.etag = self.storage.put_record(
-            LEASE_NAME, json.dumps(doc).encode(), if_match=self.etag or ""
-        )
+        etag = self.etag
+        if etag is None:  # a store without ETags: compare the record's session instead
+            current = self.storage.read_record(LEASE_NAME)
+            if current is None or _session_of(current[0]) != doc["session"]:
+                raise FileExistsError(f"{self.storage.url}/{LEASE_NAME} is not ours")
+            etag = current[1]
+        self.etag = self.storage.put_record(LEASE_NAME, json.dumps(doc).encode(), if_match=etag)
         self.doc = doc
         self.renewed = time.monotonic()
 
@@ -120,8 +129,15 @@ class _OwnerRecord:
         # Delete the record only while it is still this writer's.
         with contextlib.suppress(StorageError, OSError, ValueError, KeyError, TypeError):
             current = self.storage.read_record(LEASE_NAME)
-            if current is not None and json.loads(current[0])["session"] == self.doc["session"]:
+            if current is not None and _session_of(current[0]) == self.doc["session"]:
                 self.storage.remove_record(LEASE_NAME)
+
+
+def _session_of(record: bytes) -> str | None:
+    try:
+        return str(json.loads(record)["session"])
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def _shared_store(storage: Any) -> Any:
@@ -165,7 +181,8 @@ def _take_owner_record(store: Any, doc: dict[str, Any], key: str) -> _OwnerRecor
             if current is None:
                 etag = store.put_record(LEASE_NAME, data, if_absent=True)
             else:
-                etag = store.put_record(LEASE_NAME, data, if_match=current[1] or "")
+                # If-Match on the stale record's ETag: of two writers taking it over, one wins.
+                etag = store.put_record(LEASE_NAME, data, if_match=current[1])
         except FileExistsError:
             raise DirectoryInUseError(
                 f"another coci writer took the lease of {key} first: give each run its own "

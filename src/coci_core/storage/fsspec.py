@@ -229,7 +229,16 @@ class FsspecStorage:
                 if current is None or current[1] != if_match:
                     raise FileExistsError(f"{self.url}/{path} changed")
         try:
-            out = self.fs.pipe_file(full, data, **kwargs)
+            try:
+                out = self.fs.pipe_file(full, data, **kwargs)
+            except (TypeError, NotImplementedError):
+                if not if_absent:
+                    raise
+                # A file system whose pipe_file has no mode="create": check, then put (not
+                # atomic; the owner's heartbeat finds a lost race at its next renewal).
+                if self.fs.exists(full):
+                    raise FileExistsError(f"{self.url}/{path} exists") from None
+                out = self.fs.pipe_file(full, data)
         except FileExistsError:
             raise
         except OSError as e:
