@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from coci_core import CheckpointManager
+from coci_core.engine import lease as lease_module
 from coci_core.engine.lease import LEASE_NAME
 from coci_core.errors import CorruptCheckpointError, DirectoryInUseError, StepExistsError
 from coci_core.storage import FsspecStorage, Storage
@@ -190,6 +192,7 @@ _SECOND_WRITER = """
 import json, sys
 import torch
 from coci_core import CheckpointManager
+from coci_core.engine import lease as lease_module
 from coci_core.errors import DirectoryInUseError
 opts = json.loads(sys.argv[2])
 with CheckpointManager(sys.argv[1], storage_options=opts) as mgr:
@@ -224,35 +227,48 @@ def test_two_writers_on_one_prefix(s3_server: S3Server, s3_prefix: str) -> None:
     assert proc.returncode == 0 and "SAVED" in proc.stdout, proc.stdout + proc.stderr
 
 
-def test_stale_owner_record_is_taken_over_and_its_writer_fenced(
-    s3_server: S3Server, s3_prefix: str
+def _poll(condition: Any, timeout_s: float = 20.0) -> None:
+    """Wait until ``condition()`` holds (checked every 20 ms), or fail after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    pause = threading.Event()
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting for the condition"
+        pause.wait(0.02)
+
+
+def test_stale_owner_record_is_taken_over_renewed_and_its_writer_fenced(
+    s3_server: S3Server, s3_prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A record nobody renewed for the lease time (a writer that died) is taken over; the
-    writer whose record was taken refuses its next save instead of writing beside the new one."""
+    heartbeat renews it; a writer whose record another one took refuses its next save instead
+    of writing beside the new owner, and leaves the new owner's record alone."""
+    monkeypatch.setattr(lease_module, "LEASE_TTL_S", 1.5)  # renewed every 0.5 s
     url = f"s3://{s3_prefix}/run"
+    key = f"{s3_prefix}/run/{LEASE_NAME}"
     opts = s3_server.storage_options
     fs = s3_server.filesystem()
+
+    def record() -> dict[str, Any]:
+        fs.invalidate_cache(key)
+        return dict(json.loads(fs.cat_file(key)))
+
     dead = {"pid": 1, "host": "gone", "session": "dead", "since": 0.0, "renewed": 0.0, "ttl": 60}
-    fs.pipe_file(f"{s3_prefix}/run/{LEASE_NAME}", json.dumps(dead).encode())
+    fs.pipe_file(key, json.dumps(dead).encode())
     with CheckpointManager(url, storage_options=opts) as mgr:
         mgr.save(1, {"w": torch.ones(3)}).wait()  # took the stale lease
-        record = json.loads(fs.cat_file(f"{s3_prefix}/run/{LEASE_NAME}"))
-        assert record["session"] == mgr.group.session
-        # Another writer overwrites the record (as if this one had stalled past the TTL):
-        # the next renewal notices, and saves are refused from then on.
-        fs.pipe_file(
-            f"{s3_prefix}/run/{LEASE_NAME}",
-            json.dumps(dict(record, session="usurper", renewed=time.time())).encode(),
-        )
+        taken = record()
+        assert taken["session"] == mgr.group.session and taken["ttl"] == 1.5
+        _poll(lambda: record()["renewed"] > taken["renewed"])  # the heartbeat renews it
+        # Another writer takes the record over (as if this one had stalled past the TTL):
+        # the heartbeat's conditional renewal fails, and saves are refused from then on.
+        fs.pipe_file(key, json.dumps(dict(taken, session="usurper", renewed=1e12)).encode())
         lease = mgr._owner.lease
-        assert lease is not None and lease._remote is not None
-        with pytest.raises(FileExistsError):
-            lease._remote.renew()  # If-Match: the record is no longer the one it wrote
-        lease._remote.lost = "another writer took over"
+        assert lease is not None
+        _poll(lambda: lease.lost is not None)
         with pytest.raises(DirectoryInUseError, match="no longer owns"):
             mgr.save(2, {"w": torch.ones(3)})
-    # The usurper's record is left alone by the fenced writer's close.
-    assert json.loads(fs.cat_file(f"{s3_prefix}/run/{LEASE_NAME}"))["session"] == "usurper"
+    assert record()["session"] == "usurper"  # close() left the new owner's record alone
+    assert mgr.steps() == [1]
 
 
 def test_credentials_stay_out_of_reprs_and_logs(
