@@ -9,9 +9,11 @@ succeeds and :meth:`S3Server.stop` terminates it (kill on timeout).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -97,6 +99,8 @@ class S3Server:
             return ""
 
     def stop(self, timeout: float = 5.0) -> None:
+        """SIGTERM, then SIGKILL after ``timeout``: weed's graceful stop waits 15 s for its
+        filer's gRPC streams, and the data directory is thrown away anyway."""
         if self.process.poll() is None:
             self.process.terminate()
             try:
@@ -104,6 +108,13 @@ class S3Server:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(timeout=timeout)
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL it when the test process dies (Linux), so that a
+    killed pytest leaves no server behind."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def _answers(endpoint: str) -> bool:
@@ -183,6 +194,7 @@ def start_s3_server(workdir: Path) -> S3Server:
             stdin=subprocess.DEVNULL,
             cwd=workdir,
             start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
     finally:
         log.close()
