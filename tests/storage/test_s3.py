@@ -227,6 +227,44 @@ def test_two_writers_on_one_prefix(s3_server: S3Server, s3_prefix: str) -> None:
     assert proc.returncode == 0 and "SAVED" in proc.stdout, proc.stdout + proc.stderr
 
 
+_KILLED_WRITER = """
+import json, os, signal, sys
+import torch
+from coci_core import CheckpointManager
+mgr = CheckpointManager(sys.argv[1], storage_options=json.loads(sys.argv[2]))
+mgr.save(1, {"w": torch.ones(3)}).wait()
+print(os.getpid(), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_writer_killed_on_this_machine_does_not_hold_the_prefix(
+    s3_server: S3Server, s3_prefix: str
+) -> None:
+    """A writer SIGKILLed on this machine leaves its owner record behind, but a new writer here
+    sees that its process is gone and takes over at once (a restarted job need not wait for
+    the lease time); its committed step is intact."""
+    url = f"s3://{s3_prefix}/run"
+    opts = s3_server.storage_options
+    env = dict(os.environ, PYTHONPATH=f"{_SRC}:{_ROOT}")
+    proc = subprocess.run(
+        [sys.executable, "-c", _KILLED_WRITER, url, json.dumps(opts)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == -9, proc.stderr
+    fs = s3_server.filesystem()
+    left = json.loads(fs.cat_file(f"{s3_prefix}/run/{LEASE_NAME}"))
+    assert left["pid"] == int(proc.stdout.split()[0])
+    assert left["renewed"] + left["ttl"] > time.time()  # not expired: only "died here" frees it
+    with CheckpointManager(url, storage_options=opts) as mgr:
+        assert torch.equal(mgr.restore()["w"], torch.ones(3))
+        mgr.save(2, {"w": torch.ones(3) * 2}).wait()
+        assert mgr.steps() == [1, 2]
+
+
 def _poll(condition: Any, timeout_s: float = 20.0) -> None:
     """Wait until ``condition()`` holds (checked every 20 ms), or fail after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s

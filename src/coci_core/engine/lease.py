@@ -11,11 +11,12 @@ On an object store (S3, GCS, Azure ... through fsspec) nothing dies with the own
 is an owner record ``<dir>/.coci-owner`` created with a conditional put (S3 ``If-None-Match: *``:
 of two writers racing, exactly one creates it) and renewed by a heartbeat thread every
 ``LEASE_TTL_S / 3`` seconds (S3 ``If-Match``: a renewal never overwrites another owner's
-record). A record not renewed for ``LEASE_TTL_S`` seconds is stale (its writer died): the next
-writer takes it over, with a conditional put again. A writer whose record was taken over (it
-could not renew for ``LEASE_TTL_S``, or someone else's record is there) loses its lease and its
-next ``save`` raises :class:`DirectoryInUseError`. Staleness compares the record's wall-clock
-time with the reader's: clocks must agree to well within ``LEASE_TTL_S``.
+record). A record not renewed for ``LEASE_TTL_S`` seconds is stale (its writer died), and so
+at once is the record of a process of this machine that is gone (a crash restarted on the same
+node): the next writer takes it over, with a conditional put again. A writer whose record was
+taken over (it could not renew for ``LEASE_TTL_S``, or someone else's record is there) loses its
+lease and its next ``save`` raises :class:`DirectoryInUseError`. Staleness compares the
+record's wall-clock time with the reader's: clocks must agree to well within ``LEASE_TTL_S``.
 """
 
 from __future__ import annotations
@@ -160,12 +161,13 @@ def _take_owner_record(store: Any, doc: dict[str, Any], key: str) -> _OwnerRecor
     except FileExistsError:
         current = store.read_record(LEASE_NAME)
         held = current[0].decode("utf-8", "replace") if current else ""
+        theirs: Any = {}
         try:
             theirs = json.loads(held)
             expires = float(theirs["renewed"]) + float(theirs["ttl"])
         except (ValueError, KeyError, TypeError):
             expires = 0.0  # unreadable: nobody can renew it
-        if current is not None and expires > time.time():
+        if current is not None and expires > time.time() and not _died_here(theirs):
             raise DirectoryInUseError(
                 f"another coci writer ({_holder_text(held)}) is writing to {key} (its lease "
                 f"expires in {expires - time.time():.0f}s unless renewed): wait for it to "
@@ -203,6 +205,42 @@ def _local_root(storage: Any) -> str | None:
         storage = getattr(storage, "inner", None)
         seen += 1
     return None
+
+
+def _machine() -> str:
+    """This boot of this machine and this PID namespace: where a PID names one process."""
+    parts = []
+    for path in ("/proc/sys/kernel/random/boot_id", "/proc/self/ns/pid"):
+        try:
+            if path.endswith("boot_id"):
+                with open(path) as f:
+                    parts.append(f.read().strip())
+            else:
+                parts.append(os.readlink(path))
+        except OSError:
+            return ""  # unknown: never judge another process dead
+    return f"{socket.gethostname()}|{'|'.join(parts)}"
+
+
+def _died_here(record: Any) -> bool:
+    """True when the record's writer ran on this machine, in this PID namespace, since its
+    last boot, and its process is gone (a crash restarted on the same node need not wait for
+    the lease time)."""
+    try:
+        if not record["machine"] or record["machine"] != _machine():
+            return False
+        pid = int(record["pid"])
+    except (KeyError, TypeError, ValueError):
+        return False
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False  # alive (another user's process) or unknown
+    return False
 
 
 def _holder_text(info: str) -> str:
@@ -260,7 +298,7 @@ def acquire_lease(storage: Any, session: str) -> Lease:
         remote = None
         store = _shared_store(storage) if root is None else None
         if store is not None:
-            doc = dict(json.loads(info), renewed=time.time(), ttl=LEASE_TTL_S)
+            doc = dict(json.loads(info), renewed=time.time(), ttl=LEASE_TTL_S, machine=_machine())
             remote = _take_owner_record(store, doc, key)
         _HELD[key] = info
     return Lease(key, fd, remote)
