@@ -26,6 +26,7 @@ from coci_core.training import (
     RankGroup,
     SaveHandle,
     adapter_planner_options,
+    check_storage_options,
     check_verbose,
 )
 
@@ -44,7 +45,8 @@ class CociCheckpointer:
 
     Args:
         accelerator: the run's Accelerator.
-        dirpath: where checkpoints go; default ``<project_dir>/coci``.
+        dirpath: where checkpoints go: a path, or an fsspec URL string such as
+            ``"s3://bucket/run"`` (kept a string); default ``<project_dir>/coci``.
         policy: as for ``coci_lightning.CociCheckpoint``.
         objective: as for ``CociCheckpoint``.
         mtbf_s: as for ``CociCheckpoint``.
@@ -61,6 +63,9 @@ class CociCheckpointer:
             length, in optimizer steps, times ``num_epochs``). Neither: a rolling horizon.
         verbose: the main process logs a line per save (step, stall, MB written,
             compression, when durable). ``close()`` logs one summary line either way.
+        storage_options: as for ``CociCheckpoint``: the fsspec options of a URL ``dirpath``
+            (credentials, endpoint), never logged. With a URL ``dirpath``, telemetry goes to
+            Accelerate's TensorBoard tracker (and a ``CociTracker``), no local file.
     """
 
     def __init__(
@@ -82,6 +87,7 @@ class CociCheckpointer:
         total_steps: int | None = None,
         num_epochs: int | None = None,
         verbose: bool = False,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
         if not isinstance(accelerator, Accelerator):
             raise ConfigError(
@@ -104,16 +110,27 @@ class CociCheckpointer:
         if not isinstance(save_on_close, bool):
             raise ConfigError(f"'save_on_close' must be a bool: {save_on_close!r}")
         self.verbose = check_verbose(verbose)
+        self.storage_options = check_storage_options(storage_options, dirpath)
         self.save_on_close = save_on_close
         self.accelerator = accelerator
         root = Path(accelerator.project_dir) if accelerator.project_dir else Path.cwd()
-        self.dirpath = Path(dirpath) if dirpath is not None else root / "coci"
+        url = isinstance(dirpath, str) and "://" in dirpath
+        self.dirpath: Path | str = (
+            str(dirpath) if url else Path(dirpath) if dirpath is not None else root / "coci"
+        )
         is_main = accelerator.is_main_process
         sinks: list[TelemetrySink] = []
-        if is_main:
+        if is_main and isinstance(self.dirpath, Path):
             sinks.append(JsonlTelemetry(self.dirpath / TELEMETRY_FILE))
             with contextlib.suppress(ConfigError):  # tensorboard is not installed
                 sinks.append(_tensorboard_sink(accelerator, self.dirpath / "tensorboard"))
+        elif is_main:  # an fsspec URL: the run's own TensorBoard tracker only, nothing local
+            with contextlib.suppress(ConfigError):
+                sinks.extend(
+                    TensorBoardTelemetry(writer=tracker.writer)
+                    for tracker in accelerator.trackers
+                    if type(tracker).__name__ == "TensorBoardTracker"
+                )
         self.checkpointer = Checkpointer(
             self.dirpath,
             policy=policy,
@@ -127,7 +144,10 @@ class CociCheckpointer:
             rank=accelerator.process_index,
             broadcast=_broadcast if accelerator.num_processes > 1 else None,
             sinks=sinks,
-            manager_options={"group": _rank_group(accelerator)},
+            manager_options={
+                "group": _rank_group(accelerator),
+                "storage_options": self.storage_options,
+            },
             verbose=self.verbose,
         )
         self._closed = False

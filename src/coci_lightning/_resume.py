@@ -48,8 +48,24 @@ from coci_core.training import (
 logger = logging.getLogger(__name__)
 
 
-def coci_step_of(path: Any) -> tuple[Path, int] | None:
-    """(root, step) when ``path`` is a committed coci step directory, else None."""
+def coci_step_of(
+    path: Any, storage_options: dict[str, Any] | None = None
+) -> tuple[Path | str, int] | None:
+    """(root, step) when ``path`` is a committed coci step directory, else None. An fsspec
+    URL (``s3://bucket/run/step-...``) stays a string, its root too; ``storage_options`` reach
+    its file system."""
+    if isinstance(path, str) and "://" in path:
+        root, _, name = path.rstrip("/").rpartition("/")
+        step = parse_step_dir(name)
+        if step is None or "://" not in root:
+            return None
+        try:
+            committed = open_storage(root, **(storage_options or {})).exists(
+                f"{name}/{MANIFEST_NAME}"
+            )
+        except (OSError, ValueError):
+            return None
+        return (root, step) if committed else None
     try:
         p = Path(path)
     except TypeError:
@@ -73,6 +89,8 @@ class CociCheckpointIO(CheckpointIO):
         self.on_restore = on_restore
         self.fallback_for: str | None = None
         self.rank = 0  # whose per-rank state to merge in (set by the callback's setup)
+        # for an fsspec URL directory (set by the callback; credentials: never logged)
+        self.storage_options: dict[str, Any] = {}
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None
@@ -82,13 +100,13 @@ class CociCheckpointIO(CheckpointIO):
     def load_checkpoint(
         self, path: Any, map_location: Any = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        found = coci_step_of(path)
+        found = coci_step_of(path, self.storage_options)
         if found is None:
             return self.inner.load_checkpoint(
                 path, map_location=map_location, weights_only=weights_only
             )
         root, step = found
-        storage = open_storage(str(root))
+        storage = open_storage(str(root), **self.storage_options)
         if getattr(self, "fallback_for", None) == str(path):  # "last": fall back past damage
             loaded, event = restore_newest(storage, start_at=step, rank=self.rank)
         else:
@@ -148,7 +166,8 @@ def install_last_resolution() -> None:
         if cocis and (ckpt_path == "best" or implicit):
             return _resolve_best(self.trainer, fn, implicit=implicit)
         resolved = original(self, state_fn, ckpt_path, **kwargs)
-        if coci_step_of(resolved) is not None:
+        options = cocis[0].storage_options if cocis else None
+        if coci_step_of(resolved, options) is not None:
             # validate/test/predict (and fit) of a coci step directory, with or without a
             # CociCheckpoint attached: read it with coci's restore
             use_coci_io(self.trainer)
@@ -158,10 +177,10 @@ def install_last_resolution() -> None:
     _CheckpointConnector._parse_ckpt_path = parse_ckpt_path  # type: ignore[method-assign,assignment]
 
 
-def _mtime(path: str) -> float:
+def _mtime(path: str, **storage_options: Any) -> float:
     """The modification time of ``path`` (seconds since the epoch), 0 if unreadable."""
     try:
-        return float(get_filesystem(path).modified(path).timestamp())
+        return float(get_filesystem(path, **storage_options).modified(path).timestamp())
     except Exception:
         return 0.0
 
@@ -202,7 +221,9 @@ def _resolve_last(trainer: Any, coci: Any) -> str | None:
     times = {p: _mtime(p) for p in others}
     if newest is not None:
         coci_step = int(str(newest).rstrip("/").rsplit("-", 1)[-1])
-        coci_time = _mtime(str(newest).rstrip("/") + "/" + MANIFEST_NAME)
+        manifest = str(newest).rstrip("/") + "/" + MANIFEST_NAME
+        # only compared with Lightning's own files (no request to the store without them)
+        coci_time = _mtime(manifest, **coci.storage_options) if others else 0.0
         newer = []
         for p in others:
             step = steps[p]

@@ -27,6 +27,7 @@ from coci_core.training import (
     RankGroup,
     adapter_planner_options,
     check_policy,
+    check_storage_options,
     check_verbose,
     newest_first,
     open_storage,
@@ -73,6 +74,9 @@ class CociCheckpoint(Checkpoint):
         planner_options: further keyword arguments of :class:`coci_core.planner.Planner`.
         verbose: rank 0 logs a line per save (step, stall, MB written, compression, when
             durable). One summary line is logged at the end of ``fit`` either way.
+        storage_options: for an fsspec URL ``dirpath``: the file system's options (s3fs:
+            ``key``, ``secret``, ``client_kwargs={"endpoint_url": ...}``), used to save, to
+            find ``"last"`` and to restore. Never logged. None: the environment's (AWS_* ...).
     """
 
     def __init__(
@@ -95,9 +99,11 @@ class CociCheckpoint(Checkpoint):
         save_on_exception: bool = True,
         planner_options: dict[str, Any] | None = None,
         verbose: bool = False,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         dirpath = _check_dirpath(dirpath)
+        self.storage_options = check_storage_options(storage_options, dirpath)
         self.verbose = check_verbose(verbose)
         for name, flag in (
             ("resume", resume),
@@ -202,7 +208,8 @@ class CociCheckpoint(Checkpoint):
         """The step directory a resume takes (the newest checkpoint of the newest run), or
         None."""
         root = self.resolve_dirpath(trainer)
-        steps = newest_first(open_storage(str(root)))  # the newest run's newest checkpoint
+        # the newest run's newest checkpoint
+        steps = newest_first(open_storage(str(root), **self.storage_options))
         if not steps:
             return None
         if isinstance(root, str):
@@ -216,6 +223,7 @@ class CociCheckpoint(Checkpoint):
         io.on_restore = self._on_restore
         io.fallback_for = self._fallback_for
         io.rank = trainer.global_rank
+        io.storage_options = self.storage_options
         if stage != "fit":
             return
         options = dict(self.planner_options)
@@ -238,7 +246,10 @@ class CociCheckpoint(Checkpoint):
             broadcast=(lambda obj: trainer.strategy.broadcast(obj, src=0))
             if trainer.world_size > 1
             else None,
-            manager_options={"group": _rank_group(trainer)},
+            manager_options={
+                "group": _rank_group(trainer),
+                "storage_options": self.storage_options,
+            },
             verbose=self.verbose,
         )
         if self._planner_state is not None:
@@ -518,7 +529,7 @@ class CociCheckpoint(Checkpoint):
             self._pending_rng = own["rng"]
         elif (
             trainer.world_size > 1
-            and coci_step_of(trainer.ckpt_path) is not None
+            and coci_step_of(trainer.ckpt_path, self.storage_options) is not None
             and "rng" not in checkpoint.get("callbacks", {}).get(self.state_key, {})
         ):
             warnings.warn(

@@ -38,6 +38,8 @@ def train(
     every_n_steps: int = 5,
     batch_size: int = 16,
     epochs: int = 3,
+    dirpath: str | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The issue's loop: prepare, resume, train with ``accelerator.log`` and ``ckpt.step``."""
     set_seed(5)
@@ -59,7 +61,13 @@ def train(
     model, optimizer, dataloader, scheduler = accelerator.prepare(
         model, optimizer, dataloader, scheduler
     )
-    ckpt = CociCheckpointer(accelerator, policy="every_n_steps", every_n_steps=every_n_steps)
+    ckpt = CociCheckpointer(
+        accelerator,
+        dirpath,
+        policy="every_n_steps",
+        every_n_steps=every_n_steps,
+        storage_options=storage_options,
+    )
     start_step = ckpt.resume()  # optimizer steps completed: the label of the checkpoint
     seen: list[int] = []
     step = start_step

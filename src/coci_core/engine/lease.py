@@ -4,8 +4,19 @@ A manager that writes takes the lease of its directory before it touches anythin
 (cleanup of leftovers included). Within one process the lease is a registry entry per
 storage URL; on a local file system (a path or ``file://``) it is also an exclusive
 ``flock`` on ``<dir>/.coci-owner``, which the kernel releases when the owning process dies
-(``kill -9`` included), so a lease is never left behind by a crash. Object stores get the
-in-process check only.
+(``kill -9`` included), so a lease is never left behind by a crash. ``memory://`` gets the
+in-process check only (no other process can see it).
+
+On an object store (S3, GCS, Azure ... through fsspec) nothing dies with the owner, so the lease
+is an owner record ``<dir>/.coci-owner`` created with a conditional put (S3 ``If-None-Match: *``:
+of two writers racing, exactly one creates it) and renewed by a heartbeat thread every
+``LEASE_TTL_S / 3`` seconds (S3 ``If-Match``: a renewal never overwrites another owner's
+record). A record not renewed for ``LEASE_TTL_S`` seconds is stale (its writer died), and so
+at once is the record of a process of this machine that is gone (a crash restarted on the same
+node): the next writer takes it over, with a conditional put again. A writer whose record was
+taken over (it could not renew for ``LEASE_TTL_S``, or someone else's record is there) loses its
+lease and its next ``save`` raises :class:`DirectoryInUseError`. Staleness compares the
+record's wall-clock time with the reader's: clocks must agree to well within ``LEASE_TTL_S``.
 """
 
 from __future__ import annotations
@@ -14,6 +25,7 @@ import contextlib
 import errno
 import fcntl
 import json
+import logging
 import os
 import socket
 import threading
@@ -22,9 +34,13 @@ from typing import Any
 
 from coci_core.errors import DirectoryInUseError, StorageError
 
-__all__ = ["LEASE_NAME", "Lease", "acquire_lease"]
+__all__ = ["LEASE_NAME", "LEASE_TTL_S", "Lease", "acquire_lease"]
+
+logger = logging.getLogger(__name__)
 
 LEASE_NAME = ".coci-owner"
+#: An object store's owner record not renewed for this long belongs to a dead writer.
+LEASE_TTL_S = 60.0
 
 _HELD: dict[str, str] = {}
 # Re-entrant: a manager freed by the garbage collector inside acquire_lease releases its own.
@@ -34,10 +50,17 @@ _HELD_LOCK = threading.RLock()
 class Lease:
     """A held lease; :meth:`release` (idempotent) gives it up."""
 
-    def __init__(self, key: str, fd: int | None) -> None:
+    def __init__(self, key: str, fd: int | None, remote: _OwnerRecord | None = None) -> None:
         self.key = key
         self._fd = fd
+        self._remote = remote
         self._released = False
+
+    @property
+    def lost(self) -> str | None:
+        """Why this lease is no longer held (an object store's record was taken over or could
+        not be renewed in time), or None while it is."""
+        return None if self._remote is None else self._remote.lost
 
     def release(self) -> None:
         with _HELD_LOCK:
@@ -45,10 +68,129 @@ class Lease:
                 return
             self._released = True
             _HELD.pop(self.key, None)
+            if self._remote is not None:
+                self._remote.release()
             if self._fd is not None:
                 with contextlib.suppress(OSError):
                     os.close(self._fd)  # closing the descriptor drops the flock
                 self._fd = None
+
+
+class _OwnerRecord:
+    """The owner record of an object store, renewed by a heartbeat thread while held."""
+
+    def __init__(self, storage: Any, doc: dict[str, Any], etag: str | None, ttl: float) -> None:
+        self.storage = storage
+        self.doc = doc
+        self.etag = etag
+        self.ttl = ttl
+        self.renewed = time.monotonic()
+        self.lost: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="coci-lease", daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.ttl / 3):
+            try:
+                self.renew()
+            except FileExistsError:
+                self.lost = f"another writer took over {self.storage.url}"
+            except (StorageError, OSError) as e:
+                logger.warning("coci: cannot renew the lease of %s: %s", self.storage.url, e)
+                if time.monotonic() - self.renewed > self.ttl:
+                    self.lost = f"the lease of {self.storage.url} could not be renewed in time"
+            if self.lost is not None:
+                logger.error("coci: %s; saves to it are refused from now on", self.lost)
+                return
+
+    def renew(self) -> None:
+        """Rewrite the record with a new time, only if it is still this writer's.
+
+        Raises:
+            FileExistsError: it is not (another writer took it over).
+        """
+        doc = dict(self.doc, renewed=time.time())
+        etag = self.etag
+        if etag is None:  # a store without ETags: compare the record's session instead
+            current = self.storage.read_record(LEASE_NAME)
+            if current is None or _session_of(current[0]) != doc["session"]:
+                raise FileExistsError(f"{self.storage.url}/{LEASE_NAME} is not ours")
+            etag = current[1]
+        self.etag = self.storage.put_record(LEASE_NAME, json.dumps(doc).encode(), if_match=etag)
+        self.doc = doc
+        self.renewed = time.monotonic()
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=30)
+        if self.lost is not None:
+            return
+        # Delete the record only while it is still this writer's.
+        with contextlib.suppress(StorageError, OSError, ValueError, KeyError, TypeError):
+            current = self.storage.read_record(LEASE_NAME)
+            if current is not None and _session_of(current[0]) == self.doc["session"]:
+                self.storage.remove_record(LEASE_NAME)
+
+
+def _session_of(record: bytes) -> str | None:
+    try:
+        return str(json.loads(record)["session"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _shared_store(storage: Any) -> Any:
+    """The fsspec storage (possibly wrapped) of a store that other processes share."""
+    seen = 0
+    while storage is not None and seen < 8:
+        from coci_core.storage import FsspecStorage
+
+        if isinstance(storage, FsspecStorage):
+            return storage if storage.shared_store() else None
+        storage = getattr(storage, "inner", None)
+        seen += 1
+    return None
+
+
+def _take_owner_record(store: Any, doc: dict[str, Any], key: str) -> _OwnerRecord:
+    data = json.dumps(doc).encode()
+    try:
+        etag = store.put_record(LEASE_NAME, data, if_absent=True)
+    except FileExistsError:
+        current = store.read_record(LEASE_NAME)
+        held = current[0].decode("utf-8", "replace") if current else ""
+        theirs: Any = {}
+        try:
+            theirs = json.loads(held)
+            expires = float(theirs["renewed"]) + float(theirs["ttl"])
+        except (ValueError, KeyError, TypeError):
+            expires = 0.0  # unreadable: nobody can renew it
+        if current is not None and expires > time.time() and not _died_here(theirs):
+            raise DirectoryInUseError(
+                f"another coci writer ({_holder_text(held)}) is writing to {key} (its lease "
+                f"expires in {expires - time.time():.0f}s unless renewed): wait for it to "
+                "finish, or give each run its own directory"
+            ) from None
+        if current is not None:
+            logger.warning(
+                "coci: taking over the stale lease of %s (%s stopped renewing it)",
+                key,
+                _holder_text(held),
+            )
+        try:
+            if current is None:
+                etag = store.put_record(LEASE_NAME, data, if_absent=True)
+            else:
+                # If-Match on the stale record's ETag: of two writers taking it over, one wins.
+                etag = store.put_record(LEASE_NAME, data, if_match=current[1])
+        except FileExistsError:
+            raise DirectoryInUseError(
+                f"another coci writer took the lease of {key} first: give each run its own "
+                "directory"
+            ) from None
+    return _OwnerRecord(store, doc, etag, float(doc["ttl"]))
 
 
 def _local_root(storage: Any) -> str | None:
@@ -63,6 +205,42 @@ def _local_root(storage: Any) -> str | None:
         storage = getattr(storage, "inner", None)
         seen += 1
     return None
+
+
+def _machine() -> str:
+    """This boot of this machine and this PID namespace: where a PID names one process."""
+    parts = []
+    for path in ("/proc/sys/kernel/random/boot_id", "/proc/self/ns/pid"):
+        try:
+            if path.endswith("boot_id"):
+                with open(path) as f:
+                    parts.append(f.read().strip())
+            else:
+                parts.append(os.readlink(path))
+        except OSError:
+            return ""  # unknown: never judge another process dead
+    return f"{socket.gethostname()}|{'|'.join(parts)}"
+
+
+def _died_here(record: Any) -> bool:
+    """True when the record's writer ran on this machine, in this PID namespace, since its
+    last boot, and its process is gone (a crash restarted on the same node need not wait for
+    the lease time)."""
+    try:
+        if not record["machine"] or record["machine"] != _machine():
+            return False
+        pid = int(record["pid"])
+    except (KeyError, TypeError, ValueError):
+        return False
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False  # alive (another user's process) or unknown
+    return False
 
 
 def _holder_text(info: str) -> str:
@@ -117,5 +295,10 @@ def acquire_lease(storage: Any, session: str) -> Lease:
             with contextlib.suppress(OSError):
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, info.encode(), 0)
+        remote = None
+        store = _shared_store(storage) if root is None else None
+        if store is not None:
+            doc = dict(json.loads(info), renewed=time.time(), ttl=LEASE_TTL_S, machine=_machine())
+            remote = _take_owner_record(store, doc, key)
         _HELD[key] = info
-    return Lease(key, fd)
+    return Lease(key, fd, remote)

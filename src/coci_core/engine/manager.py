@@ -365,6 +365,9 @@ class CheckpointManager:
         if self.group.is_coordinator and self._owner.lease is None:  # after the input checks
             self._owner.lease = acquire_lease(self.storage, self.group.session)
             self._remove_uncommitted(done_seq=None)
+        lost = self._owner.lease.lost if self._owner.lease is not None else None
+        if lost is not None:
+            raise DirectoryInUseError(f"{lost}: this manager no longer owns the directory")
         leaves = flat.leaves + (own.leaves if own else ())
         if alone and any(leaf.owned and leaf.shape != leaf.tensor.shape for leaf in flat.leaves):
             raise ConfigError(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import stat
@@ -138,8 +139,17 @@ class FsspecStorage:
         view[:] = data
 
     def remove_dir(self, path: str) -> None:
+        full = self._path(path)
         with contextlib.suppress(FileNotFoundError, OSError):
-            self.fs.rm(self._path(path), recursive=True)
+            self.fs.rm(full, recursive=True)
+        if {"s3", "s3a"} & self._protocols():
+            # S3 servers with real folders (SeaweedFS's filer, for one) keep an empty folder
+            # after its objects are deleted, listed as a directory: delete its "dir/" key too.
+            with contextlib.suppress(FileNotFoundError, OSError, ValueError):
+                bucket, key, _ = self.fs.split_path(full)
+                if key:
+                    self.fs.call_s3("delete_object", Bucket=bucket, Key=key.rstrip("/") + "/")
+            self.fs.invalidate_cache(full)
 
     def staging_dir(self, final: str, token: str) -> str:
         return final
@@ -166,6 +176,92 @@ class FsspecStorage:
             except OSError as e:
                 raise StorageError.wrap(f"cannot remove {self.url}/{final}: {e}", e) from e
         self.remove_dir(final)
+
+    # -- the owner record of an object store (see coci_core.engine.lease) --------------------
+
+    def _protocols(self) -> set[str]:
+        p = self.fs.protocol
+        return set(p) if isinstance(p, (tuple, list)) else {str(p)}
+
+    def shared_store(self) -> bool:
+        """True when other processes (other machines) can write here too: not the local file
+        system (its lease is a ``flock``) and not ``memory://`` (private to this process)."""
+        return self.local_root() is None and "memory" not in self._protocols()
+
+    def read_record(self, path: str) -> tuple[bytes, str | None] | None:
+        """A small object and its ETag (None where the store has none); None when absent."""
+        full = self._path(path)
+        try:
+            self.fs.invalidate_cache(full)
+            info = self.fs.info(full)
+            data = bytes(self.fs.cat_file(full))
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as e:
+            raise StorageError.wrap(f"cannot read {self.url}/{path}: {e}", e) from e
+        etag = info.get("ETag") or info.get("etag")
+        return data, (str(etag) if etag else None)
+
+    def put_record(
+        self, path: str, data: bytes, *, if_absent: bool = False, if_match: str | None = None
+    ) -> str | None:
+        """Write a small object in one put, conditionally where the store can.
+
+        ``if_absent``: only if nothing is there (S3 ``If-None-Match: *``, fsspec's
+        ``mode="create"``). ``if_match``: only if the object still has this ETag (S3
+        ``If-Match``; elsewhere a read-and-compare before the put, not atomic). Returns the new
+        ETag when the store reports one.
+
+        Raises:
+            FileExistsError: the condition does not hold (someone else wrote or holds it).
+            StorageError: the store cannot be written.
+        """
+        full = self._path(path)
+        s3 = bool({"s3", "s3a"} & self._protocols())
+        kwargs: dict[str, Any] = {}
+        if if_absent:
+            kwargs["mode"] = "create"
+        elif if_match is not None:
+            if s3:
+                kwargs["IfMatch"] = if_match
+            else:
+                current = self.read_record(path)
+                if current is None or current[1] != if_match:
+                    raise FileExistsError(f"{self.url}/{path} changed")
+        try:
+            try:
+                out = self.fs.pipe_file(full, data, **kwargs)
+            except (TypeError, NotImplementedError):
+                if not if_absent:
+                    raise
+                # A file system whose pipe_file has no mode="create": check, then put (not
+                # atomic; the owner's heartbeat finds a lost race at its next renewal).
+                if self.fs.exists(full):
+                    raise FileExistsError(f"{self.url}/{path} exists") from None
+                out = self.fs.pipe_file(full, data)
+        except FileExistsError:
+            raise
+        except OSError as e:
+            # s3fs raises PreconditionFailed (HTTP 412) as OSError(EINVAL)
+            if (if_absent or if_match is not None) and (
+                e.errno == errno.EINVAL or "precondition" in str(e).lower()
+            ):
+                raise FileExistsError(f"{self.url}/{path}: {e}") from e
+            raise StorageError.wrap(f"cannot write {self.url}/{path}: {e}", e) from e
+        except (TypeError, NotImplementedError, ValueError) as e:
+            raise StorageError(f"{self.url} cannot write {path} conditionally: {e}") from e
+        etag = out.get("ETag") if isinstance(out, dict) else None
+        if etag is None:
+            with contextlib.suppress(OSError, ValueError):
+                etag = self.fs.info(full).get("ETag")
+        return str(etag) if etag else None
+
+    def remove_record(self, path: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            try:
+                self.fs.rm(self._path(path))
+            except OSError as e:
+                raise StorageError.wrap(f"cannot remove {self.url}/{path}: {e}", e) from e
 
     def local_root(self) -> str | None:
         """The local path of this storage when fsspec's file system is the local one."""

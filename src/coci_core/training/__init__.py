@@ -9,7 +9,12 @@ from coci_core.engine.manager import SaveHandle
 from coci_core.engine.manifest import MANIFEST_NAME, parse_step_dir, step_dir_name
 from coci_core.engine.restore import LoadedCheckpoint, newest_first, restore_newest
 from coci_core.storage import open_storage
-from coci_core.training.checkpointer import Checkpointer, adapter_planner_options, check_verbose
+from coci_core.training.checkpointer import (
+    Checkpointer,
+    adapter_planner_options,
+    check_storage_options,
+    check_verbose,
+)
 
 __all__ = [
     "MANIFEST_NAME",
@@ -19,6 +24,7 @@ __all__ = [
     "SaveHandle",
     "adapter_planner_options",
     "check_policy",
+    "check_storage_options",
     "check_verbose",
     "newest_first",
     "open_storage",

@@ -50,6 +50,25 @@ def check_verbose(verbose: object) -> bool:
     return verbose
 
 
+def check_storage_options(options: object, dirpath: object) -> dict[str, Any]:
+    """``storage_options`` is None or a dict of fsspec options (str keys) for an fsspec URL
+    ``dirpath`` (a string with ``://``); the dict to pass on, or a ConfigError naming it (which
+    never shows the values: they hold credentials)."""
+    if options is None:
+        return {}
+    if not isinstance(options, Mapping) or not all(isinstance(k, str) for k in options):
+        raise ConfigError(
+            "'storage_options' must be a dict of fsspec options (str keys) or None, got "
+            f"{type(options).__name__}"
+        )
+    if options and not (isinstance(dirpath, str) and "://" in dirpath):
+        raise ConfigError(
+            "'storage_options' apply to an fsspec URL 'dirpath' (e.g. 's3://bucket/run'), "
+            f"not to {dirpath!r}"
+        )
+    return dict(options)
+
+
 def adapter_planner_options(
     *,
     policy: str,
