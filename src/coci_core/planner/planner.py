@@ -182,13 +182,18 @@ class Planner:
         mtbf_s: MTBF of one node; None estimates it from the run's restarts with a prior of
             ``default_mtbf_s`` (job level).
         nodes: number of nodes, or a function of the step (the failure rate scales with it).
-        step_time_s, stall_s, persist_s, restart_s: user-given costs (override measurements).
+        step_time_s: a user-given step time in s (overrides the measurements).
+        stall_s: a user-given stall per save in s (overrides the measurements).
+        persist_s: a user-given persist time per save in s (overrides the measurements).
+        restart_s: a user-given restart time in s (overrides the measurements).
         default_restart_s: restart time assumed before the first measured restore.
         default_stall_s: stall time assumed before the first measured save.
         default_mtbf_s: prior MTBF when ``mtbf_s`` is None.
         termination: None, a Termination model, or ASHA rung steps.
-        every_n_steps, every_n_seconds: the interval of those policies; with ``coci``,
-            ``daly`` or ``young`` they cap the interval (save at least that often).
+        every_n_steps: the interval of that policy; with ``coci``, ``daly`` or ``young`` it
+            caps the interval (save at least that often).
+        every_n_seconds: the interval of that policy; with ``coci``, ``daly`` or ``young`` it
+            caps the interval.
         steps_per_epoch: the interval of the ``epoch`` policy.
         checkfreq_overhead_bound: CheckFreq's overhead bound.
         start_step: the first step of this run.
