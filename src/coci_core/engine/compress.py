@@ -33,11 +33,10 @@ from coci_core.codecs.lossless import LOSSLESS, XOR
 from coci_core.codecs.quantized import QDELTA
 from coci_core.codecs.select import MODES, RAW
 from coci_core.errors import ConfigError
+from coci_core.knobs import AUTO_MIN_BYTES, PROBE_BYTES
 
 __all__ = ["MODES", "CompressionPolicy", "PieceEncoder", "check_policy"]
 
-PROBE_BYTES = 1024 * 1024
-AUTO_MIN_BYTES = 16 * 1024 * 1024  # "auto" never compresses saves smaller than this
 OUTLIERS = 4
 MAX_LOSSY_GENERATIONS = 63
 _OPTIMIZER_CHOICES = ("log_second_moment", "first_moment", "quantized", "lossless")

@@ -16,11 +16,10 @@ from datetime import timedelta
 from typing import Any
 
 from coci_core.errors import ConfigError
+from coci_core.knobs import DEFAULT_COMMIT_TIMEOUT_S, JOIN_TIMEOUT_S
 
 __all__ = ["DEFAULT_COMMIT_TIMEOUT_S", "JOIN_TIMEOUT_S", "RankGroup"]
 
-DEFAULT_COMMIT_TIMEOUT_S = 600.0
-JOIN_TIMEOUT_S = 300.0  # how long the ranks wait for each other's manager (RankGroup.default)
 _SESSION = re.compile(r"^[A-Za-z0-9]{1,64}$")
 
 

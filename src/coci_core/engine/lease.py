@@ -33,14 +33,13 @@ import time
 from typing import Any
 
 from coci_core.errors import DirectoryInUseError, StorageError
+from coci_core.knobs import LEASE_TTL_S
 
 __all__ = ["LEASE_NAME", "LEASE_TTL_S", "Lease", "acquire_lease"]
 
 logger = logging.getLogger(__name__)
 
 LEASE_NAME = ".coci-owner"
-#: An object store's owner record not renewed for this long belongs to a dead writer.
-LEASE_TTL_S = 60.0
 
 _HELD: dict[str, str] = {}
 # Re-entrant: a manager freed by the garbage collector inside acquire_lease releases its own.

@@ -40,6 +40,7 @@ from coci_core.errors import (
     StepExistsError,
     StorageError,
 )
+from coci_core.knobs import ROOM_MARGIN_BYTES
 from coci_core.storage import Storage, open_storage
 from coci_core.telemetry import Listener, RestoreEvent, SaveEvent, emit
 
@@ -714,7 +715,7 @@ class CheckpointManager:
         if free_bytes is None or self.keep_last is None:
             return
         free = free_bytes()
-        needed = job.snapshot.arena.total_bytes * job.group.world_size + _ROOM_MARGIN
+        needed = job.snapshot.arena.total_bytes * job.group.world_size + ROOM_MARGIN_BYTES
         if free is None or free >= needed:
             return
         steps = self._own_steps()
@@ -830,9 +831,6 @@ class CheckpointManager:
             except NoCheckpointError:
                 continue
         return found
-
-
-_ROOM_MARGIN = 1024 * 1024
 
 
 class _Owner:

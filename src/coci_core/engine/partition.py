@@ -13,10 +13,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from coci_core.errors import ConfigError
+from coci_core.knobs import DEFAULT_CHUNK_BYTES
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "LEAF_ALIGN_BYTES", "Share", "partition", "share_bytes"]
 
-DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
 LEAF_ALIGN_BYTES = 64
 
 

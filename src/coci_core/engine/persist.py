@@ -38,6 +38,7 @@ from coci_core.engine.restore import read_manifest
 from coci_core.engine.snapshot import Snapshot
 from coci_core.engine.tree import ArrayLeaf, encode_dtype
 from coci_core.errors import StorageError
+from coci_core.knobs import WRITE_CHUNK_BYTES
 from coci_core.storage import Storage
 
 __all__ = [
@@ -51,7 +52,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-WRITE_CHUNK_BYTES = 64 * 1024 * 1024
 RAW_CODEC = "coci.raw/1"
 
 

@@ -12,11 +12,11 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from coci_core.errors import StorageError
+from coci_core.knobs import SYNC_EVERY_BYTES
 
 __all__ = ["LocalStorage", "open_regular"]
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
-SYNC_EVERY_BYTES = 32 * 1024 * 1024
 
 
 class LocalStorage:

@@ -12,11 +12,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from coci_core.knobs import SCHEDULE_SENT
 from coci_core.planner import Planner
 
 __all__ = ["SharedDecision"]
-
-_SCHEDULE_SENT = 64  # planned steps shared per sync: far more than are used before the next one
 
 
 def _next_power_of_two(step: int) -> int:
@@ -52,7 +51,7 @@ class SharedDecision:
         if self.rank == 0:
             payload = {
                 "save": self.planner.should_save(step),
-                "schedule": [int(s) for s in self.planner.schedule[:_SCHEDULE_SENT]],
+                "schedule": [int(s) for s in self.planner.schedule[:SCHEDULE_SENT]],
             }
         payload = self.broadcast(payload)
         self.syncs += 1

@@ -1,0 +1,38 @@
+"""coci's tuning numbers, in one place: sizes, timeouts and intervals chosen by measurement or
+by judgement, not fixed by the format (the format's limits live in ``engine/manifest.py``, the
+planner's in ``planner/``). Each module imports its numbers from here under the same name.
+"""
+
+from __future__ import annotations
+
+MiB = 1024 * 1024
+
+# -- the save path ---------------------------------------------------------------------
+#: The unit in which a replicated state is split over ranks (engine/partition.py).
+DEFAULT_CHUNK_BYTES = 4 * MiB
+#: Writes are issued in chunks of at most this size (engine/persist.py).
+WRITE_CHUNK_BYTES = 64 * MiB
+#: A local data file is synced every this many bytes, so that the final fsync is short
+#: (storage/local.py).
+SYNC_EVERY_BYTES = 32 * MiB
+#: Free space kept beyond a save's size before old steps are deleted early (engine/manager.py).
+ROOM_MARGIN_BYTES = 1 * MiB
+
+# -- compression (engine/compress.py) ---------------------------------------------------
+#: How much of a state is compressed to estimate whether compression pays.
+PROBE_BYTES = 1 * MiB
+#: ``compression="auto"`` never compresses saves smaller than this.
+AUTO_MIN_BYTES = 16 * MiB
+
+# -- several ranks and several writers --------------------------------------------------
+#: How long rank 0 waits for every rank's share of a save before giving it up
+#: (engine/group.py).
+DEFAULT_COMMIT_TIMEOUT_S = 600.0
+#: How long the ranks wait for each other's manager (``RankGroup.default``).
+JOIN_TIMEOUT_S = 300.0
+#: An object store's owner record not renewed for this long belongs to a dead writer; it is
+#: renewed every third of it (engine/lease.py).
+LEASE_TTL_S = 60.0
+#: Planned steps rank 0 shares at a sync step: far more than are used before the next one
+#: (training/decision.py).
+SCHEDULE_SENT = 64
