@@ -19,7 +19,7 @@ from typing import Any, Generic, TypeVar, overload
 
 from coci_core.errors import ConfigError
 from coci_core.planner._checks import check_int
-from coci_core.planner.costs import CostEstimator
+from coci_core.planner.costs import DEFAULT_RESTART_S, DEFAULT_STALL_S, CostEstimator
 from coci_core.planner.fixed_interval import is_fixed_save
 from coci_core.planner.model import DEFAULT_MTBF_S, Termination
 from coci_core.planner.observations import RunObservations
@@ -100,8 +100,8 @@ class Planner:
         stall_s: float | None = None,
         persist_s: float | None = None,
         restart_s: float | None = None,
-        default_restart_s: float = 60.0,
-        default_stall_s: float = 1.0,
+        default_restart_s: float = DEFAULT_RESTART_S,
+        default_stall_s: float = DEFAULT_STALL_S,
         default_mtbf_s: float = DEFAULT_MTBF_S,
         termination: Termination | Sequence[int] | None = None,
         every_n_steps: int | None = None,
