@@ -17,6 +17,9 @@ from coci_core.planner._checks import check_optional_positive, check_positive
 __all__ = ["COST_NAMES", "CostEstimate", "CostEstimator"]
 
 COST_NAMES = ("step_time_s", "stall_s", "persist_s", "restart_s", "loop_cost_s")
+#: restart and stall times assumed before the first measured restore and save
+DEFAULT_RESTART_S = 60.0
+DEFAULT_STALL_S = 1.0
 _WINDOW = {"step_time_s": 256, "stall_s": 16, "persist_s": 16, "restart_s": 8, "loop_cost_s": 16}
 
 
@@ -41,8 +44,8 @@ class CostEstimator:
         stall_s: float | None = None,
         persist_s: float | None = None,
         restart_s: float | None = None,
-        default_restart_s: float = 60.0,
-        default_stall_s: float = 1.0,
+        default_restart_s: float = DEFAULT_RESTART_S,
+        default_stall_s: float = DEFAULT_STALL_S,
     ) -> None:
         self._user = {
             "step_time_s": check_optional_positive("step_time_s", step_time_s),

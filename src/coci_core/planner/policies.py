@@ -87,28 +87,31 @@ def _cap(interval_steps: float, context: PlanContext) -> float:
     return interval_steps
 
 
+class _ClassicInterval:
+    """A uniform schedule at a closed-form interval of the stall and the MTBF (capped)."""
+
+    _interval_s: Callable[[float, float], float]
+
+    def plan(self, problem: Problem, *, context: PlanContext) -> IntArray:
+        """Uniform schedule at the policy's interval."""
+        t = type(self)._interval_s(problem.stall_s, 1.0 / _mean_rate(problem))
+        return uniform_schedule(problem, _cap(t / problem.step_time_s, context))
+
+
 @dataclass(frozen=True, kw_only=True)
-class Young:
+class Young(_ClassicInterval):
     """Uniform interval ``sqrt(2 s M)`` (Young 1974)."""
 
     name: str = "young"
-
-    def plan(self, problem: Problem, *, context: PlanContext) -> IntArray:
-        """Uniform schedule at Young's interval."""
-        t = young_interval_s(problem.stall_s, 1.0 / _mean_rate(problem))
-        return uniform_schedule(problem, _cap(t / problem.step_time_s, context))
+    _interval_s = staticmethod(young_interval_s)
 
 
 @dataclass(frozen=True, kw_only=True)
-class Daly:
+class Daly(_ClassicInterval):
     """Uniform interval from Daly's higher-order formula (Daly 2006, eq. 37)."""
 
     name: str = "daly"
-
-    def plan(self, problem: Problem, *, context: PlanContext) -> IntArray:
-        """Uniform schedule at Daly's interval."""
-        t = daly_interval_s(problem.stall_s, 1.0 / _mean_rate(problem))
-        return uniform_schedule(problem, _cap(t / problem.step_time_s, context))
+    _interval_s = staticmethod(daly_interval_s)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,0 +1,266 @@
+"""Re-planning: when to remake the plan, and making it (a Problem from the observations, solved
+by the policy), plus the plan's cursor that ``should_save`` walks.
+
+Re-planning happens on a doubling schedule of steps, when a measured cost or the MTBF estimate
+moves by more than 20% from the value planned with, after a restore, and when the loss leaves
+its fitted curve (a regime change); never on every step.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import logging
+import math
+import time
+
+import numpy as np
+
+from coci_core.planner.curve import FLAT, LossCurve, fit_loss_curve, value_density
+from coci_core.planner.fixed_interval import fixed_ahead
+from coci_core.planner.model import FailureModel, NoTermination
+from coci_core.planner.observations import RunObservations
+from coci_core.planner.optimize import Problem, daly_interval_s
+from coci_core.planner.policies import PlanContext
+from coci_core.planner.schedule import ExpectedOverhead
+from coci_core.planner.settings import PlannerSettings
+
+__all__ = ["MAX_HORIZON_STEPS", "Replanner"]
+
+logger = logging.getLogger("coci_core.planner.planner")
+
+_COST_CHECK_EVERY = 64
+_REGIME_CHECK_EVERY = 256
+_UNTRUSTED_CHECK_EVERY = 128
+_CHANGE = 0.2
+#: the longest horizon planned at once (per-step arrays); longer runs are planned in windows
+MAX_HORIZON_STEPS = 2_000_000
+
+
+class Replanner:
+    """The current plan of a Planner and the logic that remakes it (never raises into training)."""
+
+    def __init__(self, settings: PlannerSettings, obs: RunObservations) -> None:
+        self.settings = settings
+        self.obs = obs
+        self.schedule: list[int] = []
+        self.ptr = 0
+        self.next_replan: int | None = None
+        self.force_replan = False
+        self.replans = 0
+        self.last_replan_s = 0.0
+        self.plan_inputs: dict[str, float] = {}
+        self.horizon_end: int | None = None
+        self.curve: LossCurve = FLAT
+        self.pending_curve: LossCurve | None = None
+        self.regime_flagged = False
+        self.problem: Problem | None = None
+        self.overhead: ExpectedOverhead | None = None
+        policy = settings.policy_name
+        self.plan_method = "no plan yet" if settings.fixed_every is None else f"the {policy} policy"
+        self.warned = False
+
+    # ------------------------------------------------------------------ the plan's cursor
+
+    def take(self, k: int) -> bool:
+        """Whether the plan has a checkpoint at or before ``k`` not yet taken (moves on)."""
+        sched = self.schedule
+        i = self.ptr
+        if i > 0 and k < sched[i - 1]:
+            i = bisect.bisect_left(sched, k)
+        if i < len(sched) and k >= sched[i]:
+            self.ptr = bisect.bisect_right(sched, k, lo=i)
+            return True
+        self.ptr = i
+        return False
+
+    def ahead(self) -> tuple[int, ...]:
+        """See :attr:`Planner.schedule`."""
+        n = self.settings.fixed_every
+        if n is not None:
+            obs = self.obs
+            now = max(self.settings.start_step, obs.last_true, obs.last_step or 0)
+            return tuple(fixed_ahead(n, now, self.settings.total_steps, 64))
+        return tuple(self.schedule[self.ptr :])
+
+    # ------------------------------------------------------------------ when
+
+    def after_observe(self, k: int) -> None:
+        """Re-plan if it is time to (step ``k`` was just observed)."""
+        try:
+            if self._should_replan(k):
+                self.replan(k)
+        except Exception:  # the planner must never crash training
+            if not self.warned:
+                logger.exception("checking for a re-plan at step %d failed", k)
+                self.warned = True
+
+    def _should_replan(self, k: int) -> bool:
+        obs, s = self.obs, self.settings
+        if self.force_replan:
+            return True
+        if self.next_replan is None:
+            return obs.costs.get("step_time_s").value is not None and (
+                obs.observed >= 3 or obs.costs.get("step_time_s").source == "user"
+            )
+        if k >= self.next_replan:
+            return True
+        if obs.observed % _COST_CHECK_EVERY == 0:
+            now = obs.plan_inputs()
+            if now is not None:
+                for name, old in self.plan_inputs.items():
+                    new = now[name]
+                    if old > 0 and abs(new - old) > _CHANGE * old:
+                        return True
+        if obs.observed % _REGIME_CHECK_EVERY == 0 and self.curve.trusted:
+            return self._regime_changed(k)
+        if (
+            s.policy_name == "coci"
+            and s.objective != "time"
+            and not self.curve.trusted
+            and obs.observed % _UNTRUSTED_CHECK_EVERY == 0
+            and obs.losses.count() >= 64
+        ):
+            # the value only matters once the curve is trusted: re-plan as soon as it is
+            curve = self.fit()
+            if curve.trusted:
+                self.pending_curve = curve
+                return True
+        horizon_cut = self.horizon_end is not None and (
+            s.total_steps is None or self.horizon_end < s.total_steps
+        )
+        return horizon_cut and k >= (self.horizon_end or 0) - 1
+
+    def _regime_changed(self, k: int) -> bool:
+        if self.regime_flagged:
+            return False
+        steps, losses = self.obs.losses.arrays()
+        recent = steps >= k - _REGIME_CHECK_EVERY
+        if recent.sum() < 8:
+            return False
+        with np.errstate(all="ignore"):
+            resid = losses[recent] - self.curve.predict(steps[recent])
+            se = float(np.std(resid)) / math.sqrt(int(recent.sum())) + 1e-12
+            shift = float(np.mean(resid))
+        if not (math.isfinite(se) and math.isfinite(shift)):
+            return False
+        if abs(shift) > max(6 * se, 0.05 * self.curve.scale):
+            self.regime_flagged = True
+            return True
+        return False
+
+    # ------------------------------------------------------------------ how
+
+    def replan(self, k: int) -> None:
+        """Re-plan from the newest checkpoint; on any error keep the previous plan."""
+        try:
+            self._replan_unsafe(k)
+        except Exception:  # planning must never crash training
+            if not self.warned:
+                logger.exception("re-planning at step %d failed; keeping the previous plan", k)
+                self.warned = True
+
+    def _replan_unsafe(self, k: int) -> None:
+        t0 = time.perf_counter()
+        s, obs = self.settings, self.obs
+        self.force_replan = False
+        inputs = obs.plan_inputs()
+        if inputs is None:
+            return
+        since = max(1, k - s.start_step)
+        self.next_replan = s.start_step + max(64, 2 * since)
+        # plan from the newest checkpoint: the work since then is already at risk
+        start = max(s.start_step, min(k, obs.last_true))
+        tau = inputs["step_time_s"]
+        if s.total_steps is not None:
+            end = s.total_steps
+        else:
+            interval = s.fixed_every or (daly_interval_s(inputs["stall_s"], inputs["mtbf_s"]) / tau)
+            end = start + max(s.min_horizon_steps, 2 * since, math.ceil(20 * interval))
+        # per-step arrays bound the horizon; a longer run is planned in windows
+        end = min(end, start + MAX_HORIZON_STEPS)
+        if end - start < 2:
+            self.schedule, self.ptr = [], 0
+            return
+        if self.pending_curve is not None:
+            self.curve, self.pending_curve = self.pending_curve, None
+        else:
+            self.curve = self.fit() if s.policy_name == "coci" else FLAT
+        self.regime_flagged = False
+        # a per-node MTBF scales with the world size; an estimated one is already job-level
+        nodes = s.nodes if callable(s.nodes) and s.mtbf_s is not None else 1
+        pb = Problem(
+            start_step=start,
+            end_step=end,
+            step_time_s=tau,
+            stall_s=inputs["stall_s"],
+            persist_s=inputs["persist_s"],
+            restart_s=inputs["restart_s"],
+            failure=FailureModel(mtbf_s=inputs["mtbf_s"], nodes=nodes),
+            # normalised over the whole run, so late progress keeps its low weight
+            value=value_density(self.curve, s.start_step, end)[start - s.start_step :],
+            objective=s.objective,
+            termination=s.termination,
+        )
+        first = obs.first_losses
+        ctx = PlanContext(
+            loss_steps=np.array([r[0] for r in first]) if first else None,
+            loss_values=np.array([r[1] for r in first]) if first else None,
+            value_is_flat=not self.curve.trusted,
+            max_interval_steps=s.cap_steps(tau),
+        )
+        steps = s.policy.plan(pb, context=ctx)
+        ahead = [int(x) for x in steps if x > k]
+        if s.fixed_every is not None:
+            # exact multiples: never moved (should_save answers them without the schedule)
+            if end % s.fixed_every == 0 and end > k:
+                ahead.append(end)
+        elif len(ahead) < len(steps):
+            # a checkpoint is already overdue: take it at the next step, and plan the rest
+            # from there (not from the overdue point, which would bunch two checkpoints)
+            if end - (k + 1) >= 2:
+                pb = dataclasses.replace(pb, start_step=k + 1, value=pb.v[k + 1 - start :])
+                steps = s.policy.plan(pb, context=ctx)
+            ahead = [k + 1, *(int(x) for x in steps if x > k + 1)]
+        if (
+            s.policy_name == "coci"
+            and s.objective == "convergence"
+            and isinstance(s.termination, NoTermination)
+            and obs.costs.get("stall_s").source == "default"
+        ):
+            # no save measured yet: take one early to measure stall and persist, then re-plan
+            # (only for "convergence": under "progress" an early stall is weighted by the high
+            # early value and costs more than it teaches)
+            # (from the plan's start, so that re-plans before it do not push it back)
+            # (with nothing planned yet, e.g. a short job under the pessimistic defaults, a
+            # quarter of the way to the horizon's end)
+            nxt = ahead[0] if ahead else end
+            profile = max(k + 1, start + max(1, (nxt - start) // 4))
+            if profile < nxt:
+                ahead.insert(0, profile)
+        self.schedule = ahead
+        self.ptr = 0
+        self.plan_method = self._describe_method(pb)
+        self.problem = pb
+        self.overhead = None
+        self.horizon_end = end
+        self.plan_inputs = inputs
+        self.replans += 1
+        self.last_replan_s = time.perf_counter() - t0
+
+    def _describe_method(self, pb: Problem) -> str:
+        s = self.settings
+        if s.policy_name != "coci":
+            return f"the {s.policy_name} policy"
+        simple = isinstance(pb.termination, NoTermination) and pb.failure.is_constant
+        if simple and (not self.curve.trusted or s.objective == "time"):
+            why = "time objective" if s.objective == "time" else "flat value"
+            return f"Daly's interval ({why}, no termination model)"
+        return f"{s.method} for the {s.objective} objective"
+
+    def fit(self) -> LossCurve:
+        """The loss curve fitted to the losses so far (flat before any)."""
+        steps, losses = self.obs.losses.arrays()
+        if steps.size == 0:
+            return FLAT
+        return fit_loss_curve(steps, losses, breakpoints=self.settings.loss_breakpoints)

@@ -1,0 +1,134 @@
+"""The Planner's validated configuration: its arguments, the policy and a fixed interval.
+
+One mutable :class:`PlannerSettings` is shared by the planner's parts, so that an attribute
+set on the :class:`~coci_core.planner.Planner` (e.g. ``total_steps`` once an adapter knows it)
+is seen by all of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from coci_core.errors import ConfigError
+from coci_core.planner._checks import check_int, check_optional_positive, check_positive
+from coci_core.planner.fixed_interval import fixed_interval_of
+from coci_core.planner.model import Termination, make_termination
+from coci_core.planner.optimize import check_objective
+from coci_core.planner.policies import POLICIES, SavePolicy, make_policy
+
+__all__ = ["PlannerSettings", "make_settings"]
+
+
+@dataclass(kw_only=True)
+class PlannerSettings:
+    """The validated arguments of a Planner (see its docstring), its policy and, for the
+    ``every_n_steps`` and ``epoch`` policies, their fixed interval in steps."""
+
+    policy_name: str
+    objective: str
+    total_steps: int | None
+    mtbf_s: float | None
+    default_mtbf_s: float
+    nodes: int | Callable[[int], float]
+    every_n_steps: int | None
+    every_n_seconds: float | None
+    start_step: int
+    termination: Termination
+    loss_breakpoints: tuple[int, ...]
+    min_horizon_steps: int
+    method: str
+    policy: SavePolicy
+    fixed_every: int | None
+
+    def cap_steps(self, step_time_s: float) -> int | None:
+        """The longest interval (steps) that ``every_n_steps``/``every_n_seconds`` allow the
+        ``coci``, ``daly`` and ``young`` policies, or None."""
+        if self.policy_name not in ("coci", "daly", "young"):
+            return None
+        caps = []
+        if self.every_n_steps is not None:
+            caps.append(self.every_n_steps)
+        if self.every_n_seconds is not None:
+            caps.append(max(1, int(self.every_n_seconds / step_time_s)))
+        return min(caps) if caps else None
+
+
+def make_settings(
+    *,
+    policy: str,
+    objective: str,
+    total_steps: int | None,
+    mtbf_s: float | None,
+    nodes: int | Callable[[int], float],
+    default_mtbf_s: float,
+    termination: Termination | Sequence[int] | None,
+    every_n_steps: int | None,
+    every_n_seconds: float | None,
+    steps_per_epoch: int | None,
+    checkfreq_overhead_bound: float,
+    start_step: int,
+    loss_breakpoints: Sequence[int],
+    method: str,
+    grid_points: int,
+    min_horizon_steps: int,
+) -> PlannerSettings:
+    """Check the Planner's arguments (in the order of its signature) and make its policy.
+
+    Raises:
+        ConfigError: on any bad argument, naming it, the rule and the value.
+    """
+    if policy not in POLICIES:
+        raise ConfigError(f"'policy' must be one of {', '.join(POLICIES)}: {policy!r}")
+    checked_objective = check_objective(objective)
+    total = None if total_steps is None else check_int("total_steps", total_steps, minimum=1)
+    checked_mtbf = check_optional_positive("mtbf_s", mtbf_s)
+    checked_default_mtbf = check_positive("default_mtbf_s", default_mtbf_s)
+    if not callable(nodes):
+        check_int("nodes", nodes, minimum=1)
+    every_steps = (
+        None if every_n_steps is None else check_int("every_n_steps", every_n_steps, minimum=1)
+    )
+    every_seconds = check_optional_positive("every_n_seconds", every_n_seconds)
+    start = check_int("start_step", start_step, minimum=0)
+    if total is not None and total <= start:
+        raise ConfigError(f"'total_steps' must be > start_step: {total_steps!r}")
+    checked_termination = make_termination(termination)
+    breakpoints = tuple(check_int("loss_breakpoints", b, minimum=0) for b in loss_breakpoints)
+    min_horizon = check_int("min_horizon_steps", min_horizon_steps, minimum=1)
+    options: dict[str, Any] = {}
+    if policy == "every_n_steps":
+        if every_steps is None:
+            raise ConfigError("'every_n_steps' must be given for policy 'every_n_steps': None")
+        options["every_n_steps"] = every_steps
+    elif policy == "every_n_seconds":
+        if every_seconds is None:
+            raise ConfigError("'every_n_seconds' must be given for policy 'every_n_seconds': None")
+        options["every_n_seconds"] = every_seconds
+    elif policy == "epoch":
+        if steps_per_epoch is None:
+            raise ConfigError("'steps_per_epoch' must be given for policy 'epoch': None")
+        options["steps_per_epoch"] = steps_per_epoch
+    elif policy == "checkfreq":
+        options["overhead_bound"] = checkfreq_overhead_bound
+    elif policy == "coci":
+        options["method"] = method
+        options["grid_points"] = grid_points
+    return PlannerSettings(
+        policy_name=policy,
+        objective=checked_objective,
+        total_steps=total,
+        mtbf_s=checked_mtbf,
+        default_mtbf_s=checked_default_mtbf,
+        nodes=nodes,
+        every_n_steps=every_steps,
+        every_n_seconds=every_seconds,
+        start_step=start,
+        termination=checked_termination,
+        loss_breakpoints=breakpoints,
+        min_horizon_steps=min_horizon,
+        method=method,
+        policy=make_policy(policy, **options),
+        fixed_every=fixed_interval_of(policy, options),
+    )
