@@ -41,15 +41,13 @@ def seal_bytes(body: bytes) -> bytes:
 def encode_doc(
     doc: dict[str, Any], *, seal: bool = True, raw: dict[str, str] | None = None
 ) -> bytes:
-    """A manifest's bytes: compact JSON (NaN allowed, to craft it), sealed when ``seal`` unless
-    its format is an older one (1, 2); ``raw`` replaces JSON strings ``"<name>"`` by raw text."""
+    """A manifest's bytes: compact JSON (NaN allowed, to craft it), sealed when ``seal``;
+    ``raw`` replaces JSON strings ``"<name>"`` by raw text."""
     body = json.dumps(doc, separators=(",", ":"), allow_nan=True)
     for name, text in (raw or {}).items():
         body = body.replace(json.dumps(name), text)
     data = body.encode("utf-8")
-    version = doc.get("format_version")
-    legacy = type(version) is int and version < 3
-    return seal_bytes(data) if seal and not legacy else data
+    return seal_bytes(data) if seal else data
 
 
 def write_doc(root: Path, step: int, doc: dict[str, Any], **kwargs: Any) -> None:

@@ -122,15 +122,21 @@ def test_a_crafted_manifest_with_a_valid_checksum_is_still_checked(tmp_path: Pat
     _refused(tmp_path)
 
 
-def test_legacy_format_2_is_still_read(tmp_path: Path) -> None:
-    states = _saved(tmp_path)
+@pytest.mark.parametrize("sealed", [False, True], ids=["unsealed", "sealed"])
+@pytest.mark.parametrize("version", [1, 2])
+def test_formats_before_3_are_refused(tmp_path: Path, version: int, sealed: bool) -> None:
+    """coci reads format 3 only: a manifest of format 1 or 2 (which had no checksum) is
+    refused naming its version, with or without a valid checksum."""
+    _saved(tmp_path)
     doc = read_doc(tmp_path, 2)
-    doc["format_version"] = 2
-    write_doc(tmp_path, 2, doc, seal=False)
-    assert same(load_checkpoint(LocalStorage(tmp_path), 2).state, states[2])
-    # ...but a format 3 manifest without its checksum is damaged
-    doc["format_version"] = 3
-    write_doc(tmp_path, 2, doc, seal=False)
+    doc["format_version"] = version
+    write_doc(tmp_path, 2, doc, seal=sealed)
+    _refused(tmp_path, match=f"format_version {version}; this coci reads format 3")
+
+
+def test_format_3_without_its_checksum_is_refused(tmp_path: Path) -> None:
+    _saved(tmp_path)
+    write_doc(tmp_path, 2, read_doc(tmp_path, 2), seal=False)
     _refused(tmp_path, match="checksum")
 
 

@@ -162,7 +162,7 @@ def test_a_damaged_newest_manifest_is_reported_and_skipped(tmp_path: Path) -> No
         assert mgr.last_restore is not None and mgr.last_restore.skipped_steps == (3,)
 
 
-@pytest.mark.parametrize("run", [17, None, "a-b", "x" * 65, "é", ["a"]])
+@pytest.mark.parametrize("run", [17, None, "", "a-b", "x" * 65, "é", ["a"]])
 def test_a_bad_run_field_is_refused(tmp_path: Path, run: object) -> None:
     from coci_core.engine.manifest import Manifest, seal
 

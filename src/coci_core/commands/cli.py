@@ -116,7 +116,7 @@ def _ls(args: argparse.Namespace) -> int:
         mark = "  <- a resume takes this one" if step == resume else ""
         print(
             f"{step:>10}  {_size(m.nbytes):>12}  {ratio:>6}  {len(m.tensors):>7}  {created}  "
-            f"{(m.run or '-')[:8]:<8}  {codecs}{bases}{mark}"
+            f"{m.run[:8]:<8}  {codecs}{bases}{mark}"
         )
     return 0
 

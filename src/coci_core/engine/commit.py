@@ -19,7 +19,6 @@ from typing import Any, TypeVar
 
 from coci_core.engine.group import RankGroup
 from coci_core.engine.manifest import (
-    FORMAT_VERSION,
     MANIFEST_NAME,
     MAX_TOKEN,
     MAX_WORLD_SIZE,
@@ -93,14 +92,14 @@ class RankShare:
         for i, pair in enumerate(c.list_(doc["pieces"], "pieces")):
             if type(pair) is not list or len(pair) != 2:
                 c.fail(f"pieces[{i}]", "must be a pair [array, piece]")
-            piece = c.piece(pair[1], f"pieces[{i}][1]", strict=True)
+            piece = c.piece(pair[1], f"pieces[{i}][1]")
             if piece.file != file.name or piece.offset + piece.nbytes > file.nbytes:
                 c.fail(f"pieces[{i}][1]", f"is not within {file.name} ({file.nbytes} bytes)")
             pieces.append((c.int_(pair[0], f"pieces[{i}][0]"), piece))
         rank_state = c.obj(doc["per_rank"], "per_rank", ("tree", "tensors"), ("tree", "tensors"))
-        own = c.entries(rank_state["tensors"], "per_rank.tensors", FORMAT_VERSION, files)
+        own = c.entries(rank_state["tensors"], "per_rank.tensors", files)
         if rank_state["tree"] is not None or own:
-            c.tree(rank_state["tree"], "per_rank.tree", own, strict=True, root=True)
+            c.tree(rank_state["tree"], "per_rank.tree", own, root=True)
         return cls(
             rank=c.int_(doc["rank"], "rank", 0, MAX_WORLD_SIZE - 1),
             token=c.str_(doc["token"], "token", MAX_TOKEN),

@@ -413,7 +413,7 @@ class CheckpointManager:
         except CheckpointError:
             run = "?"
         own = run == self.run_id
-        whose = "this run's" if own else f"run {run or '(unnamed)'}'s"
+        whose = "this run's" if own else f"run {run}'s"
         raise StepExistsError(
             f"{self.storage.url} already holds {whose} checkpoint of step {step}; pass "
             "overwrite=True to replace it, or save into another directory",
@@ -814,8 +814,7 @@ class CheckpointManager:
         )
         if into is not None:
             _load_into(loaded.state, into)
-        if loaded.manifest.run:
-            self.run_id = loaded.manifest.run  # later saves continue the restored run
+        self.run_id = loaded.manifest.run  # later saves continue the restored run
         emit(self.listeners, self.last_restore)
         return loaded.state
 

@@ -6,9 +6,9 @@ written last, after every data file (of every rank) is durable.
 Format 3 protects the manifest itself: its last field, ``"checksum"``, is the SHA-256 of the
 exact bytes written before it (the document with that field left out), and a reader verifies it
 before it uses anything in the manifest. Every field is then checked against hard limits before
-anything is allocated or read (see :class:`Manifest.from_json`). Format 2 stores each array as
-one or more *pieces* (byte ranges, possibly in different ranks' data files); formats 2 and 1
-(one piece per array, in ``data-r0.bin``) have no checksum and are still read.
+anything is allocated or read (see :class:`Manifest.from_json`). Each array is stored as one
+or more *pieces* (byte ranges, possibly in different ranks' data files). Format 3 is the only
+format this coci reads: a manifest of any other ``format_version`` is refused.
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ __all__ = [
 ]
 
 FORMAT_VERSION = 3
-_READABLE_VERSIONS = (1, 2, 3)
 MANIFEST_NAME = "manifest.json"
 
 # Hard limits, checked before anything is allocated or read.
@@ -235,14 +234,14 @@ class Manifest:
     ) -> Manifest:
         """Parse and check a manifest.
 
-        Format 3: the checksum is verified first. Every field (of every version) is then
-        checked: its JSON type; integers within ``[0, 2**63)``; file names plain ASCII
+        The checksum is verified first, then the format version (only format 3 is read). Every
+        field is then checked: its JSON type; integers within ``[0, 2**63)``; file names plain ASCII
         (``[A-Za-z0-9._-]``, at most 128); dtypes known, numpy dtypes numbers of the matching
         size; each array's shape times its itemsize (at most ``MAX_ARRAY_BYTES``) equal to its
         pieces' lengths, which tile it in order; raw pieces stored as they are; every piece
         within its data file's recorded size; the state tree well formed, at most
-        ``MAX_TREE_DEPTH`` deep, every array node naming an array (format 3: in the order and
-        at the paths the arrays' keys say, every array once).
+        ``MAX_TREE_DEPTH`` deep, every array node naming an array in the order and at the paths
+        the arrays' keys say, every array once.
 
         Raises:
             CorruptCheckpointError: naming the field (and ``step``, when given).
@@ -256,14 +255,14 @@ class Manifest:
         return RecordChecker(where, step).manifest(doc, sealed=body is not None)
 
 
-def parse_tensor_entry(t: Any, version: int = FORMAT_VERSION) -> TensorEntry:
-    """A tensor entry from its JSON form (format ``version``), checked as in a manifest
-    (without the data files' sizes).
+def parse_tensor_entry(t: Any) -> TensorEntry:
+    """A tensor entry from its JSON form, checked as in a manifest (without the data files'
+    sizes).
 
     Raises:
         CorruptCheckpointError: the entry is malformed.
     """
-    return RecordChecker("tensor entry", None).entry(t, "entry", version, files=None)
+    return RecordChecker("tensor entry", None).entry(t, "entry", files=None)
 
 
 # --- checking ---------------------------------------------------------------------------
@@ -282,9 +281,7 @@ _TOP_FIELDS = (
     "bases",
     "run",
 )
-_REQUIRED_V3 = ("world_size", "metadata", "per_rank", "token", "bases")
 _ENTRY_FIELDS = ("key", "kind", "dtype", "shape", "codec", "pieces", "numpy_dtype")
-_ENTRY_FIELDS_V1 = ("key", "kind", "dtype", "shape", "codec", "file", "offset", "nbytes", "crc32c")
 _PIECE_FIELDS = ("file", "offset", "nbytes", "start", "length", "crc32c", "params")
 _KINDS = ("tensor", "ndarray", "torch_save")
 
@@ -352,24 +349,18 @@ class RecordChecker:
     def manifest(self, doc: Any, *, sealed: bool) -> Manifest:
         doc = self.obj(doc, "(the document)", ("format_version",), None)
         version = doc["format_version"]
-        if type(version) is not int or version not in _READABLE_VERSIONS:
+        if type(version) is not int or version != FORMAT_VERSION:
             raise CorruptCheckpointError(
                 f"{self.where} has format_version {_show(version)}; this coci reads "
-                f"{_READABLE_VERSIONS}",
+                f"format {FORMAT_VERSION}",
                 step=self.step,
             )
-        if sealed != (version >= 3):
-            why = "has a checksum" if sealed else "has no valid checksum"
+        if not sealed:
             raise CorruptCheckpointError(
-                f"{self.where}: format {version} {why}; the manifest is damaged", step=self.step
+                f"{self.where}: format {version} has no valid checksum; the manifest is damaged",
+                step=self.step,
             )
-        strict = version >= 3
-        self.obj(
-            doc,
-            "(the document)",
-            ("step", "created_unix", "tree", "tensors", "files") + (_REQUIRED_V3 if strict else ()),
-            _TOP_FIELDS if strict else None,
-        )
+        self.obj(doc, "(the document)", _TOP_FIELDS, _TOP_FIELDS)
         step = self.int_(doc["step"], "step")
         created = doc["created_unix"]
         if type(created) not in (int, float) or not 0 <= created <= MAX_CREATED_UNIX:
@@ -381,34 +372,32 @@ class RecordChecker:
             if name in files:
                 self.fail(f"files[{i}].name", f"repeats {name!r}")
             files[name] = self.int_(f["nbytes"], f"files[{i}].nbytes")
-        world_size = self.int_(doc.get("world_size", 1), "world_size", 1, MAX_WORLD_SIZE)
-        metadata = doc.get("metadata", {})
+        world_size = self.int_(doc["world_size"], "world_size", 1, MAX_WORLD_SIZE)
+        metadata = doc["metadata"]
         if type(metadata) is not dict:
             self.fail("metadata", f"must be an object, got {_show(metadata)}")
-        token = self.str_(doc.get("token", ""), "token", MAX_TOKEN)
-        run = self.str_(doc.get("run", ""), "run", MAX_RUN)
-        if not run.isascii() or not (run == "" or run.isalnum()):
+        token = self.str_(doc["token"], "token", MAX_TOKEN)
+        run = self.str_(doc["run"], "run", MAX_RUN)
+        if not run.isascii() or not run.isalnum():
             self.fail("run", f"must be letters and digits, got {_show(run)}")
         bases = tuple(
             self.int_(b, f"bases[{i}]", 0, step - 1)
-            for i, b in enumerate(self.list_(doc.get("bases", []), "bases"))
+            for i, b in enumerate(self.list_(doc["bases"], "bases"))
         )
         if len(set(bases)) != len(bases):
             self.fail("bases", "repeats a step")
-        tensors = self.entries(doc["tensors"], "tensors", version, files)
-        self.tree(doc["tree"], "tree", tensors, strict, root=True)
+        tensors = self.entries(doc["tensors"], "tensors", files)
+        self.tree(doc["tree"], "tree", tensors, root=True)
         per_rank = []
-        ranks = self.list_(doc.get("per_rank", []), "per_rank")
+        ranks = self.list_(doc["per_rank"], "per_rank")
         if len(ranks) > world_size:
             self.fail("per_rank", f"has {len(ranks)} ranks, the world size is {world_size}")
         for r, rank in enumerate(ranks):
             name = f"per_rank[{r}]"
-            rank = self.obj(
-                rank, name, ("tree", "tensors"), ("tree", "tensors") if strict else None
-            )
-            own = self.entries(rank["tensors"], f"{name}.tensors", version, files)
+            rank = self.obj(rank, name, ("tree", "tensors"), ("tree", "tensors"))
+            own = self.entries(rank["tensors"], f"{name}.tensors", files)
             if rank["tree"] is not None or own:
-                self.tree(rank["tree"], f"{name}.tree", own, strict, root=True)
+                self.tree(rank["tree"], f"{name}.tree", own, root=True)
             per_rank.append(RankState(tree=rank["tree"], tensors=own))
         return Manifest(
             step=step,
@@ -425,15 +414,13 @@ class RecordChecker:
             run=run,
         )
 
-    def tree(
-        self, tree: Any, name: str, entries: tuple[TensorEntry, ...], strict: bool, root: bool
-    ) -> None:
+    def tree(self, tree: Any, name: str, entries: tuple[TensorEntry, ...], root: bool) -> None:
         try:
             check_tree(
                 tree,
                 n_leaves=len(entries),
                 kinds=[e.kind for e in entries],
-                keys=[e.key for e in entries] if strict else None,
+                keys=[e.key for e in entries],
                 what=f"field {name}",
             )
         except CorruptCheckpointError as e:
@@ -441,20 +428,13 @@ class RecordChecker:
         if root and not (type(tree) is dict and tree.get("t") in ("dict", "odict")):
             self.fail(name, f"must be a dict node, got {_show(tree)}")
 
-    def entries(
-        self, value: Any, name: str, version: int, files: dict[str, int]
-    ) -> tuple[TensorEntry, ...]:
+    def entries(self, value: Any, name: str, files: dict[str, int]) -> tuple[TensorEntry, ...]:
         return tuple(
-            self.entry(t, f"{name}[{i}]", version, files)
-            for i, t in enumerate(self.list_(value, name))
+            self.entry(t, f"{name}[{i}]", files) for i, t in enumerate(self.list_(value, name))
         )
 
-    def entry(self, t: Any, name: str, version: int, files: dict[str, int] | None) -> TensorEntry:
-        strict = version >= 3
-        if version == 1:
-            t = self.obj(t, name, _ENTRY_FIELDS_V1, None)
-        else:
-            t = self.obj(t, name, _ENTRY_FIELDS[:-1], _ENTRY_FIELDS if strict else None)
+    def entry(self, t: Any, name: str, files: dict[str, int] | None) -> TensorEntry:
+        t = self.obj(t, name, _ENTRY_FIELDS[:-1], _ENTRY_FIELDS)
         key = self.str_(t["key"], f"{name}.key")
         where = f"{name} ({key[:200]!r})"
         kind = t["kind"]
@@ -485,29 +465,14 @@ class RecordChecker:
             except CorruptCheckpointError as e:
                 self.fail(f"{where}.numpy_dtype", f"is wrong: {e}")
         elif numpy_dtype is not None:
-            if strict:
-                self.fail(f"{where}.numpy_dtype", f"is set for a {kind}")
-            numpy_dtype = self.str_(numpy_dtype, f"{where}.numpy_dtype", 64)
+            self.fail(f"{where}.numpy_dtype", f"is set for a {kind}")
         if kind == "torch_save" and (dtype != "uint8" or len(shape) != 1):
             self.fail(f"{where}", "is a torch.save leaf that is not a 1-D uint8 array")
         codec = self.str_(t["codec"], f"{where}.codec", 64)
-        if version == 1:
-            nbytes = self.int_(t["nbytes"], f"{where}.nbytes")
-            pieces: tuple[Piece, ...] = (
-                Piece(
-                    file=self.file_name(t["file"], f"{where}.file"),
-                    offset=self.int_(t["offset"], f"{where}.offset"),
-                    nbytes=nbytes,
-                    start=0,
-                    length=nbytes,
-                    crc32c=self.int_(t["crc32c"], f"{where}.crc32c", 0, 0xFFFFFFFF),
-                ),
-            )
-        else:
-            pieces = tuple(
-                self.piece(p, f"{where}.pieces[{i}]", strict)
-                for i, p in enumerate(self.list_(t["pieces"], f"{where}.pieces"))
-            )
+        pieces = tuple(
+            self.piece(p, f"{where}.pieces[{i}]")
+            for i, p in enumerate(self.list_(t["pieces"], f"{where}.pieces"))
+        )
         covered = 0
         for i, p in enumerate(pieces):
             pname = f"{where}.pieces[{i}]"
@@ -539,8 +504,8 @@ class RecordChecker:
             numpy_dtype=numpy_dtype,
         )
 
-    def piece(self, p: Any, name: str, strict: bool) -> Piece:
-        p = self.obj(p, name, _PIECE_FIELDS[:-1], _PIECE_FIELDS if strict else None)
+    def piece(self, p: Any, name: str) -> Piece:
+        p = self.obj(p, name, _PIECE_FIELDS[:-1], _PIECE_FIELDS)
         params = p.get("params")
         if params is not None and type(params) is not dict:
             self.fail(f"{name}.params", f"must be an object or null, got {_show(params)}")

@@ -434,8 +434,8 @@ def check_tree(
     containers may nest at most :data:`MAX_TREE_DEPTH` deep; every array node must name one of
     the ``n_leaves`` arrays. With ``kinds`` (the arrays' kinds) an array node must have its
     array's kind (a repeated node, a tied tensor, is ``"tensor"``). With ``keys`` (the arrays'
-    keys, format 3) the arrays must appear in the order the state was flattened, each first
-    at the path its key names, and every array must appear.
+    keys, as a manifest records them) the arrays must appear in the order the state was
+    flattened, each first at the path its key names, and every array must appear.
 
     Raises:
         CorruptCheckpointError: naming the path of the first bad node.

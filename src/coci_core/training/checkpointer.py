@@ -384,8 +384,7 @@ class Checkpointer:
         restore through coci's CheckpointIO, with :func:`restore_newest`): continue its run,
         count its cost and report its event as the manager reports its own."""
         self.resumed_from = event.step
-        if run:
-            self.manager.run_id = run
+        self.manager.run_id = run
         self.manager.last_restore = event
         self._on_event(event)
 
