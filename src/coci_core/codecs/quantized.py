@@ -300,20 +300,37 @@ def _tiny(dtype: str) -> float:
     return {"float16": 2.0**-14, "float64": 2.0**-1022}.get(dtype, 2.0**-126)
 
 
+@dataclass(frozen=True)
+class _Spec:
+    """How one delta is quantized: the arguments the quantizers share.
+
+    ``nonneg``: clamp the reconstruction at zero (linear domain); ``max_log_step``: the cap
+    on a block's step in the log domain (None: by bits); ``compact``: outliers as float16
+    multiples of the block's scale (coci.qdelta/2, linear domain).
+    """
+
+    dtype: str
+    itemsize: int
+    bits: int
+    block: int
+    promote: int
+    nonneg: bool
+    domain: Domain
+    max_log_step: float | None
+    compact: bool
+
+    def grid(self) -> tuple[str, int, int, int, int]:
+        """The dtype, item size, bits, block and promoted values per block."""
+        return self.dtype, self.itemsize, self.bits, self.block, self.promote
+
+
 def _quantize(
-    x_raw: U8,
-    p_raw: U8,
-    r_raw: U8,
-    dtype: str,
-    itemsize: int,
-    bits: int,
-    block: int,
-    promote: int,
-    nonneg: bool,
-    compact: bool,
+    x_raw: U8, p_raw: U8, r_raw: U8, spec: _Spec
 ) -> tuple[_Parts, U8, float, float, float]:
     """Parts, reconstruction, max abs, relative L2 and max relative error of a linear delta
-    (``compact``: outliers as float16 multiples of the block's scale, coci.qdelta/2)."""
+    (``spec.compact``: outliers as float16 multiples of the block's scale, coci.qdelta/2)."""
+    dtype, itemsize, bits, block, promote = spec.grid()
+    nonneg, compact = spec.nonneg, spec.compact
     n = x_raw.nbytes // itemsize
     x, p, r = _to_work(x_raw, dtype), _to_work(p_raw, dtype), _to_work(r_raw, dtype)
     with np.errstate(invalid="ignore", over="ignore"):
@@ -352,23 +369,12 @@ def _quantize(
 
 
 def _quantize_any(
-    domain: Domain,
-    x_raw: U8,
-    p_raw: U8,
-    r_raw: U8,
-    dtype: str,
-    itemsize: int,
-    bits: int,
-    block: int,
-    promote: int,
-    nonneg: bool,
-    max_log_step: float | None,
-    compact: bool = True,
+    x_raw: U8, p_raw: U8, r_raw: U8, spec: _Spec
 ) -> tuple[_Parts, U8, float, float, float]:
-    if domain == "log":
-        cap = MAX_LOG_STEP[bits] if max_log_step is None else max_log_step
-        return _quantize_log(x_raw, p_raw, r_raw, dtype, itemsize, bits, block, promote, cap)
-    return _quantize(x_raw, p_raw, r_raw, dtype, itemsize, bits, block, promote, nonneg, compact)
+    if spec.domain == "log":
+        cap = MAX_LOG_STEP[spec.bits] if spec.max_log_step is None else spec.max_log_step
+        return _quantize_log(x_raw, p_raw, r_raw, spec, cap)
+    return _quantize(x_raw, p_raw, r_raw, spec)
 
 
 def _errors(x: Work, rw: Work) -> tuple[float, float, float]:
@@ -412,15 +418,7 @@ def _promote_and_scale(
 
 
 def _quantize_log(
-    x_raw: U8,
-    p_raw: U8,
-    r_raw: U8,
-    dtype: str,
-    itemsize: int,
-    bits: int,
-    block: int,
-    promote: int,
-    max_step: float,
+    x_raw: U8, p_raw: U8, r_raw: U8, spec: _Spec, max_step: float
 ) -> tuple[_Parts, U8, float, float, float]:
     """Parts, reconstruction, max abs, relative L2 and max relative error, in the log domain.
 
@@ -428,6 +426,7 @@ def _quantize_log(
     ``(qmax + 1/2) * step`` are then stored exactly, so the relative error stays under about
     ``2**(max_step/2) - 1`` whatever a few values of the block do.
     """
+    dtype, itemsize, bits, block, promote = spec.grid()
     n = x_raw.nbytes // itemsize
     x, p, r = _to_work(x_raw, dtype), _to_work(p_raw, dtype), _to_work(r_raw, dtype)
     tiny = _tiny(dtype)
@@ -544,39 +543,26 @@ def choose_bits(
     when none meets the target.
     """
     x, name, itemsize = _inputs(data, dtype, state)
+    compact = not exact_outliers
     for bits in sorted(candidates):
-        _, _, _, rel, _ = _quantize_delta(
-            x, name, itemsize, state, bits, block, promote, nonnegative, domain, max_log_step,
-            compact=not exact_outliers,
-        )  # fmt: skip
+        spec = _Spec(
+            name, itemsize, bits, block, promote, nonnegative, domain, max_log_step, compact
+        )
+        _, _, _, rel, _ = _quantize_delta(x, state, spec)
         if rel <= target:
             return bits
     return max(candidates)
 
 
 def _quantize_delta(
-    x: U8,
-    name: str,
-    itemsize: int,
-    state: QuantState,
-    bits: int,
-    block: int,
-    promote: int,
-    nonnegative: bool,
-    domain: Domain,
-    max_log_step: float | None,
-    *,
-    compact: bool,
+    x: U8, state: QuantState, spec: _Spec
 ) -> tuple[_Parts, U8, float, float, float]:
     """Check the arguments and quantize ``x``'s delta against the state's reference (with
     error feedback from the previous reconstruction unless the state disables it)."""
-    _check_args(bits, block, promote)
+    _check_args(spec.bits, spec.block, spec.promote)
     assert state.ref is not None
     prev = state.ref if state.error_feedback or state._prev is None else state._prev
-    return _quantize_any(
-        domain, x, prev, state.ref, name, itemsize, bits, block, promote, nonnegative,
-        max_log_step, compact,
-    )  # fmt: skip
+    return _quantize_any(x, prev, state.ref, spec)
 
 
 def encode_quantized(
@@ -630,10 +616,8 @@ def encode_quantized(
     if max_log_step is not None and not 0 < max_log_step <= LOG_MAX_STEP:
         raise ConfigError(f"max_log_step must be in (0, {LOG_MAX_STEP}], got {max_log_step}")
     compact = domain == "linear" and not exact_outliers
-    parts, rec, max_err, rel, max_rel = _quantize_delta(
-        x, name, itemsize, state, bits, block, promote, nonnegative, domain, max_log_step,
-        compact=compact,
-    )  # fmt: skip
+    spec = _Spec(name, itemsize, bits, block, promote, nonnegative, domain, max_log_step, compact)
+    parts, rec, max_err, rel, max_rel = _quantize_delta(x, state, spec)
     blob = pack_sections(
         [
             parts.scales.astype(_scale_dtype(name)),
