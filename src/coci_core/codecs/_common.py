@@ -109,25 +109,25 @@ def p_int(params: Params, key: str, *, lo: int = 0, hi: int = 1 << 62) -> int:
     return v
 
 
-def p_bool(params: Params, key: str) -> bool:
+def _p_typed(params: Params, key: str, kind: type | tuple[type, ...], what: str) -> Any:
+    """Parameter ``key`` if it is a ``kind`` (a bool only where ``kind`` is bool), else
+    CorruptCheckpointError: it is not ``what``."""
     v = p_get(params, key)
-    if not isinstance(v, bool):
-        raise CorruptCheckpointError(f"codec parameter {key!r}={v!r} is not a bool")
+    if not isinstance(v, kind) or (isinstance(v, bool) and kind is not bool):
+        raise CorruptCheckpointError(f"codec parameter {key!r}={v!r} is not {what}")
     return v
+
+
+def p_bool(params: Params, key: str) -> bool:
+    return bool(_p_typed(params, key, bool, "a bool"))
 
 
 def p_str(params: Params, key: str) -> str:
-    v = p_get(params, key)
-    if not isinstance(v, str):
-        raise CorruptCheckpointError(f"codec parameter {key!r}={v!r} is not a string")
-    return v
+    return str(_p_typed(params, key, str, "a string"))
 
 
 def p_float(params: Params, key: str) -> float:
-    v = p_get(params, key)
-    if isinstance(v, bool) or not isinstance(v, int | float):
-        raise CorruptCheckpointError(f"codec parameter {key!r}={v!r} is not a number")
-    return float(v)
+    return float(_p_typed(params, key, (int, float), "a number"))
 
 
 def p_dict(params: Params, key: str) -> Params:

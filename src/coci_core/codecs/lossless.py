@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -174,6 +175,37 @@ def _layout(
     return itemsize, shuffle_default(dtype) if shuffle is None else shuffle
 
 
+@dataclass(frozen=True)
+class _Layout:
+    """How an encoder compresses: checked by :func:`_layout`."""
+
+    itemsize: int
+    shuffle: bool
+    levels: tuple[int, int]
+    threads: int
+    segment: int
+
+
+def _encode_planes(codec: str, arr: U8, planes: U8, layout: _Layout, extra: Params) -> Encoded:
+    """``planes`` (``arr`` or its XOR with a base) compressed, with the parameters of ``arr``
+    (``extra`` between the layout and the checksum, in that order: the manifest's bytes)."""
+    lo = layout
+    blob = _compress(planes, lo.itemsize, lo.shuffle, lo.levels, lo.threads, lo.segment)
+    params: Params = {
+        "codec": codec,
+        "nbytes": arr.nbytes,
+        "itemsize": lo.itemsize,
+        "shuffle": lo.shuffle,
+        "level": lo.levels[0],
+        "low_level": lo.levels[1],
+        "segment": lo.segment,
+        **extra,
+        "exact": True,
+        "xxh3": xxh128(arr),
+    }
+    return Encoded(blob, params)
+
+
 def _read_layout(params: Params) -> tuple[int, bool, int]:
     return (
         p_int(params, "itemsize", lo=1, hi=64),
@@ -201,20 +233,8 @@ def encode_lossless(
     levels = (level, min(level, -1) if low_level is None else low_level)
     itemsize, shuffle = _layout(dtype, shuffle, levels, threads, segment)
     arr = u8(data)
-    blob = _compress(arr, itemsize, shuffle, levels, threads, segment)
-    params: Params = {
-        "codec": LOSSLESS,
-        "nbytes": arr.nbytes,
-        "itemsize": itemsize,
-        "shuffle": shuffle,
-        "level": level,
-        "low_level": levels[1],
-        "segment": segment,
-        "base": False,
-        "exact": True,
-        "xxh3": xxh128(arr),
-    }
-    return Encoded(blob, params)
+    layout = _Layout(itemsize, shuffle, levels, threads, segment)
+    return _encode_planes(LOSSLESS, arr, arr, layout, {"base": False})
 
 
 def decode_lossless(stored: Buffer, params: Params, out: Buffer, *, threads: int = 1) -> None:
@@ -252,21 +272,9 @@ def encode_xor(
     arr, b = u8(data), u8(base)
     if arr.nbytes != b.nbytes:
         raise ConfigError(f"data has {arr.nbytes} bytes but its base has {b.nbytes}")
-    blob = _compress(np.bitwise_xor(arr, b), itemsize, shuffle, levels, threads, segment)
-    params: Params = {
-        "codec": XOR,
-        "nbytes": arr.nbytes,
-        "itemsize": itemsize,
-        "shuffle": shuffle,
-        "level": level,
-        "low_level": levels[1],
-        "segment": segment,
-        **base_fields(base_step),
-        "base_xxh3": xxh128(b),
-        "exact": True,
-        "xxh3": xxh128(arr),
-    }
-    return Encoded(blob, params)
+    layout = _Layout(itemsize, shuffle, levels, threads, segment)
+    extra: Params = {**base_fields(base_step), "base_xxh3": xxh128(b)}
+    return _encode_planes(XOR, arr, np.bitwise_xor(arr, b), layout, extra)
 
 
 def decode_xor(
