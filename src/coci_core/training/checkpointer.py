@@ -9,6 +9,7 @@ measured stall, persist and restore times back into the planner.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -303,24 +304,19 @@ class Checkpointer:
         another run: that save is skipped with a warning. The step this run resumed from is
         not saved again.
         """
+        save = functools.partial(
+            self.manager.save,
+            step,
+            state,
+            block=self.block if block is None else block,
+            per_rank=per_rank,
+            alone=alone,
+        )
         try:
-            handle = self.manager.save(
-                step,
-                state,
-                block=self.block if block is None else block,
-                per_rank=per_rank,
-                alone=alone,
-            )
+            handle = save()
         except StepExistsError as e:
             if e.own and self.resumed_from != step:
-                handle = self.manager.save(
-                    step,
-                    state,
-                    block=self.block if block is None else block,
-                    per_rank=per_rank,
-                    alone=alone,
-                    overwrite=True,
-                )
+                handle = save(overwrite=True)
             elif e.own:
                 return self.manager.skip(step, "it is the checkpoint this run resumed from")
             else:
