@@ -25,9 +25,7 @@ from coci_core.training import (
     Checkpointer,
     RankGroup,
     SaveHandle,
-    adapter_planner_options,
-    check_storage_options,
-    check_verbose,
+    check_adapter_args,
 )
 
 __all__ = ["CociCheckpointer"]
@@ -96,7 +94,7 @@ class CociCheckpointer:
         planner_options, self._total_source = _total_steps(
             accelerator, total_steps, num_epochs, policy, planner_options
         )
-        options = adapter_planner_options(
+        args = check_adapter_args(
             policy=policy,
             objective=objective,
             mtbf_s=mtbf_s,
@@ -106,11 +104,15 @@ class CociCheckpointer:
             every_n_steps=every_n_steps,
             every_n_seconds=every_n_seconds,
             planner_options=planner_options,
+            verbose=verbose,
+            storage_options=storage_options,
+            dirpath=dirpath,
         )
         if not isinstance(save_on_close, bool):
             raise ConfigError(f"'save_on_close' must be a bool: {save_on_close!r}")
-        self.verbose = check_verbose(verbose)
-        self.storage_options = check_storage_options(storage_options, dirpath)
+        options = args.planner_options
+        self.verbose = args.verbose
+        self.storage_options = args.storage_options
         self.save_on_close = save_on_close
         self.accelerator = accelerator
         root = Path(accelerator.project_dir) if accelerator.project_dir else Path.cwd()

@@ -25,10 +25,8 @@ from coci_core.training import (
     Checkpointer,
     LoadedCheckpoint,
     RankGroup,
-    adapter_planner_options,
+    check_adapter_args,
     check_policy,
-    check_storage_options,
-    check_verbose,
     newest_first,
     open_storage,
     step_dir_name,
@@ -103,8 +101,6 @@ class CociCheckpoint(Checkpoint):
     ) -> None:
         super().__init__()
         dirpath = _check_dirpath(dirpath)
-        self.storage_options = check_storage_options(storage_options, dirpath)
-        self.verbose = check_verbose(verbose)
         for name, flag in (
             ("resume", resume),
             ("save_on_train_end", save_on_train_end),
@@ -139,7 +135,7 @@ class CociCheckpoint(Checkpoint):
             self.every_n_epochs = every_n_epochs or 1
             # the steps per epoch come from the Trainer in setup(); checked here with a stand-in
             planner_options = {"steps_per_epoch": 1, **dict(planner_options or {})}
-        self.planner_options = adapter_planner_options(
+        args = check_adapter_args(
             policy=policy,
             objective=objective,
             mtbf_s=mtbf_s,
@@ -149,7 +145,13 @@ class CociCheckpoint(Checkpoint):
             every_n_steps=every_n_steps,
             every_n_seconds=every_n_seconds,
             planner_options=planner_options,
+            verbose=verbose,
+            storage_options=storage_options,
+            dirpath=dirpath,
         )
+        self.planner_options = args.planner_options
+        self.storage_options = args.storage_options
+        self.verbose = args.verbose
         self.dirpath = dirpath
         self.policy = policy
         self.objective = objective

@@ -10,19 +10,21 @@ from coci_core.engine.manifest import MANIFEST_NAME, parse_step_dir, step_dir_na
 from coci_core.engine.restore import LoadedCheckpoint, newest_first, restore_newest
 from coci_core.storage import open_storage
 from coci_core.training.checkpointer import (
+    AdapterArgs,
     Checkpointer,
-    adapter_planner_options,
+    check_adapter_args,
     check_storage_options,
     check_verbose,
 )
 
 __all__ = [
     "MANIFEST_NAME",
+    "AdapterArgs",
     "Checkpointer",
     "LoadedCheckpoint",
     "RankGroup",
     "SaveHandle",
-    "adapter_planner_options",
+    "check_adapter_args",
     "check_policy",
     "check_storage_options",
     "check_verbose",

@@ -20,7 +20,8 @@ from coci_core.engine.manager import CheckpointManager, SaveHandle
 from coci_core.engine.persist import LatestOnlyWorker
 from coci_core.engine.stateful import Stateful
 from coci_core.errors import ConfigError, StepExistsError
-from coci_core.planner import POLICIES, Planner
+from coci_core.planner import Planner
+from coci_core.planner.fixed_interval import check_policy_name
 from coci_core.planner.optimize import Problem
 from coci_core.planner.schedule import ExpectedOverhead, compare_with_daly
 from coci_core.storage import Storage
@@ -70,7 +71,17 @@ def check_storage_options(options: object, dirpath: object) -> dict[str, Any]:
     return dict(options)
 
 
-def adapter_planner_options(
+@dataclasses.dataclass(frozen=True)
+class AdapterArgs:
+    """An adapter's checked arguments: the Planner's further keyword options, ``verbose``,
+    and the fsspec ``storage_options`` to pass on."""
+
+    planner_options: dict[str, Any]
+    verbose: bool
+    storage_options: dict[str, Any]
+
+
+def check_adapter_args(
     *,
     policy: str,
     objective: str,
@@ -81,11 +92,14 @@ def adapter_planner_options(
     every_n_steps: int | None,
     every_n_seconds: float | None,
     planner_options: Mapping[str, Any] | None,
-) -> dict[str, Any]:
+    verbose: object,
+    storage_options: object,
+    dirpath: object,
+) -> AdapterArgs:
     """Check the arguments every framework adapter takes (raising ConfigError at construction,
-    naming the argument) and return the further keyword options of the Planner."""
-    if policy not in POLICIES:
-        raise ConfigError(f"'policy' must be one of {', '.join(POLICIES)}: {policy!r}")
+    naming the argument): the Planner's further keyword options, ``verbose`` and
+    ``storage_options`` (see :func:`check_storage_options`)."""
+    check_policy_name(policy)
     if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
         raise ConfigError(f"'keep_last' must be an integer >= 1 or None: {keep_last!r}")
     if not isinstance(block, bool):
@@ -97,7 +111,11 @@ def adapter_planner_options(
     if every_n_seconds is not None:
         options["every_n_seconds"] = every_n_seconds
     Planner(policy=policy, objective=objective, mtbf_s=mtbf_s, **options)  # checks the rest
-    return options
+    return AdapterArgs(
+        planner_options=options,
+        verbose=check_verbose(verbose),
+        storage_options=check_storage_options(storage_options, dirpath),
+    )
 
 
 class Checkpointer:
