@@ -55,6 +55,13 @@ class PlannerSettings:
         return min(caps) if caps else None
 
 
+def check_policy_name(policy: str) -> str:
+    """``policy`` if it names a planner policy; else ConfigError."""
+    if policy not in POLICIES:
+        raise ConfigError(f"'policy' must be one of {', '.join(POLICIES)}: {policy!r}")
+    return policy
+
+
 def make_settings(
     *,
     policy: str,
@@ -79,8 +86,7 @@ def make_settings(
     Raises:
         ConfigError: on any bad argument, naming it, the rule and the value.
     """
-    if policy not in POLICIES:
-        raise ConfigError(f"'policy' must be one of {', '.join(POLICIES)}: {policy!r}")
+    check_policy_name(policy)
     checked_objective = check_objective(objective)
     total = None if total_steps is None else check_int("total_steps", total_steps, minimum=1)
     checked_mtbf = check_optional_positive("mtbf_s", mtbf_s)

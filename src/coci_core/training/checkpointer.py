@@ -21,9 +21,9 @@ from coci_core.engine.persist import LatestOnlyWorker
 from coci_core.engine.stateful import Stateful
 from coci_core.errors import ConfigError, StepExistsError
 from coci_core.planner import Planner
-from coci_core.planner.fixed_interval import check_policy_name
 from coci_core.planner.optimize import Problem
 from coci_core.planner.schedule import ExpectedOverhead, compare_with_daly
+from coci_core.planner.settings import check_policy_name
 from coci_core.storage import Storage
 from coci_core.telemetry import Event, Listener, RestoreEvent, SaveEvent, TelemetrySink
 from coci_core.telemetry.summary import SaveSummary, save_line
