@@ -1,11 +1,12 @@
 """Codecs turn a leaf's raw bytes into stored bytes and back; each names itself in the manifest.
 
-Restore rebuilds the codec from the descriptor stored with each tensor (``"coci.raw/1"``), so a
-reader never needs to be told how a checkpoint was written.
+Restore picks the decoder by the codec name stored with each piece (``"coci.raw/1"``: the bytes
+as they are in memory), so a reader never needs to be told how a checkpoint was written.
 
 Array codecs (one tensor piece's bytes, optionally against the same piece in a base checkpoint)
 are functions: an encoder returns :class:`Encoded` (stored bytes + JSON-able ``params``, whose
-``"codec"`` names it) and :func:`decode` writes the piece back given those params:
+``"codec"`` names it) and :func:`decode`, the one dispatch on that name, writes the piece back
+given those params:
 
 - :func:`encode_lossless` ``coci.zstd/1``: byte-shuffle + zstd;
 - :func:`encode_xor` ``coci.xor-zstd/1``: XOR against the base's bytes, then as above;
@@ -18,16 +19,39 @@ are functions: an encoder returns :class:`Encoded` (stored bytes + JSON-able ``p
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable
 
-from coci_core.errors import ConfigError, CorruptCheckpointError
+from coci_core.codecs._common import Buffer, Encoded, Params, p_bool, p_str, u8, writable_u8
+from coci_core.codecs.chunked import (
+    CHUNKS,
+    chunk_hashes,
+    decode_chunked,
+    encode_chunked,
+    stored_hashes,
+)
+from coci_core.codecs.lossless import (
+    LOSSLESS,
+    XOR,
+    decode_lossless,
+    decode_xor,
+    encode_lossless,
+    encode_xor,
+)
+from coci_core.codecs.quantized import (
+    QDELTAS,
+    QuantState,
+    choose_bits,
+    decode_quantized,
+    encode_quantized,
+)
+from coci_core.codecs.select import choose_codec, compression_pays, time_to_durable
+from coci_core.errors import CorruptCheckpointError
 
 __all__ = [
-    "Codec",
+    "RAW",
     "Encoded",
     "Params",
     "QuantState",
-    "RawCodec",
     "choose_bits",
     "choose_codec",
     "chunk_hashes",
@@ -37,98 +61,40 @@ __all__ = [
     "encode_lossless",
     "encode_quantized",
     "encode_xor",
-    "from_descriptor",
     "needs_base",
-    "register",
     "stored_hashes",
     "time_to_durable",
 ]
 
+RAW = "coci.raw/1"
 
-@runtime_checkable
-class Codec(Protocol):
-    """Called as: (writer thread) ``encode``; (reader) ``decode``; both on any rank."""
-
-    def descriptor(self) -> str:
-        """The versioned name stored in the manifest, e.g. ``"coci.raw/1"``."""
-        ...
-
-    def encode(self, data: memoryview) -> memoryview:
-        """The stored bytes of ``data`` (may be ``data`` itself)."""
-        ...
-
-    def decode(self, stored: memoryview, out: memoryview) -> None:
-        """Write the original bytes of ``stored`` into ``out``."""
-        ...
+# (stored, params, out, base, threads): writes the piece into out
+Decoder = Callable[[Buffer, Params, Buffer, Buffer | None, int], None]
 
 
-class RawCodec:
+def _decode_raw(
+    stored: Buffer, params: Params, out: Buffer, base: Buffer | None, threads: int
+) -> None:
     """Bytes as they are in memory: no transformation."""
-
-    def descriptor(self) -> str:
-        return "coci.raw/1"
-
-    def encode(self, data: memoryview) -> memoryview:
-        return data
-
-    def decode(self, stored: memoryview, out: memoryview) -> None:
-        if stored.nbytes != out.nbytes:
-            raise CorruptCheckpointError(
-                f"raw data has {stored.nbytes} bytes, expected {out.nbytes}"
-            )
-        out.cast("B")[:] = stored.cast("B")
+    src, dst = u8(stored), writable_u8(out)
+    if src.nbytes != dst.nbytes:
+        raise CorruptCheckpointError(f"raw data has {src.nbytes} bytes, expected {dst.nbytes}")
+    dst[:] = src
 
 
-_REGISTRY: dict[str, type[Codec]] = {"coci.raw/1": RawCodec}
-
-
-def register(descriptor: str, codec: type[Codec], *, clobber: bool = False) -> None:
-    """Make ``codec`` available to restore under ``descriptor``."""
-    if descriptor in _REGISTRY and not clobber:
-        raise ConfigError(f"codec {descriptor!r} is already registered; pass clobber=True")
-    _REGISTRY[descriptor] = codec
-
-
-def from_descriptor(descriptor: str) -> Codec:
-    """The codec that wrote ``descriptor``."""
-    try:
-        return _REGISTRY[descriptor]()
-    except KeyError:
-        raise CorruptCheckpointError(
-            f"unknown codec {descriptor!r}; known: {sorted(_REGISTRY)}"
-        ) from None
-
-
-# Array codecs (imported here, after the registry, so that they may import this package).
-from coci_core.codecs._common import Buffer, Encoded, Params, p_bool, p_str, u8, writable_u8  # noqa: E402
-from coci_core.codecs.chunked import (  # noqa: E402
-    CHUNKS,
-    chunk_hashes,
-    decode_chunked,
-    encode_chunked,
-    stored_hashes,
-)
-from coci_core.codecs.lossless import (  # noqa: E402
-    LOSSLESS,
-    XOR,
-    decode_lossless,
-    decode_xor,
-    encode_lossless,
-    encode_xor,
-)
-from coci_core.codecs.quantized import (  # noqa: E402
-    QDELTAS,
-    QuantState,
-    choose_bits,
-    decode_quantized,
-    encode_quantized,
-)
-from coci_core.codecs.select import choose_codec, compression_pays, time_to_durable  # noqa: E402
+# the one codec dispatch: every array codec a reader knows, by the name stored with each piece
+_DECODERS: dict[str, Decoder] = {
+    RAW: _decode_raw,
+    LOSSLESS: lambda s, p, o, b, t: decode_lossless(s, p, o, threads=t),
+    XOR: lambda s, p, o, b, t: decode_xor(s, p, o, b, threads=t),
+    CHUNKS: lambda s, p, o, b, t: decode_chunked(s, p, o, b, threads=t),
+    **dict.fromkeys(QDELTAS, lambda s, p, o, b, t: decode_quantized(s, p, o, b)),
+}
 
 
 def needs_base(params: Params) -> bool:
     """Whether decoding this piece needs the base checkpoint's decoded bytes of the same piece."""
-    return p_str(params, "codec") != "coci.raw/1" and p_bool(params, "base")
+    return p_str(params, "codec") != RAW and p_bool(params, "base")
 
 
 def decode(
@@ -145,17 +111,9 @@ def decode(
     Raises CorruptCheckpointError on any malformed input; never executes code from data.
     """
     codec = p_str(params, "codec")
-    if codec != "coci.raw/1" and not needs_base(params):
-        base = None  # validates the "base" field, and a stray base is never consulted
-    if codec == "coci.raw/1":
-        RawCodec().decode(u8(stored).data, writable_u8(out).data)
-    elif codec == LOSSLESS:
-        decode_lossless(stored, params, out, threads=threads)
-    elif codec == XOR:
-        decode_xor(stored, params, out, base, threads=threads)
-    elif codec == CHUNKS:
-        decode_chunked(stored, params, out, base, threads=threads)
-    elif codec in QDELTAS:
-        decode_quantized(stored, params, out, base)
-    else:
+    decoder = _DECODERS.get(codec)
+    if decoder is None:
         raise CorruptCheckpointError(f"unknown array codec {codec!r}")
+    if codec != RAW and not needs_base(params):
+        base = None  # validates the "base" field, and a stray base is never consulted
+    decoder(stored, params, out, base, threads)

@@ -13,7 +13,7 @@ from typing import Any
 import crc32c
 import torch
 
-from coci_core.codecs import decode, from_descriptor, needs_base
+from coci_core.codecs import decode, needs_base
 from coci_core.engine.manifest import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
@@ -227,7 +227,10 @@ class _Reader:
                     if entry.codec not in (RAW_CODEC, "mixed") and not any(
                         q.params for q in entry.pieces
                     ):
-                        from_descriptor(entry.codec)  # an unknown codec name is refused
+                        raise CorruptCheckpointError(
+                            f"unknown codec {entry.codec!r} for pieces stored as they are in "
+                            f"memory ({RAW_CODEC!r})"
+                        )
                     delta = False
                 else:
                     delta = needs_base(piece.params)
