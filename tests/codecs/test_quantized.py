@@ -141,11 +141,11 @@ def test_real_digits_compression(digits: States) -> None:
     assert p2["rel_error"] < 0.05
 
 
-def _walk(error_feedback: bool, saves: int = 10) -> tuple[list[float], list[float]]:
+def _walk(saves: int = 10) -> tuple[list[float], list[float]]:
     """Actual and recorded max errors of ``saves`` successive lossy saves of a drifting tensor."""
     rng = np.random.default_rng(42)
     x = rng.normal(0, 1, 50_000).astype(np.float32)
-    state = QuantState(error_feedback=error_feedback)
+    state = QuantState()
     state.reset(x.view(np.uint8), step=0)
     restored = x.view(np.uint8).copy()  # what a restore of the chain yields
     actual, bounds = [], []
@@ -166,13 +166,11 @@ def _walk(error_feedback: bool, saves: int = 10) -> tuple[list[float], list[floa
 
 
 def test_error_feedback_keeps_chain_error_bounded() -> None:
-    fb, fb_bounds = _walk(error_feedback=True)
-    open_loop, ol_bounds = _walk(error_feedback=False)
-    assert all(a <= b for a, b in zip(fb, fb_bounds, strict=True))
-    assert all(a <= b for a, b in zip(open_loop, ol_bounds, strict=True))
-    # with feedback the 10th save is no worse than 2x the first; without, errors pile up
-    assert max(fb) <= 2 * fb[0]
-    assert open_loop[-1] > 3 * fb[-1]
+    actual, bounds = _walk()
+    assert all(a <= b for a, b in zip(actual, bounds, strict=True))
+    # each save's error is its own quantization error: the 10th is no worse than 2x the first
+    # (a delta against the true previous values instead would let the errors pile up)
+    assert max(actual) <= 2 * actual[0]
 
 
 def test_choose_bits_follows_sensitivity() -> None:

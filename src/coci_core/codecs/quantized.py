@@ -9,9 +9,7 @@ zstd-compressed (zstd's entropy stage stands in for LC-Checkpoint's Huffman code
 
 Error feedback: because the delta is taken against the previous *reconstruction*, the
 quantization residual of one save is part of the next save's delta, so errors do not add up
-over a chain; each save's error is that save's quantization error alone. (With
-``QuantState(error_feedback=False)`` the delta is taken against the true previous values and
-errors accumulate: kept to show the difference.)
+over a chain; each save's error is that save's quantization error alone.
 
 Non-finite values (in the piece or its base) are stored exactly. ``max_abs_error`` in the
 parameters is the measured maximum |original - decoded| (computed from the same reconstruction
@@ -108,17 +106,14 @@ class QuantState:
     delta is then taken against the last durable one).
     """
 
-    error_feedback: bool = True
     ref: U8 | None = field(default=None, repr=False)
     ref_step: int | None = None
     generation: int = 0  # lossy saves since the last lossless base
-    _prev: U8 | None = field(default=None, repr=False)
-    _pending: tuple[U8, U8, int | None] | None = field(default=None, repr=False)
+    _pending: tuple[U8, int | None] | None = field(default=None, repr=False)
 
     def reset(self, data: Buffer, step: int | None = None) -> None:
         """The piece was stored exactly (at ``step``): it is the reference from now on."""
         self.ref = u8(data).copy()
-        self._prev = self.ref if not self.error_feedback else None
         self.ref_step = step
         self.generation = 0
         self._pending = None
@@ -127,9 +122,7 @@ class QuantState:
         """The last encoded save is durable: its reconstruction is the next reference."""
         if self._pending is None:
             raise ConfigError("nothing to commit: no quantized encode since the last commit")
-        self.ref, prev, self.ref_step = self._pending
-        if not self.error_feedback:
-            self._prev = prev
+        self.ref, self.ref_step = self._pending
         self.generation += 1
         self._pending = None
 
@@ -324,17 +317,15 @@ class _Spec:
         return self.dtype, self.itemsize, self.bits, self.block, self.promote
 
 
-def _quantize(
-    x_raw: U8, p_raw: U8, r_raw: U8, spec: _Spec
-) -> tuple[_Parts, U8, float, float, float]:
+def _quantize(x_raw: U8, r_raw: U8, spec: _Spec) -> tuple[_Parts, U8, float, float, float]:
     """Parts, reconstruction, max abs, relative L2 and max relative error of a linear delta
     (``spec.compact``: outliers as float16 multiples of the block's scale, coci.qdelta/2)."""
     dtype, itemsize, bits, block, promote = spec.grid()
     nonneg, compact = spec.nonneg, spec.compact
     n = x_raw.nbytes // itemsize
-    x, p, r = _to_work(x_raw, dtype), _to_work(p_raw, dtype), _to_work(r_raw, dtype)
+    x, r = _to_work(x_raw, dtype), _to_work(r_raw, dtype)
     with np.errstate(invalid="ignore", over="ignore"):
-        d = x - p
+        d = x - r
     exc = ~(np.isfinite(x) & np.isfinite(r) & np.isfinite(d))
     d[exc] = 0
     qm = _qmax(bits)
@@ -368,13 +359,11 @@ def _quantize(
     return (parts, rec, *_errors(x, rw))
 
 
-def _quantize_any(
-    x_raw: U8, p_raw: U8, r_raw: U8, spec: _Spec
-) -> tuple[_Parts, U8, float, float, float]:
+def _quantize_any(x_raw: U8, r_raw: U8, spec: _Spec) -> tuple[_Parts, U8, float, float, float]:
     if spec.domain == "log":
         cap = MAX_LOG_STEP[spec.bits] if spec.max_log_step is None else spec.max_log_step
-        return _quantize_log(x_raw, p_raw, r_raw, spec, cap)
-    return _quantize(x_raw, p_raw, r_raw, spec)
+        return _quantize_log(x_raw, r_raw, spec, cap)
+    return _quantize(x_raw, r_raw, spec)
 
 
 def _errors(x: Work, rw: Work) -> tuple[float, float, float]:
@@ -418,7 +407,7 @@ def _promote_and_scale(
 
 
 def _quantize_log(
-    x_raw: U8, p_raw: U8, r_raw: U8, spec: _Spec, max_step: float
+    x_raw: U8, r_raw: U8, spec: _Spec, max_step: float
 ) -> tuple[_Parts, U8, float, float, float]:
     """Parts, reconstruction, max abs, relative L2 and max relative error, in the log domain.
 
@@ -428,13 +417,12 @@ def _quantize_log(
     """
     dtype, itemsize, bits, block, promote = spec.grid()
     n = x_raw.nbytes // itemsize
-    x, p, r = _to_work(x_raw, dtype), _to_work(p_raw, dtype), _to_work(r_raw, dtype)
+    x, r = _to_work(x_raw, dtype), _to_work(r_raw, dtype)
     tiny = _tiny(dtype)
     with np.errstate(invalid="ignore"):
-        log = np.isfinite(x) & np.isfinite(p) & np.isfinite(r) & (x >= tiny) & (p >= tiny)
-        log &= r >= tiny
+        log = np.isfinite(x) & np.isfinite(r) & (x >= tiny) & (r >= tiny)
     d = np.zeros(n, np.float64)
-    d[log] = np.log2(x[log].astype(np.float64)) - np.log2(p[log].astype(np.float64))
+    d[log] = np.log2(x[log].astype(np.float64)) - np.log2(r[log].astype(np.float64))
     far = np.abs(d) > LOG_MAX_STEP
     log &= ~far
     d[far] = 0
@@ -557,12 +545,11 @@ def choose_bits(
 def _quantize_delta(
     x: U8, state: QuantState, spec: _Spec
 ) -> tuple[_Parts, U8, float, float, float]:
-    """Check the arguments and quantize ``x``'s delta against the state's reference (with
-    error feedback from the previous reconstruction unless the state disables it)."""
+    """Check the arguments and quantize ``x``'s delta against the state's reference (the
+    previous reconstruction: error feedback)."""
     _check_args(spec.bits, spec.block, spec.promote)
     assert state.ref is not None
-    prev = state.ref if state.error_feedback or state._prev is None else state._prev
-    return _quantize_any(x, prev, state.ref, spec)
+    return _quantize_any(x, state.ref, spec)
 
 
 def encode_quantized(
@@ -653,7 +640,7 @@ def encode_quantized(
     if domain == "log":
         params["max_rel_error"] = max_rel
     params.update({"generation": state.generation + 1, "xxh3": xxh128(rec), "inner": inner.params})
-    state._pending = (rec, x.copy(), step)
+    state._pending = (rec, step)
     return Encoded(inner.data, params)
 
 
