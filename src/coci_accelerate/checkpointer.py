@@ -25,6 +25,7 @@ from coci_core.training import (
     Checkpointer,
     RankGroup,
     SaveHandle,
+    SavePolicy,
     check_adapter_args,
 )
 
@@ -71,7 +72,7 @@ class CociCheckpointer:
         accelerator: Accelerator,
         dirpath: str | Path | None = None,
         *,
-        policy: str = "coci",
+        policy: str | SavePolicy = "coci",
         objective: str = "convergence",
         mtbf_s: float | None = None,
         keep_last: int | None = 3,
@@ -439,7 +440,7 @@ def _total_steps(
     accelerator: Accelerator,
     total_steps: int | None,
     num_epochs: int | None,
-    policy: str,
+    policy: str | SavePolicy,
     planner_options: dict[str, Any] | None,
 ) -> tuple[dict[str, Any], str]:
     """The planner options with ``total_steps`` (and the epoch policy's ``steps_per_epoch``),

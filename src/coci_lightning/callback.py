@@ -25,6 +25,7 @@ from coci_core.training import (
     Checkpointer,
     LoadedCheckpoint,
     RankGroup,
+    SavePolicy,
     check_adapter_args,
     check_policy,
     newest_first,
@@ -49,7 +50,8 @@ class CociCheckpoint(Checkpoint):
     Args:
         dirpath: where checkpoints go (a str path, an os.PathLike, or an fsspec URL string
             such as ``"s3://bucket/run"``, kept a string); default ``<default_root_dir>/coci``.
-        policy: ``"coci"`` or a baseline of the planner (e.g. ``"every_n_steps"``).
+        policy: ``"coci"`` or a baseline of the planner (e.g. ``"every_n_steps"``), or a
+            policy object of :mod:`coci_core.planner` (e.g. ``EveryNSteps(every_n_steps=500)``).
         objective: ``"convergence"`` (default), ``"time"`` or ``"progress"``.
         mtbf_s: mean time between failures of one node, in seconds (None: estimated).
         keep_last: committed checkpoints to keep.
@@ -81,7 +83,7 @@ class CociCheckpoint(Checkpoint):
         self,
         dirpath: str | os.PathLike[str] | None = None,
         *,
-        policy: str = "coci",
+        policy: str | SavePolicy = "coci",
         objective: str = "convergence",
         mtbf_s: float | None = None,
         keep_last: int | None = 3,
@@ -108,9 +110,8 @@ class CociCheckpoint(Checkpoint):
         ):
             if not isinstance(flag, bool):
                 raise ConfigError(f"'{name}' must be a bool (True or False): {flag!r}")
-        for name, value in (("policy", policy), ("objective", objective)):
-            if not isinstance(value, str):
-                raise ConfigError(f"'{name}' must be a string: {value!r}")
+        if not isinstance(objective, str):
+            raise ConfigError(f"'objective' must be a string: {objective!r}")
         if monitor is not None and (not isinstance(monitor, str) or not monitor):
             raise ConfigError(
                 f"'monitor' must be the name of a logged metric (a non-empty str) or None: "
@@ -375,7 +376,7 @@ class CociCheckpoint(Checkpoint):
             else "no further save planned yet"
         )
         message = (
-            f"coci: plan ({self.policy} policy, {self.objective} objective) {length}: {when}, "
+            f"coci: plan ({report.policy} policy, {self.objective} objective) {length}: {when}, "
             f"{every}; MTBF assumed {mtbf:.6g} s ({source}). Change it with "
             "CociCheckpoint(mtbf_s=..., every_n_steps=N (a cap on the interval), "
             "policy='every_n_steps'); the plan is re-made as costs are measured."

@@ -11,12 +11,21 @@ from accelerate.utils import DataLoaderConfiguration
 
 from coci_accelerate import CociCheckpointer
 from coci_core import CheckpointManager
+from coci_core.planner import EveryNSteps
 
 
+@pytest.mark.parametrize(
+    "policy",
+    [{"policy": "every_n_steps", "every_n_steps": 3}, {"policy": EveryNSteps(every_n_steps=3)}],
+    ids=["name", "object"],
+)
 @pytest.mark.parametrize(("steps", "total"), [(10, None), (9, 9)])
-def test_every_3_steps_saves_at_3_6_9(tmp_path: Path, steps: int, total: int | None) -> None:
-    """N=3 with a real Accelerator: saves at 3, 6 and 9 (9 also as the run's last step),
-    each holding the weights after that many optimizer steps."""
+def test_every_3_steps_saves_at_3_6_9(
+    tmp_path: Path, steps: int, total: int | None, policy: dict[str, object]
+) -> None:
+    """N=3 with a real Accelerator, given by name or as a policy object: saves at 3, 6 and 9
+    (9 also as the run's last step), each holding the weights after that many optimizer
+    steps."""
     torch.manual_seed(0)
     accelerator = Accelerator(
         cpu=True,
@@ -27,10 +36,9 @@ def test_every_3_steps_saves_at_3_6_9(tmp_path: Path, steps: int, total: int | N
     model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
     ckpt = CociCheckpointer(
         accelerator,
-        policy="every_n_steps",
-        every_n_steps=3,
         total_steps=total,
         save_on_close=False,
+        **policy,  # type: ignore[arg-type]
     )
     weights = {}
     for step in range(1, steps + 1):

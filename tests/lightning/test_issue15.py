@@ -385,3 +385,19 @@ def test_importing_coci_lightning_is_enough_to_read_step_dirs() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
     assert out.stdout.strip() == "True"
+
+
+def test_a_policy_object_as_the_policy(tmp_path: Path) -> None:
+    """CociCheckpoint(policy=EveryNSteps(every_n_steps=4)) is policy="every_n_steps",
+    every_n_steps=4; anything else that is not a policy is refused at construction."""
+    from coci_core.planner import EveryNSteps
+
+    callback = CociCheckpoint(
+        policy=EveryNSteps(every_n_steps=4), keep_last=None, save_on_train_end=False
+    )
+    pl.seed_everything(1, verbose=False)
+    _trainer(tmp_path, 12, [callback]).fit(DigitsModel())
+    with CheckpointManager(tmp_path / "coci", keep_last=None) as mgr:
+        assert mgr.steps() == [4, 8, 12]
+    with pytest.raises(ConfigError, match="'policy' must be one of"):
+        CociCheckpoint(policy=42)  # type: ignore[arg-type]

@@ -89,3 +89,24 @@ def test_coci_paper_places_nothing_when_early_noise_hides_the_trend():
         policy = make_policy("coci_paper", time_unit_s=unit_s)
         assert policy.plan(_pb(), context=ctx).size == 0
         assert policy.plan(_pb(), context=clean).size > 10
+
+
+def test_a_policy_object_stands_for_its_name_and_options() -> None:
+    """policy=EveryNSteps(every_n_steps=3) plans as policy="every_n_steps", every_n_steps=3;
+    an object carries its own options (CheckFreq's bound); an interval given twice, or
+    something that is not a policy, is refused naming the argument."""
+    from coci_core.errors import ConfigError
+    from coci_core.planner import CheckFreq, Epoch, EveryNSteps, Planner
+
+    by_object = Planner(policy=EveryNSteps(every_n_steps=3), total_steps=10)
+    by_name = Planner(policy="every_n_steps", every_n_steps=3, total_steps=10)
+    assert by_object.policy_name == "every_n_steps"
+    assert [s for s in range(1, 11) if by_object.should_save(s)] == [3, 6, 9]
+    assert [s for s in range(1, 11) if by_name.should_save(s)] == [3, 6, 9]
+    epoch = Planner(policy=Epoch(steps_per_epoch=4), total_steps=10)
+    assert [s for s in range(1, 11) if epoch.should_save(s)] == [4, 8]
+    assert Planner(policy=CheckFreq(overhead_bound=0.03)).policy_name == "checkfreq"
+    with pytest.raises(ConfigError, match="'every_n_steps' is given twice"):
+        Planner(policy=EveryNSteps(every_n_steps=3), every_n_steps=4)
+    with pytest.raises(ConfigError, match=r"'policy' must be one of .* or a policy object"):
+        Planner(policy=object())  # type: ignore[arg-type]

@@ -25,7 +25,7 @@ from coci_core.planner.model import DEFAULT_MTBF_S, Termination
 from coci_core.planner.observations import RunObservations
 from coci_core.planner.optimize import Problem
 from coci_core.planner.planner_state import load_planner_state, planner_state
-from coci_core.planner.policies import make_policy
+from coci_core.planner.policies import SavePolicy, make_policy
 from coci_core.planner.replanning import MAX_HORIZON_STEPS as MAX_HORIZON_STEPS  # re-exported
 from coci_core.planner.replanning import Replanner
 from coci_core.planner.report import PlannerReport, build_report, explain_step
@@ -62,7 +62,9 @@ class Planner:
     Args:
         policy: ``"coci"`` (default, optimal for the objective) or a baseline: ``"young"``,
             ``"daly"``, ``"checkfreq"``, ``"every_n_steps"``, ``"every_n_seconds"``,
-            ``"epoch"``, ``"coci_paper"``.
+            ``"epoch"``, ``"coci_paper"``; or a policy object of this package, which carries
+            its own options (``EveryNSteps(every_n_steps=500)``, ``CheckFreq(overhead_bound=
+            0.03)``, ``Coci(method="closed_form")``, ...).
         objective: ``"time"``, ``"convergence"`` (default) or ``"progress"``.
         total_steps: the job's last step; None plans over a rolling horizon of
             ``max(min_horizon_steps, 2 x steps so far)`` ahead, re-planned as it goes.
@@ -96,7 +98,7 @@ class Planner:
     def __init__(
         self,
         *,
-        policy: str = "coci",
+        policy: str | SavePolicy = "coci",
         objective: str = "convergence",
         total_steps: int | None = None,
         mtbf_s: float | None = None,

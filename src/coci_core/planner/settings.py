@@ -16,9 +16,17 @@ from coci_core.planner._checks import check_int, check_optional_positive, check_
 from coci_core.planner.fixed_interval import fixed_interval_of
 from coci_core.planner.model import Termination, make_termination
 from coci_core.planner.optimize import check_objective
-from coci_core.planner.policies import POLICIES, SavePolicy, make_policy
+from coci_core.planner.policies import (
+    POLICIES,
+    Coci,
+    Epoch,
+    EveryNSeconds,
+    EveryNSteps,
+    SavePolicy,
+    make_policy,
+)
 
-__all__ = ["PlannerSettings", "make_settings"]
+__all__ = ["PlannerSettings", "make_settings", "policy_arguments"]
 
 
 @dataclass(kw_only=True)
@@ -62,9 +70,36 @@ def check_policy_name(policy: str) -> str:
     return policy
 
 
+def policy_arguments(policy: object) -> tuple[str, dict[str, Any]]:
+    """A policy given by name (``"every_n_steps"``) or as a policy object of
+    :mod:`coci_core.planner` (``EveryNSteps(every_n_steps=500)``, ``Daly()``, ...): its name,
+    and the Planner arguments that the object carries (its interval).
+
+    Raises:
+        ConfigError: ``policy`` is neither.
+    """
+    if isinstance(policy, str):
+        return check_policy_name(policy), {}
+    name = getattr(policy, "name", None)
+    if not isinstance(name, str) or not isinstance(policy, POLICIES.get(name, ())):  # type: ignore[arg-type]
+        raise ConfigError(
+            f"'policy' must be one of {', '.join(POLICIES)} or a policy object of "
+            f"coci_core.planner (e.g. EveryNSteps(every_n_steps=500), Daly()): {policy!r}"
+        )
+    if isinstance(policy, EveryNSteps):
+        return name, {"every_n_steps": policy.every_n_steps}
+    if isinstance(policy, EveryNSeconds):
+        return name, {"every_n_seconds": policy.every_n_seconds}
+    if isinstance(policy, Epoch):
+        return name, {"steps_per_epoch": policy.steps_per_epoch}
+    if isinstance(policy, Coci):
+        return name, {"method": policy.method}
+    return name, {}
+
+
 def make_settings(
     *,
-    policy: str,
+    policy: str | SavePolicy,
     objective: str,
     total_steps: int | None,
     mtbf_s: float | None,
@@ -86,7 +121,24 @@ def make_settings(
     Raises:
         ConfigError: on any bad argument, naming it, the rule and the value.
     """
-    check_policy_name(policy)
+    policy_object = None if isinstance(policy, str) else policy
+    policy, carried = policy_arguments(policy)
+    given = {
+        "every_n_steps": every_n_steps,
+        "every_n_seconds": every_n_seconds,
+        "steps_per_epoch": steps_per_epoch,
+        "method": None if method == "dp" else method,
+    }
+    for name, value in carried.items():
+        if given[name] is not None and given[name] != value:
+            raise ConfigError(
+                f"'{name}' is given twice, {given[name]!r} and {value!r} in the policy object "
+                f"{policy_object!r}: give it once"
+            )
+    every_n_steps = carried.get("every_n_steps", every_n_steps)
+    every_n_seconds = carried.get("every_n_seconds", every_n_seconds)
+    steps_per_epoch = carried.get("steps_per_epoch", steps_per_epoch)
+    method = carried.get("method", method)
     checked_objective = check_objective(objective)
     total = None if total_steps is None else check_int("total_steps", total_steps, minimum=1)
     checked_mtbf = check_optional_positive("mtbf_s", mtbf_s)
@@ -135,6 +187,6 @@ def make_settings(
         loss_breakpoints=breakpoints,
         min_horizon_steps=min_horizon,
         method=method,
-        policy=make_policy(policy, **options),
+        policy=policy_object if policy_object is not None else make_policy(policy, **options),
         fixed_every=fixed_interval_of(policy, options),
     )

@@ -8,6 +8,7 @@ from coci_core.engine.group import RankGroup
 from coci_core.engine.manager import SaveHandle
 from coci_core.engine.manifest import MANIFEST_NAME, parse_step_dir, step_dir_name
 from coci_core.engine.restore import LoadedCheckpoint, newest_first, restore_newest
+from coci_core.planner.policies import SavePolicy
 from coci_core.storage import open_storage
 from coci_core.training.checkpointer import (
     AdapterArgs,
@@ -24,6 +25,7 @@ __all__ = [
     "LoadedCheckpoint",
     "RankGroup",
     "SaveHandle",
+    "SavePolicy",
     "check_adapter_args",
     "check_policy",
     "check_storage_options",

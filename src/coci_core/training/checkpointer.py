@@ -22,8 +22,9 @@ from coci_core.engine.stateful import Stateful
 from coci_core.errors import ConfigError, StepExistsError
 from coci_core.planner import Planner
 from coci_core.planner.optimize import Problem
+from coci_core.planner.policies import SavePolicy
 from coci_core.planner.schedule import ExpectedOverhead, compare_with_daly
-from coci_core.planner.settings import check_policy_name
+from coci_core.planner.settings import policy_arguments
 from coci_core.storage import Storage
 from coci_core.telemetry import Event, Listener, RestoreEvent, SaveEvent, TelemetrySink
 from coci_core.telemetry.summary import SaveSummary, save_line
@@ -83,7 +84,7 @@ class AdapterArgs:
 
 def check_adapter_args(
     *,
-    policy: str,
+    policy: str | SavePolicy,
     objective: str,
     mtbf_s: float | None,
     keep_last: int | None,
@@ -99,7 +100,7 @@ def check_adapter_args(
     """Check the arguments every framework adapter takes (raising ConfigError at construction,
     naming the argument): the Planner's further keyword options, ``verbose`` and
     ``storage_options`` (see :func:`check_storage_options`)."""
-    check_policy_name(policy)
+    policy_arguments(policy)
     if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
         raise ConfigError(f"'keep_last' must be an integer >= 1 or None: {keep_last!r}")
     if not isinstance(block, bool):
@@ -155,7 +156,7 @@ class Checkpointer:
         self,
         directory: str | os.PathLike[str] | Storage,
         *,
-        policy: str = "coci",
+        policy: str | SavePolicy = "coci",
         objective: str = "convergence",
         mtbf_s: float | None = None,
         keep_last: int | None = 3,
