@@ -19,7 +19,7 @@ from accelerate.utils import broadcast_object_list
 from coci_accelerate import _state
 from coci_accelerate.tracker import CociTracker
 from coci_core.errors import CociError, ConfigError, NoCheckpointError
-from coci_core.telemetry import JsonlTelemetry, TelemetrySink
+from coci_core.telemetry import TELEMETRY_FILE, JsonlTelemetry, TelemetrySink
 from coci_core.telemetry.tensorboard import TensorBoardTelemetry
 from coci_core.training import (
     Checkpointer,
@@ -27,13 +27,12 @@ from coci_core.training import (
     SaveHandle,
     SavePolicy,
     check_adapter_args,
+    is_url,
 )
 
 __all__ = ["CociCheckpointer"]
 
 logger = logging.getLogger(__name__)
-
-TELEMETRY_FILE = "telemetry.jsonl"
 
 
 class CociCheckpointer:
@@ -117,7 +116,7 @@ class CociCheckpointer:
         self.save_on_close = save_on_close
         self.accelerator = accelerator
         root = Path(accelerator.project_dir) if accelerator.project_dir else Path.cwd()
-        url = isinstance(dirpath, str) and "://" in dirpath
+        url = is_url(dirpath)
         self.dirpath: Path | str = (
             str(dirpath) if url else Path(dirpath) if dirpath is not None else root / "coci"
         )

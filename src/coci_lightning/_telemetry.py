@@ -11,9 +11,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from coci_core.errors import ConfigError
-from coci_core.telemetry import Event, JsonlTelemetry, SaveEvent, TelemetrySink
-
-TELEMETRY_FILE = "telemetry.jsonl"
+from coci_core.telemetry import TELEMETRY_FILE, Event, JsonlTelemetry, SaveEvent, TelemetrySink
 
 
 def make_sinks(trainer: pl.Trainer, root: Path | str) -> list[TelemetrySink]:

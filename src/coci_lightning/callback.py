@@ -28,6 +28,7 @@ from coci_core.training import (
     SavePolicy,
     check_adapter_args,
     check_policy,
+    is_url,
     newest_first,
     open_storage,
     step_dir_name,
@@ -201,7 +202,7 @@ class CociCheckpoint(Checkpoint):
     def resolve_dirpath(self, trainer: pl.Trainer) -> Path | str:
         """The checkpoint directory: ``dirpath`` (an fsspec URL stays a string) or
         ``<default_root_dir>/coci``."""
-        if isinstance(self.dirpath, str) and _is_url(self.dirpath):
+        if is_url(self.dirpath):
             return self.dirpath
         if self.dirpath is not None:
             return Path(self.dirpath)
@@ -556,10 +557,6 @@ def _log_summary(ckpt: Checkpointer) -> None:
         logger.warning(line)
     else:
         logger.info(line)
-
-
-def _is_url(path: str) -> bool:
-    return "://" in path
 
 
 def _check_dirpath(dirpath: Any) -> Any:

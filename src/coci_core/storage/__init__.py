@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, TypeGuard
 
 from coci_core.errors import ConfigError
 from coci_core.storage.base import Storage
 from coci_core.storage.fsspec import FsspecStorage
 from coci_core.storage.local import LocalStorage
 
-__all__ = ["FsspecStorage", "LocalStorage", "Storage", "open_storage"]
+__all__ = ["FsspecStorage", "LocalStorage", "Storage", "is_url", "open_storage"]
+
+
+def is_url(target: object) -> TypeGuard[str]:
+    """Whether ``target`` is an fsspec URL (``s3://...``), which coci keeps as a string."""
+    return isinstance(target, str) and "://" in target
 
 
 def open_storage(target: str | os.PathLike[str] | Storage, **storage_options: Any) -> Storage:
@@ -27,7 +32,7 @@ def open_storage(target: str | os.PathLike[str] | Storage, **storage_options: An
     if isinstance(target, str):
         if not target:
             raise ConfigError("'directory' must be a non-empty path or URL: ''")
-        if "://" in target:
+        if is_url(target):
             return FsspecStorage(target, **storage_options)
         return LocalStorage(target)
     if isinstance(target, Storage):

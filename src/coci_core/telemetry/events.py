@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol, TypeAlias
 
 __all__ = [
+    "TELEMETRY_FILE",
     "Event",
     "JsonlTelemetry",
     "Listener",
@@ -24,6 +25,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+#: The JSON-lines file the adapters write beside their checkpoints, read by ``coci report``.
+TELEMETRY_FILE = "telemetry.jsonl"
 
 SaveOutcome = Literal["committed", "skipped", "failed"]
 

@@ -6,11 +6,9 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from coci_core.telemetry import read_jsonl
+from coci_core.telemetry import TELEMETRY_FILE, read_jsonl
 
 __all__ = ["RunSummary", "compare_policies", "render", "render_policies", "summarize"]
-
-TELEMETRY_FILE = "telemetry.jsonl"
 
 
 class RunSummary:

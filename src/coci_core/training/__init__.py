@@ -9,7 +9,7 @@ from coci_core.engine.manager import SaveHandle
 from coci_core.engine.manifest import MANIFEST_NAME, parse_step_dir, step_dir_name
 from coci_core.engine.restore import LoadedCheckpoint, newest_first, restore_newest
 from coci_core.planner.policies import SavePolicy
-from coci_core.storage import open_storage
+from coci_core.storage import is_url, open_storage
 from coci_core.training.checkpointer import (
     AdapterArgs,
     Checkpointer,
@@ -30,6 +30,7 @@ __all__ = [
     "check_policy",
     "check_storage_options",
     "check_verbose",
+    "is_url",
     "newest_first",
     "open_storage",
     "parse_step_dir",

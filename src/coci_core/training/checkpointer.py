@@ -25,7 +25,7 @@ from coci_core.planner.optimize import Problem
 from coci_core.planner.policies import SavePolicy
 from coci_core.planner.schedule import ExpectedOverhead, compare_with_daly
 from coci_core.planner.settings import policy_arguments
-from coci_core.storage import Storage
+from coci_core.storage import Storage, is_url
 from coci_core.telemetry import Event, Listener, RestoreEvent, SaveEvent, TelemetrySink
 from coci_core.telemetry.summary import SaveSummary, save_line
 from coci_core.training.decision import SharedDecision
@@ -64,7 +64,7 @@ def check_storage_options(options: object, dirpath: object) -> dict[str, Any]:
             "'storage_options' must be a dict of fsspec options (str keys) or None, got "
             f"{type(options).__name__}"
         )
-    if options and not (isinstance(dirpath, str) and "://" in dirpath):
+    if options and not is_url(dirpath):
         raise ConfigError(
             "'storage_options' apply to an fsspec URL 'dirpath' (e.g. 's3://bucket/run'), "
             f"not to {dirpath!r}"
