@@ -55,3 +55,36 @@ def test_plain_loop_quick_start_resumes_exactly(
     resumed = _run(code, 400)
     for key, value in reference.items():
         assert torch.equal(resumed[key], value), key
+
+
+def test_lightning_quick_start_saves_and_resumes(tmp_path: Path) -> None:
+    """The README's Lightning quick start, run as written (the Trainer bounded to 20 steps on
+    the digits model): fit saves coci checkpoints, and the second fit resumes from the newest
+    one instead of training again from scratch."""
+    import functools
+
+    import lightning.pytorch as pl
+
+    from coci_core import CheckpointManager
+    from tests.lightning.models import DigitsModel
+
+    code = _quick_start("Quick start: Lightning")
+    pl.seed_everything(1, verbose=False)
+    model = DigitsModel()
+    trainer_factory = functools.partial(
+        pl.Trainer,
+        accelerator="cpu",
+        max_steps=20,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    namespace: dict[str, Any] = {"Trainer": trainer_factory, "model": model}
+    exec(compile(code, str(README), "exec"), namespace)
+    trainer = namespace["trainer"]
+    with CheckpointManager(tmp_path / "coci") as mgr:
+        assert mgr.latest_step() == 20  # the final save of the first fit
+    # the second fit resumed at step 20 (max_steps): it trained no further step
+    assert trainer.global_step == 20
+    assert len(model.seen) == 20 * 16
