@@ -634,37 +634,26 @@ class CheckpointManager:
         # Retention never fails a save that is already durable: its errors are logged.
         try:
             if self.keep_last is not None:
-                steps = self._own_steps()
-                kept = steps[max(0, len(steps) - self.keep_last) :]
+                own = self._own_steps()
+                cut = max(0, len(own) - self.keep_last)
                 # The newest save's bases, and the base the next deltas will use, are needed
-                # even when older runs left higher step numbers in the directory.
-                needed = self._bases_of([*kept, newest])
+                # even when it went back to a step below its older checkpoints.
+                needed = _bases_of([*own[cut:], *(i for i in own if i.step == newest)])
                 if self._encoder.base_step is not None:
                     needed.add(self._encoder.base_step)
-                for step in steps[: max(0, len(steps) - self.keep_last)]:
-                    if step != newest and step not in needed:
-                        _retire(self.storage, step)
-                        logger.debug("coci: retention removed step %d", step)
+                for info in own[:cut]:
+                    if info.step != newest and info.step not in needed:
+                        _retire(self.storage, info.step)
+                        logger.debug("coci: retention removed step %d", info.step)
             self._remove_uncommitted(done_seq=done_seq, newest=newest)
         except Exception as e:
             logger.warning("coci: retention after step %d failed: %s", newest, e)
 
-    def _own_steps(self) -> list[int]:
-        """This run's committed steps, oldest first (by creation: a run that went back to an
-        older step and trained on has its abandoned later steps first)."""
+    def _own_steps(self) -> list[StepInfo]:
+        """This run's intact committed steps, oldest first (by creation: a run that went back
+        to an older step and trained on has its abandoned later steps first)."""
         infos: list[StepInfo] = step_infos(self.storage)
-        return [i.step for i in reversed(infos) if i.intact and i.run == self.run_id]
-
-    def _bases_of(self, steps: list[int]) -> set[int]:
-        # Steps whose deltas a kept checkpoint needs are kept too (a damaged manifest needs
-        # nothing: it cannot be restored anyway).
-        needed: set[int] = set()
-        for step in steps:
-            try:
-                needed.update(read_manifest(self.storage, step).bases)
-            except CheckpointError as e:
-                logger.warning("coci: retention cannot read step %d: %s", step, e)
-        return needed
+        return [i for i in reversed(infos) if i.intact and i.run == self.run_id]
 
     def _remove_uncommitted(self, *, done_seq: int | None, newest: int | None = None) -> None:
         # Runs only while this manager holds the directory's lease, so no other writer can own
@@ -718,14 +707,14 @@ class CheckpointManager:
         needed = job.snapshot.arena.total_bytes * job.group.world_size + ROOM_MARGIN_BYTES
         if free is None or free >= needed:
             return
-        steps = self._own_steps()
-        if not steps:
+        own = self._own_steps()
+        if not own:
             return
-        keep = [*steps[max(0, len(steps) - (self.keep_last - 1)) :], steps[-1]]
-        protected = set(keep) | self._bases_of(keep) | {job.step}
+        keep = [*own[max(0, len(own) - (self.keep_last - 1)) :], own[-1]]
+        protected = {i.step for i in keep} | _bases_of(keep) | {job.step}
         if self._encoder.base_step is not None:
             protected.add(self._encoder.base_step)
-        for step in steps:
+        for step in (i.step for i in own):
             if step in protected:
                 continue
             _retire(self.storage, step)
@@ -856,6 +845,11 @@ def _weak_runner(manager: CheckpointManager) -> Callable[[Any], None]:
             owner._run_job(item)
 
     return run
+
+
+def _bases_of(infos: Iterable[StepInfo]) -> set[int]:
+    """The steps whose data these checkpoints' deltas need (kept with them)."""
+    return {base for info in infos for base in info.bases}
 
 
 def _retire(storage: Storage, step: int) -> None:

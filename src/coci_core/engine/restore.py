@@ -71,13 +71,15 @@ def committed_steps(storage: Storage) -> list[int]:
 
 @dataclass(frozen=True)
 class StepInfo:
-    """What ordering and retention need of a committed step: its run and creation time
-    (``intact`` False: its manifest cannot be read; run and time are then unknown)."""
+    """What ordering and retention need of a committed step: its run, creation time and the
+    steps its deltas need (``intact`` False: its manifest cannot be read; the rest is then
+    unknown)."""
 
     step: int
     run: str
     created_unix: float
     intact: bool
+    bases: tuple[int, ...] = ()
 
 
 def step_infos(storage: Storage) -> list[StepInfo]:
@@ -89,17 +91,17 @@ def step_infos(storage: Storage) -> list[StepInfo]:
     one run (tried just before the newest intact step below it), so that restore reports it.
     """
     infos: list[StepInfo] = []
+    newest_below = float("-inf")  # steps ascend: the newest intact step below this one
     for step in committed_steps(storage):
         try:
             m = read_manifest(storage, step)
         except NoCheckpointError:
             continue  # removed meanwhile (retention)
         except CorruptCheckpointError:
-            below = [i.created_unix for i in infos if i.intact]
-            created = max(below) if below else float("-inf")
-            infos.append(StepInfo(step, "", created, intact=False))
+            infos.append(StepInfo(step, "", newest_below, intact=False))
         else:
-            infos.append(StepInfo(step, m.run, m.created_unix, intact=True))
+            infos.append(StepInfo(step, m.run, m.created_unix, intact=True, bases=m.bases))
+            newest_below = max(newest_below, m.created_unix)
     return sorted(infos, key=lambda i: (i.created_unix, i.intact is False, i.step), reverse=True)
 
 
