@@ -1,0 +1,138 @@
+"""Draw the benchmark pages' plots from the results files in ``docs/results``.
+
+``python -m benchmarks.plots [--results DIR] [--out DIR]`` writes one SVG per plot (default
+``docs/img/benchmarks``). The output depends only on the results files (no dates, no random
+ids), so a re-run on unchanged results rewrites the same files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # after choosing the non-interactive backend
+from matplotlib.figure import Figure
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "docs" / "results"
+OUT = ROOT / "docs" / "img" / "benchmarks"
+
+
+def _error_bars(rows: list[list[float]]) -> list[list[float]]:
+    """[median, min, max] rows as matplotlib's (below, above) distances."""
+    return [[m - lo for m, lo, _ in rows], [hi - m for m, _, hi in rows]]
+
+
+def engine_1g(results: dict[str, Any]) -> Figure:
+    """Stall and time to durable per method for one state size."""
+    methods = results["methods"]
+    size_gb = results["state_bytes"] / 1e9
+    fig, (stall, durable) = plt.subplots(1, 2, figsize=(9.0, 3.6), sharey=True)
+    names = list(methods)
+    for ax, key, label in (
+        (stall, "stall_s", "stall (s): the training loop waits"),
+        (durable, "durable_s", "time to durable (s): on disk, fsync'ed"),
+    ):
+        rows = [methods[n].get(key) for n in names]
+        shown = [i for i, r in enumerate(rows) if r]
+        values = [rows[i] for i in shown]
+        ax.barh(
+            shown,
+            [v[0] for v in values],
+            xerr=_error_bars(values),
+            color=["tab:green" if names[i].startswith("coci") else "tab:gray" for i in shown],
+            capsize=3,
+        )
+        ax.set_xlabel(label)
+        ax.grid(axis="x", alpha=0.3)
+    stall.set_yticks(range(len(names)), names)
+    stall.invert_yaxis()
+    fig.suptitle(f"{size_gb:g} GB state: median, bars min-max (coci in green)")
+    fig.tight_layout()
+    return fig
+
+
+def adapters(results: dict[str, Any]) -> Figure:
+    """Training-loop overhead per method, for each adapter."""
+    runs = results["runs"]
+    fig, axes = plt.subplots(len(runs), 1, figsize=(7.5, 1.0 + 0.6 * sum(map(len, runs.values()))))
+    for ax, (adapter, run) in zip(axes, runs.items(), strict=True):
+        names = list(run["methods"])
+        values = [run["methods"][n]["overhead_pct"] for n in names]
+        colors = ["tab:green" if "Coci" in n else "tab:gray" for n in names]
+        ax.barh(range(len(names)), values, color=colors)
+        ax.set_yticks(range(len(names)), names)
+        ax.invert_yaxis()
+        ax.axvline(0, color="black", linewidth=0.8)
+        ax.set_title(f"{adapter}: step time {run['baseline_step_ms']:g} ms without checkpoints")
+        ax.set_xlabel("training-loop overhead (% of step time), same steps")
+        ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def planner(results: dict[str, Any]) -> Figure:
+    """Expected overhead against Daly's, per policy and MTBF."""
+    mtbf = results["mtbf_h"]
+    policies = results["policies"]
+    fig, axes = plt.subplots(1, 2, figsize=(10.0, 3.8), sharey=True)
+    for ax, key, title in (
+        (axes[0], "wall_pct", "wall-clock overhead"),
+        (axes[1], "convergence_pct", "convergence-weighted overhead"),
+    ):
+        for name, values in policies.items():
+            ax.plot(range(len(mtbf)), values[key], marker="o", label=name)
+        ax.set_yscale("symlog", linthresh=10)
+        ax.set_xticks(range(len(mtbf)), [f"{m} h" for m in mtbf])
+        ax.axhline(0, color="black", linewidth=0.8)
+        ax.set_xlabel("MTBF of the job")
+        ax.set_title(f"{title} vs Daly (%)")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("change against Daly (%)")
+    axes[1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0))
+    fig.tight_layout()
+    return fig
+
+
+#: results file stem -> the function drawing its plot
+PLOTS: dict[str, Callable[[dict[str, Any]], Figure]] = {
+    "engine-1g": engine_1g,
+    "adapters": adapters,
+    "planner": planner,
+}
+
+
+def draw_all(results_dir: Path = RESULTS, out_dir: Path = OUT) -> list[Path]:
+    """Every plot whose results file exists, as ``<out_dir>/<stem>.svg``; the files written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    plt.rcParams["svg.hashsalt"] = "coci"  # stable element ids: same results, same file
+    for stem, draw in PLOTS.items():
+        source = results_dir / f"{stem}.json"
+        if not source.exists():
+            continue
+        fig = draw(json.loads(source.read_text()))
+        target = out_dir / f"{stem}.svg"
+        fig.savefig(target, format="svg", metadata={"Date": None})
+        plt.close(fig)
+        written.append(target)
+    return written
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--results", type=Path, default=RESULTS, help="the results files")
+    parser.add_argument("--out", type=Path, default=OUT, help="where the SVG files go")
+    args = parser.parse_args()
+    for path in draw_all(args.results, args.out):
+        print(path)
+
+
+if __name__ == "__main__":
+    main()
