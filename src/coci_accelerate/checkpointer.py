@@ -23,11 +23,12 @@ from coci_core.telemetry import TELEMETRY_FILE, JsonlTelemetry, TelemetrySink
 from coci_core.telemetry.tensorboard import TensorBoardTelemetry
 from coci_core.training import (
     Checkpointer,
+    CheckpointOptions,
     RankGroup,
     SaveHandle,
     SavePolicy,
-    check_adapter_args,
     is_url,
+    shared_options,
 )
 
 __all__ = ["CociCheckpointer"]
@@ -94,25 +95,10 @@ class CociCheckpointer:
         planner_options, self._total_source = _total_steps(
             accelerator, total_steps, num_epochs, policy, planner_options
         )
-        args = check_adapter_args(
-            policy=policy,
-            objective=objective,
-            mtbf_s=mtbf_s,
-            keep_last=keep_last,
-            compression=compression,
-            block=block,
-            every_n_steps=every_n_steps,
-            every_n_seconds=every_n_seconds,
-            planner_options=planner_options,
-            verbose=verbose,
-            storage_options=storage_options,
-            dirpath=dirpath,
-        )
         if not isinstance(save_on_close, bool):
             raise ConfigError(f"'save_on_close' must be a bool: {save_on_close!r}")
-        options = args.planner_options
-        self.verbose = args.verbose
-        self.storage_options = args.storage_options
+        # The options both adapters share, each checked once, here (see CheckpointOptions).
+        self.options = CheckpointOptions.check(dirpath=dirpath, **shared_options(locals()))
         self.save_on_close = save_on_close
         self.accelerator = accelerator
         root = Path(accelerator.project_dir) if accelerator.project_dir else Path.cwd()
@@ -135,22 +121,11 @@ class CociCheckpointer:
                 )
         self.checkpointer = Checkpointer(
             self.dirpath,
-            policy=policy,
-            objective=objective,
-            mtbf_s=mtbf_s,
-            keep_last=keep_last,
-            compression=compression,
-            compression_options=compression_options,
-            block=block,
-            planner_options=options,
+            self.options,
             rank=accelerator.process_index,
             broadcast=_broadcast if accelerator.num_processes > 1 else None,
             sinks=sinks,
-            manager_options={
-                "group": _rank_group(accelerator),
-                "storage_options": self.storage_options,
-            },
-            verbose=self.verbose,
+            manager_options={"group": _rank_group(accelerator)},
         )
         self._closed = False
         self._tracker = _find_tracker(accelerator)
@@ -179,6 +154,11 @@ class CociCheckpointer:
         accelerator.register_for_checkpointing(self)
 
     # -- the training loop ----------------------------------------------------------------
+
+    verbose = property(lambda self: self.options.verbose, doc="A log line per save.")
+    storage_options = property(
+        lambda self: dict(self.options.storage_options), doc="The fsspec options (secret)."
+    )
 
     def step(self, step: int | None = None, *, loss: float | None = None) -> SaveHandle | None:
         """Call once per batch, after ``optimizer.step()``; saves when the plan says so.
@@ -444,6 +424,8 @@ def _total_steps(
 ) -> tuple[dict[str, Any], str]:
     """The planner options with ``total_steps`` (and the epoch policy's ``steps_per_epoch``),
     and where the total comes from."""
+    if planner_options is not None and not isinstance(planner_options, dict):
+        return planner_options, ""  # CheckpointOptions.check says what is wrong with it
     options = dict(planner_options or {})
     for name, value in (("total_steps", total_steps), ("num_epochs", num_epochs)):
         if value is not None and (type(value) is not int or value < 1):

@@ -20,6 +20,7 @@ from coci_core.errors import (
 )
 
 if _typing.TYPE_CHECKING:
+    from coci_core.engine.compress import CompressionPolicy
     from coci_core.engine.group import RankGroup
     from coci_core.engine.manager import CheckpointManager, SaveHandle
     from coci_core.engine.manifest import Manifest
@@ -30,6 +31,7 @@ if _typing.TYPE_CHECKING:
 
 # Imported on first use, so that `coci --help` and the errors need no torch.
 _LAZY = {
+    "CompressionPolicy": "coci_core.engine.compress",
     "RankGroup": "coci_core.engine.group",
     "CheckpointManager": "coci_core.engine.manager",
     "SaveHandle": "coci_core.engine.manager",
@@ -65,6 +67,7 @@ __all__ = [
     "CheckpointManager",
     "CociError",
     "CommitError",
+    "CompressionPolicy",
     "ConfigError",
     "CorruptCheckpointError",
     "DirectoryInUseError",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -23,14 +24,14 @@ from coci_core.errors import CociError, ConfigError
 from coci_core.telemetry import RestoreEvent
 from coci_core.training import (
     Checkpointer,
+    CheckpointOptions,
     LoadedCheckpoint,
     RankGroup,
     SavePolicy,
-    check_adapter_args,
-    check_policy,
     is_url,
     newest_first,
     open_storage,
+    shared_options,
     step_dir_name,
 )
 from coci_lightning._resume import coci_step_of, install_last_resolution, use_coci_io
@@ -111,23 +112,11 @@ class CociCheckpoint(Checkpoint):
         ):
             if not isinstance(flag, bool):
                 raise ConfigError(f"'{name}' must be a bool (True or False): {flag!r}")
-        if not isinstance(objective, str):
-            raise ConfigError(f"'objective' must be a string: {objective!r}")
         if monitor is not None and (not isinstance(monitor, str) or not monitor):
             raise ConfigError(
                 f"'monitor' must be the name of a logged metric (a non-empty str) or None: "
                 f"{monitor!r}"
             )
-        for name, options in (
-            ("compression_options", compression_options),
-            ("planner_options", planner_options),
-        ):
-            if options is not None and not (
-                isinstance(options, Mapping) and all(isinstance(k, str) for k in options)
-            ):
-                raise ConfigError(
-                    f"'{name}' must be a dict of keyword arguments (str keys) or None: {options!r}"
-                )
         if every_n_epochs is not None and (type(every_n_epochs) is not int or every_n_epochs < 1):
             raise ConfigError(
                 f"'every_n_epochs' must be an integer >= 1 or None: {every_n_epochs!r}"
@@ -135,37 +124,15 @@ class CociCheckpoint(Checkpoint):
         self.every_n_epochs = every_n_epochs
         if policy == "epoch":
             self.every_n_epochs = every_n_epochs or 1
-            # the steps per epoch come from the Trainer in setup(); checked here with a stand-in
-            planner_options = {"steps_per_epoch": 1, **dict(planner_options or {})}
-        args = check_adapter_args(
-            policy=policy,
-            objective=objective,
-            mtbf_s=mtbf_s,
-            keep_last=keep_last,
-            compression=compression,
-            block=block,
-            every_n_steps=every_n_steps,
-            every_n_seconds=every_n_seconds,
-            planner_options=planner_options,
-            verbose=verbose,
-            storage_options=storage_options,
-            dirpath=dirpath,
-        )
-        self.planner_options = args.planner_options
-        self.storage_options = args.storage_options
-        self.verbose = args.verbose
+            if planner_options is None or isinstance(planner_options, Mapping):
+                # the steps per epoch come from the Trainer in on_train_start: a stand-in
+                planner_options = {"steps_per_epoch": 1, **dict(planner_options or {})}
+        # The options both adapters share, each checked once, here (see CheckpointOptions).
+        self.options = CheckpointOptions.check(dirpath=dirpath, **shared_options(locals()))
         self.dirpath = dirpath
-        self.policy = policy
-        self.objective = objective
-        self.mtbf_s = mtbf_s
-        self.keep_last = keep_last
-        self.compression = compression or "none"
-        self.compression_options = dict(compression_options or {})
-        check_policy(self.compression, self.compression_options)  # errors at construction
         self.resume = resume
         self.monitor = monitor
         self._monitor_warned = False
-        self.block = block
         self.save_on_train_end = save_on_train_end
         self.save_on_exception = save_on_exception
         self.checkpointer: Checkpointer | None = None
@@ -193,6 +160,20 @@ class CociCheckpoint(Checkpoint):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+
+    policy = property(lambda self: self.options.policy, doc="The save policy as given.")
+    objective = property(lambda self: self.options.objective, doc="The planner's objective.")
+    mtbf_s = property(lambda self: self.options.mtbf_s, doc="The MTBF given, or None.")
+    keep_last = property(lambda self: self.options.keep_last, doc="Checkpoints kept.")
+    block = property(lambda self: self.options.block, doc="Whether snapshots block.")
+    verbose = property(lambda self: self.options.verbose, doc="A log line per save.")
+    compression = property(lambda self: self.options.compression, doc="The CompressionPolicy.")
+    planner_options = property(
+        lambda self: dict(self.options.planner_options), doc="The Planner's further arguments."
+    )
+    storage_options = property(
+        lambda self: dict(self.options.storage_options), doc="The fsspec options (secret)."
+    )
 
     @property
     @override
@@ -230,31 +211,20 @@ class CociCheckpoint(Checkpoint):
         io.storage_options = self.storage_options
         if stage != "fit":
             return
-        options = dict(self.planner_options)
-        options.setdefault("total_steps", trainer.max_steps if trainer.max_steps > 0 else None)
-        if self.policy == "epoch":  # the real interval is set in on_train_start
-            options["steps_per_epoch"] = 1
+        options = self.options
+        if "total_steps" not in self.planner_options and trainer.max_steps > 0:
+            planner = options.planner.with_total_steps(trainer.max_steps)
+            options = dataclasses.replace(options, planner=planner)
         self.checkpointer = Checkpointer(
             self.resolve_dirpath(trainer),
-            policy=self.policy,
-            objective=self.objective,
-            mtbf_s=self.mtbf_s,
-            keep_last=self.keep_last,
-            compression=self.compression,
-            compression_options=self.compression_options,
-            block=self.block,
-            planner_options=options,
+            options,
             rank=trainer.global_rank,
             sinks=make_sinks(trainer, self.resolve_dirpath(trainer)),
             listeners=[self._relay],
             broadcast=(lambda obj: trainer.strategy.broadcast(obj, src=0))
             if trainer.world_size > 1
             else None,
-            manager_options={
-                "group": _rank_group(trainer),
-                "storage_options": self.storage_options,
-            },
-            verbose=self.verbose,
+            manager_options={"group": _rank_group(trainer)},
         )
         if self._planner_state is not None:
             self.checkpointer.load_state_dict(self._planner_state)

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coci_core.codecs import QuantState, choose_bits, decode, encode_quantized
-from coci_core.codecs.quantized import _from_work, _to_work
+from coci_core.codecs.quantizer import from_work, to_work
 from coci_core.errors import ConfigError, CorruptCheckpointError
 from tests.codecs.helpers import FLOATS, States, as_float64, float_bytes
 
@@ -258,11 +258,11 @@ def test_bound_holds_for_any_delta(
 def test_bfloat16_rounding_matches_torch() -> None:
     w = torch.randn(100_000, dtype=torch.float32) * 10.0 ** torch.randint(-30, 30, (100_000,))
     w[:4] = torch.tensor([float("nan"), float("inf"), -0.0, 3.4e38])
-    ours = _from_work(w.numpy(), "bfloat16").view("<u2")
+    ours = from_work(w.numpy(), "bfloat16").view("<u2")
     theirs = w.to(torch.bfloat16).view(torch.int16).numpy().view("<u2")
     same = ours == theirs
     assert same[4:].all() and same[1:4].all()
-    assert np.isnan(_to_work(ours.view(np.uint8)[:2], "bfloat16")[0])
+    assert np.isnan(to_work(ours.view(np.uint8)[:2], "bfloat16")[0])
 
 
 @pytest.mark.parametrize("dtype", FLOATS)

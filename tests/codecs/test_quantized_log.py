@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from coci_core.codecs import QuantState, decode, encode_lossless, encode_quantized
 from coci_core.codecs._common import pack_sections, unpack_sections
 from coci_core.codecs.lossless import decode_lossless
-from coci_core.codecs.quantized import MAX_LOG_STEP
+from coci_core.codecs.quantizer import MAX_LOG_STEP
 from coci_core.errors import CorruptCheckpointError
 from tests.codecs.helpers import FLOATS, States, as_float64
 

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from coci_core.codecs._common import Buffer, Encoded, Params, p_bool, p_str, u8, writable_u8
+from coci_core.codecs._common import Buffer, Encoded, Params, u8, writable_u8
+from coci_core.codecs._params import p_bool, p_str
 from coci_core.codecs.chunked import (
     CHUNKS,
     chunk_hashes,

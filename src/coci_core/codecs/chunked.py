@@ -21,19 +21,12 @@ import numpy as np
 import torch
 import xxhash
 
+from coci_core.codecs import _params
 from coci_core.codecs._common import (
     Buffer,
     Encoded,
     Params,
-    base_fields,
-    check_codec,
-    check_out,
-    check_result,
     itemsize_of,
-    p_bool,
-    p_dict,
-    p_int,
-    p_str,
     pack_sections,
     u8,
     unpack_sections,
@@ -138,7 +131,7 @@ def encode_chunked(
         "nchunks": nchunks,
         "changed": int(changed.size),
         "root": merkle_root(hashes),
-        **(base_fields(base_step) if use_base else {"base": False}),
+        **(_params.base_fields(base_step) if use_base else {"base": False}),
         "inner": inner,
         "exact": True,
         "xxh3": xxh128(arr),
@@ -150,19 +143,19 @@ def encode_chunked(
 
 
 def _sections(stored: Buffer, params: Params) -> tuple[bytes, memoryview, memoryview]:
-    nchunks = p_int(params, "nchunks")
+    nchunks = _params.p_int(params, "nchunks")
     hashes, idx, body = unpack_sections(stored, 3)
     if hashes.nbytes != nchunks * HASH_SIZE:
         raise CorruptCheckpointError("stored chunk hash list has the wrong size")
     hb = bytes(hashes)
-    if merkle_root(hb) != p_str(params, "root"):
+    if merkle_root(hb) != _params.p_str(params, "root"):
         raise CorruptCheckpointError("stored chunk hashes do not match the recorded Merkle root")
     return hb, idx, body
 
 
 def stored_hashes(stored: Buffer, params: Params) -> bytes:
     """The packed chunk hashes inside a stored ``coci.chunks/1`` piece (checked against root)."""
-    check_codec(params, CHUNKS)
+    _params.check_codec(params, CHUNKS)
     return _sections(stored, params)[0]
 
 
@@ -174,23 +167,23 @@ def decode_chunked(
     ``base`` is the base checkpoint's decoded bytes of the same piece (needed when
     ``params["base"]`` is true). Every chunk written is checked against its recorded hash.
     """
-    check_codec(params, CHUNKS)
+    _params.check_codec(params, CHUNKS)
     dst = writable_u8(out)
-    n = check_out(params, dst)
-    chunk = p_int(params, "chunk", lo=64)
-    p_int(params, "itemsize", lo=1, hi=64)
-    nchunks = p_int(params, "nchunks")
+    n = _params.check_out(params, dst)
+    chunk = _params.p_int(params, "chunk", lo=64)
+    _params.p_int(params, "itemsize", lo=1, hi=64)
+    nchunks = _params.p_int(params, "nchunks")
     if nchunks != -(-n // chunk):
         raise CorruptCheckpointError("chunk count does not match size and chunk length")
     hashes, idx_mv, body = _sections(stored, params)
     if idx_mv.nbytes % 4:
         raise CorruptCheckpointError("changed-chunk index list has a bad size")
     idx = np.frombuffer(idx_mv, "<u4").astype(np.int64)
-    if idx.size != p_int(params, "changed") or (
+    if idx.size != _params.p_int(params, "changed") or (
         idx.size and (idx[0] < 0 or idx[-1] >= nchunks or np.any(np.diff(idx) <= 0))
     ):
         raise CorruptCheckpointError("changed-chunk index list is malformed")
-    uses_base = p_bool(params, "base")
+    uses_base = _params.p_bool(params, "base")
     if not uses_base and idx.size != nchunks:
         raise CorruptCheckpointError("a piece without a base must store every chunk")
     if uses_base:
@@ -201,12 +194,12 @@ def decode_chunked(
             raise CorruptCheckpointError(f"base has {b.nbytes} bytes, the piece expects {n}")
     plen = sum(min(chunk, n - int(i) * chunk) for i in idx)
     payload = np.empty(plen, np.uint8)
-    inner = p_dict(params, "inner")
-    codec = p_str(inner, "codec")
+    inner = _params.p_dict(params, "inner")
+    codec = _params.p_str(inner, "codec")
     if codec == LOSSLESS:
         decode_lossless(body, inner, payload, threads=threads)
     elif codec == "coci.raw/1":
-        if body.nbytes != plen or p_int(inner, "nbytes") != plen:
+        if body.nbytes != plen or _params.p_int(inner, "nbytes") != plen:
             raise CorruptCheckpointError("stored chunks have the wrong size")
         payload[:] = np.frombuffer(body, np.uint8)
     else:
@@ -224,4 +217,4 @@ def decode_chunked(
         if xxhash.xxh3_128_digest(dst[lo:hi].data) != hashes[i * HASH_SIZE : (i + 1) * HASH_SIZE]:
             where = "stored" if is_new[i] else "base"
             raise CorruptCheckpointError(f"chunk {i} ({where}) does not match its recorded hash")
-    check_result(params, dst)
+    _params.check_result(params, dst)

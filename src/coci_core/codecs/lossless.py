@@ -21,20 +21,14 @@ import numpy as np
 import torch
 import zstandard
 
+from coci_core.codecs import _params
 from coci_core.codecs._common import (
     FLOAT_DTYPES,
     U8,
     Buffer,
     Encoded,
     Params,
-    base_fields,
-    check_base,
-    check_codec,
-    check_out,
-    check_result,
     itemsize_of,
-    p_bool,
-    p_int,
     pack_sections,
     pmap,
     u8,
@@ -208,9 +202,9 @@ def _encode_planes(codec: str, arr: U8, planes: U8, layout: _Layout, extra: Para
 
 def _read_layout(params: Params) -> tuple[int, bool, int]:
     return (
-        p_int(params, "itemsize", lo=1, hi=64),
-        p_bool(params, "shuffle"),
-        p_int(params, "segment", lo=64),
+        _params.p_int(params, "itemsize", lo=1, hi=64),
+        _params.p_bool(params, "shuffle"),
+        _params.p_int(params, "segment", lo=64),
     )
 
 
@@ -239,12 +233,12 @@ def encode_lossless(
 
 def decode_lossless(stored: Buffer, params: Params, out: Buffer, *, threads: int = 1) -> None:
     """Write the bytes encoded by :func:`encode_lossless` into ``out``."""
-    check_codec(params, LOSSLESS)
+    _params.check_codec(params, LOSSLESS)
     dst = writable_u8(out)
-    check_out(params, dst)
+    _params.check_out(params, dst)
     itemsize, shuffle, segment = _read_layout(params)
     _decompress(stored, dst, itemsize, shuffle, segment, threads)
-    check_result(params, dst)
+    _params.check_result(params, dst)
 
 
 def encode_xor(
@@ -273,7 +267,7 @@ def encode_xor(
     if arr.nbytes != b.nbytes:
         raise ConfigError(f"data has {arr.nbytes} bytes but its base has {b.nbytes}")
     layout = _Layout(itemsize, shuffle, levels, threads, segment)
-    extra: Params = {**base_fields(base_step), "base_xxh3": xxh128(b)}
+    extra: Params = {**_params.base_fields(base_step), "base_xxh3": xxh128(b)}
     return _encode_planes(XOR, arr, np.bitwise_xor(arr, b), layout, extra)
 
 
@@ -281,11 +275,11 @@ def decode_xor(
     stored: Buffer, params: Params, out: Buffer, base: Buffer | None, *, threads: int = 1
 ) -> None:
     """Write the bytes encoded by :func:`encode_xor` into ``out``; ``base`` as given to it."""
-    check_codec(params, XOR)
+    _params.check_codec(params, XOR)
     dst = writable_u8(out)
-    n = check_out(params, dst)
-    b = check_base(params, base, n)
+    n = _params.check_out(params, dst)
+    b = _params.check_base(params, base, n)
     itemsize, shuffle, segment = _read_layout(params)
     _decompress(stored, dst, itemsize, shuffle, segment, threads)
     np.bitwise_xor(dst, b, out=dst)
-    check_result(params, dst)
+    _params.check_result(params, dst)

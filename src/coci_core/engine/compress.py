@@ -10,6 +10,7 @@ when compressing does not pay, only the chunks whose hash changed. Each piece de
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -116,10 +117,38 @@ class CompressionPolicy:
 def check_policy(
     compression: str | CompressionPolicy | None, options: Mapping[str, Any] | None = None
 ) -> CompressionPolicy:
-    """A policy from a mode name (plus knobs) or a policy."""
+    """A policy from a mode name (plus its knobs, ``options``) or a policy object.
+
+    Raises:
+        ConfigError: a bad mode or knob, or knobs given beside a policy object.
+    """
     if isinstance(compression, CompressionPolicy):
+        if options:
+            raise ConfigError(
+                "'compression_options' go with a mode name; a CompressionPolicy carries its "
+                f"own: give CompressionPolicy({', '.join(f'{k}=...' for k in options)}) instead"
+            )
         return compression
+    if compression is not None and not isinstance(compression, str):
+        raise ConfigError(
+            f"'compression' must be one of {MODES} or a CompressionPolicy: {compression!r}"
+        )
+    if options is not None and not (
+        isinstance(options, Mapping) and all(isinstance(k, str) for k in options)
+    ):
+        raise ConfigError(
+            f"'compression_options' must be a dict of CompressionPolicy knobs or None: {options!r}"
+        )
+    unknown = sorted(set(options or {}) - _KNOBS)
+    if unknown:
+        raise ConfigError(
+            f"'compression_options' has knobs CompressionPolicy does not take: {unknown} "
+            f"(it takes {', '.join(sorted(_KNOBS))})"
+        )
     return CompressionPolicy(mode=compression or "none", **dict(options or {}))
+
+
+_KNOBS = frozenset(f.name for f in dataclasses.fields(CompressionPolicy)) - {"mode"}
 
 
 @dataclass

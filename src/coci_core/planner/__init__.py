@@ -20,14 +20,11 @@ from coci_core.planner.optimize import (
     OBJECTIVES,
     CostBreakdown,
     Problem,
-    closed_form_schedule,
     daly_interval_s,
-    dp_schedule,
     expected_cost,
-    uniform_schedule,
     young_interval_s,
 )
-from coci_core.planner.planner import Planner, PlannerReport
+from coci_core.planner.planner import Planner, PlannerConfig, PlannerReport, planner_config
 from coci_core.planner.policies import (
     POLICIES,
     CheckFreq,
@@ -44,6 +41,7 @@ from coci_core.planner.policies import (
 )
 from coci_core.planner.schedule import ExpectedOverhead, Schedule, plan_schedule
 from coci_core.planner.simulate import METRICS, MetricEstimate, SimulationResult, simulate
+from coci_core.planner.solvers import closed_form_schedule, dp_schedule, uniform_schedule
 
 __all__ = [
     "DEFAULT_MTBF_S",
@@ -68,6 +66,7 @@ __all__ = [
     "NoTermination",
     "PlanContext",
     "Planner",
+    "PlannerConfig",
     "PlannerReport",
     "Problem",
     "SavePolicy",
@@ -85,6 +84,7 @@ __all__ = [
     "fit_loss_curve",
     "make_policy",
     "plan_schedule",
+    "planner_config",
     "simulate",
     "uniform_schedule",
     "value_density",

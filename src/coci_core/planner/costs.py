@@ -14,7 +14,7 @@ import numpy as np
 
 from coci_core.planner._checks import check_optional_positive, check_positive
 
-__all__ = ["COST_NAMES", "CostEstimate", "CostEstimator"]
+__all__ = ["COST_NAMES", "CostEstimate", "CostEstimator", "CostInputs"]
 
 COST_NAMES = ("step_time_s", "stall_s", "persist_s", "restart_s", "loop_cost_s")
 #: restart and stall times assumed before the first measured restore and save
@@ -31,33 +31,57 @@ class CostEstimate:
     source: str
 
 
+@dataclass(frozen=True, kw_only=True)
+class CostInputs:
+    """The user-given costs (each overrides its measurements) and the defaults assumed before
+    the first measurement, checked by :meth:`check`."""
+
+    step_time_s: float | None
+    stall_s: float | None
+    persist_s: float | None
+    restart_s: float | None
+    default_restart_s: float
+    default_stall_s: float
+
+    @classmethod
+    def check(
+        cls,
+        *,
+        step_time_s: float | None,
+        stall_s: float | None,
+        persist_s: float | None,
+        restart_s: float | None,
+        default_restart_s: float,
+        default_stall_s: float,
+    ) -> CostInputs:
+        """The checked inputs, or ConfigError naming the bad one."""
+        return cls(
+            step_time_s=check_optional_positive("step_time_s", step_time_s),
+            stall_s=check_optional_positive("stall_s", stall_s),
+            persist_s=None if persist_s is None else _nonneg("persist_s", persist_s),
+            restart_s=None if restart_s is None else _nonneg("restart_s", restart_s),
+            default_restart_s=check_positive("default_restart_s", default_restart_s),
+            default_stall_s=check_positive("default_stall_s", default_stall_s),
+        )
+
+
 class CostEstimator:
     """Running medians over recent samples; user-given values override measured ones.
 
     Thread-safe: ``add`` may be called from a background persist thread.
     """
 
-    def __init__(
-        self,
-        *,
-        step_time_s: float | None = None,
-        stall_s: float | None = None,
-        persist_s: float | None = None,
-        restart_s: float | None = None,
-        default_restart_s: float = DEFAULT_RESTART_S,
-        default_stall_s: float = DEFAULT_STALL_S,
-    ) -> None:
+    def __init__(self, inputs: CostInputs | None = None) -> None:
+        inputs = inputs if inputs is not None else _DEFAULT_INPUTS
+        self.inputs = inputs
         self._user = {
-            "step_time_s": check_optional_positive("step_time_s", step_time_s),
-            "stall_s": check_optional_positive("stall_s", stall_s),
-            "persist_s": None if persist_s is None else _nonneg("persist_s", persist_s),
-            "restart_s": None if restart_s is None else _nonneg("restart_s", restart_s),
+            "step_time_s": inputs.step_time_s,
+            "stall_s": inputs.stall_s,
+            "persist_s": inputs.persist_s,
+            "restart_s": inputs.restart_s,
             "loop_cost_s": None,  # measured only
         }
-        self._defaults = {
-            "restart_s": check_positive("default_restart_s", default_restart_s),
-            "stall_s": check_positive("default_stall_s", default_stall_s),
-        }
+        self._defaults = {"restart_s": inputs.default_restart_s, "stall_s": inputs.default_stall_s}
         self._samples: dict[str, deque[float]] = {k: deque(maxlen=_WINDOW[k]) for k in COST_NAMES}
         self._lock = threading.Lock()
 
@@ -109,3 +133,13 @@ def _nonneg(name: str, value: float) -> float:
     from coci_core.planner._checks import check_nonnegative
 
     return check_nonnegative(name, value)
+
+
+_DEFAULT_INPUTS = CostInputs(
+    step_time_s=None,
+    stall_s=None,
+    persist_s=None,
+    restart_s=None,
+    default_restart_s=DEFAULT_RESTART_S,
+    default_stall_s=DEFAULT_STALL_S,
+)

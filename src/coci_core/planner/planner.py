@@ -14,12 +14,19 @@ when the loss leaves its fitted curve (a regime change); never on every step.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import dataclasses
+import inspect
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Generic, TypeVar, overload
 
 from coci_core.errors import ConfigError
 from coci_core.planner._checks import check_int
-from coci_core.planner.costs import DEFAULT_RESTART_S, DEFAULT_STALL_S, CostEstimator
+from coci_core.planner.costs import (
+    DEFAULT_RESTART_S,
+    DEFAULT_STALL_S,
+    CostEstimator,
+    CostInputs,
+)
 from coci_core.planner.fixed_interval import is_fixed_save
 from coci_core.planner.model import DEFAULT_MTBF_S, Termination
 from coci_core.planner.observations import RunObservations
@@ -29,9 +36,9 @@ from coci_core.planner.policies import SavePolicy, make_policy
 from coci_core.planner.replanning import MAX_HORIZON_STEPS as MAX_HORIZON_STEPS  # re-exported
 from coci_core.planner.replanning import Replanner
 from coci_core.planner.report import PlannerReport, build_report, explain_step
-from coci_core.planner.settings import PlannerSettings, make_settings
+from coci_core.planner.settings import PlannerConfig, PlannerSettings, make_settings
 
-__all__ = ["Planner", "PlannerReport"]
+__all__ = ["Planner", "PlannerConfig", "PlannerReport", "planner_config"]
 
 T = TypeVar("T")
 
@@ -121,33 +128,21 @@ class Planner:
         grid_points: int = 1000,
         min_horizon_steps: int = 1000,
     ) -> None:
-        self._settings: PlannerSettings = make_settings(
-            policy=policy,
-            objective=objective,
-            total_steps=total_steps,
-            mtbf_s=mtbf_s,
-            nodes=nodes,
-            default_mtbf_s=default_mtbf_s,
-            termination=termination,
-            every_n_steps=every_n_steps,
-            every_n_seconds=every_n_seconds,
-            steps_per_epoch=steps_per_epoch,
-            checkfreq_overhead_bound=checkfreq_overhead_bound,
-            start_step=start_step,
-            loss_breakpoints=loss_breakpoints,
-            method=method,
-            grid_points=grid_points,
-            min_horizon_steps=min_horizon_steps,
-        )
-        costs = CostEstimator(
-            step_time_s=step_time_s,
-            stall_s=stall_s,
-            persist_s=persist_s,
-            restart_s=restart_s,
-            default_restart_s=default_restart_s,
-            default_stall_s=default_stall_s,
-        )
-        self._obs = RunObservations(self._settings, costs)
+        arguments = dict(locals())  # exactly the parameters, at this point
+        del arguments["self"]
+        self._start(_checked(arguments))
+
+    @classmethod
+    def from_config(cls, config: PlannerConfig) -> Planner:
+        """A new Planner from arguments checked once by :func:`planner_config` (nothing is
+        checked again; the planner gets its own copy of the settings)."""
+        planner = cls.__new__(cls)
+        planner._start(config)
+        return planner
+
+    def _start(self, config: PlannerConfig) -> None:
+        self._settings: PlannerSettings = dataclasses.replace(config.settings)
+        self._obs = RunObservations(self._settings, CostEstimator(config.costs))
         self._plan = Replanner(self._settings, self._obs)
 
     policy_name = _Setting[str]()
@@ -279,3 +274,32 @@ class Planner:
             ConfigError: if the state is from another format version or policy.
         """
         load_planner_state(self._plan, state)
+
+
+def planner_config(options: Mapping[str, Any]) -> PlannerConfig:
+    """Check a Planner's keyword arguments once (e.g. when an adapter is constructed, long
+    before its run starts); :meth:`Planner.from_config` makes planners from the result.
+
+    Raises:
+        ConfigError: on an argument the Planner does not take, or a bad value, naming it.
+    """
+    try:
+        bound = _SIGNATURE.bind(**options)
+    except TypeError as e:
+        raise ConfigError(
+            f"the Planner takes none of these arguments: {sorted(set(options) - _ARGUMENTS)} "
+            f"(it takes {', '.join(sorted(_ARGUMENTS))})"
+        ) from e
+    bound.apply_defaults()
+    return _checked(bound.arguments)
+
+
+def _checked(arguments: Mapping[str, Any]) -> PlannerConfig:
+    settings = {k: v for k, v in arguments.items() if k not in _COST_ARGUMENTS}
+    costs = {k: v for k, v in arguments.items() if k in _COST_ARGUMENTS}
+    return PlannerConfig(settings=make_settings(**settings), costs=CostInputs.check(**costs))
+
+
+_SIGNATURE = inspect.signature(Planner)
+_ARGUMENTS = frozenset(_SIGNATURE.parameters)
+_COST_ARGUMENTS = frozenset(inspect.signature(CostInputs.check).parameters)

@@ -17,12 +17,10 @@ from coci_core.planner.model import NoTermination
 from coci_core.planner.optimize import (
     IntArray,
     Problem,
-    closed_form_schedule,
     daly_interval_s,
-    dp_schedule,
-    uniform_schedule,
     young_interval_s,
 )
+from coci_core.planner.solvers import closed_form_schedule, dp_schedule, uniform_schedule
 
 __all__ = [
     "POLICIES",

@@ -25,9 +25,9 @@ from coci_core.planner.optimize import (
     check_objective,
     daly_interval_s,
     expected_cost,
-    uniform_schedule,
 )
 from coci_core.planner.policies import PlanContext, SavePolicy, make_policy
+from coci_core.planner.solvers import uniform_schedule
 
 __all__ = ["ExpectedOverhead", "Schedule", "build_curve", "plan_schedule"]
 

@@ -7,12 +7,14 @@ is seen by all of them.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from coci_core.errors import ConfigError
 from coci_core.planner._checks import check_int, check_optional_positive, check_positive
+from coci_core.planner.costs import CostInputs
 from coci_core.planner.fixed_interval import fixed_interval_of
 from coci_core.planner.model import Termination, make_termination
 from coci_core.planner.optimize import check_objective
@@ -26,7 +28,7 @@ from coci_core.planner.policies import (
     make_policy,
 )
 
-__all__ = ["PlannerSettings", "make_settings", "policy_arguments"]
+__all__ = ["PlannerConfig", "PlannerSettings", "make_settings", "policy_arguments"]
 
 
 @dataclass(kw_only=True)
@@ -61,6 +63,24 @@ class PlannerSettings:
         if self.every_n_seconds is not None:
             caps.append(max(1, int(self.every_n_seconds / step_time_s)))
         return min(caps) if caps else None
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlannerConfig:
+    """A Planner's arguments, checked once (see :func:`~coci_core.planner.planner_config`);
+    :meth:`~coci_core.planner.Planner.from_config` makes planners of it, each with its own
+    copy of ``settings``."""
+
+    settings: PlannerSettings
+    costs: CostInputs
+
+    def with_total_steps(self, total_steps: int | None) -> PlannerConfig:
+        """The same arguments with another ``total_steps`` (checked against ``start_step``)."""
+        start = self.settings.start_step
+        if total_steps is not None:
+            check_int("total_steps", total_steps, minimum=start + 1)
+        settings = dataclasses.replace(self.settings, total_steps=total_steps)
+        return dataclasses.replace(self, settings=settings)
 
 
 def check_policy_name(policy: str) -> str:

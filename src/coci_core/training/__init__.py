@@ -10,23 +10,22 @@ from coci_core.engine.manifest import MANIFEST_NAME, parse_step_dir, step_dir_na
 from coci_core.engine.restore import LoadedCheckpoint, newest_first, restore_newest
 from coci_core.planner.policies import SavePolicy
 from coci_core.storage import is_url, open_storage
-from coci_core.training.checkpointer import (
-    AdapterArgs,
-    Checkpointer,
-    check_adapter_args,
+from coci_core.training.checkpointer import Checkpointer
+from coci_core.training.options import (
+    CheckpointOptions,
     check_storage_options,
     check_verbose,
+    shared_options,
 )
 
 __all__ = [
     "MANIFEST_NAME",
-    "AdapterArgs",
+    "CheckpointOptions",
     "Checkpointer",
     "LoadedCheckpoint",
     "RankGroup",
     "SaveHandle",
     "SavePolicy",
-    "check_adapter_args",
     "check_policy",
     "check_storage_options",
     "check_verbose",
@@ -35,5 +34,6 @@ __all__ = [
     "open_storage",
     "parse_step_dir",
     "restore_newest",
+    "shared_options",
     "step_dir_name",
 ]

@@ -22,101 +22,18 @@ from coci_core.engine.stateful import Stateful
 from coci_core.errors import ConfigError, StepExistsError
 from coci_core.planner import Planner
 from coci_core.planner.optimize import Problem
-from coci_core.planner.policies import SavePolicy
 from coci_core.planner.schedule import ExpectedOverhead, compare_with_daly
-from coci_core.planner.settings import policy_arguments
-from coci_core.storage import Storage, is_url
+from coci_core.storage import Storage
 from coci_core.telemetry import Event, Listener, RestoreEvent, SaveEvent, TelemetrySink
 from coci_core.telemetry.summary import SaveSummary, save_line
 from coci_core.training.decision import SharedDecision
+from coci_core.training.options import CheckpointOptions
 
-__all__ = ["COMPRESSION_MODES", "Checkpointer"]
+__all__ = ["Checkpointer"]
 
 logger = logging.getLogger(__name__)
 
-COMPRESSION_MODES = ("none", "lossless", "lossy", "auto")
 _MAX_CHECKPOINTS_COSTED = 500  # about 0.25 s of the telemetry thread
-
-
-def check_compression(compression: str | None) -> str:
-    """The compression mode, or a ConfigError saying which modes this version has."""
-    mode = "none" if compression is None else compression
-    if mode not in COMPRESSION_MODES:
-        raise ConfigError(f"'compression' must be one of {COMPRESSION_MODES}: {compression!r}")
-    return mode
-
-
-def check_verbose(verbose: object) -> bool:
-    """``verbose`` is a bool, or a ConfigError naming it."""
-    if not isinstance(verbose, bool):
-        raise ConfigError(f"'verbose' must be a bool (True or False): {verbose!r}")
-    return verbose
-
-
-def check_storage_options(options: object, dirpath: object) -> dict[str, Any]:
-    """``storage_options`` is None or a dict of fsspec options (str keys) for an fsspec URL
-    ``dirpath`` (a string with ``://``); the dict to pass on, or a ConfigError naming it (which
-    never shows the values: they hold credentials)."""
-    if options is None:
-        return {}
-    if not isinstance(options, Mapping) or not all(isinstance(k, str) for k in options):
-        raise ConfigError(
-            "'storage_options' must be a dict of fsspec options (str keys) or None, got "
-            f"{type(options).__name__}"
-        )
-    if options and not is_url(dirpath):
-        raise ConfigError(
-            "'storage_options' apply to an fsspec URL 'dirpath' (e.g. 's3://bucket/run'), "
-            f"not to {dirpath!r}"
-        )
-    return dict(options)
-
-
-@dataclasses.dataclass(frozen=True)
-class AdapterArgs:
-    """An adapter's checked arguments: the Planner's further keyword options, ``verbose``,
-    and the fsspec ``storage_options`` to pass on."""
-
-    planner_options: dict[str, Any]
-    verbose: bool
-    storage_options: dict[str, Any]
-
-
-def check_adapter_args(
-    *,
-    policy: str | SavePolicy,
-    objective: str,
-    mtbf_s: float | None,
-    keep_last: int | None,
-    compression: str | None,
-    block: bool,
-    every_n_steps: int | None,
-    every_n_seconds: float | None,
-    planner_options: Mapping[str, Any] | None,
-    verbose: object,
-    storage_options: object,
-    dirpath: object,
-) -> AdapterArgs:
-    """Check the arguments every framework adapter takes (raising ConfigError at construction,
-    naming the argument): the Planner's further keyword options, ``verbose`` and
-    ``storage_options`` (see :func:`check_storage_options`)."""
-    policy_arguments(policy)
-    if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
-        raise ConfigError(f"'keep_last' must be an integer >= 1 or None: {keep_last!r}")
-    if not isinstance(block, bool):
-        raise ConfigError(f"'block' must be a bool: {block!r}")
-    check_compression(compression)
-    options = dict(planner_options or {})
-    if every_n_steps is not None:
-        options["every_n_steps"] = every_n_steps
-    if every_n_seconds is not None:
-        options["every_n_seconds"] = every_n_seconds
-    Planner(policy=policy, objective=objective, mtbf_s=mtbf_s, **options)  # checks the rest
-    return AdapterArgs(
-        planner_options=options,
-        verbose=check_verbose(verbose),
-        storage_options=check_storage_options(storage_options, dirpath),
-    )
 
 
 class Checkpointer:
@@ -125,22 +42,12 @@ class Checkpointer:
 
     Args:
         directory: where checkpoints go (a path, an fsspec URL or a Storage).
-        policy: ``"coci"`` (default) or a baseline policy of the planner (``"every_n_steps"``,
-            ``"every_n_seconds"``, ``"daly"``, ``"young"``, ``"checkfreq"``, ``"epoch"``,
-            ``"coci_paper"``).
-        objective: ``"convergence"`` (default), ``"time"`` or ``"progress"``.
-        mtbf_s: mean time between failures of one node in seconds; None estimates it from the
-            run's own restarts with a documented default.
-        keep_last: committed checkpoints to keep.
-        compression: ``"auto"`` (default: compress only where it shortens the time to
-            durable), ``"none"``, ``"lossless"`` or ``"lossy"`` (see docs/compression.md).
-        compression_options: its knobs (``full_every``, ``lossy_bits``, ...; see
-            :class:`~coci_core.engine.compress.CompressionPolicy`).
-        block: snapshot synchronously (True) or overlap the copy with the next forward and
-            backward pass until ``before_update`` (False, the default).
+        options: the checked options (see :class:`CheckpointOptions`); or, instead,
+        **arguments: the keyword arguments of :meth:`CheckpointOptions.check` (``policy``,
+            ``objective``, ``mtbf_s``, ``keep_last``, ``compression``, ``compression_options``,
+            ``every_n_steps``, ``every_n_seconds``, ``block``, ``planner_options``,
+            ``verbose``, ``storage_options``), checked here.
         listeners: telemetry listeners for every save and restore event.
-        planner_options: further keyword arguments of :class:`~coci_core.planner.Planner`
-            (``every_n_steps``, ``every_n_seconds``, ``total_steps``, ``steps_per_epoch``, ...).
         manager_options: further keyword arguments of :class:`~coci_core.CheckpointManager`.
         rank: this process's global rank (rank 0 decides when to save and commits).
         broadcast: for several processes, a collective that sends rank 0's object to every
@@ -148,39 +55,33 @@ class Checkpointer:
         sinks: telemetry sinks (TensorBoard, JSON lines): every save and restore event, the
             plan whenever it changes and at each save, and the observed loss beside the fitted
             curve every ``telemetry_every_n_steps`` steps.
-        verbose: rank 0 logs one line per save (step, stall, MB written, compression, when
-            durable); :meth:`summary_line` is the end-of-training summary either way.
     """
 
     def __init__(
         self,
         directory: str | os.PathLike[str] | Storage,
+        options: CheckpointOptions | None = None,
         *,
-        policy: str | SavePolicy = "coci",
-        objective: str = "convergence",
-        mtbf_s: float | None = None,
-        keep_last: int | None = 3,
-        compression: str | None = "auto",
-        compression_options: Mapping[str, Any] | None = None,
-        block: bool = False,
         listeners: Iterable[Listener] = (),
-        planner_options: Mapping[str, Any] | None = None,
         manager_options: Mapping[str, Any] | None = None,
         rank: int = 0,
         broadcast: Callable[[Any], Any] | None = None,
         sinks: Iterable[TelemetrySink] = (),
         telemetry_every_n_steps: int = 50,
-        verbose: bool = False,
+        **arguments: Any,
     ) -> None:
-        self.compression = check_compression(compression)
-        self.verbose = check_verbose(verbose)
+        if options is None:
+            options = CheckpointOptions.check(dirpath=directory, **arguments)
+        elif arguments:
+            raise ConfigError(
+                f"give the options as 'options' or as keyword arguments, not both: "
+                f"{sorted(arguments)}"
+            )
+        self.options = options
+        self.verbose = options.verbose
         self.summary = SaveSummary()
-        if not isinstance(block, bool):
-            raise ConfigError(f"'block' must be a bool: {block!r}")
-        self.block = block
-        self.planner = Planner(
-            policy=policy, objective=objective, mtbf_s=mtbf_s, **dict(planner_options or {})
-        )
+        self.block = options.block
+        self.planner = Planner.from_config(options.planner)
         if type(telemetry_every_n_steps) is not int or telemetry_every_n_steps < 1:
             raise ConfigError(
                 f"'telemetry_every_n_steps' must be an integer >= 1: {telemetry_every_n_steps!r}"
@@ -198,10 +99,10 @@ class Checkpointer:
         self._listeners: list[Listener] = list(listeners)
         self.manager = CheckpointManager(
             directory,
-            keep_last=keep_last,
-            compression=self.compression,
-            compression_options=compression_options,
+            keep_last=options.keep_last,
+            compression=options.compression,
             listeners=[self._on_event],
+            storage_options=options.storage_options,
             **dict(manager_options or {}),
         )
         self.last_save: SaveEvent | None = None

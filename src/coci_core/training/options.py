@@ -1,0 +1,168 @@
+"""The options every framework adapter takes, checked once when the adapter is made.
+
+An adapter (``CociCheckpoint``, ``CociCheckpointer``) turns its keyword arguments into one
+:class:`CheckpointOptions` in its constructor, so that a bad argument fails there (naming it),
+long before training starts; the :class:`~coci_core.training.Checkpointer` it later opens takes
+the options as they are, without checking them again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from coci_core.engine.compress import CompressionPolicy, check_policy
+from coci_core.errors import ConfigError
+from coci_core.planner import PlannerConfig, planner_config
+from coci_core.planner.policies import SavePolicy
+from coci_core.planner.settings import policy_arguments
+from coci_core.storage import is_url
+
+__all__ = [
+    "CheckpointOptions",
+    "check_keep_last",
+    "check_storage_options",
+    "check_verbose",
+    "shared_options",
+]
+
+
+def check_keep_last(keep_last: object) -> int | None:
+    """``keep_last`` is an integer >= 1 or None, or a ConfigError naming it."""
+    if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
+        raise ConfigError(f"'keep_last' must be an integer >= 1 or None: {keep_last!r}")
+    return keep_last
+
+
+def check_verbose(verbose: object) -> bool:
+    """``verbose`` is a bool, or a ConfigError naming it."""
+    if not isinstance(verbose, bool):
+        raise ConfigError(f"'verbose' must be a bool (True or False): {verbose!r}")
+    return verbose
+
+
+def check_storage_options(options: object, dirpath: object) -> dict[str, Any]:
+    """``storage_options`` is None or a dict of fsspec options (str keys) for an fsspec URL
+    ``dirpath`` (a string with ``://``); the dict to pass on, or a ConfigError naming it (which
+    never shows the values: they hold credentials)."""
+    if options is None:
+        return {}
+    if not isinstance(options, Mapping) or not all(isinstance(k, str) for k in options):
+        raise ConfigError(
+            "'storage_options' must be a dict of fsspec options (str keys) or None, got "
+            f"{type(options).__name__}"
+        )
+    if options and not is_url(dirpath):
+        raise ConfigError(
+            "'storage_options' apply to an fsspec URL 'dirpath' (e.g. 's3://bucket/run'), "
+            f"not to {dirpath!r}"
+        )
+    return dict(options)
+
+
+def _check_planner_options(options: object) -> dict[str, Any]:
+    if options is not None and not (
+        isinstance(options, Mapping) and all(isinstance(k, str) for k in options)
+    ):
+        raise ConfigError(
+            f"'planner_options' must be a dict of keyword arguments (str keys) or None: {options!r}"
+        )
+    return dict(options or {})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointOptions:
+    """What an adapter was asked for, checked: made by :meth:`check`.
+
+    Attributes:
+        policy: the policy as given (a name or a policy object).
+        planner_options: the Planner's keyword arguments beyond policy, objective and MTBF
+            (with ``every_n_steps``/``every_n_seconds`` when given on their own).
+        planner: the Planner's arguments, checked.
+        compression: the compression policy.
+        keep_last: committed checkpoints to keep (None: all).
+        block: snapshot synchronously.
+        verbose: log a line per save.
+        storage_options: fsspec options of a URL directory (credentials: never logged).
+    """
+
+    policy: str | SavePolicy
+    objective: str
+    mtbf_s: float | None
+    planner_options: Mapping[str, Any]
+    planner: PlannerConfig
+    compression: CompressionPolicy
+    keep_last: int | None
+    block: bool
+    verbose: bool
+    storage_options: Mapping[str, Any] = dataclasses.field(repr=False)
+
+    @classmethod
+    def check(
+        cls,
+        *,
+        dirpath: object,
+        policy: str | SavePolicy = "coci",
+        objective: str = "convergence",
+        mtbf_s: float | None = None,
+        keep_last: int | None = 3,
+        compression: str | CompressionPolicy | None = "auto",
+        compression_options: Mapping[str, Any] | None = None,
+        every_n_steps: int | None = None,
+        every_n_seconds: float | None = None,
+        block: bool = False,
+        planner_options: Mapping[str, Any] | None = None,
+        verbose: bool = False,
+        storage_options: Mapping[str, Any] | None = None,
+    ) -> CheckpointOptions:
+        """Check each argument once (see the adapters' docstrings for their meaning).
+
+        Raises:
+            ConfigError: naming the first bad argument and what it allows.
+        """
+        policy_arguments(policy)
+        options = _check_planner_options(planner_options)
+        for name, value in (("every_n_steps", every_n_steps), ("every_n_seconds", every_n_seconds)):
+            if value is not None:
+                options[name] = value
+        if not isinstance(block, bool):
+            raise ConfigError(f"'block' must be a bool: {block!r}")
+        return cls(
+            policy=policy,
+            objective=objective,
+            mtbf_s=mtbf_s,
+            planner_options=options,
+            planner=planner_config(
+                {"policy": policy, "objective": objective, "mtbf_s": mtbf_s, **options}
+            ),
+            compression=check_policy(compression, compression_options),
+            keep_last=check_keep_last(keep_last),
+            block=block,
+            verbose=check_verbose(verbose),
+            storage_options=check_storage_options(storage_options, dirpath),
+        )
+
+
+#: the keyword arguments of :meth:`CheckpointOptions.check` that both adapters take as theirs
+SHARED_ARGUMENTS = (
+    "policy",
+    "objective",
+    "mtbf_s",
+    "keep_last",
+    "compression",
+    "compression_options",
+    "every_n_steps",
+    "every_n_seconds",
+    "block",
+    "planner_options",
+    "verbose",
+    "storage_options",
+)
+
+
+def shared_options(arguments: Mapping[str, Any]) -> dict[str, Any]:
+    """The arguments of an adapter's constructor (its ``locals()``) that
+    :meth:`CheckpointOptions.check` takes, so that each adapter passes them on without
+    spelling out the list again."""
+    return {name: arguments[name] for name in SHARED_ARGUMENTS}
