@@ -6,6 +6,7 @@ import contextlib
 import functools
 import logging
 import math
+import os
 import sys
 import time
 import uuid
@@ -65,6 +66,10 @@ class CociCheckpointer:
         storage_options: as for ``CociCheckpoint``: the fsspec options of a URL ``dirpath``
             (credentials, endpoint), never logged. With a URL ``dirpath``, telemetry goes to
             Accelerate's TensorBoard tracker (and a ``CociTracker``), no local file.
+        remote: as for ``CociCheckpoint``: a second tier that every checkpoint is copied to
+            in the background, and that ``resume()`` falls back to.
+        remote_keep_last: as for ``CociCheckpoint``.
+        remote_storage_options: as for ``CociCheckpoint``.
     """
 
     def __init__(
@@ -87,6 +92,9 @@ class CociCheckpointer:
         num_epochs: int | None = None,
         verbose: bool = False,
         storage_options: dict[str, Any] | None = None,
+        remote: str | os.PathLike[str] | None = None,
+        remote_keep_last: int | None = 10,
+        remote_storage_options: dict[str, Any] | None = None,
     ) -> None:
         if not isinstance(accelerator, Accelerator):
             raise ConfigError(

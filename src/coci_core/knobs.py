@@ -36,3 +36,18 @@ LEASE_TTL_S = 60.0
 #: Planned steps rank 0 shares at a sync step: far more than are used before the next one
 #: (training/decision.py).
 SCHEDULE_SENT = 64
+
+# -- the remote tier (engine/tiers.py) -----------------------------------------------------
+#: A failed upload is retried after this long, doubling up to UPLOAD_BACKOFF_MAX_S.
+UPLOAD_BACKOFF_START_S = 0.5
+UPLOAD_BACKOFF_MAX_S = 30.0
+#: Uploads read the local files in chunks of this size (one buffer, reused).
+UPLOAD_CHUNK_BYTES = 64 * MiB
+#: ``close()`` waits this long at most for a pending upload.
+UPLOAD_CLOSE_TIMEOUT_S = 600.0
+
+# -- object stores (storage/s3_parallel.py) ------------------------------------------------
+#: The part size of multipart uploads and of parallel ranged reads (S3's minimum is 5 MiB).
+S3_PART_BYTES = 16 * MiB
+#: Parts uploaded (or ranges read) at once.
+S3_PARALLEL = 4

@@ -91,6 +91,15 @@ class CociCheckpointIO(CheckpointIO):
         self.rank = 0  # whose per-rank state to merge in (set by the callback's setup)
         # for an fsspec URL directory (set by the callback; credentials: never logged)
         self.storage_options: dict[str, Any] = {}
+        # the remote tier's URL and options, for a resume from it (set by the callback)
+        self.remote: str | None = None
+        self.remote_storage_options: dict[str, Any] = {}
+
+    def options_for(self, path: Any) -> dict[str, Any]:
+        """The fsspec options of the tier that ``path`` is in."""
+        if self.remote is not None and str(path).startswith(self.remote.rstrip("/") + "/"):
+            return self.remote_storage_options
+        return self.storage_options
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None
@@ -100,13 +109,14 @@ class CociCheckpointIO(CheckpointIO):
     def load_checkpoint(
         self, path: Any, map_location: Any = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        found = coci_step_of(path, self.storage_options)
+        options = self.options_for(path)
+        found = coci_step_of(path, options)
         if found is None:
             return self.inner.load_checkpoint(
                 path, map_location=map_location, weights_only=weights_only
             )
         root, step = found
-        storage = open_storage(str(root), **self.storage_options)
+        storage = open_storage(str(root), **options)
         if getattr(self, "fallback_for", None) == str(path):  # "last": fall back past damage
             loaded, event = restore_newest(storage, start_at=step, rank=self.rank)
         else:
@@ -166,7 +176,7 @@ def install_last_resolution() -> None:
         if cocis and (ckpt_path == "best" or implicit):
             return _resolve_best(self.trainer, fn, implicit=implicit)
         resolved = original(self, state_fn, ckpt_path, **kwargs)
-        options = cocis[0].storage_options if cocis else None
+        options = cocis[0].storage_options_for(resolved) if cocis else None
         if coci_step_of(resolved, options) is not None:
             # validate/test/predict (and fit) of a coci step directory, with or without a
             # CociCheckpoint attached: read it with coci's restore
@@ -223,7 +233,7 @@ def _resolve_last(trainer: Any, coci: Any) -> str | None:
         coci_step = int(str(newest).rstrip("/").rsplit("-", 1)[-1])
         manifest = str(newest).rstrip("/") + "/" + MANIFEST_NAME
         # only compared with Lightning's own files (no request to the store without them)
-        coci_time = _mtime(manifest, **coci.storage_options) if others else 0.0
+        coci_time = _mtime(manifest, **coci.storage_options_for(manifest)) if others else 0.0
         newer = []
         for p in others:
             step = steps[p]

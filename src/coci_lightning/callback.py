@@ -79,6 +79,11 @@ class CociCheckpoint(Checkpoint):
         storage_options: for an fsspec URL ``dirpath``: the file system's options (s3fs:
             ``key``, ``secret``, ``client_kwargs={"endpoint_url": ...}``), used to save, to
             find ``"last"`` and to restore. Never logged. None: the environment's (AWS_* ...).
+        remote: a second tier (e.g. ``"s3://bucket/run"``): each checkpoint committed in
+            ``dirpath`` is copied there in the background; a resume takes the newest intact
+            checkpoint from ``dirpath``, else from ``remote`` (a new node resumes from it).
+        remote_keep_last: checkpoints kept on the remote tier.
+        remote_storage_options: the fsspec options of ``remote``, never logged.
     """
 
     def __init__(
@@ -102,6 +107,9 @@ class CociCheckpoint(Checkpoint):
         planner_options: dict[str, Any] | None = None,
         verbose: bool = False,
         storage_options: dict[str, Any] | None = None,
+        remote: str | os.PathLike[str] | None = None,
+        remote_keep_last: int | None = 10,
+        remote_storage_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         dirpath = _check_dirpath(dirpath)
@@ -189,17 +197,27 @@ class CociCheckpoint(Checkpoint):
             return Path(self.dirpath)
         return Path(trainer.default_root_dir) / "coci"
 
+    def storage_options_for(self, path: object) -> dict[str, Any]:
+        """The fsspec options of the tier that ``path`` is in (``remote`` or ``dirpath``)."""
+        remote = self.options.remote
+        if remote is not None and str(path).startswith(remote.rstrip("/") + "/"):
+            return dict(self.options.remote_storage_options)
+        return dict(self.options.storage_options)
+
     def newest_step_dir(self, trainer: pl.Trainer) -> Path | str | None:
-        """The step directory a resume takes (the newest checkpoint of the newest run), or
-        None."""
+        """The step directory a resume takes (the newest checkpoint of the newest run): in
+        ``dirpath``, or when it has none, in the ``remote`` tier; or None."""
         root = self.resolve_dirpath(trainer)
-        # the newest run's newest checkpoint
-        steps = newest_first(open_storage(str(root), **self.storage_options))
-        if not steps:
-            return None
-        if isinstance(root, str):
-            return root.rstrip("/") + "/" + step_dir_name(steps[0])
-        return root / step_dir_name(steps[0])
+        tiers: list[tuple[Path | str, dict[str, Any]]] = [(root, self.storage_options)]
+        if self.options.remote is not None:
+            tiers.append((self.options.remote, dict(self.options.remote_storage_options)))
+        for base, options in tiers:
+            steps = newest_first(open_storage(str(base), **options))
+            if steps:
+                if isinstance(base, str):
+                    return base.rstrip("/") + "/" + step_dir_name(steps[0])
+                return base / step_dir_name(steps[0])
+        return None
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -209,6 +227,8 @@ class CociCheckpoint(Checkpoint):
         io.fallback_for = self._fallback_for
         io.rank = trainer.global_rank
         io.storage_options = self.storage_options
+        io.remote = self.options.remote
+        io.remote_storage_options = dict(self.options.remote_storage_options)
         if stage != "fit":
             return
         options = self.options

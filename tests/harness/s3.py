@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +63,8 @@ class S3Server:
     log_path: Path
     #: The bucket tests share (SeaweedFS grows 7 volumes per bucket: one bucket, many prefixes).
     bucket: str = ""
+    #: The command line, to start the same server again (same ports, same data).
+    args: list[str] = field(default_factory=list)
 
     @property
     def storage_options(self) -> dict[str, Any]:
@@ -97,6 +99,13 @@ class S3Server:
             return self.log_path.read_text(errors="replace")[-n:]
         except OSError:
             return ""
+
+    def restart(self) -> None:
+        """Start the stopped server again, on the same ports with the same data, and wait
+        until it takes writes."""
+        self.stop()
+        self.process = _launch(self.args, self.workdir, self.log_path)
+        _wait_until_ready(self, make_bucket=False)
 
     def stop(self, timeout: float = 5.0) -> None:
         """SIGTERM, then SIGKILL after ``timeout``: weed's graceful stop waits 15 s for its
@@ -185,9 +194,20 @@ def start_s3_server(workdir: Path) -> S3Server:
         f"-s3.config={config}",
     ]
     log_path = workdir / "weed.log"
-    log = open(log_path, "wb")  # noqa: SIM115 - the server writes to it until it stops
+    process = _launch(args, workdir, log_path)
+    server = S3Server(f"http://127.0.0.1:{s3}", process, workdir, log_path, args=args)
     try:
-        process = subprocess.Popen(
+        _wait_until_ready(server, make_bucket=True)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def _launch(args: list[str], workdir: Path, log_path: Path) -> subprocess.Popen[bytes]:
+    log = open(log_path, "ab")  # noqa: SIM115 - the server writes to it until it stops
+    try:
+        return subprocess.Popen(
             args,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -198,36 +218,36 @@ def start_s3_server(workdir: Path) -> S3Server:
         )
     finally:
         log.close()
-    server = S3Server(f"http://127.0.0.1:{s3}", process, workdir, log_path)
+
+
+def _wait_until_ready(server: S3Server, *, make_bucket: bool) -> None:
+    """Until the gateway answers and a bucket write succeeds (a volume is assigned)."""
+    process = server.process
     deadline = time.monotonic() + _STARTUP_TIMEOUT
-    try:
-        while not _answers(server.endpoint):
-            if process.poll() is not None:
-                raise RuntimeError(
-                    f"weed exited with {process.returncode} before answering:\n{server.log_tail()}"
-                )
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"weed did not answer on {server.endpoint} within {_STARTUP_TIMEOUT:.0f}s:\n"
-                    f"{server.log_tail()}"
-                )
-            # Poll the readiness condition itself; _answers blocks up to its own timeouts.
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                process.wait(timeout=0.1)
-        # A bucket write proves a volume is assigned (the gateway answers before that).
-        fs = server.filesystem()
+    while not _answers(server.endpoint):
+        if process.poll() is not None:
+            raise RuntimeError(
+                f"weed exited with {process.returncode} before answering:\n{server.log_tail()}"
+            )
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"weed did not answer on {server.endpoint} within {_STARTUP_TIMEOUT:.0f}s:\n"
+                f"{server.log_tail()}"
+            )
+        # Poll the readiness condition itself; _answers blocks up to its own timeouts.
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=0.1)
+    # A bucket write proves a volume is assigned (the gateway answers before that).
+    fs = server.filesystem()
+    if make_bucket:
         server.bucket = f"coci-{uuid.uuid4().hex[:8]}"
         fs.mkdir(server.bucket)
-        while True:
-            try:
-                fs.pipe_file(f"{server.bucket}/ready", b"ok")
-                break
-            except Exception:
-                if process.poll() is not None or time.monotonic() > deadline:
-                    raise
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    process.wait(timeout=0.1)
-    except BaseException:
-        server.stop()
-        raise
-    return server
+    while True:
+        try:
+            fs.pipe_file(f"{server.bucket}/ready", b"ok")
+            break
+        except Exception:
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=0.1)

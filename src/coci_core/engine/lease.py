@@ -95,7 +95,7 @@ class _OwnerRecord:
                 self.renew()
             except FileExistsError:
                 self.lost = f"another writer took over {self.storage.url}"
-            except (StorageError, OSError) as e:
+            except Exception as e:  # a store that is down (any client error): retried
                 logger.warning("coci: cannot renew the lease of %s: %s", self.storage.url, e)
                 if time.monotonic() - self.renewed > self.ttl:
                     self.lost = f"the lease of {self.storage.url} could not be renewed in time"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import atexit
-import errno
+import dataclasses
 import hashlib
 import logging
 import os
@@ -13,14 +13,14 @@ import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal
 
+from coci_core.engine import retention
 from coci_core.engine.compress import CompressionPolicy, PieceEncoder, check_policy
 from coci_core.engine.group import RankGroup
 from coci_core.engine.lease import Lease, acquire_lease
-from coci_core.engine.manifest import MANIFEST_NAME, Manifest, parse_step_dir, step_dir_name
+from coci_core.engine.manifest import MANIFEST_NAME, Manifest, step_dir_name
 from coci_core.engine.partition import DEFAULT_CHUNK_BYTES, Share, partition
 from coci_core.engine.persist import PersistJob, PersistWorker, write_checkpoint
 from coci_core.engine.restore import (
-    StepInfo,
     committed_steps,
     read_manifest,
     restore_newest,
@@ -29,12 +29,14 @@ from coci_core.engine.restore import (
 )
 from coci_core.engine.snapshot import Snapshot, Snapshotter
 from coci_core.engine.stateful import Stateful
+from coci_core.engine.tiers import RemoteTier
 from coci_core.engine.tree import ArrayLeaf, FlatState, flatten_state
 from coci_core.errors import (
     BackgroundSaveError,
     CheckpointError,
     CociError,
     ConfigError,
+    CorruptCheckpointError,
     DirectoryInUseError,
     NoCheckpointError,
     StepExistsError,
@@ -42,7 +44,7 @@ from coci_core.errors import (
 )
 from coci_core.knobs import ROOM_MARGIN_BYTES
 from coci_core.storage import Storage, open_storage
-from coci_core.telemetry import Listener, RestoreEvent, SaveEvent, emit
+from coci_core.telemetry import Listener, RestoreEvent, SaveEvent, UploadEvent, emit
 
 __all__ = ["CheckpointManager", "SaveHandle"]
 
@@ -185,6 +187,15 @@ class CheckpointManager:
             :class:`~coci_core.engine.compress.CompressionPolicy`. See docs/compression.md.
         compression_options: knobs of :class:`~coci_core.engine.compress.CompressionPolicy`
             (``full_every``, ``max_lossy_generations``, ``lossy_bits``, ...).
+        remote: a second, remote tier (an fsspec URL such as ``"s3://bucket/run"``, a path or
+            a Storage): each checkpoint committed in ``directory`` is then copied there in the
+            background and committed there too (see :mod:`coci_core.engine.tiers`); a restore
+            takes the newest checkpoint from ``directory`` when it is intact there, else from
+            ``remote`` (a new node with an empty disk resumes from the remote tier).
+        remote_keep_last: committed checkpoints kept on the remote tier (None: all).
+        remote_storage_options: fsspec options of ``remote`` (credentials, endpoint).
+        remote_upload_every: copy every this many checkpoints to ``remote`` (and the newest
+            at ``close``); see :func:`coci_core.planner.two_level.plan_two_levels`.
 
     Runs: each manager starts a new run (``run_id``, stored in every manifest); a restore
     continues the restored checkpoint's run. Restoring without a step takes the newest
@@ -208,9 +219,17 @@ class CheckpointManager:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         compression: str | CompressionPolicy | None = "auto",
         compression_options: Mapping[str, Any] | None = None,
+        remote: str | os.PathLike[str] | Storage | None = None,
+        remote_keep_last: int | None = 10,
+        remote_storage_options: Mapping[str, Any] | None = None,
+        remote_upload_every: int = 1,
     ) -> None:
-        if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
-            raise ConfigError(f"'keep_last' must be an integer >= 1 or None: {keep_last!r}")
+        retention.check_keep_last(keep_last)
+        retention.check_keep_last(remote_keep_last, "remote_keep_last")
+        if type(remote_upload_every) is not int or remote_upload_every < 1:
+            raise ConfigError(
+                f"'remote_upload_every' must be an integer >= 1: {remote_upload_every!r}"
+            )
         if on_busy not in _ON_BUSY:
             raise ConfigError(f"'on_busy' must be one of {_ON_BUSY}: {on_busy!r}")
         if type(worker_niceness) is not int or not 0 <= worker_niceness <= 19:
@@ -273,7 +292,24 @@ class CheckpointManager:
                 # save() asks again and raises.
                 logger.info("coci: %s; this manager can restore, not save, for now", e)
             else:
-                self._remove_uncommitted(done_seq=None)
+                retention.remove_uncommitted(self.storage, self.group, done_seq=None)
+        self.remote: RemoteTier | None = None
+        if remote is not None:
+            if group.world_size > 1:
+                raise ConfigError(
+                    "'remote' (a second tier) is for a manager of one process for now: "
+                    f"this one has {group.world_size} ranks"
+                )
+            self.remote = RemoteTier(
+                self.storage,
+                open_storage(remote, **dict(remote_storage_options or {})),
+                keep_last=remote_keep_last,
+                group=group,
+                run_id=_weak_run_id(self),
+                emit=_weak_emit(self),
+                upload_every=remote_upload_every,
+            )
+            self._owner.remote = self.remote
         _LIVE.add(self)
 
     def __repr__(self) -> str:
@@ -365,7 +401,7 @@ class CheckpointManager:
         own = self._flatten_per_rank(state, per_rank)
         if self.group.is_coordinator and self._owner.lease is None:  # after the input checks
             self._owner.lease = acquire_lease(self.storage, self.group.session)
-            self._remove_uncommitted(done_seq=None)
+            retention.remove_uncommitted(self.storage, self.group, done_seq=None)
         lost = self._owner.lease.lost if self._owner.lease is not None else None
         if lost is not None:
             raise DirectoryInUseError(f"{lost}: this manager no longer owns the directory")
@@ -496,6 +532,8 @@ class CheckpointManager:
             if handle is not None:
                 handle._wait_done()
             self._worker.stop()
+            if self.remote is not None:
+                self.remote.close()
             self._finalizer.detach()
             self._owner.release(None)
             self._raise_failed()
@@ -550,10 +588,20 @@ class CheckpointManager:
                 f"{step_dir_name(job.step)}/{MANIFEST_NAME}"
             )
             if self.group.is_coordinator:
-                self._make_room(job)
+                retention.make_room(
+                    self.storage,
+                    keep_last=self.keep_last,
+                    run_id=self.run_id,
+                    step=job.step,
+                    needed_bytes=job.snapshot.arena.total_bytes * job.group.world_size
+                    + ROOM_MARGIN_BYTES,
+                    next_base=self._encoder.base_step,
+                )
             result = write_checkpoint(self.storage, job, self._encoder)
         except BaseException as e:
-            error: BaseException | None = self._explain_full_disk(e)
+            error: BaseException | None = retention.explain_full_disk(
+                self.storage, e, self.keep_last
+            )
             event = self._event(
                 handle, snapshot, outcome="failed", error=f"{type(error).__name__}: {error}"
             )
@@ -590,7 +638,9 @@ class CheckpointManager:
             # After done: deleting old steps (0.3 s per GB here) must not hold up wait() or
             # the next save; the next job on this thread starts once it is finished.
             if resaved:
-                self._drop_dependants(job.step)
+                retention.drop_dependants(self.storage, job.step)
+            if self.remote is not None:
+                self.remote.submit(job.step)
             self._apply_retention(newest=job.step, done_seq=job.seq)
 
     def _event(self, handle: SaveHandle, snapshot: Snapshot, **fields: Any) -> SaveEvent:
@@ -607,142 +657,20 @@ class CheckpointManager:
             **fields,
         )
 
-    def _drop_dependants(self, step: int) -> None:
-        """A re-saved step replaced the base that later steps' deltas were taken against:
-        those steps can no longer be restored (their base checks would fail), so they go."""
-        try:
-            for other in committed_steps(self.storage):
-                if other == step:
-                    continue
-                try:
-                    bases = read_manifest(self.storage, other).bases
-                except CheckpointError:
-                    continue
-                if step in bases:
-                    logger.warning(
-                        "coci: step %d was re-saved and step %d was a delta against its old "
-                        "contents: step %d is removed",
-                        step,
-                        other,
-                        other,
-                    )
-                    _retire(self.storage, other)
-        except Exception as e:  # never fails a save that is durable; restore would detect it
-            logger.warning("coci: after re-saving step %d: %s", step, e)
-
     def _apply_retention(self, *, newest: int, done_seq: int) -> None:
         # Retention never fails a save that is already durable: its errors are logged.
         try:
             if self.keep_last is not None:
-                own = self._own_steps()
-                cut = max(0, len(own) - self.keep_last)
-                # The newest save's bases, and the base the next deltas will use, are needed
-                # even when it went back to a step below its older checkpoints.
-                needed = _bases_of([*own[cut:], *(i for i in own if i.step == newest)])
-                if self._encoder.base_step is not None:
-                    needed.add(self._encoder.base_step)
-                for info in own[:cut]:
-                    if info.step != newest and info.step not in needed:
-                        _retire(self.storage, info.step)
-                        logger.debug("coci: retention removed step %d", info.step)
-            self._remove_uncommitted(done_seq=done_seq, newest=newest)
+                retention.apply_keep_last(
+                    self.storage,
+                    keep_last=self.keep_last,
+                    run_id=self.run_id,
+                    newest=newest,
+                    next_base=self._encoder.base_step,
+                )
+            retention.remove_uncommitted(self.storage, self.group, done_seq=done_seq, newest=newest)
         except Exception as e:
             logger.warning("coci: retention after step %d failed: %s", newest, e)
-
-    def _own_steps(self) -> list[StepInfo]:
-        """This run's intact committed steps, oldest first (by creation: a run that went back
-        to an older step and trained on has its abandoned later steps first)."""
-        infos: list[StepInfo] = step_infos(self.storage)
-        return [i for i in reversed(infos) if i.intact and i.run == self.run_id]
-
-    def _remove_uncommitted(self, *, done_seq: int | None, newest: int | None = None) -> None:
-        # Runs only while this manager holds the directory's lease, so no other writer can own
-        # what it removes. Only names that coci writes ("step-..."), never a directory with a
-        # manifest, and never a save that another rank of this session may still be writing:
-        # that is, only another session's leftovers and this session's saves older than
-        # ``done_seq``. A step that a crash left renamed aside mid-publish is put back first.
-        sharded = self.group.world_size > 1
-        names = self.storage.list_dir("")
-        for name in names:
-            if not name.startswith("step-"):
-                continue
-            step = parse_step_dir(name)
-            if step is not None:
-                if self.storage.exists(f"{name}/{MANIFEST_NAME}"):
-                    continue
-                # A storage that stages in the final directory (fsspec) names no session.
-                if sharded and (newest is None or step >= newest):
-                    continue
-            elif ".coci-old-" in name:
-                final = name.split(".coci-old-", 1)[0]
-                if (
-                    parse_step_dir(final) is not None
-                    and not self.storage.exists(f"{final}/{MANIFEST_NAME}")
-                    and self.storage.exists(f"{name}/{MANIFEST_NAME}")
-                ):
-                    # A crash between the two renames of a re-save: the old step comes back.
-                    self.storage.remove_dir(final)
-                    self.storage.publish(name, final)
-                    logger.warning("coci: restored step %s, left aside by a crash", final)
-                    continue
-            elif ".coci-" not in name:
-                continue  # not a name coci writes: someone else's, left alone
-            elif sharded and ".coci-tmp-" in name:
-                session, _, seq = name.rsplit(".coci-tmp-", 1)[1].rpartition("-")
-                if session == self.group.session and (
-                    done_seq is None or not seq.isdigit() or int(seq) >= done_seq
-                ):
-                    continue
-            self.storage.remove_dir(name)
-            logger.debug("coci: removed uncommitted %s", name)
-
-    def _make_room(self, job: PersistJob) -> None:
-        """When the storage reports too little free space for this save, delete now the old
-        steps that retention would delete once it commits (never the newest step, nor a base
-        that a kept step or the next delta needs)."""
-        free_bytes = getattr(self.storage, "free_bytes", None)
-        if free_bytes is None or self.keep_last is None:
-            return
-        free = free_bytes()
-        needed = job.snapshot.arena.total_bytes * job.group.world_size + ROOM_MARGIN_BYTES
-        if free is None or free >= needed:
-            return
-        own = self._own_steps()
-        if not own:
-            return
-        keep = [*own[max(0, len(own) - (self.keep_last - 1)) :], own[-1]]
-        protected = {i.step for i in keep} | _bases_of(keep) | {job.step}
-        if self._encoder.base_step is not None:
-            protected.add(self._encoder.base_step)
-        for step in (i.step for i in own):
-            if step in protected:
-                continue
-            _retire(self.storage, step)
-            logger.warning(
-                "coci: %.1f MB free, step %d needs about %.1f MB: removed step %d early (it "
-                "was beyond keep_last=%d once this save commits)",
-                free / 1e6,
-                job.step,
-                needed / 1e6,
-                step,
-                self.keep_last,
-            )
-            free = free_bytes()
-            if free is None or free >= needed:
-                return
-
-    def _explain_full_disk(self, error: BaseException) -> BaseException:
-        if not isinstance(error, OSError) or error.errno != errno.ENOSPC:
-            return error
-        steps = committed_steps(self.storage)
-        new = StorageError(
-            errno.ENOSPC,
-            f"{error.strerror or error}. The storage is full: {len(steps)} committed "
-            f"checkpoint(s) are kept (keep_last={self.keep_last}) and none was deleted for "
-            "this save; free space, lower keep_last, or enable compression",
-        )
-        new.__cause__ = error
-        return new
 
     # -- restoring ------------------------------------------------------------------------
 
@@ -795,17 +723,52 @@ class CheckpointManager:
                 is damaged, or no intact one is left.
         """
         self.wait()
-        loaded, self.last_restore = restore_newest(
-            self.storage,
-            step,
-            rank=self.group.rank if rank is None else rank,
-            strict=self.strict if strict is None else strict,
-        )
+        failure: CheckpointError | None = None
+        for tier, storage in self._tiers_to_restore_from(step):
+            try:
+                loaded, event = restore_newest(
+                    storage,
+                    step,
+                    rank=self.group.rank if rank is None else rank,
+                    strict=self.strict if strict is None else strict,
+                )
+            except (NoCheckpointError, CorruptCheckpointError) as e:
+                if failure is None or isinstance(failure, NoCheckpointError):
+                    failure = e  # report damage before absence
+                continue
+            self.last_restore = dataclasses.replace(event, tier=tier)
+            break
+        else:
+            assert failure is not None
+            raise failure
         if into is not None:
             _load_into(loaded.state, into)
         self.run_id = loaded.manifest.run  # later saves continue the restored run
         emit(self.listeners, self.last_restore)
         return loaded.state
+
+    def _tiers_to_restore_from(
+        self, step: int | None
+    ) -> list[tuple[Literal["local", "remote"], Storage]]:
+        """The tiers in the order a restore tries them: local first, unless only the remote
+        tier has the newest checkpoint (a newer run went on elsewhere)."""
+        if self.remote is None:
+            return [("local", self.storage)]
+        order: list[tuple[Literal["local", "remote"], Storage]] = [
+            ("local", self.storage),
+            ("remote", self.remote.remote),
+        ]
+        if step is None:
+            local, remote = step_infos(self.storage), step_infos(self.remote.remote)
+            here = {(i.run, i.step) for i in local if i.intact}
+            newest = remote[0] if remote and remote[0].intact else None
+            if (
+                newest is not None
+                and (newest.run, newest.step) not in here
+                and (not local or newest.created_unix > local[0].created_unix)
+            ):
+                order.reverse()
+        return order
 
     def verify(self, step: int | None = None) -> dict[int, list[str]]:
         """Damaged array keys per committed step (all steps, or just ``step``); a step that
@@ -827,6 +790,7 @@ class _Owner:
 
     def __init__(self) -> None:
         self.lease: Lease | None = None
+        self.remote: RemoteTier | None = None
 
     def release(self, worker: PersistWorker | None) -> None:
         if worker is not None:
@@ -834,6 +798,28 @@ class _Owner:
         lease, self.lease = self.lease, None
         if lease is not None:
             lease.release()
+        remote, self.remote = self.remote, None
+        if remote is not None and worker is not None:  # freed unclosed: give up the upload
+            remote.close(timeout_s=0.0)
+
+
+def _weak_run_id(manager: CheckpointManager) -> Callable[[], str]:
+    """The manager's current run, without keeping it alive (the upload thread holds this)."""
+    ref = weakref.ref(manager)
+    session = manager.group.session
+    return lambda: getattr(ref(), "run_id", session)
+
+
+def _weak_emit(manager: CheckpointManager) -> Callable[[UploadEvent], None]:
+    """Give an upload event to the manager's listeners while the manager exists."""
+    ref = weakref.ref(manager)
+
+    def send(event: UploadEvent) -> None:
+        owner = ref()
+        if owner is not None:
+            emit(owner.listeners, event)
+
+    return send
 
 
 def _weak_runner(manager: CheckpointManager) -> Callable[[Any], None]:
@@ -845,21 +831,6 @@ def _weak_runner(manager: CheckpointManager) -> Callable[[Any], None]:
             owner._run_job(item)
 
     return run
-
-
-def _bases_of(infos: Iterable[StepInfo]) -> set[int]:
-    """The steps whose data these checkpoints' deltas need (kept with them)."""
-    return {base for info in infos for base in info.bases}
-
-
-def _retire(storage: Storage, step: int) -> None:
-    """Delete a committed step so that no crash leaves its manifest without its data: the
-    storage un-publishes it first where it can (``retire``)."""
-    retire = getattr(storage, "retire", None)
-    if retire is not None:
-        retire(step_dir_name(step))
-    else:
-        storage.remove_dir(step_dir_name(step))
 
 
 def _load_into(state: Mapping[str, Any], into: Mapping[str, Stateful]) -> None:

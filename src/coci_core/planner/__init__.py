@@ -42,6 +42,7 @@ from coci_core.planner.policies import (
 from coci_core.planner.schedule import ExpectedOverhead, Schedule, plan_schedule
 from coci_core.planner.simulate import METRICS, MetricEstimate, SimulationResult, simulate
 from coci_core.planner.solvers import closed_form_schedule, dp_schedule, uniform_schedule
+from coci_core.planner.two_level import TierCosts, TwoLevelPlan, plan_two_levels
 
 __all__ = [
     "DEFAULT_MTBF_S",
@@ -67,6 +68,8 @@ __all__ = [
     "PlanContext",
     "Planner",
     "PlannerConfig",
+    "TierCosts",
+    "TwoLevelPlan",
     "PlannerReport",
     "Problem",
     "SavePolicy",
@@ -84,6 +87,7 @@ __all__ = [
     "fit_loss_curve",
     "make_policy",
     "plan_schedule",
+    "plan_two_levels",
     "planner_config",
     "simulate",
     "uniform_schedule",

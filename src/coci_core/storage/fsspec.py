@@ -12,6 +12,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from coci_core.errors import ConfigError, StorageError
+from coci_core.knobs import S3_PART_BYTES
+from coci_core.storage import s3_parallel
 
 __all__ = ["FsspecStorage"]
 
@@ -70,6 +72,10 @@ class FsspecStorage:
             written = 0
             # A manifest replaces an older one in one step: written aside, then moved.
             atomic = full.rsplit("/", 1)[-1] == _MANIFEST
+            if not atomic and s3_parallel.is_s3(self.fs):
+                written = s3_parallel.upload(self.fs, full, chunks)
+                self.fs.invalidate_cache(parent)
+                return written
             target = f"{full}.coci-tmp-{uuid.uuid4().hex[:12]}" if atomic else full
             with self.fs.open(target, "wb") as f:
                 for chunk in chunks:
@@ -126,6 +132,14 @@ class FsspecStorage:
                         f"{self.url}/{path} is shorter than expected: needed {len(view)} bytes "
                         f"at offset {offset}, it has {size}"
                     )
+            if len(view) > S3_PART_BYTES and s3_parallel.is_s3(self.fs):
+                got = s3_parallel.read_ranges(self.fs, self._path(path), offset, view)
+                if got != len(view):
+                    raise StorageError(
+                        f"{self.url}/{path} is shorter than expected: needed {len(view)} "
+                        f"bytes at offset {offset}, got {got}"
+                    )
+                return
             data = self.fs.cat_file(self._path(path), start=offset, end=offset + len(view))
         except StorageError:
             raise
@@ -153,6 +167,16 @@ class FsspecStorage:
 
     def staging_dir(self, final: str, token: str) -> str:
         return final
+
+    def abort_uploads(self) -> int:
+        """Abort the multipart uploads a killed writer left open under this directory (S3
+        only; call only while holding the directory's owner record); the number aborted."""
+        if not s3_parallel.is_s3(self.fs):
+            return 0
+        try:
+            return s3_parallel.abort_uploads(self.fs, self.root)
+        except OSError as e:
+            raise StorageError.wrap(f"cannot list the uploads of {self.url}: {e}", e) from e
 
     def publish(self, staging: str, final: str) -> None:
         """The manifest is already in place; delete what an older save of the step left."""

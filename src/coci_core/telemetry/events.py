@@ -20,6 +20,7 @@ __all__ = [
     "RestoreEvent",
     "SaveEvent",
     "TelemetrySink",
+    "UploadEvent",
     "emit",
     "read_jsonl",
 ]
@@ -74,16 +75,43 @@ class SaveEvent:
 class RestoreEvent:
     """What one restore did; ``skipped_steps`` were newer but damaged and passed over;
     ``rank_state_restored`` is False when the checkpoint had per-rank state but none for the
-    restoring rank (it was written by fewer ranks)."""
+    restoring rank (it was written by fewer ranks); ``tier`` is ``"remote"`` when a manager
+    with a remote tier restored from it."""
 
     step: int
     seconds: float
     bytes_read: int
     skipped_steps: tuple[int, ...] = ()
     rank_state_restored: bool = True
+    tier: Literal["local", "remote"] = "local"
 
 
-Event: TypeAlias = SaveEvent | RestoreEvent
+UploadOutcome = Literal["committed", "failed", "superseded"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class UploadEvent:
+    """What one attempt to copy a committed step to the remote tier did.
+
+    Attributes:
+        step: the step uploaded.
+        outcome: ``"committed"`` (durable on the remote), ``"failed"`` (retried later, see
+            ``error``) or ``"superseded"`` (the local step is gone: a newer one is uploaded).
+        attempt: 1 for the first try of this step, then 2, 3, ...
+        seconds: the attempt's duration.
+        bytes_uploaded: bytes sent (0 for a step already on the remote).
+        error: what failed (never credentials: the storage's own message).
+    """
+
+    step: int
+    outcome: UploadOutcome
+    attempt: int = 1
+    seconds: float = 0.0
+    bytes_uploaded: int = 0
+    error: str | None = None
+
+
+Event: TypeAlias = SaveEvent | RestoreEvent | UploadEvent
 Listener: TypeAlias = Callable[[Event], None]
 
 
@@ -143,7 +171,13 @@ class JsonlTelemetry:
                 self._file.flush()
 
     def __call__(self, event: Event) -> None:
-        kind = "save" if isinstance(event, SaveEvent) else "restore"
+        kind = (
+            "save"
+            if isinstance(event, SaveEvent)
+            else "upload"
+            if isinstance(event, UploadEvent)
+            else "restore"
+        )
         fields = {k: _finite_or_none(v) for k, v in asdict(event).items()}
         self._write({"type": kind, **fields})
 

@@ -18,6 +18,7 @@ class RunSummary:
         self.saves = [r for r in records if r.get("type") == "save"]
         self.plans = [r for r in records if r.get("type") == "plan"]
         self.restores = [r for r in records if r.get("type") == "restore"]
+        self.uploads = [r for r in records if r.get("type") == "upload"]
         self.losses = [r for r in records if r.get("type") == "loss"]
         self.committed = [s for s in self.saves if s.get("outcome") == "committed"]
         self.planned = sorted({int(s) for p in self.plans for s in p.get("next_steps", [])})
@@ -150,6 +151,8 @@ def render(
         f"median stall {_ms([s.get('stall_s') for s in summary.committed])}, "
         f"median persist {_ms([s.get('persist_s') for s in summary.committed])}"
     )
+    if summary.uploads:
+        lines.append(_uploads_line(summary.uploads))
     for r, lost in zip(summary.restores, summary.lost_steps, strict=False):
         lines.append(
             f"restart: restored step {r['step']} in {_num(r.get('seconds'), '.2f', unknown='?')}"
@@ -183,3 +186,20 @@ def render(
         lines.append("")
         lines.append(f"open the panel: tensorboard --logdir {tensorboard_dir}")
     return "\n".join(lines)
+
+
+def _uploads_line(uploads: list[dict[str, Any]]) -> str:
+    """The remote tier in one line: steps uploaded, the newest, failed attempts."""
+    done = [u for u in uploads if u.get("outcome") == "committed"]
+    failed = [u for u in uploads if u.get("outcome") == "failed"]
+    line = f"remote tier: {len(done)} checkpoints uploaded"
+    if done:
+        median = statistics.median(float(u.get("seconds", 0.0)) for u in done)
+        line += f", newest step {done[-1]['step']} (median {_num(median, '.2f')} s each)"
+    if failed:
+        last = failed[-1]
+        line += f"; {len(failed)} failed attempts, the last at step {last['step']}: "
+        line += str(last.get("error") or "?")
+        if not done or done[-1]["step"] < last["step"]:
+            line += " (not uploaded since)"
+    return line

@@ -74,7 +74,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, SupportsFloat, SupportsIndex
 
 from coci_core.errors import ConfigError, StorageError
-from coci_core.telemetry import Event, RestoreEvent, SaveEvent
+from coci_core.telemetry import Event, RestoreEvent, SaveEvent, UploadEvent
 
 if TYPE_CHECKING:
     from coci_core.planner.planner import PlannerReport
@@ -227,8 +227,21 @@ class TensorBoardTelemetry:
                     ("coci/restore/bytes_read", float(event.bytes_read)),
                 ],
             )
+        elif isinstance(event, UploadEvent):
+            if event.outcome == "committed":
+                self._write(
+                    event.step,
+                    [
+                        ("coci/upload/seconds", event.seconds),
+                        ("coci/upload/bytes", float(event.bytes_uploaded)),
+                    ],
+                )
+            elif event.outcome == "failed":
+                self._write(event.step, [("coci/upload/failed_attempt", float(event.attempt))])
         else:
-            raise ConfigError(f"'event' must be a SaveEvent or a RestoreEvent: {event!r}")
+            raise ConfigError(
+                f"'event' must be a SaveEvent, a RestoreEvent or an UploadEvent: {event!r}"
+            )
 
     def record_plan(self, step: SupportsIndex, report: PlannerReport) -> None:
         """Write the plan in ``report`` (from ``Planner.report()``) at ``step``.

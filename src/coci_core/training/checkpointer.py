@@ -99,10 +99,8 @@ class Checkpointer:
         self._listeners: list[Listener] = list(listeners)
         self.manager = CheckpointManager(
             directory,
-            keep_last=options.keep_last,
-            compression=options.compression,
             listeners=[self._on_event],
-            storage_options=options.storage_options,
+            **options.manager_arguments(),
             **dict(manager_options or {}),
         )
         self.last_save: SaveEvent | None = None

@@ -9,10 +9,12 @@ the options as they are, without checking them again.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 from typing import Any
 
 from coci_core.engine.compress import CompressionPolicy, check_policy
+from coci_core.engine.retention import check_keep_last
 from coci_core.errors import ConfigError
 from coci_core.planner import PlannerConfig, planner_config
 from coci_core.planner.policies import SavePolicy
@@ -28,13 +30,6 @@ __all__ = [
 ]
 
 
-def check_keep_last(keep_last: object) -> int | None:
-    """``keep_last`` is an integer >= 1 or None, or a ConfigError naming it."""
-    if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
-        raise ConfigError(f"'keep_last' must be an integer >= 1 or None: {keep_last!r}")
-    return keep_last
-
-
 def check_verbose(verbose: object) -> bool:
     """``verbose`` is a bool, or a ConfigError naming it."""
     if not isinstance(verbose, bool):
@@ -42,23 +37,42 @@ def check_verbose(verbose: object) -> bool:
     return verbose
 
 
-def check_storage_options(options: object, dirpath: object) -> dict[str, Any]:
+def check_storage_options(
+    options: object, dirpath: object, *, names: tuple[str, str] = ("storage_options", "dirpath")
+) -> dict[str, Any]:
     """``storage_options`` is None or a dict of fsspec options (str keys) for an fsspec URL
     ``dirpath`` (a string with ``://``); the dict to pass on, or a ConfigError naming it (which
-    never shows the values: they hold credentials)."""
+    never shows the values: they hold credentials). ``names`` names the two arguments."""
+    option_name, url_name = names
     if options is None:
         return {}
     if not isinstance(options, Mapping) or not all(isinstance(k, str) for k in options):
         raise ConfigError(
-            "'storage_options' must be a dict of fsspec options (str keys) or None, got "
+            f"'{option_name}' must be a dict of fsspec options (str keys) or None, got "
             f"{type(options).__name__}"
         )
     if options and not is_url(dirpath):
         raise ConfigError(
-            "'storage_options' apply to an fsspec URL 'dirpath' (e.g. 's3://bucket/run'), "
+            f"'{option_name}' apply to an fsspec URL '{url_name}' (e.g. 's3://bucket/run'), "
             f"not to {dirpath!r}"
         )
     return dict(options)
+
+
+def check_remote(remote: object) -> str | None:
+    """``remote`` is None, a path or an fsspec URL (kept a string), or a ConfigError."""
+    if remote is None:
+        return None
+    if isinstance(remote, str) and remote:
+        return remote
+    if isinstance(remote, os.PathLike):
+        path = os.fspath(remote)
+        if isinstance(path, str):
+            return path
+    raise ConfigError(
+        "'remote' must be an fsspec URL string (e.g. 's3://bucket/run'), a directory path, or "
+        f"None: {remote!r}"
+    )
 
 
 def _check_planner_options(options: object) -> dict[str, Any]:
@@ -85,6 +99,9 @@ class CheckpointOptions:
         block: snapshot synchronously.
         verbose: log a line per save.
         storage_options: fsspec options of a URL directory (credentials: never logged).
+        remote: a second tier, written in the background (see ``CheckpointManager``).
+        remote_keep_last: checkpoints kept on the remote tier.
+        remote_storage_options: fsspec options of ``remote``.
     """
 
     policy: str | SavePolicy
@@ -97,6 +114,20 @@ class CheckpointOptions:
     block: bool
     verbose: bool
     storage_options: Mapping[str, Any] = dataclasses.field(repr=False)
+    remote: str | None = None
+    remote_keep_last: int | None = 10
+    remote_storage_options: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False)
+
+    def manager_arguments(self) -> dict[str, Any]:
+        """The CheckpointManager's keyword arguments that these options give."""
+        return {
+            "keep_last": self.keep_last,
+            "compression": self.compression,
+            "storage_options": self.storage_options,
+            "remote": self.remote,
+            "remote_keep_last": self.remote_keep_last,
+            "remote_storage_options": self.remote_storage_options,
+        }
 
     @classmethod
     def check(
@@ -115,6 +146,9 @@ class CheckpointOptions:
         planner_options: Mapping[str, Any] | None = None,
         verbose: bool = False,
         storage_options: Mapping[str, Any] | None = None,
+        remote: str | os.PathLike[str] | None = None,
+        remote_keep_last: int | None = 10,
+        remote_storage_options: Mapping[str, Any] | None = None,
     ) -> CheckpointOptions:
         """Check each argument once (see the adapters' docstrings for their meaning).
 
@@ -141,6 +175,11 @@ class CheckpointOptions:
             block=block,
             verbose=check_verbose(verbose),
             storage_options=check_storage_options(storage_options, dirpath),
+            remote=check_remote(remote),
+            remote_keep_last=check_keep_last(remote_keep_last, "remote_keep_last"),
+            remote_storage_options=check_storage_options(
+                remote_storage_options, remote, names=("remote_storage_options", "remote")
+            ),
         )
 
 
@@ -158,6 +197,9 @@ SHARED_ARGUMENTS = (
     "planner_options",
     "verbose",
     "storage_options",
+    "remote",
+    "remote_keep_last",
+    "remote_storage_options",
 )
 
 

@@ -1,0 +1,221 @@
+"""Retention: which committed steps a run keeps, and the clean-up of what crashes leave.
+
+Called by the manager's writer thread after each commit (``keep_last`` of the run's own steps,
+never a base that a kept step or the next delta needs), before a save when the storage reports
+too little free space (the steps retention would delete anyway go first), after a re-save (the
+later steps whose deltas the old contents were the base of) and at startup under the
+directory's lease (uncommitted leftovers). Deleting a step un-publishes it first where the
+storage can, so that no crash leaves a manifest without its data.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+from collections.abc import Iterable
+
+from coci_core.engine.group import RankGroup
+from coci_core.engine.manifest import MANIFEST_NAME, parse_step_dir, step_dir_name
+from coci_core.engine.restore import StepInfo, committed_steps, read_manifest, step_infos
+from coci_core.errors import CheckpointError, ConfigError, StorageError
+from coci_core.storage import Storage
+
+__all__ = [
+    "apply_keep_last",
+    "check_keep_last",
+    "drop_dependants",
+    "explain_full_disk",
+    "make_room",
+    "own_steps",
+    "remove_uncommitted",
+    "retire",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def check_keep_last(value: object, name: str = "keep_last") -> int | None:
+    """``value`` if it is an integer >= 1 or None, else a ConfigError naming ``name``."""
+    if value is not None and (type(value) is not int or value < 1):
+        raise ConfigError(f"'{name}' must be an integer >= 1 or None: {value!r}")
+    return value
+
+
+def retire(storage: Storage, step: int) -> None:
+    """Delete a committed step so that no crash leaves its manifest without its data: the
+    storage un-publishes it first where it can (``retire``)."""
+    retire_dir = getattr(storage, "retire", None)
+    if retire_dir is not None:
+        retire_dir(step_dir_name(step))
+    else:
+        storage.remove_dir(step_dir_name(step))
+
+
+def own_steps(storage: Storage, run_id: str) -> list[StepInfo]:
+    """The run's intact committed steps, oldest first (by creation: a run that went back to an
+    older step and trained on has its abandoned later steps first)."""
+    infos: list[StepInfo] = step_infos(storage)
+    return [i for i in reversed(infos) if i.intact and i.run == run_id]
+
+
+def _bases_of(infos: Iterable[StepInfo]) -> set[int]:
+    """The steps whose data these checkpoints' deltas need (kept with them)."""
+    return {base for info in infos for base in info.bases}
+
+
+def apply_keep_last(
+    storage: Storage, *, keep_last: int, run_id: str, newest: int, next_base: int | None
+) -> None:
+    """Delete the run's steps beyond the newest ``keep_last``, except ``newest``, the bases of
+    the kept ones and ``next_base`` (the base the next deltas will use)."""
+    own = own_steps(storage, run_id)
+    cut = max(0, len(own) - keep_last)
+    # The newest save's bases are needed even when it went back to a step below its older
+    # checkpoints.
+    needed = _bases_of([*own[cut:], *(i for i in own if i.step == newest)])
+    if next_base is not None:
+        needed.add(next_base)
+    for info in own[:cut]:
+        if info.step != newest and info.step not in needed:
+            retire(storage, info.step)
+            logger.debug("coci: retention removed step %d", info.step)
+
+
+def drop_dependants(storage: Storage, step: int) -> None:
+    """A re-saved step replaced the base that later steps' deltas were taken against: those
+    steps can no longer be restored (their base checks would fail), so they go. Never raises
+    (restore would detect what is left)."""
+    try:
+        for other in committed_steps(storage):
+            if other == step:
+                continue
+            try:
+                bases = read_manifest(storage, other).bases
+            except CheckpointError:
+                continue
+            if step in bases:
+                logger.warning(
+                    "coci: step %d was re-saved and step %d was a delta against its old "
+                    "contents: step %d is removed",
+                    step,
+                    other,
+                    other,
+                )
+                retire(storage, other)
+    except Exception as e:  # never fails a save that is durable
+        logger.warning("coci: after re-saving step %d: %s", step, e)
+
+
+def remove_uncommitted(
+    storage: Storage, group: RankGroup, *, done_seq: int | None, newest: int | None = None
+) -> None:
+    """Remove what saves left uncommitted: only names coci writes (``step-...``), never a
+    directory with a manifest, never a save another rank of this session may still be writing
+    (only another session's leftovers and this session's saves older than ``done_seq``). A step
+    that a crash left renamed aside mid-publish is put back first.
+
+    Call only while holding the directory's lease, so no other writer owns what goes.
+    """
+    sharded = group.world_size > 1
+    abort_uploads = getattr(storage, "abort_uploads", None)
+    if abort_uploads is not None and done_seq is None:  # at startup: nothing of ours is open
+        try:
+            aborted = abort_uploads()
+        except Exception as e:  # invisible leftovers: never a reason to fail
+            logger.warning("coci: could not abort the uploads left open in %s: %s", storage.url, e)
+        else:
+            if aborted:
+                logger.warning("coci: aborted %d upload(s) a killed writer left open", aborted)
+    for name in storage.list_dir(""):
+        if not name.startswith("step-"):
+            continue
+        step = parse_step_dir(name)
+        if step is not None:
+            if storage.exists(f"{name}/{MANIFEST_NAME}"):
+                continue
+            # A storage that stages in the final directory (fsspec) names no session.
+            if sharded and (newest is None or step >= newest):
+                continue
+        elif ".coci-old-" in name:
+            final = name.split(".coci-old-", 1)[0]
+            if (
+                parse_step_dir(final) is not None
+                and not storage.exists(f"{final}/{MANIFEST_NAME}")
+                and storage.exists(f"{name}/{MANIFEST_NAME}")
+            ):
+                # A crash between the two renames of a re-save: the old step comes back.
+                storage.remove_dir(final)
+                storage.publish(name, final)
+                logger.warning("coci: restored step %s, left aside by a crash", final)
+                continue
+        elif ".coci-" not in name:
+            continue  # not a name coci writes: someone else's, left alone
+        elif sharded and ".coci-tmp-" in name:
+            session, _, seq = name.rsplit(".coci-tmp-", 1)[1].rpartition("-")
+            if session == group.session and (
+                done_seq is None or not seq.isdigit() or int(seq) >= done_seq
+            ):
+                continue
+        storage.remove_dir(name)
+        logger.debug("coci: removed uncommitted %s", name)
+
+
+def make_room(
+    storage: Storage,
+    *,
+    keep_last: int | None,
+    run_id: str,
+    step: int,
+    needed_bytes: int,
+    next_base: int | None,
+) -> None:
+    """When the storage reports less free space than ``needed_bytes`` for the save of ``step``,
+    delete now the old steps that retention would delete once it commits (never the newest
+    step, nor a base that a kept step or the next delta needs)."""
+    free_bytes = getattr(storage, "free_bytes", None)
+    if free_bytes is None or keep_last is None:
+        return
+    free = free_bytes()
+    if free is None or free >= needed_bytes:
+        return
+    own = own_steps(storage, run_id)
+    if not own:
+        return
+    keep = [*own[max(0, len(own) - (keep_last - 1)) :], own[-1]]
+    protected = {i.step for i in keep} | _bases_of(keep) | {step}
+    if next_base is not None:
+        protected.add(next_base)
+    for old in (i.step for i in own):
+        if old in protected:
+            continue
+        retire(storage, old)
+        logger.warning(
+            "coci: %.1f MB free, step %d needs about %.1f MB: removed step %d early (it "
+            "was beyond keep_last=%d once this save commits)",
+            free / 1e6,
+            step,
+            needed_bytes / 1e6,
+            old,
+            keep_last,
+        )
+        free = free_bytes()
+        if free is None or free >= needed_bytes:
+            return
+
+
+def explain_full_disk(
+    storage: Storage, error: BaseException, keep_last: int | None
+) -> BaseException:
+    """``error``, or for a full storage (ENOSPC) a StorageError saying what is kept and what
+    to do."""
+    if not isinstance(error, OSError) or error.errno != errno.ENOSPC:
+        return error
+    steps = committed_steps(storage)
+    new = StorageError(
+        errno.ENOSPC,
+        f"{error.strerror or error}. The storage is full: {len(steps)} committed "
+        f"checkpoint(s) are kept (keep_last={keep_last}) and none was deleted for "
+        "this save; free space, lower keep_last, or enable compression",
+    )
+    new.__cause__ = error
+    return new

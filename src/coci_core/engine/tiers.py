@@ -1,0 +1,265 @@
+"""The remote tier: every checkpoint committed locally is copied, in the background, to a
+second storage (an object store, usually) and committed there too.
+
+A process crash restores from the fast local tier; a lost node (an empty local disk) restores
+from the remote one. The copy runs on its own thread and never stops training: a failed upload
+is retried with exponential backoff (each failure reported as an :class:`UploadEvent`), and a
+newer local checkpoint supersedes a pending one. Data files go first and the manifest last,
+byte for byte as committed locally, so the remote step restores exactly as the local one and
+a reader never sees a torn step (on an object store the manifest is the commit marker). A
+delta checkpoint's bases are uploaded before it when the remote lacks them. Retention on the
+remote keeps the run's newest ``keep_last`` steps, deleting only behind a newer remote commit.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+from coci_core.engine import retention
+from coci_core.engine.group import RankGroup
+from coci_core.engine.lease import Lease, acquire_lease
+from coci_core.engine.manifest import MANIFEST_NAME, step_dir_name
+from coci_core.engine.restore import read_manifest
+from coci_core.errors import CheckpointError, DirectoryInUseError, StorageError
+from coci_core.knobs import (
+    UPLOAD_BACKOFF_MAX_S,
+    UPLOAD_BACKOFF_START_S,
+    UPLOAD_CHUNK_BYTES,
+    UPLOAD_CLOSE_TIMEOUT_S,
+)
+from coci_core.storage import Storage
+from coci_core.telemetry import UploadEvent
+
+__all__ = ["RemoteTier"]
+
+logger = logging.getLogger(__name__)
+
+
+class RemoteTier:
+    """Copies committed steps of ``local`` to ``remote`` on a background thread.
+
+    Args:
+        local: the manager's (fast) storage, where steps are committed first.
+        remote: the second storage.
+        keep_last: the run's committed steps kept on the remote (None: all).
+        group: the manager's ranks (the coordinator uploads; the local directory must be one
+            that it can read every rank's files from).
+        run_id: the run whose steps retention counts (read at each upload).
+        emit: receives every :class:`UploadEvent`.
+        upload_every: upload every this many local commits (and the newest one at close):
+            the remote period of a two-level plan
+            (:func:`coci_core.planner.two_level.plan_two_levels`).
+    """
+
+    def __init__(
+        self,
+        local: Storage,
+        remote: Storage,
+        *,
+        keep_last: int | None,
+        group: RankGroup,
+        run_id: Callable[[], str],
+        emit: Callable[[UploadEvent], None],
+        upload_every: int = 1,
+    ) -> None:
+        self.upload_every = upload_every
+        self._commits = 0
+        self._newest_unsent: int | None = None
+        self.local = local
+        self.remote = remote
+        self.keep_last = keep_last
+        self._group = group
+        self._run_id = run_id
+        self._emit = emit
+        self._cond = threading.Condition()
+        self._pending: int | None = None
+        self._busy = False
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._lease: Lease | None = None
+        try:
+            self._lease = acquire_lease(remote, group.session)
+        except (DirectoryInUseError, StorageError) as e:
+            logger.warning("coci: remote %s: %s; nothing will be uploaded there", remote.url, e)
+        else:
+            # a killed upload left data files without a manifest: invisible, removed here
+            retention.remove_uncommitted(remote, group, done_seq=None)
+
+    @property
+    def writable(self) -> bool:
+        """Whether this tier holds the remote directory's lease (it uploads only then)."""
+        return self._lease is not None
+
+    def submit(self, step: int) -> None:
+        """``step`` was committed locally: upload it (every ``upload_every``-th commit) when
+        the thread is free; a step submitted before the previous one started replaces it."""
+        if not self.writable:
+            return
+        self._commits += 1
+        if self._commits % self.upload_every:
+            self._newest_unsent = step
+            return
+        self._newest_unsent = None
+        self._enqueue(step)
+
+    def _enqueue(self, step: int) -> None:
+        with self._cond:
+            if self._stopping:
+                return
+            self._pending = step
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="coci-upload", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until nothing is pending or being uploaded; whether that happened in time."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._cond:
+            while self._pending is not None or self._busy:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def close(self, timeout_s: float = UPLOAD_CLOSE_TIMEOUT_S) -> None:
+        """Upload the newest local commit if it was left for a later one, finish the pending
+        upload (waiting at most ``timeout_s``), then stop."""
+        if self._newest_unsent is not None and self.writable:
+            self._enqueue(self._newest_unsent)
+            self._newest_unsent = None
+        if not self.flush(timeout_s):
+            logger.warning(
+                "coci: the upload to %s did not finish within %.0f s; the remote keeps its "
+                "previous checkpoint (the next run re-uploads)",
+                self.remote.url,
+                timeout_s,
+            )
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout=1.0)
+        if self._lease is not None:
+            self._lease.release()
+            self._lease = None
+
+    # -- the upload thread ---------------------------------------------------------------
+
+    def _loop(self) -> None:
+        attempt, backoff = 0, UPLOAD_BACKOFF_START_S
+        step: int | None = None
+        while True:
+            with self._cond:
+                if self._pending is not None and self._pending != step:
+                    step, attempt, backoff = self._pending, 0, UPLOAD_BACKOFF_START_S
+                self._pending = None
+                if step is None:
+                    self._busy = False
+                    self._cond.notify_all()
+                    while self._pending is None and not self._stopping:
+                        self._cond.wait()
+                    if self._pending is None:
+                        return
+                    continue
+                if self._stopping:
+                    self._busy = False
+                    self._cond.notify_all()
+                    return
+                self._busy = True
+            attempt += 1
+            if self._upload(step, attempt):
+                step = None
+                continue
+            with self._cond:  # retry after the backoff, unless a newer step or a stop comes
+                deadline = time.monotonic() + backoff
+                while self._pending is None and not self._stopping:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cond.wait(left)
+                if self._stopping:
+                    self._busy = False
+                    self._cond.notify_all()
+                    return
+            backoff = min(backoff * 2, UPLOAD_BACKOFF_MAX_S)
+
+    def _upload(self, step: int, attempt: int) -> bool:
+        started = time.perf_counter()
+        try:
+            lost = self._lease.lost if self._lease is not None else "no lease"
+            if lost is not None:  # another writer may own the remote now: write nothing
+                raise DirectoryInUseError(f"the remote tier is not this run's: {lost}")
+            sent = self._upload_with_bases(step, set())
+            if self.keep_last is not None:
+                retention.apply_keep_last(
+                    self.remote,
+                    keep_last=self.keep_last,
+                    run_id=self._run_id(),
+                    newest=step,
+                    next_base=None,
+                )
+        except Exception as e:  # a remote that fails never stops training: retried
+            if not self.local.exists(f"{step_dir_name(step)}/{MANIFEST_NAME}"):
+                # retention removed the local step meanwhile: a newer one supersedes it
+                self._emit(UploadEvent(step=step, outcome="superseded", attempt=attempt))
+                return True
+            error: str | None = f"{type(e).__name__}: {e}"
+            logger.warning("coci: upload of step %d to %s failed: %s", step, self.remote.url, e)
+        else:
+            error = None
+        self._emit(
+            UploadEvent(
+                step=step,
+                outcome="failed" if error else "committed",
+                attempt=attempt,
+                seconds=time.perf_counter() - started,
+                bytes_uploaded=0 if error else sent,
+                error=error,
+            )
+        )
+        return error is None
+
+    def _upload_with_bases(self, step: int, seen: set[int]) -> int:
+        """Upload ``step`` after any of its delta bases the remote lacks; the bytes sent."""
+        if step in seen:
+            raise CheckpointError(f"step {step}: its delta bases form a cycle")
+        seen.add(step)
+        final = step_dir_name(step)
+        manifest = self.local.read_bytes(f"{final}/{MANIFEST_NAME}")
+        if (
+            self.remote.exists(f"{final}/{MANIFEST_NAME}")
+            and self.remote.read_bytes(f"{final}/{MANIFEST_NAME}") == manifest
+        ):
+            return 0  # already there, byte for byte
+        sent = 0
+        for base in read_manifest(self.local, step).bases:
+            sent += self._upload_with_bases(base, seen)
+        if self.remote.exists(f"{final}/{MANIFEST_NAME}"):
+            # another version of the step (a re-save): its files may share names with ours
+            retention.retire(self.remote, step)
+        staging = self.remote.staging_dir(final, f"{self._group.session}up-{step}")
+        for name in self.local.list_dir(final):
+            if name == MANIFEST_NAME or not name.startswith("data-"):
+                continue
+            sent += self.remote.write_file(f"{staging}/{name}", self._chunks(f"{final}/{name}"))
+        sent += self.remote.write_file(f"{staging}/{MANIFEST_NAME}", [memoryview(manifest)])
+        self.remote.publish(staging, final)
+        return sent
+
+    def _chunks(self, path: str) -> Iterator[memoryview]:
+        """The local file in bounded chunks (one buffer, reused)."""
+        size = self.local.size(path)  # type: ignore[attr-defined]
+        buffer = bytearray(min(size, UPLOAD_CHUNK_BYTES))
+        offset = 0
+        while offset < size:
+            n = min(len(buffer), size - offset)
+            view = memoryview(buffer)[:n]
+            self.local.read_into(path, offset, view)
+            yield view
+            offset += n

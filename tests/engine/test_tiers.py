@@ -1,0 +1,191 @@
+"""Two tiers: every local commit is copied to a remote tier in the background (issue 20).
+
+These use a second local directory as the remote (the same code path as an object store; the
+real S3 server is in tests/storage/test_s3_tiers.py)."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from coci_core import CheckpointManager, ConfigError
+from coci_core.engine.manifest import MANIFEST_NAME, step_dir_name
+from coci_core.engine.restore import newest_first
+from coci_core.storage import LocalStorage
+from coci_core.telemetry import TELEMETRY_FILE, Event, JsonlTelemetry, UploadEvent
+from coci_core.telemetry.report import render, summarize
+
+
+def _state(seed: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(128, 64, generator=g), "step": torch.tensor(seed)}
+
+
+def _steps(directory: Path) -> list[int]:
+    with CheckpointManager(directory) as mgr:
+        return mgr.steps()
+
+
+def _equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_every_commit_reaches_the_remote_and_restores_from_it(tmp_path: Path) -> None:
+    """Each committed step is uploaded (data, then the manifest), keep_last applies per tier,
+    and a new node with an empty local disk restores the newest step from the remote, bit for
+    bit, reporting the tier."""
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    events: list[Event] = []
+    with CheckpointManager(
+        local, remote=remote, keep_last=2, remote_keep_last=4, listeners=[events.append]
+    ) as mgr:
+        assert mgr.remote is not None
+        for step in range(1, 7):
+            mgr.save(step, _state(step), block=True).wait()
+            assert mgr.remote.flush(timeout_s=60)  # each upload done before the next save
+    assert _steps(local) == [5, 6]
+    assert _steps(remote) == [3, 4, 5, 6]
+    committed = [e.step for e in events if isinstance(e, UploadEvent) and e.outcome == "committed"]
+    assert committed == [1, 2, 3, 4, 5, 6]
+    shutil.rmtree(local)  # the node is gone
+    fresh: list[Event] = []
+    with CheckpointManager(tmp_path / "new-node", remote=remote, listeners=[fresh.append]) as mgr:
+        restored = mgr.restore()
+        assert mgr.last_restore is not None and mgr.last_restore.tier == "remote"
+        assert mgr.last_restore.step == 6
+    assert _equal(restored, _state(6))
+
+
+def test_a_newer_save_supersedes_a_pending_upload(tmp_path: Path) -> None:
+    """Saves that come faster than uploads: the remote gets the newest step, and never more
+    than keep_last of them; every step it has restores exactly."""
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    with CheckpointManager(local, remote=remote, remote_keep_last=3) as mgr:
+        for step in range(1, 11):
+            mgr.save(step, _state(step), block=True).wait()
+    on_remote = _steps(remote)
+    assert on_remote[-1] == 10 and len(on_remote) <= 3
+    with CheckpointManager(remote) as mgr:
+        for step in on_remote:
+            assert _equal(mgr.restore(step=step), _state(step))
+
+
+def test_local_is_preferred_when_intact_and_remote_when_damaged(tmp_path: Path) -> None:
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    with CheckpointManager(local, remote=remote) as mgr:
+        mgr.save(1, _state(1), block=True).wait()
+        mgr.save(2, _state(2), block=True).wait()
+    with CheckpointManager(local, remote=remote) as mgr:
+        assert _equal(mgr.restore(), _state(2))
+        assert mgr.last_restore is not None and mgr.last_restore.tier == "local"
+    data = next((local / step_dir_name(2)).glob("data-*"))
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    with CheckpointManager(local, remote=remote) as mgr:
+        # the damaged local step 2 is passed over locally, so the local tier offers step 1;
+        # a restore of step 2 itself comes from the remote tier, intact
+        assert _equal(mgr.restore(step=2), _state(2))
+        assert mgr.last_restore is not None and mgr.last_restore.tier == "remote"
+
+
+def test_deltas_take_their_bases_to_the_remote(tmp_path: Path) -> None:
+    """With lossless deltas, a step whose base the remote lacks (retention removed it there)
+    is uploaded after its base, and restores exactly from the remote alone."""
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    options = {"full_every": 4}
+    with CheckpointManager(
+        local,
+        remote=remote,
+        keep_last=None,
+        remote_keep_last=1,
+        compression="lossless",
+        compression_options=options,
+    ) as mgr:
+        for step in range(1, 4):
+            mgr.save(step, _state(step), block=True).wait()
+        assert mgr.remote is not None and mgr.remote.flush(timeout_s=60)
+        assert mgr.manifest(3).bases == (1,)
+    assert 3 in _steps(remote) and 1 in _steps(remote)  # the base stays: step 3 needs it
+    shutil.rmtree(local)
+    with CheckpointManager(tmp_path / "new", remote=remote) as mgr:
+        assert _equal(mgr.restore(step=3), _state(3))
+
+
+def test_a_failing_upload_is_retried_and_never_stops_training(tmp_path: Path) -> None:
+    """While the remote cannot take the step (a file stands where its directory must go),
+    saves go on committing locally and every attempt is reported as failed; once the obstacle
+    is gone, the retry (after a backoff) publishes the newest step."""
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    events: list[Event] = []
+    first_failure = threading.Event()
+
+    def listen(event: Event) -> None:
+        events.append(event)
+        if isinstance(event, UploadEvent) and event.outcome == "failed":
+            first_failure.set()
+
+    sink = JsonlTelemetry(tmp_path / "telemetry" / TELEMETRY_FILE)
+    with CheckpointManager(local, remote=remote, listeners=[listen, sink]) as mgr:
+        assert mgr.remote is not None
+        blocker = remote / f"{step_dir_name(1)}.coci-tmp-{mgr.group.session}up-1"
+        blocker.write_bytes(b"not a directory")
+        mgr.save(1, _state(1), block=True).wait()
+        assert first_failure.wait(timeout=60)
+        failed = [e for e in events if isinstance(e, UploadEvent) and e.outcome == "failed"]
+        assert failed and failed[0].step == 1 and failed[0].error
+        assert _steps(local) == [1]  # training goes on: the local commit is unaffected
+        blocker.unlink()
+        assert mgr.remote.flush(timeout_s=60)
+    assert _steps(remote) == [1]
+    ok = [e for e in events if isinstance(e, UploadEvent) and e.outcome == "committed"]
+    assert ok and ok[-1].step == 1 and ok[-1].attempt >= 2
+    sink.close()
+    report = render(summarize(tmp_path / "telemetry"))  # what `coci report` prints
+    assert "remote tier: 1 checkpoints uploaded, newest step 1" in report
+    assert (
+        f"{len(failed)} failed attempts" in report
+        or "failed attempts, the last at step 1" in report
+    )
+
+
+def test_a_torn_remote_upload_is_invisible_and_cleaned_by_the_next_run(tmp_path: Path) -> None:
+    """Data files uploaded without their manifest (a process killed mid-upload) are not a
+    step for any reader, and the next manager with that remote removes them."""
+    remote = tmp_path / "remote"
+    torn = remote / f"{step_dir_name(5)}.coci-tmp-deadbeefup-5"
+    torn.mkdir(parents=True)
+    (torn / "data-r0.bin").write_bytes(b"\0" * 1024)
+    assert newest_first(LocalStorage(remote)) == []  # no reader sees a step
+    with CheckpointManager(tmp_path / "local", remote=remote) as mgr:
+        mgr.save(1, _state(1), block=True).wait()
+    assert not torn.exists()
+    assert (remote / step_dir_name(1) / MANIFEST_NAME).exists()
+    assert not [n for n in LocalStorage(remote).list_dir("") if n.startswith(step_dir_name(5))]
+
+
+def test_remote_arguments_are_checked(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="'remote_keep_last'"):
+        CheckpointManager(tmp_path, remote=tmp_path / "r", remote_keep_last=0)
+
+
+def test_every_kth_save_goes_remote_and_the_last_one_at_close(tmp_path: Path) -> None:
+    """remote_upload_every=3 (a two-level plan's period): steps 3 and 6 are uploaded as they
+    commit, and step 7, the newest, when the manager closes."""
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    with CheckpointManager(
+        local, remote=remote, keep_last=None, remote_keep_last=None, remote_upload_every=3
+    ) as mgr:
+        assert mgr.remote is not None
+        for step in range(1, 8):
+            mgr.save(step, _state(step), block=True).wait()
+            assert mgr.remote.flush(timeout_s=60)
+        assert _steps(remote) == [3, 6]
+    assert _steps(remote) == [3, 6, 7]
+    with pytest.raises(ConfigError, match="'remote_upload_every'"):
+        CheckpointManager(tmp_path / "x", remote=remote, remote_upload_every=0)
