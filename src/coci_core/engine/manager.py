@@ -55,7 +55,9 @@ _ON_BUSY = ("wait", "skip")
 
 
 class SaveHandle:
-    """The pending result of one :meth:`CheckpointManager.save`."""
+    """The pending result of one :meth:`CheckpointManager.save`, used like a
+    :class:`concurrent.futures.Future`: :meth:`done`, :meth:`result` (or :meth:`wait`),
+    :meth:`exception` and :meth:`add_done_callback`."""
 
     def __init__(
         self, step: int, *, block: bool, started: float, snapshot: Snapshot | None
@@ -70,6 +72,8 @@ class SaveHandle:
         self._event: SaveEvent | None = None
         self._error: BaseException | None = None
         self._reported = False
+        self._callbacks: list[Callable[[SaveHandle], None]] = []
+        self._callbacks_lock = threading.Lock()
 
     def __repr__(self) -> str:
         state = self._event.outcome if self._event else "pending"
@@ -110,7 +114,46 @@ class SaveHandle:
             if notify is not None:
                 notify(event)
         finally:
-            self._done.set()
+            # callbacks added before the end run before waiters wake (and in order)
+            while True:
+                with self._callbacks_lock:
+                    callbacks, self._callbacks = self._callbacks, []
+                    if not callbacks:
+                        self._done.set()
+                        break
+                for callback in callbacks:
+                    self._call(callback)
+
+    def _call(self, callback: Callable[[SaveHandle], None]) -> None:
+        try:
+            callback(self)
+        except Exception:
+            logger.exception("coci: a done callback of %r failed", self)
+
+    def add_done_callback(self, fn: Callable[[SaveHandle], None]) -> None:
+        """Call ``fn(handle)`` once the save is done: at once if it is, otherwise on the
+        writer thread before :meth:`wait` returns. An exception in ``fn`` is logged."""
+        with self._callbacks_lock:
+            if not self._done.is_set():
+                self._callbacks.append(fn)
+                return
+        self._call(fn)
+
+    def result(self, timeout: float | None = None) -> SaveEvent:
+        """The same as :meth:`wait` (``Future.result``)."""
+        return self.wait(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """What made the save fail (None if it did not), once it is done.
+
+        Raises:
+            TimeoutError: ``timeout`` passed first.
+        """
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"save of step {self.step} not done after {timeout} s")
+        if self._error is not None:
+            self._reported = True
+        return self._error
 
     def _wait_done(self, timeout_s: float | None = None) -> bool:
         return self._done.wait(timeout_s)
