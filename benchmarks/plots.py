@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # after choosing the non-interactive backend
@@ -100,11 +101,55 @@ def planner(results: dict[str, Any]) -> Figure:
     return fig
 
 
+def s3(results: dict[str, Any]) -> Figure:
+    """Time until durable in the bucket, and how long the training loop waits, per method."""
+    summary = results["summary"]
+    names = list(summary)
+    fig, (durable, waits) = plt.subplots(1, 2, figsize=(9.0, 3.4), sharey=True)
+    colors = ["tab:green" if n.startswith("coci") else "tab:gray" for n in names]
+    durable.barh(range(len(names)), [summary[n]["durable_s"] for n in names], color=colors)
+    durable.set_xlabel("time until durable (s; coci_local: on the local disk)")
+    waits.barh(range(len(names)), [summary[n]["stall_s"] for n in names], color=colors)
+    waits.set_xlabel("training loop waits (s)")
+    durable.set_yticks(range(len(names)), names)
+    durable.invert_yaxis()
+    for ax in (durable, waits):
+        ax.grid(axis="x", alpha=0.3)
+    size_gb = results["size_bytes"] / 1e9
+    fig.suptitle(
+        f"{size_gb:.2g} GB state to S3 (SeaweedFS on loopback), median of {results['repeats']}"
+    )
+    fig.tight_layout()
+    return fig
+
+
+def restore(results: dict[str, Any]) -> Figure:
+    """Cold restore time per method, with the disk's read limit measured in the same run."""
+    samples = results["samples"]
+    names = list(samples)
+    rows = [[float(np.median(samples[n])), min(samples[n]), max(samples[n])] for n in names]
+    fig, ax = plt.subplots(figsize=(7.0, 3.2))
+    colors = ["tab:green" if n.startswith("coci") else "tab:gray" for n in names]
+    ax.barh(
+        range(len(names)), [r[0] for r in rows], xerr=_error_bars(rows), color=colors, capsize=3
+    )
+    ax.set_yticks(range(len(names)), names)
+    ax.invert_yaxis()
+    ax.set_xlabel("restore time, page cache evicted (s): median, bars min-max")
+    ax.grid(axis="x", alpha=0.3)
+    size = results["size_bytes"] / 1e9
+    ax.set_title(f"{size:.3g} GB state to tensors in memory, {results['repeats']} rounds")
+    fig.tight_layout()
+    return fig
+
+
 #: results file stem -> the function drawing its plot
 PLOTS: dict[str, Callable[[dict[str, Any]], Figure]] = {
     "engine-1g": engine_1g,
     "adapters": adapters,
     "planner": planner,
+    "s3": s3,
+    "restore": restore,
 }
 
 

@@ -7,6 +7,7 @@ Methods, each on the same state and the same server:
 * ``raw_put``: s3fs's own put of one object of the state's size (``pipe_file``): the limit.
 * ``coci_remote``: ``CheckpointManager("s3://...")``, ``block=True``: time until committed
   in the bucket (the training loop waits for the copy into host memory only: ``stall``).
+* ``coci_local``: ``CheckpointManager(local)`` alone (local disk): the stall to compare with.
 * ``coci_tiers``: ``CheckpointManager(local, remote="s3://...")``: the stall, the time until
   committed locally, and until committed in the bucket (``remote.flush()``).
 * ``dcp_fsspec``: ``torch.distributed.checkpoint.save`` with DCP's ``FsspecWriter``.
@@ -19,6 +20,7 @@ Prints a table of medians and writes the results as JSON (``benchmarks/results``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shutil
 import tempfile
 import time
@@ -80,6 +82,17 @@ def run(size_mb: int, repeats: int, workdir: Path) -> dict[str, Any]:
             handle.wait()
             return {"stall_s": stall, "durable_s": time.perf_counter() - started}
 
+    def coci_local(prefix: str) -> dict[str, float]:
+        local = workdir / f"local-only-{prefix.rsplit('/', 1)[-1]}"
+        with CheckpointManager(local, compression="none") as mgr:
+            started = time.perf_counter()
+            handle = mgr.save(1, state, block=True)
+            stall = time.perf_counter() - started
+            handle.wait()
+            out = {"stall_s": stall, "durable_s": time.perf_counter() - started}
+        shutil.rmtree(local, ignore_errors=True)
+        return out
+
     def coci_tiers(prefix: str) -> dict[str, float]:
         local = workdir / f"local-{prefix.rsplit('/', 1)[-1]}"
         with CheckpointManager(
@@ -112,6 +125,7 @@ def run(size_mb: int, repeats: int, workdir: Path) -> dict[str, Any]:
     methods = {
         "raw_put": raw_put,
         "coci_remote": coci_remote,
+        "coci_local": coci_local,
         "coci_tiers": coci_tiers,
         "dcp_fsspec": dcp_fsspec,
         "torch_save_fsspec": torch_save_fsspec,
@@ -121,7 +135,8 @@ def run(size_mb: int, repeats: int, workdir: Path) -> dict[str, Any]:
             for name, method in methods.items():  # interleaved: every method once per round
                 prefix = f"{server.bucket}/r{round_}-{name}"
                 samples.setdefault(name, []).append(_timed(lambda m=method, p=prefix: m(p)))
-                fs.rm(prefix, recursive=True)
+                with contextlib.suppress(FileNotFoundError):  # coci_local writes no object
+                    fs.rm(prefix, recursive=True)
                 print(f"round {round_} {name}: {samples[name][-1]}", flush=True)
     finally:
         server.stop()

@@ -28,8 +28,12 @@ def write_json(path: Path, res: Any) -> None:
 
 
 def command() -> str:
-    """This run's command line."""
-    return " ".join([sys.executable, *sys.argv])
+    """This run's command line, as a user would type it (no paths of this machine)."""
+    import __main__
+
+    spec = getattr(__main__, "__spec__", None)
+    program = f"python -m {spec.name}" if spec is not None else "python " + Path(sys.argv[0]).name
+    return " ".join([program, *sys.argv[1:]])
 
 
 def log(msg: str, file: TextIO | None = None) -> None:

@@ -136,6 +136,7 @@ class CociCheckpointer:
             manager_options={"group": _rank_group(accelerator)},
         )
         self._closed = False
+        self._warmed = False  # the save buffers were mapped
         self._tracker = _find_tracker(accelerator)
         config = accelerator.dataloader_config
         if not config.use_seedable_sampler:
@@ -207,6 +208,8 @@ class CociCheckpointer:
             self._announce_plan()
         if self.checkpointer.should_save(count):
             handle = self.save()
+        elif not self._warmed:
+            self._warm_up(count)
         self._last_step_end = time.perf_counter()
         return handle
 
@@ -255,6 +258,16 @@ class CociCheckpointer:
     def completed_steps(self) -> int:
         """Optimizer steps completed (restored by ``resume()``): the label of the next save."""
         return self._count
+
+    def _warm_up(self, count: int) -> None:
+        # After the run's first optimizer step the state has its final shapes (the optimizer
+        # made its state): map the save buffers now, in the background, not in the first save
+        # (the user's save hooks are not run for this).
+        self._warmed = True
+        state = _state.collect(self.accelerator, count, standins=self._standins)
+        state["coci"] = self.checkpointer.state_dict()
+        own = _state.collect_own(self.accelerator, skip=self)
+        self.checkpointer.warm_up(state, per_rank={_state.PROCESS_KEY: own})
 
     def save(self, step: int | None = None) -> SaveHandle:
         """Save now, labelled with the optimizer steps completed; call it on every process at

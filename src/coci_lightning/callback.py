@@ -153,6 +153,7 @@ class CociCheckpoint(Checkpoint):
         self._deferred = False
         self._start_step: int | None = None  # global_step at on_train_start (None: not started)
         self._plan_told = False
+        self._warmed = False  # the save buffers were mapped in this fit
         self._relay = LoggerRelay()
         install_last_resolution()
 
@@ -257,6 +258,7 @@ class CociCheckpoint(Checkpoint):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._start_step = trainer.global_step
         self._plan_told = False
+        self._warmed = False
         if self.checkpointer is not None:
             self.checkpointer.warn_if_not_empty()  # a fresh run into another run's directory
         planner = self.checkpointer.planner if self.checkpointer is not None else None
@@ -330,6 +332,8 @@ class CociCheckpoint(Checkpoint):
             self._deferred = bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
             if not self._deferred:
                 self._save(trainer)
+        elif not self._warmed and trainer.global_step > (self._start_step or 0):
+            self._warm_up(trainer)
         if trainer.is_global_zero:
             self._relay.drain(trainer)
             if not self._plan_told and ckpt.planner.report(with_overhead=False).replans > 0:
@@ -430,6 +434,20 @@ class CociCheckpoint(Checkpoint):
         if isinstance(value, torch.Tensor) and value.numel() == 1:
             return float(value.detach())
         return float(value) if isinstance(value, (int, float)) else None
+
+    def _warm_up(self, trainer: pl.Trainer) -> None:
+        # After the run's first optimizer step the state has its final shapes (the optimizer
+        # made its state): map the save buffers now, in the background, not in the first save.
+        self._warmed = True
+        if self.checkpointer is None:
+            return
+        self._rng_in_state = False
+        try:
+            state = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)  # see _save
+        finally:
+            self._rng_in_state = True
+        rank_state = {RANK_STATE_KEY: {"rng": collect_plain_rng_states()}}
+        self.checkpointer.warm_up(state, per_rank=rank_state)
 
     def _save(self, trainer: pl.Trainer, *, block: bool | None = None, alone: bool = False) -> None:
         # Every rank gets here at the same steps (the decision is shared) and writes its share

@@ -160,26 +160,58 @@ class Snapshotter:
         self._layout_key: tuple[Any, ...] | None = None
         self._slots: tuple[LeafSlot, ...] = ()
         self._stream: Any = None
+        self._lock = threading.Lock()  # held while an arena is allocated (and faulted in)
+
+    @staticmethod
+    def _key(leaves: tuple[ArrayLeaf, ...], regions: tuple[Share, ...] | None) -> tuple[Any, ...]:
+        on_cuda = any(leaf.tensor.device.type == "cuda" for leaf in leaves)
+        return (
+            on_cuda,
+            regions,
+            *((leaf.tensor.dtype, tuple(leaf.tensor.shape)) for leaf in leaves),
+        )
+
+    def _allocate(
+        self, leaves: tuple[ArrayLeaf, ...], regions: tuple[Share, ...] | None, *, touch: bool
+    ) -> bool:
+        """Make the arena of this layout the current one (under ``_lock``); whether one was
+        allocated. ``touch`` writes every page, so that the kernel maps them now."""
+        key = self._key(leaves, regions)
+        if self._arena is not None and key == self._layout_key:
+            return False
+        self._arena = None  # free the old arena before allocating the new one
+        self._slots, total = plan_layout(leaves, regions)
+        arena = Arena(total, pinned=key[0] and torch.cuda.is_available())
+        if touch:
+            arena.bytes.fill_(0)
+        self._arena = arena
+        self._layout_key = key
+        return True
+
+    def reserve(
+        self, leaves: tuple[ArrayLeaf, ...], regions: tuple[Share, ...] | None = None
+    ) -> threading.Thread:
+        """Allocate the arena for this layout and fault its pages in on a helper thread, so
+        that the first snapshot of it copies at the steady speed; :meth:`prepare` waits for it.
+        """
+
+        def run() -> None:
+            with self._lock:
+                self._allocate(leaves, regions, touch=True)
+
+        thread = threading.Thread(target=run, name="coci-arena", daemon=True)
+        thread.start()
+        return thread
 
     def prepare(
         self, leaves: tuple[ArrayLeaf, ...], regions: tuple[Share, ...] | None = None
     ) -> Snapshot:
         """Bind ``regions`` of ``leaves`` (default: all of every leaf) to an arena, allocating
         one only when the layout changed."""
-        on_cuda = any(leaf.tensor.device.type == "cuda" for leaf in leaves)
-        key = (
-            on_cuda,
-            regions,
-            *((leaf.tensor.dtype, tuple(leaf.tensor.shape)) for leaf in leaves),
-        )
-        allocated = False
-        if self._arena is None or key != self._layout_key:
-            self._arena = None  # free the old arena before allocating the new one
-            self._slots, total = plan_layout(leaves, regions)
-            self._arena = Arena(total, pinned=on_cuda and torch.cuda.is_available())
-            self._layout_key = key
-            allocated = True
-        return Snapshot(self._arena, self._slots, leaves, allocated, threading.Event())
+        with self._lock:
+            allocated = self._allocate(leaves, regions, touch=False)
+            assert self._arena is not None
+            return Snapshot(self._arena, self._slots, leaves, allocated, threading.Event())
 
     def copy(self, snap: Snapshot, *, background: bool = False) -> None:
         """Copy every leaf into the arena; sets ``snap.copied`` even when the copy fails.

@@ -206,6 +206,16 @@ class Checkpointer:
         """Whether the plan checkpoints after ``step`` (the same on every rank)."""
         return self.decision.should_save(step)
 
+    def warm_up(
+        self, state: Mapping[str, Any], *, per_rank: Mapping[str, Any] | None = None
+    ) -> None:
+        """Map the host buffers for saves of ``state`` in the background (see
+        :meth:`CheckpointManager.warm_up`); never raises (the first save then maps them)."""
+        try:
+            self.manager.warm_up(state, per_rank=per_rank)
+        except Exception as e:
+            logger.debug("coci: warm-up skipped: %s", e)
+
     def save(
         self,
         step: int,

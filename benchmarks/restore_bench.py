@@ -1,0 +1,165 @@
+"""Restore time, cold, of one state saved by each method; the disk's cold read limit beside it.
+
+``python -m benchmarks.restore_bench --size-gb 1 --repeats 3``
+
+Each round saves nothing new: the files are written once, then every round reads each method's
+files after evicting them from the page cache (``posix_fadvise(POSIX_FADV_DONTNEED)`` on every
+file; the page cache cannot be dropped system-wide without root), methods interleaved:
+
+* ``read_limit``: ``readinto`` of every coci data file into one buffer (no checks): the disk.
+* ``coci_raw``, ``coci_lossless``: ``CheckpointManager.restore()``, every checksum verified.
+* ``torch_load``, ``torch_load_mmap``: ``torch.load(weights_only=True)`` (mmap touches every
+  page: the tensors are summed, as a resume would read them).
+* ``safetensors``: ``safetensors.torch.load_file``.
+* ``dcp``: ``torch.distributed.checkpoint.load`` into preallocated tensors.
+
+Prints medians and ratios and writes a JSON results file (``benchmarks/results``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks._lib.files import drop_file_cache, free
+from benchmarks._lib.machine import uptime
+from benchmarks._lib.results import command, results_path, write_json
+from benchmarks._lib.timing import med
+from coci_core import CheckpointManager
+
+MiB = 1 << 20
+
+
+def _state(size_gb: float) -> dict[str, torch.Tensor]:
+    n = int(size_gb * 1e9) // 4 // 16
+    g = torch.Generator().manual_seed(0)
+    # half random (incompressible), half a smooth signal (compresses), like weights + moments
+    return {
+        f"t{i}": (torch.randn(n, generator=g) if i % 2 else torch.linspace(0, 1, n).half().float())
+        for i in range(16)
+    }
+
+
+def _touch(tensors: Any) -> float:
+    """Read every byte (a resume does): the sum of each tensor."""
+    if isinstance(tensors, dict):
+        return sum(_touch(v) for v in tensors.values())
+    return float(tensors.float().sum()) if isinstance(tensors, torch.Tensor) else 0.0
+
+
+def run(size_gb: float, repeats: int, root: Path) -> dict[str, Any]:
+    import safetensors.torch
+    import torch.distributed.checkpoint as dcp
+
+    state = _state(size_gb)
+    nbytes = sum(t.numel() * 4 for t in state.values())
+    paths = {
+        "coci_raw": root / "coci-raw",
+        "coci_lossless": root / "coci-lossless",
+        "torch_load": root / "model.pt",
+        "safetensors": root / "model.safetensors",
+        "dcp": root / "dcp",
+    }
+    with CheckpointManager(paths["coci_raw"], compression="none") as mgr:
+        mgr.save(1, state, block=True).wait()
+    with CheckpointManager(paths["coci_lossless"], compression="lossless") as mgr:
+        mgr.save(1, state, block=True).wait()
+    torch.save(state, paths["torch_load"])
+    safetensors.torch.save_file(state, str(paths["safetensors"]))
+    dcp.save(state, checkpoint_id=str(paths["dcp"]), no_dist=True)
+    shapes = {k: (v.shape, v.dtype) for k, v in state.items()}
+    data_files = sorted(paths["coci_raw"].rglob("data-*"))
+    os.sync()
+
+    def read_limit() -> None:
+        buffer = bytearray(max(f.stat().st_size for f in data_files))
+        for f in data_files:
+            with open(f, "rb", buffering=0) as fh:
+                fh.readinto(buffer)
+
+    def coci(which: str) -> Callable[[], None]:
+        def restore() -> None:
+            with CheckpointManager(paths[which]) as mgr:
+                _touch(mgr.restore())
+
+        return restore
+
+    def dcp_load() -> None:
+        target = {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in shapes.items()}
+        dcp.load(target, checkpoint_id=str(paths["dcp"]), no_dist=True)
+        _touch(target)
+
+    methods: dict[str, tuple[Path, Callable[[], None]]] = {
+        "read_limit": (paths["coci_raw"], read_limit),
+        "coci_raw": (paths["coci_raw"], coci("coci_raw")),
+        "coci_lossless": (paths["coci_lossless"], coci("coci_lossless")),
+        "torch_load": (
+            paths["torch_load"],
+            lambda: _touch(torch.load(paths["torch_load"], weights_only=True)),
+        ),
+        "torch_load_mmap": (
+            paths["torch_load"],
+            lambda: _touch(torch.load(paths["torch_load"], weights_only=True, mmap=True)),
+        ),
+        "safetensors": (
+            paths["safetensors"],
+            lambda: _touch(safetensors.torch.load_file(str(paths["safetensors"]))),
+        ),
+        "dcp": (paths["dcp"], dcp_load),
+    }
+    del state
+    free()
+    samples: dict[str, list[float]] = {name: [] for name in methods}
+    for round_ in range(repeats):
+        for name, (path, method) in methods.items():
+            drop_file_cache(path)
+            started = time.perf_counter()
+            method()
+            samples[name].append(time.perf_counter() - started)
+            free()
+            print(f"round {round_} {name}: {samples[name][-1]:.3f} s", flush=True)
+    limit = med(samples["read_limit"])
+    summary = {
+        name: {
+            "seconds": med(xs),
+            "GB_per_s": nbytes / 1e9 / med(xs),
+            "vs_read_limit": limit / med(xs),
+            "coci_raw_faster_x": med(xs) / med(samples["coci_raw"]),
+        }
+        for name, xs in samples.items()
+    }
+    return {"size_bytes": nbytes, "repeats": repeats, "samples": samples, "summary": summary}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--size-gb", type=float, default=1.0, help="state size in GB")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds (medians over them)")
+    parser.add_argument("--dir", default=None, help="where the files go (default: a temp dir)")
+    parser.add_argument("--out", default=None, help="results directory")
+    args = parser.parse_args()
+    load = uptime()
+    with tempfile.TemporaryDirectory(prefix="coci-restore-", dir=args.dir) as tmp:
+        result = run(args.size_gb, args.repeats, Path(tmp))
+    result.update(command=command(), uptime_before=load)
+    path = results_path("restore", args.out)
+    write_json(path, result)
+    print(f"\n{args.size_gb:g} GB, {args.repeats} rounds, cold, medians ({path})")
+    header = ("method", "seconds", "GB/s", "x read limit", "coci_raw is x faster")
+    print(f"{header[0]:<16} {header[1]:>8} {header[2]:>6} {header[3]:>13} {header[4]:>21}")
+    for name, row in result["summary"].items():
+        print(
+            f"{name:<16} {row['seconds']:>8.2f} {row['GB_per_s']:>6.2f} "
+            f"{row['vs_read_limit']:>13.2f} {row['coci_raw_faster_x']:>21.2f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
