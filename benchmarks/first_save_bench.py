@@ -12,7 +12,6 @@ as JSON (``benchmarks/results``).
 from __future__ import annotations
 
 import argparse
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -20,8 +19,7 @@ from typing import Any
 import torch
 
 from benchmarks._lib.files import free
-from benchmarks._lib.machine import uptime
-from benchmarks._lib.results import command, results_path, write_json
+from benchmarks._lib.results import run_recorded
 from benchmarks._lib.timing import med
 from coci_core import CheckpointManager
 
@@ -61,12 +59,12 @@ def main() -> None:
     parser.add_argument("--dir", default=None, help="where the checkpoints go (default: temp)")
     parser.add_argument("--out", default=None, help="results directory")
     args = parser.parse_args()
-    load = uptime()
-    with tempfile.TemporaryDirectory(prefix="coci-first-save-", dir=args.dir) as tmp:
-        result = run(args.size_gb, args.repeats, Path(tmp))
-    result.update(command=command(), uptime_before=load)
-    path = results_path("first_save", args.out)
-    write_json(path, result)
+    result, path = run_recorded(
+        "first_save",
+        lambda tmp: run(args.size_gb, args.repeats, tmp),
+        scratch_dir=args.dir,
+        out_dir=args.out,
+    )
     print(f"\n{args.size_gb:g} GB, {args.repeats} rounds, medians ({path})")
     for name, row in result["summary"].items():
         print(f"{name:<12} stall {row['stall_s']:.3f} s  ({row['vs_steady']:.2f}x steady)")

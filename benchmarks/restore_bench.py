@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,8 +28,7 @@ from typing import Any
 import torch
 
 from benchmarks._lib.files import drop_file_cache, free
-from benchmarks._lib.machine import uptime
-from benchmarks._lib.results import command, results_path, write_json
+from benchmarks._lib.results import run_recorded
 from benchmarks._lib.timing import med
 from coci_core import CheckpointManager
 
@@ -145,12 +143,12 @@ def main() -> None:
     parser.add_argument("--dir", default=None, help="where the files go (default: a temp dir)")
     parser.add_argument("--out", default=None, help="results directory")
     args = parser.parse_args()
-    load = uptime()
-    with tempfile.TemporaryDirectory(prefix="coci-restore-", dir=args.dir) as tmp:
-        result = run(args.size_gb, args.repeats, Path(tmp))
-    result.update(command=command(), uptime_before=load)
-    path = results_path("restore", args.out)
-    write_json(path, result)
+    result, path = run_recorded(
+        "restore",
+        lambda tmp: run(args.size_gb, args.repeats, tmp),
+        scratch_dir=args.dir,
+        out_dir=args.out,
+    )
     print(f"\n{args.size_gb:g} GB, {args.repeats} rounds, cold, medians ({path})")
     header = ("method", "seconds", "GB/s", "x read limit", "coci_raw is x faster")
     print(f"{header[0]:<16} {header[1]:>8} {header[2]:>6} {header[3]:>13} {header[4]:>21}")

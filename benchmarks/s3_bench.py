@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -30,8 +29,7 @@ from typing import Any
 
 import torch
 
-from benchmarks._lib.machine import uptime
-from benchmarks._lib.results import command, results_path, write_json
+from benchmarks._lib.results import run_recorded
 from benchmarks._lib.timing import med
 from coci_core import CheckpointManager
 
@@ -159,12 +157,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="rounds (medians over them)")
     parser.add_argument("--out", default=None, help="results directory")
     args = parser.parse_args()
-    load = uptime()
-    with tempfile.TemporaryDirectory(prefix="coci-s3-bench-") as tmp:
-        result = run(args.size_mb, args.repeats, Path(tmp))
-    result.update(command=command(), uptime_before=load)
-    path = results_path("s3", args.out)
-    write_json(path, result)
+    result, path = run_recorded(
+        "s3", lambda tmp: run(args.size_mb, args.repeats, tmp), out_dir=args.out
+    )
     print(f"\n{args.size_mb} MB, {args.repeats} rounds, medians ({path})")
     print(f"{'method':<20} {'durable s':>10} {'MB/s':>8} {'x raw put':>10} {'loop waits s':>13}")
     for name, row in result["summary"].items():

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -39,3 +41,24 @@ def command() -> str:
 def log(msg: str, file: TextIO | None = None) -> None:
     """``[HH:MM:SS] msg``, flushed (to stdout unless ``file``)."""
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=file or sys.stdout, flush=True)
+
+
+def run_recorded(
+    name: str,
+    run: Callable[[Path], dict[str, Any]],
+    *,
+    scratch_dir: str | Path | None = None,
+    out_dir: str | Path | None = None,
+) -> tuple[dict[str, Any], Path]:
+    """``run(scratch)`` in a temporary directory (under ``scratch_dir``), its result recorded
+    with the command and the machine's load before it in ``<out_dir>/<name>-<time>.json``;
+    the result and that path."""
+    from benchmarks._lib.machine import uptime
+
+    load = uptime()
+    with tempfile.TemporaryDirectory(prefix=f"coci-{name}-", dir=scratch_dir) as tmp:
+        result = run(Path(tmp))
+    result.update(command=command(), uptime_before=load)
+    path = results_path(name, out_dir)
+    write_json(path, result)
+    return result, path

@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import io
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -97,9 +97,7 @@ class CociCheckpointIO(CheckpointIO):
 
     def options_for(self, path: Any) -> dict[str, Any]:
         """The fsspec options of the tier that ``path`` is in."""
-        if self.remote is not None and str(path).startswith(self.remote.rstrip("/") + "/"):
-            return self.remote_storage_options
-        return self.storage_options
+        return tier_options(path, self.storage_options, self.remote, self.remote_storage_options)
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None
@@ -131,6 +129,19 @@ class CociCheckpointIO(CheckpointIO):
 
     def teardown(self) -> None:
         self.inner.teardown()
+
+
+def tier_options(
+    path: object,
+    options: Mapping[str, Any],
+    remote: str | None,
+    remote_options: Mapping[str, Any],
+) -> dict[str, Any]:
+    """The fsspec options for ``path``: ``remote_options`` when it is under ``remote`` (the
+    second tier), else ``options``."""
+    if remote is not None and str(path).startswith(remote.rstrip("/") + "/"):
+        return dict(remote_options)
+    return dict(options)
 
 
 def use_coci_io(trainer: Any) -> CociCheckpointIO:

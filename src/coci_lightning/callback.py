@@ -34,7 +34,12 @@ from coci_core.training import (
     shared_options,
     step_dir_name,
 )
-from coci_lightning._resume import coci_step_of, install_last_resolution, use_coci_io
+from coci_lightning._resume import (
+    coci_step_of,
+    install_last_resolution,
+    tier_options,
+    use_coci_io,
+)
 from coci_lightning._rng import collect_plain_rng_states, set_plain_rng_states
 from coci_lightning._telemetry import LoggerRelay, make_sinks
 
@@ -200,10 +205,8 @@ class CociCheckpoint(Checkpoint):
 
     def storage_options_for(self, path: object) -> dict[str, Any]:
         """The fsspec options of the tier that ``path`` is in (``remote`` or ``dirpath``)."""
-        remote = self.options.remote
-        if remote is not None and str(path).startswith(remote.rstrip("/") + "/"):
-            return dict(self.options.remote_storage_options)
-        return dict(self.options.storage_options)
+        o = self.options
+        return tier_options(path, o.storage_options, o.remote, o.remote_storage_options)
 
     def newest_step_dir(self, trainer: pl.Trainer) -> Path | str | None:
         """The step directory a resume takes (the newest checkpoint of the newest run): in

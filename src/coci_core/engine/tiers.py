@@ -21,8 +21,7 @@ from collections.abc import Callable, Iterator
 from coci_core.engine import retention
 from coci_core.engine.group import RankGroup
 from coci_core.engine.lease import Lease, acquire_lease
-from coci_core.engine.manifest import MANIFEST_NAME, step_dir_name
-from coci_core.engine.restore import read_manifest
+from coci_core.engine.manifest import MANIFEST_NAME, Manifest, step_dir_name
 from coci_core.errors import CheckpointError, DirectoryInUseError, StorageError
 from coci_core.knobs import (
     UPLOAD_BACKOFF_MAX_S,
@@ -238,7 +237,8 @@ class RemoteTier:
         ):
             return 0  # already there, byte for byte
         sent = 0
-        for base in read_manifest(self.local, step).bases:
+        where = f"manifest of step {step} in {self.local.url}"
+        for base in Manifest.from_json(manifest, where=where, step=step).bases:
             sent += self._upload_with_bases(base, seen)
         if self.remote.exists(f"{final}/{MANIFEST_NAME}"):
             # another version of the step (a re-save): its files may share names with ours
