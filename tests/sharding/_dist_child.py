@@ -18,7 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from coci_core import (
     BackgroundSaveError,
     CheckpointManager,
+    FsspecStorage,
     GlobalSampler,
     LocalStorage,
     NoCheckpointError,
@@ -63,6 +64,37 @@ class _PausingStorage(LocalStorage):
         return super().write_file(path, chunks, aligned=aligned)
 
 
+class _PausingFsspec(FsspecStorage):
+    """An object store whose writer stops half-way through the data file of ``step``."""
+
+    def __init__(self, url: str, step: int, **options: Any) -> None:
+        super().__init__(url, **options)
+        self._dir = f"step-{step:010d}/"
+
+    def write_file(self, path: str, chunks: Iterable[memoryview], *, aligned: bool = False) -> int:
+        if path.startswith(self._dir) and path.endswith(".bin"):
+            return super().write_file(path, self._pause_after_first(chunks), aligned=aligned)
+        return super().write_file(path, chunks, aligned=aligned)
+
+    @staticmethod
+    def _pause_after_first(chunks: Iterable[memoryview]) -> Iterator[memoryview]:
+        it = iter(chunks)
+        yield next(it)  # the upload has begun
+        print("PAUSED", flush=True)
+        os.read(sys.stdin.fileno(), 1)  # the parent never writes: wait for SIGKILL
+        raise SystemExit("not killed")
+
+
+def _storage(cfg: dict[str, Any], rank: int) -> Any:
+    pausing = cfg.get("pause_rank") == rank
+    if "url" in cfg:
+        options = cfg.get("storage_options", {})
+        if pausing:
+            return _PausingFsspec(cfg["url"], cfg["pause_step"], **options)
+        return FsspecStorage(cfg["url"], **options)
+    return _PausingStorage(cfg["dir"], cfg["pause_step"]) if pausing else LocalStorage(cfg["dir"])
+
+
 def main(cfg: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -80,13 +112,21 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
     sampler = GlobalSampler(dataset, seed=5)
     loader = DataLoader(dataset, batch_size=BATCH, sampler=sampler)
     torch.manual_seed(100 + rank)  # per-rank random streams
-    pausing = cfg.get("pause_rank") == rank
-    storage = (
-        _PausingStorage(cfg["dir"], cfg["pause_step"]) if pausing else LocalStorage(cfg["dir"])
-    )
     group = RankGroup.from_torch_distributed(timeout_s=cfg.get("timeout_s", 60.0))
-    mgr = CheckpointManager(storage, keep_last=None, group=group, chunk_bytes=64 * 1024)
-    out: dict[str, Any] = {"rank": rank, "world": world, "steps": {}, "rng_at_save": {}}
+    mgr = CheckpointManager(
+        _storage(cfg, rank),
+        keep_last=cfg.get("keep_last"),
+        group=group,
+        chunk_bytes=64 * 1024,
+        compression=cfg.get("compression", "auto"),
+    )
+    out: dict[str, Any] = {
+        "rank": rank,
+        "world": world,
+        "steps": {},
+        "rng_at_save": {},
+        "model_at_save": {},
+    }
     step = 0
     try:
         state = mgr.restore(into={"model": model, "optim": optimizer, "sampler": sampler})
@@ -109,6 +149,7 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
         if step % cfg["every"] == 0:
             rng = torch.get_rng_state()
             out["rng_at_save"][step] = digest(rng)
+            out["model_at_save"][step] = model_digest(model)
             state = {
                 "model": model.state_dict(),
                 "optim": optimizer.state_dict(),

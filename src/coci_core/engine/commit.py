@@ -1,7 +1,8 @@
 """The commit across ranks, coordinated through the storage alone.
 
-Every rank writes and syncs its data file into the shared staging directory, then (ranks > 0)
-a marker ``rank-<r>.json`` naming its pieces, or ``rank-<r>.failed`` with the reason. Rank 0
+Every rank writes and syncs its data file into the shared staging directory (on a storage
+without rename: the step's own directory, with the markers in a directory of the save's own,
+:func:`records_dir`), then (ranks > 0) a marker ``rank-<r>.json`` naming its pieces, or ``rank-<r>.failed`` with the reason. Rank 0
 waits for every marker; only when all ranks succeeded does it write the manifest and publish.
 Otherwise it writes ``ABORT.json`` naming the failed ranks, which the other ranks wait for.
 No collective runs on any process group, so a killed rank costs the others a timeout, not a
@@ -33,10 +34,24 @@ from coci_core.engine.manifest import (
 )
 from coci_core.errors import CommitError, CorruptCheckpointError, StorageError
 
-__all__ = ["RankShare", "await_outcome", "collect_shares", "fail", "report_share"]
+__all__ = [
+    "RankShare",
+    "await_outcome",
+    "collect_shares",
+    "fail",
+    "records_dir",
+    "report_share",
+]
 
 ABORT_NAME = "ABORT.json"
 _T = TypeVar("_T")
+
+
+def records_dir(final: str, token: str) -> str:
+    """Where the ranks of one save leave their commit records when the storage writes the
+    data in the step's own directory (no rename): beside it, named after the save, and
+    removed with the other leftovers of uncommitted saves."""
+    return f"{final}.coci-tmp-{token}"
 
 
 def _share_name(rank: int) -> str:

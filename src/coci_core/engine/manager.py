@@ -295,12 +295,6 @@ class CheckpointManager:
             if not callable(listener):
                 raise ConfigError(f"'listeners' must be callables, got {listener!r}")
         self.storage = open_storage(directory, **dict(storage_options or {}))
-        if group.world_size > 1 and not self.storage.renames:
-            raise ConfigError(
-                f"several ranks cannot write one checkpoint to {self.storage.url!r} yet: it has "
-                "no atomic rename, so the ranks would share one directory before the commit; "
-                "use a local or shared file system path"
-            )
         self.keep_last = keep_last
         self.on_busy = on_busy
         self.strict = bool(strict)

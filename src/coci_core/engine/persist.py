@@ -314,7 +314,12 @@ def _write_checkpoint(
     group = job.group
     final = step_dir_name(job.step)
     staging = storage.staging_dir(final, job.token)
-    file = data_file_name(group.rank, job.token if staging == final else None)
+    in_place = staging == final
+    file = data_file_name(group.rank, job.token if in_place else None)
+    # The ranks' commit records (shares, failures, an abort) go in a directory of this save
+    # alone: where the data is written in the step's own directory, records of an earlier save
+    # of the step must never count for this one.
+    records = commit.records_dir(final, job.token) if in_place else staging
     pieces = _Pieces(job, file)
     try:
         if encoder is not None and encoder.active:
@@ -334,10 +339,10 @@ def _write_checkpoint(
         write_s = time.perf_counter() - started
         share = pieces.share(data_bytes)
         if not group.is_coordinator:
-            commit.report_share(storage, staging, share)
-            commit.await_outcome(storage, staging, final, job.token, group)
+            commit.report_share(storage, records, share)
+            commit.await_outcome(storage, records, final, job.token, group)
             return WriteResult(final, None, data_bytes, pieces.raw_bytes, write_s, pieces.encoded)
-        shares = commit.collect_shares(storage, staging, share, group)
+        shares = commit.collect_shares(storage, records, share, group)
         manifest = Manifest(
             step=job.step,
             created_unix=time.time(),
@@ -370,8 +375,11 @@ def _write_checkpoint(
             )
         storage.publish(staging, final)
     except BaseException as e:
-        commit.fail(storage, staging, group, e)
+        commit.fail(storage, records, group, e)
         raise
+    if records != staging and group.world_size > 1:
+        with contextlib.suppress(Exception):  # left behind, the next clean-up removes them
+            storage.remove_dir(records)
     return WriteResult(
         final,
         manifest,

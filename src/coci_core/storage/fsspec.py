@@ -52,6 +52,9 @@ class FsspecStorage:
 
     def list_dir(self, path: str = "") -> list[str]:
         full = self._path(path)
+        # Other processes (the other ranks, another writer) change the store: never answer
+        # from this process's cached listings.
+        self.fs.invalidate_cache(full)
         try:
             if not self.fs.exists(full):
                 return []
@@ -61,7 +64,9 @@ class FsspecStorage:
         return sorted({str(n).rstrip("/").rsplit("/", 1)[-1] for n in names})
 
     def exists(self, path: str) -> bool:
-        return bool(self.fs.exists(self._path(path)))
+        full = self._path(path)
+        self.fs.invalidate_cache(full)  # see list_dir
+        return bool(self.fs.exists(full))
 
     def write_file(self, path: str, chunks: Iterable[memoryview], *, aligned: bool = False) -> int:
         full = self._path(path)
