@@ -119,6 +119,8 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
         group=group,
         chunk_bytes=64 * 1024,
         compression=cfg.get("compression", "auto"),
+        remote=cfg.get("remote"),
+        remote_storage_options=cfg.get("storage_options") if cfg.get("remote") else None,
     )
     out: dict[str, Any] = {
         "rank": rank,
@@ -132,6 +134,7 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
         state = mgr.restore(into={"model": model, "optim": optimizer, "sampler": sampler})
         step = int(state["step"])
         out["restored_step"] = step
+        out["restored_tier"] = mgr.last_restore.tier if mgr.last_restore else None
         if "rng" in state:
             torch.set_rng_state(state["rng"])
             out["restored_rng"] = digest(state["rng"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import uuid
 from pathlib import Path
 
 import pytest
@@ -20,8 +21,9 @@ from coci_core import (
     LocalStorage,
     RankGroup,
 )
-from coci_core.engine.manifest import step_dir_name
+from coci_core.engine.manifest import MANIFEST_NAME, step_dir_name
 from coci_core.engine.restore import load_checkpoint
+from coci_core.storage import FsspecStorage
 from tests.harness.faults import FaultyStorage
 
 CHUNK = 4096
@@ -269,6 +271,31 @@ def test_a_tensor_with_raw_and_compressed_pieces_restores(tmp_path: Path) -> Non
         assert one.verify() == {1: []}
 
 
-def test_sharded_saves_to_storage_without_rename_are_refused() -> None:
-    with pytest.raises(ConfigError, match="several ranks cannot write one checkpoint"):
-        CheckpointManager("memory://sharded-refused", group=RankGroup(0, 2, "s"))
+def test_sharded_saves_to_storage_without_rename_commit_in_place() -> None:
+    """On a storage without rename the ranks write into the step's own directory; a save that
+    a rank failed leaves its abort record under that save's name only, so the next save of the
+    same step commits, and the commit removes the abandoned save's objects."""
+    url = f"memory://sharded-{uuid.uuid4().hex[:8]}"
+    r0 = CheckpointManager(url, group=RankGroup(0, 2, "s1"), chunk_bytes=CHUNK, keep_last=None)
+    faulty = FaultyStorage(FsspecStorage(url), fail={"write_file": [0]})
+    r1 = CheckpointManager(faulty, group=RankGroup(1, 2, "s1"), chunk_bytes=CHUNK, keep_last=None)
+    h0, h1 = r0.save(1, _state()), r1.save(1, _state())
+    with pytest.raises(BackgroundSaveError):
+        h1.wait(timeout_s=60)
+    with pytest.raises(BackgroundSaveError, match=r"rank\(s\) \[1\] failed"):
+        h0.wait(timeout_s=60)
+    assert r0.steps() == []
+    h0, h1 = r0.save(1, _state(1)), r1.save(1, _state(1))
+    h0.wait(timeout_s=60)
+    h1.wait(timeout_s=60)
+    assert r0.steps() == [1]
+    manifest = r0.manifest(1)
+    assert manifest.world_size == 2
+    assert _same(r0.restore(), _state(1))
+    storage = FsspecStorage(url)
+    assert sorted(storage.list_dir(step_dir_name(1))) == sorted(
+        [MANIFEST_NAME, *(f.name for f in manifest.files)]
+    )
+    r0.close()
+    r1.close()
+    assert [n for n in storage.list_dir("") if ".coci-tmp-" in n] == []

@@ -5,7 +5,9 @@ ranks, and a rank killed during its upload publishes nothing."""
 from __future__ import annotations
 
 import re
+import shutil
 import signal
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -100,3 +102,29 @@ def test_a_rank_killed_during_its_upload_publishes_nothing(
     step20 = [k.split("/", 1)[1] for k in _keys(s3_server, url) if k.startswith("step-0000000020")]
     assert sorted(step20) == sorted([*names, "manifest.json"])  # the abandoned save's are gone
     assert [k for k in _keys(s3_server, url) if ".coci-tmp-" in k] == []
+
+
+def test_two_ranks_with_a_remote_tier_resume_from_the_bucket_on_an_empty_disk(
+    s3_server: S3Server, s3_prefix: str, tmp_path: Path
+) -> None:
+    """Two ranks commit on a local directory they share; rank 0 copies every rank's files to
+    the bucket. With the local directory gone (a new node), both ranks resume from the bucket,
+    bit for bit, each with its own random state."""
+    url = f"s3://{s3_prefix}/ckpt"
+    options = s3_server.storage_options
+    local = tmp_path / "local"
+    cfg = {"dir": str(local), "remote": url, "storage_options": options, "every": 10}
+    first = _ok(launch(2, {**cfg, "stop_step": 20}))
+    with CheckpointManager(url, storage_options=options) as mgr:
+        assert mgr.steps() == [10, 20]  # close() waited for the upload
+        manifest = mgr.manifest(20)
+        assert mgr.verify() == {10: [], 20: []}
+    assert manifest.world_size == 2 and len(manifest.files) == 2
+    shutil.rmtree(local)
+    resumed = _ok(launch(2, {**cfg, "stop_step": 21}))
+    assert [(r["restored_step"], r["restored_tier"]) for r in resumed] == [(20, "remote")] * 2
+    for before, after in zip(first, resumed, strict=True):
+        assert after["restored_rng"] == before["rng_at_save"]["20"]
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    model.load_state_dict(load_checkpoint(FsspecStorage(url, **options), 20).state["model"])
+    assert model_digest(model) == first[0]["model_at_save"]["20"]

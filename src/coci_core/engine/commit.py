@@ -2,8 +2,9 @@
 
 Every rank writes and syncs its data file into the shared staging directory (on a storage
 without rename: the step's own directory, with the markers in a directory of the save's own,
-:func:`records_dir`), then (ranks > 0) a marker ``rank-<r>.json`` naming its pieces, or ``rank-<r>.failed`` with the reason. Rank 0
-waits for every marker; only when all ranks succeeded does it write the manifest and publish.
+:func:`records_dir`), then (ranks > 0) a marker ``rank-<r>.json`` naming its pieces, or
+``rank-<r>.failed`` with the reason. Rank 0 waits for every marker; only when all ranks
+succeeded does it write the manifest and publish.
 Otherwise it writes ``ABORT.json`` naming the failed ranks, which the other ranks wait for.
 No collective runs on any process group, so a killed rank costs the others a timeout, not a
 hang. The waits poll the storage with a short, growing interval (a storage has no

@@ -332,11 +332,6 @@ class CheckpointManager:
                 retention.remove_uncommitted(self.storage, self.group, done_seq=None)
         self.remote: RemoteTier | None = None
         if remote is not None:
-            if group.world_size > 1:
-                raise ConfigError(
-                    "'remote' (a second tier) is for a manager of one process for now: "
-                    f"this one has {group.world_size} ranks"
-                )
             self.remote = RemoteTier(
                 self.storage,
                 open_storage(remote, **dict(remote_storage_options or {})),

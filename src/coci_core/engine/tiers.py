@@ -44,8 +44,9 @@ class RemoteTier:
         local: the manager's (fast) storage, where steps are committed first.
         remote: the second storage.
         keep_last: the run's committed steps kept on the remote (None: all).
-        group: the manager's ranks (the coordinator uploads; the local directory must be one
-            that it can read every rank's files from).
+        group: the manager's ranks: the coordinator uploads every rank's files (the local
+            directory is one that every rank writes to, as a commit of several ranks needs),
+            the other ranks only restore from the remote.
         run_id: the run whose steps retention counts (read at each upload).
         emit: receives every :class:`UploadEvent`.
         upload_every: upload every this many local commits (and the newest one at close):
@@ -79,6 +80,8 @@ class RemoteTier:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._lease: Lease | None = None
+        if not group.is_coordinator:
+            return  # the other ranks read the remote tier (restore); rank 0 uploads
         try:
             self._lease = acquire_lease(remote, group.session)
         except (DirectoryInUseError, StorageError) as e:
