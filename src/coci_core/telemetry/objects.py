@@ -71,8 +71,7 @@ class ObjectTelemetry(JsonlRecords):
         self._retry_at = -math.inf
         self._last_put = -math.inf
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name="coci-telemetry-put", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None  # started by the first record
 
     def __repr__(self) -> str:
         return f"ObjectTelemetry({self.storage.url!r}, path={self.path!r})"
@@ -81,6 +80,11 @@ class ObjectTelemetry(JsonlRecords):
         with self._cond:
             if self._closed:
                 return
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="coci-telemetry-put", daemon=True
+                )
+                self._thread.start()
             if self._pending_since is None:
                 self._pending_since = time.monotonic()
             self._lines.append(line)
@@ -114,11 +118,12 @@ class ObjectTelemetry(JsonlRecords):
 
     def _put_locked(self) -> None:
         """Put every line so far, releasing the lock meanwhile (never raises)."""
-        count = len(self._lines)
-        data = "".join(line + "\n" for line in self._lines[:count]).encode("utf-8")
+        lines = self._lines[:]
+        count = len(lines)
         self._soon = False
         self._cond.release()
         try:
+            data = "".join(line + "\n" for line in lines).encode("utf-8")
             self.storage.write_file(self.path, [memoryview(data)])
             error: Exception | None = None
         except Exception as e:  # a telemetry put never fails the run
@@ -173,8 +178,11 @@ class ObjectTelemetry(JsonlRecords):
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        self._thread.join(TELEMETRY_CLOSE_TIMEOUT_S)
-        if self._thread.is_alive():
+            thread = self._thread
+        if thread is None:
+            return
+        thread.join(TELEMETRY_CLOSE_TIMEOUT_S)
+        if thread.is_alive():
             logger.warning(
                 "coci: the last put of the telemetry %s/%s did not finish within %.0f s",
                 self.storage.url,
