@@ -9,7 +9,13 @@ import pytest
 
 from tests.harness.s3 import S3Server, start_s3_server
 
-_WRITER_THREADS = ("coci-persist", "coci-persist-ahead", "coci-telemetry", "coci-lease")
+_WRITER_THREADS = (
+    "coci-persist",
+    "coci-persist-ahead",
+    "coci-telemetry",
+    "coci-telemetry-put",
+    "coci-lease",
+)
 
 
 @pytest.fixture(autouse=True)

@@ -20,7 +20,8 @@ from accelerate.utils import broadcast_object_list
 from coci_accelerate import _state
 from coci_accelerate.tracker import CociTracker
 from coci_core.errors import CociError, ConfigError, NoCheckpointError
-from coci_core.telemetry import TELEMETRY_FILE, JsonlTelemetry, TelemetrySink
+from coci_core.telemetry import TelemetrySink
+from coci_core.telemetry.objects import report_sink
 from coci_core.telemetry.tensorboard import TensorBoardTelemetry
 from coci_core.training import (
     Checkpointer,
@@ -64,8 +65,9 @@ class CociCheckpointer:
         verbose: the main process logs a line per save (step, stall, MB written,
             compression, when durable). ``close()`` logs one summary line either way.
         storage_options: as for ``CociCheckpoint``: the fsspec options of a URL ``dirpath``
-            (credentials, endpoint), never logged. With a URL ``dirpath``, telemetry goes to
-            Accelerate's TensorBoard tracker (and a ``CociTracker``), no local file.
+            (credentials, endpoint), never logged. With a URL ``dirpath``, ``coci report``'s
+            records go to objects under ``<dirpath>/telemetry/``, and TensorBoard's panel to
+            Accelerate's TensorBoard tracker (and a ``CociTracker``): nothing local.
         remote: as for ``CociCheckpoint``: a second tier that every checkpoint is copied to
             in the background, and that ``resume()`` falls back to.
         remote_keep_last: as for ``CociCheckpoint``.
@@ -116,11 +118,12 @@ class CociCheckpointer:
         )
         is_main = accelerator.is_main_process
         sinks: list[TelemetrySink] = []
+        if is_main:  # telemetry.jsonl, or objects under a URL (coci report reads either)
+            sinks.append(report_sink(self.dirpath, self.storage_options))
         if is_main and isinstance(self.dirpath, Path):
-            sinks.append(JsonlTelemetry(self.dirpath / TELEMETRY_FILE))
             with contextlib.suppress(ConfigError):  # tensorboard is not installed
                 sinks.append(_tensorboard_sink(accelerator, self.dirpath / "tensorboard"))
-        elif is_main:  # an fsspec URL: the run's own TensorBoard tracker only, nothing local
+        elif is_main:  # an fsspec URL: TensorBoard only through the run's own tracker
             with contextlib.suppress(ConfigError):
                 sinks.extend(
                     TensorBoardTelemetry(writer=tracker.writer)

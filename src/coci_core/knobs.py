@@ -51,3 +51,12 @@ UPLOAD_CLOSE_TIMEOUT_S = 600.0
 S3_PART_BYTES = 16 * MiB
 #: Parts uploaded (or ranges read) at once.
 S3_PARALLEL = 4
+
+# -- telemetry on an object store (telemetry/objects.py) ------------------------------------
+#: The session's telemetry object is put again at most this often ...
+TELEMETRY_PUT_GAP_S = 2.0
+#: ... soon after a committed save, else within this long of a new record (also the wait
+#: before a failed put is tried again).
+TELEMETRY_PUT_DELAY_S = 30.0
+#: ``close()`` waits this long at most for the last put.
+TELEMETRY_CLOSE_TIMEOUT_S = 60.0

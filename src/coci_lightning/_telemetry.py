@@ -1,4 +1,4 @@
-"""Where a Lightning run's coci telemetry goes: the Trainer's loggers, TensorBoard, a JSON file."""
+"""Where a Lightning run's coci telemetry goes: the Trainer's loggers, TensorBoard, JSON lines."""
 
 from __future__ import annotations
 
@@ -11,19 +11,23 @@ import lightning.pytorch as pl
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from coci_core.errors import ConfigError
-from coci_core.telemetry import TELEMETRY_FILE, Event, JsonlTelemetry, SaveEvent, TelemetrySink
+from coci_core.telemetry import Event, SaveEvent, TelemetrySink
+from coci_core.telemetry.objects import report_sink
 
 
-def make_sinks(trainer: pl.Trainer, root: Path | str) -> list[TelemetrySink]:
-    """On rank 0: a JSON-lines file under ``root`` and TensorBoard (the Trainer's
-    TensorBoardLogger when it has one, else coci's own writer under ``root/tensorboard`` if
-    tensorboard is installed). For an fsspec URL ``root``, only the Trainer's TensorBoard."""
+def make_sinks(
+    trainer: pl.Trainer, root: Path | str, storage_options: dict[str, Any] | None = None
+) -> list[TelemetrySink]:
+    """On rank 0: ``coci report``'s records (a JSON-lines file under ``root``, or objects
+    under an fsspec URL ``root``, see :func:`~coci_core.telemetry.objects.report_sink`) and
+    TensorBoard (the Trainer's TensorBoardLogger when it has one, else, for a local ``root``,
+    coci's own writer under ``root/tensorboard`` if tensorboard is installed)."""
     if not trainer.is_global_zero:
         return []
     from coci_core.telemetry.tensorboard import TensorBoardTelemetry
 
     local = root if isinstance(root, Path) else None
-    sinks: list[TelemetrySink] = [] if local is None else [JsonlTelemetry(local / TELEMETRY_FILE)]
+    sinks: list[TelemetrySink] = [report_sink(root, storage_options)]
     loggers = [lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
     try:
         if loggers:

@@ -243,7 +243,7 @@ class CociCheckpoint(Checkpoint):
             self.resolve_dirpath(trainer),
             options,
             rank=trainer.global_rank,
-            sinks=make_sinks(trainer, self.resolve_dirpath(trainer)),
+            sinks=make_sinks(trainer, self.resolve_dirpath(trainer), self.storage_options),
             listeners=[self._relay],
             broadcast=(lambda obj: trainer.strategy.broadcast(obj, src=0))
             if trainer.world_size > 1

@@ -33,7 +33,8 @@ def test_s3_dirpath_resumes_bit_exact(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A loop checkpointing to S3, stopped at step 43, resumes from the bucket (step 40) and
-    ends bit-identical; nothing lands in a local ``s3:`` directory; no secret in the logs."""
+    ends bit-identical; nothing lands in a local ``s3:`` directory; no secret in the logs;
+    ``coci report s3://...`` shows both sessions' saves and the restart."""
     monkeypatch.chdir(tmp_path)
     caplog.set_level(logging.DEBUG)
     url = f"s3://{s3_prefix}/run"
@@ -55,6 +56,12 @@ def test_s3_dirpath_resumes_bit_exact(
     assert not [p for p in local if "s3:" in p]
     assert not [p for p in local if p.startswith("run") and ("coci" in p or "telemetry" in p)]
     assert SECRET_KEY not in caplog.text
+    # coci report reads both sessions' telemetry from the bucket, in the order they ran.
+    report = s3_server.run_coci("report", url)
+    assert report.returncode == 0, report.stderr
+    lines = report.stdout.splitlines()
+    assert lines[0] == f"checkpoints committed: 14 at steps {list(range(5, 75, 5))}"
+    assert "restart: restored step 40 in" in report.stdout
 
 
 def test_storage_options_are_checked_at_construction(tmp_path: Path) -> None:

@@ -85,6 +85,24 @@ class S3Server:
             "AWS_DEFAULT_REGION": "us-east-1",
         }
 
+    def run_coci(self, *args: str) -> subprocess.CompletedProcess[str]:
+        """``coci ARGS`` in a new process that reaches this server through :attr:`env` only
+        (the way a user's shell does), with this checkout's sources on its path."""
+        root = Path(__file__).resolve().parents[2]
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("AWS_", "FSSPEC_")) and k != "PYTHONPATH"
+        }
+        env.update(self.env, PYTHONPATH=f"{root / 'src'}{os.pathsep}{root}")
+        return subprocess.run(
+            [sys.executable, "-m", "coci_core.cli", *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
     def filesystem(self) -> Any:
         import s3fs
 

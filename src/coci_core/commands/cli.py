@@ -226,8 +226,9 @@ def _report(args: argparse.Namespace) -> int:
     except FileNotFoundError as e:
         print(f"coci: {e}", file=sys.stderr)
         return 1
-    tb = Path(args.dir) / "tensorboard"
-    print(render(summary, tensorboard_dir=args.tensorboard or (str(tb) if tb.is_dir() else None)))
+    tb = None if "://" in args.dir else Path(args.dir) / "tensorboard"
+    tb_dir = str(tb) if tb is not None and tb.is_dir() else None
+    print(render(summary, tensorboard_dir=args.tensorboard or tb_dir))
     return 0
 
 
@@ -313,7 +314,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_import)
     p = sub.add_parser("report", help="what a run's checkpoints cost, planned vs actual")
-    p.add_argument("dir", metavar="DIR", help="a run's checkpoint directory (with telemetry)")
+    p.add_argument(
+        "dir",
+        metavar="DIR",
+        help="a run's checkpoint directory with telemetry (a path or an fsspec URL)",
+    )
     p.add_argument("--tensorboard", help="the TensorBoard log directory to point to")
     p.set_defaults(func=_report)
     p = sub.add_parser("demo", help="kill a training run mid-persist and resume it exactly")

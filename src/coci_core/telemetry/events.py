@@ -15,6 +15,7 @@ from typing import Any, Literal, Protocol, TypeAlias
 __all__ = [
     "TELEMETRY_FILE",
     "Event",
+    "JsonlRecords",
     "JsonlTelemetry",
     "Listener",
     "RestoreEvent",
@@ -22,6 +23,7 @@ __all__ = [
     "TelemetrySink",
     "UploadEvent",
     "emit",
+    "parse_jsonl",
     "read_jsonl",
 ]
 
@@ -154,21 +156,22 @@ def _finite_or_none(x: Any) -> Any:
     return x
 
 
-class JsonlTelemetry:
-    """Appends telemetry as JSON lines to one file, for ``coci report``; thread-safe."""
+class JsonlRecords:
+    """A sink that turns events, plans and losses into the JSON-lines records ``coci report``
+    reads; a subclass stores each line (``_write_line``) and implements ``flush`` and
+    ``close``."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
-        self._lock = threading.Lock()
+    def _write_line(self, line: str, record: dict[str, Any]) -> None:
+        raise NotImplementedError
 
     def _write(self, record: dict[str, Any]) -> None:
-        line = json.dumps(record, default=str, allow_nan=False)
-        with self._lock:
-            if not self._file.closed:
-                self._file.write(line + "\n")
-                self._file.flush()
+        self._write_line(json.dumps(record, default=str, allow_nan=False), record)
+
+    def flush(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
 
     def __call__(self, event: Event) -> None:
         kind = (
@@ -211,6 +214,22 @@ class JsonlTelemetry:
             }
         )
 
+
+class JsonlTelemetry(JsonlRecords):
+    """Appends telemetry as JSON lines to one file, for ``coci report``; thread-safe."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        self._lock = threading.Lock()
+
+    def _write_line(self, line: str, record: dict[str, Any]) -> None:
+        with self._lock:
+            if not self._file.closed:
+                self._file.write(line + "\n")
+                self._file.flush()
+
     def flush(self) -> None:
         with self._lock:
             if not self._file.closed:
@@ -221,13 +240,20 @@ class JsonlTelemetry:
             self._file.close()
 
 
+def parse_jsonl(text: str) -> list[dict[str, Any]]:
+    """The records of telemetry text (a torn line, from a killed run, is skipped)."""
+    records = []
+    for line in text.split("\n"):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
 def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """The records of a telemetry file (a torn last line, from a killed run, is skipped)."""
-    records = []
     with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return records
+        return parse_jsonl(f.read())

@@ -1,4 +1,5 @@
-"""``coci report DIR``: what a run's checkpoints cost and how they compare with the plan."""
+"""``coci report DIR``: what a run's checkpoints cost and how they compare with the plan (DIR
+a path or an fsspec URL)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from coci_core.storage import is_url, open_storage
 from coci_core.telemetry import TELEMETRY_FILE, read_jsonl
 
 __all__ = ["RunSummary", "compare_policies", "render", "render_policies", "summarize"]
@@ -42,8 +44,20 @@ class RunSummary:
         return self.plans[-1] if self.plans else None
 
 
-def summarize(directory: str | Path) -> RunSummary:
-    """Read ``DIR/telemetry.jsonl`` (written by the Lightning and Accelerate adapters)."""
+def summarize(directory: str | Path, storage_options: dict[str, Any] | None = None) -> RunSummary:
+    """Read ``DIR/telemetry.jsonl``, or for an fsspec URL every session's object under
+    ``DIR/telemetry/`` (written by the Lightning and Accelerate adapters)."""
+    if is_url(directory):
+        from coci_core.telemetry.objects import TELEMETRY_DIR, read_objects
+
+        records = read_objects(open_storage(directory, **(storage_options or {})))
+        if records is None:
+            raise FileNotFoundError(
+                f"no telemetry in {directory}/{TELEMETRY_DIR}/: a run writes it there when "
+                f"this URL is its checkpoint directory (a remote tier's run keeps it with its "
+                f"local directory, in {TELEMETRY_FILE})"
+            )
+        return RunSummary(records)
     path = Path(directory) / TELEMETRY_FILE
     if not path.is_file():
         raise FileNotFoundError(
