@@ -12,7 +12,7 @@ import time
 import uuid
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
@@ -72,6 +72,7 @@ class CociCheckpointer:
             in the background, and that ``resume()`` falls back to.
         remote_keep_last: as for ``CociCheckpoint``.
         remote_storage_options: as for ``CociCheckpoint``.
+        remote_upload_every: as for ``CociCheckpoint``.
     """
 
     def __init__(
@@ -97,6 +98,7 @@ class CociCheckpointer:
         remote: str | os.PathLike[str] | None = None,
         remote_keep_last: int | None = 10,
         remote_storage_options: dict[str, Any] | None = None,
+        remote_upload_every: int | Literal["auto"] = "auto",
     ) -> None:
         if not isinstance(accelerator, Accelerator):
             raise ConfigError(

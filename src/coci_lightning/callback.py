@@ -11,7 +11,7 @@ import uuid
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -89,6 +89,10 @@ class CociCheckpoint(Checkpoint):
             checkpoint from ``dirpath``, else from ``remote`` (a new node resumes from it).
         remote_keep_last: checkpoints kept on the remote tier.
         remote_storage_options: the fsspec options of ``remote``, never logged.
+        remote_upload_every: copy every this many checkpoints to ``remote`` (and the newest
+            at the end), or ``"auto"`` (default): the planner's two-level period for the
+            measured upload cost and ``planner_options={"node_loss_share": ...}`` (every
+            checkpoint until an upload is measured, and while uploads cost the loop little).
     """
 
     def __init__(
@@ -115,6 +119,7 @@ class CociCheckpoint(Checkpoint):
         remote: str | os.PathLike[str] | None = None,
         remote_keep_last: int | None = 10,
         remote_storage_options: dict[str, Any] | None = None,
+        remote_upload_every: int | Literal["auto"] = "auto",
     ) -> None:
         super().__init__()
         dirpath = _check_dirpath(dirpath)

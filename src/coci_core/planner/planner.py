@@ -14,8 +14,10 @@ when the loss leaves its fitted curve (a regime change); never on every step.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Generic, TypeVar, overload
 
@@ -37,6 +39,8 @@ from coci_core.planner.replanning import MAX_HORIZON_STEPS as MAX_HORIZON_STEPS 
 from coci_core.planner.replanning import Replanner
 from coci_core.planner.report import PlannerReport, build_report, explain_step
 from coci_core.planner.settings import PlannerConfig, PlannerSettings, make_settings
+from coci_core.planner.two_level import TierCosts, TwoLevelPlan, plan_two_levels
+from coci_core.planner.upload_costs import UploadCosts
 
 __all__ = ["Planner", "PlannerConfig", "PlannerReport", "planner_config"]
 
@@ -97,6 +101,9 @@ class Planner:
         method: ``"dp"`` or ``"closed_form"`` for ``coci``.
         grid_points: DP grid size (bounds re-planning time).
         min_horizon_steps: the shortest rolling horizon.
+        node_loss_share: the share of failures that lose the node and its local disk
+            (preemptions, hardware), against process crashes that keep it; with a remote tier
+            it sets how often a save is also uploaded (:meth:`upload_every`).
 
     Raises:
         ConfigError: on any bad argument, naming it, the rule and the value.
@@ -127,6 +134,7 @@ class Planner:
         method: str = "dp",
         grid_points: int = 1000,
         min_horizon_steps: int = 1000,
+        node_loss_share: float = 0.5,
     ) -> None:
         arguments = dict(locals())  # exactly the parameters, at this point
         del arguments["self"]
@@ -144,6 +152,7 @@ class Planner:
         self._settings: PlannerSettings = dataclasses.replace(config.settings)
         self._obs = RunObservations(self._settings, CostEstimator(config.costs))
         self._plan = Replanner(self._settings, self._obs)
+        self._uploads = UploadCosts()
 
     policy_name = _Setting[str]()
     objective = _Setting[str]()
@@ -172,6 +181,8 @@ class Planner:
         except (TypeError, ValueError, OverflowError):
             return
         self._obs.observe(k, loss, step_time_s)
+        if isinstance(step_time_s, (int, float)) and math.isfinite(step_time_s):
+            self._uploads.step(float(step_time_s))
         self._plan.after_observe(k)
 
     def set_steps_per_epoch(self, steps_per_epoch: int) -> None:
@@ -215,10 +226,51 @@ class Planner:
         """
         self._obs.record_save(stall_s, persist_s, unobserved_stall_s)
 
-    def record_restore(self, seconds: float) -> None:
-        """Record a restore after a failure: one more failure, and its measured duration."""
+    def record_restore(self, seconds: float, *, tier: str = "local") -> None:
+        """Record a restore after a failure: one more failure, and its measured duration
+        (``tier="remote"``: from the remote tier, the restart time of a lost node)."""
         self._obs.record_restore(seconds)
+        if tier == "remote":
+            with contextlib.suppress(TypeError, ValueError):
+                self._uploads.remote_restore(float(seconds))
         self._plan.force_replan = True
+
+    def record_upload(self, seconds: float) -> None:
+        """Record an upload to the remote tier that took ``seconds`` and ended now (any
+        thread): its cost to the loop is the excess of the steps it overlapped."""
+        with contextlib.suppress(TypeError, ValueError):
+            usual = self._obs.costs.get("step_time_s").value
+            self._uploads.upload(float(seconds), usual)
+
+    def two_level_plan(self) -> TwoLevelPlan | None:
+        """The two-level plan for the measured costs (see
+        :func:`~coci_core.planner.two_level.plan_two_levels`): a local save costs the
+        planner's loop cost per save, an upload its measured slowdown of the loop, failures
+        split by ``node_loss_share``. None before an upload was measured."""
+        costs = self._tier_costs()
+        return None if costs is None else plan_two_levels(costs)
+
+    def _tier_costs(self) -> TierCosts | None:
+        remote_cost = self._uploads.loop_cost_s()
+        inputs = self._obs.plan_inputs()
+        if remote_cost is None or inputs is None:
+            return None
+        rate = 1.0 / inputs["mtbf_s"]
+        share = self._settings.node_loss_share
+        return TierCosts(
+            local_cost_s=max(inputs["stall_s"], 1e-6),
+            remote_cost_s=remote_cost,
+            local_restart_s=inputs["restart_s"],
+            remote_restart_s=self._uploads.remote_restart_s(inputs["restart_s"]),
+            crash_rate=rate * (1 - share),
+            node_loss_rate=rate * share,
+        )
+
+    def upload_every(self) -> int:
+        """Every how many checkpoints one should also be uploaded to the remote tier: the
+        two-level plan's period for the measured costs, 1 until an upload was measured."""
+        plan = self.two_level_plan()
+        return 1 if plan is None else plan.upload_every
 
     # ------------------------------------------------------------------ planning
 
@@ -248,8 +300,21 @@ class Planner:
     # ------------------------------------------------------------------ reporting
 
     def explain(self, step: int) -> str:
-        """Why ``step`` is (not) a checkpoint: the interval, the inputs and expected overhead."""
-        return explain_step(self._plan, step)
+        """Why ``step`` is (not) a checkpoint: the interval, the inputs and expected overhead
+        (and, once an upload was measured, the remote tier's period and why)."""
+        text = explain_step(self._plan, step)
+        costs = self._tier_costs()
+        if costs is None:
+            return text
+        two = plan_two_levels(costs)
+        return text + (
+            f"\n  remote tier: upload every {two.upload_every} checkpoint(s); an upload costs "
+            f"the loop {costs.remote_cost_s:.3g} s against {costs.local_cost_s:.3g} s for a "
+            f"local save, a restart from it {costs.remote_restart_s:.3g} s (two-level model, "
+            f"node losses {self._settings.node_loss_share:.0%} of failures; overhead "
+            f"{two.expected_overhead:.3g} s/s against {two.remote_every_save_overhead:.3g} "
+            "uploading every checkpoint)"
+        )
 
     def report(self, *, with_overhead: bool = True) -> PlannerReport:
         """A snapshot for telemetry.

@@ -8,6 +8,7 @@ is seen by all of them.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +52,7 @@ class PlannerSettings:
     method: str
     policy: SavePolicy
     fixed_every: int | None
+    node_loss_share: float = 0.5
 
     def cap_steps(self, step_time_s: float) -> int | None:
         """The longest interval (steps) that ``every_n_steps``/``every_n_seconds`` allow the
@@ -135,6 +137,7 @@ def make_settings(
     method: str,
     grid_points: int,
     min_horizon_steps: int,
+    node_loss_share: float = 0.5,
 ) -> PlannerSettings:
     """Check the Planner's arguments (in the order of its signature) and make its policy.
 
@@ -175,6 +178,12 @@ def make_settings(
     checked_termination = make_termination(termination)
     breakpoints = tuple(check_int("loss_breakpoints", b, minimum=0) for b in loss_breakpoints)
     min_horizon = check_int("min_horizon_steps", min_horizon_steps, minimum=1)
+    if (
+        type(node_loss_share) not in (int, float)
+        or not math.isfinite(node_loss_share)
+        or not 0 <= node_loss_share <= 1
+    ):
+        raise ConfigError(f"'node_loss_share' must be a number in [0, 1]: {node_loss_share!r}")
     options: dict[str, Any] = {}
     if policy == "every_n_steps":
         if every_steps is None:
@@ -209,4 +218,5 @@ def make_settings(
         method=method,
         policy=policy_object if policy_object is not None else make_policy(policy, **options),
         fixed_every=fixed_interval_of(policy, options),
+        node_loss_share=float(node_loss_share),
     )

@@ -24,7 +24,14 @@ from coci_core.planner import Planner
 from coci_core.planner.optimize import Problem
 from coci_core.planner.schedule import ExpectedOverhead, compare_with_daly
 from coci_core.storage import Storage
-from coci_core.telemetry import Event, Listener, RestoreEvent, SaveEvent, TelemetrySink
+from coci_core.telemetry import (
+    Event,
+    Listener,
+    RestoreEvent,
+    SaveEvent,
+    TelemetrySink,
+    UploadEvent,
+)
 from coci_core.telemetry.summary import SaveSummary, save_line
 from coci_core.training.decision import SharedDecision
 from coci_core.training.options import CheckpointOptions
@@ -116,7 +123,9 @@ class Checkpointer:
 
     def _on_event(self, event: Event) -> None:
         if isinstance(event, RestoreEvent):
-            self.planner.record_restore(event.seconds)
+            self.planner.record_restore(event.seconds, tier=event.tier)
+        if isinstance(event, UploadEvent) and event.outcome == "committed":
+            self._on_upload(event)
         if isinstance(event, SaveEvent):
             if event.outcome == "committed":
                 self.planner.record_save(
@@ -137,6 +146,23 @@ class Checkpointer:
                 listener(event)
             except Exception:
                 logger.exception("coci telemetry listener %r failed", listener)
+
+    def _on_upload(self, event: UploadEvent) -> None:
+        # WARNING: runs on the upload thread.
+        if event.bytes_uploaded == 0:
+            return  # the step was there already: nothing was measured
+        self.planner.record_upload(event.seconds)
+        remote = self.manager.remote
+        if remote is not None and self.options.remote_upload_every == "auto":
+            every = self.planner.upload_every()
+            if every != remote.upload_every:
+                logger.info(
+                    "coci: uploading every %d checkpoint(s) to %s from now on (%s)",
+                    every,
+                    remote.remote.url,
+                    "two-level plan for the measured upload cost",
+                )
+                remote.upload_every = every
 
     def summary_line(self) -> str:
         """One line on this rank's saves so far: checkpoints committed, skipped and failed

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from coci_core.engine.compress import CompressionPolicy, check_policy
 from coci_core.engine.retention import check_keep_last
@@ -59,6 +59,15 @@ def check_storage_options(
     return dict(options)
 
 
+def check_upload_every(value: object) -> int | Literal["auto"]:
+    """``remote_upload_every`` is ``"auto"`` or an integer >= 1, or a ConfigError."""
+    if value == "auto" and isinstance(value, str):
+        return "auto"
+    if type(value) is int and value >= 1:
+        return value
+    raise ConfigError(f"'remote_upload_every' must be 'auto' or an integer >= 1: {value!r}")
+
+
 def check_remote(remote: object) -> str | None:
     """``remote`` is None, a path or an fsspec URL (kept a string), or a ConfigError."""
     if remote is None:
@@ -102,6 +111,8 @@ class CheckpointOptions:
         remote: a second tier, written in the background (see ``CheckpointManager``).
         remote_keep_last: checkpoints kept on the remote tier.
         remote_storage_options: fsspec options of ``remote``.
+        remote_upload_every: copy every this many checkpoints to ``remote``, or ``"auto"``:
+            the planner's two-level period for the measured costs (1 until measured).
     """
 
     policy: str | SavePolicy
@@ -117,6 +128,7 @@ class CheckpointOptions:
     remote: str | None = None
     remote_keep_last: int | None = 10
     remote_storage_options: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False)
+    remote_upload_every: int | Literal["auto"] = "auto"
 
     def manager_arguments(self) -> dict[str, Any]:
         """The CheckpointManager's keyword arguments that these options give."""
@@ -127,6 +139,9 @@ class CheckpointOptions:
             "remote": self.remote,
             "remote_keep_last": self.remote_keep_last,
             "remote_storage_options": self.remote_storage_options,
+            "remote_upload_every": (
+                1 if self.remote_upload_every == "auto" else self.remote_upload_every
+            ),
         }
 
     @classmethod
@@ -149,6 +164,7 @@ class CheckpointOptions:
         remote: str | os.PathLike[str] | None = None,
         remote_keep_last: int | None = 10,
         remote_storage_options: Mapping[str, Any] | None = None,
+        remote_upload_every: int | Literal["auto"] = "auto",
     ) -> CheckpointOptions:
         """Check each argument once (see the adapters' docstrings for their meaning).
 
@@ -180,6 +196,7 @@ class CheckpointOptions:
             remote_storage_options=check_storage_options(
                 remote_storage_options, remote, names=("remote_storage_options", "remote")
             ),
+            remote_upload_every=check_upload_every(remote_upload_every),
         )
 
 
@@ -200,6 +217,7 @@ SHARED_ARGUMENTS = (
     "remote",
     "remote_keep_last",
     "remote_storage_options",
+    "remote_upload_every",
 )
 
 
