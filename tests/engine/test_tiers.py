@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-from coci_core import CheckpointManager, ConfigError
+from coci_core import CheckpointManager, ConfigError, DirectoryInUseError
+from coci_core.engine.lease import acquire_lease
 from coci_core.engine.manifest import MANIFEST_NAME, step_dir_name
 from coci_core.engine.restore import newest_first
 from coci_core.storage import LocalStorage
@@ -189,3 +190,45 @@ def test_every_kth_save_goes_remote_and_the_last_one_at_close(tmp_path: Path) ->
     assert _steps(remote) == [3, 6, 7]
     with pytest.raises(ConfigError, match="'remote_upload_every'"):
         CheckpointManager(tmp_path / "x", remote=remote, remote_upload_every=0)
+
+
+class _HeldUploads(LocalStorage):
+    """A remote tier whose data uploads wait until the test lets them finish."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.started = threading.Event()
+        self.release = threading.Event()
+
+    def write_file(self, path: str, chunks: Any, *, aligned: bool = False) -> int:
+        if path.endswith(".bin"):
+            self.started.set()
+            assert self.release.wait(60)
+        return super().write_file(path, chunks, aligned=aligned)
+
+
+def test_close_that_gives_up_on_an_upload_keeps_the_remote_until_the_upload_ends(
+    tmp_path: Path,
+) -> None:
+    """close() stops waiting for an upload after its timeout, but the remote's owner record
+    stays held while that upload may still write; the upload thread gives it up when it ends,
+    and the step it was writing is then committed whole on the remote."""
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    mgr = CheckpointManager(local, remote=remote)
+    assert mgr.remote is not None
+    held = mgr.remote.remote = _HeldUploads(remote)
+    mgr.save(1, _state(1)).wait()
+    assert held.started.wait(60)
+    thread = mgr.remote._thread
+    mgr.remote.close(timeout_s=0.0)
+    with pytest.raises(DirectoryInUseError):  # still held: the upload goes on
+        acquire_lease(LocalStorage(remote), "another")
+    held.release.set()
+    assert thread is not None
+    thread.join(60)
+    assert not thread.is_alive()
+    acquire_lease(LocalStorage(remote), "another").release()  # given up when it ended
+    mgr.close()
+    assert _steps(remote) == [1]
+    with CheckpointManager(remote) as reader:
+        assert _equal(reader.restore(), _state(1))

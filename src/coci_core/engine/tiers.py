@@ -134,7 +134,8 @@ class RemoteTier:
         if self._newest_unsent is not None and self.writable:
             self._enqueue(self._newest_unsent)
             self._newest_unsent = None
-        if not self.flush(timeout_s):
+        finished = self.flush(timeout_s)
+        if not finished:
             logger.warning(
                 "coci: the upload to %s did not finish within %.0f s; the remote keeps its "
                 "previous checkpoint (the next run re-uploads)",
@@ -147,13 +148,30 @@ class RemoteTier:
             thread = self._thread
         if thread is not None:
             thread.join(timeout=1.0)
-        if self._lease is not None:
-            self._lease.release()
-            self._lease = None
+            if thread.is_alive():
+                # An upload attempt is still running: the remote's owner record is given up
+                # when it ends (by the thread), never while it may still write.
+                return
+        self._release_lease()
+
+    def _release_lease(self) -> None:
+        with self._cond:
+            lease, self._lease = self._lease, None
+        if lease is not None:
+            lease.release()
 
     # -- the upload thread ---------------------------------------------------------------
 
     def _loop(self) -> None:
+        try:
+            self._run()
+        finally:
+            with self._cond:
+                stopping = self._stopping
+            if stopping:  # close() left the lease to this thread
+                self._release_lease()
+
+    def _run(self) -> None:
         attempt, backoff = 0, UPLOAD_BACKOFF_START_S
         step: int | None = None
         while True:
