@@ -5,9 +5,9 @@ skipped with ``accelerator.skip_first_batches``; a seedable sampler, no stateful
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
-import sys
 import threading
 from typing import Any
 
@@ -53,11 +53,13 @@ def train_like_example(
     explicit: bool = True,
     resume: bool = True,
     seen: list[int] | None = None,
+    ballast_mb: int = 0,
     **ckpt_options: Any,
 ) -> dict[str, Any]:
     """Train; ``explicit``: ``ckpt.step(overall_step)``, else ``ckpt.step()``; ``resume``:
     call ``ckpt.resume()`` first (else start at 0). After step ``kill_at``: ``on_kill()``, or
-    raise ``Stop``."""
+    raise ``Stop``. ``ballast_mb``: the model carries a random buffer of that size (a large
+    state to save, not trained)."""
     set_seed(7)
     accelerator = Accelerator(
         cpu=True,
@@ -67,6 +69,9 @@ def train_like_example(
     model = torch.nn.Sequential(
         torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(16, 3)
     )
+    if ballast_mb:
+        g = torch.Generator().manual_seed(1)
+        model.register_buffer("ballast", torch.randn(ballast_mb * 2**18, generator=g))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.7)
     train_dataloader = DataLoader(dataset(), batch_size=BATCH, shuffle=True)
@@ -118,13 +123,45 @@ def _wait_for_kill(step: int) -> None:
     threading.Event().wait()
 
 
+def _hold_upload(step: int) -> None:
+    print(f"UPLOADING {step}", flush=True)
+    threading.Event().wait()
+
+
 def main() -> None:
     """``python -m tests.accelerate.example DIR EPOCHS [KILL]``: with KILL, prints ``AT KILL``
-    after that step and waits to be killed; at the end prints ``RESULT <json>``."""
-    directory, epochs = sys.argv[1], int(sys.argv[2])
-    kill = int(sys.argv[3]) if len(sys.argv) > 3 else None
+    after that step and waits to be killed; at the end prints ``RESULT <json>``.
+
+    Options: ``--dirpath URL`` checkpoints to an fsspec URL (``s3://bucket/run``), reached with
+    ``--storage-options JSON`` or else the environment's ``AWS_*`` variables;
+    ``--ballast-mb MB`` (see :func:`train_like_example`); ``--compression``;
+    ``--hold-upload STEP``: the S3 upload of that step's data prints ``UPLOADING STEP`` after
+    two parts and waits to be killed."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("directory")
+    parser.add_argument("epochs", type=int)
+    parser.add_argument("kill", type=int, nargs="?")
+    parser.add_argument("--dirpath", default=None)
+    parser.add_argument("--storage-options", type=json.loads, default=None)
+    parser.add_argument("--ballast-mb", type=int, default=0)
+    parser.add_argument("--compression", default="auto")
+    parser.add_argument("--hold-upload", type=int, default=None)
+    args = parser.parse_args()
+    if args.hold_upload is not None:
+        from coci_core.engine.manifest import step_dir_name
+        from tests.harness.faults import hold_s3_uploads
+
+        step = args.hold_upload
+        hold_s3_uploads(step_dir_name(step), 2, lambda: _hold_upload(step))
     result = train_like_example(
-        directory, epochs=epochs, kill_at=kill, on_kill=lambda: _wait_for_kill(kill or 0)
+        args.directory,
+        epochs=args.epochs,
+        kill_at=args.kill,
+        on_kill=lambda: _wait_for_kill(args.kill or 0),
+        ballast_mb=args.ballast_mb,
+        dirpath=args.dirpath,
+        storage_options=args.storage_options,
+        compression=args.compression,
     )
     print("RESULT " + json.dumps({"rank": 0, **result}), flush=True)
 

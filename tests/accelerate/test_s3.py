@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from accelerate import Accelerator
@@ -11,10 +17,14 @@ from accelerate.state import AcceleratorState
 
 from coci_accelerate import CociCheckpointer
 from coci_core import CheckpointManager, ConfigError
+from tests.accelerate import example
 from tests.accelerate.loop import train
+from tests.harness.results import result_rows
 from tests.harness.s3 import SECRET_KEY, S3Server
 
 BATCH = 16
+_ROOT = Path(__file__).resolve().parents[2]
+_EXAMPLE = [sys.executable, "-m", "tests.accelerate.example"]
 
 
 class _Stop(Exception):
@@ -62,6 +72,118 @@ def test_s3_dirpath_resumes_bit_exact(
     lines = report.stdout.splitlines()
     assert lines[0] == f"checkpoints committed: 14 at steps {list(range(5, 75, 5))}"
     assert "restart: restored step 40 in" in report.stdout
+
+
+def _child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This checkout on the path; the AWS_* variables of ``extra`` only."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "FSSPEC_"))}
+    env.update(extra or {}, PYTHONPATH=f"{_ROOT / 'src'}{os.pathsep}{_ROOT}")
+    return env
+
+
+def _run_until(
+    args: list[str], mark: str, env: dict[str, str], cwd: Path, before_kill: Any
+) -> None:
+    """Start the example script; at its line starting with ``mark``, call ``before_kill()`` and
+    SIGKILL it."""
+    with subprocess.Popen(
+        [*_EXAMPLE, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+        cwd=cwd,
+    ) as proc:
+        assert proc.stdout is not None
+        try:
+            for line in proc.stdout:
+                if line.startswith(mark):
+                    before_kill()
+                    os.kill(proc.pid, signal.SIGKILL)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        assert proc.wait() == -signal.SIGKILL
+
+
+def _finish(args: list[str], env: dict[str, str], cwd: Path) -> dict[str, Any]:
+    out = subprocess.run(
+        [*_EXAMPLE, *args], capture_output=True, text=True, timeout=300, env=env, cwd=cwd
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    (row,) = result_rows(out.stdout)
+    return row
+
+
+def _local_files(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+@pytest.mark.slow
+@pytest.mark.faults
+def test_example_script_with_an_s3_dirpath_survives_sigkill(
+    s3_server: S3Server, s3_prefix: str, tmp_path: Path
+) -> None:
+    """Accelerate's checkpointing-example loop checkpointing to ``s3://`` (credentials and
+    endpoint from the AWS_* variables only), SIGKILLed after step 17 (mid-epoch 2; the save at
+    16 may still be uploading): a new process resumes from the bucket's newest committed step
+    and ends bit-identical, each remaining sample once; nothing lands in a local ``s3:``."""
+    url = f"s3://{s3_prefix}/run"
+    env = _child_env(s3_server.env)
+    reference = example.train_like_example(str(tmp_path / "ref"))
+    run = [str(tmp_path / "run"), "3"]
+    _run_until([*run, "17", "--dirpath", url], "AT 17", env, tmp_path, lambda: None)
+    with CheckpointManager(
+        url, storage_options=s3_server.storage_options, keep_last=None
+    ) as reader:
+        steps = reader.steps()
+    assert steps in ([4, 8, 12], [4, 8, 12, 16])  # 16 if its upload finished before the kill
+    resumed = _finish([*run, "--dirpath", url], env, tmp_path)
+    assert resumed["start"] == steps[-1]
+    assert resumed["seen"] == reference["seen"][steps[-1] * example.BATCH :]
+    assert resumed["digest"] == reference["digest"]
+    assert not [p for p in _local_files(tmp_path) if "s3:" in p]
+    assert not [p for p in _local_files(tmp_path / "run") if "coci" in p]
+
+
+def _open_uploads(server: S3Server, prefix: str) -> list[str]:
+    fs = server.filesystem()
+    bucket, key, _ = fs.split_path(prefix)
+    listed = fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=key)
+    return [u["Key"] for u in listed.get("Uploads", [])]
+
+
+@pytest.mark.slow
+@pytest.mark.faults
+def test_sigkill_during_a_multipart_upload_of_the_state(
+    s3_server: S3Server, s3_prefix: str, tmp_path: Path
+) -> None:
+    """The example loop with a 40 MB state (three 16 MiB parts) checkpointing to ``s3://``
+    every 4 steps, SIGKILLed with the upload of step 8 open on the server (two parts sent):
+    step 4 restores, the killed upload is aborted, and the resumed run ends bit-identical."""
+    url = f"s3://{s3_prefix}/run"
+    opts = s3_server.storage_options
+    env = _child_env()
+    options = ["--storage-options", json.dumps(opts), "--ballast-mb", "40"]
+    options += ["--compression", "none", "--dirpath", url]
+    reference = example.train_like_example(str(tmp_path / "ref"), epochs=1, ballast_mb=40)
+    open_at_kill: list[str] = []
+    _run_until(
+        [str(tmp_path / "run"), "1", "--hold-upload", "8", *options],
+        "UPLOADING 8",
+        env,
+        tmp_path,
+        lambda: open_at_kill.extend(_open_uploads(s3_server, s3_prefix)),
+    )
+    assert len(open_at_kill) == 1 and "step-0000000008" in open_at_kill[0]
+    resumed = _finish([str(tmp_path / "run"), "1", *options], env, tmp_path)
+    assert resumed["start"] == 4
+    assert resumed["seen"] == reference["seen"][4 * example.BATCH :]
+    assert resumed["digest"] == reference["digest"]
+    assert _open_uploads(s3_server, s3_prefix) == []
+    with CheckpointManager(url, storage_options=opts, keep_last=None) as reader:
+        assert reader.steps() == [4, 8, 12]
+        assert reader.manifest(8).nbytes > 40 * 2**20
 
 
 def test_storage_options_are_checked_at_construction(tmp_path: Path) -> None:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import errno
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
-from coci_core.storage import Storage
+from coci_core.knobs import S3_PART_BYTES, MiB
+from coci_core.storage import Storage, s3_parallel
 
 
 class FaultyStorage:
@@ -74,3 +76,34 @@ class HeldStorage(FaultyStorage):
         self.entered.set()
         self.release.wait()
         return self.inner.write_file(path, chunks, aligned=aligned)
+
+
+def hold_s3_uploads(match: str, parts: int, on_hold: Callable[[], None]) -> None:
+    """Patch :func:`s3_parallel.upload` (in this process) so that an upload of a path
+    containing ``match`` calls ``on_hold`` once its first ``parts`` parts have been handed to
+    the upload (the multipart upload is then open on the server), before the rest is read.
+
+    The caller's chunks are passed on in pieces of 1 MiB, so that the upload asks for more
+    after each part whatever size the chunks are.
+    """
+    real = s3_parallel.upload
+
+    def upload(fs: Any, path: str, chunks: Iterable[memoryview], **kw: Any) -> int:
+        if match not in path:
+            return real(fs, path, chunks, **kw)
+        limit = parts * kw.get("part_bytes", S3_PART_BYTES)
+
+        def pieces() -> Iterator[memoryview]:
+            sent = 0
+            for chunk in chunks:
+                view = memoryview(chunk).cast("B")
+                for start in range(0, len(view), MiB):
+                    if sent >= limit:
+                        on_hold()
+                    piece = view[start : start + MiB]
+                    sent += len(piece)
+                    yield piece
+
+        return real(fs, path, pieces(), **kw)
+
+    s3_parallel.upload = upload  # type: ignore[assignment]

@@ -1,6 +1,9 @@
 """A Lightning training process for kill tests.
 
-Run as ``python -m tests.lightning._child DIR TOTAL [KILL]``.
+Run as ``python -m tests.lightning._child DIR TOTAL [KILL] [--dirpath URL]
+[--storage-options JSON]``: checkpoints go to ``DIR/coci``, or to ``--dirpath`` (an fsspec URL
+such as ``s3://bucket/run``, reached with ``--storage-options`` or else the environment's
+``AWS_*`` variables).
 
 With KILL it prints ``AT <step>`` after that step and waits to be killed; at the end it prints
 ``RESULT <json>`` with the final weights' digest and the sample indices this process trained on.
@@ -8,6 +11,7 @@ With KILL it prints ``AT <step>`` after that step and waits to be killed; at the
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -31,22 +35,33 @@ class _StopHere(pl.Callback):
 
 
 def main() -> None:
-    directory, total = sys.argv[1], int(sys.argv[2])
-    kill = int(sys.argv[3]) if len(sys.argv) > 3 else None
+    parser = argparse.ArgumentParser()
+    parser.add_argument("directory")
+    parser.add_argument("total", type=int)
+    parser.add_argument("kill", type=int, nargs="?")
+    parser.add_argument("--dirpath", default=None)
+    parser.add_argument("--storage-options", type=json.loads, default=None)
+    args = parser.parse_args()
     pl.seed_everything(7, verbose=False)
     model = DigitsModel()
     callbacks: list[pl.Callback] = [
-        CociCheckpoint(policy="every_n_steps", every_n_steps=6, resume=True)
+        CociCheckpoint(
+            args.dirpath,
+            policy="every_n_steps",
+            every_n_steps=6,
+            resume=True,
+            storage_options=args.storage_options,
+        )
     ]
-    if kill is not None:
-        callbacks.append(_StopHere(kill))
+    if args.kill is not None:
+        callbacks.append(_StopHere(args.kill))
     trainer = pl.Trainer(
         accelerator="cpu",
-        max_steps=total,
+        max_steps=args.total,
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        default_root_dir=directory,
+        default_root_dir=args.directory,
         callbacks=callbacks,
         log_every_n_steps=1,
     )

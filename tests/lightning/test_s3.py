@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import csv
+import json
 import logging
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +18,11 @@ from lightning.pytorch.loggers import CSVLogger
 
 from coci_core import CheckpointManager, ConfigError
 from coci_lightning import CociCheckpoint
+from tests.harness.results import result_rows
 from tests.harness.s3 import SECRET_KEY, S3Server
 from tests.lightning.models import DigitsModel, digest
+
+_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _fit(root: Path, max_steps: int, callback: CociCheckpoint | None, seed: int, **kw: Any) -> Any:
@@ -75,6 +83,72 @@ def test_s3_dirpath_saves_to_the_bucket_and_resumes_exactly(
     assert "restores step 23" in caplog.text
     assert SECRET_KEY not in caplog.text
     assert SECRET_KEY not in repr(first) + repr(first.checkpointer)
+
+
+def _child_env() -> dict[str, str]:
+    """This checkout on the path; no AWS_* variables (the child gets --storage-options)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "FSSPEC_"))}
+    env["PYTHONPATH"] = f"{_ROOT / 'src'}{os.pathsep}{_ROOT}"
+    return env
+
+
+@pytest.mark.slow
+@pytest.mark.faults
+def test_sigkill_mid_epoch_with_an_s3_dirpath_then_resume(
+    s3_server: S3Server, s3_prefix: str, tmp_path: Path
+) -> None:
+    """A Trainer checkpointing to ``s3://`` every 6 steps, SIGKILLed after step 21 (mid-epoch
+    2, not a save step), resumes in a new process from the bucket's newest committed step and
+    ends bit-identical to an uninterrupted run, each remaining sample trained on once; nothing
+    lands in a local ``s3:`` directory."""
+    url = f"s3://{s3_prefix}/run"
+    opts = s3_server.storage_options
+    env = _child_env()
+    module = [sys.executable, "-m", "tests.lightning._child"]
+    remote = ["--dirpath", url, "--storage-options", json.dumps(opts)]
+    # The uninterrupted run (local checkpoints) runs beside the killed one.
+    with subprocess.Popen(
+        [*module, str(tmp_path / "u"), "40"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    ) as uninterrupted:
+        with subprocess.Popen(
+            [*module, str(tmp_path / "run"), "40", "21", *remote],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=env,
+            cwd=tmp_path,  # a relative "s3:/..." directory would land here
+        ) as proc:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                if line.startswith("AT 21"):
+                    proc.send_signal(signal.SIGKILL)
+            assert proc.wait() == -signal.SIGKILL
+        expected_out, _ = uninterrupted.communicate(timeout=300)
+        assert uninterrupted.returncode == 0
+    with CheckpointManager(url, storage_options=opts, keep_last=None) as reader:
+        steps = reader.steps()
+    # step 18's upload may still have been running at the kill: then 12 is the newest
+    assert steps in ([6, 12], [6, 12, 18])
+    resumed = subprocess.run(
+        [*module, str(tmp_path / "run"), "40", *remote],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    (result,) = result_rows(resumed.stdout)
+    (expected,) = result_rows(expected_out)
+    assert result["digest"] == expected["digest"]
+    assert result["seen"] == expected["seen"][steps[-1] * 16 :]
+    assert not [p for p in _local_files(tmp_path) if "s3:" in p]
+    assert not [p for p in _local_files(tmp_path / "run") if "coci" in p]
 
 
 def test_storage_options_are_checked_at_construction(tmp_path: Path) -> None:
