@@ -150,7 +150,9 @@ function legend() {
       el('span', {
         class: 'sw',
         style: shape === 'line' ? `background:${color};height:3px;vertical-align:3px` :
-          shape === 'shade' ? `background:${color};opacity:.25` : `background:${color}`,
+          shape === 'shade' ? `background:${color};opacity:.25` :
+            shape === 'hollow' ? `border:2px solid ${color};width:8px;height:8px` :
+              `background:${color}`,
       }),
       text,
     ]);
@@ -158,6 +160,7 @@ function legend() {
     item(COLORS.loss, 'observed loss', 'line'),
     item(COLORS.fitted, "planner's fitted curve", 'line'),
     item(COLORS.planned, 'planned checkpoint'),
+    item(COLORS.planned, 'planned, not reached', 'hollow'),
     item(COLORS.revised, 'planned, then revised away'),
     item(COLORS.committed, 'save committed'),
     item(COLORS.skipped, 'save skipped'),
@@ -173,7 +176,7 @@ function xOf(data, axis) {
 
 function timelineSvg(data, axis, W) {
   const X = xOf(data, axis);
-  const M = { left: 78, right: 24, top: 26 };
+  const M = { left: 78, right: 24, top: 30 };
   const lossH = 210;
   const laneH = 34;
   const lanePlanned = M.top + lossH + 18;
@@ -200,7 +203,13 @@ function timelineSvg(data, axis, W) {
     style: 'background:#fff',
   });
 
-  // lost work: shaded over every lane, behind the rest
+  // the lanes' backgrounds, then the lost work shaded over every lane, behind the rest
+  root.append(
+    svg('rect', { x: M.left, y: lanePlanned, width: W - M.left - M.right, height: laneH,
+      fill: '#f5f3fa' }),
+    svg('rect', { x: M.left, y: laneSaves, width: W - M.left - M.right, height: laneH,
+      fill: '#f3f8f3' }),
+  );
   for (const r of data.restarts) {
     const x0 = axis === 'time' ? X(null, r.restored_time) : r.restored;
     const x1 = axis === 'time' ? X(null, r.time) : r.failed_at;
@@ -212,8 +221,9 @@ function timelineSvg(data, axis, W) {
     g.append(
       svg('rect', { x: a, y: M.top, width: Math.max(2, b - a), height: axisY - M.top,
         fill: COLORS.lost, 'fill-opacity': 0.13 }),
-      svg('text', { x: (a + b) / 2, y: M.top + 14, 'text-anchor': 'middle',
-        class: 'axis-label', fill: COLORS.lost }, `lost work: ${r.lost_steps} steps`),
+      svg('text', { x: (a + b) / 2, y: M.top - 8, 'text-anchor': 'middle',
+        class: 'axis-label', fill: COLORS.lost, 'font-weight': 'bold' },
+      `lost work: ${r.lost_steps} steps`),
       title(`lost work: steps ${r.restored}–${r.failed_at} (${r.lost_steps} steps) were ` +
         `trained again: the run failed after step ${r.failed_at} and restarted from the ` +
         `checkpoint of step ${r.restored}`),
@@ -267,12 +277,6 @@ function timelineSvg(data, axis, W) {
   // lanes
   const laneLabel = (y, text) => root.appendChild(svg('text', {
     x: M.left - 8, y: y + laneH / 2 + 4, 'text-anchor': 'end', class: 'lane-label' }, text));
-  root.append(
-    svg('rect', { x: M.left, y: lanePlanned, width: W - M.left - M.right, height: laneH,
-      fill: '#f5f3fa' }),
-    svg('rect', { x: M.left, y: laneSaves, width: W - M.left - M.right, height: laneH,
-      fill: '#f3f8f3' }),
-  );
   laneLabel(lanePlanned, 'planned');
   laneLabel(laneSaves, 'saves');
 
@@ -335,8 +339,8 @@ function timelineSvg(data, axis, W) {
       g.append(
         svg('line', { x1: sx(xf), x2: sx(xf), y1: M.top, y2: axisY, stroke: COLORS.failed,
           'stroke-width': 2 }),
-        svg('text', { x: sx(xf) + 4, y: M.top + 30, class: 'axis-label', fill: COLORS.failed },
-          '✕ failure'),
+        svg('text', { x: sx(xf) + 5, y: M.top + 14, class: 'axis-label', fill: COLORS.failed },
+          `✕ failure after step ${r.failed_at}`),
         title(`the run failed after step ${r.failed_at}`),
       );
       root.appendChild(g);
@@ -346,8 +350,8 @@ function timelineSvg(data, axis, W) {
       g.append(
         svg('line', { x1: sx(xr), x2: sx(xr), y1: M.top, y2: axisY, stroke: COLORS.failed,
           'stroke-width': 2, 'stroke-dasharray': '5 3' }),
-        svg('text', { x: sx(xr) + 4, y: M.top + 46, class: 'axis-label', fill: COLORS.failed },
-          `↻ restart from step ${r.restored}`),
+        svg('text', { x: sx(xr) - 5, y: M.top + 14, class: 'axis-label', fill: COLORS.failed,
+          'text-anchor': 'end' }, `↻ restart from step ${r.restored}`),
         title(`restarted from the checkpoint of step ${r.restored}; restore took ` +
           `${fmt(r.restart_s)} s; ${r.lost_steps} steps of work lost`),
       );
@@ -385,7 +389,7 @@ function saveText(s) {
 }
 
 function barChart(name, label, points, color, digits) {
-  const W = 300;
+  const W = 250;
   const H = 170;
   const M = { left: 52, right: 10, top: 12, bottom: 40 };
   const root = svg('svg', { width: W, height: H, 'data-chart': name, style: 'background:#fff' });
@@ -439,7 +443,7 @@ function costs(data) {
     barChart('bytes', 'checkpoint size (MB), by step', pts('mb', 'MB'), '#8d6e63', 2),
     barChart('compression', "compression (x smaller), by step",
       pts('compression_x', 'x smaller'), '#78909c', 2),
-    barChart('restart', 'restart: restore time (s), by step restored', restarts, COLORS.failed, 3),
+    barChart('restart', 'restart: restore (s), by step', restarts, COLORS.failed, 3),
   ]);
 }
 
