@@ -271,8 +271,10 @@ function timelineSvg(data, axis, W) {
     line(s.points.map((p) => ({ x: X(p.step, p.time), y: p.loss })),
       s.lost ? COLORS.lostLoss : COLORS.loss, s.lost ? '4 3' : '', s.lost ? 'loss-lost' : 'loss');
   }
-  line(data.loss.filter((p) => !p.lost).map((p) => ({ x: X(p.step, p.time), y: p.fitted })),
-    COLORS.fitted, '6 4', 'fitted');
+  for (const s of stretches.filter((s) => !s.lost)) {
+    line(s.points.map((p) => ({ x: X(p.step, p.time), y: p.fitted })), COLORS.fitted, '6 4',
+      'fitted');
+  }
 
   // lanes
   const laneLabel = (y, text) => root.appendChild(svg('text', {
