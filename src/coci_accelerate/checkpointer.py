@@ -124,11 +124,11 @@ class CociCheckpointer:
             sinks.append(report_sink(self.dirpath, self.storage_options))
         if is_main and isinstance(self.dirpath, Path):
             with contextlib.suppress(ConfigError):  # tensorboard is not installed
-                sinks.append(_tensorboard_sink(accelerator, self.dirpath / "tensorboard"))
+                sinks.append(_tensorboard_sink(accelerator, self.dirpath))
         elif is_main:  # an fsspec URL: TensorBoard only through the run's own tracker
             with contextlib.suppress(ConfigError):
                 sinks.extend(
-                    TensorBoardTelemetry(writer=tracker.writer)
+                    TensorBoardTelemetry(writer=tracker.writer, telemetry_dir=self.dirpath)
                     for tracker in accelerator.trackers
                     if type(tracker).__name__ == "TensorBoardTracker"
                 )
@@ -515,13 +515,14 @@ def _log_skip_advice(accelerator: Accelerator, count: int) -> None:
             )
 
 
-def _tensorboard_sink(accelerator: Accelerator, own_dir: Path) -> TensorBoardTelemetry:
-    """The panel goes through Accelerate's TensorBoard tracker when the run has one (after
-    ``init_trackers``), else to coci's own writer under ``own_dir``."""
+def _tensorboard_sink(accelerator: Accelerator, dirpath: Path) -> TensorBoardTelemetry:
+    """The scalars go through Accelerate's TensorBoard tracker when the run has one (after
+    ``init_trackers``), else to coci's own writer under ``dirpath/tensorboard``; either way
+    pointed at ``dirpath`` (the telemetry) for TensorBoard's coci tab."""
     for tracker in accelerator.trackers:
         if type(tracker).__name__ == "TensorBoardTracker":
-            return TensorBoardTelemetry(writer=tracker.writer)
-    return TensorBoardTelemetry(own_dir)
+            return TensorBoardTelemetry(writer=tracker.writer, telemetry_dir=dirpath)
+    return TensorBoardTelemetry(dirpath / "tensorboard", telemetry_dir=dirpath)
 
 
 def _broadcast(obj: Any) -> Any:

@@ -21,7 +21,8 @@ def make_sinks(
     """On rank 0: ``coci report``'s records (a JSON-lines file under ``root``, or objects
     under an fsspec URL ``root``, see :func:`~coci_core.telemetry.objects.report_sink`) and
     TensorBoard (the Trainer's TensorBoardLogger when it has one, else, for a local ``root``,
-    coci's own writer under ``root/tensorboard`` if tensorboard is installed)."""
+    coci's own writer under ``root/tensorboard`` if tensorboard is installed), pointed at
+    ``root`` for TensorBoard's coci tab."""
     if not trainer.is_global_zero:
         return []
     from coci_core.telemetry.tensorboard import TensorBoardTelemetry
@@ -31,9 +32,9 @@ def make_sinks(
     loggers = [lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
     try:
         if loggers:
-            sinks.append(TensorBoardTelemetry(writer=loggers[0].experiment))
+            sinks.append(TensorBoardTelemetry(writer=loggers[0].experiment, telemetry_dir=root))
         elif local is not None:
-            sinks.append(TensorBoardTelemetry(local / "tensorboard"))
+            sinks.append(TensorBoardTelemetry(local / "tensorboard", telemetry_dir=local))
     except ConfigError:  # tensorboard is not installed: the JSON file still has everything
         pass
     return sinks

@@ -235,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
     summary = summarize(ckpt_dir)
     # one expected overhead per policy: the table below (the plan's own figure over its
     # re-planned horizon would be a second, different number for the same policy)
-    print(render(summary, tensorboard_dir=str(ckpt_dir / "tensorboard"), with_overhead=False))
+    print(render(summary, tensorboard_dir=str(root / "run"), with_overhead=False))
     print()
     print(
         f"expected overhead of each policy over this run's {total} steps, from the measured "

@@ -21,6 +21,7 @@ from coci_accelerate import CociCheckpointer, CociTracker
 from coci_accelerate import _state as accelerate_state
 from coci_core import CheckpointError, CheckpointManager, CociError
 from coci_core.telemetry import read_jsonl
+from coci_core.telemetry.timeline import find_runs
 from tests.accelerate.loop import train
 from tests.harness.results import result_rows
 
@@ -189,9 +190,9 @@ def _prepared(accelerator: Accelerator) -> tuple[Any, Any]:
     return accelerator.prepare(model, optimizer)
 
 
-def test_tracker_losses_reach_the_planner_and_the_panel(tmp_path: Path) -> None:
+def test_tracker_losses_reach_the_planner_and_tensorboard(tmp_path: Path) -> None:
     """Losses given to accelerator.log reach the planner (its telemetry records them) and the
-    TensorBoard panel is written."""
+    TensorBoard scalars are written."""
     accelerator = _accelerator(tmp_path, log_with=[CociTracker()])
     accelerator.init_trackers("t")
     model, optimizer = _prepared(accelerator)
@@ -211,7 +212,7 @@ def test_tracker_losses_reach_the_planner_and_the_panel(tmp_path: Path) -> None:
     assert [r["step"] for r in records if r["type"] == "save"] == [10, 20, 25]  # 25: close()
     acc = EventAccumulator(str(tmp_path / "coci" / "tensorboard"), size_guidance={"scalars": 0})
     acc.Reload()
-    assert [e.step for e in acc.Scalars("coci/save/committed_step")] == [10, 20, 25]
+    assert [e.step for e in acc.Scalars("coci/stall_ms")] == [10, 20, 25]
 
 
 def test_save_state_carries_the_planner_state(tmp_path: Path) -> None:
@@ -313,7 +314,7 @@ def test_bad_arguments(tmp_path: Path) -> None:
 
 
 def test_panel_goes_through_accelerates_tensorboard_tracker(tmp_path: Path) -> None:
-    """With log_with=["tensorboard"], the coci series land in Accelerate's own event file."""
+    """With log_with=["tensorboard"], the coci scalars land in Accelerate's own event file."""
     accelerator = _accelerator(tmp_path, log_with=["tensorboard", CociTracker()])
     accelerator.init_trackers("tb")
     model, optimizer = _prepared(accelerator)
@@ -328,8 +329,11 @@ def test_panel_goes_through_accelerates_tensorboard_tracker(tmp_path: Path) -> N
     accelerator.end_training()
     acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0})
     acc.Reload()
-    assert [e.step for e in acc.Scalars("coci/save/committed_step")] == [4, 8, 9]
+    assert [e.step for e in acc.Scalars("coci/stall_ms")] == [4, 8, 9]
     assert "loss" in acc.Tags()["scalars"]
+    # the tracker's directory points the coci tab at the checkpoint directory
+    assert find_runs(tmp_path / "tb") == {"tb": str(tmp_path / "coci")}
+    assert find_runs(tmp_path) == {"coci": str(tmp_path / "coci")}
 
 
 def test_resume_from_an_epochs_last_batch_is_bit_exact(tmp_path: Path) -> None:

@@ -144,7 +144,7 @@ def test_coci_demo_lightning_end_to_end(tmp_path: Path) -> None:
     assert "final weights bit-identical to the uninterrupted run: True" in out
     assert "each remaining sample trained on exactly once, in the same order: True" in out
     assert "checkfreq" in out
-    assert "tensorboard --logdir" in out
+    assert f"coci tab: tensorboard --logdir {tmp_path / 'demo' / 'run'}" in out
     assert f"files in {tmp_path / 'demo'}" in out.splitlines()[0]
     assert f"files in {tmp_path / 'demo'}: reference/" in out.splitlines()[-1]
     # one stated overhead per policy: the table, not also the plan's figure over its horizon

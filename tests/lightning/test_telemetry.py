@@ -1,4 +1,5 @@
-"""A Lightning run's coci telemetry: the TensorBoard panel, the Trainer's loggers, coci report."""
+"""A Lightning run's coci telemetry: TensorBoard (scalars and the coci tab's pointer), the
+Trainer's loggers, coci report."""
 
 from __future__ import annotations
 
@@ -8,14 +9,14 @@ from pathlib import Path
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from tensorboard.plugins.custom_scalar import layout_pb2
 
 from coci_core.commands.cli import main
+from coci_core.telemetry.timeline import POINTER_FILE, find_runs, timeline
 from coci_lightning import CociCheckpoint
 from tests.lightning.models import DigitsModel
 
 
-def _fit(root: Path, logger: object, steps: int = 20) -> None:
+def _fit(root: Path, logger: object, steps: int = 20, resume: bool = False) -> None:
     pl.seed_everything(0, verbose=False)
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -25,7 +26,7 @@ def _fit(root: Path, logger: object, steps: int = 20) -> None:
         enable_model_summary=False,
         default_root_dir=root,
         log_every_n_steps=1,
-        callbacks=[CociCheckpoint(policy="every_n_steps", every_n_steps=5)],
+        callbacks=[CociCheckpoint(policy="every_n_steps", every_n_steps=5, resume=resume)],
     )
     trainer.fit(DigitsModel())
 
@@ -36,31 +37,51 @@ def _events(log_dir: str) -> EventAccumulator:
     return acc
 
 
-def test_panel_written_through_the_trainers_tensorboard_logger(tmp_path: Path) -> None:
-    """With a TensorBoardLogger, the coci series and the 'coci' layout land in its event file."""
+def test_scalars_written_through_the_trainers_tensorboard_logger(tmp_path: Path) -> None:
+    """With a TensorBoardLogger, the coci/ scalars land in its event file (no layout), and its
+    version folder points the coci tab at the checkpoint directory."""
     logger = TensorBoardLogger(tmp_path, name="tb")
     _fit(tmp_path, logger)
     acc = _events(logger.log_dir)
     tags = acc.Tags()["scalars"]
-    committed = [e.step for e in acc.Scalars("coci/save/committed_step")]
-    assert committed == [5, 10, 15, 20]
-    assert [e.value for e in acc.Scalars("coci/save/committed_step")] == [5, 10, 15, 20]
-    assert {"coci/save/stall_ms", "coci/save/persist_ms", "coci/loss/observed"} <= set(tags)
-    assert any(e.value > 0 for e in acc.Scalars("coci/save/bytes_written"))
+    assert [e.step for e in acc.Scalars("coci/stall_ms")] == [5, 10, 15, 20]
+    assert {t for t in tags if t.startswith("coci/")} <= {
+        "coci/stall_ms",
+        "coci/persist_s",
+        "coci/checkpoint_MB",
+        "coci/expected_overhead_s",
+    }
+    assert any(e.value > 0 for e in acc.Scalars("coci/checkpoint_MB"))
     assert "train_loss" in tags  # the user's own metrics are in the same run
-    layout_events = acc.Tensors("custom_scalars__config__")
-    layout = layout_pb2.Layout()
-    layout.ParseFromString(layout_events[-1].tensor_proto.string_val[0])
-    assert [c.title for c in layout.category] == ["coci"]
-    charts = [chart.title for chart in layout.category[0].chart]
-    assert charts == ["planned vs actual", "cost", "loss fit", "compression"]
+    assert acc.Tags()["tensors"] == []  # no custom-scalars layout
+    assert (Path(logger.log_dir) / POINTER_FILE).is_file()
+    assert find_runs(tmp_path / "tb") == {"version_0": str(tmp_path / "coci")}
+
+
+def test_resumed_run_is_one_run_across_logger_versions(tmp_path: Path) -> None:
+    """A run resumed in a new Trainer logs to version_1, yet the coci tab shows one run: both
+    versions point to the same checkpoint directory, whose telemetry has both sessions."""
+    _fit(tmp_path, TensorBoardLogger(tmp_path, name="tb"), steps=10)
+    _fit(tmp_path, TensorBoardLogger(tmp_path, name="tb"), steps=20, resume=True)
+    versions = sorted(p.name for p in (tmp_path / "tb").iterdir())
+    assert versions == ["version_0", "version_1"]
+    assert all((tmp_path / "tb" / v / POINTER_FILE).is_file() for v in versions)
+    runs = find_runs(tmp_path / "tb")
+    assert runs == {"tb": str(tmp_path / "coci")}  # named after the folder of both versions
+    data = timeline(runs["tb"], "tb")
+    assert [s["step"] for s in data["saves"]] == [5, 10, 15, 20]
+    assert [r["restored"] for r in data["restarts"]] == [10]
+    assert data["restarts"][0]["lost_steps"] == 0
 
 
 def test_without_a_logger_coci_writes_its_own_tensorboard_run(tmp_path: Path) -> None:
-    """With logger=False the panel goes to coci's own writer under the checkpoint directory."""
+    """With logger=False the scalars go to coci's own writer under the checkpoint directory,
+    and the tab finds the run from there or from above."""
     _fit(tmp_path, False)
     acc = _events(str(tmp_path / "coci" / "tensorboard"))
-    assert [e.step for e in acc.Scalars("coci/save/committed_step")] == [5, 10, 15, 20]
+    assert [e.step for e in acc.Scalars("coci/stall_ms")] == [5, 10, 15, 20]
+    assert find_runs(tmp_path) == {"coci": str(tmp_path / "coci")}
+    assert find_runs(tmp_path / "coci" / "tensorboard") == {"tensorboard": str(tmp_path / "coci")}
 
 
 def test_other_loggers_get_save_metrics(tmp_path: Path) -> None:
@@ -80,5 +101,5 @@ def test_coci_report(tmp_path: Path, capsys: object) -> None:
     out = capsys.readouterr().out  # type: ignore[attr-defined]
     assert "checkpoints committed: 4 at steps [5, 10, 15, 20]" in out
     assert "plan: policy every_n_steps" in out
-    assert f"tensorboard --logdir {tmp_path / 'coci' / 'tensorboard'}" in out
+    assert f"coci tab: tensorboard --logdir {tmp_path / 'coci' / 'tensorboard'}" in out
     assert main(["report", str(tmp_path)]) == 1

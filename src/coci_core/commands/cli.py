@@ -229,6 +229,12 @@ def _report(args: argparse.Namespace) -> int:
     tb = None if "://" in args.dir else Path(args.dir) / "tensorboard"
     tb_dir = str(tb) if tb is not None and tb.is_dir() else None
     print(render(summary, tensorboard_dir=args.tensorboard or tb_dir))
+    if args.plot:
+        from coci_core.telemetry.plot import plot_timeline
+        from coci_core.telemetry.timeline import from_summary
+
+        plot_timeline(from_summary(summary, args.dir), args.plot)
+        print(f"timeline drawn to {args.plot}")
     return 0
 
 
@@ -320,6 +326,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="a run's checkpoint directory with telemetry (a path or an fsspec URL)",
     )
     p.add_argument("--tensorboard", help="the TensorBoard log directory to point to")
+    p.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="also draw the run's timeline (TensorBoard's coci tab) with matplotlib",
+    )
     p.set_defaults(func=_report)
     p = sub.add_parser("demo", help="kill a training run mid-persist and resume it exactly")
     p.add_argument(

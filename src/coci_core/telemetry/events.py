@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -158,13 +159,15 @@ def _finite_or_none(x: Any) -> Any:
 
 class JsonlRecords:
     """A sink that turns events, plans and losses into the JSON-lines records ``coci report``
-    reads; a subclass stores each line (``_write_line``) and implements ``flush`` and
+    reads (each with ``time``, the wall-clock time it was written, in seconds since the
+    epoch); a subclass stores each line (``_write_line``) and implements ``flush`` and
     ``close``."""
 
     def _write_line(self, line: str, record: dict[str, Any]) -> None:
         raise NotImplementedError
 
     def _write(self, record: dict[str, Any]) -> None:
+        record["time"] = round(time.time(), 3)
         self._write_line(json.dumps(record, default=str, allow_nan=False), record)
 
     def flush(self) -> None:

@@ -4,19 +4,46 @@ a path or an fsspec URL)."""
 from __future__ import annotations
 
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from coci_core.storage import is_url, open_storage
 from coci_core.telemetry import TELEMETRY_FILE, read_jsonl
 
-__all__ = ["RunSummary", "compare_policies", "render", "render_policies", "summarize"]
+__all__ = [
+    "Restart",
+    "RunSummary",
+    "compare_policies",
+    "facts",
+    "render_facts",
+    "render",
+    "render_policies",
+    "summarize",
+]
+
+
+@dataclass(frozen=True)
+class Restart:
+    """A restore that followed a failure: the run went back from ``failed_at`` (the last step
+    recorded before it) to ``restored``; the steps between were trained twice.
+
+    ``index`` is the restore record's position in the records."""
+
+    index: int
+    restored: int
+    failed_at: int
+
+    @property
+    def lost_steps(self) -> int:
+        return max(0, self.failed_at - self.restored)
 
 
 class RunSummary:
     """The facts ``coci report`` prints, gathered from a checkpoint directory's telemetry."""
 
     def __init__(self, records: list[dict[str, Any]]) -> None:
+        self.records = records
         self.saves = [r for r in records if r.get("type") == "save"]
         self.plans = [r for r in records if r.get("type") == "plan"]
         self.restores = [r for r in records if r.get("type") == "restore"]
@@ -24,20 +51,24 @@ class RunSummary:
         self.losses = [r for r in records if r.get("type") == "loss"]
         self.committed = [s for s in self.saves if s.get("outcome") == "committed"]
         self.planned = sorted({int(s) for p in self.plans for s in p.get("next_steps", [])})
-        self.lost_steps = self._lost_steps(records)
+        self.restarts = self._restarts(records)
+        self.lost_steps = [r.lost_steps for r in self.restarts]
+        steps = [int(r["step"]) for r in records if isinstance(r.get("step"), int)]
+        self.last_step = max(steps, default=0)
 
     @staticmethod
-    def _lost_steps(records: list[dict[str, Any]]) -> list[int]:
+    def _restarts(records: list[dict[str, Any]]) -> list[Restart]:
         # Steps recorded after the newest checkpoint and before a restore were trained twice.
-        lost: list[int] = []
+        restarts: list[Restart] = []
         last: int | None = None
-        for r in records:
+        for i, r in enumerate(records):
             if r.get("type") in ("loss", "plan", "save"):
                 last = r["step"] if last is None else max(last, r["step"])
             elif r.get("type") == "restore":
-                lost.append(max(0, (last or r["step"]) - r["step"]))
+                failed_at = r["step"] if last is None else max(last, r["step"])
+                restarts.append(Restart(i, int(r["step"]), int(failed_at)))
                 last = r["step"]
-        return lost
+        return restarts
 
     @property
     def last_plan(self) -> dict[str, Any] | None:
@@ -108,6 +139,39 @@ def compare_policies(
             }
         )
     return rows
+
+
+def facts(summary: RunSummary, total_steps: int | None = None) -> dict[str, Any]:
+    """The run's headline numbers, as ``coci report`` prints them and the TensorBoard tab shows
+    them: checkpoints planned, committed, skipped and failed, the total stall (s), restarts and
+    the steps of work they lost, and each policy's expected overhead (:func:`compare_policies`)
+    over ``total_steps`` (default: the last step recorded)."""
+    total = total_steps if total_steps is not None else summary.last_step
+    stalls = [s.get("stall_s") for s in summary.saves]
+    return {
+        "planned": len(summary.planned),
+        "committed": len(summary.committed),
+        "skipped": sum(1 for s in summary.saves if s.get("outcome") == "skipped"),
+        "failed": sum(1 for s in summary.saves if s.get("outcome") == "failed"),
+        "total_stall_s": sum(float(v) for v in stalls if isinstance(v, (int, float))),
+        "restarts": len(summary.restarts),
+        "lost_steps": sum(summary.lost_steps),
+        "steps": total,
+        "policies": compare_policies(summary, total) if total > 0 else [],
+    }
+
+
+def render_facts(f: dict[str, Any]) -> list[str]:
+    """:func:`facts` as lines of text."""
+    lines = [
+        f"total stall {f['total_stall_s']:.3f} s over {f['committed'] + f['failed']} saves; "
+        f"lost work: {f['lost_steps']} steps over {f['restarts']} restarts",
+        "",
+        f"expected overhead of each policy over the run's {f['steps']} steps, from the "
+        "measured costs:",
+        render_policies(f["policies"]),
+    ]
+    return lines
 
 
 def render_policies(rows: list[dict[str, Any]]) -> str:
@@ -196,9 +260,12 @@ def render(
                 f"({cost('objective_s')} s by its objective) vs Daly "
                 f"{cost('daly_wall_s')} s ({cost('daly_objective_s')} s)"
             )
+    if with_overhead:
+        lines.append("")
+        lines += render_facts(facts(summary))
     if tensorboard_dir:
         lines.append("")
-        lines.append(f"open the panel: tensorboard --logdir {tensorboard_dir}")
+        lines.append(f"see it in TensorBoard's coci tab: tensorboard --logdir {tensorboard_dir}")
     return "\n".join(lines)
 
 

@@ -1,0 +1,481 @@
+// The coci tab of TensorBoard: a run's checkpoints on one timeline, their costs, a summary.
+// Plain JavaScript drawing inline SVG (no build step, nothing fetched but the plugin's routes).
+// Test hooks: data-kind on markers (planned, committed, skipped, failed, restart, failure,
+// lost), <title> children for the hover text, class "axis-label" on labels with units.
+
+const SVG = 'http://www.w3.org/2000/svg';
+const COLORS = {
+  loss: '#1f77b4',
+  fitted: '#ff7f0e',
+  lostLoss: '#9e9e9e',
+  planned: '#6a3d9a',
+  revised: '#9e9e9e',
+  committed: '#2e7d32',
+  skipped: '#f9a825',
+  failed: '#c62828',
+  lost: '#c62828',
+};
+
+function el(tag, attrs = {}, children = []) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, v);
+  for (const c of [].concat(children)) {
+    if (c == null) continue;
+    node.appendChild(typeof c === 'string' ? document.createTextNode(c) : c);
+  }
+  return node;
+}
+
+function svg(tag, attrs = {}, children = []) {
+  const node = document.createElementNS(SVG, tag);
+  for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, String(v));
+  for (const c of [].concat(children)) {
+    if (c == null) continue;
+    node.appendChild(typeof c === 'string' ? document.createTextNode(c) : c);
+  }
+  return node;
+}
+
+function title(text) {
+  return svg('title', {}, text);
+}
+
+function fmt(x, digits = 2) {
+  if (x == null || !isFinite(x)) return '?';
+  return Number(x).toFixed(digits);
+}
+
+function niceTicks(lo, hi, count = 6) {
+  if (!(hi > lo)) return [lo];
+  const raw = (hi - lo) / count;
+  const mag = Math.pow(10, Math.floor(Math.log10(raw)));
+  const step = [1, 2, 5, 10].map((m) => m * mag).find((s) => s >= raw) || raw;
+  const ticks = [];
+  for (let t = Math.ceil(lo / step) * step; t <= hi + 1e-9; t += step) ticks.push(+t.toFixed(10));
+  return ticks;
+}
+
+function scale(d0, d1, r0, r1) {
+  const k = d1 > d0 ? (r1 - r0) / (d1 - d0) : 0;
+  return (x) => r0 + (x - d0) * k;
+}
+
+const STYLE = `
+  body { font-family: Roboto, Arial, sans-serif; margin: 12px 16px; color: #212121; }
+  h2 { font-size: 16px; margin: 18px 0 6px; }
+  .coci-controls { display: flex; gap: 16px; align-items: center; margin-bottom: 8px; }
+  .coci-controls label { font-size: 13px; }
+  .coci-legend { display: flex; flex-wrap: wrap; gap: 14px; font-size: 12px; margin: 4px 0; }
+  .coci-legend span.sw { display: inline-block; width: 12px; height: 12px; margin-right: 4px;
+    vertical-align: -2px; border-radius: 2px; }
+  .coci-costs { display: flex; flex-wrap: wrap; gap: 12px; }
+  table.coci-summary { border-collapse: collapse; font-size: 13px; }
+  table.coci-summary td, table.coci-summary th { padding: 3px 10px; text-align: left;
+    border-bottom: 1px solid #e0e0e0; }
+  table.coci-summary td.num { text-align: right; font-variant-numeric: tabular-nums; }
+  .axis-label { font-size: 12px; fill: #424242; }
+  .tick { font-size: 10px; fill: #616161; }
+  .lane-label { font-size: 12px; fill: #212121; font-weight: 500; }
+  .coci-note { font-size: 12px; color: #616161; }
+`;
+
+export async function render() {
+  document.head.appendChild(el('style', {}, STYLE));
+  const root = el('div', { id: 'coci-root' });
+  document.body.appendChild(root);
+  const status = el('p', { class: 'coci-note', id: 'coci-status' }, 'Loading coci telemetry…');
+  root.appendChild(status);
+  let runs;
+  try {
+    runs = (await fetch('./runs').then((r) => r.json())).runs;
+  } catch (e) {
+    status.textContent = `Could not read the runs: ${e}`;
+    return;
+  }
+  if (!runs.length) {
+    status.textContent =
+      'No coci run under this log directory (a run writes telemetry.jsonl beside its ' +
+      'checkpoints, and coci-telemetry.json into its TensorBoard directory).';
+    return;
+  }
+  status.remove();
+  const state = { axis: 'step', run: runs[0].name, data: null };
+  const select = el('select', { id: 'coci-run' },
+    runs.map((r) => el('option', { value: r.name }, r.name)));
+  const axisStep = el('input', { type: 'radio', name: 'coci-axis', value: 'step', checked: '' });
+  const axisTime = el('input', { type: 'radio', name: 'coci-axis', value: 'time' });
+  const controls = el('div', { class: 'coci-controls' }, [
+    el('label', {}, ['run ', select]),
+    el('span', { class: 'coci-note' }, 'x axis:'),
+    el('label', {}, [axisStep, ' training step']),
+    el('label', {}, [axisTime, ' wall time']),
+  ]);
+  const view = el('div', { id: 'coci-view' });
+  root.append(controls, view);
+
+  const draw = () => {
+    view.replaceChildren();
+    if (state.data) drawRun(view, state.data, state.axis, root.clientWidth || 1000);
+    axisTime.disabled = !(state.data && state.data.has_time);
+  };
+  const load = async () => {
+    state.data = await fetch('./timeline?' + new URLSearchParams({ run: state.run }))
+      .then((r) => r.json());
+    if (!state.data.has_time) state.axis = 'step';
+    draw();
+  };
+  select.addEventListener('change', () => { state.run = select.value; load(); });
+  for (const radio of [axisStep, axisTime]) {
+    radio.addEventListener('change', () => { state.axis = radio.value; draw(); });
+  }
+  window.addEventListener('resize', draw);
+  await load();
+}
+
+function drawRun(view, data, axis, width) {
+  view.setAttribute('data-run', data.run);
+  view.setAttribute('data-axis', axis);
+  view.appendChild(el('h2', {}, `Timeline of ${data.run}`));
+  view.appendChild(legend());
+  view.appendChild(timelineSvg(data, axis, Math.max(640, width - 40)));
+  view.appendChild(el('h2', {}, 'Costs of each checkpoint'));
+  view.appendChild(costs(data));
+  view.appendChild(el('h2', {}, 'Summary (the numbers of coci report)'));
+  view.appendChild(summaryTable(data.summary));
+}
+
+function legend() {
+  const item = (color, text, shape = 'square') =>
+    el('span', {}, [
+      el('span', {
+        class: 'sw',
+        style: shape === 'line' ? `background:${color};height:3px;vertical-align:3px` :
+          shape === 'shade' ? `background:${color};opacity:.25` :
+            shape === 'hollow' ? `border:2px solid ${color};width:8px;height:8px` :
+              `background:${color}`,
+      }),
+      text,
+    ]);
+  return el('div', { class: 'coci-legend' }, [
+    item(COLORS.loss, 'observed loss', 'line'),
+    item(COLORS.fitted, "planner's fitted curve", 'line'),
+    item(COLORS.planned, 'planned checkpoint'),
+    item(COLORS.planned, 'planned, not reached', 'hollow'),
+    item(COLORS.revised, 'planned, then revised away'),
+    item(COLORS.committed, 'save committed'),
+    item(COLORS.skipped, 'save skipped'),
+    item(COLORS.failed, 'save failed'),
+    item(COLORS.lost, 'lost work (trained again after a restart)', 'shade'),
+  ]);
+}
+
+// x of a record: its step, or its wall time since the run's first record
+function xOf(data, axis) {
+  return (step, time) => (axis === 'time' ? (time == null ? null : time - data.t0) : step);
+}
+
+function timelineSvg(data, axis, W) {
+  const X = xOf(data, axis);
+  const M = { left: 78, right: 24, top: 30 };
+  const lossH = 210;
+  const laneH = 34;
+  const lanePlanned = M.top + lossH + 18;
+  const laneSaves = lanePlanned + laneH + 8;
+  const axisY = laneSaves + laneH + 6;
+  const H = axisY + 44;
+
+  const xs = [0];
+  for (const p of data.loss) xs.push(X(p.step, p.time));
+  for (const s of data.saves) xs.push(X(s.step, s.time));
+  for (const p of data.planned) xs.push(X(p.step, p.time));
+  for (const r of data.restarts) xs.push(X(r.failed_at, r.failed_time), X(r.restored, r.time));
+  const xmax = Math.max(1, ...xs.filter((v) => v != null));
+  const sx = scale(0, xmax, M.left, W - M.right);
+
+  const losses = data.loss.flatMap((p) => [p.loss, p.fitted]).filter((v) => v != null);
+  const lo = losses.length ? Math.min(...losses) : 0;
+  const hi = losses.length ? Math.max(...losses) : 1;
+  const pad = (hi - lo) * 0.08 || 0.5;
+  const sy = scale(lo - pad, hi + pad, M.top + lossH, M.top);
+
+  const root = svg('svg', {
+    width: W, height: H, viewBox: `0 0 ${W} ${H}`, 'data-chart': 'timeline',
+    style: 'background:#fff',
+  });
+
+  // the lanes' backgrounds, then the lost work shaded over every lane, behind the rest
+  root.append(
+    svg('rect', { x: M.left, y: lanePlanned, width: W - M.left - M.right, height: laneH,
+      fill: '#f5f3fa' }),
+    svg('rect', { x: M.left, y: laneSaves, width: W - M.left - M.right, height: laneH,
+      fill: '#f3f8f3' }),
+  );
+  for (const r of data.restarts) {
+    const x0 = axis === 'time' ? X(null, r.restored_time) : r.restored;
+    const x1 = axis === 'time' ? X(null, r.time) : r.failed_at;
+    if (x0 == null || x1 == null) continue;
+    const a = sx(Math.min(x0, x1));
+    const b = sx(Math.max(x0, x1));
+    const g = svg('g', { 'data-kind': 'lost', 'data-from': r.restored, 'data-to': r.failed_at,
+      'data-steps': r.lost_steps });
+    g.append(
+      svg('rect', { x: a, y: M.top, width: Math.max(2, b - a), height: axisY - M.top,
+        fill: COLORS.lost, 'fill-opacity': 0.13 }),
+      svg('text', { x: (a + b) / 2, y: M.top - 8, 'text-anchor': 'middle',
+        class: 'axis-label', fill: COLORS.lost, 'font-weight': 'bold' },
+      `lost work: ${r.lost_steps} steps`),
+      title(`lost work: steps ${r.restored}–${r.failed_at} (${r.lost_steps} steps) were ` +
+        `trained again: the run failed after step ${r.failed_at} and restarted from the ` +
+        `checkpoint of step ${r.restored}`),
+    );
+    root.appendChild(g);
+  }
+
+  // axes of the loss plot
+  for (const t of niceTicks(lo - pad, hi + pad, 5)) {
+    root.append(
+      svg('line', { x1: M.left, x2: W - M.right, y1: sy(t), y2: sy(t), stroke: '#eeeeee' }),
+      svg('text', { x: M.left - 6, y: sy(t) + 3, 'text-anchor': 'end', class: 'tick' },
+        fmt(t, Math.abs(hi - lo) < 1 ? 2 : 1)),
+    );
+  }
+  root.appendChild(svg('text', {
+    x: 16, y: M.top + lossH / 2, class: 'axis-label', 'text-anchor': 'middle',
+    transform: `rotate(-90 16 ${M.top + lossH / 2})`,
+  }, 'loss'));
+
+  // loss: one line per stretch; a stretch later trained again is grey
+  const line = (points, color, dash, kind) => {
+    const pts = points.filter((p) => p.x != null && p.y != null);
+    if (pts.length === 0) return;
+    const d = pts.map((p, i) => `${i ? 'L' : 'M'}${sx(p.x).toFixed(1)},${sy(p.y).toFixed(1)}`);
+    root.appendChild(svg('path', { d: d.join(''), fill: 'none', stroke: color,
+      'stroke-width': 2, 'stroke-dasharray': dash, 'data-kind': kind }));
+    if (pts.length === 1) {
+      root.appendChild(svg('circle', { cx: sx(pts[0].x), cy: sy(pts[0].y), r: 2.5,
+        fill: color, 'data-kind': kind }));
+    }
+  };
+  const stretches = [];
+  let current = null;
+  let prevStep = -Infinity;
+  for (const p of data.loss) {
+    if (!current || p.lost !== current.lost || p.step < prevStep) {
+      current = { lost: p.lost, points: [] };
+      stretches.push(current);
+    }
+    current.points.push(p);
+    prevStep = p.step;
+  }
+  for (const s of stretches) {
+    line(s.points.map((p) => ({ x: X(p.step, p.time), y: p.loss })),
+      s.lost ? COLORS.lostLoss : COLORS.loss, s.lost ? '4 3' : '', s.lost ? 'loss-lost' : 'loss');
+  }
+  for (const s of stretches.filter((s) => !s.lost)) {
+    line(s.points.map((p) => ({ x: X(p.step, p.time), y: p.fitted })), COLORS.fitted, '6 4',
+      'fitted');
+  }
+
+  // lanes
+  const laneLabel = (y, text) => root.appendChild(svg('text', {
+    x: M.left - 8, y: y + laneH / 2 + 4, 'text-anchor': 'end', class: 'lane-label' }, text));
+  laneLabel(lanePlanned, 'planned');
+  laneLabel(laneSaves, 'saves');
+
+  // the plan's revisions: a tick where a new plan replaced the old one
+  for (const p of data.plans) {
+    const x = X(p.step, p.time);
+    if (x == null) continue;
+    root.appendChild(svg('line', { x1: sx(x), x2: sx(x), y1: lanePlanned + laneH - 7,
+      y2: lanePlanned + laneH, stroke: '#9575cd', 'data-kind': 'revision' },
+      title(`plan made at step ${p.step}: next checkpoints ` +
+        (p.next_steps.length ? p.next_steps.join(', ') : 'none before the end'))));
+  }
+  const cy = lanePlanned + laneH / 2 - 3;
+  for (const p of data.planned) {
+    const x = X(p.step, p.time);
+    if (x == null) continue;
+    const px = sx(x);
+    const revised = p.state === 'revised';
+    const color = revised ? COLORS.revised : COLORS.planned;
+    const g = svg('g', { 'data-kind': 'planned', 'data-step': p.step, 'data-state': p.state });
+    g.appendChild(svg('path', {
+      d: `M${px},${cy - 8}L${px + 7},${cy}L${px},${cy + 8}L${px - 7},${cy}Z`,
+      fill: p.state === 'taken' ? color : '#ffffff', stroke: color, 'stroke-width': 2 }));
+    if (revised) {
+      g.appendChild(svg('line', { x1: px - 8, x2: px + 8, y1: cy + 8, y2: cy - 8,
+        stroke: COLORS.revised, 'stroke-width': 2 }));
+    }
+    const how = p.state === 'taken' ? 'taken' :
+      revised ? `revised away by the plan of step ${p.revised_at}` : 'not taken';
+    g.appendChild(title(`planned checkpoint at step ${p.step} (planned at step ` +
+      `${p.planned_at ?? '?'}): ${how}`));
+    root.appendChild(g);
+  }
+
+  // actual saves, coloured by outcome
+  const sy0 = laneSaves + laneH / 2;
+  for (const s of data.saves) {
+    const x = X(s.step, s.time);
+    if (x == null) continue;
+    const px = sx(x);
+    const g = svg('g', { 'data-kind': s.outcome, 'data-step': s.step });
+    const color = COLORS[s.outcome] || '#000';
+    if (s.outcome === 'failed') {
+      g.appendChild(svg('path', { d: `M${px - 6},${sy0 - 6}L${px + 6},${sy0 + 6}` +
+        `M${px - 6},${sy0 + 6}L${px + 6},${sy0 - 6}`, stroke: color, 'stroke-width': 3 }));
+    } else {
+      g.appendChild(svg('circle', { cx: px, cy: sy0, r: 7, fill: color,
+        'fill-opacity': s.outcome === 'skipped' ? 0.5 : 1, stroke: '#ffffff' }));
+    }
+    g.appendChild(title(saveText(s)));
+    root.appendChild(g);
+  }
+
+  // failures and restarts
+  for (const r of data.restarts) {
+    const xf = axis === 'time' ? X(null, r.failed_time) : r.failed_at;
+    const xr = axis === 'time' ? X(null, r.time) : r.restored;
+    if (xf != null) {
+      const g = svg('g', { 'data-kind': 'failure', 'data-step': r.failed_at });
+      g.append(
+        svg('line', { x1: sx(xf), x2: sx(xf), y1: M.top, y2: axisY, stroke: COLORS.failed,
+          'stroke-width': 2 }),
+        svg('text', { x: sx(xf) + 5, y: M.top + 14, class: 'axis-label', fill: COLORS.failed },
+          `✕ failure after step ${r.failed_at}`),
+        title(`the run failed after step ${r.failed_at}`),
+      );
+      root.appendChild(g);
+    }
+    if (xr != null) {
+      const g = svg('g', { 'data-kind': 'restart', 'data-step': r.restored });
+      g.append(
+        svg('line', { x1: sx(xr), x2: sx(xr), y1: M.top, y2: axisY, stroke: COLORS.failed,
+          'stroke-width': 2, 'stroke-dasharray': '5 3' }),
+        svg('text', { x: sx(xr) - 5, y: M.top + 14, class: 'axis-label', fill: COLORS.failed,
+          'text-anchor': 'end' }, `↻ restart from step ${r.restored}`),
+        title(`restarted from the checkpoint of step ${r.restored}; restore took ` +
+          `${fmt(r.restart_s)} s; ${r.lost_steps} steps of work lost`),
+      );
+      root.appendChild(g);
+    }
+  }
+
+  // x axis
+  root.appendChild(svg('line', { x1: M.left, x2: W - M.right, y1: axisY, y2: axisY,
+    stroke: '#616161' }));
+  for (const t of niceTicks(0, xmax, 10)) {
+    root.append(
+      svg('line', { x1: sx(t), x2: sx(t), y1: axisY, y2: axisY + 5, stroke: '#616161' }),
+      svg('text', { x: sx(t), y: axisY + 17, 'text-anchor': 'middle', class: 'tick' }, String(t)),
+    );
+  }
+  root.appendChild(svg('text', { x: (M.left + W - M.right) / 2, y: axisY + 36,
+    'text-anchor': 'middle', class: 'axis-label', 'data-axis': axis },
+  axis === 'time' ? 'wall time (s since the run started)' : 'training step'));
+  return root;
+}
+
+function saveText(s) {
+  if (s.outcome === 'skipped') {
+    return `step ${s.step}: save skipped (the previous one was still being written); ` +
+      `stall ${fmt(s.stall_ms)} ms`;
+  }
+  if (s.outcome === 'failed') {
+    return `step ${s.step}: save failed (${s.error || '?'}); stall ${fmt(s.stall_ms)} ms`;
+  }
+  const compression = s.compressed && s.compression_x ?
+    `compression ${fmt(s.compression_x)}x smaller` : 'not compressed';
+  return `step ${s.step}: committed; stall ${fmt(s.stall_ms)} ms, persist ` +
+    `${fmt(s.persist_s, 3)} s, ${fmt(s.mb, 2)} MB, ${compression}`;
+}
+
+function barChart(name, label, points, color, digits) {
+  const W = 250;
+  const H = 170;
+  const M = { left: 52, right: 10, top: 12, bottom: 40 };
+  const root = svg('svg', { width: W, height: H, 'data-chart': name, style: 'background:#fff' });
+  const vmax = Math.max(0, ...points.map((p) => p.value));
+  const top = vmax > 0 ? vmax * 1.1 : 1;
+  const sy = scale(0, top, H - M.bottom, M.top);
+  for (const t of niceTicks(0, top, 4)) {
+    root.append(
+      svg('line', { x1: M.left, x2: W - M.right, y1: sy(t), y2: sy(t), stroke: '#eeeeee' }),
+      svg('text', { x: M.left - 4, y: sy(t) + 3, 'text-anchor': 'end', class: 'tick' },
+        fmt(t, t >= 10 || t === 0 ? 0 : digits)),
+    );
+  }
+  const n = Math.max(1, points.length);
+  const band = (W - M.left - M.right) / n;
+  points.forEach((p, i) => {
+    const x = M.left + i * band + band * 0.15;
+    const g = svg('g', { 'data-kind': 'cost', 'data-step': p.step });
+    g.append(
+      svg('rect', { x, y: sy(p.value), width: band * 0.7, height: sy(0) - sy(p.value),
+        fill: color }),
+      title(`step ${p.step}: ${fmt(p.value, digits)} ${p.unit}`),
+    );
+    if (n <= 12) {
+      g.appendChild(svg('text', { x: x + band * 0.35, y: H - M.bottom + 12,
+        'text-anchor': 'middle', class: 'tick' }, String(p.step)));
+    }
+    root.appendChild(g);
+  });
+  if (!points.length) {
+    root.appendChild(svg('text', { x: W / 2, y: H / 2, 'text-anchor': 'middle',
+      class: 'tick' }, 'none'));
+  }
+  root.appendChild(svg('line', { x1: M.left, x2: W - M.right, y1: sy(0), y2: sy(0),
+    stroke: '#616161' }));
+  root.appendChild(svg('text', { x: (M.left + W - M.right) / 2, y: H - 8,
+    'text-anchor': 'middle', class: 'axis-label' }, label));
+  return root;
+}
+
+function costs(data) {
+  const committed = data.saves.filter((s) => s.outcome === 'committed');
+  const pts = (key, unit, rows = committed) =>
+    rows.filter((s) => s[key] != null).map((s) => ({ step: s.step, value: s[key], unit }));
+  const restarts = data.restarts.filter((r) => r.restart_s != null)
+    .map((r) => ({ step: r.restored, value: r.restart_s, unit: 's' }));
+  return el('div', { class: 'coci-costs' }, [
+    barChart('stall', 'stall per save (ms), by step',
+      pts('stall_ms', 'ms', data.saves), '#5c6bc0', 1),
+    barChart('persist', 'persist per save (s), by step', pts('persist_s', 's'), '#26a69a', 3),
+    barChart('bytes', 'checkpoint size (MB), by step', pts('mb', 'MB'), '#8d6e63', 2),
+    barChart('compression', "compression (x smaller), by step",
+      pts('compression_x', 'x smaller'), '#78909c', 2),
+    barChart('restart', 'restart: restore (s), by step', restarts, COLORS.failed, 3),
+  ]);
+}
+
+function summaryTable(f) {
+  const row = (key, label, value) =>
+    el('tr', {}, [el('td', {}, label), el('td', { class: 'num', 'data-fact': key }, value)]);
+  const table = el('table', { class: 'coci-summary', id: 'coci-summary' }, [
+    row('planned', 'checkpoints planned', String(f.planned)),
+    row('committed', 'checkpoints taken (committed)', String(f.committed)),
+    row('skipped', 'saves skipped / failed', `${f.skipped} / ${f.failed}`),
+    row('total_stall_s', 'total stall (s)', fmt(f.total_stall_s, 3)),
+    row('restarts', 'restarts', String(f.restarts)),
+    row('lost_steps', 'lost work (steps)', String(f.lost_steps)),
+  ]);
+  const policies = el('table', { class: 'coci-summary', id: 'coci-policies' }, [
+    el('tr', {}, [
+      el('th', {}, 'policy'),
+      el('th', {}, 'checkpoints'),
+      el('th', {}, `expected overhead over ${f.steps} steps (s, wall-clock)`),
+      el('th', {}, 'by its objective (s)'),
+    ]),
+    ...f.policies.map((p) => el('tr', { 'data-policy': p.policy }, [
+      el('td', {}, p.policy === 'coci' ? 'coci (this plan)' : p.policy),
+      el('td', { class: 'num' }, String(p.checkpoints)),
+      el('td', { class: 'num' }, fmt(p.wall_s)),
+      el('td', { class: 'num' }, fmt(p.objective_s)),
+    ])),
+  ]);
+  const note = f.policies.length ? null :
+    el('p', { class: 'coci-note' }, 'no measured costs yet to compare policies');
+  return el('div', { style: 'display:flex;gap:32px;align-items:flex-start' },
+    [table, el('div', {}, [policies, note])]);
+}
