@@ -60,3 +60,7 @@ TELEMETRY_PUT_GAP_S = 2.0
 TELEMETRY_PUT_DELAY_S = 30.0
 #: ``close()`` waits this long at most for the last put.
 TELEMETRY_CLOSE_TIMEOUT_S = 60.0
+
+#: The least time between two progress records in a run's telemetry (how far a killed run got,
+#: hence the work its restart lost, is known to about this much).
+TELEMETRY_PROGRESS_EVERY_S = 1.0

@@ -80,6 +80,9 @@ def test_routes_serve_the_run_as_one_timeline(
     assert restart["restored"] == restores[0]["step"] < KILL
     assert restart["restored"] < restart["failed_at"] <= KILL
     assert restart["lost_steps"] == restart["failed_at"] - restart["restored"]
+    # the resumed process measured its whole restart: its start to its first step
+    assert restart["restart_since"] == "process start"
+    assert restart["restart_s"] > restart["restore_s"] > 0
     # loss points trained again after the restart are the lost ones
     lost = [p["step"] for p in data["loss"] if p["lost"]]
     assert lost and all(restart["restored"] < s <= restart["failed_at"] for s in lost)

@@ -28,8 +28,9 @@ def _loss(step: int, t: float) -> dict[str, Any]:
     return {"type": "loss", "step": step, "loss": 2.0 / step, "fitted": 2.1 / step, "time": t}
 
 
-#: A run that plans 10 and 20, moves 20 to 25, skips a save at 15, is killed after step 28,
-#: restarts from 25 and ends at 40 (the first process's steps 26..28 are lost).
+#: A run that plans 10 and 20, moves 20 to 25, skips a save at 15, is killed after step 29 (its
+#: last progress record), restarts from 25 (the new process's first step 9 s after it started)
+#: and ends at 40 (the first process's steps 26..29 are lost).
 RECORDS = [
     _plan(1, [10, 20], 100.0),
     _loss(5, 105.0),
@@ -40,8 +41,11 @@ RECORDS = [
     _save(25, "committed", 125.0),
     _loss(27, 127.0),
     _loss(28, 128.0),
+    {"type": "progress", "step": 29, "time": 129.0},
     {"type": "restore", "step": 25, "seconds": 1.5, "bytes_read": 10, "time": 140.0},
     _plan(26, [35], 141.0),
+    {"type": "restart", "step": 25, "seconds": 9.0, "restore_s": 1.5, "time": 141.5}
+    | {"since": "process start", "tier": "local"},
     _loss(30, 145.0),
     _save(35, "failed", 150.0, error="OSError: disk full"),
     _loss(40, 155.0),
@@ -85,18 +89,20 @@ def test_timeline_of_a_killed_and_resumed_run(tmp_path: Path) -> None:
     (restart,) = data["restarts"]
     assert restart == {
         "restored": 25,
-        "failed_at": 28,
-        "lost_steps": 3,
-        "restart_s": 1.5,
+        "failed_at": 29,
+        "lost_steps": 4,
+        "restore_s": 1.5,
+        "restart_s": 9.0,
+        "restart_since": "process start",
         "time": 140.0,
-        "failed_time": 128.0,
+        "failed_time": 129.0,
         "restored_time": 125.0,
     }
     assert [p["step"] for p in data["loss"] if p["lost"]] == [27, 28]
     assert [p["session"] for p in data["plans"]] == [0, 0, 1]
     assert data["summary"] == facts(summarize(tmp_path / "ck"))
     assert data["summary"]["planned"] == 4 and data["summary"]["committed"] == 3
-    assert data["summary"]["lost_steps"] == 3 and data["summary"]["skipped"] == 1
+    assert data["summary"]["lost_steps"] == 4 and data["summary"]["skipped"] == 1
 
 
 def test_records_without_time_have_no_wall_clock(tmp_path: Path) -> None:
@@ -104,7 +110,7 @@ def test_records_without_time_have_no_wall_clock(tmp_path: Path) -> None:
     records = [{k: v for k, v in r.items() if k != "time"} for r in RECORDS]
     data = timeline(str(_write(tmp_path / "ck", records)))
     assert not data["has_time"] and data["t0"] is None
-    assert len(data["planned"]) == 4 and data["restarts"][0]["lost_steps"] == 3
+    assert len(data["planned"]) == 4 and data["restarts"][0]["lost_steps"] == 4
 
 
 def test_several_runs_and_logger_versions(tmp_path: Path) -> None:
@@ -146,5 +152,6 @@ def test_report_plot_draws_the_timeline(tmp_path: Path, capsys: pytest.CaptureFi
     assert main(["report", str(ck), "--plot", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 20_000
     text = capsys.readouterr().out
-    assert "lost work: 3 steps over 1 restarts" in text
+    assert "lost work: 4 steps over 1 restarts" in text
+    assert "first step 9.0 s after process start" in text
     assert f"timeline drawn to {out}" in text

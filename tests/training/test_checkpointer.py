@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -151,3 +152,39 @@ def test_a_plan_is_costed_once_not_at_every_save(tmp_path: Path) -> None:
         by_plan.setdefault(report.replans, set()).add(id(report.expected_overhead))
     assert all(len(ids) == 1 for ids in by_plan.values()), by_plan
     assert len(sink.plans) > len(by_plan), "every save changed the plan: test is void"
+
+
+def test_the_restart_is_measured_from_process_start_and_planned_with(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a restore, the first step ends the restart: a RestartEvent (process start to that
+    step, the restore within it) reaches the telemetry and replaces the restore's time as the
+    planner's restart cost; progress records tell how far the run got."""
+    import coci_core.training.checkpointer as checkpointer_module
+    from coci_core.telemetry import JsonlTelemetry, RestartEvent, read_jsonl
+    from coci_core.training.restart import process_start_unix
+
+    first = Checkpointer(tmp_path, policy="every_n_steps", every_n_steps=5)
+    first.save(5, {"w": torch.ones(10)})
+    first.close()
+    monkeypatch.setattr(checkpointer_module, "TELEMETRY_PROGRESS_EVERY_S", 1e9)
+    events: list[Any] = []
+    sink = JsonlTelemetry(tmp_path / "t.jsonl")
+    ckpt = Checkpointer(tmp_path, listeners=[events.append], sinks=[sink])
+    started = process_start_unix()
+    assert started is not None  # Linux: read from /proc
+    ckpt.restore()
+    restore = ckpt.manager.last_restore
+    assert restore is not None
+    assert ckpt.planner.report().costs["restart_s"] == pytest.approx(restore.seconds)
+    ckpt.observe(6, loss=1.0, step_time_s=0.01)
+    ckpt.observe(7, loss=1.0, step_time_s=0.01)
+    (restart,) = [e for e in events if isinstance(e, RestartEvent)]
+    assert restart.step == 5 and restart.since == "process start"
+    assert restart.restore_s == restore.seconds
+    assert time.time() - started >= restart.seconds > restore.seconds
+    assert ckpt.planner.report().costs["restart_s"] == pytest.approx(restart.seconds)
+    ckpt.close()
+    records = read_jsonl(tmp_path / "t.jsonl")
+    assert [r["step"] for r in records if r["type"] == "progress"] == [6]  # then at most 1/s
+    assert [r["seconds"] for r in records if r["type"] == "restart"] == [restart.seconds]

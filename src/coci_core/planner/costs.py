@@ -97,6 +97,21 @@ class CostEstimator:
             self._samples[name].append(x)
         return True
 
+    def replace_last(self, name: str, seconds: float) -> float | None:
+        """Replace the newest measurement of ``name`` by a better one of the same event (or
+        add it); the value replaced, or None (a non-finite or negative one is ignored)."""
+        try:
+            x = float(seconds)
+        except (TypeError, ValueError):
+            return None
+        if not math.isfinite(x) or x < 0:
+            return None
+        with self._lock:
+            samples = self._samples[name]
+            old = samples.pop() if samples else None
+            samples.append(x)
+        return old
+
     def get(self, name: str) -> CostEstimate:
         """The current estimate of ``name``."""
         user = self._user[name]

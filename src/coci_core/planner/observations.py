@@ -180,6 +180,14 @@ class RunObservations:
             self.elapsed_s += float(seconds)
         self.failures += 1
 
+    def record_restart(self, seconds: float) -> None:
+        """The whole restart of the last restore (process start to the first step), which
+        replaces its restore time as the restart cost."""
+        before = self.costs.replace_last("restart_s", seconds)
+        if before is not None:
+            with self.lock:
+                self.elapsed_s += max(0.0, float(seconds) - before)
+
     def mtbf(self) -> tuple[float, str]:
         """MTBF planned with: per node if ``nodes`` is a function, else for the whole job."""
         s = self.settings

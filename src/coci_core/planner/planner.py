@@ -235,6 +235,13 @@ class Planner:
                 self._uploads.remote_restore(float(seconds))
         self._plan.force_replan = True
 
+    def record_restart(self, seconds: float) -> None:
+        """Record the whole restart after the last :meth:`record_restore` (from the process's
+        start to its first training step): it replaces that restore's time as the restart
+        cost ``R`` the plan uses."""
+        self._obs.record_restart(seconds)
+        self._plan.force_replan = True
+
     def record_upload(self, seconds: float) -> None:
         """Record an upload to the remote tier that took ``seconds`` and ended now (any
         thread): its cost to the loop is the excess of the steps it overlapped."""

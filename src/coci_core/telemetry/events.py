@@ -22,6 +22,7 @@ __all__ = [
     "RestoreEvent",
     "SaveEvent",
     "TelemetrySink",
+    "RestartEvent",
     "UploadEvent",
     "emit",
     "parse_jsonl",
@@ -114,7 +115,27 @@ class UploadEvent:
     error: str | None = None
 
 
-Event: TypeAlias = SaveEvent | RestoreEvent | UploadEvent
+@dataclass(frozen=True, kw_only=True)
+class RestartEvent:
+    """A resumed run reached its first training step: what the restart cost.
+
+    Attributes:
+        step: the step resumed from (the first step trained again is the next one).
+        seconds: from ``since`` to the end of the first training step after the restore.
+        restore_s: of which the restore itself (reading, verifying, loading the state).
+        since: ``"process start"`` (the process's start time, read from the OS), or
+            ``"adapter start"`` where the OS does not say.
+        tier: the tier the checkpoint came from.
+    """
+
+    step: int
+    seconds: float
+    restore_s: float
+    since: Literal["process start", "adapter start"] = "process start"
+    tier: Literal["local", "remote"] = "local"
+
+
+Event: TypeAlias = SaveEvent | RestoreEvent | UploadEvent | RestartEvent
 Listener: TypeAlias = Callable[[Event], None]
 
 
@@ -177,13 +198,12 @@ class JsonlRecords:
         raise NotImplementedError
 
     def __call__(self, event: Event) -> None:
-        kind = (
-            "save"
-            if isinstance(event, SaveEvent)
-            else "upload"
-            if isinstance(event, UploadEvent)
-            else "restore"
-        )
+        kind = {
+            SaveEvent: "save",
+            UploadEvent: "upload",
+            RestoreEvent: "restore",
+            RestartEvent: "restart",
+        }[type(event)]
         fields = {k: _finite_or_none(v) for k, v in asdict(event).items()}
         self._write({"type": kind, **fields})
 
@@ -206,6 +226,11 @@ class JsonlRecords:
                 else {k: _finite_or_none(v) for k, v in asdict(overhead).items()},
             }
         )
+
+    def record_progress(self, step: int) -> None:
+        """The run reached ``step`` (written at most every few seconds: it tells how far a
+        killed run got, hence the work its restart lost)."""
+        self._write({"type": "progress", "step": int(step)})
 
     def record_loss(self, step: int, loss: float, fitted: float | None = None) -> None:
         self._write(

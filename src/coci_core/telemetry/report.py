@@ -39,6 +39,10 @@ class Restart:
         return max(0, self.failed_at - self.restored)
 
 
+#: The records that say the run reached their step.
+STEP_RECORDS = ("loss", "plan", "save", "progress")
+
+
 class RunSummary:
     """The facts ``coci report`` prints, gathered from a checkpoint directory's telemetry."""
 
@@ -52,6 +56,8 @@ class RunSummary:
         self.committed = [s for s in self.saves if s.get("outcome") == "committed"]
         self.planned = sorted({int(s) for p in self.plans for s in p.get("next_steps", [])})
         self.restarts = self._restarts(records)
+        #: per restart, its whole restart record (process start to first step), if written
+        self.restart_records = [self._restart_record(records, r.index) for r in self.restarts]
         self.lost_steps = [r.lost_steps for r in self.restarts]
         steps = [int(r["step"]) for r in records if isinstance(r.get("step"), int)]
         self.last_step = max(steps, default=0)
@@ -62,13 +68,22 @@ class RunSummary:
         restarts: list[Restart] = []
         last: int | None = None
         for i, r in enumerate(records):
-            if r.get("type") in ("loss", "plan", "save"):
+            if r.get("type") in STEP_RECORDS:
                 last = r["step"] if last is None else max(last, r["step"])
             elif r.get("type") == "restore":
                 failed_at = r["step"] if last is None else max(last, r["step"])
                 restarts.append(Restart(i, int(r["step"]), int(failed_at)))
                 last = r["step"]
         return restarts
+
+    @staticmethod
+    def _restart_record(records: list[dict[str, Any]], index: int) -> dict[str, Any] | None:
+        for r in records[index + 1 :]:
+            if r.get("type") == "restore":
+                return None
+            if r.get("type") == "restart":
+                return r
+        return None
 
     @property
     def last_plan(self) -> dict[str, Any] | None:
@@ -231,10 +246,18 @@ def render(
     )
     if summary.uploads:
         lines.append(_uploads_line(summary.uploads))
-    for r, lost in zip(summary.restores, summary.lost_steps, strict=False):
+    for r, lost, whole in zip(
+        summary.restores, summary.lost_steps, summary.restart_records, strict=False
+    ):
+        took = (
+            ""
+            if whole is None
+            else f"; first step {_num(whole.get('seconds'), '.1f', unknown='?')} s after "
+            f"{whole.get('since', 'process start')}"
+        )
         lines.append(
             f"restart: restored step {r['step']} in {_num(r.get('seconds'), '.2f', unknown='?')}"
-            f" s; about {lost} steps of work were lost and redone"
+            f" s{took}; about {lost} steps of work were lost and redone"
         )
     plan = summary.last_plan
     if plan is not None:

@@ -40,7 +40,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, SupportsFloat, SupportsIndex
 
 from coci_core.errors import ConfigError, StorageError
-from coci_core.telemetry import Event, RestoreEvent, SaveEvent, UploadEvent
+from coci_core.telemetry import Event, RestartEvent, RestoreEvent, SaveEvent, UploadEvent
 from coci_core.telemetry.timeline import write_pointer
 
 if TYPE_CHECKING:
@@ -168,17 +168,19 @@ class TensorBoardTelemetry:
     # ------------------------------------------------------------------ inputs
 
     def __call__(self, event: Event) -> None:
-        """Write one save's costs (a ``CheckpointManager`` listener; any thread); restores and
-        uploads are only in the coci tab.
+        """Write one save's costs (a ``CheckpointManager`` listener; any thread); restores,
+        restarts and uploads are only in the coci tab.
 
         Raises:
-            ConfigError: if ``event`` is not a SaveEvent, a RestoreEvent or an UploadEvent.
+            ConfigError: if ``event`` is not a SaveEvent, RestoreEvent, RestartEvent or
+                UploadEvent.
         """
         if isinstance(event, SaveEvent):
             self._write(event.step, self._save_scalars(event))
-        elif not isinstance(event, (RestoreEvent, UploadEvent)):
+        elif not isinstance(event, (RestoreEvent, UploadEvent, RestartEvent)):
             raise ConfigError(
-                f"'event' must be a SaveEvent, a RestoreEvent or an UploadEvent: {event!r}"
+                "'event' must be a SaveEvent, a RestoreEvent, a RestartEvent or an UploadEvent: "
+                f"{event!r}"
             )
 
     def record_plan(self, step: SupportsIndex, report: PlannerReport) -> None:

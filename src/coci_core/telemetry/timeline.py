@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from coci_core.telemetry.events import TELEMETRY_FILE
-from coci_core.telemetry.report import RunSummary, facts, summarize
+from coci_core.telemetry.report import STEP_RECORDS, RunSummary, facts, summarize
 
 __all__ = ["POINTER_FILE", "find_runs", "from_summary", "timeline", "write_pointer"]
 
@@ -108,7 +108,7 @@ def _clocks(records: list[dict[str, Any]]) -> dict[int, list[tuple[int, float]]]
         if r.get("type") == "restore":
             session += 1
         t = _num(r.get("time"))
-        if r.get("type") in ("loss", "plan", "save") and t is not None:
+        if r.get("type") in STEP_RECORDS and t is not None:
             clocks.setdefault(session, []).append((int(r["step"]), t))
     return clocks
 
@@ -148,7 +148,9 @@ def timeline(directory: str, name: str | None = None) -> dict[str, Any]:
     before it came) or ``"missed"`` (the run failed or ended first), and ``revised_at``);
     ``saves`` (``step``, ``outcome``, ``time``, ``stall_ms``, ``persist_s``, ``mb``,
     ``compression_x``, ``compressed``, ``error``); ``restarts`` (``restored``,
-    ``failed_at``, ``lost_steps``, ``restart_s``, ``time``, ``failed_time``,
+    ``failed_at``, ``lost_steps``, ``restart_s`` (process start to the first step after the
+    restore, when recorded; else the restore), ``restore_s``, ``restart_since``, ``time``,
+    ``failed_time``,
     ``restored_time``); ``summary`` (:func:`~coci_core.telemetry.report.facts`).
     """
     return from_summary(summarize(directory), directory, name)
@@ -244,17 +246,17 @@ def from_summary(summary: RunSummary, directory: str, name: str | None = None) -
         )
 
     restarts = []
-    for restart in summary.restarts:
+    for restart, whole in zip(summary.restarts, summary.restart_records, strict=True):
         restore = records[restart.index]
         earlier = [
             _num(records[i].get("time"))
             for i in range(restart.index)
-            if records[i].get("type") in ("loss", "plan", "save")
+            if records[i].get("type") in STEP_RECORDS
         ]
         reached = [
             _num(records[i].get("time"))
             for i in range(restart.index)
-            if records[i].get("type") in ("loss", "plan", "save")
+            if records[i].get("type") in STEP_RECORDS
             and int(records[i]["step"]) <= restart.restored
         ]
         restarts.append(
@@ -262,7 +264,9 @@ def from_summary(summary: RunSummary, directory: str, name: str | None = None) -
                 "restored": restart.restored,
                 "failed_at": restart.failed_at,
                 "lost_steps": restart.lost_steps,
-                "restart_s": _num(restore.get("seconds")),
+                "restore_s": _num(restore.get("seconds")),
+                "restart_s": _num((whole or restore).get("seconds")),
+                "restart_since": None if whole is None else whole.get("since"),
                 "time": _num(restore.get("time")),
                 "failed_time": earlier[-1] if earlier else None,
                 "restored_time": reached[-1] if reached else None,

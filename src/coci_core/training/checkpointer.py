@@ -13,13 +13,15 @@ import functools
 import logging
 import math
 import os
+import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, Literal
 
 from coci_core.engine.manager import CheckpointManager, SaveHandle
 from coci_core.engine.persist import LatestOnlyWorker
 from coci_core.engine.stateful import Stateful
 from coci_core.errors import ConfigError, StepExistsError
+from coci_core.knobs import TELEMETRY_PROGRESS_EVERY_S
 from coci_core.planner import Planner
 from coci_core.planner.optimize import Problem
 from coci_core.planner.schedule import ExpectedOverhead, compare_with_daly
@@ -27,6 +29,7 @@ from coci_core.storage import Storage
 from coci_core.telemetry import (
     Event,
     Listener,
+    RestartEvent,
     RestoreEvent,
     SaveEvent,
     TelemetrySink,
@@ -35,6 +38,7 @@ from coci_core.telemetry import (
 from coci_core.telemetry.summary import SaveSummary, save_line
 from coci_core.training.decision import SharedDecision
 from coci_core.training.options import CheckpointOptions
+from coci_core.training.restart import process_start_unix
 
 __all__ = ["Checkpointer"]
 
@@ -113,6 +117,13 @@ class Checkpointer:
         self.last_save: SaveEvent | None = None
         self._checked_not_empty = False
         self.resumed_from: int | None = None  # the step this run was restored from
+        started = process_start_unix()
+        self._since: Literal["process start", "adapter start"] = (
+            "process start" if started is not None else "adapter start"
+        )
+        self._started_unix = started if started is not None else time.time()
+        self._restored: RestoreEvent | None = None  # until the first step after it
+        self._progress_at = -math.inf
 
     def __repr__(self) -> str:
         return f"Checkpointer({self.manager.storage.url!r}, policy={self.planner.policy_name!r})"
@@ -126,6 +137,17 @@ class Checkpointer:
             self.planner.record_restore(event.seconds, tier=event.tier)
         if isinstance(event, UploadEvent) and event.outcome == "committed":
             self._on_upload(event)
+        if isinstance(event, RestartEvent):
+            self.planner.record_restart(event.seconds)
+        if isinstance(event, RestartEvent) and self.rank == 0:
+            logger.info(
+                "coci: restarted in %.1f s from %s to the first step after step %d "
+                "(restore %.2f s)",
+                event.seconds,
+                event.since,
+                event.step,
+                event.restore_s,
+            )
         if isinstance(event, SaveEvent):
             if event.outcome == "committed":
                 self.planner.record_save(
@@ -176,8 +198,20 @@ class Checkpointer:
     ) -> None:
         """Record one training step (never raises on odd loss or time values)."""
         self.planner.observe(step, loss=loss, step_time_s=step_time_s)
+        if self._restored is not None:
+            self._restart_done(self._restored)
         if not self.sinks:
             return
+        now = time.monotonic()
+        if now - self._progress_at >= TELEMETRY_PROGRESS_EVERY_S:
+            self._progress_at = now
+            for sink in self.sinks:
+                record_progress = getattr(sink, "record_progress", None)
+                if record_progress is not None:
+                    try:
+                        record_progress(step)
+                    except Exception:
+                        logger.exception("coci telemetry sink %r failed", sink)
         if loss is not None and math.isfinite(loss):
             self._last_loss = float(loss)
         if (
@@ -185,6 +219,19 @@ class Checkpointer:
             or step - self._telemetry_step >= self.telemetry_every_n_steps
         ):
             self._record_telemetry(step)
+
+    def _restart_done(self, restored: RestoreEvent) -> None:
+        """The first step after a restore ended: report the whole restart."""
+        self._restored = None
+        self._on_event(
+            RestartEvent(
+                step=restored.step,
+                seconds=max(time.time() - self._started_unix, restored.seconds),
+                restore_s=restored.seconds,
+                since=self._since,
+                tier=restored.tier,
+            )
+        )
 
     def _record_telemetry(self, step: int, *, plan: bool = False) -> None:
         report = self.planner.report(with_overhead=False)  # cheap on the training thread
@@ -327,6 +374,7 @@ class Checkpointer:
         event: RestoreEvent | None = self.manager.last_restore  # reported by the manager
         if event is not None:
             self.resumed_from = event.step
+            self._restored = event
         return state
 
     def restored_elsewhere(self, run: str, event: RestoreEvent) -> None:
@@ -336,6 +384,7 @@ class Checkpointer:
         self.resumed_from = event.step
         self.manager.run_id = run
         self.manager.last_restore = event
+        self._restored = event
         self._on_event(event)
 
     def wait(self) -> None:

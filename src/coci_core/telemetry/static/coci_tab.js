@@ -355,7 +355,9 @@ function timelineSvg(data, axis, W) {
         svg('text', { x: sx(xr) - 5, y: M.top + 14, class: 'axis-label', fill: COLORS.failed,
           'text-anchor': 'end' }, `↻ restart from step ${r.restored}`),
         title(`restarted from the checkpoint of step ${r.restored}; restore took ` +
-          `${fmt(r.restart_s)} s; ${r.lost_steps} steps of work lost`),
+          `${fmt(r.restore_s)} s` +
+          (r.restart_since ? `, first step ${fmt(r.restart_s)} s after ${r.restart_since}` : '') +
+          `; ${r.lost_steps} steps of work lost`),
       );
       root.appendChild(g);
     }
@@ -445,7 +447,7 @@ function costs(data) {
     barChart('bytes', 'checkpoint size (MB), by step', pts('mb', 'MB'), '#8d6e63', 2),
     barChart('compression', "compression (x smaller), by step",
       pts('compression_x', 'x smaller'), '#78909c', 2),
-    barChart('restart', 'restart: restore (s), by step', restarts, COLORS.failed, 3),
+    barChart('restart', 'restart to first step (s), by step restored', restarts, COLORS.failed, 3),
   ]);
 }
 
