@@ -38,6 +38,7 @@ import contextlib
 import gc
 import ipaddress
 import itertools
+import json
 import logging
 import os
 import shutil
@@ -198,6 +199,7 @@ def fit_once(
                 coci_cb.checkpointer.add_listener(listen)
                 t["checkpointer"] = coci_cb.checkpointer
             t["server_cpu0"] = _cpu_s(server.process.pid)
+            t["cpu0"] = time.process_time()
             t["start"] = perf()
 
         def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
@@ -205,6 +207,7 @@ def fit_once(
 
         def on_train_end(self, trainer: Any, pl_module: Any) -> None:
             t["end"] = perf()  # before the checkpoint callbacks' on_train_end
+            t["loop_cpu_s"] = time.process_time() - t["cpu0"]
             t["server_cpu_loop_s"] = _cpu_s(server.process.pid) - t["server_cpu0"]
             t["threads_cpu_s"] = {k: round(v, 3) for k, v in thread_cpu().items()}
 
@@ -232,6 +235,7 @@ def fit_once(
     step_times = [b - a_ for a_, b in itertools.pairwise(ends)]
     out: dict[str, Any] = {
         "loop_s": loop,
+        "loop_cpu_s": t["loop_cpu_s"],
         "server_cpu_loop_s": t["server_cpu_loop_s"],
         "fit_s": returned - started,
         "after_loop_s": returned - t["end"],
@@ -327,7 +331,7 @@ def _one(
         local = workdir / f"{name}-{attempt}"
         local.mkdir()
         gc.collect()
-        idle.wait(30)
+        idle.wait(60)
         load = uptime()
         server_cpu = _cpu_s(server.process.pid)
         with Others() as others:
@@ -374,8 +378,12 @@ def run(a: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     state_bytes = 3 * 4 * a.layers * (a.d * a.d + a.d)
     samples: dict[str, list[dict[str, Any]]] = {m: [] for m in a.methods}
     idle = Idle(a.idle_budget_s, DISTURBED, print, poll_s=0.5, log_after_s=2.0)
+    deadline = perf() + 60 * a.deadline_min
     try:
-        for round_ in range(a.rounds):
+        round_ = 0
+        while round_ < a.rounds or (
+            len(quiet_rounds(samples)) < a.rounds and round_ < a.max_rounds and perf() < deadline
+        ):
             shift = round_ % len(a.methods)
             order = a.methods[shift:] + a.methods[:shift]
             for method in order:
@@ -388,9 +396,9 @@ def run(a: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                     if k not in SILENT
                 }
                 print(f"round {round_} {method}: {shown} saved {r['saved_steps']}", flush=True)
+            round_ += 1
     finally:
         server.stop()
-    summary = summarize(samples)
     return {
         "size_bytes": state_bytes,
         "config": {
@@ -399,7 +407,8 @@ def run(a: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             "batch": a.batch,
             "steps": a.steps,
             "every_n_steps": a.every,
-            "rounds": a.rounds,
+            "rounds": round_,
+            "quiet_rounds_wanted": a.rounds,
             "seed": a.seed,
             "compression": a.compression,
             "mtbf_s": a.mtbf_s,
@@ -408,9 +417,21 @@ def run(a: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "machine": machine(),
         "connected_to": sorted(_CONNECTED),
         "idle_waited_s": idle.waited_s,
+        **summaries(samples),
+    }
+
+
+def summaries(samples: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """The samples, their summary over all rounds and over the quiet ones, and the targets."""
+    summary = summarize(samples)
+    quiet = quiet_rounds(samples)
+    return {
         "samples": samples,
         "summary": summary,
         "targets": targets(summary),
+        "quiet_rounds": quiet,
+        "summary_quiet": summarize(samples, quiet) if quiet else {},
+        "targets_quiet": targets(summarize(samples, quiet)) if quiet else {},
     }
 
 
@@ -419,10 +440,34 @@ def _spread(xs: list[float]) -> list[float]:
     return [med(xs), min(xs), max(xs)] if xs else []
 
 
-def summarize(samples: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+def quiet_rounds(samples: dict[str, list[dict[str, Any]]]) -> list[int]:
+    """The rounds in which no method's fit was disturbed (other processes used fewer than
+    ``DISTURBED`` cores during every fit of the round)."""
+    rounds = {r["round"] for rows in samples.values() for r in rows}
+    return sorted(
+        n
+        for n in rounds
+        if all(
+            r["others_cores"] < DISTURBED
+            for rows in samples.values()
+            for r in rows
+            if r["round"] == n
+        )
+    )
+
+
+def summarize(
+    samples: dict[str, list[dict[str, Any]]], rounds: list[int] | None = None
+) -> dict[str, Any]:
+    """Medians, min and max per method (over ``rounds``, default all); the overhead of a fit
+    is against the ``none`` fit of its round."""
+    if rounds is not None:
+        samples = {m: [r for r in rows if r["round"] in rounds] for m, rows in samples.items()}
     base = {r["round"]: r["loop_s"] for r in samples.get("none", [])}
     out: dict[str, Any] = {}
     for method, rows in samples.items():
+        if not rows:
+            continue
         overhead = [
             100 * (r["loop_s"] - base[r["round"]]) / base[r["round"]]
             for r in rows
@@ -436,7 +481,9 @@ def summarize(samples: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             "last_durable_after_loop_s": _spread(durable),
             "median_step_s": med([r["median_step_s"] for r in rows]),
             "checkpoints": med([len(r["saved_steps"]) for r in rows]),
-            "saved_steps": rows[-1]["saved_steps"] if rows else [],
+            "saved_steps": rows[-1]["saved_steps"],
+            "others_cores": _spread([r["others_cores"] for r in rows]),
+            "rounds": sorted(r["round"] for r in rows),
         }
         if any("stall_total_s" in r for r in rows):
             out[method]["stall_total_s"] = _spread([r["stall_total_s"] for r in rows])
@@ -472,7 +519,15 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16, help="rows per step")
     parser.add_argument("--steps", type=int, default=150, help="optimizer steps per fit")
     parser.add_argument("--every", type=int, default=50, help="K: save every K steps")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds (medians over them)")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="rounds, and quiet rounds wanted (see --max-rounds)"
+    )
+    parser.add_argument(
+        "--max-rounds", type=int, default=6, help="more rounds until --rounds of them are quiet"
+    )
+    parser.add_argument(
+        "--deadline-min", type=float, default=45, help="no new round after this many minutes"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compression", default="auto", help="coci's compression")
     parser.add_argument("--mtbf-s", type=float, default=None, help="the planner's MTBF")
@@ -483,13 +538,24 @@ def main() -> None:
     parser.add_argument("--retries", type=int, default=1, help="re-runs of a disturbed fit")
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated")
     parser.add_argument("--out", default=None, help="results directory")
+    parser.add_argument("--report", default=None, help="print the tables of a results file")
     a = parser.parse_args()
     a.methods = a.methods.split(",")
     unknown = set(a.methods) - set(METHODS)
     if unknown:
         parser.error(f"unknown methods {sorted(unknown)}; known: {METHODS}")
     a.layers = layers_for(a.size_mb, a.d)
-    result, path = run_recorded("s3_loop", lambda tmp: run(a, tmp), out_dir=a.out)
+    if a.report:
+        path = Path(a.report)
+        result = json.loads(path.read_text())
+        result.update(summaries(result["samples"]))  # summarized by this version
+    else:
+        result, path = run_recorded("s3_loop", lambda tmp: run(a, tmp), out_dir=a.out)
+    report(result, path)
+
+
+def report(result: dict[str, Any], path: Path) -> None:
+    """The table of medians (all rounds, then the quiet ones) and the targets."""
     cfg = result["config"]
     print(
         f"\n{result['size_bytes'] / 1e6:.0f} MB state ({cfg['layers']} x Linear({cfg['d']}) + "
@@ -500,15 +566,24 @@ def main() -> None:
         f"{'method':<22} {'loop s':>8} {'overhead %':>11} {'ckpts':>6} "
         f"{'after loop s':>13} {'last durable s':>15}"
     )
-    for name, row in result["summary"].items():
-        durable = row["last_durable_after_loop_s"]
-        print(
-            f"{name:<22} {row['loop_s'][0]:>8.2f} {row['overhead_pct'][0]:>11.1f} "
-            f"{row['checkpoints']:>6g} {row['after_loop_s'][0]:>13.2f} "
-            f"{durable[0] if durable else float('nan'):>15.2f}"
-        )
-    for name, target in result["targets"].items():
-        print(f"{name}: {target}")
+    for title, summary in (
+        ("all rounds", result["summary"]),
+        (f"quiet rounds {result['quiet_rounds']}", result["summary_quiet"]),
+    ):
+        print(f"-- {title}")
+        for name, row in summary.items():
+            durable = row["last_durable_after_loop_s"]
+            over = row["overhead_pct"]
+            print(
+                f"{name:<22} {row['loop_s'][0]:>8.2f} {over[0]:>11.1f} "
+                f"{row['checkpoints']:>6g} {row['after_loop_s'][0]:>13.2f} "
+                f"{durable[0] if durable else float('nan'):>15.2f}   "
+                f"overhead {over[1]:.1f} to {over[2]:.1f} %, others "
+                f"{row['others_cores'][0]:.2f} cores"
+            )
+    for title, key in (("all rounds", "targets"), ("quiet rounds", "targets_quiet")):
+        for name, target in result[key].items():
+            print(f"{title}: {name}: {target}")
     print(f"connected to: {result['connected_to']}")
 
 
