@@ -123,6 +123,59 @@ def s3(results: dict[str, Any]) -> Figure:
     return fig
 
 
+def s3_loop(results: dict[str, Any]) -> Figure:
+    """Training-loop overhead per method against the same run without checkpoints, and the
+    time after the loop until the newest checkpoint is durable in the bucket."""
+    quiet = results.get("quiet_rounds") or []
+    summary = results["summary_quiet"] if quiet else results["summary"]
+    names = [n for n in summary if n != "none"]
+    fig, (overhead, after) = plt.subplots(1, 2, figsize=(10.0, 3.9), sharey=True)
+    colors = ["tab:green" if n.startswith("coci") else "tab:gray" for n in names]
+    y = np.arange(len(names))
+    rows = [summary[n]["overhead_pct"] for n in names]
+    overhead.barh(
+        y - 0.2,
+        [r[0] for r in rows],
+        height=0.4,
+        xerr=_error_bars(rows),
+        color=colors,
+        alpha=0.45,
+        capsize=3,
+        label="loop time vs the round's run without saves",
+    )
+    rows = [summary[n]["excess_overhead_pct"] for n in names]
+    overhead.barh(
+        y + 0.2,
+        [r[0] for r in rows],
+        height=0.4,
+        xerr=_error_bars(rows),
+        color=colors,
+        capsize=3,
+        label="time beyond the run's median step (steadier)",
+    )
+    overhead.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.22))
+    overhead.axvline(0, color="black", linewidth=0.8)
+    overhead.set_xlabel("loop overhead (% of the loop without saves)")
+    rows = [summary[n]["last_durable_after_loop_s"] or [0.0, 0.0, 0.0] for n in names]
+    after.barh(
+        range(len(names)), [r[0] for r in rows], xerr=_error_bars(rows), color=colors, capsize=3
+    )
+    after.set_xlabel("after the loop until the last save is in the bucket (s)")
+    overhead.set_yticks(range(len(names)), [f"{n} ({summary[n]['checkpoints']:g})" for n in names])
+    overhead.invert_yaxis()
+    for ax in (overhead, after):
+        ax.grid(axis="x", alpha=0.3)
+    cfg = results["config"]
+    fig.suptitle(
+        f"{results['size_bytes'] / 1e9:.2g} GB state, {cfg['steps']} Lightning steps, saves every "
+        f"{cfg['every_n_steps']} (checkpoints in brackets): median, bars min-max of "
+        f"{len(quiet) or cfg['rounds']} {'quiet ' if quiet else ''}rounds",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    return fig
+
+
 def restore(results: dict[str, Any]) -> Figure:
     """Cold restore time per method, with the disk's read limit measured in the same run."""
     samples = results["samples"]
@@ -149,6 +202,7 @@ PLOTS: dict[str, Callable[[dict[str, Any]], Figure]] = {
     "adapters": adapters,
     "planner": planner,
     "s3": s3,
+    "s3_loop": s3_loop,
     "restore": restore,
 }
 
