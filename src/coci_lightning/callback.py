@@ -233,6 +233,9 @@ class CociCheckpoint(Checkpoint):
         io.storage_options = self.storage_options
         io.remote = self.options.remote
         io.remote_storage_options = dict(self.options.remote_storage_options)
+        # a resume reads the module's tensors in place (no second copy of them); Lightning
+        # creates the optimizers after it reads the checkpoint, and they adopt its tensors
+        io.live_state = lambda: {"state_dict": pl_module.state_dict()}
         if stage != "fit":
             return
         options = self.options

@@ -127,13 +127,17 @@ class InPlaceTargets:
     Use one for one restore (its fallbacks included): a damaged step may have overwritten a
     tensor before its damage was found, and :meth:`check` then makes sure the step finally
     restored puts a value at each such path (``load_state_dict`` then overwrites it again),
-    except under the keys in ``replaced``, whose ``load_state_dict`` replaces their whole state
-    (an optimizer's: tensors it is not given are dropped).
+    except under the paths in ``replaced`` (keys and list indices, such as ``("optim",)``),
+    whose ``load_state_dict`` replaces their whole state (an optimizer's: the tensors it is not
+    given are dropped).
     """
 
-    def __init__(self, state: Mapping[str, Any], replaced: Iterable[str] = ()) -> None:
+    def __init__(self, state: Mapping[str, Any], replaced: Iterable[tuple[Any, ...]] = ()) -> None:
         self._live = _live_tensors(dict(state))
-        self._replaced = {_key_text(k) for k in replaced}
+        self._replaced = [
+            tuple(k if type(k) is int else _key_text(_key_node(k)) for k in prefix)
+            for prefix in replaced
+        ]
         self.written: set[Path] = set()
         self._present: set[Path] = set()
 
@@ -168,7 +172,9 @@ class InPlaceTargets:
             CheckpointError: naming the paths (their tensors hold bytes of a damaged step).
         """
         missing = sorted(
-            _show(p) for p in self.written - self._present if not p or p[0] not in self._replaced
+            _show(p)
+            for p in self.written - self._present
+            if not any(p[: len(r)] == r for r in self._replaced)
         )
         if missing:
             raise CheckpointError(
@@ -207,6 +213,6 @@ def in_place_targets(into: Mapping[str, Any]) -> InPlaceTargets | None:
         for key, obj in into.items()
         if isinstance(obj, (torch.nn.Module, torch.optim.Optimizer))
     }
-    optimizers = [k for k, obj in into.items() if isinstance(obj, torch.optim.Optimizer)]
+    optimizers = [(k,) for k, obj in into.items() if isinstance(obj, torch.optim.Optimizer)]
     targets = InPlaceTargets(live, optimizers) if live else None
     return targets if targets is not None and len(targets) else None

@@ -16,7 +16,7 @@ from typing import Any, Literal
 from coci_core.engine import retention
 from coci_core.engine.compress import CompressionPolicy, PieceEncoder, check_policy
 from coci_core.engine.group import RankGroup
-from coci_core.engine.inplace import in_place_targets
+from coci_core.engine.inplace import InPlaceTargets, in_place_targets
 from coci_core.engine.lease import Lease, acquire_lease
 from coci_core.engine.manifest import MANIFEST_NAME, Manifest, step_dir_name
 from coci_core.engine.partition import DEFAULT_CHUNK_BYTES, Share, partition
@@ -751,6 +751,7 @@ class CheckpointManager:
         into: Mapping[str, Stateful] | None = None,
         strict: bool | None = None,
         rank: int | None = None,
+        targets: InPlaceTargets | None = None,
     ) -> dict[str, Any]:
         """Read, verify and return a committed state (tensors on CPU).
 
@@ -769,7 +770,9 @@ class CheckpointManager:
         live counterpart (in their ``state_dict()``) is a contiguous CPU tensor of the same
         dtype and shape is read straight into it and verified there, so the restore needs no
         second copy of them; the returned state then holds those live tensors. A restore that
-        raises may have left them partly overwritten.
+        raises may have left them partly overwritten. ``targets`` (instead of what ``into``
+        gives) names live tensors of any layout to fill in place, for a caller that loads the
+        state itself (see :class:`~coci_core.engine.inplace.InPlaceTargets`).
 
         Raises:
             NoCheckpointError: nothing is committed (or not ``step``).
@@ -778,7 +781,8 @@ class CheckpointManager:
         """
         self.wait()
         failure: CheckpointError | None = None
-        targets = in_place_targets(into) if into is not None else None
+        if targets is None and into is not None:
+            targets = in_place_targets(into)
         for tier, storage in self._tiers_to_restore_from(step):
             try:
                 loaded, event = restore_newest(

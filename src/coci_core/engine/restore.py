@@ -62,7 +62,7 @@ MAX_DELTA_CHAIN = 64
 ZSTD_MAX_RATIO = 32768
 # A stored piece larger than this is read from local storage in reads of this size, the
 # checksum of each computed on a helper thread while the next one is read.
-READ_CHUNK_BYTES = 32 << 20
+READ_CHUNK_BYTES = 16 << 20
 
 _crc_lock = threading.Lock()
 _crc_pool: ThreadPoolExecutor | None = None
