@@ -226,12 +226,14 @@ def test_a_fallback_that_leaves_an_overwritten_tensor_unset_raises(tmp_path: Pat
     assert torch.equal(m.second, torch.full((4096,), 2.0))  # what the message warns about
 
 
+@pytest.mark.parametrize("overlap", [True, False])
 def test_chunked_reads_give_the_whole_checksum(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, overlap: bool
 ) -> None:
-    """A piece read in chunks, checksummed on the helper thread, gives the bytes and the crc32c
-    of one read (an odd length: a short last chunk)."""
+    """A piece read in chunks, checksummed on the helper thread (or after each read), gives
+    the bytes and the crc32c of one read (an odd length: a short last chunk)."""
     monkeypatch.setattr(restore_module, "READ_CHUNK_BYTES", 4096)
+    monkeypatch.setattr(restore_module, "OVERLAP_CHECKSUMS", overlap)
     data = torch.randint(0, 256, (3 * 4096 + 1000 + 77,), dtype=torch.uint8).numpy().tobytes()
     (tmp_path / "f").write_bytes(data)
     out = bytearray(len(data) - 77)

@@ -63,6 +63,9 @@ ZSTD_MAX_RATIO = 32768
 # A stored piece larger than this is read from local storage in reads of this size, the
 # checksum of each computed on a helper thread while the next one is read.
 READ_CHUNK_BYTES = 16 << 20
+# False: each chunk's checksum is computed after its read, on the reading thread (measured by
+# benchmarks/restore_bench.py against the overlap).
+OVERLAP_CHECKSUMS = True
 
 _crc_lock = threading.Lock()
 _crc_pool: ThreadPoolExecutor | None = None
@@ -96,13 +99,16 @@ def read_checked(storage: Storage, path: str, offset: int, view: memoryview) -> 
         storage.read_into(path, offset, view)
         return int(crc32c.crc32c(view))
     crc = _Crc()
-    worker = _crc_worker()
+    worker = _crc_worker() if OVERLAP_CHECKSUMS else None
     last: Future[None] | None = None
     try:
         for start in range(0, len(view), READ_CHUNK_BYTES):
             chunk = view[start : start + READ_CHUNK_BYTES]
             storage.read_into(path, offset + start, chunk)
-            last = worker.submit(crc.add, chunk)
+            if worker is None:
+                crc.add(chunk)
+            else:
+                last = worker.submit(crc.add, chunk)
     finally:
         if last is not None:
             last.result()  # the chunks before it ran first (one thread, in order)
