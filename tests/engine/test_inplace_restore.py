@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import multiprocessing
 from pathlib import Path
 from typing import Any
 
@@ -240,3 +241,21 @@ def test_chunked_reads_give_the_whole_checksum(
     crc = restore_module.read_checked(LocalStorage(tmp_path), "f", 77, memoryview(out))
     assert bytes(out) == data[77:]
     assert crc == crc32c.crc32c(data[77:])
+
+
+def _read_crc(root: str, n: int) -> int:
+    out = bytearray(n)
+    return restore_module.read_checked(LocalStorage(root), "f", 0, memoryview(out))
+
+
+def test_a_forked_child_reads_in_chunks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process forked after a chunked read (the parent's checksum thread started) reads in
+    chunks too: it starts a checksum thread of its own instead of waiting for the parent's."""
+    monkeypatch.setattr(restore_module, "READ_CHUNK_BYTES", 4096)
+    data = torch.randint(0, 256, (5 * 4096,), dtype=torch.uint8).numpy().tobytes()
+    (tmp_path / "f").write_bytes(data)
+    assert _read_crc(str(tmp_path), len(data)) == crc32c.crc32c(data)
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        assert pool.apply_async(_read_crc, (str(tmp_path), len(data))).get(60) == crc32c.crc32c(
+            data
+        )

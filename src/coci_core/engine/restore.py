@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import os
 import threading
 import time
 from collections import Counter
@@ -78,6 +79,15 @@ def _crc_worker() -> ThreadPoolExecutor:
         if _crc_pool is None:
             _crc_pool = ThreadPoolExecutor(1, thread_name_prefix="coci-restore-crc")
         return _crc_pool
+
+
+def _forget_worker() -> None:
+    """In a forked child: the parent's thread is not there (a new one starts when needed)."""
+    global _crc_lock, _crc_pool
+    _crc_lock, _crc_pool = threading.Lock(), None
+
+
+os.register_at_fork(after_in_child=_forget_worker)
 
 
 class _Crc:
