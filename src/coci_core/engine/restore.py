@@ -22,7 +22,6 @@ from coci_core.engine.manifest import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
     Manifest,
-    Piece,
     TensorEntry,
     parse_step_dir,
     step_dir_name,
@@ -69,31 +68,26 @@ READ_CHUNK_BYTES = 16 << 20
 # benchmarks/restore_bench.py against the overlap).
 OVERLAP_CHECKSUMS = True
 
-# The compressed pieces of the next array are read (and checksummed) on a helper thread while
-# the current one is decoded: at most one array's stored pieces ahead.
-READ_AHEAD = True
-
-_workers_lock = threading.Lock()
-_workers: dict[str, ThreadPoolExecutor] = {}
+_crc_lock = threading.Lock()
+_crc_pool: ThreadPoolExecutor | None = None
 
 
-def _worker(name: str) -> ThreadPoolExecutor:
-    """One helper thread of restores, by name: ``crc`` checksums what was read, ``read`` reads
-    ahead (each runs its tasks in the order given)."""
-    with _workers_lock:
-        pool = _workers.get(name)
-        if pool is None:
-            pool = _workers[name] = ThreadPoolExecutor(1, thread_name_prefix=f"coci-restore-{name}")
-        return pool
+def _crc_worker() -> ThreadPoolExecutor:
+    """The one thread that checksums what restores read (in the order given)."""
+    global _crc_pool
+    with _crc_lock:
+        if _crc_pool is None:
+            _crc_pool = ThreadPoolExecutor(1, thread_name_prefix="coci-restore-crc")
+        return _crc_pool
 
 
-def _forget_workers() -> None:
-    """In a forked child: the parent's threads are not there (new ones start when needed)."""
-    global _workers_lock, _workers
-    _workers_lock, _workers = threading.Lock(), {}
+def _forget_worker() -> None:
+    """In a forked child: the parent's thread is not there (a new one starts when needed)."""
+    global _crc_lock, _crc_pool
+    _crc_lock, _crc_pool = threading.Lock(), None
 
 
-os.register_at_fork(after_in_child=_forget_workers)
+os.register_at_fork(after_in_child=_forget_worker)
 
 
 class _Crc:
@@ -115,7 +109,7 @@ def read_checked(storage: Storage, path: str, offset: int, view: memoryview) -> 
         storage.read_into(path, offset, view)
         return int(crc32c.crc32c(view))
     crc = _Crc()
-    worker = _worker("crc") if OVERLAP_CHECKSUMS else None
+    worker = _crc_worker() if OVERLAP_CHECKSUMS else None
     last: Future[None] | None = None
     try:
         for start in range(0, len(view), READ_CHUNK_BYTES):
@@ -239,8 +233,6 @@ class _Reader:
         self._by_key: dict[int, dict[str, TensorEntry]] = {}
         self._sizes: dict[tuple[int, str], int | StorageError | None] = {}
         self._damaged: dict[tuple[int, str], CorruptCheckpointError] = {}
-        # compressed pieces being read ahead: (step, file, offset, nbytes) -> (bytes, crc32c)
-        self._ahead: dict[tuple[int, str, int, int], Future[tuple[torch.Tensor, int]]] = {}
 
     def _manifest(self, step: int, top: int, key: str) -> Manifest:
         cached = self._manifests.get(step)
@@ -437,31 +429,6 @@ class _Reader:
                     del decoded[b]
         return decoded[manifest.step]
 
-    def read_ahead(self, manifest: Manifest, entry: TensorEntry) -> None:
-        """Start reading the entry's compressed pieces on the helper thread (its bases' are
-        read when it is fetched); a piece that fails a check is left for ``fetch`` to report."""
-        if not READ_AHEAD or all(p.params is None for p in entry.pieces):
-            return
-        try:
-            self._check(manifest, entry)
-        except CorruptCheckpointError:
-            return
-        for piece in entry.pieces:
-            key = (manifest.step, piece.file, piece.offset, piece.nbytes)
-            if piece.params is not None and key not in self._ahead:
-                self._ahead[key] = _worker("read").submit(self._read_stored, manifest.step, piece)
-
-    def _read_stored(self, step: int, piece: Piece) -> tuple[torch.Tensor, int]:
-        stored = _alloc(piece.nbytes)
-        path = f"{step_dir_name(step)}/{piece.file}"
-        return stored, read_checked(self.storage, path, piece.offset, stored.numpy().data)
-
-    def drop_ahead(self) -> None:
-        """Wait for what is being read ahead and forget it (after a failure)."""
-        ahead, self._ahead = self._ahead, {}
-        for future in ahead.values():
-            future.exception()
-
     def _decode(
         self,
         manifest: Manifest,
@@ -475,20 +442,12 @@ class _Reader:
             # raw pieces are read where they belong; compressed ones (one piece at a time)
             # into a buffer of their stored size, then decoded where they belong
             target = out[piece.start : piece.start + piece.length]
-            ahead = None
-            if piece.params is not None:
-                ahead = self._ahead.pop((step, piece.file, piece.offset, piece.nbytes), None)
+            stored = target if piece.params is None else _alloc(piece.nbytes)
+            view = stored.numpy().data
             try:
-                if ahead is not None:
-                    stored, crc = ahead.result()
-                else:
-                    stored = target if piece.params is None else _alloc(piece.nbytes)
-                    crc = read_checked(
-                        self.storage,
-                        f"{step_dir_name(step)}/{piece.file}",
-                        piece.offset,
-                        stored.numpy().data,
-                    )
+                crc = read_checked(
+                    self.storage, f"{step_dir_name(step)}/{piece.file}", piece.offset, view
+                )
             except StorageError as e:
                 raise CorruptCheckpointError(
                     f"step {step}: cannot read {entry.key!r}: {e}; the checkpoint is incomplete "
@@ -554,20 +513,15 @@ def _values(
 ) -> tuple[list[Any], int]:
     """The entries' values; those in ``fills`` read into their live tensors (the values)."""
     values, nbytes = [], 0
-    try:
-        for i, entry in enumerate(entries):
-            if i + 1 < len(entries):  # its compressed pieces are read while this one decodes
-                reader.read_ahead(manifest, entries[i + 1])
-            fill = fills.get(i)
-            if fill is None or targets is None:
-                values.append(_as_value(entry, reader.fetch(manifest, entry)))
-            else:
-                targets.written.add(fill.path)  # before: a failed read may leave it half written
-                reader.fetch(manifest, entry, out=fill.raw)
-                values.append(fill.tensor)
-            nbytes += entry.nbytes
-    finally:
-        reader.drop_ahead()
+    for i, entry in enumerate(entries):
+        fill = fills.get(i)
+        if fill is None or targets is None:
+            values.append(_as_value(entry, reader.fetch(manifest, entry)))
+        else:
+            targets.written.add(fill.path)  # before: a failed read may leave it half written
+            reader.fetch(manifest, entry, out=fill.raw)
+            values.append(fill.tensor)
+        nbytes += entry.nbytes
     return values, nbytes
 
 
