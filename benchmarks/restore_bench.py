@@ -7,13 +7,14 @@ files after evicting them from the page cache (``posix_fadvise(POSIX_FADV_DONTNE
 file; the page cache cannot be dropped system-wide without root), methods interleaved:
 
 * ``read_limit``: every coci data file read into one buffer allocated and written before, in
-  16 MiB ``readinto`` calls (no checks): the disk.
+  16 MiB ``readinto`` calls, each dropped from the page cache after it (no checks): the disk.
 * ``coci_raw``, ``coci_lossless``: ``CheckpointManager.restore()``, every checksum verified.
 * ``coci_raw_into``, ``coci_lossless_into``: ``restore(into={"model": model})`` into a model
-  allocated (and written) before, read in place, every checksum verified.
-* ``coci_raw_into_inline``: the same, each 16 MiB read checksummed on the reading thread
-  before the next read (no overlap), and ``coci_raw_into_whole``: each piece (62.5 MB here)
-  read in one call, then checksummed: what the overlap and the read size give.
+  allocated (and written) before, read in place in 16 MiB reads, each checksummed after it and
+  dropped from the page cache, every checksum verified.
+* ``coci_raw_into_overlap``: the same with each read's checksum on a helper thread while the
+  next one is read; ``coci_raw_into_cached``: leaving what was read in the page cache;
+  ``coci_raw_into_whole``: each piece (62.5 MB here) read in one call: what each choice gives.
 * ``torch_load``, ``torch_load_mmap``: ``torch.load(weights_only=True)`` (mmap touches every
   page: the tensors are summed, as a resume would read them).
 * ``safetensors``: ``safetensors.torch.load_file``.
@@ -41,6 +42,7 @@ from benchmarks._lib.results import run_recorded
 from benchmarks._lib.timing import med
 from coci_core import CheckpointManager
 from coci_core.engine import restore as restore_module
+from coci_core.storage import local as local_storage
 
 MiB = 1 << 20
 
@@ -120,6 +122,7 @@ def run(size_gb: float, repeats: int, root: Path) -> dict[str, Any]:
                 size = f.stat().st_size
                 for start in range(0, size, 16 * MiB):
                     fh.readinto(buffer[start : min(size, start + 16 * MiB)])
+                    os.posix_fadvise(fh.fileno(), start, 16 * MiB, os.POSIX_FADV_DONTNEED)
 
     def coci(which: str) -> Callable[[], None]:
         def restore() -> None:
@@ -132,17 +135,19 @@ def run(size_gb: float, repeats: int, root: Path) -> dict[str, Any]:
     model = _Model({k: torch.zeros(shape, dtype=dtype) for k, (shape, dtype) in shapes.items()})
 
     def coci_into(
-        which: str, *, chunk: int | None = None, overlap: bool = True
+        which: str, *, chunk: int | None = None, overlap: bool = False, drop: bool = True
     ) -> Callable[[], None]:
         def restore() -> None:
             knobs = restore_module.READ_CHUNK_BYTES, restore_module.OVERLAP_CHECKSUMS
             restore_module.READ_CHUNK_BYTES = chunk or knobs[0]
             restore_module.OVERLAP_CHECKSUMS = overlap
+            local_storage.DROP_READ_PAGES = drop
             try:
                 with CheckpointManager(paths[which]) as mgr:
                     mgr.restore(into={"model": model})
             finally:
                 restore_module.READ_CHUNK_BYTES, restore_module.OVERLAP_CHECKSUMS = knobs
+                local_storage.DROP_READ_PAGES = True
             _touch(dict(model.state_dict()))
 
         return restore
@@ -156,7 +161,8 @@ def run(size_gb: float, repeats: int, root: Path) -> dict[str, Any]:
         "read_limit": (paths["coci_raw"], read_limit),
         "coci_raw": (paths["coci_raw"], coci("coci_raw")),
         "coci_raw_into": (paths["coci_raw"], coci_into("coci_raw")),
-        "coci_raw_into_inline": (paths["coci_raw"], coci_into("coci_raw", overlap=False)),
+        "coci_raw_into_overlap": (paths["coci_raw"], coci_into("coci_raw", overlap=True)),
+        "coci_raw_into_cached": (paths["coci_raw"], coci_into("coci_raw", drop=False)),
         "coci_raw_into_whole": (paths["coci_raw"], coci_into("coci_raw", chunk=1 << 62)),
         "coci_lossless": (paths["coci_lossless"], coci("coci_lossless")),
         "coci_lossless_into": (paths["coci_lossless"], coci_into("coci_lossless")),

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import copy
+import ctypes
+import mmap
 import multiprocessing
+import os
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +14,13 @@ import crc32c
 import pytest
 import torch
 
-from coci_core import CheckpointError, CheckpointManager, CorruptCheckpointError, LocalStorage
+from coci_core import (
+    CheckpointError,
+    CheckpointManager,
+    CorruptCheckpointError,
+    LocalStorage,
+    StorageError,
+)
 from coci_core.engine import restore as restore_module
 from coci_core.engine.manifest import step_dir_name
 
@@ -166,16 +175,18 @@ def _data_file(root: Path, step: int) -> Path:
     return root / step_dir_name(step) / "data-r0.bin"
 
 
-@pytest.mark.parametrize("chunk", [None, 4096])
+@pytest.mark.parametrize(("chunk", "overlap"), [(None, False), (4096, False), (4096, True)])
 def test_a_damaged_step_is_never_restored_in_place(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunk: int | None
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunk: int | None, overlap: bool
 ) -> None:
-    """A flipped byte in the newest step's last array (read last, into the live tensors, in
-    chunks whose checksums are computed on the helper thread with ``chunk``): the restore falls
-    back to the previous step and every tensor holds its values bit for bit; with ``strict``
-    it raises."""
+    """A flipped byte in the newest step's biggest array (read into the live tensors: whole,
+    or in chunks checksummed after each read or on the helper thread): the restore falls back
+    to the previous step and every tensor holds its values bit for bit; with ``strict`` it
+    raises."""
     if chunk is not None:
         monkeypatch.setattr(restore_module, "READ_CHUNK_BYTES", chunk)
+        monkeypatch.setattr(restore_module, "CHUNKED_MIN_BYTES", 1)
+        monkeypatch.setattr(restore_module, "OVERLAP_CHECKSUMS", overlap)
     model, opt = _pair(0)
     _train(model, opt, 2, seed=1)
     with CheckpointManager(tmp_path, compression="none") as mgr:
@@ -232,15 +243,64 @@ def test_chunked_reads_give_the_whole_checksum(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, overlap: bool
 ) -> None:
     """A piece read in chunks, checksummed on the helper thread (or after each read), gives
-    the bytes and the crc32c of one read (an odd length: a short last chunk)."""
+    the bytes and the crc32c of one read: from an unaligned offset to the file's unaligned
+    end, and in the middle; a file too short is an error."""
     monkeypatch.setattr(restore_module, "READ_CHUNK_BYTES", 4096)
     monkeypatch.setattr(restore_module, "OVERLAP_CHECKSUMS", overlap)
+    monkeypatch.setattr(restore_module, "CHUNKED_MIN_BYTES", 1)
     data = torch.randint(0, 256, (3 * 4096 + 1000 + 77,), dtype=torch.uint8).numpy().tobytes()
     (tmp_path / "f").write_bytes(data)
-    out = bytearray(len(data) - 77)
-    crc = restore_module.read_checked(LocalStorage(tmp_path), "f", 77, memoryview(out))
-    assert bytes(out) == data[77:]
-    assert crc == crc32c.crc32c(data[77:])
+    storage = LocalStorage(tmp_path)
+    for start, stop in ((77, len(data)), (4000, 4000 + 2 * 4096 + 5), (0, 100)):
+        out = bytearray(stop - start)
+        crc = restore_module.read_checked(storage, "f", start, memoryview(out))
+        assert bytes(out) == data[start:stop]
+        assert crc == crc32c.crc32c(data[start:stop])
+    with pytest.raises(StorageError, match="shorter"):
+        restore_module.read_checked(storage, "f", 77, memoryview(bytearray(len(data))))
+
+
+def _cached_pages(path: Path) -> int:
+    """How many of the file's pages are in the page cache (mincore of a private mapping,
+    whose pages are the file's until written)."""
+    size = path.stat().st_size
+    vec = (ctypes.c_ubyte * -(-size // mmap.PAGESIZE))()
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) as m:
+        start = ctypes.c_char.from_buffer(m)
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            done = libc.mincore(ctypes.c_void_p(ctypes.addressof(start)), size, vec)
+            assert done == 0, ctypes.get_errno()
+        finally:
+            del start
+    return sum(v & 1 for v in vec)
+
+
+def _drop_cache(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def test_a_chunked_read_leaves_the_page_cache_alone(tmp_path: Path) -> None:
+    """A large piece read from local storage does not stay in the page cache (a plain read
+    does): a restore does not evict what training keeps cached."""
+    data = torch.randint(0, 256, (8 << 20,), dtype=torch.uint8).numpy().tobytes()
+    path = tmp_path / "f"
+    with open(path, "wb") as f:
+        f.write(data)
+        os.fsync(f.fileno())
+    storage = LocalStorage(tmp_path)
+    _drop_cache(path)
+    assert _cached_pages(path) == 0
+    storage.read_into("f", 0, memoryview(bytearray(len(data))))
+    assert _cached_pages(path) == len(data) // mmap.PAGESIZE  # the control: a plain read
+    out = bytearray(len(data))
+    crc = restore_module.read_checked(storage, "f", 0, memoryview(out))
+    assert crc == crc32c.crc32c(data) and bytes(out) == data
+    assert _cached_pages(path) == 0
 
 
 def _read_crc(root: str, n: int) -> int:
@@ -252,6 +312,8 @@ def test_a_forked_child_reads_in_chunks(tmp_path: Path, monkeypatch: pytest.Monk
     """A process forked after a chunked read (the parent's checksum thread started) reads in
     chunks too: it starts a checksum thread of its own instead of waiting for the parent's."""
     monkeypatch.setattr(restore_module, "READ_CHUNK_BYTES", 4096)
+    monkeypatch.setattr(restore_module, "CHUNKED_MIN_BYTES", 1)
+    monkeypatch.setattr(restore_module, "OVERLAP_CHECKSUMS", True)
     data = torch.randint(0, 256, (5 * 4096,), dtype=torch.uint8).numpy().tobytes()
     (tmp_path / "f").write_bytes(data)
     assert _read_crc(str(tmp_path), len(data)) == crc32c.crc32c(data)

@@ -64,9 +64,13 @@ ZSTD_MAX_RATIO = 32768
 # A stored piece larger than this is read from local storage in reads of this size, the
 # checksum of each computed on a helper thread while the next one is read.
 READ_CHUNK_BYTES = 16 << 20
-# False: each chunk's checksum is computed after its read, on the reading thread (measured by
-# benchmarks/restore_bench.py against the overlap).
-OVERLAP_CHECKSUMS = True
+# Pieces from this size on are read from local storage in chunks whose pages are then dropped
+# from the page cache (smaller ones are read whole and left there).
+CHUNKED_MIN_BYTES = 1 << 20
+# True: each chunk's checksum is computed on a helper thread while the next chunk is read.
+# Off: on a 2-core machine whose cores were busy, the checksum right after each read (its bytes
+# still in the CPU's cache) was as fast or faster (benchmarks/restore_bench.py measures both).
+OVERLAP_CHECKSUMS = False
 
 _crc_lock = threading.Lock()
 _crc_pool: ThreadPoolExecutor | None = None
@@ -103,18 +107,17 @@ class _Crc:
 def read_checked(storage: Storage, path: str, offset: int, view: memoryview) -> int:
     """Fill ``view`` from ``path`` at ``offset``; return the crc32c of what was read.
 
-    From local storage, a large piece is read in :data:`READ_CHUNK_BYTES` reads, the checksum
-    of each overlapping the next read (both release the GIL)."""
-    if len(view) <= READ_CHUNK_BYTES or not isinstance(storage, LocalStorage):
+    From local storage, a piece of :data:`CHUNKED_MIN_BYTES` or more is read in
+    :data:`READ_CHUNK_BYTES` reads (see :meth:`LocalStorage.read_chunks`), each checksummed
+    after it (or, with :data:`OVERLAP_CHECKSUMS`, while the next one is read)."""
+    if not isinstance(storage, LocalStorage) or len(view) < CHUNKED_MIN_BYTES:
         storage.read_into(path, offset, view)
         return int(crc32c.crc32c(view))
     crc = _Crc()
     worker = _crc_worker() if OVERLAP_CHECKSUMS else None
     last: Future[None] | None = None
     try:
-        for start in range(0, len(view), READ_CHUNK_BYTES):
-            chunk = view[start : start + READ_CHUNK_BYTES]
-            storage.read_into(path, offset + start, chunk)
+        for chunk in storage.read_chunks(path, offset, view, READ_CHUNK_BYTES):
             if worker is None:
                 crc.add(chunk)
             else:
