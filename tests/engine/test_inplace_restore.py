@@ -321,3 +321,27 @@ def test_a_forked_child_reads_in_chunks(tmp_path: Path, monkeypatch: pytest.Monk
         assert pool.apply_async(_read_crc, (str(tmp_path), len(data))).get(60) == crc32c.crc32c(
             data
         )
+
+
+class _Flipping(LocalStorage):
+    """Local storage whose reads flip the first byte they return (a faulty device)."""
+
+    def read_into(self, path: str, offset: int, out: memoryview) -> None:
+        super().read_into(path, offset, out)
+        view = out.cast("B")
+        view[0] ^= 1
+
+
+def test_a_storage_that_overrides_read_into_is_read_through_it(tmp_path: Path) -> None:
+    """A LocalStorage subclass's own read_into reads every piece, large ones too (not the
+    chunked reader that bypasses it): its damage is found."""
+    big = torch.randn(1 << 19)  # 2 MiB: read in chunks from plain local storage
+    with CheckpointManager(tmp_path, compression="none") as mgr:
+        mgr.save(1, {"w": big}).wait()
+    with CheckpointManager(LocalStorage(tmp_path)) as mgr:
+        assert torch.equal(mgr.restore()["w"], big)
+    with (
+        CheckpointManager(_Flipping(tmp_path)) as mgr,
+        pytest.raises(CorruptCheckpointError, match="checksum"),
+    ):
+        mgr.restore(step=1)

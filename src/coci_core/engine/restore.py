@@ -107,12 +107,21 @@ class _Crc:
 def read_checked(storage: Storage, path: str, offset: int, view: memoryview) -> int:
     """Fill ``view`` from ``path`` at ``offset``; return the crc32c of what was read.
 
-    From local storage, a piece of :data:`CHUNKED_MIN_BYTES` or more is read in
-    :data:`READ_CHUNK_BYTES` reads (see :meth:`LocalStorage.read_chunks`), each checksummed
-    after it (or, with :data:`OVERLAP_CHECKSUMS`, while the next one is read)."""
-    if not isinstance(storage, LocalStorage) or len(view) < CHUNKED_MIN_BYTES:
-        storage.read_into(path, offset, view)
-        return int(crc32c.crc32c(view))
+    From local storage (whose ``read_into`` is not overridden), a piece of
+    :data:`CHUNKED_MIN_BYTES` or more is read in :data:`READ_CHUNK_BYTES` reads (see
+    :meth:`LocalStorage.read_chunks`), each checksummed after it (or, with
+    :data:`OVERLAP_CHECKSUMS`, while the next one is read)."""
+    if (
+        isinstance(storage, LocalStorage)
+        and type(storage).read_into is LocalStorage.read_into
+        and len(view) >= CHUNKED_MIN_BYTES
+    ):
+        return _read_chunked(storage, path, offset, view)
+    storage.read_into(path, offset, view)
+    return int(crc32c.crc32c(view))
+
+
+def _read_chunked(storage: LocalStorage, path: str, offset: int, view: memoryview) -> int:
     crc = _Crc()
     worker = _crc_worker() if OVERLAP_CHECKSUMS else None
     last: Future[None] | None = None
