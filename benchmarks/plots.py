@@ -181,7 +181,7 @@ def restore(results: dict[str, Any]) -> Figure:
     samples = results["samples"]
     names = list(samples)
     rows = [[float(np.median(samples[n])), min(samples[n]), max(samples[n])] for n in names]
-    fig, ax = plt.subplots(figsize=(7.0, 3.2))
+    fig, ax = plt.subplots(figsize=(7.0, 1.0 + 0.3 * len(names)))
     colors = ["tab:green" if n.startswith("coci") else "tab:gray" for n in names]
     ax.barh(
         range(len(names)), [r[0] for r in rows], xerr=_error_bars(rows), color=colors, capsize=3

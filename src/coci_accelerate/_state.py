@@ -18,8 +18,10 @@ from typing import Any
 import numpy as np
 import torch
 from accelerate import Accelerator
+from accelerate.utils import DistributedType
 
 from coci_core.errors import CheckpointError
+from coci_core.training import InPlaceTargets
 
 LAYOUT = "coci.accelerate/1"
 PROCESS_KEY = "coci_process"
@@ -135,6 +137,22 @@ def run_save_hooks(accelerator: Accelerator, state: dict[str, Any], output_dir: 
     change or remove entries of the model state dicts to save (``state["models"]``)."""
     for hook in accelerator._save_model_state_pre_hook.values():
         hook(list(accelerator._models), state["models"], output_dir)
+
+
+def live_targets(accelerator: Accelerator) -> InPlaceTargets | None:
+    """The prepared models' and optimizers' own tensors, for a resume to fill in place (see
+    :meth:`CheckpointManager.restore`): None when a model's state is not its ``state_dict()``
+    (DeepSpeed, FSDP) or when load hooks may leave models out of the loading."""
+    acc = accelerator
+    if acc.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
+        return None
+    if acc._load_model_state_pre_hook:
+        return None
+    live = {
+        "models": [m.state_dict() for m in acc._models],
+        "optimizers": [opt.state_dict() for opt in acc._optimizers],
+    }
+    return InPlaceTargets(live, replaced=[("optimizers",)])
 
 
 def _check_fits(accelerator: Accelerator, state: dict[str, Any], models: list[Any]) -> None:

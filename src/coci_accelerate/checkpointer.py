@@ -341,7 +341,8 @@ class CociCheckpointer:
         self._hook_optimizers()
         _state.own_loader_generators(self.accelerator)
         try:
-            state = self.checkpointer.restore()
+            # the models' and optimizers' tensors are read in place: no second copy of them
+            state = self.checkpointer.restore(targets=_state.live_targets(self.accelerator))
         except NoCheckpointError:
             logger.info("coci: no committed checkpoint in %s; starting fresh", self.dirpath)
             return 0

@@ -39,6 +39,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from coci_core.telemetry import RestoreEvent
 from coci_core.training import (
     MANIFEST_NAME,
+    InPlaceTargets,
     LoadedCheckpoint,
     open_storage,
     parse_step_dir,
@@ -94,6 +95,9 @@ class CociCheckpointIO(CheckpointIO):
         # the remote tier's URL and options, for a resume from it (set by the callback)
         self.remote: str | None = None
         self.remote_storage_options: dict[str, Any] = {}
+        # the live state a resume reads into in place ({"state_dict": the module's}; set by
+        # the callback): Lightning loads the module from the checkpoint's "state_dict" later
+        self.live_state: Callable[[], Mapping[str, Any]] | None = None
 
     def options_for(self, path: Any) -> dict[str, Any]:
         """The fsspec options of the tier that ``path`` is in."""
@@ -115,10 +119,14 @@ class CociCheckpointIO(CheckpointIO):
             )
         root, step = found
         storage = open_storage(str(root), **options)
+        live = getattr(self, "live_state", None)
+        targets = InPlaceTargets(live()) if live is not None else None
         if getattr(self, "fallback_for", None) == str(path):  # "last": fall back past damage
-            loaded, event = restore_newest(storage, start_at=step, rank=self.rank)
+            loaded, event = restore_newest(storage, start_at=step, rank=self.rank, targets=targets)
         else:
-            loaded, event = restore_newest(storage, step, rank=self.rank)
+            loaded, event = restore_newest(storage, step, rank=self.rank, targets=targets)
+        if targets is not None:
+            targets.check(loaded.step)
         if self.on_restore is not None:
             self.on_restore(loaded, event)
         logger.info("coci: Lightning restores step %d from %s", loaded.step, root)

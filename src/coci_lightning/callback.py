@@ -238,6 +238,11 @@ class CociCheckpoint(Checkpoint):
         io.storage_options = self.storage_options
         io.remote = self.options.remote
         io.remote_storage_options = dict(self.options.remote_storage_options)
+        # a resume reads the module's tensors in place (no second copy of them); Lightning
+        # creates the optimizers after it reads the checkpoint, and they adopt its tensors.
+        # Not when the module's on_load_checkpoint may change what it loads (keep a weight).
+        own_hook = type(pl_module).on_load_checkpoint is not pl.LightningModule.on_load_checkpoint
+        io.live_state = None if own_hook else lambda: {"state_dict": pl_module.state_dict()}
         if stage != "fit":
             return
         options = self.options

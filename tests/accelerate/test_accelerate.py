@@ -22,7 +22,7 @@ from coci_accelerate import _state as accelerate_state
 from coci_core import CheckpointError, CheckpointManager, CociError
 from coci_core.telemetry import read_jsonl
 from coci_core.telemetry.timeline import find_runs
-from tests.accelerate.loop import train
+from tests.accelerate.loop import digits, train
 from tests.harness.results import result_rows
 
 BATCH = 16
@@ -348,3 +348,46 @@ def test_resume_from_an_epochs_last_batch_is_bit_exact(tmp_path: Path) -> None:
     assert resumed["start"] == 32
     assert resumed["digest"] == reference["digest"]
     assert resumed["seen"] == reference["seen"][32 * BATCH :]
+
+
+def test_resume_reads_into_the_prepared_tensors(tmp_path: Path) -> None:
+    """resume() fills the prepared model's and optimizer's own tensors (an optimizer that has
+    already stepped keeps its moment tensors), bit for bit the checkpoint's values."""
+    AcceleratorState._reset_state(True)
+    train(str(tmp_path), 10)  # saves at 5 and 10
+    AcceleratorState._reset_state(True)
+    accelerator = Accelerator(
+        cpu=True,
+        project_dir=str(tmp_path),
+        dataloader_config=DataLoaderConfiguration(
+            use_seedable_sampler=True, use_stateful_dataloader=True
+        ),
+    )
+    model = torch.nn.Sequential(  # what train() prepares
+        torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(64, 10)
+    )
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=20, gamma=0.5)
+    loader = torch.utils.data.DataLoader(digits(), batch_size=BATCH, shuffle=True)
+    model, optimizer, _, _ = accelerator.prepare(model, optimizer, loader, scheduler)
+    accelerator.backward(model(torch.randn(4, 64)).sum())
+    optimizer.step()  # the optimizer has its state: resume must fill, not replace, it
+    optimizer.zero_grad()
+    live = [*model.state_dict().values()]
+    live += [t for s in optimizer.optimizer.state.values() for t in s.values()]
+    ptrs = [t.data_ptr() for t in live]
+    ckpt = CociCheckpointer(accelerator, policy="every_n_steps", every_n_steps=5)
+    try:
+        assert ckpt.resume() == 10
+        with CheckpointManager(ckpt.dirpath) as mgr:
+            saved = mgr.restore(step=10)
+    finally:
+        ckpt.close()
+    now = [*model.state_dict().values()]
+    now += [t for s in optimizer.optimizer.state.values() for t in s.values()]
+    assert [t.data_ptr() for t in now] == ptrs
+    for k, t in model.state_dict().items():
+        assert torch.equal(t, saved["models"][0][k])
+    for i, s in optimizer.optimizer.state_dict()["state"].items():
+        for k, t in s.items():
+            assert torch.equal(t, saved["optimizers"][0]["state"][i][k])

@@ -77,6 +77,60 @@ def test_interrupted_run_resumes_bit_exact_and_exactly_once(
     assert sorted(epoch2) == list(range(256))
 
 
+class _LoadedInPlace(pl.Callback):
+    """Records whether the checkpoint Lightning loads holds the module's own tensors."""
+
+    def __init__(self) -> None:
+        self.same: list[bool] = []
+
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        live = pl_module.state_dict()
+        self.same = [
+            t.data_ptr() == live[k].data_ptr() for k, t in checkpoint["state_dict"].items()
+        ]
+
+
+def test_resume_reads_the_module_in_place(tmp_path: Path, reference: DigitsModel) -> None:
+    """A resume reads the module's tensors straight into it (the checkpoint Lightning gets
+    holds them: no second copy) and still ends bit-identical."""
+    _fit(tmp_path, 23, [CociCheckpoint(policy="every_n_steps", every_n_steps=5)])
+    probe = _LoadedInPlace()
+    resumed = _fit(
+        tmp_path,
+        40,
+        [CociCheckpoint(policy="every_n_steps", every_n_steps=5), probe],
+        seed=99,
+        ckpt_path="last",
+    )
+    assert probe.same and all(probe.same)
+    assert digest(resumed) == digest(reference)
+
+
+class _KeepsHead(DigitsModel):
+    """Keeps its own output layer when it loads a checkpoint (as for fine-tuning)."""
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["state_dict"]["net.3.weight"] = self.net[3].weight.detach().clone()
+
+
+def test_a_module_that_changes_what_it_loads_is_not_filled_in_place(tmp_path: Path) -> None:
+    """A LightningModule whose on_load_checkpoint replaces a weight gets the weight it chose:
+    its tensors are not overwritten before the hook runs."""
+    _fit(tmp_path, 10, [CociCheckpoint(policy="every_n_steps", every_n_steps=5)])
+    with CheckpointManager(tmp_path / "coci") as mgr:
+        saved = mgr.restore(step=10)["state_dict"]
+    pl.seed_everything(7, verbose=False)
+    model = _KeepsHead()
+    head = model.net[3].weight.detach().clone()
+    assert not torch.equal(head, saved["net.3.weight"])
+    callback = CociCheckpoint(policy="every_n_steps", every_n_steps=5, save_on_train_end=False)
+    _trainer(tmp_path, 10, [callback]).fit(model, ckpt_path="last")  # nothing left to train
+    assert torch.equal(model.net[3].weight, head)
+    assert torch.equal(model.net[0].weight, saved["net.0.weight"])
+
+
 def test_lossless_compression_resumes_bit_exact(tmp_path: Path, reference: DigitsModel) -> None:
     """With compression="lossless" the saves are XOR deltas against a base that retention
     keeps, and the resume is still bit-exact."""

@@ -16,6 +16,7 @@ from typing import Any, Literal
 from coci_core.engine import retention
 from coci_core.engine.compress import CompressionPolicy, PieceEncoder, check_policy
 from coci_core.engine.group import RankGroup
+from coci_core.engine.inplace import InPlaceTargets, in_place_targets
 from coci_core.engine.lease import Lease, acquire_lease
 from coci_core.engine.manifest import MANIFEST_NAME, Manifest, step_dir_name
 from coci_core.engine.partition import DEFAULT_CHUNK_BYTES, Share, partition
@@ -750,6 +751,7 @@ class CheckpointManager:
         into: Mapping[str, Stateful] | None = None,
         strict: bool | None = None,
         rank: int | None = None,
+        targets: InPlaceTargets | None = None,
     ) -> dict[str, Any]:
         """Read, verify and return a committed state (tensors on CPU).
 
@@ -764,6 +766,14 @@ class CheckpointManager:
         objects whose ``load_state_dict`` receives them. The restored step is in
         ``last_restore.step``.
 
+        Modules and torch optimizers in ``into`` are filled in place: each stored tensor whose
+        live counterpart (in their ``state_dict()``) is a contiguous CPU tensor of the same
+        dtype and shape is read straight into it and verified there, so the restore needs no
+        second copy of them; the returned state then holds those live tensors. A restore that
+        raises may have left them partly overwritten. ``targets`` (instead of what ``into``
+        gives) names live tensors of any layout to fill in place, for a caller that loads the
+        state itself (see :class:`~coci_core.engine.inplace.InPlaceTargets`).
+
         Raises:
             NoCheckpointError: nothing is committed (or not ``step``).
             CorruptCheckpointError: the requested (or, with ``strict``, the newest) checkpoint
@@ -771,6 +781,8 @@ class CheckpointManager:
         """
         self.wait()
         failure: CheckpointError | None = None
+        if targets is None and into is not None:
+            targets = in_place_targets(into)
         for tier, storage in self._tiers_to_restore_from(step):
             try:
                 loaded, event = restore_newest(
@@ -778,6 +790,7 @@ class CheckpointManager:
                     step,
                     rank=self.group.rank if rank is None else rank,
                     strict=self.strict if strict is None else strict,
+                    targets=targets,
                 )
             except (NoCheckpointError, CorruptCheckpointError) as e:
                 if failure is None or isinstance(failure, NoCheckpointError):
@@ -788,6 +801,8 @@ class CheckpointManager:
         else:
             assert failure is not None
             raise failure
+        if targets is not None:
+            targets.check(loaded.step)
         if into is not None:
             _load_into(loaded.state, into)
         self.run_id = loaded.manifest.run  # later saves continue the restored run

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import heapq
 import logging
+import os
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +17,7 @@ import crc32c
 import torch
 
 from coci_core.codecs import decode, needs_base
+from coci_core.engine.inplace import Fill, InPlaceTargets
 from coci_core.engine.manifest import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
@@ -29,7 +33,7 @@ from coci_core.errors import (
     NoCheckpointError,
     StorageError,
 )
-from coci_core.storage import Storage
+from coci_core.storage import LocalStorage, Storage
 from coci_core.telemetry.events import RestoreEvent
 
 __all__ = [
@@ -57,6 +61,80 @@ MAX_DELTA_CHAIN = 64
 # the byte): a piece decoded without a base holds at most this many times its stored bytes.
 # (Measured: 128 MiB of zeros compress 32585x.) A delta piece is bounded by its base instead.
 ZSTD_MAX_RATIO = 32768
+# A stored piece larger than this is read from local storage in reads of this size, the
+# checksum of each computed on a helper thread while the next one is read.
+READ_CHUNK_BYTES = 16 << 20
+# Pieces from this size on are read from local storage in chunks whose pages are then dropped
+# from the page cache (smaller ones are read whole and left there).
+CHUNKED_MIN_BYTES = 1 << 20
+# True: each chunk's checksum is computed on a helper thread while the next chunk is read.
+# Off: on a 2-core machine whose cores were busy, the checksum right after each read (its bytes
+# still in the CPU's cache) was as fast or faster (benchmarks/restore_bench.py measures both).
+OVERLAP_CHECKSUMS = False
+
+_crc_lock = threading.Lock()
+_crc_pool: ThreadPoolExecutor | None = None
+
+
+def _crc_worker() -> ThreadPoolExecutor:
+    """The one thread that checksums what restores read (in the order given)."""
+    global _crc_pool
+    with _crc_lock:
+        if _crc_pool is None:
+            _crc_pool = ThreadPoolExecutor(1, thread_name_prefix="coci-restore-crc")
+        return _crc_pool
+
+
+def _forget_worker() -> None:
+    """In a forked child: the parent's thread is not there (a new one starts when needed)."""
+    global _crc_lock, _crc_pool
+    _crc_lock, _crc_pool = threading.Lock(), None
+
+
+os.register_at_fork(after_in_child=_forget_worker)
+
+
+class _Crc:
+    """A crc32c computed over consecutive chunks (each added after the one before it)."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def add(self, chunk: memoryview) -> None:
+        self.value = crc32c.crc32c(chunk, self.value)
+
+
+def read_checked(storage: Storage, path: str, offset: int, view: memoryview) -> int:
+    """Fill ``view`` from ``path`` at ``offset``; return the crc32c of what was read.
+
+    From local storage (whose ``read_into`` is not overridden), a piece of
+    :data:`CHUNKED_MIN_BYTES` or more is read in :data:`READ_CHUNK_BYTES` reads (see
+    :meth:`LocalStorage.read_chunks`), each checksummed after it (or, with
+    :data:`OVERLAP_CHECKSUMS`, while the next one is read)."""
+    if (
+        isinstance(storage, LocalStorage)
+        and type(storage).read_into is LocalStorage.read_into
+        and len(view) >= CHUNKED_MIN_BYTES
+    ):
+        return _read_chunked(storage, path, offset, view)
+    storage.read_into(path, offset, view)
+    return int(crc32c.crc32c(view))
+
+
+def _read_chunked(storage: LocalStorage, path: str, offset: int, view: memoryview) -> int:
+    crc = _Crc()
+    worker = _crc_worker() if OVERLAP_CHECKSUMS else None
+    last: Future[None] | None = None
+    try:
+        for chunk in storage.read_chunks(path, offset, view, READ_CHUNK_BYTES):
+            if worker is None:
+                crc.add(chunk)
+            else:
+                last = worker.submit(crc.add, chunk)
+    finally:
+        if last is not None:
+            last.result()  # the chunks before it ran first (one thread, in order)
+    return crc.value
 
 
 def committed_steps(storage: Storage) -> list[int]:
@@ -323,9 +401,12 @@ class _Reader:
                         )
         return [(nodes[s][0], nodes[s][1], bases_of[s]) for s in sorted(nodes)]
 
-    def fetch(self, manifest: Manifest, entry: TensorEntry) -> torch.Tensor:
+    def fetch(
+        self, manifest: Manifest, entry: TensorEntry, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The entry's raw bytes as a uint8 tensor, assembled from its pieces (decoded, through
-        their bases), every checksum verified."""
+        their bases), every checksum verified: in ``out`` (of ``entry.raw_nbytes``) if given.
+        When this raises, ``out`` may have been partly written."""
         if len(manifest.bases) >= MAX_DELTA_CHAIN:
             raise CorruptCheckpointError(
                 f"step {manifest.step} lists {len(manifest.bases)} bases; a chain of deltas is "
@@ -342,7 +423,8 @@ class _Reader:
         decoded: dict[int, torch.Tensor] = {}
         for m, e, bases in plan:
             try:
-                decoded[m.step] = self._decode(m, e, decoded)
+                top = m.step == manifest.step
+                decoded[m.step] = self._decode(m, e, decoded, out if top else None)
             except CorruptCheckpointError as err:
                 if m.step == manifest.step:
                     raise
@@ -360,16 +442,24 @@ class _Reader:
         return decoded[manifest.step]
 
     def _decode(
-        self, manifest: Manifest, entry: TensorEntry, bases: dict[int, torch.Tensor]
+        self,
+        manifest: Manifest,
+        entry: TensorEntry,
+        bases: dict[int, torch.Tensor],
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         step = manifest.step
-        out = _alloc(entry.raw_nbytes)
+        out = _alloc(entry.raw_nbytes) if out is None else out
         for piece in entry.pieces:
+            # raw pieces are read where they belong; compressed ones (one piece at a time)
+            # into a buffer of their stored size, then decoded where they belong
             target = out[piece.start : piece.start + piece.length]
             stored = target if piece.params is None else _alloc(piece.nbytes)
             view = stored.numpy().data
             try:
-                self.storage.read_into(f"{step_dir_name(step)}/{piece.file}", piece.offset, view)
+                crc = read_checked(
+                    self.storage, f"{step_dir_name(step)}/{piece.file}", piece.offset, view
+                )
             except StorageError as e:
                 raise CorruptCheckpointError(
                     f"step {step}: cannot read {entry.key!r}: {e}; the checkpoint is incomplete "
@@ -377,7 +467,7 @@ class _Reader:
                     step=step,
                     bad=[entry.key],
                 ) from e
-            if crc32c.crc32c(view) != piece.crc32c:
+            if crc != piece.crc32c:
                 raise CorruptCheckpointError(
                     f"step {step}: checksum mismatch in {entry.key!r} (bytes "
                     f"{piece.start}-{piece.start + piece.length} in {piece.file})",
@@ -426,10 +516,23 @@ class LoadedCheckpoint:
     rank_state_restored: bool = True
 
 
-def _values(reader: _Reader, manifest: Manifest, entries: Any) -> tuple[list[Any], int]:
+def _values(
+    reader: _Reader,
+    manifest: Manifest,
+    entries: Any,
+    fills: dict[int, Fill],
+    targets: InPlaceTargets | None,
+) -> tuple[list[Any], int]:
+    """The entries' values; those in ``fills`` read into their live tensors (the values)."""
     values, nbytes = [], 0
-    for entry in entries:
-        values.append(_as_value(entry, reader.fetch(manifest, entry)))
+    for i, entry in enumerate(entries):
+        fill = fills.get(i)
+        if fill is None or targets is None:
+            values.append(_as_value(entry, reader.fetch(manifest, entry)))
+        else:
+            targets.written.add(fill.path)  # before: a failed read may leave it half written
+            reader.fetch(manifest, entry, out=fill.raw)
+            values.append(fill.tensor)
         nbytes += entry.nbytes
     return values, nbytes
 
@@ -454,10 +557,18 @@ class RestoreCache:
 
 
 def load_checkpoint(
-    storage: Storage, step: int, *, rank: int = 0, cache: RestoreCache | None = None
+    storage: Storage,
+    step: int,
+    *,
+    rank: int = 0,
+    cache: RestoreCache | None = None,
+    targets: InPlaceTargets | None = None,
 ) -> LoadedCheckpoint:
     """Read, verify and rebuild the state of ``step`` (tensors on CPU), with the per-rank
     state that rank ``rank`` saved merged in (when the checkpoint has that rank).
+
+    With ``targets``, the arrays that fit a live tensor at the same path are read into it, and
+    the state holds that tensor; if this raises, those tensors may be partly overwritten.
 
     Raises:
         NoCheckpointError: ``step`` is not committed.
@@ -466,24 +577,30 @@ def load_checkpoint(
     """
     reader = cache._reader if cache is not None and cache.storage is storage else None
     try:
-        return _load(storage, step, rank, reader or _Reader(storage))
+        return _load(storage, step, rank, reader or _Reader(storage), targets)
     except CheckpointError:
         raise
     except Exception as e:
         raise _unexpected(step, e) from e
 
 
-def _load(storage: Storage, step: int, rank: int, reader: _Reader) -> LoadedCheckpoint:
+def _load(
+    storage: Storage, step: int, rank: int, reader: _Reader, targets: InPlaceTargets | None
+) -> LoadedCheckpoint:
     manifest = read_manifest(storage, step)
-    values, bytes_read = _values(reader, manifest, manifest.tensors)
+    has_rank_state = any(r.tree is not None for r in manifest.per_rank)
+    own = manifest.per_rank[rank] if has_rank_state and rank < len(manifest.per_rank) else None
+    trees = [(manifest.tree, manifest.tensors)]
+    if own is not None:
+        trees.append((own.tree, own.tensors))
+    fills = targets.plan(trees) if targets is not None else [{} for _ in trees]
+    values, bytes_read = _values(reader, manifest, manifest.tensors, fills[0], targets)
     state = unflatten_state(manifest.tree, values)
     if not isinstance(state, dict):
         raise CorruptCheckpointError(f"step {step}: the state is not a mapping", step=step)
-    has_rank_state = any(r.tree is not None for r in manifest.per_rank)
     restored = not has_rank_state
-    if has_rank_state and rank < len(manifest.per_rank):
-        own = manifest.per_rank[rank]
-        own_values, n = _values(reader, manifest, own.tensors)
+    if own is not None:
+        own_values, n = _values(reader, manifest, own.tensors, fills[1], targets)
         bytes_read += n
         own_state = unflatten_state(own.tree, own_values)
         if not isinstance(own_state, dict):
@@ -565,11 +682,13 @@ def restore_newest(
     start_at: int | None = None,
     rank: int = 0,
     strict: bool = False,
+    targets: InPlaceTargets | None = None,
 ) -> tuple[LoadedCheckpoint, RestoreEvent]:
     """Restore ``step``, or without it the newest checkpoint of the newest run (from
     ``start_at`` on, in that order, when given), falling back past damaged ones unless
     ``strict``: the one restore path that every caller (the manager, the Lightning adapter)
-    uses, returning the event to report.
+    uses, returning the event to report. ``targets``: live tensors to fill in place (see
+    :func:`load_checkpoint`; call ``targets.check`` once a step is restored).
 
     Raises:
         NoCheckpointError: nothing is committed (or not ``step``).
@@ -590,7 +709,7 @@ def restore_newest(
     cache = RestoreCache(storage)  # a base found damaged is not decoded again
     for candidate in candidates:
         try:
-            loaded = load_checkpoint(storage, candidate, rank=rank, cache=cache)
+            loaded = load_checkpoint(storage, candidate, rank=rank, cache=cache, targets=targets)
             break
         except NoCheckpointError:
             if step is not None:

@@ -8,7 +8,7 @@ import os
 import shutil
 import stat
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from coci_core.errors import StorageError
@@ -17,6 +17,8 @@ from coci_core.knobs import SYNC_EVERY_BYTES
 __all__ = ["LocalStorage", "open_regular"]
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
+# read_chunks drops what it read from the page cache (False: benchmarks/restore_bench.py)
+DROP_READ_PAGES = True
 
 
 class LocalStorage:
@@ -133,6 +135,40 @@ class LocalStorage:
         except (OSError, ValueError, OverflowError) as e:
             raise StorageError.wrap(f"cannot read {target}: {e}", e) from e
 
+    def read_chunks(
+        self, path: str, offset: int, out: memoryview, chunk_bytes: int
+    ) -> Iterator[memoryview]:
+        """Fill ``out`` from the file's byte ``offset`` in reads of ``chunk_bytes``, yielding
+        each part of ``out`` once it is filled (to checksum it while the next one is read).
+
+        The pages of each part are dropped from the page cache once read
+        (``POSIX_FADV_DONTNEED``): a restore does not fill the cache with a checkpoint it reads
+        once, evicting what training reads (measured faster than keeping them, and than
+        ``O_DIRECT``; see docs/benchmarks.md)."""
+        target = self._path(path)
+        view = out.cast("B")
+        try:
+            fd = open_regular(target)
+            try:
+                size = os.fstat(fd).st_size
+                if offset + len(view) > size:
+                    raise StorageError(
+                        f"{target} is shorter than expected: needed {len(view)} bytes at "
+                        f"offset {offset}, it has {size}"
+                    )
+                for start in range(0, len(view), chunk_bytes):
+                    part = view[start : start + chunk_bytes]
+                    _read_exactly(fd, offset + start, part, target)
+                    if DROP_READ_PAGES:
+                        os.posix_fadvise(fd, offset + start, len(part), os.POSIX_FADV_DONTNEED)
+                    yield part
+            finally:
+                os.close(fd)
+        except StorageError:
+            raise
+        except (OSError, ValueError, OverflowError) as e:
+            raise StorageError.wrap(f"cannot read {target}: {e}", e) from e
+
     def remove_dir(self, path: str) -> None:
         shutil.rmtree(self._path(path), ignore_errors=True)
 
@@ -213,6 +249,18 @@ def open_regular(target: str | os.PathLike[str], *, follow_links: bool = True) -
         os.close(fd)
         raise
     return fd
+
+
+def _read_exactly(fd: int, offset: int, out: memoryview, target: Path) -> None:
+    got = 0
+    while got < len(out):
+        n = os.preadv(fd, [out[got:]], offset + got)
+        if not n:
+            raise StorageError(
+                f"{target} is shorter than expected: ended at {offset + got}, needed "
+                f"{len(out) - got} more bytes"
+            )
+        got += n
 
 
 def _write_all(fd: int, chunk: memoryview) -> int:

@@ -5,6 +5,7 @@ names an adapter needs to find and read checkpoints (Lightning restores through 
 
 from coci_core.engine.compress import check_policy
 from coci_core.engine.group import RankGroup
+from coci_core.engine.inplace import InPlaceTargets
 from coci_core.engine.manager import SaveHandle
 from coci_core.engine.manifest import MANIFEST_NAME, parse_step_dir, step_dir_name
 from coci_core.engine.restore import LoadedCheckpoint, newest_first, restore_newest
@@ -22,6 +23,7 @@ __all__ = [
     "MANIFEST_NAME",
     "CheckpointOptions",
     "Checkpointer",
+    "InPlaceTargets",
     "LoadedCheckpoint",
     "RankGroup",
     "SaveHandle",

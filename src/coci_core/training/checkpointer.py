@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal
 
+from coci_core.engine.inplace import InPlaceTargets
 from coci_core.engine.manager import CheckpointManager, SaveHandle
 from coci_core.engine.persist import LatestOnlyWorker
 from coci_core.engine.stateful import Stateful
@@ -367,10 +368,14 @@ class Checkpointer:
         return self.manager.latest_step()
 
     def restore(
-        self, step: int | None = None, *, into: Mapping[str, Stateful] | None = None
+        self,
+        step: int | None = None,
+        *,
+        into: Mapping[str, Stateful] | None = None,
+        targets: InPlaceTargets | None = None,
     ) -> dict[str, Any]:
         """Restore (see :meth:`CheckpointManager.restore`) and tell the planner what it cost."""
-        state = self.manager.restore(step, into=into)
+        state = self.manager.restore(step, into=into, targets=targets)
         event: RestoreEvent | None = self.manager.last_restore  # reported by the manager
         if event is not None:
             self.resumed_from = event.step

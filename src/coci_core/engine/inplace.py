@@ -1,0 +1,218 @@
+"""Restore into the caller's tensors: which stored arrays can be read straight into which live
+tensors (``restore(into=...)``), and what a failed attempt may have overwritten.
+
+A stored array is read in place when the live tensor at the same path of the state (the same
+dict keys, of the same types, and list positions) is a plain CPU tensor of the same dtype and
+shape, contiguous, and shares no memory with another tensor filled in place. Its bytes are
+then read into the tensor's memory and their checksum verified there; the restored state holds
+that tensor, and ``load_state_dict`` copies nothing (a module's ``copy_`` of a tensor into
+itself is skipped; an optimizer adopts the tensors it is given).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from coci_core.engine.manifest import TensorEntry
+from coci_core.engine.tree import MAX_TREE_DEPTH
+from coci_core.errors import CheckpointError
+
+__all__ = ["Fill", "InPlaceTargets", "in_place_targets"]
+
+#: A position in a state: dict keys (as JSON text of their manifest form) and list indices.
+Path = tuple[str | int, ...]
+
+
+@dataclass(frozen=True)
+class Fill:
+    """One stored array read in place: the live tensor, its bytes and where it is."""
+
+    tensor: torch.Tensor
+    raw: torch.Tensor  # uint8 view of ``tensor``'s memory
+    path: Path
+
+
+_NOT_A_KEY = object()
+
+
+def _key_node(key: Any) -> Any:
+    """A dict key as the manifest's tree spells it (see ``tree._Flattener._encode_key``), or
+    ``_NOT_A_KEY`` for a key that a stored state cannot hold."""
+    if key is None or type(key) in (str, int, bool, float):
+        return key
+    if type(key) is tuple:
+        items = [_key_node(k) for k in key]
+        return _NOT_A_KEY if _NOT_A_KEY in items else {"t": "tuple", "v": items}
+    return _NOT_A_KEY
+
+
+def _key_text(node: Any) -> str:
+    return json.dumps(node, sort_keys=True)
+
+
+def manifest_paths(tree: Any) -> dict[int, list[Path]]:
+    """The paths of every ``tensor`` node of a checked manifest tree, by array id (a tied
+    tensor has several)."""
+    found: dict[int, list[Path]] = {}
+    stack: list[tuple[Any, Path]] = [(tree, ())]
+    while stack:
+        node, path = stack.pop()
+        if type(node) is not dict:
+            continue
+        tag, value = node.get("t"), node.get("v")
+        if tag == "tensor":
+            found.setdefault(node["id"], []).append(path)
+        elif tag in ("dict", "odict"):
+            if isinstance(value, dict):
+                stack.extend((v, (*path, _key_text(k))) for k, v in value.items())
+            for k, v in node.get("items") or ():
+                stack.append((v, (*path, _key_text(k))))
+        elif tag in ("list", "tuple") and isinstance(value, list):
+            stack.extend((v, (*path, i)) for i, v in enumerate(value))
+    return found
+
+
+def _live_tensors(state: Any) -> dict[Path, torch.Tensor]:
+    """The plain tensors of a live state (a ``state_dict()``), by path."""
+    found: dict[Path, torch.Tensor] = {}
+    stack: list[tuple[Any, Path]] = [(state, ())]
+    while stack:
+        value, path = stack.pop()
+        if len(path) > MAX_TREE_DEPTH:
+            continue
+        if isinstance(value, torch.Tensor):
+            if type(value) in (torch.Tensor, torch.nn.Parameter):
+                found[path] = value
+        elif isinstance(value, Mapping):
+            for k, v in value.items():
+                node = _key_node(k)
+                if node is not _NOT_A_KEY:
+                    stack.append((v, (*path, _key_text(node))))
+        elif type(value) in (list, tuple):
+            stack.extend((v, (*path, i)) for i, v in enumerate(value))
+    return found
+
+
+def _byte_view(t: torch.Tensor, entry: TensorEntry) -> torch.Tensor | None:
+    """A uint8 view of ``t``'s memory when the stored array can be read into it, else None."""
+    if (
+        entry.kind != "tensor"
+        or t.device.type != "cpu"
+        or t.layout != torch.strided
+        or str(t.dtype).removeprefix("torch.") != entry.dtype
+        or tuple(t.shape) != entry.shape
+        or not t.is_contiguous()
+        or t.is_conj()
+        or t.is_neg()
+        or t.numel() == 0
+    ):
+        return None
+    try:
+        raw = t.detach().reshape(-1).view(torch.uint8)
+    except (RuntimeError, TypeError):
+        return None
+    if raw.data_ptr() != t.data_ptr() or raw.numel() != entry.raw_nbytes:
+        return None
+    return raw
+
+
+class InPlaceTargets:
+    """The live tensors a restore fills in place, and the paths any attempt wrote into.
+
+    Use one for one restore (its fallbacks included): a damaged step may have overwritten a
+    tensor before its damage was found, and :meth:`check` then makes sure the step finally
+    restored puts a value at each such path (``load_state_dict`` then overwrites it again),
+    except under the paths in ``replaced`` (keys and list indices, such as ``("optim",)``),
+    whose ``load_state_dict`` replaces their whole state (an optimizer's: the tensors it is not
+    given are dropped).
+    """
+
+    def __init__(self, state: Mapping[str, Any], replaced: Iterable[tuple[Any, ...]] = ()) -> None:
+        self._live = _live_tensors(dict(state))
+        self._replaced = [
+            tuple(k if type(k) is int else _key_text(_key_node(k)) for k in prefix)
+            for prefix in replaced
+        ]
+        self.written: set[Path] = set()
+        self._present: set[Path] = set()
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def plan(self, trees: Iterable[tuple[Any, tuple[TensorEntry, ...]]]) -> list[dict[int, Fill]]:
+        """For each (checked) tree and its arrays, the arrays to read in place, by id.
+
+        Tensors that share memory with one another are left out (each would be written twice).
+        """
+        self._present = set()
+        plans: list[dict[int, Fill]] = []
+        for tree, entries in trees:
+            fills: dict[int, Fill] = {}
+            for i, paths in manifest_paths(tree).items():
+                self._present.update(paths)
+                for path in paths:
+                    live = self._live.get(path)
+                    raw = None if live is None else _byte_view(live, entries[i])
+                    if live is not None and raw is not None:
+                        fills[i] = Fill(live, raw, path)
+                        break
+            plans.append(fills)
+        _drop_overlaps(plans)
+        return plans
+
+    def check(self, step: int) -> None:
+        """Raise if an attempt wrote into a tensor that the restored ``step`` has no value for.
+
+        Raises:
+            CheckpointError: naming the paths (their tensors hold bytes of a damaged step).
+        """
+        missing = sorted(
+            _show(p)
+            for p in self.written - self._present
+            if not any(p[: len(r)] == r for r in self._replaced)
+        )
+        if missing:
+            raise CheckpointError(
+                f"a damaged checkpoint was partly read into the given objects before its damage "
+                f"was found, and step {step}, restored instead, has no value for {missing[:5]}: "
+                "those tensors were left overwritten"
+            )
+
+
+def _show(path: Path) -> str:
+    return "/" + "/".join(str(json.loads(p)) if isinstance(p, str) else str(p) for p in path)
+
+
+def _drop_overlaps(plans: list[dict[int, Fill]]) -> None:
+    spans = sorted(
+        (f.raw.data_ptr(), f.raw.data_ptr() + f.raw.numel(), n, i)
+        for n, fills in enumerate(plans)
+        for i, f in fills.items()
+    )
+    overlapping: set[tuple[int, int]] = set()
+    end, last = -1, None
+    for start, stop, n, i in spans:
+        if start < end and last is not None:
+            overlapping.update((last, (n, i)))
+        if stop > end:
+            end, last = stop, (n, i)
+    for n, i in overlapping:
+        del plans[n][i]
+
+
+def in_place_targets(into: Mapping[str, Any]) -> InPlaceTargets | None:
+    """The targets for ``restore(into=...)``: the ``state_dict()`` tensors of the modules and
+    torch optimizers in ``into`` (whose ``load_state_dict`` keeps or adopts them), or None."""
+    live = {
+        key: obj.state_dict()
+        for key, obj in into.items()
+        if isinstance(obj, (torch.nn.Module, torch.optim.Optimizer))
+    }
+    optimizers = [(k,) for k, obj in into.items() if isinstance(obj, torch.optim.Optimizer)]
+    targets = InPlaceTargets(live, optimizers) if live else None
+    return targets if targets is not None and len(targets) else None
