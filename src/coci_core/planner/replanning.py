@@ -55,6 +55,9 @@ class Replanner:
         self.pending_curve: LossCurve | None = None
         self.regime_flagged = False
         self.problem: Problem | None = None
+        #: what the policy plans for the same problem without the termination model (None
+        #: when there is none): how much of the plan comes from the termination hazard
+        self.without_termination: tuple[int, ...] | None = None
         self.overhead: ExpectedOverhead | None = None
         policy = settings.policy_name
         self.plan_method = "no plan yet" if settings.fixed_every is None else f"the {policy} policy"
@@ -238,6 +241,10 @@ class Replanner:
             profile = max(k + 1, start + max(1, (nxt - start) // 4))
             if profile < nxt:
                 ahead.insert(0, profile)
+        self.without_termination = None
+        if not isinstance(pb.termination, NoTermination) and s.fixed_every is None:
+            plain = dataclasses.replace(pb, termination=NoTermination())
+            self.without_termination = tuple(int(x) for x in s.policy.plan(plain, context=ctx))
         self.schedule = ahead
         self.ptr = 0
         self.plan_method = self._describe_method(pb)

@@ -269,6 +269,13 @@ class TensorBoardTelemetry:
                 ("coci/overhead/plan_objective_s", ov.objective_s),
                 ("coci/overhead/daly_objective_s", ov.daly_objective_s),
             ]
+            if ov.without_termination_objective_s is not None:
+                # how much of the plan's change comes from the termination hazard
+                scalars += [
+                    ("coci/termination/stop_probability", report.stop_probability),
+                    ("coci/termination/without_objective_s", ov.without_termination_objective_s),
+                    ("coci/termination/share_of_gain", ov.termination_share or 0.0),
+                ]
         with self._lock:
             if not self._writable():
                 return
