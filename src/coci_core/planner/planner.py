@@ -199,12 +199,15 @@ class Planner:
 
     def set_termination(self, termination: Termination | Sequence[int] | None) -> None:
         """Replace the termination model (e.g. re-estimated from a study, or from an
-        ``EarlyStopping`` callback's state) and re-plan at the next observed step.
+        ``EarlyStopping`` callback's state) and re-plan at the next observed step (unless it
+        equals the current one).
 
         Raises:
             ConfigError: ``termination`` is not None, a Termination model or rung steps.
         """
         model = make_termination(termination)
+        if model == self._settings.termination:
+            return  # the same estimate: the plan stands
         with self._obs.lock:
             self._settings.termination = model
             self._plan.force_replan = True
@@ -293,13 +296,13 @@ class Planner:
 
     def overhead_inputs(
         self,
-    ) -> tuple[Problem, tuple[int, ...], tuple[int, ...] | None] | None:
-        """The current plan's problem, its steps and the steps planned without the
+    ) -> tuple[Problem, tuple[int, ...], Callable[[], tuple[int, ...]] | None] | None:
+        """The current plan's problem, its steps and a function planning it without the
         termination model (or None), so that its expected overhead against Daly
         (``schedule.compare_with_daly``) can be computed off the training thread."""
         if self._plan.problem is None:
             return None
-        return self._plan.problem, tuple(self._plan.schedule), self._plan.without_termination
+        return self._plan.problem, tuple(self._plan.schedule), self._plan.plain_planner()
 
     @property
     def replans(self) -> int:

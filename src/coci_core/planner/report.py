@@ -67,7 +67,7 @@ def build_report(plan: Replanner, *, with_overhead: bool) -> PlannerReport:
     """See :meth:`Planner.report`."""
     s, obs = plan.settings, plan.obs
     if with_overhead and plan.overhead is None and plan.problem is not None:
-        plan.overhead = compare_with_daly(plan.problem, plan.schedule, plan.without_termination)
+        plan.overhead = compare_with_daly(plan.problem, plan.schedule, plan.plain_planner())
     snap = obs.costs.snapshot()
     ahead = list(plan.ahead())
     k = obs.last_step if obs.last_step is not None else s.start_step
@@ -168,7 +168,8 @@ def _termination_line(plan: Replanner, rep: PlannerReport) -> str:
         f"  termination hazard: {rep.termination}; P(stopped before step "
         f"{rep.horizon_end_step}) {rep.stop_probability:.0%}"
     )
-    ov, plain = rep.expected_overhead, plan.without_termination
+    ov = rep.expected_overhead
+    plain = None if ov is None else ov.without_termination_steps
     if ov is None or plain is None or ov.without_termination_objective_s is None:
         return text + " (a fixed-interval policy: the plan does not use it)"
     ahead = [x for x in plain if x > rep.step]

@@ -49,6 +49,7 @@ class ExpectedOverhead:
         without_termination_objective_s: the objective's overhead of the plan made ignoring
             the termination model, costed with it (None without a termination model).
         without_termination_wall_s: its wall-clock overhead.
+        without_termination_steps: that plan's checkpoint steps.
     """
 
     objective: str
@@ -60,6 +61,7 @@ class ExpectedOverhead:
     daly: CostBreakdown
     without_termination_objective_s: float | None = None
     without_termination_wall_s: float | None = None
+    without_termination_steps: tuple[int, ...] | None = None
 
     @property
     def gain_vs_daly(self) -> float:
@@ -149,13 +151,16 @@ def build_curve(loss: Any, start_step: int, end_step: int) -> LossCurve:
 
 
 def compare_with_daly(
-    pb: Problem, steps: npt.ArrayLike, without_termination: npt.ArrayLike | None = None
+    pb: Problem,
+    steps: npt.ArrayLike,
+    without_termination: Callable[[], Sequence[int]] | None = None,
 ) -> ExpectedOverhead:
-    """Expected overhead of ``steps`` and of Daly's interval on the same problem (and of
-    ``without_termination``, the plan made ignoring the problem's termination model, costed
-    with it)."""
+    """Expected overhead of ``steps`` and of Daly's interval on the same problem (and of the
+    plan that ``without_termination()`` makes ignoring the problem's termination model,
+    costed with it)."""
     plan = expected_cost(pb, steps)
-    plain = None if without_termination is None else expected_cost(pb, without_termination)
+    plain_steps = None if without_termination is None else tuple(without_termination())
+    plain = None if plain_steps is None else expected_cost(pb, plain_steps)
     daly_t = daly_interval_s(pb.stall_s, 1.0 / pb.mean_rate(pb.start_step, pb.end_step))
     daly = expected_cost(pb, uniform_schedule(pb, daly_t / pb.step_time_s))
     return ExpectedOverhead(
@@ -168,6 +173,7 @@ def compare_with_daly(
         daly=daly,
         without_termination_objective_s=None if plain is None else plain.objective(pb.objective),
         without_termination_wall_s=None if plain is None else plain.wall_s,
+        without_termination_steps=plain_steps,
     )
 
 

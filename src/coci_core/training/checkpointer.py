@@ -214,7 +214,7 @@ class Checkpointer:
                 logger.exception("coci telemetry sink %r failed", sink)
 
     def _expected_overhead(
-        self, inputs: tuple[Problem, tuple[int, ...], tuple[int, ...] | None] | None
+        self, inputs: tuple[Problem, tuple[int, ...], Callable[[], tuple[int, ...]] | None] | None
     ) -> ExpectedOverhead | None:
         """The plan's expected overhead against Daly, computed once per plan (a save that
         does not change the plan reuses it: costing takes tens of ms that training shares)."""
