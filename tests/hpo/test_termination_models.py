@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -105,3 +107,31 @@ def test_set_termination_replans() -> None:
     p.observe(5, step_time_s=0.5)
     assert p.replans == replans + 1
     assert p.report().stop_probability == pytest.approx(0.9)
+
+
+def test_tensorboard_summary_says_how_much_the_hazard_brings(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing import (  # type: ignore[import-untyped, import-not-found, unused-ignore]
+        event_accumulator as ea,
+    )
+
+    from coci_core.telemetry.tensorboard import TensorBoardTelemetry
+
+    p = _planner(StopDistribution(steps=(300, 600), probabilities=(0.5, 0.3), source="s"))
+    report = p.report()
+    ov = report.expected_overhead
+    assert ov is not None and ov.termination_share is not None
+    with TensorBoardTelemetry(tmp_path) as tele:
+        tele.record_plan(4, report)
+    acc = ea.EventAccumulator(str(tmp_path), size_guidance={ea.SCALARS: 0})
+    acc.Reload()
+    got = {t: acc.Scalars(t)[0].value for t in acc.Tags()["scalars"] if "termination" in t}
+    assert got == pytest.approx(
+        {
+            "coci/termination/stop_probability": report.stop_probability,
+            "coci/termination/without_objective_s": ov.without_termination_objective_s,
+            "coci/termination/share_of_gain": ov.termination_share,
+        },
+        rel=1e-6,
+    )
+    assert report.stop_probability == pytest.approx(0.8)
