@@ -100,9 +100,10 @@ class CociCheckpoint(Checkpoint):
             the probability that it stops the run at each coming validation (see
             :mod:`coci_core.hpo.early_stopping`); ``explain()`` shows it.
         save_when_stopped: also take the final save (``save_on_train_end``,
-            ``save_on_exception``) when the run is stopped early: by ``EarlyStopping`` (or
-            anything else that sets ``trainer.should_stop``) or pruned by Optuna
-            (``optuna.TrialPruned``). By default a stopped run is done and takes none.
+            ``save_on_exception``) when the run is stopped early: by ``EarlyStopping``, or
+            pruned by Optuna (``optuna.TrialPruned``, or optuna-integration's pruning callback
+            stopping the Trainer). By default a stopped run is done and takes none (a run
+            stopped by ``max_time`` still takes its final save).
     """
 
     def __init__(
@@ -589,7 +590,7 @@ class CociCheckpoint(Checkpoint):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # A run stopped early (EarlyStopping, a pruner) is done: no final save by default.
-        if self.save_on_train_end and (self.save_when_stopped or not trainer.should_stop):
+        if self.save_on_train_end and (self.save_when_stopped or not _stopped_early(trainer)):
             self._save(trainer, block=True)
         if self.checkpointer is not None:
             self.checkpointer.wait()
@@ -659,6 +660,23 @@ class CociCheckpoint(Checkpoint):
         self._planner_state = state_dict
         if self.checkpointer is not None:
             self.checkpointer.load_state_dict(state_dict)
+
+
+def _stopped_early(trainer: pl.Trainer) -> bool:
+    """Whether ``EarlyStopping`` stopped the run, or optuna-integration's pruning callback did
+    (with several processes it stops the Trainer instead of raising); not ``max_time``."""
+    if not trainer.should_stop:
+        return False
+    for cb in trainer.callbacks:  # type: ignore[attr-defined]
+        if isinstance(cb, EarlyStopping):
+            reason = getattr(cb, "stopping_reason", None)  # Lightning >= 2.5.1
+            if reason is not None and getattr(reason, "name", "") != "NOT_STOPPED":
+                return True
+            if reason is None and cb.wait_count >= cb.patience:
+                return True
+        if type(cb).__name__ == "PyTorchLightningPruningCallback":
+            return True
+    return False
 
 
 def _is_trial_pruned(exception: BaseException) -> bool:

@@ -21,7 +21,7 @@ from typing_extensions import override
 
 from coci_core.errors import ConfigError
 from coci_core.hpo.optuna import EARLY_STOPPED_ATTR, STEP_ATTR, StepMap, study_termination
-from coci_lightning.callback import CociCheckpoint
+from coci_lightning.callback import CociCheckpoint, _stopped_early
 
 __all__ = ["OptunaTermination"]
 
@@ -96,5 +96,5 @@ class OptunaTermination(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.should_stop and trainer.is_global_zero:
+        if _stopped_early(trainer) and trainer.is_global_zero:
             self.trial.set_user_attr(EARLY_STOPPED_ATTR, True)

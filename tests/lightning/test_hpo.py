@@ -165,3 +165,21 @@ def test_a_real_optuna_study_pruned_by_the_lightning_callback(tmp_path: Path) ->
     # ... the last with the study's Kaplan-Meier estimate, refreshed as the study grew
     assert seen[5] and "Optuna study 'digits'" in seen[5][-1]
     assert directory_of(study.trials[0]).exists()  # ran to its end: kept
+
+
+def test_only_early_stopping_and_pruning_count_as_stopped_early() -> None:
+    from types import SimpleNamespace
+
+    from lightning.pytorch.callbacks import Timer
+
+    from coci_lightning.callback import _stopped_early
+
+    stopper = EarlyStopping(monitor="val_loss", patience=2)
+    timed = SimpleNamespace(should_stop=True, callbacks=[Timer(duration="00:00:01:00"), stopper])
+    assert not _stopped_early(timed)  # type: ignore[arg-type]  # max_time, not a stop
+    stopper.wait_count = 2  # as EarlyStopping leaves it when its patience ran out
+    reason = getattr(stopper, "stopping_reason", None)
+    if reason is not None:
+        stopper.stopping_reason = type(reason).PATIENCE_EXHAUSTED
+    assert _stopped_early(timed)  # type: ignore[arg-type]
+    assert not _stopped_early(SimpleNamespace(should_stop=False, callbacks=[stopper]))  # type: ignore[arg-type]
