@@ -265,7 +265,7 @@ def run_trial(
     lr = trial.suggest_float("lr", 1e-3, 0.5, log=True)
     momentum = trial.suggest_float("momentum", 0.0, 0.95)
     killed_at: float | None = None
-    reported: set[int] = set()
+    decided: dict[int, bool] = {}
     while True:
         spec = TrialSpec(
             trial.number,
@@ -303,11 +303,13 @@ def run_trial(
                 killed_at = None
             elif msg[0] == "report":
                 _, epoch, value, step = msg
-                if epoch not in reported:  # a resumed trial reports its epoch again
-                    reported.add(epoch)
+                # a resumed trial reports its epoch again: the study's answer stands (a
+                # successive-halving pruner asked twice at a rung moves on to the next rung)
+                if epoch not in decided:
                     trial.set_user_attr(STEP_ATTR, int(step))
                     trial.report(value, epoch)
-                prune = trial.should_prune()
+                    decided[epoch] = trial.should_prune()
+                prune = decided[epoch]
                 term = _termination(study, trial) if policy == "coci+term" else None
                 parent.send((prune, term))
             elif msg[0] in ("pruned", "done"):

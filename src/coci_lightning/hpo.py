@@ -12,8 +12,6 @@ it to the checkpoint's planner. It records the training step of each validation 
 
 from __future__ import annotations
 
-from typing import Any
-
 import lightning.pytorch as pl
 import optuna
 from lightning.pytorch.callbacks import Callback
@@ -21,6 +19,7 @@ from typing_extensions import override
 
 from coci_core.errors import ConfigError
 from coci_core.hpo.optuna import EARLY_STOPPED_ATTR, STEP_ATTR, StepMap, study_termination
+from coci_core.planner import Termination
 from coci_lightning.callback import CociCheckpoint, _stopped_early
 
 __all__ = ["OptunaTermination"]
@@ -52,7 +51,7 @@ class OptunaTermination(Callback):
         self.min_trials = min_trials
         self.train_step_of = train_step_of
         self.max_report_step = max_report_step
-        self.termination: Any = None  # the newest estimate
+        self.termination: Termination | None = None  # the newest estimate
 
     def _checkpoint(self, trainer: pl.Trainer) -> CociCheckpoint:
         found = [cb for cb in trainer.callbacks if isinstance(cb, CociCheckpoint)]  # type: ignore[attr-defined]

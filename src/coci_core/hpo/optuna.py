@@ -29,6 +29,7 @@ import optuna
 from optuna.pruners import BasePruner, HyperbandPruner, SuccessiveHalvingPruner
 from optuna.trial import FrozenTrial, TrialState
 
+from coci_core.errors import ConfigError
 from coci_core.hpo.cleanup import delete_checkpoints
 from coci_core.hpo.survival import StoppedRun, kaplan_meier
 from coci_core.planner._checks import check_int
@@ -186,7 +187,7 @@ def planner_options(
     ``CociCheckpointer(planner_options=...)`` or ``CociCheckpoint(planner_options=...)``."""
     study = getattr(trial, "study", None)
     if study is None:
-        raise TypeError(f"'trial' must be an Optuna trial of a study: {trial!r}")
+        raise ConfigError(f"'trial' must be an Optuna trial of a study: {trial!r}")
     return {
         **dict(options or {}),
         "termination": study_termination(study, trial=trial, **arguments),
