@@ -54,11 +54,12 @@ def report(
 ) -> bool:
     """Report ``value`` at report step ``step`` (recording the optimizer steps completed so far
     for later trials' estimates), re-estimate the termination model (``refresh``), and return
-    ``trial.should_prune()``."""
+    whether the study prunes the trial (asked once per step, see
+    :func:`coci_core.hpo.optuna.should_prune`)."""
     coci_optuna.report(trial, value, step, train_step=ckpt.completed_steps)
     if refresh:
         refresh_termination(ckpt, trial, **arguments)
-    return trial.should_prune()
+    return coci_optuna.should_prune(trial, step)
 
 
 def close_stopped(

@@ -19,6 +19,7 @@ from coci_core.hpo.optuna import (
     planner_options,
     pruner_rungs,
     report,
+    should_prune,
     study_runs,
     study_termination,
 )
@@ -154,3 +155,21 @@ def test_cleanup_deletes_pruned_and_early_stopped_trials_but_keeps_the_best(
     # 0 (worse), 1 (best until 3), 2 (pruned) deleted; 3 is the best; 4 ran to its end
     assert left == ["trial-3", "trial-4"]
     assert sorted(cleanup.deleted) == [0, 1, 2]
+
+
+def test_a_resumed_trial_asking_again_gets_the_studys_first_answer() -> None:
+    pruner = optuna.pruners.SuccessiveHalvingPruner(min_resource=1, reduction_factor=2)
+    study = optuna.create_study(pruner=pruner)
+    for value in (0.2, 0.1):  # each better than the ones before: promoted
+        trial = study.ask()
+        report(trial, value, 1, train_step=100)
+        assert not should_prune(trial, 1)
+        study.tell(trial, value)
+    bad = study.ask()
+    report(bad, 9.0, 1, train_step=100)
+    assert should_prune(bad, 1)  # the worst of three at the rung
+    # a resumed process reports step 1 again: the same answer (Optuna's own second answer
+    # would judge the next rung and let it go on)
+    report(bad, 9.0, 1, train_step=100)
+    assert should_prune(bad, 1)
+    assert not bad.should_prune()  # what asking Optuna again gives

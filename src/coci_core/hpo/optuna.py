@@ -39,6 +39,7 @@ __all__ = [
     "EARLY_STOPPED_ATTR",
     "STEP_ATTR",
     "CheckpointCleanup",
+    "should_prune",
     "per_epoch",
     "planner_options",
     "pruner_rungs",
@@ -53,6 +54,8 @@ logger = logging.getLogger(__name__)
 STEP_ATTR = "coci_step"
 #: the trial user attribute set (True) when early stopping ended the trial
 EARLY_STOPPED_ATTR = "coci_early_stopped"
+#: the trial user attribute holding the pruner's answer at each report step asked
+DECISIONS_ATTR = "coci_prune_decisions"
 
 StepMap = Callable[[int], int]
 
@@ -66,9 +69,25 @@ def per_epoch(steps_per_epoch: int) -> StepMap:
 
 def report(trial: optuna.trial.Trial, value: float, step: int, *, train_step: int) -> None:
     """``trial.report(value, step)``, recording ``train_step`` (the training step the value
-    was measured at) for the estimates of later trials."""
+    was measured at) for the estimates of later trials; a step reported before (by a trial
+    resumed from a checkpoint) is left as it was."""
+    if str(int(step)) in (trial.user_attrs.get(DECISIONS_ATTR) or {}):
+        return
     trial.set_user_attr(STEP_ATTR, int(train_step))
     trial.report(value, step)
+
+
+def should_prune(trial: optuna.trial.Trial, step: int) -> bool:
+    """``trial.should_prune()`` after the report of ``step``, asked once per step: a trial
+    resumed from a checkpoint that reports ``step`` again gets the study's first answer (a
+    successive-halving pruner asked twice at a rung would judge the next rung instead)."""
+    decided = dict(trial.user_attrs.get(DECISIONS_ATTR) or {})
+    key = str(int(step))
+    if key in decided:
+        return bool(decided[key])
+    answer = trial.should_prune()
+    trial.set_user_attr(DECISIONS_ATTR, {**decided, key: answer})
+    return answer
 
 
 def _train_step(trial: FrozenTrial, train_step_of: StepMap | None) -> int | None:
