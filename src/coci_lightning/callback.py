@@ -14,13 +14,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.callbacks import Checkpoint, EarlyStopping
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from coci_core.errors import CociError, ConfigError
+from coci_core.hpo import combine_terminations, improvement_probability, patience_stops
+from coci_core.planner import Termination
 from coci_core.telemetry import RestoreEvent
 from coci_core.training import (
     Checkpointer,
@@ -93,6 +96,14 @@ class CociCheckpoint(Checkpoint):
             at the end), or ``"auto"`` (default): the planner's two-level period for the
             measured upload cost and ``planner_options={"node_loss_share": ...}`` (every
             checkpoint until an upload is measured, and while uploads cost the loop little).
+        early_stopping_hazard: when the Trainer has an ``EarlyStopping`` callback, plan with
+            the probability that it stops the run at each coming validation (see
+            :mod:`coci_core.hpo.early_stopping`); ``explain()`` shows it.
+        save_when_stopped: also take the final save (``save_on_train_end``,
+            ``save_on_exception``) when the run is stopped early: by ``EarlyStopping``, or
+            pruned by Optuna (``optuna.TrialPruned``, or optuna-integration's pruning callback
+            stopping the Trainer). By default a stopped run is done and takes none (a run
+            stopped by ``max_time`` still takes its final save).
     """
 
     def __init__(
@@ -120,6 +131,8 @@ class CociCheckpoint(Checkpoint):
         remote_keep_last: int | None = 10,
         remote_storage_options: dict[str, Any] | None = None,
         remote_upload_every: int | Literal["auto"] = "auto",
+        early_stopping_hazard: bool = True,
+        save_when_stopped: bool = False,
     ) -> None:
         super().__init__()
         dirpath = _check_dirpath(dirpath)
@@ -127,6 +140,8 @@ class CociCheckpoint(Checkpoint):
             ("resume", resume),
             ("save_on_train_end", save_on_train_end),
             ("save_on_exception", save_on_exception),
+            ("early_stopping_hazard", early_stopping_hazard),
+            ("save_when_stopped", save_when_stopped),
         ):
             if not isinstance(flag, bool):
                 raise ConfigError(f"'{name}' must be a bool (True or False): {flag!r}")
@@ -153,6 +168,11 @@ class CociCheckpoint(Checkpoint):
         self._monitor_warned = False
         self.save_on_train_end = save_on_train_end
         self.save_on_exception = save_on_exception
+        self.early_stopping_hazard = early_stopping_hazard
+        self.save_when_stopped = save_when_stopped
+        # termination models by source ("early_stopping", "optuna"), combined with the user's
+        self._terminations: dict[str, Termination] = {}
+        self._validations: list[tuple[int, bool]] = []  # (global step, improved) per check
         self.checkpointer: Checkpointer | None = None
         self._planner_state: dict[str, Any] | None = None
         self._pending_rng: dict[str, Any] | None = None
@@ -262,6 +282,27 @@ class CociCheckpoint(Checkpoint):
         )
         if self._planner_state is not None:
             self.checkpointer.load_state_dict(self._planner_state)
+        self._validations = []
+        if self._terminations:
+            self._apply_terminations()
+
+    def set_termination(self, source: str, model: Termination | None) -> None:
+        """Plan with ``model`` as the termination hazard from ``source`` (e.g. ``"optuna"``;
+        None removes it), combined with the others and the one in ``planner_options``
+        (independent causes: the survivals multiply). The plan is re-made at the next step."""
+        if model is None:
+            self._terminations.pop(source, None)
+        else:
+            self._terminations[source] = model
+        self._apply_terminations()
+
+    def _apply_terminations(self) -> None:
+        if self.checkpointer is None:
+            return
+        own = self.options.planner.settings.termination
+        self.checkpointer.planner.set_termination(
+            combine_terminations([own, *self._terminations.values()])
+        )
 
     def _on_restore(self, loaded: LoadedCheckpoint, event: RestoreEvent) -> None:
         if self.checkpointer is not None:
@@ -407,6 +448,9 @@ class CociCheckpoint(Checkpoint):
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        stopper = self._early_stopping(trainer)
+        if stopper is not None and getattr(stopper, "_check_on_train_epoch_end", False):
+            self._early_stopping_check(trainer, stopper)  # it checked in this hook, before us
         # Saved at the end of the next epoch's first step, as a planned save on an epoch's
         # last batch is: a checkpoint taken between epochs does not resume exactly (the data
         # order of the next epoch and its epoch-end work). Not when the epoch was cut short.
@@ -421,6 +465,55 @@ class CociCheckpoint(Checkpoint):
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.state.fn == "fit" and not trainer.sanity_checking:
             self._check_monitor(trainer, planned=False)  # where ModelCheckpoint checks
+            stopper = self._early_stopping(trainer)
+            if stopper is not None and not getattr(stopper, "_check_on_train_epoch_end", False):
+                self._early_stopping_check(trainer, stopper)
+
+    def _early_stopping(self, trainer: pl.Trainer) -> EarlyStopping | None:
+        if not self.early_stopping_hazard or self.checkpointer is None:
+            return None
+        if trainer.sanity_checking or trainer.state.fn != "fit":
+            return None
+        found = [cb for cb in trainer.callbacks if isinstance(cb, EarlyStopping)]  # type: ignore[attr-defined]
+        return found[0] if found else None
+
+    def _early_stopping_check(self, trainer: pl.Trainer, stopper: EarlyStopping) -> None:
+        """After ``EarlyStopping`` judged a validation (Checkpoint callbacks run after the
+        others): the probability that it stops the run at each coming validation, from its
+        patience and wait count and how often the metric improved lately, as the plan's
+        termination hazard (see :mod:`coci_core.hpo.early_stopping`)."""
+        if self.checkpointer is None:
+            return
+        if stopper.monitor not in trainer.callback_metrics:
+            return  # EarlyStopping did not judge this validation
+        step = trainer.global_step
+        if self._validations and self._validations[-1][0] == step:
+            return
+        self._validations.append((step, stopper.wait_count == 0))
+        steps = [k for k, _ in self._validations]
+        start = self._start_step or 0
+        gaps = np.diff([start, *steps])
+        interval = max(1, int(np.median(gaps[gaps > 0]))) if np.any(gaps > 0) else 1
+        total = self.checkpointer.planner.total_steps
+        last = total if total is not None else step + 256 * interval
+        coming = range(step + interval, last + 1, interval)
+        patience = max(1, int(stopper.patience))
+        p = improvement_probability(
+            [improved for _, improved in self._validations], window=max(2 * patience, 4)
+        )
+        source = (
+            f"EarlyStopping(monitor={stopper.monitor!r}, patience {patience}, wait "
+            f"{stopper.wait_count}, min_delta {abs(float(stopper.min_delta)):g}; P(improve) "
+            f"{p:.2f} per validation, every {interval} steps)"
+        )
+        model = patience_stops(
+            patience=patience,
+            wait_count=int(stopper.wait_count),
+            improve_probability=p,
+            validation_steps=list(coming)[:512],
+            source=source,
+        )
+        self.set_termination("early_stopping", model)
 
     def _check_monitor(self, trainer: pl.Trainer, planned: bool) -> None:
         """As ``ModelCheckpoint(monitor=...)``: a missing metric is an error once a validation
@@ -501,7 +594,8 @@ class CociCheckpoint(Checkpoint):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.save_on_train_end:
+        # A run stopped early (EarlyStopping, a pruner) is done: no final save by default.
+        if self.save_on_train_end and (self.save_when_stopped or not _stopped_early(trainer)):
             self._save(trainer, block=True)
         if self.checkpointer is not None:
             self.checkpointer.wait()
@@ -516,7 +610,8 @@ class CociCheckpoint(Checkpoint):
         # first optimizer step): there is nothing new to save, and a step-0 save would be what
         # "last" resumes from next time.
         trained = self._start_step is not None and trainer.global_step > self._start_step
-        if self.save_on_exception and trainer.state.fn == "fit" and trained:
+        pruned = _is_trial_pruned(exception) and not self.save_when_stopped
+        if self.save_on_exception and trainer.state.fn == "fit" and trained and not pruned:
             # Another rank may not be here (the exception may be this rank's own): rank 0
             # saves by itself instead of waiting for the others' shares.
             try:
@@ -570,6 +665,31 @@ class CociCheckpoint(Checkpoint):
         self._planner_state = state_dict
         if self.checkpointer is not None:
             self.checkpointer.load_state_dict(state_dict)
+
+
+def _stopped_early(trainer: pl.Trainer) -> bool:
+    """Whether ``EarlyStopping`` stopped the run, or optuna-integration's pruning callback did
+    (with several processes it stops the Trainer instead of raising); not ``max_time``."""
+    if not trainer.should_stop:
+        return False
+    for cb in trainer.callbacks:  # type: ignore[attr-defined]
+        if isinstance(cb, EarlyStopping):
+            reason = getattr(cb, "stopping_reason", None)  # Lightning >= 2.5.1
+            if reason is not None and getattr(reason, "name", "") != "NOT_STOPPED":
+                return True
+            if reason is None and cb.wait_count >= cb.patience:
+                return True
+        if type(cb).__name__ == "PyTorchLightningPruningCallback":
+            return True
+    return False
+
+
+def _is_trial_pruned(exception: BaseException) -> bool:
+    """Whether ``exception`` is Optuna's ``TrialPruned`` (without importing Optuna)."""
+    return any(
+        c.__name__ == "TrialPruned" and c.__module__.startswith("optuna")
+        for c in type(exception).__mro__
+    )
 
 
 def _log_summary(ckpt: Checkpointer) -> None:

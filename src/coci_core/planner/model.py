@@ -18,9 +18,11 @@ __all__ = [
     "AshaRungs",
     "FailureModel",
     "NoTermination",
+    "StopDistribution",
     "SurvivalFunction",
     "Termination",
     "UniformKill",
+    "describe_termination",
     "estimate_mtbf_s",
 ]
 
@@ -246,6 +248,95 @@ class SurvivalFunction:
     def to_dict(self) -> dict[str, object]:
         """Describe the model as JSON-compatible data (the function itself is not stored)."""
         return {"kind": "survival_function"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class StopDistribution:
+    """A job stops at one of ``steps`` with the given probabilities, else runs to its end.
+
+    The stopping probabilities are unconditional (seen from the job's first step); the
+    planner conditions them on the step it plans from. Made by the estimators of
+    :mod:`coci_core.hpo` (a study's history, Lightning's ``EarlyStopping``).
+
+    Args:
+        steps: the steps a job may stop after (strictly increasing, >= 1).
+        probabilities: P(the job stops right after each step), each >= 0, summing to <= 1.
+        source: what the distribution was estimated from (shown by ``explain()``).
+    """
+
+    steps: tuple[int, ...]
+    probabilities: tuple[float, ...]
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if len(self.steps) != len(self.probabilities):
+            raise ConfigError(
+                f"'steps' and 'probabilities' must have the same length: {len(self.steps)} "
+                f"and {len(self.probabilities)}"
+            )
+        for k in self.steps:
+            check_int("steps", k, minimum=1)
+        if list(self.steps) != sorted(set(self.steps)):
+            raise ConfigError(f"'steps' must be strictly increasing: {self.steps!r}")
+        probs = np.asarray(self.probabilities, dtype=np.float64)
+        if not np.all(np.isfinite(probs)) or np.any(probs < 0) or probs.sum() > 1 + 1e-9:
+            raise ConfigError(
+                f"'probabilities' must be finite, >= 0 and sum to <= 1: {self.probabilities!r}"
+            )
+
+    @classmethod
+    def from_survival(
+        cls, steps: Sequence[int], survival: npt.ArrayLike, *, source: str = ""
+    ) -> StopDistribution:
+        """From ``S(steps[i] + 1)``, P(still running after ``steps[i]``), non-increasing."""
+        surv = np.clip(np.asarray(survival, dtype=np.float64), 0.0, 1.0)
+        surv = np.minimum.accumulate(surv) if surv.size else surv
+        probs = -np.diff(np.concatenate([[1.0], surv]))
+        keep = probs > 1e-12
+        return cls(
+            steps=tuple(int(k) for k, ok in zip(steps, keep, strict=True) if ok),
+            probabilities=tuple(float(p) for p in probs[keep]),
+            source=source,
+        )
+
+    @property
+    def stop_probability(self) -> float:
+        """P(the job stops before its end)."""
+        return float(sum(self.probabilities))
+
+    def survival(self, steps: npt.ArrayLike) -> FloatArray:
+        """P(running at step k): 1 minus the stopping probability of the steps before k."""
+        ks = np.asarray(steps, dtype=np.float64)
+        cum = np.concatenate([[0.0], np.cumsum(self.probabilities)])
+        before = np.searchsorted(np.asarray(self.steps, dtype=np.float64), ks, side="left")
+        return np.asarray(np.clip(1.0 - cum[before], 0.0, 1.0))
+
+    def atoms(self, start_step: int, end_step: int) -> tuple[FloatArray, FloatArray]:
+        """The stop steps in ``(start, end)``, conditioned on running after ``start``."""
+        inside = np.array([k for k in self.steps if start_step < k < end_step], np.float64)
+        base = float(self.survival(np.array([start_step + 1]))[0])
+        if base <= 0:
+            return np.array([float(end_step)]), np.array([1.0])
+        return _atoms_from_survival(self.survival(inside + 1) / base, inside, end_step)
+
+    def to_dict(self) -> dict[str, object]:
+        """Describe the model as JSON-compatible data."""
+        return {
+            "kind": "stops",
+            "steps": list(self.steps),
+            "probabilities": list(self.probabilities),
+            "source": self.source,
+        }
+
+
+def describe_termination(model: Termination) -> str:
+    """One phrase on a termination model, for ``explain()`` and telemetry."""
+    kind = model.to_dict().get("kind")
+    if isinstance(model, StopDistribution):
+        return f"{model.source or 'stop distribution'} (P(stop) {model.stop_probability:.0%})"
+    if isinstance(model, AshaRungs):
+        return f"ASHA rungs at steps {list(model.rung_steps)} (eta {model.reduction_factor:g})"
+    return str(kind)
 
 
 def _discretise(

@@ -30,7 +30,7 @@ from coci_core.planner.costs import (
     CostInputs,
 )
 from coci_core.planner.fixed_interval import is_fixed_save
-from coci_core.planner.model import DEFAULT_MTBF_S, Termination
+from coci_core.planner.model import DEFAULT_MTBF_S, Termination, make_termination
 from coci_core.planner.observations import RunObservations
 from coci_core.planner.optimize import Problem
 from coci_core.planner.planner_state import load_planner_state, planner_state
@@ -197,6 +197,21 @@ class Planner:
             self._settings.policy = make_policy("epoch", steps_per_epoch=steps)
             self._settings.fixed_every = steps
 
+    def set_termination(self, termination: Termination | Sequence[int] | None) -> None:
+        """Replace the termination model (e.g. re-estimated from a study, or from an
+        ``EarlyStopping`` callback's state) and re-plan at the next observed step (unless it
+        equals the current one).
+
+        Raises:
+            ConfigError: ``termination`` is not None, a Termination model or rung steps.
+        """
+        model = make_termination(termination)
+        if model == self._settings.termination:
+            return  # the same estimate: the plan stands
+        with self._obs.lock:
+            self._settings.termination = model
+            self._plan.force_replan = True
+
     def should_save(self, step: int) -> bool:
         """Whether to checkpoint after ``step``: O(1), never raises (False on odd input)."""
         try:
@@ -286,12 +301,15 @@ class Planner:
         ``"unknown"`` (cheap)."""
         return self._obs.costs.get(name).source
 
-    def overhead_inputs(self) -> tuple[Problem, tuple[int, ...]] | None:
-        """The current plan's problem and steps, so that its expected overhead against Daly
+    def overhead_inputs(
+        self,
+    ) -> tuple[Problem, tuple[int, ...], Callable[[], tuple[int, ...]] | None] | None:
+        """The current plan's problem, its steps and a function planning it without the
+        termination model (or None), so that its expected overhead against Daly
         (``schedule.compare_with_daly``) can be computed off the training thread."""
         if self._plan.problem is None:
             return None
-        return self._plan.problem, tuple(self._plan.schedule)
+        return self._plan.problem, tuple(self._plan.schedule), self._plan.plain_planner()
 
     @property
     def replans(self) -> int:

@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import math
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -55,6 +56,7 @@ class Replanner:
         self.pending_curve: LossCurve | None = None
         self.regime_flagged = False
         self.problem: Problem | None = None
+        self.context: PlanContext | None = None  # the current plan's context
         self.overhead: ExpectedOverhead | None = None
         policy = settings.policy_name
         self.plan_method = "no plan yet" if settings.fixed_every is None else f"the {policy} policy"
@@ -238,6 +240,7 @@ class Replanner:
             profile = max(k + 1, start + max(1, (nxt - start) // 4))
             if profile < nxt:
                 ahead.insert(0, profile)
+        self.context = ctx
         self.schedule = ahead
         self.ptr = 0
         self.plan_method = self._describe_method(pb)
@@ -247,6 +250,23 @@ class Replanner:
         self.plan_inputs = inputs
         self.replans += 1
         self.last_replan_s = time.perf_counter() - t0
+
+    def plain_planner(self) -> Callable[[], tuple[int, ...]] | None:
+        """A function (pure, for any thread) that plans the current problem again without its
+        termination model: how much of the plan comes from the termination hazard. None
+        without a termination model, or for a fixed-interval policy."""
+        pb, ctx, s = self.problem, self.context, self.settings
+        if pb is None or ctx is None or s.fixed_every is not None:
+            return None
+        if isinstance(pb.termination, NoTermination):
+            return None
+        policy = s.policy
+
+        def plan() -> tuple[int, ...]:
+            plain = dataclasses.replace(pb, termination=NoTermination())
+            return tuple(int(x) for x in policy.plan(plain, context=ctx))
+
+        return plan
 
     def _describe_method(self, pb: Problem) -> str:
         s = self.settings

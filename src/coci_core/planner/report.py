@@ -8,6 +8,7 @@ import numpy as np
 
 from coci_core.planner.costs import COST_NAMES
 from coci_core.planner.fixed_interval import fixed_window, is_fixed_save
+from coci_core.planner.model import NoTermination, describe_termination
 from coci_core.planner.replanning import Replanner
 from coci_core.planner.schedule import ExpectedOverhead, compare_with_daly
 
@@ -34,6 +35,9 @@ class PlannerReport:
         skipped_losses: NaN/inf losses skipped.
         plan_method: how the current plan was made (e.g. Daly's interval because the value is
             flat, or the DP for the objective).
+        termination: the termination model planned with, in words ("none" without one).
+        stop_probability: P(the job is stopped on purpose before the horizon's end), seen
+            from the plan's start (0 without a termination model).
     """
 
     step: int
@@ -55,13 +59,15 @@ class PlannerReport:
     last_replan_s: float
     skipped_losses: int
     plan_method: str
+    termination: str = "none"
+    stop_probability: float = 0.0
 
 
 def build_report(plan: Replanner, *, with_overhead: bool) -> PlannerReport:
     """See :meth:`Planner.report`."""
     s, obs = plan.settings, plan.obs
     if with_overhead and plan.overhead is None and plan.problem is not None:
-        plan.overhead = compare_with_daly(plan.problem, plan.schedule)
+        plan.overhead = compare_with_daly(plan.problem, plan.schedule, plan.plain_planner())
     snap = obs.costs.snapshot()
     ahead = list(plan.ahead())
     k = obs.last_step if obs.last_step is not None else s.start_step
@@ -95,7 +101,17 @@ def build_report(plan: Replanner, *, with_overhead: bool) -> PlannerReport:
         last_replan_s=plan.last_replan_s,
         skipped_losses=obs.skipped,
         plan_method=plan.plan_method,
+        termination=describe_termination(s.termination),
+        stop_probability=_stop_probability(plan),
     )
+
+
+def _stop_probability(plan: Replanner) -> float:
+    pb = plan.problem
+    if pb is None or isinstance(pb.termination, NoTermination):
+        return 0.0
+    steps, probs = pb.termination.atoms(pb.start_step, pb.end_step)
+    return float(probs[steps < pb.end_step].sum())
 
 
 def explain_step(plan: Replanner, step: int) -> str:
@@ -140,4 +156,28 @@ def explain_step(plan: Replanner, step: int) -> str:
             f"{ov.daly_wall_s:.1f} s (horizon to step {rep.horizon_end_step}"
             f"{', rolling' if rep.rolling else ''})"
         )
+    if not isinstance(s.termination, NoTermination):
+        lines.append(_termination_line(plan, rep))
     return "\n".join(lines)
+
+
+def _termination_line(plan: Replanner, rep: PlannerReport) -> str:
+    """What the termination hazard does to the plan: the stop probability, and the plan's
+    interval and overhead with the hazard against the plan made without it."""
+    text = (
+        f"  termination hazard: {rep.termination}; P(stopped before step "
+        f"{rep.horizon_end_step}) {rep.stop_probability:.0%}"
+    )
+    ov = rep.expected_overhead
+    plain = None if ov is None else ov.without_termination_steps
+    if ov is None or plain is None or ov.without_termination_objective_s is None:
+        return text + " (a fixed-interval policy: the plan does not use it)"
+    ahead = [x for x in plain if x > rep.step]
+    first = ahead[0] if ahead else None
+    share = ov.termination_share or 0.0
+    return text + (
+        f"; without it the first checkpoint would be at step {first if first else '-'} "
+        f"({len(plain)} planned, here {len(plan.schedule)}), expected overhead "
+        f"{ov.without_termination_objective_s:.1f} s against {ov.objective_s:.1f} s: the "
+        f"hazard accounts for {share:.0%} of the plan's gain over Daly"
+    )

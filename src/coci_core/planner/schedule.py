@@ -46,6 +46,10 @@ class ExpectedOverhead:
         daly_wall_s: Daly's expected wall-clock overhead.
         plan: the plan's full breakdown.
         daly: Daly's full breakdown.
+        without_termination_objective_s: the objective's overhead of the plan made ignoring
+            the termination model, costed with it (None without a termination model).
+        without_termination_wall_s: its wall-clock overhead.
+        without_termination_steps: that plan's checkpoint steps.
     """
 
     objective: str
@@ -55,11 +59,26 @@ class ExpectedOverhead:
     daly_wall_s: float
     plan: CostBreakdown
     daly: CostBreakdown
+    without_termination_objective_s: float | None = None
+    without_termination_wall_s: float | None = None
+    without_termination_steps: tuple[int, ...] | None = None
 
     @property
     def gain_vs_daly(self) -> float:
         """Relative reduction of the objective versus Daly (positive is better)."""
         return 1.0 - self.objective_s / self.daly_objective_s if self.daly_objective_s else 0.0
+
+    @property
+    def termination_share(self) -> float | None:
+        """The share of the plan's gain over Daly that the termination hazard brings: the
+        plan made without it costs ``without_termination_objective_s``; None without one."""
+        plain = self.without_termination_objective_s
+        if plain is None:
+            return None
+        gain = self.daly_objective_s - self.objective_s
+        if gain <= 1e-12:
+            return 0.0
+        return max(0.0, plain - self.objective_s) / gain
 
     def __getitem__(self, key: str) -> float:
         """Mapping-style access: ``overhead["wall_s"]``."""
@@ -131,9 +150,17 @@ def build_curve(loss: Any, start_step: int, end_step: int) -> LossCurve:
     raise ConfigError(f"'loss' must be None, a callable or (steps, losses): {type(loss)!r}")
 
 
-def compare_with_daly(pb: Problem, steps: npt.ArrayLike) -> ExpectedOverhead:
-    """Expected overhead of ``steps`` and of Daly's interval on the same problem."""
+def compare_with_daly(
+    pb: Problem,
+    steps: npt.ArrayLike,
+    without_termination: Callable[[], Sequence[int]] | None = None,
+) -> ExpectedOverhead:
+    """Expected overhead of ``steps`` and of Daly's interval on the same problem (and of the
+    plan that ``without_termination()`` makes ignoring the problem's termination model,
+    costed with it)."""
     plan = expected_cost(pb, steps)
+    plain_steps = None if without_termination is None else tuple(without_termination())
+    plain = None if plain_steps is None else expected_cost(pb, plain_steps)
     daly_t = daly_interval_s(pb.stall_s, 1.0 / pb.mean_rate(pb.start_step, pb.end_step))
     daly = expected_cost(pb, uniform_schedule(pb, daly_t / pb.step_time_s))
     return ExpectedOverhead(
@@ -144,6 +171,9 @@ def compare_with_daly(pb: Problem, steps: npt.ArrayLike) -> ExpectedOverhead:
         daly_wall_s=daly.wall_s,
         plan=plan,
         daly=daly,
+        without_termination_objective_s=None if plain is None else plain.objective(pb.objective),
+        without_termination_wall_s=None if plain is None else plain.wall_s,
+        without_termination_steps=plain_steps,
     )
 
 

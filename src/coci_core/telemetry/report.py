@@ -173,6 +173,30 @@ def facts(summary: RunSummary, total_steps: int | None = None) -> dict[str, Any]
         "lost_steps": sum(summary.lost_steps),
         "steps": total,
         "policies": compare_policies(summary, total) if total > 0 else [],
+        "termination": termination_effect(summary),
+    }
+
+
+def termination_effect(summary: RunSummary) -> dict[str, float] | None:
+    """How much the termination hazard changed the last plan (by its objective): the plan's
+    expected overhead, the same for the plan made without the hazard, Daly's, and the share of
+    the plan's gain over Daly that the hazard brings; None without a termination model."""
+    plan = summary.last_plan
+    ov = plan.get("expected_overhead") if plan is not None else None
+    if not isinstance(ov, dict):
+        return None
+    values = [ov.get(k) for k in ("objective_s", "without_termination_objective_s")]
+    daly = ov.get("daly_objective_s")
+    if not all(isinstance(v, (int, float)) for v in [*values, daly]):
+        return None
+    objective_s, without_s = (float(v) for v in values)  # type: ignore[arg-type]
+    gain = float(daly) - objective_s  # type: ignore[arg-type]
+    share = 0.0 if gain <= 1e-12 else max(0.0, without_s - objective_s) / gain
+    return {
+        "objective_s": objective_s,
+        "without_objective_s": without_s,
+        "daly_objective_s": float(daly),  # type: ignore[arg-type]
+        "share_of_gain": share,
     }
 
 
@@ -186,6 +210,13 @@ def render_facts(f: dict[str, Any]) -> list[str]:
         "measured costs:",
         render_policies(f["policies"]),
     ]
+    t = f.get("termination")
+    if t:
+        lines.append(
+            f"termination hazard: the plan's expected overhead {t['objective_s']:.2f} s by its "
+            f"objective, {t['without_objective_s']:.2f} s for the plan made without it: "
+            f"{t['share_of_gain']:.0%} of its gain over Daly ({t['daly_objective_s']:.2f} s)"
+        )
     return lines
 
 

@@ -197,7 +197,15 @@ class TensorBoardTelemetry:
             raise ConfigError(f"'report' must be a PlannerReport: {report!r}")
         ov = report.expected_overhead
         if ov is not None:
-            self._write(k, [("coci/expected_overhead_s", ov.wall_s)])
+            scalars = [("coci/expected_overhead_s", ov.wall_s)]
+            if ov.without_termination_objective_s is not None:
+                # how much of the plan's change comes from the termination hazard
+                scalars += [
+                    ("coci/termination/stop_probability", report.stop_probability),
+                    ("coci/termination/without_objective_s", ov.without_termination_objective_s),
+                    ("coci/termination/share_of_gain", ov.termination_share or 0.0),
+                ]
+            self._write(k, scalars)
 
     def record_loss(
         self, step: SupportsIndex, loss: SupportsFloat, fitted: SupportsFloat | None = None

@@ -262,14 +262,14 @@ class Checkpointer:
                 logger.exception("coci telemetry sink %r failed", sink)
 
     def _expected_overhead(
-        self, inputs: tuple[Problem, tuple[int, ...]] | None
+        self, inputs: tuple[Problem, tuple[int, ...], Callable[[], tuple[int, ...]] | None] | None
     ) -> ExpectedOverhead | None:
         """The plan's expected overhead against Daly, computed once per plan (a save that
         does not change the plan reuses it: costing takes tens of ms that training shares)."""
         if inputs is None or len(inputs[1]) > _MAX_CHECKPOINTS_COSTED:
             return None
         if self._costed is not None:
-            (problem, steps), overhead = self._costed
+            (problem, steps, _), overhead = self._costed
             if problem is inputs[0] and steps == inputs[1]:
                 return overhead
         overhead = compare_with_daly(*inputs)

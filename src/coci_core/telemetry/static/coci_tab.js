@@ -461,6 +461,8 @@ function summaryTable(f) {
     row('total_stall_s', 'total stall (s)', fmt(f.total_stall_s, 3)),
     row('restarts', 'restarts', String(f.restarts)),
     row('lost_steps', 'lost work (steps)', String(f.lost_steps)),
+    ...(f.termination ? [row('termination', "plan's gain over Daly from the termination hazard",
+      `${Math.round(100 * f.termination.share_of_gain)}%`)] : []),
   ]);
   const policies = el('table', { class: 'coci-summary', id: 'coci-policies' }, [
     el('tr', {}, [

@@ -1,0 +1,514 @@
+"""A real Optuna study under injected failures: the fault-tolerance cost of each save policy.
+
+Run:  python -m benchmarks.hpo_bench [--trials 30] [--seeds 0 1 2] [--pruner median|sha]
+
+Each seed runs the same study once per policy: an Optuna study (random sampler, seeded; a
+median or successive-halving pruner) of ``--trials`` trials, each training the digits CNN on
+CPU in a process of its own (forked from this one), reporting the validation loss after every
+epoch to the study (this process holds the in-memory study and answers ``should_prune`` for
+the trial). Failures are SIGKILLs at exponential times on the study's busy clock (the time
+trial processes run), MTBF ``--mtbf-share`` of the failure-free length of a study of unpruned
+trials (measured: one trial's busy time here x ``--trials``), drawn from the seed: the same
+failure times for every policy. A killed trial is started again at once and resumes from its
+newest checkpoint.
+
+Policies (``coci_core.training.Checkpointer`` in the trial's loop, objective "time", the true
+MTBF given to all): ``coci+term`` (coci's plan with the trial's termination model from the
+study, re-estimated at each report; a pruned trial takes no final save), ``coci`` (no
+termination model; the final save at the stop, as the adapters took before), ``daly``,
+``checkfreq`` and ``epoch`` (every epoch), all with the final save.
+
+Cost per study (seconds): stall (the saves' measured stalls), lost work (the wall time from the
+newest durable checkpoint's state to each kill), restart (from each kill to the resumed trial's
+first step); and the study's best value, which is the same for every policy when resumes are
+exact and the study's decisions do not depend on timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import shutil
+import signal
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import optuna
+import torch
+from tests.harness.digits import DigitsCNN, digits_images
+
+from benchmarks._lib.results import log, run_recorded
+from coci_core.hpo.optuna import STEP_ATTR, per_epoch, study_termination
+from coci_core.planner import Termination
+from coci_core.training import Checkpointer
+
+POLICIES = ("coci+term", "coci", "daly", "checkfreq", "epoch")
+EPOCHS = 8
+BATCH = 64
+TRAIN = 1280  # 20 steps per epoch
+STEPS_PER_EPOCH = TRAIN // BATCH
+TOTAL = EPOCHS * STEPS_PER_EPOCH
+WIDTH = 16
+
+_DATA: dict[str, torch.Tensor] = {}
+
+
+def _data() -> dict[str, torch.Tensor]:
+    if not _DATA:
+        x, y = digits_images()
+        _DATA.update(x=x[:TRAIN], y=y[:TRAIN], vx=x[1400:], vy=y[1400:])
+    return _DATA
+
+
+# --------------------------------------------------------------------------- the trial process
+
+
+@dataclass
+class TrialSpec:
+    """What a trial process needs (pickled into the fork)."""
+
+    number: int
+    lr: float
+    momentum: float
+    policy: str
+    directory: str
+    events: str
+    mtbf_s: float
+    termination: Termination | None
+    stall_s: float = 0.01
+
+
+def _model(spec: TrialSpec) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(1000 + spec.number)
+    model = DigitsCNN(WIDTH)
+    opt = torch.optim.SGD(model.parameters(), lr=spec.lr, momentum=spec.momentum)
+    return model, opt
+
+
+def _batch(step: int, number: int) -> torch.Tensor:
+    """The indices of training step ``step`` (1-based): a seeded permutation per epoch, so a
+    resumed trial sees exactly the batches it would have."""
+    epoch, i = divmod(step - 1, STEPS_PER_EPOCH)
+    g = torch.Generator().manual_seed(number * 1000 + epoch)
+    return torch.randperm(TRAIN, generator=g)[i * BATCH : (i + 1) * BATCH]
+
+
+def _validate(model: torch.nn.Module) -> float:
+    d = _data()
+    with torch.no_grad():
+        return float(torch.nn.functional.cross_entropy(model(d["vx"]), d["vy"]))
+
+
+def trial_process(spec: TrialSpec, conn: multiprocessing.connection.Connection) -> None:
+    """Train one trial (from its newest checkpoint if any), reporting each epoch to the parent
+    over ``conn``; write step and save events to ``spec.events``."""
+    torch.set_num_threads(1)
+    events = open(spec.events, "a", buffering=1)  # noqa: SIM115 (kept open until killed)
+
+    def write(**fields: Any) -> None:
+        events.write(json.dumps(fields) + "\n")
+
+    def on_event(event: Any) -> None:
+        if getattr(event, "outcome", None) == "committed" and hasattr(event, "stall_s"):
+            write(committed=event.step, stall=event.stall_s, t=time.time())
+
+    d = _data()
+    model, opt = _model(spec)
+    name = "coci" if spec.policy == "coci+term" else spec.policy
+    # every planner starts from the stall measured once here (a new trial's planner has not
+    # measured one yet; the default assumes a large model's and plans almost no save)
+    options: dict[str, Any] = {"total_steps": TOTAL, "default_stall_s": spec.stall_s}
+    if name == "epoch":
+        options["steps_per_epoch"] = STEPS_PER_EPOCH
+    if spec.policy == "coci+term" and spec.termination is not None:
+        options["termination"] = spec.termination
+    ckpt = Checkpointer(
+        spec.directory,
+        policy=name,
+        objective="time",
+        mtbf_s=spec.mtbf_s,
+        keep_last=2,
+        compression="none",
+        planner_options=options,
+        listeners=[on_event],
+    )
+    start = 0
+    if ckpt.latest_step() is not None:
+        state = ckpt.restore(into={"model": model, "optim": opt})
+        ckpt.load_state_dict(state.get("coci", {}))
+        start = int(ckpt.resumed_from or 0)
+    write(ready=start, t=time.time())
+    conn.send(("ready",))
+
+    def state() -> dict[str, Any]:
+        return {"model": model.state_dict(), "optim": opt.state_dict(), "coci": ckpt.state_dict()}
+
+    def final(step: int, final_save: bool) -> None:
+        if final_save and ckpt.resumed_from != step and step > start:
+            write(final=step)
+            ckpt.save(step, state(), block=True).wait()
+        ckpt.close()
+
+    for k in range(start + 1, TOTAL + 1):
+        t = time.perf_counter()
+        idx = _batch(k, spec.number)
+        loss = torch.nn.functional.cross_entropy(model(d["x"][idx]), d["y"][idx])
+        loss.backward()
+        ckpt.before_update()
+        opt.step()
+        opt.zero_grad()
+        t_plan = time.perf_counter()
+        ckpt.observe(k, loss=float(loss.detach()), step_time_s=t_plan - t)
+        planning = time.perf_counter() - t_plan
+        if k % STEPS_PER_EPOCH == 0:
+            value = _validate(model)
+            conn.send(("report", k // STEPS_PER_EPOCH - 1, value, k))
+            prune, termination = conn.recv()
+            if termination is not None and spec.policy == "coci+term":
+                t_plan = time.perf_counter()
+                ckpt.planner.set_termination(termination)
+                planning += time.perf_counter() - t_plan
+            if prune:
+                final(k, final_save=spec.policy != "coci+term")
+                conn.send(("pruned",))
+                return
+        t_plan = time.perf_counter()
+        save = ckpt.should_save(k)
+        write(step=k, t=time.time(), planning=planning + time.perf_counter() - t_plan)
+        if save:
+            ckpt.save(k, state())
+    value = _validate(model)  # also when it resumed from its last step
+    final(TOTAL, final_save=True)
+    conn.send(("done", value))
+
+
+# --------------------------------------------------------------------------- the study driver
+
+
+@dataclass
+class Costs:
+    """One study's fault-tolerance cost (seconds) and outcome."""
+
+    stall_s: float = 0.0
+    final_stall_s: float = 0.0
+    planning_s: float = 0.0
+    lost_s: float = 0.0
+    restart_s: float = 0.0
+    kills: int = 0
+    saves: int = 0
+    busy_s: float = 0.0
+    best_value: float = math.nan
+    pruned: int = 0
+    values: list[float] = field(default_factory=list)
+
+    @property
+    def total_s(self) -> float:
+        return self.stall_s + self.planning_s + self.lost_s + self.restart_s
+
+
+def _read_events(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut by the kill
+            continue
+    return out
+
+
+class FailureClock:
+    """Failures at exponential times on the study's busy clock (seeded)."""
+
+    def __init__(self, mtbf_s: float, seed: int) -> None:
+        self.rng = np.random.default_rng([seed, 19])
+        self.mtbf_s = mtbf_s
+        self.next = float(self.rng.exponential(mtbf_s)) if math.isfinite(mtbf_s) else math.inf
+
+    def advance(self) -> None:
+        self.next += float(self.rng.exponential(self.mtbf_s))
+
+
+def _termination(study: optuna.Study, trial: optuna.trial.BaseTrial) -> Termination:
+    return study_termination(
+        study,
+        trial=trial,
+        train_step_of=per_epoch(STEPS_PER_EPOCH),
+        min_trials=3,
+        max_report_step=EPOCHS - 1,
+    )
+
+
+def run_trial(
+    study: optuna.Study,
+    trial: optuna.Trial,
+    policy: str,
+    root: Path,
+    clock: FailureClock,
+    costs: Costs,
+    mtbf_s: float,
+    stall_s: float = 0.01,
+) -> None:
+    """Run one trial to its end (completed or pruned), through any number of kills."""
+    ctx = mp.get_context("fork")
+    directory = root / f"trial-{trial.number}"
+    events = root / f"trial-{trial.number}.jsonl"
+    lr = trial.suggest_float("lr", 1e-3, 0.5, log=True)
+    momentum = trial.suggest_float("momentum", 0.0, 0.95)
+    killed_at: float | None = None
+    decided: dict[int, bool] = {}
+    while True:
+        spec = TrialSpec(
+            trial.number,
+            lr,
+            momentum,
+            policy,
+            str(directory),
+            str(events),
+            mtbf_s,
+            _termination(study, trial) if policy == "coci+term" else None,
+            stall_s,
+        )
+        parent, child = ctx.Pipe()
+        launched = time.time()
+        proc = ctx.Process(target=trial_process, args=(spec, child), daemon=True)
+        proc.start()
+        child.close()
+        outcome: tuple[Any, ...] | None = None
+        kill_time: float | None = None
+        while outcome is None:
+            remaining = clock.next - (costs.busy_s + time.time() - launched)
+            if remaining <= 0:
+                os.kill(proc.pid, signal.SIGKILL)  # type: ignore[arg-type]
+                kill_time = time.time()
+                break
+            if not parent.poll(None if math.isinf(remaining) else remaining):
+                continue
+            try:
+                msg = parent.recv()
+            except EOFError:
+                raise RuntimeError(f"trial {trial.number} died (exit {proc.exitcode})") from None
+            if msg[0] == "ready" and killed_at is not None:
+                ready = [e for e in _read_events(events) if "ready" in e]
+                costs.restart_s += ready[-1]["t"] - killed_at
+                killed_at = None
+            elif msg[0] == "report":
+                _, epoch, value, step = msg
+                # a resumed trial reports its epoch again: the study's answer stands (a
+                # successive-halving pruner asked twice at a rung moves on to the next rung)
+                if epoch not in decided:
+                    trial.set_user_attr(STEP_ATTR, int(step))
+                    trial.report(value, epoch)
+                    decided[epoch] = trial.should_prune()
+                prune = decided[epoch]
+                term = _termination(study, trial) if policy == "coci+term" else None
+                parent.send((prune, term))
+            elif msg[0] in ("pruned", "done"):
+                outcome = msg
+        proc.join()
+        parent.close()
+        costs.busy_s += (kill_time or time.time()) - launched
+        if kill_time is None:
+            assert outcome is not None
+            if outcome[0] == "pruned":
+                costs.pruned += 1
+                study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+            else:
+                costs.values.append(float(outcome[1]))
+                study.tell(trial, float(outcome[1]))
+            break
+        # killed: the work since the newest durable checkpoint is lost
+        costs.kills += 1
+        clock.advance()
+        log_ = _read_events(events)
+        mine = [i for i, e in enumerate(log_) if "ready" in e and e["t"] >= launched]
+        if not mine:  # killed before it was ready: its start was restart time too
+            if killed_at is None:
+                costs.restart_s += kill_time - launched
+                killed_at = kill_time
+            continue
+        ready = log_[mine[0]]
+        durable = max((e["committed"] for e in log_ if "committed" in e), default=0)
+        reached = ready["t"]
+        if durable > ready["ready"]:
+            reached = next(
+                (e["t"] for e in log_[mine[0] :] if e.get("step") == durable), ready["t"]
+            )
+        costs.lost_s += max(0.0, kill_time - reached)
+        killed_at = kill_time
+    entries = _read_events(events)
+    finals = {e["final"] for e in entries if "final" in e}
+    for e in entries:
+        if "committed" in e:
+            costs.saves += 1
+            costs.stall_s += e["stall"]
+            if e["committed"] in finals:
+                costs.final_stall_s += e["stall"]
+        if "planning" in e:
+            costs.planning_s += e["planning"]
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def run_study(
+    policy: str, seed: int, args: argparse.Namespace, root: Path, mtbf_s: float, stall_s: float
+) -> Costs:
+    """One study under one policy; the failures and the sampler come from ``seed``."""
+    pruner: optuna.pruners.BasePruner = (
+        optuna.pruners.MedianPruner(n_startup_trials=4, n_warmup_steps=1)
+        if args.pruner == "median"
+        else optuna.pruners.SuccessiveHalvingPruner(min_resource=1, reduction_factor=3)
+    )
+    study = optuna.create_study(
+        sampler=optuna.samplers.RandomSampler(seed=seed), pruner=pruner, study_name="digits"
+    )
+    clock = FailureClock(mtbf_s, seed)
+    costs = Costs()
+    work = root / f"{policy}-{seed}"
+    work.mkdir(parents=True)
+    for _ in range(args.trials):
+        trial = study.ask()
+        run_trial(study, trial, policy, work, clock, costs, mtbf_s, stall_s)
+    costs.best_value = study.best_value
+    # the final saves' stalls are part of the saves' stalls (committed events)
+    return costs
+
+
+def warm_up() -> None:
+    """Import here, before any fork, what torch imports lazily on the first optimizer and
+    backward (seconds of imports): a restarted trial is a fork of a warm process."""
+    spec = TrialSpec(0, 0.05, 0.9, "epoch", "", "", 1.0, None)
+    model, opt = _model(spec)
+    d = _data()
+    idx = _batch(1, 0)
+    torch.nn.functional.cross_entropy(model(d["x"][idx]), d["y"][idx]).backward()
+    opt.step()
+    opt.zero_grad()
+    _validate(model)
+
+
+def calibrate(root: Path) -> tuple[float, float]:
+    """The failure-free busy time of one unpruned trial here (the unit of the MTBF) and the
+    median stall of its saves (every epoch), in seconds."""
+    study = optuna.create_study(pruner=optuna.pruners.NopPruner())
+    study.enqueue_trial({"lr": 0.05, "momentum": 0.9})
+    clock = FailureClock(math.inf, 0)
+    costs = Costs()
+    work = root / "calibration"
+    work.mkdir(parents=True)
+    run_trial(study, study.ask(), "epoch", work, clock, costs, 3600.0)
+    stalls = [e["stall"] for e in _read_events(work / "trial-0.jsonl") if "committed" in e]
+    return costs.busy_s, statistics.median(stalls)
+
+
+def _spread(xs: list[float]) -> str:
+    if len(xs) < 2:
+        return f"{xs[0]:.1f}" if xs else "-"
+    return f"{statistics.mean(xs):.1f} ± {statistics.stdev(xs):.1f}"
+
+
+def table(res: dict[str, Any]) -> str:
+    """The results as a markdown table (mean ± standard deviation over the seeds)."""
+    rows = [
+        "| policy | total cost (s) | stall (s) | of it final saves (s) | planning (s) | "
+        "lost work (s) | restart (s) | kills | saves | best value | vs Daly | vs CheckFreq |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    runs = res["runs"]
+
+    def mean_total(p: str) -> float:
+        return statistics.mean(r["total_s"] for r in runs if r["policy"] == p)
+
+    for p in res["policies"]:
+        rs = [r for r in runs if r["policy"] == p]
+        if not rs:
+            continue
+        best = sorted({round(r["best_value"], 6) for r in rs})
+        vs = {
+            q: f"{100 * (mean_total(p) / mean_total(q) - 1):+.0f}%" if q in res["policies"] else "-"
+            for q in ("daly", "checkfreq")
+        }
+        rows.append(
+            f"| {p} | {_spread([r['total_s'] for r in rs])} | "
+            f"{_spread([r['stall_s'] for r in rs])} | "
+            f"{_spread([r['final_stall_s'] for r in rs])} | "
+            f"{_spread([r['planning_s'] for r in rs])} | "
+            f"{_spread([r['lost_s'] for r in rs])} | {_spread([r['restart_s'] for r in rs])} | "
+            f"{_spread([float(r['kills']) for r in rs])} | "
+            f"{_spread([float(r['saves']) for r in rs])} | "
+            f"{', '.join(f'{b:.4f}' for b in best)} | {vs['daly']} | {vs['checkfreq']} |"
+        )
+    return "\n".join(rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--trials", type=int, default=30)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+    ap.add_argument("--pruner", choices=("median", "sha"), default="median")
+    ap.add_argument(
+        "--mtbf-share",
+        type=float,
+        default=0.05,
+        help="MTBF as a share of the failure-free length of a study of unpruned trials",
+    )
+    ap.add_argument("--out-dir", default=None, help="where the result file goes")
+    args = ap.parse_args()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    torch.set_num_threads(1)
+    warm_up()
+
+    def run(scratch: Path) -> dict[str, Any]:
+        trial_s, stall_s = calibrate(scratch)
+        mtbf_s = args.mtbf_share * trial_s * args.trials
+        log(
+            f"one trial {trial_s:.2f} s, a save's stall {stall_s * 1e3:.1f} ms; MTBF "
+            f"{mtbf_s:.1f} s of busy time"
+        )
+        runs = []
+        for seed in args.seeds:
+            for policy in args.policies:
+                t0 = time.perf_counter()
+                c = run_study(policy, seed, args, scratch, mtbf_s, stall_s)
+                log(
+                    f"seed {seed} {policy}: total {c.total_s:.1f} s (stall {c.stall_s:.1f}, "
+                    f"lost {c.lost_s:.1f}, restart {c.restart_s:.1f}), {c.kills} kills, "
+                    f"{c.saves} saves, {c.pruned} pruned, best {c.best_value:.4f} "
+                    f"({time.perf_counter() - t0:.0f} s)"
+                )
+                runs.append(
+                    {
+                        "policy": policy,
+                        "seed": seed,
+                        "total_s": c.total_s,
+                        **{k: v for k, v in c.__dict__.items() if k != "values"},
+                    }
+                )
+        return {
+            "trial_s": trial_s,
+            "stall_s": stall_s,
+            "mtbf_s": mtbf_s,
+            "trials": args.trials,
+            "epochs": EPOCHS,
+            "steps_per_epoch": STEPS_PER_EPOCH,
+            "pruner": args.pruner,
+            "policies": args.policies,
+            "runs": runs,
+        }
+
+    res, path = run_recorded("hpo", run, out_dir=args.out_dir)
+    print(table(res))
+    log(f"results: {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,175 @@
+"""The Optuna integration on real (in-memory) studies: Kaplan-Meier from pruned and completed
+trials, the pruner's rungs with no history, the planner taking the estimate, clean-up."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import optuna
+import pytest
+
+from coci_core.hpo import StoppedRun, kaplan_meier
+from coci_core.hpo.optuna import (
+    EARLY_STOPPED_ATTR,
+    STEP_ATTR,
+    CheckpointCleanup,
+    per_epoch,
+    planner_options,
+    pruner_rungs,
+    report,
+    should_prune,
+    study_runs,
+    study_termination,
+)
+from coci_core.planner import AshaRungs, NoTermination, Planner, StopDistribution
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+REPORTS = 12
+STEPS_PER_REPORT = 50
+
+
+def _objective(trial: optuna.Trial) -> float:
+    """A synthetic training curve: the loss decays to a floor set by the 'lr' parameter."""
+    lr = trial.suggest_float("lr", 1e-3, 1.0, log=True)
+    floor = abs(math.log10(lr) + 1.5)
+    value = float("nan")
+    for r in range(REPORTS):
+        value = floor + 2.0 * math.exp(-0.4 * r)
+        report(trial, value, r, train_step=(r + 1) * STEPS_PER_REPORT)
+        if trial.should_prune():
+            raise optuna.TrialPruned
+    return value
+
+
+def _study(pruner: optuna.pruners.BasePruner, n_trials: int) -> optuna.Study:
+    study = optuna.create_study(
+        sampler=optuna.samplers.RandomSampler(seed=0), pruner=pruner, study_name="t"
+    )
+    study.optimize(_objective, n_trials=n_trials)
+    return study
+
+
+def test_kaplan_meier_matches_the_hand_computed_estimate() -> None:
+    # 4 runs: stopped at 10, censored at 20, stopped at 30, censored at 40
+    runs = [
+        StoppedRun(10, True),
+        StoppedRun(20, False),
+        StoppedRun(30, True),
+        StoppedRun(40, False),
+    ]
+    km = kaplan_meier(runs)
+    # S after 10: 3/4; after 30: 3/4 * (1 - 1/2) = 3/8
+    assert km.steps == (10, 30)
+    assert km.probabilities == pytest.approx((0.25, 0.375))
+    assert km.survival([10, 11, 30, 31, 1000]).tolist() == pytest.approx(
+        [1, 0.75, 0.75, 0.375, 0.375]
+    )
+
+
+def test_a_median_pruned_study_gives_its_trials_a_kaplan_meier_termination() -> None:
+    study = _study(optuna.pruners.MedianPruner(n_startup_trials=3, n_warmup_steps=2), 20)
+    pruned = [t for t in study.trials if t.state == optuna.trial.TrialState.PRUNED]
+    assert pruned, "the synthetic study must prune some trials"
+    new = study.ask()
+    term = study_termination(study, trial=new)
+    assert isinstance(term, StopDistribution)
+    # every pruned trial's recorded training step is a stop step, and only those
+    assert set(term.steps) == {t.user_attrs[STEP_ATTR] for t in pruned}
+    share = len(pruned) / 20
+    # nothing is censored before the last step, so the estimate is the empirical share
+    assert term.stop_probability == pytest.approx(share)
+    assert "Kaplan-Meier" in term.source
+    # the planner takes it and plans with it
+    p = Planner(
+        total_steps=REPORTS * STEPS_PER_REPORT,
+        step_time_s=0.1,
+        stall_s=0.5,
+        mtbf_s=600.0,
+        **{k: v for k, v in planner_options(new).items()},
+    )
+    assert p.termination == term
+    for k in range(1, 10):
+        p.observe(k, loss=1.0 / k, step_time_s=0.1)
+    assert p.report().stop_probability == pytest.approx(share, abs=0.02)
+
+
+def test_the_estimate_is_refreshed_as_the_study_grows() -> None:
+    study = _study(optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=1), 6)
+    first = study_termination(study)
+    study.optimize(_objective, n_trials=14)
+    second = study_termination(study)
+    assert isinstance(first, StopDistribution) and isinstance(second, StopDistribution)
+    assert len(study_runs(study)) == 20
+    assert first != second
+
+
+def test_no_history_falls_back_to_the_successive_halving_rungs() -> None:
+    pruner = optuna.pruners.SuccessiveHalvingPruner(min_resource=1, reduction_factor=3)
+    study = optuna.create_study(pruner=pruner)
+    term = study_termination(study, train_step_of=per_epoch(100), max_report_step=12)
+    # report steps 1, 3, 9 (below 12), reported at the end of epochs 1, 3, 9: steps 200, 400, 1000
+    assert term == AshaRungs(rung_steps=(200, 400, 1000), reduction_factor=3.0)
+    hyper = pruner_rungs(optuna.pruners.HyperbandPruner(min_resource=2, max_resource=20))
+    assert hyper == AshaRungs(rung_steps=(2, 6, 18), reduction_factor=3.0)
+    assert isinstance(pruner_rungs(optuna.pruners.MedianPruner()), NoTermination)
+    assert isinstance(pruner_rungs(optuna.pruners.SuccessiveHalvingPruner()), NoTermination)
+
+
+def test_a_successive_halving_study_is_estimated_from_its_history() -> None:
+    pruner = optuna.pruners.SuccessiveHalvingPruner(min_resource=1, reduction_factor=3)
+    study = _study(pruner, 24)
+    term = study_termination(study)
+    assert isinstance(term, StopDistribution)
+    pruned_steps = {
+        t.user_attrs[STEP_ATTR] for t in study.trials if t.state == optuna.trial.TrialState.PRUNED
+    }
+    assert set(term.steps) == pruned_steps
+    # successive halving prunes at its rungs: report steps 1, 3, 9 (training steps 100, 200, 500)
+    assert pruned_steps <= {100, 200, 500}
+    surv = term.survival(np.array([1, 101, 201, 501]))
+    assert np.all(np.diff(surv) <= 0) and surv[-1] < 1
+
+
+def test_cleanup_deletes_pruned_and_early_stopped_trials_but_keeps_the_best(
+    tmp_path: Path,
+) -> None:
+    def directory_of(trial: optuna.trial.FrozenTrial) -> Path:
+        return tmp_path / f"trial-{trial.number}"
+
+    def objective(trial: optuna.Trial) -> float:
+        directory_of(trial).mkdir()  # type: ignore[arg-type]
+        (directory_of(trial) / "step").write_text("x")  # type: ignore[arg-type]
+        value = [5.0, 3.0, 4.0, 1.0, 2.0][trial.number]
+        if trial.number == 2:
+            raise optuna.TrialPruned
+        trial.set_user_attr(EARLY_STOPPED_ATTR, trial.number != 4)  # 4 ran to its end
+        return value
+
+    cleanup = CheckpointCleanup(directory_of)
+    study = optuna.create_study()
+    study.optimize(objective, n_trials=5, callbacks=[cleanup])
+    left = sorted(p.name for p in tmp_path.iterdir())
+    # 0 (worse), 1 (best until 3), 2 (pruned) deleted; 3 is the best; 4 ran to its end
+    assert left == ["trial-3", "trial-4"]
+    assert sorted(cleanup.deleted) == [0, 1, 2]
+
+
+def test_a_resumed_trial_asking_again_gets_the_studys_first_answer() -> None:
+    pruner = optuna.pruners.SuccessiveHalvingPruner(min_resource=1, reduction_factor=2)
+    study = optuna.create_study(pruner=pruner)
+    for value in (0.2, 0.1):  # each better than the ones before: promoted
+        trial = study.ask()
+        report(trial, value, 1, train_step=100)
+        assert not should_prune(trial, 1)
+        study.tell(trial, value)
+    bad = study.ask()
+    report(bad, 9.0, 1, train_step=100)
+    assert should_prune(bad, 1)  # the worst of three at the rung
+    # a resumed process reports step 1 again: the same answer (Optuna's own second answer
+    # would judge the next rung and let it go on)
+    report(bad, 9.0, 1, train_step=100)
+    assert should_prune(bad, 1)
+    assert not bad.should_prune()  # what asking Optuna again gives
