@@ -378,3 +378,19 @@ def test_a_save_handle_is_used_like_a_future(tmp_path: Path) -> None:
     with pytest.raises(BackgroundSaveError, match="step 1 failed"):
         failed.result()
     mgr.close()  # reported through the handle: close does not raise it again
+
+
+def test_a_restore_reports_where_its_time_went(tmp_path: Path) -> None:
+    """RestoreEvent splits the restore: reading, verifying, decoding, loading into the model."""
+    model = torch.nn.Linear(512, 512)
+    with CheckpointManager(tmp_path, compression="none") as mgr:
+        mgr.save(1, {"model": model.state_dict()})
+    fresh = torch.nn.Linear(512, 512)
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.restore(into={"model": fresh})
+        event = mgr.last_restore
+    assert event is not None
+    assert event.read_s > 0 and event.verify_s > 0 and event.load_s > 0
+    assert event.decode_s == 0.0  # nothing was compressed
+    assert event.seconds >= event.read_s + event.verify_s + event.load_s
+    assert torch.equal(fresh.weight, model.weight)

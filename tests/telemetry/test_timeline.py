@@ -42,7 +42,8 @@ RECORDS = [
     _loss(27, 127.0),
     _loss(28, 128.0),
     {"type": "progress", "step": 29, "time": 129.0},
-    {"type": "restore", "step": 25, "seconds": 1.5, "bytes_read": 10, "time": 140.0},
+    {"type": "restore", "step": 25, "seconds": 1.5, "bytes_read": 10, "time": 140.0}
+    | {"read_s": 1.0, "verify_s": 0.2, "decode_s": 0.0, "load_s": 0.3},
     _plan(26, [35], 141.0),
     {"type": "restart", "step": 25, "seconds": 9.0, "restore_s": 1.5, "time": 141.5}
     | {"since": "process start", "tier": "local"},
@@ -92,6 +93,7 @@ def test_timeline_of_a_killed_and_resumed_run(tmp_path: Path) -> None:
         "failed_at": 29,
         "lost_steps": 4,
         "restore_s": 1.5,
+        "restore_parts_s": {"read": 1.0, "verify": 0.2, "decode": 0.0, "load": 0.3},
         "restart_s": 9.0,
         "restart_since": "process start",
         "time": 140.0,
@@ -153,5 +155,6 @@ def test_report_plot_draws_the_timeline(tmp_path: Path, capsys: pytest.CaptureFi
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 20_000
     text = capsys.readouterr().out
     assert "lost work: 4 steps over 1 restarts" in text
+    assert "restored step 25 in 1.50 s (read 1.00, verify 0.20, load 0.30 s)" in text
     assert "first step 9.0 s after process start" in text
     assert f"timeline drawn to {out}" in text

@@ -804,7 +804,12 @@ class CheckpointManager:
         if targets is not None:
             targets.check(loaded.step)
         if into is not None:
+            started = time.perf_counter()
             _load_into(loaded.state, into)
+            load_s = time.perf_counter() - started
+            self.last_restore = dataclasses.replace(
+                self.last_restore, seconds=self.last_restore.seconds + load_s, load_s=load_s
+            )
         self.run_id = loaded.manifest.run  # later saves continue the restored run
         emit(self.listeners, self.last_restore)
         return loaded.state

@@ -104,36 +104,69 @@ class _Crc:
         self.value = crc32c.crc32c(chunk, self.value)
 
 
-def read_checked(storage: Storage, path: str, offset: int, view: memoryview) -> int:
-    """Fill ``view`` from ``path`` at ``offset``; return the crc32c of what was read.
+@dataclass
+class RestoreTimes:
+    """Where a restore's time went (seconds, summed over its pieces): reading the bytes,
+    verifying their checksums, and decoding compressed pieces."""
+
+    read_s: float = 0.0
+    verify_s: float = 0.0
+    decode_s: float = 0.0
+
+
+def read_checked(
+    storage: Storage,
+    path: str,
+    offset: int,
+    view: memoryview,
+    times: RestoreTimes | None = None,
+) -> int:
+    """Fill ``view`` from ``path`` at ``offset``; return the crc32c of what was read (and add
+    the time spent reading and checksumming to ``times``).
 
     From local storage (whose ``read_into`` is not overridden), a piece of
     :data:`CHUNKED_MIN_BYTES` or more is read in :data:`READ_CHUNK_BYTES` reads (see
     :meth:`LocalStorage.read_chunks`), each checksummed after it (or, with
     :data:`OVERLAP_CHECKSUMS`, while the next one is read)."""
+    times = times if times is not None else RestoreTimes()
     if (
         isinstance(storage, LocalStorage)
         and type(storage).read_into is LocalStorage.read_into
         and len(view) >= CHUNKED_MIN_BYTES
     ):
-        return _read_chunked(storage, path, offset, view)
+        return _read_chunked(storage, path, offset, view, times)
+    started = time.perf_counter()
     storage.read_into(path, offset, view)
-    return int(crc32c.crc32c(view))
+    read = time.perf_counter()
+    crc = int(crc32c.crc32c(view))
+    times.read_s += read - started
+    times.verify_s += time.perf_counter() - read
+    return crc
 
 
-def _read_chunked(storage: LocalStorage, path: str, offset: int, view: memoryview) -> int:
+def _read_chunked(
+    storage: LocalStorage, path: str, offset: int, view: memoryview, times: RestoreTimes
+) -> int:
     crc = _Crc()
     worker = _crc_worker() if OVERLAP_CHECKSUMS else None
     last: Future[None] | None = None
+    verify = 0.0
+    started = time.perf_counter()
     try:
         for chunk in storage.read_chunks(path, offset, view, READ_CHUNK_BYTES):
+            t = time.perf_counter()
             if worker is None:
                 crc.add(chunk)
             else:
                 last = worker.submit(crc.add, chunk)
+            verify += time.perf_counter() - t
     finally:
         if last is not None:
+            t = time.perf_counter()
             last.result()  # the chunks before it ran first (one thread, in order)
+            verify += time.perf_counter() - t
+    times.verify_s += verify
+    times.read_s += time.perf_counter() - started - verify
     return crc.value
 
 
@@ -241,6 +274,7 @@ class _Reader:
 
     def __init__(self, storage: Storage) -> None:
         self.storage = storage
+        self.times = RestoreTimes()
         self._manifests: dict[int, Manifest | CheckpointError] = {}
         self._by_key: dict[int, dict[str, TensorEntry]] = {}
         self._sizes: dict[tuple[int, str], int | StorageError | None] = {}
@@ -458,7 +492,11 @@ class _Reader:
             view = stored.numpy().data
             try:
                 crc = read_checked(
-                    self.storage, f"{step_dir_name(step)}/{piece.file}", piece.offset, view
+                    self.storage,
+                    f"{step_dir_name(step)}/{piece.file}",
+                    piece.offset,
+                    view,
+                    self.times,
                 )
             except StorageError as e:
                 raise CorruptCheckpointError(
@@ -479,12 +517,15 @@ class _Reader:
                 if needs_base(piece.params):
                     whole = bases[piece.params["base_step"]]
                     base = whole[piece.start : piece.start + piece.length].numpy()
+                started = time.perf_counter()
                 try:
                     decode(stored.numpy(), piece.params, target.numpy(), base)
                 except CorruptCheckpointError as e:
                     raise CorruptCheckpointError(
                         f"step {step}: {entry.key!r}: {e}", step=step, bad=[entry.key]
                     ) from e
+                finally:
+                    self.times.decode_s += time.perf_counter() - started
         return out
 
 
@@ -727,12 +768,16 @@ def restore_newest(
         raise CorruptCheckpointError(
             f"no intact checkpoint in {storage.url}: " + "; ".join(errors), bad=[]
         )
+    times = cache._reader.times
     event = RestoreEvent(
         step=loaded.step,
         seconds=time.perf_counter() - started,
         bytes_read=loaded.bytes_read,
         skipped_steps=tuple(skipped),
         rank_state_restored=loaded.rank_state_restored,
+        read_s=times.read_s,
+        verify_s=times.verify_s,
+        decode_s=times.decode_s,
     )
     logger.info(
         "coci: restored step %d from %s (%.1f MB, %.3f s)",

@@ -286,9 +286,20 @@ def render(
             else f"; first step {_num(whole.get('seconds'), '.1f', unknown='?')} s after "
             f"{whole.get('since', 'process start')}"
         )
+        parts = ", ".join(
+            f"{name} {r[key]:.2f}"
+            for name, key in (
+                ("read", "read_s"),
+                ("verify", "verify_s"),
+                ("decode", "decode_s"),
+                ("load", "load_s"),
+            )
+            if isinstance(r.get(key), (int, float)) and r[key] > 0
+        )
         lines.append(
             f"restart: restored step {r['step']} in {_num(r.get('seconds'), '.2f', unknown='?')}"
-            f" s{took}; about {lost} steps of work were lost and redone"
+            f" s{f' ({parts} s)' if parts else ''}{took}; about {lost} steps of work were lost "
+            "and redone"
         )
     plan = summary.last_plan
     if plan is not None:

@@ -265,6 +265,11 @@ def from_summary(summary: RunSummary, directory: str, name: str | None = None) -
                 "failed_at": restart.failed_at,
                 "lost_steps": restart.lost_steps,
                 "restore_s": _num(restore.get("seconds")),
+                "restore_parts_s": {
+                    k[:-2]: _num(restore.get(k))
+                    for k in ("read_s", "verify_s", "decode_s", "load_s")
+                    if _num(restore.get(k)) is not None
+                },
                 "restart_s": _num((whole or restore).get("seconds")),
                 "restart_since": None if whole is None else whole.get("since"),
                 "time": _num(restore.get("time")),

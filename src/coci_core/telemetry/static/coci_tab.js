@@ -356,6 +356,8 @@ function timelineSvg(data, axis, W) {
           'text-anchor': 'end' }, `↻ restart from step ${r.restored}`),
         title(`restarted from the checkpoint of step ${r.restored}; restore took ` +
           `${fmt(r.restore_s)} s` +
+          (Object.keys(r.restore_parts_s || {}).length ? ' (' + Object.entries(r.restore_parts_s)
+            .map(([k, v]) => `${k} ${fmt(v)} s`).join(', ') + ')' : '') +
           (r.restart_since ? `, first step ${fmt(r.restart_s)} s after ${r.restart_since}` : '') +
           `; ${r.lost_steps} steps of work lost`),
       );
