@@ -177,6 +177,10 @@ def facts(summary: RunSummary, total_steps: int | None = None) -> dict[str, Any]
     }
 
 
+def _float(x: object) -> float | None:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+
 def termination_effect(summary: RunSummary) -> dict[str, float] | None:
     """How much the termination hazard changed the last plan (by its objective): the plan's
     expected overhead, the same for the plan made without the hazard, Daly's, and the share of
@@ -185,17 +189,17 @@ def termination_effect(summary: RunSummary) -> dict[str, float] | None:
     ov = plan.get("expected_overhead") if plan is not None else None
     if not isinstance(ov, dict):
         return None
-    values = [ov.get(k) for k in ("objective_s", "without_termination_objective_s")]
-    daly = ov.get("daly_objective_s")
-    if not all(isinstance(v, (int, float)) for v in [*values, daly]):
+    objective_s = _float(ov.get("objective_s"))
+    without_s = _float(ov.get("without_termination_objective_s"))
+    daly_s = _float(ov.get("daly_objective_s"))
+    if objective_s is None or without_s is None or daly_s is None:
         return None
-    objective_s, without_s = (float(v) for v in values)  # type: ignore[arg-type]
-    gain = float(daly) - objective_s  # type: ignore[arg-type]
+    gain = daly_s - objective_s
     share = 0.0 if gain <= 1e-12 else max(0.0, without_s - objective_s) / gain
     return {
         "objective_s": objective_s,
         "without_objective_s": without_s,
-        "daly_objective_s": float(daly),  # type: ignore[arg-type]
+        "daly_objective_s": daly_s,
         "share_of_gain": share,
     }
 
