@@ -75,10 +75,7 @@ class ExpectedOverhead:
         plain = self.without_termination_objective_s
         if plain is None:
             return None
-        gain = self.daly_objective_s - self.objective_s
-        if gain <= 1e-12:
-            return 0.0
-        return max(0.0, plain - self.objective_s) / gain
+        return termination_share(self.objective_s, plain, self.daly_objective_s)
 
     def __getitem__(self, key: str) -> float:
         """Mapping-style access: ``overhead["wall_s"]``."""
@@ -86,6 +83,15 @@ class ExpectedOverhead:
         if not isinstance(value, float):
             raise KeyError(key)
         return value
+
+
+def termination_share(objective_s: float, without_s: float, daly_s: float) -> float:
+    """The share of a plan's gain over Daly (``daly_s - objective_s``) that its termination
+    hazard brings, given the plan made without the hazard costs ``without_s``."""
+    gain = daly_s - objective_s
+    if gain <= 1e-12:
+        return 0.0
+    return max(0.0, without_s - objective_s) / gain
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)

@@ -194,13 +194,13 @@ def termination_effect(summary: RunSummary) -> dict[str, float] | None:
     daly_s = _float(ov.get("daly_objective_s"))
     if objective_s is None or without_s is None or daly_s is None:
         return None
-    gain = daly_s - objective_s
-    share = 0.0 if gain <= 1e-12 else max(0.0, without_s - objective_s) / gain
+    from coci_core.planner.schedule import termination_share
+
     return {
         "objective_s": objective_s,
         "without_objective_s": without_s,
         "daly_objective_s": daly_s,
-        "share_of_gain": share,
+        "share_of_gain": termination_share(objective_s, without_s, daly_s),
     }
 
 
