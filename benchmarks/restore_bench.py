@@ -4,10 +4,12 @@
 
 Each round saves nothing new: the files are written once, then every round reads each method's
 files after evicting them from the page cache (``posix_fadvise(POSIX_FADV_DONTNEED)`` on every
-file; the page cache cannot be dropped system-wide without root), methods interleaved:
+file; the page cache cannot be dropped system-wide without root), methods interleaved, each
+round starting one method later than the one before:
 
 * ``read_limit``: every coci data file read into one buffer allocated and written before, in
-  16 MiB ``readinto`` calls, each dropped from the page cache after it (no checks): the disk.
+  16 MiB ``readinto`` calls, each dropped from the page cache after it (no checks), then summed
+  like every method's result: the disk.
 * ``coci_raw``, ``coci_lossless``: ``CheckpointManager.restore()``, every checksum verified.
 * ``coci_raw_into``, ``coci_lossless_into``: ``restore(into={"model": model})`` into a model
   allocated (and written) before, read in place in 16 MiB reads, each checksummed after it and
@@ -89,7 +91,9 @@ def _touch(tensors: Any) -> float:
     return float(tensors.float().sum()) if isinstance(tensors, torch.Tensor) else 0.0
 
 
-def run(size_gb: float, repeats: int, root: Path) -> dict[str, Any]:
+def run(
+    size_gb: float, repeats: int, root: Path, only: list[str] | None = None
+) -> dict[str, Any]:
     import safetensors.torch
     import torch.distributed.checkpoint as dcp
 
@@ -123,6 +127,7 @@ def run(size_gb: float, repeats: int, root: Path) -> dict[str, Any]:
                 for start in range(0, size, 16 * MiB):
                     fh.readinto(buffer[start : min(size, start + 16 * MiB)])
                     os.posix_fadvise(fh.fileno(), start, 16 * MiB, os.POSIX_FADV_DONTNEED)
+            _touch(torch.frombuffer(buffer[: size - size % 4], dtype=torch.float32))
 
     def coci(which: str) -> Callable[[], None]:
         def restore() -> None:
@@ -180,12 +185,20 @@ def run(size_gb: float, repeats: int, root: Path) -> dict[str, Any]:
         ),
         "dcp": (paths["dcp"], dcp_load),
     }
+    if only:
+        unknown = sorted(set(only) - set(methods))
+        if unknown:
+            raise SystemExit(f"--methods: unknown {unknown}; allowed: {sorted(methods)}")
+        methods = {k: v for k, v in methods.items() if k in {"read_limit", "coci_raw", *only}}
     del state
     free()
     samples: dict[str, list[float]] = {name: [] for name in methods}
     peaks: dict[str, list[int]] = {name: [] for name in methods}
+    names = list(methods)
     for round_ in range(repeats):
-        for name, (path, method) in methods.items():
+        # each round starts one method later, so no method always follows the same one
+        for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
+            path, method = methods[name]
             drop_file_cache(path)
             free()
             before = _reset_peak()
@@ -225,10 +238,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="rounds (medians over them)")
     parser.add_argument("--dir", default=None, help="where the files go (default: a temp dir)")
     parser.add_argument("--out", default=None, help="results directory")
+    parser.add_argument(
+        "--methods", nargs="+", default=None, help="only these (read_limit, coci_raw always run)"
+    )
     args = parser.parse_args()
     result, path = run_recorded(
         "restore",
-        lambda tmp: run(args.size_gb, args.repeats, tmp),
+        lambda tmp: run(args.size_gb, args.repeats, tmp, args.methods),
         scratch_dir=args.dir,
         out_dir=args.out,
     )

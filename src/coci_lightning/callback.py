@@ -22,7 +22,12 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from coci_core.errors import CociError, ConfigError
-from coci_core.hpo import combine_terminations, improvement_probability, patience_stops
+from coci_core.hpo import (
+    combine_terminations,
+    improvement_probability,
+    patience_stops,
+    threshold_stops,
+)
 from coci_core.planner import Termination
 from coci_core.telemetry import RestoreEvent
 from coci_core.training import (
@@ -172,7 +177,8 @@ class CociCheckpoint(Checkpoint):
         self.save_when_stopped = save_when_stopped
         # termination models by source ("early_stopping", "optuna"), combined with the user's
         self._terminations: dict[str, Termination] = {}
-        self._validations: list[tuple[int, bool]] = []  # (global step, improved) per check
+        # (global step, improved, monitored value) per EarlyStopping check
+        self._validations: list[tuple[int, bool, float]] = []
         self.checkpointer: Checkpointer | None = None
         self._planner_state: dict[str, Any] | None = None
         self._pending_rng: dict[str, Any] | None = None
@@ -489,30 +495,49 @@ class CociCheckpoint(Checkpoint):
         step = trainer.global_step
         if self._validations and self._validations[-1][0] == step:
             return
-        self._validations.append((step, stopper.wait_count == 0))
-        steps = [k for k, _ in self._validations]
+        value = trainer.callback_metrics[stopper.monitor]
+        self._validations.append((step, stopper.wait_count == 0, float(value)))
+        steps = [k for k, _, _ in self._validations]
         start = self._start_step or 0
         gaps = np.diff([start, *steps])
         interval = max(1, int(np.median(gaps[gaps > 0]))) if np.any(gaps > 0) else 1
         total = self.checkpointer.planner.total_steps
         last = total if total is not None else step + 256 * interval
-        coming = range(step + interval, last + 1, interval)
+        coming = list(range(step + interval, last + 1, interval))[:512]
         patience = max(1, int(stopper.patience))
         p = improvement_probability(
-            [improved for _, improved in self._validations], window=max(2 * patience, 4)
+            [improved for _, improved, _ in self._validations], window=max(2 * patience, 4)
         )
         source = (
             f"EarlyStopping(monitor={stopper.monitor!r}, patience {patience}, wait "
             f"{stopper.wait_count}, min_delta {abs(float(stopper.min_delta)):g}; P(improve) "
             f"{p:.2f} per validation, every {interval} steps)"
         )
-        model = patience_stops(
+        model: Termination = patience_stops(
             patience=patience,
             wait_count=int(stopper.wait_count),
             improve_probability=p,
-            validation_steps=list(coming)[:512],
+            validation_steps=coming,
             source=source,
         )
+        good, bad = stopper.stopping_threshold, stopper.divergence_threshold
+        if good is not None or bad is not None:
+            limits = ", ".join(
+                f"{name} {float(t):g}"
+                for name, t in (("stopping_threshold", good), ("divergence_threshold", bad))
+                if t is not None
+            )
+            crossing = threshold_stops(
+                [v for _, _, v in self._validations],
+                mode="max" if stopper.mode == "max" else "min",
+                validation_steps=coming,
+                stopping_threshold=None if good is None else float(good),
+                divergence_threshold=None if bad is None else float(bad),
+                source=f"its {limits}, from the trend of the last values",
+            )
+            model = combine_terminations(
+                [model, crossing], source=f"{source[:-1]}; {crossing.source})"
+            )
         self.set_termination("early_stopping", model)
 
     def _check_monitor(self, trainer: pl.Trainer, planned: bool) -> None:

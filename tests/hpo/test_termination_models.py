@@ -8,7 +8,13 @@ import numpy as np
 import pytest
 
 from coci_core.errors import ConfigError
-from coci_core.hpo import asha_rungs, combine_terminations, improvement_probability, patience_stops
+from coci_core.hpo import (
+    asha_rungs,
+    combine_terminations,
+    improvement_probability,
+    patience_stops,
+    threshold_stops,
+)
 from coci_core.planner import AshaRungs, NoTermination, Planner, StopDistribution
 
 
@@ -156,3 +162,42 @@ def test_coci_report_and_the_tab_say_how_much_the_hazard_brings(tmp_path: Path) 
     assert got["without_objective_s"] == pytest.approx(ov.without_termination_objective_s)
     text = "\n".join(render_facts(facts(summarize(tmp_path))))
     assert f"{ov.termination_share:.0%} of its gain over Daly" in text
+
+
+def test_threshold_stops_follow_the_trend() -> None:
+    line = [1.0, 0.9, 0.8, 0.7, 0.6]
+    coming = list(range(10, 100, 10))
+    # a straight line: it passes 0.35 at the third coming validation (0.3), for sure
+    d = threshold_stops(line, mode="min", stopping_threshold=0.35, validation_steps=coming)
+    assert d.steps == (30,) and d.stop_probability == pytest.approx(1.0)
+    # "max": the same values rising, mirrored
+    up = threshold_stops(
+        [-v for v in line], mode="max", stopping_threshold=-0.35, validation_steps=coming
+    )
+    assert up.steps == (30,)
+    # a falling metric does not diverge upwards
+    assert (
+        threshold_stops(line, mode="min", divergence_threshold=5.0, validation_steps=coming).steps
+        == ()
+    )
+    # a rising one does: up to 1.0 by 0.1 per validation, past 1.25 at the third (1.3)
+    rising = threshold_stops(
+        line[::-1], mode="min", divergence_threshold=1.25, validation_steps=coming
+    )
+    assert rising.steps == (30,)
+    # noisy values: the stop spreads around the crossing, most of it near it
+    noisy = threshold_stops(
+        [1.0, 0.88, 0.82, 0.69, 0.61, 0.49],
+        mode="min",
+        stopping_threshold=0.35,
+        validation_steps=coming,
+    )
+    probs = dict(zip(noisy.steps, noisy.probabilities, strict=True))
+    assert noisy.stop_probability == pytest.approx(1.0, abs=1e-3)
+    assert probs[10] + probs[20] > 0.8
+    # fewer than three values, or no threshold: no stop
+    short = threshold_stops([1.0, 0.5], mode="min", stopping_threshold=0.6, validation_steps=coming)
+    assert short.steps == ()
+    assert threshold_stops(line, mode="min", validation_steps=coming).steps == ()
+    with pytest.raises(ConfigError, match="'mode' must be 'min' or 'max'"):
+        threshold_stops(line, mode="lower", stopping_threshold=0.3, validation_steps=coming)

@@ -183,3 +183,36 @@ def test_only_early_stopping_and_pruning_count_as_stopped_early() -> None:
         stopper.stopping_reason = type(reason).PATIENCE_EXHAUSTED
     assert _stopped_early(timed)  # type: ignore[arg-type]
     assert not _stopped_early(SimpleNamespace(should_stop=False, callbacks=[stopper]))  # type: ignore[arg-type]
+
+
+class Descending(ValidatedDigits):
+    """A validation metric that falls by 0.1 per epoch from 1.0, whatever the training does."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", torch.tensor(1.0 - 0.1 * self.current_epoch))
+
+
+@pytest.mark.parametrize("threshold", [None, 0.35])
+def test_early_stoppings_stopping_threshold_enters_the_plan(
+    tmp_path: Path, threshold: float | None
+) -> None:
+    ckpt = CociCheckpoint(tmp_path / "a", every_n_steps=3, mtbf_s=600.0)
+    spy = Spy(ckpt)
+    stopper = EarlyStopping(monitor="val_loss", patience=10, stopping_threshold=threshold)
+    trainer = _trainer(tmp_path, [stopper, ckpt, spy], max_epochs=12)
+    trainer.fit(Descending())
+    if threshold is None:
+        # improving at every validation with a patience of 10: no stop is in sight
+        assert trainer.global_step == 12 * STEPS_PER_EPOCH
+        assert all(r.stop_probability < 0.05 for r in spy.reports)
+        assert "stopping_threshold" not in spy.reports[-1].termination
+        return
+    # 0.3 < 0.35 at the eighth validation (epoch 7): EarlyStopping stops there
+    assert trainer.global_step == 8 * STEPS_PER_EPOCH
+    # in epoch 5, after five validations on a straight line, the crossing is sure and near
+    rep = spy.reports[4]
+    assert "stopping_threshold 0.35" in rep.termination
+    assert rep.stop_probability > 0.95
+    assert "termination hazard: EarlyStopping" in spy.explained[4]
+    # in epoch 1, after two validations, the trend is not yet estimated: no stop is planned
+    assert spy.reports[0].stop_probability < 0.05

@@ -8,7 +8,11 @@ needs no extra package.
 
 from coci_core.hpo.asha import asha_rungs
 from coci_core.hpo.cleanup import delete_checkpoints
-from coci_core.hpo.early_stopping import improvement_probability, patience_stops
+from coci_core.hpo.early_stopping import (
+    improvement_probability,
+    patience_stops,
+    threshold_stops,
+)
 from coci_core.hpo.survival import StoppedRun, combine_terminations, kaplan_meier
 
 __all__ = [
@@ -19,4 +23,5 @@ __all__ = [
     "improvement_probability",
     "kaplan_meier",
     "patience_stops",
+    "threshold_stops",
 ]

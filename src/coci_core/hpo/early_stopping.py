@@ -6,10 +6,15 @@ validations without improvement reaches ``patience``. From the current count ``w
 a small Markov chain over ``wait = 0 .. patience - 1``; its absorption probabilities at each
 coming validation are the stopping probabilities handed to the planner. ``p`` is estimated from
 the run's recent validations (see :func:`improvement_probability`).
+
+``EarlyStopping`` also stops a run whose metric passes ``stopping_threshold`` (good enough) or
+``divergence_threshold`` (diverged): :func:`threshold_stops` gives the probability of that at
+each coming validation from the trend of the recent values.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -18,7 +23,7 @@ from coci_core.errors import ConfigError
 from coci_core.planner._checks import check_int
 from coci_core.planner.model import StopDistribution
 
-__all__ = ["improvement_probability", "patience_stops"]
+__all__ = ["improvement_probability", "patience_stops", "threshold_stops"]
 
 
 def improvement_probability(improved: Sequence[bool], *, window: int) -> float:
@@ -67,3 +72,66 @@ def patience_stops(
         if state.sum() < 1e-9:
             break
     return StopDistribution(steps=tuple(steps), probabilities=tuple(probs), source=source)
+
+
+def _normal_cdf(z: float) -> float:
+    return 0.5 * (1.0 + math.erf(z / math.sqrt(2.0)))
+
+
+def threshold_stops(
+    values: Sequence[float],
+    *,
+    mode: str,
+    validation_steps: Sequence[int],
+    stopping_threshold: float | None = None,
+    divergence_threshold: float | None = None,
+    window: int = 8,
+    source: str = "",
+) -> StopDistribution:
+    """The probabilities that the monitored value passes a threshold at the coming validations.
+
+    The model: the last ``window`` values lie on a straight line in the validation count, with
+    normal scatter about it; the value at the k-th coming validation is normal about the line's
+    extension, its spread the scatter's plus the fit's own uncertainty (which grows with k). A
+    trend passes a threshold once, so the run has stopped by validation k with probability
+    ``max over j <= k`` of P(the value at j is past a threshold). Fewer than three finite values
+    give no stop.
+
+    Args:
+        values: the monitored values at the validations so far, oldest first.
+        mode: ``"min"`` (lower is better) or ``"max"``, as ``EarlyStopping(mode=...)``.
+        validation_steps: the training steps of the coming validations, increasing.
+        stopping_threshold: stop once the value is better than this (as ``EarlyStopping``).
+        divergence_threshold: stop once the value is worse than this.
+        window: how many of the latest values the trend is fitted to (>= 3).
+        source: what the distribution describes (for ``explain()``).
+    """
+    if mode not in ("min", "max"):
+        raise ConfigError(f"'mode' must be 'min' or 'max': {mode!r}")
+    check_int("window", window, minimum=3)
+    steps = [int(k) for k in validation_steps]
+    ys = np.array([float(v) for v in values], dtype=np.float64)
+    ys = ys[np.isfinite(ys)][-window:]
+    if ys.size < 3 or (stopping_threshold is None and divergence_threshold is None) or not steps:
+        return StopDistribution(steps=(), probabilities=(), source=source)
+    sign = 1.0 if mode == "min" else -1.0  # in "min" terms: lower is better
+    ys = sign * ys
+    good = None if stopping_threshold is None else sign * float(stopping_threshold)
+    bad = None if divergence_threshold is None else sign * float(divergence_threshold)
+    n = ys.size
+    xs = np.arange(n, dtype=np.float64)
+    slope, intercept = np.polyfit(xs, ys, 1)
+    residual = ys - (slope * xs + intercept)
+    scale = max(1.0, float(np.abs(ys).max()))
+    sigma = max(float(np.sqrt((residual**2).sum() / (n - 2))), 1e-9 * scale)
+    x_mean, sxx = float(xs.mean()), float(((xs - xs.mean()) ** 2).sum())
+    passed: list[float] = []
+    for k in range(1, len(steps) + 1):
+        x = n - 1 + k
+        mean = slope * x + intercept
+        spread = sigma * math.sqrt(1.0 + 1.0 / n + (x - x_mean) ** 2 / sxx)
+        below = 0.0 if good is None else _normal_cdf((good - mean) / spread)
+        above = 0.0 if bad is None else 1.0 - _normal_cdf((bad - mean) / spread)
+        passed.append(min(1.0, below + above))
+    stopped_by = np.maximum.accumulate(np.array(passed))
+    return StopDistribution.from_survival(steps, 1.0 - stopped_by, source=source)
