@@ -86,6 +86,16 @@ class BackgroundSaveError(CociError):
         self.step = step
 
 
+class StateChangedError(CociError):
+    """A tensor of a ``block=False`` save was changed before the background copy had read it:
+    that save is given up (nothing is committed), never stored with the newer values.
+    ``keys`` names the changed tensors."""
+
+    def __init__(self, message: str, *, keys: list[str] | None = None):
+        super().__init__(message)
+        self.keys = list(keys or ())
+
+
 class DirectoryInUseError(CociError):
     """Another manager (in this process or another) is writing checkpoints to the directory."""
 

@@ -13,6 +13,9 @@ import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal
 
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
 from coci_core.engine import retention
 from coci_core.engine.compress import CompressionPolicy, PieceEncoder, check_policy
 from coci_core.engine.group import RankGroup
@@ -40,6 +43,7 @@ from coci_core.errors import (
     CorruptCheckpointError,
     DirectoryInUseError,
     NoCheckpointError,
+    StateChangedError,
     StepExistsError,
     StorageError,
 )
@@ -187,6 +191,17 @@ class SaveHandle:
 _LIVE: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
 
 
+def _wait_for_snapshot_copies(optimizer: Any, args: Any, kwargs: Any) -> None:
+    """Before any torch optimizer's step: wait for the unfinished ``block=False`` copies, so
+    that a step never changes a tensor that a save is still reading."""
+    for manager in list(_LIVE):
+        manager.before_update()
+
+
+# Process-wide: a loop that does not call before_update() still never saves a torn state.
+register_optimizer_step_pre_hook(_wait_for_snapshot_copies)
+
+
 @atexit.register
 def _close_at_exit() -> None:
     # Pending persists finish before the interpreter exits (the worker thread is a daemon).
@@ -316,6 +331,8 @@ class CheckpointManager:
         self._worker = PersistWorker(_weak_runner(self), niceness=worker_niceness)
         self._inflight: SaveHandle | None = None
         self._failed: list[SaveHandle] = []
+        # leaves found changed during a background copy: copied by save() itself from then on
+        self._hot_keys: set[str] = set()
         self._failed_lock = threading.Lock()
         self._save_lock = threading.RLock()
         self._closed = False
@@ -466,6 +483,8 @@ class CheckpointManager:
             # rest is copied was measured to slow the copy to 1.8x the copy limit (from 1.1x).
             self._snapshotter.copy(snapshot)
             snapshot.wait_copied()
+        else:
+            self._snapshotter.copy_small(snapshot, also=self._hot_keys)
         self._saves += 0 if alone else 1
         self._inflight = handle
         handle._add_stall(time.perf_counter() - started)
@@ -551,11 +570,14 @@ class CheckpointManager:
         handle = self._inflight
         if handle is None or handle._snapshot is None or handle.block:
             return
-        if handle._snapshot.copied.is_set():
-            return
-        started = time.perf_counter()
-        handle._snapshot.copied.wait()
-        handle._add_stall(time.perf_counter() - started, update_wait=True)
+        snapshot = handle._snapshot
+        if not snapshot.copied.is_set():
+            started = time.perf_counter()
+            snapshot.copied.wait()
+            handle._add_stall(time.perf_counter() - started, update_wait=True)
+        event = snapshot._cuda_event
+        if event is not None:  # later work on this stream runs after the device-to-host copy
+            torch.cuda.current_stream().wait_event(event)
 
     def wait(self, timeout_s: float | None = None) -> None:
         """Block until every pending save is durable.
@@ -653,7 +675,13 @@ class CheckpointManager:
             event = self._event(
                 handle, snapshot, outcome="failed", error=f"{type(error).__name__}: {error}"
             )
-            logger.error("coci: save of step %d failed: %s", job.step, error)
+            if isinstance(error, StateChangedError):
+                # The loop changed tensors in place while the copy ran (a large buffer that
+                # the forward pass updates, say): later saves copy them before returning.
+                self._hot_keys.update(error.keys)
+                logger.warning("coci: save of step %d given up: %s", job.step, error)
+            else:
+                logger.error("coci: save of step %d failed: %s", job.step, error)
         else:
             error = None
             event = self._event(
@@ -676,7 +704,9 @@ class CheckpointManager:
             )
 
         def notify(event: SaveEvent) -> None:
-            if error is not None:  # reported by the next save/wait/close if nobody waits on it
+            # reported by the next save/wait/close if nobody waits on it; a save given up for
+            # a changed tensor is not an error of the training loop's (the next one copies it)
+            if error is not None and not isinstance(error, StateChangedError):
                 with self._failed_lock:
                     self._failed.append(handle)
             emit(self.listeners, event)

@@ -310,7 +310,6 @@ def _write_checkpoint(
     storage: Storage, job: PersistJob, encoder: PieceEncoder | None
 ) -> WriteResult:
     snap = job.snapshot
-    snap.wait_copied()
     group = job.group
     final = step_dir_name(job.step)
     staging = storage.staging_dir(final, job.token)
@@ -322,6 +321,8 @@ def _write_checkpoint(
     records = commit.records_dir(final, job.token) if in_place else staging
     pieces = _Pieces(job, file)
     try:
+        # a failed or changed copy fails this save on every rank (through the commit records)
+        snap.wait_copied()
         if encoder is not None and encoder.active:
             encoder.begin(job.step, lambda: _probe(job))
         started = time.perf_counter()  # the write (and encoding), not the probe

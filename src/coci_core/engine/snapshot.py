@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,11 +22,16 @@ import torch
 
 from coci_core.engine.partition import Share
 from coci_core.engine.tree import ArrayLeaf
+from coci_core.errors import StateChangedError
 
 __all__ = ["Arena", "LeafSlot", "Snapshot", "Snapshotter", "plan_layout", "whole_leaves"]
 
 ALIGN_BYTES = 64
 PAGE_BYTES = 4096
+#: With ``block=False``, regions of at most this many bytes are copied at once by ``save()``:
+#: the small tensors that the next forward pass changes in place (BatchNorm's running
+#: statistics, step counters) are then saved as they were.
+SMALL_COPY_BYTES = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -67,6 +73,14 @@ def plan_layout(
         )
         offset = _round_up(offset + region.nbytes, ALIGN_BYTES)
     return tuple(slots), max(_round_up(offset, PAGE_BYTES), PAGE_BYTES)
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """The tensor's in-place version counter (each in-place change adds one), or None."""
+    try:
+        return int(t._version)
+    except (RuntimeError, AttributeError):  # inference tensors have none
+        return None
 
 
 def _source(tensor: torch.Tensor, slot: LeafSlot) -> torch.Tensor:
@@ -141,15 +155,49 @@ class Snapshot:
     copied_at: float = 0.0
     error: BaseException | None = None
     _cuda_event: Any = None
+    # each leaf's version counter when the save was asked for (see ``check_unchanged``)
+    versions: tuple[int | None, ...] = ()
+    # slots already copied by ``save()`` itself (``Snapshotter.copy_small``)
+    precopied: frozenset[int] = frozenset()
+    _small_cuda_event: Any = None
 
     def wait_copied(self) -> None:
         """Block until every leaf is in host memory (re-raises a failed copy)."""
         self.copied.wait()
-        if self._cuda_event is not None:
-            self._cuda_event.synchronize()
-            self._cuda_event = None
+        for name in ("_small_cuda_event", "_cuda_event"):
+            event = getattr(self, name)
+            if event is not None:
+                event.synchronize()
+                setattr(self, name, None)
         if self.error is not None:
             raise self.error
+
+    def check_unchanged(self) -> None:
+        """Raise if a leaf was changed in place since the save was asked for (its version
+        counter moved): its copy may hold newer values than the step's.
+
+        Raises:
+            StateChangedError: naming the changed leaves.
+        """
+        changed = self.changed_leaves()
+        if changed:
+            raise StateChangedError(
+                f"{changed[:5]} changed while the save's background copy was reading them "
+                f"({len(changed)} tensors): this save is given up rather than stored with "
+                "newer values; coci copies them before save() returns from now on. Changes by "
+                "torch optimizers wait for the copy by themselves; for other in-place changes "
+                "call before_update() first, or save with block=True",
+                keys=changed,
+            )
+
+    def changed_leaves(self) -> list[str]:
+        """The keys of the leaves whose version counter moved since the save was asked for
+        (those copied by the save itself excluded)."""
+        return [
+            leaf.key
+            for leaf, before in zip(self.leaves, self.versions, strict=False)
+            if before is not None and _version(leaf.tensor) != before
+        ]
 
 
 class Snapshotter:
@@ -211,7 +259,44 @@ class Snapshotter:
         with self._lock:
             allocated = self._allocate(leaves, regions, touch=False)
             assert self._arena is not None
-            return Snapshot(self._arena, self._slots, leaves, allocated, threading.Event())
+            return Snapshot(
+                self._arena,
+                self._slots,
+                leaves,
+                allocated,
+                threading.Event(),
+                versions=tuple(_version(leaf.tensor) for leaf in leaves),
+            )
+
+    def copy_small(
+        self,
+        snap: Snapshot,
+        max_bytes: int = SMALL_COPY_BYTES,
+        also: Collection[str] = (),
+    ) -> None:
+        """Copy the regions of at most ``max_bytes``, and those of the leaves named in
+        ``also``, now, on the caller's thread (for a ``block=False`` save: :meth:`copy` then
+        skips them, and later changes to them do not matter). CUDA regions are copied on the
+        current stream, ahead of any later work on it."""
+        done = []
+        cuda = False
+        for i, slot in enumerate(snap.slots):
+            if slot.nbytes > max_bytes and snap.leaves[slot.leaf].key not in also:
+                continue
+            tensor = snap.leaves[slot.leaf].tensor
+            if tensor.device.type == "cuda":
+                snap.arena.view(slot).copy_(_source(tensor, slot), non_blocking=snap.arena.pinned)
+                cuda = True
+            else:
+                snap.arena.view(slot).copy_(_source(tensor, slot))
+            done.append(i)
+        if cuda:
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record()
+            snap._small_cuda_event = event
+        snap.precopied = frozenset(done)
+        pending = {snap.slots[i].leaf for i in range(len(snap.slots)) if i not in snap.precopied}
+        snap.versions = tuple(v if i in pending else None for i, v in enumerate(snap.versions))
 
     def copy(self, snap: Snapshot, *, background: bool = False) -> None:
         """Copy every leaf into the arena; sets ``snap.copied`` even when the copy fails.
@@ -222,7 +307,9 @@ class Snapshotter:
         start = time.perf_counter()
         try:
             cuda_leaves = []
-            for slot in snap.slots:
+            for i, slot in enumerate(snap.slots):
+                if i in snap.precopied:
+                    continue
                 leaf = snap.leaves[slot.leaf]
                 if leaf.tensor.device.type == "cuda":
                     cuda_leaves.append((leaf, slot))
@@ -232,6 +319,8 @@ class Snapshotter:
                     snap.arena.view(slot).copy_(_source(leaf.tensor, slot))
             if cuda_leaves:
                 snap._cuda_event = self._copy_from_cuda(snap, cuda_leaves)
+            if background:
+                snap.check_unchanged()
         except BaseException as e:
             snap.error = e
         finally:

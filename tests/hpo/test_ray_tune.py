@@ -1,0 +1,180 @@
+"""Real Ray Tune runs with coci in each trial: ASHA stops trials exactly at the rungs that
+``asha_rungs`` gives the plan, the stopped trials' checkpoints are deleted, and a trial
+SIGKILLed mid-run is restarted by Ray and resumed by coci to the same result."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+import torch
+from ray import tune
+from ray.tune.schedulers import ASHAScheduler
+
+from coci_core.hpo import asha_rungs
+from coci_core.hpo.ray import CheckpointCleanup, trial_directory
+from coci_core.training import Checkpointer, newest_first, open_storage
+
+STEPS_PER_ITER = 4
+MAX_T = 8
+RUNGS = asha_rungs(grace_period=1, reduction_factor=2, max_t=MAX_T, steps_per_unit=STEPS_PER_ITER)
+REPO = str(Path(__file__).resolve().parents[2])
+
+
+@pytest.fixture(scope="module")
+def ray_session() -> Iterator[None]:
+    # trial processes import this module (the trainable) from the repository
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, old) if p)
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        if old is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 8, generator=g)
+    return x, x @ torch.arange(8.0) + 0.1 * torch.randn(64, generator=g)
+
+
+def _model(lr: float) -> tuple[torch.nn.Linear, torch.optim.SGD]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    return model, torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+
+
+def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, k: int) -> float:
+    x, y = _data()
+    batch = slice((k % 4) * 16, (k % 4) * 16 + 16)
+    loss = torch.nn.functional.mse_loss(model(x[batch]).squeeze(1), y[batch])
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return float(loss.detach())
+
+
+def _validate(model: torch.nn.Module) -> float:
+    x, y = _data()
+    with torch.no_grad():
+        return float(torch.nn.functional.mse_loss(model(x).squeeze(1), y))
+
+
+def train(config: dict[str, Any]) -> None:
+    """A trial: STEPS_PER_ITER optimizer steps per Tune iteration, coci saving every
+    iteration's last step, ASHA's rungs in the plan; ``kill_at``: SIGKILL itself once there."""
+    torch.set_num_threads(1)
+    model, opt = _model(config["lr"])
+    ckpt = Checkpointer(
+        trial_directory(config["root"]),
+        policy="every_n_steps",
+        every_n_steps=STEPS_PER_ITER,
+        planner_options={"termination": RUNGS, "total_steps": MAX_T * STEPS_PER_ITER},
+    )
+    start = 0
+    if ckpt.latest_step() is not None:
+        ckpt.restore(into={"model": model, "optim": opt})
+        start = int(ckpt.resumed_from or 0)
+    for k in range(start + 1, MAX_T * STEPS_PER_ITER + 1):
+        _step(model, opt, k)
+        ckpt.observe(k)
+        if ckpt.should_save(k):
+            ckpt.save(k, {"model": model.state_dict(), "optim": opt.state_dict()})
+        marker = Path(config["root"]) / "killed"
+        if k == config.get("kill_at") and not marker.exists():
+            ckpt.close()  # the saves so far are durable; what follows is lost
+            marker.touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+        if k == MAX_T * STEPS_PER_ITER:
+            ckpt.close()  # before the last report, after which Tune ends the function
+        if k % STEPS_PER_ITER == 0:
+            tune.report(
+                {
+                    "loss": _validate(model),
+                    "step": k,
+                    "resumed_from": start,
+                    "termination": ckpt.planner.report().termination,
+                }
+            )
+
+
+def _saved(directory: Path) -> list[int]:
+    return sorted(newest_first(open_storage(str(directory))))
+
+
+def test_asha_stops_trials_at_coci_rungs_and_their_checkpoints_are_deleted(
+    ray_session: None, tmp_path: Path
+) -> None:
+    root = tmp_path / "ckpt"
+    cleanup = CheckpointCleanup(root, max_t=MAX_T, metric="loss", mode="min")
+    lrs = [0.001, 0.003, 0.01, 0.02, 0.03, 0.05]
+    tuner = tune.Tuner(
+        train,
+        param_space={"lr": tune.grid_search(lrs), "root": str(root)},
+        tune_config=tune.TuneConfig(
+            scheduler=ASHAScheduler(grace_period=1, reduction_factor=2, max_t=MAX_T),
+            metric="loss",
+            mode="min",
+        ),
+        run_config=tune.RunConfig(
+            storage_path=str(tmp_path / "ray"), name="asha", callbacks=[cleanup], verbose=0
+        ),
+    )
+    results = tuner.fit()
+    assert not results.errors
+    ends = {r.config["lr"]: int(r.metrics["step"]) for r in results}
+    stopped = {lr: end for lr, end in ends.items() if end < MAX_T * STEPS_PER_ITER}
+    assert stopped, f"ASHA stopped no trial: {ends}"
+    # every stop is at a rung that the plan was given
+    assert set(stopped.values()) <= set(RUNGS.rung_steps), (stopped, RUNGS.rung_steps)
+    assert all("ASHA rungs at steps [4, 8, 16]" in r.metrics["termination"] for r in results)
+    # the stopped trials' checkpoints are gone, the finished trials keep theirs
+    ids = {r.config["lr"]: Path(r.path).name for r in results}
+    assert len(cleanup.deleted) == len(stopped)
+    for r in results:
+        trial_dir = root / str(r.metrics["trial_id"])
+        if r.config["lr"] in stopped:
+            assert not trial_dir.exists() or not any(trial_dir.iterdir()), ids[r.config["lr"]]
+        else:
+            assert _saved(trial_dir)[-1] == MAX_T * STEPS_PER_ITER
+
+
+def test_a_trial_killed_mid_run_is_restarted_by_ray_and_resumed_by_coci(
+    ray_session: None, tmp_path: Path
+) -> None:
+    root = tmp_path / "ckpt"
+    lr = 0.01
+    tuner = tune.Tuner(
+        train,
+        param_space={"lr": lr, "root": str(root), "kill_at": 22},
+        tune_config=tune.TuneConfig(metric="loss", mode="min"),
+        run_config=tune.RunConfig(
+            storage_path=str(tmp_path / "ray"),
+            name="kill",
+            failure_config=tune.FailureConfig(max_failures=1),
+            verbose=0,
+        ),
+    )
+    results = tuner.fit()
+    assert (root / "killed").exists(), "the trial was not killed"
+    assert not results.errors
+    result = results[0].metrics
+    # killed at step 22 after the save at step 20: the restarted trial resumed from it
+    assert result["resumed_from"] == 20
+    assert result["step"] == MAX_T * STEPS_PER_ITER
+    # the same final loss as the uninterrupted run, to the bit
+    model, opt = _model(lr)
+    for k in range(1, MAX_T * STEPS_PER_ITER + 1):
+        _step(model, opt, k)
+    assert result["loss"] == _validate(model)
