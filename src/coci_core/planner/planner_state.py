@@ -78,8 +78,11 @@ def load_planner_state(plan: Replanner, state: dict[str, Any]) -> None:
     plan.plan_inputs = {str(k): float(v) for k, v in state["plan_inputs"].items()}
     plan.horizon_end = _optional_int(state["horizon_end"])
     plan.regime_flagged = bool(state["regime_flagged"])
-    plan.curve = curve_from_dict(state["curve"]) if state.get("curve") else FLAT
-    pending = state.get("pending_curve")
-    plan.pending_curve = curve_from_dict(pending) if pending else None
+    plan.curve = plan.no_curve()
+    plan.pending_curve = None
+    if plan.uses_curve:  # a curve saved under another objective is not used
+        plan.curve = curve_from_dict(state["curve"]) if state.get("curve") else FLAT
+        pending = state.get("pending_curve")
+        plan.pending_curve = curve_from_dict(pending) if pending else None
     plan.problem = None
     plan.overhead = None

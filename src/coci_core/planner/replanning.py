@@ -34,6 +34,8 @@ _COST_CHECK_EVERY = 64
 _REGIME_CHECK_EVERY = 256
 _UNTRUSTED_CHECK_EVERY = 128
 _CHANGE = 0.2
+#: the curve of a coci plan whose objective weighs every step alike: none is fitted
+UNUSED = LossCurve(trusted=False, reason="not fitted: the time objective weighs every step alike")
 #: the longest horizon planned at once (per-step arrays); longer runs are planned in windows
 MAX_HORIZON_STEPS = 2_000_000
 
@@ -52,7 +54,7 @@ class Replanner:
         self.last_replan_s = 0.0
         self.plan_inputs: dict[str, float] = {}
         self.horizon_end: int | None = None
-        self.curve: LossCurve = FLAT
+        self.curve: LossCurve = self.no_curve()
         self.pending_curve: LossCurve | None = None
         self.regime_flagged = False
         self.problem: Problem | None = None
@@ -187,7 +189,7 @@ class Replanner:
         if self.pending_curve is not None:
             self.curve, self.pending_curve = self.pending_curve, None
         else:
-            self.curve = self.fit() if s.policy_name == "coci" else FLAT
+            self.curve = self.fit() if self.uses_curve else self.no_curve()
         self.regime_flagged = False
         # a per-node MTBF scales with the world size; an estimated one is already job-level
         nodes = s.nodes if callable(s.nodes) and s.mtbf_s is not None else 1
@@ -277,6 +279,16 @@ class Replanner:
             why = "time objective" if s.objective == "time" else "flat value"
             return f"Daly's interval ({why}, no termination model)"
         return f"{s.method} for the {s.objective} objective"
+
+    @property
+    def uses_curve(self) -> bool:
+        """Whether the plan weighs progress by a fitted loss curve (coci, except under the
+        ``time`` objective, which counts every step alike: the fit would be wasted)."""
+        return self.settings.policy_name == "coci" and self.settings.objective != "time"
+
+    def no_curve(self) -> LossCurve:
+        """The curve of a plan that fits none, saying why."""
+        return UNUSED if self.settings.policy_name == "coci" else FLAT
 
     def fit(self) -> LossCurve:
         """The loss curve fitted to the losses so far (flat before any)."""
