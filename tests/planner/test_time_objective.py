@@ -103,3 +103,40 @@ def test_other_policies_say_they_use_no_curve() -> None:
     p = Planner(policy="daly", objective="time", total_steps=2000, mtbf_s=1800.0)
     _drive(p, noisy_run(2000, seed=7), 1, 300)
     assert p.report().loss_fit_reason == "no loss curve"
+
+
+def _settled_planner() -> Planner:
+    return _planner("time", total_steps=900, step_time_s=0.3, stall_s=0.5, persist_s=1.0)
+
+
+def test_a_scheduled_replan_that_would_remake_the_same_plan_is_skipped() -> None:
+    """Costs given, nothing to refit: the doubling schedule's re-plans would move a
+    checkpoint by a step at most (the DP from a checkpoint whose persist is done)."""
+    losses = noisy_run(900, seed=8)
+    skipping, replanning = _settled_planner(), _settled_planner()
+    saves_a, saves_b = [], []
+    for k in range(1, 900):
+        for planner, saves in ((skipping, saves_a), (replanning, saves_b)):
+            planner.observe(k, loss=float(losses[k]))
+            if planner is replanning and k in (64, 128, 256, 512):
+                planner._plan.replan(k)  # what the doubling schedule did before
+            if planner.should_save(k):
+                saves.append(k)
+    assert skipping.replans == 1
+    assert replanning.replans == 5
+    assert len(saves_a) == len(saves_b) >= 5
+    assert max(abs(a - b) for a, b in zip(saves_a, saves_b, strict=True)) <= 1
+
+
+def test_a_scheduled_replan_is_made_when_an_input_moved() -> None:
+    def run(moved_step_s: float) -> Planner:
+        p = _planner("time", total_steps=900, stall_s=0.5, persist_s=1.0)
+        for k in range(1, 200):
+            p.observe(k, step_time_s=0.3 if k < 10 else moved_step_s)
+            p.should_save(k)
+        return p
+
+    assert run(0.3).replans == 1
+    moved = run(0.33)  # by 10%: not enough for the 20% check, enough at 64 (not again at 128)
+    assert moved.replans == 2
+    assert moved._plan.plan_inputs["step_time_s"] == 0.33

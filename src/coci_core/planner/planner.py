@@ -7,9 +7,10 @@ Called as (every rank may hold one, but only rank 0's decisions should be used):
    later as ``record_save(persist_s=...)``); after a restore: ``record_restore(seconds)``;
 4) ``state_dict()`` into the checkpoint manifest, ``load_state_dict()`` on resume.
 
-Re-planning happens inside ``observe`` on a doubling schedule of steps, when a measured cost or
-the MTBF estimate moves by more than 20% from the value planned with, after a restore, and
-when the loss leaves its fitted curve (a regime change); never on every step.
+Re-planning happens inside ``observe`` on a doubling schedule of steps (skipped when it would
+remake the same plan), when a measured cost or the MTBF estimate moves by more than 20% from
+the value planned with, after a restore, and when the loss leaves its fitted curve (a regime
+change); never on every step.
 """
 
 from __future__ import annotations

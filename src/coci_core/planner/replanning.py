@@ -1,9 +1,10 @@
 """Re-planning: when to remake the plan, and making it (a Problem from the observations, solved
 by the policy), plus the plan's cursor that ``should_save`` walks.
 
-Re-planning happens on a doubling schedule of steps, when a measured cost or the MTBF estimate
-moves by more than 20% from the value planned with, after a restore, and when the loss leaves
-its fitted curve (a regime change); never on every step.
+Re-planning happens on a doubling schedule of steps (skipped when it would remake the same
+plan), when a measured cost or the MTBF estimate moves by more than 20% from the value planned
+with, after a restore, and when the loss leaves its fitted curve (a regime change); never on
+every step.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ _COST_CHECK_EVERY = 64
 _REGIME_CHECK_EVERY = 256
 _UNTRUSTED_CHECK_EVERY = 128
 _CHANGE = 0.2
+#: a scheduled re-plan is skipped while every input stays this close to the planned one
+_SETTLED = 0.05
 #: the curve of a coci plan whose objective weighs every step alike: none is fitted
 UNUSED = LossCurve(trusted=False, reason="not fitted: the time objective weighs every step alike")
 #: the longest horizon planned at once (per-step arrays); longer runs are planned in windows
@@ -108,14 +111,11 @@ class Replanner:
                 obs.observed >= 3 or obs.costs.get("step_time_s").source == "user"
             )
         if k >= self.next_replan:
+            if not self._settled():
+                return True
+            self.next_replan = s.start_step + max(64, 2 * max(1, k - s.start_step))
+        if obs.observed % _COST_CHECK_EVERY == 0 and self._moved(_CHANGE):
             return True
-        if obs.observed % _COST_CHECK_EVERY == 0:
-            now = obs.plan_inputs()
-            if now is not None:
-                for name, old in self.plan_inputs.items():
-                    new = now[name]
-                    if old > 0 and abs(new - old) > _CHANGE * old:
-                        return True
         if obs.observed % _REGIME_CHECK_EVERY == 0 and self.curve.trusted:
             return self._regime_changed(k)
         if (
@@ -134,6 +134,29 @@ class Replanner:
             s.total_steps is None or self.horizon_end < s.total_steps
         )
         return horizon_cut and k >= (self.horizon_end or 0) - 1
+
+    def _moved(self, share: float) -> bool:
+        """Whether a cost or the MTBF has moved by more than ``share`` since the plan."""
+        now = self.obs.plan_inputs()
+        if now is None:
+            return False
+        for name, old in self.plan_inputs.items():
+            new = now[name]
+            if old > 0 and abs(new - old) > share * old:
+                return True
+        return False
+
+    def _settled(self) -> bool:
+        """Whether a scheduled re-plan would remake the same plan: the whole run is planned
+        (no horizon to extend), no loss curve to refit, and the inputs have not moved."""
+        s = self.settings
+        return (
+            self.problem is not None
+            and s.total_steps is not None
+            and self.horizon_end == s.total_steps
+            and not self.uses_curve
+            and not self._moved(_SETTLED)
+        )
 
     def _regime_changed(self, k: int) -> bool:
         if self.regime_flagged:
