@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import inspect
 import math
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Generic, TypeVar, overload
 
@@ -154,6 +155,10 @@ class Planner:
         self._obs = RunObservations(self._settings, CostEstimator(config.costs))
         self._plan = Replanner(self._settings, self._obs)
         self._uploads = UploadCosts()
+        # This planner's restores and restarts, in order: a state loaded after them (the
+        # checkpoint's, taken before the failure) must not forget them.
+        self._session = uuid.uuid4().hex
+        self._recorded: list[tuple[str, float]] = []
 
     policy_name = _Setting[str]()
     objective = _Setting[str]()
@@ -246,6 +251,7 @@ class Planner:
         """Record a restore after a failure: one more failure, and its measured duration
         (``tier="remote"``: from the remote tier, the restart time of a lost node)."""
         self._obs.record_restore(seconds)
+        self._recorded.append(("restore", seconds))
         if tier == "remote":
             with contextlib.suppress(TypeError, ValueError):
                 self._uploads.remote_restore(float(seconds))
@@ -256,6 +262,7 @@ class Planner:
         start to its first training step): it replaces that restore's time as the restart
         cost ``R`` the plan uses."""
         self._obs.record_restart(seconds)
+        self._recorded.append(("restart", seconds))
         self._plan.force_replan = True
 
     def record_upload(self, seconds: float) -> None:
@@ -356,15 +363,35 @@ class Planner:
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-compatible state: estimates, losses, the plan and counters."""
-        return planner_state(self._plan)
+        return {
+            **planner_state(self._plan),
+            "session": self._session,
+            "recorded": len(self._recorded),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a state from :meth:`state_dict` (the plan is re-fitted from the losses).
+
+        The restores and restarts this planner recorded that the state does not hold (as
+        after ``restore()`` then ``load_state_dict()`` of the checkpoint's state) are
+        recorded again: the failure is counted and its restart time kept.
 
         Raises:
             ConfigError: if the state is from another format version or policy.
         """
         load_planner_state(self._plan, state)
+        held = 0
+        if state.get("session") == self._session:
+            with contextlib.suppress(TypeError, ValueError):
+                held = int(state.get("recorded", 0))
+        missing = self._recorded[held:]
+        for kind, seconds in missing:
+            if kind == "restore":
+                self._obs.record_restore(seconds)
+            else:
+                self._obs.record_restart(seconds)
+        if missing:
+            self._plan.force_replan = True
 
 
 def planner_config(options: Mapping[str, Any]) -> PlannerConfig:
