@@ -28,7 +28,7 @@ def planner_state(plan: Replanner) -> dict[str, Any]:
         "skipped_losses": obs.skipped,
         "observed": obs.observed,
         "last_step": obs.last_step,
-        "elapsed_s": obs.elapsed_s,
+        "elapsed_s": obs.elapsed_s + obs.outside_s(),
         "failures": obs.failures,
         "schedule": list(plan.schedule),
         "ptr": plan.ptr,
@@ -65,6 +65,7 @@ def load_planner_state(plan: Replanner, state: dict[str, Any]) -> None:
     obs.skipped = int(state["skipped_losses"])
     obs.observed = int(state["observed"])
     obs.last_step = _optional_int(state["last_step"])
+    obs.close_wall()
     obs.elapsed_s = float(state["elapsed_s"])
     obs.failures = int(state["failures"])
     plan.schedule = [int(s) for s in state["schedule"]]
