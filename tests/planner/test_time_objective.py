@@ -140,3 +140,20 @@ def test_a_scheduled_replan_is_made_when_an_input_moved() -> None:
     moved = run(0.33)  # by 10%: not enough for the 20% check, enough at 64 (not again at 128)
     assert moved.replans == 2
     assert moved._plan.plan_inputs["step_time_s"] == 0.33
+
+
+def test_the_first_measured_save_cost_is_planned_with_at_once() -> None:
+    """A plan made with an assumed save cost is remade as soon as a save measures it, not
+    at the next periodic check (64 steps): short processes plan most of their steps early."""
+    p = Planner(policy="daly", objective="time", total_steps=500, mtbf_s=20.0, default_stall_s=0.01)
+    saves = []
+    for k in range(1, 40):
+        p.observe(k, step_time_s=0.1)
+        if p.should_save(k):
+            saves.append(k)
+            p.record_save(stall_s=0.5, persist_s=0.5)
+    assert saves[0] < 10  # the assumed 10 ms stall: short intervals
+    assert p.replans == 2  # remade right after the first save, with its 0.5 s
+    assert p._plan.plan_inputs["stall_s"] == 0.5
+    assert len(saves) == 1  # the next one Daly's interval for 0.5 s later (~45 steps)
+    assert p.schedule[0] - saves[0] > 40

@@ -68,7 +68,7 @@ def test_the_plan_counts_the_time_between_steps(clock: Clock) -> None:
     gaps = np.diff(saves)[2:]
     assert np.all(np.abs(gaps - _daly_steps(0.015)) <= 1)
     assert _daly_steps(0.015) < _daly_steps(STEP_S) - 10  # what was planned before
-    assert p._plan.plan_inputs["step_time_s"] == pytest.approx(0.015, rel=0.03)
+    assert p._plan.plan_inputs["step_time_s"] == pytest.approx(0.015, rel=0.06)
     assert p.report().costs["step_time_s"] == pytest.approx(STEP_S)  # the steps' own median
     assert "s of wall time per step: the steps' median 0.01 s" in p.explain(saves[-1])
 

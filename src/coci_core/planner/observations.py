@@ -107,6 +107,7 @@ class RunObservations:
         # step times miss (validation, logging, data waits between timed steps) is work
         # too: a failure loses it, and failures strike during it.
         self.wall: list[float] | None = None
+        self.new_costs = False  # a save's cost was measured since the last check
 
     def observe(self, k: int, loss: float | None, step_time_s: float | None) -> None:
         """Record step ``k``'s loss and time; skip (and count) NaN/inf losses, ignore odd times."""
@@ -170,6 +171,7 @@ class RunObservations:
                         self.wall[3] += stall
         if persist_s is not None:
             self.costs.add("persist_s", persist_s)
+        self.new_costs = True
         with self.lock:
             self.exclude_next = True
             if self.charge is not None and self.charge[0] is None:
@@ -192,6 +194,7 @@ class RunObservations:
             self.charge = None
         if charge[0] is not None:  # else the save never committed: nothing to learn
             self.costs.add("loop_cost_s", max(charge[0], charge[0] + charge[1]))
+            self.new_costs = True
             with self.lock:
                 if self.wall is not None and math.isfinite(charge[1]):
                     self.wall[3] += max(0.0, charge[1])

@@ -66,6 +66,7 @@ class Replanner:
         policy = settings.policy_name
         self.plan_method = "no plan yet" if settings.fixed_every is None else f"the {policy} policy"
         self.warned = False
+        self.cost_assumed = True  # the plan's cost of a save is not a measured loop cost
 
     # ------------------------------------------------------------------ the plan's cursor
 
@@ -114,7 +115,12 @@ class Replanner:
             if not self._settled():
                 return True
             self.next_replan = s.start_step + max(64, 2 * max(1, k - s.start_step))
-        if obs.observed % _COST_CHECK_EVERY == 0 and self._moved(_CHANGE):
+        # the step time drifts (checked now and then); a save's cost arrives with the save,
+        # and one assumed (before any measured) may be far off: checked as it arrives
+        new_costs, obs.new_costs = obs.new_costs, False
+        if (
+            (new_costs and self.cost_assumed) or obs.observed % _COST_CHECK_EVERY == 0
+        ) and self._moved(_CHANGE):
             return True
         if obs.observed % _REGIME_CHECK_EVERY == 0 and self.curve.trusted:
             return self._regime_changed(k)
@@ -273,6 +279,10 @@ class Replanner:
         self.overhead = None
         self.horizon_end = end
         self.plan_inputs = inputs
+        self.cost_assumed = (
+            obs.costs.get("loop_cost_s").source != "measured"
+            and obs.costs.get("stall_s").source != "user"
+        )
         self.replans += 1
         self.last_replan_s = time.perf_counter() - t0
 
