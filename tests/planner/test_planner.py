@@ -268,3 +268,22 @@ def test_a_state_loaded_after_a_restore_keeps_it_once():
     other.load_state_dict(after)  # another planner: the state is all it knows
     assert other.state_dict()["failures"] == 1
     assert other.state_dict()["costs"]["restart_s"] == [9.0]
+
+
+def test_a_loaded_state_comes_back_unchanged_and_a_restore_is_replayed_on_every_load():
+    p = _planner()
+    _drive(p, noisy_run(300, seed=4), 1, 200)
+    saved = json.loads(json.dumps(p.state_dict()))
+    q = _planner()
+    q.load_state_dict(saved)
+    assert q.state_dict() == saved  # nothing recorded before the load: the state as saved
+    r = _planner()
+    r.record_restore(2.0)
+    for _ in range(2):  # e.g. the adapter's load, then the callback's
+        r.load_state_dict(saved)
+        assert r.state_dict()["failures"] == saved["failures"] + 1
+        assert r.state_dict()["costs"]["restart_s"] == [*saved["costs"]["restart_s"], 2.0]
+    taken = r.state_dict()
+    r.record_restore(3.0)  # a second restore, in the same process, from a state holding the first
+    r.load_state_dict(taken)
+    assert r.state_dict()["failures"] == saved["failures"] + 2

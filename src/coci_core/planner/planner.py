@@ -156,9 +156,11 @@ class Planner:
         self._plan = Replanner(self._settings, self._obs)
         self._uploads = UploadCosts()
         # This planner's restores and restarts, in order: a state loaded after them (the
-        # checkpoint's, taken before the failure) must not forget them.
+        # checkpoint's, taken before the failure) must not forget them. A state counts those
+        # of its run (``session``) it holds; ``_recorded[0]`` is that count's ``_base``.
         self._session = uuid.uuid4().hex
         self._recorded: list[tuple[str, float]] = []
+        self._base = 0
 
     policy_name = _Setting[str]()
     objective = _Setting[str]()
@@ -366,7 +368,7 @@ class Planner:
         return {
             **planner_state(self._plan),
             "session": self._session,
-            "recorded": len(self._recorded),
+            "recorded": self._base + len(self._recorded),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -380,11 +382,14 @@ class Planner:
             ConfigError: if the state is from another format version or policy.
         """
         load_planner_state(self._plan, state)
-        held = 0
-        if state.get("session") == self._session:
-            with contextlib.suppress(TypeError, ValueError):
-                held = int(state.get("recorded", 0))
-        missing = self._recorded[held:]
+        count = 0
+        with contextlib.suppress(TypeError, ValueError):
+            count = int(state.get("recorded", 0))
+        held = count - self._base if state.get("session") == self._session else 0
+        missing = self._recorded[max(0, held) :]
+        # the planner continues the state's run, its count now holding what was replayed
+        self._session = str(state.get("session") or self._session)
+        self._base = count + len(missing) - len(self._recorded)
         for kind, seconds in missing:
             if kind == "restore":
                 self._obs.record_restore(seconds)
