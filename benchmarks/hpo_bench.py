@@ -1,6 +1,7 @@
 """A real Optuna study under injected failures: the fault-tolerance cost of each save policy.
 
 Run:  python -m benchmarks.hpo_bench [--trials 30] [--seeds 0 1 2] [--pruner median|sha]
+      [--state-mb N]
 
 Each seed runs the same study once per policy: an Optuna study (random sampler, seeded; a
 median or successive-halving pruner) of ``--trials`` trials, each training the digits CNN on
@@ -17,6 +18,9 @@ MTBF given to all): ``coci+term`` (coci's plan with the trial's termination mode
 study, re-estimated at each report; a pruned trial takes no final save), ``coci`` (no
 termination model; the final save at the stop, as the adapters took before), ``daly``,
 ``checkfreq`` and ``epoch`` (every epoch), all with the final save.
+
+``--state-mb N`` adds N MB of extra state (a tensor saved beside the model and optimizer, as
+a large model's would be) to every trial's checkpoints, so that a save costs real stall.
 
 Cost per study (seconds): stall (the saves' measured stalls), lost work (the wall time from the
 newest durable checkpoint's state to each kill), restart (from each kill to the resumed trial's
@@ -84,6 +88,7 @@ class TrialSpec:
     mtbf_s: float
     termination: Termination | None
     stall_s: float = 0.01
+    state_mb: int = 0
 
 
 def _model(spec: TrialSpec) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -91,6 +96,14 @@ def _model(spec: TrialSpec) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     model = DigitsCNN(WIDTH)
     opt = torch.optim.SGD(model.parameters(), lr=spec.lr, momentum=spec.momentum)
     return model, opt
+
+
+def _extra_state(spec: TrialSpec) -> torch.Tensor | None:
+    """``spec.state_mb`` MB of float32 values (None for 0), seeded per trial."""
+    if spec.state_mb <= 0:
+        return None
+    g = torch.Generator().manual_seed(spec.number)
+    return torch.rand(spec.state_mb * 2**18, generator=g)
 
 
 def _batch(step: int, number: int) -> torch.Tensor:
@@ -122,6 +135,7 @@ def trial_process(spec: TrialSpec, conn: multiprocessing.connection.Connection) 
 
     d = _data()
     model, opt = _model(spec)
+    extra = _extra_state(spec)
     name = "coci" if spec.policy == "coci+term" else spec.policy
     # every planner starts from the stall measured once here (a new trial's planner has not
     # measured one yet; the default assumes a large model's and plans almost no save)
@@ -145,11 +159,16 @@ def trial_process(spec: TrialSpec, conn: multiprocessing.connection.Connection) 
         state = ckpt.restore(into={"model": model, "optim": opt})
         ckpt.load_state_dict(state.get("coci", {}))
         start = int(ckpt.resumed_from or 0)
+        if extra is not None:
+            extra = state["extra"]
     write(ready=start, t=time.time())
     conn.send(("ready",))
 
     def state() -> dict[str, Any]:
-        return {"model": model.state_dict(), "optim": opt.state_dict(), "coci": ckpt.state_dict()}
+        out = {"model": model.state_dict(), "optim": opt.state_dict(), "coci": ckpt.state_dict()}
+        if extra is not None:
+            out["extra"] = extra
+        return out
 
     def final(step: int, final_save: bool) -> None:
         if final_save and ckpt.resumed_from != step and step > start:
@@ -257,6 +276,7 @@ def run_trial(
     costs: Costs,
     mtbf_s: float,
     stall_s: float = 0.01,
+    state_mb: int = 0,
 ) -> None:
     """Run one trial to its end (completed or pruned), through any number of kills."""
     ctx = mp.get_context("fork")
@@ -277,6 +297,7 @@ def run_trial(
             mtbf_s,
             _termination(study, trial) if policy == "coci+term" else None,
             stall_s,
+            state_mb,
         )
         parent, child = ctx.Pipe()
         launched = time.time()
@@ -376,7 +397,7 @@ def run_study(
     work.mkdir(parents=True)
     for _ in range(args.trials):
         trial = study.ask()
-        run_trial(study, trial, policy, work, clock, costs, mtbf_s, stall_s)
+        run_trial(study, trial, policy, work, clock, costs, mtbf_s, stall_s, args.state_mb)
     costs.best_value = study.best_value
     # the final saves' stalls are part of the saves' stalls (committed events)
     return costs
@@ -395,16 +416,16 @@ def warm_up() -> None:
     _validate(model)
 
 
-def calibrate(root: Path) -> tuple[float, float]:
+def calibrate(root: Path, state_mb: int = 0) -> tuple[float, float]:
     """The failure-free busy time of one unpruned trial here (the unit of the MTBF) and the
-    median stall of its saves (every epoch), in seconds."""
+    median stall of its saves (every epoch), in seconds, with ``state_mb`` MB of extra state."""
     study = optuna.create_study(pruner=optuna.pruners.NopPruner())
     study.enqueue_trial({"lr": 0.05, "momentum": 0.9})
     clock = FailureClock(math.inf, 0)
     costs = Costs()
     work = root / "calibration"
     work.mkdir(parents=True)
-    run_trial(study, study.ask(), "epoch", work, clock, costs, 3600.0)
+    run_trial(study, study.ask(), "epoch", work, clock, costs, 3600.0, state_mb=state_mb)
     stalls = [e["stall"] for e in _read_events(work / "trial-0.jsonl") if "committed" in e]
     return costs.busy_s, statistics.median(stalls)
 
@@ -461,6 +482,12 @@ def main() -> None:
         default=0.05,
         help="MTBF as a share of the failure-free length of a study of unpruned trials",
     )
+    ap.add_argument(
+        "--state-mb",
+        type=int,
+        default=0,
+        help="MB of extra state saved in every trial's checkpoints (0: the model's only)",
+    )
     ap.add_argument("--out-dir", default=None, help="where the result file goes")
     args = ap.parse_args()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -468,7 +495,7 @@ def main() -> None:
     warm_up()
 
     def run(scratch: Path) -> dict[str, Any]:
-        trial_s, stall_s = calibrate(scratch)
+        trial_s, stall_s = calibrate(scratch, args.state_mb)
         mtbf_s = args.mtbf_share * trial_s * args.trials
         log(
             f"one trial {trial_s:.2f} s, a save's stall {stall_s * 1e3:.1f} ms; MTBF "
@@ -501,6 +528,7 @@ def main() -> None:
             "epochs": EPOCHS,
             "steps_per_epoch": STEPS_PER_EPOCH,
             "pruner": args.pruner,
+            "state_mb": args.state_mb,
             "policies": args.policies,
             "runs": runs,
         }

@@ -142,3 +142,22 @@ def test_tree_is_plain_json() -> None:
     text = json.dumps(flat.tree, allow_nan=False)
     leaves = [leaf.tensor for leaf in flat.leaves]
     assert_same(unflatten_state(json.loads(text), leaves), state)
+
+
+def test_lists_of_plain_values_are_stored_as_they_are_and_others_tagged(tmp_path: Any) -> None:
+    """Lists of numbers (a planner's samples) are taken whole; a non-finite or non-plain
+    element still gets its tag, and everything comes back equal."""
+    state: dict[str, Any] = {
+        "plain": [1, 2.5, -0.0, None, True, "s"],
+        "chunks": [[1.0, 2.0], (3, 4.5)],
+        "odd": [1.0, math.inf, np.float32(2.0), 2**70],
+    }
+    tree = flatten_state(state).tree["v"]
+    assert tree["plain"] == {"t": "list", "v": [1, 2.5, -0.0, None, True, "s"]}
+    assert tree["chunks"]["v"][1] == {"t": "tuple", "v": [3, 4.5]}
+    odd = tree["odd"]["v"]
+    assert odd[0] == 1.0 and odd[1] == {"t": "float", "v": "inf"} and odd[2]["t"] == "np"
+    back = _round_trip(tmp_path, state)
+    assert back["plain"] == state["plain"]
+    assert back["chunks"] == state["chunks"]
+    assert back["odd"][:2] == [1.0, math.inf] and back["odd"][3] == 2**70

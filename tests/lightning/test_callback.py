@@ -257,7 +257,19 @@ def test_planner_state_survives_resume(tmp_path: Path) -> None:
 
     callback = CociCheckpoint(policy="every_n_steps", every_n_steps=5, resume=True)
     _fit(tmp_path, 12, [callback, _Peek()])
-    assert seen == json.loads(json.dumps(saved))
+    saved = json.loads(json.dumps(saved))
+    # the resume itself is recorded on top of the saved state: one more failure, its restore
+    assert seen["failures"] == saved["failures"] + 1
+    assert seen["costs"]["restart_s"][:-1] == saved["costs"]["restart_s"]
+    assert seen["force_replan"]
+    assert seen["elapsed_s"] > saved["elapsed_s"]
+    moved = {"failures", "costs", "force_replan", "session", "recorded", "elapsed_s"}
+    assert {k: v for k, v in seen.items() if k not in moved} == {
+        k: v for k, v in saved.items() if k not in moved
+    }
+    assert {k: v for k, v in seen["costs"].items() if k != "restart_s"} == {
+        k: v for k, v in saved["costs"].items() if k != "restart_s"
+    }
 
 
 def test_plain_dataloader_warns_once(tmp_path: Path) -> None:

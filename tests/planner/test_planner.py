@@ -248,3 +248,42 @@ def test_a_fixed_interval_is_kept_across_a_restore_and_a_slow_first_plan():
     assert not p.should_save(9) and not p.should_save(13) and p.should_save(16)
     assert "checkpoint" in p.explain(12).splitlines()[0]
     assert "no checkpoint" in p.explain(13).splitlines()[0]
+
+
+def test_a_state_loaded_after_a_restore_keeps_it_once():
+    """Restores recorded before a load are recorded again unless the state holds them."""
+    p = _planner()
+    _drive(p, noisy_run(300, seed=3), 1, 200)
+    before = p.state_dict()
+    p.record_restore(5.0)
+    p.record_restart(9.0)
+    after = p.state_dict()
+    assert after["failures"] == 1
+    p.load_state_dict(before)  # a checkpoint taken before the failure
+    assert p.state_dict()["failures"] == 1
+    assert p.state_dict()["costs"]["restart_s"] == [9.0]
+    p.load_state_dict(after)  # one that holds it: not counted twice
+    assert p.state_dict()["failures"] == 1
+    other = _planner()
+    other.load_state_dict(after)  # another planner: the state is all it knows
+    assert other.state_dict()["failures"] == 1
+    assert other.state_dict()["costs"]["restart_s"] == [9.0]
+
+
+def test_a_loaded_state_comes_back_unchanged_and_a_restore_is_replayed_on_every_load():
+    p = _planner()
+    _drive(p, noisy_run(300, seed=4), 1, 200)
+    saved = json.loads(json.dumps(p.state_dict()))
+    q = _planner()
+    q.load_state_dict(saved)
+    assert q.state_dict() == saved  # nothing recorded before the load: the state as saved
+    r = _planner()
+    r.record_restore(2.0)
+    for _ in range(2):  # e.g. the adapter's load, then the callback's
+        r.load_state_dict(saved)
+        assert r.state_dict()["failures"] == saved["failures"] + 1
+        assert r.state_dict()["costs"]["restart_s"] == [*saved["costs"]["restart_s"], 2.0]
+    taken = r.state_dict()
+    r.record_restore(3.0)  # a second restore, in the same process, from a state holding the first
+    r.load_state_dict(taken)
+    assert r.state_dict()["failures"] == saved["failures"] + 2

@@ -188,3 +188,48 @@ def test_the_restart_is_measured_from_process_start_and_planned_with(
     records = read_jsonl(tmp_path / "t.jsonl")
     assert [r["step"] for r in records if r["type"] == "progress"] == [6]  # then at most 1/s
     assert [r["seconds"] for r in records if r["type"] == "restart"] == [restart.seconds]
+
+
+def _resume(directory: Path) -> Checkpointer:
+    """A new process's Checkpointer: restore, then the planner state from the checkpoint."""
+    ckpt = Checkpointer(
+        directory,
+        policy="coci",
+        objective="time",
+        planner_options={"total_steps": 100, "default_stall_s": 0.01},
+        mtbf_s=60.0,
+    )
+    state = ckpt.restore()
+    ckpt.load_state_dict(state.get("coci", {}))
+    return ckpt
+
+
+def _train(ckpt: Checkpointer, first: int, last: int) -> None:
+    for k in range(first, last + 1):
+        ckpt.observe(k, loss=1.0, step_time_s=0.01)
+    ckpt.save(last, {"w": torch.ones(4), "coci": ckpt.state_dict()}, block=True).wait()
+
+
+def test_a_resume_keeps_its_failure_and_restart_after_the_checkpoints_planner_state(
+    tmp_path: Path,
+) -> None:
+    """``restore()`` then ``load_state_dict()`` (the adapters' order): the state, taken before
+    the failure, does not erase it: the failures add up and each restart is kept."""
+    first = Checkpointer(tmp_path, policy="coci", objective="time", mtbf_s=60.0)
+    _train(first, 1, 10)
+    first.close()
+    restarts = []
+    for resume in range(1, 4):
+        ckpt = _resume(tmp_path)
+        plans = ckpt.planner.replans
+        _train(ckpt, 10 * resume + 1, 10 * resume + 10)
+        state = ckpt.planner.state_dict()
+        assert state["failures"] == resume
+        restarts = state["costs"]["restart_s"]
+        assert len(restarts) == resume  # one whole restart per resume, none replaced
+        # one re-plan, at the first step, with the restart known
+        assert ckpt.planner.replans == plans + 1
+        ckpt.close()
+    assert ckpt.planner.report().costs["restart_s"] == pytest.approx(
+        sorted(restarts)[len(restarts) // 2]
+    )

@@ -99,6 +99,8 @@ _NP_SCALAR_DTYPES = frozenset(
     np.dtype(c).str for c in "?bBhHiIlLqQefdg" if np.dtype(c).byteorder != ">"
 )
 _NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+#: values that ``encode`` returns unchanged (with finite floats)
+_AS_IS = frozenset({type(None), bool, int, str})
 
 
 def ndarray_dtype(name: Any, torch_dtype: str) -> np.dtype[Any]:
@@ -246,7 +248,10 @@ class _Flattener:
         if type(value) in (list, tuple):
             self._enter(key)
             try:
-                items = [self.encode(v, f"{key}/{i}") for i, v in enumerate(value)]
+                if all(type(v) in _AS_IS or (type(v) is float and math.isfinite(v)) for v in value):
+                    items = list(value)  # what encode gives each (a planner's samples: fast)
+                else:
+                    items = [self.encode(v, f"{key}/{i}") for i, v in enumerate(value)]
             finally:
                 self._depth -= 1
             return {"t": "list" if type(value) is list else "tuple", "v": items}

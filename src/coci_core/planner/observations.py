@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -19,6 +20,8 @@ __all__ = ["LossBuffer", "RunObservations"]
 _MAX_CHUNKS = 1024
 _MAX_CHARGED_STEPS = 256  # a persist that does not end within this many steps is not charged
 _FIRST_LOSSES = 64  # raw losses kept for coci_paper
+_MIN_PERIODS = 16  # timed steps before the wall time per step is used
+_clock = time.monotonic
 
 
 class LossBuffer:
@@ -99,6 +102,12 @@ class RunObservations:
         # The save being charged for its cost to the loop: [its stall (None until its persist
         # ended), excess step time so far, steps counted].
         self.charge: list[Any] | None = None
+        # This process's wall clock from its first timed step: [first, last (monotonic s),
+        # step times since the first, the saves' stalls and slowdowns, periods]. What the
+        # step times miss (validation, logging, data waits between timed steps) is work
+        # too: a failure loses it, and failures strike during it.
+        self.wall: list[float] | None = None
+        self.new_costs = False  # a save's cost was measured since the last check
 
     def observe(self, k: int, loss: float | None, step_time_s: float | None) -> None:
         """Record step ``k``'s loss and time; skip (and count) NaN/inf losses, ignore odd times."""
@@ -123,8 +132,15 @@ class RunObservations:
             except (TypeError, ValueError):
                 st = math.nan
             if math.isfinite(st) and st >= 0:
+                now = _clock()
                 with self.lock:
                     self.elapsed_s += st
+                    if self.wall is None:
+                        self.wall = [now, now, 0.0, 0.0, 0.0]
+                    else:
+                        self.wall[1] = now
+                        self.wall[2] += st
+                        self.wall[4] += 1
                 if self.charge is not None:
                     self._charge_step(st)
                 if not exclude:
@@ -148,9 +164,14 @@ class RunObservations:
         if stall_s is not None:
             self.costs.add("stall_s", stall_s)
             with contextlib.suppress(TypeError, ValueError), self.lock:
-                self.elapsed_s += max(0.0, float(stall_s))
+                stall = float(stall_s)
+                if math.isfinite(stall) and stall > 0:
+                    self.elapsed_s += stall
+                    if self.wall is not None:
+                        self.wall[3] += stall
         if persist_s is not None:
             self.costs.add("persist_s", persist_s)
+        self.new_costs = True
         with self.lock:
             self.exclude_next = True
             if self.charge is not None and self.charge[0] is None:
@@ -173,9 +194,38 @@ class RunObservations:
             self.charge = None
         if charge[0] is not None:  # else the save never committed: nothing to learn
             self.costs.add("loop_cost_s", max(charge[0], charge[0] + charge[1]))
+            self.new_costs = True
+            with self.lock:
+                if self.wall is not None and math.isfinite(charge[1]):
+                    self.wall[3] += max(0.0, charge[1])
+
+    def outside_s(self) -> float:
+        """The wall time of this process since its first timed step that neither the step
+        times nor the saves account for."""
+        with self.lock:
+            w = self.wall
+            return 0.0 if w is None else max(0.0, w[1] - w[0] - w[2] - w[3])
+
+    def wall_step_s(self) -> float | None:
+        """The mean wall time per step in this process, saves left out (None before
+        ``_MIN_PERIODS`` timed steps): step time and what falls between steps."""
+        with self.lock:
+            w = self.wall
+            if w is None or w[4] < _MIN_PERIODS:
+                return None
+            return max(0.0, w[1] - w[0] - w[3]) / w[4]
+
+    def close_wall(self) -> None:
+        """End the wall-clock window (a restore, a loaded state: what follows is not a
+        step), keeping its outside time in ``elapsed_s``."""
+        outside = self.outside_s()
+        with self.lock:
+            self.elapsed_s += outside
+            self.wall = None
 
     def record_restore(self, seconds: float) -> None:
         """One more failure, and its measured restore time."""
+        self.close_wall()
         if self.costs.add("restart_s", seconds):
             self.elapsed_s += float(seconds)
         self.failures += 1
@@ -196,13 +246,21 @@ class RunObservations:
             return s.mtbf_s / nodes, "user"
         src = "estimated" if self.failures else "default"
         return estimate_mtbf_s(
-            failures=self.failures, elapsed_s=self.elapsed_s, prior_mtbf_s=s.default_mtbf_s
+            failures=self.failures,
+            elapsed_s=self.elapsed_s + self.outside_s(),
+            prior_mtbf_s=s.default_mtbf_s,
         ), src
 
     def plan_inputs(self) -> dict[str, float] | None:
         """The costs and MTBF to plan with, or None before a step time is known."""
         snap = self.costs.snapshot()
         step_t = snap["step_time_s"].value
+        if snap["step_time_s"].source == "measured":
+            # the median of the step times leaves out what falls between them (validation,
+            # logging, waits) and rare long steps; a failure loses that work too
+            wall = self.wall_step_s()
+            if wall is not None and step_t is not None:
+                step_t = max(step_t, wall)
         if step_t is None or step_t <= 0:
             return None
         stall = snap["stall_s"].value

@@ -7,9 +7,10 @@ Called as (every rank may hold one, but only rank 0's decisions should be used):
    later as ``record_save(persist_s=...)``); after a restore: ``record_restore(seconds)``;
 4) ``state_dict()`` into the checkpoint manifest, ``load_state_dict()`` on resume.
 
-Re-planning happens inside ``observe`` on a doubling schedule of steps, when a measured cost or
-the MTBF estimate moves by more than 20% from the value planned with, after a restore, and
-when the loss leaves its fitted curve (a regime change); never on every step.
+Re-planning happens inside ``observe`` on a doubling schedule of steps (skipped when it would
+remake the same plan), when a measured cost or the MTBF estimate moves by more than 20% from
+the value planned with, after a restore, and when the loss leaves its fitted curve (a regime
+change); never on every step.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import contextlib
 import dataclasses
 import inspect
 import math
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Generic, TypeVar, overload
 
@@ -153,6 +155,12 @@ class Planner:
         self._obs = RunObservations(self._settings, CostEstimator(config.costs))
         self._plan = Replanner(self._settings, self._obs)
         self._uploads = UploadCosts()
+        # This planner's restores and restarts, in order: a state loaded after them (the
+        # checkpoint's, taken before the failure) must not forget them. A state counts those
+        # of its run (``session``) it holds; ``_recorded[0]`` is that count's ``_base``.
+        self._session = uuid.uuid4().hex
+        self._recorded: list[tuple[str, float]] = []
+        self._base = 0
 
     policy_name = _Setting[str]()
     objective = _Setting[str]()
@@ -245,6 +253,7 @@ class Planner:
         """Record a restore after a failure: one more failure, and its measured duration
         (``tier="remote"``: from the remote tier, the restart time of a lost node)."""
         self._obs.record_restore(seconds)
+        self._recorded.append(("restore", seconds))
         if tier == "remote":
             with contextlib.suppress(TypeError, ValueError):
                 self._uploads.remote_restore(float(seconds))
@@ -255,6 +264,7 @@ class Planner:
         start to its first training step): it replaces that restore's time as the restart
         cost ``R`` the plan uses."""
         self._obs.record_restart(seconds)
+        self._recorded.append(("restart", seconds))
         self._plan.force_replan = True
 
     def record_upload(self, seconds: float) -> None:
@@ -355,15 +365,38 @@ class Planner:
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-compatible state: estimates, losses, the plan and counters."""
-        return planner_state(self._plan)
+        return {
+            **planner_state(self._plan),
+            "session": self._session,
+            "recorded": self._base + len(self._recorded),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a state from :meth:`state_dict` (the plan is re-fitted from the losses).
+
+        The restores and restarts this planner recorded that the state does not hold (as
+        after ``restore()`` then ``load_state_dict()`` of the checkpoint's state) are
+        recorded again: the failure is counted and its restart time kept.
 
         Raises:
             ConfigError: if the state is from another format version or policy.
         """
         load_planner_state(self._plan, state)
+        count = 0
+        with contextlib.suppress(TypeError, ValueError):
+            count = int(state.get("recorded", 0))
+        held = count - self._base if state.get("session") == self._session else 0
+        missing = self._recorded[max(0, held) :]
+        # the planner continues the state's run, its count now holding what was replayed
+        self._session = str(state.get("session") or self._session)
+        self._base = count + len(missing) - len(self._recorded)
+        for kind, seconds in missing:
+            if kind == "restore":
+                self._obs.record_restore(seconds)
+            else:
+                self._obs.record_restart(seconds)
+        if missing:
+            self._plan.force_replan = True
 
 
 def planner_config(options: Mapping[str, Any]) -> PlannerConfig:

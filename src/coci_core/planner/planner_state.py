@@ -28,7 +28,7 @@ def planner_state(plan: Replanner) -> dict[str, Any]:
         "skipped_losses": obs.skipped,
         "observed": obs.observed,
         "last_step": obs.last_step,
-        "elapsed_s": obs.elapsed_s,
+        "elapsed_s": obs.elapsed_s + obs.outside_s(),
         "failures": obs.failures,
         "schedule": list(plan.schedule),
         "ptr": plan.ptr,
@@ -65,6 +65,7 @@ def load_planner_state(plan: Replanner, state: dict[str, Any]) -> None:
     obs.skipped = int(state["skipped_losses"])
     obs.observed = int(state["observed"])
     obs.last_step = _optional_int(state["last_step"])
+    obs.close_wall()
     obs.elapsed_s = float(state["elapsed_s"])
     obs.failures = int(state["failures"])
     plan.schedule = [int(s) for s in state["schedule"]]
@@ -78,8 +79,11 @@ def load_planner_state(plan: Replanner, state: dict[str, Any]) -> None:
     plan.plan_inputs = {str(k): float(v) for k, v in state["plan_inputs"].items()}
     plan.horizon_end = _optional_int(state["horizon_end"])
     plan.regime_flagged = bool(state["regime_flagged"])
-    plan.curve = curve_from_dict(state["curve"]) if state.get("curve") else FLAT
-    pending = state.get("pending_curve")
-    plan.pending_curve = curve_from_dict(pending) if pending else None
+    plan.curve = plan.no_curve()
+    plan.pending_curve = None
+    if plan.uses_curve:  # a curve saved under another objective is not used
+        plan.curve = curve_from_dict(state["curve"]) if state.get("curve") else FLAT
+        pending = state.get("pending_curve")
+        plan.pending_curve = curve_from_dict(pending) if pending else None
     plan.problem = None
     plan.overhead = None

@@ -1,9 +1,10 @@
 """Re-planning: when to remake the plan, and making it (a Problem from the observations, solved
 by the policy), plus the plan's cursor that ``should_save`` walks.
 
-Re-planning happens on a doubling schedule of steps, when a measured cost or the MTBF estimate
-moves by more than 20% from the value planned with, after a restore, and when the loss leaves
-its fitted curve (a regime change); never on every step.
+Re-planning happens on a doubling schedule of steps (skipped when it would remake the same
+plan), when a measured cost or the MTBF estimate moves by more than 20% from the value planned
+with, after a restore, and when the loss leaves its fitted curve (a regime change); never on
+every step.
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ _COST_CHECK_EVERY = 64
 _REGIME_CHECK_EVERY = 256
 _UNTRUSTED_CHECK_EVERY = 128
 _CHANGE = 0.2
+#: a scheduled re-plan is skipped while every input stays this close to the planned one
+_SETTLED = 0.05
+#: the curve of a coci plan whose objective weighs every step alike: none is fitted
+UNUSED = LossCurve(trusted=False, reason="not fitted: the time objective weighs every step alike")
 #: the longest horizon planned at once (per-step arrays); longer runs are planned in windows
 MAX_HORIZON_STEPS = 2_000_000
 
@@ -52,7 +57,7 @@ class Replanner:
         self.last_replan_s = 0.0
         self.plan_inputs: dict[str, float] = {}
         self.horizon_end: int | None = None
-        self.curve: LossCurve = FLAT
+        self.curve: LossCurve = self.no_curve()
         self.pending_curve: LossCurve | None = None
         self.regime_flagged = False
         self.problem: Problem | None = None
@@ -61,6 +66,7 @@ class Replanner:
         policy = settings.policy_name
         self.plan_method = "no plan yet" if settings.fixed_every is None else f"the {policy} policy"
         self.warned = False
+        self.cost_assumed = True  # the plan's cost of a save is not a measured loop cost
 
     # ------------------------------------------------------------------ the plan's cursor
 
@@ -106,14 +112,16 @@ class Replanner:
                 obs.observed >= 3 or obs.costs.get("step_time_s").source == "user"
             )
         if k >= self.next_replan:
+            if not self._settled():
+                return True
+            self.next_replan = s.start_step + max(64, 2 * max(1, k - s.start_step))
+        # the step time drifts (checked now and then); a save's cost arrives with the save,
+        # and one assumed (before any measured) may be far off: checked as it arrives
+        new_costs, obs.new_costs = obs.new_costs, False
+        if (
+            (new_costs and self.cost_assumed) or obs.observed % _COST_CHECK_EVERY == 0
+        ) and self._moved(_CHANGE):
             return True
-        if obs.observed % _COST_CHECK_EVERY == 0:
-            now = obs.plan_inputs()
-            if now is not None:
-                for name, old in self.plan_inputs.items():
-                    new = now[name]
-                    if old > 0 and abs(new - old) > _CHANGE * old:
-                        return True
         if obs.observed % _REGIME_CHECK_EVERY == 0 and self.curve.trusted:
             return self._regime_changed(k)
         if (
@@ -132,6 +140,29 @@ class Replanner:
             s.total_steps is None or self.horizon_end < s.total_steps
         )
         return horizon_cut and k >= (self.horizon_end or 0) - 1
+
+    def _moved(self, share: float) -> bool:
+        """Whether a cost or the MTBF has moved by more than ``share`` since the plan."""
+        now = self.obs.plan_inputs()
+        if now is None:
+            return False
+        for name, old in self.plan_inputs.items():
+            new = now[name]
+            if old > 0 and abs(new - old) > share * old:
+                return True
+        return False
+
+    def _settled(self) -> bool:
+        """Whether a scheduled re-plan would remake the same plan: the whole run is planned
+        (no horizon to extend), no loss curve to refit, and the inputs have not moved."""
+        s = self.settings
+        return (
+            self.problem is not None
+            and s.total_steps is not None
+            and self.horizon_end == s.total_steps
+            and not self.uses_curve
+            and not self._moved(_SETTLED)
+        )
 
     def _regime_changed(self, k: int) -> bool:
         if self.regime_flagged:
@@ -187,7 +218,7 @@ class Replanner:
         if self.pending_curve is not None:
             self.curve, self.pending_curve = self.pending_curve, None
         else:
-            self.curve = self.fit() if s.policy_name == "coci" else FLAT
+            self.curve = self.fit() if self.uses_curve else self.no_curve()
         self.regime_flagged = False
         # a per-node MTBF scales with the world size; an estimated one is already job-level
         nodes = s.nodes if callable(s.nodes) and s.mtbf_s is not None else 1
@@ -248,6 +279,10 @@ class Replanner:
         self.overhead = None
         self.horizon_end = end
         self.plan_inputs = inputs
+        self.cost_assumed = (
+            obs.costs.get("loop_cost_s").source != "measured"
+            and obs.costs.get("stall_s").source != "user"
+        )
         self.replans += 1
         self.last_replan_s = time.perf_counter() - t0
 
@@ -277,6 +312,16 @@ class Replanner:
             why = "time objective" if s.objective == "time" else "flat value"
             return f"Daly's interval ({why}, no termination model)"
         return f"{s.method} for the {s.objective} objective"
+
+    @property
+    def uses_curve(self) -> bool:
+        """Whether the plan weighs progress by a fitted loss curve (coci, except under the
+        ``time`` objective, which counts every step alike: the fit would be wasted)."""
+        return self.settings.policy_name == "coci" and self.settings.objective != "time"
+
+    def no_curve(self) -> LossCurve:
+        """The curve of a plan that fits none, saying why."""
+        return UNUSED if self.settings.policy_name == "coci" else FLAT
 
     def fit(self) -> LossCurve:
         """The loss curve fitted to the losses so far (flat before any)."""

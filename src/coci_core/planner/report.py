@@ -142,6 +142,13 @@ def explain_step(plan: Replanner, step: int) -> str:
         "  inputs: "
         + ", ".join(f"{c} {rep.costs[c]!s} ({rep.cost_sources[c]})" for c in COST_NAMES)
     )
+    planned_step = plan.plan_inputs.get("step_time_s")
+    measured_step = rep.costs.get("step_time_s")
+    if planned_step is not None and measured_step is not None and planned_step > measured_step:
+        lines.append(
+            f"  planned with {planned_step:.3g} s of wall time per step: the steps' median "
+            f"{measured_step:.3g} s and the time between them (validation, logging, waits)"
+        )
     lines.append(f"  MTBF {rep.mtbf_s} s ({rep.mtbf_source}); loss curve: {rep.loss_fit_reason}")
     lines.append(f"  plan: {rep.plan_method}")
     pb = plan.problem

@@ -121,7 +121,9 @@ def dp_schedule(
     rcum: FloatArray = pb._rate_cum  # type: ignore[attr-defined]
     v_pt = pb.v[np.clip(gi, 0, pb.horizon_steps - 1)]
     # P(K > g) for every grid point (K the kill step; the end atom counts as "survives")
-    tail_p = np.array([float(atom_p[atoms > x].sum()) + p_end for x in g])
+    # (one sum per atom, not per grid point: the atoms are sorted, so those after x are a tail)
+    tails = np.array([float(atom_p[i:].sum()) + p_end for i in range(len(atoms) + 1)])
+    tail_p = tails[np.searchsorted(atoms, g, side="right")]
     tail_p[-1] = p_end
     lam_min = float(np.min(rcum[1:] - rcum[:-1]))
     rho_min = float(np.min(pb.v)) if weight_lost and not weight_stall else 1.0

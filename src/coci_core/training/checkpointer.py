@@ -198,9 +198,10 @@ class Checkpointer:
         self, step: int, *, loss: float | None = None, step_time_s: float | None = None
     ) -> None:
         """Record one training step (never raises on odd loss or time values)."""
-        self.planner.observe(step, loss=loss, step_time_s=step_time_s)
         if self._restored is not None:
+            # before the planner sees the step: one re-plan with the whole restart, not two
             self._restart_done(self._restored)
+        self.planner.observe(step, loss=loss, step_time_s=step_time_s)
         if not self.sinks:
             return
         now = time.monotonic()
