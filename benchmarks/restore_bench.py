@@ -91,9 +91,7 @@ def _touch(tensors: Any) -> float:
     return float(tensors.float().sum()) if isinstance(tensors, torch.Tensor) else 0.0
 
 
-def run(
-    size_gb: float, repeats: int, root: Path, only: list[str] | None = None
-) -> dict[str, Any]:
+def run(size_gb: float, repeats: int, root: Path, only: list[str] | None = None) -> dict[str, Any]:
     import safetensors.torch
     import torch.distributed.checkpoint as dcp
 
