@@ -387,9 +387,12 @@ class CheckpointManager:
         """Snapshot ``state`` as ``step`` and persist it in the background.
 
         With ``block=True`` this returns once every tensor is copied into host memory, so
-        training may change the tensors at once. With ``block=False`` it returns at once and
-        the copy overlaps the next forward and backward pass; call :meth:`before_update`
-        before the next ``optimizer.step()`` (or anything else that changes the tensors).
+        training may change the tensors at once. With ``block=False`` it returns once the
+        tensors of at most 64 KiB are copied (what a forward pass changes: BatchNorm's
+        statistics) and the rest of the copy overlaps the next forward and backward pass; every
+        torch optimizer's ``step()`` waits for it, and :meth:`before_update` waits for it by
+        hand (before other code changes saved tensors in place). A tensor changed before the
+        copy read it gives the save up (:class:`~coci_core.errors.StateChangedError`).
 
         Args:
             step: the training step (an integer >= 0).
@@ -564,8 +567,9 @@ class CheckpointManager:
     def before_update(self) -> None:
         """Wait, if needed, until a ``block=False`` snapshot is fully copied.
 
-        Call it just before ``optimizer.step()``; it returns at once when there is nothing to
-        wait for. The wait counts as stall.
+        Torch optimizers call it by themselves before each ``step()`` (a process-wide
+        optimizer pre-hook); call it before any other in-place change of saved tensors. It
+        returns at once when there is nothing to wait for. The wait counts as stall.
         """
         handle = self._inflight
         if handle is None or handle._snapshot is None or handle.block:

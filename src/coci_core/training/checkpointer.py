@@ -361,7 +361,8 @@ class Checkpointer:
         return True
 
     def before_update(self) -> None:
-        """Call before each optimizer step: waits only for an unfinished snapshot copy."""
+        """Wait for an unfinished snapshot copy (torch optimizers do before each ``step()``;
+        call it before other in-place changes of the saved tensors)."""
         self.manager.before_update()
 
     def latest_step(self) -> int | None:
