@@ -204,6 +204,7 @@ PLOTS: dict[str, Callable[[dict[str, Any]], Figure]] = {
     "s3": s3,
     "s3_loop": s3_loop,
     "restore": restore,
+    "restore-4g": restore,
 }
 
 
