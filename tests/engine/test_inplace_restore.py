@@ -13,6 +13,7 @@ from typing import Any
 import crc32c
 import pytest
 import torch
+from benchmarks._lib.files import drop_file_cache
 
 from coci_core import (
     CheckpointError,
@@ -276,14 +277,6 @@ def _cached_pages(path: Path) -> int:
     return sum(v & 1 for v in vec)
 
 
-def _drop_cache(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def test_a_chunked_read_leaves_the_page_cache_alone(tmp_path: Path) -> None:
     """A large piece read from local storage does not stay in the page cache (a plain read
     does): a restore does not evict what training keeps cached."""
@@ -293,7 +286,7 @@ def test_a_chunked_read_leaves_the_page_cache_alone(tmp_path: Path) -> None:
         f.write(data)
         os.fsync(f.fileno())
     storage = LocalStorage(tmp_path)
-    _drop_cache(path)
+    drop_file_cache(path)
     assert _cached_pages(path) == 0
     storage.read_into("f", 0, memoryview(bytearray(len(data))))
     assert _cached_pages(path) == len(data) // mmap.PAGESIZE  # the control: a plain read

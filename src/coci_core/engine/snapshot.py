@@ -164,11 +164,10 @@ class Snapshot:
     def wait_copied(self) -> None:
         """Block until every leaf is in host memory (re-raises a failed copy)."""
         self.copied.wait()
-        for name in ("_small_cuda_event", "_cuda_event"):
-            event = getattr(self, name)
+        for event in (self._small_cuda_event, self._cuda_event):
             if event is not None:
                 event.synchronize()
-                setattr(self, name, None)
+        self._small_cuda_event = self._cuda_event = None
         if self.error is not None:
             raise self.error
 

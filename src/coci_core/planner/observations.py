@@ -7,6 +7,7 @@ import contextlib
 import math
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -22,6 +23,21 @@ _MAX_CHARGED_STEPS = 256  # a persist that does not end within this many steps i
 _FIRST_LOSSES = 64  # raw losses kept for coci_paper
 _MIN_PERIODS = 16  # timed steps before the wall time per step is used
 _clock = time.monotonic
+
+
+@dataclass
+class _WallClock:
+    """This process's wall clock from its first timed step (monotonic seconds)."""
+
+    first: float
+    last: float
+    step_s: float = 0.0  # the step times given since the first
+    saves_s: float = 0.0  # the saves' stalls and the slowdowns they caused
+    periods: int = 0  # timed steps since the first
+
+    def outside_s(self) -> float:
+        """What neither the step times nor the saves account for."""
+        return max(0.0, self.last - self.first - self.step_s - self.saves_s)
 
 
 class LossBuffer:
@@ -102,11 +118,9 @@ class RunObservations:
         # The save being charged for its cost to the loop: [its stall (None until its persist
         # ended), excess step time so far, steps counted].
         self.charge: list[Any] | None = None
-        # This process's wall clock from its first timed step: [first, last (monotonic s),
-        # step times since the first, the saves' stalls and slowdowns, periods]. What the
-        # step times miss (validation, logging, data waits between timed steps) is work
-        # too: a failure loses it, and failures strike during it.
-        self.wall: list[float] | None = None
+        # What the step times miss (validation, logging, data waits between timed steps) is
+        # work too: a failure loses it, and failures strike during it.
+        self.wall: _WallClock | None = None
         self.new_costs = False  # a save's cost was measured since the last check
 
     def observe(self, k: int, loss: float | None, step_time_s: float | None) -> None:
@@ -136,11 +150,11 @@ class RunObservations:
                 with self.lock:
                     self.elapsed_s += st
                     if self.wall is None:
-                        self.wall = [now, now, 0.0, 0.0, 0.0]
+                        self.wall = _WallClock(now, now)
                     else:
-                        self.wall[1] = now
-                        self.wall[2] += st
-                        self.wall[4] += 1
+                        self.wall.last = now
+                        self.wall.step_s += st
+                        self.wall.periods += 1
                 if self.charge is not None:
                     self._charge_step(st)
                 if not exclude:
@@ -168,7 +182,7 @@ class RunObservations:
                 if math.isfinite(stall) and stall > 0:
                     self.elapsed_s += stall
                     if self.wall is not None:
-                        self.wall[3] += stall
+                        self.wall.saves_s += stall
         if persist_s is not None:
             self.costs.add("persist_s", persist_s)
         self.new_costs = True
@@ -197,23 +211,22 @@ class RunObservations:
             self.new_costs = True
             with self.lock:
                 if self.wall is not None and math.isfinite(charge[1]):
-                    self.wall[3] += max(0.0, charge[1])
+                    self.wall.saves_s += max(0.0, charge[1])
 
     def outside_s(self) -> float:
         """The wall time of this process since its first timed step that neither the step
         times nor the saves account for."""
         with self.lock:
-            w = self.wall
-            return 0.0 if w is None else max(0.0, w[1] - w[0] - w[2] - w[3])
+            return 0.0 if self.wall is None else self.wall.outside_s()
 
     def wall_step_s(self) -> float | None:
         """The mean wall time per step in this process, saves left out (None before
         ``_MIN_PERIODS`` timed steps): step time and what falls between steps."""
         with self.lock:
             w = self.wall
-            if w is None or w[4] < _MIN_PERIODS:
+            if w is None or w.periods < _MIN_PERIODS:
                 return None
-            return max(0.0, w[1] - w[0] - w[3]) / w[4]
+            return max(0.0, w.last - w.first - w.saves_s) / w.periods
 
     def close_wall(self) -> None:
         """End the wall-clock window (a restore, a loaded state: what follows is not a
