@@ -36,6 +36,8 @@ class OptunaTermination(Callback):
             recorded ``coci_step`` (see :func:`coci_core.hpo.optuna.study_termination`).
         max_report_step: the last report step (bounds the pruner's fallback rungs; default:
             the Trainer's ``max_epochs - 1``, as the pruning callback reports epochs).
+        rank_bandwidth: how the trial's own reported values weigh the study's other trials
+            (see :func:`coci_core.hpo.optuna.rank_weights`); None: all alike.
     """
 
     def __init__(
@@ -45,9 +47,11 @@ class OptunaTermination(Callback):
         min_trials: int = 3,
         train_step_of: StepMap | None = None,
         max_report_step: int | None = None,
+        rank_bandwidth: float | None = 0.2,
     ) -> None:
         super().__init__()
         self.trial = trial
+        self.rank_bandwidth = rank_bandwidth
         self.min_trials = min_trials
         self.train_step_of = train_step_of
         self.max_report_step = max_report_step
@@ -75,12 +79,20 @@ class OptunaTermination(Callback):
             train_step_of=train_step_of,
             min_trials=self.min_trials,
             max_report_step=top,
+            rank_bandwidth=self.rank_bandwidth,
         )
         self._checkpoint(trainer).set_termination("optuna", self.termination)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._refresh(trainer)
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # the pruning callback reports at on_validation_end, maybe after this callback's: the
+        # trial's newest value is in the study by the next epoch
+        if trainer.current_epoch > 0:
+            self._refresh(trainer)
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -164,6 +164,8 @@ def test_a_real_optuna_study_pruned_by_the_lightning_callback(tmp_path: Path) ->
     assert all(term == "none" for term in seen[0])
     # ... the last with the study's Kaplan-Meier estimate, refreshed as the study grew
     assert seen[5] and "Optuna study 'digits'" in seen[5][-1]
+    # once the trial has reported, weighted by how its value ranks in the study
+    assert "weighted by the rank of the trial's value" in seen[5][-1]
     assert directory_of(study.trials[0]).exists()  # ran to its end: kept
 
 

@@ -7,6 +7,12 @@ or running one is censored at its last step) and returns a termination model for
 planner. Before ``min_trials`` trials have finished it falls back to the pruner's own rungs when
 it exposes them (``SuccessiveHalvingPruner``, ``HyperbandPruner``), else to no termination.
 
+A trial that has reported is not like every other: under a median pruner a trial leading the
+study is rarely pruned and one trailing it usually is. So once the trial has reported, the
+earlier trials are weighted by how close their value at the trial's newest report step ranks to
+the trial's own value there (a Gaussian kernel over rank quantiles, ``rank_bandwidth`` wide),
+and the estimate is the weighted Kaplan-Meier of those that reached that step.
+
 Call it per trial (the study grows between trials); the adapters' helpers do so when a trial's
 training starts and again at each validation. Pruning itself stays Optuna's: the trial's
 ``should_prune()``, or optuna-integration's ``PyTorchLightningPruningCallback``.
@@ -21,10 +27,12 @@ epoch index).
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import numpy as np
 import optuna
 from optuna.pruners import BasePruner, HyperbandPruner, SuccessiveHalvingPruner
 from optuna.trial import FrozenTrial, TrialState
@@ -43,6 +51,7 @@ __all__ = [
     "per_epoch",
     "planner_options",
     "pruner_rungs",
+    "rank_weights",
     "report",
     "study_runs",
     "study_termination",
@@ -104,18 +113,21 @@ def study_runs(
     *,
     exclude: int | None = None,
     train_step_of: StepMap | None = None,
+    weights: Mapping[int, float] | None = None,
 ) -> list[StoppedRun]:
     """How far each trial of ``study`` got (but trial number ``exclude``): pruned trials
     stopped there; completed and running ones are censored there. Failed trials (killed,
-    crashed) are left out."""
+    crashed) are left out. With ``weights`` (trial number to weight), only the trials it names,
+    each with its weight."""
     runs = []
     states = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)
     for t in study.get_trials(deepcopy=False, states=states):
-        if t.number == exclude:
+        if t.number == exclude or (weights is not None and t.number not in weights):
             continue
         step = _train_step(t, train_step_of)
         if step is not None and step >= 1:
-            runs.append(StoppedRun(step, t.state == TrialState.PRUNED))
+            weight = 1.0 if weights is None else float(weights[t.number])
+            runs.append(StoppedRun(step, t.state == TrialState.PRUNED, weight))
     return runs
 
 
@@ -159,6 +171,49 @@ def pruner_rungs(
     return AshaRungs(rung_steps=tuple(rungs), reduction_factor=float(eta))
 
 
+def rank_weights(
+    study: optuna.Study, trial_number: int, *, bandwidth: float
+) -> tuple[int, dict[int, float]] | None:
+    """How much each other trial of ``study`` tells about trial ``trial_number``'s future: at
+    that trial's newest report step, ``exp(-((q_i - q) / bandwidth) ** 2 / 2)`` with ``q_i``
+    and ``q`` the rank quantiles (best first, in the study's direction) of the other trial's
+    value and of this trial's among the values reported there. Returns that report step and
+    the weights of the trials that reported there; None when there is nothing to compare (no
+    report yet, fewer than two others there, a multi-objective study)."""
+    if len(study.directions) != 1:
+        return None
+    trials = study.get_trials(
+        deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)
+    )
+    me = next((t for t in trials if t.number == trial_number), None)
+    if me is None or not me.intermediate_values:
+        return None
+    at = max(me.intermediate_values)
+    mine = float(me.intermediate_values[at])
+    others = {
+        t.number: float(t.intermediate_values[at])
+        for t in trials
+        if t.number != trial_number
+        and at in t.intermediate_values
+        and math.isfinite(t.intermediate_values[at])
+    }
+    if len(others) < 2 or not math.isfinite(mine):
+        return None
+    sign = 1.0 if study.direction == optuna.study.StudyDirection.MINIMIZE else -1.0
+    values = sign * np.array(list(others.values()))
+    n = len(values)
+
+    def quantile(v: float) -> float:
+        return float((np.sum(values < v) + 0.5 * np.sum(values == v)) / n)
+
+    q = quantile(sign * mine)
+    weights = {
+        number: math.exp(-0.5 * ((quantile(v) - q) / bandwidth) ** 2)
+        for number, v in zip(others, values, strict=True)
+    }
+    return at, weights
+
+
 def study_termination(
     study: optuna.Study,
     *,
@@ -166,19 +221,30 @@ def study_termination(
     train_step_of: StepMap | None = None,
     min_trials: int = 3,
     max_report_step: int | None = None,
+    rank_bandwidth: float | None = 0.2,
 ) -> Termination:
     """The termination model of a new trial of ``study``, from the study's history.
 
     Args:
         study: the study (any storage).
-        trial: the trial it is for (left out of its own history).
+        trial: the trial it is for (left out of its own history; once it has reported, the
+            others are weighted by how their value ranks next to its own, see
+            :func:`rank_weights`).
         train_step_of: maps the report step of trials without a recorded ``coci_step`` to a
             training step (default: the same number; :func:`per_epoch` for epoch indices).
         min_trials: finished (completed or pruned) trials needed before the history is used;
             until then the pruner's rungs (or no termination).
         max_report_step: the last report step, bounding the fallback rungs.
+        rank_bandwidth: the width of the rank kernel (a share of the trials, > 0); None: every
+            earlier trial counts alike, whatever the trial has reported.
     """
     check_int("min_trials", min_trials, minimum=1)
+    if rank_bandwidth is not None and not (
+        isinstance(rank_bandwidth, (int, float))
+        and math.isfinite(rank_bandwidth)
+        and rank_bandwidth > 0
+    ):
+        raise ConfigError(f"'rank_bandwidth' must be a number > 0 or None: {rank_bandwidth!r}")
     exclude = None if trial is None else trial.number
     runs = study_runs(study, exclude=exclude, train_step_of=train_step_of)
     finished = [
@@ -193,9 +259,21 @@ def study_termination(
     pruned = sum(t.state == TrialState.PRUNED for t in finished)
     source = (
         f"Optuna study {study.study_name!r}: {len(finished)} finished trials, {pruned} "
-        "pruned (Kaplan-Meier)"
+        "pruned (Kaplan-Meier"
     )
-    return kaplan_meier(runs, source=source)
+    ranked = (
+        None
+        if rank_bandwidth is None or exclude is None
+        else rank_weights(study, exclude, bandwidth=float(rank_bandwidth))
+    )
+    if ranked is not None and len(ranked[1]) >= min_trials:
+        at, weights = ranked
+        runs = study_runs(study, exclude=exclude, train_step_of=train_step_of, weights=weights)
+        return kaplan_meier(
+            runs,
+            source=f"{source}, weighted by the rank of the trial's value at report step {at})",
+        )
+    return kaplan_meier(runs, source=source + ")")
 
 
 def planner_options(

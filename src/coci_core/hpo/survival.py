@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from coci_core.errors import ConfigError
 from coci_core.planner._checks import check_int
 from coci_core.planner.model import (
     AshaRungs,
@@ -25,10 +26,12 @@ __all__ = ["StoppedRun", "combine_terminations", "kaplan_meier"]
 class StoppedRun:
     """How far an earlier run got: ``step`` (training steps), and whether it was stopped
     there on purpose (``stopped``: pruned, early-stopped) or is censored there (it completed,
-    or is still running: it got at least that far)."""
+    or is still running: it got at least that far); ``weight``: how much it counts in an
+    estimate (1: like every other run)."""
 
     step: int
     stopped: bool
+    weight: float = 1.0
 
 
 def kaplan_meier(runs: Iterable[StoppedRun], *, source: str = "") -> StopDistribution:
@@ -37,17 +40,25 @@ def kaplan_meier(runs: Iterable[StoppedRun], *, source: str = "") -> StopDistrib
     ``S(k) = prod over stop steps t < k of (1 - d_t / n_t)``, with ``d_t`` the runs stopped at
     ``t`` and ``n_t`` the runs that reached ``t`` (stopped or censored at or after it). A
     completed run is censored at its last step: beyond it the estimate keeps its last value.
+    Runs count by their ``weight`` (the weighted estimate; a weight of 0 leaves a run out).
     """
-    items = [(check_int("step", r.step, minimum=1), bool(r.stopped)) for r in runs]
+    items = []
+    for r in runs:
+        w = float(r.weight)
+        if not np.isfinite(w) or w < 0:
+            raise ConfigError(f"'weight' must be finite and >= 0: {r.weight!r}")
+        if w > 0:
+            items.append((check_int("step", r.step, minimum=1), bool(r.stopped), w))
     if not items:
         return StopDistribution(steps=(), probabilities=(), source=source)
-    steps = np.array([s for s, _ in items], dtype=np.int64)
-    stopped = np.array([e for _, e in items], dtype=bool)
+    steps = np.array([s for s, _, _ in items], dtype=np.int64)
+    stopped = np.array([e for _, e, _ in items], dtype=bool)
+    weights = np.array([w for _, _, w in items], dtype=np.float64)
     times = np.unique(steps[stopped])
     surv, out = 1.0, []
     for t in times:
-        at_risk = int(np.sum(steps >= t))
-        deaths = int(np.sum((steps == t) & stopped))
+        at_risk = float(np.sum(weights[steps >= t]))
+        deaths = float(np.sum(weights[(steps == t) & stopped]))
         surv *= 1.0 - deaths / at_risk
         out.append(surv)
     return StopDistribution.from_survival([int(t) for t in times], out, source=source)
