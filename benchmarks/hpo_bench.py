@@ -55,6 +55,8 @@ from coci_core.planner import Termination
 from coci_core.training import Checkpointer
 
 POLICIES = ("coci+term", "coci", "daly", "checkfreq", "epoch")
+#: the reference of each seed: the same study with no checkpoints and no failures
+BASELINE = "none"
 EPOCHS = 8
 BATCH = 64
 TRAIN = 1280  # 20 steps per epoch
@@ -144,6 +146,9 @@ def trial_process(spec: TrialSpec, conn: multiprocessing.connection.Connection) 
         options["steps_per_epoch"] = STEPS_PER_EPOCH
     if spec.policy == "coci+term" and spec.termination is not None:
         options["termination"] = spec.termination
+    if spec.policy == BASELINE:
+        _train_without_checkpoints(spec, conn, model, opt, extra)
+        return
     ckpt = Checkpointer(
         spec.directory,
         policy=name,
@@ -207,6 +212,33 @@ def trial_process(spec: TrialSpec, conn: multiprocessing.connection.Connection) 
     value = _validate(model)  # also when it resumed from its last step
     final(TOTAL, final_save=True)
     conn.send(("done", value))
+
+
+def _train_without_checkpoints(
+    spec: TrialSpec,
+    conn: multiprocessing.connection.Connection,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    extra: torch.Tensor | None,
+) -> None:
+    """The trial's loop with no checkpointing at all (the baseline of the measured overhead);
+    ``extra`` is made as in the other policies, so that the process costs the same to start."""
+    d = _data()
+    conn.send(("ready",))
+    for k in range(1, TOTAL + 1):
+        idx = _batch(k, spec.number)
+        loss = torch.nn.functional.cross_entropy(model(d["x"][idx]), d["y"][idx])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if k % STEPS_PER_EPOCH == 0:
+            conn.send(("report", k // STEPS_PER_EPOCH - 1, _validate(model), k))
+            prune, _ = conn.recv()
+            if prune:
+                conn.send(("pruned",))
+                return
+    del extra
+    conn.send(("done", _validate(model)))
 
 
 # --------------------------------------------------------------------------- the study driver
@@ -391,7 +423,7 @@ def run_study(
     study = optuna.create_study(
         sampler=optuna.samplers.RandomSampler(seed=seed), pruner=pruner, study_name="digits"
     )
-    clock = FailureClock(mtbf_s, seed)
+    clock = FailureClock(math.inf if policy == BASELINE else mtbf_s, seed)
     costs = Costs()
     work = root / f"{policy}-{seed}"
     work.mkdir(parents=True)
@@ -417,17 +449,23 @@ def warm_up() -> None:
 
 
 def calibrate(root: Path, state_mb: int = 0) -> tuple[float, float]:
-    """The failure-free busy time of one unpruned trial here (the unit of the MTBF) and the
-    median stall of its saves (every epoch), in seconds, with ``state_mb`` MB of extra state."""
-    study = optuna.create_study(pruner=optuna.pruners.NopPruner())
-    study.enqueue_trial({"lr": 0.05, "momentum": 0.9})
-    clock = FailureClock(math.inf, 0)
-    costs = Costs()
-    work = root / "calibration"
-    work.mkdir(parents=True)
-    run_trial(study, study.ask(), "epoch", work, clock, costs, 3600.0, state_mb=state_mb)
-    stalls = [e["stall"] for e in _read_events(work / "trial-0.jsonl") if "committed" in e]
-    return costs.busy_s, statistics.median(stalls)
+    """The busy time of one unpruned trial here with no checkpoints and no failures (the unit
+    of the MTBF), and the median stall of a save (saving every epoch), in seconds, with
+    ``state_mb`` MB of extra state."""
+    busy, stalls = 0.0, []
+    for policy in (BASELINE, "epoch"):
+        study = optuna.create_study(pruner=optuna.pruners.NopPruner())
+        study.enqueue_trial({"lr": 0.05, "momentum": 0.9})
+        costs = Costs()
+        work = root / f"calibration-{policy}"
+        work.mkdir(parents=True)
+        clock = FailureClock(math.inf, 0)
+        run_trial(study, study.ask(), policy, work, clock, costs, 3600.0, state_mb=state_mb)
+        if policy == BASELINE:
+            busy = costs.busy_s
+        else:
+            stalls = [e["stall"] for e in _read_events(work / "trial-0.jsonl") if "committed" in e]
+    return busy, statistics.median(stalls)
 
 
 def _spread(xs: list[float]) -> str:
@@ -436,27 +474,73 @@ def _spread(xs: list[float]) -> str:
     return f"{statistics.mean(xs):.1f} ± {statistics.stdev(xs):.1f}"
 
 
+def paired_table(res: dict[str, Any]) -> str:
+    """Each policy against Daly and CheckFreq seed by seed (the same trials and failure times),
+    in percent: mean ± standard deviation over the seeds, for the total cost, the part a
+    policy steers (stall + lost work) and the measured overhead."""
+    runs = res["runs"]
+    by = {(r["policy"], r["seed"]): r for r in runs}
+    seeds = sorted({r["seed"] for r in runs})
+    metrics = {
+        "total": lambda r: r["total_s"],
+        "stall + lost work": lambda r: r["stall_s"] + r["lost_s"],
+        "measured overhead": lambda r: r.get("overhead_s", math.nan),
+    }
+    refs = [q for q in ("daly", "checkfreq") if q in res["policies"]]
+    head = " | ".join(f"{m} vs {q}" for q in refs for m in metrics)
+    rows = [f"| policy | {head} |", "|---" * (1 + len(refs) * len(metrics)) + "|"]
+    for p in res["policies"]:
+        cells = []
+        for q in refs:
+            for f in metrics.values():
+                xs = [
+                    100 * (f(by[p, s]) / f(by[q, s]) - 1)
+                    for s in seeds
+                    if (p, s) in by and (q, s) in by and f(by[q, s]) > 0
+                ]
+                if len(xs) >= 2:
+                    cells.append(f"{statistics.mean(xs):+.0f} ± {statistics.stdev(xs):.0f}%")
+                else:
+                    cells.append(f"{xs[0]:+.0f}%" if xs else "-")
+        rows.append(f"| {p} | {' | '.join(cells)} |")
+    return "\n".join(rows)
+
+
 def table(res: dict[str, Any]) -> str:
     """The results as a markdown table (mean ± standard deviation over the seeds)."""
     rows = [
         "| policy | total cost (s) | stall (s) | of it final saves (s) | planning (s) | "
-        "lost work (s) | restart (s) | kills | saves | best value | vs Daly | vs CheckFreq |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "lost work (s) | restart (s) | kills | saves | best value | vs Daly | vs CheckFreq | "
+        "measured overhead (s) | vs Daly | vs CheckFreq |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     runs = res["runs"]
 
-    def mean_total(p: str) -> float:
-        return statistics.mean(r["total_s"] for r in runs if r["policy"] == p)
+    def mean_of(p: str, key: str) -> float:
+        return statistics.mean(r[key] for r in runs if r["policy"] == p)
+
+    def versus(p: str, key: str) -> dict[str, str]:
+        return {
+            q: f"{100 * (mean_of(p, key) / mean_of(q, key) - 1):+.0f}%"
+            if q in res["policies"]
+            else "-"
+            for q in ("daly", "checkfreq")
+        }
 
     for p in res["policies"]:
         rs = [r for r in runs if r["policy"] == p]
         if not rs:
             continue
         best = sorted({round(r["best_value"], 6) for r in rs})
-        vs = {
-            q: f"{100 * (mean_total(p) / mean_total(q) - 1):+.0f}%" if q in res["policies"] else "-"
-            for q in ("daly", "checkfreq")
-        }
+        vs = versus(p, "total_s")
+        measured = "-"
+        if all("overhead_s" in r for r in runs):
+            vo = versus(p, "overhead_s")
+            measured = (
+                f"{_spread([r['overhead_s'] for r in rs])} | {vo['daly']} | {vo['checkfreq']}"
+            )
+        else:
+            measured = "- | - | -"
         rows.append(
             f"| {p} | {_spread([r['total_s'] for r in rs])} | "
             f"{_spread([r['stall_s'] for r in rs])} | "
@@ -465,7 +549,8 @@ def table(res: dict[str, Any]) -> str:
             f"{_spread([r['lost_s'] for r in rs])} | {_spread([r['restart_s'] for r in rs])} | "
             f"{_spread([float(r['kills']) for r in rs])} | "
             f"{_spread([float(r['saves']) for r in rs])} | "
-            f"{', '.join(f'{b:.4f}' for b in best)} | {vs['daly']} | {vs['checkfreq']} |"
+            f"{', '.join(f'{b:.4f}' for b in best)} | {vs['daly']} | {vs['checkfreq']} | "
+            f"{measured} |"
         )
     return "\n".join(rows)
 
@@ -498,25 +583,32 @@ def main() -> None:
         trial_s, stall_s = calibrate(scratch, args.state_mb)
         mtbf_s = args.mtbf_share * trial_s * args.trials
         log(
-            f"one trial {trial_s:.2f} s, a save's stall {stall_s * 1e3:.1f} ms; MTBF "
-            f"{mtbf_s:.1f} s of busy time"
+            f"one trial {trial_s:.2f} s (no checkpoints), a save's stall "
+            f"{stall_s * 1e3:.1f} ms; MTBF {mtbf_s:.1f} s of busy time"
         )
         runs = []
         for seed in args.seeds:
-            for policy in args.policies:
+            baseline = run_study(BASELINE, seed, args, scratch, mtbf_s, stall_s)
+            log(f"seed {seed} {BASELINE}: busy {baseline.busy_s:.1f} s, {baseline.pruned} pruned")
+            order = list(args.policies)
+            rotate = seed % len(order)  # each policy leads in turn (drift, warm caches)
+            for policy in order[rotate:] + order[:rotate]:
                 t0 = time.perf_counter()
                 c = run_study(policy, seed, args, scratch, mtbf_s, stall_s)
+                overhead = c.busy_s - baseline.busy_s
                 log(
                     f"seed {seed} {policy}: total {c.total_s:.1f} s (stall {c.stall_s:.1f}, "
-                    f"lost {c.lost_s:.1f}, restart {c.restart_s:.1f}), {c.kills} kills, "
-                    f"{c.saves} saves, {c.pruned} pruned, best {c.best_value:.4f} "
-                    f"({time.perf_counter() - t0:.0f} s)"
+                    f"lost {c.lost_s:.1f}, restart {c.restart_s:.1f}), measured overhead "
+                    f"{overhead:.1f} s, {c.kills} kills, {c.saves} saves, {c.pruned} pruned, "
+                    f"best {c.best_value:.4f} ({time.perf_counter() - t0:.0f} s)"
                 )
                 runs.append(
                     {
                         "policy": policy,
                         "seed": seed,
                         "total_s": c.total_s,
+                        "overhead_s": overhead,
+                        "baseline_busy_s": baseline.busy_s,
                         **{k: v for k, v in c.__dict__.items() if k != "values"},
                     }
                 )
@@ -535,6 +627,8 @@ def main() -> None:
 
     res, path = run_recorded("hpo", run, out_dir=args.out_dir)
     print(table(res))
+    print()
+    print(paired_table(res))
     log(f"results: {path}")
 
 
