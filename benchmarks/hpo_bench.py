@@ -259,6 +259,11 @@ class Costs:
     best_value: float = math.nan
     pruned: int = 0
     values: list[float] = field(default_factory=list)
+    #: per trial: its state ("pruned", "complete") and the value of each report (by epoch)
+    outcomes: dict[int, tuple[str, list[float]]] = field(default_factory=dict)
+    #: reports that a resumed trial made again with a value other than its first one
+    #: (trial, epoch, first, again): a resume that was not exact
+    mismatches: list[tuple[int, int, float, float]] = field(default_factory=list)
 
     @property
     def total_s(self) -> float:
@@ -318,6 +323,8 @@ def run_trial(
     momentum = trial.suggest_float("momentum", 0.0, 0.95)
     killed_at: float | None = None
     decided: dict[int, bool] = {}
+    reported: dict[int, float] = {}
+    pruned_at: float | None = None  # when the study's answer to prune was sent
     while True:
         spec = TrialSpec(
             trial.number,
@@ -362,7 +369,12 @@ def run_trial(
                     trial.set_user_attr(STEP_ATTR, int(step))
                     trial.report(value, epoch)
                     decided[epoch] = trial.should_prune()
+                    reported[epoch] = value
+                elif value != reported[epoch]:
+                    costs.mismatches.append((trial.number, epoch, reported[epoch], value))
                 prune = decided[epoch]
+                if prune:
+                    pruned_at = time.time()
                 term = _termination(study, trial) if policy == "coci+term" else None
                 parent.send((prune, term))
             elif msg[0] in ("pruned", "done"):
@@ -372,15 +384,19 @@ def run_trial(
         costs.busy_s += (kill_time or time.time()) - launched
         if kill_time is None:
             assert outcome is not None
+            values = [reported[e] for e in sorted(reported)]
             if outcome[0] == "pruned":
                 costs.pruned += 1
                 study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+                costs.outcomes[trial.number] = ("pruned", values)
             else:
                 costs.values.append(float(outcome[1]))
                 study.tell(trial, float(outcome[1]))
+                costs.outcomes[trial.number] = ("complete", [*values, float(outcome[1])])
             break
         # killed: the work since the newest durable checkpoint is lost
         costs.kills += 1
+        pruned_before = any(decided.values())
         clock.advance()
         log_ = _read_events(events)
         mine = [i for i, e in enumerate(log_) if "ready" in e and e["t"] >= launched]
@@ -396,6 +412,17 @@ def run_trial(
             reached = next(
                 (e["t"] for e in log_[mine[0] :] if e.get("step") == durable), ready["t"]
             )
+        if pruned_before:
+            # killed after the study pruned it, in its final save: the trial is done (nothing
+            # to redo; a process resumed from that final save would not report the pruned
+            # epoch again). The time since the answer was the final save's.
+            cut = kill_time - (pruned_at or kill_time)
+            costs.stall_s += cut
+            costs.final_stall_s += cut
+            costs.pruned += 1
+            study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+            costs.outcomes[trial.number] = ("pruned", [reported[e] for e in sorted(reported)])
+            break
         costs.lost_s += max(0.0, kill_time - reached)
         killed_at = kill_time
     entries = _read_events(events)
@@ -596,6 +623,14 @@ def main() -> None:
                 t0 = time.perf_counter()
                 c = run_study(policy, seed, args, scratch, mtbf_s, stall_s)
                 overhead = c.busy_s - baseline.busy_s
+                differ = sorted(
+                    n for n in baseline.outcomes if c.outcomes.get(n) != baseline.outcomes[n]
+                )
+                if differ or c.mismatches:
+                    log(
+                        f"seed {seed} {policy}: trials {differ} ended otherwise than with no "
+                        f"checkpoints; reports made again with other values: {c.mismatches}"
+                    )
                 log(
                     f"seed {seed} {policy}: total {c.total_s:.1f} s (stall {c.stall_s:.1f}, "
                     f"lost {c.lost_s:.1f}, restart {c.restart_s:.1f}), measured overhead "
@@ -609,6 +644,7 @@ def main() -> None:
                         "total_s": c.total_s,
                         "overhead_s": overhead,
                         "baseline_busy_s": baseline.busy_s,
+                        "trials_unlike_baseline": differ,
                         **{k: v for k, v in c.__dict__.items() if k != "values"},
                     }
                 )

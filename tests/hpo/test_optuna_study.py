@@ -269,3 +269,27 @@ def test_the_best_and_the_worst_trial_at_a_report_get_different_estimates() -> N
     for bad in (0, -0.1, math.nan, "wide"):
         with pytest.raises(ConfigError, match="'rank_bandwidth'"):
             study_termination(study, trial=best, rank_bandwidth=bad)  # type: ignore[arg-type]
+
+
+def test_a_trial_resumed_after_it_was_pruned_is_told_to_stop_again() -> None:
+    # pruned at report 1, killed in its final save, resumed from that save: it reports step 2
+    # next, where a successive-halving pruner (no rung there) would let it run to its end
+    pruner = optuna.pruners.SuccessiveHalvingPruner(min_resource=1, reduction_factor=2)
+    study = optuna.create_study(pruner=pruner)
+    for value in (0.2, 0.1):
+        trial = study.ask()
+        report(trial, value, 1, train_step=100)
+        assert not should_prune(trial, 1)
+        study.tell(trial, value)
+    bad = study.ask()
+    report(bad, 9.0, 1, train_step=100)
+    assert should_prune(bad, 1)
+    report(bad, 8.0, 2, train_step=200)
+    assert not bad.should_prune()  # what Optuna answers at step 2
+    assert should_prune(bad, 2)
+    # a trial not pruned before is asked as before: the best value at step 2 goes on
+    good = study.ask()
+    report(good, 0.05, 1, train_step=100)
+    assert not should_prune(good, 1)
+    report(good, 0.04, 2, train_step=200)
+    assert not should_prune(good, 2)

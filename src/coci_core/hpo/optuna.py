@@ -89,11 +89,15 @@ def report(trial: optuna.trial.Trial, value: float, step: int, *, train_step: in
 def should_prune(trial: optuna.trial.Trial, step: int) -> bool:
     """``trial.should_prune()`` after the report of ``step``, asked once per step: a trial
     resumed from a checkpoint that reports ``step`` again gets the study's first answer (a
-    successive-halving pruner asked twice at a rung would judge the next rung instead)."""
+    successive-halving pruner asked twice at a rung would judge the next rung instead). A trial
+    once told to stop is told so at every later step too: a process killed after it was pruned
+    and resumed from a save made at or after that step never reports that step again."""
     decided = dict(trial.user_attrs.get(DECISIONS_ATTR) or {})
     key = str(int(step))
     if key in decided:
         return bool(decided[key])
+    if any(bool(answer) and int(k) < int(step) for k, answer in decided.items()):
+        return True
     answer = trial.should_prune()
     trial.set_user_attr(DECISIONS_ATTR, {**decided, key: answer})
     return answer
