@@ -3,7 +3,8 @@
 ``OptunaTermination(trial)`` beside a :class:`~coci_lightning.CociCheckpoint` (and, for
 pruning, optuna-integration's ``PyTorchLightningPruningCallback``) estimates when the study's
 pruner is likely to stop this trial (:func:`coci_core.hpo.optuna.study_termination`) when
-training starts and again at each validation (the study grows as other trials end), and hands
+training starts, at each validation and at each epoch's start (the study grows as other trials
+end, and the trial's own reports count), and hands
 it to the checkpoint's planner. It records the training step of each validation in the trial
 (user attribute ``coci_step``) for later trials' estimates, and marks a trial that
 ``EarlyStopping`` ended (``coci_early_stopped``) for

@@ -14,11 +14,13 @@ from coci_core.errors import ConfigError
 from coci_core.hpo import StoppedRun, kaplan_meier
 from coci_core.hpo.optuna import (
     EARLY_STOPPED_ATTR,
+    MIN_RANK_WEIGHT,
     STEP_ATTR,
     CheckpointCleanup,
     per_epoch,
     planner_options,
     pruner_rungs,
+    rank_weights,
     report,
     should_prune,
     study_runs,
@@ -293,3 +295,68 @@ def test_a_trial_resumed_after_it_was_pruned_is_told_to_stop_again() -> None:
     assert not should_prune(good, 1)
     report(good, 0.04, 2, train_step=200)
     assert not should_prune(good, 2)
+
+
+def _reported_study(values: list[float], direction: str = "minimize") -> optuna.Study:
+    """Trials that reported ``values`` at report step 0 and completed (the last one runs)."""
+    study = optuna.create_study(direction=direction)
+    for v in values:
+        t = study.ask()
+        report(t, v, 0, train_step=10)
+        study.tell(t, v)
+    return study
+
+
+def test_rank_weights_follow_the_studys_direction_and_skip_what_cannot_be_ranked() -> None:
+    values = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6]
+    low = _reported_study(values)
+    t = low.ask()
+    report(t, 0.15, 0, train_step=10)
+    high = _reported_study([-v for v in values], direction="maximize")
+    u = high.ask()
+    report(u, -0.15, 0, train_step=10)
+    at, w = rank_weights(low, t.number, bandwidth=0.2)  # type: ignore[misc]
+    assert at == 0 and rank_weights(high, u.number, bandwidth=0.2) == (0, w)
+    # the closest values weigh most; far ones keep the floor
+    assert w[0] == w[1] > w[2] > w[5] >= MIN_RANK_WEIGHT
+    # a non-finite value of its own: nothing to rank; others' are left out
+    v = low.ask()
+    report(v, math.nan, 0, train_step=10)
+    assert rank_weights(low, v.number, bandwidth=0.2) is None
+    assert v.number not in rank_weights(low, t.number, bandwidth=0.2)[1]  # type: ignore[index]
+    assert rank_weights(low, low.ask().number, bandwidth=0.2) is None  # no report yet
+
+
+def test_trials_pruned_at_the_report_only_rank_and_few_trials_count_alike() -> None:
+    study = optuna.create_study()
+    for i, v in enumerate([0.1, 0.2, 0.8, 0.9]):
+        t = study.ask()
+        report(t, v, 0, train_step=10)
+        if i >= 2:  # the worst two pruned at report 0
+            study.tell(t, state=optuna.trial.TrialState.PRUNED)
+        else:
+            study.tell(t, v)
+    t = study.ask()
+    report(t, 0.85, 0, train_step=10)  # went on from report 0 among the worst
+    _, w = rank_weights(study, t.number, bandwidth=0.2)  # type: ignore[misc]
+    assert sorted(w) == [0, 1]  # 2 and 3 stopped at the step it passed
+    # two trials at most: fewer than min_trials=3 effective trials, every trial counts alike
+    term = study_termination(study, trial=t)
+    assert "rank" not in str(term.to_dict())
+    assert "rank" in str(study_termination(study, trial=t, min_trials=1).to_dict())
+
+
+def test_a_pruned_trial_reports_nothing_more() -> None:
+    pruner = optuna.pruners.SuccessiveHalvingPruner(min_resource=1, reduction_factor=2)
+    study = optuna.create_study(pruner=pruner)
+    for value in (0.2, 0.1):
+        trial = study.ask()
+        report(trial, value, 1, train_step=100)
+        assert not should_prune(trial, 1)
+        study.tell(trial, value)
+    bad = study.ask()
+    report(bad, 9.0, 1, train_step=100)
+    assert should_prune(bad, 1)
+    report(bad, 8.0, 2, train_step=250)  # resumed from a save made after the prune
+    frozen = study.get_trials()[bad.number]
+    assert frozen.user_attrs[STEP_ATTR] == 100 and 2 not in frozen.intermediate_values

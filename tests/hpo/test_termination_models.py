@@ -15,7 +15,8 @@ from coci_core.hpo import (
     patience_stops,
     threshold_stops,
 )
-from coci_core.planner import AshaRungs, NoTermination, Planner, StopDistribution
+from coci_core.planner import AshaRungs, NoTermination, Planner, StopDistribution, UniformKill
+from coci_core.planner.model import alive_at
 
 
 def test_stop_distribution_atoms_are_conditioned_on_the_plan_start() -> None:
@@ -201,3 +202,44 @@ def test_threshold_stops_follow_the_trend() -> None:
     assert threshold_stops(line, mode="min", validation_steps=coming).steps == ()
     with pytest.raises(ConfigError, match="'mode' must be 'min' or 'max'"):
         threshold_stops(line, mode="lower", stopping_threshold=0.3, validation_steps=coming)
+
+
+def test_a_model_given_the_job_runs_keeps_only_the_stops_ahead() -> None:
+    stops = StopDistribution(steps=(10, 20, 30), probabilities=(0.5, 0.25, 0.125), source="s")
+    later = alive_at(stops, 20)
+    # running at 20: the stop after 10 is past; the ones after 20 and 30 scale by 1 / S(20)
+    assert later == StopDistribution(steps=(20, 30), probabilities=(0.5, 0.25), source="s")
+    ks = np.array([1, 20, 21, 31, 99])
+    assert later.survival(ks) == pytest.approx(np.minimum(1, stops.survival(ks) / 0.5))
+    assert alive_at(stops, 31) == NoTermination()
+    rungs = AshaRungs(rung_steps=(10, 30, 90), reduction_factor=3.0)
+    assert alive_at(rungs, 30) == AshaRungs(rung_steps=(30, 90), reduction_factor=3.0)
+    assert alive_at(rungs, 91) == NoTermination()
+    uniform = UniformKill(start_step=0, end_step=100, probability=0.5)
+    given = alive_at(uniform, 50)
+    assert given.survival(np.array([10, 50, 100])) == pytest.approx([1.0, 1.0, 0.5 / 0.75])
+    assert given.to_dict()["alive_at"] == 50
+    kills, probs = given.atoms(40, 100)
+    assert kills.min() >= 50 and probs.sum() == pytest.approx(1.0)
+
+
+def test_a_stop_passed_since_the_newest_checkpoint_no_longer_counts() -> None:
+    # nine in ten runs stop after step 20; this one is at step 60 with no checkpoint yet, so
+    # its plan starts at 0: the stop at 20 cannot come any more
+    costs = {"total_steps": 400, "step_time_s": 0.5, "stall_s": 5.0, "mtbf_s": 600.0}
+    p = Planner(**costs, termination=StopDistribution(steps=(20,), probabilities=(0.9,)))
+    for k in range(1, 61):
+        p.observe(k, step_time_s=0.5)
+    assert p.report().stop_probability == pytest.approx(0.9)  # planned at step 3
+    p.set_termination(StopDistribution(steps=(20,), probabilities=(0.9,), source="again"))
+    p.observe(61, step_time_s=0.5)
+    assert p.report().stop_probability == pytest.approx(0.0)
+    # the plan is the one made with no termination model
+    q = Planner(**costs)
+    for k in range(1, 62):
+        q.observe(k, step_time_s=0.5)
+    q.set_termination(None)
+    q.set_termination(StopDistribution(steps=(1,), probabilities=(0.5,)))  # also passed
+    q.observe(62, step_time_s=0.5)
+    p.observe(62, step_time_s=0.5)
+    assert p.schedule and p.schedule == q.schedule

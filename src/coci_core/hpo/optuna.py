@@ -9,13 +9,16 @@ it exposes them (``SuccessiveHalvingPruner``, ``HyperbandPruner``), else to no t
 
 A trial that has reported is not like every other: under a median pruner a trial leading the
 study is rarely pruned and one trailing it usually is. So once the trial has reported, the
-earlier trials are weighted by how close their value at the trial's newest report step ranks to
-the trial's own value there (a Gaussian kernel over rank quantiles, ``rank_bandwidth`` wide),
-and the estimate is the weighted Kaplan-Meier of those that reached that step.
+other trials (finished or running) that reported a finite value at the trial's newest report
+step are weighted by how close their value there ranks to the trial's own (a Gaussian kernel
+over rank quantiles, ``rank_bandwidth`` wide, see :func:`rank_weights`), and the estimate is
+the weighted Kaplan-Meier of those that went on from that step; when they weigh less than
+``min_trials`` equal trials would, every trial counts alike.
 
 Call it per trial (the study grows between trials); the adapters' helpers do so when a trial's
-training starts and again at each validation. Pruning itself stays Optuna's: the trial's
-``should_prune()``, or optuna-integration's ``PyTorchLightningPruningCallback``.
+training starts and again at each report (Lightning: each validation and each epoch's start).
+Pruning itself stays Optuna's: the trial's ``should_prune()``, or optuna-integration's
+``PyTorchLightningPruningCallback``.
 
 Steps: Optuna's report steps are whatever the objective reports with (often an epoch index);
 the planner counts training steps. The helpers record each report's training step in the
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -51,6 +55,7 @@ __all__ = [
     "per_epoch",
     "planner_options",
     "pruner_rungs",
+    "MIN_RANK_WEIGHT",
     "rank_weights",
     "report",
     "study_runs",
@@ -79,9 +84,11 @@ def per_epoch(steps_per_epoch: int) -> StepMap:
 def report(trial: optuna.trial.Trial, value: float, step: int, *, train_step: int) -> None:
     """``trial.report(value, step)``, recording ``train_step`` (the training step the value
     was measured at) for the estimates of later trials; a step reported before (by a trial
-    resumed from a checkpoint) is left as it was."""
-    if str(int(step)) in (trial.user_attrs.get(DECISIONS_ATTR) or {}):
-        return
+    resumed from a checkpoint) is left as it was, and so is every step once the trial was
+    pruned (:func:`should_prune`)."""
+    decided = trial.user_attrs.get(DECISIONS_ATTR) or {}
+    if str(int(step)) in decided or any(bool(answer) for answer in decided.values()):
+        return  # reported before (a resumed trial), or the trial was pruned already
     trial.set_user_attr(STEP_ATTR, int(train_step))
     trial.report(value, step)
 
@@ -123,9 +130,22 @@ def study_runs(
     stopped there; completed and running ones are censored there. Failed trials (killed,
     crashed) are left out. With ``weights`` (trial number to weight), only the trials it names,
     each with its weight."""
-    runs = []
+    return _runs(_live_trials(study), exclude, train_step_of, weights)
+
+
+def _live_trials(study: optuna.Study) -> list[FrozenTrial]:
     states = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)
-    for t in study.get_trials(deepcopy=False, states=states):
+    return list(study.get_trials(deepcopy=False, states=states))
+
+
+def _runs(
+    trials: list[FrozenTrial],
+    exclude: int | None,
+    train_step_of: StepMap | None,
+    weights: Mapping[int, float] | None,
+) -> list[StoppedRun]:
+    runs = []
+    for t in trials:
         if t.number == exclude or (weights is not None and t.number not in weights):
             continue
         step = _train_step(t, train_step_of)
@@ -175,47 +195,67 @@ def pruner_rungs(
     return AshaRungs(rung_steps=tuple(rungs), reduction_factor=float(eta))
 
 
+#: the least weight of a trial in the rank-weighted estimate (against 1 for the closest)
+MIN_RANK_WEIGHT = 0.01
+
+
 def rank_weights(
     study: optuna.Study, trial_number: int, *, bandwidth: float
 ) -> tuple[int, dict[int, float]] | None:
-    """How much each other trial of ``study`` tells about trial ``trial_number``'s future: at
-    that trial's newest report step, ``exp(-((q_i - q) / bandwidth) ** 2 / 2)`` with ``q_i``
-    and ``q`` the rank quantiles (best first, in the study's direction) of the other trial's
-    value and of this trial's among the values reported there. Returns that report step and
-    the weights of the trials that reported there; None when there is nothing to compare (no
-    report yet, fewer than two others there, a multi-objective study)."""
+    """How much each other trial of ``study`` tells about trial ``trial_number``'s future.
+
+    At that trial's newest report step, each other trial that reported a finite value there
+    (completed, pruned or running) has the rank quantile ``q_i`` of its value among those
+    values (best first, in the study's direction; ties share the middle), and the trial the
+    quantile ``q`` of its own value. The weight is ``exp(-((q_i - q) / bandwidth) ** 2 / 2)``,
+    at least :data:`MIN_RANK_WEIGHT`. Trials pruned at that very step only rank: the trial
+    has passed it. Returns the report step and the weights of the trials that went on from it;
+    None when there is nothing to compare (the trial is not in the study or has not reported,
+    its value there is not finite, fewer than two others reported there, a multi-objective
+    study)."""
+    return _rank_weights(study, _live_trials(study), trial_number, bandwidth)
+
+
+def _rank_weights(
+    study: optuna.Study, trials: list[FrozenTrial], number: int, bandwidth: float
+) -> tuple[int, dict[int, float]] | None:
     if len(study.directions) != 1:
         return None
-    trials = study.get_trials(
-        deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)
-    )
-    me = next((t for t in trials if t.number == trial_number), None)
+    me = next((t for t in trials if t.number == number), None)
     if me is None or not me.intermediate_values:
         return None
     at = max(me.intermediate_values)
     mine = float(me.intermediate_values[at])
-    others = {
-        t.number: float(t.intermediate_values[at])
+    others = [
+        t
         for t in trials
-        if t.number != trial_number
+        if t.number != number
         and at in t.intermediate_values
         and math.isfinite(t.intermediate_values[at])
-    }
+    ]
     if len(others) < 2 or not math.isfinite(mine):
         return None
     sign = 1.0 if study.direction == optuna.study.StudyDirection.MINIMIZE else -1.0
-    values = sign * np.array(list(others.values()))
+    values = sign * np.array([float(t.intermediate_values[at]) for t in others])
     n = len(values)
 
     def quantile(v: float) -> float:
         return float((np.sum(values < v) + 0.5 * np.sum(values == v)) / n)
 
     q = quantile(sign * mine)
-    weights = {
-        number: math.exp(-0.5 * ((quantile(v) - q) / bandwidth) ** 2)
-        for number, v in zip(others, values, strict=True)
-    }
+    weights = {}
+    for t, v in zip(others, values, strict=True):
+        if t.state == TrialState.PRUNED and t.last_step == at:
+            continue
+        kernel = math.exp(-0.5 * ((quantile(float(v)) - q) / bandwidth) ** 2)
+        weights[t.number] = max(MIN_RANK_WEIGHT, kernel)
     return at, weights
+
+
+def _effective_size(weights: Mapping[int, float]) -> float:
+    """Kish's effective number of equally weighted runs."""
+    w = np.array(list(weights.values()), dtype=np.float64)
+    return float(w.sum() ** 2 / np.sum(w**2)) if w.size else 0.0
 
 
 def study_termination(
@@ -233,28 +273,30 @@ def study_termination(
         study: the study (any storage).
         trial: the trial it is for (left out of its own history; once it has reported, the
             others are weighted by how their value ranks next to its own, see
-            :func:`rank_weights`).
+            :func:`rank_weights`, when they weigh as much as ``min_trials`` equal trials).
         train_step_of: maps the report step of trials without a recorded ``coci_step`` to a
             training step (default: the same number; :func:`per_epoch` for epoch indices).
-        min_trials: finished (completed or pruned) trials needed before the history is used;
-            until then the pruner's rungs (or no termination).
+        min_trials: finished (completed or pruned) trials needed before the history is used,
+            until then the pruner's rungs (or no termination); and the effective number of
+            trials (Kish's) the rank weighting must keep, else every trial counts alike.
         max_report_step: the last report step, bounding the fallback rungs.
         rank_bandwidth: the width of the rank kernel (a share of the trials, > 0); None: every
             earlier trial counts alike, whatever the trial has reported.
     """
     check_int("min_trials", min_trials, minimum=1)
-    if rank_bandwidth is not None and not (
-        isinstance(rank_bandwidth, (int, float))
-        and math.isfinite(rank_bandwidth)
-        and rank_bandwidth > 0
+    if rank_bandwidth is not None and (
+        isinstance(rank_bandwidth, bool)
+        or not isinstance(rank_bandwidth, numbers.Real)
+        or not math.isfinite(rank_bandwidth)
+        or rank_bandwidth <= 0
     ):
         raise ConfigError(f"'rank_bandwidth' must be a number > 0 or None: {rank_bandwidth!r}")
     exclude = None if trial is None else trial.number
-    runs = study_runs(study, exclude=exclude, train_step_of=train_step_of)
+    trials = _live_trials(study)
     finished = [
         t
-        for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
-        if t.number != exclude
+        for t in trials
+        if t.number != exclude and t.state in (TrialState.COMPLETE, TrialState.PRUNED)
     ]
     if len(finished) < min_trials:
         return pruner_rungs(
@@ -268,16 +310,15 @@ def study_termination(
     ranked = (
         None
         if rank_bandwidth is None or exclude is None
-        else rank_weights(study, exclude, bandwidth=float(rank_bandwidth))
+        else _rank_weights(study, trials, exclude, float(rank_bandwidth))
     )
-    if ranked is not None and len(ranked[1]) >= min_trials:
+    if ranked is not None and _effective_size(ranked[1]) >= min_trials:
         at, weights = ranked
-        runs = study_runs(study, exclude=exclude, train_step_of=train_step_of, weights=weights)
         return kaplan_meier(
-            runs,
+            _runs(trials, exclude, train_step_of, weights),
             source=f"{source}, weighted by the rank of the trial's value at report step {at})",
         )
-    return kaplan_meier(runs, source=source + ")")
+    return kaplan_meier(_runs(trials, exclude, train_step_of, None), source=source + ")")
 
 
 def planner_options(

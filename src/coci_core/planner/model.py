@@ -22,6 +22,7 @@ __all__ = [
     "SurvivalFunction",
     "Termination",
     "UniformKill",
+    "alive_at",
     "describe_termination",
     "estimate_mtbf_s",
 ]
@@ -354,6 +355,55 @@ def _discretise(
         np.concatenate([mids[keep], [float(end_step)]]),
         np.concatenate([probs[keep], [float(surv[-1])]]),
     )
+
+
+@dataclass(frozen=True, kw_only=True)
+class _AliveAt:
+    """A termination model conditioned on the job running at ``step``."""
+
+    model: Termination
+    step: int
+    atoms_count: int = 32
+
+    def survival(self, steps: npt.ArrayLike) -> FloatArray:
+        """P(running at each step), given running at ``step``."""
+        ks = np.maximum(np.asarray(steps, dtype=np.float64), float(self.step))
+        base = float(self.model.survival(np.array([float(self.step)]))[0])
+        if base <= 0:
+            return np.ones(np.shape(steps), dtype=np.float64)
+        return np.asarray(np.clip(self.model.survival(ks) / base, 0.0, 1.0))
+
+    def atoms(self, start_step: int, end_step: int) -> tuple[FloatArray, FloatArray]:
+        """Discretised into at most ``atoms_count`` kill steps."""
+        return _discretise(self, start_step, end_step, self.atoms_count)
+
+    def to_dict(self) -> dict[str, object]:
+        """The model's description, with the step it is conditioned on."""
+        return {**self.model.to_dict(), "alive_at": self.step}
+
+
+def alive_at(model: Termination, step: int) -> Termination:
+    """``model`` given that the job is running at ``step``: no stop before it can come any
+    more (the planner plans from the newest checkpoint, which may be steps behind the job)."""
+    if isinstance(model, NoTermination):
+        return model
+    if isinstance(model, AshaRungs):
+        # each rung passes independently: the rungs still ahead, as they were
+        ahead = tuple(r for r in model.rung_steps if r >= step)
+        if not ahead:
+            return NoTermination()
+        return AshaRungs(rung_steps=ahead, reduction_factor=model.reduction_factor)
+    if isinstance(model, StopDistribution):
+        base = float(model.survival(np.array([float(step)]))[0])
+        kept = [(k, p) for k, p in zip(model.steps, model.probabilities, strict=True) if k >= step]
+        if base <= 0 or not kept:
+            return NoTermination()
+        return StopDistribution(
+            steps=tuple(k for k, _ in kept),
+            probabilities=tuple(min(1.0, p / base) for _, p in kept),
+            source=model.source,
+        )
+    return _AliveAt(model=model, step=int(step))
 
 
 def make_termination(spec: Termination | Sequence[int] | None) -> Termination:

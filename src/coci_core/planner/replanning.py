@@ -20,7 +20,7 @@ import numpy as np
 
 from coci_core.planner.curve import FLAT, LossCurve, fit_loss_curve, value_density
 from coci_core.planner.fixed_interval import fixed_ahead
-from coci_core.planner.model import FailureModel, NoTermination
+from coci_core.planner.model import FailureModel, NoTermination, alive_at
 from coci_core.planner.observations import RunObservations
 from coci_core.planner.optimize import Problem, daly_interval_s
 from coci_core.planner.policies import PlanContext
@@ -233,7 +233,8 @@ class Replanner:
             # normalised over the whole run, so late progress keeps its low weight
             value=value_density(self.curve, s.start_step, end)[start - s.start_step :],
             objective=s.objective,
-            termination=s.termination,
+            # the job is running at k: a stop between the checkpoint and k can no longer come
+            termination=alive_at(s.termination, k),
         )
         first = obs.first_losses
         ctx = PlanContext(
