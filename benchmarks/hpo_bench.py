@@ -8,10 +8,13 @@ median or successive-halving pruner) of ``--trials`` trials, each training the d
 CPU in a process of its own (forked from this one), reporting the validation loss after every
 epoch to the study (this process holds the in-memory study and answers ``should_prune`` for
 the trial). Failures are SIGKILLs at exponential times on the study's busy clock (the time
-trial processes run), MTBF ``--mtbf-share`` of the failure-free length of a study of unpruned
-trials (measured: one trial's busy time here x ``--trials``), drawn from the seed: the same
-failure times for every policy. A killed trial is started again at once and resumes from its
-newest checkpoint.
+trial processes run), MTBF ``--mtbf-share`` of the length of a study of unpruned trials with no
+checkpoints and no failures (measured: one trial's busy time here x ``--trials``), drawn from the
+seed: the same failure times for every policy. A killed trial is started again at once and
+resumes from its newest checkpoint; one killed after the study pruned it is done.
+
+Each seed also runs the study with no checkpoints and no failures: the reference of the measured
+overhead (busy time over it) and of the trials' outcomes, which every policy must reproduce.
 
 Policies (``coci_core.training.Checkpointer`` in the trial's loop, objective "time", the true
 MTBF given to all): ``coci+term`` (coci's plan with the trial's termination model from the
@@ -593,7 +596,7 @@ def main() -> None:
     ap.add_argument(
         "--mtbf-share",
         type=float,
-        default=0.05,
+        default=0.1,
         help="MTBF as a share of the failure-free length of a study of unpruned trials",
     )
     ap.add_argument(
