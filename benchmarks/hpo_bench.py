@@ -1,7 +1,7 @@
 """A real Optuna study under injected failures: the fault-tolerance cost of each save policy.
 
 Run:  python -m benchmarks.hpo_bench [--trials 30] [--seeds 0 1 2] [--pruner median|sha]
-      [--state-mb N]
+      [--state-mb N] [--mtbf-share 0.1] [--policies ...] [--no-final-when-pruned]
 
 Each seed runs the same study once per policy: an Optuna study (random sampler, seeded; a
 median or successive-halving pruner) of ``--trials`` trials, each training the digits CNN on
@@ -20,7 +20,8 @@ Policies (``coci_core.training.Checkpointer`` in the trial's loop, objective "ti
 MTBF given to all): ``coci+term`` (coci's plan with the trial's termination model from the
 study, re-estimated at each report; a pruned trial takes no final save), ``coci`` (no
 termination model; the final save at the stop, as the adapters took before), ``daly``,
-``checkfreq`` and ``epoch`` (every epoch), all with the final save.
+``checkfreq`` and ``epoch`` (every epoch), all with the final save (``--no-final-when-pruned``:
+none when pruned, so that only the plans differ).
 
 ``--state-mb N`` adds N MB of extra state (a tensor saved beside the model and optimizer, as
 a large model's would be) to every trial's checkpoints, so that a save costs real stall.
@@ -94,6 +95,7 @@ class TrialSpec:
     termination: Termination | None
     stall_s: float = 0.01
     state_mb: int = 0
+    final_when_pruned: bool = True  # other policies than coci+term: a final save when pruned
 
 
 def _model(spec: TrialSpec) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -204,7 +206,7 @@ def trial_process(spec: TrialSpec, conn: multiprocessing.connection.Connection) 
                 ckpt.planner.set_termination(termination)
                 planning += time.perf_counter() - t_plan
             if prune:
-                final(k, final_save=spec.policy != "coci+term")
+                final(k, final_save=spec.policy != "coci+term" and spec.final_when_pruned)
                 conn.send(("pruned",))
                 return
         t_plan = time.perf_counter()
@@ -317,6 +319,7 @@ def run_trial(
     mtbf_s: float,
     stall_s: float = 0.01,
     state_mb: int = 0,
+    final_when_pruned: bool = True,
 ) -> None:
     """Run one trial to its end (completed or pruned), through any number of kills."""
     ctx = mp.get_context("fork")
@@ -340,6 +343,7 @@ def run_trial(
             _termination(study, trial) if policy == "coci+term" else None,
             stall_s,
             state_mb,
+            final_when_pruned,
         )
         parent, child = ctx.Pipe()
         launched = time.time()
@@ -459,7 +463,18 @@ def run_study(
     work.mkdir(parents=True)
     for _ in range(args.trials):
         trial = study.ask()
-        run_trial(study, trial, policy, work, clock, costs, mtbf_s, stall_s, args.state_mb)
+        run_trial(
+            study,
+            trial,
+            policy,
+            work,
+            clock,
+            costs,
+            mtbf_s,
+            stall_s,
+            args.state_mb,
+            not getattr(args, "no_final_when_pruned", False),
+        )
     costs.best_value = study.best_value
     # the final saves' stalls are part of the saves' stalls (committed events)
     return costs
@@ -605,6 +620,12 @@ def main() -> None:
         default=0,
         help="MB of extra state saved in every trial's checkpoints (0: the model's only)",
     )
+    ap.add_argument(
+        "--no-final-when-pruned",
+        action="store_true",
+        help="no policy takes a final save when its trial is pruned (as coci+term): compares "
+        "the plans alone",
+    )
     ap.add_argument("--out-dir", default=None, help="where the result file goes")
     args = ap.parse_args()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -662,6 +683,7 @@ def main() -> None:
             "steps_per_epoch": STEPS_PER_EPOCH,
             "pruner": args.pruner,
             "state_mb": args.state_mb,
+            "final_when_pruned": not args.no_final_when_pruned,
             "policies": args.policies,
             "runs": runs,
         }
