@@ -580,7 +580,6 @@ def table(res: dict[str, Any]) -> str:
             continue
         best = sorted({round(r["best_value"], 6) for r in rs})
         vs = versus(p, "total_s")
-        measured = "-"
         if all("overhead_s" in r for r in runs):
             vo = versus(p, "overhead_s")
             measured = (

@@ -25,9 +25,13 @@ STEPS_PER_REPORT = 50
 BANDWIDTHS: tuple[float | None, ...] = (0.05, 0.1, 0.2, 0.3, None)
 
 
-def _objective(
+def forecasting_objective(
     forecasts: list[tuple[tuple[float, ...], bool]],
+    bandwidths: tuple[float | None, ...] = BANDWIDTHS,
 ) -> Callable[[optuna.Trial], float]:
+    """The synthetic objective; after each report a trial survives it appends to ``forecasts``
+    P(pruned at the next report) for each of ``bandwidths`` and, once known, whether it was."""
+
     def objective(trial: optuna.Trial) -> float:
         lr = trial.suggest_float("lr", 1e-3, 1.0, log=True)
         rng = np.random.default_rng(trial.number)
@@ -48,7 +52,7 @@ def _objective(
             if len(study.get_trials(states=(optuna.trial.TrialState.PRUNED,))) >= 3:
                 nxt = np.array([step + 1, step + STEPS_PER_REPORT + 1])
                 ps = []
-                for bw in BANDWIDTHS:
+                for bw in bandwidths:
                     s = study_termination(study, trial=trial, rank_bandwidth=bw).survival(nxt)
                     ps.append(float(1 - s[1] / s[0]))
                 pending = tuple(ps)
@@ -77,7 +81,7 @@ def main() -> None:
                 sampler=optuna.samplers.RandomSampler(seed=seed), pruner=pruner
             )
             forecasts: list[tuple[tuple[float, ...], bool]] = []
-            study.optimize(_objective(forecasts), n_trials=args.trials)
+            study.optimize(forecasting_objective(forecasts), n_trials=args.trials)
             outcome = np.array([float(p) for _, p in forecasts])
             briers = [
                 float(np.mean((np.array([f[i] for f, _ in forecasts]) - outcome) ** 2))

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import optuna
 import pytest
+from benchmarks.rank_weighting import forecasting_objective
 
 from coci_core.errors import ConfigError
 from coci_core.hpo import StoppedRun, kaplan_meier
@@ -160,7 +161,8 @@ def test_cleanup_deletes_pruned_and_early_stopped_trials_but_keeps_the_best(
     assert sorted(cleanup.deleted) == [0, 1, 2]
 
 
-def test_a_resumed_trial_asking_again_gets_the_studys_first_answer() -> None:
+def _halving_study_with_a_pruned_trial() -> tuple[optuna.Study, optuna.Trial]:
+    """Two trials promoted at report step 1 (training step 100), then one pruned there."""
     pruner = optuna.pruners.SuccessiveHalvingPruner(min_resource=1, reduction_factor=2)
     study = optuna.create_study(pruner=pruner)
     for value in (0.2, 0.1):  # each better than the ones before: promoted
@@ -171,6 +173,11 @@ def test_a_resumed_trial_asking_again_gets_the_studys_first_answer() -> None:
     bad = study.ask()
     report(bad, 9.0, 1, train_step=100)
     assert should_prune(bad, 1)  # the worst of three at the rung
+    return study, bad
+
+
+def test_a_resumed_trial_asking_again_gets_the_studys_first_answer() -> None:
+    _, bad = _halving_study_with_a_pruned_trial()
     # a resumed process reports step 1 again: the same answer (Optuna's own second answer
     # would judge the next rung and let it go on)
     report(bad, 9.0, 1, train_step=100)
@@ -197,48 +204,16 @@ def test_weighted_kaplan_meier_counts_runs_by_their_weight() -> None:
             kaplan_meier([StoppedRun(10, True, bad)])
 
 
-def _noisy_objective(predictions: list[tuple[float, float, bool]]) -> object:
-    """Like :func:`_objective` with seeded noise; after each report that the trial survives it
-    records P(pruned at the next report) from the rank-weighted and from the unweighted
-    estimate, and (once known) whether it was."""
-
-    def objective(trial: optuna.Trial) -> float:
-        lr = trial.suggest_float("lr", 1e-3, 1.0, log=True)
-        rng = np.random.default_rng(trial.number)
-        floor = abs(math.log10(lr) + 1.5)
-        pending: tuple[float, float] | None = None
-        value = math.nan
-        for r in range(REPORTS):
-            value = floor + 2.0 * math.exp(-0.4 * r) + float(rng.normal(0, 0.15))
-            step = (r + 1) * STEPS_PER_REPORT
-            report(trial, value, r, train_step=step)
-            pruned = trial.should_prune()
-            if pending is not None:
-                predictions.append((*pending, pruned))
-            if pruned:
-                raise optuna.TrialPruned
-            study = trial.study
-            if len(study.get_trials(states=(optuna.trial.TrialState.PRUNED,))) >= 3:
-                nxt = np.array([step + 1, step + STEPS_PER_REPORT + 1])
-                ranked = study_termination(study, trial=trial).survival(nxt)
-                plain = study_termination(study, trial=trial, rank_bandwidth=None).survival(nxt)
-                pending = (1 - ranked[1] / ranked[0], 1 - plain[1] / plain[0])
-            else:
-                pending = None
-        return value
-
-    return objective
-
-
 def test_a_trials_own_rank_sharpens_its_estimate() -> None:
     # a median pruner prunes the trials that trail the study: the trial's rank at its newest
     # report says much about its next one, and the weighted estimate predicts better
-    predictions: list[tuple[float, float, bool]] = []
+    forecasts: list[tuple[tuple[float, ...], bool]] = []
     study = optuna.create_study(
         sampler=optuna.samplers.RandomSampler(seed=1),
         pruner=optuna.pruners.MedianPruner(n_startup_trials=4, n_warmup_steps=1),
     )
-    study.optimize(_noisy_objective(predictions), n_trials=40)  # type: ignore[arg-type]
+    study.optimize(forecasting_objective(forecasts, (0.2, None)), n_trials=40)
+    predictions = [(ranked, plain, pruned) for (ranked, plain), pruned in forecasts]
     assert sum(p for _, _, p in predictions) >= 5, "the study must prune trials under watch"
     ranked = np.array([r for r, _, _ in predictions])
     plain = np.array([u for _, u, _ in predictions])
@@ -276,16 +251,7 @@ def test_the_best_and_the_worst_trial_at_a_report_get_different_estimates() -> N
 def test_a_trial_resumed_after_it_was_pruned_is_told_to_stop_again() -> None:
     # pruned at report 1, killed in its final save, resumed from that save: it reports step 2
     # next, where a successive-halving pruner (no rung there) would let it run to its end
-    pruner = optuna.pruners.SuccessiveHalvingPruner(min_resource=1, reduction_factor=2)
-    study = optuna.create_study(pruner=pruner)
-    for value in (0.2, 0.1):
-        trial = study.ask()
-        report(trial, value, 1, train_step=100)
-        assert not should_prune(trial, 1)
-        study.tell(trial, value)
-    bad = study.ask()
-    report(bad, 9.0, 1, train_step=100)
-    assert should_prune(bad, 1)
+    study, bad = _halving_study_with_a_pruned_trial()
     report(bad, 8.0, 2, train_step=200)
     assert not bad.should_prune()  # what Optuna answers at step 2
     assert should_prune(bad, 2)
@@ -347,16 +313,7 @@ def test_trials_pruned_at_the_report_only_rank_and_few_trials_count_alike() -> N
 
 
 def test_a_pruned_trial_reports_nothing_more() -> None:
-    pruner = optuna.pruners.SuccessiveHalvingPruner(min_resource=1, reduction_factor=2)
-    study = optuna.create_study(pruner=pruner)
-    for value in (0.2, 0.1):
-        trial = study.ask()
-        report(trial, value, 1, train_step=100)
-        assert not should_prune(trial, 1)
-        study.tell(trial, value)
-    bad = study.ask()
-    report(bad, 9.0, 1, train_step=100)
-    assert should_prune(bad, 1)
+    study, bad = _halving_study_with_a_pruned_trial()
     report(bad, 8.0, 2, train_step=250)  # resumed from a save made after the prune
     frozen = study.get_trials()[bad.number]
     assert frozen.user_attrs[STEP_ATTR] == 100 and 2 not in frozen.intermediate_values
