@@ -71,6 +71,9 @@ _UNITS_PER_METADATA_BYTE = 16
 # DCP's metadata objects nest about ten deep; CPython hashes and compares nested tuples
 # recursively in C, so a deep one would crash the process while .metadata is unpickled.
 _MAX_METADATA_DEPTH = 64
+# A value coci can save nests at most 128 containers (engine.tree.MAX_TREE_DEPTH), a few pickle
+# levels each; torch.load's unpickler crashes CPython hashing a tuple key ~100,000 deep.
+_MAX_VALUE_DEPTH = 1024
 _SLOT_BYTES = 8  # what a list slot takes in memory: the price of padding a list
 _MAX_DIM = (1 << 63) - 1  # torch sizes are int64
 
@@ -87,14 +90,20 @@ class _Allowance:
     @classmethod
     def of_read(cls, nbytes: int, where: str) -> _Allowance:
         """One unit per byte read."""
-        return cls(nbytes, f"one per byte of the {nbytes} bytes it reads", where)
+        return cls(
+            nbytes,
+            f"one unit (a value, a character, a byte of list slots) per byte of the {nbytes} "
+            "bytes it reads",
+            where,
+        )
 
     @classmethod
     def of_metadata(cls, nbytes: int, where: str) -> _Allowance:
         """:data:`_UNITS_PER_METADATA_BYTE` per byte of ``.metadata``."""
         return cls(
             _UNITS_PER_METADATA_BYTE * nbytes,
-            f"{_UNITS_PER_METADATA_BYTE} per byte of its {nbytes}-byte {METADATA_NAME}",
+            f"{_UNITS_PER_METADATA_BYTE} units (objects, characters, steps of a check) per "
+            f"byte of its {nbytes}-byte {METADATA_NAME}",
             where,
         )
 
@@ -139,6 +148,7 @@ def read_foreign_with_step(src: Path) -> tuple[dict[str, Any], int | None]:
         if src.suffix == ".safetensors":
             state, note = _read_safetensors(src)
         else:
+            _check_torch_saved(src, str(src))
             state = load_weights_only(src, what=str(src), map_location="cpu")
             note = read_pt_note(src)
             if note is not None:  # written by coci export: rebuild the exact state
@@ -395,9 +405,9 @@ def _read_dcp_values(
                         f"{where}: {name} ended while reading {_short(item.key)}"
                     )
                 if item.chunk is None:
-                    values[item.key] = load_weights_only(
-                        data, what=f"{where}: the value at {_short(item.key)}", map_location="cpu"
-                    )
+                    what = f"{where}: the value at {_short(item.key)}"
+                    _check_torch_saved(data, what)
+                    values[item.key] = load_weights_only(data, what=what, map_location="cpu")
                 else:
                     _copy_chunk(values[item.key], tensors[item.key], item, data, where)
     return meta, values, paths, metadata_bytes + sum(item.length for item in items)
@@ -475,6 +485,39 @@ def _load_metadata(directory: Path, where: str) -> tuple[Any, int]:
             f"{where}: {METADATA_NAME} holds a {type(meta).__name__}, not DCP Metadata"
         )
     return meta, len(data)
+
+
+def _check_torch_saved(source: bytes | Path, what: str) -> None:
+    """Measure the pickle of a ``torch.save`` zip (its ``data.pkl``, the record torch.load
+    unpickles) before torch.load runs it: refuse one nested deeper than any value coci can
+    save, or whose tree (shared references counted again) is more than
+    :data:`_UNITS_PER_METADATA_BYTE` per byte of it. Anything that is not such a zip is left
+    to torch.load to read or refuse."""
+    try:
+        reader = torch._C.PyTorchFileReader(
+            io.BytesIO(source) if isinstance(source, bytes) else str(source)
+        )
+        data = reader.get_record("data.pkl")
+    except (RuntimeError, OSError, ValueError):
+        return  # not a torch.save zip (or a damaged one): torch.load says why
+    cap = max(_UNITS_PER_METADATA_BYTE * len(data) + _FLOOR, _MAX_VALUE_DEPTH)
+    try:
+        tree = pickle_tree(data, cap=cap)
+    except ValueError as e:
+        raise CorruptCheckpointError(f"{what} cannot be read: {_short(str(e))}") from e
+    if tree.depth > _MAX_VALUE_DEPTH:
+        deep = f"more than {cap}" if tree.depth > cap else str(tree.depth)
+        raise CorruptCheckpointError(
+            f"{what} cannot be read: its pickle nests objects {deep} levels deep or refers to "
+            f"itself (at most {_MAX_VALUE_DEPTH} are read)"
+        )
+    allowance = _Allowance(
+        _UNITS_PER_METADATA_BYTE * len(data),
+        f"{_UNITS_PER_METADATA_BYTE} units per byte of its {len(data)}-byte pickle",
+        what,
+    )
+    big = f"more than {cap}" if tree.size > cap else str(tree.size)
+    allowance.spend(tree.size, f"its pickle describes a tree of {big} objects and characters")
 
 
 def _check_metadata_tree(data: bytes, allowance: _Allowance) -> None:
@@ -715,9 +758,9 @@ def _check_tiling(
 def _copy_chunk(out: torch.Tensor, spec: _Tensor, item: _Item, data: bytes, where: str) -> None:
     assert item.chunk is not None
     offsets, sizes = item.chunk
-    chunk = load_weights_only(
-        data, what=f"{where}: a chunk of the tensor {_short(item.key)}", map_location="cpu"
-    )
+    what = f"{where}: a chunk of the tensor {_short(item.key)}"
+    _check_torch_saved(data, what)
+    chunk = load_weights_only(data, what=what, map_location="cpu")
     if (
         not isinstance(chunk, torch.Tensor)
         or chunk.layout != torch.strided
@@ -774,7 +817,7 @@ def _pad(node: list[Any], index: int, path: Sequence[str | int], slots: _Allowan
         slots.spend(
             more * _SLOT_BYTES,
             f"the nesting path {_short(list(path))} of planner_data pads a list with {more} "
-            f"more slots ({_SLOT_BYTES} bytes each)",
+            f"more slots ({more * _SLOT_BYTES} bytes)",
         )
         node.extend([None] * more)
 
