@@ -22,7 +22,8 @@ crafted file is refused quickly, with little memory, and a ``CociError`` naming 
 - before ``.metadata`` is unpickled, the tree its pickle describes (each shared reference
   counted again, :mod:`coci_core.interop.pickle_tree`) must be at most 16 objects and
   characters per byte of it, and at most 64 levels deep; the checks of the chunks spend from
-  the same kind of allowance;
+  the same kind of allowance; the pickle of each ``torch.save`` record (a ``.pt`` file, a DCP
+  value or chunk) is measured alike before ``torch.load`` runs it (at most 1024 levels deep);
 - a tensor is no larger than the bytes of its chunks (which tile it, and each value has bytes
   of its own in its file);
 - the None slots that planner_data's list indices pad lists with take 8 bytes each of the bytes

@@ -63,9 +63,15 @@ _ATOMS = frozenset(
     }
 )
 # Opcodes that pop a fixed number of objects and push one made of them
-_MAKES = {"TUPLE1": 1, "TUPLE2": 2, "TUPLE3": 3, "REDUCE": 2, "NEWOBJ": 2}
-_MAKES["NEWOBJ_EX"] = 3
-_MAKES["BINPERSID"] = 1
+_MAKES = {
+    "TUPLE1": 1,
+    "TUPLE2": 2,
+    "TUPLE3": 3,
+    "REDUCE": 2,
+    "NEWOBJ": 2,
+    "NEWOBJ_EX": 3,
+    "BINPERSID": 1,
+}
 # Opcodes that pop the objects above the last mark and push one made of them
 # (INST: a class named by its argument, called with those objects)
 _MAKES_FROM_MARK = frozenset({"TUPLE", "LIST", "DICT", "FROZENSET", "OBJ", "INST"})
