@@ -182,17 +182,13 @@ class _Entries:
         return (OrderedDict, (), None, None, iter(self.pairs))
 
 
-def storage_keys_sharing_a_long_offset(src: Path) -> Path:
-    """40,000 storage entries whose offsets are one shared 300,000-element size: unpickling
-    hashes it once per entry (12e9 steps)."""
-    meta, _, info = _one_tensor(src)
-    offset = torch.Size([0] * 300_000)
-    pairs = []
-    for i in range(40_000):
-        index = MetadataIndex(f"k{i}")
-        object.__setattr__(index, "offset", offset)  # frozen; its own copy otherwise
-        pairs.append((index, info))
-    meta.storage_data = _Entries(pairs)
+def keys_sharing_a_tuple_of_tuples(src: Path) -> Path:
+    """10,000 planner_data keys ``(i, T)``, T a tuple of 1,000 references to one tuple of 1,000
+    ints (90 KB): unpickling hashes each key, 10**10 steps."""
+    meta, _, _ = _one_tensor(src)
+    inner = tuple(range(1000))
+    outer = (inner,) * 1000
+    meta.planner_data = _Entries([((i, outer), ("w",)) for i in range(10_000)])
     _dump_meta(src, meta)
     return src
 
@@ -210,10 +206,10 @@ def keys_sharing_a_long_path(src: Path) -> Path:
 
 
 def deeply_nested_key(src: Path) -> Path:
-    """A dict whose key is a tuple nested 400,000 deep (400 KB): hashing it in C overflows
+    """A dict whose key is a tuple nested 250,000 deep (250 KB): hashing it in C overflows
     the stack (with the usual 8 MB of it)."""
     src.mkdir()
-    deep = b"\x85" * 400_000  # TUPLE1, 400,000 times
+    deep = b"\x85" * 250_000  # TUPLE1, 250,000 times
     (src / ".metadata").write_bytes(b"\x80\x04}N" + deep + b"Ns.")
     return src
 
@@ -295,15 +291,15 @@ CRAFTED: dict[str, tuple[Callable[[Path], Path], str]] = {
         r"the 41 chunks of 'w' tile it takes \d+ steps \(they split 40 of its dimensions\)",
     ),
     "many keys, one value": (many_keys_one_value, r"storage_data records '.*' at bytes"),
-    "storage keys sharing a long offset": (
-        storage_keys_sharing_a_long_offset,
+    "keys sharing a tuple of tuples": (
+        keys_sharing_a_tuple_of_tuples,
         r"\.metadata describes a tree of more than \d+ objects",
     ),
     "keys sharing a long path": (
         keys_sharing_a_long_path,
         r"\.metadata describes a tree of more than \d+ objects",
     ),
-    "deeply nested key": (deeply_nested_key, r"nests objects 400\d\d\d levels deep"),
+    "deeply nested key": (deeply_nested_key, r"nests objects 250\d\d\d levels deep"),
     "metadata that contains itself": (metadata_that_contains_itself, r"refers to itself"),
     "shared list in a .pt file": (
         shared_list_in_a_pt_file,

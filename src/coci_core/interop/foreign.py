@@ -54,7 +54,7 @@ import torch
 
 from coci_core.engine.tree import load_weights_only
 from coci_core.errors import CociError, CorruptCheckpointError, StorageError, UnsafeCheckpointError
-from coci_core.interop.pickle_tree import pickle_tree
+from coci_core.interop.pickle_tree import PickleTree, pickle_tree
 from coci_core.storage.local import open_regular
 
 __all__ = ["read_dcp", "read_foreign", "read_foreign_with_step"]
@@ -488,6 +488,12 @@ def _load_metadata(directory: Path, where: str) -> tuple[Any, int]:
     return meta, len(data)
 
 
+def _depth(tree: PickleTree, cap: int) -> str:
+    if tree.depth > cap:  # endless: a reference cycle (or deeper than the pickle is long)
+        return f"refers to itself or nests objects more than {cap} levels deep"
+    return f"nests objects {tree.depth} levels deep"
+
+
 def _check_torch_saved(source: bytes | Path, what: str) -> None:
     """Measure the pickle of a ``torch.save`` zip (its ``data.pkl``, the record torch.load
     unpickles) before torch.load runs it: refuse one nested deeper than any value coci can
@@ -507,10 +513,9 @@ def _check_torch_saved(source: bytes | Path, what: str) -> None:
     except ValueError as e:
         raise CorruptCheckpointError(f"{what} cannot be read: {_short(str(e))}") from e
     if tree.depth > _MAX_VALUE_DEPTH:
-        deep = f"more than {cap}" if tree.depth > cap else str(tree.depth)
         raise CorruptCheckpointError(
-            f"{what} cannot be read: its pickle nests objects {deep} levels deep or refers to "
-            f"itself (at most {_MAX_VALUE_DEPTH} are read)"
+            f"{what} cannot be read: its pickle {_depth(tree, cap)} (at most {_MAX_VALUE_DEPTH} "
+            "levels are read)"
         )
     allowance = _Allowance(
         _UNITS_PER_METADATA_BYTE * len(data),
@@ -533,11 +538,10 @@ def _check_metadata_tree(data: bytes, allowance: _Allowance) -> None:
             f"{allowance.where}: {METADATA_NAME} cannot be read ({_short(str(e))})"
         ) from e
     if tree.depth > _MAX_METADATA_DEPTH:
-        deep = f"more than {cap}" if tree.depth > cap else str(tree.depth)
         raise _bad(
             allowance.where,
-            f"its pickle nests objects {deep} levels deep or refers to itself (DCP's "
-            f"metadata nests about ten; at most {_MAX_METADATA_DEPTH} are read)",
+            f"its pickle {_depth(tree, cap)} (DCP's metadata nests about ten levels; at most "
+            f"{_MAX_METADATA_DEPTH} are read)",
         )
     big = f"more than {cap}" if tree.size > cap else str(tree.size)
     allowance.spend(
