@@ -632,7 +632,7 @@ def test_a_chunk_must_hold_what_the_metadata_says(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("path", "message"),
     [
-        (("a", 10**9), "has the part"),
+        (("a", 10**9), "pads a list with 1000000001 more slots"),
         (("a", -1), "has the part"),
         ((), "nesting path"),
         ((3, "w"), "nesting path"),

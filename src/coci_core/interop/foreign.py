@@ -13,8 +13,24 @@
   ``OrderedDict``, paths and sets); each tensor chunk and each non-tensor value is read by the
   offset and length the metadata records, with ``torch.load(weights_only=True)``. Everything
   read is checked before it is used: types, offsets and lengths inside regular files of the
-  directory, chunks inside their tensor and tiling it exactly, sizes that the files can hold
-  before anything is allocated.
+  directory (each stored value its own bytes), chunks inside their tensor and tiling it
+  exactly, sizes that the files can hold before anything is allocated.
+
+What an import builds or walks is paid for by the bytes it reads (:class:`_Allowance`), so a
+crafted file is refused quickly, with little memory, and a ``CociError`` naming what is wrong:
+
+- before ``.metadata`` is unpickled, the tree its pickle describes (each shared reference
+  counted again, :mod:`coci_core.interop.pickle_tree`) must be at most 16 objects and
+  characters per byte of it, and at most 64 levels deep; the checks of the chunks spend from
+  the same kind of allowance; the pickle of each ``torch.save`` record (a ``.pt`` file, a DCP
+  value or chunk) is measured alike before ``torch.load`` runs it (at most 1024 levels deep);
+- a tensor is no larger than the bytes of its chunks (which tile it, and each value has bytes
+  of its own in its file);
+- the None slots that planner_data's list indices pad lists with take 8 bytes each of the bytes
+  read, and the state returned, walked as saving it walks it (shared containers once per
+  reference), has at most one value or character per byte read.
+
+Every check takes time near-linear in its input (sorts and hashes, never pairs of chunks).
 
 Every failure is a :class:`~coci_core.errors.CociError`: :class:`UnsafeCheckpointError` when a
 file names a global outside what is allowed (it is refused, not run), otherwise
@@ -25,7 +41,6 @@ from __future__ import annotations
 
 import io
 import itertools
-import math
 import os
 import pickle
 import reprlib
@@ -39,14 +54,68 @@ import torch
 
 from coci_core.engine.tree import load_weights_only
 from coci_core.errors import CociError, CorruptCheckpointError, StorageError, UnsafeCheckpointError
+from coci_core.interop.pickle_tree import PickleTree, pickle_tree
 from coci_core.storage.local import open_regular
 
 __all__ = ["read_dcp", "read_foreign", "read_foreign_with_step"]
 
 METADATA_NAME = ".metadata"
-# A DCP path into a list pads the list with None up to the index: a bound on what a list index
-# may make coci allocate (a state with a list of a million entries is not a training state).
-_MAX_LIST_INDEX = 1 << 20
+# What an import builds or walks is paid for by the bytes it reads, in units (an object, a
+# character, a byte of a list slot, a step of a check), plus this many for the parts every
+# checkpoint has whatever it stores (DCP's Metadata object): never enough to hurt.
+_FLOOR = 1 << 16
+# DCP's own .metadata describes about 3 objects and characters per byte of its pickle (which
+# shares dtypes and each key among the chunks of its tensor); 16 leaves room for keys of a
+# thousand characters shared by every chunk. Data files are not counted here: a sparse file
+# can be as large as it likes without storing anything.
+_UNITS_PER_METADATA_BYTE = 16
+# DCP's metadata objects nest about ten deep; CPython hashes and compares nested tuples
+# recursively in C, so a deep one would crash the process while .metadata is unpickled.
+_MAX_METADATA_DEPTH = 64
+# A value coci can save nests at most 128 containers (engine.tree.MAX_TREE_DEPTH), a few pickle
+# levels each; torch.load's unpickler crashes CPython hashing a tuple key ~100,000 deep.
+_MAX_VALUE_DEPTH = 1024
+_SLOT_BYTES = 8  # what a list slot takes in memory: the price of padding a list
+_MAX_DIM = (1 << 63) - 1  # torch sizes are int64
+
+
+class _Allowance:
+    """How many units an import may still spend on one kind of thing (objects walked, bytes of
+    list slots, steps of a check), and what pays for them (``basis``, for the message)."""
+
+    def __init__(self, units: int, basis: str, where: str) -> None:
+        self.left = units + _FLOOR
+        self.basis = basis
+        self.where = where
+
+    @classmethod
+    def of_read(cls, nbytes: int, where: str) -> _Allowance:
+        """One unit per byte read."""
+        return cls(
+            nbytes,
+            f"one unit (a value, a character, a byte of list slots) per byte of the {nbytes} "
+            "bytes it reads",
+            where,
+        )
+
+    @classmethod
+    def of_metadata(cls, nbytes: int, where: str) -> _Allowance:
+        """:data:`_UNITS_PER_METADATA_BYTE` per byte of ``.metadata``."""
+        return cls(
+            _UNITS_PER_METADATA_BYTE * nbytes,
+            f"{_UNITS_PER_METADATA_BYTE} units (objects, characters, steps of a check) per "
+            f"byte of its {nbytes}-byte {METADATA_NAME}",
+            where,
+        )
+
+    def spend(self, units: int, what: str) -> None:
+        """Take ``units``; beyond what is left, a CorruptCheckpointError naming ``what``."""
+        if units > self.left:
+            raise CorruptCheckpointError(
+                f"{self.where}: {what}; an import builds at most {self.basis} (plus {_FLOOR}): "
+                "the checkpoint is crafted or damaged"
+            )
+        self.left -= units
 
 
 def read_foreign(src: Path) -> dict[str, Any]:
@@ -70,21 +139,48 @@ def read_foreign_with_step(src: Path) -> tuple[dict[str, Any], int | None]:
     src = Path(src)
     note: str | None = None
     if src.is_dir():
-        state, note = _read_dcp_exported(src)
+        state, note, read = _read_dcp_exported(src)
     elif not src.exists():
         raise CociError(f"{src}: no such file or directory")
     elif not src.is_file():
         raise CociError(f"{src} is not a regular file or a directory")
-    elif src.suffix == ".safetensors":
-        state, note = _read_safetensors(src)
     else:
-        state = load_weights_only(src, what=str(src), map_location="cpu")
-        note = read_pt_note(src)
-        if note is not None:  # written by coci export: rebuild the exact state
-            state = from_note(note, pt_locator(state, str(src)), str(src))
+        read = src.stat().st_size
+        if src.suffix == ".safetensors":
+            state, note = _read_safetensors(src)
+        else:
+            _check_torch_saved(src, str(src))
+            state = load_weights_only(src, what=str(src), map_location="cpu")
+            note = read_pt_note(src)
+            if note is not None:  # written by coci export: rebuild the exact state
+                state = from_note(note, pt_locator(state, str(src)), str(src))
     if not isinstance(state, dict):
         raise CociError(f"{src} holds a {type(state).__name__}, not a mapping")
+    _check_state_size(state, _Allowance.of_read(read, str(src)))
     return state, None if note is None else note_step(note)
+
+
+def _check_state_size(state: Any, allowance: _Allowance) -> None:
+    """``state`` walked as saving it walks it (a container shared by many references once per
+    reference; strings and bytes by their length) holds no more values than the bytes read: a
+    pickle can share one list at every level and describe a tree of billions of values in a
+    few bytes."""
+    todo: list[Any] = [state]
+    used = 1
+    while todo and used <= allowance.left:
+        node = todo.pop()
+        if isinstance(node, (str, bytes, bytearray)):
+            used += len(node)
+        elif isinstance(node, dict):
+            used += 2 * len(node)
+            if used <= allowance.left:
+                todo.extend(node.keys())
+                todo.extend(node.values())
+        elif type(node) in (list, tuple, set, frozenset):
+            used += len(node)
+            if used <= allowance.left:
+                todo.extend(node)
+    allowance.spend(used, f"the state it holds is a tree of {used} or more values and characters")
 
 
 def _read_safetensors(src: Path) -> tuple[Any, str | None]:
@@ -110,14 +206,15 @@ def _read_safetensors(src: Path) -> tuple[Any, str | None]:
     return from_note(note, locate, str(src)), note
 
 
-def _read_dcp_exported(directory: Path) -> tuple[Any, str | None]:
-    """A DCP directory: as coci exported it when it holds coci's note, else as DCP nests it."""
+def _read_dcp_exported(directory: Path) -> tuple[Any, str | None, int]:
+    """A DCP directory: as coci exported it when it holds coci's note, else as DCP nests it;
+    and the bytes read."""
     from coci_core.interop.exchange import NOTE_FILE, from_note, pt_locator
 
-    meta, values, paths = _read_dcp_values(Path(directory))
+    meta, values, paths, read = _read_dcp_values(Path(directory))
     note_path = Path(directory) / NOTE_FILE
     if not note_path.exists() and not note_path.is_symlink():
-        return _nest(meta, values, paths, str(directory)), None
+        return _nest(meta, values, paths, _Allowance.of_read(read, str(directory))), None, read
     with _open_regular(note_path, str(directory)) as f:
         data = f.read(1 << 28)
     try:
@@ -133,7 +230,7 @@ def _read_dcp_exported(directory: Path) -> tuple[Any, str | None]:
             raise CorruptCheckpointError(f"{directory}: the note names an array DCP lacks")
         return inside([position[at[0]], *at[1]] if type(at[1]) is list else at[1])
 
-    return from_note(note, locate, str(directory)), note
+    return from_note(note, locate, str(directory)), note, read + len(data)
 
 
 # -- the restricted unpickler of .metadata ---------------------------------------------------
@@ -266,17 +363,21 @@ def read_dcp(directory: Path) -> dict[str, Any]:
         CorruptCheckpointError: a file is missing, truncated, garbled or inconsistent.
     """
     directory = Path(directory)
-    meta, values, paths = _read_dcp_values(directory)
-    return _nest(meta, values, paths, str(directory))
+    where = str(directory)
+    meta, values, paths, read = _read_dcp_values(directory)
+    state = _nest(meta, values, paths, _Allowance.of_read(read, where))
+    _check_state_size(state, _Allowance.of_read(read, where))
+    return state
 
 
 def _read_dcp_values(
     directory: Path,
-) -> tuple[Any, dict[str, Any], dict[str, tuple[str | int, ...]]]:
-    """The metadata, each stored value by its DCP key, and the nesting path of each key."""
+) -> tuple[Any, dict[str, Any], dict[str, tuple[str | int, ...]], int]:
+    """The metadata, each stored value by its DCP key, the nesting path of each key, and the
+    bytes read (``.metadata`` and the values': what the state built from them may take)."""
     where = str(directory)
-    meta = _load_metadata(directory, where)
-    tensors, items, paths = _plan(meta, where)
+    meta, metadata_bytes = _load_metadata(directory, where)
+    tensors, items, paths = _plan(meta, where, _Allowance.of_metadata(metadata_bytes, where))
     if len(set(paths.values())) != len(paths):
         raise _bad(where, "two keys are nested at the same place")
     by_file: dict[str, list[_Item]] = {}
@@ -285,13 +386,7 @@ def _read_dcp_values(
     for name, file_items in by_file.items():  # before anything is allocated
         with _open_regular(directory / name, where) as f:
             size = os.fstat(f.fileno()).st_size
-        for item in file_items:
-            if item.offset + item.length > size:
-                raise CorruptCheckpointError(
-                    f"{where}: {_short(item.key)} is recorded at bytes {item.offset}-"
-                    f"{item.offset + item.length} of {name}, which has {size} bytes (the file "
-                    "is truncated or the metadata is wrong)"
-                )
+        _check_ranges(name, size, file_items, where)
     values: dict[str, Any] = {}
     for key, spec in tensors.items():
         try:
@@ -311,20 +406,46 @@ def _read_dcp_values(
                         f"{where}: {name} ended while reading {_short(item.key)}"
                     )
                 if item.chunk is None:
-                    values[item.key] = load_weights_only(
-                        data, what=f"{where}: the value at {_short(item.key)}", map_location="cpu"
-                    )
+                    what = f"{where}: the value at {_short(item.key)}"
+                    _check_torch_saved(data, what)
+                    values[item.key] = load_weights_only(data, what=what, map_location="cpu")
                 else:
                     _copy_chunk(values[item.key], tensors[item.key], item, data, where)
-    return meta, values, paths
+    return meta, values, paths, metadata_bytes + sum(item.length for item in items)
+
+
+def _check_ranges(name: str, size: int, items: list[_Item], where: str) -> None:
+    """The items stored in file ``name`` (of ``size`` bytes) lie inside it, each in bytes of
+    its own: what the import reads and builds is then bounded by the file's size."""
+    last: _Item | None = None  # of the items so far, the one that ends last
+    for item in sorted(items, key=lambda i: (i.offset, i.length)):
+        if item.offset + item.length > size:
+            raise CorruptCheckpointError(
+                f"{where}: {_short(item.key)} is recorded at bytes {item.offset}-"
+                f"{item.offset + item.length} of {name}, which has {size} bytes (the file "
+                "is truncated or the metadata is wrong)"
+            )
+        if last is not None and item.offset < last.offset + last.length:
+            raise _bad(
+                where,
+                f"storage_data records {_short(item.key)} at bytes {item.offset}-"
+                f"{item.offset + item.length} of {name}, inside the bytes {last.offset}-"
+                f"{last.offset + last.length} of {_short(last.key)} (DCP stores each value "
+                "in bytes of its own)",
+            )
+        if last is None or item.offset + item.length > last.offset + last.length:
+            last = item
 
 
 def _nest(
-    meta: Any, values: dict[str, Any], paths: dict[str, tuple[str | int, ...]], where: str
+    meta: Any,
+    values: dict[str, Any],
+    paths: dict[str, tuple[str | int, ...]],
+    allowance: _Allowance,
 ) -> dict[str, Any]:
     state: dict[str, Any] = {}
     for key in meta.state_dict_metadata:
-        _set_element(state, paths[key], values[key], where)
+        _set_element(state, paths[key], values[key], allowance)
     return state
 
 
@@ -337,7 +458,8 @@ def _open_regular(path: Path, where: str) -> BinaryIO:
     return os.fdopen(fd, "rb")
 
 
-def _load_metadata(directory: Path, where: str) -> Any:
+def _load_metadata(directory: Path, where: str) -> tuple[Any, int]:
+    """The Metadata object of ``.metadata``, and the file's size."""
     from torch.distributed.checkpoint.metadata import Metadata
 
     if not (directory / METADATA_NAME).exists() and not (directory / METADATA_NAME).is_symlink():
@@ -347,6 +469,7 @@ def _load_metadata(directory: Path, where: str) -> Any:
         )
     with _open_regular(directory / METADATA_NAME, where) as f:
         data = f.read()
+    _check_metadata_tree(data, _Allowance.of_metadata(len(data), where))
     try:
         meta = _MetadataUnpickler(io.BytesIO(data), _allowed_globals(), where).load()
     except CociError:
@@ -362,7 +485,70 @@ def _load_metadata(directory: Path, where: str) -> Any:
         raise CorruptCheckpointError(
             f"{where}: {METADATA_NAME} holds a {type(meta).__name__}, not DCP Metadata"
         )
-    return meta
+    return meta, len(data)
+
+
+def _depth(tree: PickleTree, cap: int) -> str:
+    if tree.depth > cap:  # endless: a reference cycle (or deeper than the pickle is long)
+        return f"refers to itself or nests objects more than {cap} levels deep"
+    return f"nests objects {tree.depth} levels deep"
+
+
+def _check_torch_saved(source: bytes | Path, what: str) -> None:
+    """Measure the pickle of a ``torch.save`` zip (its ``data.pkl``, the record torch.load
+    unpickles) before torch.load runs it: refuse one nested deeper than any value coci can
+    save, or whose tree (shared references counted again) is more than
+    :data:`_UNITS_PER_METADATA_BYTE` per byte of it. Anything that is not such a zip is left
+    to torch.load to read or refuse."""
+    try:
+        reader = torch._C.PyTorchFileReader(
+            io.BytesIO(source) if isinstance(source, bytes) else str(source)
+        )
+        data = reader.get_record("data.pkl")
+    except (RuntimeError, OSError, ValueError):
+        return  # not a torch.save zip (or a damaged one): torch.load says why
+    cap = max(_UNITS_PER_METADATA_BYTE * len(data) + _FLOOR, _MAX_VALUE_DEPTH)
+    try:
+        tree = pickle_tree(data, cap=cap)
+    except ValueError as e:
+        raise CorruptCheckpointError(f"{what} cannot be read: {_short(str(e))}") from e
+    if tree.depth > _MAX_VALUE_DEPTH:
+        raise CorruptCheckpointError(
+            f"{what} cannot be read: its pickle {_depth(tree, cap)} (at most {_MAX_VALUE_DEPTH} "
+            "levels are read)"
+        )
+    allowance = _Allowance(
+        _UNITS_PER_METADATA_BYTE * len(data),
+        f"{_UNITS_PER_METADATA_BYTE} units per byte of its {len(data)}-byte pickle",
+        what,
+    )
+    big = f"more than {cap}" if tree.size > cap else str(tree.size)
+    allowance.spend(tree.size, f"its pickle describes a tree of {big} objects and characters")
+
+
+def _check_metadata_tree(data: bytes, allowance: _Allowance) -> None:
+    """Refuse, before unpickling, a ``.metadata`` whose objects, walked as a tree (each shared
+    reference again, as hashing and checking them walk it), outnumber the stored bytes, or that
+    nests deeper than DCP's metadata ever does."""
+    cap = max(allowance.left, _MAX_METADATA_DEPTH)
+    try:
+        tree = pickle_tree(data, cap=cap)
+    except ValueError as e:  # what the unpickler would fail on too
+        raise CorruptCheckpointError(
+            f"{allowance.where}: {METADATA_NAME} cannot be read ({_short(str(e))})"
+        ) from e
+    if tree.depth > _MAX_METADATA_DEPTH:
+        raise _bad(
+            allowance.where,
+            f"its pickle {_depth(tree, cap)} (DCP's metadata nests about ten levels; at most "
+            f"{_MAX_METADATA_DEPTH} are read)",
+        )
+    big = f"more than {cap}" if tree.size > cap else str(tree.size)
+    allowance.spend(
+        tree.size,
+        f"{METADATA_NAME} describes a tree of {big} objects and characters once each shared "
+        "reference is counted where it is used",
+    )
 
 
 _REPR = reprlib.Repr()
@@ -386,15 +572,31 @@ def _int(value: Any) -> bool:
 
 
 def _shape(value: Any, where: str, what: str) -> tuple[int, ...]:
-    if not isinstance(value, (torch.Size, tuple, list)) or not all(_int(n) for n in value):
-        raise _bad(where, f"{what} is not a shape: {_short(value)}")
+    if not isinstance(value, (torch.Size, tuple, list)) or not all(
+        _int(n) and n <= _MAX_DIM for n in value
+    ):
+        raise _bad(where, f"{what} is not a shape (sizes from 0 to 2**63-1): {_short(value)}")
     return tuple(value)
 
 
+def _numel(shape: tuple[int, ...]) -> int:
+    """The elements of ``shape``; ``_MAX_DIM + 1`` for more than torch can index (no product
+    of thousands of huge sizes is ever computed)."""
+    if 0 in shape:
+        return 0
+    n = 1
+    for d in shape:
+        n *= d
+        if n > _MAX_DIM:
+            return _MAX_DIM + 1
+    return n
+
+
 def _plan(
-    meta: Any, where: str
+    meta: Any, where: str, allowance: _Allowance
 ) -> tuple[dict[str, _Tensor], list[_Item], dict[str, tuple[str | int, ...]]]:
-    """Check the metadata: the tensors to make, the pieces to read, the path of each key."""
+    """Check the metadata: the tensors to make, the pieces to read, the path of each key
+    (``allowance``: what the checks of the chunks may spend)."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (
         BytesStorageMetadata,
@@ -454,6 +656,8 @@ def _plan(
         if not isinstance(dtype, torch.dtype):
             raise _bad(where, f"{_short(key)} has no dtype")
         size = _shape(getattr(entry, "size", None), where, f"the size of {_short(key)}")
+        if _numel(size) > _MAX_DIM:
+            raise _bad(where, f"the size of {_short(key)} has more than 2**63-1 elements")
         chunks = getattr(entry, "chunks", None)
         if type(chunks) is not list:
             raise _bad(where, f"{_short(key)} has no list of chunks")
@@ -476,7 +680,7 @@ def _plan(
                     f"its {list(size)}",
                 )
             name, offset, length = located(key, MetadataIndex(key, offsets))
-            nbytes = math.prod(sizes) * dtype.itemsize
+            nbytes = _numel(sizes) * dtype.itemsize
             if nbytes > length:
                 raise _bad(
                     where,
@@ -484,7 +688,7 @@ def _plan(
                 )
             boxes.append((offsets, sizes))
             items.append(_Item(key, name, offset, length, (offsets, sizes)))
-        _check_tiling(key, size, boxes, where)
+        _check_tiling(key, size, boxes, allowance)
         tensors[key] = _Tensor(dtype, size)
     return tensors, items, paths
 
@@ -503,13 +707,12 @@ def _path_of(key: str, planner: dict[Any, Any] | None, where: str) -> tuple[str 
     if planner is None or key not in planner:
         return (key,)
     path = planner[key]
+    field = f"the nesting path planner_data[{_short(key)}]"
     if type(path) not in (tuple, list) or not path or type(path[0]) is not str:
-        raise _bad(where, f"the nesting path of {_short(key)} is {_short(path)}")
+        raise _bad(where, f"{field} is {_short(path)}")
     for part in path:
-        if type(part) is str:
-            continue
-        if type(part) is not int or not 0 <= part <= _MAX_LIST_INDEX:
-            raise _bad(where, f"the nesting path of {_short(key)} has the part {_short(part)}")
+        if type(part) is not str and (type(part) is not int or part < 0):
+            raise _bad(where, f"{field} has the part {_short(part)} (parts are str or int >= 0)")
     return tuple(path)
 
 
@@ -517,26 +720,52 @@ def _check_tiling(
     key: str,
     size: tuple[int, ...],
     boxes: list[tuple[tuple[int, ...], tuple[int, ...]]],
-    where: str,
+    allowance: _Allowance,
 ) -> None:
-    """The chunks do not overlap and cover the tensor (so nothing of it is left unread)."""
-    if sum(math.prod(s) for _, s in boxes) != math.prod(size):
+    """The chunks (offsets, sizes) tile the tensor: each element is in exactly one chunk, so
+    nothing is left unread and nothing is read twice.
+
+    A box is the signed sum of the orthants at its corners (inclusion-exclusion over its 2**k
+    corners, k the dimensions the chunks split); orthants at distinct points are linearly
+    independent, so the chunks tile the tensor exactly iff the signed counts of their corners
+    are the tensor's own. One dict update per corner, no comparison of pairs of chunks.
+    """
+    where = allowance.where
+    whole = _numel(size)
+    if sum(_numel(s) for _, s in boxes) != whole:
         raise _bad(where, f"the chunks of {_short(key)} do not cover its {list(size)} exactly")
-    solid = sorted(b for b in boxes if math.prod(b[1]))
-    for i, (o, s) in enumerate(solid):
-        for o2, s2 in solid[i + 1 :]:
-            if size and o2[0] >= o[0] + s[0]:
-                break  # sorted by the first offset: no later chunk reaches back
-            if all(a2 < a + n and a < a2 + n2 for a, n, a2, n2 in zip(o, s, o2, s2, strict=True)):
-                raise _bad(where, f"two chunks of {_short(key)} overlap at {list(o2)}")
+    if whole == 0:
+        return  # all chunks empty, all inside the tensor: nothing to read
+    solid = [b for b in boxes if _numel(b[1])]
+    split = sorted(
+        {d for offsets, sizes in solid for d, n in enumerate(size) if offsets[d] or sizes[d] != n}
+    )
+    allowance.spend(
+        (len(solid) + 1) << len(split),
+        f"checking that the {len(solid)} chunks of {_short(key)} tile it takes "
+        f"{(len(solid) + 1) << len(split)} steps (they split {len(split)} of its dimensions)",
+    )
+    counts: dict[tuple[int, ...], int] = {}
+    for (offsets, sizes), sign in itertools.chain(
+        [(((0,) * len(size), size), -1)], zip(solid, itertools.repeat(1))
+    ):
+        low = [offsets[d] for d in split]
+        high = [offsets[d] + sizes[d] for d in split]
+        for corner in range(1 << len(split)):
+            at = tuple(high[i] if corner >> i & 1 else low[i] for i in range(len(split)))
+            count = counts.pop(at, 0) + (-sign if corner.bit_count() & 1 else sign)
+            if count:
+                counts[at] = count
+    if counts:  # their elements add up to the tensor's: some are in two chunks, some in none
+        raise _bad(where, f"two chunks of {_short(key)} overlap (their corners do not tile it)")
 
 
 def _copy_chunk(out: torch.Tensor, spec: _Tensor, item: _Item, data: bytes, where: str) -> None:
     assert item.chunk is not None
     offsets, sizes = item.chunk
-    chunk = load_weights_only(
-        data, what=f"{where}: a chunk of the tensor {_short(item.key)}", map_location="cpu"
-    )
+    what = f"{where}: a chunk of the tensor {_short(item.key)}"
+    _check_torch_saved(data, what)
+    chunk = load_weights_only(data, what=what, map_location="cpu")
     if (
         not isinstance(chunk, torch.Tensor)
         or chunk.layout != torch.strided
@@ -556,18 +785,22 @@ def _copy_chunk(out: torch.Tensor, spec: _Tensor, item: _Item, data: bytes, wher
     out[region].copy_(chunk.detach())
 
 
-def _set_element(root: dict[str, Any], path: Sequence[str | int], value: Any, where: str) -> None:
+def _set_element(
+    root: dict[str, Any], path: Sequence[str | int], value: Any, slots: _Allowance
+) -> None:
     """``torch.distributed.checkpoint._traverse.set_element``, refusing paths that clash (a
-    value where a container must be) instead of writing into the value."""
+    value where a container must be) instead of writing into the value, and lists padded
+    beyond what ``slots`` (bytes) pays for."""
+    where = slots.where
     node: Any = root
     for prev, key in itertools.pairwise(path):
         fresh: Callable[[], Any] = dict if type(key) is str else list
-        node = _child(node, prev, fresh, path, where)
+        node = _child(node, prev, fresh, path, slots)
     last = path[-1]
     _check_slot(node, last, path, where)
     if isinstance(node, list):
         assert isinstance(last, int)
-        node.extend([None] * (last + 1 - len(node)))
+        _pad(node, last, path, slots)
         taken = node[last] is not None
     else:
         taken = last in node
@@ -582,15 +815,32 @@ def _check_slot(node: Any, key: str | int, path: Sequence[str | int], where: str
     raise _bad(where, f"the nesting path {_short(list(path))} goes through a {type(node).__name__}")
 
 
+def _pad(node: list[Any], index: int, path: Sequence[str | int], slots: _Allowance) -> None:
+    """Pad ``node`` with None up to ``index``, paying for the new slots before making them."""
+    more = index + 1 - len(node)
+    if more > 0:
+        slots.spend(
+            more * _SLOT_BYTES,
+            f"the nesting path {_short(list(path))} of planner_data pads a list with {more} "
+            f"more slots ({more * _SLOT_BYTES} bytes)",
+        )
+        node.extend([None] * more)
+
+
 def _child(
-    node: Any, key: str | int, fresh: Callable[[], Any], path: Sequence[str | int], where: str
+    node: Any,
+    key: str | int,
+    fresh: Callable[[], Any],
+    path: Sequence[str | int],
+    slots: _Allowance,
 ) -> Any:
+    where = slots.where
     _check_slot(node, key, path, where)
     if isinstance(node, dict):
         child = node.setdefault(key, fresh())
     else:
         assert isinstance(key, int)
-        node.extend([None] * (key + 1 - len(node)))
+        _pad(node, key, path, slots)
         if node[key] is None:
             node[key] = fresh()
         child = node[key]
