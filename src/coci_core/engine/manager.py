@@ -250,8 +250,9 @@ class CheckpointManager:
         remote: a second, remote tier (an fsspec URL such as ``"s3://bucket/run"``, a path or
             a Storage): each checkpoint committed in ``directory`` is then copied there in the
             background and committed there too (see :mod:`coci_core.engine.tiers`); a restore
-            takes the newest checkpoint from ``directory`` when it is intact there, else from
-            ``remote`` (a new node with an empty disk resumes from the remote tier).
+            takes the newest intact checkpoint of either tier, from ``directory`` when it is
+            intact there, else from ``remote`` (a damaged local copy, or a new node with an
+            empty disk).
         remote_keep_last: committed checkpoints kept on the remote tier (None: all).
         remote_storage_options: fsspec options of ``remote`` (credentials, endpoint).
         remote_upload_every: copy every this many checkpoints to ``remote`` (and the newest
@@ -259,9 +260,10 @@ class CheckpointManager:
 
     Runs: each manager starts a new run (``run_id``, stored in every manifest); a restore
     continues the restored checkpoint's run. Restoring without a step takes the newest
-    checkpoint of the newest run (by creation time, not step number), retention counts and
-    deletes only this run's checkpoints, and ``save`` of a step the directory already holds
-    raises :class:`StepExistsError` unless ``overwrite=True``.
+    intact checkpoint of the newest run (by commit sequence, never by step number or wall
+    clock; with ``remote``, of either tier), retention counts and deletes only this run's
+    checkpoints, and ``save`` of a step the directory already holds raises
+    :class:`StepExistsError` unless ``overwrite=True``.
     """
 
     def __init__(
@@ -819,11 +821,12 @@ class CheckpointManager:
         checkpoint does not have gets none (logged; ``last_restore.rank_state_restored``).
 
         Pending saves are made durable first. Without ``step`` the newest checkpoint of the
-        newest run is used (:meth:`latest_step`); if it is damaged, it is reported and the
-        next newest intact one is used instead (unless ``strict``). Later saves of this
-        manager continue the restored checkpoint's run. ``into`` maps keys of the state to
-        objects whose ``load_state_dict`` receives them. The restored step is in
-        ``last_restore.step``.
+        newest run is used (:meth:`latest_step`; with a remote tier, of either tier); if it
+        is damaged, it is reported and the next newest intact one (the other tier's copy
+        first) is used instead (unless ``strict``, which accepts only that copy). Later saves
+        of this manager continue the restored checkpoint's run and are committed after it.
+        ``into`` maps keys of the state to objects whose ``load_state_dict`` receives them.
+        The restored step is in ``last_restore.step``.
 
         Modules and torch optimizers in ``into`` are filled in place: each stored tensor whose
         live counterpart (in their ``state_dict()``) is a contiguous CPU tensor of the same
