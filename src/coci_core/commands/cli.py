@@ -209,6 +209,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     from coci_core.engine.restore import committed_steps, restore_newest
+    from coci_core.errors import NoCheckpointError
     from coci_core.interop.exchange import export_state
 
     storage = _checkpoint_dir(args.dir)
@@ -216,13 +217,14 @@ def _export(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if not out.parent.is_dir():
         raise BadInput(f"{args.out}: the directory {out.parent} does not exist")
-    if args.step is not None:
-        steps = committed_steps(storage)
-        if args.step not in steps and (remote is None or args.step not in committed_steps(remote)):
-            shown = ", ".join(map(str, steps[-10:])) or "none"
-            raise BadInput(
-                f"step {args.step} is not committed in {storage.url} (its steps: {shown})"
-            )
+    steps = committed_steps(storage)
+    remote_steps = committed_steps(remote) if remote is not None else []
+    if not steps and not remote_steps:
+        where = storage.url if remote is None else f"{storage.url} or {remote.url}"
+        raise NoCheckpointError(f"no committed checkpoints in {where}")
+    if args.step is not None and args.step not in steps and args.step not in remote_steps:
+        shown = ", ".join(map(str, steps[-10:])) or "none"
+        raise BadInput(f"step {args.step} is not committed in {storage.url} (its steps: {shown})")
     # without --step: the step a resume takes (past damaged newer ones), as restore picks it
     loaded, _ = restore_newest(storage, args.step, rank=args.rank, remote=remote)
     fmt = args.format

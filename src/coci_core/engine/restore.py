@@ -901,6 +901,10 @@ def _first_intact(
                 logger.warning(
                     "coci: step %d%s is damaged, trying an older one: %s", c.step, where, e
                 )
+            elif c.tier == "local" and remote is not None:
+                logger.warning(
+                    "coci: step %d (local) is damaged, trying the remote tier's copy: %s", step, e
+                )
             skipped.append((c, str(e)))
             errors.append(str(e))
     if step is not None:
