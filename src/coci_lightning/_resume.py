@@ -92,7 +92,9 @@ class CociCheckpointIO(CheckpointIO):
         self.rank = 0  # whose per-rank state to merge in (set by the callback's setup)
         # for an fsspec URL directory (set by the callback; credentials: never logged)
         self.storage_options: dict[str, Any] = {}
-        # the remote tier's URL and options, for a resume from it (set by the callback)
+        # the checkpoint directory and the remote tier's URL and options, for a resume from
+        # the newest intact checkpoint of either tier (set by the callback)
+        self.directory: str | None = None
         self.remote: str | None = None
         self.remote_storage_options: dict[str, Any] = {}
         # the live state a resume reads into in place ({"state_dict": the module's}; set by
@@ -118,12 +120,21 @@ class CociCheckpointIO(CheckpointIO):
                 path, map_location=map_location, weights_only=weights_only
             )
         root, step = found
-        storage = open_storage(str(root), **options)
         live = getattr(self, "live_state", None)
         targets = InPlaceTargets(live()) if live is not None else None
-        if getattr(self, "fallback_for", None) == str(path):  # "last": fall back past damage
-            loaded, event = restore_newest(storage, start_at=step, rank=self.rank, targets=targets)
+        if getattr(self, "fallback_for", None) == str(path):
+            # "last": the newest intact checkpoint of either tier, as the manager's restore
+            local = open_storage(
+                str(getattr(self, "directory", None) or root), **self.storage_options
+            )
+            remote = None
+            if self.remote is not None:
+                remote = open_storage(self.remote, **self.remote_storage_options)
+            loaded, event = restore_newest(
+                local, start_at=step, rank=self.rank, targets=targets, remote=remote
+            )
         else:
+            storage = open_storage(str(root), **options)
             loaded, event = restore_newest(storage, step, rank=self.rank, targets=targets)
         if targets is not None:
             targets.check(loaded.step)

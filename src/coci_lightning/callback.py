@@ -37,8 +37,8 @@ from coci_core.training import (
     RankGroup,
     SavePolicy,
     is_url,
-    newest_first,
     open_storage,
+    resume_order,
     shared_options,
     step_dir_name,
 )
@@ -240,19 +240,21 @@ class CociCheckpoint(Checkpoint):
         return tier_options(path, o.storage_options, o.remote, o.remote_storage_options)
 
     def newest_step_dir(self, trainer: pl.Trainer) -> Path | str | None:
-        """The step directory a resume takes (the newest checkpoint of the newest run): in
-        ``dirpath``, or when it has none, in the ``remote`` tier; or None."""
+        """The step directory a resume tries first (the newest checkpoint of the newest run,
+        by commit sequence, in ``dirpath`` or the ``remote`` tier); or None."""
         root = self.resolve_dirpath(trainer)
-        tiers: list[tuple[Path | str, dict[str, Any]]] = [(root, self.storage_options)]
-        if self.options.remote is not None:
-            tiers.append((self.options.remote, dict(self.options.remote_storage_options)))
-        for base, options in tiers:
-            steps = newest_first(open_storage(str(base), **options))
-            if steps:
-                if isinstance(base, str):
-                    return base.rstrip("/") + "/" + step_dir_name(steps[0])
-                return base / step_dir_name(steps[0])
-        return None
+        remote_url = self.options.remote
+        remote = None
+        if remote_url is not None:
+            remote = open_storage(remote_url, **dict(self.options.remote_storage_options))
+        candidates = resume_order(open_storage(str(root), **self.storage_options), remote)
+        if not candidates:
+            return None
+        newest = candidates[0]
+        base: Path | str = root if newest.tier == "local" or remote_url is None else remote_url
+        if isinstance(base, str):
+            return base.rstrip("/") + "/" + step_dir_name(newest.step)
+        return base / step_dir_name(newest.step)
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -262,6 +264,7 @@ class CociCheckpoint(Checkpoint):
         io.fallback_for = self._fallback_for
         io.rank = trainer.global_rank
         io.storage_options = self.storage_options
+        io.directory = str(self.resolve_dirpath(trainer))
         io.remote = self.options.remote
         io.remote_storage_options = dict(self.options.remote_storage_options)
         # a resume reads the module's tensors in place (no second copy of them); Lightning
@@ -312,7 +315,8 @@ class CociCheckpoint(Checkpoint):
 
     def _on_restore(self, loaded: LoadedCheckpoint, event: RestoreEvent) -> None:
         if self.checkpointer is not None:
-            self.checkpointer.restored_elsewhere(loaded.manifest.run, event)
+            manifest = loaded.manifest
+            self.checkpointer.restored_elsewhere(manifest.run, event, manifest.sequence)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

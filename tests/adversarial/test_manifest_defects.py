@@ -296,6 +296,15 @@ def test_bad_creation_times_are_refused_and_ls_survives(
     assert "damaged manifest" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("value", [-1, "7", 1.5, True, None, 2**63, [], {}])
+def test_a_malformed_commit_sequence_is_refused(tmp_path: Path, value: Any) -> None:
+    """The commit sequence that orders checkpoints is an integer in [0, 2**63), checked like
+    every integer field: anything else is refused, naming the field."""
+    _saved(tmp_path)
+    edit_manifest(tmp_path, 2, lambda doc: doc.__setitem__("sequence", value))
+    _refused(tmp_path, match="field sequence")
+
+
 @pytest.mark.parametrize("where", ["metadata", "tree"])
 def test_deeply_nested_json_is_refused(tmp_path: Path, where: str) -> None:
     """100,000 nested arrays used to raise RecursionError out of restore."""

@@ -245,6 +245,8 @@ def mutations(doc: dict[str, Any], *, crafted: bool) -> list[Mutation]:
     add("version", ("format_version",), [2, 1, 4, "3", None])
     add("step", ("step",), [*INT_BAD, 1, 3])
     add("time", ("created_unix",), [*INT_BAD, 0.0, 1e300, -5.0, 1e9])
+    # the commit order: any valid value only reorders (harmless), the rest is refused
+    add("sequence", ("sequence",), [*INT_BAD, 0, 1, 2**63 - 1])
     add("token", ("token",), [*STR_BAD, "other"])
     add("world", ("world_size",), [*INT_BAD, 0, 2, 2**20 + 1])
     add("metadata", ("metadata",), [*STR_BAD, {"a": NAN}, {"a": [DEEP]}, {"a": 1}])

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ from coci_core.engine.restore import newest_first, read_manifest
 from coci_core.errors import CorruptCheckpointError
 from coci_core.storage import open_storage
 from coci_core.training.checkpointer import Checkpointer
+from tests.adversarial.craft import edit_manifest
 
 
 def _state(value: float) -> dict[str, torch.Tensor]:
@@ -192,3 +195,30 @@ def test_coci_ls_shows_each_checkpoints_run_and_what_a_resume_takes(
     assert runs[5] in lines[5] and runs[30] in lines[30]
     assert "a resume takes this one" in lines[5]
     assert "a resume takes this one" not in lines[30]
+
+
+def test_manifests_without_a_sequence_order_by_creation_before_any_with_one(
+    tmp_path: Path,
+) -> None:
+    """Manifests of an earlier 0.1.0.dev0 record no commit sequence: they are ordered by
+    creation time among themselves, and before every manifest that records one."""
+    with CheckpointManager(tmp_path, keep_last=None, compression="none") as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, _state(step)).wait()
+
+    def as_written_before_sequences(created: float) -> Callable[[dict[str, Any]], None]:
+        def edit(doc: dict[str, Any]) -> None:
+            del doc["sequence"]
+            doc["created_unix"] = created
+
+        return edit
+
+    for step, created in ((1, 3000.0), (2, 1000.0), (3, 2000.0)):
+        edit_manifest(tmp_path, step, as_written_before_sequences(created))
+    storage = open_storage(str(tmp_path))
+    assert newest_first(storage) == [1, 3, 2]
+    with CheckpointManager(tmp_path, keep_last=None, compression="none") as mgr:
+        assert float(mgr.restore()["w"][0]) == 1.0
+        mgr.save(4, _state(4)).wait()
+        assert mgr.manifest(4).sequence == 1
+    assert newest_first(storage) == [4, 1, 3, 2]

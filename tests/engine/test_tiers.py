@@ -89,10 +89,57 @@ def test_local_is_preferred_when_intact_and_remote_when_damaged(tmp_path: Path) 
     raw[len(raw) // 2] ^= 0xFF
     data.write_bytes(bytes(raw))
     with CheckpointManager(local, remote=remote) as mgr:
-        # the damaged local step 2 is passed over locally, so the local tier offers step 1;
-        # a restore of step 2 itself comes from the remote tier, intact
+        # the newest intact step of either tier: the remote's copy of step 2, not local step 1
+        assert _equal(mgr.restore(), _state(2))
+        assert mgr.last_restore is not None
+        assert (mgr.last_restore.step, mgr.last_restore.tier) == (2, "remote")
+        assert mgr.last_restore.skipped_steps == (2,)
+        # and a restore of step 2 itself
         assert _equal(mgr.restore(step=2), _state(2))
         assert mgr.last_restore is not None and mgr.last_restore.tier == "remote"
+
+
+def test_a_fresh_run_on_a_new_node_is_newer_on_the_remote_than_the_old_run(
+    tmp_path: Path,
+) -> None:
+    """A fresh run (not resumed) on a node with an empty disk, beside an older run's steps
+    in the remote tier: its saves are committed after the remote's newest (the commit
+    sequence starts above the remote's), on the remote too."""
+    remote = tmp_path / "remote"
+    with CheckpointManager(tmp_path / "node1", remote=remote) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, _state(step)).wait()
+            assert mgr.remote is not None and mgr.remote.flush(timeout_s=60)
+    with CheckpointManager(tmp_path / "node2", remote=remote) as mgr:
+        for step in (10, 11):
+            mgr.save(step, _state(step)).wait()
+            assert mgr.remote is not None and mgr.remote.flush(timeout_s=60)
+        fresh = mgr.run_id
+    with CheckpointManager(remote) as bucket:
+        assert bucket.latest_step() == 11
+        assert next(iter(bucket.runs())) == fresh
+    with CheckpointManager(tmp_path / "node1", remote=remote) as mgr:
+        assert mgr.latest_step() == 11
+
+
+def test_saves_after_a_restore_from_a_remote_it_cannot_write_come_after_it(
+    tmp_path: Path,
+) -> None:
+    """The remote tier belongs to another writer (this manager uploads nothing there): a
+    restore from it still makes later local saves newer than the restored step."""
+    remote = tmp_path / "remote"
+    with CheckpointManager(remote) as owner:
+        for step in (1, 2, 3, 4, 5):
+            owner.save(step, _state(step)).wait()
+        with CheckpointManager(tmp_path / "local", remote=remote) as mgr:
+            assert mgr.remote is not None and not mgr.remote.writable
+            mgr.restore()
+            assert mgr.last_restore is not None
+            assert (mgr.last_restore.step, mgr.last_restore.tier) == (5, "remote")
+            mgr.save(6, _state(6)).wait()
+            assert mgr.latest_step() == 6
+            assert _equal(mgr.restore(), _state(6))
+            assert mgr.last_restore is not None and mgr.last_restore.tier == "local"
 
 
 def test_deltas_take_their_bases_to_the_remote(tmp_path: Path) -> None:

@@ -71,54 +71,88 @@ def _checkpoint_dir(target: str) -> Any:
     return open_storage(target)
 
 
+def _remote(args: argparse.Namespace) -> Any:
+    """The storage of ``--remote`` (a second tier), or None."""
+    return open_storage(args.remote) if args.remote is not None else None
+
+
 def _ls(args: argparse.Namespace) -> int:
-    from coci_core.engine.manifest import MANIFEST_NAME, step_dir_name
-    from coci_core.engine.restore import committed_steps, newest_first, read_manifest
+    from coci_core.engine.restore import committed_steps, resume_step
     from coci_core.errors import CorruptCheckpointError, NoCheckpointError
 
     storage = _checkpoint_dir(args.dir)
-    steps = committed_steps(storage)
-    if not steps:
-        print(f"no committed checkpoints in {storage.url}")
+    remote = _remote(args)
+    tiers = [("local", storage)] + ([("remote", remote)] if remote is not None else [])
+    listed = [(tier, tier_storage, committed_steps(tier_storage)) for tier, tier_storage in tiers]
+    if not any(steps for _, _, steps in listed):
+        print(f"no committed checkpoints in {' or '.join(str(s.url) for _, s in tiers)}")
         return 1
-    order = newest_first(storage)
-    resume = order[0] if order else None
+    # the step a resume takes, decided as restore decides it (the newer ones found damaged)
+    damaged: dict[tuple[str, int], str] = {}
+
+    def note(candidate: Any, error: CorruptCheckpointError) -> None:
+        damaged[(candidate.tier, candidate.step)] = _one_line(error)
+
+    resume: tuple[str, int] | None = None
+    try:
+        point = resume_step(storage, remote=remote, on_damaged=note)
+        resume = (point.tier, point.step)
+    except (NoCheckpointError, CorruptCheckpointError):
+        pass
+    tier_column = f"{'tier':<6}  " if remote is not None else ""
     print(
-        f"{'step':>10}  {'size':>12}  {'ratio':>6}  {'tensors':>7}  {'created':<19}  "
-        f"{'run':<8}  codec"
+        f"{tier_column}{'step':>10}  {'size':>12}  {'ratio':>6}  {'tensors':>7}  "
+        f"{'created':<19}  {'run':<8}  codec"
     )
-    for step in steps:
-        try:
-            m = read_manifest(storage, step)
-        except NoCheckpointError:
-            continue  # removed (by retention) since it was listed
-        except CorruptCheckpointError as e:
-            if not storage.exists(f"{step_dir_name(step)}/{MANIFEST_NAME}"):
-                continue  # removed while it was being read: gone, not damaged
-            print(f"{step:>10}  damaged manifest: {e}")
-            continue
-        codecs = (
-            ",".join(
-                sorted(
-                    {
-                        str(p.params["codec"]) if p.params else t.codec
-                        for t in m.tensors
-                        for p in t.pieces
-                    }
-                )
-            )
-            or "-"
-        )
-        raw = sum(t.raw_nbytes for t in m.tensors)
-        ratio = f"{raw / m.nbytes:.2f}x" if m.nbytes else "-"
-        created = _time(m.created_unix)
-        bases = f"  (delta of {', '.join(map(str, m.bases))})" if m.bases else ""
-        mark = "  <- a resume takes this one" if step == resume else ""
-        print(
-            f"{step:>10}  {_size(m.nbytes):>12}  {ratio:>6}  {len(m.tensors):>7}  {created}  "
-            f"{m.run[:8]:<8}  {codecs}{bases}{mark}"
-        )
+    for tier, tier_storage, steps in listed:
+        prefix = f"{tier:<6}  " if remote is not None else ""
+        for step in steps:
+            row = _ls_row(tier_storage, step, damaged.get((tier, step)), (tier, step) == resume)
+            if row is not None:
+                print(prefix + row)
+    if resume is None:
+        print("no intact checkpoint: a resume fails (see coci verify)")
+        return 1
     return 0
+
+
+def _ls_row(storage: Any, step: int, damage: str | None, resumes: bool) -> str | None:
+    """The line of ``step`` in ``coci ls``, or None when it was removed meanwhile."""
+    from coci_core.engine.manifest import MANIFEST_NAME, step_dir_name
+    from coci_core.engine.restore import read_manifest
+    from coci_core.errors import CorruptCheckpointError, NoCheckpointError
+
+    try:
+        m = read_manifest(storage, step)
+    except NoCheckpointError:
+        return None  # removed (by retention) since it was listed
+    except CorruptCheckpointError as e:
+        if not storage.exists(f"{step_dir_name(step)}/{MANIFEST_NAME}"):
+            return None  # removed while it was being read: gone, not damaged
+        return f"{step:>10}  damaged manifest: {_one_line(e)}"
+    codecs = (
+        ",".join(
+            sorted(
+                {
+                    str(p.params["codec"]) if p.params else t.codec
+                    for t in m.tensors
+                    for p in t.pieces
+                }
+            )
+        )
+        or "-"
+    )
+    raw = sum(t.raw_nbytes for t in m.tensors)
+    ratio = f"{raw / m.nbytes:.2f}x" if m.nbytes else "-"
+    created = _time(m.created_unix)
+    bases = f"  (delta of {', '.join(map(str, m.bases))})" if m.bases else ""
+    mark = "  <- a resume takes this one" if resumes else ""
+    if damage is not None:
+        mark = f"  damaged, a resume skips it: {damage}"
+    return (
+        f"{step:>10}  {_size(m.nbytes):>12}  {ratio:>6}  {len(m.tensors):>7}  {created}  "
+        f"{m.run[:8]:<8}  {codecs}{bases}{mark}"
+    )
 
 
 def _time(unix: float) -> str:
@@ -174,26 +208,29 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from coci_core.engine.restore import committed_steps, load_checkpoint
+    from coci_core.engine.restore import committed_steps, restore_newest
     from coci_core.errors import NoCheckpointError
     from coci_core.interop.exchange import export_state
 
     storage = _checkpoint_dir(args.dir)
+    remote = _remote(args)
     out = Path(args.out)
     if not out.parent.is_dir():
         raise BadInput(f"{args.out}: the directory {out.parent} does not exist")
     steps = committed_steps(storage)
-    if args.step is not None and args.step not in steps:
+    remote_steps = committed_steps(remote) if remote is not None else []
+    if not steps and not remote_steps:
+        where = storage.url if remote is None else f"{storage.url} or {remote.url}"
+        raise NoCheckpointError(f"no committed checkpoints in {where}")
+    if args.step is not None and args.step not in steps and args.step not in remote_steps:
         shown = ", ".join(map(str, steps[-10:])) or "none"
         raise BadInput(f"step {args.step} is not committed in {storage.url} (its steps: {shown})")
-    step = args.step if args.step is not None else max(steps, default=None)
-    if step is None:
-        raise NoCheckpointError(f"no committed checkpoints in {storage.url}")
-    state = load_checkpoint(storage, step, rank=args.rank).state
+    # without --step: the step a resume takes (past damaged newer ones), as restore picks it
+    loaded, _ = restore_newest(storage, args.step, rank=args.rank, remote=remote)
     fmt = args.format
     if fmt == "auto":
         fmt = "safetensors" if out.suffix == ".safetensors" else "torch"
-    print(export_state(state, out, fmt, step))
+    print(export_state(loaded.state, out, fmt, loaded.step))
     return 0
 
 
@@ -269,8 +306,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     dir_help = "the checkpoint directory (a path or an fsspec URL)"
+    remote_help = (
+        "a remote tier of DIR (a path or an fsspec URL, as CheckpointManager's remote=): "
+        "its steps count too"
+    )
     p = sub.add_parser("ls", help="list committed checkpoints")
     p.add_argument("dir", metavar="DIR", help=dir_help)
+    p.add_argument("--remote", metavar="URL", help=remote_help)
     p.set_defaults(func=_ls)
     p = sub.add_parser("verify", help="check every checksum (exit 1 on damage)")
     p.add_argument("dir", metavar="DIR", help=dir_help)
@@ -285,7 +327,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("dir", metavar="DIR", help=dir_help)
     p.add_argument("out", metavar="OUT", help="the file (or DCP directory) to write")
-    p.add_argument("--step", type=_step, help="default: the newest committed step")
+    p.add_argument(
+        "--step",
+        type=_step,
+        help="default: the step a resume takes (the newest intact one of the newest run)",
+    )
+    p.add_argument("--remote", metavar="URL", help=remote_help)
     p.add_argument(
         "--format",
         choices=("auto", "torch", "safetensors", "dcp"),

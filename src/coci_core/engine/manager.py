@@ -26,8 +26,10 @@ from coci_core.engine.partition import DEFAULT_CHUNK_BYTES, Share, partition
 from coci_core.engine.persist import PersistJob, PersistWorker, write_checkpoint
 from coci_core.engine.restore import (
     committed_steps,
+    highest_sequence,
     read_manifest,
     restore_newest,
+    resume_order,
     step_infos,
     verify_checkpoint,
 )
@@ -40,7 +42,6 @@ from coci_core.errors import (
     CheckpointError,
     CociError,
     ConfigError,
-    CorruptCheckpointError,
     DirectoryInUseError,
     NoCheckpointError,
     StateChangedError,
@@ -249,8 +250,9 @@ class CheckpointManager:
         remote: a second, remote tier (an fsspec URL such as ``"s3://bucket/run"``, a path or
             a Storage): each checkpoint committed in ``directory`` is then copied there in the
             background and committed there too (see :mod:`coci_core.engine.tiers`); a restore
-            takes the newest checkpoint from ``directory`` when it is intact there, else from
-            ``remote`` (a new node with an empty disk resumes from the remote tier).
+            takes the newest intact checkpoint of either tier, from ``directory`` when it is
+            intact there, else from ``remote`` (a damaged local copy, or a new node with an
+            empty disk).
         remote_keep_last: committed checkpoints kept on the remote tier (None: all).
         remote_storage_options: fsspec options of ``remote`` (credentials, endpoint).
         remote_upload_every: copy every this many checkpoints to ``remote`` (and the newest
@@ -258,9 +260,10 @@ class CheckpointManager:
 
     Runs: each manager starts a new run (``run_id``, stored in every manifest); a restore
     continues the restored checkpoint's run. Restoring without a step takes the newest
-    checkpoint of the newest run (by creation time, not step number), retention counts and
-    deletes only this run's checkpoints, and ``save`` of a step the directory already holds
-    raises :class:`StepExistsError` unless ``overwrite=True``.
+    intact checkpoint of the newest run (by commit sequence, never by step number or wall
+    clock; with ``remote``, of either tier), retention counts and deletes only this run's
+    checkpoints, and ``save`` of a step the directory already holds raises
+    :class:`StepExistsError` unless ``overwrite=True``.
     """
 
     def __init__(
@@ -322,6 +325,11 @@ class CheckpointManager:
         # the same on every rank), and the restored checkpoint's run after a restore, so that
         # a resumed run continues its own retention while other runs' checkpoints are left be.
         self.run_id = group.session
+        # The commit order of this manager's saves (Manifest.sequence): the highest sequence in
+        # the directory and its remote tier, read once under the lease by the writer thread
+        # (None until then), and at least that of the restored checkpoint.
+        self._sequence: int | None = None
+        self._sequence_floor = 0
         self.chunk_bytes = chunk_bytes
         self._saves = 0
         self._snapshotter = Snapshotter()
@@ -671,6 +679,7 @@ class CheckpointManager:
                     + ROOM_MARGIN_BYTES,
                     next_base=self._encoder.base_step,
                 )
+                job.sequence = self._next_sequence()
             result = write_checkpoint(self.storage, job, self._encoder)
         except BaseException as e:
             error: BaseException | None = retention.explain_full_disk(
@@ -725,6 +734,23 @@ class CheckpointManager:
                 self.remote.submit(job.step)
             self._apply_retention(newest=job.step, done_seq=job.seq)
 
+    def _continue_run(self, run: str, sequence: int) -> None:
+        """Later saves continue ``run`` and are committed after ``sequence``: those of a
+        restored checkpoint (restored here, or by an adapter's own restore)."""
+        self.run_id = run
+        self._sequence_floor = max(self._sequence_floor, sequence)
+
+    def _next_sequence(self) -> int:
+        """The commit sequence of the next save (on the coordinator's writer thread, under the
+        directory's lease: no other writer commits meanwhile): 1 + the highest committed in
+        the directory and in the remote tier, and above the restored checkpoint's, so that the
+        order survives any wall clock and a move between nodes and tiers."""
+        if self._sequence is None:
+            remote = self.remote.highest_sequence if self.remote is not None else 0
+            self._sequence = max(highest_sequence(self.storage), remote)
+        self._sequence = max(self._sequence, self._sequence_floor) + 1
+        return self._sequence
+
     def _event(self, handle: SaveHandle, snapshot: Snapshot, **fields: Any) -> SaveEvent:
         now = time.perf_counter()
         return SaveEvent(
@@ -762,9 +788,10 @@ class CheckpointManager:
 
     def latest_step(self) -> int | None:
         """The step a restore without ``step`` tries first: the newest checkpoint of the
-        newest run (by creation time), or None when nothing is committed."""
-        infos = step_infos(self.storage)
-        return infos[0].step if infos else None
+        newest run (by commit sequence, in either tier), or None when nothing is committed."""
+        remote = self.remote.remote if self.remote is not None else None
+        candidates = resume_order(self.storage, remote)
+        return candidates[0].step if candidates else None
 
     def runs(self) -> dict[str, list[int]]:
         """The committed steps of each run in the directory (ascending), newest run first."""
@@ -794,11 +821,12 @@ class CheckpointManager:
         checkpoint does not have gets none (logged; ``last_restore.rank_state_restored``).
 
         Pending saves are made durable first. Without ``step`` the newest checkpoint of the
-        newest run is used (:meth:`latest_step`); if it is damaged, it is reported and the
-        next newest intact one is used instead (unless ``strict``). Later saves of this
-        manager continue the restored checkpoint's run. ``into`` maps keys of the state to
-        objects whose ``load_state_dict`` receives them. The restored step is in
-        ``last_restore.step``.
+        newest run is used (:meth:`latest_step`; with a remote tier, of either tier); if it
+        is damaged, it is reported and the next newest intact one (the other tier's copy
+        first) is used instead (unless ``strict``, which accepts only that copy). Later saves
+        of this manager continue the restored checkpoint's run and are committed after it.
+        ``into`` maps keys of the state to objects whose ``load_state_dict`` receives them.
+        The restored step is in ``last_restore.step``.
 
         Modules and torch optimizers in ``into`` are filled in place: each stored tensor whose
         live counterpart (in their ``state_dict()``) is a contiguous CPU tensor of the same
@@ -814,27 +842,17 @@ class CheckpointManager:
                 is damaged, or no intact one is left.
         """
         self.wait()
-        failure: CheckpointError | None = None
         if targets is None and into is not None:
             targets = in_place_targets(into)
-        for tier, storage in self._tiers_to_restore_from(step):
-            try:
-                loaded, event = restore_newest(
-                    storage,
-                    step,
-                    rank=self.group.rank if rank is None else rank,
-                    strict=self.strict if strict is None else strict,
-                    targets=targets,
-                )
-            except (NoCheckpointError, CorruptCheckpointError) as e:
-                if failure is None or isinstance(failure, NoCheckpointError):
-                    failure = e  # report damage before absence
-                continue
-            self.last_restore = dataclasses.replace(event, tier=tier)
-            break
-        else:
-            assert failure is not None
-            raise failure
+        loaded, event = restore_newest(
+            self.storage,
+            step,
+            rank=self.group.rank if rank is None else rank,
+            strict=self.strict if strict is None else strict,
+            targets=targets,
+            remote=self.remote.remote if self.remote is not None else None,
+        )
+        self.last_restore = event
         if targets is not None:
             targets.check(loaded.step)
         if into is not None:
@@ -844,32 +862,9 @@ class CheckpointManager:
             self.last_restore = dataclasses.replace(
                 self.last_restore, seconds=self.last_restore.seconds + load_s, load_s=load_s
             )
-        self.run_id = loaded.manifest.run  # later saves continue the restored run
+        self._continue_run(loaded.manifest.run, loaded.manifest.sequence)
         emit(self.listeners, self.last_restore)
         return loaded.state
-
-    def _tiers_to_restore_from(
-        self, step: int | None
-    ) -> list[tuple[Literal["local", "remote"], Storage]]:
-        """The tiers in the order a restore tries them: local first, unless only the remote
-        tier has the newest checkpoint (a newer run went on elsewhere)."""
-        if self.remote is None:
-            return [("local", self.storage)]
-        order: list[tuple[Literal["local", "remote"], Storage]] = [
-            ("local", self.storage),
-            ("remote", self.remote.remote),
-        ]
-        if step is None:
-            local, remote = step_infos(self.storage), step_infos(self.remote.remote)
-            here = {(i.run, i.step) for i in local if i.intact}
-            newest = remote[0] if remote and remote[0].intact else None
-            if (
-                newest is not None
-                and (newest.run, newest.step) not in here
-                and (not local or newest.created_unix > local[0].created_unix)
-            ):
-                order.reverse()
-        return order
 
     def verify(self, step: int | None = None) -> dict[int, list[str]]:
         """Damaged array keys per committed step (all steps, or just ``step``); a step that

@@ -216,6 +216,11 @@ class Manifest:
     token: str = ""
     bases: tuple[int, ...] = ()
     run: str = ""
+    # The directory's commit order: 1 + the highest one committed in it (and in the other
+    # tier) when this was written, under the writer's lease. 0: not recorded (a manifest of an
+    # earlier 0.1.0.dev0), ordered before every recorded one. The newest checkpoint is the
+    # highest; ``created_unix`` is for display only (a wall clock can be behind or ahead).
+    sequence: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -280,7 +285,11 @@ _TOP_FIELDS = (
     "token",
     "bases",
     "run",
+    "sequence",
 )
+# Fields a manifest written by an earlier 0.1.0.dev0 lacks (read as 0: see Manifest.sequence).
+_OPTIONAL_TOP_FIELDS = ("sequence",)
+_REQUIRED_TOP_FIELDS = tuple(f for f in _TOP_FIELDS if f not in _OPTIONAL_TOP_FIELDS)
 _ENTRY_FIELDS = ("key", "kind", "dtype", "shape", "codec", "pieces", "numpy_dtype")
 _PIECE_FIELDS = ("file", "offset", "nbytes", "start", "length", "crc32c", "params")
 _KINDS = ("tensor", "ndarray", "torch_save")
@@ -360,8 +369,9 @@ class RecordChecker:
                 f"{self.where}: format {version} has no valid checksum; the manifest is damaged",
                 step=self.step,
             )
-        self.obj(doc, "(the document)", _TOP_FIELDS, _TOP_FIELDS)
+        self.obj(doc, "(the document)", _REQUIRED_TOP_FIELDS, _TOP_FIELDS)
         step = self.int_(doc["step"], "step")
+        sequence = self.int_(doc.get("sequence", 0), "sequence")
         created = doc["created_unix"]
         if type(created) not in (int, float) or not 0 <= created <= MAX_CREATED_UNIX:
             self.fail("created_unix", f"must be a time in [0, 2**37], got {_show(created)}")
@@ -412,6 +422,7 @@ class RecordChecker:
             token=token,
             bases=bases,
             run=run,
+            sequence=sequence,
         )
 
     def tree(self, tree: Any, name: str, entries: tuple[TensorEntry, ...], root: bool) -> None:

@@ -80,6 +80,9 @@ class PersistJob:
     layout: str = ""
     group: RankGroup = field(default_factory=RankGroup.single)
     run: str = ""  # the run the checkpoint belongs to (see CheckpointManager.run_id)
+    # the commit order (Manifest.sequence), set by the coordinator's writer thread before the
+    # write, under the directory's lease
+    sequence: int = 0
 
     @property
     def token(self) -> str:
@@ -346,7 +349,7 @@ def _write_checkpoint(
         shares = commit.collect_shares(storage, records, share, group)
         manifest = Manifest(
             step=job.step,
-            created_unix=time.time(),
+            created_unix=time.time(),  # shown only: never orders checkpoints (see sequence)
             tree=job.tree,
             tensors=tuple(
                 _entry(leaf, leaf_pieces)
@@ -363,6 +366,7 @@ def _write_checkpoint(
             token=job.token,
             bases=_bases(storage, shares),
             run=job.run,
+            sequence=job.sequence,
         )
         manifest_json = manifest.to_json()
         storage.write_file(f"{staging}/{MANIFEST_NAME}", [memoryview(manifest_json)])

@@ -11,7 +11,7 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, TypeVar
 
 import crc32c
 import torch
@@ -39,13 +39,19 @@ from coci_core.telemetry.events import RestoreEvent
 __all__ = [
     "MAX_DELTA_CHAIN",
     "ZSTD_MAX_RATIO",
+    "Candidate",
     "LoadedCheckpoint",
     "RestoreCache",
+    "ResumePoint",
+    "check_checkpoint",
     "committed_steps",
+    "highest_sequence",
     "load_checkpoint",
     "newest_first",
     "read_manifest",
     "restore_newest",
+    "resume_order",
+    "resume_step",
     "verify_checkpoint",
 ]
 
@@ -183,43 +189,102 @@ def committed_steps(storage: Storage) -> list[int]:
 
 @dataclass(frozen=True)
 class StepInfo:
-    """What ordering and retention need of a committed step: its run, creation time and the
-    steps its deltas need (``intact`` False: its manifest cannot be read; the rest is then
-    unknown)."""
+    """What ordering and retention need of a committed step: its run, creation time, commit
+    sequence (see :attr:`Manifest.sequence`) and the steps its deltas need (``intact`` False:
+    its manifest cannot be read; the rest is then unknown, and ``sequence`` and
+    ``created_unix`` are those of the newest intact step below it)."""
 
     step: int
     run: str
     created_unix: float
     intact: bool
     bases: tuple[int, ...] = ()
+    sequence: int = 0
+
+    @property
+    def order(self) -> tuple[int, float]:
+        """Newer is greater: the commit sequence; the creation time only between manifests
+        that record no sequence (an earlier 0.1.0.dev0's)."""
+        return (self.sequence, self.created_unix if self.sequence == 0 else 0.0)
+
+
+def _newest_first_key(info: StepInfo) -> tuple[tuple[int, float], bool, int]:
+    # a damaged manifest just before the intact step whose place it takes
+    return (info.order, info.intact is False, info.step)
 
 
 def step_infos(storage: Storage) -> list[StepInfo]:
-    """Every committed step, newest first: by creation time, so that the newest checkpoint
-    of the newest run comes first even when an older run left higher step numbers (and a
-    run that went back to an older step and trained on prefers its new branch).
+    """Every committed step, newest first: by commit sequence (never by a wall clock), so
+    that the newest checkpoint of the newest run comes first even when an older run left
+    higher step numbers (and a run that went back to an older step and trained on prefers its
+    new branch).
 
     A step whose manifest cannot be read is placed where its step number would place it in
     one run (tried just before the newest intact step below it), so that restore reports it.
     """
     infos: list[StepInfo] = []
-    newest_below = float("-inf")  # steps ascend: the newest intact step below this one
+    newest_below: StepInfo | None = None  # steps ascend: the newest intact step below this one
     for step in committed_steps(storage):
         try:
             m = read_manifest(storage, step)
         except NoCheckpointError:
             continue  # removed meanwhile (retention)
         except CorruptCheckpointError:
-            infos.append(StepInfo(step, "", newest_below, intact=False))
+            below = newest_below
+            created, sequence = (below.created_unix, below.sequence) if below else (-1.0, 0)
+            infos.append(StepInfo(step, "", created, intact=False, sequence=sequence))
         else:
-            infos.append(StepInfo(step, m.run, m.created_unix, intact=True, bases=m.bases))
-            newest_below = max(newest_below, m.created_unix)
-    return sorted(infos, key=lambda i: (i.created_unix, i.intact is False, i.step), reverse=True)
+            info = StepInfo(step, m.run, m.created_unix, True, m.bases, m.sequence)
+            infos.append(info)
+            if newest_below is None or info.order > newest_below.order:
+                newest_below = info
+    return sorted(infos, key=_newest_first_key, reverse=True)
+
+
+def highest_sequence(storage: Storage) -> int:
+    """The highest commit sequence of the intact committed steps of ``storage`` (0: none)."""
+    return max((i.sequence for i in step_infos(storage) if i.intact), default=0)
 
 
 def newest_first(storage: Storage) -> list[int]:
     """Committed steps in the order a resume tries them (see :func:`step_infos`)."""
     return [i.step for i in step_infos(storage)]
+
+
+TierName = Literal["local", "remote"]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A committed step of one tier, as a resume tries it."""
+
+    tier: TierName
+    storage: Storage
+    info: StepInfo
+
+    @property
+    def step(self) -> int:
+        return self.info.step
+
+
+def _tiers(storage: Storage, remote: Storage | None) -> list[tuple[TierName, Storage]]:
+    tiers: list[tuple[TierName, Storage]] = [("local", storage)]
+    if remote is not None:
+        tiers.append(("remote", remote))
+    return tiers
+
+
+def resume_order(storage: Storage, remote: Storage | None = None) -> list[Candidate]:
+    """Every committed step of ``storage`` and of its ``remote`` tier, in the order a resume
+    tries them: newest first by commit sequence across both tiers (see :func:`step_infos`),
+    the local copy of a checkpoint before the remote one."""
+    candidates = [
+        Candidate(tier, tier_storage, info)
+        for tier, tier_storage in _tiers(storage, remote)
+        for info in step_infos(tier_storage)
+    ]
+    # stable: of equal keys, the local tier (listed first) stays first
+    return sorted(candidates, key=lambda c: _newest_first_key(c.info), reverse=True)
 
 
 def _size(storage: Storage, path: str) -> int | None:
@@ -717,6 +782,163 @@ def _raise_if_removed(storage: Storage, step: int, path: str) -> None:
         )
 
 
+def _check_loadable(storage: Storage, step: int, rank: int, reader: _Reader) -> None:
+    """What :func:`load_checkpoint` checks for ``rank``, without keeping the state: the
+    manifest, the trees, and every array that rank's restore reads (one at a time)."""
+    manifest = read_manifest(storage, step)
+    has_rank_state = any(r.tree is not None for r in manifest.per_rank)
+    own = manifest.per_rank[rank] if has_rank_state and rank < len(manifest.per_rank) else None
+    trees = [(manifest.tree, manifest.tensors)]
+    if own is not None:
+        trees.append((own.tree, own.tensors))
+    for tree, entries in trees:
+        unflatten_state(tree, [None] * len(entries))  # the tree's own values, as restore does
+    for _, entries in trees:
+        for entry in entries:
+            _as_value(entry, reader.fetch(manifest, entry))
+
+
+def check_checkpoint(
+    storage: Storage, step: int, *, rank: int = 0, cache: RestoreCache | None = None
+) -> None:
+    """Check ``step`` as :func:`load_checkpoint` reads it for ``rank`` (the manifest and
+    every array it needs, against their checksums), holding one array at a time.
+
+    Raises:
+        NoCheckpointError: ``step`` is not committed.
+        CorruptCheckpointError: what :func:`load_checkpoint` would raise it for.
+    """
+    reader = cache._reader if cache is not None and cache.storage is storage else None
+    try:
+        _check_loadable(storage, step, rank, reader or _Reader(storage))
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise _unexpected(step, e) from e
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """The checkpoint a resume takes (``candidate``) and the newer ones it passes over as
+    damaged, each with why (``skipped``)."""
+
+    candidate: Candidate
+    skipped: tuple[tuple[Candidate, str], ...] = ()
+
+    @property
+    def step(self) -> int:
+        return self.candidate.step
+
+    @property
+    def tier(self) -> TierName:
+        return self.candidate.tier
+
+
+_T = TypeVar("_T")
+
+
+def _same_checkpoint(c: Candidate, newest: StepInfo) -> bool:
+    """Whether ``c`` is a copy of ``newest`` (in the other tier: same step, run, sequence)."""
+    info = c.info
+    return info.intact and (info.step, info.run, info.sequence) == (
+        newest.step,
+        newest.run,
+        newest.sequence,
+    )
+
+
+def _urls(storage: Storage, remote: Storage | None) -> str:
+    return storage.url if remote is None else f"{storage.url} or {remote.url}"
+
+
+def _first_intact(
+    storage: Storage,
+    remote: Storage | None,
+    step: int | None,
+    start_at: int | None,
+    strict: bool,
+    attempt: Callable[[Candidate, RestoreCache], _T],
+    caches: dict[int, RestoreCache],
+    on_damaged: Callable[[Candidate, CorruptCheckpointError], None] | None = None,
+) -> tuple[ResumePoint, _T]:
+    """The one decision of which checkpoint a resume takes: the candidates in
+    :func:`resume_order` (or ``step`` in each tier), the first that ``attempt`` reads without
+    damage. Restore, ``coci ls``, ``coci export`` and the adapters all come here."""
+    if step is not None:
+        candidates = [
+            Candidate(tier, s, StepInfo(step, "", 0.0, intact=True))
+            for tier, s in _tiers(storage, remote)
+        ]
+    else:
+        candidates = resume_order(storage, remote)
+        if not candidates:
+            raise NoCheckpointError(f"no committed checkpoint in {_urls(storage, remote)}")
+        starts = [i for i, c in enumerate(candidates) if c.step == start_at]
+        if starts:
+            candidates = candidates[starts[0] :]
+    newest = candidates[0].info
+    skipped: list[tuple[Candidate, str]] = []
+    errors: list[str] = []
+    damage: CorruptCheckpointError | None = None
+    absence: NoCheckpointError | None = None
+    for c in candidates:
+        if strict and step is None and damage is not None and not _same_checkpoint(c, newest):
+            raise damage  # strict: only another tier's copy of the newest may replace it
+        cache = caches.setdefault(id(c.storage), RestoreCache(c.storage))
+        try:
+            return ResumePoint(c, tuple(skipped)), attempt(c, cache)
+        except NoCheckpointError as e:
+            absence = absence or e
+            if step is None:  # removed while we read it (the writer's retention): not damage
+                logger.info("coci: step %d was removed from %s while restoring it", c.step, c.tier)
+                errors.append(f"step {c.step} ({c.tier}) was removed")
+        except CorruptCheckpointError as e:
+            damage = damage or e
+            if on_damaged is not None:
+                on_damaged(c, e)
+            if step is None:
+                where = f" ({c.tier})" if remote is not None else ""
+                logger.warning(
+                    "coci: step %d%s is damaged, trying an older one: %s", c.step, where, e
+                )
+            elif c.tier == "local" and remote is not None:
+                logger.warning(
+                    "coci: step %d (local) is damaged, trying the remote tier's copy: %s", step, e
+                )
+            skipped.append((c, str(e)))
+            errors.append(str(e))
+    if step is not None:
+        raise damage or absence or NoCheckpointError(f"no step {step}")  # damage before absence
+    raise CorruptCheckpointError(
+        f"no intact checkpoint in {_urls(storage, remote)}: " + "; ".join(errors), bad=[]
+    )
+
+
+def resume_step(
+    storage: Storage,
+    *,
+    remote: Storage | None = None,
+    rank: int = 0,
+    strict: bool = False,
+    on_damaged: Callable[[Candidate, CorruptCheckpointError], None] | None = None,
+) -> ResumePoint:
+    """The checkpoint a resume takes from ``storage`` and its ``remote`` tier, as
+    :func:`restore_newest` decides it, found by checking the candidates (newest first, every
+    array that ``rank`` reads) without keeping their states. ``on_damaged`` is given each
+    newer candidate found damaged, as it is found (also when none is intact).
+
+    Raises:
+        NoCheckpointError: nothing is committed.
+        CorruptCheckpointError: no intact checkpoint is left (or, with ``strict``, the newest
+            is damaged).
+    """
+
+    def check(c: Candidate, cache: RestoreCache) -> None:
+        check_checkpoint(c.storage, c.step, rank=rank, cache=cache)
+
+    return _first_intact(storage, remote, None, None, strict, check, {}, on_damaged)[0]
+
+
 def restore_newest(
     storage: Storage,
     step: int | None = None,
@@ -725,11 +947,14 @@ def restore_newest(
     rank: int = 0,
     strict: bool = False,
     targets: InPlaceTargets | None = None,
+    remote: Storage | None = None,
 ) -> tuple[LoadedCheckpoint, RestoreEvent]:
     """Restore ``step``, or without it the newest checkpoint of the newest run (from
     ``start_at`` on, in that order, when given), falling back past damaged ones unless
-    ``strict``: the one restore path that every caller (the manager, the Lightning adapter)
-    uses, returning the event to report. ``targets``: live tensors to fill in place (see
+    ``strict``: the one restore path that every caller (the manager, the Lightning adapter,
+    ``coci export``) uses, returning the event to report. With ``remote`` (a second tier), the
+    newest intact checkpoint of either tier (see :func:`resume_order`), or ``step`` from the
+    first tier where it is intact. ``targets``: live tensors to fill in place (see
     :func:`load_checkpoint`; call ``targets.check`` once a step is restored).
 
     Raises:
@@ -738,52 +963,28 @@ def restore_newest(
             intact checkpoint is left.
     """
     started = time.perf_counter()
-    if step is not None:
-        candidates = [step]
-    else:
-        candidates = newest_first(storage)
-        if not candidates:
-            raise NoCheckpointError(f"no committed checkpoint in {storage.url}")
-        if start_at is not None and start_at in candidates:
-            candidates = candidates[candidates.index(start_at) :]
-    skipped: list[int] = []
-    errors: list[str] = []
-    cache = RestoreCache(storage)  # a base found damaged is not decoded again
-    for candidate in candidates:
-        try:
-            loaded = load_checkpoint(storage, candidate, rank=rank, cache=cache, targets=targets)
-            break
-        except NoCheckpointError:
-            if step is not None:
-                raise
-            # Removed while we read it (retention of the writer): not damage.
-            logger.info("coci: step %d was removed while restoring it", candidate)
-            errors.append(f"step {candidate} was removed")
-        except CorruptCheckpointError as e:
-            if strict or step is not None:
-                raise
-            logger.warning("coci: step %d is damaged, trying an older one: %s", candidate, e)
-            skipped.append(candidate)
-            errors.append(str(e))
-    else:
-        raise CorruptCheckpointError(
-            f"no intact checkpoint in {storage.url}: " + "; ".join(errors), bad=[]
-        )
-    times = cache._reader.times
+    caches: dict[int, RestoreCache] = {}  # per tier: a base found damaged is not read again
+
+    def load(c: Candidate, cache: RestoreCache) -> LoadedCheckpoint:
+        return load_checkpoint(c.storage, c.step, rank=rank, cache=cache, targets=targets)
+
+    point, loaded = _first_intact(storage, remote, step, start_at, strict, load, caches)
+    times = [cache._reader.times for cache in caches.values()]
     event = RestoreEvent(
         step=loaded.step,
         seconds=time.perf_counter() - started,
         bytes_read=loaded.bytes_read,
-        skipped_steps=tuple(skipped),
+        skipped_steps=tuple(dict.fromkeys(c.step for c, _ in point.skipped)),  # once per step
         rank_state_restored=loaded.rank_state_restored,
-        read_s=times.read_s,
-        verify_s=times.verify_s,
-        decode_s=times.decode_s,
+        tier=point.tier,
+        read_s=sum(t.read_s for t in times),
+        verify_s=sum(t.verify_s for t in times),
+        decode_s=sum(t.decode_s for t in times),
     )
     logger.info(
         "coci: restored step %d from %s (%.1f MB, %.3f s)",
         loaded.step,
-        storage.url,
+        point.candidate.storage.url,
         loaded.bytes_read / 1e6,
         event.seconds,
     )

@@ -52,8 +52,8 @@ def retire(storage: Storage, step: int) -> None:
 
 
 def own_steps(storage: Storage, run_id: str) -> list[StepInfo]:
-    """The run's intact committed steps, oldest first (by creation: a run that went back to an
-    older step and trained on has its abandoned later steps first)."""
+    """The run's intact committed steps, oldest first (in commit order, never by a wall clock:
+    a run that went back to an older step and trained on has its abandoned later steps first)."""
     infos: list[StepInfo] = step_infos(storage)
     return [i for i in reversed(infos) if i.intact and i.run == run_id]
 

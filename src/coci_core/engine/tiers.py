@@ -22,6 +22,7 @@ from coci_core.engine import retention
 from coci_core.engine.group import RankGroup
 from coci_core.engine.lease import Lease, acquire_lease
 from coci_core.engine.manifest import MANIFEST_NAME, Manifest, step_dir_name
+from coci_core.engine.restore import highest_sequence
 from coci_core.errors import CheckpointError, DirectoryInUseError, StorageError
 from coci_core.knobs import (
     UPLOAD_BACKOFF_MAX_S,
@@ -80,6 +81,9 @@ class RemoteTier:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._lease: Lease | None = None
+        # the highest commit sequence on the remote (read under its lease): a save's sequence
+        # is above it, so that the remote orders the uploads after what it holds
+        self.highest_sequence = 0
         if not group.is_coordinator:
             return  # the other ranks read the remote tier (restore); rank 0 uploads
         try:
@@ -89,6 +93,7 @@ class RemoteTier:
         else:
             # a killed upload left data files without a manifest: invisible, removed here
             retention.remove_uncommitted(remote, group, done_seq=None)
+            self.highest_sequence = highest_sequence(remote)
 
     @property
     def writable(self) -> bool:

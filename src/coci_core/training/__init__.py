@@ -8,7 +8,12 @@ from coci_core.engine.group import RankGroup
 from coci_core.engine.inplace import InPlaceTargets
 from coci_core.engine.manager import SaveHandle
 from coci_core.engine.manifest import MANIFEST_NAME, parse_step_dir, step_dir_name
-from coci_core.engine.restore import LoadedCheckpoint, newest_first, restore_newest
+from coci_core.engine.restore import (
+    LoadedCheckpoint,
+    newest_first,
+    restore_newest,
+    resume_order,
+)
 from coci_core.planner.policies import SavePolicy
 from coci_core.storage import is_url, open_storage
 from coci_core.training.checkpointer import Checkpointer
@@ -36,6 +41,7 @@ __all__ = [
     "open_storage",
     "parse_step_dir",
     "restore_newest",
+    "resume_order",
     "shared_options",
     "step_dir_name",
 ]

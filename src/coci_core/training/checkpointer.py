@@ -384,12 +384,13 @@ class Checkpointer:
             self._restored = event
         return state
 
-    def restored_elsewhere(self, run: str, event: RestoreEvent) -> None:
+    def restored_elsewhere(self, run: str, event: RestoreEvent, sequence: int = 0) -> None:
         """A checkpoint of this directory was restored by other code (Lightning's own
-        restore through coci's CheckpointIO, with :func:`restore_newest`): continue its run,
-        count its cost and report its event as the manager reports its own."""
+        restore through coci's CheckpointIO, with :func:`restore_newest`): continue its run
+        (later saves are committed after its ``sequence``), count its cost and report its
+        event as the manager reports its own."""
         self.resumed_from = event.step
-        self.manager.run_id = run
+        self.manager._continue_run(run, sequence)
         self.manager.last_restore = event
         self._restored = event
         self._on_event(event)
