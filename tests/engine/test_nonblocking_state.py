@@ -9,15 +9,17 @@ import copy
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
-from coci_core import CheckpointManager
+from coci_core import CheckpointManager, SaveHandle
 from coci_core.engine.snapshot import SMALL_COPY_BYTES, Snapshotter
 from coci_core.engine.tree import flatten_state
 from coci_core.errors import BackgroundSaveError, StateChangedError
 from coci_core.storage import LocalStorage
 from coci_core.training import Checkpointer
+from tests.harness.held_writer import HeldWriter
 
 
 def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -157,3 +159,85 @@ def test_the_checkpointer_without_before_update_resumes_exactly(tmp_path: Path) 
     run(tmp_path / "cut", 22)  # the last save is step 20; steps 21 and 22 are lost
     resumed = run(tmp_path / "cut", None)
     assert _equal(resumed.state_dict(), whole.state_dict())
+
+
+def _held_manager(storage: HeldWriter) -> CheckpointManager:
+    """A manager whose writer is busy removing step 1 (held) when the caller saves next."""
+    mgr = CheckpointManager(storage, compression="none", keep_last=1)
+    mgr.save(1, {"other": torch.zeros(4)})
+    storage.hold_next_removal()
+    mgr.save(2, {"other": torch.zeros(4)}).wait()  # its retention removes step 1: held
+    assert storage.holding.wait(60)
+    return mgr
+
+
+def test_a_version_bump_after_the_copy_ended_still_gives_the_save_up(tmp_path: Path) -> None:
+    """An in-place torch op writes its tensor, then bumps its version counter (autograd's
+    ADInplaceOrView kernel): an op still running when the background copy ends is seen only
+    by a check after it returned, on the training thread. Here the op's two halves are taken
+    apart: the write (through ``.data``, which bumps nothing), the copy, then the bump."""
+    big = torch.zeros(1 << 20)  # 4 MiB: copied in the background
+    storage = HeldWriter(tmp_path / "c")
+    with _held_manager(storage) as mgr:
+        handle = mgr.save(3, {"big": big}, block=False)  # its copy waits behind the removal
+        big.data.fill_(1.0)  # the kernel's writes
+        storage.release.set()
+        assert storage.data_written.wait(60)  # the copy has ended
+        torch.autograd.graph.increment_version(big)  # the op returns: its bump comes now
+        with pytest.raises(BackgroundSaveError) as failed:
+            handle.wait()
+        assert isinstance(failed.value.__cause__, StateChangedError)
+        assert failed.value.__cause__.keys == ["/big"]
+        assert 3 not in mgr.steps()
+
+
+def test_numpy_arrays_are_copied_by_save_itself(tmp_path: Path) -> None:
+    """A write to a numpy array moves no version counter: a block=False save copies numpy
+    arrays before it returns, so ``arr += 1`` right after it is not saved."""
+    arr = np.arange(1 << 18, dtype=np.float64)  # 2 MiB: not one of the small tensors
+    before = arr.copy()
+    storage = HeldWriter(tmp_path / "c")
+    with _held_manager(storage) as mgr:
+        handle = mgr.save(3, {"arr": arr, "big": torch.zeros(1 << 18)}, block=False)
+        arr += 1  # before the background copy (held) of the rest
+        storage.release.set()
+        handle.wait()
+        restored = mgr.restore(3)["arr"]
+    assert isinstance(restored, np.ndarray)
+    np.testing.assert_array_equal(restored, before)
+
+
+def test_a_save_whose_thread_ended_is_checked_by_the_writer(tmp_path: Path) -> None:
+    """The commit of a block=False save waits for the saving thread to check the copy; a
+    thread that saved and ended is not waited for."""
+    big = torch.zeros(1 << 20)
+    handles: list[SaveHandle] = []
+    with CheckpointManager(tmp_path / "c", compression="none") as mgr:
+        saver = threading.Thread(
+            target=lambda: handles.append(mgr.save(1, {"big": big}, block=False))
+        )
+        saver.start()
+        saver.join()
+        assert handles[0]._wait_done(60)  # not wait(): the writer must commit by itself
+        assert handles[0].event is not None and handles[0].event.outcome == "committed"
+        assert torch.equal(mgr.restore(1)["big"], big)
+
+
+def test_another_threads_wait_does_not_check_the_copy(tmp_path: Path) -> None:
+    """Only the thread that saved can know that none of its in-place writes is still running:
+    a wait from another thread waits for that thread's check (its next optimizer step here)."""
+    model = torch.nn.Linear(512, 512)  # 1 MiB of weights
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(4, 512)).sum().backward()
+    with CheckpointManager(tmp_path / "c", compression="none") as mgr:
+        expected = copy.deepcopy(model.state_dict())
+        handle = mgr.save(1, {"model": model.state_dict()}, block=False)
+        waiter = threading.Thread(target=handle.wait)
+        waiter.start()
+        waiter.join(0.2)  # bounded: it must still be waiting (no commit before the check)
+        assert waiter.is_alive() and not handle.done()
+        opt.step()  # the pre-hook checks the copy on this, the saving, thread
+        waiter.join(60)
+        assert not waiter.is_alive()
+        assert handle.event is not None and handle.event.outcome == "committed"
+        assert _equal(mgr.restore(1)["model"], expected)
