@@ -33,7 +33,8 @@ class EmaModel(torch.nn.Module):
         self.ema = copy.deepcopy(self.net).requires_grad_(False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
+        out: torch.Tensor = self.net(x)
+        return out
 
     def update_ema(self) -> None:
         """Through ``.data``, as EMA code often does: no version counter records it."""
