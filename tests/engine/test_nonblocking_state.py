@@ -241,3 +241,25 @@ def test_another_threads_wait_does_not_check_the_copy(tmp_path: Path) -> None:
         assert not waiter.is_alive()
         assert handle.event is not None and handle.event.outcome == "committed"
         assert _equal(mgr.restore(1)["model"], expected)
+
+
+def test_close_from_another_thread_checks_the_copy_itself(tmp_path: Path) -> None:
+    """close() comes after training: it checks a pending copy from any thread, so it does not
+    wait for a saving thread that is alive but will not come back (a pool's worker, say)."""
+    big = torch.zeros(1 << 20)
+    saved, finish = threading.Event(), threading.Event()
+    mgr = CheckpointManager(tmp_path / "c", compression="none")
+
+    def saver() -> None:
+        mgr.save(1, {"big": big}, block=False)
+        saved.set()
+        assert finish.wait(60)
+
+    thread = threading.Thread(target=saver)
+    thread.start()
+    assert saved.wait(60)
+    mgr.close()  # the saver is alive and idle
+    finish.set()
+    thread.join()
+    with CheckpointManager(tmp_path / "c") as reader:
+        assert torch.equal(reader.restore(1)["big"], big)

@@ -631,6 +631,9 @@ class CheckpointManager:
 
     def close(self) -> None:
         """Wait for pending saves and stop the background worker (idempotent)."""
+        inflight = self._inflight
+        if inflight is not None:  # before the lock, as in save()
+            inflight._check_copy(any_thread=True)
         with self._save_lock:
             if self._closed:
                 return
