@@ -141,7 +141,7 @@ def run_lightning(method: str, cfg: dict[str, Any], a: argparse.Namespace, d: Pa
             kw.update(policy="every_n_steps", every_n_steps=a.every)
         else:
             kw.update(policy="coci", mtbf_s=a.mtbf if method == "coci_plan" else a.mtbf_long)
-        coci_cb = CociCheckpoint(**kw)
+        coci_cb = CociCheckpoint(**kw, **_coci_block(a))
         callbacks.append(coci_cb)
     elif method in ("modelckpt", "modelckpt_async"):
         callbacks.append(
@@ -236,7 +236,7 @@ def run_accelerate(method: str, cfg: dict[str, Any], a: argparse.Namespace, d: P
             policy="every_n_steps",
             every_n_steps=a.every,
             keep_last=3,
-            block=a.coci_block,
+            **_coci_block(a),
         )
     starts: dict[int, float] = {}
     saved: list[int] = []
@@ -284,6 +284,11 @@ def run_accelerate(method: str, cfg: dict[str, Any], a: argparse.Namespace, d: P
 
 
 # -- shared -------------------------------------------------------------------------------
+
+
+def _coci_block(a: argparse.Namespace) -> dict[str, bool]:
+    """The ``block`` argument of the coci adapters that ``--coci-block`` asks for."""
+    return {} if a.coci_block == "default" else {"block": a.coci_block == "true"}
 
 
 def _times(starts: dict[int, float], end: float | None, a: argparse.Namespace) -> dict:
@@ -530,7 +535,10 @@ def main() -> None:
     p.add_argument("--methods", default="", help="only these methods (comma-separated)")
     p.add_argument("--quick", action="store_true", help="1 repetition of 60 steps")
     p.add_argument(
-        "--coci-block", action="store_true", help="coci snapshots on the training thread"
+        "--coci-block",
+        choices=("default", "true", "false"),
+        default="default",
+        help="the adapters' block argument (default: theirs, a copy before the save returns)",
     )
     p.add_argument("--out", default=None)
     p.add_argument("--report", default=None, help="print the tables of an earlier results file")

@@ -88,7 +88,7 @@ class CociCheckpointer:
         compression_options: dict[str, Any] | None = None,
         every_n_steps: int | None = None,
         every_n_seconds: float | None = None,
-        block: bool = False,
+        block: bool = True,
         planner_options: dict[str, Any] | None = None,
         save_on_close: bool = True,
         total_steps: int | None = None,

@@ -87,9 +87,9 @@ class BackgroundSaveError(CociError):
 
 
 class StateChangedError(CociError):
-    """A tensor of a ``block=False`` save was changed before the background copy had read it:
-    that save is given up (nothing is committed), never stored with the newer values.
-    ``keys`` names the changed tensors."""
+    """A tensor of a ``block=False`` save was changed in place before its background copy was
+    checked (the copy may hold the newer values): that save is given up (nothing is
+    committed), never stored with them. ``keys`` names the changed tensors."""
 
     def __init__(self, message: str, *, keys: list[str] | None = None):
         super().__init__(message)

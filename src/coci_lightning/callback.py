@@ -83,7 +83,11 @@ class CociCheckpoint(Checkpoint):
             (so that the resume is exact). ``policy="epoch"`` saves only there (every epoch by
             default), with the steps per epoch taken from the Trainer.
         monitor: a logged metric to use as the loss (default: the training step's loss).
-        block: snapshot synchronously instead of overlapping the copy with the next step.
+        block: copy the state before the save returns (default), so that what the checkpoint
+            holds is the state of the step whatever changes the tensors next (an EMA or
+            weight clipping through ``.data``, numpy). False overlaps the copy with the next
+            step: the save then sees only in-place torch ops and optimizer steps, not writes
+            through ``.data`` or numpy (see ``CheckpointManager.save``).
         save_on_train_end: also save when training ends.
         save_on_exception: also save on an exception (or SIGTERM) that stops training.
         planner_options: further keyword arguments of :class:`coci_core.planner.Planner`.
@@ -126,7 +130,7 @@ class CociCheckpoint(Checkpoint):
         every_n_seconds: float | None = None,
         every_n_epochs: int | None = None,
         monitor: str | None = None,
-        block: bool = False,
+        block: bool = True,
         save_on_train_end: bool = True,
         save_on_exception: bool = True,
         planner_options: dict[str, Any] | None = None,

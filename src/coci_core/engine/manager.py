@@ -155,7 +155,7 @@ class SaveHandle:
         Raises:
             TimeoutError: ``timeout`` passed first.
         """
-        if not self._done.wait(timeout):
+        if not self._check_copy(timeout) or not self._done.wait(timeout):
             raise TimeoutError(f"save of step {self.step} not done after {timeout} s")
         if self._error is not None:
             self._reported = True
@@ -163,6 +163,24 @@ class SaveHandle:
 
     def _wait_done(self, timeout_s: float | None = None) -> bool:
         return self._done.wait(timeout_s)
+
+    def _check_copy(self, timeout_s: float | None = None, *, any_thread: bool = False) -> bool:
+        """For a ``block=False`` save: once its copy is finished, check on this thread that no
+        saved tensor changed in place meanwhile (its commit waits for that check). Only the
+        thread that saved may, or any thread once it has ended; ``any_thread``: ``close()``,
+        after training. Returns False if ``timeout_s`` passed before the copy finished."""
+        snapshot = self._snapshot
+        if self.block or snapshot is None or snapshot.checked.is_set():
+            return True
+        if not (any_thread or snapshot.may_check_here()):
+            return True
+        if not snapshot.copied.is_set():
+            started = time.perf_counter()
+            if not snapshot.copied.wait(timeout_s):
+                return False
+            self._add_stall(time.perf_counter() - started, update_wait=True)
+        snapshot.check_copy()
+        return True
 
     def _take_unreported_error(self) -> BaseException | None:
         if self._reported or self._error is None:
@@ -177,7 +195,7 @@ class SaveHandle:
             BackgroundSaveError: the save failed; nothing was published.
             TimeoutError: ``timeout_s`` passed first.
         """
-        if not self._done.wait(timeout_s):
+        if not self._check_copy(timeout_s) or not self._done.wait(timeout_s):
             raise TimeoutError(f"save of step {self.step} not durable after {timeout_s} s")
         if self._error is not None:
             self._reported = True
@@ -394,18 +412,25 @@ class CheckpointManager:
     ) -> SaveHandle:
         """Snapshot ``state`` as ``step`` and persist it in the background.
 
-        With ``block=True`` this returns once every tensor is copied into host memory, so
-        training may change the tensors at once. With ``block=False`` it returns once the
-        tensors of at most 64 KiB are copied (what a forward pass changes: BatchNorm's
-        statistics) and the rest of the copy overlaps the next forward and backward pass; every
-        torch optimizer's ``step()`` waits for it, and :meth:`before_update` waits for it by
-        hand (before other code changes saved tensors in place). A tensor changed before the
-        copy read it gives the save up (:class:`~coci_core.errors.StateChangedError`).
+        With ``block=True`` (the default) this returns once every tensor is copied into host
+        memory, so training may change the tensors at once, by any means. With
+        ``block=False`` it returns once the tensors of at most 64 KiB (what a forward pass
+        changes: BatchNorm's statistics) and the numpy arrays are copied; the rest of the copy
+        overlaps the next forward and backward pass. Every torch optimizer's ``step()`` waits
+        for it, and :meth:`before_update` waits for it by hand. The save commits only once
+        this thread has checked the copy (at its next optimizer step, :meth:`before_update`,
+        ``save``, :meth:`wait`, ``handle.wait()`` or :meth:`close`): a saved tensor changed in
+        place meanwhile (its version counter moved) gives the save up
+        (:class:`~coci_core.errors.StateChangedError`). Writes that move no version counter
+        are not seen and may be saved: through ``.data``, through a numpy view of a tensor
+        (``t.numpy()``) or its storage, or from another thread; use ``block=True`` when code
+        other than a torch optimizer changes saved tensors before the next step.
 
         Args:
             step: the training step (an integer >= 0).
             state: a mapping of tensors, numpy arrays, JSON values, lists, tuples and dicts.
-            block: wait for the copy (True) or let it overlap the caller's next work (False).
+            block: wait for the copy (True) or let it overlap the caller's next work (False;
+                see above for which writes it then sees).
             metadata: JSON values stored in the manifest (shown by ``coci ls``).
             per_rank: state that differs per rank (random states, ...), under keys that
                 ``state`` does not use; each rank writes its own, and :meth:`restore` merges
@@ -425,6 +450,11 @@ class CheckpointManager:
                 the directory.
             StepExistsError: the directory holds ``step`` and ``overwrite`` is False.
         """
+        inflight = self._inflight
+        if inflight is not None:
+            # before the lock: another thread's save may hold it while it waits for this
+            # thread's previous save, which commits only once this thread has checked it
+            inflight._check_copy()
         with self._save_lock:  # saves from several threads run one after the other
             return self._save(step, state, block, metadata, per_rank, alone, overwrite)
 
@@ -573,7 +603,8 @@ class CheckpointManager:
         return mine + owned + own
 
     def before_update(self) -> None:
-        """Wait, if needed, until a ``block=False`` snapshot is fully copied.
+        """Wait, if needed, until a ``block=False`` snapshot is fully copied; on the thread
+        that saved, also check it (its commit waits for that check, see :meth:`save`).
 
         Torch optimizers call it by themselves before each ``step()`` (a process-wide
         optimizer pre-hook); call it before any other in-place change of saved tensors. It
@@ -590,6 +621,7 @@ class CheckpointManager:
         event = snapshot._cuda_event
         if event is not None:  # later work on this stream runs after the device-to-host copy
             torch.cuda.current_stream().wait_event(event)
+        handle._check_copy()
 
     def wait(self, timeout_s: float | None = None) -> None:
         """Block until every pending save is durable.
@@ -599,12 +631,17 @@ class CheckpointManager:
             TimeoutError: ``timeout_s`` passed first.
         """
         handle = self._inflight
-        if handle is not None and not handle._wait_done(timeout_s):
+        if handle is not None and not (
+            handle._check_copy(timeout_s) and handle._wait_done(timeout_s)
+        ):
             raise TimeoutError(f"save of step {handle.step} not durable after {timeout_s} s")
         self._raise_failed()
 
     def close(self) -> None:
         """Wait for pending saves and stop the background worker (idempotent)."""
+        inflight = self._inflight
+        if inflight is not None:  # before the lock, as in save()
+            inflight._check_copy(any_thread=True)
         with self._save_lock:
             if self._closed:
                 return
@@ -612,6 +649,7 @@ class CheckpointManager:
             _LIVE.discard(self)
             handle = self._inflight
             if handle is not None:
+                handle._check_copy(any_thread=True)
                 handle._wait_done()
             self._worker.stop()
             if self.remote is not None:

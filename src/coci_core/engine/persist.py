@@ -341,6 +341,8 @@ def _write_checkpoint(
                 data_bytes = storage.write_file(path, pieces.raw(), aligned=True)
                 checksums.result()
         write_s = time.perf_counter() - started
+        # a background copy is committed only once the thread that saved has checked it
+        snap.wait_checked()
         share = pieces.share(data_bytes)
         if not group.is_coordinator:
             commit.report_share(storage, records, share)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -32,6 +32,9 @@ PAGE_BYTES = 4096
 #: the small tensors that the next forward pass changes in place (BatchNorm's running
 #: statistics, step counters) are then saved as they were.
 SMALL_COPY_BYTES = 64 << 10
+#: How often the writer thread, waiting for the saving thread to check a background copy, looks
+#: whether that thread has ended (then it checks the copy itself).
+OWNER_POLL_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -160,6 +163,12 @@ class Snapshot:
     # slots already copied by ``save()`` itself (``Snapshotter.copy_small``)
     precopied: frozenset[int] = frozenset()
     _small_cuda_event: Any = None
+    # the thread that asked for the save: a background copy is checked on it (``check_copy``)
+    owner: threading.Thread = field(default_factory=threading.current_thread)
+    # set once the copy is known to hold the state of the save (or ``changed`` says why not)
+    checked: threading.Event = field(default_factory=threading.Event)
+    changed: StateChangedError | None = None
+    _check_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def wait_copied(self) -> None:
         """Block until every leaf is in host memory (re-raises a failed copy)."""
@@ -173,7 +182,8 @@ class Snapshot:
 
     def check_unchanged(self) -> None:
         """Raise if a leaf was changed in place since the save was asked for (its version
-        counter moved): its copy may hold newer values than the step's.
+        counter moved): its copy may hold newer values than the step's. Writes that move no
+        version counter (through ``.data``, numpy or the storage) are not seen.
 
         Raises:
             StateChangedError: naming the changed leaves.
@@ -181,13 +191,51 @@ class Snapshot:
         changed = self.changed_leaves()
         if changed:
             raise StateChangedError(
-                f"{changed[:5]} changed while the save's background copy was reading them "
+                f"{changed[:5]} changed while the save's background copy was under way "
                 f"({len(changed)} tensors): this save is given up rather than stored with "
                 "newer values; coci copies them before save() returns from now on. Changes by "
                 "torch optimizers wait for the copy by themselves; for other in-place changes "
                 "call before_update() first, or save with block=True",
                 keys=changed,
             )
+
+    def may_check_here(self) -> bool:
+        """Whether this thread may run :meth:`check_copy`: the thread that asked for the save
+        (when it is back in coci, every in-place write it started has returned, so its version
+        counter moved), or any thread once that one has ended."""
+        return self.owner is threading.current_thread() or not self.owner.is_alive()
+
+    def check_copy(self) -> None:
+        """Wait for the copy, then record whether a leaf changed in place since the save was
+        asked for (``changed``) and set ``checked``: the commit waits for it
+        (:meth:`wait_checked`). Call it where :meth:`may_check_here` is true.
+
+        Not on the writer thread right after its copy: torch bumps a tensor's version counter
+        after an in-place kernel has written it, so a write still running on the training
+        thread when the copy ends was not seen there yet.
+        """
+        self.copied.wait()
+        with self._check_lock:
+            if self.checked.is_set():
+                return
+            try:
+                self.check_unchanged()
+            except StateChangedError as e:
+                self.changed = e
+            self.checked.set()
+
+    def wait_checked(self) -> None:
+        """On the writer thread, before the commit: wait until :meth:`check_copy` ran (on the
+        thread that saved, or here once that thread has ended).
+
+        Raises:
+            StateChangedError: a leaf changed in place before the copy was checked.
+        """
+        while not self.checked.wait(OWNER_POLL_S):
+            if not self.owner.is_alive():
+                self.check_copy()
+        if self.changed is not None:
+            raise self.changed
 
     def changed_leaves(self) -> list[str]:
         """The keys of the leaves whose version counter moved since the save was asked for
@@ -273,16 +321,21 @@ class Snapshotter:
         max_bytes: int = SMALL_COPY_BYTES,
         also: Collection[str] = (),
     ) -> None:
-        """Copy the regions of at most ``max_bytes``, and those of the leaves named in
-        ``also``, now, on the caller's thread (for a ``block=False`` save: :meth:`copy` then
-        skips them, and later changes to them do not matter). CUDA regions are copied on the
-        current stream, ahead of any later work on it."""
+        """Copy now, on the caller's thread, the regions of at most ``max_bytes``, those of
+        the leaves named in ``also``, and every numpy array (for a ``block=False`` save:
+        :meth:`copy` then skips them, and later changes to them do not matter). CUDA regions
+        are copied on the current stream, ahead of any later work on it.
+
+        Numpy arrays always: a write to one (``arr += 1``) moves no version counter, so a
+        background copy could not tell that it read newer values.
+        """
         done = []
         cuda = False
         for i, slot in enumerate(snap.slots):
-            if slot.nbytes > max_bytes and snap.leaves[slot.leaf].key not in also:
+            leaf = snap.leaves[slot.leaf]
+            if slot.nbytes > max_bytes and leaf.key not in also and leaf.kind != "ndarray":
                 continue
-            tensor = snap.leaves[slot.leaf].tensor
+            tensor = leaf.tensor
             if tensor.device.type == "cuda":
                 snap.arena.view(slot).copy_(_source(tensor, slot), non_blocking=snap.arena.pinned)
                 cuda = True
@@ -319,7 +372,9 @@ class Snapshotter:
             if cuda_leaves:
                 snap._cuda_event = self._copy_from_cuda(snap, cuda_leaves)
             if background:
-                snap.check_unchanged()
+                snap.check_unchanged()  # early out only: the check that counts is check_copy
+            else:
+                snap.checked.set()  # copied on the thread that saved: nothing to check
         except BaseException as e:
             snap.error = e
         finally:

@@ -105,7 +105,8 @@ class CheckpointOptions:
         planner: the Planner's arguments, checked.
         compression: the compression policy.
         keep_last: committed checkpoints to keep (None: all).
-        block: snapshot synchronously.
+        block: copy the state before ``save`` returns (the default; False: in the background,
+            see ``CheckpointManager.save`` for which writes it then sees).
         verbose: log a line per save.
         storage_options: fsspec options of a URL directory (credentials: never logged).
         remote: a second tier, written in the background (see ``CheckpointManager``).
@@ -157,7 +158,7 @@ class CheckpointOptions:
         compression_options: Mapping[str, Any] | None = None,
         every_n_steps: int | None = None,
         every_n_seconds: float | None = None,
-        block: bool = False,
+        block: bool = True,
         planner_options: Mapping[str, Any] | None = None,
         verbose: bool = False,
         storage_options: Mapping[str, Any] | None = None,
