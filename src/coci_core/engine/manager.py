@@ -621,7 +621,9 @@ class CheckpointManager:
         self._raise_failed()
 
     def close(self) -> None:
-        """Wait for pending saves and stop the background worker (idempotent).
+        """Wait for pending saves and stop the background worker (idempotent). A manager that
+        is never closed is closed when the main thread ends, before the interpreter shuts
+        down: its pending saves are made durable then (a save that fails logs one line).
 
         Raises:
             BackgroundSaveError: a background save failed and was not reported yet.
