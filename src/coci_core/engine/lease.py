@@ -126,11 +126,15 @@ class _OwnerRecord:
             self._thread.join(timeout=30)
         if self.lost is not None:
             return
-        # Delete the record only while it is still this writer's.
-        with contextlib.suppress(StorageError, OSError, ValueError, KeyError, TypeError):
+        # Delete the record only while it is still this writer's. Best effort, and never an
+        # error (this runs from close(), finalizers and at exit, when the store may be gone):
+        # a record left behind expires after its TTL.
+        try:
             current = self.storage.read_record(LEASE_NAME)
             if current is not None and _session_of(current[0]) == self.doc["session"]:
                 self.storage.remove_record(LEASE_NAME)
+        except Exception as e:  # any client error: botocore's are not OSErrors
+            logger.info("coci: could not remove the lease record of %s: %s", self.storage.url, e)
 
 
 def _session_of(record: bytes) -> str | None:

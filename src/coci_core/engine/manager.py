@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import atexit
+import concurrent.futures.thread  # noqa: F401  (its exit hook must be registered before ours)
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -221,14 +223,34 @@ def _wait_for_snapshot_copies(optimizer: Any, args: Any, kwargs: Any) -> None:
 register_optimizer_step_pre_hook(_wait_for_snapshot_copies)
 
 
-@atexit.register
-def _close_at_exit() -> None:
-    # Pending persists finish before the interpreter exits (the worker thread is a daemon).
+def _close_all_at_exit() -> None:
+    """Make every unclosed manager's pending saves durable and stop its threads, before the
+    interpreter tears anything down (see :func:`_register_exit_hooks`)."""
     for manager in list(_LIVE):
-        try:
-            manager.close()
-        except CociError as e:
-            logger.error("coci: %s", e)
+        manager._close_at_exit()
+
+
+def _register_exit_hooks() -> None:
+    """Run :func:`_close_all_at_exit` as soon as the main thread has finished.
+
+    Python's ``atexit`` comes too late: by then ``concurrent.futures`` has refused new work
+    (the writer's helper pools raise "cannot schedule new futures after interpreter
+    shutdown", and the save is lost), and a daemon thread still inside a native call when the
+    interpreter finalizes is ended by ``pthread_exit``, which aborts the process when it
+    unwinds through C++ (torch: "terminate called without an active exception"). Threading's
+    own exit hooks run first, newest first, so this one, registered after
+    ``concurrent.futures.thread`` was imported, runs before that module shuts its pools down.
+    ``atexit`` stays as the fallback for managers made after that point (by a non-daemon
+    thread that outlives the main thread).
+    """
+    register = getattr(threading, "_register_atexit", None)  # CPython 3.9+
+    if register is not None:
+        with contextlib.suppress(RuntimeError):  # imported while the interpreter shuts down
+            register(_close_all_at_exit)
+    atexit.register(_close_all_at_exit)
+
+
+_register_exit_hooks()
 
 
 class CheckpointManager:
@@ -352,9 +374,11 @@ class CheckpointManager:
         self._saves = 0
         self._snapshotter = Snapshotter()
         self._encoder = PieceEncoder(self.compression)
-        # The writer thread holds the manager only weakly: an unclosed manager that nothing
-        # else references is freed (its thread ends, its lease is released).
-        self._worker = PersistWorker(_weak_runner(self), niceness=worker_niceness)
+        # The writer thread holds the manager only while a save of it is queued or running:
+        # an unclosed manager that nothing else references is freed once its saves are
+        # durable (its thread ends, its lease is released), never with a save still pending.
+        self._worker = PersistWorker(_run_save, niceness=worker_niceness)
+        self._pid = os.getpid()  # a forked child's copy has none of this process's threads
         self._inflight: SaveHandle | None = None
         self._failed: list[SaveHandle] = []
         # leaves found changed during a background copy: copied by save() itself from then on
@@ -365,6 +389,7 @@ class CheckpointManager:
         self._owner = _Owner()
         self._finalizer = weakref.finalize(self, self._owner.release, self._worker)
         self._finalizer.atexit = False  # at exit, _close_at_exit makes pending saves durable
+        self._closed_at_exit = False
         if group.is_coordinator:
             try:
                 self._owner.lease = acquire_lease(self.storage, group.session)
@@ -529,7 +554,7 @@ class CheckpointManager:
         self._saves += 0 if alone else 1
         self._inflight = handle
         handle._add_stall(time.perf_counter() - started)
-        self._worker.submit((job, handle))
+        self._worker.submit((self, job, handle))
         return handle
 
     def warm_up(
@@ -638,7 +663,13 @@ class CheckpointManager:
         self._raise_failed()
 
     def close(self) -> None:
-        """Wait for pending saves and stop the background worker (idempotent)."""
+        """Wait for pending saves and stop the background worker (idempotent). A manager that
+        is never closed is closed when the main thread ends, before the interpreter shuts
+        down: its pending saves are made durable then (a save that fails logs one line).
+
+        Raises:
+            BackgroundSaveError: a background save failed and was not reported yet.
+        """
         inflight = self._inflight
         if inflight is not None:  # before the lock, as in save()
             inflight._check_copy(any_thread=True)
@@ -653,12 +684,31 @@ class CheckpointManager:
                 handle._wait_done()
             self._worker.stop()
             if self.remote is not None:
-                self.remote.close()
+                self.remote.close(retry=not self._closed_at_exit)
             self._finalizer.detach()
-            self._owner.release(None)
+            self._owner.release(None)  # never raises
             self._raise_failed()
 
+    def _close_at_exit(self) -> None:
+        """:meth:`close` at interpreter exit: never raises, logs at most one line (a failed
+        save was logged by the writer thread when it failed, naming its step)."""
+        if self._pid != os.getpid():
+            return  # inherited through fork: the saves and threads are the parent's
+        self._closed_at_exit = not self._closed
+        try:
+            self.close()
+        except BackgroundSaveError:
+            pass
+        except Exception as e:
+            logger.warning("coci: closing %r at exit failed: %s", self, e)
+
     def _check_open(self) -> None:
+        if self._closed_at_exit:
+            raise CociError(
+                f"{self!r} was closed at interpreter exit (after the main thread ended): a "
+                "thread that saves after that must close() its manager before the main "
+                "thread returns"
+            )
         if self._closed:
             raise CociError(f"{self!r} is closed")
 
@@ -720,9 +770,9 @@ class CheckpointManager:
                 job.sequence = self._next_sequence()
             result = write_checkpoint(self.storage, job, self._encoder)
         except BaseException as e:
-            error: BaseException | None = retention.explain_full_disk(
-                self.storage, e, self.keep_last
-            )
+            error: BaseException | None = e
+            with contextlib.suppress(Exception):  # the handle must finish: close() waits on it
+                error = retention.explain_full_disk(self.storage, e, self.keep_last)
             event = self._event(
                 handle, snapshot, outcome="failed", error=f"{type(error).__name__}: {error}"
             )
@@ -927,14 +977,22 @@ class _Owner:
         self.remote: RemoteTier | None = None
 
     def release(self, worker: PersistWorker | None) -> None:
+        """Give everything up; never raises (it runs from ``close``, a finalizer or at exit,
+        when the storage may be gone: a lease that cannot be removed expires by itself)."""
         if worker is not None:
             worker.stop(wait=False)
         lease, self.lease = self.lease, None
         if lease is not None:
-            lease.release()
+            try:
+                lease.release()
+            except Exception as e:
+                logger.info("coci: could not release the lease of %s: %s", lease.key, e)
         remote, self.remote = self.remote, None
         if remote is not None and worker is not None:  # freed unclosed: give up the upload
-            remote.close(timeout_s=0.0)
+            try:
+                remote.close(timeout_s=0.0)
+            except Exception as e:
+                logger.info("coci: could not stop the upload to %s: %s", remote.remote.url, e)
 
 
 def _weak_run_id(manager: CheckpointManager) -> Callable[[], str]:
@@ -956,15 +1014,10 @@ def _weak_emit(manager: CheckpointManager) -> Callable[[UploadEvent], None]:
     return send
 
 
-def _weak_runner(manager: CheckpointManager) -> Callable[[Any], None]:
-    ref = weakref.ref(manager)
-
-    def run(item: Any) -> None:
-        owner = ref()
-        if owner is not None:
-            owner._run_job(item)
-
-    return run
+def _run_save(item: tuple[CheckpointManager, PersistJob, SaveHandle]) -> None:
+    """The writer thread's job: the queued item holds its manager until the save is done."""
+    manager, job, handle = item
+    manager._run_job((job, handle))
 
 
 def _load_into(state: Mapping[str, Any], into: Mapping[str, Stateful]) -> None:

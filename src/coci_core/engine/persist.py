@@ -447,6 +447,8 @@ class PersistWorker:
                 self._run(job)
             except Exception:  # the job reports its own errors; never let the worker die
                 logger.exception("coci: unexpected error in the writer thread")
+            # A job may hold its owner (the manager): let go of it before waiting for the next.
+            job = None
 
     def stop(self, *, wait: bool = True) -> None:
         """Finish the queued jobs and end the thread (``wait``: join it, unless called from

@@ -294,7 +294,9 @@ class Snapshotter:
             with self._lock:
                 self._allocate(leaves, regions, touch=True)
 
-        thread = threading.Thread(target=run, name="coci-arena", daemon=True)
+        # Not a daemon: Python waits for it at exit. A daemon thread still filling the arena
+        # (a torch op, without the GIL) when the interpreter finalizes aborts the process.
+        thread = threading.Thread(target=run, name="coci-arena")
         thread.start()
         return thread
 

@@ -79,6 +79,7 @@ class RemoteTier:
         self._pending: int | None = None
         self._busy = False
         self._stopping = False
+        self._no_retry = False  # closing at interpreter exit: a failed attempt is not retried
         self._thread: threading.Thread | None = None
         self._lease: Lease | None = None
         # the highest commit sequence on the remote (read under its lease): a save's sequence
@@ -133,9 +134,15 @@ class RemoteTier:
                 self._cond.wait(left)
         return True
 
-    def close(self, timeout_s: float = UPLOAD_CLOSE_TIMEOUT_S) -> None:
+    def close(self, timeout_s: float = UPLOAD_CLOSE_TIMEOUT_S, *, retry: bool = True) -> None:
         """Upload the newest local commit if it was left for a later one, finish the pending
-        upload (waiting at most ``timeout_s``), then stop."""
+        upload (waiting at most ``timeout_s``), then stop. Without ``retry`` (at interpreter
+        exit) the pending upload gets one more attempt at once, and a failed one is given up
+        (its warning is the one line that says so) instead of retried."""
+        if not retry:
+            with self._cond:
+                self._no_retry = True
+                self._cond.notify_all()
         if self._newest_unsent is not None and self.writable:
             self._enqueue(self._newest_unsent)
             self._newest_unsent = None
@@ -202,8 +209,11 @@ class RemoteTier:
                 step = None
                 continue
             with self._cond:  # retry after the backoff, unless a newer step or a stop comes
+                if self._no_retry:
+                    step = None  # given up: the remote keeps its previous checkpoint
+                    continue
                 deadline = time.monotonic() + backoff
-                while self._pending is None and not self._stopping:
+                while self._pending is None and not self._stopping and not self._no_retry:
                     left = deadline - time.monotonic()
                     if left <= 0:
                         break
