@@ -16,6 +16,9 @@ import io
 import json
 import os
 import pathlib
+import pickle
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -219,3 +222,81 @@ def test_strict_restore_raises_the_corrupt_error(tmp_path: Path) -> None:
     ):
         mgr.restore()
     assert not marker.exists()
+
+
+def _torch_saved_with_pickle(record: bytes) -> bytes:
+    """A torch.save zip whose ``data.pkl`` is ``record``."""
+    reader = torch._C.PyTorchFileReader(io.BytesIO(_torch_saved({"a": 1})))
+    out = io.BytesIO()
+    writer = torch._C.PyTorchFileWriter(out)
+    for name in reader.get_all_records():
+        data = record if name == "data.pkl" else reader.get_record(name)
+        writer.write_record(name, data, len(data))
+    writer.write_end_of_file()
+    return out.getvalue()
+
+
+def _shared_at_every_level(levels: int) -> list[Any]:
+    node: list[Any] = [1]
+    for _ in range(levels):
+        node = [node, node]
+    return node
+
+
+def _shared_tuple(levels: int) -> tuple[Any, ...]:
+    node: tuple[Any, ...] = (1,)
+    for _ in range(levels):
+        node = (node, node)
+    return node
+
+
+_RESTORE_CHILD = """
+import sys
+from coci_core import CheckpointManager
+with CheckpointManager(sys.argv[1], allow_torch_save=True) as mgr:
+    try:
+        mgr.restore(2)
+    except Exception as e:
+        print("REFUSED", type(e).__name__, e)
+    state = mgr.restore()
+    print("RESTORED", mgr.last_restore.step, sorted(state["s"]))
+"""
+
+_PICKLE_BOMBS = {
+    # a dict keyed by a tuple nested 200,000 deep: hashing it in C overflows the stack
+    "deeply nested key": b"\x80\x02}K\x01" + b"\x85" * 200_000 + b"K\x01s.",
+    # 1.3 KB that describe 2**22 values
+    "shared at every level": pickle.dumps(_shared_at_every_level(22), protocol=2),
+}
+
+
+@pytest.mark.parametrize("bomb", sorted(_PICKLE_BOMBS))
+def test_a_stored_value_whose_pickle_is_a_bomb_makes_the_step_damaged(
+    tmp_path: Path, bomb: str
+) -> None:
+    """A crafted checkpoint (checksums fixed) whose torch.save'd value crashes the interpreter
+    or describes millions of objects: its pickle is measured before torch.load runs it, the
+    step is damaged and restore falls back (in a child: before, the child died of SIGSEGV)."""
+    directory = tmp_path / "ckpt"
+    _two_steps(directory)
+    _replace_leaf_bytes(directory, 2, "/s", _torch_saved_with_pickle(_PICKLE_BOMBS[bomb]))
+    child = subprocess.run(
+        [sys.executable, "-c", _RESTORE_CHILD, str(directory)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert "REFUSED CorruptCheckpointError" in child.stdout
+    assert "'/s'" in child.stdout
+    assert "RESTORED 1 [1, 10]" in child.stdout
+
+
+def test_a_value_whose_pickle_restore_would_refuse_is_refused_at_save(tmp_path: Path) -> None:
+    """What restore refuses is refused at save, naming the key (not stored, then never
+    restorable)."""
+    with (
+        CheckpointManager(tmp_path / "ckpt", allow_torch_save=True) as mgr,
+        pytest.raises(UnsupportedValueError, match=r"'/v'.*describes more than"),
+    ):
+        mgr.save(1, {"v": {_shared_tuple(20)}})

@@ -23,6 +23,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from coci_core.engine.pickle_tree import pickle_tree
 from coci_core.errors import CorruptCheckpointError, UnsafeCheckpointError, UnsupportedValueError
 
 __all__ = [
@@ -354,6 +355,13 @@ class _Flattener:
 def _check_loadable(data: bytes, value: Any, key: str) -> None:
     """Refuse at save what ``load_torch_saved`` would refuse at restore: the value must load back
     with ``torch.load(weights_only=True)`` (with whatever ``add_safe_globals`` registered)."""
+    try:
+        check_saved_pickle(data, what="it")
+    except CorruptCheckpointError as e:
+        raise UnsupportedValueError(
+            f"state value at {key!r} cannot be stored: {e} (restore measures a stored value's "
+            "pickle before loading it)"
+        ) from e
     try:  # the fast path: the weights-only unpickler runs, storages are not read (meta)
         torch.load(io.BytesIO(data), weights_only=True, map_location="meta")
         return
@@ -619,10 +627,48 @@ def load_torch_saved(data: bytes, key: str | None = None) -> Any:
     """
     what = f"the torch.save'd value at {key!r}" if key is not None else "a torch.save'd value"
     try:
+        check_saved_pickle(data, what=what)
         return load_weights_only(data, what=what)
     except CorruptCheckpointError as e:
         e.bad = [key] if key is not None else []
         raise
+
+
+#: The most levels a stored ``torch.save`` value's pickle may nest, and the most objects (each
+#: shared reference counted again) per byte of it: deeper, CPython's C code that hashes or
+#: frees the objects overflows its stack; larger, a few bytes describe millions of objects.
+MAX_SAVED_PICKLE_DEPTH = 1024
+SAVED_PICKLE_UNITS_PER_BYTE = 16
+_SAVED_PICKLE_FLOOR = 1 << 16
+
+
+def check_saved_pickle(data: bytes, *, what: str) -> None:
+    """Measure the pickle of a ``torch.save`` zip before ``torch.load`` runs it (see
+    :mod:`coci_core.engine.pickle_tree`); bytes that are no such zip are left to torch.load.
+
+    Raises:
+        CorruptCheckpointError: the pickle nests deeper than :data:`MAX_SAVED_PICKLE_DEPTH`
+            or describes more than :data:`SAVED_PICKLE_UNITS_PER_BYTE` objects per byte.
+    """
+    try:
+        record = torch._C.PyTorchFileReader(io.BytesIO(data)).get_record("data.pkl")
+    except (RuntimeError, OSError, ValueError):
+        return
+    cap = SAVED_PICKLE_UNITS_PER_BYTE * len(record) + _SAVED_PICKLE_FLOOR
+    try:
+        tree = pickle_tree(record, cap=cap)
+    except ValueError as e:
+        raise CorruptCheckpointError(f"{what} cannot be read: {_reason(e)}") from e
+    if tree.depth > MAX_SAVED_PICKLE_DEPTH:
+        raise CorruptCheckpointError(
+            f"{what} cannot be read: its pickle nests objects more than "
+            f"{MAX_SAVED_PICKLE_DEPTH} levels deep"
+        )
+    if tree.size > cap:
+        raise CorruptCheckpointError(
+            f"{what} cannot be read: its {len(record)}-byte pickle describes more than {cap} "
+            "objects"
+        )
 
 
 _REFUSED_GLOBAL = re.compile(r"GLOBAL ([A-Za-z_][\w.]*)")

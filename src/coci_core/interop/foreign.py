@@ -20,7 +20,7 @@ What an import builds or walks is paid for by the bytes it reads (:class:`_Allow
 crafted file is refused quickly, with little memory, and a ``CociError`` naming what is wrong:
 
 - before ``.metadata`` is unpickled, the tree its pickle describes (each shared reference
-  counted again, :mod:`coci_core.interop.pickle_tree`) must be at most 16 objects and
+  counted again, :mod:`coci_core.engine.pickle_tree`) must be at most 16 objects and
   characters per byte of it, and at most 64 levels deep; the checks of the chunks spend from
   the same kind of allowance; the pickle of each ``torch.save`` record (a ``.pt`` file, a DCP
   value or chunk) is measured alike before ``torch.load`` runs it (at most 1024 levels deep);
@@ -54,7 +54,7 @@ import torch
 
 from coci_core.engine.tree import load_weights_only
 from coci_core.errors import CociError, CorruptCheckpointError, StorageError, UnsafeCheckpointError
-from coci_core.interop.pickle_tree import PickleTree, pickle_tree
+from coci_core.engine.pickle_tree import PickleTree, pickle_tree
 from coci_core.storage.local import open_regular
 
 __all__ = ["read_dcp", "read_foreign", "read_foreign_with_step"]
