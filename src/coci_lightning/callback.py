@@ -48,6 +48,7 @@ from coci_lightning._epoch_end import (
     run_ends_with_this_epoch,
     validation_follows,
 )
+from coci_lightning._hparams import check_hyperparameters
 from coci_lightning._resume import (
     coci_step_of,
     install_last_resolution,
@@ -293,6 +294,7 @@ class CociCheckpoint(Checkpoint):
         io.live_state = None if own_hook else lambda: {"state_dict": pl_module.state_dict()}
         if stage != "fit":
             return
+        check_hyperparameters(trainer)  # refused now, not at the first save after training
         options = self.options
         if "total_steps" not in self.planner_options and trainer.max_steps > 0:
             planner = options.planner.with_total_steps(trainer.max_steps)
