@@ -41,8 +41,9 @@ def validation_follows(trainer: pl.Trainer) -> bool:
     """Whether Lightning validates right after the current training batch (its own decision,
     taken in the epoch loop's ``on_advance_end``)."""
     loop = trainer.fit_loop
+    fetcher = loop._data_fetcher
     # Private: the decision Lightning takes a moment later, with the same inputs.
-    return bool(loop.epoch_loop._should_check_val_fx(loop._data_fetcher))
+    return fetcher is not None and bool(loop.epoch_loop._should_check_val_fx(fetcher))
 
 
 def run_ends_with_this_epoch(trainer: pl.Trainer) -> bool:

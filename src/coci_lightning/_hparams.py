@@ -26,7 +26,7 @@ def lightning_hyperparameters(trainer: pl.Trainer) -> dict[str, Any]:
     ``_CheckpointConnector.dump_checkpoint`` makes them)."""
     omegaconf = sys.modules.get("omegaconf")  # Lightning tests for a Container only then too
     entries: dict[str, Any] = {}
-    for obj in (trainer.lightning_module, trainer.datamodule):
+    for obj in (trainer.lightning_module, getattr(trainer, "datamodule", None)):
         if obj is None or not obj.hparams:
             continue
         if hasattr(obj, "_hparams_name"):
