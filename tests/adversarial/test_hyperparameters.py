@@ -206,6 +206,19 @@ def _node(doc: dict[str, Any], key: str) -> dict[str, Any]:
         ("hp", lambda n: n.update(t="path", type="os.PathLike", v="/x")),
         ("hp", lambda n: n.update(t="path", type="Path", v=["/x"])),
     ],
+    ids=[
+        "class this.s",
+        "class builtins.eval",
+        "class omegaconf.OmegaConf",
+        "config type Node",
+        "flag allow_objects",
+        "flag not a bool",
+        "DictConfig of a list",
+        "Namespace of a list",
+        "bad interpolation",
+        "path type os.PathLike",
+        "path of a list",
+    ],
 )
 def test_a_crafted_manifest_builds_only_the_named_types(
     tmp_path: Path, key: str, edit: Any

@@ -10,7 +10,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 import pytest
-import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
@@ -128,4 +127,4 @@ def test_configs_among_the_init_arguments_come_back_as_configs(tmp_path: Path) -
     loaded = _ArgumentsModel.load_from_checkpoint(tmp_path / "coci" / step_dir_name(3))
     assert dict(loaded.hparams) == dict(own.hparams)
     assert type(loaded.hparams["model"]) is DictConfig and loaded.hparams["model"] == node
-    assert torch.equal(loaded.net[0].weight, own.net[0].weight)
+    assert digest(loaded) == digest(own)
