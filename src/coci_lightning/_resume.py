@@ -354,6 +354,11 @@ def _install_load_from_checkpoint() -> None:
         buffer = io.BytesIO()
         torch.save(state, buffer)
         buffer.seek(0)
+        if weights_only is None:
+            # The buffer holds what coci's restore built, without pickle, from the checkpoint
+            # (its hyper-parameters' DictConfig, which torch's weights-only load refuses, as it
+            # refuses Lightning's own .ckpt with one): nothing from the file runs when it loads.
+            weights_only = False
         return original(buffer, map_location=map_location, weights_only=weights_only)
 
     pl_load._coci = True  # type: ignore[attr-defined]

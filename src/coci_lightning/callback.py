@@ -42,6 +42,13 @@ from coci_core.training import (
     shared_options,
     step_dir_name,
 )
+from coci_lightning._epoch_end import (
+    as_after_the_batch,
+    epoch_end_metrics,
+    run_ends_with_this_epoch,
+    validation_follows,
+)
+from coci_lightning._hparams import check_hyperparameters
 from coci_lightning._resume import (
     coci_step_of,
     install_last_resolution,
@@ -57,6 +64,8 @@ __all__ = ["CociCheckpoint"]
 logger = logging.getLogger(__name__)
 
 RANK_STATE_KEY = "coci_rank_state"  # per-rank state in coci's saves: {"rng": ...}
+# in the callback's state of a save at an epoch's last step: the metrics its epoch end sees
+EPOCH_END_KEY = "epoch_end_metrics"
 
 
 class CociCheckpoint(Checkpoint):
@@ -79,9 +88,9 @@ class CociCheckpoint(Checkpoint):
         every_n_steps: the interval of that policy (a cap on the interval for ``coci``).
         every_n_seconds: the interval of that policy (a cap on the interval for ``coci``).
         every_n_epochs: also save after every N-th training epoch (as
-            ``ModelCheckpoint(every_n_epochs=N)``), at the end of the next epoch's first step
-            (so that the resume is exact). ``policy="epoch"`` saves only there (every epoch by
-            default), with the steps per epoch taken from the Trainer.
+            ``ModelCheckpoint(every_n_epochs=N)``), at the epoch's last step.
+            ``policy="epoch"`` saves only there (every epoch by default), with the steps per
+            epoch taken from the Trainer.
         monitor: a logged metric to use as the loss (default: the training step's loss).
         block: copy the state before the save returns (default), so that what the checkpoint
             holds is the state of the step whatever changes the tensors next (an EMA or
@@ -190,7 +199,14 @@ class CociCheckpoint(Checkpoint):
         self._last_saved_step: int | None = None
         self._fallback_for: str | None = None
         self._rng_in_state = True
-        self._deferred = False
+        self._deferred = False  # save at the next step (a planned save that could not be taken)
+        # the step of an epoch's last batch whose save waits for the validation after it
+        self._at_validation_end: int | None = None
+        self._epoch_end_metrics: dict[str, torch.Tensor] | None = None  # saved with the state
+        # from a checkpoint of an epoch's last step: its random states and logged metrics go
+        # back in on_train_start, before the epoch's end runs
+        self._rng_at_train_start = False
+        self._pending_metrics: dict[str, Any] | None = None
         self._start_step: int | None = None  # global_step at on_train_start (None: not started)
         self._plan_told = False
         self._warmed = False  # the save buffers were mapped in this fit
@@ -278,6 +294,7 @@ class CociCheckpoint(Checkpoint):
         io.live_state = None if own_hook else lambda: {"state_dict": pl_module.state_dict()}
         if stage != "fit":
             return
+        check_hyperparameters(trainer)  # refused now, not at the first save after training
         options = self.options
         if "total_steps" not in self.planner_options and trainer.max_steps > 0:
             planner = options.planner.with_total_steps(trainer.max_steps)
@@ -327,6 +344,15 @@ class CociCheckpoint(Checkpoint):
         self._start_step = trainer.global_step
         self._plan_told = False
         self._warmed = False
+        self._deferred = False
+        self._at_validation_end = None
+        if self._rng_at_train_start:  # resumed from an epoch's last step: see _epoch_end.py
+            self._rng_at_train_start = False
+            self._restore_rng(trainer)
+            if self._pending_metrics is not None:
+                # the live dict that the epoch-end hooks read (Lightning saves no metrics)
+                trainer.callback_metrics.update(self._pending_metrics)
+        self._pending_metrics = None
         if self.checkpointer is not None:
             self.checkpointer.warn_if_not_empty()  # a fresh run into another run's directory
         planner = self.checkpointer.planner if self.checkpointer is not None else None
@@ -362,9 +388,7 @@ class CociCheckpoint(Checkpoint):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self._pending_rng is not None:  # after a resume: continue the saved random streams
-            set_plain_rng_states(self._rng_for_rank(trainer, self._pending_rng))
-            self._pending_rng = None
+        self._restore_rng(trainer)  # after a resume: continue the saved random streams
         if self._last_end is None:
             self._last_end = time.perf_counter()
 
@@ -392,13 +416,19 @@ class CociCheckpoint(Checkpoint):
         ckpt.observe(trainer.global_step, loss=self._loss(trainer, outputs), step_time_s=step_time)
         planned = ckpt.should_save(trainer.global_step)  # every rank asks (shared decision)
         if self.policy == "epoch":
-            planned = False  # saved in on_train_epoch_end, after the epoch's last batch
+            planned = False  # the epoch saves are the every_n_epochs ones below
         self._check_monitor(trainer, planned)
-        if planned or self._deferred:
-            # Not on an epoch's last batch: Lightning's epoch-end work (epoch-interval LR
-            # schedulers, epoch hooks) would not be redone on resume. The next step saves.
-            self._deferred = bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
-            if not self._deferred:
+        last_batch = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+        epoch_save = (
+            last_batch
+            and self.every_n_epochs is not None
+            and (trainer.current_epoch + 1) % self.every_n_epochs == 0
+        )
+        if planned or epoch_save or self._deferred:
+            self._deferred = False
+            if last_batch:
+                self._save_at_epoch_end(trainer)
+            else:
                 self._save(trainer)
         elif not self._warmed and trainer.global_step > (self._start_step or 0):
             self._warm_up(trainer)
@@ -408,6 +438,16 @@ class CociCheckpoint(Checkpoint):
                 self._plan_told = True
                 self._tell_plan(trainer, ckpt)
         self._last_end = time.perf_counter()
+
+    def _save_at_epoch_end(self, trainer: pl.Trainer) -> None:
+        """A save at the step of an epoch's last batch, taken at that step in the state that
+        Lightning resumes exactly (see :mod:`coci_lightning._epoch_end`)."""
+        if self.save_on_train_end and run_ends_with_this_epoch(trainer):
+            return  # on_train_end saves this step, after the epoch's end (the final state)
+        if validation_follows(trainer):
+            self._at_validation_end = trainer.global_step
+        else:
+            self._save(trainer, epoch_end=True, after_the_batch=True)
 
     def _tell_plan(self, trainer: pl.Trainer, ckpt: Checkpointer) -> None:
         """One log line (rank 0) once the first plan is made: what it is and how to change it."""
@@ -465,14 +505,10 @@ class CociCheckpoint(Checkpoint):
         stopper = self._early_stopping(trainer)
         if stopper is not None and getattr(stopper, "_check_on_train_epoch_end", False):
             self._early_stopping_check(trainer, stopper)  # it checked in this hook, before us
-        # Saved at the end of the next epoch's first step, as a planned save on an epoch's
-        # last batch is: a checkpoint taken between epochs does not resume exactly (the data
-        # order of the next epoch and its epoch-end work). Not when the epoch was cut short.
-        if (
-            self.every_n_epochs is not None
-            and (trainer.current_epoch + 1) % self.every_n_epochs == 0
-            and trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
-        ):
+        if self._at_validation_end is not None:
+            # the validation the save waited for did not run: the next step saves instead (a
+            # checkpoint taken between epochs does not resume exactly)
+            self._at_validation_end = None
             self._deferred = True
 
     @override
@@ -482,6 +518,9 @@ class CociCheckpoint(Checkpoint):
             stopper = self._early_stopping(trainer)
             if stopper is not None and not getattr(stopper, "_check_on_train_epoch_end", False):
                 self._early_stopping_check(trainer, stopper)
+            if self._at_validation_end == trainer.global_step:
+                self._at_validation_end = None
+                self._save(trainer, epoch_end=True)  # after the epoch's last batch
 
     def _early_stopping(self, trainer: pl.Trainer) -> EarlyStopping | None:
         if not self.early_stopping_hazard or self.checkpointer is None:
@@ -588,21 +627,37 @@ class CociCheckpoint(Checkpoint):
         rank_state = {RANK_STATE_KEY: {"rng": collect_plain_rng_states()}}
         self.checkpointer.warm_up(state, per_rank=rank_state)
 
-    def _save(self, trainer: pl.Trainer, *, block: bool | None = None, alone: bool = False) -> None:
+    def _save(
+        self,
+        trainer: pl.Trainer,
+        *,
+        block: bool | None = None,
+        alone: bool = False,
+        epoch_end: bool = False,
+        after_the_batch: bool = False,
+    ) -> None:
         # Every rank gets here at the same steps (the decision is shared) and writes its share
         # of the state, and its own random states; ``alone``: only rank 0 got here.
+        # ``epoch_end``: after an epoch's last batch, before the epoch's end (resumed with the
+        # metrics that end sees); ``after_the_batch``: from on_train_batch_end of that batch.
         if self.checkpointer is None or self._last_saved_step == trainer.global_step:
             return
         alone = alone and trainer.world_size > 1
         if alone and not trainer.is_global_zero:
             return
         self._rng_in_state = False
+        self._epoch_end_metrics = epoch_end_metrics(trainer) if epoch_end else None
         try:
             # Private: the exact dict trainer.save_checkpoint writes, without writing a file
             # (Lightning has no public way to get it).
             state = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         finally:
             self._rng_in_state = True
+            self._epoch_end_metrics = None
+        if after_the_batch and not as_after_the_batch(state, trainer):
+            # an unknown loop layout: the next step saves (a state Lightning resumes exactly)
+            self._deferred = True
+            return
         self._last_saved_step = trainer.global_step
         self.checkpointer.save(
             trainer.global_step,
@@ -611,6 +666,12 @@ class CociCheckpoint(Checkpoint):
             per_rank={RANK_STATE_KEY: {"rng": collect_plain_rng_states()}},
             alone=alone,
         )
+
+    def _restore_rng(self, trainer: pl.Trainer) -> None:
+        """Put back the random states a resumed checkpoint holds for this rank (once)."""
+        if self._pending_rng is not None:
+            set_plain_rng_states(self._rng_for_rank(trainer, self._pending_rng))
+            self._pending_rng = None
 
     @staticmethod
     def _rng_for_rank(trainer: pl.Trainer, saved: dict[str, Any]) -> dict[str, Any]:
@@ -663,6 +724,9 @@ class CociCheckpoint(Checkpoint):
                 if trainer.is_global_zero:
                     _log_summary(ckpt)
         self._start_step = None
+        # what a checkpoint read by this stage left for a resumed fit is not for the next fit
+        self._pending_rng = self._pending_metrics = None
+        self._rng_at_train_start = False
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -671,6 +735,8 @@ class CociCheckpoint(Checkpoint):
         state: dict[str, Any] = {"rng": collect_plain_rng_states()} if self._rng_in_state else {}
         if self.checkpointer is not None:
             state.update(self.checkpointer.state_dict())
+        if self._epoch_end_metrics is not None:
+            state[EPOCH_END_KEY] = self._epoch_end_metrics
         return state
 
     @override
@@ -695,6 +761,9 @@ class CociCheckpoint(Checkpoint):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if "rng" in state_dict:  # older coci checkpoints, and Lightning's own
             self._pending_rng = state_dict["rng"]
+        metrics = state_dict.get(EPOCH_END_KEY)
+        self._rng_at_train_start = isinstance(metrics, dict)  # taken at an epoch's last step
+        self._pending_metrics = dict(metrics) if isinstance(metrics, dict) else None
         self._planner_state = state_dict
         if self.checkpointer is not None:
             self.checkpointer.load_state_dict(state_dict)

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration
+from accelerate.state import AcceleratorState
+from accelerate.utils import DataLoaderConfiguration, set_seed
+from torch.utils.data import DataLoader
 
 from coci_accelerate import CociCheckpointer
 from coci_core import CheckpointManager
 from coci_core.planner import EveryNSteps
+from tests.accelerate.loop import digits
 
 
 @pytest.mark.parametrize(
@@ -54,3 +58,67 @@ def test_every_3_steps_saves_at_3_6_9(
     for step, state in restored.items():
         assert state["completed_steps"] == step
         assert torch.equal(state["models"][0]["weight"], weights[step])
+
+
+class _Stop(Exception):
+    pass
+
+
+def _accumulating_loop(directory: Path, *, stop_at: int | None = None) -> dict[str, Any]:
+    """Two epochs of 64 batches of 8 digits, gradient_accumulation_steps=2 (32 optimizer steps an
+    epoch), an epoch-interval LR schedule, every_n_steps=16; resumed from the newest checkpoint;
+    ``stop_at``: raise after that many optimizer steps (a crash: no final save)."""
+    AcceleratorState._reset_state(True)
+    set_seed(5)
+    accelerator = Accelerator(
+        cpu=True,
+        project_dir=str(directory),
+        gradient_accumulation_steps=2,
+        dataloader_config=DataLoaderConfiguration(
+            use_seedable_sampler=True, use_stateful_dataloader=True
+        ),
+    )
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    loader = DataLoader(digits(512), batch_size=8, shuffle=True)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    ckpt = CociCheckpointer(accelerator, policy="every_n_steps", every_n_steps=16, keep_last=None)
+    start = ckpt.resume()
+    try:
+        while ckpt.completed_steps < 64:
+            for x, y, _ in loader:
+                with accelerator.accumulate(model):
+                    accelerator.backward(torch.nn.functional.cross_entropy(model(x), y))
+                    optimizer.step()
+                    optimizer.zero_grad()
+                ckpt.step()
+                if ckpt.completed_steps == stop_at:
+                    raise _Stop
+                if ckpt.completed_steps >= 64:
+                    break
+    finally:
+        ckpt.close()
+    weights = accelerator.unwrap_model(model).state_dict()
+    return {"start": start, "weights": {k: v.clone() for k, v in weights.items()}}
+
+
+def test_every_16_optimizer_steps_with_accumulation_across_epochs_and_a_resume(
+    tmp_path: Path,
+) -> None:
+    """Issue 28 (12), the core rule with Accelerate: with gradient accumulation (a step is two
+    batches) over two epochs, saves at 16, 32 (the first epoch's end), 48 and 64, each holding
+    that many optimizer steps; a loop stopped at step 40 resumes from 32 and saves on at 48
+    and 64, ending with the weights of the uninterrupted loop."""
+    reference = _accumulating_loop(tmp_path / "ref")
+    expected = [16, 32, 48, 64]
+    with CheckpointManager(tmp_path / "ref" / "coci", keep_last=None) as mgr:
+        assert mgr.steps() == expected
+        assert [mgr.restore(s)["completed_steps"] for s in expected] == expected
+    with pytest.raises(_Stop):
+        _accumulating_loop(tmp_path / "run", stop_at=40)
+    assert CheckpointManager(tmp_path / "run" / "coci", keep_last=None).steps() == [16, 32]
+    resumed = _accumulating_loop(tmp_path / "run")
+    assert resumed["start"] == 32
+    assert CheckpointManager(tmp_path / "run" / "coci", keep_last=None).steps() == expected
+    for name, tensor in reference["weights"].items():
+        assert torch.equal(resumed["weights"][name], tensor), name

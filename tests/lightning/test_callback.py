@@ -317,17 +317,18 @@ def test_replaces_default_model_checkpoint(tmp_path: Path) -> None:
     assert torch.get_num_threads() >= 1
 
 
-def test_save_planned_on_an_epochs_last_batch_moves_to_the_next_step(
+def test_save_planned_on_an_epochs_last_batch_is_taken_at_that_step(
     tmp_path: Path, reference: DigitsModel
 ) -> None:
-    """A save planned on the last batch of an epoch (whose epoch-end work a resume would not
-    redo) is taken one step later, and the resume from it is bit-exact."""
+    """A save planned on the last batch of an epoch is taken at that step (as
+    ModelCheckpoint(every_n_train_steps=16) takes it), and the resume from it, which runs the
+    epoch's end work (an epoch-interval LR schedule), is bit-exact."""
     _fit(
         tmp_path,
         20,
         [CociCheckpoint(policy="every_n_steps", every_n_steps=16, save_on_train_end=False)],
     )
-    assert CheckpointManager(tmp_path / "coci").steps() == [17]
+    assert CheckpointManager(tmp_path / "coci").steps() == [16]
     resumed = _fit(
         tmp_path,
         40,
@@ -336,7 +337,7 @@ def test_save_planned_on_an_epochs_last_batch_moves_to_the_next_step(
         ckpt_path="last",
     )
     assert digest(resumed) == digest(reference)
-    assert resumed.seen == reference.seen[17 * 16 :]
+    assert resumed.seen == reference.seen[16 * 16 :]
 
 
 def test_a_fresh_fit_into_another_runs_directory(
@@ -378,16 +379,15 @@ def test_a_fresh_fit_into_another_runs_directory(
 def test_epoch_end_saves_resume_exactly(
     tmp_path: Path, reference: DigitsModel, options: dict[str, Any]
 ) -> None:
-    """policy="epoch" (steps per epoch from the Trainer) and every_n_epochs save once each
-    epoch ended (at the next epoch's first step); a run resumed from such a checkpoint (with an
-    epoch-interval LR schedule) ends bit-identical."""
+    """policy="epoch" (steps per epoch from the Trainer) and every_n_epochs save at each
+    epoch's last step (where ModelCheckpoint(every_n_epochs=1) saves); a run resumed from such
+    a checkpoint (with an epoch-interval LR schedule) ends bit-identical."""
     _fit(tmp_path, 2 * STEPS_PER_EPOCH + 7, [CociCheckpoint(save_on_train_end=False, **options)])
     with CheckpointManager(tmp_path / "coci") as mgr:
-        # after each epoch's end work, at the next epoch's first step
-        assert mgr.steps() == [STEPS_PER_EPOCH + 1, 2 * STEPS_PER_EPOCH + 1]
+        assert mgr.steps() == [STEPS_PER_EPOCH, 2 * STEPS_PER_EPOCH]
     resumed = _fit(tmp_path, 40, [CociCheckpoint(**options)], seed=99, ckpt_path="last")
     assert digest(resumed) == digest(reference)
-    assert resumed.seen == reference.seen[(2 * STEPS_PER_EPOCH + 1) * 16 :]
+    assert resumed.seen == reference.seen[2 * STEPS_PER_EPOCH * 16 :]
 
 
 def test_every_n_epochs_is_checked() -> None:

@@ -50,12 +50,20 @@ class ValidatedDigits(DigitsModel):
 
 
 class Spy(pl.Callback):
-    """Records the planner's report and explanation at the second step of each epoch."""
+    """Records the planner's report and explanation at the second step of each epoch, and the
+    committed steps when training ends, before the CociCheckpoint's final save (Checkpoint
+    callbacks run last)."""
 
     def __init__(self, ckpt: CociCheckpoint) -> None:
         self.ckpt = ckpt
         self.reports: list[Any] = []
         self.explained: list[str] = []
+        self.before_final_save: list[int] | None = None
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        assert self.ckpt.checkpointer is not None
+        self.ckpt.checkpointer.wait()
+        self.before_final_save = _saved(Path(self.ckpt.resolve_dirpath(trainer)))
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         planner = self.ckpt.checkpointer.planner if self.ckpt.checkpointer else None
@@ -108,9 +116,10 @@ def test_early_stopping_enters_the_plan_and_a_stopped_run_takes_no_final_save(
     assert rep.stop_probability > 0.5
     assert "termination hazard: EarlyStopping" in spy.explained[-1]
     assert "the hazard accounts for" in spy.explained[-1]
-    # the run was stopped: no final save at its last step, only the planned ones (every <= 3)
+    # the run was stopped: no final save, only the planned ones (every <= 3; the last step's
+    # too when the plan has it: taken before the epoch's end, where EarlyStopping stops)
     saved = _saved(tmp_path / "a")
-    assert saved and saved[-1] < trainer.global_step
+    assert saved and spy.before_final_save and saved[-1] == spy.before_final_save[-1]
 
     kept = CociCheckpoint(tmp_path / "b", every_n_steps=3, mtbf_s=600.0, save_when_stopped=True)
     trainer = _trainer(tmp_path, [EarlyStopping(monitor="val_loss", patience=3), kept])

@@ -4,17 +4,32 @@ The JSON tree is what the manifest stores; every tensor (or numpy array) in the 
 ``{"t": "tensor", "id": n}`` node pointing into the leaf list. Nothing here serializes tensor
 bytes and nothing executes code on the way back: the only opt-in exception is ``torch.save``'d
 leaves, which are read back with ``torch.load(weights_only=True)``.
+
+A few types that hyper-parameters are made of are stored as plain values plus the name of their
+type, and built back only from fixed lists of names: OmegaConf's ``DictConfig`` and
+``ListConfig`` (their content unresolved, as ``OmegaConf.to_container(resolve=False)`` gives it,
+and their root's ``readonly``/``struct`` flags; built with ``OmegaConf.create`` when omegaconf
+is installed, else plain dicts and lists), ``argparse.Namespace``, ``pathlib`` paths, and the
+classes ``omegaconf.DictConfig``, ``omegaconf.ListConfig`` and ``argparse.Namespace`` themselves
+(Lightning records its hyper-parameters' type as the class).
 """
 
 from __future__ import annotations
 
+import argparse
 import base64
 import binascii
+import dataclasses
+import enum
+import importlib
 import io
+import logging
 import math
 import os
+import pathlib
 import pickle
 import re
+import sys
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -28,16 +43,26 @@ from coci_core.errors import CorruptCheckpointError, UnsafeCheckpointError, Unsu
 
 __all__ = [
     "MAX_TREE_DEPTH",
+    "WRAPPER_TAGS",
     "ArrayLeaf",
     "FlatState",
     "check_tree",
     "decode_dtype",
     "flatten_state",
+    "build_wrapped",
     "ndarray_dtype",
     "unflatten_state",
 ]
 
 LeafKind = Literal["tensor", "ndarray", "torch_save"]
+
+logger = logging.getLogger(__name__)
+
+# Types stored by name (see the module's docstring); nothing else is ever built from a name.
+_CONFIG_TYPES = ("DictConfig", "ListConfig")  # omegaconf's containers
+_CONFIG_FLAGS = ("struct", "readonly")  # the root flags stored
+_PATH_TYPES = ("PurePath", "PurePosixPath", "PureWindowsPath", "Path", "PosixPath", "WindowsPath")
+_CLASSES = ("omegaconf.DictConfig", "omegaconf.ListConfig", "argparse.Namespace")
 
 # dtypes whose bytes can be copied and viewed (sub-byte and quantized dtypes cannot).
 _SUPPORTED_DTYPES: dict[str, torch.dtype] = {
@@ -222,8 +247,10 @@ class _Flattener:
         return {"t": kind, "id": index}
 
     def encode(self, value: Any, key: str) -> Any:
-        if value is None or isinstance(value, (bool, str)):
+        if value is None or type(value) in (bool, str):
             return value
+        if isinstance(value, str) and not isinstance(value, enum.Enum):
+            return value  # a str subclass (numpy.str_) as its str; a StrEnum member is refused
         if isinstance(value, int) and type(value) is int:
             return value
         if type(value) is float:
@@ -256,7 +283,55 @@ class _Flattener:
             finally:
                 self._depth -= 1
             return {"t": "list" if type(value) is list else "tuple", "v": items}
-        return self._fallback(value, key)
+        return self._encode_named(value, key)
+
+    def _encode_named(self, value: Any, key: str) -> Any:
+        """A value stored with the name of its type (see the module's docstring), or the
+        fallback, with what to store instead for types a checkpoint cannot name."""
+        config = _config_type(value)
+        if config is not None:
+            return self._encode_config(value, config, key)
+        if type(value) is argparse.Namespace:
+            return self._wrapped("namespace", vars(value), key)
+        if _path_type(value) is not None:
+            return {"t": "path", "type": type(value).__name__, "v": str(value)}
+        name = _class_name(value)
+        if name is not None:
+            return {"t": "class", "v": name}
+        return self._fallback(value, key, why=_why_not_stored(value))
+
+    def _wrapped(self, tag: str, content: Any, key: str, **fields: Any) -> Any:
+        self._enter(key)  # the wrapper counts as a container level (as its content does)
+        try:
+            return {"t": tag, **fields, "v": self.encode(content, key)}
+        finally:
+            self._depth -= 1
+
+    def _encode_config(self, value: Any, kind: str, key: str) -> Any:
+        from omegaconf import OmegaConf, SCMode  # importable: ``value`` is one of its objects
+
+        schema = OmegaConf.get_type(value)
+        if schema not in (dict, list, tuple):
+            raise UnsupportedValueError(
+                f"state value at {key[:200]!r} is a structured OmegaConf config (of "
+                f"{getattr(schema, '__qualname__', schema)}): restoring it would import that "
+                "class, code that a checkpoint must not run; store it as a plain config, "
+                "OmegaConf.create(OmegaConf.to_container(cfg)), which coci stores exactly"
+            )
+        # nested structured nodes stay DictConfig objects here, and are refused above
+        content = OmegaConf.to_container(
+            value, resolve=False, structured_config_mode=SCMode.DICT_CONFIG
+        )
+        flags = {
+            flag: bool(on)
+            for flag, on in (
+                ("struct", OmegaConf.is_struct(value)),
+                ("readonly", OmegaConf.is_readonly(value)),
+            )
+            if on is not None
+        }
+        extra = {"flags": flags} if flags else {}
+        return self._wrapped("config", content, key, type=kind, **extra)
 
     def _encode_tensor(self, t: torch.Tensor, key: str) -> Any:
         if t.is_sparse or t.layout != torch.strided:
@@ -352,6 +427,118 @@ class _Flattener:
         return self.add_leaf(key, data, "torch_save")
 
 
+def _config_type(value: Any) -> str | None:
+    """``"DictConfig"`` or ``"ListConfig"`` when ``value`` is one (omegaconf is imported then:
+    nothing is imported to find out)."""
+    omegaconf = sys.modules.get("omegaconf")
+    if omegaconf is None or not type(value).__module__.startswith("omegaconf"):
+        return None
+    return next((n for n in _CONFIG_TYPES if isinstance(value, getattr(omegaconf, n))), None)
+
+
+def _path_type(value: Any) -> str | None:
+    """The name of ``value``'s pathlib class, when it is a path of one of them."""
+    name = type(value).__name__
+    return name if name in _PATH_TYPES and getattr(pathlib, name) is type(value) else None
+
+
+def _class_name(value: Any) -> str | None:
+    """The name under which a class of ``_CLASSES`` is stored, when ``value`` is one."""
+    if value is argparse.Namespace:
+        return "argparse.Namespace"
+    omegaconf = sys.modules.get("omegaconf")
+    for name in _CONFIG_TYPES:
+        if omegaconf is not None and value is getattr(omegaconf, name):
+            return f"omegaconf.{name}"
+    return None
+
+
+def _why_not_stored(value: Any) -> str | None:
+    """Why a value of a user-defined type cannot be stored by coci, and what to store."""
+    cls = type(value)
+    what = f"{cls.__module__}.{cls.__qualname__}"
+    if isinstance(value, enum.Enum):
+        return (
+            f"{what}.{value.name} is an enum member: restoring it would import {what}, code "
+            "that a checkpoint must not run; store its .value or .name"
+        )
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return (
+            f"an instance of the dataclass {what}: restoring it would import that class, code "
+            "that a checkpoint must not run; store dataclasses.asdict(value)"
+        )
+    return None
+
+
+def _import_omegaconf() -> Any:
+    """omegaconf, when it is installed (imported by this fixed name only), else None."""
+    try:
+        return importlib.import_module("omegaconf")
+    except ImportError:
+        return None
+
+
+_warned_no_omegaconf = False
+
+
+def _without_omegaconf(what: str) -> None:
+    global _warned_no_omegaconf
+    if not _warned_no_omegaconf:
+        _warned_no_omegaconf = True
+        logger.warning(
+            "coci: the checkpoint holds %s, and omegaconf is not installed: it comes back as "
+            "plain dicts and lists (pip install omegaconf to get the DictConfig back)",
+            what,
+        )
+
+
+def _make_config(kind: str, content: Any, flags: Mapping[str, bool]) -> Any:
+    """A ``DictConfig``/``ListConfig`` built back from its stored content and flags (the plain
+    content when omegaconf is not installed)."""
+    if type(content) is not (dict if kind == "DictConfig" else list):
+        raise CorruptCheckpointError(f"a stored {kind} holds a {type(content).__name__}")
+    omegaconf = _import_omegaconf()
+    if omegaconf is None:
+        _without_omegaconf(f"an OmegaConf {kind}")
+        return content
+    try:
+        conf = omegaconf.OmegaConf
+        config = conf.create(content)
+        if "struct" in flags:  # before readonly, which would refuse it
+            conf.set_struct(config, flags["struct"])
+        if "readonly" in flags:
+            conf.set_readonly(config, flags["readonly"])
+    except Exception as e:  # omegaconf's own errors (a bad key or interpolation)
+        raise CorruptCheckpointError(f"a stored {kind} does not build: {e}") from e
+    return config
+
+
+def _make_namespace(content: Any) -> argparse.Namespace:
+    if type(content) is not dict or not all(type(k) is str for k in content):
+        raise CorruptCheckpointError("a stored argparse.Namespace holds no str-keyed dict")
+    return argparse.Namespace(**content)
+
+
+def _make_path(name: str, text: str) -> pathlib.PurePath:
+    cls: type[pathlib.PurePath] = getattr(pathlib, name)  # one of _PATH_TYPES (checked)
+    try:
+        return cls(text)
+    except NotImplementedError:  # a concrete path of another OS: its pure form
+        pure = pathlib.PureWindowsPath if name == "WindowsPath" else pathlib.PurePosixPath
+        return pure(text)
+
+
+def _make_class(name: str) -> Any:
+    if name == "argparse.Namespace":
+        return argparse.Namespace
+    omegaconf = _import_omegaconf()
+    short = name.removeprefix("omegaconf.")
+    if omegaconf is None:  # Lightning reads a str type as "its own AttributeDict"
+        _without_omegaconf(f"the class {name}")
+        return short
+    return getattr(omegaconf, short)
+
+
 def _check_loadable(data: bytes, value: Any, key: str) -> None:
     """Refuse at save what ``load_torch_saved`` would refuse at restore: the value must load back
     with ``torch.load(weights_only=True)`` (with whatever ``add_safe_globals`` registered)."""
@@ -413,6 +600,10 @@ def unflatten_state(tree: Any, leaves: list[Any]) -> Any:
 
 _LEAF_TAGS = ("tensor", "ndarray", "torch_save")
 _CONTAINER_TAGS = ("list", "tuple", "dict", "odict")
+#: nodes that wrap a container node ("v") and build a value of another type from it
+WRAPPER_TAGS = ("config", "namespace")
+# a wrapper's content: the container node it must be (by the wrapper's "type")
+_WRAPPED = {"DictConfig": "dict", "ListConfig": "list", "namespace": "dict"}
 _NODE_FIELDS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     # tag: (required fields, optional fields), besides "t"
     **{tag: (frozenset({"id"}), frozenset()) for tag in _LEAF_TAGS},
@@ -425,6 +616,10 @@ _NODE_FIELDS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "tuple": (frozenset({"v"}), frozenset()),
     "dict": (frozenset(), frozenset({"v", "items", "metadata"})),
     "odict": (frozenset(), frozenset({"v", "items", "metadata"})),
+    "config": (frozenset({"type", "v"}), frozenset({"flags"})),
+    "namespace": (frozenset({"v"}), frozenset()),
+    "path": (frozenset({"type", "v"}), frozenset()),
+    "class": (frozenset({"v"}), frozenset()),
 }
 _MAX_INT64 = 2**63 - 1
 
@@ -523,6 +718,17 @@ def check_tree(
         elif tag == "bytes":
             if type(value) is not str:
                 raise CorruptCheckpointError(f"{where}: a bytes node holds no string")
+        elif tag == "path":
+            if node["type"] not in _PATH_TYPES or type(value) is not str:
+                raise CorruptCheckpointError(f"{where}: a path node is malformed")
+        elif tag == "class":
+            if value not in _CLASSES:
+                raise CorruptCheckpointError(f"{where}: class {str(value)[:80]!r} is not stored")
+        elif tag in WRAPPER_TAGS:
+            _check_wrapper(node, where)
+            if depth + 1 > MAX_TREE_DEPTH:
+                raise CorruptCheckpointError(f"{where}: nested more than {MAX_TREE_DEPTH} deep")
+            stack.append((value, path, depth + 1))
         else:  # containers
             if depth + 1 > MAX_TREE_DEPTH:
                 raise CorruptCheckpointError(f"{where}: nested more than {MAX_TREE_DEPTH} deep")
@@ -553,6 +759,33 @@ def check_tree(
         raise CorruptCheckpointError(
             f"{what}: holds {next_id} of its {n_leaves} arrays (array {next_id} is not in it)"
         )
+
+
+def build_wrapped(node: Mapping[str, Any], content: Any) -> Any:
+    """The value of a checked ``config`` or ``namespace`` node (see :data:`WRAPPER_TAGS`),
+    from its content, already built.
+
+    Raises:
+        CorruptCheckpointError: the content does not build one.
+    """
+    if node["t"] == "config":
+        return _make_config(node["type"], content, node.get("flags", {}))
+    return _make_namespace(content)
+
+
+def _check_wrapper(node: dict[str, Any], where: str) -> None:
+    """A config or namespace node: a known type, known flags, and a container of its kind."""
+    kind = node["type"] if node["t"] == "config" else "namespace"
+    if node["t"] == "config" and kind not in _CONFIG_TYPES:
+        raise CorruptCheckpointError(f"{where}: config type {str(kind)[:40]!r} is not stored")
+    flags = node.get("flags", {})
+    if type(flags) is not dict or not all(
+        f in _CONFIG_FLAGS and type(v) is bool for f, v in flags.items()
+    ):
+        raise CorruptCheckpointError(f"{where}: a config node's flags are malformed")
+    content = node["v"]
+    if type(content) is not dict or content.get("t") != _WRAPPED[kind]:
+        raise CorruptCheckpointError(f"{where}: a {kind} node holds no {_WRAPPED[kind]} node")
 
 
 def _check_key(k: Any, where: str, depth: int) -> None:
@@ -606,6 +839,12 @@ def _decode(node: Any, leaves: list[Any]) -> Any:
             if "metadata" in node:
                 out._metadata = _decode(node["metadata"], leaves)  # type: ignore[attr-defined]
             return out
+        if tag in WRAPPER_TAGS:
+            return build_wrapped(node, _decode(node["v"], leaves))
+        if tag == "path":
+            return _make_path(node["type"], node["v"])
+        if tag == "class":
+            return _make_class(node["v"])
     except (KeyError, IndexError, TypeError, ValueError, OverflowError, binascii.Error) as e:
         raise CorruptCheckpointError(f"malformed state tree node {tag!r}: {e}") from e
     raise CorruptCheckpointError(f"unknown state tree node type {str(tag)[:40]!r}")

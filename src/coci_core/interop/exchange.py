@@ -6,9 +6,12 @@ What each format holds for other tools:
 
 - ``.pt`` (``torch.save``): the state as it was, except that numpy arrays are stored as tensors
   (of the same bytes and shape) and numpy scalars as Python numbers, so that plain
-  ``torch.load(path)`` (``weights_only=True``) loads it. The note (JSON: the state's coci tree
-  and where each array is) is one more record of the zip archive, ``<archive>/coci_export.json``,
-  which ``torch.load`` ignores.
+  ``torch.load(path)`` (``weights_only=True``) loads it; a state holding values coci stores by
+  the name of their type (OmegaConf configs, ``argparse.Namespace``, paths: hyper-parameters)
+  has them as those objects, as Lightning's own ``.ckpt`` files do, and loads with
+  ``weights_only=False`` (or ``LightningModule.load_from_checkpoint(..., weights_only=False)``).
+  The note (JSON: the state's coci tree and where each array is) is one more record of the zip
+  archive, ``<archive>/coci_export.json``, which ``torch.load`` ignores.
 - ``.safetensors``: one tensor per array, named by its path (``model.0.weight``); the note is
   the ``coci_export`` entry of the metadata header (strings and numbers live there).
 - DCP: the state as it was (numpy as tensors, numpy scalars as numbers); the note is the file
@@ -23,6 +26,7 @@ checked before anything is built from it.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import zipfile
@@ -35,6 +39,8 @@ from typing import Any
 import torch
 
 from coci_core.engine.tree import (
+    WRAPPER_TAGS,
+    build_wrapped,
     check_tree,
     encode_dtype,
     flatten_state,
@@ -119,7 +125,9 @@ def _naturalize(state: Mapping[str, Any]) -> _Natural:
             if "metadata" in node:
                 out._metadata = unflatten_state(node["metadata"], [])  # type: ignore[attr-defined]
             return out
-        return unflatten_state(node, [])  # float, dtype, size, bytes
+        if tag in WRAPPER_TAGS:  # a DictConfig or Namespace: its items at its positions
+            return build_wrapped(node, build(node["v"], pos, keys))
+        return unflatten_state(node, [])  # float, dtype, size, bytes, path, class
 
     natural = build(flat.tree, [], [])
     assert isinstance(natural, dict)
@@ -244,7 +252,9 @@ def pt_locator(state: Any, what: str) -> Callable[[Any], Any]:
         for i in pos:
             items = items_of.get(id(node))
             if items is None:
-                if isinstance(node, Mapping):
+                if isinstance(node, argparse.Namespace):
+                    items = list(vars(node).values())
+                elif isinstance(node, Mapping):
                     items = list(node.values())
                 elif type(node) in (list, tuple):
                     items = list(node)

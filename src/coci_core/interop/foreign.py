@@ -52,9 +52,9 @@ from typing import Any, BinaryIO
 
 import torch
 
+from coci_core.engine.pickle_tree import PickleTree, pickle_tree
 from coci_core.engine.tree import load_weights_only
 from coci_core.errors import CociError, CorruptCheckpointError, StorageError, UnsafeCheckpointError
-from coci_core.engine.pickle_tree import PickleTree, pickle_tree
 from coci_core.storage.local import open_regular
 
 __all__ = ["read_dcp", "read_foreign", "read_foreign_with_step"]

@@ -1,0 +1,97 @@
+"""Saves planned at an epoch's last step, taken at that step and resumed exactly.
+
+Lightning resumes none of the states at an epoch's end exactly: a checkpoint taken in
+``on_train_batch_end`` of the last batch (``ModelCheckpoint(every_n_train_steps=N)``'s) is
+resumed as if the epoch had ended, without its epoch-end validation and one epoch ahead; one
+taken after the epoch's end work resumes into an exhausted data loader and an empty epoch. The
+state Lightning's loops do resume exactly is the one *after the last batch, before the epoch's
+end*: after the validation that follows the batch, if any (``RESTARTED_ON_LAST``: the resumed
+run skips that validation and runs the epoch's end: ``on_train_epoch_end`` hooks, epoch-interval
+LR schedulers, then the next epoch from a fresh loader iterator).
+
+So a save at an epoch's last step is taken at the end of its validation when one follows the
+batch, else in ``on_train_batch_end`` with the two counters Lightning advances right after that
+hook (the batch's ``completed`` count, and the optimizer-stepped batches its loggers count)
+advanced in the saved copy. The resumed run puts the random states back before the epoch's end
+(not at its first batch, as for a checkpoint within an epoch), and gives the epoch-end hooks
+the metrics the epoch logged (Lightning does not save logged metrics, and the resumed run
+trained none of that epoch's steps: ``EarlyStopping(check_on_train_epoch_end=True)`` would find
+no value).
+
+These read Lightning internals (the fit loop's progress counters and its validation decision);
+``tests/lightning/test_epoch_end_saves.py`` checks them against an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+__all__ = [
+    "as_after_the_batch",
+    "epoch_end_metrics",
+    "run_ends_with_this_epoch",
+    "validation_follows",
+]
+
+
+def validation_follows(trainer: pl.Trainer) -> bool:
+    """Whether Lightning validates right after the current training batch (its own decision,
+    taken in the epoch loop's ``on_advance_end``)."""
+    loop = trainer.fit_loop
+    fetcher = loop._data_fetcher
+    # Private: the decision Lightning takes a moment later, with the same inputs.
+    return fetcher is not None and bool(loop.epoch_loop._should_check_val_fx(fetcher))
+
+
+def run_ends_with_this_epoch(trainer: pl.Trainer) -> bool:
+    """Whether ``fit`` ends once the current (last) batch's epoch has ended: ``max_steps``
+    reached, or this is the ``max_epochs``-th epoch (both stop Lightning unconditionally)."""
+    if 0 < trainer.max_steps <= trainer.global_step:
+        return True
+    max_epochs = trainer.max_epochs
+    return max_epochs is not None and max_epochs >= 0 and trainer.current_epoch + 1 >= max_epochs
+
+
+def as_after_the_batch(state: dict[str, Any], trainer: pl.Trainer) -> bool:
+    """Turn a checkpoint dumped in ``on_train_batch_end`` into the state after that batch:
+    advance the two counters Lightning advances right after the hook. False (``state``
+    unchanged) when the checkpoint does not have the layout this expects."""
+    try:
+        loop = state["loops"]["fit_loop"]
+        progress = loop["epoch_loop.batch_progress"]
+        counters = [progress["total"], progress["current"]]
+        stepped = loop["epoch_loop.state_dict"]
+        if not all(type(c.get("completed")) is int for c in counters):
+            return False
+        if type(stepped.get("_batches_that_stepped")) is not int:
+            return False
+    except (KeyError, TypeError):
+        return False
+    for counter in counters:
+        counter["completed"] += 1
+    # Private: whether this batch stepped the optimizer, as Lightning asks before counting it.
+    if not trainer.fit_loop._should_accumulate():
+        stepped["_batches_that_stepped"] += 1
+    return True
+
+
+def epoch_end_metrics(trainer: pl.Trainer) -> dict[str, torch.Tensor]:
+    """The metrics the epoch-end hooks will see (``trainer.callback_metrics`` at
+    ``on_train_epoch_end``): the logged values so far, with the epoch's aggregates computed
+    now (the epoch's last batch has logged)."""
+    metrics = dict(trainer.callback_metrics)
+    try:
+        # Private: the epoch aggregates Lightning computes at the epoch's end from the same
+        # results (cached there, so they are not computed twice).
+        results = trainer.fit_loop.epoch_loop._results
+        metrics.update(results.metrics(False)["callback"])
+    except (AttributeError, KeyError, TypeError):
+        pass
+    return {
+        str(k): v.detach().cpu() if isinstance(v, torch.Tensor) else torch.tensor(float(v))
+        for k, v in metrics.items()
+        if isinstance(v, (torch.Tensor, int, float))
+    }

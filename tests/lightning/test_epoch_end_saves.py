@@ -1,0 +1,197 @@
+"""Issue 28 (12): a fixed interval saves at exactly the multiples of N of ``global_step``, where
+``ModelCheckpoint(every_n_train_steps=N)`` saves, also at an epoch's last step, and a resume from
+such a checkpoint ends bit-identical to the uninterrupted run (see coci_lightning/_epoch_end.py)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from coci_core import CheckpointManager
+from coci_lightning import CociCheckpoint
+from tests.lightning.models import DigitsModel, IndexedDigits, digest
+
+pytestmark = pytest.mark.filterwarnings("ignore:Checkpoint directory .* exists and is not empty")
+
+SAMPLES = 256
+
+
+class _EpochModel(DigitsModel):
+    """DigitsModel (dropout, epoch-interval StepLR, shuffling stateful loader) that also logs an
+    epoch mean, records its epoch hooks and, with ``validate``, validates at each epoch's end."""
+
+    def __init__(self, batch_size: int = 16, validate: bool = False) -> None:
+        super().__init__(batch_size=batch_size)
+        self.validate = validate
+        self.events: list[tuple[str, int, int]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.log("loss_mean", loss, on_step=False, on_epoch=True)
+        return loss
+
+    def on_train_epoch_start(self) -> None:
+        self.events.append(("epoch_start", self.trainer.global_step, self.trainer.current_epoch))
+
+    def on_train_epoch_end(self) -> None:
+        self.events.append(("epoch_end", self.trainer.global_step, self.trainer.current_epoch))
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y, _ = batch
+        self.log("val_loss", torch.nn.functional.cross_entropy(self.net(x), y))
+
+    def on_validation_epoch_end(self) -> None:
+        self.events.append(("validation", self.trainer.global_step, self.trainer.current_epoch))
+
+    def val_dataloader(self) -> Any:
+        return StatefulDataLoader(IndexedDigits(32), batch_size=16)
+
+
+def _fit(
+    root: Path,
+    callbacks: list[pl.Callback],
+    *,
+    seed: int = 1,
+    validate: bool = False,
+    batch_size: int = 16,
+    ckpt_path: str | None = None,
+    **trainer_options: Any,
+) -> tuple[_EpochModel, pl.Trainer]:
+    pl.seed_everything(seed, verbose=False)
+    model = _EpochModel(batch_size=batch_size, validate=validate)
+    options: dict[str, Any] = {
+        "accelerator": "cpu",
+        "logger": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "default_root_dir": root,
+        "log_every_n_steps": 1,
+        "num_sanity_val_steps": 0,
+        "limit_val_batches": 1.0 if model.validate else 0,
+        **trainer_options,
+    }
+    trainer = pl.Trainer(callbacks=callbacks, **options)
+    trainer.fit(model, ckpt_path=ckpt_path)
+    return model, trainer
+
+
+def _model_checkpoint_steps(directory: Path) -> list[int]:
+    return sorted(int(re.search(r"step=(\d+)", p.name)[1]) for p in directory.glob("*.ckpt"))  # type: ignore[index]
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_every_n_steps_saves_where_model_checkpoint_does(tmp_path: Path, accumulate: int) -> None:
+    """Two epochs of 64 batches, every 16 optimizer steps, beside
+    ModelCheckpoint(every_n_train_steps=16) in the same Trainer: the same steps, the multiples of
+    16, the epoch's last step included (and with accumulate_grad_batches=2, where a step is
+    two batches), the final one being the end-of-fit save."""
+    steps = 2 * (SAMPLES // 4) // accumulate
+    coci = CociCheckpoint(policy="every_n_steps", every_n_steps=16, keep_last=None)
+    reference = ModelCheckpoint(
+        dirpath=tmp_path / "mc", every_n_train_steps=16, save_top_k=-1, filename="{step}"
+    )
+    _fit(
+        tmp_path,
+        [coci, reference],
+        batch_size=4,
+        max_steps=steps,
+        accumulate_grad_batches=accumulate,
+    )
+    expected = list(range(16, steps + 1, 16))
+    assert _model_checkpoint_steps(tmp_path / "mc") == expected
+    with CheckpointManager(tmp_path / "coci", keep_last=None) as mgr:
+        assert mgr.steps() == expected
+        saved = [mgr.restore(s) for s in expected]
+    # each holds the state after that step's batches (not one batch of the next step)
+    assert [s["global_step"] for s in saved] == expected
+    batches = [
+        s["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]["processed"] for s in saved
+    ]
+    assert batches == [step * accumulate for step in expected]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, tuple[Any, ...]]:
+    """40 steps (2.5 epochs of 16) without checkpoints, without and with validation."""
+    runs = {}
+    for validate in (False, True):
+        runs[validate] = _fit(tmp_path_factory.mktemp("ref"), [], validate=validate, max_steps=40)
+    return runs
+
+
+def _same_run(
+    resumed: tuple[_EpochModel, pl.Trainer], reference: tuple[_EpochModel, pl.Trainer], start: int
+) -> None:
+    """The resumed run ends where the uninterrupted one does, having done what it did after
+    step ``start``: weights, samples, epochs, hooks, learning rate, logger step count."""
+    (model, trainer), (ref_model, ref_trainer) = resumed, reference
+    assert digest(model) == digest(ref_model)
+    assert model.seen == ref_model.seen[start * 16 :]
+    events = ref_model.events
+    assert model.events == events[events.index(("epoch_end", start, start // 16 - 1)) :]
+    assert trainer.current_epoch == ref_trainer.current_epoch
+    lr = [t.optimizers[0].param_groups[0]["lr"] for t in (trainer, ref_trainer)]
+    assert lr[0] == lr[1]
+    loops = (trainer.fit_loop.epoch_loop, ref_trainer.fit_loop.epoch_loop)
+    assert loops[0]._batches_that_stepped == loops[1]._batches_that_stepped
+
+
+@pytest.mark.parametrize("validate", [False, True], ids=["no_validation", "validation"])
+def test_a_save_at_an_epochs_last_step_resumes_exactly(
+    tmp_path: Path, uninterrupted: dict[bool, tuple[Any, ...]], validate: bool
+) -> None:
+    """every_n_steps=16 with 16 batches an epoch: the run stopped at step 20 saved at 16 (the
+    epoch's last step, not 17); the run resumed from it ends bit-identical, having run that
+    epoch's end once (its validation before the save, its hooks and LR step after it), and
+    saves on at 32 (the multiples, across the resume)."""
+    first = CociCheckpoint(policy="every_n_steps", every_n_steps=16, save_on_train_end=False)
+    model, _ = _fit(tmp_path, [first], validate=validate, max_steps=20)
+    assert CheckpointManager(tmp_path / "coci").steps() == [16]
+    assert ("validation", 16, 0) in model.events or not validate
+    resumed = _fit(
+        tmp_path,
+        [CociCheckpoint(policy="every_n_steps", every_n_steps=16, keep_last=None)],
+        validate=validate,
+        seed=99,  # another seed: the random states come back from the checkpoint
+        ckpt_path="last",
+        max_steps=40,
+    )
+    _same_run(resumed, uninterrupted[validate], 16)  # the epoch's end (hooks) once, after it
+    assert CheckpointManager(tmp_path / "coci", keep_last=None).steps() == [16, 32, 40]
+
+
+def test_epoch_end_monitors_see_the_epochs_metrics_after_a_resume(tmp_path: Path) -> None:
+    """EarlyStopping checking an epoch mean at the epoch's end: a run resumed from a save at
+    the epoch's last step (which trained none of that epoch) does not fail for want of the
+    metric; it sees the value the uninterrupted run saw and stops at the same step."""
+
+    def stopper() -> EarlyStopping:
+        return EarlyStopping("loss_mean", patience=0, check_on_train_epoch_end=True)
+
+    reference, ref_trainer = _fit(tmp_path / "ref", [stopper()], max_steps=40, max_epochs=3)
+    coci = CociCheckpoint(policy="every_n_steps", every_n_steps=16, save_on_train_end=False)
+    _fit(tmp_path, [coci, stopper()], max_steps=20)
+    assert CheckpointManager(tmp_path / "coci").steps() == [16]
+    model, trainer = _fit(
+        tmp_path,
+        [CociCheckpoint(policy="every_n_steps", every_n_steps=16), stopper()],
+        seed=99,
+        ckpt_path="last",
+        max_steps=40,
+        max_epochs=3,
+    )
+    stops = [
+        next(cb for cb in t.callbacks if isinstance(cb, EarlyStopping))  # type: ignore[attr-defined]
+        for t in (trainer, ref_trainer)
+    ]
+    assert torch.equal(stops[0].best_score, stops[1].best_score)
+    assert stops[0].wait_count == stops[1].wait_count
+    assert trainer.global_step == ref_trainer.global_step
+    assert digest(model) == digest(reference)
