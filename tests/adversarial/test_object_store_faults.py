@@ -25,7 +25,7 @@ from accelerate.state import AcceleratorState
 from accelerate.utils import DataLoaderConfiguration
 
 from coci_accelerate import CociCheckpointer
-from coci_core import BackgroundSaveError, CheckpointManager, StorageError
+from coci_core import BackgroundSaveError, CheckpointManager, DirectoryInUseError, StorageError
 from coci_core.engine import lease as lease_module
 from coci_core.engine.lease import LEASE_NAME
 from coci_core.telemetry import Event, UploadEvent
@@ -230,6 +230,34 @@ def test_s3_directory_outage_longer_than_the_lease(tmp_path: Path, server: S3Ser
         assert reader.verify() == {1: [], 4: []}
         assert _equal(reader.restore(step=1), _state(1))
         assert _equal(reader.restore(), _state(4))
+
+
+def test_a_record_another_writer_took_during_the_outage_is_not_taken_back(
+    server: S3Server,
+) -> None:
+    """While the store was down past the lease time another writer took the owner record:
+    once the store is back, the first writer does not take it back (its saves are refused
+    with DirectoryInUseError), and the other writer's record stays."""
+    prefix = server.fresh_prefix()
+    url = f"s3://{prefix}/run"
+    with CheckpointManager(url, storage_options=_fast_failing(server)) as mgr:
+        mgr.save(1, _state(1)).wait()
+        lease = mgr._owner.lease
+        assert lease is not None
+        server.kill()
+        _poll(lambda: lease.lapsed is not None, "the lease lapsed")
+        server.restart()
+        # what another writer that found the record stale writes (unconditionally here: if
+        # the first writer renewed just before, this overwrites it all the same)
+        mine = _record(server, f"{prefix}/run")
+        assert mine is not None
+        usurper = dict(mine, session="usurper", pid=1, renewed=time.time() + 3600)
+        server.filesystem().pipe_file(f"{prefix}/run/{LEASE_NAME}", json.dumps(usurper).encode())
+        _poll(lambda: lease.lost is not None, "the first writer saw the record taken")
+        with pytest.raises(DirectoryInUseError, match="no longer owns"):
+            mgr.save(2, _state(2))
+    assert _record(server, f"{prefix}/run") == usurper
+    assert _remote_steps(server, url) == [1]
 
 
 # -- wrong credentials, a missing bucket ------------------------------------------------------
