@@ -160,7 +160,7 @@ class _OwnerRecord:
 
     def ensure_held(self) -> None:
         """See :meth:`Lease.ensure_held`."""
-        if self.lost is None and self.lapsed is None:
+        if self.lapsed is None:
             return
         try:
             self.renew()
@@ -175,6 +175,9 @@ class _OwnerRecord:
             raise DirectoryInUseError(
                 f"{self.lost}: this writer no longer owns {self.storage.url}"
             ) from None
+        lapsed = self.lapsed
+        if lapsed is not None:  # released meanwhile: nothing renews it any more
+            raise StorageError(f"{lapsed}; the lease was given up")
 
     def renew(self) -> None:
         """Rewrite the record with a new time if it is still this writer's, or take it again

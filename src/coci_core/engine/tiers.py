@@ -183,7 +183,7 @@ class RemoteTier:
             logger.error(
                 "coci: step(s) %s committed in %s %s uploaded to %s (%s); they stay committed "
                 "locally, and the remote keeps what it had",
-                ", ".join(map(str, unsent)),
+                _steps_text(unsent),
                 self.local.url,
                 "were not" if finished else f"were not (within {timeout_s:.0f} s)",
                 self.remote.url,
@@ -376,3 +376,12 @@ class RemoteTier:
             self.local.read_into(path, offset, view)
             yield view
             offset += n
+
+
+def _steps_text(steps: list[int], most: int = 10) -> str:
+    """``steps`` for a message: all of them, or the first and last few and how many."""
+    if len(steps) <= most:
+        return ", ".join(map(str, steps))
+    half = most // 2
+    shown = ", ".join(map(str, steps[:half])) + ", ..., " + ", ".join(map(str, steps[-half:]))
+    return f"{shown} ({len(steps)} steps)"
