@@ -181,9 +181,9 @@ def test_close_gives_up_on_a_bucket_that_stays_down_and_names_what_was_not_uploa
     closer.start()
     closer.join(timeout=120)  # the default close timeout is 600 s
     assert not closer.is_alive(), "close() waited for an upload that cannot succeed"
-    assert mgr.remote.not_uploaded in ([2, 3], [3])  # 2 may have been superseded unsent
+    assert mgr.remote.not_uploaded == [2, 3]
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
-    assert any("were not uploaded" in m and url in m and "3" in m for m in errors), errors
+    assert any("2, 3" in m and "were not uploaded" in m and url in m for m in errors), errors
     with CheckpointManager(tmp_path / "local") as local:
         assert local.steps() == [1, 2, 3]
         assert _equal(local.restore(), _state(3))
@@ -223,7 +223,6 @@ def test_s3_directory_outage_longer_than_the_lease(tmp_path: Path, server: S3Ser
         server.restart()
         mgr.save(4, _state(4)).wait()
         assert mgr.steps() == [1, 4]
-        assert lease.lapsed is None
         record = _record(server, f"{prefix}/run")
         assert record is not None and record["session"] == mgr.group.session
     with CheckpointManager(url, storage_options=server.storage_options) as reader:
