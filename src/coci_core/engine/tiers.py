@@ -93,7 +93,7 @@ class RemoteTier:
         # why nothing is uploaded: another writer owns the remote directory (for good)
         self._refused: str | None = None
         # the steps handed to the upload thread since the newest one it committed, in order
-        self._unsent: list[int] = []
+        self._not_uploaded: list[int] = []
         self._last_error: str | None = None
         self._closing = False  # close() began: one last attempt per step, no backoff
         self._remote_read = False  # highest_sequence read under the lease
@@ -127,7 +127,7 @@ class RemoteTier:
         """The steps handed to the upload since the newest upload that committed, in the order
         they were committed locally (each newer upload supersedes the older ones)."""
         with self._cond:
-            return list(self._unsent)
+            return list(self._not_uploaded)
 
     def submit(self, step: int) -> None:
         """``step`` was committed locally: upload it (every ``upload_every``-th commit) when
@@ -146,9 +146,9 @@ class RemoteTier:
             if self._stopping:
                 return
             self._pending = step
-            if step in self._unsent:
-                self._unsent.remove(step)
-            self._unsent.append(step)
+            if step in self._not_uploaded:
+                self._not_uploaded.remove(step)
+            self._not_uploaded.append(step)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="coci-upload", daemon=True)
                 self._thread.start()
@@ -291,8 +291,8 @@ class RemoteTier:
             logger.warning("coci: upload of step %d to %s failed: %s", step, self.remote.url, e)
         else:
             with self._cond:
-                if step in self._unsent:  # the older ones are superseded by it
-                    del self._unsent[: len(self._unsent) - self._unsent[::-1].index(step)]
+                if step in self._not_uploaded:  # the ones handed over before it are superseded
+                    del self._not_uploaded[: self._not_uploaded.index(step) + 1]
         self._last_error = error
         self._emit(
             UploadEvent(
