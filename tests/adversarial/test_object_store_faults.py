@@ -324,6 +324,28 @@ def test_an_empty_prefix_in_an_existing_bucket_is_an_empty_directory(
 
 
 @pytest.mark.parametrize("refusal", ["wrong-secret", "missing-bucket"])
+def test_a_remote_tier_that_refuses_us_is_an_error_unless_the_local_tier_has_steps(
+    s3_server: S3Server, committed: str, refusal: str, tmp_path: Path
+) -> None:
+    """With a remote tier that cannot be read, a restore takes the local tier's newest step
+    (with a warning) when there is one; with an empty local disk (a new node) it raises the
+    StorageError instead of NoCheckpointError, which an adapter would take for a fresh run."""
+    make, cause = _REFUSALS[refusal]
+    url, options = make(s3_server, committed)
+    with CheckpointManager(tmp_path / "node", remote=url, remote_storage_options=options) as m:
+        with pytest.raises(StorageError, match=cause):
+            m.latest_step()
+        with pytest.raises(StorageError, match=cause):
+            m.restore()
+    with CheckpointManager(tmp_path / "old-node") as local:
+        local.save(7, _state(7)).wait()
+    with CheckpointManager(tmp_path / "old-node", remote=url, remote_storage_options=options) as m:
+        assert m.latest_step() == 7
+        assert _equal(m.restore(), _state(7))
+        assert m.last_restore is not None and m.last_restore.tier == "local"
+
+
+@pytest.mark.parametrize("refusal", ["wrong-secret", "missing-bucket"])
 @pytest.mark.parametrize("command", ["ls", "verify", "export"])
 def test_the_cli_reports_a_store_that_refuses_us(
     s3_server: S3Server, committed: str, refusal: str, command: str, tmp_path: Path
