@@ -179,15 +179,19 @@ class RemoteTier:
             self._cond.notify_all()  # a retry waiting out its backoff starts now
         finished = self.flush(timeout_s)
         unsent = self.not_uploaded
-        if unsent:
+        if unsent:  # one line: the last attempt's own failure is not logged (see _run)
+            if finished:
+                why = f"failed ({self._refused or self._last_error})"
+            else:
+                why = f"did not finish within {timeout_s:.0f} s"
             logger.error(
-                "coci: step(s) %s committed in %s %s uploaded to %s (%s); they stay committed "
-                "locally, and the remote keeps what it had",
+                "coci: upload of step %d to %s %s; close() gives up: step(s) %s were not "
+                "uploaded, they stay committed in %s (the remote keeps what it had)",
+                unsent[-1],
+                self.remote.url,
+                why,
                 _steps_text(unsent),
                 self.local.url,
-                "were not" if finished else f"were not (within {timeout_s:.0f} s)",
-                self.remote.url,
-                self._refused or self._last_error or "the upload did not finish",
             )
         with self._cond:
             self._stopping = True
@@ -239,17 +243,23 @@ class RemoteTier:
                     self._cond.notify_all()
                     return
                 self._busy = True
-                last_chance = self._closing
             attempt += 1
             if self._upload(step, attempt):
                 step = None
                 continue
             with self._cond:
-                if last_chance or self._refused is not None:
-                    step = None  # given up: close() names it
+                if self._closing or self._refused is not None:
+                    # no retry once close() began: the failure is the one close() names
+                    step = None
                     if self._refused is not None:
                         self._pending = None
                     continue
+                logger.warning(
+                    "coci: upload of step %d to %s failed: %s",
+                    step,
+                    self.remote.url,
+                    self._last_error,
+                )
                 # retry after the backoff, unless a newer step, close() or a stop comes
                 deadline = time.monotonic() + backoff
                 while self._pending is None and not self._stopping and not self._closing:
@@ -264,6 +274,8 @@ class RemoteTier:
             backoff = min(backoff * 2, UPLOAD_BACKOFF_MAX_S)
 
     def _upload(self, step: int, attempt: int) -> bool:
+        """One attempt; whether it committed (or the step is superseded). The caller logs a
+        failure (in :attr:`_last_error`), close() the one it gives up on."""
         started = time.perf_counter()
         error: str | None = None
         try:
@@ -288,7 +300,6 @@ class RemoteTier:
                 self._emit(UploadEvent(step=step, outcome="superseded", attempt=attempt))
                 return True
             error = f"{type(e).__name__}: {e}"
-            logger.warning("coci: upload of step %d to %s failed: %s", step, self.remote.url, e)
         else:
             with self._cond:
                 if step in self._not_uploaded:  # the ones handed over before it are superseded
