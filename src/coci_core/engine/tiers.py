@@ -13,8 +13,8 @@ remote keeps the run's newest ``keep_last`` steps, deleting only behind a newer 
 Uploads write only while this run holds the remote directory's lease. A store that is down
 when the run starts, or for longer than the lease time, is not a reason to stop: the lease is
 taken (again) by the next attempt once the store answers, unless another writer took it.
-``close()`` makes one last attempt per pending step, no more, and names the steps that did not
-reach the remote.
+``close()`` retries nothing (a failed upload gets one last attempt at once) and names the steps
+that did not reach the remote.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ class RemoteTier:
         # the steps handed to the upload thread since the newest one it committed, in order
         self._not_uploaded: list[int] = []
         self._last_error: str | None = None
-        self._closing = False  # close() began: one last attempt per step, no backoff
+        self._closing = False  # close() began: no retry, no backoff
         self._remote_read = False  # highest_sequence read under the lease
         if not group.is_coordinator:
             return  # the other ranks read the remote tier (restore); rank 0 uploads
@@ -167,10 +167,11 @@ class RemoteTier:
 
     def close(self, timeout_s: float = UPLOAD_CLOSE_TIMEOUT_S, *, retry: bool = True) -> None:
         """Upload the newest local commit if it was left for a later one, finish the pending
-        upload (one last attempt for a step whose upload failed, none after it; waiting at
-        most ``timeout_s``), then stop; an error is logged naming the steps not uploaded and
-        the remote. ``retry`` is no longer used (no close() retries past that last attempt);
-        it stays for the callers that pass it."""
+        upload (waiting at most ``timeout_s``), then stop. Nothing is retried once close()
+        began: an attempt running then is the last, a failed upload waiting out its backoff
+        gets one more attempt at once. Steps left without an upload are named in one error
+        line, with the remote and the local directory where they stay committed. ``retry`` is
+        no longer needed (close() never retries) and stays for the callers that pass it."""
         if self._newest_unsent is not None and self.writable:
             self._enqueue(self._newest_unsent)
             self._newest_unsent = None
