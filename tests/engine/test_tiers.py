@@ -5,6 +5,8 @@ real S3 server is in tests/storage/test_s3_tiers.py)."""
 
 from __future__ import annotations
 
+import errno
+import logging
 import shutil
 import threading
 from pathlib import Path
@@ -20,6 +22,7 @@ from coci_core.engine.restore import newest_first
 from coci_core.storage import LocalStorage
 from coci_core.telemetry import TELEMETRY_FILE, Event, JsonlTelemetry, UploadEvent
 from coci_core.telemetry.report import render, summarize
+from tests.harness.faults import FaultyStorage
 
 
 def _state(seed: int) -> dict[str, Any]:
@@ -279,3 +282,40 @@ def test_close_that_gives_up_on_an_upload_keeps_the_remote_until_the_upload_ends
     assert _steps(remote) == [1]
     with CheckpointManager(remote) as reader:
         assert _equal(reader.restore(), _state(1))
+
+
+def test_close_gives_up_on_a_remote_that_keeps_failing_and_names_the_steps(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A remote that refuses every write: close() makes one last attempt instead of retrying
+    until its timeout (600 s), logs an error naming the steps not uploaded and the remote,
+    and the local steps stay committed."""
+    caplog.set_level(logging.ERROR, logger="coci_core")
+    refusing = FaultyStorage(
+        LocalStorage(tmp_path / "remote"),
+        fail={"write_file": range(10_000)},
+        error=PermissionError(errno.EACCES, "Permission denied"),
+    )
+    failed = threading.Event()
+
+    def listen(event: Event) -> None:
+        if isinstance(event, UploadEvent) and event.outcome == "failed":
+            failed.set()
+
+    mgr = CheckpointManager(tmp_path / "local", remote=refusing, listeners=[listen])
+    assert mgr.remote is not None
+    for step in (1, 2):
+        mgr.save(step, _state(step), block=True).wait()
+    assert failed.wait(timeout=60)
+    closer = threading.Thread(target=mgr.close)
+    closer.start()
+    closer.join(timeout=60)
+    assert not closer.is_alive(), "close() kept retrying an upload that cannot succeed"
+    assert mgr.remote.not_uploaded == [1, 2]
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert any(
+        "1, 2" in m and "were not uploaded" in m and refusing.url in m and "Permission denied" in m
+        for m in errors
+    ), errors
+    assert _steps(tmp_path / "local") == [1, 2]
+    assert _steps(tmp_path / "remote") == []

@@ -85,19 +85,23 @@ class S3Server:
             "AWS_DEFAULT_REGION": "us-east-1",
         }
 
-    def run_coci(self, *args: str) -> subprocess.CompletedProcess[str]:
+    def run_coci(
+        self, *args: str, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess[str]:
         """``coci ARGS`` in a new process that reaches this server through :attr:`env` only
-        (the way a user's shell does), with this checkout's sources on its path."""
+        (the way a user's shell does; ``env`` replaces some of its variables, a wrong secret
+        say), with this checkout's sources on its path."""
         root = Path(__file__).resolve().parents[2]
-        env = {
+        run_env = {
             k: v
             for k, v in os.environ.items()
             if not k.startswith(("AWS_", "FSSPEC_")) and k != "PYTHONPATH"
         }
-        env.update(self.env, PYTHONPATH=f"{root / 'src'}{os.pathsep}{root}")
+        run_env.update(self.env, PYTHONPATH=f"{root / 'src'}{os.pathsep}{root}")
+        run_env.update(env or {})
         return subprocess.run(
             [sys.executable, "-m", "coci_core.cli", *args],
-            env=env,
+            env=run_env,
             capture_output=True,
             text=True,
             timeout=120,
@@ -124,6 +128,12 @@ class S3Server:
         self.stop()
         self.process = _launch(self.args, self.workdir, self.log_path)
         _wait_until_ready(self, make_bucket=False)
+
+    def kill(self) -> None:
+        """SIGKILL the server at once: an outage (its data stays, for :meth:`restart`)."""
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=30)
 
     def stop(self, timeout: float = 5.0) -> None:
         """SIGTERM, then SIGKILL after ``timeout``: weed's graceful stop waits 15 s for its
@@ -197,6 +207,8 @@ def start_s3_server(workdir: Path, *, max_volumes: int = 16) -> S3Server:
         f"-dir={data}",
         f"-master.port={master}",
         f"-master.port.grpc={master_grpc}",
+        # a restarted master waits out one election before it serves (10 s by default)
+        "-master.electionTimeout=1s",
         "-master.volumeSizeLimitMB=64",
         f"-volume.port={volume}",
         f"-volume.port.grpc={volume_grpc}",
@@ -210,6 +222,7 @@ def start_s3_server(workdir: Path, *, max_volumes: int = 16) -> S3Server:
         f"-s3.port.grpc={s3_grpc}",
         "-s3.port.iceberg=0",
         "-s3.port.lance=0",
+        "-s3.autoCreateBucket=false",  # as AWS S3: a put into a missing bucket fails
         f"-s3.config={config}",
     ]
     log_path = workdir / "weed.log"

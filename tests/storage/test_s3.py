@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,12 @@ import torch
 from coci_core import CheckpointManager
 from coci_core.engine import lease as lease_module
 from coci_core.engine.lease import LEASE_NAME
-from coci_core.errors import CorruptCheckpointError, DirectoryInUseError, StepExistsError
+from coci_core.errors import (
+    CorruptCheckpointError,
+    DirectoryInUseError,
+    StepExistsError,
+    StorageError,
+)
 from coci_core.storage import FsspecStorage, Storage
 from tests.harness.s3 import SECRET_KEY, S3Server
 from tests.storage.contract import StorageContract
@@ -30,6 +36,40 @@ class TestFsspecS3(StorageContract):
     @pytest.fixture
     def storage(self, s3_server: S3Server, s3_prefix: str) -> Storage:
         return FsspecStorage(f"s3://{s3_prefix}/root", **s3_server.storage_options)
+
+
+def test_a_missing_prefix_is_an_empty_directory(s3_server: S3Server, s3_prefix: str) -> None:
+    """A prefix never written to, in a bucket that exists: empty, no error (a fresh run)."""
+    fresh = FsspecStorage(f"s3://{s3_prefix}/never-written", **s3_server.storage_options)
+    assert fresh.list_dir("") == [] and fresh.list_dir("step-1") == []
+    assert not fresh.exists("step-1/manifest.json")
+    assert fresh.read_record(LEASE_NAME) is None
+
+
+@pytest.mark.parametrize("refusal", ["missing-bucket", "wrong-secret"])
+@pytest.mark.parametrize("operation", ["list_dir", "exists", "read_record", "put_record"])
+def test_a_missing_bucket_or_refused_credentials_are_an_error(
+    s3_server: S3Server, s3_prefix: str, refusal: str, operation: str
+) -> None:
+    """A bucket that does not exist, or credentials the server refuses, raise a StorageError
+    naming the URL and the cause (s3fs reports a missing bucket as FileNotFoundError, as it
+    does a missing prefix, and lets botocore's own errors through)."""
+    opts = s3_server.storage_options
+    if refusal == "missing-bucket":
+        storage, cause = FsspecStorage("s3://coci-no-such-bucket/run", **opts), "does not exist"
+    else:
+        storage = FsspecStorage(f"s3://{s3_prefix}/run", **{**opts, "secret": "wrong"})
+        cause = "access denied"
+    calls: dict[str, Callable[[], object]] = {
+        "list_dir": lambda: storage.list_dir(""),
+        "exists": lambda: storage.exists("step-1/manifest.json"),
+        "read_record": lambda: storage.read_record(LEASE_NAME),
+        "put_record": lambda: storage.put_record(LEASE_NAME, b"{}", if_absent=True),
+    }
+    with pytest.raises(StorageError, match=cause) as refused:
+        calls[operation]()
+    assert storage.url in str(refused.value)
+    assert SECRET_KEY not in str(refused.value)
 
 
 def _state(seed: int) -> dict[str, Any]:

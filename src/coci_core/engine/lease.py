@@ -13,10 +13,14 @@ of two writers racing, exactly one creates it) and renewed by a heartbeat thread
 ``LEASE_TTL_S / 3`` seconds (S3 ``If-Match``: a renewal never overwrites another owner's
 record). A record not renewed for ``LEASE_TTL_S`` seconds is stale (its writer died), and so
 at once is the record of a process of this machine that is gone (a crash restarted on the same
-node): the next writer takes it over, with a conditional put again. A writer whose record was
-taken over (it could not renew for ``LEASE_TTL_S``, or someone else's record is there) loses its
-lease and its next ``save`` raises :class:`DirectoryInUseError`. Staleness compares the
-record's wall-clock time with the reader's: clocks must agree to well within ``LEASE_TTL_S``.
+node): the next writer takes it over, with a conditional put again.
+
+A writer that could not renew its record for ``LEASE_TTL_S`` (the store was down) writes
+nothing there until it has renewed it again, which it does (heartbeat, next save, next upload)
+once the store answers, if the record is still its own or free; a writer whose record another
+one took over loses its lease for good, and its next ``save`` raises
+:class:`DirectoryInUseError`. Staleness compares the record's wall-clock time with the
+reader's: clocks must agree to well within ``LEASE_TTL_S``.
 """
 
 from __future__ import annotations
@@ -57,9 +61,28 @@ class Lease:
 
     @property
     def lost(self) -> str | None:
-        """Why this lease is no longer held (an object store's record was taken over or could
-        not be renewed in time), or None while it is."""
+        """Why this lease is no longer held for good (another writer took an object store's
+        record over), or None."""
         return None if self._remote is None else self._remote.lost
+
+    @property
+    def lapsed(self) -> str | None:
+        """Why this writer may not write now: the lease is lost, or an object store's record
+        was not renewed within the lease time (the store could not be reached); None while it
+        is held. A lapsed lease is taken again by :meth:`ensure_held` or the heartbeat."""
+        return None if self._remote is None else self._remote.lapsed
+
+    def ensure_held(self) -> None:
+        """Return once this writer holds the lease: a lease that lapsed while the store could
+        not be reached is taken again first, if its record is still this writer's or free
+        (a conditional write, so no other writer's record is overwritten).
+
+        Raises:
+            DirectoryInUseError: another writer took the record over.
+            StorageError: the lease lapsed and the store still cannot be written.
+        """
+        if self._remote is not None:
+            self._remote.ensure_held()
 
     def release(self) -> None:
         with _HELD_LOCK:
@@ -76,56 +99,154 @@ class Lease:
 
 
 class _OwnerRecord:
-    """The owner record of an object store, renewed by a heartbeat thread while held."""
+    """The owner record of an object store, renewed by a heartbeat thread while held.
+
+    A renewal that fails because the store cannot be reached is retried at every beat; once
+    none succeeded for the lease time the lease has lapsed (another writer may take the record
+    over as stale, so nothing is written meanwhile) until a renewal succeeds again: the record
+    is still this writer's (If-Match on its ETag) or free (If-None-Match). Only a record that
+    another writer holds loses the lease for good.
+    """
 
     def __init__(self, storage: Any, doc: dict[str, Any], etag: str | None, ttl: float) -> None:
         self.storage = storage
         self.doc = doc
         self.etag = etag
         self.ttl = ttl
+        #: when the last successful renewal started (the record's time is no earlier)
         self.renewed = time.monotonic()
         self.lost: str | None = None
+        self.last_error: str | None = None
+        self._renewing = threading.Lock()  # the heartbeat, the writer and the uploader
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="coci-lease", daemon=True)
         self._thread.start()
 
+    @property
+    def lapsed(self) -> str | None:
+        """See :attr:`Lease.lapsed`."""
+        if self.lost is not None:
+            return self.lost
+        age = time.monotonic() - self.renewed
+        if age <= self.ttl:
+            return None
+        return (
+            f"the lease of {self.storage.url} was not renewed for {age:.0f} s (its lease time "
+            f"is {self.ttl:g} s): {self.last_error or 'the store did not answer'}"
+        )
+
     def _beat(self) -> None:
+        told = ""  # what was logged of the current failure: "", "failing", "lapsed"
         while not self._stop.wait(self.ttl / 3):
             try:
                 self.renew()
             except FileExistsError:
-                self.lost = f"another writer took over {self.storage.url}"
+                pass  # renew() recorded why in self.lost
             except Exception as e:  # a store that is down (any client error): retried
-                logger.warning("coci: cannot renew the lease of %s: %s", self.storage.url, e)
-                if time.monotonic() - self.renewed > self.ttl:
-                    self.lost = f"the lease of {self.storage.url} could not be renewed in time"
+                lapsed = self.lapsed
+                if lapsed is not None and told != "lapsed":
+                    logger.error("coci: %s; nothing is written there until it is renewed", lapsed)
+                    told = "lapsed"
+                elif not told:
+                    logger.warning("coci: cannot renew the lease of %s: %s", self.storage.url, e)
+                    told = "failing"
+                else:
+                    logger.debug("coci: cannot renew the lease of %s: %s", self.storage.url, e)
+            else:
+                told = ""
             if self.lost is not None:
                 logger.error("coci: %s; saves to it are refused from now on", self.lost)
                 return
 
+    def ensure_held(self) -> None:
+        """See :meth:`Lease.ensure_held`."""
+        if self.lapsed is None:
+            return
+        try:
+            self.renew()
+        except FileExistsError:
+            pass
+        except Exception as e:
+            lapsed = self.lapsed
+            if lapsed is None:  # renewed meanwhile (by the heartbeat)
+                return
+            raise StorageError(f"{lapsed}; nothing is written there until it is renewed") from e
+        if self.lost is not None:
+            raise DirectoryInUseError(
+                f"{self.lost}: this writer no longer owns {self.storage.url}"
+            ) from None
+        lapsed = self.lapsed
+        if lapsed is not None:  # released meanwhile: nothing renews it any more
+            raise StorageError(f"{lapsed}; the lease was given up")
+
     def renew(self) -> None:
-        """Rewrite the record with a new time, only if it is still this writer's.
+        """Rewrite the record with a new time if it is still this writer's, or take it again
+        if it is free (deleted meanwhile): conditional writes only.
 
         Raises:
-            FileExistsError: it is not (another writer took it over).
+            FileExistsError: another writer holds it (:attr:`lost` says so from then on).
+            StorageError: the store cannot be read or written (retried by the heartbeat).
         """
-        doc = dict(self.doc, renewed=time.time())
-        etag = self.etag
-        if etag is None:  # a store without ETags: compare the record's session instead
-            current = self.storage.read_record(LEASE_NAME)
-            if current is None or _session_of(current[0]) != doc["session"]:
-                raise FileExistsError(f"{self.storage.url}/{LEASE_NAME} is not ours")
-            etag = current[1]
-        self.etag = self.storage.put_record(LEASE_NAME, json.dumps(doc).encode(), if_match=etag)
-        self.doc = doc
-        self.renewed = time.monotonic()
+        with self._renewing:
+            if self.lost is not None:
+                raise FileExistsError(self.lost)
+            if self._stop.is_set():
+                return  # released: the record is deleted, not renewed
+            started = time.monotonic()
+            lapsed = self.lapsed
+            doc = dict(self.doc, renewed=time.time())
+            data = json.dumps(doc).encode()
+            try:
+                etag = self._write(data, doc["session"])
+            except FileExistsError:
+                raise
+            except Exception as e:
+                self.last_error = f"{type(e).__name__}: {e}"
+                raise
+            self.etag, self.doc, self.renewed, self.last_error = etag, doc, started, None
+        if lapsed is not None:
+            logger.warning(
+                "coci: the lease of %s is this writer's again (%s); writing there resumes",
+                self.storage.url,
+                lapsed,
+            )
+
+    def _write(self, data: bytes, session: str) -> str | None:
+        """Put the record if it is unchanged since the last renewal (If-Match on its ETag),
+        else see :meth:`_take_again`; the new ETag."""
+        if self.etag is not None:
+            with contextlib.suppress(FileExistsError):
+                etag: str | None = self.storage.put_record(LEASE_NAME, data, if_match=self.etag)
+                return etag
+        return self._take_again(data, session)
+
+    def _take_again(self, data: bytes, session: str) -> str | None:
+        """The record changed since this writer's last renewal (or the store has no ETags):
+        write it again if it is still this writer's (a renewal whose answer was lost) or free.
+
+        Raises:
+            FileExistsError: another writer's record is there, or won a race for it.
+        """
+        current = self.storage.read_record(LEASE_NAME)
+        etag: str | None
+        try:
+            if current is None:
+                etag = self.storage.put_record(LEASE_NAME, data, if_absent=True)
+                return etag
+            if _session_of(current[0]) == session:
+                etag = self.storage.put_record(LEASE_NAME, data, if_match=current[1])
+                return etag
+        except FileExistsError:
+            pass
+        self.lost = f"another writer took over {self.storage.url}"
+        raise FileExistsError(self.lost)
 
     def release(self) -> None:
         self._stop.set()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=30)
-        if self.lost is not None:
-            return
+        if self.lapsed is not None:
+            return  # not known to be this writer's: it may be another writer's by now
         # Delete the record only while it is still this writer's. Best effort, and never an
         # error (this runs from close(), finalizers and at exit, when the store may be gone):
         # a record left behind expires after its TTL.

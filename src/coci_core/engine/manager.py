@@ -754,6 +754,11 @@ class CheckpointManager:
         try:
             if not handle.block:  # the copy overlaps the caller's next work
                 self._snapshotter.copy(snapshot, background=True)
+            lease = self._owner.lease
+            if self.group.is_coordinator and lease is not None:
+                # an object store's lease that lapsed in an outage is taken again, or this
+                # save fails (StorageError) without writing: another writer may own it now
+                lease.ensure_held()
             resaved = self.group.is_coordinator and self.storage.exists(
                 f"{step_dir_name(job.step)}/{MANIFEST_NAME}"
             )
@@ -833,10 +838,12 @@ class CheckpointManager:
         directory's lease: no other writer commits meanwhile): 1 + the highest committed in
         the directory and in the remote tier, and above the restored checkpoint's, so that the
         order survives any wall clock and a move between nodes and tiers."""
+        remote = self.remote.highest_sequence if self.remote is not None else 0
         if self._sequence is None:
-            remote = self.remote.highest_sequence if self.remote is not None else 0
-            self._sequence = max(highest_sequence(self.storage), remote)
-        self._sequence = max(self._sequence, self._sequence_floor) + 1
+            self._sequence = highest_sequence(self.storage)
+        # the remote's is read again: a remote that was down when the run started is read
+        # once its lease is taken
+        self._sequence = max(self._sequence, self._sequence_floor, remote) + 1
         return self._sequence
 
     def _event(self, handle: SaveHandle, snapshot: Snapshot, **fields: Any) -> SaveEvent:
@@ -928,6 +935,8 @@ class CheckpointManager:
             NoCheckpointError: nothing is committed (or not ``step``).
             CorruptCheckpointError: the requested (or, with ``strict``, the newest) checkpoint
                 is damaged, or no intact one is left.
+            StorageError: the directory cannot be read (refused credentials or permission, a
+                missing bucket, a store that cannot be reached): never read as empty.
         """
         self.wait()
         if targets is None and into is not None:

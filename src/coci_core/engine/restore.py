@@ -277,12 +277,22 @@ def _tiers(storage: Storage, remote: Storage | None) -> list[tuple[TierName, Sto
 def resume_order(storage: Storage, remote: Storage | None = None) -> list[Candidate]:
     """Every committed step of ``storage`` and of its ``remote`` tier, in the order a resume
     tries them: newest first by commit sequence across both tiers (see :func:`step_infos`),
-    the local copy of a checkpoint before the remote one."""
-    candidates = [
-        Candidate(tier, tier_storage, info)
-        for tier, tier_storage in _tiers(storage, remote)
-        for info in step_infos(tier_storage)
-    ]
+    the local copy of a checkpoint before the remote one. A remote tier that cannot be read
+    (down, refusing the credentials) leaves the local tier's steps, with a warning.
+
+    Raises:
+        StorageError: a tier cannot be read, and no other has a step (never an empty list).
+    """
+    candidates = [Candidate("local", storage, info) for info in step_infos(storage)]
+    if remote is not None:
+        try:
+            infos = step_infos(remote)
+        except StorageError as e:
+            if not candidates:
+                raise
+            logger.warning("coci: the remote tier cannot be read (%s); resuming from local", e)
+            infos = []
+        candidates += [Candidate("remote", remote, info) for info in infos]
     # stable: of equal keys, the local tier (listed first) stays first
     return sorted(candidates, key=lambda c: _newest_first_key(c.info), reverse=True)
 
@@ -681,12 +691,14 @@ def load_checkpoint(
         NoCheckpointError: ``step`` is not committed.
         CorruptCheckpointError: the manifest or any array is damaged (the error names them);
             also any error that reading the checkpoint raised unforeseen.
+        StorageError: the storage cannot tell whether ``step`` exists (it refuses the
+            credentials, its bucket is missing, it cannot be reached).
     """
     reader = cache._reader if cache is not None and cache.storage is storage else None
     try:
         return _load(storage, step, rank, reader or _Reader(storage), targets)
-    except CheckpointError:
-        raise
+    except (CheckpointError, StorageError):
+        raise  # a store that cannot say whether the step exists (refused, down): not damage
     except Exception as e:
         raise _unexpected(step, e) from e
 
@@ -747,8 +759,8 @@ def verify_checkpoint(
     except CorruptCheckpointError:
         _raise_if_removed(storage, step, path)
         raise
-    except CheckpointError:
-        raise
+    except (CheckpointError, StorageError):
+        raise  # see load_checkpoint
     except Exception as e:
         _raise_if_removed(storage, step, path)
         raise _unexpected(step, e, " (its manifest)") from e
@@ -961,6 +973,7 @@ def restore_newest(
         NoCheckpointError: nothing is committed (or not ``step``).
         CorruptCheckpointError: ``step`` (or, with ``strict``, the newest) is damaged, or no
             intact checkpoint is left.
+        StorageError: the storage cannot be listed or read (see :func:`load_checkpoint`).
     """
     started = time.perf_counter()
     caches: dict[int, RestoreCache] = {}  # per tier: a base found damaged is not read again

@@ -9,6 +9,12 @@ byte for byte as committed locally, so the remote step restores exactly as the l
 a reader never sees a torn step (on an object store the manifest is the commit marker). A
 delta checkpoint's bases are uploaded before it when the remote lacks them. Retention on the
 remote keeps the run's newest ``keep_last`` steps, deleting only behind a newer remote commit.
+
+Uploads write only while this run holds the remote directory's lease. A store that is down
+when the run starts, or for longer than the lease time, is not a reason to stop: the lease is
+taken (again) by the next attempt once the store answers, unless another writer took it.
+``close()`` retries nothing (a failed upload gets one last attempt at once) and names the steps
+that did not reach the remote.
 """
 
 from __future__ import annotations
@@ -79,27 +85,49 @@ class RemoteTier:
         self._pending: int | None = None
         self._busy = False
         self._stopping = False
-        self._no_retry = False  # closing at interpreter exit: a failed attempt is not retried
         self._thread: threading.Thread | None = None
         self._lease: Lease | None = None
         # the highest commit sequence on the remote (read under its lease): a save's sequence
         # is above it, so that the remote orders the uploads after what it holds
         self.highest_sequence = 0
+        # why nothing is uploaded: another writer owns the remote directory (for good)
+        self._refused: str | None = None
+        # the steps handed to the upload thread since the newest one it committed, in order
+        self._not_uploaded: list[int] = []
+        self._last_error: str | None = None
+        self._closing = False  # close() began: no retry, no backoff
+        self._remote_read = False  # highest_sequence read under the lease
         if not group.is_coordinator:
             return  # the other ranks read the remote tier (restore); rank 0 uploads
         try:
             self._lease = acquire_lease(remote, group.session)
-        except (DirectoryInUseError, StorageError) as e:
+        except DirectoryInUseError as e:
+            self._refused = str(e)
             logger.warning("coci: remote %s: %s; nothing will be uploaded there", remote.url, e)
+        except StorageError as e:
+            logger.warning(
+                "coci: remote %s: %s; each upload tries to take its lease again", remote.url, e
+            )
         else:
-            # a killed upload left data files without a manifest: invisible, removed here
-            retention.remove_uncommitted(remote, group, done_seq=None)
-            self.highest_sequence = highest_sequence(remote)
+            try:
+                self._take_over_remote()
+            except StorageError as e:
+                logger.warning(
+                    "coci: remote %s: %s; read again before the first upload", remote.url, e
+                )
 
     @property
     def writable(self) -> bool:
-        """Whether this tier holds the remote directory's lease (it uploads only then)."""
-        return self._lease is not None
+        """Whether this tier uploads: on rank 0, unless another writer owns the remote
+        directory (a store that cannot be reached is retried)."""
+        return self._group.is_coordinator and self._refused is None
+
+    @property
+    def not_uploaded(self) -> list[int]:
+        """The steps handed to the upload since the newest upload that committed, in the order
+        they were committed locally (each newer upload supersedes the older ones)."""
+        with self._cond:
+            return list(self._not_uploaded)
 
     def submit(self, step: int) -> None:
         """``step`` was committed locally: upload it (every ``upload_every``-th commit) when
@@ -118,6 +146,9 @@ class RemoteTier:
             if self._stopping:
                 return
             self._pending = step
+            if step in self._not_uploaded:
+                self._not_uploaded.remove(step)
+            self._not_uploaded.append(step)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="coci-upload", daemon=True)
                 self._thread.start()
@@ -136,23 +167,32 @@ class RemoteTier:
 
     def close(self, timeout_s: float = UPLOAD_CLOSE_TIMEOUT_S, *, retry: bool = True) -> None:
         """Upload the newest local commit if it was left for a later one, finish the pending
-        upload (waiting at most ``timeout_s``), then stop. Without ``retry`` (at interpreter
-        exit) the pending upload gets one more attempt at once, and a failed one is given up
-        (its warning is the one line that says so) instead of retried."""
-        if not retry:
-            with self._cond:
-                self._no_retry = True
-                self._cond.notify_all()
+        upload (waiting at most ``timeout_s``), then stop. Nothing is retried once close()
+        began: an attempt running then is the last, a failed upload waiting out its backoff
+        gets one more attempt at once. Steps left without an upload are named in one error
+        line, with the remote and the local directory where they stay committed. ``retry`` is
+        no longer needed (close() never retries) and stays for the callers that pass it."""
         if self._newest_unsent is not None and self.writable:
             self._enqueue(self._newest_unsent)
             self._newest_unsent = None
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()  # a retry waiting out its backoff starts now
         finished = self.flush(timeout_s)
-        if not finished:
-            logger.warning(
-                "coci: the upload to %s did not finish within %.0f s; the remote keeps its "
-                "previous checkpoint (the next run re-uploads)",
+        unsent = self.not_uploaded
+        if unsent:  # one line: the last attempt's own failure is not logged (see _run)
+            if finished:
+                why = f"failed ({self._refused or self._last_error})"
+            else:
+                why = f"did not finish within {timeout_s:.0f} s"
+            logger.error(
+                "coci: upload of step %d to %s %s; close() gives up: step(s) %s were not "
+                "uploaded, they stay committed in %s (the remote keeps what it had)",
+                unsent[-1],
                 self.remote.url,
-                timeout_s,
+                why,
+                _steps_text(unsent),
+                self.local.url,
             )
         with self._cond:
             self._stopping = True
@@ -208,12 +248,22 @@ class RemoteTier:
             if self._upload(step, attempt):
                 step = None
                 continue
-            with self._cond:  # retry after the backoff, unless a newer step or a stop comes
-                if self._no_retry:
-                    step = None  # given up: the remote keeps its previous checkpoint
+            with self._cond:
+                if self._closing or self._refused is not None:
+                    # no retry once close() began: the failure is the one close() names
+                    step = None
+                    if self._refused is not None:
+                        self._pending = None
                     continue
+                logger.warning(
+                    "coci: upload of step %d to %s failed: %s",
+                    step,
+                    self.remote.url,
+                    self._last_error,
+                )
+                # retry after the backoff, unless a newer step, close() or a stop comes
                 deadline = time.monotonic() + backoff
-                while self._pending is None and not self._stopping and not self._no_retry:
+                while self._pending is None and not self._stopping and not self._closing:
                     left = deadline - time.monotonic()
                     if left <= 0:
                         break
@@ -225,11 +275,12 @@ class RemoteTier:
             backoff = min(backoff * 2, UPLOAD_BACKOFF_MAX_S)
 
     def _upload(self, step: int, attempt: int) -> bool:
+        """One attempt; whether it committed (or the step is superseded). The caller logs a
+        failure (in :attr:`_last_error`), close() the one it gives up on."""
         started = time.perf_counter()
+        error: str | None = None
         try:
-            lost = self._lease.lost if self._lease is not None else "no lease"
-            if lost is not None:  # another writer may own the remote now: write nothing
-                raise DirectoryInUseError(f"the remote tier is not this run's: {lost}")
+            self._hold_lease()
             sent = self._upload_with_bases(step, set())
             if self.keep_last is not None:
                 retention.apply_keep_last(
@@ -239,15 +290,22 @@ class RemoteTier:
                     newest=step,
                     next_base=None,
                 )
+        except DirectoryInUseError as e:  # another writer owns the remote: write nothing
+            with self._cond:
+                self._refused = f"the remote tier is not this run's: {e}"
+            error = f"{type(e).__name__}: {e}"
+            logger.error("coci: %s; nothing more is uploaded there", self._refused)
         except Exception as e:  # a remote that fails never stops training: retried
             if not self.local.exists(f"{step_dir_name(step)}/{MANIFEST_NAME}"):
                 # retention removed the local step meanwhile: a newer one supersedes it
                 self._emit(UploadEvent(step=step, outcome="superseded", attempt=attempt))
                 return True
-            error: str | None = f"{type(e).__name__}: {e}"
-            logger.warning("coci: upload of step %d to %s failed: %s", step, self.remote.url, e)
+            error = f"{type(e).__name__}: {e}"
         else:
-            error = None
+            with self._cond:
+                if step in self._not_uploaded:  # the ones handed over before it are superseded
+                    del self._not_uploaded[: self._not_uploaded.index(step) + 1]
+        self._last_error = error
         self._emit(
             UploadEvent(
                 step=step,
@@ -259,6 +317,37 @@ class RemoteTier:
             )
         )
         return error is None
+
+    def _hold_lease(self) -> None:
+        """Hold the remote directory's lease before writing there: take it if the store was
+        down when the run started, take it again if it lapsed in an outage.
+
+        Raises:
+            DirectoryInUseError: another writer owns the directory.
+            StorageError: the store cannot be reached (the upload is retried).
+        """
+        if self._lease is None:
+            lease = acquire_lease(self.remote, self._group.session)
+            with self._cond:
+                self._lease = lease
+        else:
+            self._lease.ensure_held()
+        if not self._remote_read:
+            self._take_over_remote()
+
+    def _take_over_remote(self) -> None:
+        """Once the lease is taken: remove the data files a killed upload left without a
+        manifest (invisible), and read the remote's highest commit sequence.
+
+        Raises:
+            StorageError: the remote cannot be listed (tried again before the next upload).
+        """
+        try:
+            retention.remove_uncommitted(self.remote, self._group, done_seq=None)
+        except Exception as e:  # leftovers are invisible: never a reason to stop uploading
+            logger.warning("coci: cannot clean up %s: %s", self.remote.url, e)
+        self.highest_sequence = highest_sequence(self.remote)
+        self._remote_read = True
 
     def _upload_with_bases(self, step: int, seen: set[int]) -> int:
         """Upload ``step`` after any of its delta bases the remote lacks; the bytes sent."""
@@ -299,3 +388,12 @@ class RemoteTier:
             self.local.read_into(path, offset, view)
             yield view
             offset += n
+
+
+def _steps_text(steps: list[int], most: int = 10) -> str:
+    """``steps`` for a message: all of them, or the first and last few and how many."""
+    if len(steps) <= most:
+        return ", ".join(map(str, steps))
+    half = most // 2
+    shown = ", ".join(map(str, steps[:half])) + ", ..., " + ", ".join(map(str, steps[-half:]))
+    return f"{shown} ({len(steps)} steps)"
