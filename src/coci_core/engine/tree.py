@@ -874,23 +874,29 @@ def load_torch_saved(data: bytes, key: str | None = None) -> Any:
 
 
 #: The most levels a stored ``torch.save`` value's pickle may nest, and the most objects (each
-#: shared reference counted again) per byte of it: deeper, CPython's C code that hashes or
-#: frees the objects overflows its stack; larger, a few bytes describe millions of objects.
+#: shared reference counted again) per byte of it: a value coci saves nests at most
+#: MAX_TREE_DEPTH containers, a few pickle levels each, while torch.load's unpickler crashes
+#: CPython hashing a tuple key ~100,000 deep; larger, a few bytes describe millions of objects.
 MAX_SAVED_PICKLE_DEPTH = 1024
 SAVED_PICKLE_UNITS_PER_BYTE = 16
 _SAVED_PICKLE_FLOOR = 1 << 16
 
 
-def check_saved_pickle(data: bytes, *, what: str) -> None:
-    """Measure the pickle of a ``torch.save`` zip before ``torch.load`` runs it (see
-    :mod:`coci_core.engine.pickle_tree`); bytes that are no such zip are left to torch.load.
+def check_saved_pickle(source: bytes | os.PathLike[str], *, what: str) -> None:
+    """Measure the pickle of a ``torch.save`` zip (its ``data.pkl``, the record torch.load
+    unpickles) before torch.load runs it, with :func:`~coci_core.engine.pickle_tree.pickle_tree`
+    (nothing is built or called); bytes that are no such zip are left to torch.load.
 
     Raises:
         CorruptCheckpointError: the pickle nests deeper than :data:`MAX_SAVED_PICKLE_DEPTH`
-            or describes more than :data:`SAVED_PICKLE_UNITS_PER_BYTE` objects per byte.
+            or describes more than :data:`SAVED_PICKLE_UNITS_PER_BYTE` objects per byte (plus
+            a floor), shared references counted again.
     """
     try:
-        record = torch._C.PyTorchFileReader(io.BytesIO(data)).get_record("data.pkl")
+        reader = torch._C.PyTorchFileReader(
+            io.BytesIO(source) if isinstance(source, bytes) else os.fspath(source)
+        )
+        record = reader.get_record("data.pkl")
     except (RuntimeError, OSError, ValueError):
         return
     cap = SAVED_PICKLE_UNITS_PER_BYTE * len(record) + _SAVED_PICKLE_FLOOR
@@ -899,14 +905,20 @@ def check_saved_pickle(data: bytes, *, what: str) -> None:
     except ValueError as e:
         raise CorruptCheckpointError(f"{what} cannot be read: {_reason(e)}") from e
     if tree.depth > MAX_SAVED_PICKLE_DEPTH:
+        nests = (
+            f"refers to itself or nests objects more than {cap} levels deep"
+            if tree.depth > cap
+            else f"nests objects {tree.depth} levels deep"
+        )
         raise CorruptCheckpointError(
-            f"{what} cannot be read: its pickle nests objects more than "
-            f"{MAX_SAVED_PICKLE_DEPTH} levels deep"
+            f"{what} cannot be read: its pickle {nests} (at most {MAX_SAVED_PICKLE_DEPTH} "
+            "levels are read)"
         )
     if tree.size > cap:
         raise CorruptCheckpointError(
-            f"{what} cannot be read: its {len(record)}-byte pickle describes more than {cap} "
-            "objects"
+            f"{what} cannot be read: its pickle describes a tree of more than {cap} objects "
+            f"and characters (at most {SAVED_PICKLE_UNITS_PER_BYTE} per byte of its "
+            f"{len(record)}-byte pickle, plus {_SAVED_PICKLE_FLOOR}, are read)"
         )
 
 

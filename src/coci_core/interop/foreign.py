@@ -53,7 +53,7 @@ from typing import Any, BinaryIO
 import torch
 
 from coci_core.engine.pickle_tree import PickleTree, pickle_tree
-from coci_core.engine.tree import load_weights_only
+from coci_core.engine.tree import check_saved_pickle, load_weights_only
 from coci_core.errors import CociError, CorruptCheckpointError, StorageError, UnsafeCheckpointError
 from coci_core.storage.local import open_regular
 
@@ -72,9 +72,6 @@ _UNITS_PER_METADATA_BYTE = 16
 # DCP's metadata objects nest about ten deep; CPython hashes and compares nested tuples
 # recursively in C, so a deep one would crash the process while .metadata is unpickled.
 _MAX_METADATA_DEPTH = 64
-# A value coci can save nests at most 128 containers (engine.tree.MAX_TREE_DEPTH), a few pickle
-# levels each; torch.load's unpickler crashes CPython hashing a tuple key ~100,000 deep.
-_MAX_VALUE_DEPTH = 1024
 _SLOT_BYTES = 8  # what a list slot takes in memory: the price of padding a list
 _MAX_DIM = (1 << 63) - 1  # torch sizes are int64
 
@@ -149,7 +146,7 @@ def read_foreign_with_step(src: Path) -> tuple[dict[str, Any], int | None]:
         if src.suffix == ".safetensors":
             state, note = _read_safetensors(src)
         else:
-            _check_torch_saved(src, str(src))
+            check_saved_pickle(src, what=str(src))
             state = load_weights_only(src, what=str(src), map_location="cpu")
             note = read_pt_note(src)
             if note is not None:  # written by coci export: rebuild the exact state
@@ -407,7 +404,7 @@ def _read_dcp_values(
                     )
                 if item.chunk is None:
                     what = f"{where}: the value at {_short(item.key)}"
-                    _check_torch_saved(data, what)
+                    check_saved_pickle(data, what=what)
                     values[item.key] = load_weights_only(data, what=what, map_location="cpu")
                 else:
                     _copy_chunk(values[item.key], tensors[item.key], item, data, where)
@@ -492,38 +489,6 @@ def _depth(tree: PickleTree, cap: int) -> str:
     if tree.depth > cap:  # endless: a reference cycle (or deeper than the pickle is long)
         return f"refers to itself or nests objects more than {cap} levels deep"
     return f"nests objects {tree.depth} levels deep"
-
-
-def _check_torch_saved(source: bytes | Path, what: str) -> None:
-    """Measure the pickle of a ``torch.save`` zip (its ``data.pkl``, the record torch.load
-    unpickles) before torch.load runs it: refuse one nested deeper than any value coci can
-    save, or whose tree (shared references counted again) is more than
-    :data:`_UNITS_PER_METADATA_BYTE` per byte of it. Anything that is not such a zip is left
-    to torch.load to read or refuse."""
-    try:
-        reader = torch._C.PyTorchFileReader(
-            io.BytesIO(source) if isinstance(source, bytes) else str(source)
-        )
-        data = reader.get_record("data.pkl")
-    except (RuntimeError, OSError, ValueError):
-        return  # not a torch.save zip (or a damaged one): torch.load says why
-    cap = max(_UNITS_PER_METADATA_BYTE * len(data) + _FLOOR, _MAX_VALUE_DEPTH)
-    try:
-        tree = pickle_tree(data, cap=cap)
-    except ValueError as e:
-        raise CorruptCheckpointError(f"{what} cannot be read: {_short(str(e))}") from e
-    if tree.depth > _MAX_VALUE_DEPTH:
-        raise CorruptCheckpointError(
-            f"{what} cannot be read: its pickle {_depth(tree, cap)} (at most {_MAX_VALUE_DEPTH} "
-            "levels are read)"
-        )
-    allowance = _Allowance(
-        _UNITS_PER_METADATA_BYTE * len(data),
-        f"{_UNITS_PER_METADATA_BYTE} units per byte of its {len(data)}-byte pickle",
-        what,
-    )
-    big = f"more than {cap}" if tree.size > cap else str(tree.size)
-    allowance.spend(tree.size, f"its pickle describes a tree of {big} objects and characters")
 
 
 def _check_metadata_tree(data: bytes, allowance: _Allowance) -> None:
@@ -764,7 +729,7 @@ def _copy_chunk(out: torch.Tensor, spec: _Tensor, item: _Item, data: bytes, wher
     assert item.chunk is not None
     offsets, sizes = item.chunk
     what = f"{where}: a chunk of the tensor {_short(item.key)}"
-    _check_torch_saved(data, what)
+    check_saved_pickle(data, what=what)
     chunk = load_weights_only(data, what=what, map_location="cpu")
     if (
         not isinstance(chunk, torch.Tensor)
