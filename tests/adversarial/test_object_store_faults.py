@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import logging
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -257,6 +259,53 @@ def test_a_record_another_writer_took_during_the_outage_is_not_taken_back(
             mgr.save(2, _state(2))
     assert _record(server, f"{prefix}/run") == usurper
     assert _remote_steps(server, url) == [1]
+
+
+_OTHER_WRITER = """
+import json
+import sys
+
+import torch
+from coci_core import CheckpointManager
+with CheckpointManager(sys.argv[1], storage_options=json.loads(sys.argv[2])) as mgr:
+    mgr.restore()
+    torch.manual_seed(5)
+    mgr.save(5, {"w": torch.randn(64, 64), "b": torch.randn(64)}).wait()
+"""
+
+
+def test_a_record_taken_again_after_another_writer_committed_orders_after_it(
+    server: S3Server,
+) -> None:
+    """While the first writer's lease had lapsed, another writer took the stale record over,
+    restored, committed a higher step and released the record: the first writer takes the free
+    record again, and its next save (of a lower step) is numbered after the other's commit, so
+    it is the newest (it re-reads the directory's highest sequence when the lease is taken
+    again)."""
+    prefix = server.fresh_prefix()
+    url = f"s3://{prefix}/run"
+    with CheckpointManager(url, storage_options=_fast_failing(server)) as first:
+        first.save(1, _state(1)).wait()
+        lease = first._owner.lease
+        assert lease is not None and lease._remote is not None
+        # a zombie: the first writer renews nothing until the other writer is done
+        with lease._remote._renewing:
+            server.kill()
+            _poll(lambda: lease.lapsed is not None, "the lease lapsed")
+            server.restart()
+            other = subprocess.run(  # another process: this one's registry refuses a second
+                [sys.executable, "-c", _OTHER_WRITER, url, json.dumps(server.storage_options)],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            assert other.returncode == 0, other.stderr[-2000:]
+            assert _record(server, f"{prefix}/run") is None  # released
+        first.save(2, _state(2)).wait()
+        assert lease.generation == 1
+    with CheckpointManager(url, storage_options=server.storage_options) as reader:
+        assert reader.latest_step() == 2
+        assert _equal(reader.restore(), _state(2))
 
 
 # -- wrong credentials, a missing bucket ------------------------------------------------------

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -263,3 +264,30 @@ def test_close_from_another_thread_checks_the_copy_itself(tmp_path: Path) -> Non
     thread.join()
     with CheckpointManager(tmp_path / "c") as reader:
         assert torch.equal(reader.restore(1)["big"], big)
+
+
+def test_done_polled_on_the_saving_thread_turns_true_by_itself(tmp_path: Path) -> None:
+    """A loop that polls ``handle.done()`` on the thread that saved (and calls nothing else of
+    coci) sees a block=False save finish: done() checks the finished copy there."""
+    big = torch.zeros(1 << 20)
+    with CheckpointManager(tmp_path / "c", compression="none") as mgr:
+        handle = mgr.save(1, {"big": big}, block=False)
+        deadline = time.monotonic() + 60
+        while not handle.done() and time.monotonic() < deadline:
+            handle._done.wait(0.01)  # not wait(): that would check the copy itself
+        assert handle.done()
+        assert handle.event is not None and handle.event.outcome == "committed"
+
+
+def test_a_saving_thread_that_does_not_come_back_does_not_hold_the_commit(
+    tmp_path: Path,
+) -> None:
+    """A saving thread that stays away from coci after a block=False save (a rank blocked in a
+    collective, say) holds the commit up only for the grace time: the writer then checks the
+    copy itself and commits."""
+    big = torch.zeros(1 << 20)
+    with CheckpointManager(tmp_path / "c", compression="none") as mgr:
+        handle = mgr.save(1, {"big": big}, block=False)
+        assert handle._wait_done(60)  # on this thread, without coming back into coci
+        assert handle.event is not None and handle.event.outcome == "committed"
+        assert torch.equal(mgr.restore(1)["big"], big)

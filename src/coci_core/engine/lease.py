@@ -66,6 +66,13 @@ class Lease:
         return None if self._remote is None else self._remote.lost
 
     @property
+    def generation(self) -> int:
+        """How many times an object store's record was taken again after the lease lapsed
+        (0 for a local lease): another writer may have written meanwhile, so what this writer
+        read of the directory under the lease (its highest commit sequence) is read again."""
+        return 0 if self._remote is None else self._remote.generation
+
+    @property
     def lapsed(self) -> str | None:
         """Why this writer may not write now: the lease is lost, or an object store's record
         was not renewed within the lease time (the store could not be reached); None while it
@@ -117,6 +124,7 @@ class _OwnerRecord:
         self.renewed = time.monotonic()
         self.lost: str | None = None
         self.last_error: str | None = None
+        self.generation = 0  # see Lease.generation
         self._renewing = threading.Lock()  # the heartbeat, the writer and the uploader
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="coci-lease", daemon=True)
@@ -204,6 +212,8 @@ class _OwnerRecord:
                 self.last_error = f"{type(e).__name__}: {e}"
                 raise
             self.etag, self.doc, self.renewed, self.last_error = etag, doc, started, None
+            if lapsed is not None:
+                self.generation += 1
         if lapsed is not None:
             logger.warning(
                 "coci: the lease of %s is this writer's again (%s); writing there resumes",

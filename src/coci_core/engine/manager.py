@@ -88,7 +88,16 @@ class SaveHandle:
         return f"SaveHandle(step={self.step}, {state})"
 
     def done(self) -> bool:
-        """Whether the save has finished (committed, skipped or failed)."""
+        """Whether the save has finished (committed, skipped or failed). On the thread that
+        saved, a finished ``block=False`` copy is checked here (its commit waits for that)."""
+        snapshot = self._snapshot
+        if (
+            not self._done.is_set()
+            and snapshot is not None
+            and snapshot.copied.is_set()
+            and snapshot.may_check_here()
+        ):
+            self._check_copy(0)
         return self._done.is_set()
 
     @property
@@ -369,6 +378,7 @@ class CheckpointManager:
         # the directory and its remote tier, read once under the lease by the writer thread
         # (None until then), and at least that of the restored checkpoint.
         self._sequence: int | None = None
+        self._lease_generation = 0
         self._sequence_floor = 0
         self.chunk_bytes = chunk_bytes
         self._saves = 0
@@ -759,6 +769,9 @@ class CheckpointManager:
                 # an object store's lease that lapsed in an outage is taken again, or this
                 # save fails (StorageError) without writing: another writer may own it now
                 lease.ensure_held()
+                if lease.generation != self._lease_generation:  # another writer may have
+                    self._lease_generation = lease.generation  # committed meanwhile
+                    self._sequence = None
             resaved = self.group.is_coordinator and self.storage.exists(
                 f"{step_dir_name(job.step)}/{MANIFEST_NAME}"
             )

@@ -35,6 +35,13 @@ SMALL_COPY_BYTES = 64 << 10
 #: How often the writer thread, waiting for the saving thread to check a background copy, looks
 #: whether that thread has ended (then it checks the copy itself).
 OWNER_POLL_S = 0.5
+#: How long after a background copy ended the writer waits for the saving thread's check
+#: before it checks by itself (at least this, and CHECK_GRACE_COPIES times the copy's own
+#: time): an in-place op that was writing a tensor when the copy ended has long returned and
+#: bumped its counter by then, and a saving thread that does not come back to coci (a rank
+#: blocked in a collective, a loop that polls ``done()``) does not hold the commit up.
+CHECK_GRACE_S = 5.0
+CHECK_GRACE_COPIES = 10
 
 
 @dataclass(frozen=True)
@@ -226,13 +233,15 @@ class Snapshot:
 
     def wait_checked(self) -> None:
         """On the writer thread, before the commit: wait until :meth:`check_copy` ran (on the
-        thread that saved, or here once that thread has ended).
+        thread that saved, or here once that thread has ended or the grace time after the
+        copy, :data:`CHECK_GRACE_S`, has passed).
 
         Raises:
             StateChangedError: a leaf changed in place before the copy was checked.
         """
+        grace = max(CHECK_GRACE_S, CHECK_GRACE_COPIES * self.copy_s)
         while not self.checked.wait(OWNER_POLL_S):
-            if not self.owner.is_alive():
+            if not self.owner.is_alive() or time.perf_counter() - self.copied_at > grace:
                 self.check_copy()
         if self.changed is not None:
             raise self.changed

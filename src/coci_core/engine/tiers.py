@@ -97,6 +97,7 @@ class RemoteTier:
         self._last_error: str | None = None
         self._closing = False  # close() began: no retry, no backoff
         self._remote_read = False  # highest_sequence read under the lease
+        self._lease_generation = 0
         if not group.is_coordinator:
             return  # the other ranks read the remote tier (restore); rank 0 uploads
         try:
@@ -332,6 +333,9 @@ class RemoteTier:
                 self._lease = lease
         else:
             self._lease.ensure_held()
+            if self._lease.generation != self._lease_generation:  # taken again after a lapse:
+                self._lease_generation = self._lease.generation  # another writer may have
+                self._remote_read = False  # committed meanwhile
         if not self._remote_read:
             self._take_over_remote()
 
