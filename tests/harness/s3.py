@@ -100,7 +100,7 @@ class S3Server:
         run_env.update(self.env, PYTHONPATH=f"{root / 'src'}{os.pathsep}{root}")
         run_env.update(env or {})
         return subprocess.run(
-            [sys.executable, "-m", "coci_core.cli", *args],
+            [sys.executable, "-m", "coci_core.commands.cli", *args],
             env=run_env,
             capture_output=True,
             text=True,

@@ -185,7 +185,7 @@ def test_cli_reads_s3_through_the_environment(
 
     def coci(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "coci_core.cli", *args],
+            [sys.executable, "-m", "coci_core.commands.cli", *args],
             env=env,
             capture_output=True,
             text=True,
@@ -212,7 +212,7 @@ def test_cli_reads_s3_through_the_environment(
         AWS_DEFAULT_REGION="us-east-1",
     )
     ls2 = subprocess.run(
-        [sys.executable, "-m", "coci_core.cli", "ls", url],
+        [sys.executable, "-m", "coci_core.commands.cli", "ls", url],
         env=fsspec_env,
         capture_output=True,
         text=True,
