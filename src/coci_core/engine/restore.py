@@ -703,25 +703,33 @@ def load_checkpoint(
         raise _unexpected(step, e) from e
 
 
+def _rank_trees(manifest: Manifest, rank: int) -> tuple[list[tuple[Any, Any]], bool]:
+    """The trees (with their tensor entries) a restore for ``rank`` reads: the shared state's,
+    then the rank's own when it has one; and whether the checkpoint holds per-rank state."""
+    has_rank_state = any(r.tree is not None for r in manifest.per_rank)
+    own = manifest.per_rank[rank] if has_rank_state and rank < len(manifest.per_rank) else None
+    trees: list[tuple[Any, Any]] = [(manifest.tree, manifest.tensors)]
+    if own is not None:
+        trees.append((own.tree, own.tensors))
+    return trees, has_rank_state
+
+
 def _load(
     storage: Storage, step: int, rank: int, reader: _Reader, targets: InPlaceTargets | None
 ) -> LoadedCheckpoint:
     manifest = read_manifest(storage, step)
-    has_rank_state = any(r.tree is not None for r in manifest.per_rank)
-    own = manifest.per_rank[rank] if has_rank_state and rank < len(manifest.per_rank) else None
-    trees = [(manifest.tree, manifest.tensors)]
-    if own is not None:
-        trees.append((own.tree, own.tensors))
+    trees, has_rank_state = _rank_trees(manifest, rank)
     fills = targets.plan(trees) if targets is not None else [{} for _ in trees]
     values, bytes_read = _values(reader, manifest, manifest.tensors, fills[0], targets)
     state = unflatten_state(manifest.tree, values)
     if not isinstance(state, dict):
         raise CorruptCheckpointError(f"step {step}: the state is not a mapping", step=step)
     restored = not has_rank_state
-    if own is not None:
-        own_values, n = _values(reader, manifest, own.tensors, fills[1], targets)
+    if len(trees) > 1:
+        own_tree, own_entries = trees[1]
+        own_values, n = _values(reader, manifest, own_entries, fills[1], targets)
         bytes_read += n
-        own_state = unflatten_state(own.tree, own_values)
+        own_state = unflatten_state(own_tree, own_values)
         if not isinstance(own_state, dict):
             raise CorruptCheckpointError(
                 f"step {step}: the state of rank {rank} is not a mapping", step=step
@@ -798,11 +806,7 @@ def _check_loadable(storage: Storage, step: int, rank: int, reader: _Reader) -> 
     """What :func:`load_checkpoint` checks for ``rank``, without keeping the state: the
     manifest, the trees, and every array that rank's restore reads (one at a time)."""
     manifest = read_manifest(storage, step)
-    has_rank_state = any(r.tree is not None for r in manifest.per_rank)
-    own = manifest.per_rank[rank] if has_rank_state and rank < len(manifest.per_rank) else None
-    trees = [(manifest.tree, manifest.tensors)]
-    if own is not None:
-        trees.append((own.tree, own.tensors))
+    trees, _ = _rank_trees(manifest, rank)
     for tree, entries in trees:
         unflatten_state(tree, [None] * len(entries))  # the tree's own values, as restore does
     for _, entries in trees:
