@@ -44,7 +44,7 @@ from optuna.trial import FrozenTrial, TrialState
 from coci_core.errors import ConfigError
 from coci_core.hpo.cleanup import delete_checkpoints
 from coci_core.hpo.survival import StoppedRun, kaplan_meier
-from coci_core.planner._checks import check_int
+from coci_core.planner.checks import check_int
 from coci_core.planner.model import AshaRungs, NoTermination, Termination
 
 __all__ = [

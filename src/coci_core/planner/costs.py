@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from coci_core.planner._checks import check_optional_positive, check_positive
+from coci_core.planner.checks import check_nonnegative, check_optional_positive, check_positive
 
 __all__ = ["COST_NAMES", "CostEstimate", "CostEstimator", "CostInputs"]
 
@@ -58,8 +58,8 @@ class CostInputs:
         return cls(
             step_time_s=check_optional_positive("step_time_s", step_time_s),
             stall_s=check_optional_positive("stall_s", stall_s),
-            persist_s=None if persist_s is None else _nonneg("persist_s", persist_s),
-            restart_s=None if restart_s is None else _nonneg("restart_s", restart_s),
+            persist_s=None if persist_s is None else check_nonnegative("persist_s", persist_s),
+            restart_s=None if restart_s is None else check_nonnegative("restart_s", restart_s),
             default_restart_s=check_positive("default_restart_s", default_restart_s),
             default_stall_s=check_positive("default_stall_s", default_stall_s),
         )
@@ -142,12 +142,6 @@ class CostEstimator:
                 self._samples[k].clear()
                 if isinstance(values, list):
                     self._samples[k].extend(float(x) for x in values)
-
-
-def _nonneg(name: str, value: float) -> float:
-    from coci_core.planner._checks import check_nonnegative
-
-    return check_nonnegative(name, value)
 
 
 _DEFAULT_INPUTS = CostInputs(

@@ -126,7 +126,7 @@ class Replanner:
             return self._regime_changed(k)
         if (
             s.policy_name == "coci"
-            and s.objective != "time"
+            and s.goal.uses_value
             and not self.curve.trusted
             and obs.observed % _UNTRUSTED_CHECK_EVERY == 0
             and obs.losses.count() >= 64
@@ -258,13 +258,12 @@ class Replanner:
             ahead = [k + 1, *(int(x) for x in steps if x > k + 1)]
         if (
             s.policy_name == "coci"
-            and s.objective == "convergence"
+            and s.goal.early_profile_save
             and isinstance(s.termination, NoTermination)
             and obs.costs.get("stall_s").source == "default"
         ):
             # no save measured yet: take one early to measure stall and persist, then re-plan
-            # (only for "convergence": under "progress" an early stall is weighted by the high
-            # early value and costs more than it teaches)
+            # (where the objective finds it worth it: Objective.early_profile_save)
             # (from the plan's start, so that re-plans before it do not push it back)
             # (with nothing planned yet, e.g. a short job under the pessimistic defaults, a
             # quarter of the way to the horizon's end)
@@ -309,8 +308,8 @@ class Replanner:
         if s.policy_name != "coci":
             return f"the {s.policy_name} policy"
         simple = isinstance(pb.termination, NoTermination) and pb.failure.is_constant
-        if simple and (not self.curve.trusted or s.objective == "time"):
-            why = "time objective" if s.objective == "time" else "flat value"
+        if simple and (not self.curve.trusted or not s.goal.uses_value):
+            why = "flat value" if s.goal.uses_value else f"{s.objective} objective"
             return f"Daly's interval ({why}, no termination model)"
         return f"{s.method} for the {s.objective} objective"
 
@@ -318,7 +317,7 @@ class Replanner:
     def uses_curve(self) -> bool:
         """Whether the plan weighs progress by a fitted loss curve (coci, except under the
         ``time`` objective, which counts every step alike: the fit would be wasted)."""
-        return self.settings.policy_name == "coci" and self.settings.objective != "time"
+        return self.settings.policy_name == "coci" and self.settings.goal.uses_value
 
     def no_curve(self) -> LossCurve:
         """The curve of a plan that fits none, saying why."""
