@@ -8,6 +8,7 @@ each kind of overhead, and which figure of a
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from coci_core.errors import ConfigError
@@ -25,7 +26,7 @@ __all__ = [
 ]
 
 
-class Objective:
+class Objective(ABC):
     """What a plan minimises.
 
     Attributes:
@@ -47,45 +48,44 @@ class Objective:
         """Whether the value density (hence a fitted loss curve) changes the plan."""
         return self.lost_work_by_value or self.stall_by_value
 
+    @abstractmethod
     def cost(self, breakdown: CostBreakdown) -> float:
         """The figure of ``breakdown`` this objective minimises."""
-        raise NotImplementedError
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
 
 class TimeObjective(Objective):
-    """Wall-clock overhead: every step counts alike (the classic Young/Daly view)."""
+    """Wall-clock overhead (``wall_s``): every step counts alike, as for Young and Daly."""
 
     name = "time"
 
     def cost(self, breakdown: CostBreakdown) -> float:
-        """Stall + lost work + restart, unweighted."""
         return breakdown.wall_s
 
 
 class ConvergenceObjective(Objective):
-    """Lost compute weighted by its value toward convergence; stall and restart unweighted."""
+    """Lost compute weighted by its value toward convergence, stall and restart unweighted
+    (``convergence_s``)."""
 
     name = "convergence"
     lost_work_by_value = True
     early_profile_save = True
 
     def cost(self, breakdown: CostBreakdown) -> float:
-        """:attr:`~coci_core.planner.optimize.CostBreakdown.convergence_s`."""
         return breakdown.convergence_s
 
 
 class ProgressObjective(Objective):
-    """Everything weighted by value: an early stall costs as much progress as early work."""
+    """Everything weighted by value (``progress_s``): an early stall costs as much progress as
+    early work."""
 
     name = "progress"
     lost_work_by_value = True
     stall_by_value = True
 
     def cost(self, breakdown: CostBreakdown) -> float:
-        """:attr:`~coci_core.planner.optimize.CostBreakdown.progress_s`."""
         return breakdown.progress_s
 
 
