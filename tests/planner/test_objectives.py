@@ -10,7 +10,6 @@ from planner_helpers import power_loss
 from coci_core.errors import ConfigError
 from coci_core.planner import (
     OBJECTIVES,
-    CostBreakdown,
     FailureModel,
     Objective,
     Planner,
@@ -33,18 +32,17 @@ JOB = {
 }
 
 
-def _breakdown() -> CostBreakdown:
-    pb = Problem(
-        start_step=0,
-        end_step=5_000,
-        step_time_s=0.3,
-        stall_s=0.5,
-        persist_s=2.0,
-        restart_s=60.0,
-        failure=FailureModel(mtbf_s=3600.0),
-        value=np.linspace(2.0, 0.1, 5_000) / np.linspace(2.0, 0.1, 5_000).mean(),
-    )
-    return expected_cost(pb, np.arange(500, 5_000, 500))
+FALLING = np.linspace(2.0, 0.1, 5_000)
+PROBLEM = {
+    "start_step": 0,
+    "end_step": 5_000,
+    "step_time_s": 0.3,
+    "stall_s": 0.5,
+    "persist_s": 2.0,
+    "restart_s": 60.0,
+    "failure": FailureModel(mtbf_s=3600.0),
+    "value": FALLING / FALLING.mean(),
+}
 
 
 @pytest.mark.parametrize(
@@ -58,20 +56,11 @@ def _breakdown() -> CostBreakdown:
 def test_each_objective_minimises_its_figure_with_its_weights(name, figure, weights):
     """The registry's objects give the figure CostBreakdown names, and the weights the solvers
     use."""
-    b = _breakdown()
+    pb = Problem(**PROBLEM, objective=name)
+    b = expected_cost(pb, np.arange(500, 5_000, 500))
     objective = make_objective(name)
     assert objective is OBJECTIVES[name] and objective.name == name
     assert objective.cost(b) == getattr(b, figure) == b.objective(name)
-    pb = Problem(
-        start_step=0,
-        end_step=100,
-        step_time_s=1.0,
-        stall_s=1.0,
-        persist_s=0.0,
-        restart_s=0.0,
-        failure=FailureModel(mtbf_s=3600.0),
-        objective=name,
-    )
     assert pb.goal is objective
     assert pb.weights() == weights
     assert objective.uses_value == any(weights)
