@@ -1,6 +1,7 @@
 """coci's tuning numbers, in one place: sizes, timeouts and intervals chosen by measurement or
 by judgement, not fixed by the format (the format's limits live in ``engine/manifest.py``, the
-planner's in ``planner/``). Each module imports its numbers from here under the same name.
+planner's model constants in ``planner/``). Each module imports its numbers from here under
+the same name.
 """
 
 from __future__ import annotations
@@ -64,3 +65,50 @@ TELEMETRY_CLOSE_TIMEOUT_S = 60.0
 #: The least time between two progress records in a run's telemetry (how far a killed run got,
 #: hence the work its restart lost, is known to about this much).
 TELEMETRY_PROGRESS_EVERY_S = 1.0
+
+# -- the planner (planner/) and the HPO integrations (hpo/) ----------------------------------
+#: Re-plans on the doubling schedule of steps come at least this many steps apart
+#: (planner/replanning.py).
+REPLAN_MIN_GAP_STEPS = 64
+#: The measured costs are compared with the planned ones every this many observed steps ...
+COST_CHECK_EVERY = 64
+#: ... the loss with its fitted curve (a regime change) every this many ...
+REGIME_CHECK_EVERY = 256
+#: ... and an untrusted loss curve is fitted again every this many, once it has
+#: UNTRUSTED_MIN_LOSSES losses.
+UNTRUSTED_CHECK_EVERY = 128
+UNTRUSTED_MIN_LOSSES = 64
+#: A cost or the MTBF that moves by more than this share of its planned value re-plans.
+REPLAN_CHANGE = 0.2
+#: A scheduled re-plan is skipped while every input stays this close to the planned one.
+REPLAN_SETTLED = 0.05
+#: The longest horizon planned at once (per-step arrays); longer runs are planned in windows.
+MAX_HORIZON_STEPS = 2_000_000
+#: Steps of a fixed-interval policy listed ahead by ``Planner.schedule``.
+FIXED_AHEAD_STEPS = 64
+#: The latest measurements of each cost whose median the planner uses (planner/costs.py).
+COST_WINDOWS = {
+    "step_time_s": 256,
+    "stall_s": 16,
+    "persist_s": 16,
+    "restart_s": 8,
+    "loop_cost_s": 16,
+}
+#: The losses are kept in at most this many bins; past it, neighbours merge
+#: (planner/observations.py).
+LOSS_BINS_MAX = 1024
+#: A persist that does not end within this many steps is not charged to them.
+CHARGED_STEPS_MAX = 256
+#: Raw first losses kept for the ``coci_paper`` policy.
+FIRST_LOSSES_KEPT = 64
+#: Timed steps before the wall time per step is used.
+MIN_TIMED_STEPS = 16
+#: Step end times remembered to charge an upload's overlap, and the uploads (and loop costs
+#: and restarts) whose median is used (planner/upload_costs.py).
+UPLOAD_STEPS_KEPT = 4096
+UPLOAD_COST_WINDOW = 16
+#: The least weight of a trial in the rank-weighted estimate, against 1 for the closest
+#: (hpo/optuna.py) ...
+MIN_RANK_WEIGHT = 0.01
+#: ... and the most ASHA rungs read from an Optuna pruner.
+ASHA_MAX_RUNGS = 64

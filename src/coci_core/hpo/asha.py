@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from coci_core.errors import ConfigError
-from coci_core.planner._checks import check_int
+from coci_core.planner.checks import check_int
 from coci_core.planner.model import AshaRungs
 
 __all__ = ["asha_rungs"]

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from coci_core.errors import ConfigError
-from coci_core.planner._checks import check_int
+from coci_core.planner.checks import check_int
 from coci_core.planner.model import StopDistribution
 
 __all__ = ["improvement_probability", "patience_stops", "threshold_stops"]

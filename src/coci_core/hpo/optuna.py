@@ -44,7 +44,8 @@ from optuna.trial import FrozenTrial, TrialState
 from coci_core.errors import ConfigError
 from coci_core.hpo.cleanup import delete_checkpoints
 from coci_core.hpo.survival import StoppedRun, kaplan_meier
-from coci_core.planner._checks import check_int
+from coci_core.knobs import ASHA_MAX_RUNGS, MIN_RANK_WEIGHT
+from coci_core.planner.checks import check_int
 from coci_core.planner.model import AshaRungs, NoTermination, Termination
 
 __all__ = [
@@ -185,7 +186,7 @@ def pruner_rungs(
     limit = max_report_step if max_report_step is not None else 2**40
     rungs: list[int] = []
     r = low * eta**rate
-    while r < limit and len(rungs) < 64:
+    while r < limit and len(rungs) < ASHA_MAX_RUNGS:
         step = int(train_step_of(int(r))) if train_step_of else int(r)
         if step >= 1 and (not rungs or step > rungs[-1]):
             rungs.append(step)
@@ -193,10 +194,6 @@ def pruner_rungs(
     if not rungs:
         return NoTermination()
     return AshaRungs(rung_steps=tuple(rungs), reduction_factor=float(eta))
-
-
-#: the least weight of a trial in the rank-weighted estimate (against 1 for the closest)
-MIN_RANK_WEIGHT = 0.01
 
 
 def rank_weights(

@@ -1,7 +1,8 @@
 """Convergence-aware checkpoint planner: when to checkpoint, measured, explained and simulated.
 
 Public names: :class:`Planner` (the online object used by the adapters), :func:`plan_schedule`
-(the pure entry point), :func:`simulate` (Monte Carlo), the policies and the models.
+(the pure entry point), :func:`simulate` (Monte Carlo), the policies, the objectives and the
+models.
 """
 
 from coci_core.planner.costs import CostEstimate, CostEstimator
@@ -17,8 +18,8 @@ from coci_core.planner.model import (
     UniformKill,
     estimate_mtbf_s,
 )
+from coci_core.planner.objectives import OBJECTIVES, Objective, make_objective
 from coci_core.planner.optimize import (
-    OBJECTIVES,
     CostBreakdown,
     Problem,
     daly_interval_s,
@@ -66,6 +67,7 @@ __all__ = [
     "LossCurve",
     "MetricEstimate",
     "NoTermination",
+    "Objective",
     "PlanContext",
     "Planner",
     "PlannerConfig",
@@ -87,6 +89,7 @@ __all__ = [
     "estimate_mtbf_s",
     "expected_cost",
     "fit_loss_curve",
+    "make_objective",
     "make_policy",
     "plan_schedule",
     "plan_two_levels",

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from coci_core.planner._checks import check_optional_positive, check_positive
+from coci_core.knobs import COST_WINDOWS
+from coci_core.planner.checks import check_nonnegative, check_optional_positive, check_positive
 
 __all__ = ["COST_NAMES", "CostEstimate", "CostEstimator", "CostInputs"]
 
@@ -20,7 +21,6 @@ COST_NAMES = ("step_time_s", "stall_s", "persist_s", "restart_s", "loop_cost_s")
 #: restart and stall times assumed before the first measured restore and save
 DEFAULT_RESTART_S = 60.0
 DEFAULT_STALL_S = 1.0
-_WINDOW = {"step_time_s": 256, "stall_s": 16, "persist_s": 16, "restart_s": 8, "loop_cost_s": 16}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,8 +58,8 @@ class CostInputs:
         return cls(
             step_time_s=check_optional_positive("step_time_s", step_time_s),
             stall_s=check_optional_positive("stall_s", stall_s),
-            persist_s=None if persist_s is None else _nonneg("persist_s", persist_s),
-            restart_s=None if restart_s is None else _nonneg("restart_s", restart_s),
+            persist_s=None if persist_s is None else check_nonnegative("persist_s", persist_s),
+            restart_s=None if restart_s is None else check_nonnegative("restart_s", restart_s),
             default_restart_s=check_positive("default_restart_s", default_restart_s),
             default_stall_s=check_positive("default_stall_s", default_stall_s),
         )
@@ -82,7 +82,9 @@ class CostEstimator:
             "loop_cost_s": None,  # measured only
         }
         self._defaults = {"restart_s": inputs.default_restart_s, "stall_s": inputs.default_stall_s}
-        self._samples: dict[str, deque[float]] = {k: deque(maxlen=_WINDOW[k]) for k in COST_NAMES}
+        self._samples: dict[str, deque[float]] = {
+            k: deque(maxlen=COST_WINDOWS[k]) for k in COST_NAMES
+        }
         self._lock = threading.Lock()
 
     def add(self, name: str, seconds: float) -> bool:
@@ -142,12 +144,6 @@ class CostEstimator:
                 self._samples[k].clear()
                 if isinstance(values, list):
                     self._samples[k].extend(float(x) for x in values)
-
-
-def _nonneg(name: str, value: float) -> float:
-    from coci_core.planner._checks import check_nonnegative
-
-    return check_nonnegative(name, value)
 
 
 _DEFAULT_INPUTS = CostInputs(

@@ -11,7 +11,7 @@ import numpy as np
 import numpy.typing as npt
 
 from coci_core.errors import ConfigError
-from coci_core.planner._checks import check_int, check_nonnegative, check_positive
+from coci_core.planner.checks import check_int, check_nonnegative, check_positive
 
 __all__ = [
     "DEFAULT_MTBF_S",

@@ -12,16 +12,13 @@ from typing import Any
 
 import numpy as np
 
+from coci_core.knobs import CHARGED_STEPS_MAX, FIRST_LOSSES_KEPT, LOSS_BINS_MAX, MIN_TIMED_STEPS
 from coci_core.planner.costs import CostEstimator
 from coci_core.planner.model import estimate_mtbf_s
 from coci_core.planner.settings import PlannerSettings
 
 __all__ = ["LossBuffer", "RunObservations"]
 
-_MAX_CHUNKS = 1024
-_MAX_CHARGED_STEPS = 256  # a persist that does not end within this many steps is not charged
-_FIRST_LOSSES = 64  # raw losses kept for coci_paper
-_MIN_PERIODS = 16  # timed steps before the wall time per step is used
 _clock = time.monotonic
 
 
@@ -59,7 +56,7 @@ class LossBuffer:
             c[3] += 1
             return
         self.chunks.append([float(idx), float(step), loss, 1.0])
-        if len(self.chunks) > _MAX_CHUNKS:
+        if len(self.chunks) > LOSS_BINS_MAX:
             self._merge()
 
     def _merge(self) -> None:
@@ -133,7 +130,7 @@ class RunObservations:
                 x = math.nan
             if math.isfinite(x):
                 self.losses.add(k, x)
-                if len(self.first_losses) < _FIRST_LOSSES:
+                if len(self.first_losses) < FIRST_LOSSES_KEPT:
                     self.first_losses.append([float(k), x])
             else:
                 self.skipped += 1
@@ -203,7 +200,7 @@ class RunObservations:
                 return
             charge[1] += step_time_s - tau
             charge[2] += 1
-            if charge[0] is None and charge[2] < _MAX_CHARGED_STEPS:
+            if charge[0] is None and charge[2] < CHARGED_STEPS_MAX:
                 return
             self.charge = None
         if charge[0] is not None:  # else the save never committed: nothing to learn
@@ -221,10 +218,10 @@ class RunObservations:
 
     def wall_step_s(self) -> float | None:
         """The mean wall time per step in this process, saves left out (None before
-        ``_MIN_PERIODS`` timed steps): step time and what falls between steps."""
+        ``MIN_TIMED_STEPS`` timed steps): step time and what falls between steps."""
         with self.lock:
             w = self.wall
-            if w is None or w.periods < _MIN_PERIODS:
+            if w is None or w.periods < MIN_TIMED_STEPS:
                 return None
             return max(0.0, w.last - w.first - w.saves_s) / w.periods
 

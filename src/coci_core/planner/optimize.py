@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from coci_core.errors import ConfigError
-from coci_core.planner._checks import check_int, check_nonnegative, check_positive
+from coci_core.planner.checks import check_int, check_nonnegative, check_positive
 from coci_core.planner.model import FailureModel, NoTermination, Termination
+from coci_core.planner.objectives import OBJECTIVES, Objective, make_objective
 
 __all__ = [
     "OBJECTIVES",
@@ -45,17 +45,8 @@ __all__ = [
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
 
-OBJECTIVES = ("time", "convergence", "progress")
-
 #: value density is floored here so that late intervals stay finite (at most 10x Young's).
 VALUE_FLOOR = 0.01
-
-
-def check_objective(objective: Any) -> str:
-    """Return ``objective`` or raise ConfigError naming the allowed values."""
-    if objective not in OBJECTIVES:
-        raise ConfigError(f"'objective' must be one of {', '.join(OBJECTIVES)}: {objective!r}")
-    return str(objective)
 
 
 def young_interval_s(stall_s: float, mtbf_s: float) -> float:
@@ -86,7 +77,8 @@ class Problem:
         failure: the failure model.
         value: normalised value density per step of ``[start_step, end_step)`` (mean 1);
             None for a flat value.
-        objective: ``"time"``, ``"convergence"`` or ``"progress"``.
+        objective: ``"time"``, ``"convergence"`` or ``"progress"`` (the name of one of
+            :data:`~coci_core.planner.objectives.OBJECTIVES`).
         termination: the early-termination model.
     """
 
@@ -108,7 +100,7 @@ class Problem:
         check_positive("stall_s", self.stall_s)
         check_nonnegative("persist_s", self.persist_s)
         check_nonnegative("restart_s", self.restart_s)
-        check_objective(self.objective)
+        object.__setattr__(self, "_goal", make_objective(self.objective))
         n = self.end_step - self.start_step
         if self.value is None:
             value = np.ones(n)
@@ -135,6 +127,12 @@ class Problem:
         return self.value  # type: ignore[return-value]
 
     @property
+    def goal(self) -> Objective:
+        """The objective named by :attr:`objective`."""
+        goal: Objective = self._goal  # type: ignore[attr-defined]
+        return goal
+
+    @property
     def horizon_steps(self) -> int:
         """Number of steps planned over."""
         return self.end_step - self.start_step
@@ -148,7 +146,7 @@ class Problem:
 
     def weights(self) -> tuple[bool, bool]:
         """(lost compute weighted by value, stall and restart weighted by value)."""
-        return self.objective != "time", self.objective == "progress"
+        return self.goal.lost_work_by_value, self.goal.stall_by_value
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -202,8 +200,7 @@ class CostBreakdown:
 
     def objective(self, name: str) -> float:
         """The figure the named objective minimises."""
-        check_objective(name)
-        return {"time": self.wall_s, "convergence": self.convergence_s}.get(name, self.progress_s)
+        return make_objective(name).cost(self)
 
 
 _FIELDS = (

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Generic, TypeVar, overload
 
 from coci_core.errors import ConfigError
-from coci_core.planner._checks import check_int
+from coci_core.planner.checks import check_int
 from coci_core.planner.costs import (
     DEFAULT_RESTART_S,
     DEFAULT_STALL_S,

@@ -12,7 +12,7 @@ import numpy as np
 import numpy.typing as npt
 
 from coci_core.errors import ConfigError
-from coci_core.planner._checks import check_int, check_positive
+from coci_core.planner.checks import check_int, check_positive
 from coci_core.planner.model import NoTermination
 from coci_core.planner.optimize import (
     IntArray,
@@ -244,9 +244,9 @@ class Coci:
     """The optimal schedule for the problem's objective (convergence-aware by default).
 
     Falls back to Daly's uniform interval when it is optimal to first order: a flat value
-    (no trusted loss curve) or the ``time`` objective, with no termination model and a
-    constant failure rate. Otherwise a dynamic programme over at most ``grid_points``
-    candidates (``method="dp"``) or the closed form (``method="closed_form"``).
+    (no trusted loss curve) or an objective that ignores value (``time``), with no
+    termination model and a constant failure rate. Otherwise a dynamic programme over at most
+    ``grid_points`` candidates (``method="dp"``) or the closed form (``method="closed_form"``).
     """
 
     method: str = "dp"
@@ -261,7 +261,7 @@ class Coci:
     def plan(self, problem: Problem, *, context: PlanContext) -> IntArray:
         """Daly when that is optimal, else the DP or the closed form."""
         simple = isinstance(problem.termination, NoTermination) and problem.failure.is_constant
-        flat = context.value_is_flat or problem.objective == "time"
+        flat = context.value_is_flat or not problem.goal.uses_value
         if simple and flat:
             return Daly().plan(problem, context=context)
         if self.method == "closed_form":

@@ -18,6 +18,17 @@ from collections.abc import Callable
 
 import numpy as np
 
+from coci_core.knobs import (
+    COST_CHECK_EVERY,
+    FIXED_AHEAD_STEPS,
+    MAX_HORIZON_STEPS,
+    REGIME_CHECK_EVERY,
+    REPLAN_CHANGE,
+    REPLAN_MIN_GAP_STEPS,
+    REPLAN_SETTLED,
+    UNTRUSTED_CHECK_EVERY,
+    UNTRUSTED_MIN_LOSSES,
+)
 from coci_core.planner.curve import FLAT, LossCurve, fit_loss_curve, value_density
 from coci_core.planner.fixed_interval import fixed_ahead
 from coci_core.planner.model import FailureModel, NoTermination, alive_at
@@ -31,16 +42,8 @@ __all__ = ["MAX_HORIZON_STEPS", "Replanner"]
 
 logger = logging.getLogger("coci_core.planner.planner")
 
-_COST_CHECK_EVERY = 64
-_REGIME_CHECK_EVERY = 256
-_UNTRUSTED_CHECK_EVERY = 128
-_CHANGE = 0.2
-#: a scheduled re-plan is skipped while every input stays this close to the planned one
-_SETTLED = 0.05
 #: the curve of a coci plan whose objective weighs every step alike: none is fitted
 UNUSED = LossCurve(trusted=False, reason="not fitted: the time objective weighs every step alike")
-#: the longest horizon planned at once (per-step arrays); longer runs are planned in windows
-MAX_HORIZON_STEPS = 2_000_000
 
 
 class Replanner:
@@ -88,7 +91,7 @@ class Replanner:
         if n is not None:
             obs = self.obs
             now = max(self.settings.start_step, obs.last_true, obs.last_step or 0)
-            return tuple(fixed_ahead(n, now, self.settings.total_steps, 64))
+            return tuple(fixed_ahead(n, now, self.settings.total_steps, FIXED_AHEAD_STEPS))
         return tuple(self.schedule[self.ptr :])
 
     # ------------------------------------------------------------------ when
@@ -114,22 +117,23 @@ class Replanner:
         if k >= self.next_replan:
             if not self._settled():
                 return True
-            self.next_replan = s.start_step + max(64, 2 * max(1, k - s.start_step))
+            since = max(1, k - s.start_step)
+            self.next_replan = s.start_step + max(REPLAN_MIN_GAP_STEPS, 2 * since)
         # the step time drifts (checked now and then); a save's cost arrives with the save,
         # and one assumed (before any measured) may be far off: checked as it arrives
         new_costs, obs.new_costs = obs.new_costs, False
         if (
-            (new_costs and self.cost_assumed) or obs.observed % _COST_CHECK_EVERY == 0
-        ) and self._moved(_CHANGE):
+            (new_costs and self.cost_assumed) or obs.observed % COST_CHECK_EVERY == 0
+        ) and self._moved(REPLAN_CHANGE):
             return True
-        if obs.observed % _REGIME_CHECK_EVERY == 0 and self.curve.trusted:
+        if obs.observed % REGIME_CHECK_EVERY == 0 and self.curve.trusted:
             return self._regime_changed(k)
         if (
             s.policy_name == "coci"
-            and s.objective != "time"
+            and s.goal.uses_value
             and not self.curve.trusted
-            and obs.observed % _UNTRUSTED_CHECK_EVERY == 0
-            and obs.losses.count() >= 64
+            and obs.observed % UNTRUSTED_CHECK_EVERY == 0
+            and obs.losses.count() >= UNTRUSTED_MIN_LOSSES
         ):
             # the value only matters once the curve is trusted: re-plan as soon as it is
             curve = self.fit()
@@ -161,14 +165,14 @@ class Replanner:
             and s.total_steps is not None
             and self.horizon_end == s.total_steps
             and not self.uses_curve
-            and not self._moved(_SETTLED)
+            and not self._moved(REPLAN_SETTLED)
         )
 
     def _regime_changed(self, k: int) -> bool:
         if self.regime_flagged:
             return False
         steps, losses = self.obs.losses.arrays()
-        recent = steps >= k - _REGIME_CHECK_EVERY
+        recent = steps >= k - REGIME_CHECK_EVERY
         if recent.sum() < 8:
             return False
         with np.errstate(all="ignore"):
@@ -201,7 +205,7 @@ class Replanner:
         if inputs is None:
             return
         since = max(1, k - s.start_step)
-        self.next_replan = s.start_step + max(64, 2 * since)
+        self.next_replan = s.start_step + max(REPLAN_MIN_GAP_STEPS, 2 * since)
         # plan from the newest checkpoint: the work since then is already at risk
         start = max(s.start_step, min(k, obs.last_true))
         tau = inputs["step_time_s"]
@@ -258,13 +262,12 @@ class Replanner:
             ahead = [k + 1, *(int(x) for x in steps if x > k + 1)]
         if (
             s.policy_name == "coci"
-            and s.objective == "convergence"
+            and s.goal.early_profile_save
             and isinstance(s.termination, NoTermination)
             and obs.costs.get("stall_s").source == "default"
         ):
             # no save measured yet: take one early to measure stall and persist, then re-plan
-            # (only for "convergence": under "progress" an early stall is weighted by the high
-            # early value and costs more than it teaches)
+            # (where the objective finds it worth it: Objective.early_profile_save)
             # (from the plan's start, so that re-plans before it do not push it back)
             # (with nothing planned yet, e.g. a short job under the pessimistic defaults, a
             # quarter of the way to the horizon's end)
@@ -309,8 +312,8 @@ class Replanner:
         if s.policy_name != "coci":
             return f"the {s.policy_name} policy"
         simple = isinstance(pb.termination, NoTermination) and pb.failure.is_constant
-        if simple and (not self.curve.trusted or s.objective == "time"):
-            why = "time objective" if s.objective == "time" else "flat value"
+        if simple and (not self.curve.trusted or not s.goal.uses_value):
+            why = "flat value" if s.goal.uses_value else f"{s.objective} objective"
             return f"Daly's interval ({why}, no termination model)"
         return f"{s.method} for the {s.objective} objective"
 
@@ -318,7 +321,7 @@ class Replanner:
     def uses_curve(self) -> bool:
         """Whether the plan weighs progress by a fitted loss curve (coci, except under the
         ``time`` objective, which counts every step alike: the fit would be wasted)."""
-        return self.settings.policy_name == "coci" and self.settings.objective != "time"
+        return self.settings.policy_name == "coci" and self.settings.goal.uses_value
 
     def no_curve(self) -> LossCurve:
         """The curve of a plan that fits none, saying why."""

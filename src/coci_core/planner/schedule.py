@@ -10,7 +10,7 @@ import numpy as np
 import numpy.typing as npt
 
 from coci_core.errors import ConfigError
-from coci_core.planner._checks import check_int, check_nonnegative, check_positive
+from coci_core.planner.checks import check_int, check_nonnegative, check_positive
 from coci_core.planner.curve import (
     FLAT,
     LossCurve,
@@ -19,10 +19,10 @@ from coci_core.planner.curve import (
     value_density,
 )
 from coci_core.planner.model import FailureModel, Termination, make_termination
+from coci_core.planner.objectives import make_objective
 from coci_core.planner.optimize import (
     CostBreakdown,
     Problem,
-    check_objective,
     daly_interval_s,
     expected_cost,
 )
@@ -229,7 +229,7 @@ def plan_schedule(
     check_nonnegative("persist_s", persist_s)
     check_nonnegative("restart_s", restart_s)
     check_positive("mtbf_s", mtbf_s)
-    check_objective(objective)
+    make_objective(objective)
     term = make_termination(termination)
     curve = build_curve(loss, start_step, total_steps)
     pb = Problem(

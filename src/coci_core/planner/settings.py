@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from coci_core.errors import ConfigError
-from coci_core.planner._checks import check_int, check_optional_positive, check_positive
+from coci_core.planner.checks import check_int, check_optional_positive, check_positive
 from coci_core.planner.costs import CostInputs
 from coci_core.planner.fixed_interval import fixed_interval_of
 from coci_core.planner.model import Termination, make_termination
-from coci_core.planner.optimize import check_objective
+from coci_core.planner.objectives import Objective, make_objective
 from coci_core.planner.policies import (
     POLICIES,
     Coci,
@@ -53,6 +53,11 @@ class PlannerSettings:
     policy: SavePolicy
     fixed_every: int | None
     node_loss_share: float = 0.5
+
+    @property
+    def goal(self) -> Objective:
+        """The objective named by ``objective``."""
+        return make_objective(self.objective)
 
     def cap_steps(self, step_time_s: float) -> int | None:
         """The longest interval (steps) that ``every_n_steps``/``every_n_seconds`` allow the
@@ -162,7 +167,7 @@ def make_settings(
     every_n_seconds = carried.get("every_n_seconds", every_n_seconds)
     steps_per_epoch = carried.get("steps_per_epoch", steps_per_epoch)
     method = carried.get("method", method)
-    checked_objective = check_objective(objective)
+    checked_objective = make_objective(objective).name
     total = None if total_steps is None else check_int("total_steps", total_steps, minimum=1)
     checked_mtbf = check_optional_positive("mtbf_s", mtbf_s)
     checked_default_mtbf = check_positive("default_mtbf_s", default_mtbf_s)

@@ -17,7 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 from coci_core.errors import ConfigError
-from coci_core.planner._checks import check_int
+from coci_core.planner.checks import check_int
 from coci_core.planner.optimize import Problem, normalize_steps
 
 __all__ = ["METRICS", "MetricEstimate", "SimulationResult", "simulate"]

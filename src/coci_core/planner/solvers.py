@@ -9,7 +9,7 @@ import math
 import numpy as np
 import numpy.typing as npt
 
-from coci_core.planner._checks import check_int
+from coci_core.planner.checks import check_int
 from coci_core.planner.optimize import (
     FloatArray,
     IntArray,

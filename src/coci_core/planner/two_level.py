@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from coci_core.planner._checks import check_nonnegative, check_positive
+from coci_core.planner.checks import check_nonnegative, check_positive
 
 __all__ = ["TierCosts", "TwoLevelPlan", "overhead_rate", "plan_two_levels"]
 

@@ -17,10 +17,9 @@ from collections import deque
 
 import numpy as np
 
-__all__ = ["UploadCosts"]
+from coci_core.knobs import UPLOAD_COST_WINDOW, UPLOAD_STEPS_KEPT
 
-_STEPS_KEPT = 4096  # step end times remembered to charge an upload's overlap
-_WINDOW = 16
+__all__ = ["UploadCosts"]
 
 
 class UploadCosts:
@@ -29,10 +28,10 @@ class UploadCosts:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._steps: deque[tuple[float, float]] = deque(maxlen=_STEPS_KEPT)
-        self._upload_s: deque[float] = deque(maxlen=_WINDOW)
-        self._loop_cost_s: deque[float] = deque(maxlen=_WINDOW)
-        self._restart_s: deque[float] = deque(maxlen=_WINDOW)
+        self._steps: deque[tuple[float, float]] = deque(maxlen=UPLOAD_STEPS_KEPT)
+        self._upload_s: deque[float] = deque(maxlen=UPLOAD_COST_WINDOW)
+        self._loop_cost_s: deque[float] = deque(maxlen=UPLOAD_COST_WINDOW)
+        self._restart_s: deque[float] = deque(maxlen=UPLOAD_COST_WINDOW)
 
     def step(self, step_time_s: float, now: float | None = None) -> None:
         """A training step that took ``step_time_s`` ended (at ``now``, monotonic)."""
@@ -60,7 +59,7 @@ class UploadCosts:
 
     @property
     def uploads(self) -> int:
-        """Uploads measured so far (the last :data:`_WINDOW` count)."""
+        """Uploads measured so far (at most the last UPLOAD_COST_WINDOW)."""
         with self._lock:
             return len(self._upload_s)
 

@@ -1,4 +1,4 @@
-"""Argument checks shared by the planner modules; every failure is a ConfigError."""
+"""Argument checks shared by the planner and the HPO integrations (ConfigError on failure)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,89 @@
+"""Objectives are objects behind one registry: each knows its name, its weights and the figure
+it minimises, and a newly registered one is planned for like the built-in ones."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from planner_helpers import power_loss
+
+from coci_core.errors import ConfigError
+from coci_core.planner import (
+    OBJECTIVES,
+    FailureModel,
+    Objective,
+    Planner,
+    Problem,
+    expected_cost,
+    make_objective,
+    plan_schedule,
+)
+from coci_core.planner import objectives as objectives_module
+from coci_core.planner.objectives import TimeObjective
+
+JOB = {
+    "total_steps": 20_000,
+    "step_time_s": 0.3,
+    "stall_s": 0.5,
+    "persist_s": 2.0,
+    "restart_s": 60.0,
+    "mtbf_s": 8 * 3600.0,
+    "loss": power_loss,
+}
+
+
+FALLING = np.linspace(2.0, 0.1, 5_000)
+PROBLEM = {
+    "start_step": 0,
+    "end_step": 5_000,
+    "step_time_s": 0.3,
+    "stall_s": 0.5,
+    "persist_s": 2.0,
+    "restart_s": 60.0,
+    "failure": FailureModel(mtbf_s=3600.0),
+    "value": FALLING / FALLING.mean(),
+}
+
+
+@pytest.mark.parametrize(
+    ("name", "figure", "weights"),
+    [
+        ("time", "wall_s", (False, False)),
+        ("convergence", "convergence_s", (True, False)),
+        ("progress", "progress_s", (True, True)),
+    ],
+)
+def test_each_objective_minimises_its_figure_with_its_weights(name, figure, weights):
+    """The registry's objects give the figure CostBreakdown names, and the weights the solvers
+    use."""
+    pb = Problem(**PROBLEM, objective=name)
+    b = expected_cost(pb, np.arange(500, 5_000, 500))
+    objective = make_objective(name)
+    assert objective is OBJECTIVES[name] and objective.name == name
+    assert objective.cost(b) == getattr(b, figure) == b.objective(name)
+    assert pb.goal is objective
+    assert pb.weights() == weights
+    assert objective.uses_value == any(weights)
+
+
+@pytest.mark.parametrize("bad", ["speed", None, 3, ["time"]])
+def test_an_unknown_objective_is_refused_naming_the_allowed_ones(bad):
+    with pytest.raises(ConfigError, match="'objective' must be one of time, convergence, progress"):
+        make_objective(bad)
+
+
+def test_a_registered_objective_is_planned_for_without_other_changes(monkeypatch):
+    """One class and its registration: plan_schedule and the Planner accept the new name."""
+
+    class Wall(TimeObjective):
+        name = "wall"
+
+    monkeypatch.setitem(OBJECTIVES, "wall", Wall())
+    assert isinstance(OBJECTIVES["wall"], Objective)
+    assert objectives_module.OBJECTIVES is OBJECTIVES
+    wall = plan_schedule(**JOB, objective="wall")
+    time = plan_schedule(**JOB, objective="time")
+    assert wall.steps == time.steps
+    assert wall.expected_overhead_s.objective == "wall"
+    assert wall.expected_overhead_s.objective_s == time.expected_overhead_s.objective_s
+    assert Planner(objective="wall", total_steps=1_000, mtbf_s=3600.0).objective == "wall"
