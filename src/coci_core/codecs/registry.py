@@ -146,6 +146,7 @@ def register_codec(codec: Codec) -> Codec:
         ConfigError: the name is taken, or not a name a manifest can hold.
     """
     name = codec.name
+    # a manifest entry holds a codec name of at most 64 characters, or "mixed" for several
     if not isinstance(name, str) or not 0 < len(name) <= 64 or name == "mixed":
         raise ConfigError(f"a codec name is a string of 1 to 64 characters, not 'mixed': {name!r}")
     if name in _CODECS:
