@@ -21,7 +21,6 @@ import numpy as np
 import torch
 import xxhash
 
-from coci_core.codecs import _params
 from coci_core.codecs._common import (
     Buffer,
     Encoded,
@@ -33,7 +32,24 @@ from coci_core.codecs._common import (
     writable_u8,
     xxh128,
 )
+from coci_core.codecs._params import (
+    base_fields,
+    check_codec,
+    check_out,
+    check_result,
+    p_bool,
+    p_dict,
+    p_int,
+    p_str,
+)
 from coci_core.codecs.lossless import LOSSLESS, decode_lossless, encode_lossless
+from coci_core.codecs.registry import (
+    RAW,
+    Codec,
+    EncodeArgs,
+    register_codec,
+    stores_compressed,
+)
 from coci_core.errors import ConfigError, CorruptCheckpointError
 
 __all__ = [
@@ -122,7 +138,7 @@ def encode_chunked(
         inner = enc.params
     else:
         body = payload
-        inner = {"codec": "coci.raw/1", "nbytes": int(payload.nbytes)}
+        inner = {"codec": RAW, "nbytes": int(payload.nbytes)}
     params: Params = {
         "codec": CHUNKS,
         "nbytes": arr.nbytes,
@@ -131,7 +147,7 @@ def encode_chunked(
         "nchunks": nchunks,
         "changed": int(changed.size),
         "root": merkle_root(hashes),
-        **(_params.base_fields(base_step) if use_base else {"base": False}),
+        **(base_fields(base_step) if use_base else {"base": False}),
         "inner": inner,
         "exact": True,
         "xxh3": xxh128(arr),
@@ -143,19 +159,19 @@ def encode_chunked(
 
 
 def _sections(stored: Buffer, params: Params) -> tuple[bytes, memoryview, memoryview]:
-    nchunks = _params.p_int(params, "nchunks")
+    nchunks = p_int(params, "nchunks")
     hashes, idx, body = unpack_sections(stored, 3)
     if hashes.nbytes != nchunks * HASH_SIZE:
         raise CorruptCheckpointError("stored chunk hash list has the wrong size")
     hb = bytes(hashes)
-    if merkle_root(hb) != _params.p_str(params, "root"):
+    if merkle_root(hb) != p_str(params, "root"):
         raise CorruptCheckpointError("stored chunk hashes do not match the recorded Merkle root")
     return hb, idx, body
 
 
 def stored_hashes(stored: Buffer, params: Params) -> bytes:
     """The packed chunk hashes inside a stored ``coci.chunks/1`` piece (checked against root)."""
-    _params.check_codec(params, CHUNKS)
+    check_codec(params, CHUNKS)
     return _sections(stored, params)[0]
 
 
@@ -167,23 +183,23 @@ def decode_chunked(
     ``base`` is the base checkpoint's decoded bytes of the same piece (needed when
     ``params["base"]`` is true). Every chunk written is checked against its recorded hash.
     """
-    _params.check_codec(params, CHUNKS)
+    check_codec(params, CHUNKS)
     dst = writable_u8(out)
-    n = _params.check_out(params, dst)
-    chunk = _params.p_int(params, "chunk", lo=64)
-    _params.p_int(params, "itemsize", lo=1, hi=64)
-    nchunks = _params.p_int(params, "nchunks")
+    n = check_out(params, dst)
+    chunk = p_int(params, "chunk", lo=64)
+    p_int(params, "itemsize", lo=1, hi=64)
+    nchunks = p_int(params, "nchunks")
     if nchunks != -(-n // chunk):
         raise CorruptCheckpointError("chunk count does not match size and chunk length")
     hashes, idx_mv, body = _sections(stored, params)
     if idx_mv.nbytes % 4:
         raise CorruptCheckpointError("changed-chunk index list has a bad size")
     idx = np.frombuffer(idx_mv, "<u4").astype(np.int64)
-    if idx.size != _params.p_int(params, "changed") or (
+    if idx.size != p_int(params, "changed") or (
         idx.size and (idx[0] < 0 or idx[-1] >= nchunks or np.any(np.diff(idx) <= 0))
     ):
         raise CorruptCheckpointError("changed-chunk index list is malformed")
-    uses_base = _params.p_bool(params, "base")
+    uses_base = p_bool(params, "base")
     if not uses_base and idx.size != nchunks:
         raise CorruptCheckpointError("a piece without a base must store every chunk")
     if uses_base:
@@ -194,12 +210,12 @@ def decode_chunked(
             raise CorruptCheckpointError(f"base has {b.nbytes} bytes, the piece expects {n}")
     plen = sum(min(chunk, n - int(i) * chunk) for i in idx)
     payload = np.empty(plen, np.uint8)
-    inner = _params.p_dict(params, "inner")
-    codec = _params.p_str(inner, "codec")
+    inner = p_dict(params, "inner")
+    codec = p_str(inner, "codec")
     if codec == LOSSLESS:
         decode_lossless(body, inner, payload, threads=threads)
-    elif codec == "coci.raw/1":
-        if body.nbytes != plen or _params.p_int(inner, "nbytes") != plen:
+    elif codec == RAW:
+        if body.nbytes != plen or p_int(inner, "nbytes") != plen:
             raise CorruptCheckpointError("stored chunks have the wrong size")
         payload[:] = np.frombuffer(body, np.uint8)
     else:
@@ -217,4 +233,32 @@ def decode_chunked(
         if xxhash.xxh3_128_digest(dst[lo:hi].data) != hashes[i * HASH_SIZE : (i + 1) * HASH_SIZE]:
             where = "stored" if is_new[i] else "base"
             raise CorruptCheckpointError(f"chunk {i} ({where}) does not match its recorded hash")
-    _params.check_result(params, dst)
+    check_result(params, dst)
+
+
+def _encode_piece(data: memoryview, args: EncodeArgs) -> Encoded:
+    return encode_chunked(
+        data,
+        args.dtype,
+        base_hashes=args.base_hashes,
+        base_step=args.base_step,
+        compress=args.compress,
+        level=args.level,
+    )
+
+
+def _compressed(params: Params) -> bool:
+    """Whether the changed chunks went through a compressor."""
+    inner = params.get("inner")
+    return stores_compressed(inner) if isinstance(inner, dict) else True
+
+
+def _decode_piece(
+    stored: Buffer, params: Params, out: Buffer, base: Buffer | None, threads: int
+) -> None:
+    decode_chunked(stored, params, out, base, threads=threads)
+
+
+register_codec(
+    Codec(CHUNKS, _decode_piece, _encode_piece, needs="hashes", deltas=True, compressed=_compressed)
+)

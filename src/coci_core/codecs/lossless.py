@@ -21,7 +21,6 @@ import numpy as np
 import torch
 import zstandard
 
-from coci_core.codecs import _params
 from coci_core.codecs._common import (
     FLOAT_DTYPES,
     U8,
@@ -36,6 +35,16 @@ from coci_core.codecs._common import (
     writable_u8,
     xxh128,
 )
+from coci_core.codecs._params import (
+    base_fields,
+    check_base,
+    check_codec,
+    check_out,
+    check_result,
+    p_bool,
+    p_int,
+)
+from coci_core.codecs.registry import Codec, EncodeArgs, register_codec
 from coci_core.errors import ConfigError, CorruptCheckpointError
 
 __all__ = [
@@ -202,9 +211,9 @@ def _encode_planes(codec: str, arr: U8, planes: U8, layout: _Layout, extra: Para
 
 def _read_layout(params: Params) -> tuple[int, bool, int]:
     return (
-        _params.p_int(params, "itemsize", lo=1, hi=64),
-        _params.p_bool(params, "shuffle"),
-        _params.p_int(params, "segment", lo=64),
+        p_int(params, "itemsize", lo=1, hi=64),
+        p_bool(params, "shuffle"),
+        p_int(params, "segment", lo=64),
     )
 
 
@@ -233,12 +242,12 @@ def encode_lossless(
 
 def decode_lossless(stored: Buffer, params: Params, out: Buffer, *, threads: int = 1) -> None:
     """Write the bytes encoded by :func:`encode_lossless` into ``out``."""
-    _params.check_codec(params, LOSSLESS)
+    check_codec(params, LOSSLESS)
     dst = writable_u8(out)
-    _params.check_out(params, dst)
+    check_out(params, dst)
     itemsize, shuffle, segment = _read_layout(params)
     _decompress(stored, dst, itemsize, shuffle, segment, threads)
-    _params.check_result(params, dst)
+    check_result(params, dst)
 
 
 def encode_xor(
@@ -267,7 +276,7 @@ def encode_xor(
     if arr.nbytes != b.nbytes:
         raise ConfigError(f"data has {arr.nbytes} bytes but its base has {b.nbytes}")
     layout = _Layout(itemsize, shuffle, levels, threads, segment)
-    extra: Params = {**_params.base_fields(base_step), "base_xxh3": xxh128(b)}
+    extra: Params = {**base_fields(base_step), "base_xxh3": xxh128(b)}
     return _encode_planes(XOR, arr, np.bitwise_xor(arr, b), layout, extra)
 
 
@@ -275,11 +284,37 @@ def decode_xor(
     stored: Buffer, params: Params, out: Buffer, base: Buffer | None, *, threads: int = 1
 ) -> None:
     """Write the bytes encoded by :func:`encode_xor` into ``out``; ``base`` as given to it."""
-    _params.check_codec(params, XOR)
+    check_codec(params, XOR)
     dst = writable_u8(out)
-    n = _params.check_out(params, dst)
-    b = _params.check_base(params, base, n)
+    n = check_out(params, dst)
+    b = check_base(params, base, n)
     itemsize, shuffle, segment = _read_layout(params)
     _decompress(stored, dst, itemsize, shuffle, segment, threads)
     np.bitwise_xor(dst, b, out=dst)
-    _params.check_result(params, dst)
+    check_result(params, dst)
+
+
+def _encode_lossless_piece(data: memoryview, args: EncodeArgs) -> Encoded:
+    return encode_lossless(data, args.dtype, level=args.level)
+
+
+def _encode_xor_piece(data: memoryview, args: EncodeArgs) -> Encoded:
+    if args.base is None:
+        raise ConfigError(f"{XOR} needs the base's bytes of the piece")
+    return encode_xor(data, args.base, args.dtype, base_step=args.base_step, level=args.level)
+
+
+def _decode_lossless_piece(
+    stored: Buffer, params: Params, out: Buffer, base: Buffer | None, threads: int
+) -> None:
+    decode_lossless(stored, params, out, threads=threads)
+
+
+def _decode_xor_piece(
+    stored: Buffer, params: Params, out: Buffer, base: Buffer | None, threads: int
+) -> None:
+    decode_xor(stored, params, out, base, threads=threads)
+
+
+register_codec(Codec(LOSSLESS, _decode_lossless_piece, _encode_lossless_piece, deltas=True))
+register_codec(Codec(XOR, _decode_xor_piece, _encode_xor_piece, needs="bytes", deltas=True))

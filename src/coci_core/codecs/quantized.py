@@ -34,13 +34,13 @@ the positive normal range (underflow, overflow) is stored exactly too. Parameter
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
 import torch
 
-from coci_core.codecs import _params
 from coci_core.codecs._common import (
     FLOAT_DTYPES,
     U8,
@@ -52,6 +52,17 @@ from coci_core.codecs._common import (
     unpack_sections,
     writable_u8,
     xxh128,
+)
+from coci_core.codecs._params import (
+    base_fields,
+    check_base,
+    check_out,
+    check_result,
+    p_bool,
+    p_dict,
+    p_float,
+    p_int,
+    p_str,
 )
 from coci_core.codecs.lossless import LOSSLESS, decode_lossless, encode_lossless
 from coci_core.codecs.quantizer import (
@@ -69,6 +80,7 @@ from coci_core.codecs.quantizer import (
     scale_dtype,
     unpack_bits,
 )
+from coci_core.codecs.registry import Codec, EncodeArgs, register_codec
 from coci_core.errors import ConfigError, CorruptCheckpointError
 
 __all__ = [
@@ -257,7 +269,7 @@ def encode_quantized(
     params.update(
         {
             "exceptions": int(parts.exc_idx.size),
-            **_params.base_fields(state.ref_step),
+            **base_fields(state.ref_step),
             "base_xxh3": xxh128(state.ref),
             "exact": False,
             "max_abs_error": max_err,
@@ -273,7 +285,7 @@ def encode_quantized(
 
 def _p_bound(params: Params, key: str) -> float:
     """A recorded error: a finite number >= 0 (a manifest is data from disk)."""
-    v = _params.p_float(params, key)
+    v = p_float(params, key)
     if not (np.isfinite(v) and v >= 0):
         raise CorruptCheckpointError(f"codec parameter {key!r}={v!r} is not a finite bound >= 0")
     return v
@@ -285,30 +297,30 @@ def decode_quantized(stored: Buffer, params: Params, out: Buffer, base: Buffer |
     The result differs from the original by at most ``params["max_abs_error"]`` per value (and,
     for ``coci.qdelta-log/1``, by at most ``params["max_rel_error"]`` of each value's size).
     """
-    codec = _params.p_str(params, "codec")
+    codec = p_str(params, "codec")
     if codec not in QDELTAS:
         raise CorruptCheckpointError(f"parameters are for codec {codec!r}, not a quantized delta")
     log, compact = codec == QDELTA_LOG, codec == QDELTA2
     dst = writable_u8(out)
-    n_bytes = _params.check_out(params, dst)
-    name = _params.p_str(params, "dtype")
-    if name not in FLOAT_DTYPES or _params.p_int(params, "itemsize") != FLOAT_DTYPES[name]:
+    n_bytes = check_out(params, dst)
+    name = p_str(params, "dtype")
+    if name not in FLOAT_DTYPES or p_int(params, "itemsize") != FLOAT_DTYPES[name]:
         raise CorruptCheckpointError(f"bad dtype/itemsize for a quantized delta: {name!r}")
     itemsize = FLOAT_DTYPES[name]
-    bits, block, promote = (_params.p_int(params, k) for k in ("bits", "block", "promote"))
-    nexc = _params.p_int(params, "exceptions")
+    bits, block, promote = (p_int(params, k) for k in ("bits", "block", "promote"))
+    nexc = p_int(params, "exceptions")
     try:
         _check_args(bits, block, promote)
     except ConfigError as e:
         raise CorruptCheckpointError(str(e)) from None
     if n_bytes % itemsize or nexc > n_bytes // itemsize:
         raise CorruptCheckpointError("quantized delta has inconsistent sizes")
-    if _params.p_bool(params, "exact") or _params.p_int(params, "generation") < 1:
+    if p_bool(params, "exact") or p_int(params, "generation") < 1:
         raise CorruptCheckpointError("a quantized delta is inexact and of generation >= 1")
     for key in ("max_abs_error", "rel_error", *(("max_rel_error",) if log else ())):
         _p_bound(params, key)
-    nonneg = False if log else _params.p_bool(params, "nonnegative")
-    ref = _params.check_base(params, base, n_bytes)
+    nonneg = False if log else p_bool(params, "nonnegative")
+    ref = check_base(params, base, n_bytes)
     n = n_bytes // itemsize
     nb = -(-n // block)
     sizes = [
@@ -319,9 +331,9 @@ def decode_quantized(stored: Buffer, params: Params, out: Buffer, base: Buffer |
         nexc * itemsize,
         -(-nb * block // (8 // bits)),
     ]
-    inner = _params.p_dict(params, "inner")
-    inner_bytes = _params.p_int(inner, "nbytes")
-    if _params.p_str(inner, "codec") != LOSSLESS or inner_bytes != 8 + 8 * 6 + sum(sizes):
+    inner = p_dict(params, "inner")
+    inner_bytes = p_int(inner, "nbytes")
+    if p_str(inner, "codec") != LOSSLESS or inner_bytes != 8 + 8 * 6 + sum(sizes):
         raise CorruptCheckpointError("quantized delta's inner stream has the wrong size")
     blob = np.empty(8 + 8 * 6 + sum(sizes), np.uint8)
     decode_lossless(stored, inner, blob)
@@ -351,4 +363,27 @@ def decode_quantized(stored: Buffer, params: Params, out: Buffer, base: Buffer |
         dst[:] = reconstruct_log(ref, parts, name, itemsize, block, bits)
     else:
         dst[:] = reconstruct(ref, parts, name, itemsize, block, nonneg, compact)
-    _params.check_result(params, dst)
+    check_result(params, dst)
+
+
+def _encode_quantized_piece(data: memoryview, args: EncodeArgs) -> Encoded:
+    """The writer's lossy delta (its inner zstd keeps its own level)."""
+    if args.reference is None:
+        raise ConfigError(f"{QDELTA} needs the lossy chain's reference of the piece")
+    lossy = dataclasses.asdict(args.lossy)  # bits, promote, target, nonnegative, domain
+    return encode_quantized(data, args.dtype, args.reference, step=args.step, **lossy)
+
+
+def _decode_quantized(
+    stored: Buffer, params: Params, out: Buffer, base: Buffer | None, threads: int
+) -> None:
+    decode_quantized(stored, params, out, base)
+
+
+# choose_codec names the lossy delta QDELTA; its encoder writes QDELTA2 or QDELTA_LOG
+# (QDELTA's own layout only with exact_outliers); each name decodes.
+register_codec(
+    Codec(QDELTA, _decode_quantized, _encode_quantized_piece, needs="reference", deltas=True)
+)
+register_codec(Codec(QDELTA2, _decode_quantized, needs="reference", deltas=True))
+register_codec(Codec(QDELTA_LOG, _decode_quantized, needs="reference", deltas=True))

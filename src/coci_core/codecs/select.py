@@ -1,11 +1,9 @@
 """Which codec for which tensor, and whether compressing pays off in time to durable.
 
-Pure functions: the writer measures, these decide.
+The writer measures, these decide (consulting the codecs registered with a ``select``).
 """
 
 from __future__ import annotations
-
-from typing import Literal
 
 import torch
 
@@ -13,13 +11,11 @@ from coci_core.codecs._common import FLOAT_DTYPES, dtype_name
 from coci_core.codecs.chunked import CHUNKS
 from coci_core.codecs.lossless import LOSSLESS, XOR
 from coci_core.codecs.quantized import QDELTA
+from coci_core.codecs.registry import RAW, BaseAvailable, Mode, selected_codec
 from coci_core.errors import ConfigError
 
 __all__ = ["RAW", "BaseAvailable", "Mode", "choose_codec", "compression_pays", "time_to_durable"]
 
-RAW = "coci.raw/1"
-Mode = Literal["none", "lossless", "lossy", "auto"]
-BaseAvailable = Literal["none", "hashes", "bytes", "reference"]
 MODES = ("none", "lossless", "lossy", "auto")
 
 # Below this, zstd's frame overhead eats the gain (measured: tensors under ~1 KiB grow).
@@ -94,6 +90,8 @@ def choose_codec(
     - ``"auto"``: as ``"lossless"`` when it pays, else chunk-incremental when hashes are known
       (with ``compress=False``), else raw. (coci's writer does not call this for a save under
       ``"auto"`` that does not pay: it writes the arena raw, the fastest path.)
+
+    Before these rules (and after the raw ones), a registered codec's ``select`` may pick it.
     """
     if mode not in MODES:
         raise ConfigError(f"compression must be one of {MODES}, got {mode!r}")
@@ -102,6 +100,9 @@ def choose_codec(
     is_float = dtype_name(dtype) in FLOAT_DTYPES
     if mode == "none" or nbytes < min_bytes:
         return RAW
+    chosen = selected_codec(dtype_name(dtype), nbytes, mode, base)
+    if chosen is not None:
+        return chosen
     if mode == "lossy" and is_float and base == "reference":
         return QDELTA
     if mode == "auto" and not compress_pays:

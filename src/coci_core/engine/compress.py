@@ -19,20 +19,17 @@ from typing import Any, Literal
 import numpy as np
 
 from coci_core.codecs import (
+    EncodeArgs,
     Encoded,
+    LossyArgs,
     QuantState,
     choose_codec,
     chunk_hashes,
     compression_pays,
-    encode_chunked,
     encode_lossless,
-    encode_quantized,
-    encode_xor,
+    get_codec,
 )
-from coci_core.codecs.chunked import CHUNKS
-from coci_core.codecs.lossless import LOSSLESS, XOR
-from coci_core.codecs.quantized import QDELTA
-from coci_core.codecs.select import MODES, RAW
+from coci_core.codecs.select import MODES
 from coci_core.errors import ConfigError
 from coci_core.knobs import AUTO_MIN_BYTES, PROBE_BYTES
 
@@ -268,41 +265,31 @@ class PieceEncoder:
         )
         log_domain = second_moment and p.lossy_optimizer == "log_second_moment"
         mode: Any = p.mode if (p.mode != "lossy" or lossy_key) else "lossless"
-        codec = choose_codec(dtype, data.nbytes, mode, base=base, compress_pays=bool(self._pays))
-        update = _Memory()
-        enc: Encoded | None = None
-        if codec == RAW:
-            pass
-        elif codec == LOSSLESS:
-            enc = encode_lossless(data, dtype, level=p.level)
-        elif codec == XOR:
-            assert memory is not None
-            assert memory.base is not None
-            enc = encode_xor(data, memory.base, dtype, base_step=self._base_step, level=p.level)
-        elif codec == CHUNKS:
-            enc = encode_chunked(
-                data,
-                dtype,
-                base_hashes=memory.hashes if memory else None,
-                base_step=self._base_step if memory else None,
-                compress=bool(self._pays) or p.mode != "auto",
-                level=p.level,
-            )
-        elif codec == QDELTA:
-            assert memory is not None
-            assert memory.quant is not None
-            enc = encode_quantized(
-                data,
-                dtype,
-                memory.quant,
+        name = choose_codec(dtype, data.nbytes, mode, base=base, compress_pays=bool(self._pays))
+        codec = get_codec(name)
+        if codec.encode is None:
+            raise ConfigError(f"codec {name!r} only decodes")
+        args = EncodeArgs(
+            dtype,
+            pending.step,
+            level=p.level,
+            base_step=self._base_step if memory is not None else None,
+            base=memory.base if memory is not None else None,
+            base_hashes=memory.hashes if memory is not None else None,
+            reference=memory.quant if memory is not None else None,
+            compress=bool(self._pays) or p.mode != "auto",
+            lossy=LossyArgs(
                 bits=p.lossy_bits,  # type: ignore[arg-type]
                 promote=0 if log_domain else self.outliers,  # log: beyond its cap is exact
                 target=p.lossy_target,
                 nonnegative=second_moment,
                 domain="log" if log_domain else "linear",
-                step=pending.step,
-            )
-            pending.quantized.append(memory.quant)
+            ),
+        )
+        enc = codec.encode(data, args)
+        if codec.needs == "reference" and args.reference is not None:
+            pending.quantized.append(args.reference)  # committed once the save is durable
+        update = _Memory()
         if pending.full:
             # What the next deltas need of this base: its bytes (XOR, lossy) or its hashes.
             if p.mode == "lossy" and lossy_key and dtype in _FLOATS:

@@ -22,6 +22,7 @@ from typing import Any
 
 import crc32c
 
+from coci_core.codecs import RAW, stores_compressed
 from coci_core.engine import commit
 from coci_core.engine.compress import PieceEncoder
 from coci_core.engine.group import RankGroup
@@ -51,8 +52,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-RAW_CODEC = "coci.raw/1"
 
 
 def data_file_name(rank: int, token: str | None = None) -> str:
@@ -160,7 +159,7 @@ class _RunAhead:
 
 
 def _entry(leaf: ArrayLeaf, pieces: list[Piece]) -> TensorEntry:
-    codecs = {str(p.params["codec"]) if p.params else RAW_CODEC for p in pieces} or {RAW_CODEC}
+    codecs = {str(p.params["codec"]) if p.params else RAW for p in pieces} or {RAW}
     return TensorEntry(
         key=leaf.key,
         kind=leaf.kind,
@@ -224,7 +223,7 @@ class _Pieces:
                 ahead = pool.submit(encode, slots[i + 1]) if i + 1 < len(slots) else None
                 stored = data if enc is None else memoryview(enc.data).cast("B")
                 self._place(slot, offset, stored, enc.params if enc is not None else None)
-                self.encoded = self.encoded or (enc is not None and _compressed(enc.params))
+                self.encoded = self.encoded or (enc is not None and stores_compressed(enc.params))
                 offset += stored.nbytes
                 yield stored
 
@@ -258,14 +257,6 @@ class _Pieces:
             per_rank=rank_state,
             file=DataFile(self.file, data_bytes),
         )
-
-
-def _compressed(params: dict[str, Any]) -> bool:
-    """Whether a piece's bytes went through a compressor (not only chunk selection)."""
-    inner = params.get("inner")
-    if params.get("codec") == "coci.chunks/1" and isinstance(inner, dict):
-        return _compressed(inner)
-    return params.get("codec") not in (None, RAW_CODEC)
 
 
 def _bases(storage: Storage, shares: list[commit.RankShare]) -> tuple[int, ...]:

@@ -16,6 +16,7 @@ from typing import Any, Literal, TypeVar
 import crc32c
 import torch
 
+from coci_core.codecs import RAW as RAW_CODEC
 from coci_core.codecs import decode, needs_base
 from coci_core.engine.inplace import Fill, InPlaceTargets
 from coci_core.engine.manifest import (
@@ -57,7 +58,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-RAW_CODEC = "coci.raw/1"
 # A delta is decoded against its base, which may itself be a delta: at most this many steps
 # are read to rebuild one array (the array's own step and its bases). The writer's chains are
 # at most ``max_lossy_generations`` + 1 steps deep (lossy deltas each against the previous
