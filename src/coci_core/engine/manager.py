@@ -1,4 +1,11 @@
-"""CheckpointManager: wires snapshot, persist, commit, retention and restore together."""
+"""CheckpointManager: the engine's public entry; wires snapshot, persist, commit, retention
+and restore together.
+
+Beside it: the handle a save returns (``handle.py``), what the writer thread does with each
+save (``writer.py``), the checks of a save's inputs and the regions each rank writes
+(``save_inputs.py``), and what holds for every manager of the process: the optimizer pre-hook,
+closing unclosed managers when the main thread ends (``lifecycle.py``).
+"""
 
 from __future__ import annotations
 
