@@ -16,7 +16,7 @@ WRITE_CHUNK_BYTES = 64 * MiB
 #: A local data file is synced every this many bytes, so that the final fsync is short
 #: (storage/local.py).
 SYNC_EVERY_BYTES = 32 * MiB
-#: Free space kept beyond a save's size before old steps are deleted early (engine/manager.py).
+#: Free space kept beyond a save's size before old steps are deleted early (engine/writer.py).
 ROOM_MARGIN_BYTES = 1 * MiB
 
 # -- compression (engine/compress.py) ---------------------------------------------------
