@@ -16,7 +16,7 @@ WRITE_CHUNK_BYTES = 64 * MiB
 #: A local data file is synced every this many bytes, so that the final fsync is short
 #: (storage/local.py).
 SYNC_EVERY_BYTES = 32 * MiB
-#: Free space kept beyond a save's size before old steps are deleted early (engine/manager.py).
+#: Free space kept beyond a save's size before old steps are deleted early (engine/writer.py).
 ROOM_MARGIN_BYTES = 1 * MiB
 
 # -- compression (engine/compress.py) ---------------------------------------------------
@@ -112,3 +112,23 @@ UPLOAD_COST_WINDOW = 16
 MIN_RANK_WEIGHT = 0.01
 #: ... and the most ASHA rungs read from an Optuna pruner.
 ASHA_MAX_RUNGS = 64
+
+# -- the snapshot and the commit across ranks (engine/snapshot.py, engine/commit.py) ------
+#: With ``block=False``, regions of at most this many bytes are copied at once by ``save()``:
+#: the small tensors that the next forward pass changes in place (BatchNorm's running
+#: statistics, step counters) are then saved as they were.
+SMALL_COPY_BYTES = 64 << 10
+#: How often the writer thread, waiting for the saving thread to check a background copy, looks
+#: whether that thread has ended (then it checks the copy itself).
+OWNER_POLL_S = 0.5
+#: How long after a background copy ended the writer waits for the saving thread's check
+#: before it checks by itself (at least this, and CHECK_GRACE_COPIES times the copy's own
+#: time): an in-place op that was writing a tensor when the copy ended has long returned and
+#: bumped its counter by then, and a saving thread that does not come back to coci (a rank
+#: blocked in a collective, a loop that polls ``done()``) does not hold the commit up.
+CHECK_GRACE_S = 5.0
+CHECK_GRACE_COPIES = 10
+#: The ranks poll the storage for each other's commit records first after this long, the
+#: interval doubling up to COMMIT_POLL_MAX_S.
+COMMIT_POLL_START_S = 0.002
+COMMIT_POLL_MAX_S = 0.1

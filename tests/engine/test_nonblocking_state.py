@@ -219,7 +219,7 @@ def test_a_save_whose_thread_ended_is_checked_by_the_writer(tmp_path: Path) -> N
         )
         saver.start()
         saver.join()
-        assert handles[0]._wait_done(60)  # not wait(): the writer must commit by itself
+        assert handles[0].wait_done(60)  # not wait(): the writer must commit by itself
         assert handles[0].event is not None and handles[0].event.outcome == "committed"
         assert torch.equal(mgr.restore(1)["big"], big)
 
@@ -274,7 +274,7 @@ def test_done_polled_on_the_saving_thread_turns_true_by_itself(tmp_path: Path) -
         handle = mgr.save(1, {"big": big}, block=False)
         deadline = time.monotonic() + 60
         while not handle.done() and time.monotonic() < deadline:
-            handle._done.wait(0.01)  # not wait(): that would check the copy itself
+            handle.wait_done(0.01)  # not wait(): that would check the copy itself
         assert handle.done()
         assert handle.event is not None and handle.event.outcome == "committed"
 
@@ -288,6 +288,6 @@ def test_a_saving_thread_that_does_not_come_back_does_not_hold_the_commit(
     big = torch.zeros(1 << 20)
     with CheckpointManager(tmp_path / "c", compression="none") as mgr:
         handle = mgr.save(1, {"big": big}, block=False)
-        assert handle._wait_done(60)  # on this thread, without coming back into coci
+        assert handle.wait_done(60)  # on this thread, without coming back into coci
         assert handle.event is not None and handle.event.outcome == "committed"
         assert torch.equal(mgr.restore(1)["big"], big)

@@ -34,6 +34,7 @@ from coci_core.engine.manifest import (
     seal,
 )
 from coci_core.errors import CommitError, CorruptCheckpointError, StorageError
+from coci_core.knobs import COMMIT_POLL_MAX_S, COMMIT_POLL_START_S
 
 __all__ = [
     "RankShare",
@@ -128,7 +129,7 @@ class RankShare:
 
 def _poll(check: Callable[[], _T | None], timeout_s: float) -> _T | None:
     deadline = time.monotonic() + timeout_s
-    delay = 0.002
+    delay = COMMIT_POLL_START_S
     while True:
         result = check()
         if result is not None:
@@ -137,7 +138,7 @@ def _poll(check: Callable[[], _T | None], timeout_s: float) -> _T | None:
         if left <= 0:
             return None
         time.sleep(min(delay, left))
-        delay = min(delay * 2, 0.1)
+        delay = min(delay * 2, COMMIT_POLL_MAX_S)
 
 
 def _read_text(storage: Any, path: str) -> str:

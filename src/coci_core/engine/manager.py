@@ -1,44 +1,52 @@
-"""CheckpointManager: wires snapshot, persist, commit, retention and restore together."""
+"""CheckpointManager: the engine's public entry; wires snapshot, persist, commit, retention
+and restore together.
+
+Beside it: the handle a save returns (``handle.py``), what the writer thread does with each
+save (``writer.py``), the checks of a save's inputs and the regions each rank writes
+(``save_inputs.py``), and what holds for every manager of the process: the optimizer pre-hook,
+closing unclosed managers when the main thread ends (``lifecycle.py``).
+"""
 
 from __future__ import annotations
 
-import atexit
-import concurrent.futures.thread  # noqa: F401  (its exit hook must be registered before ours)
-import contextlib
 import dataclasses
-import hashlib
 import logging
 import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
-import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-from coci_core.engine import retention
+from coci_core.engine import lifecycle, retention
 from coci_core.engine.compress import CompressionPolicy, PieceEncoder, check_policy
 from coci_core.engine.group import RankGroup
+from coci_core.engine.handle import SaveHandle
 from coci_core.engine.inplace import InPlaceTargets, in_place_targets
-from coci_core.engine.lease import Lease, acquire_lease
-from coci_core.engine.manifest import MANIFEST_NAME, Manifest, step_dir_name
-from coci_core.engine.partition import DEFAULT_CHUNK_BYTES, Share, partition
-from coci_core.engine.persist import PersistJob, PersistWorker, write_checkpoint
+from coci_core.engine.lease import acquire_lease
+from coci_core.engine.manifest import Manifest
+from coci_core.engine.partition import DEFAULT_CHUNK_BYTES, partition
+from coci_core.engine.persist import PersistJob, PersistWorker
 from coci_core.engine.restore import (
     committed_steps,
-    highest_sequence,
     read_manifest,
     restore_newest,
     resume_order,
     step_infos,
     verify_checkpoint,
 )
-from coci_core.engine.snapshot import Snapshot, Snapshotter
+from coci_core.engine.save_inputs import (
+    flatten_per_rank,
+    json_metadata,
+    layout_digest,
+    rank_regions,
+    refuse_existing,
+)
+from coci_core.engine.snapshot import Snapshotter
 from coci_core.engine.stateful import Stateful
 from coci_core.engine.tiers import RemoteTier
-from coci_core.engine.tree import ArrayLeaf, FlatState, flatten_state
+from coci_core.engine.tree import flatten_state
+from coci_core.engine.writer import SaveWriter
 from coci_core.errors import (
     BackgroundSaveError,
     CheckpointError,
@@ -46,13 +54,10 @@ from coci_core.errors import (
     ConfigError,
     DirectoryInUseError,
     NoCheckpointError,
-    StateChangedError,
-    StepExistsError,
     StorageError,
 )
-from coci_core.knobs import ROOM_MARGIN_BYTES
 from coci_core.storage import Storage, open_storage
-from coci_core.telemetry import Listener, RestoreEvent, SaveEvent, UploadEvent, emit
+from coci_core.telemetry import Listener, RestoreEvent, emit
 
 __all__ = ["CheckpointManager", "SaveHandle"]
 
@@ -60,206 +65,6 @@ logger = logging.getLogger(__name__)
 
 OnBusy = Literal["wait", "skip"]
 _ON_BUSY = ("wait", "skip")
-
-
-class SaveHandle:
-    """The pending result of one :meth:`CheckpointManager.save`, used like a
-    :class:`concurrent.futures.Future`: :meth:`done`, :meth:`result` (or :meth:`wait`),
-    :meth:`exception` and :meth:`add_done_callback`."""
-
-    def __init__(
-        self, step: int, *, block: bool, started: float, snapshot: Snapshot | None
-    ) -> None:
-        self.step = step
-        self.block = block
-        self._started = started
-        self._snapshot = snapshot
-        self._done = threading.Event()
-        self._stall_s = 0.0
-        self._update_wait_s = 0.0
-        self._event: SaveEvent | None = None
-        self._error: BaseException | None = None
-        self._reported = False
-        self._callbacks: list[Callable[[SaveHandle], None]] = []
-        self._callbacks_lock = threading.Lock()
-
-    def __repr__(self) -> str:
-        state = self._event.outcome if self._event else "pending"
-        return f"SaveHandle(step={self.step}, {state})"
-
-    def done(self) -> bool:
-        """Whether the save has finished (committed, skipped or failed). On the thread that
-        saved, a finished ``block=False`` copy is checked here (its commit waits for that)."""
-        snapshot = self._snapshot
-        if (
-            not self._done.is_set()
-            and snapshot is not None
-            and snapshot.copied.is_set()
-            and snapshot.may_check_here()
-        ):
-            self._check_copy(0)
-        return self._done.is_set()
-
-    @property
-    def skipped(self) -> bool:
-        """Whether the save was skipped because the previous persist was still running."""
-        return self._event is not None and self._event.outcome == "skipped"
-
-    @property
-    def event(self) -> SaveEvent | None:
-        """What the save did, once it is done."""
-        return self._event
-
-    # -- completion: the manager reports through these, the handle keeps its own state ----
-
-    def _add_stall(self, seconds: float, *, update_wait: bool = False) -> None:
-        self._stall_s += seconds
-        if update_wait:
-            self._update_wait_s += seconds
-
-    def _finish(
-        self,
-        event: SaveEvent,
-        error: BaseException | None = None,
-        notify: Callable[[SaveEvent], None] | None = None,
-    ) -> None:
-        """Record the outcome, give it to ``notify`` (listeners: before ``wait()`` returns,
-        they have it), then wake the waiters."""
-        self._event = event
-        self._error = error
-        try:
-            if notify is not None:
-                notify(event)
-        finally:
-            # callbacks added before the end run before waiters wake (and in order)
-            while True:
-                with self._callbacks_lock:
-                    callbacks, self._callbacks = self._callbacks, []
-                    if not callbacks:
-                        self._done.set()
-                        break
-                for callback in callbacks:
-                    self._call(callback)
-
-    def _call(self, callback: Callable[[SaveHandle], None]) -> None:
-        try:
-            callback(self)
-        except Exception:
-            logger.exception("coci: a done callback of %r failed", self)
-
-    def add_done_callback(self, fn: Callable[[SaveHandle], None]) -> None:
-        """Call ``fn(handle)`` once the save is done: at once if it is, otherwise on the
-        writer thread before :meth:`wait` returns. An exception in ``fn`` is logged."""
-        with self._callbacks_lock:
-            if not self._done.is_set():
-                self._callbacks.append(fn)
-                return
-        self._call(fn)
-
-    def result(self, timeout: float | None = None) -> SaveEvent:
-        """The same as :meth:`wait` (``Future.result``)."""
-        return self.wait(timeout)
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        """What made the save fail (None if it did not), once it is done.
-
-        Raises:
-            TimeoutError: ``timeout`` passed first.
-        """
-        if not self._check_copy(timeout) or not self._done.wait(timeout):
-            raise TimeoutError(f"save of step {self.step} not done after {timeout} s")
-        if self._error is not None:
-            self._reported = True
-        return self._error
-
-    def _wait_done(self, timeout_s: float | None = None) -> bool:
-        return self._done.wait(timeout_s)
-
-    def _check_copy(self, timeout_s: float | None = None, *, any_thread: bool = False) -> bool:
-        """For a ``block=False`` save: once its copy is finished, check on this thread that no
-        saved tensor changed in place meanwhile (its commit waits for that check). Only the
-        thread that saved may, or any thread once it has ended; ``any_thread``: ``close()``,
-        after training. Returns False if ``timeout_s`` passed before the copy finished."""
-        snapshot = self._snapshot
-        if self.block or snapshot is None or snapshot.checked.is_set():
-            return True
-        if not (any_thread or snapshot.may_check_here()):
-            return True
-        if not snapshot.copied.is_set():
-            started = time.perf_counter()
-            if not snapshot.copied.wait(timeout_s):
-                return False
-            self._add_stall(time.perf_counter() - started, update_wait=True)
-        snapshot.check_copy()
-        return True
-
-    def _take_unreported_error(self) -> BaseException | None:
-        if self._reported or self._error is None:
-            return None
-        self._reported = True
-        return self._error
-
-    def wait(self, timeout_s: float | None = None) -> SaveEvent:
-        """Block until the save is durable (or skipped) and return what it did.
-
-        Raises:
-            BackgroundSaveError: the save failed; nothing was published.
-            TimeoutError: ``timeout_s`` passed first.
-        """
-        if not self._check_copy(timeout_s) or not self._done.wait(timeout_s):
-            raise TimeoutError(f"save of step {self.step} not durable after {timeout_s} s")
-        if self._error is not None:
-            self._reported = True
-            raise BackgroundSaveError(
-                f"background save of step {self.step} failed: {self._error}", step=self.step
-            ) from self._error
-        if self._event is None:
-            raise AssertionError("a finished save has no event")
-        return self._event
-
-
-_LIVE: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
-
-
-def _wait_for_snapshot_copies(optimizer: Any, args: Any, kwargs: Any) -> None:
-    """Before any torch optimizer's step: wait for the unfinished ``block=False`` copies, so
-    that a step never changes a tensor that a save is still reading."""
-    for manager in list(_LIVE):
-        manager.before_update()
-
-
-# Process-wide: a loop that does not call before_update() still never saves a torn state.
-register_optimizer_step_pre_hook(_wait_for_snapshot_copies)
-
-
-def _close_all_at_exit() -> None:
-    """Make every unclosed manager's pending saves durable and stop its threads, before the
-    interpreter tears anything down (see :func:`_register_exit_hooks`)."""
-    for manager in list(_LIVE):
-        manager._close_at_exit()
-
-
-def _register_exit_hooks() -> None:
-    """Run :func:`_close_all_at_exit` as soon as the main thread has finished.
-
-    Python's ``atexit`` comes too late: by then ``concurrent.futures`` has refused new work
-    (the writer's helper pools raise "cannot schedule new futures after interpreter
-    shutdown", and the save is lost), and a daemon thread still inside a native call when the
-    interpreter finalizes is ended by ``pthread_exit``, which aborts the process when it
-    unwinds through C++ (torch: "terminate called without an active exception"). Threading's
-    own exit hooks run first, newest first, so this one, registered after
-    ``concurrent.futures.thread`` was imported, runs before that module shuts its pools down.
-    ``atexit`` stays as the fallback for managers made after that point (by a non-daemon
-    thread that outlives the main thread).
-    """
-    register = getattr(threading, "_register_atexit", None)  # CPython 3.9+
-    if register is not None:
-        with contextlib.suppress(RuntimeError):  # imported while the interpreter shuts down
-            register(_close_all_at_exit)
-    atexit.register(_close_all_at_exit)
-
-
-_register_exit_hooks()
 
 
 class CheckpointManager:
@@ -374,12 +179,6 @@ class CheckpointManager:
         # the same on every rank), and the restored checkpoint's run after a restore, so that
         # a resumed run continues its own retention while other runs' checkpoints are left be.
         self.run_id = group.session
-        # The commit order of this manager's saves (Manifest.sequence): the highest sequence in
-        # the directory and its remote tier, read once under the lease by the writer thread
-        # (None until then), and at least that of the restored checkpoint.
-        self._sequence: int | None = None
-        self._lease_generation = 0
-        self._sequence_floor = 0
         self.chunk_bytes = chunk_bytes
         self._saves = 0
         self._snapshotter = Snapshotter()
@@ -387,18 +186,14 @@ class CheckpointManager:
         # The writer thread holds the manager only while a save of it is queued or running:
         # an unclosed manager that nothing else references is freed once its saves are
         # durable (its thread ends, its lease is released), never with a save still pending.
-        self._worker = PersistWorker(_run_save, niceness=worker_niceness)
+        self._worker = PersistWorker(CheckpointManager._run_save, niceness=worker_niceness)
         self._pid = os.getpid()  # a forked child's copy has none of this process's threads
         self._inflight: SaveHandle | None = None
-        self._failed: list[SaveHandle] = []
-        # leaves found changed during a background copy: copied by save() itself from then on
-        self._hot_keys: set[str] = set()
-        self._failed_lock = threading.Lock()
         self._save_lock = threading.RLock()
         self._closed = False
-        self._owner = _Owner()
+        self._owner = lifecycle.Owner()
         self._finalizer = weakref.finalize(self, self._owner.release, self._worker)
-        self._finalizer.atexit = False  # at exit, _close_at_exit makes pending saves durable
+        self._finalizer.atexit = False  # at exit, close_at_exit makes pending saves durable
         self._closed_at_exit = False
         if group.is_coordinator:
             try:
@@ -416,12 +211,23 @@ class CheckpointManager:
                 open_storage(remote, **dict(remote_storage_options or {})),
                 keep_last=remote_keep_last,
                 group=group,
-                run_id=_weak_run_id(self),
-                emit=_weak_emit(self),
+                run_id=lifecycle.weak_run_id(self, group.session),
+                emit=lifecycle.weak_emit(self),
                 upload_every=remote_upload_every,
             )
             self._owner.remote = self.remote
-        _LIVE.add(self)
+        self._writer = SaveWriter(
+            storage=self.storage,
+            group=group,
+            keep_last=keep_last,
+            encoder=self._encoder,
+            snapshotter=self._snapshotter,
+            owner=self._owner,
+            remote=self.remote,
+            emit=lifecycle.weak_emit(self),
+            run_id=lifecycle.weak_run_id(self, group.session),
+        )
+        lifecycle.track(self)
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.storage.url!r}, keep_last={self.keep_last})"
@@ -489,7 +295,7 @@ class CheckpointManager:
         if inflight is not None:
             # before the lock: another thread's save may hold it while it waits for this
             # thread's previous save, which commits only once this thread has checked it
-            inflight._check_copy()
+            inflight.check_copy()
         with self._save_lock:  # saves from several threads run one after the other
             return self._save(step, state, block, metadata, per_rank, alone, overwrite)
 
@@ -512,19 +318,19 @@ class CheckpointManager:
         previous = self._inflight
         if previous is not None and not previous.done():
             if previous.step == step:
-                previous._wait_done()  # its commit decides whether the step exists
+                previous.wait_done()  # its commit decides whether the step exists
             elif self.on_busy == "skip":
                 return self._skip(step, block=block, started=started)
             else:
-                previous._wait_done()
-        self._raise_failed()
+                previous.wait_done()
+        self._writer.raise_failed()
         if not overwrite:
-            self._refuse_existing(step)
+            refuse_existing(self.storage, step, self.run_id)
         if alone and not self.group.is_coordinator:
             raise ConfigError("'alone' saves are made by rank 0 only")
         group = RankGroup(0, 1, self.group.session) if alone else self.group
         flat = flatten_state(state, allow_torch_save=self.allow_torch_save)
-        own = self._flatten_per_rank(state, per_rank)
+        own = flatten_per_rank(state, per_rank, allow_torch_save=self.allow_torch_save)
         if self.group.is_coordinator and self._owner.lease is None:  # after the input checks
             self._owner.lease = acquire_lease(self.storage, self.group.session)
             retention.remove_uncommitted(self.storage, self.group, done_seq=None)
@@ -537,20 +343,20 @@ class CheckpointManager:
                 "an 'alone' save cannot hold shards of DTensors: the other ranks' rows are not "
                 "written (save a full state dict instead)"
             )
-        regions = None if alone else self._regions(flat.leaves, leaves)
+        regions = None if alone else rank_regions(self.group, self.chunk_bytes, flat.leaves, leaves)
         snapshot = self._snapshotter.prepare(leaves, regions)
         handle = SaveHandle(step, block=block, started=started, snapshot=snapshot)
         job = PersistJob(
             step,
             snapshot,
             flat.tree,
-            _json_metadata(metadata),
+            json_metadata(metadata),
             # A save that only rank 0 makes must not shift the count the ranks agree on.
             seq=self._saves,
             solo=alone,
             n_shared=len(flat.leaves),
             rank_tree=own.tree if own else None,
-            layout=_layout_digest(flat.leaves, self.chunk_bytes) if regions is not None else "",
+            layout=layout_digest(flat.leaves, self.chunk_bytes) if regions is not None else "",
             group=group,
             run=self.run_id,
         )
@@ -560,10 +366,10 @@ class CheckpointManager:
             self._snapshotter.copy(snapshot)
             snapshot.wait_copied()
         else:
-            self._snapshotter.copy_small(snapshot, also=self._hot_keys)
+            self._snapshotter.copy_small(snapshot, also=self._writer.hot_keys)
         self._saves += 0 if alone else 1
         self._inflight = handle
-        handle._add_stall(time.perf_counter() - started)
+        handle.add_stall(time.perf_counter() - started)
         self._worker.submit((self, job, handle))
         return handle
 
@@ -578,64 +384,10 @@ class CheckpointManager:
         waits for it. Returns the helper thread."""
         self._check_open()
         flat = flatten_state(state, allow_torch_save=self.allow_torch_save)
-        own = self._flatten_per_rank(state, per_rank)
+        own = flatten_per_rank(state, per_rank, allow_torch_save=self.allow_torch_save)
         leaves = flat.leaves + (own.leaves if own else ())
-        return self._snapshotter.reserve(leaves, self._regions(flat.leaves, leaves))
-
-    def _refuse_existing(self, step: int) -> None:
-        if not self.storage.exists(f"{step_dir_name(step)}/{MANIFEST_NAME}"):
-            return
-        try:
-            run = read_manifest(self.storage, step).run
-        except NoCheckpointError:
-            return  # removed meanwhile
-        except CheckpointError:
-            run = "?"
-        own = run == self.run_id
-        whose = "this run's" if own else f"run {run}'s"
-        raise StepExistsError(
-            f"{self.storage.url} already holds {whose} checkpoint of step {step}; pass "
-            "overwrite=True to replace it, or save into another directory",
-            step=step,
-            run=run,
-            own=own,
-        )
-
-    def _flatten_per_rank(
-        self, state: Mapping[str, Any], per_rank: Mapping[str, Any] | None
-    ) -> FlatState | None:
-        if per_rank is None:
-            return None
-        if not isinstance(per_rank, Mapping):
-            raise ConfigError(f"'per_rank' must be a mapping or None, got {type(per_rank)}")
-        clash = sorted(str(k) for k in per_rank if k in state)
-        if clash:
-            raise ConfigError(f"'per_rank' keys {clash} are also keys of 'state'")
-        return flatten_state(per_rank, allow_torch_save=self.allow_torch_save)
-
-    def _regions(
-        self, shared: tuple[ArrayLeaf, ...], leaves: tuple[ArrayLeaf, ...]
-    ) -> tuple[Share, ...] | None:
-        # One rank writes every leaf whole; several split the replicated leaves and each writes
-        # its shards of sharded tensors and its own per-rank leaves whole.
-        if self.group.world_size == 1:
-            partial = [
-                leaf.key for leaf in shared if leaf.owned and leaf.shape != leaf.tensor.shape
-            ]
-            if partial:
-                raise ConfigError(
-                    f"{partial[:3]} are shards of DTensors: every rank must save, with a "
-                    "'group' (RankGroup.from_torch_distributed())"
-                )
-            return None
-        mine = partition(
-            [0 if leaf.owned else leaf.nbytes for leaf in shared],
-            self.group.world_size,
-            chunk_bytes=self.chunk_bytes,
-        )[self.group.rank]
-        owned = tuple(Share(i, 0, leaf.nbytes) for i, leaf in enumerate(shared) if leaf.owned)
-        own = tuple(Share(i, 0, leaves[i].nbytes) for i in range(len(shared), len(leaves)))
-        return mine + owned + own
+        regions = rank_regions(self.group, self.chunk_bytes, flat.leaves, leaves)
+        return self._snapshotter.reserve(leaves, regions)
 
     def before_update(self) -> None:
         """Wait, if needed, until a ``block=False`` snapshot is fully copied; on the thread
@@ -646,17 +398,8 @@ class CheckpointManager:
         returns at once when there is nothing to wait for. The wait counts as stall.
         """
         handle = self._inflight
-        if handle is None or handle._snapshot is None or handle.block:
-            return
-        snapshot = handle._snapshot
-        if not snapshot.copied.is_set():
-            started = time.perf_counter()
-            snapshot.copied.wait()
-            handle._add_stall(time.perf_counter() - started, update_wait=True)
-        event = snapshot._cuda_event
-        if event is not None:  # later work on this stream runs after the device-to-host copy
-            torch.cuda.current_stream().wait_event(event)
-        handle._check_copy()
+        if handle is not None:
+            handle.before_update()
 
     def wait(self, timeout_s: float | None = None) -> None:
         """Block until every pending save is durable.
@@ -667,10 +410,10 @@ class CheckpointManager:
         """
         handle = self._inflight
         if handle is not None and not (
-            handle._check_copy(timeout_s) and handle._wait_done(timeout_s)
+            handle.check_copy(timeout_s) and handle.wait_done(timeout_s)
         ):
             raise TimeoutError(f"save of step {handle.step} not durable after {timeout_s} s")
-        self._raise_failed()
+        self._writer.raise_failed()
 
     def close(self) -> None:
         """Wait for pending saves and stop the background worker (idempotent). A manager that
@@ -682,26 +425,27 @@ class CheckpointManager:
         """
         inflight = self._inflight
         if inflight is not None:  # before the lock, as in save()
-            inflight._check_copy(any_thread=True)
+            inflight.check_copy(any_thread=True)
         with self._save_lock:
             if self._closed:
                 return
             self._closed = True
-            _LIVE.discard(self)
+            lifecycle.untrack(self)
             handle = self._inflight
             if handle is not None:
-                handle._check_copy(any_thread=True)
-                handle._wait_done()
+                handle.check_copy(any_thread=True)
+                handle.wait_done()
             self._worker.stop()
             if self.remote is not None:
                 self.remote.close(retry=not self._closed_at_exit)
             self._finalizer.detach()
             self._owner.release(None)  # never raises
-            self._raise_failed()
+            self._writer.raise_failed()
 
-    def _close_at_exit(self) -> None:
-        """:meth:`close` at interpreter exit: never raises, logs at most one line (a failed
-        save was logged by the writer thread when it failed, naming its step)."""
+    def close_at_exit(self) -> None:
+        """:meth:`close`, when the main thread has ended (for a manager left unclosed): never
+        raises, logs at most one line (a failed save was logged by the writer thread when it
+        failed, naming its step)."""
         if self._pid != os.getpid():
             return  # inherited through fork: the saves and threads are the parent's
         self._closed_at_exit = not self._closed
@@ -736,157 +480,25 @@ class CheckpointManager:
         reason: str = "the previous persist is still running",
     ) -> SaveHandle:
         handle = SaveHandle(step, block=block, started=started, snapshot=None)
-        stall = time.perf_counter() - started
-        handle._add_stall(stall)
+        handle.add_stall(time.perf_counter() - started)
         logger.info("coci: skipped step %d: %s", step, reason)
-        event = SaveEvent(step=step, outcome="skipped", stall_s=stall, block=block)
-        handle._finish(event, notify=lambda e: emit(self.listeners, e))
+        handle.finish(handle.new_event(outcome="skipped"), notify=lambda e: emit(self.listeners, e))
         return handle
 
-    def _raise_failed(self) -> None:
-        with self._failed_lock:
-            failed, self._failed = self._failed, []
-        unreported = [(h.step, e) for h in failed if (e := h._take_unreported_error()) is not None]
-        if not unreported:
-            return
-        first_step, first_error = unreported[0]
-        steps = ", ".join(str(step) for step, _ in unreported)
-        raise BackgroundSaveError(
-            f"background save of step {steps} failed: {first_error}; committed checkpoints "
-            "are intact",
-            step=first_step,
-        ) from first_error
-
-    def _run_job(self, item: tuple[PersistJob, SaveHandle]) -> None:
-        # WARNING: runs on the writer thread; it must never touch the training process group.
-        job, handle = item
-        snapshot = job.snapshot
-        try:
-            if not handle.block:  # the copy overlaps the caller's next work
-                self._snapshotter.copy(snapshot, background=True)
-            lease = self._owner.lease
-            if self.group.is_coordinator and lease is not None:
-                # an object store's lease that lapsed in an outage is taken again, or this
-                # save fails (StorageError) without writing: another writer may own it now
-                lease.ensure_held()
-                if lease.generation != self._lease_generation:  # another writer may have
-                    self._lease_generation = lease.generation  # committed meanwhile
-                    self._sequence = None
-            resaved = self.group.is_coordinator and self.storage.exists(
-                f"{step_dir_name(job.step)}/{MANIFEST_NAME}"
-            )
-            if self.group.is_coordinator:
-                retention.make_room(
-                    self.storage,
-                    keep_last=self.keep_last,
-                    run_id=self.run_id,
-                    step=job.step,
-                    needed_bytes=job.snapshot.arena.total_bytes * job.group.world_size
-                    + ROOM_MARGIN_BYTES,
-                    next_base=self._encoder.base_step,
-                )
-                job.sequence = self._next_sequence()
-            result = write_checkpoint(self.storage, job, self._encoder)
-        except BaseException as e:
-            error: BaseException | None = e
-            with contextlib.suppress(Exception):  # the handle must finish: close() waits on it
-                error = retention.explain_full_disk(self.storage, e, self.keep_last)
-            event = self._event(
-                handle, snapshot, outcome="failed", error=f"{type(error).__name__}: {error}"
-            )
-            if isinstance(error, StateChangedError):
-                # The loop changed tensors in place while the copy ran (a large buffer that
-                # the forward pass updates, say): later saves copy them before returning.
-                self._hot_keys.update(error.keys)
-                logger.warning("coci: save of step %d given up: %s", job.step, error)
-            else:
-                logger.error("coci: save of step %d failed: %s", job.step, error)
-        else:
-            error = None
-            event = self._event(
-                handle,
-                snapshot,
-                outcome="committed",
-                path=result.path,
-                bytes_written=result.bytes_written,
-                raw_bytes=result.raw_bytes,
-                compressed=result.encoded,
-            )
-            logger.info(
-                "coci: saved step %d to %s/%s (%.1f MB, stall %.3f s, durable after %.3f s)",
-                job.step,
-                self.storage.url,
-                result.path,
-                result.bytes_written / 1e6,
-                event.stall_s,
-                event.time_to_durable_s,
-            )
-
-        def notify(event: SaveEvent) -> None:
-            # reported by the next save/wait/close if nobody waits on it; a save given up for
-            # a changed tensor is not an error of the training loop's (the next one copies it)
-            if error is not None and not isinstance(error, StateChangedError):
-                with self._failed_lock:
-                    self._failed.append(handle)
-            emit(self.listeners, event)
-
-        handle._finish(event, error, notify=notify)
-        if event.outcome == "committed" and self.group.is_coordinator:
-            # After done: deleting old steps (0.3 s per GB here) must not hold up wait() or
-            # the next save; the next job on this thread starts once it is finished.
-            if resaved:
-                retention.drop_dependants(self.storage, job.step)
-            if self.remote is not None:
-                self.remote.submit(job.step)
-            self._apply_retention(newest=job.step, done_seq=job.seq)
-
-    def _continue_run(self, run: str, sequence: int) -> None:
+    def continue_run(self, run: str, sequence: int, restored: RestoreEvent | None = None) -> None:
         """Later saves continue ``run`` and are committed after ``sequence``: those of a
-        restored checkpoint (restored here, or by an adapter's own restore)."""
+        restored checkpoint (restored here, or by an adapter's own restore: ``restored``, its
+        event, then becomes :attr:`last_restore`)."""
         self.run_id = run
-        self._sequence_floor = max(self._sequence_floor, sequence)
+        self._writer.commit_after(sequence)
+        if restored is not None:
+            self.last_restore = restored
 
-    def _next_sequence(self) -> int:
-        """The commit sequence of the next save (on the coordinator's writer thread, under the
-        directory's lease: no other writer commits meanwhile): 1 + the highest committed in
-        the directory and in the remote tier, and above the restored checkpoint's, so that the
-        order survives any wall clock and a move between nodes and tiers."""
-        remote = self.remote.highest_sequence if self.remote is not None else 0
-        if self._sequence is None:
-            self._sequence = highest_sequence(self.storage)
-        # the remote's is read again: a remote that was down when the run started is read
-        # once its lease is taken
-        self._sequence = max(self._sequence, self._sequence_floor, remote) + 1
-        return self._sequence
-
-    def _event(self, handle: SaveHandle, snapshot: Snapshot, **fields: Any) -> SaveEvent:
-        now = time.perf_counter()
-        return SaveEvent(
-            step=handle.step,
-            stall_s=handle._stall_s,
-            update_wait_s=handle._update_wait_s,
-            copy_s=snapshot.copy_s,
-            persist_s=now - snapshot.copied_at if snapshot.copied_at else 0.0,
-            time_to_durable_s=now - handle._started,
-            first_save=snapshot.allocated,
-            block=handle.block,
-            **fields,
-        )
-
-    def _apply_retention(self, *, newest: int, done_seq: int) -> None:
-        # Retention never fails a save that is already durable: its errors are logged.
-        try:
-            if self.keep_last is not None:
-                retention.apply_keep_last(
-                    self.storage,
-                    keep_last=self.keep_last,
-                    run_id=self.run_id,
-                    newest=newest,
-                    next_base=self._encoder.base_step,
-                )
-            retention.remove_uncommitted(self.storage, self.group, done_seq=done_seq, newest=newest)
-        except Exception as e:
-            logger.warning("coci: retention after step %d failed: %s", newest, e)
+    @staticmethod
+    def _run_save(item: tuple[CheckpointManager, PersistJob, SaveHandle]) -> None:
+        """The writer thread's job: the queued item holds its manager until the save is done."""
+        manager, job, handle = item
+        manager._writer.run(job, handle)
 
     # -- restoring ------------------------------------------------------------------------
 
@@ -972,7 +584,7 @@ class CheckpointManager:
             self.last_restore = dataclasses.replace(
                 self.last_restore, seconds=self.last_restore.seconds + load_s, load_s=load_s
             )
-        self._continue_run(loaded.manifest.run, loaded.manifest.sequence)
+        self.continue_run(loaded.manifest.run, loaded.manifest.sequence)
         emit(self.listeners, self.last_restore)
         return loaded.state
 
@@ -990,58 +602,6 @@ class CheckpointManager:
         return found
 
 
-class _Owner:
-    """What a manager holds that must be given up even when it is never closed: the
-    directory's lease and the writer thread (see ``weakref.finalize`` in the manager)."""
-
-    def __init__(self) -> None:
-        self.lease: Lease | None = None
-        self.remote: RemoteTier | None = None
-
-    def release(self, worker: PersistWorker | None) -> None:
-        """Give everything up; never raises (it runs from ``close``, a finalizer or at exit,
-        when the storage may be gone: a lease that cannot be removed expires by itself)."""
-        if worker is not None:
-            worker.stop(wait=False)
-        lease, self.lease = self.lease, None
-        if lease is not None:
-            try:
-                lease.release()
-            except Exception as e:
-                logger.info("coci: could not release the lease of %s: %s", lease.key, e)
-        remote, self.remote = self.remote, None
-        if remote is not None and worker is not None:  # freed unclosed: give up the upload
-            try:
-                remote.close(timeout_s=0.0)
-            except Exception as e:
-                logger.info("coci: could not stop the upload to %s: %s", remote.remote.url, e)
-
-
-def _weak_run_id(manager: CheckpointManager) -> Callable[[], str]:
-    """The manager's current run, without keeping it alive (the upload thread holds this)."""
-    ref = weakref.ref(manager)
-    session = manager.group.session
-    return lambda: getattr(ref(), "run_id", session)
-
-
-def _weak_emit(manager: CheckpointManager) -> Callable[[UploadEvent], None]:
-    """Give an upload event to the manager's listeners while the manager exists."""
-    ref = weakref.ref(manager)
-
-    def send(event: UploadEvent) -> None:
-        owner = ref()
-        if owner is not None:
-            emit(owner.listeners, event)
-
-    return send
-
-
-def _run_save(item: tuple[CheckpointManager, PersistJob, SaveHandle]) -> None:
-    """The writer thread's job: the queued item holds its manager until the save is done."""
-    manager, job, handle = item
-    manager._run_job((job, handle))
-
-
 def _load_into(state: Mapping[str, Any], into: Mapping[str, Stateful]) -> None:
     missing = [key for key in into if key not in state]
     if missing:
@@ -1052,21 +612,3 @@ def _load_into(state: Mapping[str, Any], into: Mapping[str, Stateful]) -> None:
         if not hasattr(target, "load_state_dict"):
             raise ConfigError(f"'into[{key!r}]' has no load_state_dict: {type(target).__name__}")
         target.load_state_dict(state[key])
-
-
-def _layout_digest(leaves: tuple[ArrayLeaf, ...], chunk_bytes: int) -> str:
-    """What every rank must agree on to split the state the same way."""
-    text = repr([(leaf.key, str(leaf.tensor.dtype), leaf.shape, leaf.owned) for leaf in leaves])
-    return hashlib.sha1(f"{chunk_bytes}|{text}".encode()).hexdigest()[:16]
-
-
-def _json_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
-    import json
-
-    if metadata is None:
-        return {}
-    try:
-        decoded: dict[str, Any] = json.loads(json.dumps(dict(metadata), allow_nan=False))
-        return decoded
-    except (TypeError, ValueError, RecursionError) as e:
-        raise ConfigError(f"'metadata' must hold JSON values only: {e}") from e

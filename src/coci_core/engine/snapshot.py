@@ -23,25 +23,20 @@ import torch
 from coci_core.engine.partition import Share
 from coci_core.engine.tree import ArrayLeaf
 from coci_core.errors import StateChangedError
+from coci_core.knobs import CHECK_GRACE_COPIES, CHECK_GRACE_S, OWNER_POLL_S, SMALL_COPY_BYTES
 
-__all__ = ["Arena", "LeafSlot", "Snapshot", "Snapshotter", "plan_layout", "whole_leaves"]
+__all__ = [
+    "SMALL_COPY_BYTES",
+    "Arena",
+    "LeafSlot",
+    "Snapshot",
+    "Snapshotter",
+    "plan_layout",
+    "whole_leaves",
+]
 
 ALIGN_BYTES = 64
 PAGE_BYTES = 4096
-#: With ``block=False``, regions of at most this many bytes are copied at once by ``save()``:
-#: the small tensors that the next forward pass changes in place (BatchNorm's running
-#: statistics, step counters) are then saved as they were.
-SMALL_COPY_BYTES = 64 << 10
-#: How often the writer thread, waiting for the saving thread to check a background copy, looks
-#: whether that thread has ended (then it checks the copy itself).
-OWNER_POLL_S = 0.5
-#: How long after a background copy ended the writer waits for the saving thread's check
-#: before it checks by itself (at least this, and CHECK_GRACE_COPIES times the copy's own
-#: time): an in-place op that was writing a tensor when the copy ended has long returned and
-#: bumped its counter by then, and a saving thread that does not come back to coci (a rank
-#: blocked in a collective, a loop that polls ``done()``) does not hold the commit up.
-CHECK_GRACE_S = 5.0
-CHECK_GRACE_COPIES = 10
 
 
 @dataclass(frozen=True)
@@ -186,6 +181,13 @@ class Snapshot:
         self._small_cuda_event = self._cuda_event = None
         if self.error is not None:
             raise self.error
+
+    def order_current_stream(self) -> None:
+        """Make later work on the current CUDA stream run after the device-to-host copy (of a
+        copy that has finished on the host side; nothing to do without CUDA)."""
+        event = self._cuda_event
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
 
     def check_unchanged(self) -> None:
         """Raise if a leaf was changed in place since the save was asked for (its version

@@ -390,8 +390,7 @@ class Checkpointer:
         (later saves are committed after its ``sequence``), count its cost and report its
         event as the manager reports its own."""
         self.resumed_from = event.step
-        self.manager._continue_run(run, sequence)
-        self.manager.last_restore = event
+        self.manager.continue_run(run, sequence, restored=event)
         self._restored = event
         self._on_event(event)
 

@@ -1,0 +1,113 @@
+"""A save's inputs, checked, and the byte regions of the state that this rank copies and
+writes (:func:`rank_regions`)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from coci_core.engine.group import RankGroup
+from coci_core.engine.manifest import MANIFEST_NAME, step_dir_name
+from coci_core.engine.partition import Share, partition
+from coci_core.engine.restore import read_manifest
+from coci_core.engine.tree import ArrayLeaf, FlatState, flatten_state
+from coci_core.errors import CheckpointError, ConfigError, NoCheckpointError, StepExistsError
+from coci_core.storage import Storage
+
+__all__ = [
+    "flatten_per_rank",
+    "json_metadata",
+    "layout_digest",
+    "rank_regions",
+    "refuse_existing",
+]
+
+
+def refuse_existing(storage: Storage, step: int, run_id: str) -> None:
+    """Raise if ``storage`` holds a committed checkpoint of ``step``.
+
+    Raises:
+        StepExistsError: naming whose checkpoint it is (``run_id``'s or another run's).
+    """
+    if not storage.exists(f"{step_dir_name(step)}/{MANIFEST_NAME}"):
+        return
+    try:
+        run = read_manifest(storage, step).run
+    except NoCheckpointError:
+        return  # removed meanwhile
+    except CheckpointError:
+        run = "?"
+    own = run == run_id
+    whose = "this run's" if own else f"run {run}'s"
+    raise StepExistsError(
+        f"{storage.url} already holds {whose} checkpoint of step {step}; pass "
+        "overwrite=True to replace it, or save into another directory",
+        step=step,
+        run=run,
+        own=own,
+    )
+
+
+def flatten_per_rank(
+    state: Mapping[str, Any], per_rank: Mapping[str, Any] | None, *, allow_torch_save: bool
+) -> FlatState | None:
+    """The flattened ``per_rank`` state (None without one); its keys must not be ``state``'s."""
+    if per_rank is None:
+        return None
+    if not isinstance(per_rank, Mapping):
+        raise ConfigError(f"'per_rank' must be a mapping or None, got {type(per_rank)}")
+    clash = sorted(str(k) for k in per_rank if k in state)
+    if clash:
+        raise ConfigError(f"'per_rank' keys {clash} are also keys of 'state'")
+    return flatten_state(per_rank, allow_torch_save=allow_torch_save)
+
+
+def rank_regions(
+    group: RankGroup,
+    chunk_bytes: int,
+    shared: tuple[ArrayLeaf, ...],
+    leaves: tuple[ArrayLeaf, ...],
+) -> tuple[Share, ...] | None:
+    """The regions of ``leaves`` (``shared``, then this rank's own) that this rank of
+    ``group`` writes; None: every leaf whole (a group of one)."""
+    # One rank writes every leaf whole; several split the replicated leaves and each writes
+    # its shards of sharded tensors and its own per-rank leaves whole.
+    if group.world_size == 1:
+        partial = [leaf.key for leaf in shared if leaf.owned and leaf.shape != leaf.tensor.shape]
+        if partial:
+            raise ConfigError(
+                f"{partial[:3]} are shards of DTensors: every rank must save, with a "
+                "'group' (RankGroup.from_torch_distributed())"
+            )
+        return None
+    mine = partition(
+        [0 if leaf.owned else leaf.nbytes for leaf in shared],
+        group.world_size,
+        chunk_bytes=chunk_bytes,
+    )[group.rank]
+    owned = tuple(Share(i, 0, leaf.nbytes) for i, leaf in enumerate(shared) if leaf.owned)
+    own = tuple(Share(i, 0, leaves[i].nbytes) for i in range(len(shared), len(leaves)))
+    return mine + owned + own
+
+
+def layout_digest(leaves: tuple[ArrayLeaf, ...], chunk_bytes: int) -> str:
+    """What every rank must agree on to split the state the same way."""
+    text = repr([(leaf.key, str(leaf.tensor.dtype), leaf.shape, leaf.owned) for leaf in leaves])
+    return hashlib.sha1(f"{chunk_bytes}|{text}".encode()).hexdigest()[:16]
+
+
+def json_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``metadata`` as plain JSON values (a copy).
+
+    Raises:
+        ConfigError: it holds a value that is not JSON.
+    """
+    if metadata is None:
+        return {}
+    try:
+        decoded: dict[str, Any] = json.loads(json.dumps(dict(metadata), allow_nan=False))
+        return decoded
+    except (TypeError, ValueError, RecursionError) as e:
+        raise ConfigError(f"'metadata' must hold JSON values only: {e}") from e

@@ -1,0 +1,194 @@
+"""SaveWriter: what the writer thread does with each save of a manager.
+
+It finishes a ``block=False`` copy, takes the directory's lease again where it lapsed, makes
+room, numbers the commit (the order restores and retention go by), writes and commits, reports
+the outcome through the save's handle, then applies retention and hands the step to the remote
+tier. Failures are kept until the training loop is told of them (:meth:`raise_failed`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from coci_core.engine import retention
+from coci_core.engine.compress import PieceEncoder
+from coci_core.engine.group import RankGroup
+from coci_core.engine.handle import SaveHandle
+from coci_core.engine.lifecycle import Owner
+from coci_core.engine.manifest import MANIFEST_NAME, step_dir_name
+from coci_core.engine.persist import PersistJob, write_checkpoint
+from coci_core.engine.restore import highest_sequence
+from coci_core.engine.snapshot import Snapshotter
+from coci_core.engine.tiers import RemoteTier
+from coci_core.errors import BackgroundSaveError, StateChangedError
+from coci_core.knobs import ROOM_MARGIN_BYTES
+from coci_core.storage import Storage
+from coci_core.telemetry import SaveEvent
+
+__all__ = ["SaveWriter"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False, repr=False)
+class SaveWriter:
+    """Runs the saves of one manager on its writer thread (:meth:`run`), one at a time.
+
+    It holds no reference to the manager (``run_id`` and ``emit`` reach the manager's current
+    run and listeners through a weak reference), so that an unclosed manager is freed once its
+    queued saves are done.
+    """
+
+    storage: Storage
+    group: RankGroup
+    keep_last: int | None
+    encoder: PieceEncoder
+    snapshotter: Snapshotter
+    owner: Owner
+    remote: RemoteTier | None
+    emit: Callable[[SaveEvent], None]
+    run_id: Callable[[], str]
+    #: leaves found changed during a background copy: copied by save() itself from then on
+    hot_keys: set[str] = field(default_factory=set)
+    _failed: list[SaveHandle] = field(default_factory=list)
+    _failed_lock: threading.Lock = field(default_factory=threading.Lock)
+    # The commit order of the saves (Manifest.sequence): the highest sequence in the directory
+    # and its remote tier, read once under the lease on this thread (None until then), and at
+    # least that of the restored checkpoint.
+    _sequence: int | None = None
+    _lease_generation: int = 0
+    _sequence_floor: int = 0
+
+    def commit_after(self, sequence: int) -> None:
+        """Later saves are committed after ``sequence`` (that of a restored checkpoint)."""
+        self._sequence_floor = max(self._sequence_floor, sequence)
+
+    def run(self, job: PersistJob, handle: SaveHandle) -> None:
+        """Make ``job`` durable and finish ``handle``; never raises."""
+        # WARNING: runs on the writer thread; it must never touch the training process group.
+        snapshot = job.snapshot
+        try:
+            if not handle.block:  # the copy overlaps the caller's next work
+                self.snapshotter.copy(snapshot, background=True)
+            lease = self.owner.lease
+            if self.group.is_coordinator and lease is not None:
+                # an object store's lease that lapsed in an outage is taken again, or this
+                # save fails (StorageError) without writing: another writer may own it now
+                lease.ensure_held()
+                if lease.generation != self._lease_generation:  # another writer may have
+                    self._lease_generation = lease.generation  # committed meanwhile
+                    self._sequence = None
+            resaved = self.group.is_coordinator and self.storage.exists(
+                f"{step_dir_name(job.step)}/{MANIFEST_NAME}"
+            )
+            if self.group.is_coordinator:
+                retention.make_room(
+                    self.storage,
+                    keep_last=self.keep_last,
+                    run_id=self.run_id(),
+                    step=job.step,
+                    needed_bytes=job.snapshot.arena.total_bytes * job.group.world_size
+                    + ROOM_MARGIN_BYTES,
+                    next_base=self.encoder.base_step,
+                )
+                job.sequence = self._next_sequence()
+            result = write_checkpoint(self.storage, job, self.encoder)
+        except BaseException as e:
+            error: BaseException | None = e
+            with contextlib.suppress(Exception):  # the handle must finish: close() waits on it
+                error = retention.explain_full_disk(self.storage, e, self.keep_last)
+            event = handle.new_event(outcome="failed", error=f"{type(error).__name__}: {error}")
+            if isinstance(error, StateChangedError):
+                # The loop changed tensors in place while the copy ran (a large buffer that
+                # the forward pass updates, say): later saves copy them before returning.
+                self.hot_keys.update(error.keys)
+                logger.warning("coci: save of step %d given up: %s", job.step, error)
+            else:
+                logger.error("coci: save of step %d failed: %s", job.step, error)
+        else:
+            error = None
+            event = handle.new_event(
+                outcome="committed",
+                path=result.path,
+                bytes_written=result.bytes_written,
+                raw_bytes=result.raw_bytes,
+                compressed=result.encoded,
+            )
+            logger.info(
+                "coci: saved step %d to %s/%s (%.1f MB, stall %.3f s, durable after %.3f s)",
+                job.step,
+                self.storage.url,
+                result.path,
+                result.bytes_written / 1e6,
+                event.stall_s,
+                event.time_to_durable_s,
+            )
+
+        def notify(event: SaveEvent) -> None:
+            # reported by the next save/wait/close if nobody waits on it; a save given up for
+            # a changed tensor is not an error of the training loop's (the next one copies it)
+            if error is not None and not isinstance(error, StateChangedError):
+                with self._failed_lock:
+                    self._failed.append(handle)
+            self.emit(event)
+
+        handle.finish(event, error, notify=notify)
+        if event.outcome == "committed" and self.group.is_coordinator:
+            # After done: deleting old steps (0.3 s per GB here) must not hold up wait() or
+            # the next save; the next job on this thread starts once it is finished.
+            if resaved:
+                retention.drop_dependants(self.storage, job.step)
+            if self.remote is not None:
+                self.remote.submit(job.step)
+            self._apply_retention(newest=job.step, done_seq=job.seq)
+
+    def raise_failed(self) -> None:
+        """Raise for the saves that failed since the last call, unless each was reported.
+
+        Raises:
+            BackgroundSaveError: naming the failed steps, from the first one's error.
+        """
+        with self._failed_lock:
+            failed, self._failed = self._failed, []
+        unreported = [(h.step, e) for h in failed if (e := h.take_unreported_error()) is not None]
+        if not unreported:
+            return
+        first_step, first_error = unreported[0]
+        steps = ", ".join(str(step) for step, _ in unreported)
+        raise BackgroundSaveError(
+            f"background save of step {steps} failed: {first_error}; committed checkpoints "
+            "are intact",
+            step=first_step,
+        ) from first_error
+
+    def _next_sequence(self) -> int:
+        """The commit sequence of the next save (on the coordinator's writer thread, under the
+        directory's lease: no other writer commits meanwhile): 1 + the highest committed in
+        the directory and in the remote tier, and above the restored checkpoint's, so that the
+        order survives any wall clock and a move between nodes and tiers."""
+        remote = self.remote.highest_sequence if self.remote is not None else 0
+        if self._sequence is None:
+            self._sequence = highest_sequence(self.storage)
+        # the remote's is read again: a remote that was down when the run started is read
+        # once its lease is taken
+        self._sequence = max(self._sequence, self._sequence_floor, remote) + 1
+        return self._sequence
+
+    def _apply_retention(self, *, newest: int, done_seq: int) -> None:
+        # Retention never fails a save that is already durable: its errors are logged.
+        try:
+            if self.keep_last is not None:
+                retention.apply_keep_last(
+                    self.storage,
+                    keep_last=self.keep_last,
+                    run_id=self.run_id(),
+                    newest=newest,
+                    next_base=self.encoder.base_step,
+                )
+            retention.remove_uncommitted(self.storage, self.group, done_seq=done_seq, newest=newest)
+        except Exception as e:
+            logger.warning("coci: retention after step %d failed: %s", newest, e)
