@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Compression in the engine on real checkpoint sequences (issue 7, docs/compression.md).
+"""Compression in the engine on real checkpoint sequences (docs/compression.md).
 
 Run (about 4-8 minutes on a loaded 2-core machine; it only writes under --dir):
 

@@ -1,4 +1,4 @@
-"""Issue 28 (11): hyper-parameter values of every kind Lightning users put in
+"""Hyper-parameter values of every kind Lightning users put in
 ``save_hyperparameters`` are stored exactly (without pickle) or refused when ``fit`` starts,
 before any training, with a message naming the value and what to store instead; and a crafted
 manifest cannot make coci build anything but the few types it stores by name (nothing is

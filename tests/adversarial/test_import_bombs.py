@@ -1,5 +1,4 @@
-"""``coci import`` of crafted files: refused quickly, in little memory, with a clear error
-(issue 28, defects 5 and 6).
+"""``coci import`` of crafted files: refused quickly, in little memory, with a clear error.
 
 A crafted DCP ``.metadata`` made only of allowed classes could make the import pad lists to
 millions of entries (nested list indices in planner_data: 2.4 GB from 2.3 KB), check chunks

@@ -1,4 +1,4 @@
-"""Which checkpoint is the newest, and which is intact (issue 28, defects 1, 3 and 10).
+"""Which checkpoint is the newest, and which is intact.
 
 Two classes of attack, each on real parts (real processes killed with SIGKILL, a real S3 server,
 a real Lightning Trainer and Accelerator, the ``coci`` command in its own process):

@@ -1,4 +1,4 @@
-"""Issue 28 (12): the core rule of a fixed interval, in a plain training loop: a
+"""The core rule of a fixed interval, in a plain training loop: a
 ``Checkpointer(policy="every_n_steps", every_n_steps=16)`` saves at exactly the multiples of 16,
 across epoch ends and across a SIGKILL of the training process and a resume."""
 
