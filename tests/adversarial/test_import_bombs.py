@@ -505,7 +505,8 @@ def test_the_tiling_check_agrees_with_counting_every_element() -> None:
     """On random tilings (up to four dimensions, up to 60 chunks) and on the same tilings with
     one chunk moved, the corner check accepts exactly what counting each element accepts."""
     # here, not at the top: the rest of this module also runs against a coci without them
-    from coci_core.interop.foreign import _Allowance, _check_tiling
+    from coci_core.interop.allowance import Allowance
+    from coci_core.interop.dcp import check_tiling
 
     g = torch.Generator().manual_seed(28)
     seen = {True: 0, False: 0}
@@ -516,10 +517,10 @@ def test_the_tiling_check_agrees_with_counting_every_element() -> None:
             boxes = _moved(g, size, boxes)
         want = _brute_force_tiles(size, boxes)
         if want:
-            _check_tiling("w", size, boxes, _Allowance.of_read(0, "src"))
+            check_tiling("w", size, boxes, Allowance.of_read(0, "src"))
         else:
             with pytest.raises(CorruptCheckpointError, match="overlap"):
-                _check_tiling("w", size, boxes, _Allowance.of_read(0, "src"))
+                check_tiling("w", size, boxes, Allowance.of_read(0, "src"))
         seen[want] += 1
     assert seen[True] > 100 and seen[False] > 50, seen
 
