@@ -15,11 +15,8 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import pickle
 import re
-import subprocess
-import sys
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
@@ -48,6 +45,7 @@ from tests.adversarial.test_import import (
     _replace_stored,
     _trained_state,
 )
+from tests.harness.processes import child_env, module, run
 
 MEMORY_MB = 512
 DEADLINE_S = 20
@@ -405,14 +403,10 @@ def imports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any
         src = make(root / f"{_slug(name)}{suffix}")
         cases.append({"name": name, "src": str(src), "dst": str(root / f"{_slug(name)}-coci")})
     cfg = {"cases": cases, "memory_mb": MEMORY_MB, "deadline_s": DEADLINE_S}
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.adversarial._import_child", json.dumps(cfg)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60 + len(cases) * (DEADLINE_S + 5),
-        check=False,
+    proc = run(
+        module("tests.adversarial._import_child", json.dumps(cfg)),
+        env=child_env({"OMP_NUM_THREADS": "1"}),
+        timeout_s=60 + len(cases) * (DEADLINE_S + 5),
     )
     results = {}
     for line in proc.stdout.splitlines():
