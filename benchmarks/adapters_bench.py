@@ -11,7 +11,7 @@ Run (about 8 minutes on 2 idle cores, 3 repetitions; ``--quick``: about 3 minute
 repetition; with 2 torch threads a busy neighbour can make steps 10-20x slower, see
 docs/benchmarks-adapters.md, where ``--threads 1 --reps 2`` took 7.5 minutes):
 
-    python -m benchmarks.adapters_bench --dir /work/bench-tmp/adapters
+    python -m benchmarks.adapters_bench --dir bench-tmp/adapters
 
 Writes benchmarks/results/adapters-<time>.json (every run: per-step times, load, CPU used by
 other processes, checkpoints, coci's save telemetry) and prints Markdown tables;
@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from benchmarks._lib.files import clean, dir_bytes
+from benchmarks._lib.files import clean, dir_bytes, scratch
 from benchmarks._lib.machine import Idle, Others, loadavg, thread_cpu, uptime
 from benchmarks._lib.results import results_path
 from benchmarks._lib.timing import med
@@ -511,7 +511,7 @@ def tables(res: dict[str, Any]) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--dir", default="/work/bench-tmp/adapters")
+    p.add_argument("--dir", default=None, help="scratch directory (default: a new temporary one)")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument(
         "--idle-budget",
@@ -543,6 +543,7 @@ def main() -> None:
     p.add_argument("--out", default=None)
     p.add_argument("--report", default=None, help="print the tables of an earlier results file")
     a = p.parse_args()
+    a.dir = scratch(a.dir, "adapters")
     if a.report:
         print(tables(json.loads(Path(a.report).read_text())))
         return

@@ -1,9 +1,9 @@
 #!/usr/bin/env python
-"""Compression in the engine on real checkpoint sequences (issue 7, docs/compression.md).
+"""Compression in the engine on real checkpoint sequences (docs/compression.md).
 
 Run (about 4-8 minutes on a loaded 2-core machine; it only writes under --dir):
 
-    python -m benchmarks.compression_bench --dir /work/bench-tmp/compression
+    python -m benchmarks.compression_bench --dir bench-tmp/compression
 
 Three training runs make the checkpoint sequences (nothing is downloaded):
 
@@ -57,7 +57,7 @@ import torch
 import zstandard
 from tests.harness.digits import DigitsCNN, digits_images, digits_split, small_cnn, train_steps
 
-from benchmarks._lib.files import fsync_path
+from benchmarks._lib.files import fsync_path, scratch
 from benchmarks._lib.machine import uptime
 from benchmarks._lib.results import log as _log
 from benchmarks._lib.results import results_path, write_json
@@ -755,11 +755,12 @@ def tables(res: dict[str, Any]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dir", default="/work/bench-tmp/compression")
+    ap.add_argument("--dir", default=None, help="scratch directory (default: a new temporary one)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     ap.add_argument("--quick", action="store_true", help="a smoke run (few steps)")
     ap.add_argument("--methods", default=",".join([*COCI, *OTHER]))
     args = ap.parse_args()
+    args.dir = scratch(args.dir, "compression")
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)  # two threads on a shared 2-core machine run ~20x slower
     root = Path(args.dir)

@@ -5,7 +5,7 @@
    next piece is encoded) against one fsync at the end;
 2. "auto" against "none", alternating, 80 saves each (medians).
 
-    python -m benchmarks.compression_quick --dir /work/bench-tmp
+    python -m benchmarks.compression_quick --dir bench-tmp
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import tempfile
 import torch
 
 import coci_core.storage.local as local
+from benchmarks._lib.files import scratch
 from coci_core import CheckpointManager
 
 
@@ -26,8 +27,9 @@ def _state(step: int, base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--dir", default="/work/bench-tmp")
+    ap.add_argument("--dir", default=None, help="scratch directory (default: a new temporary one)")
     args = ap.parse_args()
+    args.dir = scratch(args.dir, "compression-quick")
     g = torch.Generator().manual_seed(0)
     base = {f"w{i}": torch.randn(1 << 20, generator=g) for i in range(10)}
     default_sync = local.SYNC_EVERY_BYTES

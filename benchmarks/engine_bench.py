@@ -4,7 +4,7 @@ and raw fsync'ed disk writes; restore speed; and step-time overhead in a CPU tra
 
 Run (about 20 minutes on 2 idle cores; it only creates and deletes cell-*/ and train/ under --dir):
 
-    python -m benchmarks.engine_bench --sizes 100M,1G,4G --reps 5 --dir /work/bench-tmp/engine
+    python -m benchmarks.engine_bench --sizes 100M,1G,4G --reps 5 --dir bench-tmp/engine
 
 Writes benchmarks/results/engine-<time>.json (every sample, load averages, machine) and prints
 Markdown tables; ``--report FILE.json`` prints the tables of an earlier run again.
@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks._lib.files import scratch
 from benchmarks._lib.machine import Idle, machine, mem_available_gib, uptime
 from benchmarks._lib.results import write_json
 from benchmarks._lib.timing import parse_size, perf
@@ -45,7 +46,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5, help="steady-state repetitions per method")
     ap.add_argument("--big-reps", type=int, default=3, help="repetitions for states >= 2 GB")
     ap.add_argument(
-        "--dir", default="/work/bench-tmp/engine", help="scratch directory on the disk under test"
+        "--dir",
+        default=None,
+        help="scratch directory on the disk under test (default: a new temporary one)",
     )
     ap.add_argument(
         "--out", default=str(Path(__file__).parent / "results"), help="results directory"
@@ -83,6 +86,7 @@ def main() -> None:
     )
     ap.add_argument("--report", metavar="JSON", help="print the tables of an earlier run and exit")
     args = ap.parse_args()
+    args.dir = scratch(args.dir, "engine")
     if args.report:
         print(report(json.loads(Path(args.report).read_text())))
         return
@@ -102,7 +106,7 @@ def main() -> None:
     res: dict[str, Any] = {
         "command": " ".join([sys.executable, *sys.argv]),
         "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-        "machine": machine(),
+        "machine": machine(args.dir),
         "args": vars(args),
         "cells": [],
     }

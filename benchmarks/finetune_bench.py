@@ -11,7 +11,7 @@
 Each sequence (saves every 10 steps) is replayed through coci's ``none``, ``lossless`` and
 ``auto`` modes by ``compression_bench.replay``; the table gives written / raw bytes.
 
-    python -m benchmarks.finetune_bench --dir /work/bench-tmp/finetune
+    python -m benchmarks.finetune_bench --dir bench-tmp/finetune
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks._lib.files import scratch
 from benchmarks._lib.machine import uptime
 from benchmarks._lib.results import results_path, write_json
 from benchmarks.compression_bench import (
@@ -37,10 +38,11 @@ from benchmarks.compression_bench import (
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dir", default="/work/bench-tmp/finetune")
+    ap.add_argument("--dir", default=None, help="scratch directory (default: a new temporary one)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     ap.add_argument("--methods", default="none,lossless,auto")
     args = ap.parse_args()
+    args.dir = scratch(args.dir, "finetune")
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     root = Path(args.dir)

@@ -6,7 +6,7 @@ steps, a restore into the model and the optimizer every 40: 10 restores), on the
 CNN (``test_cnn``) and on the 0.55 M digits CNN (``digits_cnn``). About 30-60 s per setting on
 one core. Run:
 
-    python -m benchmarks.lossy_restores_bench --dir /work/bench-tmp/lossy \\
+    python -m benchmarks.lossy_restores_bench --dir bench-tmp/lossy \\
         --models digits_cnn,test_cnn --configs defaults,b2q,b2log
 
 Prints a markdown table (the columns of docs/compression.md's table, plus the largest recorded
@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from benchmarks._lib.files import scratch
 from benchmarks._lib.machine import uptime
 from benchmarks._lib.results import results_path, write_json
 from benchmarks.compression_bench import log, lossy_restores
@@ -61,12 +62,13 @@ def row(r: dict[str, Any], ref: float, name: str) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dir", default="/work/bench-tmp/lossy-restores")
+    ap.add_argument("--dir", default=None, help="scratch directory (default: a new temporary one)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     ap.add_argument("--models", default="digits_cnn,test_cnn")
     ap.add_argument("--configs", default="defaults,b2q,b2log", help=",".join(CONFIGS))
     ap.add_argument("--steps", type=int, default=400)
     args = ap.parse_args()
+    args.dir = scratch(args.dir, "lossy-restores")
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)  # two threads on a shared 2-core machine run much slower
     started = time.time()

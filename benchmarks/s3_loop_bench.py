@@ -517,7 +517,7 @@ def summarize(
 
 
 def targets(summary: dict[str, Any]) -> dict[str, Any]:
-    """Issue 20: loop overhead < 2% at the planner's schedule, and >= 3x lower than
+    """The targets: loop overhead < 2% at the planner's schedule, and >= 3x lower than
     ModelCheckpoint to the same bucket at the same steps; by both estimates of the overhead."""
     out: dict[str, Any] = {}
     for key in ("overhead_pct", "excess_overhead_pct"):

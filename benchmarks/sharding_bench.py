@@ -6,7 +6,7 @@ rank 0 writing everything (coci with ``alone=True``, what coci did before shardi
 Run (a few minutes; it only creates and deletes run-*/ under --dir):
 
     python -m benchmarks.sharding_bench --worlds 1,2,4 --size 1G --reps 5 \
-        --dir /work/bench-tmp/sharding
+        --dir bench-tmp/sharding
 
 The state is the engine benchmark's transformer (fp32 weights + Adam state), the same on every
 rank (data parallel). Every repetition runs the methods in an order rotated by one; before each
@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks._lib.files import dir_bytes
+from benchmarks._lib.files import dir_bytes, scratch
 from benchmarks._lib.machine import loadavg
 from benchmarks._lib.results import results_path, write_json
 from benchmarks._lib.timing import parse_size
@@ -164,9 +164,12 @@ def main() -> None:
     parser.add_argument("--worlds", default="1,2,4")
     parser.add_argument("--size", default="1G")
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--dir", default="/work/bench-tmp/sharding")
+    parser.add_argument(
+        "--dir", default=None, help="scratch directory (default: a new temporary one)"
+    )
     parser.add_argument("--rank-config")
     args = parser.parse_args()
+    args.dir = scratch(args.dir, "sharding")
     if args.rank_config:
         rank_main(json.loads(args.rank_config))
         return

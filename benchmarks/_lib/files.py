@@ -6,6 +6,7 @@ import contextlib
 import gc
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 
@@ -58,3 +59,9 @@ def free() -> None:
         import ctypes
 
         ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def scratch(given: str | None, name: str) -> str:
+    """The scratch directory a benchmark writes under: ``given`` (``--dir``), else a new
+    temporary directory (``coci-<name>-*`` under the system's temporary directory)."""
+    return given if given is not None else tempfile.mkdtemp(prefix=f"coci-{name}-")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import platform
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -107,8 +108,9 @@ def thread_cpu() -> dict[str, float]:
     return out
 
 
-def machine(disk_of: str = "/work") -> dict[str, Any]:
-    """CPUs, memory, versions and the disk under ``disk_of`` (``df -hT``)."""
+def machine(disk_of: str | None = None) -> dict[str, Any]:
+    """CPUs, memory, versions and the disk under ``disk_of`` (``df -hT``; default: the
+    system's temporary directory)."""
     import torch
 
     cpu_model = ""
@@ -117,7 +119,7 @@ def machine(disk_of: str = "/work") -> dict[str, Any]:
             cpu_model = line.split(":", 1)[1].strip()
             break
     disk = subprocess.run(
-        ["df", "-hT", disk_of], capture_output=True, text=True
+        ["df", "-hT", disk_of or tempfile.gettempdir()], capture_output=True, text=True
     ).stdout.splitlines()[-1]
     return {
         "cpus": os.cpu_count(),

@@ -132,3 +132,28 @@ CHECK_GRACE_COPIES = 10
 #: interval doubling up to COMMIT_POLL_MAX_S.
 COMMIT_POLL_START_S = 0.002
 COMMIT_POLL_MAX_S = 0.1
+
+# -- reading what others wrote: torch.save'd values and imports (engine/torch_saved.py,
+# -- interop/foreign.py, interop/exchange.py) ------------------------------------------------
+#: The most levels a stored ``torch.save`` value's pickle may nest, and the most objects (each
+#: shared reference counted again) per byte of it, plus a floor: a value coci saves nests at
+#: most MAX_TREE_DEPTH containers, a few pickle levels each, while torch.load's unpickler
+#: crashes CPython hashing a tuple key ~100,000 deep; larger, a few bytes describe millions of
+#: objects.
+MAX_SAVED_PICKLE_DEPTH = 1024
+SAVED_PICKLE_UNITS_PER_BYTE = 16
+SAVED_PICKLE_FLOOR = 1 << 16
+#: What an import builds or walks is paid for by the bytes it reads, in units (an object, a
+#: character, a byte of a list slot, a step of a check), plus this many for the parts every
+#: checkpoint has whatever it stores (DCP's Metadata object): never enough to hurt.
+IMPORT_FLOOR_UNITS = 1 << 16
+#: DCP's own .metadata describes about 3 objects and characters per byte of its pickle (which
+#: shares dtypes and each key among the chunks of its tensor); 16 leaves room for keys of a
+#: thousand characters shared by every chunk. Data files are not counted: a sparse file can be
+#: as large as it likes without storing anything.
+UNITS_PER_METADATA_BYTE = 16
+#: DCP's metadata objects nest about ten deep; CPython hashes and compares nested tuples
+#: recursively in C, so a deep one would crash the process while .metadata is unpickled.
+MAX_METADATA_DEPTH = 64
+#: The longest export note (``coci_export.json``) read, in characters.
+MAX_NOTE_CHARS = 1 << 28

@@ -1,4 +1,4 @@
-"""Issue 15, item 2: close() saves the final state by default, with an opt-out."""
+"""close() saves the final state by default, with an opt-out."""
 
 from __future__ import annotations
 

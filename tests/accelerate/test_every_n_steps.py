@@ -1,4 +1,4 @@
-"""Issue 15: policy="every_n_steps" saves at exactly the multiples of N, from the first one."""
+"""policy="every_n_steps" saves at exactly the multiples of N, from the first one."""
 
 from __future__ import annotations
 
@@ -105,7 +105,7 @@ def _accumulating_loop(directory: Path, *, stop_at: int | None = None) -> dict[s
 def test_every_16_optimizer_steps_with_accumulation_across_epochs_and_a_resume(
     tmp_path: Path,
 ) -> None:
-    """Issue 28 (12), the core rule with Accelerate: with gradient accumulation (a step is two
+    """The core rule of a fixed interval with Accelerate: with gradient accumulation (a step is two
     batches) over two epochs, saves at 16, 32 (the first epoch's end), 48 and 64, each holding
     that many optimizer steps; a loop stopped at step 40 resumes from 32 and saves on at 48
     and 64, ending with the weights of the uninterrupted loop."""

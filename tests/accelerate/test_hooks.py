@@ -1,4 +1,4 @@
-"""Issue 15, item 3: coci's save and resume run the model pre-hooks that save_state and
+"""Coci's save and resume run the model pre-hooks that save_state and
 load_state run (register_save_state_pre_hook / register_load_state_pre_hook)."""
 
 from __future__ import annotations

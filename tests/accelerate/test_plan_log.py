@@ -1,4 +1,4 @@
-"""Issue 15, item 5: one main-process log line at the first step tells the user the plan."""
+"""One main-process log line at the first step tells the user the plan."""
 
 from __future__ import annotations
 

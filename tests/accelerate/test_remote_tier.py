@@ -1,4 +1,4 @@
-"""CociCheckpointer with a remote tier: a new node resumes from it (issue 20)."""
+"""CociCheckpointer with a remote tier: a new node resumes from it."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 15, item 1: the step is the number of optimizer steps completed, as in Accelerate's
+"""The step is the number of optimizer steps completed, as in Accelerate's
 checkpointing example; a script written that way resumes bit-identical."""
 
 from __future__ import annotations

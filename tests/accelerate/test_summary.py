@@ -1,4 +1,4 @@
-"""Issue 15: CociCheckpointer(verbose=True) logs a line per save; close() logs one summary."""
+"""CociCheckpointer(verbose=True) logs a line per save; close() logs one summary."""
 
 from __future__ import annotations
 

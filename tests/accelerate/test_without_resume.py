@@ -1,4 +1,4 @@
-"""Issue 15, item 4: a run is reproducible whether or not it called resume() before saving."""
+"""A run is reproducible whether or not it called resume() before saving."""
 
 from __future__ import annotations
 

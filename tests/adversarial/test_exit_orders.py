@@ -10,13 +10,12 @@ SeaweedFS server of its own for S3); the checkpoint is then restored by a fresh 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
-import os
 import re
 import shutil
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,17 +25,15 @@ import torch
 
 from coci_core import BackgroundSaveError, CheckpointManager, RankGroup
 from tests.adversarial._exit_child import state
+from tests.harness.processes import Child, child_env, free_port, module, rank_env, run
 from tests.harness.s3 import S3Server, start_s3_server
-from tests.sharding._dist_child import _free_port
 
-ROOT = Path(__file__).resolve().parents[2]
 _CHILD = "tests.adversarial._exit_child"
 _BAD = ("Traceback", "terminate called", "Exception ignored", "Fatal Python error")
 
 
-def _env(**extra: str) -> dict[str, str]:
-    path = os.pathsep.join([str(ROOT / "src"), str(ROOT)])
-    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **extra}
+def _env() -> dict[str, str]:
+    return child_env({"OMP_NUM_THREADS": "1"})
 
 
 def _coci_lines(stderr: str) -> list[str]:
@@ -63,27 +60,16 @@ def _assert_restores(directory: Path, step: int) -> None:
 
 def _run_two_ranks(tmp_path: Path, order: str) -> list[tuple[int, str]]:
     cfg = json.dumps({"kind": "two_ranks", "dir": str(tmp_path / "ckpt"), "order": order})
-    port = str(_free_port())
-    procs = []
-    for rank in range(2):
-        err = open(tmp_path / f"rank{rank}.err", "w")  # noqa: SIM115 - closed below
-        env = _env(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        procs.append(
-            (subprocess.Popen([sys.executable, "-m", _CHILD, cfg], env=env, stderr=err), err)
-        )
-    results = []
-    try:
-        for rank, (proc, err) in enumerate(procs):
-            code = proc.wait(timeout=180)
-            err.close()
-            results.append((code, (tmp_path / f"rank{rank}.err").read_text()))
-    finally:
-        for proc, err in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            err.close()
-    return results
+    port = free_port()
+    with contextlib.ExitStack() as stack:
+        ranks = []
+        for rank in range(2):
+            err = stack.enter_context(open(tmp_path / f"rank{rank}.err", "w"))
+            env = rank_env(rank, 2, port)
+            child = Child(module(_CHILD, cfg), env=env, stdout=None, stderr=err)
+            ranks.append(stack.enter_context(child))
+        codes = [child.wait(timeout_s=180) for child in ranks]
+    return [(code, (tmp_path / f"rank{r}.err").read_text()) for r, code in enumerate(codes)]
 
 
 _TWO_RANK_ORDERS = [
@@ -113,13 +99,7 @@ def test_exit_during_warm_up_does_not_abort(tmp_path: Path) -> None:
     instead of finalizing under it (which aborted the process with SIGABRT)."""
     cfg = {"kind": "one_process", "dir": str(tmp_path), "order": "warm_up"}
     cfg_json = json.dumps({**cfg, "warm_up_bytes": 1 << 28})
-    proc = subprocess.run(
-        [sys.executable, "-m", _CHILD, cfg_json],
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run(module(_CHILD, cfg_json), env=_env())
     _assert_clean(proc.returncode, proc.stderr)
 
 
@@ -127,13 +107,7 @@ def test_a_thread_saving_after_the_main_thread_ended_gets_a_clear_error(tmp_path
     """The main thread's pending save is made durable when it ends, and the manager is closed
     then: a non-daemon thread's later save raises an error that says so."""
     cfg = {"kind": "one_process", "dir": str(tmp_path), "order": "late-thread"}
-    proc = subprocess.run(
-        [sys.executable, "-m", _CHILD, json.dumps(cfg)],
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run(module(_CHILD, json.dumps(cfg)), env=_env())
     _assert_clean(proc.returncode, proc.stderr)
     assert "RAISED CociError" in proc.stdout, proc.stdout
     assert "closed at interpreter exit" in proc.stdout, proc.stdout
@@ -181,25 +155,12 @@ class _GoneStorage:
         if as_remote:
             cfg.update(dir=self.local, remote=self.url)
         cfg["storage_options"] = self.options
-        proc = subprocess.Popen(
-            [sys.executable, "-m", _CHILD, json.dumps(cfg)],
-            env=_env(),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        try:
-            assert proc.stdout is not None and proc.stdin is not None
-            ready = proc.stdout.readline()
-            assert ready.startswith("READY"), proc.communicate(timeout=60)[1]
+        with Child(module(_CHILD, json.dumps(cfg)), env=_env(), stderr="pipe") as child:
+            ready = child.readline()
+            assert ready.startswith("READY"), child.communicate(timeout_s=60)[1]
             self.go_away()
-            out, err = proc.communicate("go\n", timeout=120)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+            out, err = child.communicate("go\n", timeout_s=120)
+            return subprocess.CompletedProcess(child.proc.args, child.wait(), out, err)
 
     def go_away(self) -> None:
         if self.server is None:

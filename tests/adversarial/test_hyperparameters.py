@@ -1,4 +1,4 @@
-"""Issue 28 (11): hyper-parameter values of every kind Lightning users put in
+"""Hyper-parameter values of every kind Lightning users put in
 ``save_hyperparameters`` are stored exactly (without pickle) or refused when ``fit`` starts,
 before any training, with a message naming the value and what to store instead; and a crafted
 manifest cannot make coci build anything but the few types it stores by name (nothing is
@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import enum
 import json
-import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
@@ -30,6 +29,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from coci_core import CheckpointManager, CorruptCheckpointError, UnsupportedValueError
 from coci_lightning import CociCheckpoint
 from tests.adversarial.craft import edit_manifest
+from tests.harness.processes import run, script
 from tests.lightning.models import DigitsModel
 
 pytestmark = pytest.mark.timeout(120)
@@ -243,16 +243,15 @@ def test_without_omegaconf_configs_come_back_as_plain_containers(tmp_path: Path)
     content (interpolations unresolved) and its class its name, which Lightning reads as its
     own dict type; with a warning saying so."""
     _saved_config(tmp_path)
-    script = (
+    code = (
         "import sys, json\n"
         "sys.modules['omegaconf'] = None\n"  # import omegaconf raises ImportError
         "from coci_core import CheckpointManager\n"
         f"state = CheckpointManager({str(tmp_path)!r}).restore()\n"
         "print(json.dumps([type(state['hp']).__name__, state['hp'], state['type']]))\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
-    )
+    out = run(script(code))
+    assert out.returncode == 0, out.stderr[-3000:]
     kind, content, name = json.loads(out.stdout.strip().splitlines()[-1])
     assert kind == "dict" and name == "DictConfig"
     assert content == OmegaConf.to_container(_config(), resolve=False)

@@ -1,4 +1,4 @@
-"""``coci import`` never runs code from what it imports (issue 14, "no code run").
+"""``coci import`` never runs code from what it imports.
 
 A torch.distributed.checkpoint (DCP) directory keeps its ``.metadata`` as a pickle and its
 non-tensor values as ``torch.save`` pickles; DCP itself loads them with ``pickle.load`` and

@@ -1,5 +1,4 @@
-"""``coci import`` of crafted files: refused quickly, in little memory, with a clear error
-(issue 28, defects 5 and 6).
+"""``coci import`` of crafted files: refused quickly, in little memory, with a clear error.
 
 A crafted DCP ``.metadata`` made only of allowed classes could make the import pad lists to
 millions of entries (nested list indices in planner_data: 2.4 GB from 2.3 KB), check chunks
@@ -16,11 +15,8 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import pickle
 import re
-import subprocess
-import sys
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
@@ -49,6 +45,7 @@ from tests.adversarial.test_import import (
     _replace_stored,
     _trained_state,
 )
+from tests.harness.processes import child_env, module, run
 
 MEMORY_MB = 512
 DEADLINE_S = 20
@@ -406,14 +403,10 @@ def imports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any
         src = make(root / f"{_slug(name)}{suffix}")
         cases.append({"name": name, "src": str(src), "dst": str(root / f"{_slug(name)}-coci")})
     cfg = {"cases": cases, "memory_mb": MEMORY_MB, "deadline_s": DEADLINE_S}
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.adversarial._import_child", json.dumps(cfg)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60 + len(cases) * (DEADLINE_S + 5),
-        check=False,
+    proc = run(
+        module("tests.adversarial._import_child", json.dumps(cfg)),
+        env=child_env({"OMP_NUM_THREADS": "1"}),
+        timeout_s=60 + len(cases) * (DEADLINE_S + 5),
     )
     results = {}
     for line in proc.stdout.splitlines():
@@ -506,7 +499,8 @@ def test_the_tiling_check_agrees_with_counting_every_element() -> None:
     """On random tilings (up to four dimensions, up to 60 chunks) and on the same tilings with
     one chunk moved, the corner check accepts exactly what counting each element accepts."""
     # here, not at the top: the rest of this module also runs against a coci without them
-    from coci_core.interop.foreign import _Allowance, _check_tiling
+    from coci_core.interop.allowance import Allowance
+    from coci_core.interop.dcp import check_tiling
 
     g = torch.Generator().manual_seed(28)
     seen = {True: 0, False: 0}
@@ -517,10 +511,10 @@ def test_the_tiling_check_agrees_with_counting_every_element() -> None:
             boxes = _moved(g, size, boxes)
         want = _brute_force_tiles(size, boxes)
         if want:
-            _check_tiling("w", size, boxes, _Allowance.of_read(0, "src"))
+            check_tiling("w", size, boxes, Allowance.of_read(0, "src"))
         else:
             with pytest.raises(CorruptCheckpointError, match="overlap"):
-                _check_tiling("w", size, boxes, _Allowance.of_read(0, "src"))
+                check_tiling("w", size, boxes, Allowance.of_read(0, "src"))
         seen[want] += 1
     assert seen[True] > 100 and seen[False] > 50, seen
 

@@ -4,28 +4,20 @@ never lost, and never left as a manifest without its data."""
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from coci_core import CheckpointManager
+from tests.harness.processes import module, run
 
 pytestmark = pytest.mark.faults
 
-_CHILD = [sys.executable, "-m", "tests.adversarial._kill_child"]
-_ROOT = Path(__file__).resolve().parents[2]
-
 
 def _run(directory: Path, kill_at: int, exchange: bool) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [*_CHILD, str(directory), str(kill_at), "1" if exchange else "0"],
-        cwd=_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
+    return run(
+        module("tests.adversarial._kill_child", str(directory), str(kill_at), str(int(exchange)))
     )
 
 

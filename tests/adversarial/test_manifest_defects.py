@@ -1,5 +1,5 @@
-"""Issue 14, defects 6, 7 and 9: one test per reproduced defect (each fails on the coci before
-the fix: silent wrong values, raw exceptions, hangs, huge allocations, false alarms).
+"""Damaged manifests: one test per reproduced defect (silent wrong values, raw exceptions,
+hangs, huge allocations, false alarms).
 
 A committed checkpoint either restores exactly what was saved or raises CorruptCheckpointError,
 and ``CheckpointManager.restore()`` then falls back to the newest intact older step.

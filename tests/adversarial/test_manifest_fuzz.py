@@ -1,4 +1,4 @@
-"""A seeded fuzzer of committed checkpoints (issue 14): damaged and crafted manifests and data.
+"""A seeded fuzzer of committed checkpoints: damaged and crafted manifests and data.
 
 Two real runs are saved with a real CheckpointManager: a rich state written raw (nested dicts,
 an int-keyed and a tuple-keyed dict, an OrderedDict, a tied tensor, ten dtypes, an empty and a

@@ -1,4 +1,4 @@
-"""Which checkpoint is the newest, and which is intact (issue 28, defects 1, 3 and 10).
+"""Which checkpoint is the newest, and which is intact.
 
 Two classes of attack, each on real parts (real processes killed with SIGKILL, a real S3 server,
 a real Lightning Trainer and Accelerator, the ``coci`` command in its own process):
@@ -18,11 +18,8 @@ A clock is skewed where the engine reads it for ``created_unix`` (``time.time`` 
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -41,10 +38,10 @@ from coci_core.engine.manifest import MANIFEST_NAME, step_dir_name
 from coci_lightning import CociCheckpoint
 from tests.adversarial._clock_child import SkewedClock, state
 from tests.adversarial.craft import same
+from tests.harness.processes import child_env, module, run
 from tests.harness.s3 import S3Server
 from tests.lightning.models import DigitsModel
 
-_ROOT = Path(__file__).resolve().parents[2]
 OFFSET_S = 600.0
 # (the first run's clock, the next run's clock): the next run's behind, or the first run's ahead
 CLOCKS = {"behind": (0.0, -OFFSET_S), "ahead": (OFFSET_S, 0.0)}
@@ -60,15 +57,9 @@ def _skew(monkeypatch: pytest.MonkeyPatch, offset_s: float) -> None:
 def _crashed_run(target: str, offset_s: float, env: dict[str, str]) -> None:
     """A run in a child process, its clock ``offset_s`` off, that saves steps 1-3 and is
     killed with SIGKILL."""
-    child_env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    child_env.update(env, PYTHONPATH=f"{_ROOT / 'src'}{os.pathsep}{_ROOT}")
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.adversarial._clock_child", target, str(offset_s), "1", "3"],
-        env=child_env,
-        cwd=_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
+    done = run(
+        module("tests.adversarial._clock_child", target, str(offset_s), "1", "3"),
+        env=child_env(env, drop_prefixes=("AWS_",)),
     )
     assert done.returncode == -signal.SIGKILL and "SAVED" in done.stdout, done.stderr[-3000:]
 

@@ -15,8 +15,6 @@ import io
 import json
 import os
 import pickle
-import subprocess
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +31,7 @@ from coci_core import (
     UnsupportedValueError,
 )
 from coci_core.engine.manifest import MANIFEST_NAME, seal, step_dir_name
+from tests.harness.processes import run, script
 
 
 @dataclass
@@ -278,12 +277,7 @@ def test_a_stored_value_whose_pickle_is_a_bomb_makes_the_step_damaged(
     directory = tmp_path / "ckpt"
     _two_steps(directory)
     _replace_leaf_bytes(directory, 2, "/s", _torch_saved_with_pickle(_PICKLE_BOMBS[bomb]))
-    child = subprocess.run(
-        [sys.executable, "-c", _RESTORE_CHILD, str(directory)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    child = run(script(_RESTORE_CHILD, str(directory)))
     assert child.returncode == 0, child.stderr[-2000:]
     assert "REFUSED CorruptCheckpointError" in child.stdout
     assert "'/s'" in child.stdout

@@ -1,4 +1,4 @@
-"""The first save without the page-fault tax (issue 17): ``warm_up`` maps the host buffers'
+"""The first save without the page-fault tax: ``warm_up`` maps the host buffers'
 pages before the first save, so that its copy runs like later ones."""
 
 from __future__ import annotations

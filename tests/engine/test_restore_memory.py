@@ -11,12 +11,12 @@ the state; restoring to a new state and then calling load_state_dict, as before,
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.harness.processes import module, run
 
 pytestmark = pytest.mark.skipif(
     not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc/self/clear_refs"
@@ -26,13 +26,7 @@ MARGIN = 0.25  # of the state's size
 
 
 def _child(*args: str) -> dict[str, Any]:
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.engine._memory_child", *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
+    done = run(module("tests.engine._memory_child", *args), timeout_s=600)
     assert done.returncode == 0, done.stderr[-3000:]
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     return result

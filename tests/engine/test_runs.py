@@ -1,6 +1,6 @@
 """One run per directory, or a clear choice: runs never delete or overwrite each other's
 checkpoints, a resume takes the newest checkpoint of the newest run, and saving a step that
-exists is refused unless asked (issue 15)."""
+exists is refused unless asked."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Two tiers: every local commit is copied to a remote tier in the background (issue 20).
+"""Two tiers: every local commit is copied to a remote tier in the background.
 
 These use a second local directory as the remote (the same code path as an object store; the
 real S3 server is in tests/storage/test_s3_tiers.py)."""

@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,8 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
+
+from tests.harness.processes import free_port
 
 START_TIMEOUT_S = 90.0
 
@@ -45,12 +46,6 @@ def killed_and_resumed_run(root: Path, total: int = 200, kill: int = 120) -> Pat
 def plugin_registered() -> bool:
     """Whether the installed coci registers TensorBoard's coci tab (its entry point)."""
     return any(e.name == "coci" for e in entry_points(group="tensorboard_plugins"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _get(url: str, timeout: float = 5.0) -> bytes:
@@ -90,7 +85,7 @@ def start_tensorboard(logdir: Path, log: Path) -> TensorBoard:
             "the coci TensorBoard plugin is not registered: install the package "
             "(pip install -e '.[dev]') so that its tensorboard_plugins entry point exists"
         )
-    port = _free_port()
+    port = free_port()
     out = open(log, "wb")  # noqa: SIM115 - the server writes to it until stopped
     command = [sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir)]
     proc = subprocess.Popen(

@@ -1,4 +1,4 @@
-"""Issue 15: CociCheckpoint beside ModelCheckpoint ("best" and "last"), trainer.test() after
+"""CociCheckpoint beside ModelCheckpoint ("best" and "last"), trainer.test() after
 fit with coci as the only checkpoint callback, load_from_checkpoint of a coci step, and the
 log lines (verbose per save, one summary at the end)."""
 
@@ -17,7 +17,7 @@ from coci_core import ConfigError
 from coci_core.engine.manifest import MANIFEST_NAME, step_dir_name
 from coci_lightning import CociCheckpoint
 from tests.lightning.models import digest
-from tests.lightning.test_issue15 import _EvalModel, _trainer
+from tests.lightning.test_usual_script import _EvalModel, _trainer
 
 pytestmark = pytest.mark.filterwarnings("ignore:Checkpoint directory .* exists and is not empty")
 

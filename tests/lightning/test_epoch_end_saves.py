@@ -1,4 +1,4 @@
-"""Issue 28 (12): a fixed interval saves at exactly the multiples of N of ``global_step``, where
+"""A fixed interval saves at exactly the multiples of N of ``global_step``, where
 ``ModelCheckpoint(every_n_train_steps=N)`` saves, also at an epoch's last step, and a resume from
 such a checkpoint ends bit-identical to the uninterrupted run (see coci_lightning/_epoch_end.py)."""
 

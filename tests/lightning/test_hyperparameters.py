@@ -1,4 +1,4 @@
-"""Issue 28 (11): a LightningModule with OmegaConf hyper-parameters (``save_hyperparameters`` of a
+"""A LightningModule with OmegaConf hyper-parameters (``save_hyperparameters`` of a
 ``DictConfig``, as every Hydra project does) trains and saves with CociCheckpoint, and its
 checkpoints load back as Lightning's own do: the restored state, ``load_from_checkpoint`` of a
 coci step and of ``coci export``'s file, and a resumed fit."""

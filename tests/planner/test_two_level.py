@@ -1,4 +1,4 @@
-"""Two-level checkpointing (issue 20): the plan's formula, its limits, a brute-force optimum and
+"""Two-level checkpointing: the plan's formula, its limits, a brute-force optimum and
 a seeded Monte-Carlo simulation of crashes and node losses."""
 
 from __future__ import annotations

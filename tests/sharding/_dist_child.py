@@ -11,12 +11,10 @@ save and report its error.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -35,6 +33,8 @@ from coci_core import (
     NoCheckpointError,
     RankGroup,
 )
+from tests.harness import processes
+from tests.harness.processes import Child, free_port, rank_env
 
 SAMPLES, BATCH = 1536, 16
 
@@ -175,12 +175,6 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def launch(
     world: int,
     cfg: dict[str, Any],
@@ -191,47 +185,23 @@ def launch(
 ) -> list[tuple[int, dict[str, Any] | None]]:
     """Run ``world`` ranks of ``module``; SIGKILL ``kill_rank`` when it says PAUSED. Exit codes
     and results."""
-    port = _free_port()
-    procs = []
-    for rank in range(world):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-        }
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-m", module, json.dumps(cfg)],
-                env=env,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                text=True,
-            )
-        )
+    port = free_port()
+    command = processes.module(module, json.dumps(cfg))
     results: dict[int, tuple[int, dict[str, Any] | None]] = {}
     order = sorted(range(world), key=lambda r: r != kill_rank)  # the rank to kill first
-    try:
+    with contextlib.ExitStack() as stack:
+        ranks = [
+            stack.enter_context(Child(command, env=rank_env(rank, world, port)))
+            for rank in range(world)
+        ]
         for rank in order:
-            proc = procs[rank]
             result = None
-            assert proc.stdout is not None
-            for line in proc.stdout:
+            for line in ranks[rank].lines():
                 if line.startswith("PAUSED") and rank == kill_rank:
-                    proc.send_signal(signal.SIGKILL)
+                    ranks[rank].kill()
                 elif line.startswith("RESULT "):
                     result = json.loads(line[len("RESULT ") :])
-            results[rank] = (proc.wait(timeout=timeout_s), result)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            for pipe in (proc.stdin, proc.stdout):
-                if pipe is not None:
-                    pipe.close()
+            results[rank] = (ranks[rank].wait(timeout_s), result)
     return [results[r] for r in range(world)]
 
 

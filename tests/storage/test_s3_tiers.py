@@ -1,5 +1,5 @@
 """Two tiers against a real S3 server (SeaweedFS on loopback): a local directory first, then
-the bucket in the background (issue 20)."""
+the bucket in the background."""
 
 from __future__ import annotations
 

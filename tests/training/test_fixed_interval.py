@@ -1,19 +1,16 @@
-"""Issue 28 (12): the core rule of a fixed interval, in a plain training loop: a
+"""The core rule of a fixed interval, in a plain training loop: a
 ``Checkpointer(policy="every_n_steps", every_n_steps=16)`` saves at exactly the multiples of 16,
 across epoch ends and across a SIGKILL of the training process and a resume."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 from coci_core import CheckpointManager
+from tests.harness.processes import Child, module
 from tests.training._interval_child import train
-
-_CHILD = [sys.executable, "-m", "tests.training._interval_child"]
 
 
 def test_a_plain_loop_saves_at_the_multiples_across_epochs_and_a_kill(tmp_path: Path) -> None:
@@ -24,17 +21,12 @@ def test_a_plain_loop_saves_at_the_multiples_across_epochs_and_a_kill(tmp_path: 
     expected = list(range(16, 129, 16))
     assert CheckpointManager(tmp_path / "ref", keep_last=None).steps() == expected
 
-    with subprocess.Popen(
-        [*_CHILD, str(tmp_path / "run"), "128", "40"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    ) as proc:
-        assert proc.stdout is not None
-        for line in proc.stdout:
+    command = module("tests.training._interval_child", str(tmp_path / "run"), "128", "40")
+    with Child(command, stderr=subprocess.DEVNULL) as child:
+        for line in child.lines():
             if line.startswith("AT 40"):
-                os.kill(proc.pid, signal.SIGKILL)
-        assert proc.wait() == -signal.SIGKILL
+                child.kill()
+        assert child.wait() == -signal.SIGKILL
     assert CheckpointManager(tmp_path / "run", keep_last=None).steps() == [16, 32]
     resumed = train(str(tmp_path / "run"), 128)
     assert resumed["start"] == 32

@@ -1,4 +1,4 @@
-"""Options as objects, each checked once (issue 16): a CompressionPolicy object on both adapters,
+"""Options as objects, each checked once: a CompressionPolicy object on both adapters,
 planner arguments checked when the adapter is made, planners made from one checked config."""
 
 from __future__ import annotations

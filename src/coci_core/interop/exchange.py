@@ -38,17 +38,12 @@ from typing import Any
 
 import torch
 
-from coci_core.engine.tree import (
-    WRAPPER_TAGS,
-    build_wrapped,
-    check_tree,
-    encode_dtype,
-    flatten_state,
-    load_torch_saved,
-    ndarray_dtype,
-    unflatten_state,
-)
+from coci_core.engine.torch_saved import load_torch_saved
+from coci_core.engine.tree import flatten_state
+from coci_core.engine.tree_nodes import LEAF_TAGS, WRAPPER_TAGS, encode_dtype, ndarray_dtype
+from coci_core.engine.tree_read import build_wrapped, check_tree, unflatten_state
 from coci_core.errors import CociError, CorruptCheckpointError
+from coci_core.knobs import MAX_NOTE_CHARS
 
 __all__ = [
     "NOTE_FILE",
@@ -64,8 +59,6 @@ __all__ = [
 NOTE_FILE = "coci_export.json"  # the note: a record of a .pt archive, a file of a DCP directory
 SAFETENSORS_NOTE = "coci_export"  # the metadata entry of the note in a .safetensors file
 NOTE_FORMAT = "coci-export/1"
-_LEAF_TAGS = ("tensor", "ndarray", "torch_save")
-_MAX_NOTE_CHARS = 1 << 28
 
 
 @dataclass
@@ -103,7 +96,7 @@ def _naturalize(state: Mapping[str, Any]) -> _Natural:
         if node is None or type(node) in (bool, int, float, str):
             return node
         tag = node["t"]
-        if tag in _LEAF_TAGS:
+        if tag in LEAF_TAGS:
             leaf = leaves[node["id"]]
             if not leaf.placed:
                 leaf.pos, leaf.keys, leaf.placed = pos, keys, True
@@ -283,7 +276,7 @@ def read_pt_note(src: Path) -> str | None:
                 info = archive.getinfo(f"{prefix}/{NOTE_FILE}")
             except KeyError:
                 return None
-            if info.file_size > _MAX_NOTE_CHARS:
+            if info.file_size > MAX_NOTE_CHARS:
                 raise CorruptCheckpointError(f"{src}: the coci export note is too large")
             return archive.read(info).decode("utf-8")
     except (zipfile.BadZipFile, OSError, UnicodeDecodeError, ValueError, NotImplementedError) as e:
@@ -305,7 +298,7 @@ def from_note(text: Any, locate: Callable[[Any], Any], what: str) -> dict[str, A
     Raises:
         CorruptCheckpointError: the note is malformed or does not match the file.
     """
-    if type(text) is not str or len(text) > _MAX_NOTE_CHARS:
+    if type(text) is not str or len(text) > MAX_NOTE_CHARS:
         raise CorruptCheckpointError(f"{what}: the coci export note is not a string")
     try:
         note = json.loads(text)
@@ -317,7 +310,7 @@ def from_note(text: Any, locate: Callable[[Any], Any], what: str) -> dict[str, A
         )
     specs = note.get("leaves")
     if type(specs) is not list or not all(
-        type(s) is dict and s.get("kind") in _LEAF_TAGS and "at" in s for s in specs
+        type(s) is dict and s.get("kind") in LEAF_TAGS and "at" in s for s in specs
     ):
         raise CorruptCheckpointError(f"{what}: the coci export note has a bad list of arrays")
     tree = note.get("tree")

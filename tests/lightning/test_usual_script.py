@@ -1,4 +1,4 @@
-"""Issue 15: a normal Lightning script (ModelCheckpoint, other entry points, ddp_spawn)
+"""A normal Lightning script (ModelCheckpoint, other entry points, ddp_spawn)
 keeps working with CociCheckpoint attached."""
 
 from __future__ import annotations
