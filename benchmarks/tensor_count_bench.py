@@ -29,9 +29,11 @@ run every method once, in an order rotated by one each round (medians over round
   one preallocated buffer of the same size). ``copy_foreach`` (``torch._foreach_copy_`` of the
   tensors into views of one preallocated buffer) and ``copy_loop`` (one ``copy_`` per tensor
   into the same views) beside it: what batching the per-tensor copies can give.
-* ``coci``: ``CheckpointManager.save(step, state, block=True)`` (default options, ``keep_last=1``);
-  stall: the time in ``save()``; durable: the engine's commit time (``SaveEvent.
-  time_to_durable_s``); ``handle.wait()`` returns a little later (``waited_s``).
+* ``coci``: ``CheckpointManager.save(step, state, block=True)`` (default options: compression
+  ``"auto"``, ``keep_last=3``, ``--keep-last``); stall: the time in ``save()``; durable: the
+  engine's commit time (``SaveEvent.time_to_durable_s``); ``handle.wait()`` returns a little
+  later (``waited_s``). The writer thread's retention after the commit (``retention_s``) is
+  waited for, untimed, so that it does not compete with the next sample for the GIL.
 * ``torch_save``: ``torch.save`` to one file; stall: the call; durable: the call plus fsync of
   the file and its directory.
 * ``dcp_save``: ``torch.distributed.checkpoint.save`` (``FileSystemWriter(sync_files=True)``,
@@ -45,7 +47,8 @@ runs. Restores read the last save of each method, each round cold then warm:
 
 * cold: the files' pages are dropped first with ``posix_fadvise(POSIX_FADV_DONTNEED)`` after an
   fsync (dropping the whole page cache needs root); warm: read again at once.
-* ``coci_restore``: ``CheckpointManager.restore(step)`` (every checksum verified);
+* ``coci_restore``: ``CheckpointManager.restore()`` by a new manager, as a resume calls it (the
+  newest checkpoint, of the ``keep_last`` in the directory; every checksum verified);
   ``torch_load``: ``torch.load(weights_only=True)``; ``dcp_load``: ``dcp.load`` into a state of
   the same structure allocated (``empty_like``) inside the timed region, as the other two
   allocate theirs. Each method's result is compared with the saved state once (untimed).
@@ -75,7 +78,7 @@ from typing import Any
 import torch
 
 from benchmarks._lib.files import dir_bytes, drop_file_cache, free, fsync_path, rm
-from benchmarks._lib.machine import Idle, machine, mem_available_gib, uptime
+from benchmarks._lib.machine import Idle, machine, mem_available_gib, thread_cpu, uptime
 from benchmarks._lib.results import log, run_recorded
 from benchmarks._lib.timing import human, med, perf
 from benchmarks.engine import measure
@@ -230,11 +233,24 @@ def build_state(name: str, quick: bool) -> tuple[dict[str, Any], dict[str, Any]]
 # -- save methods ---------------------------------------------------------------------------
 
 
+def _wait_writer_idle(directory: Path, keep_last: int, timeout_s: float = 300.0) -> None:
+    """Until at most ``keep_last`` steps are left in ``directory`` and coci's writer thread
+    (``coci-persist``) has used no CPU for three polls in a row (its retention is done)."""
+    deadline = perf() + timeout_s
+    last, quiet = -1.0, 0
+    while quiet < 3 and perf() < deadline:
+        time.sleep(0.02)
+        steps = sum(p.name.startswith("step-") for p in directory.iterdir())
+        cpu = thread_cpu().get("coci-persist", 0.0)
+        quiet = quiet + 1 if cpu == last and steps <= keep_last else 0
+        last = cpu
+
+
 class Saves:
     """Every save method on one state; ``run(name)`` does one save and returns its metrics."""
 
-    def __init__(self, state: dict[str, Any], root: Path) -> None:
-        self.state, self.root = state, root
+    def __init__(self, state: dict[str, Any], root: Path, keep_last: int = 3) -> None:
+        self.state, self.root, self.keep_last = state, root, keep_last
         self.tensors = [t for _, t in leaves(state)]
         self.nbytes = sum(t.numel() * t.element_size() for t in self.tensors)
         self.mgr: CheckpointManager | None = None
@@ -303,7 +319,7 @@ class Saves:
 
     def run_coci(self) -> dict[str, Any]:
         if self.mgr is None:
-            self.mgr = CheckpointManager(self.root / "coci", keep_last=1)
+            self.mgr = CheckpointManager(self.root / "coci", keep_last=self.keep_last)
         step = self._step()
         t0 = perf()
         h = self.mgr.save(step, self.state, block=True)
@@ -311,15 +327,11 @@ class Saves:
         ev = h.wait()
         t2 = perf()
         self.coci_step = step
-        # keep_last=1: the writer thread deletes the previous step after the commit; wait for
-        # it (untimed) so that it does not run into the next method's sample
-        own = f"step-{step:010d}"
-        while any(
-            p.name.startswith("step-") and p.name != own for p in (self.root / "coci").iterdir()
-        ):
-            time.sleep(0.002)
+        # after the commit the writer thread applies keep_last (reads the manifests, deletes the
+        # oldest step): wait for it (untimed) so that it does not run into the next sample
+        _wait_writer_idle(self.root / "coci", self.keep_last)
         t3 = perf()
-        drop_file_cache(self.root / "coci" / own)
+        drop_file_cache(self.root / "coci" / f"step-{step:010d}")
         return {
             "stall_s": t1 - t0,
             "durable_s": ev.time_to_durable_s,
@@ -433,7 +445,9 @@ class Restores:
         out: Any
         t0 = perf()
         if method == "coci_restore":
-            out = self.mgr.restore(self.step)
+            out = self.mgr.restore()
+            if self.mgr.last_restore is None or self.mgr.last_restore.step != self.step:
+                raise AssertionError(f"restored {self.mgr.last_restore}, not step {self.step}")
         elif method == "torch_load":
             out = torch.load(path, weights_only=True)
         else:
@@ -473,7 +487,7 @@ def state_cell(
         f"state {name}: {info['tensors']} tensors, {human(info['bytes'])} "
         f"(median tensor {human(info['median_tensor_bytes'])}; built in {cell['build_s']:.1f} s)"
     )
-    saves = Saves(state, root)
+    saves = Saves(state, root, args.keep_last)
     try:
         methods = [m for m in args.methods if m in SAVE_METHODS]
         cell["saves"] = run_rotation(methods, args.rounds, saves.run, log)
@@ -641,6 +655,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help=f"comma list of {SAVE_METHODS + RESTORE_METHODS}",
     )
     ap.add_argument("--rounds", type=int, default=3, help="rounds; medians over them")
+    ap.add_argument("--keep-last", type=int, default=3, help="coci's keep_last (its default: 3)")
     ap.add_argument("--quick", action="store_true", help="small states (a smoke test)")
     ap.add_argument(
         "--threads",
