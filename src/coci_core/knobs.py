@@ -112,3 +112,12 @@ UPLOAD_COST_WINDOW = 16
 MIN_RANK_WEIGHT = 0.01
 #: ... and the most ASHA rungs read from an Optuna pruner.
 ASHA_MAX_RUNGS = 64
+
+# -- training loops and framework adapters (training/) ---------------------------------------
+#: A plan of more checkpoints than this is not costed against Daly in the telemetry (about
+#: 0.25 s of the telemetry thread).
+MAX_CHECKPOINTS_COSTED = 500
+#: An early-stopping hazard covers at most this many coming validations ...
+EARLY_STOPPING_COMING_VALIDATIONS = 512
+#: ... and, without a known end of the run, a horizon of this many validation intervals.
+EARLY_STOPPING_ROLLING_VALIDATIONS = 256
