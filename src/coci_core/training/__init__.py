@@ -7,19 +7,7 @@ that restores by path itself, finding and reading step directories (:func:`read_
 How to add a framework adapter: see docs/architecture.md.
 """
 
-from coci_core.engine.compress import check_policy
-from coci_core.engine.group import RankGroup
-from coci_core.engine.inplace import InPlaceTargets
 from coci_core.engine.manager import SaveHandle
-from coci_core.engine.manifest import MANIFEST_NAME, parse_step_dir, step_dir_name
-from coci_core.engine.restore import (
-    LoadedCheckpoint,
-    newest_first,
-    restore_newest,
-    resume_order,
-)
-from coci_core.planner.policies import SavePolicy
-from coci_core.storage import is_url, open_storage
 from coci_core.training.checkpointer import Checkpointer
 from coci_core.training.options import (
     SHARED_ARGUMENTS,
@@ -35,20 +23,7 @@ from coci_core.training.reading import newest_step_dir, read_checkpoint, step_di
 from coci_core.training.stopping import ValidationHistory, is_trial_pruned
 
 __all__ = [
-    "MANIFEST_NAME",
     "SHARED_ARGUMENTS",
-    "InPlaceTargets",
-    "LoadedCheckpoint",
-    "RankGroup",
-    "SavePolicy",
-    "check_policy",
-    "is_url",
-    "newest_first",
-    "open_storage",
-    "parse_step_dir",
-    "restore_newest",
-    "resume_order",
-    "step_dir_name",
     "CheckpointOptions",
     "Checkpointer",
     "PlanOutline",
