@@ -1,6 +1,6 @@
 """coci for PyTorch Lightning: ``Trainer(callbacks=[CociCheckpoint()])``."""
 
-from coci_lightning._last import install_last_resolution
+from coci_lightning._resume import install_last_resolution
 from coci_lightning.callback import CociCheckpoint
 
 # ckpt_path="last" and coci step directories work for every Trainer entry point once

@@ -1,148 +1,229 @@
-"""How Lightning reads coci checkpoints: a CheckpointIO that reads coci step directories.
+"""How Lightning finds coci checkpoints: ``ckpt_path="last"/"best"``, and
+``load_from_checkpoint`` of a coci step directory.
 
-Lightning restores everything through its own path (``ckpt_path``, resolved by
-:mod:`coci_lightning._last`); the strategy's CheckpointIO is wrapped so that reading a coci step
-directory goes through coci's verified restore.
+Lightning resolves ``ckpt_path`` before any callback hook runs, looking only at
+``ModelCheckpoint`` and ``OnExceptionCheckpoint`` callbacks, and takes "best" from the first
+``Checkpoint`` callback (which may be a ``CociCheckpoint``, which keeps no best model). coci
+wraps that resolution once (idempotently) so that, when a ``CociCheckpoint`` is attached:
+
+- ``"last"`` (and ``None`` in ``fit`` with ``CociCheckpoint(resume=True)``) is the newest of coci's
+  newest committed step and Lightning's own "last" candidates (``ModelCheckpoint`` last files,
+  ``OnExceptionCheckpoint``), by modification time as Lightning picks among its own; a tie
+  goes to coci;
+- ``"best"`` (and ``None`` in validate/test/predict without a model, which Lightning turns into
+  "best") is the first ``ModelCheckpoint``'s best model; without a ``ModelCheckpoint``,
+  ``None`` evaluates the weights in memory (with an info line) and ``"best"`` is a ValueError
+  saying what to do.
 """
 
 from __future__ import annotations
 
+import functools
+import io
 import logging
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any
 
-import lightning.pytorch as pl
-from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+import torch
+from lightning.fabric.utilities.cloud_io import get_filesystem
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks.on_exception_checkpoint import OnExceptionCheckpoint
+from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from coci_core.telemetry import RestoreEvent
+from coci_core.engine.manifest import MANIFEST_NAME
 from coci_core.training import read_checkpoint, step_dir_of
+from coci_lightning._io import use_coci_io
+from coci_lightning.callback import CociCheckpoint
 
-if TYPE_CHECKING:
-    from coci_core.engine.restore import LoadedCheckpoint
+__all__ = ["install_last_resolution"]
 
 logger = logging.getLogger(__name__)
 
 
-class CociCheckpointIO(CheckpointIO):
-    """Reads coci step directories with coci's verified restore; delegates everything else."""
+def install_last_resolution() -> None:
+    """Make ``ckpt_path="last"/"best"`` work with coci checkpoints, and
+    ``load_from_checkpoint`` read a coci step directory (safe to call many times)."""
+    _install_load_from_checkpoint()
+    # Private: Lightning resolves "last"/"best" here, before any callback hook runs, and
+    # offers no hook to extend it; wrapping it is the only way for "last" to mean coci's step.
+    original = _CheckpointConnector._parse_ckpt_path
+    if getattr(original, "_coci", False):
+        return
 
-    def __init__(
-        self,
-        inner: CheckpointIO,
-        on_restore: Callable[[LoadedCheckpoint, RestoreEvent], None] | None = None,
-    ) -> None:
-        super().__init__()
-        self.inner = inner
-        self.on_restore = on_restore
-        self.fallback_for: str | None = None
-        self.rank = 0  # whose per-rank state to merge in (set by the callback's setup)
-        # for an fsspec URL directory (set by the callback; credentials: never logged)
-        self.storage_options: dict[str, Any] = {}
-        # the checkpoint directory and the remote tier's URL and options, for a resume from
-        # the newest intact checkpoint of either tier (set by the callback)
-        self.directory: str | None = None
-        self.remote: str | None = None
-        self.remote_storage_options: dict[str, Any] = {}
-        # the live state a resume reads into in place ({"state_dict": the module's}; set by
-        # the callback): Lightning loads the module from the checkpoint's "state_dict" later
-        self.live_state: Callable[[], Mapping[str, Any]] | None = None
+    @functools.wraps(original)
+    def parse_ckpt_path(
+        self: _CheckpointConnector, state_fn: Any, ckpt_path: Any, **kwargs: Any
+    ) -> Any:
+        callbacks = getattr(self.trainer, "callbacks", [])
+        cocis = [cb for cb in callbacks if isinstance(cb, CociCheckpoint)]
+        fn = str(getattr(state_fn, "value", state_fn))
+        fitting = fn == "fit"
+        # "last" for every entry point; resume=True (no ckpt_path) only for fit
+        if cocis and (ckpt_path == "last" or (ckpt_path is None and fitting and cocis[0].resume)):
+            return _resolve_last(self.trainer, cocis[0])
+        # Lightning turns None into "best" when a model is connected but not passed
+        implicit = (
+            ckpt_path is None
+            and not fitting
+            and not kwargs.get("model_provided", False)
+            and kwargs.get("model_connected", False)
+        )
+        if cocis and (ckpt_path == "best" or implicit):
+            return _resolve_best(self.trainer, fn, implicit=implicit)
+        resolved = original(self, state_fn, ckpt_path, **kwargs)
+        options = cocis[0].storage_options_for(resolved) if cocis else None
+        if step_dir_of(resolved, options) is not None:
+            # validate/test/predict (and fit) of a coci step directory, with or without a
+            # CociCheckpoint attached: read it with coci's restore
+            use_coci_io(self.trainer)
+        return resolved
 
-    def configure(
-        self,
-        module: pl.LightningModule,
-        *,
-        rank: int,
-        directory: str,
-        storage_options: Mapping[str, Any],
-        remote: str | None,
-        remote_storage_options: Mapping[str, Any],
-        on_restore: Callable[[LoadedCheckpoint, RestoreEvent], None],
-        fallback_for: str | None,
-    ) -> None:
-        """Read coci step directories for a ``CociCheckpoint`` (its setup calls this)."""
-        self.on_restore = on_restore
-        self.fallback_for = fallback_for
-        self.rank = rank
-        self.storage_options = dict(storage_options)
-        self.directory = directory
-        self.remote = remote
-        self.remote_storage_options = dict(remote_storage_options)
-        # a resume reads the module's tensors in place (no second copy of them); Lightning
-        # creates the optimizers after it reads the checkpoint, and they adopt its tensors.
-        # Not when the module's on_load_checkpoint may change what it loads (keep a weight).
-        own_hook = type(module).on_load_checkpoint is not pl.LightningModule.on_load_checkpoint
-        self.live_state = None if own_hook else lambda: {"state_dict": module.state_dict()}
+    parse_ckpt_path._coci = True  # type: ignore[attr-defined]
+    _CheckpointConnector._parse_ckpt_path = parse_ckpt_path  # type: ignore[method-assign,assignment]
 
-    def options_for(self, path: Any) -> dict[str, Any]:
-        """The fsspec options of the tier that ``path`` is in."""
-        return tier_options(path, self.storage_options, self.remote, self.remote_storage_options)
 
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None
-    ) -> None:
-        self.inner.save_checkpoint(checkpoint, path, storage_options=storage_options)
+def _mtime(path: str, **storage_options: Any) -> float:
+    """The modification time of ``path`` (seconds since the epoch), 0 if unreadable."""
+    try:
+        return float(get_filesystem(path, **storage_options).modified(path).timestamp())
+    except Exception:
+        return 0.0
 
-    def load_checkpoint(
-        self, path: Any, map_location: Any = None, weights_only: bool | None = None
-    ) -> dict[str, Any]:
-        options = self.options_for(path)
-        found = step_dir_of(path, options)
-        if found is None:
-            return self.inner.load_checkpoint(
-                path, map_location=map_location, weights_only=weights_only
-            )
-        root, step = found
-        live = getattr(self, "live_state", None)
-        if getattr(self, "fallback_for", None) == str(path):
-            # "last": the newest intact checkpoint of either tier, as the manager's restore
-            loaded, event = read_checkpoint(
-                getattr(self, "directory", None) or root,
-                step,
-                storage_options=self.storage_options,
-                rank=self.rank,
-                live=live() if live is not None else None,
-                fall_back=True,
-                remote=self.remote,
-                remote_storage_options=self.remote_storage_options,
-            )
+
+def _global_step(path: str) -> int | None:
+    """The ``global_step`` a Lightning checkpoint file records (None if it cannot be read
+    with ``weights_only=True``)."""
+    try:
+        if get_filesystem(path).protocol in ("file", "local", ("file", "local")):
+            loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         else:
-            loaded, event = read_checkpoint(
-                root,
-                step,
-                storage_options=options,
-                rank=self.rank,
-                live=live() if live is not None else None,
+            with get_filesystem(path).open(path, "rb") as f:
+                loaded = torch.load(f, map_location="cpu", weights_only=True)
+        return int(loaded["global_step"])
+    except Exception:
+        return None
+
+
+def _resolve_last(trainer: Any, coci: Any) -> str | None:
+    """The newest "last" checkpoint: coci's newest committed step or one of Lightning's own
+    candidates (ModelCheckpoint's last files, OnExceptionCheckpoint's), by the optimizer step
+    they record (coci writes asynchronously, so its files may be younger than a later step's
+    ``last.ckpt``); a tie is coci's. A file whose step cannot be read is compared by
+    modification time, as Lightning compares its own candidates."""
+    newest = coci.newest_step_dir(trainer)
+    lightning_paths = {
+        getattr(cb, "ckpt_path", None)
+        for cb in trainer.callbacks
+        if isinstance(cb, OnExceptionCheckpoint)
+    }
+    for cb in trainer.checkpoint_callbacks:
+        if isinstance(cb, ModelCheckpoint):
+            lightning_paths |= cb._find_last_checkpoints(trainer)
+    others = [str(p) for p in lightning_paths if p and get_filesystem(str(p)).exists(str(p))]
+    steps = {p: _global_step(p) for p in others}
+    times = {p: _mtime(p) for p in others}
+    if newest is not None:
+        coci_step = int(str(newest).rstrip("/").rsplit("-", 1)[-1])
+        manifest = str(newest).rstrip("/") + "/" + MANIFEST_NAME
+        # only compared with Lightning's own files (no request to the store without them)
+        coci_time = _mtime(manifest, **coci.storage_options_for(manifest)) if others else 0.0
+        newer = []
+        for p in others:
+            step = steps[p]
+            if (step > coci_step) if step is not None else (times[p] > coci_time):
+                newer.append(p)
+        if not newer:
+            # setup() has not run yet: remember that this path may fall back past damage
+            coci._fallback_for = str(newest)
+            use_coci_io(trainer).fallback_for = str(newest)
+            return str(newest)
+        others = newer
+    if others:
+        chosen = max(others, key=lambda p: (steps[p] if steps[p] is not None else -1, times[p]))
+        if newest is not None:
+            rank_zero_info(f'coci: ckpt_path="last" is {chosen}, newer than coci\'s {newest}')
+        return chosen
+    rank_zero_info(
+        f"coci: no committed checkpoint in {coci.resolve_dirpath(trainer)}; starting fresh"
+    )
+    return None
+
+
+def _resolve_best(trainer: Any, fn: str, *, implicit: bool) -> str | None:
+    """``"best"`` with a CociCheckpoint attached: the first ModelCheckpoint's best model (as
+    Lightning, which would take the first ``Checkpoint`` callback, possibly coci's); without
+    one, ``None`` (implicit) evaluates the weights in memory and ``"best"`` is an error."""
+    models = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)]
+    if not models:
+        if implicit:
+            logger.info(
+                "coci: `.%s()` without a model or ckpt_path after fit: evaluating the weights "
+                "in memory (CociCheckpoint keeps the newest training state, not a best model). "
+                'Pass ckpt_path="last" for coci\'s newest checkpoint, or add '
+                'ModelCheckpoint(monitor=...) for ckpt_path="best".',
+                fn,
             )
-        if self.on_restore is not None:
-            self.on_restore(loaded, event)
-        logger.info("coci: Lightning restores step %d from %s", loaded.step, root)
-        return loaded.state
+            return None
+        raise ValueError(
+            f'`.{fn}(ckpt_path="best")`: CociCheckpoint keeps the newest training state, not a '
+            'best model. Pass ckpt_path="last" for coci\'s newest checkpoint, or add '
+            "ModelCheckpoint(monitor=..., save_top_k=...) to the Trainer's callbacks to keep "
+            "the best."
+        )
+    if implicit:  # Lightning's own message for this case
+        rank_zero_warn(
+            f"`.{fn}(ckpt_path=None)` was called without a model. The best model of the "
+            f"previous `fit` call will be used. You can pass `.{fn}(ckpt_path='best')` to use "
+            f"the best model or `.{fn}(ckpt_path='last')` to use the last model. If you pass "
+            "a value, this warning will be silenced."
+        )
+    if len(models) > 1:
+        rank_zero_warn(
+            f'`.{fn}(ckpt_path="best")` is called with Trainer configured with multiple '
+            "`ModelCheckpoint` callbacks. It will use the best checkpoint path from first "
+            "checkpoint callback."
+        )
+    best = models[0].best_model_path
+    if not best:
+        if trainer.fast_dev_run:
+            raise ValueError(
+                f'You cannot execute `.{fn}(ckpt_path="best")` with `fast_dev_run=True`. Please '
+                f"pass an exact checkpoint path to `.{fn}(ckpt_path=...)`"
+            )
+        raise ValueError(
+            f'`.{fn}(ckpt_path="best")` is set but `ModelCheckpoint` is not configured to save '
+            "the best model."
+        )
+    return best
 
-    def remove_checkpoint(self, path: Any) -> None:
-        self.inner.remove_checkpoint(path)
 
-    def teardown(self) -> None:
-        self.inner.teardown()
+def _install_load_from_checkpoint() -> None:
+    """``LightningModule.load_from_checkpoint`` (and ``LightningDataModule``'s) read the file
+    with ``lightning.pytorch.core.saving.pl_load``: wrap it so that a coci step directory is
+    read with coci's verified restore (then loaded as a file would be, with ``map_location``
+    and ``weights_only``)."""
+    from lightning.pytorch.core import saving
 
+    original = getattr(saving, "pl_load")  # noqa: B009 (not in the module's __all__)
+    if getattr(original, "_coci", False):
+        return
 
-def tier_options(
-    path: object,
-    options: Mapping[str, Any],
-    remote: str | None,
-    remote_options: Mapping[str, Any],
-) -> dict[str, Any]:
-    """The fsspec options for ``path``: ``remote_options`` when it is under ``remote`` (the
-    second tier), else ``options``."""
-    if remote is not None and str(path).startswith(remote.rstrip("/") + "/"):
-        return dict(remote_options)
-    return dict(options)
+    @functools.wraps(original)
+    def pl_load(path_or_url: Any, map_location: Any = None, weights_only: Any = None) -> Any:
+        if not isinstance(path_or_url, (str, Path)) or step_dir_of(path_or_url) is None:
+            return original(path_or_url, map_location=map_location, weights_only=weights_only)
+        root, step = step_dir_of(path_or_url)  # type: ignore[misc]
+        state = read_checkpoint(root, step)[0].state
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        buffer.seek(0)
+        if weights_only is None:
+            # The buffer holds what coci's restore built, without pickle, from the checkpoint
+            # (its hyper-parameters' DictConfig, which torch's weights-only load refuses, as it
+            # refuses Lightning's own .ckpt with one): nothing from the file runs when it loads.
+            weights_only = False
+        return original(buffer, map_location=map_location, weights_only=weights_only)
 
-
-def use_coci_io(trainer: Any) -> CociCheckpointIO:
-    """Wrap the strategy's CheckpointIO (once) so that it reads coci step directories."""
-    strategy = trainer.strategy
-    io = strategy.checkpoint_io
-    if not isinstance(io, CociCheckpointIO):
-        io = CociCheckpointIO(io)
-        strategy.checkpoint_io = io
-    return io
+    pl_load._coci = True  # type: ignore[attr-defined]
+    setattr(saving, "pl_load", pl_load)  # noqa: B010

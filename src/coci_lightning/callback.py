@@ -47,7 +47,7 @@ from coci_lightning._epoch_end import (
     validation_follows,
 )
 from coci_lightning._hparams import check_hyperparameters
-from coci_lightning._resume import tier_options, use_coci_io
+from coci_lightning._io import tier_options, use_coci_io
 from coci_lightning._rng import collect_plain_rng_states, rng_for_rank, set_plain_rng_states
 from coci_lightning._stopping import early_stopping_hazard, early_stopping_of, stopped_early
 from coci_lightning._telemetry import LoggerRelay, make_sinks
