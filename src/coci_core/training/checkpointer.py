@@ -64,9 +64,9 @@ class Checkpointer:
         listeners: telemetry listeners for every save and restore event.
         manager_options: further keyword arguments of :class:`~coci_core.CheckpointManager`.
         rank: this process's global rank (rank 0 decides when to save and commits).
-        world_size: the number of processes; with several, each writes its share of every
-            save (a :class:`~coci_core.RankGroup` whose session name rank 0 broadcasts, unless
-            ``manager_options`` gives a ``group``).
+        world_size: the number of processes, which each write their share of every save (a
+            :class:`~coci_core.RankGroup` whose session name rank 0 broadcasts); unless
+            ``manager_options`` gives a ``group``. None: the manager's default group.
         broadcast: for several processes, a collective that sends rank 0's object to every
             rank; save decisions are then shared at a few sync steps (see ``decision.py``).
         sinks: telemetry sinks (TensorBoard, JSON lines): every save and restore event, the
@@ -82,7 +82,7 @@ class Checkpointer:
         listeners: Iterable[Listener] = (),
         manager_options: Mapping[str, Any] | None = None,
         rank: int = 0,
-        world_size: int = 1,
+        world_size: int | None = None,
         broadcast: Callable[[Any], Any] | None = None,
         sinks: Iterable[TelemetrySink] = (),
         telemetry_every_n_steps: int = 50,
@@ -116,7 +116,7 @@ class Checkpointer:
         self.decision = SharedDecision(self.planner, rank=rank, broadcast=broadcast)
         self._listeners: list[Listener] = list(listeners)
         manager_options = dict(manager_options or {})
-        if world_size > 1 and "group" not in manager_options:
+        if world_size is not None and "group" not in manager_options:
             manager_options["group"] = _rank_group(rank, world_size, broadcast)
         self.manager = CheckpointManager(
             directory,
@@ -462,6 +462,8 @@ class Checkpointer:
 
 def _rank_group(rank: int, world_size: int, broadcast: Callable[[Any], Any] | None) -> RankGroup:
     """Every rank writes its share; the session name comes from rank 0 (one broadcast)."""
+    if world_size == 1:
+        return RankGroup.single()
     if broadcast is None:
         raise ConfigError(f"'broadcast' is needed with several processes (world_size {world_size})")
     return RankGroup(rank, world_size, str(broadcast(uuid.uuid4().hex[:16])))
