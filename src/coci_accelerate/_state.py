@@ -20,8 +20,8 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
+from coci_core.engine.inplace import InPlaceTargets
 from coci_core.errors import CheckpointError
-from coci_core.training import InPlaceTargets
 
 LAYOUT = "coci.accelerate/1"
 PROCESS_KEY = "coci_process"

@@ -9,27 +9,28 @@ import math
 import os
 import sys
 import time
-import uuid
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
 
-from coci_accelerate import _state
+import coci_accelerate._state as _state
 from coci_accelerate.tracker import CociTracker
+from coci_core.engine.compress import CompressionPolicy
 from coci_core.errors import CociError, ConfigError, NoCheckpointError
+from coci_core.planner.policies import SavePolicy
+from coci_core.storage import is_url
 from coci_core.telemetry import TelemetrySink
 from coci_core.telemetry.objects import report_sink
 from coci_core.telemetry.tensorboard import TensorBoardTelemetry
 from coci_core.training import (
     Checkpointer,
     CheckpointOptions,
-    RankGroup,
     SaveHandle,
-    SavePolicy,
-    is_url,
+    check_bool,
     shared_options,
 )
 
@@ -84,20 +85,20 @@ class CociCheckpointer:
         objective: str = "convergence",
         mtbf_s: float | None = None,
         keep_last: int | None = 3,
-        compression: str | None = "auto",
-        compression_options: dict[str, Any] | None = None,
+        compression: str | CompressionPolicy | None = "auto",
+        compression_options: Mapping[str, Any] | None = None,
         every_n_steps: int | None = None,
         every_n_seconds: float | None = None,
         block: bool = True,
-        planner_options: dict[str, Any] | None = None,
+        planner_options: Mapping[str, Any] | None = None,
         save_on_close: bool = True,
         total_steps: int | None = None,
         num_epochs: int | None = None,
         verbose: bool = False,
-        storage_options: dict[str, Any] | None = None,
+        storage_options: Mapping[str, Any] | None = None,
         remote: str | os.PathLike[str] | None = None,
         remote_keep_last: int | None = 10,
-        remote_storage_options: dict[str, Any] | None = None,
+        remote_storage_options: Mapping[str, Any] | None = None,
         remote_upload_every: int | Literal["auto"] = "auto",
     ) -> None:
         if not isinstance(accelerator, Accelerator):
@@ -107,8 +108,7 @@ class CociCheckpointer:
         planner_options, self._total_source = _total_steps(
             accelerator, total_steps, num_epochs, policy, planner_options
         )
-        if not isinstance(save_on_close, bool):
-            raise ConfigError(f"'save_on_close' must be a bool: {save_on_close!r}")
+        check_bool("save_on_close", save_on_close)
         # The options both adapters share, each checked once, here (see CheckpointOptions).
         self.options = CheckpointOptions.check(dirpath=dirpath, **shared_options(locals()))
         self.save_on_close = save_on_close
@@ -136,12 +136,11 @@ class CociCheckpointer:
             self.dirpath,
             self.options,
             rank=accelerator.process_index,
+            world_size=accelerator.num_processes,
             broadcast=_broadcast if accelerator.num_processes > 1 else None,
             sinks=sinks,
-            manager_options={"group": _rank_group(accelerator)},
         )
         self._closed = False
-        self._warmed = False  # the save buffers were mapped
         self._tracker = _find_tracker(accelerator)
         config = accelerator.dataloader_config
         if not config.use_seedable_sampler:
@@ -213,16 +212,15 @@ class CociCheckpointer:
             self._announce_plan()
         if self.checkpointer.should_save(count):
             handle = self.save()
-        elif not self._warmed:
+        elif not self.checkpointer.warmed:
             self._warm_up(count)
         self._last_step_end = time.perf_counter()
         return handle
 
     def _announce_plan(self) -> None:
         """One log line at the first step: what coci plans and how to change it."""
-        planner = self.checkpointer.planner
-        report = planner.report(with_overhead=False)
-        every = planner.every_n_steps
+        outline = self.checkpointer.plan_outline()
+        report, every = outline.report, outline.every_n_steps
         if report.next_steps:
             first = f"first planned save at step {report.next_steps[0]}"
         else:  # the planner plans once it has measured step times (a fixed interval at once)
@@ -232,19 +230,14 @@ class CociCheckpointer:
         elif report.policy == "every_n_steps" and every is not None:
             interval = f"every {every} steps"
         elif report.policy == "every_n_seconds":
-            interval = f"every {planner.every_n_seconds} s"
+            interval = f"every {outline.every_n_seconds} s"
         else:
             interval = "interval from the measured costs" + (
                 f", at most {every} steps" if every is not None else ""
             )
-        mtbf_source = {
-            "user": "given as mtbf_s",
-            "estimated": "estimated from this run's restarts",
-            "default": "coci's default, refined from restarts",
-        }.get(report.mtbf_source, report.mtbf_source)
         total = (
-            f"{planner.total_steps} total steps ({self._total_source})"
-            if planner.total_steps is not None
+            f"{outline.total_steps} total steps ({self._total_source})"
+            if outline.total_steps is not None
             else "total steps unknown (rolling horizon; pass total_steps= or num_epochs=)"
         )
         logger.info(
@@ -255,8 +248,8 @@ class CociCheckpointer:
             total,
             first,
             interval,
-            report.mtbf_s if report.mtbf_s is not None else float("nan"),
-            mtbf_source,
+            outline.mtbf_s,
+            outline.mtbf_source("coci's default, refined from restarts"),
         )
 
     @property
@@ -265,10 +258,7 @@ class CociCheckpointer:
         return self._count
 
     def _warm_up(self, count: int) -> None:
-        # After the run's first optimizer step the state has its final shapes (the optimizer
-        # made its state): map the save buffers now, in the background, not in the first save
-        # (the user's save hooks are not run for this).
-        self._warmed = True
+        # the state that save() takes (the user's save hooks are not run for this)
         state = _state.collect(self.accelerator, count, standins=self._standins)
         state["coci"] = self.checkpointer.state_dict()
         own = _state.collect_own(self.accelerator, skip=self)
@@ -326,11 +316,7 @@ class CociCheckpointer:
                 self.checkpointer.close()
             finally:  # the end of training: one summary line on the main process
                 if not self._closed and self.accelerator.is_main_process:
-                    line = self.checkpointer.summary_line()
-                    if self.checkpointer.summary.failed:
-                        logger.warning(line)
-                    else:
-                        logger.info(line)
+                    self.checkpointer.log_summary(logger)
                 self._closed = True
 
     def resume(self) -> int:
@@ -447,11 +433,11 @@ def _total_steps(
     total_steps: int | None,
     num_epochs: int | None,
     policy: str | SavePolicy,
-    planner_options: dict[str, Any] | None,
-) -> tuple[dict[str, Any], str]:
+    planner_options: Mapping[str, Any] | None,
+) -> tuple[Mapping[str, Any], str]:
     """The planner options with ``total_steps`` (and the epoch policy's ``steps_per_epoch``),
     and where the total comes from."""
-    if planner_options is not None and not isinstance(planner_options, dict):
+    if planner_options is not None and not isinstance(planner_options, Mapping):
         return planner_options, ""  # CheckpointOptions.check says what is wrong with it
     options = dict(planner_options or {})
     for name, value in (("total_steps", total_steps), ("num_epochs", num_epochs)):
@@ -542,14 +528,3 @@ def _find_tracker(accelerator: Accelerator) -> CociTracker | None:
                 )
             return tracker
     return None
-
-
-def _rank_group(accelerator: Accelerator) -> RankGroup:
-    """Every process writes its share; the session name comes from the main process."""
-    if accelerator.num_processes == 1:
-        return RankGroup.single()
-    return RankGroup(
-        accelerator.process_index,
-        accelerator.num_processes,
-        str(_broadcast(uuid.uuid4().hex[:16])),
-    )

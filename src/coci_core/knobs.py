@@ -157,3 +157,12 @@ UNITS_PER_METADATA_BYTE = 16
 MAX_METADATA_DEPTH = 64
 #: The longest export note (``coci_export.json``) read, in characters.
 MAX_NOTE_CHARS = 1 << 28
+
+# -- training loops and framework adapters (training/) ---------------------------------------
+#: A plan of more checkpoints than this is not costed against Daly in the telemetry (about
+#: 0.25 s of the telemetry thread).
+MAX_CHECKPOINTS_COSTED = 500
+#: An early-stopping hazard covers at most this many coming validations ...
+EARLY_STOPPING_COMING_VALIDATIONS = 512
+#: ... and, without a known end of the run, a horizon of this many validation intervals.
+EARLY_STOPPING_ROLLING_VALIDATIONS = 256

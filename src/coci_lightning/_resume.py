@@ -1,5 +1,5 @@
-"""How Lightning finds and reads coci checkpoints: ``ckpt_path="last"/"best"`` and a
-CheckpointIO.
+"""How Lightning finds coci checkpoints: ``ckpt_path="last"/"best"``, and
+``load_from_checkpoint`` of a coci step directory.
 
 Lightning resolves ``ckpt_path`` before any callback hook runs, looking only at
 ``ModelCheckpoint`` and ``OnExceptionCheckpoint`` callbacks, and takes "best" from the first
@@ -14,10 +14,6 @@ wraps that resolution once (idempotently) so that, when a ``CociCheckpoint`` is 
   "best") is the first ``ModelCheckpoint``'s best model; without a ``ModelCheckpoint``,
   ``None`` evaluates the weights in memory (with an info line) and ``"best"`` is a ValueError
   saying what to do.
-
-Lightning then restores everything through its own path; the strategy's CheckpointIO is wrapped
-so that reading a coci step directory goes through coci's verified restore, and
-``LightningModule.load_from_checkpoint(<coci step directory>)`` reads one too.
 """
 
 from __future__ import annotations
@@ -25,152 +21,24 @@ from __future__ import annotations
 import functools
 import io
 import logging
-from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks.on_exception_checkpoint import OnExceptionCheckpoint
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from coci_core.telemetry import RestoreEvent
-from coci_core.training import (
-    MANIFEST_NAME,
-    InPlaceTargets,
-    LoadedCheckpoint,
-    open_storage,
-    parse_step_dir,
-    restore_newest,
-)
+from coci_core.engine.manifest import MANIFEST_NAME
+from coci_core.training import read_checkpoint, step_dir_of
+from coci_lightning._io import use_coci_io
+from coci_lightning.callback import CociCheckpoint
+
+__all__ = ["install_last_resolution"]
 
 logger = logging.getLogger(__name__)
-
-
-def coci_step_of(
-    path: Any, storage_options: dict[str, Any] | None = None
-) -> tuple[Path | str, int] | None:
-    """(root, step) when ``path`` is a committed coci step directory, else None. An fsspec
-    URL (``s3://bucket/run/step-...``) stays a string, its root too; ``storage_options`` reach
-    its file system."""
-    if isinstance(path, str) and "://" in path:
-        root, _, name = path.rstrip("/").rpartition("/")
-        step = parse_step_dir(name)
-        if step is None or "://" not in root:
-            return None
-        try:
-            committed = open_storage(root, **(storage_options or {})).exists(
-                f"{name}/{MANIFEST_NAME}"
-            )
-        except (OSError, ValueError):
-            return None
-        return (root, step) if committed else None
-    try:
-        p = Path(path)
-    except TypeError:
-        return None
-    step = parse_step_dir(p.name)
-    if step is None or not (p / MANIFEST_NAME).is_file():
-        return None
-    return p.parent, step
-
-
-class CociCheckpointIO(CheckpointIO):
-    """Reads coci step directories with coci's verified restore; delegates everything else."""
-
-    def __init__(
-        self,
-        inner: CheckpointIO,
-        on_restore: Callable[[LoadedCheckpoint, RestoreEvent], None] | None = None,
-    ) -> None:
-        super().__init__()
-        self.inner = inner
-        self.on_restore = on_restore
-        self.fallback_for: str | None = None
-        self.rank = 0  # whose per-rank state to merge in (set by the callback's setup)
-        # for an fsspec URL directory (set by the callback; credentials: never logged)
-        self.storage_options: dict[str, Any] = {}
-        # the checkpoint directory and the remote tier's URL and options, for a resume from
-        # the newest intact checkpoint of either tier (set by the callback)
-        self.directory: str | None = None
-        self.remote: str | None = None
-        self.remote_storage_options: dict[str, Any] = {}
-        # the live state a resume reads into in place ({"state_dict": the module's}; set by
-        # the callback): Lightning loads the module from the checkpoint's "state_dict" later
-        self.live_state: Callable[[], Mapping[str, Any]] | None = None
-
-    def options_for(self, path: Any) -> dict[str, Any]:
-        """The fsspec options of the tier that ``path`` is in."""
-        return tier_options(path, self.storage_options, self.remote, self.remote_storage_options)
-
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None
-    ) -> None:
-        self.inner.save_checkpoint(checkpoint, path, storage_options=storage_options)
-
-    def load_checkpoint(
-        self, path: Any, map_location: Any = None, weights_only: bool | None = None
-    ) -> dict[str, Any]:
-        options = self.options_for(path)
-        found = coci_step_of(path, options)
-        if found is None:
-            return self.inner.load_checkpoint(
-                path, map_location=map_location, weights_only=weights_only
-            )
-        root, step = found
-        live = getattr(self, "live_state", None)
-        targets = InPlaceTargets(live()) if live is not None else None
-        if getattr(self, "fallback_for", None) == str(path):
-            # "last": the newest intact checkpoint of either tier, as the manager's restore
-            local = open_storage(
-                str(getattr(self, "directory", None) or root), **self.storage_options
-            )
-            remote = None
-            if self.remote is not None:
-                remote = open_storage(self.remote, **self.remote_storage_options)
-            loaded, event = restore_newest(
-                local, start_at=step, rank=self.rank, targets=targets, remote=remote
-            )
-        else:
-            storage = open_storage(str(root), **options)
-            loaded, event = restore_newest(storage, step, rank=self.rank, targets=targets)
-        if targets is not None:
-            targets.check(loaded.step)
-        if self.on_restore is not None:
-            self.on_restore(loaded, event)
-        logger.info("coci: Lightning restores step %d from %s", loaded.step, root)
-        return loaded.state
-
-    def remove_checkpoint(self, path: Any) -> None:
-        self.inner.remove_checkpoint(path)
-
-    def teardown(self) -> None:
-        self.inner.teardown()
-
-
-def tier_options(
-    path: object,
-    options: Mapping[str, Any],
-    remote: str | None,
-    remote_options: Mapping[str, Any],
-) -> dict[str, Any]:
-    """The fsspec options for ``path``: ``remote_options`` when it is under ``remote`` (the
-    second tier), else ``options``."""
-    if remote is not None and str(path).startswith(remote.rstrip("/") + "/"):
-        return dict(remote_options)
-    return dict(options)
-
-
-def use_coci_io(trainer: Any) -> CociCheckpointIO:
-    """Wrap the strategy's CheckpointIO (once) so that it reads coci step directories."""
-    strategy = trainer.strategy
-    io = strategy.checkpoint_io
-    if not isinstance(io, CociCheckpointIO):
-        io = CociCheckpointIO(io)
-        strategy.checkpoint_io = io
-    return io
 
 
 def install_last_resolution() -> None:
@@ -187,8 +55,6 @@ def install_last_resolution() -> None:
     def parse_ckpt_path(
         self: _CheckpointConnector, state_fn: Any, ckpt_path: Any, **kwargs: Any
     ) -> Any:
-        from coci_lightning.callback import CociCheckpoint
-
         callbacks = getattr(self.trainer, "callbacks", [])
         cocis = [cb for cb in callbacks if isinstance(cb, CociCheckpoint)]
         fn = str(getattr(state_fn, "value", state_fn))
@@ -207,7 +73,7 @@ def install_last_resolution() -> None:
             return _resolve_best(self.trainer, fn, implicit=implicit)
         resolved = original(self, state_fn, ckpt_path, **kwargs)
         options = cocis[0].storage_options_for(resolved) if cocis else None
-        if coci_step_of(resolved, options) is not None:
+        if step_dir_of(resolved, options) is not None:
             # validate/test/predict (and fit) of a coci step directory, with or without a
             # CociCheckpoint attached: read it with coci's restore
             use_coci_io(self.trainer)
@@ -245,8 +111,6 @@ def _resolve_last(trainer: Any, coci: Any) -> str | None:
     they record (coci writes asynchronously, so its files may be younger than a later step's
     ``last.ckpt``); a tie is coci's. A file whose step cannot be read is compared by
     modification time, as Lightning compares its own candidates."""
-    from lightning.pytorch.callbacks.on_exception_checkpoint import OnExceptionCheckpoint
-
     newest = coci.newest_step_dir(trainer)
     lightning_paths = {
         getattr(cb, "ckpt_path", None)
@@ -347,10 +211,10 @@ def _install_load_from_checkpoint() -> None:
 
     @functools.wraps(original)
     def pl_load(path_or_url: Any, map_location: Any = None, weights_only: Any = None) -> Any:
-        if not isinstance(path_or_url, (str, Path)) or coci_step_of(path_or_url) is None:
+        if not isinstance(path_or_url, (str, Path)) or step_dir_of(path_or_url) is None:
             return original(path_or_url, map_location=map_location, weights_only=weights_only)
-        root, step = coci_step_of(path_or_url)  # type: ignore[misc]
-        state = restore_newest(open_storage(str(root)), step)[0].state
+        root, step = step_dir_of(path_or_url)  # type: ignore[misc]
+        state = read_checkpoint(root, step)[0].state
         buffer = io.BytesIO()
         torch.save(state, buffer)
         buffer.seek(0)

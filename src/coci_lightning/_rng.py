@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import lightning.pytorch as pl
 import numpy as np
 import torch
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
+from lightning.pytorch.utilities import rank_zero_warn
 
 
 def collect_plain_rng_states() -> dict[str, Any]:
@@ -49,3 +51,17 @@ def set_plain_rng_states(states: dict[str, Any]) -> None:
             float(cached),
         )
     _set_rng_states(states)
+
+
+def rng_for_rank(trainer: pl.Trainer, saved: dict[str, Any]) -> dict[str, Any]:
+    """This rank's random states from a checkpoint's (per rank, or one set for every rank)."""
+    per_rank = saved.get("per_rank")
+    if per_rank is None:
+        return saved
+    if len(per_rank) != trainer.world_size:
+        rank_zero_warn(
+            f"coci: the checkpoint has random states of {len(per_rank)} ranks, this run has "
+            f"{trainer.world_size}; every rank continues rank 0's streams"
+        )
+        return dict(per_rank[0])
+    return dict(per_rank[trainer.global_rank])

@@ -1,46 +1,44 @@
-"""CociCheckpoint: convergence-aware, asynchronous checkpoints for a Lightning Trainer."""
+"""CociCheckpoint: convergence-aware, asynchronous checkpoints for a Lightning Trainer.
+
+A little over 600 lines, kept whole: one callback's hooks, and the documentation of each of its
+arguments (LightningCLI's help). What every adapter shares is in :mod:`coci_core.training`;
+what the callback reads from the Trainer, its EarlyStopping hazard, its CheckpointIO and the
+``"last"``/``"best"`` resolution are in the private modules beside it.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 import time
-import uuid
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import lightning.pytorch as pl
-import numpy as np
 import torch
-from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import Checkpoint, EarlyStopping
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from coci_core.engine.compress import CompressionPolicy
 from coci_core.errors import CociError, ConfigError
-from coci_core.hpo import (
-    combine_terminations,
-    improvement_probability,
-    patience_stops,
-    threshold_stops,
-)
 from coci_core.planner import Termination
+from coci_core.planner.policies import SavePolicy
+from coci_core.storage import is_url
 from coci_core.telemetry import RestoreEvent
 from coci_core.training import (
     Checkpointer,
     CheckpointOptions,
-    LoadedCheckpoint,
-    RankGroup,
-    SavePolicy,
-    is_url,
-    open_storage,
-    resume_order,
+    PlanOutline,
+    ValidationHistory,
+    check_bool,
+    is_trial_pruned,
+    newest_step_dir,
     shared_options,
-    step_dir_name,
+    step_dir_of,
 )
 from coci_lightning._epoch_end import (
     as_after_the_batch,
@@ -49,14 +47,20 @@ from coci_lightning._epoch_end import (
     validation_follows,
 )
 from coci_lightning._hparams import check_hyperparameters
-from coci_lightning._resume import (
-    coci_step_of,
-    install_last_resolution,
-    tier_options,
-    use_coci_io,
-)
-from coci_lightning._rng import collect_plain_rng_states, set_plain_rng_states
+from coci_lightning._io import tier_options, use_coci_io
+from coci_lightning._rng import collect_plain_rng_states, rng_for_rank, set_plain_rng_states
+from coci_lightning._stopping import early_stopping_hazard, early_stopping_of, stopped_early
 from coci_lightning._telemetry import LoggerRelay, make_sinks
+from coci_lightning._trainer import (
+    check_dirpath,
+    check_monitor,
+    loss_of,
+    plan_horizon,
+    warn_unless_stateful_loaders,
+)
+
+if TYPE_CHECKING:
+    from coci_core.engine.restore import LoadedCheckpoint
 
 __all__ = ["CociCheckpoint"]
 
@@ -132,8 +136,8 @@ class CociCheckpoint(Checkpoint):
         objective: str = "convergence",
         mtbf_s: float | None = None,
         keep_last: int | None = 3,
-        compression: str | None = "auto",
-        compression_options: dict[str, Any] | None = None,
+        compression: str | CompressionPolicy | None = "auto",
+        compression_options: Mapping[str, Any] | None = None,
         resume: bool = False,
         every_n_steps: int | None = None,
         every_n_seconds: float | None = None,
@@ -142,18 +146,18 @@ class CociCheckpoint(Checkpoint):
         block: bool = True,
         save_on_train_end: bool = True,
         save_on_exception: bool = True,
-        planner_options: dict[str, Any] | None = None,
+        planner_options: Mapping[str, Any] | None = None,
         verbose: bool = False,
-        storage_options: dict[str, Any] | None = None,
+        storage_options: Mapping[str, Any] | None = None,
         remote: str | os.PathLike[str] | None = None,
         remote_keep_last: int | None = 10,
-        remote_storage_options: dict[str, Any] | None = None,
+        remote_storage_options: Mapping[str, Any] | None = None,
         remote_upload_every: int | Literal["auto"] = "auto",
         early_stopping_hazard: bool = True,
         save_when_stopped: bool = False,
     ) -> None:
         super().__init__()
-        dirpath = _check_dirpath(dirpath)
+        dirpath = check_dirpath(dirpath)
         for name, flag in (
             ("resume", resume),
             ("save_on_train_end", save_on_train_end),
@@ -161,8 +165,7 @@ class CociCheckpoint(Checkpoint):
             ("early_stopping_hazard", early_stopping_hazard),
             ("save_when_stopped", save_when_stopped),
         ):
-            if not isinstance(flag, bool):
-                raise ConfigError(f"'{name}' must be a bool (True or False): {flag!r}")
+            check_bool(name, flag)
         if monitor is not None and (not isinstance(monitor, str) or not monitor):
             raise ConfigError(
                 f"'monitor' must be the name of a logged metric (a non-empty str) or None: "
@@ -188,10 +191,9 @@ class CociCheckpoint(Checkpoint):
         self.save_on_exception = save_on_exception
         self.early_stopping_hazard = early_stopping_hazard
         self.save_when_stopped = save_when_stopped
-        # termination models by source ("early_stopping", "optuna"), combined with the user's
+        # termination models by source ("early_stopping", "optuna"): kept for the next fit
         self._terminations: dict[str, Termination] = {}
-        # (global step, improved, monitored value) per EarlyStopping check
-        self._validations: list[tuple[int, bool, float]] = []
+        self._validations = ValidationHistory()  # EarlyStopping's checks in this fit
         self.checkpointer: Checkpointer | None = None
         self._planner_state: dict[str, Any] | None = None
         self._pending_rng: dict[str, Any] | None = None
@@ -209,9 +211,7 @@ class CociCheckpoint(Checkpoint):
         self._pending_metrics: dict[str, Any] | None = None
         self._start_step: int | None = None  # global_step at on_train_start (None: not started)
         self._plan_told = False
-        self._warmed = False  # the save buffers were mapped in this fit
         self._relay = LoggerRelay()
-        install_last_resolution()
 
     def __getstate__(self) -> dict[str, Any]:
         # The live Checkpointer (an open directory lease, a writer thread) belongs to this
@@ -262,36 +262,28 @@ class CociCheckpoint(Checkpoint):
     def newest_step_dir(self, trainer: pl.Trainer) -> Path | str | None:
         """The step directory a resume tries first (the newest checkpoint of the newest run,
         by commit sequence, in ``dirpath`` or the ``remote`` tier); or None."""
-        root = self.resolve_dirpath(trainer)
-        remote_url = self.options.remote
-        remote = None
-        if remote_url is not None:
-            remote = open_storage(remote_url, **dict(self.options.remote_storage_options))
-        candidates = resume_order(open_storage(str(root), **self.storage_options), remote)
-        if not candidates:
-            return None
-        newest = candidates[0]
-        base: Path | str = root if newest.tier == "local" or remote_url is None else remote_url
-        if isinstance(base, str):
-            return base.rstrip("/") + "/" + step_dir_name(newest.step)
-        return base / step_dir_name(newest.step)
+        o = self.options
+        return newest_step_dir(
+            self.resolve_dirpath(trainer),
+            o.storage_options,
+            remote=o.remote,
+            remote_storage_options=o.remote_storage_options,
+        )
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # Every entry point (fit, validate, test, predict) reads coci step directories.
-        io = use_coci_io(trainer)
-        io.on_restore = self._on_restore
-        io.fallback_for = self._fallback_for
-        io.rank = trainer.global_rank
-        io.storage_options = self.storage_options
-        io.directory = str(self.resolve_dirpath(trainer))
-        io.remote = self.options.remote
-        io.remote_storage_options = dict(self.options.remote_storage_options)
-        # a resume reads the module's tensors in place (no second copy of them); Lightning
-        # creates the optimizers after it reads the checkpoint, and they adopt its tensors.
-        # Not when the module's on_load_checkpoint may change what it loads (keep a weight).
-        own_hook = type(pl_module).on_load_checkpoint is not pl.LightningModule.on_load_checkpoint
-        io.live_state = None if own_hook else lambda: {"state_dict": pl_module.state_dict()}
+        o = self.options
+        use_coci_io(trainer).configure(
+            pl_module,
+            rank=trainer.global_rank,
+            directory=str(self.resolve_dirpath(trainer)),
+            storage_options=o.storage_options,
+            remote=o.remote,
+            remote_storage_options=o.remote_storage_options,
+            on_restore=self._on_restore,
+            fallback_for=self._fallback_for,
+        )
         if stage != "fit":
             return
         check_hyperparameters(trainer)  # refused now, not at the first save after training
@@ -305,16 +297,16 @@ class CociCheckpoint(Checkpoint):
             rank=trainer.global_rank,
             sinks=make_sinks(trainer, self.resolve_dirpath(trainer), self.storage_options),
             listeners=[self._relay],
+            world_size=trainer.world_size,
             broadcast=(lambda obj: trainer.strategy.broadcast(obj, src=0))
             if trainer.world_size > 1
             else None,
-            manager_options={"group": _rank_group(trainer)},
         )
         if self._planner_state is not None:
             self.checkpointer.load_state_dict(self._planner_state)
-        self._validations = []
-        if self._terminations:
-            self._apply_terminations()
+        self._validations = ValidationHistory()
+        for source, model in self._terminations.items():
+            self.checkpointer.set_termination(source, model)
 
     def set_termination(self, source: str, model: Termination | None) -> None:
         """Plan with ``model`` as the termination hazard from ``source`` (e.g. ``"optuna"``;
@@ -324,15 +316,8 @@ class CociCheckpoint(Checkpoint):
             self._terminations.pop(source, None)
         else:
             self._terminations[source] = model
-        self._apply_terminations()
-
-    def _apply_terminations(self) -> None:
-        if self.checkpointer is None:
-            return
-        own = self.options.planner.settings.termination
-        self.checkpointer.planner.set_termination(
-            combine_terminations([own, *self._terminations.values()])
-        )
+        if self.checkpointer is not None:
+            self.checkpointer.set_termination(source, model)
 
     def _on_restore(self, loaded: LoadedCheckpoint, event: RestoreEvent) -> None:
         if self.checkpointer is not None:
@@ -343,7 +328,6 @@ class CociCheckpoint(Checkpoint):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._start_step = trainer.global_step
         self._plan_told = False
-        self._warmed = False
         self._deferred = False
         self._at_validation_end = None
         if self._rng_at_train_start:  # resumed from an epoch's last step: see _epoch_end.py
@@ -355,34 +339,10 @@ class CociCheckpoint(Checkpoint):
         self._pending_metrics = None
         if self.checkpointer is not None:
             self.checkpointer.warn_if_not_empty()  # a fresh run into another run's directory
-        planner = self.checkpointer.planner if self.checkpointer is not None else None
-        if planner is not None and self.policy == "epoch":
-            planner.set_steps_per_epoch(self._steps_per_epoch(trainer) * (self.every_n_epochs or 1))
-        if planner is not None and planner.total_steps is None:
-            # max_epochs without max_steps: the Trainer's estimate of the run's optimizer steps
-            estimated = trainer.estimated_stepping_batches
-            if math.isfinite(estimated) and int(estimated) > max(planner.start_step, 0):
-                planner.total_steps = int(estimated)
-        # Private: the Trainer exposes its train loaders publicly only as the user's objects,
-        # not as the flattened loaders it iterates, which are what must be stateful.
-        loaders = trainer.fit_loop._combined_loader
-        for loader in loaders.flattened if loaders is not None else []:
-            if not hasattr(loader, "state_dict"):
-                rank_zero_warn(
-                    "coci: the train DataLoader is not stateful, so a run resumed mid-epoch sees "
-                    "some samples twice and some never. Use torchdata's StatefulDataLoader "
-                    "(pip install torchdata; from torchdata.stateful_dataloader import "
-                    "StatefulDataLoader) for exactly-once resumes."
-                )
-            elif trainer.world_size > 1 and not hasattr(
-                getattr(getattr(loader, "batch_sampler", None), "sampler", None), "state_dict"
-            ):
-                rank_zero_warn(
-                    "coci: with several processes the train sampler must be stateful and "
-                    "seeded for exactly-once resumes: pass sampler=StatefulDistributedSampler("
-                    "dataset, shuffle=True, seed=...) (from torchdata.stateful_dataloader."
-                    "sampler) to the StatefulDataLoader instead of shuffle=True."
-                )
+        if self.checkpointer is not None:
+            epochs = (self.every_n_epochs or 1) if self.policy == "epoch" else None
+            plan_horizon(self.checkpointer.planner, trainer, save_every_epochs=epochs)
+        warn_unless_stateful_loaders(trainer)
 
     @override
     def on_train_batch_start(
@@ -413,11 +373,12 @@ class CociCheckpoint(Checkpoint):
             return
         now = time.perf_counter()
         step_time = None if self._last_end is None else now - self._last_end
-        ckpt.observe(trainer.global_step, loss=self._loss(trainer, outputs), step_time_s=step_time)
+        loss = loss_of(trainer, self.monitor, outputs)
+        ckpt.observe(trainer.global_step, loss=loss, step_time_s=step_time)
         planned = ckpt.should_save(trainer.global_step)  # every rank asks (shared decision)
         if self.policy == "epoch":
             planned = False  # the epoch saves are the every_n_epochs ones below
-        self._check_monitor(trainer, planned)
+        self._check_monitor(trainer, planned=planned)
         last_batch = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
         epoch_save = (
             last_batch
@@ -430,13 +391,14 @@ class CociCheckpoint(Checkpoint):
                 self._save_at_epoch_end(trainer)
             else:
                 self._save(trainer)
-        elif not self._warmed and trainer.global_step > (self._start_step or 0):
-            self._warm_up(trainer)
+        elif not ckpt.warmed and trainer.global_step > (self._start_step or 0):
+            self._warm_up(trainer, ckpt)
         if trainer.is_global_zero:
             self._relay.drain(trainer)
-            if not self._plan_told and ckpt.planner.report(with_overhead=False).replans > 0:
+            outline = None if self._plan_told else ckpt.plan_outline()
+            if outline is not None and outline.report.replans > 0:
                 self._plan_told = True
-                self._tell_plan(trainer, ckpt)
+                self._tell_plan(trainer.global_step, outline)
         self._last_end = time.perf_counter()
 
     def _save_at_epoch_end(self, trainer: pl.Trainer) -> None:
@@ -449,23 +411,16 @@ class CociCheckpoint(Checkpoint):
         else:
             self._save(trainer, epoch_end=True, after_the_batch=True)
 
-    def _tell_plan(self, trainer: pl.Trainer, ckpt: Checkpointer) -> None:
+    def _tell_plan(self, step: int, outline: PlanOutline) -> None:
         """One log line (rank 0) once the first plan is made: what it is and how to change it."""
-        report = ckpt.planner.report(with_overhead=False)
-        step = trainer.global_step
-        total = ckpt.planner.total_steps
+        report, total = outline.report, outline.total_steps
         ahead = [s for s in report.next_steps if s > step]
         first = ahead[0] if ahead else None
         interval = ahead[1] - ahead[0] if len(ahead) > 1 else report.interval_steps
         if first is not None and total is not None and first > total:
             first = None
-        step_time = report.costs.get("step_time_s") or 0.0
-        mtbf = report.mtbf_s if report.mtbf_s is not None else float("nan")
-        source = {
-            "user": "given as mtbf_s",
-            "estimated": "estimated from this run's restarts",
-            "default": "default: no mtbf_s given and no failure seen yet",
-        }.get(report.mtbf_source, report.mtbf_source)
+        step_time = outline.step_time_s
+        source = outline.mtbf_source("default: no mtbf_s given and no failure seen yet")
         length = f"of {total} steps" if total is not None else "over a rolling horizon"
         if first is None:
             when = "no save planned before the end" + (
@@ -480,7 +435,7 @@ class CociCheckpoint(Checkpoint):
         )
         message = (
             f"coci: plan ({report.policy} policy, {self.objective} objective) {length}: {when}, "
-            f"{every}; MTBF assumed {mtbf:.6g} s ({source}). Change it with "
+            f"{every}; MTBF assumed {outline.mtbf_s:.6g} s ({source}). Change it with "
             "CociCheckpoint(mtbf_s=..., every_n_steps=N (a cap on the interval), "
             "policy='every_n_steps'); the plan is re-made as costs are measured."
         )
@@ -488,17 +443,6 @@ class CociCheckpoint(Checkpoint):
             logger.warning(message)
         else:
             logger.info(message)
-
-    @staticmethod
-    def _steps_per_epoch(trainer: pl.Trainer) -> int:
-        """Optimizer steps per training epoch, from the Trainer."""
-        batches = trainer.num_training_batches  # known once training starts
-        if not math.isfinite(batches) or batches < 1:
-            raise ConfigError(
-                "policy='epoch' needs the number of batches per epoch, and the train "
-                f"DataLoader has no length ({batches}); use policy='every_n_steps' instead"
-            )
-        return max(1, math.ceil(int(batches) / trainer.accumulate_grad_batches))
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -527,105 +471,34 @@ class CociCheckpoint(Checkpoint):
             return None
         if trainer.sanity_checking or trainer.state.fn != "fit":
             return None
-        found = [cb for cb in trainer.callbacks if isinstance(cb, EarlyStopping)]  # type: ignore[attr-defined]
-        return found[0] if found else None
+        return early_stopping_of(trainer)
 
     def _early_stopping_check(self, trainer: pl.Trainer, stopper: EarlyStopping) -> None:
-        """After ``EarlyStopping`` judged a validation (Checkpoint callbacks run after the
-        others): the probability that it stops the run at each coming validation, from its
-        patience and wait count and how often the metric improved lately, as the plan's
-        termination hazard (see :mod:`coci_core.hpo.early_stopping`)."""
+        """After ``EarlyStopping`` judged a validation: its stop hazard enters the plan."""
         if self.checkpointer is None:
             return
-        if stopper.monitor not in trainer.callback_metrics:
-            return  # EarlyStopping did not judge this validation
-        step = trainer.global_step
-        if self._validations and self._validations[-1][0] == step:
-            return
-        value = trainer.callback_metrics[stopper.monitor]
-        self._validations.append((step, stopper.wait_count == 0, float(value)))
-        steps = [k for k, _, _ in self._validations]
-        start = self._start_step or 0
-        gaps = np.diff([start, *steps])
-        interval = max(1, int(np.median(gaps[gaps > 0]))) if np.any(gaps > 0) else 1
-        total = self.checkpointer.planner.total_steps
-        last = total if total is not None else step + 256 * interval
-        coming = list(range(step + interval, last + 1, interval))[:512]
-        patience = max(1, int(stopper.patience))
-        p = improvement_probability(
-            [improved for _, improved, _ in self._validations], window=max(2 * patience, 4)
+        model = early_stopping_hazard(
+            self._validations,
+            trainer,
+            stopper,
+            start=self._start_step or 0,
+            total=self.checkpointer.planner.total_steps,
         )
-        source = (
-            f"EarlyStopping(monitor={stopper.monitor!r}, patience {patience}, wait "
-            f"{stopper.wait_count}, min_delta {abs(float(stopper.min_delta)):g}; P(improve) "
-            f"{p:.2f} per validation, every {interval} steps)"
-        )
-        model: Termination = patience_stops(
-            patience=patience,
-            wait_count=int(stopper.wait_count),
-            improve_probability=p,
-            validation_steps=coming,
-            source=source,
-        )
-        good, bad = stopper.stopping_threshold, stopper.divergence_threshold
-        if good is not None or bad is not None:
-            limits = ", ".join(
-                f"{name} {float(t):g}"
-                for name, t in (("stopping_threshold", good), ("divergence_threshold", bad))
-                if t is not None
-            )
-            crossing = threshold_stops(
-                [v for _, _, v in self._validations],
-                mode="max" if stopper.mode == "max" else "min",
-                validation_steps=coming,
-                stopping_threshold=None if good is None else float(good),
-                divergence_threshold=None if bad is None else float(bad),
-                source=f"its {limits}, from the trend of the last values",
-            )
-            model = combine_terminations(
-                [model, crossing], source=f"{source[:-1]}; {crossing.source})"
-            )
-        self.set_termination("early_stopping", model)
+        if model is not None:
+            self.set_termination("early_stopping", model)
 
-    def _check_monitor(self, trainer: pl.Trainer, planned: bool) -> None:
-        """As ``ModelCheckpoint(monitor=...)``: a missing metric is an error once a validation
-        has run (the metric may be a validation one, logged only then), and a warning (once) at
-        a save before that."""
-        if not self.monitor or self.monitor in trainer.callback_metrics:
-            return
-        message = (
-            f"`CociCheckpoint(monitor={self.monitor!r})` could not find the monitored key in "
-            f"the logged metrics: {list(trainer.callback_metrics)}. HINT: Did you call "
-            f"`log({self.monitor!r}, value)` in the `LightningModule`?"
-        )
-        # Private: whether a validation ran yet is what ModelCheckpoint's own check uses.
-        if trainer.fit_loop.epoch_loop.val_loop._has_run:
-            raise MisconfigurationException(message)
-        if planned and not self._monitor_warned:
+    def _check_monitor(self, trainer: pl.Trainer, *, planned: bool) -> None:
+        if check_monitor(trainer, self.monitor, warn=planned and not self._monitor_warned):
             self._monitor_warned = True
-            rank_zero_warn(message)
 
-    def _loss(self, trainer: pl.Trainer, outputs: Any) -> float | None:
-        value = trainer.callback_metrics.get(self.monitor) if self.monitor else outputs
-        if isinstance(value, dict):
-            value = value.get("loss")
-        if isinstance(value, torch.Tensor) and value.numel() == 1:
-            return float(value.detach())
-        return float(value) if isinstance(value, (int, float)) else None
-
-    def _warm_up(self, trainer: pl.Trainer) -> None:
-        # After the run's first optimizer step the state has its final shapes (the optimizer
-        # made its state): map the save buffers now, in the background, not in the first save.
-        self._warmed = True
-        if self.checkpointer is None:
-            return
+    def _warm_up(self, trainer: pl.Trainer, ckpt: Checkpointer) -> None:
+        # the state that _save takes, for Checkpointer.warm_up
         self._rng_in_state = False
         try:
             state = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)  # see _save
         finally:
             self._rng_in_state = True
-        rank_state = {RANK_STATE_KEY: {"rng": collect_plain_rng_states()}}
-        self.checkpointer.warm_up(state, per_rank=rank_state)
+        ckpt.warm_up(state, per_rank={RANK_STATE_KEY: {"rng": collect_plain_rng_states()}})
 
     def _save(
         self,
@@ -670,26 +543,13 @@ class CociCheckpoint(Checkpoint):
     def _restore_rng(self, trainer: pl.Trainer) -> None:
         """Put back the random states a resumed checkpoint holds for this rank (once)."""
         if self._pending_rng is not None:
-            set_plain_rng_states(self._rng_for_rank(trainer, self._pending_rng))
+            set_plain_rng_states(rng_for_rank(trainer, self._pending_rng))
             self._pending_rng = None
-
-    @staticmethod
-    def _rng_for_rank(trainer: pl.Trainer, saved: dict[str, Any]) -> dict[str, Any]:
-        per_rank = saved.get("per_rank")
-        if per_rank is None:
-            return saved
-        if len(per_rank) != trainer.world_size:
-            rank_zero_warn(
-                f"coci: the checkpoint has random states of {len(per_rank)} ranks, this run has "
-                f"{trainer.world_size}; every rank continues rank 0's streams"
-            )
-            return dict(per_rank[0])
-        return dict(per_rank[trainer.global_rank])
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # A run stopped early (EarlyStopping, a pruner) is done: no final save by default.
-        if self.save_on_train_end and (self.save_when_stopped or not _stopped_early(trainer)):
+        if self.save_on_train_end and (self.save_when_stopped or not stopped_early(trainer)):
             self._save(trainer, block=True)
         if self.checkpointer is not None:
             self.checkpointer.wait()
@@ -704,7 +564,7 @@ class CociCheckpoint(Checkpoint):
         # first optimizer step): there is nothing new to save, and a step-0 save would be what
         # "last" resumes from next time.
         trained = self._start_step is not None and trainer.global_step > self._start_step
-        pruned = _is_trial_pruned(exception) and not self.save_when_stopped
+        pruned = is_trial_pruned(exception) and not self.save_when_stopped
         if self.save_on_exception and trainer.state.fn == "fit" and trained and not pruned:
             # Another rank may not be here (the exception may be this rank's own): rank 0
             # saves by itself instead of waiting for the others' shares.
@@ -722,7 +582,7 @@ class CociCheckpoint(Checkpoint):
                 ckpt.close()
             finally:  # the end of fit: one summary line (also after an exception)
                 if trainer.is_global_zero:
-                    _log_summary(ckpt)
+                    ckpt.log_summary(logger)
         self._start_step = None
         # what a checkpoint read by this stage left for a resumed fit is not for the next fit
         self._pending_rng = self._pending_metrics = None
@@ -748,7 +608,7 @@ class CociCheckpoint(Checkpoint):
             self._pending_rng = own["rng"]
         elif (
             trainer.world_size > 1
-            and coci_step_of(trainer.ckpt_path, self.storage_options) is not None
+            and step_dir_of(trainer.ckpt_path, self.storage_options) is not None
             and "rng" not in checkpoint.get("callbacks", {}).get(self.state_key, {})
         ):
             warnings.warn(
@@ -767,56 +627,3 @@ class CociCheckpoint(Checkpoint):
         self._planner_state = state_dict
         if self.checkpointer is not None:
             self.checkpointer.load_state_dict(state_dict)
-
-
-def _stopped_early(trainer: pl.Trainer) -> bool:
-    """Whether ``EarlyStopping`` stopped the run, or optuna-integration's pruning callback did
-    (with several processes it stops the Trainer instead of raising); not ``max_time``."""
-    if not trainer.should_stop:
-        return False
-    for cb in trainer.callbacks:  # type: ignore[attr-defined]
-        if isinstance(cb, EarlyStopping):
-            reason = getattr(cb, "stopping_reason", None)  # Lightning >= 2.5.1
-            if reason is not None and getattr(reason, "name", "") != "NOT_STOPPED":
-                return True
-            if reason is None and cb.wait_count >= cb.patience:
-                return True
-        if type(cb).__name__ == "PyTorchLightningPruningCallback":
-            return True
-    return False
-
-
-def _is_trial_pruned(exception: BaseException) -> bool:
-    """Whether ``exception`` is Optuna's ``TrialPruned`` (without importing Optuna)."""
-    return any(
-        c.__name__ == "TrialPruned" and c.__module__.startswith("optuna")
-        for c in type(exception).__mro__
-    )
-
-
-def _log_summary(ckpt: Checkpointer) -> None:
-    line = ckpt.summary_line()
-    if ckpt.summary.failed:
-        logger.warning(line)
-    else:
-        logger.info(line)
-
-
-def _check_dirpath(dirpath: Any) -> Any:
-    """``dirpath`` is None, a str path, an os.PathLike or an fsspec URL string (kept a str)."""
-    if dirpath is None or isinstance(dirpath, os.PathLike):
-        return dirpath
-    if isinstance(dirpath, str) and dirpath.strip():
-        return dirpath
-    raise ConfigError(
-        "'dirpath' must be a directory path (a str or an os.PathLike such as pathlib.Path), "
-        f"an fsspec URL string (e.g. 's3://bucket/run'), or None: {dirpath!r}"
-    )
-
-
-def _rank_group(trainer: pl.Trainer) -> RankGroup:
-    """Every rank writes its share; the session name comes from rank 0 (one broadcast)."""
-    if trainer.world_size == 1:
-        return RankGroup.single()
-    session = trainer.strategy.broadcast(uuid.uuid4().hex[:16], src=0)
-    return RankGroup(trainer.global_rank, trainer.world_size, str(session))

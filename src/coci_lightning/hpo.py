@@ -21,7 +21,8 @@ from typing_extensions import override
 from coci_core.errors import ConfigError
 from coci_core.hpo.optuna import EARLY_STOPPED_ATTR, STEP_ATTR, StepMap, study_termination
 from coci_core.planner import Termination
-from coci_lightning.callback import CociCheckpoint, _stopped_early
+from coci_lightning._stopping import stopped_early
+from coci_lightning.callback import CociCheckpoint
 
 __all__ = ["OptunaTermination"]
 
@@ -108,5 +109,5 @@ class OptunaTermination(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if _stopped_early(trainer) and trainer.is_global_zero:
+        if stopped_early(trainer) and trainer.is_global_zero:
             self.trial.set_user_attr(EARLY_STOPPED_ATTR, True)

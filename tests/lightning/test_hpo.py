@@ -15,8 +15,9 @@ from lightning.pytorch.callbacks import EarlyStopping
 from optuna_integration import PyTorchLightningPruningCallback
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from coci_core.engine.restore import newest_first
 from coci_core.hpo.optuna import STEP_ATTR, CheckpointCleanup
-from coci_core.training import newest_first, open_storage
+from coci_core.storage import open_storage
 from coci_lightning import CociCheckpoint
 from coci_lightning.hpo import OptunaTermination
 from tests.lightning.models import DigitsModel, IndexedDigits
@@ -184,22 +185,22 @@ def test_a_real_optuna_study_pruned_by_the_lightning_callback(
     assert directory_of(study.trials[0]).exists()  # ran to its end: kept
 
 
-def test_only_early_stopping_and_pruning_count_as_stopped_early() -> None:
+def test_only_early_stopping_and_pruning_count_asstopped_early() -> None:
     from types import SimpleNamespace
 
     from lightning.pytorch.callbacks import Timer
 
-    from coci_lightning.callback import _stopped_early
+    from coci_lightning._stopping import stopped_early
 
     stopper = EarlyStopping(monitor="val_loss", patience=2)
     timed = SimpleNamespace(should_stop=True, callbacks=[Timer(duration="00:00:01:00"), stopper])
-    assert not _stopped_early(timed)  # type: ignore[arg-type]  # max_time, not a stop
+    assert not stopped_early(timed)  # type: ignore[arg-type]  # max_time, not a stop
     stopper.wait_count = 2  # as EarlyStopping leaves it when its patience ran out
     reason = getattr(stopper, "stopping_reason", None)
     if reason is not None:
         stopper.stopping_reason = type(reason).PATIENCE_EXHAUSTED
-    assert _stopped_early(timed)  # type: ignore[arg-type]
-    assert not _stopped_early(SimpleNamespace(should_stop=False, callbacks=[stopper]))  # type: ignore[arg-type]
+    assert stopped_early(timed)  # type: ignore[arg-type]
+    assert not stopped_early(SimpleNamespace(should_stop=False, callbacks=[stopper]))  # type: ignore[arg-type]
 
 
 class Descending(ValidatedDigits):

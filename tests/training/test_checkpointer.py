@@ -233,3 +233,28 @@ def test_a_resume_keeps_its_failure_and_restart_after_the_checkpoints_planner_st
     assert ckpt.planner.report().costs["restart_s"] == pytest.approx(
         sorted(restarts)[len(restarts) // 2]
     )
+
+
+def test_termination_hazards_combine_by_source(tmp_path: Path) -> None:
+    """Each source's hazard replaces that source's earlier one, multiplies with the others and
+    with the options' own, and None removes it."""
+    from coci_core.planner import UniformKill
+
+    own = UniformKill(start_step=0, end_step=100, probability=0.5)
+    ckpt = Checkpointer(tmp_path, planner_options={"termination": own})
+    early = UniformKill(start_step=0, end_step=100, probability=0.2)
+    ckpt.set_termination("early_stopping", early)
+    ckpt.set_termination("early_stopping", early)  # replaced, not counted twice
+    assert float(ckpt.planner.termination.survival([100])[0]) == pytest.approx(0.5 * 0.8, abs=0.02)
+    ckpt.set_termination("early_stopping", None)
+    assert ckpt.planner.termination == own
+    ckpt.close()
+
+
+def test_the_rank_group_of_an_adapter(tmp_path: Path) -> None:
+    """world_size=1 writes alone; several processes need the broadcast for the session name."""
+    ckpt = Checkpointer(tmp_path / "one", world_size=1)
+    assert ckpt.manager.group.world_size == 1
+    ckpt.close()
+    with pytest.raises(ConfigError, match="'broadcast' is needed"):
+        Checkpointer(tmp_path / "two", rank=0, world_size=2)

@@ -15,7 +15,12 @@ from accelerate.utils import DataLoaderConfiguration
 from coci_accelerate import CociCheckpointer
 from coci_core import CheckpointManager, CompressionPolicy, ConfigError
 from coci_core.planner import Planner, planner_config
-from coci_core.training import Checkpointer, CheckpointOptions
+from coci_core.training import (
+    SHARED_ARGUMENTS,
+    Checkpointer,
+    CheckpointOptions,
+    signature_drift,
+)
 from coci_lightning import CociCheckpoint
 from tests.lightning.models import DigitsModel
 
@@ -141,3 +146,29 @@ def test_planners_from_one_config_do_not_share_settings() -> None:
         config.with_total_steps(0)
     assert [s for s in range(1, 16) if first.should_save(s)] == [5, 10, 15]
     assert [s for s in range(1, 16) if second.should_save(s)] == [5, 10, 15]
+
+
+@pytest.mark.parametrize("adapter", [CociCheckpoint, CociCheckpointer])
+def test_each_adapter_takes_the_declared_options(adapter: type) -> None:
+    """Each adapter spells its signature out (for IDEs and LightningCLI), and it takes every
+    shared option as declared once, by CheckpointOptions.check: keyword-only, with the same
+    default and annotation."""
+    assert signature_drift(adapter) == []
+
+
+def test_signature_drift_names_each_difference() -> None:
+    """A missing option, a positional one, another default or annotation: each is named."""
+
+    def adapter(policy: str = "coci", *, objective: int = 0, **_: object) -> None: ...
+
+    drift = signature_drift(adapter)
+    assert "policy: not keyword-only" in drift
+    assert "objective: default 0, declared 'convergence'" in drift
+    assert "objective: annotation int, declared str" in drift
+    missing = {d.split(":")[0] for d in drift if d.endswith(": missing")}
+    assert missing == set(SHARED_ARGUMENTS) - {"policy", "objective"}
+    policy = [d for d in drift if d.startswith("policy")]
+    assert policy == [
+        "policy: not keyword-only",
+        "policy: annotation str, declared str | SavePolicy",
+    ]

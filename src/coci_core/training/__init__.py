@@ -1,47 +1,41 @@
 """The one door the framework adapters use: a planner and a manager together
-(:class:`Checkpointer`), the checks every adapter makes of its arguments, and the few engine
-names an adapter needs to find and read checkpoints (Lightning restores through its own path).
+(:class:`Checkpointer`), the options every adapter takes, checked once
+(:class:`CheckpointOptions`), the plan an adapter tells its user (:class:`PlanOutline`), runs
+stopped on purpose (:class:`ValidationHistory`, :func:`is_trial_pruned`), and, for a framework
+that restores by path itself, finding and reading step directories (:func:`read_checkpoint`).
+
+How to add a framework adapter: see docs/architecture.md.
 """
 
-from coci_core.engine.compress import check_policy
-from coci_core.engine.group import RankGroup
-from coci_core.engine.inplace import InPlaceTargets
 from coci_core.engine.manager import SaveHandle
-from coci_core.engine.manifest import MANIFEST_NAME, parse_step_dir, step_dir_name
-from coci_core.engine.restore import (
-    LoadedCheckpoint,
-    newest_first,
-    restore_newest,
-    resume_order,
-)
-from coci_core.planner.policies import SavePolicy
-from coci_core.storage import is_url, open_storage
 from coci_core.training.checkpointer import Checkpointer
 from coci_core.training.options import (
+    SHARED_ARGUMENTS,
     CheckpointOptions,
+    check_bool,
     check_storage_options,
     check_verbose,
     shared_options,
+    signature_drift,
 )
+from coci_core.training.outline import PlanOutline
+from coci_core.training.reading import newest_step_dir, read_checkpoint, step_dir_of
+from coci_core.training.stopping import ValidationHistory, is_trial_pruned
 
 __all__ = [
-    "MANIFEST_NAME",
+    "SHARED_ARGUMENTS",
     "CheckpointOptions",
     "Checkpointer",
-    "InPlaceTargets",
-    "LoadedCheckpoint",
-    "RankGroup",
+    "PlanOutline",
     "SaveHandle",
-    "SavePolicy",
-    "check_policy",
+    "ValidationHistory",
+    "check_bool",
     "check_storage_options",
     "check_verbose",
-    "is_url",
-    "newest_first",
-    "open_storage",
-    "parse_step_dir",
-    "restore_newest",
-    "resume_order",
+    "is_trial_pruned",
+    "newest_step_dir",
+    "read_checkpoint",
     "shared_options",
-    "step_dir_name",
+    "signature_drift",
+    "step_dir_of",
 ]

@@ -14,16 +14,19 @@ import logging
 import math
 import os
 import time
+import uuid
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal
 
+from coci_core.engine.group import RankGroup
 from coci_core.engine.inplace import InPlaceTargets
 from coci_core.engine.manager import CheckpointManager, SaveHandle
 from coci_core.engine.persist import LatestOnlyWorker
 from coci_core.engine.stateful import Stateful
 from coci_core.errors import ConfigError, StepExistsError
-from coci_core.knobs import TELEMETRY_PROGRESS_EVERY_S
-from coci_core.planner import Planner
+from coci_core.hpo import combine_terminations
+from coci_core.knobs import MAX_CHECKPOINTS_COSTED, TELEMETRY_PROGRESS_EVERY_S
+from coci_core.planner import Planner, Termination
 from coci_core.planner.optimize import Problem
 from coci_core.planner.schedule import ExpectedOverhead, compare_with_daly
 from coci_core.storage import Storage
@@ -39,13 +42,12 @@ from coci_core.telemetry import (
 from coci_core.telemetry.summary import SaveSummary, save_line
 from coci_core.training.decision import SharedDecision
 from coci_core.training.options import CheckpointOptions
+from coci_core.training.outline import PlanOutline
 from coci_core.training.restart import process_start_unix
 
 __all__ = ["Checkpointer"]
 
 logger = logging.getLogger(__name__)
-
-_MAX_CHECKPOINTS_COSTED = 500  # about 0.25 s of the telemetry thread
 
 
 class Checkpointer:
@@ -62,6 +64,9 @@ class Checkpointer:
         listeners: telemetry listeners for every save and restore event.
         manager_options: further keyword arguments of :class:`~coci_core.CheckpointManager`.
         rank: this process's global rank (rank 0 decides when to save and commits).
+        world_size: the number of processes, which each write their share of every save (a
+            :class:`~coci_core.RankGroup` whose session name rank 0 broadcasts); unless
+            ``manager_options`` gives a ``group``. None: the manager's default group.
         broadcast: for several processes, a collective that sends rank 0's object to every
             rank; save decisions are then shared at a few sync steps (see ``decision.py``).
         sinks: telemetry sinks (TensorBoard, JSON lines): every save and restore event, the
@@ -77,6 +82,7 @@ class Checkpointer:
         listeners: Iterable[Listener] = (),
         manager_options: Mapping[str, Any] | None = None,
         rank: int = 0,
+        world_size: int | None = None,
         broadcast: Callable[[Any], Any] | None = None,
         sinks: Iterable[TelemetrySink] = (),
         telemetry_every_n_steps: int = 50,
@@ -109,12 +115,18 @@ class Checkpointer:
         self._costed: tuple[Any, ExpectedOverhead | None] | None = None
         self.decision = SharedDecision(self.planner, rank=rank, broadcast=broadcast)
         self._listeners: list[Listener] = list(listeners)
+        manager_options = dict(manager_options or {})
+        if world_size is not None and "group" not in manager_options:
+            manager_options["group"] = _rank_group(rank, world_size, broadcast)
         self.manager = CheckpointManager(
             directory,
             listeners=[self._on_event],
             **options.manager_arguments(),
-            **dict(manager_options or {}),
+            **manager_options,
         )
+        self.warmed = False  # warm_up was called (else the first save maps the buffers)
+        # termination models by source ("early_stopping", "optuna"), combined with the options'
+        self._terminations: dict[str, Termination] = {}
         self.last_save: SaveEvent | None = None
         self._checked_not_empty = False
         self.resumed_from: int | None = None  # the step this run was restored from
@@ -194,6 +206,30 @@ class Checkpointer:
         """
         return self.summary.line(world_size=self.manager.group.world_size)
 
+    def log_summary(self, log: logging.Logger) -> None:
+        """Log :meth:`summary_line` on ``log``: INFO, or WARNING when a save failed."""
+        line = self.summary_line()
+        if self.summary.failed:
+            log.warning(line)
+        else:
+            log.info(line)
+
+    def plan_outline(self) -> PlanOutline:
+        """The current plan, as an adapter's log line tells it."""
+        return PlanOutline.of(self.planner)
+
+    def set_termination(self, source: str, model: Termination | None) -> None:
+        """Plan with ``model`` as the termination hazard from ``source`` (e.g. ``"optuna"``,
+        ``"early_stopping"``; None removes it), combined with the others and the one in the
+        options' ``planner_options`` (independent causes: the survivals multiply). The plan is
+        re-made at the next step."""
+        if model is None:
+            self._terminations.pop(source, None)
+        else:
+            self._terminations[source] = model
+        own = self.options.planner.settings.termination
+        self.planner.set_termination(combine_terminations([own, *self._terminations.values()]))
+
     def observe(
         self, step: int, *, loss: float | None = None, step_time_s: float | None = None
     ) -> None:
@@ -267,7 +303,7 @@ class Checkpointer:
     ) -> ExpectedOverhead | None:
         """The plan's expected overhead against Daly, computed once per plan (a save that
         does not change the plan reuses it: costing takes tens of ms that training shares)."""
-        if inputs is None or len(inputs[1]) > _MAX_CHECKPOINTS_COSTED:
+        if inputs is None or len(inputs[1]) > MAX_CHECKPOINTS_COSTED:
             return None
         if self._costed is not None:
             (problem, steps, _), overhead = self._costed
@@ -285,7 +321,10 @@ class Checkpointer:
         self, state: Mapping[str, Any], *, per_rank: Mapping[str, Any] | None = None
     ) -> None:
         """Map the host buffers for saves of ``state`` in the background (see
-        :meth:`CheckpointManager.warm_up`); never raises (the first save then maps them)."""
+        :meth:`CheckpointManager.warm_up`); never raises (the first save then maps them).
+        Adapters call it once (see :attr:`warmed`), after the run's first optimizer step: the
+        state then has its final shapes (the optimizer made its state)."""
+        self.warmed = True
         try:
             self.manager.warm_up(state, per_rank=per_rank)
         except Exception as e:
@@ -418,3 +457,12 @@ class Checkpointer:
         """Restore the planner's estimates."""
         if "planner" in state:
             self.planner.load_state_dict(dict(state["planner"]))
+
+
+def _rank_group(rank: int, world_size: int, broadcast: Callable[[Any], Any] | None) -> RankGroup:
+    """Every rank writes its share; the session name comes from rank 0 (one broadcast)."""
+    if world_size == 1:
+        return RankGroup.single()
+    if broadcast is None:
+        raise ConfigError(f"'broadcast' is needed with several processes (world_size {world_size})")
+    return RankGroup(rank, world_size, str(broadcast(uuid.uuid4().hex[:16])))

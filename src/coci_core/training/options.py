@@ -9,8 +9,9 @@ the options as they are, without checking them again.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 from coci_core.engine.compress import CompressionPolicy, check_policy
@@ -22,19 +23,27 @@ from coci_core.planner.settings import policy_arguments
 from coci_core.storage import is_url
 
 __all__ = [
+    "SHARED_ARGUMENTS",
     "CheckpointOptions",
+    "check_bool",
     "check_keep_last",
     "check_storage_options",
     "check_verbose",
     "shared_options",
+    "signature_drift",
 ]
+
+
+def check_bool(name: str, value: object) -> bool:
+    """``value`` is a bool, or a ConfigError naming the argument ``name``."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"'{name}' must be a bool (True or False): {value!r}")
+    return value
 
 
 def check_verbose(verbose: object) -> bool:
     """``verbose`` is a bool, or a ConfigError naming it."""
-    if not isinstance(verbose, bool):
-        raise ConfigError(f"'verbose' must be a bool (True or False): {verbose!r}")
-    return verbose
+    return check_bool("verbose", verbose)
 
 
 def check_storage_options(
@@ -177,8 +186,7 @@ class CheckpointOptions:
         for name, value in (("every_n_steps", every_n_steps), ("every_n_seconds", every_n_seconds)):
             if value is not None:
                 options[name] = value
-        if not isinstance(block, bool):
-            raise ConfigError(f"'block' must be a bool: {block!r}")
+        check_bool("block", block)
         return cls(
             policy=policy,
             objective=objective,
@@ -201,24 +209,10 @@ class CheckpointOptions:
         )
 
 
-#: the keyword arguments of :meth:`CheckpointOptions.check` that both adapters take as theirs
-SHARED_ARGUMENTS = (
-    "policy",
-    "objective",
-    "mtbf_s",
-    "keep_last",
-    "compression",
-    "compression_options",
-    "every_n_steps",
-    "every_n_seconds",
-    "block",
-    "planner_options",
-    "verbose",
-    "storage_options",
-    "remote",
-    "remote_keep_last",
-    "remote_storage_options",
-    "remote_upload_every",
+#: the keyword arguments of :meth:`CheckpointOptions.check` that every adapter takes as its own:
+#: the one declaration of the shared options (names, defaults and annotations)
+SHARED_ARGUMENTS: tuple[str, ...] = tuple(
+    name for name in inspect.signature(CheckpointOptions.check).parameters if name != "dirpath"
 )
 
 
@@ -227,3 +221,25 @@ def shared_options(arguments: Mapping[str, Any]) -> dict[str, Any]:
     :meth:`CheckpointOptions.check` takes, so that each adapter passes them on without
     spelling out the list again."""
     return {name: arguments[name] for name in SHARED_ARGUMENTS}
+
+
+def signature_drift(adapter: Callable[..., Any]) -> list[str]:
+    """How ``adapter``'s signature (a class or its ``__init__``) differs from the declaration of
+    the shared options, :meth:`CheckpointOptions.check`: each shared argument it lacks, or takes
+    positionally, or with another default or annotation. An adapter's test asserts it is empty,
+    so that its explicit signature (for IDEs and LightningCLI) cannot drift."""
+    declared = inspect.signature(CheckpointOptions.check).parameters
+    taken = inspect.signature(adapter).parameters
+    drift = []
+    for name in SHARED_ARGUMENTS:
+        want, got = declared[name], taken.get(name)
+        if got is None:
+            drift.append(f"{name}: missing")
+            continue
+        if got.kind is not inspect.Parameter.KEYWORD_ONLY:
+            drift.append(f"{name}: not keyword-only")
+        if got.default != want.default:
+            drift.append(f"{name}: default {got.default!r}, declared {want.default!r}")
+        if str(got.annotation) != str(want.annotation):
+            drift.append(f"{name}: annotation {got.annotation}, declared {want.annotation}")
+    return drift

@@ -1,0 +1,57 @@
+"""What an adapter's one log line on the plan says: the facts, gathered once for every adapter
+(each words the line for its own users, naming its own arguments)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from coci_core.planner import Planner
+from coci_core.planner.report import PlannerReport
+
+__all__ = ["PlanOutline"]
+
+_MTBF_SOURCES = {"user": "given as mtbf_s", "estimated": "estimated from this run's restarts"}
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanOutline:
+    """The plan as a log line tells it (see :meth:`Checkpointer.plan_outline
+    <coci_core.training.Checkpointer.plan_outline>`).
+
+    Attributes:
+        report: the planner's report (without the expected overhead: cheap).
+        total_steps: the run's steps, if known.
+        every_n_steps: the interval (or cap on it) given, if any.
+        every_n_seconds: the interval in seconds given, if any.
+    """
+
+    report: PlannerReport
+    total_steps: int | None
+    every_n_steps: int | None
+    every_n_seconds: float | None
+
+    @classmethod
+    def of(cls, planner: Planner) -> PlanOutline:
+        """The outline of ``planner``'s current plan."""
+        return cls(
+            report=planner.report(with_overhead=False),
+            total_steps=planner.total_steps,
+            every_n_steps=planner.every_n_steps,
+            every_n_seconds=planner.every_n_seconds,
+        )
+
+    @property
+    def mtbf_s(self) -> float:
+        """The MTBF planned with (NaN when there is none)."""
+        mtbf = self.report.mtbf_s
+        return mtbf if mtbf is not None else float("nan")
+
+    @property
+    def step_time_s(self) -> float:
+        """The measured step time (0 until measured)."""
+        return self.report.costs.get("step_time_s") or 0.0
+
+    def mtbf_source(self, default: str) -> str:
+        """Where the MTBF comes from, in words; ``default`` words coci's default."""
+        source = self.report.mtbf_source
+        return default if source == "default" else _MTBF_SOURCES.get(source, source)

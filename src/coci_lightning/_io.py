@@ -1,0 +1,148 @@
+"""How Lightning reads coci checkpoints: a CheckpointIO that reads coci step directories.
+
+Lightning restores everything through its own path (``ckpt_path``, resolved by
+:mod:`coci_lightning._resume`); the strategy's CheckpointIO is wrapped so that reading a coci step
+directory goes through coci's verified restore.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import lightning.pytorch as pl
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+
+from coci_core.telemetry import RestoreEvent
+from coci_core.training import read_checkpoint, step_dir_of
+
+if TYPE_CHECKING:
+    from coci_core.engine.restore import LoadedCheckpoint
+
+logger = logging.getLogger(__name__)
+
+
+class CociCheckpointIO(CheckpointIO):
+    """Reads coci step directories with coci's verified restore; delegates everything else."""
+
+    def __init__(
+        self,
+        inner: CheckpointIO,
+        on_restore: Callable[[LoadedCheckpoint, RestoreEvent], None] | None = None,
+    ) -> None:
+        super().__init__()
+        self.inner = inner
+        self.on_restore = on_restore
+        self.fallback_for: str | None = None
+        self.rank = 0  # whose per-rank state to merge in (set by the callback's setup)
+        # for an fsspec URL directory (set by the callback; credentials: never logged)
+        self.storage_options: dict[str, Any] = {}
+        # the checkpoint directory and the remote tier's URL and options, for a resume from
+        # the newest intact checkpoint of either tier (set by the callback)
+        self.directory: str | None = None
+        self.remote: str | None = None
+        self.remote_storage_options: dict[str, Any] = {}
+        # the live state a resume reads into in place ({"state_dict": the module's}; set by
+        # the callback): Lightning loads the module from the checkpoint's "state_dict" later
+        self.live_state: Callable[[], Mapping[str, Any]] | None = None
+
+    def configure(
+        self,
+        module: pl.LightningModule,
+        *,
+        rank: int,
+        directory: str,
+        storage_options: Mapping[str, Any],
+        remote: str | None,
+        remote_storage_options: Mapping[str, Any],
+        on_restore: Callable[[LoadedCheckpoint, RestoreEvent], None],
+        fallback_for: str | None,
+    ) -> None:
+        """Read coci step directories for a ``CociCheckpoint`` (its setup calls this)."""
+        self.on_restore = on_restore
+        self.fallback_for = fallback_for
+        self.rank = rank
+        self.storage_options = dict(storage_options)
+        self.directory = directory
+        self.remote = remote
+        self.remote_storage_options = dict(remote_storage_options)
+        # a resume reads the module's tensors in place (no second copy of them); Lightning
+        # creates the optimizers after it reads the checkpoint, and they adopt its tensors.
+        # Not when the module's on_load_checkpoint may change what it loads (keep a weight).
+        own_hook = type(module).on_load_checkpoint is not pl.LightningModule.on_load_checkpoint
+        self.live_state = None if own_hook else lambda: {"state_dict": module.state_dict()}
+
+    def options_for(self, path: Any) -> dict[str, Any]:
+        """The fsspec options of the tier that ``path`` is in."""
+        return tier_options(path, self.storage_options, self.remote, self.remote_storage_options)
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None
+    ) -> None:
+        self.inner.save_checkpoint(checkpoint, path, storage_options=storage_options)
+
+    def load_checkpoint(
+        self, path: Any, map_location: Any = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        options = self.options_for(path)
+        found = step_dir_of(path, options)
+        if found is None:
+            return self.inner.load_checkpoint(
+                path, map_location=map_location, weights_only=weights_only
+            )
+        root, step = found
+        live = getattr(self, "live_state", None)
+        if getattr(self, "fallback_for", None) == str(path):
+            # "last": the newest intact checkpoint of either tier, as the manager's restore
+            loaded, event = read_checkpoint(
+                getattr(self, "directory", None) or root,
+                step,
+                storage_options=self.storage_options,
+                rank=self.rank,
+                live=live() if live is not None else None,
+                fall_back=True,
+                remote=self.remote,
+                remote_storage_options=self.remote_storage_options,
+            )
+        else:
+            loaded, event = read_checkpoint(
+                root,
+                step,
+                storage_options=options,
+                rank=self.rank,
+                live=live() if live is not None else None,
+            )
+        if self.on_restore is not None:
+            self.on_restore(loaded, event)
+        logger.info("coci: Lightning restores step %d from %s", loaded.step, root)
+        return loaded.state
+
+    def remove_checkpoint(self, path: Any) -> None:
+        self.inner.remove_checkpoint(path)
+
+    def teardown(self) -> None:
+        self.inner.teardown()
+
+
+def tier_options(
+    path: object,
+    options: Mapping[str, Any],
+    remote: str | None,
+    remote_options: Mapping[str, Any],
+) -> dict[str, Any]:
+    """The fsspec options for ``path``: ``remote_options`` when it is under ``remote`` (the
+    second tier), else ``options``."""
+    if remote is not None and str(path).startswith(remote.rstrip("/") + "/"):
+        return dict(remote_options)
+    return dict(options)
+
+
+def use_coci_io(trainer: Any) -> CociCheckpointIO:
+    """Wrap the strategy's CheckpointIO (once) so that it reads coci step directories."""
+    strategy = trainer.strategy
+    io = strategy.checkpoint_io
+    if not isinstance(io, CociCheckpointIO):
+        io = CociCheckpointIO(io)
+        strategy.checkpoint_io = io
+    return io
