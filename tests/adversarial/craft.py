@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from coci_core.engine.manifest import step_dir_name
-from coci_core.storage import Storage
+from coci_core.storage import Storage, StorageWrapper
 from tests.harness.states import assert_same
 
 
@@ -102,7 +102,7 @@ def craft_chain(root: Path, n: int, *, list_bases: bool = True) -> dict[str, Any
     return state
 
 
-class HookedStorage:
+class HookedStorage(StorageWrapper):
     """Delegates to ``inner``; before each call, ``hook(op, path)`` runs (e.g. to delete a
     step directory at a chosen point: a deterministic concurrent deletion)."""
 
@@ -131,9 +131,9 @@ class HookedStorage:
         self.hook("read_into", path)
         self.inner.read_into(path, offset, out)
 
-    def size(self, path: str) -> int:
+    def size(self, path: str) -> int | None:
         self.hook("size", path)
-        return self.inner.size(path)  # type: ignore[attr-defined,no-any-return]
+        return self.inner.size(path)
 
     def remove_dir(self, path: str) -> None:
         self.inner.remove_dir(path)

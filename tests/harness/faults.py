@@ -8,10 +8,10 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from coci_core.knobs import S3_PART_BYTES, MiB
-from coci_core.storage import Storage, s3_parallel
+from coci_core.storage import Storage, StorageWrapper, s3_parallel
 
 
-class FaultyStorage:
+class FaultyStorage(StorageWrapper):
     """Delegates to ``inner`` but raises ``error`` on the listed calls of each operation.
 
     ``fail={"write_file": [1], "publish": [0]}`` fails the second ``write_file`` and the first

@@ -382,8 +382,12 @@ class RemoteTier:
         return sent
 
     def _chunks(self, path: str) -> Iterator[memoryview]:
-        """The local file in bounded chunks (one buffer, reused)."""
-        size = self.local.size(path)  # type: ignore[attr-defined]
+        """The local file in bounded chunks (one buffer, reused); whole where the local
+        storage cannot tell its size."""
+        size = self.local.size(path)
+        if size is None:
+            yield memoryview(self.local.read_bytes(path))
+            return
         buffer = bytearray(min(size, UPLOAD_CHUNK_BYTES))
         offset = 0
         while offset < size:
