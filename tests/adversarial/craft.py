@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -107,9 +107,7 @@ class HookedStorage(StorageWrapper):
     step directory at a chosen point: a deterministic concurrent deletion)."""
 
     def __init__(self, inner: Storage, hook: Callable[[str, str], None]) -> None:
-        self.inner = inner
-        self.url = inner.url
-        self.renames = inner.renames
+        super().__init__(inner)
         self.hook = hook
 
     def list_dir(self, path: str = "") -> list[str]:
@@ -119,9 +117,6 @@ class HookedStorage(StorageWrapper):
     def exists(self, path: str) -> bool:
         self.hook("exists", path)
         return self.inner.exists(path)
-
-    def write_file(self, path: str, chunks: Iterable[memoryview], *, aligned: bool = False) -> int:
-        return self.inner.write_file(path, chunks, aligned=aligned)
 
     def read_bytes(self, path: str) -> bytes:
         self.hook("read_bytes", path)
@@ -134,12 +129,3 @@ class HookedStorage(StorageWrapper):
     def size(self, path: str) -> int | None:
         self.hook("size", path)
         return self.inner.size(path)
-
-    def remove_dir(self, path: str) -> None:
-        self.inner.remove_dir(path)
-
-    def staging_dir(self, final: str, token: str) -> str:
-        return self.inner.staging_dir(final, token)
-
-    def publish(self, staging: str, final: str) -> None:
-        self.inner.publish(staging, final)

@@ -28,7 +28,7 @@ from coci_core.engine import retention
 from coci_core.engine.group import RankGroup
 from coci_core.engine.lease import Lease, acquire_lease
 from coci_core.engine.manifest import MANIFEST_NAME, Manifest, step_dir_name
-from coci_core.engine.restore import highest_sequence
+from coci_core.engine.steps import highest_sequence
 from coci_core.errors import CheckpointError, DirectoryInUseError, StorageError
 from coci_core.knobs import (
     UPLOAD_BACKOFF_MAX_S,
