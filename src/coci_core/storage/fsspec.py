@@ -34,6 +34,9 @@ class FsspecStorage(Storage):
     A store that cannot be read or written (refused credentials or permission, a missing
     bucket, a server that cannot be reached) raises a :class:`StorageError` naming the URL and
     the cause; only a missing *prefix* in an existing bucket lists as an empty directory.
+
+    Declares ``retire``, ``abort_uploads`` (S3), ``local_root`` (``file://``) and
+    ``record_store`` (a store other machines share).
     """
 
     renames = False  # object stores have no atomic rename: the manifest is the commit
@@ -240,9 +243,9 @@ class FsspecStorage(Storage):
         return set(p) if isinstance(p, (tuple, list)) else {str(p)}
 
     def record_store(self) -> RecordStore | None:
-        """This storage where other processes (other machines) can write here too: not the
-        local file system (its lease is a ``flock``) and not ``memory://`` (private to this
-        process)."""
+        """This storage, when other processes (other machines) can write to it too: not the
+        local file system (its lease is a ``flock`` in :meth:`local_root`) and not
+        ``memory://`` (private to this process)."""
         if self.local_root() is None and "memory" not in self._protocols():
             return self
         return None
