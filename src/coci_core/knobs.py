@@ -166,3 +166,11 @@ MAX_CHECKPOINTS_COSTED = 500
 EARLY_STOPPING_COMING_VALIDATIONS = 512
 #: ... and, without a known end of the run, a horizon of this many validation intervals.
 EARLY_STOPPING_ROLLING_VALIDATIONS = 256
+
+# -- storage and restore reads (engine/read.py) --------------------------------------------
+#: A stored piece larger than this is read from local storage in reads of this size, the
+#: checksum of each computed on a helper thread while the next one is read.
+READ_CHUNK_BYTES = 16 * MiB
+#: Pieces from this size on are read from local storage in chunks whose pages are then dropped
+#: from the page cache (smaller ones are read whole and left there).
+CHUNKED_MIN_BYTES = 1 * MiB

@@ -10,14 +10,14 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from coci_core.engine.manifest import step_dir_name
-from coci_core.storage import Storage
+from coci_core.storage import Storage, StorageWrapper
 from tests.harness.states import assert_same
 
 
@@ -102,14 +102,12 @@ def craft_chain(root: Path, n: int, *, list_bases: bool = True) -> dict[str, Any
     return state
 
 
-class HookedStorage:
+class HookedStorage(StorageWrapper):
     """Delegates to ``inner``; before each call, ``hook(op, path)`` runs (e.g. to delete a
     step directory at a chosen point: a deterministic concurrent deletion)."""
 
     def __init__(self, inner: Storage, hook: Callable[[str, str], None]) -> None:
-        self.inner = inner
-        self.url = inner.url
-        self.renames = inner.renames
+        super().__init__(inner)
         self.hook = hook
 
     def list_dir(self, path: str = "") -> list[str]:
@@ -120,9 +118,6 @@ class HookedStorage:
         self.hook("exists", path)
         return self.inner.exists(path)
 
-    def write_file(self, path: str, chunks: Iterable[memoryview], *, aligned: bool = False) -> int:
-        return self.inner.write_file(path, chunks, aligned=aligned)
-
     def read_bytes(self, path: str) -> bytes:
         self.hook("read_bytes", path)
         return self.inner.read_bytes(path)
@@ -131,15 +126,6 @@ class HookedStorage:
         self.hook("read_into", path)
         self.inner.read_into(path, offset, out)
 
-    def size(self, path: str) -> int:
+    def size(self, path: str) -> int | None:
         self.hook("size", path)
-        return self.inner.size(path)  # type: ignore[attr-defined,no-any-return]
-
-    def remove_dir(self, path: str) -> None:
-        self.inner.remove_dir(path)
-
-    def staging_dir(self, final: str, token: str) -> str:
-        return self.inner.staging_dir(final, token)
-
-    def publish(self, staging: str, final: str) -> None:
-        self.inner.publish(staging, final)
+        return self.inner.size(path)

@@ -24,7 +24,7 @@ from coci_core import (
     NoCheckpointError,
 )
 from coci_core.commands import cli
-from coci_core.engine import restore, tree
+from coci_core.engine import load, read, restore, tree
 from coci_core.engine.manifest import step_dir_name
 from coci_core.engine.restore import load_checkpoint, verify_checkpoint
 from coci_core.storage import LocalStorage
@@ -80,7 +80,7 @@ def _refused(root: Path, step: int = 2, match: str | None = None) -> CorruptChec
 def allocations(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Every buffer restore allocates (where the coci has the hook)."""
     sizes: list[int] = []
-    original = getattr(restore, "_alloc", None)
+    original = getattr(read, "_alloc", None)
     if original is not None:
 
         def alloc(nbytes: int) -> torch.Tensor:
@@ -88,7 +88,7 @@ def allocations(monkeypatch: pytest.MonkeyPatch) -> list[int]:
             assert nbytes <= 1 << 30, f"restore allocates {nbytes} bytes"
             return original(nbytes)
 
-        monkeypatch.setattr(restore, "_alloc", alloc)
+        monkeypatch.setattr(read, "_alloc", alloc)
     return sizes
 
 
@@ -476,11 +476,11 @@ def test_unforeseen_errors_become_corrupt_checkpoint_errors(
         mgr.save(1, {"w": torch.zeros(4096), **states[1]}).wait()
     with CheckpointManager(tmp_path, keep_last=None) as mgr:
         mgr.save(2, states[2]).wait()
-    monkeypatch.setattr(restore, "needs_base", _raise_value_error)
+    monkeypatch.setattr(read, "needs_base", _raise_value_error)
     with pytest.raises(CorruptCheckpointError, match="ValueError"):
         load_checkpoint(LocalStorage(tmp_path), 1)
     assert verify_checkpoint(LocalStorage(tmp_path), 1) == ["/w"]
-    monkeypatch.setattr(restore, "read_manifest", _raise_value_error)
+    monkeypatch.setattr(load, "read_manifest", _raise_value_error)
     with pytest.raises(CorruptCheckpointError, match="ValueError"):
         load_checkpoint(LocalStorage(tmp_path), 2)
 

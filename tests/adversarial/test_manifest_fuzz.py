@@ -50,7 +50,7 @@ import pytest
 import torch
 
 from coci_core import CheckpointManager, CorruptCheckpointError
-from coci_core.engine import restore
+from coci_core.engine import read as restore
 from coci_core.engine.manifest import step_dir_name
 from coci_core.engine.restore import load_checkpoint, verify_checkpoint
 from coci_core.storage import LocalStorage

@@ -22,7 +22,7 @@ from coci_core import (
     LocalStorage,
     StorageError,
 )
-from coci_core.engine import restore as restore_module
+from coci_core.engine import read as restore_module
 from coci_core.engine.manifest import step_dir_name
 
 

@@ -8,10 +8,10 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from coci_core.knobs import S3_PART_BYTES, MiB
-from coci_core.storage import Storage, s3_parallel
+from coci_core.storage import Storage, StorageWrapper, s3_parallel
 
 
-class FaultyStorage:
+class FaultyStorage(StorageWrapper):
     """Delegates to ``inner`` but raises ``error`` on the listed calls of each operation.
 
     ``fail={"write_file": [1], "publish": [0]}`` fails the second ``write_file`` and the first
@@ -24,9 +24,7 @@ class FaultyStorage:
         fail: Mapping[str, Sequence[int]],
         error: OSError | None = None,
     ) -> None:
-        self.inner = inner
-        self.url = inner.url
-        self.renames = inner.renames
+        super().__init__(inner)
         self.fail = {op: set(calls) for op, calls in fail.items()}
         self.error = error or OSError(errno.ENOSPC, "No space left on device")
         self.calls: dict[str, int] = {}
@@ -37,27 +35,9 @@ class FaultyStorage:
         if n in self.fail.get(op, ()):
             raise self.error
 
-    def list_dir(self, path: str = "") -> list[str]:
-        return self.inner.list_dir(path)
-
-    def exists(self, path: str) -> bool:
-        return self.inner.exists(path)
-
     def write_file(self, path: str, chunks: Iterable[memoryview], *, aligned: bool = False) -> int:
         self._maybe_fail("write_file")
         return self.inner.write_file(path, chunks, aligned=aligned)
-
-    def read_bytes(self, path: str) -> bytes:
-        return self.inner.read_bytes(path)
-
-    def read_into(self, path: str, offset: int, out: memoryview) -> None:
-        self.inner.read_into(path, offset, out)
-
-    def remove_dir(self, path: str) -> None:
-        self.inner.remove_dir(path)
-
-    def staging_dir(self, final: str, token: str) -> str:
-        return self.inner.staging_dir(final, token)
 
     def publish(self, staging: str, final: str) -> None:
         self._maybe_fail("publish")

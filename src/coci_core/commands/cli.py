@@ -62,7 +62,9 @@ def open_storage(target: str) -> Any:
 
 def _checkpoint_dir(target: str) -> Any:
     """The storage of an existing checkpoint directory (a local one must exist)."""
-    if "://" not in target:
+    from coci_core.storage import is_url
+
+    if not is_url(target):
         path = Path(target)
         if not path.exists():
             raise BadInput(f"{target}: the directory does not exist")

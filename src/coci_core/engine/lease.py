@@ -38,6 +38,7 @@ from typing import Any
 
 from coci_core.errors import DirectoryInUseError, StorageError
 from coci_core.knobs import LEASE_TTL_S
+from coci_core.storage import RecordStore, Storage
 
 __all__ = ["LEASE_NAME", "LEASE_TTL_S", "Lease", "acquire_lease"]
 
@@ -115,7 +116,9 @@ class _OwnerRecord:
     another writer holds loses the lease for good.
     """
 
-    def __init__(self, storage: Any, doc: dict[str, Any], etag: str | None, ttl: float) -> None:
+    def __init__(
+        self, storage: RecordStore, doc: dict[str, Any], etag: str | None, ttl: float
+    ) -> None:
         self.storage = storage
         self.doc = doc
         self.etag = etag
@@ -275,20 +278,7 @@ def _session_of(record: bytes) -> str | None:
         return None
 
 
-def _shared_store(storage: Any) -> Any:
-    """The fsspec storage (possibly wrapped) of a store that other processes share."""
-    seen = 0
-    while storage is not None and seen < 8:
-        from coci_core.storage import FsspecStorage
-
-        if isinstance(storage, FsspecStorage):
-            return storage if storage.shared_store() else None
-        storage = getattr(storage, "inner", None)
-        seen += 1
-    return None
-
-
-def _take_owner_record(store: Any, doc: dict[str, Any], key: str) -> _OwnerRecord:
+def _take_owner_record(store: RecordStore, doc: dict[str, Any], key: str) -> _OwnerRecord:
     data = json.dumps(doc).encode()
     try:
         etag = store.put_record(LEASE_NAME, data, if_absent=True)
@@ -325,20 +315,6 @@ def _take_owner_record(store: Any, doc: dict[str, Any], key: str) -> _OwnerRecor
                 "directory"
             ) from None
     return _OwnerRecord(store, doc, etag, float(doc["ttl"]))
-
-
-def _local_root(storage: Any) -> str | None:
-    seen = 0
-    while storage is not None and seen < 8:  # wrappers (tests, tools) keep theirs in .inner
-        from coci_core.storage import FsspecStorage, LocalStorage
-
-        if isinstance(storage, LocalStorage):
-            return str(storage.root)
-        if isinstance(storage, FsspecStorage):
-            return storage.local_root()
-        storage = getattr(storage, "inner", None)
-        seen += 1
-    return None
 
 
 def _machine() -> str:
@@ -386,7 +362,7 @@ def _holder_text(info: str) -> str:
         return "another process"
 
 
-def acquire_lease(storage: Any, session: str) -> Lease:
+def acquire_lease(storage: Storage, session: str) -> Lease:
     """Take the writer's lease of ``storage``'s directory.
 
     Raises:
@@ -403,7 +379,7 @@ def acquire_lease(storage: Any, session: str) -> Lease:
                 f"another CheckpointManager of this process ({_holder_text(_HELD[key])}) is "
                 f"writing to {key}: close() it first, or give each run its own directory"
             )
-        root = _local_root(storage)
+        root = storage.local_root()
         fd = None
         if root is not None:
             path = os.path.join(root, LEASE_NAME)
@@ -430,7 +406,7 @@ def acquire_lease(storage: Any, session: str) -> Lease:
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, info.encode(), 0)
         remote = None
-        store = _shared_store(storage) if root is None else None
+        store = storage.record_store() if root is None else None
         if store is not None:
             doc = dict(json.loads(info), renewed=time.time(), ttl=LEASE_TTL_S, machine=_machine())
             remote = _take_owner_record(store, doc, key)

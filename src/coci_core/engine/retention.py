@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 from coci_core.engine.group import RankGroup
 from coci_core.engine.manifest import MANIFEST_NAME, parse_step_dir, step_dir_name
-from coci_core.engine.restore import StepInfo, committed_steps, read_manifest, step_infos
+from coci_core.engine.steps import StepInfo, committed_steps, read_manifest, step_infos
 from coci_core.errors import CheckpointError, ConfigError, StorageError
 from coci_core.storage import Storage
 
@@ -43,12 +43,8 @@ def check_keep_last(value: object, name: str = "keep_last") -> int | None:
 
 def retire(storage: Storage, step: int) -> None:
     """Delete a committed step so that no crash leaves its manifest without its data: the
-    storage un-publishes it first where it can (``retire``)."""
-    retire_dir = getattr(storage, "retire", None)
-    if retire_dir is not None:
-        retire_dir(step_dir_name(step))
-    else:
-        storage.remove_dir(step_dir_name(step))
+    storage un-publishes it first where it can (:meth:`Storage.retire`)."""
+    storage.retire(step_dir_name(step))
 
 
 def own_steps(storage: Storage, run_id: str) -> list[StepInfo]:
@@ -117,10 +113,9 @@ def remove_uncommitted(
     Call only while holding the directory's lease, so no other writer owns what goes.
     """
     sharded = group.world_size > 1
-    abort_uploads = getattr(storage, "abort_uploads", None)
-    if abort_uploads is not None and done_seq is None:  # at startup: nothing of ours is open
+    if done_seq is None:  # at startup: nothing of ours is open
         try:
-            aborted = abort_uploads()
+            aborted = storage.abort_uploads()
         except Exception as e:  # invisible leftovers: never a reason to fail
             logger.warning("coci: could not abort the uploads left open in %s: %s", storage.url, e)
         else:
@@ -172,10 +167,9 @@ def make_room(
     """When the storage reports less free space than ``needed_bytes`` for the save of ``step``,
     delete now the old steps that retention would delete once it commits (never the newest
     step, nor a base that a kept step or the next delta needs)."""
-    free_bytes = getattr(storage, "free_bytes", None)
-    if free_bytes is None or keep_last is None:
+    if keep_last is None:
         return
-    free = free_bytes()
+    free = storage.free_bytes()
     if free is None or free >= needed_bytes:
         return
     own = own_steps(storage, run_id)
@@ -198,7 +192,7 @@ def make_room(
             old,
             keep_last,
         )
-        free = free_bytes()
+        free = storage.free_bytes()
         if free is None or free >= needed_bytes:
             return
 

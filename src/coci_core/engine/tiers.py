@@ -28,7 +28,7 @@ from coci_core.engine import retention
 from coci_core.engine.group import RankGroup
 from coci_core.engine.lease import Lease, acquire_lease
 from coci_core.engine.manifest import MANIFEST_NAME, Manifest, step_dir_name
-from coci_core.engine.restore import highest_sequence
+from coci_core.engine.steps import highest_sequence
 from coci_core.errors import CheckpointError, DirectoryInUseError, StorageError
 from coci_core.knobs import (
     UPLOAD_BACKOFF_MAX_S,
@@ -382,8 +382,12 @@ class RemoteTier:
         return sent
 
     def _chunks(self, path: str) -> Iterator[memoryview]:
-        """The local file in bounded chunks (one buffer, reused)."""
-        size = self.local.size(path)  # type: ignore[attr-defined]
+        """The local file in bounded chunks (one buffer, reused); whole where the local
+        storage cannot tell its size."""
+        size = self.local.size(path)
+        if size is None:
+            yield memoryview(self.local.read_bytes(path))
+            return
         buffer = bytearray(min(size, UPLOAD_CHUNK_BYTES))
         offset = 0
         while offset < size:

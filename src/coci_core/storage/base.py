@@ -1,11 +1,45 @@
-"""The Storage protocol: the few operations coci needs from a place that holds checkpoints."""
+"""The Storage protocol: every operation coci needs from a place that holds checkpoints.
+
+A backend implements the required operations and inherits the optional capabilities' defaults
+by subclassing :class:`Storage` (or :class:`StorageWrapper`, to wrap another storage); it
+overrides a capability to declare it. The engine calls each capability and reads its answer
+(``None``, ``0``, ``False``: not supported); it never checks a backend's type or probes for
+methods.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Protocol, runtime_checkable
 
-__all__ = ["Storage"]
+__all__ = ["RecordStore", "Storage", "StorageWrapper"]
+
+
+@runtime_checkable
+class RecordStore(Protocol):
+    """Small objects written conditionally, shared with other machines: where an object store
+    keeps the writer's owner record (see :mod:`coci_core.engine.lease`)."""
+
+    url: str
+
+    def read_record(self, path: str) -> tuple[bytes, str | None] | None:
+        """A small object and its ETag (None where the store has none); None when absent."""
+        ...
+
+    def put_record(
+        self, path: str, data: bytes, *, if_absent: bool = False, if_match: str | None = None
+    ) -> str | None:
+        """Write a small object in one put, only if absent (``if_absent``) or only if it still
+        has the ETag ``if_match``; the new ETag, when the store reports one.
+
+        Raises:
+            FileExistsError: the condition does not hold.
+        """
+        ...
+
+    def remove_record(self, path: str) -> None:
+        """Delete a small object (no error if absent)."""
+        ...
 
 
 @runtime_checkable
@@ -15,7 +49,11 @@ class Storage(Protocol):
     Called as: (writer) 1) ``staging_dir(final, token)``; 2) ``write_file`` for each data file,
     then for the manifest, each durable when it returns; 3) ``publish(staging, final)``, after
     which the checkpoint is visible under ``final``. (reader) ``list_dir``, ``exists``,
-    ``read_bytes``, ``read_into``. (coordinator) ``remove_dir`` for retention and cleanup.
+    ``read_bytes``, ``read_into``. (coordinator) ``retire`` and ``remove_dir`` for retention
+    and cleanup.
+
+    The methods below ``publish`` are optional capabilities: their defaults here are what the
+    engine does without them, and a subclass overrides those its storage supports.
     """
 
     url: str
@@ -58,3 +96,98 @@ class Storage(Protocol):
     def publish(self, staging: str, final: str) -> None:
         """Make the staged checkpoint visible as ``final`` atomically."""
         ...
+
+    # -- optional capabilities -------------------------------------------------------------
+
+    def retire(self, final: str) -> None:
+        """Delete the committed step ``final`` so that no crash leaves its manifest without
+        its data (un-publish it first). Default: ``remove_dir``."""
+        self.remove_dir(final)
+
+    def size(self, path: str) -> int | None:
+        """The size of the file at ``path`` without reading it; None: unknown (the default).
+        Restore checks what a manifest claims against it before it allocates anything."""
+        return None
+
+    def free_bytes(self) -> int | None:
+        """Free bytes where checkpoints go; None: unknown (the default: no early retention
+        before a save that would not fit)."""
+        return None
+
+    def abort_uploads(self) -> int:
+        """Abort the uploads a killed writer left open here; the number aborted (called at
+        startup under the directory's lease). Default: none to abort (0)."""
+        return 0
+
+    def local_root(self) -> str | None:
+        """The local directory that holds the files, where the writer's lease is an
+        ``flock``; None (the default): not on the local file system."""
+        return None
+
+    def record_store(self) -> RecordStore | None:
+        """Where the writer's owner record goes when other machines can write here too (an
+        object store); None (the default): the lease stays within this process (or is the
+        ``flock`` of :meth:`local_root`)."""
+        return None
+
+    @property
+    def reads_in_chunks(self) -> bool:
+        """Whether restore should read large pieces with :meth:`read_chunks` (checksumming
+        each chunk while the next is read) rather than one ``read_into``. Default: False."""
+        return False
+
+    def read_chunks(
+        self, path: str, offset: int, out: memoryview, chunk_bytes: int
+    ) -> Iterator[memoryview]:
+        """Fill ``out`` from the file's byte ``offset`` in reads of ``chunk_bytes``, yielding
+        each part of ``out`` once it is filled. Default: a ``read_into`` per part."""
+        view = out.cast("B")
+        for start in range(0, len(view), chunk_bytes):
+            part = view[start : start + chunk_bytes]
+            self.read_into(path, offset + start, part)
+            yield part
+
+
+class StorageWrapper(Storage):
+    """A storage that passes every required operation to ``inner``: subclass it and override
+    the operations to intercept (tests inject faults this way).
+
+    The lease follows ``inner`` (the wrapper writes the same directory). The other optional
+    capabilities keep the defaults, built on the wrapper's own operations, so that every read
+    and deletion goes through the wrapper; override one to delegate it too.
+    """
+
+    def __init__(self, inner: Storage) -> None:
+        self.inner = inner
+        self.url = inner.url
+        self.renames = inner.renames
+
+    def list_dir(self, path: str = "") -> list[str]:
+        return self.inner.list_dir(path)
+
+    def exists(self, path: str) -> bool:
+        return self.inner.exists(path)
+
+    def write_file(self, path: str, chunks: Iterable[memoryview], *, aligned: bool = False) -> int:
+        return self.inner.write_file(path, chunks, aligned=aligned)
+
+    def read_bytes(self, path: str) -> bytes:
+        return self.inner.read_bytes(path)
+
+    def read_into(self, path: str, offset: int, out: memoryview) -> None:
+        self.inner.read_into(path, offset, out)
+
+    def remove_dir(self, path: str) -> None:
+        self.inner.remove_dir(path)
+
+    def staging_dir(self, final: str, token: str) -> str:
+        return self.inner.staging_dir(final, token)
+
+    def publish(self, staging: str, final: str) -> None:
+        self.inner.publish(staging, final)
+
+    def local_root(self) -> str | None:
+        return self.inner.local_root()
+
+    def record_store(self) -> RecordStore | None:
+        return self.inner.record_store()

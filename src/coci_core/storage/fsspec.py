@@ -12,16 +12,17 @@ import uuid
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import coci_core.storage.s3_parallel as s3_parallel
 from coci_core.errors import ConfigError, StorageError
 from coci_core.knobs import S3_PART_BYTES
-from coci_core.storage import s3_parallel
+from coci_core.storage.base import RecordStore, Storage
 
 __all__ = ["FsspecStorage"]
 
 _MANIFEST = "manifest.json"
 
 
-class FsspecStorage:
+class FsspecStorage(Storage):
     """A directory under an fsspec URL.
 
     Object stores have no atomic rename, so a checkpoint is written in place and the manifest,
@@ -33,6 +34,9 @@ class FsspecStorage:
     A store that cannot be read or written (refused credentials or permission, a missing
     bucket, a server that cannot be reached) raises a :class:`StorageError` naming the URL and
     the cause; only a missing *prefix* in an existing bucket lists as an empty directory.
+
+    Declares ``retire``, ``abort_uploads`` (S3), ``local_root`` (``file://``) and
+    ``record_store`` (a store other machines share).
     """
 
     renames = False  # object stores have no atomic rename: the manifest is the commit
@@ -238,10 +242,13 @@ class FsspecStorage:
         p = self.fs.protocol
         return set(p) if isinstance(p, (tuple, list)) else {str(p)}
 
-    def shared_store(self) -> bool:
-        """True when other processes (other machines) can write here too: not the local file
-        system (its lease is a ``flock``) and not ``memory://`` (private to this process)."""
-        return self.local_root() is None and "memory" not in self._protocols()
+    def record_store(self) -> RecordStore | None:
+        """This storage, when other processes (other machines) can write to it too: not the
+        local file system (its lease is a ``flock`` in :meth:`local_root`) and not
+        ``memory://`` (private to this process)."""
+        if self.local_root() is None and "memory" not in self._protocols():
+            return self
+        return None
 
     def read_record(self, path: str) -> tuple[bytes, str | None] | None:
         """A small object and its ETag (None where the store has none); None when absent."""

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from coci_core.errors import StorageError
 from coci_core.knobs import SYNC_EVERY_BYTES
+from coci_core.storage.base import Storage
 
 __all__ = ["LocalStorage", "open_regular"]
 
@@ -21,11 +22,12 @@ _O_DIRECT = getattr(os, "O_DIRECT", 0)
 DROP_READ_PAGES = True
 
 
-class LocalStorage:
+class LocalStorage(Storage):
     """A directory on a local file system.
 
     Checkpoints are written into ``<step>.coci-tmp-<token>`` and published with an atomic
-    rename followed by an fsync of the parent directory.
+    rename followed by an fsync of the parent directory. Declares every optional capability
+    but a record store (the lease is an ``flock`` in :meth:`local_root`).
     """
 
     renames = True
@@ -135,6 +137,12 @@ class LocalStorage:
         except (OSError, ValueError, OverflowError) as e:
             raise StorageError.wrap(f"cannot read {target}: {e}", e) from e
 
+    @property
+    def reads_in_chunks(self) -> bool:
+        """True unless a subclass reads through its own ``read_into`` (which
+        :meth:`read_chunks` would bypass)."""
+        return type(self).read_into is LocalStorage.read_into
+
     def read_chunks(
         self, path: str, offset: int, out: memoryview, chunk_bytes: int
     ) -> Iterator[memoryview]:
@@ -222,6 +230,9 @@ class LocalStorage:
             return shutil.disk_usage(path).free
         except OSError:
             return None
+
+    def local_root(self) -> str:
+        return str(self.root)
 
 
 def open_regular(target: str | os.PathLike[str], *, follow_links: bool = True) -> int:

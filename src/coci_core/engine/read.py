@@ -1,0 +1,416 @@
+"""Reading and verifying stored arrays: each piece read (in chunks where the storage reads in
+chunks) and checked against its checksum, delta pieces decoded through their bases, and the
+limits that keep a damaged manifest from allocating or reading without bound."""
+
+from __future__ import annotations
+
+import heapq
+import os
+import threading
+import time
+from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import crc32c
+import torch
+
+from coci_core.codecs import RAW as RAW_CODEC
+from coci_core.codecs import decode, needs_base
+from coci_core.engine.manifest import Manifest, TensorEntry, step_dir_name
+from coci_core.engine.steps import read_manifest
+from coci_core.errors import CheckpointError, CorruptCheckpointError, StorageError
+from coci_core.knobs import CHUNKED_MIN_BYTES, READ_CHUNK_BYTES
+from coci_core.storage import Storage
+
+__all__ = [
+    "CHUNKED_MIN_BYTES",
+    "MAX_DELTA_CHAIN",
+    "OVERLAP_CHECKSUMS",
+    "READ_CHUNK_BYTES",
+    "ZSTD_MAX_RATIO",
+    "ArrayReader",
+    "RestoreTimes",
+    "read_checked",
+]
+
+# A delta is decoded against its base, which may itself be a delta: at most this many steps
+# are read to rebuild one array (the array's own step and its bases). The writer's chains are
+# at most ``max_lossy_generations`` + 1 steps deep (lossy deltas each against the previous
+# reconstruction, back to a lossless base); lossless deltas are one step deep.
+MAX_DELTA_CHAIN = 64
+# zstd stores at most 128 KiB of output per 4 bytes of input (an RLE block: a 3-byte header and
+# the byte): a piece decoded without a base holds at most this many times its stored bytes.
+# (Measured: 128 MiB of zeros compress 32585x.) A delta piece is bounded by its base instead.
+ZSTD_MAX_RATIO = 32768
+# True: each chunk's checksum is computed on a helper thread while the next chunk is read. A
+# restore runs before training does, so a core is free for it: measured 1.1-1.3x faster at 1
+# and 4 GB on quiet cores; only on cores busy with other jobs was the checksum right after each
+# read as fast (benchmarks/restore_bench.py measures both). False checksums inline.
+OVERLAP_CHECKSUMS = True
+
+_crc_lock = threading.Lock()
+_crc_pool: ThreadPoolExecutor | None = None
+
+
+def _crc_worker() -> ThreadPoolExecutor:
+    """The one thread that checksums what restores read (in the order given)."""
+    global _crc_pool
+    with _crc_lock:
+        if _crc_pool is None:
+            _crc_pool = ThreadPoolExecutor(1, thread_name_prefix="coci-restore-crc")
+        return _crc_pool
+
+
+def _forget_worker() -> None:
+    """In a forked child: the parent's thread is not there (a new one starts when needed)."""
+    global _crc_lock, _crc_pool
+    _crc_lock, _crc_pool = threading.Lock(), None
+
+
+os.register_at_fork(after_in_child=_forget_worker)
+
+
+class _Crc:
+    """A crc32c computed over consecutive chunks (each added after the one before it)."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def add(self, chunk: memoryview) -> None:
+        self.value = crc32c.crc32c(chunk, self.value)
+
+
+@dataclass
+class RestoreTimes:
+    """Where a restore's time went (seconds, summed over its pieces): reading the bytes,
+    verifying their checksums, and decoding compressed pieces."""
+
+    read_s: float = 0.0
+    verify_s: float = 0.0
+    decode_s: float = 0.0
+
+
+def read_checked(
+    storage: Storage,
+    path: str,
+    offset: int,
+    view: memoryview,
+    times: RestoreTimes | None = None,
+) -> int:
+    """Fill ``view`` from ``path`` at ``offset``; return the crc32c of what was read (and add
+    the time spent reading and checksumming to ``times``).
+
+    From a storage that :attr:`~coci_core.storage.Storage.reads_in_chunks`, a piece of
+    :data:`CHUNKED_MIN_BYTES` or more is read in :data:`READ_CHUNK_BYTES` reads (see
+    :meth:`~coci_core.storage.Storage.read_chunks`), each checksummed after it (or, with
+    :data:`OVERLAP_CHECKSUMS`, while the next one is read)."""
+    times = times if times is not None else RestoreTimes()
+    if len(view) >= CHUNKED_MIN_BYTES and storage.reads_in_chunks:
+        return _read_chunked(storage, path, offset, view, times)
+    started = time.perf_counter()
+    storage.read_into(path, offset, view)
+    read = time.perf_counter()
+    crc = int(crc32c.crc32c(view))
+    times.read_s += read - started
+    times.verify_s += time.perf_counter() - read
+    return crc
+
+
+def _read_chunked(
+    storage: Storage, path: str, offset: int, view: memoryview, times: RestoreTimes
+) -> int:
+    crc = _Crc()
+    worker = _crc_worker() if OVERLAP_CHECKSUMS else None
+    last: Future[None] | None = None
+    verify = 0.0
+    started = time.perf_counter()
+    try:
+        for chunk in storage.read_chunks(path, offset, view, READ_CHUNK_BYTES):
+            t = time.perf_counter()
+            if worker is None:
+                crc.add(chunk)
+            else:
+                last = worker.submit(crc.add, chunk)
+            verify += time.perf_counter() - t
+    finally:
+        if last is not None:
+            t = time.perf_counter()
+            last.result()  # the chunks before it ran first (one thread, in order)
+            verify += time.perf_counter() - t
+    times.verify_s += verify
+    times.read_s += time.perf_counter() - started - verify
+    return crc.value
+
+
+def _alloc(nbytes: int) -> torch.Tensor:
+    """A buffer of ``nbytes`` for an array or a stored piece: every size that reaches here was
+    checked against the manifest's limits and the data files' sizes."""
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
+class ArrayReader:
+    """Reads arrays of one storage, resolving delta pieces through their bases.
+
+    An array stored as a delta is rebuilt bottom-up, without recursion: first every base it
+    needs (through their own bases) is found and checked, at most :data:`MAX_DELTA_CHAIN`
+    steps in all, each one listed in the restored manifest's ``bases``; then each is decoded
+    once, oldest first, and dropped once nothing above it needs it. Manifests, file sizes and
+    the bases found damaged are remembered for the reader's life.
+    """
+
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+        self.times = RestoreTimes()
+        self._manifests: dict[int, Manifest | CheckpointError] = {}
+        self._by_key: dict[int, dict[str, TensorEntry]] = {}
+        self._sizes: dict[tuple[int, str], int | StorageError | None] = {}
+        self._damaged: dict[tuple[int, str], CorruptCheckpointError] = {}
+
+    def _manifest(self, step: int, top: int, key: str) -> Manifest:
+        cached = self._manifests.get(step)
+        if cached is None:
+            try:
+                cached = read_manifest(self.storage, step)
+            except CheckpointError as e:
+                cached = e
+            self._manifests[step] = cached
+        if isinstance(cached, CheckpointError):
+            raise CorruptCheckpointError(
+                f"step {top}: {key!r} is a delta against step {step}, which cannot be read: "
+                f"{cached}",
+                step=top,
+                bad=[key],
+            ) from cached
+        return cached
+
+    def _entry(self, manifest: Manifest, key: str, top: int) -> TensorEntry:
+        by_key = self._by_key.get(manifest.step)
+        if by_key is None:
+            by_key = self._by_key[manifest.step] = {t.key: t for t in manifest.tensors}
+        entry = by_key.get(key)
+        if entry is None:
+            raise CorruptCheckpointError(
+                f"step {top}: {key!r} is a delta against step {manifest.step}, which has no "
+                "such array",
+                step=top,
+                bad=[key],
+            )
+        return entry
+
+    def _file_size(self, step: int, name: str, key: str) -> int | None:
+        cached = self._sizes.get((step, name), -1)
+        if cached == -1:
+            try:
+                cached = self.storage.size(f"{step_dir_name(step)}/{name}")
+            except StorageError as e:
+                cached = e
+            self._sizes[(step, name)] = cached
+        if isinstance(cached, StorageError):
+            raise CorruptCheckpointError(
+                f"step {step}: cannot read {key!r}: {cached}; the checkpoint is incomplete or "
+                "corrupted",
+                step=step,
+                bad=[key],
+            )
+        return cached
+
+    def _check(self, manifest: Manifest, entry: TensorEntry) -> tuple[int, ...]:
+        """Check what the entry's pieces claim against its codecs' limits and the data files'
+        actual sizes, before anything is allocated or read; return the steps of its bases."""
+        step, key = manifest.step, entry.key
+        bases = set()
+        for piece in entry.pieces:
+            span = f"{piece.start}-{piece.start + piece.length}"
+            where = f"step {step}: a piece of {key!r} (bytes {span})"
+            try:
+                if piece.params is None:
+                    if entry.codec not in (RAW_CODEC, "mixed") and not any(
+                        q.params for q in entry.pieces
+                    ):
+                        raise CorruptCheckpointError(
+                            f"unknown codec {entry.codec!r} for pieces stored as they are in "
+                            f"memory ({RAW_CODEC!r})"
+                        )
+                    delta = False
+                else:
+                    delta = needs_base(piece.params)
+            except CorruptCheckpointError as e:
+                raise CorruptCheckpointError(f"{where}: {e}", step=step, bad=[key]) from e
+            if piece.params is None:
+                pass
+            elif delta:
+                base_step = piece.params.get("base_step")
+                if type(base_step) is not int or not 0 <= base_step < step:
+                    raise CorruptCheckpointError(
+                        f"{where} is a delta that names no earlier base step ({base_step!r})",
+                        step=step,
+                        bad=[key],
+                    )
+                bases.add(base_step)
+            elif piece.length > ZSTD_MAX_RATIO * piece.nbytes:
+                raise CorruptCheckpointError(
+                    f"{where} claims {piece.length} bytes from {piece.nbytes} stored ones, more "
+                    f"than zstd can expand ({ZSTD_MAX_RATIO}x)",
+                    step=step,
+                    bad=[key],
+                )
+            size = self._file_size(step, piece.file, key)
+            if size is not None and piece.offset + piece.nbytes > size:
+                raise CorruptCheckpointError(
+                    f"{where} is stored at {piece.offset}-{piece.offset + piece.nbytes} of "
+                    f"{piece.file}, which has {size} bytes; the checkpoint is incomplete or "
+                    "corrupted",
+                    step=step,
+                    bad=[key],
+                )
+        return tuple(sorted(bases))
+
+    def _plan(
+        self, manifest: Manifest, entry: TensorEntry
+    ) -> list[tuple[Manifest, TensorEntry, tuple[int, ...]]]:
+        """The entry and every base entry it needs, each with its bases' steps, oldest first."""
+        top, key = manifest.step, entry.key
+        nodes = {top: (manifest, entry)}
+        depth = {top: 1}
+        bases_of: dict[int, tuple[int, ...]] = {}
+        listed = set(manifest.bases)
+        heap = [-top]
+        while heap:  # newest first: every step's dependents are done before it
+            step = -heapq.heappop(heap)
+            m, e = nodes[step]
+            bases_of[step] = bases = self._check(m, e)
+            for base in bases:
+                known = self._damaged.get((base, key))
+                if known is not None:
+                    raise CorruptCheckpointError(
+                        f"step {top}: {key!r} needs step {base}'s, which is damaged: {known}",
+                        step=top,
+                        bad=[key],
+                    )
+                if base not in listed:
+                    raise CorruptCheckpointError(
+                        f"step {top}: {key!r} needs step {base} (through step {step}), which "
+                        f"the manifest of step {top} does not list among its bases",
+                        step=top,
+                        bad=[key],
+                    )
+                if base not in nodes:
+                    bm = self._manifest(base, top, key)
+                    nodes[base] = (bm, self._entry(bm, key, top))
+                    heapq.heappush(heap, -base)
+                depth[base] = max(depth.get(base, 0), depth[step] + 1)
+                if depth[base] > MAX_DELTA_CHAIN:
+                    raise CorruptCheckpointError(
+                        f"step {top}: {key!r} is a chain of deltas more than {MAX_DELTA_CHAIN} "
+                        "steps deep",
+                        step=top,
+                        bad=[key],
+                    )
+                base_raw = nodes[base][1].raw_nbytes
+                for p in e.pieces:
+                    if (
+                        p.params is not None
+                        and p.params.get("base_step") == base
+                        and p.start + p.length > base_raw
+                    ):
+                        raise CorruptCheckpointError(
+                            f"step {step}: {key!r} needs bytes {p.start}-{p.start + p.length} "
+                            f"of step {base}'s, which has {base_raw}",
+                            step=top,
+                            bad=[key],
+                        )
+        return [(nodes[s][0], nodes[s][1], bases_of[s]) for s in sorted(nodes)]
+
+    def fetch(
+        self, manifest: Manifest, entry: TensorEntry, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The entry's raw bytes as a uint8 tensor, assembled from its pieces (decoded, through
+        their bases), every checksum verified: in ``out`` (of ``entry.raw_nbytes``) if given.
+        When this raises, ``out`` may have been partly written."""
+        if len(manifest.bases) >= MAX_DELTA_CHAIN:
+            raise CorruptCheckpointError(
+                f"step {manifest.step} lists {len(manifest.bases)} bases; a chain of deltas is "
+                f"at most {MAX_DELTA_CHAIN} steps deep",
+                step=manifest.step,
+                bad=[entry.key],
+            )
+        known = self._damaged.get((manifest.step, entry.key))
+        if known is not None:
+            raise known
+        self._manifests.setdefault(manifest.step, manifest)
+        plan = self._plan(manifest, entry)
+        uses = Counter(b for _, _, bases in plan for b in bases)
+        decoded: dict[int, torch.Tensor] = {}
+        for m, e, bases in plan:
+            try:
+                top = m.step == manifest.step
+                decoded[m.step] = self._decode(m, e, decoded, out if top else None)
+            except CorruptCheckpointError as err:
+                if m.step == manifest.step:
+                    raise
+                self._damaged[(m.step, e.key)] = err
+                raise CorruptCheckpointError(
+                    f"step {manifest.step}: {e.key!r} is a delta against step {m.step}, which "
+                    f"is damaged: {err}",
+                    step=manifest.step,
+                    bad=[e.key],
+                ) from err
+            for b in bases:
+                uses[b] -= 1
+                if not uses[b]:
+                    del decoded[b]
+        return decoded[manifest.step]
+
+    def _decode(
+        self,
+        manifest: Manifest,
+        entry: TensorEntry,
+        bases: dict[int, torch.Tensor],
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        step = manifest.step
+        out = _alloc(entry.raw_nbytes) if out is None else out
+        for piece in entry.pieces:
+            # raw pieces are read where they belong; compressed ones (one piece at a time)
+            # into a buffer of their stored size, then decoded where they belong
+            target = out[piece.start : piece.start + piece.length]
+            stored = target if piece.params is None else _alloc(piece.nbytes)
+            view = stored.numpy().data
+            try:
+                crc = read_checked(
+                    self.storage,
+                    f"{step_dir_name(step)}/{piece.file}",
+                    piece.offset,
+                    view,
+                    self.times,
+                )
+            except StorageError as e:
+                raise CorruptCheckpointError(
+                    f"step {step}: cannot read {entry.key!r}: {e}; the checkpoint is incomplete "
+                    "or corrupted",
+                    step=step,
+                    bad=[entry.key],
+                ) from e
+            if crc != piece.crc32c:
+                raise CorruptCheckpointError(
+                    f"step {step}: checksum mismatch in {entry.key!r} (bytes "
+                    f"{piece.start}-{piece.start + piece.length} in {piece.file})",
+                    step=step,
+                    bad=[entry.key],
+                )
+            if piece.params is not None:
+                base = None
+                if needs_base(piece.params):
+                    whole = bases[piece.params["base_step"]]
+                    base = whole[piece.start : piece.start + piece.length].numpy()
+                started = time.perf_counter()
+                try:
+                    decode(stored.numpy(), piece.params, target.numpy(), base)
+                except CorruptCheckpointError as e:
+                    raise CorruptCheckpointError(
+                        f"step {step}: {entry.key!r}: {e}", step=step, bad=[entry.key]
+                    ) from e
+                finally:
+                    self.times.decode_s += time.perf_counter() - started
+        return out
