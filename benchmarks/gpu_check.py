@@ -36,8 +36,9 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -362,6 +363,17 @@ def measure_stall(device: str, sizes: dict[str, int], root: Path) -> dict[str, A
     }
 
 
+def _attempt(fn: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
+    """``fn(*args)`` timed; an exception is reported as a failed result (the rest still run)."""
+    t0 = time.perf_counter()
+    try:
+        res = {"ok": True, **fn(*args)}
+    except Exception as e:
+        tail = traceback.format_exc().strip().splitlines()[-6:]
+        res = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": tail}
+    return {**res, "seconds": round(time.perf_counter() - t0, 2)}
+
+
 @contextmanager
 def _one_process_group(device: str) -> Iterator[None]:
     import torch.distributed as dist
@@ -394,10 +406,13 @@ def report(res: dict[str, Any]) -> str:
     lines = [f"gpu_check on {res['machine'].get('gpu', res['machine']['device'])}", ""]
     lines += ["| check | result | detail |", "|---|---|---|"]
     for name, check in res["checks"].items():
-        detail = ", ".join(f"{k}={v}" for k, v in check.items() if k not in ("ok", "differences"))
+        hidden = ("ok", "differences", "traceback")
+        detail = ", ".join(f"{k}={v}" for k, v in check.items() if k not in hidden)
         lines.append(f"| {name} | {'PASS' if check['ok'] else 'FAIL'} | {detail} |")
     s = res["stall"]
-    if s:
+    if not s["ok"]:
+        lines += ["", f"stall: NOT MEASURED: {s['error']}"]
+    else:
         lines += ["", f"stall, {s['bytes'] / 2**20:.0f} MiB in {s['tensors']} tensors:", ""]
         lines += ["| measure | seconds | x copy limit |", "|---|---|---|"]
         for label, key in (
@@ -432,38 +447,38 @@ def main(argv: list[str] | None = None) -> int:
         print(NO_CUDA_MESSAGE.format(version=torch.__version__), file=sys.stderr)
         return 2
     sizes = _sizes(args.device, args.quick)
+    if args.device == "cuda":  # the killed child and the reference run must compute alike
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
     if args.child is not None:
         child_train(args.child, args.device, args.width or sizes["width"])
         return 0
-    if args.device == "cuda":
-        torch.backends.cudnn.deterministic = True
-        torch.backends.cuda.matmul.allow_tf32 = False
     out = args.out or Path(tempfile.mkdtemp(prefix="gpu-check-"))
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     checks: dict[str, dict[str, Any]] = {}
-    stall: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="gpu-check-scratch-", dir=args.scratch) as scratch:
         root = Path(scratch)
         width = sizes["width"]
-        for name, fn in (("inplace", check_inplace), ("kill_resume", check_kill_resume)):
+        checks["inplace"] = _attempt(check_inplace, args.device, width, root)
+        checks["kill_resume"] = _attempt(check_kill_resume, args.device, width, root)
+        with ExitStack() as group:
             try:
-                checks[name] = fn(args.device, width, root)
-            except Exception as e:  # a failed check is reported, the others still run
-                checks[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-        with _one_process_group(args.device):
-            try:
-                checks["fsdp2"] = check_fsdp2(args.device, width, root)
-            except Exception as e:
-                checks["fsdp2"] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-            stall = measure_stall(args.device, sizes, root)
+                group.enter_context(_one_process_group(args.device))
+            except Exception as e:  # reported by the FSDP2 check; DCP may still run without it
+                checks["fsdp2"] = {"ok": False, "error": f"process group: {type(e).__name__}: {e}"}
+            else:
+                checks["fsdp2"] = _attempt(check_fsdp2, args.device, width, root)
+            stall = _attempt(measure_stall, args.device, sizes, root)
     res = {
         "machine": _machine(args.device),
         "quick": args.quick,
         "seconds": time.perf_counter() - started,
         "checks": checks,
         "stall": stall,
-        "ok": all(c["ok"] for c in checks.values()),
+        "ok": all(c["ok"] for c in checks.values()) and stall["ok"],
     }
     path = out / f"gpu-check-{args.device}-{time.strftime('%Y%m%dT%H%M%S')}.json"
     path.write_text(json.dumps(res, indent=2, default=str))
