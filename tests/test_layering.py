@@ -108,7 +108,11 @@ def test_dependencies_point_one_way() -> None:
         if module.startswith("coci_core"):
             assert not {d for d in deps if d.startswith(("coci_lightning", "coci_accelerate"))}
         if module.startswith("coci_core.planner"):
-            assert {d for d in deps if d.startswith("coci_core") and not d.startswith(allowed_for_planner)} == set(), module
+            assert {
+                d
+                for d in deps
+                if d.startswith("coci_core") and not d.startswith(allowed_for_planner)
+            } == set(), module
         if module.startswith(("coci_core.codecs", "coci_core.storage")):
             assert {d for d in deps if d.startswith("coci_core.engine")} == set(), module
 
