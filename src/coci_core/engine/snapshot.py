@@ -99,7 +99,8 @@ def _versions(leaves: tuple[ArrayLeaf, ...]) -> tuple[int | None, ...]:
 def _copy_whole(snap: Snapshot) -> None:
     """Copy every slot of a snapshot of whole host leaves in one call (no Python loop)."""
     if snap.slots:
-        sources = [snap.leaves[slot.leaf].tensor for slot in snap.slots]
+        leaves = snap.leaves
+        sources = [leaves[slot.leaf].tensor for slot in snap.slots]
         with torch.no_grad():
             torch._foreach_copy_(snap.views, sources)
 
@@ -397,6 +398,7 @@ class Snapshotter:
         """
         done = []
         cuda = False
+        host: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # copied in one call
         for i, slot in enumerate(snap.slots):
             leaf = snap.leaves[slot.leaf]
             if slot.nbytes > max_bytes and leaf.key not in also and leaf.kind != "ndarray":
@@ -406,8 +408,12 @@ class Snapshotter:
                 snap.views[i].copy_(_source(tensor, slot), non_blocking=snap.arena.pinned)
                 cuda = True
             else:
-                snap.views[i].copy_(_source(tensor, slot))
+                host[0].append(snap.views[i])
+                host[1].append(_source(tensor, slot))
             done.append(i)
+        if host[0]:
+            with torch.no_grad():
+                torch._foreach_copy_(*host)
         if cuda:
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record()
