@@ -267,3 +267,14 @@ def test_second_save_checks_no_tensor(tmp_path: Path, monkeypatch: pytest.Monkey
         assert len(encoded) == 2
         assert first.first_save and not second.first_save
         assert mgr.restore(step=1)["step"] == 1
+
+
+def test_parameter_and_its_plain_view_are_one_leaf() -> None:
+    """A parameter and a plain tensor of the same view of its memory: one leaf, as before,
+    and a parameter where a plain tensor was (same memory) keeps the cached layout."""
+    p = torch.nn.Parameter(torch.randn(3))
+    cache = FlattenCache()
+    first = flatten_state({"p": p, "v": p.detach()}, cache=cache)
+    assert len(first.leaves) == 1
+    again = flatten_state({"p": p.detach(), "v": p}, cache=cache)
+    assert again.layout is first.layout and len(again.leaves) == 1

@@ -119,9 +119,10 @@ class FlatState:
 
 
 def _fingerprint(t: torch.Tensor) -> tuple[Any, ...]:
-    """What a tensor's leaf and tree node depend on, and where its bytes are: equal
-    fingerprints are the same view of the same memory (tied weights)."""
-    return (t.data_ptr(), t.dtype, t.shape, t.stride(), t.device, type(t))
+    """Where a tensor's bytes are and how they are viewed: equal fingerprints are the same
+    view of the same memory (tied weights). With the tensor's type (a plain tensor or a
+    parameter: stored alike), all that its leaf and tree node depend on."""
+    return (t.data_ptr(), t.dtype, t.shape, t.stride(), t.device)
 
 
 # tensor types whose leaves a FlattenCache keeps (subclasses of Parameter are encoded anew)
