@@ -45,7 +45,7 @@ from coci_core.engine.save_inputs import (
 from coci_core.engine.snapshot import Snapshotter
 from coci_core.engine.stateful import Stateful
 from coci_core.engine.tiers import RemoteTier
-from coci_core.engine.tree import flatten_state
+from coci_core.engine.tree import FlattenCache, flatten_state
 from coci_core.engine.writer import SaveWriter
 from coci_core.errors import (
     BackgroundSaveError,
@@ -182,6 +182,9 @@ class CheckpointManager:
         self.chunk_bytes = chunk_bytes
         self._saves = 0
         self._snapshotter = Snapshotter()
+        # the last save's flattens of ``state`` and ``per_rank`` (used under ``_save_lock``)
+        self._flat_cache = FlattenCache()
+        self._rank_cache = FlattenCache()
         self._encoder = PieceEncoder(self.compression)
         # The writer thread holds the manager only while a save of it is queued or running:
         # an unclosed manager that nothing else references is freed once its saves are
@@ -329,8 +332,10 @@ class CheckpointManager:
         if alone and not self.group.is_coordinator:
             raise ConfigError("'alone' saves are made by rank 0 only")
         group = RankGroup(0, 1, self.group.session) if alone else self.group
-        flat = flatten_state(state, allow_torch_save=self.allow_torch_save)
-        own = flatten_per_rank(state, per_rank, allow_torch_save=self.allow_torch_save)
+        flat = flatten_state(state, allow_torch_save=self.allow_torch_save, cache=self._flat_cache)
+        own = flatten_per_rank(
+            state, per_rank, allow_torch_save=self.allow_torch_save, cache=self._rank_cache
+        )
         if self.group.is_coordinator and self._owner.lease is None:  # after the input checks
             self._owner.lease = acquire_lease(self.storage, self.group.session)
             retention.remove_uncommitted(self.storage, self.group, done_seq=None)
@@ -344,7 +349,9 @@ class CheckpointManager:
                 "written (save a full state dict instead)"
             )
         regions = None if alone else rank_regions(self.group, self.chunk_bytes, flat.leaves, leaves)
-        snapshot = self._snapshotter.prepare(leaves, regions)
+        known = flat.layout is not None and (own is None or own.layout is not None)
+        layout = (flat.layout, own.layout if own else None) if known else None
+        snapshot = self._snapshotter.prepare(leaves, regions, layout)
         handle = SaveHandle(step, block=block, started=started, snapshot=snapshot)
         job = PersistJob(
             step,

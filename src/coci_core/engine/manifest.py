@@ -17,7 +17,7 @@ import hashlib
 import json
 import math
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from coci_core.engine.tree import check_tree, decode_dtype, ndarray_dtype
@@ -160,6 +160,18 @@ class Piece:
     crc32c: int
     params: dict[str, Any] | None = None
 
+    def to_dict(self) -> dict[str, Any]:
+        """The piece as JSON values (its fields in order, as ``dataclasses.asdict``)."""
+        return {
+            "file": self.file,
+            "offset": self.offset,
+            "nbytes": self.nbytes,
+            "start": self.start,
+            "length": self.length,
+            "crc32c": self.crc32c,
+            "params": self.params,
+        }
+
 
 @dataclass(frozen=True)
 class TensorEntry:
@@ -172,6 +184,18 @@ class TensorEntry:
     codec: str
     pieces: tuple[Piece, ...]
     numpy_dtype: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The entry as JSON values (its fields in order, as ``dataclasses.asdict``)."""
+        return {
+            "key": self.key,
+            "kind": self.kind,
+            "dtype": self.dtype,
+            "shape": self.shape,
+            "codec": self.codec,
+            "pieces": [p.to_dict() for p in self.pieces],
+            "numpy_dtype": self.numpy_dtype,
+        }
 
     @property
     def nbytes(self) -> int:
@@ -191,6 +215,10 @@ class RankState:
     tree: Any
     tensors: tuple[TensorEntry, ...]
 
+    def to_dict(self) -> dict[str, Any]:
+        """The rank's state as JSON values (its fields in order, as ``dataclasses.asdict``)."""
+        return {"tree": self.tree, "tensors": [t.to_dict() for t in self.tensors]}
+
 
 @dataclass(frozen=True)
 class DataFile:
@@ -198,6 +226,10 @@ class DataFile:
 
     name: str
     nbytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """The file as JSON values (its fields in order, as ``dataclasses.asdict``)."""
+        return {"name": self.name, "nbytes": self.nbytes}
 
 
 @dataclass(frozen=True)
@@ -227,9 +259,28 @@ class Manifest:
         """Total size of the data files."""
         return sum(f.nbytes for f in self.files)
 
+    def to_dict(self) -> dict[str, Any]:
+        """The manifest as JSON values, its fields in order (``dataclasses.asdict``'s document,
+        without its deep copy: the values are shared with the manifest, not copied)."""
+        return {
+            "step": self.step,
+            "created_unix": self.created_unix,
+            "tree": self.tree,
+            "tensors": [t.to_dict() for t in self.tensors],
+            "files": [f.to_dict() for f in self.files],
+            "format_version": self.format_version,
+            "world_size": self.world_size,
+            "metadata": self.metadata,
+            "per_rank": [r.to_dict() for r in self.per_rank],
+            "token": self.token,
+            "bases": self.bases,
+            "run": self.run,
+            "sequence": self.sequence,
+        }
+
     def to_json(self) -> bytes:
         """The manifest as UTF-8 JSON (format 3: with its checksum as the last field)."""
-        doc = asdict(self)
+        doc = self.to_dict()
         doc["format_version"] = FORMAT_VERSION
         return seal(json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8"))
 

@@ -12,7 +12,7 @@ from coci_core.engine.group import RankGroup
 from coci_core.engine.manifest import MANIFEST_NAME, step_dir_name
 from coci_core.engine.partition import Share, partition
 from coci_core.engine.restore import read_manifest
-from coci_core.engine.tree import ArrayLeaf, FlatState, flatten_state
+from coci_core.engine.tree import ArrayLeaf, FlatState, FlattenCache, flatten_state
 from coci_core.errors import CheckpointError, ConfigError, NoCheckpointError, StepExistsError
 from coci_core.storage import Storage
 
@@ -51,9 +51,14 @@ def refuse_existing(storage: Storage, step: int, run_id: str) -> None:
 
 
 def flatten_per_rank(
-    state: Mapping[str, Any], per_rank: Mapping[str, Any] | None, *, allow_torch_save: bool
+    state: Mapping[str, Any],
+    per_rank: Mapping[str, Any] | None,
+    *,
+    allow_torch_save: bool,
+    cache: FlattenCache | None = None,
 ) -> FlatState | None:
-    """The flattened ``per_rank`` state (None without one); its keys must not be ``state``'s."""
+    """The flattened ``per_rank`` state (None without one); its keys must not be ``state``'s.
+    ``cache``: see :func:`~coci_core.engine.tree.flatten_state`."""
     if per_rank is None:
         return None
     if not isinstance(per_rank, Mapping):
@@ -61,7 +66,7 @@ def flatten_per_rank(
     clash = sorted(str(k) for k in per_rank if k in state)
     if clash:
         raise ConfigError(f"'per_rank' keys {clash} are also keys of 'state'")
-    return flatten_state(per_rank, allow_torch_save=allow_torch_save)
+    return flatten_state(per_rank, allow_torch_save=allow_torch_save, cache=cache)
 
 
 def rank_regions(

@@ -88,6 +88,23 @@ def _version(t: torch.Tensor) -> int | None:
         return None
 
 
+def _versions(leaves: tuple[ArrayLeaf, ...]) -> tuple[int | None, ...]:
+    """Every leaf's version counter (see :func:`_version`)."""
+    try:
+        return tuple([leaf.tensor._version for leaf in leaves])
+    except (RuntimeError, AttributeError):  # an inference tensor among them
+        return tuple(_version(leaf.tensor) for leaf in leaves)
+
+
+def _copy_whole(snap: Snapshot) -> None:
+    """Copy every slot of a snapshot of whole host leaves in one call (no Python loop)."""
+    if snap.slots:
+        leaves = snap.leaves
+        sources = [leaves[slot.leaf].tensor for slot in snap.slots]
+        with torch.no_grad():
+            torch._foreach_copy_(snap.views, sources)
+
+
 def _source(tensor: torch.Tensor, slot: LeafSlot) -> torch.Tensor:
     if slot.whole:
         return tensor
@@ -135,6 +152,7 @@ class Arena:
         self.bytes = raw[start : start + total_bytes]
         self.pinned = pinned
         self.total_bytes = total_bytes
+        self._array: np.ndarray[Any, Any] | None = None
 
     def view(self, slot: LeafSlot) -> torch.Tensor:
         """The typed, shaped view of ``slot``'s bytes."""
@@ -143,8 +161,9 @@ class Arena:
 
     def memoryview(self, start: int = 0, stop: int | None = None) -> memoryview:
         """A zero-copy memoryview of a byte range of the arena."""
-        array: np.ndarray[Any, Any] = self.bytes.numpy()
-        return array[start:stop].data
+        if self._array is None:
+            self._array = self.bytes.numpy()
+        return self._array[start:stop].data
 
 
 @dataclass
@@ -156,6 +175,10 @@ class Snapshot:
     leaves: tuple[ArrayLeaf, ...]
     allocated: bool
     copied: threading.Event
+    # each slot's typed, shaped view of the arena (``Arena.view``), made once per arena
+    views: list[torch.Tensor] = field(default_factory=list)
+    # every slot a whole leaf in host memory: copied with one ``torch._foreach_copy_``
+    host_whole: bool = False
     copy_s: float = 0.0
     copied_at: float = 0.0
     error: BaseException | None = None
@@ -264,7 +287,12 @@ class Snapshotter:
     def __init__(self) -> None:
         self._arena: Arena | None = None
         self._layout_key: tuple[Any, ...] | None = None
+        # the flatten's layout token and the regions of the current arena (see ``prepare``)
+        self._layout: tuple[object, ...] | None = None
+        self._regions: tuple[Share, ...] | None = None
         self._slots: tuple[LeafSlot, ...] = ()
+        self._views: list[torch.Tensor] | None = None
+        self._host_whole = False
         self._stream: Any = None
         self._lock = threading.Lock()  # held while an arena is allocated (and faulted in)
 
@@ -278,20 +306,37 @@ class Snapshotter:
         )
 
     def _allocate(
-        self, leaves: tuple[ArrayLeaf, ...], regions: tuple[Share, ...] | None, *, touch: bool
+        self,
+        leaves: tuple[ArrayLeaf, ...],
+        regions: tuple[Share, ...] | None,
+        *,
+        touch: bool,
+        layout: tuple[object, ...] | None = None,
     ) -> bool:
         """Make the arena of this layout the current one (under ``_lock``); whether one was
-        allocated. ``touch`` writes every page, so that the kernel maps them now."""
+        allocated. ``touch`` writes every page, so that the kernel maps them now. ``layout``:
+        the flatten's layout tokens (see :class:`~coci_core.engine.tree.FlattenCache`), the
+        same ones for the same leaves' layout, or None."""
+        if (
+            layout is not None
+            and self._arena is not None
+            and layout == self._layout
+            and regions == self._regions
+        ):
+            return False
         key = self._key(leaves, regions)
+        self._layout, self._regions = layout, regions
         if self._arena is not None and key == self._layout_key:
             return False
-        self._arena = None  # free the old arena before allocating the new one
+        self._arena = self._views = None  # free the old arena before allocating the new one
         self._slots, total = plan_layout(leaves, regions)
-        arena = Arena(total, pinned=key[0] and torch.cuda.is_available())
+        on_cuda = key[0]
+        arena = Arena(total, pinned=on_cuda and torch.cuda.is_available())
         if touch:
             arena.bytes.fill_(0)
         self._arena = arena
         self._layout_key = key
+        self._host_whole = not on_cuda and all(slot.whole for slot in self._slots)
         return True
 
     def reserve(
@@ -312,20 +357,29 @@ class Snapshotter:
         return thread
 
     def prepare(
-        self, leaves: tuple[ArrayLeaf, ...], regions: tuple[Share, ...] | None = None
+        self,
+        leaves: tuple[ArrayLeaf, ...],
+        regions: tuple[Share, ...] | None = None,
+        layout: tuple[object, ...] | None = None,
     ) -> Snapshot:
         """Bind ``regions`` of ``leaves`` (default: all of every leaf) to an arena, allocating
-        one only when the layout changed."""
+        one only when the layout changed. ``layout``: the flatten's layout tokens, which
+        spare comparing every leaf's dtype and shape with the arena's."""
         with self._lock:
-            allocated = self._allocate(leaves, regions, touch=False)
-            assert self._arena is not None
+            allocated = self._allocate(leaves, regions, touch=False, layout=layout)
+            arena = self._arena
+            assert arena is not None
+            if self._views is None:
+                self._views = [arena.view(slot) for slot in self._slots]
             return Snapshot(
-                self._arena,
+                arena,
                 self._slots,
                 leaves,
                 allocated,
                 threading.Event(),
-                versions=tuple(_version(leaf.tensor) for leaf in leaves),
+                views=self._views,
+                host_whole=self._host_whole,
+                versions=_versions(leaves),
             )
 
     def copy_small(
@@ -344,17 +398,22 @@ class Snapshotter:
         """
         done = []
         cuda = False
+        host: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # copied in one call
         for i, slot in enumerate(snap.slots):
             leaf = snap.leaves[slot.leaf]
             if slot.nbytes > max_bytes and leaf.key not in also and leaf.kind != "ndarray":
                 continue
             tensor = leaf.tensor
             if tensor.device.type == "cuda":
-                snap.arena.view(slot).copy_(_source(tensor, slot), non_blocking=snap.arena.pinned)
+                snap.views[i].copy_(_source(tensor, slot), non_blocking=snap.arena.pinned)
                 cuda = True
             else:
-                snap.arena.view(slot).copy_(_source(tensor, slot))
+                host[0].append(snap.views[i])
+                host[1].append(_source(tensor, slot))
             done.append(i)
+        if host[0]:
+            with torch.no_grad():
+                torch._foreach_copy_(*host)
         if cuda:
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record()
@@ -372,16 +431,19 @@ class Snapshotter:
         start = time.perf_counter()
         try:
             cuda_leaves = []
-            for i, slot in enumerate(snap.slots):
-                if i in snap.precopied:
-                    continue
-                leaf = snap.leaves[slot.leaf]
-                if leaf.tensor.device.type == "cuda":
-                    cuda_leaves.append((leaf, slot))
-                elif background:
-                    copy_outside_torch(snap.arena.view(slot), leaf.tensor, slot)
-                else:
-                    snap.arena.view(slot).copy_(_source(leaf.tensor, slot))
+            if snap.host_whole and not background and not snap.precopied:
+                _copy_whole(snap)
+            else:
+                for i, slot in enumerate(snap.slots):
+                    if i in snap.precopied:
+                        continue
+                    leaf = snap.leaves[slot.leaf]
+                    if leaf.tensor.device.type == "cuda":
+                        cuda_leaves.append((i, leaf, slot))
+                    elif background:
+                        copy_outside_torch(snap.views[i], leaf.tensor, slot)
+                    else:
+                        snap.views[i].copy_(_source(leaf.tensor, slot))
             if cuda_leaves:
                 snap._cuda_event = self._copy_from_cuda(snap, cuda_leaves)
             if background:
@@ -395,17 +457,15 @@ class Snapshotter:
             snap.copy_s = snap.copied_at - start
             snap.copied.set()
 
-    def _copy_from_cuda(self, snap: Snapshot, items: list[tuple[ArrayLeaf, LeafSlot]]) -> Any:
+    def _copy_from_cuda(self, snap: Snapshot, items: list[tuple[int, ArrayLeaf, LeafSlot]]) -> Any:
         # Device-to-host copies on a side stream so that they overlap the next compute; the
         # side stream first waits for the work that produced the tensors.
         if self._stream is None:
             self._stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
         self._stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self._stream):
-            for leaf, slot in items:
-                snap.arena.view(slot).copy_(
-                    _source(leaf.tensor, slot), non_blocking=snap.arena.pinned
-                )
+            for i, leaf, slot in items:
+                snap.views[i].copy_(_source(leaf.tensor, slot), non_blocking=snap.arena.pinned)
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(self._stream)
         return event

@@ -22,6 +22,7 @@ import dataclasses
 import enum
 import io
 import math
+import operator
 import pathlib
 import sys
 from collections import OrderedDict
@@ -61,6 +62,7 @@ __all__ = [
     "WRAPPER_TAGS",
     "ArrayLeaf",
     "FlatState",
+    "FlattenCache",
     "LeafKind",
     "build_wrapped",
     "check_saved_pickle",
@@ -104,31 +106,81 @@ class ArrayLeaf:
 
 @dataclass(frozen=True)
 class FlatState:
-    """A state split into its JSON tree and its array leaves (in tree order)."""
+    """A state split into its JSON tree and its array leaves (in tree order).
+
+    ``layout``: the same object for every flatten of one :class:`FlattenCache` whose leaves
+    have the same tensors' layout (addresses, dtypes, shapes, strides, devices), None when
+    that is not known (no cache, or leaves the cache does not keep).
+    """
 
     tree: Any
     leaves: tuple[ArrayLeaf, ...]
+    layout: object | None = None
 
 
-def _alias_key(t: torch.Tensor) -> tuple[Any, ...] | None:
-    if t.numel() == 0:
-        return None
-    return (
-        t.untyped_storage().data_ptr(),
-        t.storage_offset(),
-        tuple(t.shape),
-        tuple(t.stride()),
-        t.dtype,
-        t.device,
-    )
+def _fingerprint(t: torch.Tensor) -> tuple[Any, ...]:
+    """Where a tensor's bytes are and how they are viewed: equal fingerprints are the same
+    view of the same memory (tied weights). With the tensor's type (a plain tensor or a
+    parameter: stored alike), all that its leaf and tree node depend on."""
+    return (t.data_ptr(), t.dtype, t.shape, t.stride(), t.device)
+
+
+# tensor types whose leaves a FlattenCache keeps (subclasses of Parameter are encoded anew)
+_PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
+
+
+class _Miss(Exception):
+    """The state's tensors are not laid out as in the cached flatten."""
+
+
+class FlattenCache:
+    """The tensor part of the last flatten of a state: one fingerprint, key and tree node per
+    tensor met (in tree order) and the leaves they made. A later flatten of a state whose
+    tensors have the same fingerprints under the same keys reuses the nodes and the leaves
+    (those of the very same tensor objects whole), and checks no tensor again; every other
+    value is encoded anew each time.
+
+    Kept only for states whose leaves are all plain strided tensors (no numpy arrays,
+    DTensors or ``torch.save``'d values). Not thread-safe: one flatten at a time.
+    """
+
+    def __init__(self) -> None:
+        self.fingerprints: list[tuple[Any, ...]] = []
+        self.keys: list[str] = []
+        self.nodes: list[dict[str, Any]] = []
+        # for each leaf, the index of the first tensor met that makes it
+        self.firsts: list[int] = []
+        self.leaves: tuple[ArrayLeaf, ...] = ()
+        self.tensors: list[torch.Tensor] = []  # the leaves' tensors
+        self.layout: object | None = None
+
+    def store(self, flattener: _Flattener) -> object | None:
+        """Keep what ``flattener`` met (when it can be reused); the new layout's token."""
+        keep = flattener.plain
+        self.fingerprints, self.keys, self.nodes = flattener.met if keep else ([], [], [])
+        self.firsts = flattener.firsts if keep else []
+        self.keep_leaves(tuple(flattener.leaves) if keep else ())
+        self.layout = object() if keep else None
+        return self.layout
+
+    def keep_leaves(self, leaves: tuple[ArrayLeaf, ...]) -> None:
+        self.leaves = leaves
+        self.tensors = [leaf.tensor for leaf in leaves]
 
 
 class _Flattener:
-    def __init__(self, allow_torch_save: bool) -> None:
+    def __init__(self, allow_torch_save: bool, cache: FlattenCache | None = None) -> None:
         self.allow_torch_save = allow_torch_save
         self.leaves: list[ArrayLeaf] = []
         self._aliases: dict[tuple[Any, ...], int] = {}
         self._depth = 0
+        # Recording for a FlattenCache: every plain tensor met, and whether all leaves were.
+        self.plain = True
+        self.met: tuple[list[tuple[Any, ...]], list[str], list[dict[str, Any]]] = ([], [], [])
+        self.firsts: list[int] = []
+        # Replaying a FlattenCache: the tensors met so far (each must match the cache's).
+        self._cache = cache
+        self.tensors: list[torch.Tensor] = []
 
     def _enter(self, key: str) -> None:
         # Containers nested deeper than a manifest may hold are refused here, at save time.
@@ -147,7 +199,7 @@ class _Flattener:
         numpy_dtype: str | None = None,
         shard: tuple[tuple[int, ...], int] | None = None,
     ) -> Any:
-        alias = _alias_key(t) if kind == "tensor" else None
+        alias = _fingerprint(t) if kind == "tensor" and t.numel() else None
         if alias is not None and alias in self._aliases:
             return {"t": "tensor", "id": self._aliases[alias]}
         index = len(self.leaves)
@@ -167,6 +219,8 @@ class _Flattener:
         return {"t": kind, "id": index}
 
     def encode(self, value: Any, key: str) -> Any:
+        if self._cache is not None and type(value) in _PLAIN_TENSORS:
+            return self._replay_tensor(value, key)
         if value is None or type(value) in (bool, str):
             return value
         if isinstance(value, str) and not isinstance(value, enum.Enum):
@@ -175,6 +229,12 @@ class _Flattener:
             return value
         if type(value) is float:
             return value if math.isfinite(value) else {"t": "float", "v": repr(value)}
+        if type(value) in (dict, OrderedDict):  # the exact types: before the slower checks
+            self._enter(key)
+            try:
+                return self._encode_dict(value, key)
+            finally:
+                self._depth -= 1
         if isinstance(value, torch.Tensor):
             return self._encode_tensor(value, key)
         if isinstance(value, np.ndarray):
@@ -187,16 +247,10 @@ class _Flattener:
             return {"t": "size", "v": list(value)}
         if isinstance(value, bytes):
             return {"t": "bytes", "v": base64.b64encode(value).decode("ascii")}
-        if type(value) in (dict, OrderedDict):
-            self._enter(key)
-            try:
-                return self._encode_dict(value, key)
-            finally:
-                self._depth -= 1
         if type(value) in (list, tuple):
             self._enter(key)
             try:
-                if all(type(v) in AS_IS or (type(v) is float and math.isfinite(v)) for v in value):
+                if all(_as_is(v) for v in value):
                     items = list(value)  # what encode gives each (a planner's samples: fast)
                 else:
                     items = [self.encode(v, f"{key}/{i}") for i, v in enumerate(value)]
@@ -264,9 +318,32 @@ class _Flattener:
             return self._encode_dtensor(t, key)
         if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
             return self._fallback(t, key, why=f"tensor subclass {type(t).__name__} is not stored")
-        return self.add_leaf(key, t.detach(), "tensor")
+        leaves = len(self.leaves)
+        node = self.add_leaf(key, _detached(t), "tensor")
+        if type(t) not in _PLAIN_TENSORS:
+            self.plain = False
+            return node
+        fingerprints, keys, nodes = self.met
+        fingerprints.append(_fingerprint(t))
+        keys.append(key)
+        nodes.append(node)
+        if len(self.leaves) > leaves:
+            self.firsts.append(len(nodes) - 1)
+        return node
+
+    def _replay_tensor(self, t: torch.Tensor, key: str) -> Any:
+        """A plain tensor met while replaying the cache: its node, when it is laid out as the
+        tensor the cache met at this place, under the same key."""
+        cache = self._cache
+        assert cache is not None
+        i = len(self.tensors)
+        if i >= len(cache.keys) or cache.keys[i] != key or cache.fingerprints[i] != _fingerprint(t):
+            raise _Miss
+        self.tensors.append(t)
+        return cache.nodes[i]
 
     def _encode_dtensor(self, t: Any, key: str) -> Any:
+        self.plain = False
         # Replicated: like any tensor (split over ranks). Shard(0) on a 1-D mesh (FSDP2): the
         # local rows are one byte range of the whole tensor, written by their owner.
         from torch.distributed.tensor import Replicate, Shard
@@ -296,6 +373,7 @@ class _Flattener:
         return self.add_leaf(key, local, "tensor", shard=(tuple(t.shape), first * row_bytes))
 
     def _encode_ndarray(self, a: np.ndarray, key: str) -> Any:
+        self.plain = False
         name = a.dtype.str
         if a.dtype.kind not in "biufc" or a.dtype.byteorder == ">" or name not in NDARRAY_DTYPES:
             return self._fallback(a, key, why=f"numpy dtype {a.dtype} is not stored")
@@ -305,7 +383,10 @@ class _Flattener:
     def _encode_dict(self, d: Mapping[Any, Any], key: str) -> Any:
         node: dict[str, Any] = {"t": "odict" if type(d) is OrderedDict else "dict"}
         if all(type(k) is str for k in d):
-            node["v"] = {k: self.encode(v, f"{key}/{k}") for k, v in d.items()}
+            if all(_as_is(v) for v in d.values()):
+                node["v"] = dict(d)  # what encode gives each value (module versions: fast)
+            else:
+                node["v"] = {k: self.encode(v, f"{key}/{k}") for k, v in d.items()}
         else:
             node["items"] = [
                 [self._encode_key(k, key), self.encode(v, f"{key}/{k}")] for k, v in d.items()
@@ -332,6 +413,7 @@ class _Flattener:
         )
 
     def _fallback(self, value: Any, key: str, why: str | None = None) -> Any:
+        self.plain = False
         if not self.allow_torch_save:
             reason = why or f"values of type {type(value).__module__}.{type(value).__qualname__}"
             raise UnsupportedValueError(
@@ -390,10 +472,41 @@ def _why_not_stored(value: Any) -> str | None:
     return None
 
 
-def flatten_state(state: Mapping[str, Any], *, allow_torch_save: bool = False) -> FlatState:
+def _as_is(value: Any) -> bool:
+    """Whether ``encode`` gives ``value`` back unchanged."""
+    return type(value) in AS_IS or (type(value) is float and math.isfinite(value))
+
+
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    """``t`` without autograd history (itself when it has none)."""
+    return t if type(t) is torch.Tensor and not t.requires_grad else t.detach()
+
+
+def _replay(state: dict[str, Any], cache: FlattenCache, allow_torch_save: bool) -> FlatState:
+    """Flatten with ``cache``'s tensor nodes and leaves (:class:`_Miss` when they differ)."""
+    flattener = _Flattener(allow_torch_save, cache)
+    tree = flattener.encode(state, "")
+    met = flattener.tensors
+    if len(met) != len(cache.keys) or flattener.leaves:
+        raise _Miss  # fewer tensors, or a value that made a leaf of its own
+    tensors = [met[i] for i in cache.firsts]
+    if not all(map(operator.is_, tensors, cache.tensors)):  # new tensor objects, same layout
+        cache.keep_leaves(
+            tuple(
+                leaf if leaf.tensor is t else ArrayLeaf(leaf.key, _detached(t), "tensor")
+                for leaf, t in zip(cache.leaves, tensors, strict=True)
+            )
+        )
+    return FlatState(tree=tree, leaves=cache.leaves, layout=cache.layout)
+
+
+def flatten_state(
+    state: Mapping[str, Any], *, allow_torch_save: bool = False, cache: FlattenCache | None = None
+) -> FlatState:
     """Split ``state`` into a JSON tree and its array leaves.
 
-    Tensors that are the same view of the same storage (tied weights) become one leaf.
+    Tensors that are the same view of the same memory (tied weights) become one leaf.
+    ``cache``: the last flatten of a state like this one (see :class:`FlattenCache`), updated.
 
     Raises:
         UnsupportedValueError: a value cannot be stored without pickle and
@@ -401,6 +514,12 @@ def flatten_state(state: Mapping[str, Any], *, allow_torch_save: bool = False) -
     """
     if not isinstance(state, Mapping):
         raise UnsupportedValueError(f"state must be a mapping, got {type(state).__name__}")
+    if cache is not None and cache.layout is not None:
+        try:
+            return _replay(dict(state), cache, allow_torch_save)
+        except Exception:  # a miss, or an error that the full flatten raises again
+            pass
     flattener = _Flattener(allow_torch_save)
     tree = flattener.encode(dict(state), "")
-    return FlatState(tree=tree, leaves=tuple(flattener.leaves))
+    layout = cache.store(flattener) if cache is not None else None
+    return FlatState(tree=tree, leaves=tuple(flattener.leaves), layout=layout)

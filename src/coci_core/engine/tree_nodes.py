@@ -150,9 +150,13 @@ def ndarray_dtype(name: Any, torch_dtype: str) -> np.dtype[Any]:
     return np.dtype(name)
 
 
+_DTYPE_NAMES = {dtype: name for name, dtype in SUPPORTED_DTYPES.items()}
+
+
 def encode_dtype(dtype: torch.dtype) -> str:
     """The manifest name of a torch dtype (``"float32"``)."""
-    return str(dtype).removeprefix("torch.")
+    name = _DTYPE_NAMES.get(dtype)
+    return name if name is not None else str(dtype).removeprefix("torch.")
 
 
 def decode_dtype(name: str) -> torch.dtype:
