@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from coci_core.engine.group import RankGroup
@@ -85,9 +85,9 @@ class RankShare:
             "rank": self.rank,
             "token": self.token,
             "layout": self.layout,
-            "pieces": [[leaf, asdict(p)] for leaf, p in self.pieces],
-            "per_rank": asdict(self.per_rank),
-            "file": asdict(self.file),
+            "pieces": [[leaf, p.to_dict()] for leaf, p in self.pieces],
+            "per_rank": self.per_rank.to_dict(),
+            "file": self.file.to_dict(),
         }
         return seal(json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8"))
 
