@@ -29,14 +29,35 @@ from tests.sharding._dist_child import launch
 Layout = tuple[tuple[int, ...], tuple[int, ...], list[Any]]
 
 
+class _Mesh:
+    """The one DeviceMesh method torch's shard-order conversions call."""
+
+    def __init__(self, shape: Sequence[int]) -> None:
+        self.shape = tuple(shape)
+
+    def size(self, dim: int) -> int:
+        return self.shape[dim]
+
+
 def torch_local(
     full: torch.Tensor, mesh: Sequence[int], placements: Sequence[Any], coord: Sequence[int]
-) -> torch.Tensor:
-    """What ``distribute_tensor`` puts at ``coord``: each placement's own split, left to right."""
+) -> torch.Tensor | None:
+    """What torch holds at ``coord``: ``distribute_tensor``'s split for Shard placements; for
+    ``_StridedShard`` the shard order torch reads from them (None when it reads none)."""
     local = full
-    for parts, p, index in zip(mesh, placements, coord, strict=True):
-        if not p.is_replicate():
-            local = p._split_tensor(local, parts, with_padding=False)[0][index]
+    if not any(isinstance(p, _StridedShard) for p in placements):
+        for parts, p, index in zip(mesh, placements, coord, strict=True):
+            if not p.is_replicate():
+                local = p._split_tensor(local, parts, with_padding=False)[0][index]
+        return local
+    order = DTensorSpec._maybe_convert_StridedShard_to_shard_order(tuple(placements), _Mesh(mesh))  # type: ignore[arg-type]
+    if order is None:
+        return None
+    for entry in order:
+        for mesh_dim in entry.mesh_dims:
+            chunks = torch.chunk(local, mesh[mesh_dim], dim=entry.tensor_dim)
+            index = coord[mesh_dim]
+            local = chunks[index] if index < len(chunks) else local.narrow(entry.tensor_dim, 0, 0)
     return local
 
 
@@ -56,20 +77,6 @@ def random_layout(rng: random.Random, shape: tuple[int, ...] | None = None) -> L
         else:
             placements.append(_StridedShard(dim, split_factor=rng.randint(2, 4)))
     return shape, mesh, placements
-
-
-def is_box(values: torch.Tensor, full: torch.Tensor) -> bool:
-    """Whether the elements of ``values`` form one box of ``full`` (in order)."""
-    if values.numel() == 0:
-        return True
-    where = [torch.nonzero(full == v)[0] for v in values.flatten()[:1]]
-    start = tuple(int(i) for i in where[0])
-    region = Region(start, tuple(values.shape))
-    return (
-        full.ndim == values.ndim
-        and Region.whole(full.shape).contains(region)
-        and torch.equal(full[region.slices()], values)
-    )
 
 
 def test_region_basics() -> None:
@@ -115,17 +122,17 @@ def test_dtensor_regions_match_torch_splitting_for_random_layouts() -> None:
         shape, mesh, placements = random_layout(rng)
         full = torch.arange(math.prod(shape)).reshape(shape)
         coords = list(itertools.product(*(range(n) for n in mesh)))
-        try:
-            regions = dtensor_regions(shape, mesh, placements)
-        except UnsupportedValueError as e:
-            message = str(e)
-            assert "not one block" in message
-            assert not all(is_box(torch_local(full, mesh, placements, c), full) for c in coords)
+        locals_ = [torch_local(full, mesh, placements, c) for c in coords]
+        if any(local is None for local in locals_):
+            with pytest.raises(UnsupportedValueError, match="interleave"):
+                dtensor_regions(shape, mesh, placements)
             refused += 1
             continue
+        regions = dtensor_regions(shape, mesh, placements)
         assert set(regions) == set(coords)
-        for coord, region in regions.items():
-            local = torch_local(full, mesh, placements, coord)
+        for coord, local in zip(coords, locals_, strict=True):
+            region = regions[coord]
+            assert local is not None
             assert tuple(local.shape) == region.shape, (shape, mesh, placements, coord)
             assert torch.equal(local, full[region.slices()])
         check_tiling(shape, regions.values())
@@ -147,9 +154,25 @@ def test_fsdp_over_tp_strided_shard_and_uneven_shards() -> None:
     assert dtensor_regions((), (3,), [Replicate()])[(2,)] == Region((), ())
 
 
+def test_uneven_fsdp_over_tp_follows_the_tensor_parallel_split_first() -> None:
+    """FSDP2 over tensor parallelism on a 3x2 mesh, 7 rows (checked with six gloo ranks): tp
+    splits 4 | 3, then dp splits each, so (2, 0) holds nothing and (2, 1) row 6, where
+    ``_StridedShard._split_tensor`` (distribute_tensor's reading) would put row 6 at (2, 0)."""
+    regions = dtensor_regions((7, 3), (3, 2), [_StridedShard(0, split_factor=2), Shard(0)])
+    rows = {c: range(r.offsets[0], r.offsets[0] + r.shape[0]) for c, r in regions.items()}
+    assert {c: list(r) for c, r in rows.items()} == {
+        (0, 0): [0, 1],
+        (0, 1): [4],
+        (1, 0): [2, 3],
+        (1, 1): [5],
+        (2, 0): [],
+        (2, 1): [6],
+    }
+
+
 def test_interleaved_strided_shard_and_partial_are_refused_by_name() -> None:
     with pytest.raises(
-        UnsupportedValueError, match=r"w: .*_StridedShard\(dim=0, sf=2\).*not one block"
+        UnsupportedValueError, match=r"w: .*_StridedShard\(dim=0, sf=2\).*interleave"
     ):
         dtensor_regions((8,), (2, 2), [Shard(0), _StridedShard(0, split_factor=2)], key="w")
     with pytest.raises(
@@ -160,14 +183,6 @@ def test_interleaved_strided_shard_and_partial_are_refused_by_name() -> None:
         dtensor_regions((8,), (2,), [Shard(0), Shard(0)])
     with pytest.raises(UnsupportedValueError, match="shards dim 2"):
         dtensor_regions((8, 2), (2,), [Shard(2)])
-
-
-class _Mesh:
-    def __init__(self, shape: Sequence[int]) -> None:
-        self.shape = tuple(shape)
-
-    def size(self, dim: int) -> int:
-        return self.shape[dim]
 
 
 def test_shard_order_matches_torchs_strided_shard_form() -> None:

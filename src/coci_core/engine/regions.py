@@ -118,17 +118,20 @@ def byte_runs(sub: Region, within: Region, itemsize: int = 1) -> list[tuple[int,
 
 def _tiling_problem(bounds: Region, regions: Iterable[Region]) -> str | None:
     """Why the distinct non-empty ``regions`` do not tile ``bounds`` exactly, or None."""
-    boxes = sorted({r for r in regions if r.volume}, key=lambda r: (r.offsets, r.shape))
+    boxes = list({r for r in regions if r.volume})
     for box in boxes:
         if len(box.shape) != len(bounds.shape) or not bounds.contains(box):
             return f"{box} is outside {bounds}"
-    for i, a in enumerate(boxes):
-        for b in boxes[i + 1 :]:
-            if b.offsets[:1] >= a.ends[:1]:  # sorted by offsets: no later box meets a
-                break
-            common = a.intersect(b)
-            if common is not None:
-                return f"{a} and {b} overlap in {common}"
+    if bounds.shape:  # sweep along the dim that separates the most boxes
+        sweep = max(range(len(bounds.shape)), key=lambda d: len({b.offsets[d] for b in boxes}))
+        boxes.sort(key=lambda r: r.offsets[sweep])
+        for i, a in enumerate(boxes):
+            for b in boxes[i + 1 :]:
+                if b.offsets[sweep] >= a.ends[sweep]:  # no later box meets a
+                    break
+                common = a.intersect(b)
+                if common is not None:
+                    return f"{a} and {b} overlap in {common}"
     covered = sum(b.volume for b in boxes)
     if covered != bounds.volume:
         return f"the regions cover {covered} of the {bounds.volume} elements of {bounds}"
@@ -147,22 +150,6 @@ def check_tiling(global_shape: Sequence[int], regions: Iterable[Region]) -> None
         raise UnsupportedValueError(f"regions do not tile shape {tuple(global_shape)}: {problem}")
 
 
-def _chunk(indices: list[int], parts: int, index: int) -> list[int]:
-    """Part ``index`` of ``torch.chunk(indices, parts)`` (empty past the last chunk)."""
-    size = -(-len(indices) // parts) if indices else 0
-    return indices[index * size : (index + 1) * size] if size else []
-
-
-def _strided(indices: list[int], split_factor: int, parts: int, index: int) -> list[int]:
-    """Part ``index`` of a ``_StridedShard(split_factor)`` split into ``parts``: chunk into
-    ``split_factor`` pieces, chunk each into ``parts``, and join the ``index``-th of each."""
-    return [
-        i
-        for j in range(split_factor)
-        for i in _chunk(_chunk(indices, split_factor, j), parts, index)
-    ]
-
-
 def _describe(placements: Sequence[Any]) -> str:
     return "(" + ", ".join(repr(p) for p in placements) + ")"
 
@@ -176,6 +163,29 @@ def _dim_of(placement: Any, ndim: int, key: str) -> int:
     return dim % ndim
 
 
+def _strided_order(
+    sharded: Mapping[int, int], placements: Sequence[Any], mesh_shape: Sequence[int]
+) -> dict[int, list[int]] | None:
+    """The order in which mesh dims split each tensor dim that ``_StridedShard`` placements
+    encode (``sharded``: mesh dim -> tensor dim), as torch reads them
+    (``DTensorSpec._maybe_convert_StridedShard_to_shard_order``): right to left, each placement
+    goes where the mesh dims before it multiply to its split factor. None if one fits nowhere."""
+    order: dict[int, list[int]] = {}
+    for mesh_dim in sorted(sharded, reverse=True):
+        dims = order.setdefault(sharded[mesh_dim], [])
+        factor = int(getattr(placements[mesh_dim], "split_factor", None) or 1)
+        product = 1
+        for i in range(len(dims) + 1):
+            if product == factor:
+                dims.insert(i, mesh_dim)
+                break
+            if i < len(dims):
+                product *= mesh_shape[dims[i]]
+        else:
+            return None
+    return order
+
+
 def dtensor_regions(
     global_shape: Sequence[int],
     mesh_shape: Sequence[int],
@@ -184,22 +194,23 @@ def dtensor_regions(
     shard_order: Mapping[int, Sequence[int]] | None = None,
     key: str = "tensor",
 ) -> dict[Coordinate, Region]:
-    """The region of the global array that each mesh coordinate holds, as DTensor lays it out:
-    ``Shard(d)`` splits like ``torch.chunk`` (uneven, trailing shards possibly empty),
-    ``Replicate()`` holds the whole, ``_StridedShard(d, split_factor)`` as FSDP2 over tensor
-    parallelism produces it. Placements on one tensor dim apply in mesh order, or in the order
-    ``shard_order`` gives (tensor dim -> mesh dims, as ``DTensorSpec.shard_order``).
+    """The region of the global array that each mesh coordinate holds, as DTensor reads its
+    layout: each tensor dim is split by ``torch.chunk`` (uneven, trailing shards possibly empty)
+    over the mesh dims of its ``Shard`` placements, in mesh order, in the order ``shard_order``
+    gives (tensor dim -> mesh dims, as ``DTensorSpec.shard_order``), or in the order that
+    ``_StridedShard`` split factors encode (FSDP2 over tensor parallelism: the tensor-parallel
+    split first); ``Replicate()`` holds the whole.
 
     Raises:
-        UnsupportedValueError: a ``Partial`` or unknown placement, or a layout in which a
-            coordinate's elements are not one box (an interleaved ``_StridedShard``).
+        UnsupportedValueError: a ``Partial`` or unknown placement, or ``_StridedShard`` split
+            factors that no order produces (interleaved rows).
     """
     ndim = len(global_shape)
     if len(placements) != len(mesh_shape):
         raise UnsupportedValueError(
             f"{key}: {len(placements)} placements for a {len(mesh_shape)}-d mesh"
         )
-    steps: dict[int, list[int]] = {}  # tensor dim -> mesh dims that split it, in order
+    sharded: dict[int, int] = {}  # mesh dim -> the tensor dim it splits
     for mesh_dim, p in enumerate(placements):
         if p.is_partial():
             raise UnsupportedValueError(
@@ -210,45 +221,41 @@ def dtensor_regions(
             continue
         if getattr(p, "split_factor", None) is None and not p.is_shard():
             raise UnsupportedValueError(f"{key}: unsupported placement {p!r}")
-        steps.setdefault(_dim_of(p, ndim, key), []).append(mesh_dim)
-    if shard_order is not None:
-        if any(getattr(p, "split_factor", None) is not None for p in placements):
+        sharded[mesh_dim] = _dim_of(p, ndim, key)
+    steps: dict[int, list[int]] = {}  # tensor dim -> the mesh dims that split it, in order
+    for mesh_dim, dim in sharded.items():
+        steps.setdefault(dim, []).append(mesh_dim)
+    strided = any(getattr(p, "split_factor", None) is not None for p in placements)
+    if strided:
+        if shard_order is not None:
             raise UnsupportedValueError(
                 f"{key}: both _StridedShard placements and a shard order: {_describe(placements)}"
             )
-        ordered = {d % ndim if ndim else d: list(m) for d, m in shard_order.items() if m}
-        if {d: sorted(m) for d, m in ordered.items()} != steps:
+        order = _strided_order(sharded, placements, mesh_shape)
+        if order is None:
+            raise UnsupportedValueError(
+                f"{key}: placements {_describe(placements)} on mesh {tuple(mesh_shape)} "
+                "interleave the shards (no sharding order gives these split factors); "
+                "redistribute it (e.g. to Shard or Replicate placements) before saving"
+            )
+        steps = order
+    elif shard_order is not None:
+        given = {d % ndim if ndim else d: list(m) for d, m in shard_order.items() if m}
+        if {d: sorted(m) for d, m in given.items()} != steps:
             raise UnsupportedValueError(
                 f"{key}: shard order {dict(shard_order)} does not match {_describe(placements)}"
             )
-        steps = ordered
+        steps = given
 
-    def along(dim: int, coord: Coordinate) -> list[int]:
-        indices = list(range(global_shape[dim]))
-        for mesh_dim in steps.get(dim, ()):
-            p, parts, index = placements[mesh_dim], mesh_shape[mesh_dim], coord[mesh_dim]
-            factor = getattr(p, "split_factor", None)
-            if factor is None:
-                indices = _chunk(indices, parts, index)
-            else:
-                indices = _strided(indices, int(factor), parts, index)
-        return indices
-
-    empty = math.prod(global_shape) == 0  # any layout of no elements is a (empty) box
     out: dict[Coordinate, Region] = {}
     for coord in itertools.product(*(range(n) for n in mesh_shape)):
         offsets, shape = [], []
         for dim in range(ndim):
-            indices = along(dim, coord)
-            block = list(range(indices[0], indices[0] + len(indices))) if indices else []
-            if indices != block and not empty:
-                shown = ", ".join(map(str, indices[:6])) + (", ..." if len(indices) > 6 else "")
-                raise UnsupportedValueError(
-                    f"{key}: placements {_describe(placements)} on mesh {tuple(mesh_shape)} give "
-                    f"mesh coordinate {coord} indices [{shown}] of dim {dim}, not one block; "
-                    "redistribute it (e.g. to Shard or Replicate placements) before saving"
-                )
-            offsets.append(indices[0] if indices else global_shape[dim])
+            indices = range(global_shape[dim])
+            for mesh_dim in steps.get(dim, ()):
+                size = -(-len(indices) // mesh_shape[mesh_dim])
+                indices = indices[coord[mesh_dim] * size : (coord[mesh_dim] + 1) * size]
+            offsets.append(indices.start if indices else global_shape[dim])
             shape.append(len(indices))
         out[coord] = Region(tuple(offsets), tuple(shape))
     return out
