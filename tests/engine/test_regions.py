@@ -16,6 +16,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, ShardOrderEntry
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from coci_core.engine.regions import (
+    Coordinate,
     Region,
     byte_runs,
     check_tiling,
@@ -241,11 +242,11 @@ def test_writers_write_every_element_once_and_share_replicas_evenly() -> None:
 
 
 def test_writers_rotate_small_replicated_tensors() -> None:
-    regions = {(i,): Region((0,), (1,)) for i in range(4)}
+    regions: dict[Coordinate, Region] = {(i,): Region((0,), (1,)) for i in range(4)}
     assert [list(writers(regions, rotate=r)) for r in range(4)] == [[(i,)] for i in range(4)]
-    scalar = {(i,): Region((), ()) for i in range(3)}
+    scalar: dict[Coordinate, Region] = {(i,): Region((), ()) for i in range(3)}
     assert writers(scalar, rotate=5) == {(2,): Region((), ())}
-    wide = {(i,): Region((0, 0), (1, 8)) for i in range(4)}
+    wide: dict[Coordinate, Region] = {(i,): Region((0, 0), (1, 8)) for i in range(4)}
     assert [p.shape for p in writers(wide).values()] == [(1, 2)] * 4  # split along dim 1
 
 
