@@ -20,6 +20,7 @@ from coci_core.engine.regions import (
     Region,
     byte_runs,
     check_tiling,
+    clip_runs,
     dtensor_regions,
     plan_read,
     writers,
@@ -114,6 +115,29 @@ def test_byte_runs_read_any_box_out_of_any_stored_box() -> None:
     assert byte_runs(Region((0, 1), (2, 2)), Region((0, 0), (2, 4)), 1) == [(1, 2), (5, 2)]
     with pytest.raises(ValueError, match="not inside"):
         byte_runs(Region((0,), (3,)), Region((1,), (3,)))
+
+
+def test_clip_runs_reads_runs_out_of_byte_cut_pieces() -> None:
+    """A box stored as several byte ranges (pieces cut at chunk boundaries): the runs clipped to
+    each piece put every byte of the sub-box where it belongs."""
+    rng = random.Random(6)
+    for _ in range(200):
+        within = Region((0, 0, 0), (rng.randint(1, 5), rng.randint(1, 5), rng.randint(1, 5)))
+        lo = [rng.randint(0, n - 1) for n in within.shape]
+        sub = Region(
+            tuple(lo), tuple(rng.randint(1, n - o) for n, o in zip(within.shape, lo, strict=True))
+        )
+        stored = bytes(rng.randrange(256) for _ in range(within.volume * 2))
+        runs = byte_runs(sub, within, 2)
+        want = b"".join(stored[o : o + n] for o, n in runs)
+        cuts = sorted({0, len(stored), *(rng.randint(0, len(stored)) for _ in range(3))})
+        got, filled = bytearray(len(want)), 0
+        for start, stop in itertools.pairwise(cuts):
+            for at, length, to in clip_runs(runs, start, stop):
+                got[to : to + length] = stored[start + at : start + at + length]
+                filled += length
+        assert bytes(got) == want and filled == len(want)
+    assert clip_runs([(0, 4), (8, 4)], 2, 10) == [(0, 2, 2), (6, 2, 4)]
 
 
 def test_dtensor_regions_match_torch_splitting_for_random_layouts() -> None:

@@ -23,6 +23,7 @@ __all__ = [
     "Region",
     "byte_runs",
     "check_tiling",
+    "clip_runs",
     "dtensor_layout",
     "dtensor_regions",
     "plan_read",
@@ -114,6 +115,19 @@ def byte_runs(sub: Region, within: Region, itemsize: int = 1) -> list[tuple[int,
         else:
             runs.append((start * itemsize, length * itemsize))
     return runs
+
+
+def clip_runs(runs: Sequence[tuple[int, int]], start: int, stop: int) -> list[tuple[int, int, int]]:
+    """The parts of byte ``runs`` that fall in ``[start, stop)`` (a stored piece holding those
+    bytes of its box), as ``(offset in the piece, length, offset in the joined runs)``."""
+    out: list[tuple[int, int, int]] = []
+    joined = 0
+    for offset, length in runs:
+        lo, hi = max(offset, start), min(offset + length, stop)
+        if lo < hi:
+            out.append((lo - start, hi - lo, joined + lo - offset))
+        joined += length
+    return out
 
 
 def _tiling_problem(bounds: Region, regions: Iterable[Region]) -> str | None:
