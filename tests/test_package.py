@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import coci_core
+from tests.harness.processes import run, script
 
 
 def test_core_imports_no_host_framework() -> None:
@@ -16,7 +14,7 @@ def test_core_imports_no_host_framework() -> None:
         "bad = [m for m in sys.modules if m.split('.')[0] in "
         "('lightning', 'pytorch_lightning', 'accelerate')]; print(bad)"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = run(script(code), check=True)
     assert out.stdout.strip() == "[]"
 
 

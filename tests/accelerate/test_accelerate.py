@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +19,7 @@ from coci_core import CheckpointError, CheckpointManager, CociError
 from coci_core.telemetry import read_jsonl
 from coci_core.telemetry.timeline import find_runs
 from tests.accelerate.loop import digits, train
+from tests.harness.processes import Child, module, run
 from tests.harness.results import result_rows
 
 BATCH = 16
@@ -34,51 +31,20 @@ def _results(stdout: str) -> dict[int, dict[str, Any]]:
     return {row["rank"]: row for row in result_rows(stdout)}
 
 
-def _descendants(pid: int) -> list[int]:
-    """``pid`` and every process below it (torchrun starts its workers in new sessions)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        found.append(p)
-        todo.extend(children.get(p, []))
-    return found
-
-
-def _kill_tree(pid: int) -> None:
-    """SIGKILL a launcher and all its workers at once, as a node failure would."""
-    for p in _descendants(pid):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(p, signal.SIGKILL)
-
-
 def _kill_and_resume(
     command: list[str], directory: Path, total: int, kill: int
 ) -> tuple[list[int], dict[int, dict[str, Any]]]:
-    with subprocess.Popen(
+    """Run ``command`` until it prints ``AT kill``, then SIGKILL it and all its workers at
+    once (torchrun starts them in sessions of their own), as a node failure would; run it
+    again to its end. The steps committed at the kill, and the second run's results."""
+    with Child(
         [*command, str(directory), str(total), str(kill)],
-        stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
-        text=True,
-        start_new_session=True,
-    ) as proc:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            if line.startswith(f"AT {kill}"):
-                _kill_tree(proc.pid)
-        proc.wait()
+        kill_scope="tree",
+    ) as child:
+        child.kill_at(f"AT {kill}")
     steps = CheckpointManager(directory / "coci", keep_last=None).steps()
-    out = subprocess.run(
-        [*command, str(directory), str(total)], capture_output=True, text=True, timeout=600
-    )
+    out = run([*command, str(directory), str(total)], timeout_s=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return steps, _results(out.stdout)
 
@@ -109,15 +75,9 @@ def test_in_process_resume_is_bit_exact(tmp_path: Path) -> None:
 def test_sigkill_mid_epoch_single_process(tmp_path: Path) -> None:
     """SIGKILL at step 45 (mid-epoch 2); a new process resumes and ends bit-identical, each
     remaining sample of the epoch once."""
-    command = [sys.executable, "-m", "tests.accelerate.loop"]
+    command = module("tests.accelerate.loop")
     expected = _results(
-        subprocess.run(
-            [*command, str(tmp_path / "ref"), "70"],
-            capture_output=True,
-            text=True,
-            timeout=600,
-            check=True,
-        ).stdout
+        run([*command, str(tmp_path / "ref"), "70"], timeout_s=600, check=True).stdout
     )[0]
     steps, resumed = _kill_and_resume(command, tmp_path / "run", 70, 45)
     # the newest committed save (40, or an older one if the writer lagged under load)
@@ -139,23 +99,11 @@ def test_sigkill_mid_epoch_single_process(tmp_path: Path) -> None:
 def test_sigkill_two_processes(tmp_path: Path) -> None:
     """The same with 2 processes (torchrun, gloo): every process ends bit-identical and sees
     each of its remaining samples once."""
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "-m",
-        "tests.accelerate.loop",
-    ]
+    command = module(
+        "torch.distributed.run", "--nproc-per-node", "2", "-m", "tests.accelerate.loop"
+    )
     expected = _results(
-        subprocess.run(
-            [*command, str(tmp_path / "ref"), "40"],
-            capture_output=True,
-            text=True,
-            timeout=600,
-            check=True,
-        ).stdout
+        run([*command, str(tmp_path / "ref"), "40"], timeout_s=600, check=True).stdout
     )
     steps, resumed = _kill_and_resume(command, tmp_path / "run", 40, 23)
     assert steps and steps[-1] <= 23 and steps[-1] % 5 == 0  # older if the writer lagged

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import signal
 import subprocess
-import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +18,12 @@ from coci_accelerate import CociCheckpointer
 from coci_core import CheckpointManager, ConfigError
 from tests.accelerate import example
 from tests.accelerate.loop import train
+from tests.harness.processes import Child, child_env, module, run
 from tests.harness.results import result_rows
 from tests.harness.s3 import SECRET_KEY, S3Server
 
 BATCH = 16
-_ROOT = Path(__file__).resolve().parents[2]
-_EXAMPLE = [sys.executable, "-m", "tests.accelerate.example"]
+_EXAMPLE = "tests.accelerate.example"
 
 
 class _Stop(Exception):
@@ -74,42 +73,22 @@ def test_s3_dirpath_resumes_bit_exact(
     assert "restart: restored step 40 in" in report.stdout
 
 
-def _child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """This checkout on the path; the AWS_* variables of ``extra`` only."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "FSSPEC_"))}
-    env.update(extra or {}, PYTHONPATH=f"{_ROOT / 'src'}{os.pathsep}{_ROOT}")
-    return env
+    return child_env(extra, drop_prefixes=("AWS_", "FSSPEC_"))
 
 
 def _run_until(
-    args: list[str], mark: str, env: dict[str, str], cwd: Path, before_kill: Any
+    args: list[str], mark: str, env: dict[str, str], cwd: Path, before_kill: Callable[[], object]
 ) -> None:
     """Start the example script; at its line starting with ``mark``, call ``before_kill()`` and
     SIGKILL it."""
-    with subprocess.Popen(
-        [*_EXAMPLE, *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env=env,
-        cwd=cwd,
-    ) as proc:
-        assert proc.stdout is not None
-        try:
-            for line in proc.stdout:
-                if line.startswith(mark):
-                    before_kill()
-                    os.kill(proc.pid, signal.SIGKILL)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-        assert proc.wait() == -signal.SIGKILL
+    with Child(module(_EXAMPLE, *args), env=env, stderr=subprocess.DEVNULL, cwd=cwd) as child:
+        assert child.kill_at(mark, before_kill) == -signal.SIGKILL
 
 
 def _finish(args: list[str], env: dict[str, str], cwd: Path) -> dict[str, Any]:
-    out = subprocess.run(
-        [*_EXAMPLE, *args], capture_output=True, text=True, timeout=300, env=env, cwd=cwd
-    )
+    out = run(module(_EXAMPLE, *args), timeout_s=300, env=env, cwd=cwd)
     assert out.returncode == 0, out.stderr[-3000:]
     (row,) = result_rows(out.stdout)
     return row
@@ -129,16 +108,16 @@ def test_example_script_with_an_s3_dirpath_survives_sigkill(
     16 may still be uploading): a new process resumes from the bucket's newest committed step
     and ends bit-identical, each remaining sample once; nothing lands in a local ``s3:``."""
     url = f"s3://{s3_prefix}/run"
-    env = _child_env(s3_server.env)
+    env = _env(s3_server.env)
     reference = example.train_like_example(str(tmp_path / "ref"))
-    run = [str(tmp_path / "run"), "3"]
-    _run_until([*run, "17", "--dirpath", url], "AT 17", env, tmp_path, lambda: None)
+    args = [str(tmp_path / "run"), "3"]
+    _run_until([*args, "17", "--dirpath", url], "AT 17", env, tmp_path, lambda: None)
     with CheckpointManager(
         url, storage_options=s3_server.storage_options, keep_last=None
     ) as reader:
         steps = reader.steps()
     assert steps in ([4, 8, 12], [4, 8, 12, 16])  # 16 if its upload finished before the kill
-    resumed = _finish([*run, "--dirpath", url], env, tmp_path)
+    resumed = _finish([*args, "--dirpath", url], env, tmp_path)
     assert resumed["start"] == steps[-1]
     assert resumed["seen"] == reference["seen"][steps[-1] * example.BATCH :]
     assert resumed["digest"] == reference["digest"]
@@ -163,7 +142,7 @@ def test_sigkill_during_a_multipart_upload_of_the_state(
     step 4 restores, the killed upload is aborted, and the resumed run ends bit-identical."""
     url = f"s3://{s3_prefix}/run"
     opts = s3_server.storage_options
-    env = _child_env()
+    env = _env()
     options = ["--storage-options", json.dumps(opts), "--ballast-mb", "40"]
     options += ["--compression", "none", "--dirpath", url]
     reference = example.train_like_example(str(tmp_path / "ref"), epochs=1, ballast_mb=40)

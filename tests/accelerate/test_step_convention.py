@@ -4,7 +4,6 @@ checkpointing example; a script written that way resumes bit-identical."""
 from __future__ import annotations
 
 import logging
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ from coci_accelerate import CociCheckpointer
 from coci_core import CheckpointManager, ConfigError
 from tests.accelerate.example import BATCH, STEPS_PER_EPOCH, Stop, train_like_example
 from tests.accelerate.test_accelerate import _kill_and_resume
+from tests.harness.processes import module
 
 
 def _fresh() -> None:
@@ -87,7 +87,7 @@ def test_a_step_of_another_convention_is_refused_at_once(tmp_path: Path) -> None
 def test_example_shaped_script_survives_sigkill(tmp_path: Path) -> None:
     """The same script as a process, SIGKILLed after step 17 (its save at 16 may still be
     in flight): a new process resumes from the newest committed step and ends bit-identical."""
-    command = [sys.executable, "-m", "tests.accelerate.example"]
+    command = module("tests.accelerate.example")
     reference = train_like_example(str(tmp_path / "ref"))
     steps, resumed = _kill_and_resume(command, tmp_path / "run", 3, 17)
     assert steps and steps[-1] <= 17 and steps[-1] % 4 == 0  # older if the writer lagged

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -32,6 +30,7 @@ from coci_core.engine import lease as lease_module
 from coci_core.engine.lease import LEASE_NAME
 from coci_core.telemetry import Event, UploadEvent
 from coci_lightning import CociCheckpoint
+from tests.harness.processes import run, script
 from tests.harness.s3 import SECRET_KEY, S3Server, start_s3_server
 from tests.lightning.models import DigitsModel
 
@@ -293,12 +292,8 @@ def test_a_record_taken_again_after_another_writer_committed_orders_after_it(
             server.kill()
             _poll(lambda: lease.lapsed is not None, "the lease lapsed")
             server.restart()
-            other = subprocess.run(  # another process: this one's registry refuses a second
-                [sys.executable, "-c", _OTHER_WRITER, url, json.dumps(server.storage_options)],
-                capture_output=True,
-                text=True,
-                timeout=120,
-            )
+            # another process: this one's registry refuses a second
+            other = run(script(_OTHER_WRITER, url, json.dumps(server.storage_options)))
             assert other.returncode == 0, other.stderr[-2000:]
             assert _record(server, f"{prefix}/run") is None  # released
         first.save(2, _state(2)).wait()

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import errno
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -14,8 +12,7 @@ import torch
 
 from coci_core import BackgroundSaveError, CheckpointManager, FsspecStorage
 from tests.harness.faults import FaultyStorage
-
-_ROOT = Path(__file__).resolve().parents[2]
+from tests.harness.processes import run, script
 
 # A tmpfs of 11 MiB in a private mount namespace (root, or an unprivileged user namespace):
 # a real ENOSPC, no mock. Each save of the 4 MiB state takes 4 MiB + a manifest.
@@ -61,14 +58,7 @@ def test_full_disk_makes_room_and_explains(tmp_path: Path) -> None:
     newest), and a save that cannot fit says why."""
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    proc = subprocess.run(
-        [*_namespace_prefix(), sys.executable, "-c", _FULL_DISK, str(mnt)],
-        cwd=_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    proc = run([*_namespace_prefix(), *script(_FULL_DISK, str(mnt))], timeout_s=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     import json
 

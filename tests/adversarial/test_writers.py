@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import shutil
-import subprocess
-import sys
 import textwrap
 import threading
 import weakref
@@ -25,6 +24,7 @@ from coci_core import (
 )
 from coci_core.engine.manifest import step_dir_name
 from tests.harness.faults import FaultyStorage, HeldStorage
+from tests.harness.processes import Child, run, script
 
 
 def _state(step: int) -> dict[str, torch.Tensor]:
@@ -158,26 +158,20 @@ def test_two_writer_processes_and_a_reader(tmp_path: Path) -> None:
     """Two processes saving to one directory while a third restores: exactly one writes, the
     other is refused on every save, and every committed step (seen by the reader while they
     run, and afterwards) restores exactly."""
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _WRITER, str(tmp_path), str(first), "go"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        for first in (0, 1)
-    ]
-    for p in procs:
-        assert p.stdout is not None and p.stdout.readline().strip() == "READY"
-    for p in procs:
-        assert p.stdin is not None
-        p.stdin.write("go\n")
-        p.stdin.flush()
-    seen: set[int] = set()
-    while any(p.poll() is None for p in procs):
-        seen.update(_assert_every_step_exact(tmp_path))
-    outputs = [p.communicate(timeout=120)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), outputs
+    with contextlib.ExitStack() as stack:
+        procs = [
+            stack.enter_context(Child(script(_WRITER, str(tmp_path), str(first), "go")))
+            for first in (0, 1)
+        ]
+        for p in procs:
+            assert p.readline().strip() == "READY"
+        for p in procs:
+            p.send("go\n")
+        seen: set[int] = set()
+        while any(p.poll() is None for p in procs):
+            seen.update(_assert_every_step_exact(tmp_path))
+        outputs = [p.communicate(timeout_s=120)[0] for p in procs]
+        assert all(p.wait() == 0 for p in procs), outputs
     results = [
         line.split(" ", 1)[1]
         for out in outputs
@@ -194,7 +188,7 @@ def test_two_writer_processes_and_a_reader(tmp_path: Path) -> None:
 
 def test_lease_is_released_by_a_killed_process(tmp_path: Path) -> None:
     """A writer killed with SIGKILL leaves no lease behind: the next manager writes."""
-    script = textwrap.dedent(
+    code = textwrap.dedent(
         f"""
         import os, signal, torch
         from coci_core import CheckpointManager
@@ -203,7 +197,7 @@ def test_lease_is_released_by_a_killed_process(tmp_path: Path) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
         """
     )
-    proc = subprocess.run([sys.executable, "-c", script], timeout=120, check=False)
+    proc = run(script(code))
     assert proc.returncode == -9
     with CheckpointManager(tmp_path) as mgr:
         mgr.save(2, {"w": torch.zeros(4)}).wait()

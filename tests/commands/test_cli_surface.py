@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,6 +17,7 @@ from coci_core.commands.cli import build_parser, main
 from coci_core.engine.manifest import step_dir_name
 from coci_core.planner.schedule import ExpectedOverhead
 from coci_core.telemetry import JsonlTelemetry
+from tests.harness.processes import run, script
 
 JOB = ["--total-steps", "2000", "--step-time-s", "0.3", "--stall-s", "0.5", "--mtbf-h", "8"]
 
@@ -45,9 +44,7 @@ def test_the_cli_parser_imports_no_torch_numpy_or_scipy() -> None:
         "        sub.format_help()\n"
         "print(sorted(m for m in ('torch', 'numpy', 'scipy', 'safetensors') if m in sys.modules))\n"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
-    )
+    proc = run(script(code))
     assert proc.stdout.strip().splitlines()[-1:] == ["[]"], proc.stdout + proc.stderr
 
 

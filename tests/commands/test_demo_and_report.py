@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from coci_core import CheckpointManager
 from coci_core.commands.cli import main
 from coci_core.engine.manifest import step_dir_name
+from tests.harness.processes import module, run
 from tests.harness.states import assert_same, tiny_model_state
 
 
@@ -91,10 +92,8 @@ def test_errors_exit_1_with_message(tmp_path: Path, capsys: pytest.CaptureFixtur
 @pytest.mark.slow
 def test_coci_demo_engine_end_to_end(tmp_path: Path) -> None:
     """`coci demo --engine` kills a trainer mid-persist and reports a bit-identical resume."""
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
+    proc = run(
+        module(
             "coci_core.commands.cli",
             "demo",
             "--engine",
@@ -106,10 +105,8 @@ def test_coci_demo_engine_end_to_end(tmp_path: Path) -> None:
             "20",
             "--kill-step",
             "60",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+        ),
+        timeout_s=300,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "killed with SIGKILL during the persist of step 60" in proc.stdout

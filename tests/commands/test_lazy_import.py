@@ -3,8 +3,7 @@ answers in a fraction of a second); the package's names still import."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
+from tests.harness.processes import run, script
 
 
 def test_help_through_the_package_imports_no_torch() -> None:
@@ -18,9 +17,7 @@ def test_help_through_the_package_imports_no_torch() -> None:
         "heavy = ('torch', 'numpy', 'scipy', 'lightning', 'pytorch_lightning', 'accelerate')\n"
         "print(sorted(m for m in heavy if m in sys.modules))\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
-    ).stdout
+    out = run(script(code), timeout_s=60, check=True).stdout
     assert "usage: coci" in out
     assert out.strip().splitlines()[-1] == "[]"
 

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -13,6 +11,7 @@ import pytest
 
 from coci_core import CheckpointManager
 from coci_core.commands.demo import run_child, train
+from tests.harness.processes import run, script
 
 pytestmark = pytest.mark.faults
 
@@ -61,7 +60,7 @@ def test_sigkill_during_persist_then_exact_resume(
 def test_disk_full_in_background_surfaces_and_keeps_previous(tmp_path: Path) -> None:
     """A real write failure (file size limit, EFBIG) in the writer thread is raised to the
     caller, nothing is published, and the earlier checkpoint restores intact."""
-    script = textwrap.dedent(
+    code = textwrap.dedent(
         f"""
         import resource, signal, torch
         from coci_core import CheckpointManager, BackgroundSaveError
@@ -79,9 +78,7 @@ def test_disk_full_in_background_surfaces_and_keeps_previous(tmp_path: Path) -> 
         mgr.close()
         """
     )
-    out = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
-    ).stdout
+    out = run(script(code), check=True).stdout
     assert "ERROR 2 StorageError 27" in out  # 27 = EFBIG
     assert "STEPS [1]" in out
     assert "W1 True" in out

@@ -2,23 +2,28 @@
 ``-c`` script) with this checkout on its path, read its output, wait for it with a timeout, and
 SIGKILL it (a crash, a node failure) or kill whatever is left when the test ends.
 
-A child prints marker lines (``READY``, ``PAUSED``, ``RESULT <json>``) that the test reads;
-children that wait to be killed block reading their stdin, which :class:`Child` keeps open.
+A child prints marker lines (``READY``, ``PAUSED``, ``AT <step>``, ``RESULT <json>``) that the
+test reads; children that wait to be killed block reading their stdin, which :class:`Child`
+keeps open. A child that starts processes of its own (Lightning's DDP, torchrun) is killed with
+them: ``kill_scope="group"`` or ``"tree"``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any
+from typing import IO, Any, Literal
 
 ROOT = Path(__file__).resolve().parents[2]
+
+KillScope = Literal["process", "group", "tree"]
 
 
 def child_env(
@@ -64,22 +69,26 @@ def run(
     env: Mapping[str, str] | None = None,
     timeout_s: float = 120,
     input: str | None = None,
+    cwd: str | os.PathLike[str] = ROOT,
+    check: bool = False,
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``command`` from the repository root to its end, its output captured as text
-    (``env`` defaults to :func:`child_env`). The exit status is the caller's to check.
+    """Run ``command`` in ``cwd`` (the repository root) to its end, its output captured as
+    text (``env`` defaults to :func:`child_env`). The exit status is the caller's to check,
+    unless ``check``.
 
     Raises:
         subprocess.TimeoutExpired: it ran past ``timeout_s`` (it is killed then).
+        subprocess.CalledProcessError: ``check`` and it exited with a status other than 0.
     """
     return subprocess.run(
         list(command),
-        cwd=ROOT,
+        cwd=cwd,
         env=dict(env) if env is not None else child_env(),
         input=input,
         capture_output=True,
         text=True,
         timeout=timeout_s,
-        check=False,
+        check=check,
     )
 
 
@@ -90,11 +99,36 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it, whatever session each is in (torchrun starts its
+    workers in sessions of their own)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        todo.extend(children.get(p, []))
+    return found
+
+
 class Child:
     """A running child with a text pipe to its stdin; its stdout goes to a pipe (the default)
     and its stderr nowhere (inherited), else each where ``stdout``/``stderr`` say: ``"pipe"``,
-    a file, ``subprocess.DEVNULL`` or ``None`` (inherited). Used as a context manager,
-    whatever still runs at the end is killed and reaped."""
+    a file, ``subprocess.DEVNULL`` or ``None`` (inherited). It runs in ``cwd`` (the repository
+    root). Used as a context manager, whatever still runs at the end is killed and reaped.
+
+    ``kill_scope`` says what :meth:`kill` ends: ``"process"`` the child alone; ``"group"`` its
+    process group (it starts in a session of its own, and the processes it starts share it);
+    ``"tree"`` it and every process below it at once (it starts in a session of its own too),
+    as a node failure would."""
 
     def __init__(
         self,
@@ -103,15 +137,19 @@ class Child:
         env: Mapping[str, str] | None = None,
         stdout: IO[Any] | int | str | None = "pipe",
         stderr: IO[Any] | int | str | None = None,
+        cwd: str | os.PathLike[str] = ROOT,
+        kill_scope: KillScope = "process",
     ) -> None:
+        self.kill_scope = kill_scope
         self.proc = subprocess.Popen(
             list(command),
-            cwd=ROOT,
+            cwd=cwd,
             env=dict(env) if env is not None else child_env(),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE if stdout == "pipe" else stdout,
             stderr=subprocess.PIPE if stderr == "pipe" else stderr,
             text=True,
+            start_new_session=kill_scope != "process",
         )
 
     @property
@@ -127,10 +165,38 @@ class Child:
         assert self.proc.stdout is not None
         return self.proc.stdout.readline()
 
+    def send(self, text: str) -> None:
+        """Write ``text`` to its stdin (and flush it)."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(text)
+        self.proc.stdin.flush()
+
+    def poll(self) -> int | None:
+        """Its exit status, or None while it runs."""
+        return self.proc.poll()
+
     def kill(self) -> None:
-        """SIGKILL it (as a crash would end it)."""
-        if self.proc.poll() is None:
+        """SIGKILL it, or what ``kill_scope`` names (as a crash would end it)."""
+        if self.proc.poll() is not None:
+            return
+        if self.kill_scope == "group":
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        elif self.kill_scope == "tree":
+            for pid in descendants(self.proc.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        else:
             self.proc.send_signal(signal.SIGKILL)
+
+    def kill_at(self, mark: str, before_kill: Callable[[], object] | None = None) -> int:
+        """Read its stdout; at a line starting with ``mark``, call ``before_kill`` and
+        :meth:`kill` it; read on to the end of its output. Its exit status."""
+        for line in self.lines():
+            if line.startswith(mark):
+                if before_kill is not None:
+                    before_kill()
+                self.kill()
+        return self.wait()
 
     def wait(self, timeout_s: float | None = None) -> int:
         """Its exit status (``-signal.SIGKILL`` once killed)."""
@@ -145,7 +211,7 @@ class Child:
     def close(self) -> None:
         """Kill it if it still runs, reap it, and close the pipes."""
         if self.proc.poll() is None:
-            self.proc.kill()
+            self.kill()
             self.proc.wait()
         for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
             if pipe is not None:

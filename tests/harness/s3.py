@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests.harness.processes import child_env, module, run
+
 __all__ = ["ACCESS_KEY", "SECRET_KEY", "S3Server", "find_weed", "start_s3_server"]
 
 # Test-only credentials of the throwaway server; the secret doubles as a canary that must never
@@ -91,21 +93,8 @@ class S3Server:
         """``coci ARGS`` in a new process that reaches this server through :attr:`env` only
         (the way a user's shell does; ``env`` replaces some of its variables, a wrong secret
         say), with this checkout's sources on its path."""
-        root = Path(__file__).resolve().parents[2]
-        run_env = {
-            k: v
-            for k, v in os.environ.items()
-            if not k.startswith(("AWS_", "FSSPEC_")) and k != "PYTHONPATH"
-        }
-        run_env.update(self.env, PYTHONPATH=f"{root / 'src'}{os.pathsep}{root}")
-        run_env.update(env or {})
-        return subprocess.run(
-            [sys.executable, "-m", "coci_core.commands.cli", *args],
-            env=run_env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        env = child_env({**self.env, **(env or {})}, drop_prefixes=("AWS_", "FSSPEC_"))
+        return run(module("coci_core.commands.cli", *args), env=env)
 
     def filesystem(self) -> Any:
         import s3fs

@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +15,11 @@ import torch
 from coci_core import CheckpointManager, ConfigError
 from coci_core.engine.manifest import step_dir_name
 from coci_lightning import CociCheckpoint
+from tests.harness.processes import Child, module, run
 from tests.lightning.models import DigitsModel, digest
 
 STEPS_PER_EPOCH = 16  # 256 samples, batches of 16
+_CHILD = "tests.lightning._child"
 
 
 def _trainer(root: Path, max_steps: int, callbacks: list[pl.Callback]) -> pl.Trainer:
@@ -156,27 +156,15 @@ def test_lossless_compression_resumes_bit_exact(tmp_path: Path, reference: Digit
 def test_sigkill_mid_epoch_then_resume(tmp_path: Path, reference: DigitsModel) -> None:
     """A Trainer killed with SIGKILL at step 21 resumes from its newest committed step in a new
     process and ends bit-identical to an uninterrupted run of the same seed."""
-    command = [sys.executable, "-m", "tests.lightning._child", str(tmp_path), "40"]
-    with subprocess.Popen(
-        [*command, "21"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    ) as proc:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            if line.startswith("AT 21"):
-                proc.send_signal(signal.SIGKILL)
-        assert proc.wait() == -signal.SIGKILL
+    args = [str(tmp_path), "40"]
+    with Child(module(_CHILD, *args, "21")) as child:
+        assert child.kill_at("AT 21") == -signal.SIGKILL
     steps = CheckpointManager(tmp_path / "coci", keep_last=None).steps()
     # step 18's persist may still have been running at the kill: then 12 is the newest
     assert steps in ([6, 12], [6, 12, 18])
-    out = subprocess.run(command, capture_output=True, text=True, timeout=300, check=True).stdout
+    out = run(module(_CHILD, *args), timeout_s=300, check=True).stdout
     result = json.loads(next(x for x in out.splitlines() if x.startswith("RESULT "))[7:])
-    uninterrupted = subprocess.run(
-        [sys.executable, "-m", "tests.lightning._child", str(tmp_path / "u"), "40"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    ).stdout
+    uninterrupted = run(module(_CHILD, str(tmp_path / "u"), "40"), timeout_s=300, check=True).stdout
     expected = json.loads(
         next(x for x in uninterrupted.splitlines() if x.startswith("RESULT "))[7:]
     )

@@ -2,21 +2,19 @@
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from coci_core import CheckpointManager
+from tests.harness.processes import Child, module, run
 from tests.harness.results import result_rows
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
-COMMAND = [sys.executable, "-m", "tests.lightning._ddp_child"]
+_CHILD = "tests.lightning._ddp_child"
 PER_RANK_BATCH = 8
 SAMPLES_PER_RANK = 128  # 256 samples over 2 ranks
 
@@ -26,9 +24,7 @@ def _results(stdout: str) -> dict[int, dict[str, Any]]:
 
 
 def _run(directory: Path, total: int) -> dict[int, dict[str, Any]]:
-    out = subprocess.run(
-        [*COMMAND, str(directory), str(total)], capture_output=True, text=True, timeout=600
-    )
+    out = run(module(_CHILD, str(directory), str(total)), timeout_s=600)
     assert out.returncode == 0, out.stderr[-3000:]
     results = _results(out.stdout)
     assert sorted(results) == [0, 1]
@@ -42,18 +38,12 @@ def test_ddp_killed_mid_epoch_resumes_bit_exact(tmp_path: Path) -> None:
     expected = _run(tmp_path / "uninterrupted", 30)
     assert expected[0]["digest"] == expected[1]["digest"]
 
-    with subprocess.Popen(
-        [*COMMAND, str(tmp_path / "run"), "30", "17"],
-        stdout=subprocess.PIPE,
+    with Child(
+        module(_CHILD, str(tmp_path / "run"), "30", "17"),
         stderr=subprocess.DEVNULL,
-        text=True,
-        start_new_session=True,
-    ) as proc:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            if line.startswith("AT 17"):
-                os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        kill_scope="group",
+    ) as child:
+        child.kill_at("AT 17")
     steps = CheckpointManager(tmp_path / "run" / "coci", keep_last=None).steps()
     # the persist of step 15 may not have been durable yet when the kill came
     assert steps in ([5, 10], [5, 10, 15])

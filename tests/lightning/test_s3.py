@@ -5,10 +5,8 @@ from __future__ import annotations
 import csv
 import json
 import logging
-import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +16,12 @@ from lightning.pytorch.loggers import CSVLogger
 
 from coci_core import CheckpointManager, ConfigError
 from coci_lightning import CociCheckpoint
+from tests.harness.processes import Child, child_env, module, run
 from tests.harness.results import result_rows
 from tests.harness.s3 import SECRET_KEY, S3Server
 from tests.lightning.models import DigitsModel, digest
 
-_ROOT = Path(__file__).resolve().parents[2]
+_CHILD = "tests.lightning._child"
 
 
 def _fit(root: Path, max_steps: int, callback: CociCheckpoint | None, seed: int, **kw: Any) -> Any:
@@ -85,13 +84,6 @@ def test_s3_dirpath_saves_to_the_bucket_and_resumes_exactly(
     assert SECRET_KEY not in repr(first) + repr(first.checkpointer)
 
 
-def _child_env() -> dict[str, str]:
-    """This checkout on the path; no AWS_* variables (the child gets --storage-options)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "FSSPEC_"))}
-    env["PYTHONPATH"] = f"{_ROOT / 'src'}{os.pathsep}{_ROOT}"
-    return env
-
-
 @pytest.mark.slow
 @pytest.mark.faults
 def test_sigkill_mid_epoch_with_an_s3_dirpath_then_resume(
@@ -103,42 +95,28 @@ def test_sigkill_mid_epoch_with_an_s3_dirpath_then_resume(
     lands in a local ``s3:`` directory."""
     url = f"s3://{s3_prefix}/run"
     opts = s3_server.storage_options
-    env = _child_env()
-    module = [sys.executable, "-m", "tests.lightning._child"]
+    env = child_env(drop_prefixes=("AWS_", "FSSPEC_"))  # the child gets --storage-options
     remote = ["--dirpath", url, "--storage-options", json.dumps(opts)]
     # The uninterrupted run (local checkpoints) runs beside the killed one.
-    with subprocess.Popen(
-        [*module, str(tmp_path / "u"), "40"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env=env,
+    with Child(
+        module(_CHILD, str(tmp_path / "u"), "40"), env=env, stderr=subprocess.DEVNULL
     ) as uninterrupted:
-        with subprocess.Popen(
-            [*module, str(tmp_path / "run"), "40", "21", *remote],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
+        with Child(
+            module(_CHILD, str(tmp_path / "run"), "40", "21", *remote),
             env=env,
+            stderr=subprocess.DEVNULL,
             cwd=tmp_path,  # a relative "s3:/..." directory would land here
-        ) as proc:
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                if line.startswith("AT 21"):
-                    proc.send_signal(signal.SIGKILL)
-            assert proc.wait() == -signal.SIGKILL
-        expected_out, _ = uninterrupted.communicate(timeout=300)
-        assert uninterrupted.returncode == 0
+        ) as child:
+            assert child.kill_at("AT 21") == -signal.SIGKILL
+        expected_out, _ = uninterrupted.communicate(timeout_s=300)
+        assert uninterrupted.wait() == 0
     with CheckpointManager(url, storage_options=opts, keep_last=None) as reader:
         steps = reader.steps()
     # step 18's upload may still have been running at the kill: then 12 is the newest
     assert steps in ([6, 12], [6, 12, 18])
-    resumed = subprocess.run(
-        [*module, str(tmp_path / "run"), "40", *remote],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    resumed = run(
+        module(_CHILD, str(tmp_path / "run"), "40", *remote),
+        timeout_s=300,
         env=env,
         cwd=tmp_path,
     )

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import copy
 import pickle
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +19,7 @@ from coci_core.engine.manifest import step_dir_name
 from coci_core.engine.restore import committed_steps
 from coci_core.storage import open_storage
 from coci_lightning import CociCheckpoint
+from tests.harness.processes import run, script
 from tests.lightning.models import DigitsModel, IndexedDigits, digest
 
 
@@ -381,9 +380,7 @@ def test_importing_coci_lightning_is_enough_to_read_step_dirs() -> None:
         "_CheckpointConnector\n"
         "print(getattr(_CheckpointConnector._parse_ckpt_path, '_coci', False))\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
-    )
+    out = run(script(code), check=True)
     assert out.stdout.strip() == "True"
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -25,11 +24,11 @@ from coci_core.errors import (
     StorageError,
 )
 from coci_core.storage import FsspecStorage, Storage
+from tests.harness.processes import child_env, module, run, script
 from tests.harness.s3 import SECRET_KEY, S3Server
 from tests.storage.contract import StorageContract
 
-_SRC = str(Path(__file__).resolve().parents[2] / "src")
-_ROOT = str(Path(__file__).resolve().parents[2])
+_S3_VARIABLES = ("AWS_", "FSSPEC_")  # a child reaches the server through the ones it is given
 
 
 class TestFsspecS3(StorageContract):
@@ -176,21 +175,10 @@ def test_cli_reads_s3_through_the_environment(
     url = f"s3://{s3_prefix}/run"
     with CheckpointManager(url, storage_options=s3_server.storage_options) as mgr:
         mgr.save(5, {"w": torch.arange(10.0)}).wait()
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("AWS_", "FSSPEC_")) and k != "PYTHONPATH"
-    }
-    env.update(s3_server.env, PYTHONPATH=f"{_SRC}:{_ROOT}")
+    env = child_env(s3_server.env, drop_prefixes=_S3_VARIABLES)
 
     def coci(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "coci_core.commands.cli", *args],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        return run(module("coci_core.commands.cli", *args), env=env)
 
     ls = coci("ls", url)
     assert ls.returncode == 0, ls.stderr
@@ -204,25 +192,26 @@ def test_cli_reads_s3_through_the_environment(
     for proc in (ls, verify, export):
         assert SECRET_KEY not in proc.stdout + proc.stderr
     # fsspec's own variables (FSSPEC_S3_<option>) work as well.
-    fsspec_env = {k: v for k, v in env.items() if not k.startswith("AWS_")}
-    fsspec_env.update(
-        FSSPEC_S3_ENDPOINT_URL=s3_server.endpoint,
-        FSSPEC_S3_KEY=s3_server.storage_options["key"],
-        FSSPEC_S3_SECRET=SECRET_KEY,
-        AWS_DEFAULT_REGION="us-east-1",
+    env = child_env(
+        {
+            "FSSPEC_S3_ENDPOINT_URL": s3_server.endpoint,
+            "FSSPEC_S3_KEY": s3_server.storage_options["key"],
+            "FSSPEC_S3_SECRET": SECRET_KEY,
+            "AWS_DEFAULT_REGION": "us-east-1",
+        },
+        drop_prefixes=_S3_VARIABLES,
     )
-    ls2 = subprocess.run(
-        [sys.executable, "-m", "coci_core.commands.cli", "ls", url],
-        env=fsspec_env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    ls2 = coci("ls", url)
     assert ls2.returncode == 0 and ls2.stdout == ls.stdout, ls2.stderr
     # Without the variables, the CLI cannot reach the server: the test above is not vacuous.
-    env = {k: v for k, v in env.items() if not k.startswith("AWS_")}
-    env.update(AWS_ACCESS_KEY_ID="nobody", AWS_SECRET_ACCESS_KEY="wrong")
-    env["AWS_ENDPOINT_URL"] = s3_server.endpoint
+    env = child_env(
+        {
+            "AWS_ACCESS_KEY_ID": "nobody",
+            "AWS_SECRET_ACCESS_KEY": "wrong",
+            "AWS_ENDPOINT_URL": s3_server.endpoint,
+        },
+        drop_prefixes=_S3_VARIABLES,
+    )
     denied = coci("ls", url)
     assert denied.returncode != 0
     assert "5" not in denied.stdout.split()
@@ -250,20 +239,19 @@ def test_two_writers_on_one_prefix(s3_server: S3Server, s3_prefix: str) -> None:
     owner record is created with a conditional put); after close, the prefix is free."""
     url = f"s3://{s3_prefix}/run"
     opts = s3_server.storage_options
-    cmd = [sys.executable, "-c", _SECOND_WRITER, url, json.dumps(opts)]
-    env = dict(os.environ, PYTHONPATH=f"{_SRC}:{_ROOT}")
+    cmd = script(_SECOND_WRITER, url, json.dumps(opts))
     with CheckpointManager(url, storage_options=opts) as first:
         first.save(1, {"w": torch.ones(3)}).wait()
         record = json.loads(s3_server.filesystem().cat_file(f"{s3_prefix}/run/{LEASE_NAME}"))
         assert record["session"] == first.group.session
         assert record["pid"] == os.getpid()
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+        proc = run(cmd)
         assert proc.returncode == 3, proc.stdout + proc.stderr
         assert f"process {os.getpid()}" in proc.stdout
         first.save(2, {"w": torch.ones(3) * 2}).wait()  # the first writer goes on
         assert first.steps() == [1, 2]
     assert not s3_server.filesystem().exists(f"{s3_prefix}/run/{LEASE_NAME}")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    proc = run(cmd)
     assert proc.returncode == 0 and "SAVED" in proc.stdout, proc.stdout + proc.stderr
 
 
@@ -286,14 +274,7 @@ def test_a_writer_killed_on_this_machine_does_not_hold_the_prefix(
     the lease time); its committed step is intact."""
     url = f"s3://{s3_prefix}/run"
     opts = s3_server.storage_options
-    env = dict(os.environ, PYTHONPATH=f"{_SRC}:{_ROOT}")
-    proc = subprocess.run(
-        [sys.executable, "-c", _KILLED_WRITER, url, json.dumps(opts)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run(script(_KILLED_WRITER, url, json.dumps(opts)))
     assert proc.returncode == -9, proc.stderr
     fs = s3_server.filesystem()
     left = json.loads(fs.cat_file(f"{s3_prefix}/run/{LEASE_NAME}"))

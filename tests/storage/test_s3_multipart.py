@@ -4,23 +4,18 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
-import signal
-import subprocess
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
 
 from coci_core import CheckpointManager
 from coci_core.storage import FsspecStorage, s3_parallel
+from tests.harness.processes import Child, script
 from tests.harness.s3 import S3Server
 
 MiB = 1 << 20
 PART = 5 * MiB  # S3's smallest part
-_ROOT = str(Path(__file__).resolve().parents[2])
 
 
 def _open_uploads(server: S3Server, prefix: str) -> list[str]:
@@ -104,25 +99,11 @@ def test_sigkill_during_a_multipart_upload(s3_server: S3Server, s3_prefix: str) 
     options = s3_server.storage_options
     with CheckpointManager(url, storage_options=options) as mgr:
         mgr.save(1, {"w": torch.ones(1000)}, block=True).wait()
-    child = subprocess.Popen(
-        [sys.executable, "-c", _KILLED_WRITER, url, json.dumps(options)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([_ROOT + "/src", _ROOT])},
-    )
-    try:
-        assert child.stdout is not None
-        assert child.stdout.readline().strip() == b"PARTS SENT"
+    with Child(script(_KILLED_WRITER, url, json.dumps(options))) as child:
+        assert child.readline().strip() == "PARTS SENT"
         assert _open_uploads(s3_server, s3_prefix)  # the upload is open on the server
-        os.kill(child.pid, signal.SIGKILL)
-        child.wait(timeout=30)
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait(timeout=30)
-        for pipe in (child.stdin, child.stdout):
-            if pipe is not None:
-                pipe.close()
+        child.kill()
+        child.wait(timeout_s=30)
     with CheckpointManager(url, storage_options=options) as mgr:
         assert mgr.steps() == [1]
         assert _open_uploads(s3_server, s3_prefix) == []  # aborted under the owner record

@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +14,7 @@ import pytest
 
 from coci_core.telemetry import read_jsonl
 from coci_core.telemetry.report import facts, summarize
+from tests.harness.processes import module, run
 from tests.harness.tb import (
     TensorBoard,
     browser_available,
@@ -92,11 +91,8 @@ def test_routes_serve_the_run_as_one_timeline(
     expected = facts(summary)
     assert data["summary"] == json.loads(json.dumps(expected))  # the same numbers, same code
     assert data["summary"]["lost_steps"] == restart["lost_steps"]
-    report = subprocess.run(
-        [sys.executable, "-m", "coci_core.commands.cli", "report", str(logdir / "coci")],
-        capture_output=True,
-        text=True,
-        check=True,
+    report = run(
+        module("coci_core.commands.cli", "report", str(logdir / "coci")), check=True
     ).stdout
     assert f"checkpoints committed: {len(committed)} at steps {committed}" in report
     assert f"planned checkpoint steps seen: {len(planned)};" in report

@@ -7,7 +7,6 @@ import importlib.util
 import json
 import logging
 import math
-import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -22,6 +21,7 @@ from coci_core.planner import Planner, PlannerReport
 from coci_core.telemetry import UploadEvent
 from coci_core.telemetry.tensorboard import TensorBoardTelemetry
 from coci_core.telemetry.timeline import POINTER_FILE, find_runs
+from tests.harness.processes import run, script
 
 needs_tensorboard = pytest.mark.skipif(
     importlib.util.find_spec("tensorboard") is None,
@@ -357,5 +357,5 @@ def test_import_does_not_load_tensorboard() -> None:
         "print(sorted(m for m in ('tensorboard', 'torch.utils.tensorboard', "
         "'coci_core.planner') if m in sys.modules))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = run(script(code), check=True)
     assert out.stdout.strip() == "[]"
