@@ -174,3 +174,11 @@ READ_CHUNK_BYTES = 16 * MiB
 #: Pieces from this size on are read from local storage in chunks whose pages are then dropped
 #: from the page cache (smaller ones are read whole and left there).
 CHUNKED_MIN_BYTES = 1 * MiB
+
+# -- restore of many small arrays (engine/read.py) -------------------------------------------
+#: The small raw pieces (under CHUNKED_MIN_BYTES) of one data file are read in regions of at
+#: most this many bytes, one read each, every piece then checked over its slice of the region.
+REGION_READ_BYTES = 16 * MiB
+#: Two pieces at most this far apart in a data file are read in one region (the bytes between
+#: them, alignment padding, are read and dropped).
+REGION_GAP_BYTES = 64 * 1024
