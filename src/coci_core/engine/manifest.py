@@ -9,6 +9,9 @@ before it uses anything in the manifest. Every field is then checked against har
 anything is allocated or read (see :class:`Manifest.from_json`). Each array is stored as one
 or more *pieces* (byte ranges, possibly in different ranks' data files). Format 3 is the only
 format this coci reads: a manifest of any other ``format_version`` is refused.
+
+Why one module: the records, their JSON form and the checks of that form are one on-disk
+format; the checker builds the records, and a change to a field touches all three.
 """
 
 from __future__ import annotations
