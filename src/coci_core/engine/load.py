@@ -14,7 +14,7 @@ import torch
 from coci_core.engine.inplace import Fill, InPlaceTargets
 from coci_core.engine.manifest import MANIFEST_NAME, Manifest, TensorEntry, step_dir_name
 from coci_core.engine.read import ArrayReader, RestoreTimes
-from coci_core.engine.steps import ManifestCache, read_manifest
+from coci_core.engine.steps import ManifestCache, gc_paused, read_manifest
 from coci_core.engine.tree import decode_dtype, load_torch_saved, ndarray_dtype, unflatten_state
 from coci_core.errors import (
     CheckpointError,
@@ -133,7 +133,8 @@ def load_checkpoint(
     """
     reader = cache._reader if cache is not None and cache.storage is storage else None
     try:
-        return _load(storage, step, rank, reader or ArrayReader(storage), targets)
+        with gc_paused():  # many new objects, none in a cycle
+            return _load(storage, step, rank, reader or ArrayReader(storage), targets)
     except (CheckpointError, StorageError):
         raise  # a store that cannot say whether the step exists (refused, down): not damage
     except Exception as e:

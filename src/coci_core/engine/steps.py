@@ -3,7 +3,10 @@ first by commit sequence), as resume and retention see them."""
 
 from __future__ import annotations
 
+import gc
 import hashlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +25,7 @@ __all__ = [
     "ManifestCache",
     "StepInfo",
     "committed_steps",
+    "gc_paused",
     "highest_sequence",
     "newest_first",
     "newest_first_key",
@@ -140,8 +144,26 @@ def _where(storage: Storage, step: int) -> str:
     return f"manifest of step {step} in {storage.url}"
 
 
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """No cyclic garbage collection inside: decoding a manifest and building a state make
+    many objects in no cycle, and each collection walks every object alive (measured: 0.14 s
+    to decode a manifest of 50,000 arrays with collection paused, 1.5 s without, while an
+    earlier one was held)."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def _parse(storage: Storage, step: int, data: bytes) -> Manifest:
-    return _checked(Manifest.from_json(data, where=_where(storage, step), step=step), step)
+    with gc_paused():
+        manifest = Manifest.from_json(data, where=_where(storage, step), step=step)
+    return _checked(manifest, step)
 
 
 def _checked(manifest: Manifest, step: int) -> Manifest:
@@ -164,7 +186,8 @@ def _step_info(storage: Storage, step: int, kept: ManifestCache | None) -> StepI
     key = (step, hashlib.sha256(data).digest())
     info = _infos.get(key)
     if info is None:
-        doc, head = read_head(data, where=_where(storage, step), step=step)
+        with gc_paused():
+            doc, head = read_head(data, where=_where(storage, step), step=step)
         if head.step != step:
             raise CorruptCheckpointError(
                 f"manifest in {step_dir_name(step)} says step {head.step}", step=step
@@ -212,7 +235,7 @@ class ManifestCache:
         kept = self._kept
         if kept is not None and kept[2].step == step and hashlib.sha256(data).digest() == kept[0]:
             self._kept = None  # parsed once: the load keeps the Manifest
-            return _checked(
-                Manifest.from_head(kept[1], where=_where(self.storage, step), step=step), step
-            )
+            with gc_paused():
+                manifest = Manifest.from_head(kept[1], where=_where(self.storage, step), step=step)
+            return _checked(manifest, step)
         return _parse(self.storage, step, data)
