@@ -176,8 +176,11 @@ READ_CHUNK_BYTES = 16 * MiB
 CHUNKED_MIN_BYTES = 1 * MiB
 
 # -- restore of many small arrays (engine/read.py) -------------------------------------------
-#: The small raw pieces (under CHUNKED_MIN_BYTES) of one data file are read in regions of at
-#: most this many bytes, one read each, every piece then checked over its slice of the region.
+#: The raw pieces of at most REGION_PIECE_BYTES of one data file are read in regions of at
+#: most REGION_READ_BYTES, one read each, every piece then checked over its slice of the
+#: region and copied out; a larger piece is read straight into its array (its own read costs
+#: less than the copy).
+REGION_PIECE_BYTES = 64 * 1024
 REGION_READ_BYTES = 16 * MiB
 #: Two pieces at most this far apart in a data file are read in one region (the bytes between
 #: them, alignment padding, are read and dropped).

@@ -25,6 +25,7 @@ from coci_core.knobs import (
     CHUNKED_MIN_BYTES,
     READ_CHUNK_BYTES,
     REGION_GAP_BYTES,
+    REGION_PIECE_BYTES,
     REGION_READ_BYTES,
 )
 from coci_core.storage import Storage
@@ -354,12 +355,13 @@ class ArrayReader:
             yield out
 
     def _plain(self, manifest: Manifest, entry: TensorEntry) -> bool:
-        """Whether every piece of ``entry`` is raw, small, and within its data file (what
-        :meth:`_check` finds of a raw entry), and the entry was not found damaged."""
+        """Whether every piece of ``entry`` is raw, of at most :data:`REGION_PIECE_BYTES` and
+        within its data file (what :meth:`_check` finds of a raw entry), and the entry was not
+        found damaged."""
         if entry.codec not in (RAW_CODEC, "mixed") or (manifest.step, entry.key) in self._damaged:
             return False
         for piece in entry.pieces:
-            if piece.params is not None or piece.nbytes >= CHUNKED_MIN_BYTES:
+            if piece.params is not None or piece.nbytes > REGION_PIECE_BYTES:
                 return False
             try:
                 size = self._file_size(manifest.step, piece.file, entry.key)
