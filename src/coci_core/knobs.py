@@ -185,3 +185,6 @@ REGION_READ_BYTES = 16 * MiB
 #: Two pieces at most this far apart in a data file are read in one region (the bytes between
 #: them, alignment padding, are read and dropped).
 REGION_GAP_BYTES = 64 * 1024
+#: The heads of at most this many manifests (a few hundred bytes each) are remembered in a
+#: process, by the SHA-256 of their bytes, so that retention and resume do not decode them again.
+STEP_INFO_CACHE_ENTRIES = 4096

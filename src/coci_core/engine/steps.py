@@ -19,6 +19,7 @@ from coci_core.engine.manifest import (
     step_dir_name,
 )
 from coci_core.errors import CorruptCheckpointError, NoCheckpointError, StorageError
+from coci_core.knobs import STEP_INFO_CACHE_ENTRIES
 from coci_core.storage import Storage
 
 __all__ = [
@@ -178,7 +179,6 @@ def _checked(manifest: Manifest, step: int) -> Manifest:
 # SHA-256 of the manifest's exact bytes: the same bytes give the same head, so a manifest read
 # again (after each save, at each restore) is hashed, not parsed again.
 _infos: dict[tuple[int, bytes], StepInfo] = {}
-_MAX_INFOS = 4096  # a few hundred bytes each
 
 
 def _step_info(storage: Storage, step: int, kept: ManifestCache | None) -> StepInfo:
@@ -193,7 +193,7 @@ def _step_info(storage: Storage, step: int, kept: ManifestCache | None) -> StepI
                 f"manifest in {step_dir_name(step)} says step {head.step}", step=step
             )
         info = StepInfo(step, head.run, head.created_unix, True, head.bases, head.sequence)
-        if len(_infos) >= _MAX_INFOS:
+        if len(_infos) >= STEP_INFO_CACHE_ENTRIES:
             _infos.clear()
         _infos[key] = info
         if kept is not None:
