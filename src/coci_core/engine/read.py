@@ -346,12 +346,12 @@ class ArrayReader:
             if parts is None:
                 yield self.fetch(manifest, entry, out)
                 continue
-            if out is None and len(parts) == 1:
-                yield parts[0].clone()  # one storage per array, as fetch gives
-                continue
+            # one storage per array, as fetch gives; copied by memoryview, never by a torch
+            # op that may wait for intra-op threads
             out = _alloc(entry.raw_nbytes) if out is None else out
+            dst = out.numpy().data
             for piece, part in zip(entry.pieces, parts, strict=True):
-                out[piece.start : piece.start + piece.length].copy_(part)
+                dst[piece.start : piece.start + piece.length] = part
             yield out
 
     def _plain(self, manifest: Manifest, entry: TensorEntry) -> bool:
@@ -373,7 +373,7 @@ class ArrayReader:
 
     def _read_regions(
         self, manifest: Manifest, entries: Sequence[TensorEntry]
-    ) -> dict[int, list[torch.Tensor]]:
+    ) -> dict[int, list[memoryview]]:
         """For each plain entry (by index) read and checked whole: its pieces' bytes, views of
         the regions read."""
         if len(manifest.bases) >= MAX_DELTA_CHAIN:
@@ -385,7 +385,7 @@ class ArrayReader:
             for k, piece in enumerate(entry.pieces)
         ]
         spans.sort()
-        parts: dict[int, list[torch.Tensor | None]] = {}
+        parts: dict[int, list[memoryview | None]] = {}
         failed: set[int] = set()
         step_dir = step_dir_name(manifest.step)
         first = 0
@@ -420,7 +420,7 @@ class ArrayReader:
                 got = parts.get(i)
                 if got is None:
                     got = parts[i] = [None] * len(entry.pieces)
-                got[k] = buf[lo : lo + nbytes]
+                got[k] = view[lo : lo + nbytes]
             self.times.read_s += checked - started
             self.times.verify_s += time.perf_counter() - checked
             first = last
