@@ -174,3 +174,17 @@ READ_CHUNK_BYTES = 16 * MiB
 #: Pieces from this size on are read from local storage in chunks whose pages are then dropped
 #: from the page cache (smaller ones are read whole and left there).
 CHUNKED_MIN_BYTES = 1 * MiB
+
+# -- restore of many small arrays (engine/read.py) -------------------------------------------
+#: The raw pieces of at most REGION_PIECE_BYTES of one data file are read in regions of at
+#: most REGION_READ_BYTES, one read each, every piece then checked over its slice of the
+#: region and copied out; a larger piece is read straight into its array (its own read costs
+#: less than the copy).
+REGION_PIECE_BYTES = 64 * 1024
+REGION_READ_BYTES = 16 * MiB
+#: Two pieces at most this far apart in a data file are read in one region (the bytes between
+#: them, alignment padding, are read and dropped).
+REGION_GAP_BYTES = 64 * 1024
+#: The heads of at most this many manifests (a few hundred bytes each) are remembered in a
+#: process, by the SHA-256 of their bytes, so that retention and resume do not decode them again.
+STEP_INFO_CACHE_ENTRIES = 4096

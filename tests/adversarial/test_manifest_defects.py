@@ -24,7 +24,7 @@ from coci_core import (
     NoCheckpointError,
 )
 from coci_core.commands import cli
-from coci_core.engine import load, read, restore, tree
+from coci_core.engine import read, restore, steps, tree
 from coci_core.engine.manifest import step_dir_name
 from coci_core.engine.restore import load_checkpoint, verify_checkpoint
 from coci_core.storage import LocalStorage
@@ -480,7 +480,7 @@ def test_unforeseen_errors_become_corrupt_checkpoint_errors(
     with pytest.raises(CorruptCheckpointError, match="ValueError"):
         load_checkpoint(LocalStorage(tmp_path), 1)
     assert verify_checkpoint(LocalStorage(tmp_path), 1) == ["/w"]
-    monkeypatch.setattr(load, "read_manifest", _raise_value_error)
+    monkeypatch.setattr(steps, "_parse", _raise_value_error)
     with pytest.raises(CorruptCheckpointError, match="ValueError"):
         load_checkpoint(LocalStorage(tmp_path), 2)
 

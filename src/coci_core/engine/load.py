@@ -14,7 +14,7 @@ import torch
 from coci_core.engine.inplace import Fill, InPlaceTargets
 from coci_core.engine.manifest import MANIFEST_NAME, Manifest, TensorEntry, step_dir_name
 from coci_core.engine.read import ArrayReader, RestoreTimes
-from coci_core.engine.steps import read_manifest
+from coci_core.engine.steps import ManifestCache, gc_paused, read_manifest
 from coci_core.engine.tree import decode_dtype, load_torch_saved, ndarray_dtype, unflatten_state
 from coci_core.errors import (
     CheckpointError,
@@ -67,15 +67,16 @@ def _values(
     targets: InPlaceTargets | None,
 ) -> tuple[list[Any], int]:
     """The entries' values; those in ``fills`` read into their live tensors (the values)."""
+    if targets is None:
+        fills = {}
+    fetched = reader.fetch_all(manifest, entries, {i: f.raw for i, f in fills.items()})
     values, nbytes = [], 0
     for i, entry in enumerate(entries):
         fill = fills.get(i)
-        if fill is None or targets is None:
-            values.append(_as_value(entry, reader.fetch(manifest, entry)))
-        else:
+        if fill is not None and targets is not None:
             targets.written.add(fill.path)  # before: a failed read may leave it half written
-            reader.fetch(manifest, entry, out=fill.raw)
-            values.append(fill.tensor)
+        raw = next(fetched)
+        values.append(_as_value(entry, raw) if fill is None else fill.tensor)
         nbytes += entry.nbytes
     return values, nbytes
 
@@ -97,6 +98,11 @@ class RestoreCache:
     def __init__(self, storage: Storage) -> None:
         self.storage = storage
         self._reader = ArrayReader(storage)
+
+    @property
+    def manifests(self) -> ManifestCache:
+        """The manifests this restore parsed (see :class:`ManifestCache`)."""
+        return self._reader.manifests
 
     @property
     def times(self) -> RestoreTimes:
@@ -127,7 +133,8 @@ def load_checkpoint(
     """
     reader = cache._reader if cache is not None and cache.storage is storage else None
     try:
-        return _load(storage, step, rank, reader or ArrayReader(storage), targets)
+        with gc_paused():  # many new objects, none in a cycle
+            return _load(storage, step, rank, reader or ArrayReader(storage), targets)
     except (CheckpointError, StorageError):
         raise  # a store that cannot say whether the step exists (refused, down): not damage
     except Exception as e:
@@ -148,11 +155,11 @@ def _rank_trees(manifest: Manifest, rank: int) -> tuple[list[tuple[Any, Any]], b
 def _load(
     storage: Storage, step: int, rank: int, reader: ArrayReader, targets: InPlaceTargets | None
 ) -> LoadedCheckpoint:
-    manifest = read_manifest(storage, step)
+    manifest = reader.manifests.read(step)  # parsed once: step_infos may have parsed it
     trees, has_rank_state = _rank_trees(manifest, rank)
     fills = targets.plan(trees) if targets is not None else [{} for _ in trees]
     values, bytes_read = _values(reader, manifest, manifest.tensors, fills[0], targets)
-    state = unflatten_state(manifest.tree, values)
+    state = unflatten_state(manifest.tree, values, checked=True)  # checked with the manifest
     if not isinstance(state, dict):
         raise CorruptCheckpointError(f"step {step}: the state is not a mapping", step=step)
     restored = not has_rank_state
@@ -160,7 +167,7 @@ def _load(
         own_tree, own_entries = trees[1]
         own_values, n = _values(reader, manifest, own_entries, fills[1], targets)
         bytes_read += n
-        own_state = unflatten_state(own_tree, own_values)
+        own_state = unflatten_state(own_tree, own_values, checked=True)
         if not isinstance(own_state, dict):
             raise CorruptCheckpointError(
                 f"step {step}: the state of rank {rank} is not a mapping", step=step
@@ -236,7 +243,7 @@ def _raise_if_removed(storage: Storage, step: int, path: str) -> None:
 def _check_loadable(storage: Storage, step: int, rank: int, reader: ArrayReader) -> None:
     """What :func:`load_checkpoint` checks for ``rank``, without keeping the state: the
     manifest, the trees, and every array that rank's restore reads (one at a time)."""
-    manifest = read_manifest(storage, step)
+    manifest = reader.manifests.read(step)
     trees, _ = _rank_trees(manifest, rank)
     for tree, entries in trees:
         unflatten_state(tree, [None] * len(entries))  # the tree's own values, as restore does

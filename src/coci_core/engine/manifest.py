@@ -9,6 +9,9 @@ before it uses anything in the manifest. Every field is then checked against har
 anything is allocated or read (see :class:`Manifest.from_json`). Each array is stored as one
 or more *pieces* (byte ranges, possibly in different ranks' data files). Format 3 is the only
 format this coci reads: a manifest of any other ``format_version`` is refused.
+
+Why one module: the records, their JSON form and the checks of that form are one on-disk
+format; the checker builds the records, and a change to a field touches all three.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 from coci_core.engine.tree import check_tree, decode_dtype, ndarray_dtype
 from coci_core.errors import CorruptCheckpointError
@@ -30,12 +33,14 @@ __all__ = [
     "MAX_MANIFEST_BYTES",
     "DataFile",
     "Manifest",
+    "ManifestHead",
     "Piece",
     "RankState",
     "TensorEntry",
     "load_sealed",
     "parse_step_dir",
     "parse_tensor_entry",
+    "read_head",
     "seal",
     "step_dir_name",
 ]
@@ -302,13 +307,54 @@ class Manifest:
         Raises:
             CorruptCheckpointError: naming the field (and ``step``, when given).
         """
-        if len(data) > MAX_MANIFEST_BYTES:
-            raise CorruptCheckpointError(
-                f"{where} has {len(data)} bytes, more than {MAX_MANIFEST_BYTES}", step=step
-            )
-        body = _unseal(data, where, step)
-        doc = _loads(data if body is None else body, where, step)
-        return RecordChecker(where, step).manifest(doc, sealed=body is not None)
+        doc, sealed = _document(data, where, step)
+        return RecordChecker(where, step).manifest(doc, sealed=sealed)
+
+    @classmethod
+    def from_head(cls, doc: Any, *, where: str = "manifest", step: int | None = None) -> Manifest:
+        """The manifest of a document that :func:`read_head` returned, checked as
+        :meth:`from_json` checks it (its checksum was verified there).
+
+        Raises:
+            CorruptCheckpointError: naming the field (and ``step``, when given).
+        """
+        return RecordChecker(where, step).manifest(doc, sealed=True)
+
+
+class ManifestHead(NamedTuple):
+    """What ordering and retention read of a manifest: its step, creation time, run, the
+    steps its deltas need and its commit sequence."""
+
+    step: int
+    created_unix: float
+    run: str
+    bases: tuple[int, ...]
+    sequence: int
+
+
+def _document(data: bytes, where: str, step: int | None) -> tuple[Any, bool]:
+    """The JSON document of a manifest's bytes (size and checksum checked) and whether it was
+    sealed."""
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise CorruptCheckpointError(
+            f"{where} has {len(data)} bytes, more than {MAX_MANIFEST_BYTES}", step=step
+        )
+    body = _unseal(data, where, step)
+    return _loads(data if body is None else body, where, step), body is not None
+
+
+def read_head(
+    data: bytes, *, where: str = "manifest", step: int | None = None
+) -> tuple[Any, ManifestHead]:
+    """A manifest's document and its head: the checks of :meth:`Manifest.from_json` up to
+    the fields of :class:`ManifestHead` (the checksum, the format, the top-level fields, the
+    head's values); the arrays, files and trees are checked by :meth:`Manifest.from_head`.
+
+    Raises:
+        CorruptCheckpointError: naming the field (and ``step``, when given).
+    """
+    doc, sealed = _document(data, where, step)
+    return doc, RecordChecker(where, step).head(doc, sealed=sealed)
 
 
 def parse_tensor_entry(t: Any) -> TensorEntry:
@@ -406,7 +452,7 @@ class RecordChecker:
             self.fail(name, f"must be a plain name ([A-Za-z0-9._-]), got {_show(value)}")
         return value
 
-    def manifest(self, doc: Any, *, sealed: bool) -> Manifest:
+    def head(self, doc: Any, *, sealed: bool) -> ManifestHead:
         doc = self.obj(doc, "(the document)", ("format_version",), None)
         version = doc["format_version"]
         if type(version) is not int or version != FORMAT_VERSION:
@@ -426,6 +472,19 @@ class RecordChecker:
         created = doc["created_unix"]
         if type(created) not in (int, float) or not 0 <= created <= MAX_CREATED_UNIX:
             self.fail("created_unix", f"must be a time in [0, 2**37], got {_show(created)}")
+        run = self.str_(doc["run"], "run", MAX_RUN)
+        if not run.isascii() or not run.isalnum():
+            self.fail("run", f"must be letters and digits, got {_show(run)}")
+        bases = tuple(
+            self.int_(b, f"bases[{i}]", 0, step - 1)
+            for i, b in enumerate(self.list_(doc["bases"], "bases"))
+        )
+        if len(set(bases)) != len(bases):
+            self.fail("bases", "repeats a step")
+        return ManifestHead(step, float(created), run, bases, sequence)
+
+    def manifest(self, doc: Any, *, sealed: bool) -> Manifest:
+        step, created, run, bases, sequence = self.head(doc, sealed=sealed)
         files: dict[str, int] = {}
         for i, f in enumerate(self.list_(doc["files"], "files")):
             f = self.obj(f, f"files[{i}]", ("name", "nbytes"), ("name", "nbytes"))
@@ -438,15 +497,6 @@ class RecordChecker:
         if type(metadata) is not dict:
             self.fail("metadata", f"must be an object, got {_show(metadata)}")
         token = self.str_(doc["token"], "token", MAX_TOKEN)
-        run = self.str_(doc["run"], "run", MAX_RUN)
-        if not run.isascii() or not run.isalnum():
-            self.fail("run", f"must be letters and digits, got {_show(run)}")
-        bases = tuple(
-            self.int_(b, f"bases[{i}]", 0, step - 1)
-            for i, b in enumerate(self.list_(doc["bases"], "bases"))
-        )
-        if len(set(bases)) != len(bases):
-            self.fail("bases", "repeats a step")
         tensors = self.entries(doc["tensors"], "tensors", files)
         self.tree(doc["tree"], "tree", tensors, root=True)
         per_rank = []
@@ -462,11 +512,11 @@ class RecordChecker:
             per_rank.append(RankState(tree=rank["tree"], tensors=own))
         return Manifest(
             step=step,
-            created_unix=float(created),
+            created_unix=created,
             tree=doc["tree"],
             tensors=tensors,
             files=tuple(DataFile(n, size) for n, size in files.items()),
-            format_version=version,
+            format_version=FORMAT_VERSION,
             world_size=world_size,
             metadata=metadata,
             per_rank=tuple(per_rank),
@@ -491,11 +541,15 @@ class RecordChecker:
             self.fail(name, f"must be a dict node, got {_show(tree)}")
 
     def entries(self, value: Any, name: str, files: dict[str, int]) -> tuple[TensorEntry, ...]:
-        return tuple(
-            self.entry(t, f"{name}[{i}]", files) for i, t in enumerate(self.list_(value, name))
-        )
+        out: list[TensorEntry] = []
+        for t in self.list_(value, name):
+            entry = _plain_entry(t, files)
+            out.append(entry if entry is not None else self.entry(t, f"{name}[{len(out)}]", files))
+        return tuple(out)
 
     def entry(self, t: Any, name: str, files: dict[str, int] | None) -> TensorEntry:
+        """The checked entry; every check below has its error message (the common case is
+        accepted by :func:`_plain_entry` first, without building any)."""
         t = self.obj(t, name, _ENTRY_FIELDS[:-1], _ENTRY_FIELDS)
         key = self.str_(t["key"], f"{name}.key")
         where = f"{name} ({key[:200]!r})"
@@ -580,3 +634,96 @@ class RecordChecker:
             crc32c=self.int_(p["crc32c"], f"{name}.crc32c", 0, 0xFFFFFFFF),
             params=params,
         )
+
+
+_ENTRY_KEYS = frozenset(_ENTRY_FIELDS)
+_ENTRY_REQUIRED = frozenset(_ENTRY_FIELDS[:-1])
+_PIECE_KEYS = frozenset(_PIECE_FIELDS)
+_PIECE_REQUIRED = frozenset(_PIECE_FIELDS[:-1])
+_MAX_CRC = 0xFFFFFFFF
+_itemsizes: dict[str, int] = {}
+
+
+def _itemsize(dtype: str) -> int | None:
+    size = _itemsizes.get(dtype)
+    if size is None:
+        try:
+            size = _itemsizes[dtype] = decode_dtype(dtype).itemsize
+        except CorruptCheckpointError:
+            return None
+    return size
+
+
+def _plain_entry(t: Any, files: dict[str, int]) -> TensorEntry | None:
+    """A ``"tensor"`` entry that passes every check of :meth:`RecordChecker.entry`, checked
+    without building an error message; None for anything else (which the full checker then
+    accepts or refuses with its message)."""
+    if type(t) is not dict or not t.keys() >= _ENTRY_REQUIRED or not t.keys() <= _ENTRY_KEYS:
+        return None
+    key, dtype, dims, codec, stored = t["key"], t["dtype"], t["shape"], t["codec"], t["pieces"]
+    if (
+        t["kind"] != "tensor"
+        or t.get("numpy_dtype") is not None
+        or type(key) is not str
+        or type(dtype) is not str
+        or len(dtype) > 64
+        or type(codec) is not str
+        or len(codec) > 64
+        or type(dims) is not list
+        or len(dims) > MAX_NDIM
+        or type(stored) is not list
+    ):
+        return None
+    itemsize = _itemsize(dtype)
+    if itemsize is None:
+        return None
+    numel = extent = 1
+    for n in dims:
+        if type(n) is not int or not 0 <= n <= MAX_INT:
+            return None
+        numel *= n
+        extent *= max(n, 1)
+        if extent > MAX_ARRAY_BYTES:
+            return None
+    raw = numel * itemsize
+    if raw > MAX_ARRAY_BYTES:
+        return None
+    pieces = []
+    covered = 0
+    for p in stored:
+        if type(p) is not dict or not p.keys() >= _PIECE_REQUIRED or not p.keys() <= _PIECE_KEYS:
+            return None
+        name, offset, nbytes, start, length, crc = (
+            p["file"],
+            p["offset"],
+            p["nbytes"],
+            p["start"],
+            p["length"],
+            p["crc32c"],
+        )
+        params = p.get("params")
+        if (
+            type(name) is not str
+            or name not in files  # the names in files are checked plain names
+            or type(offset) is not int
+            or type(nbytes) is not int
+            or type(start) is not int
+            or type(length) is not int
+            or type(crc) is not int
+            or not 0 <= offset <= MAX_INT
+            or not 0 <= nbytes <= MAX_INT
+            or not 0 <= length <= MAX_INT
+            or not 0 <= crc <= _MAX_CRC
+            or start != covered
+            or (params is None and nbytes != length)
+            or (params is not None and type(params) is not dict)
+            or offset + nbytes > files[name]
+        ):
+            return None
+        covered += length
+        if covered > raw:
+            return None
+        pieces.append(Piece(name, offset, nbytes, start, length, crc, params))
+    if covered != raw:
+        return None
+    return TensorEntry(key, "tensor", dtype, tuple(dims), codec, tuple(pieces), None)

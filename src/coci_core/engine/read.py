@@ -9,6 +9,7 @@ import os
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -18,9 +19,15 @@ import torch
 from coci_core.codecs import RAW as RAW_CODEC
 from coci_core.codecs import decode, needs_base
 from coci_core.engine.manifest import Manifest, TensorEntry, step_dir_name
-from coci_core.engine.steps import read_manifest
+from coci_core.engine.steps import ManifestCache
 from coci_core.errors import CheckpointError, CorruptCheckpointError, StorageError
-from coci_core.knobs import CHUNKED_MIN_BYTES, READ_CHUNK_BYTES
+from coci_core.knobs import (
+    CHUNKED_MIN_BYTES,
+    READ_CHUNK_BYTES,
+    REGION_GAP_BYTES,
+    REGION_PIECE_BYTES,
+    REGION_READ_BYTES,
+)
 from coci_core.storage import Storage
 
 __all__ = [
@@ -161,6 +168,7 @@ class ArrayReader:
 
     def __init__(self, storage: Storage) -> None:
         self.storage = storage
+        self.manifests = ManifestCache(storage)
         self.times = RestoreTimes()
         self._manifests: dict[int, Manifest | CheckpointError] = {}
         self._by_key: dict[int, dict[str, TensorEntry]] = {}
@@ -171,7 +179,7 @@ class ArrayReader:
         cached = self._manifests.get(step)
         if cached is None:
             try:
-                cached = read_manifest(self.storage, step)
+                cached = self.manifests.read(step)
             except CheckpointError as e:
                 cached = e
             self._manifests[step] = cached
@@ -321,6 +329,106 @@ class ArrayReader:
                             bad=[key],
                         )
         return [(nodes[s][0], nodes[s][1], bases_of[s]) for s in sorted(nodes)]
+
+    def fetch_all(
+        self, manifest: Manifest, entries: Sequence[TensorEntry], outs: dict[int, torch.Tensor]
+    ) -> Iterator[torch.Tensor]:
+        """What :meth:`fetch` gives for each of ``entries`` in turn (into ``outs[i]`` where
+        given), the arrays stored raw in small pieces read by regions of their data files:
+        one read per region, each piece checked over its slice. An array that does not fit
+        that path (a delta, a compressed or large piece, a region that cannot be read, a
+        checksum that does not match) goes through :meth:`fetch`, which reads it again and
+        raises what it raises there."""
+        regions = self._read_regions(manifest, entries)
+        for i, entry in enumerate(entries):
+            out = outs.get(i)
+            parts = regions.pop(i, None)
+            if parts is None:
+                yield self.fetch(manifest, entry, out)
+                continue
+            # one storage per array, as fetch gives; copied by memoryview, never by a torch
+            # op that may wait for intra-op threads
+            out = _alloc(entry.raw_nbytes) if out is None else out
+            dst = out.numpy().data
+            for piece, part in zip(entry.pieces, parts, strict=True):
+                dst[piece.start : piece.start + piece.length] = part
+            yield out
+
+    def _plain(self, manifest: Manifest, entry: TensorEntry) -> bool:
+        """Whether every piece of ``entry`` is raw, of at most :data:`REGION_PIECE_BYTES` and
+        within its data file (what :meth:`_check` finds of a raw entry), and the entry was not
+        found damaged."""
+        if entry.codec not in (RAW_CODEC, "mixed") or (manifest.step, entry.key) in self._damaged:
+            return False
+        for piece in entry.pieces:
+            if piece.params is not None or piece.nbytes > REGION_PIECE_BYTES:
+                return False
+            try:
+                size = self._file_size(manifest.step, piece.file, entry.key)
+            except CorruptCheckpointError:
+                return False
+            if size is not None and piece.offset + piece.nbytes > size:
+                return False
+        return True
+
+    def _read_regions(
+        self, manifest: Manifest, entries: Sequence[TensorEntry]
+    ) -> dict[int, list[memoryview]]:
+        """For each plain entry (by index) read and checked whole: its pieces' bytes, views of
+        the regions read."""
+        if len(manifest.bases) >= MAX_DELTA_CHAIN:
+            return {}
+        spans = [
+            (piece.file, piece.offset, piece.nbytes, i, k)
+            for i, entry in enumerate(entries)
+            if self._plain(manifest, entry)
+            for k, piece in enumerate(entry.pieces)
+        ]
+        spans.sort()
+        parts: dict[int, list[memoryview | None]] = {}
+        failed: set[int] = set()
+        step_dir = step_dir_name(manifest.step)
+        first = 0
+        while first < len(spans):
+            name, start, _, _, _ = spans[first]
+            last = first
+            stop = start
+            while last < len(spans):
+                file, offset, nbytes, _, _ = spans[last]
+                if file != name or offset > stop + REGION_GAP_BYTES:
+                    break
+                if max(stop, offset + nbytes) - start > REGION_READ_BYTES and last > first:
+                    break
+                stop = max(stop, offset + nbytes)
+                last += 1
+            buf = _alloc(stop - start)
+            started = time.perf_counter()
+            try:
+                self.storage.read_into(f"{step_dir}/{name}", start, buf.numpy().data)
+            except StorageError:
+                failed.update(i for _, _, _, i, _ in spans[first:last])
+                first = last
+                continue
+            checked = time.perf_counter()
+            view = buf.numpy().data
+            for _, offset, nbytes, i, k in spans[first:last]:
+                entry = entries[i]
+                lo = offset - start
+                if crc32c.crc32c(view[lo : lo + nbytes]) != entry.pieces[k].crc32c:
+                    failed.add(i)
+                    continue
+                got = parts.get(i)
+                if got is None:
+                    got = parts[i] = [None] * len(entry.pieces)
+                got[k] = view[lo : lo + nbytes]
+            self.times.read_s += checked - started
+            self.times.verify_s += time.perf_counter() - checked
+            first = last
+        return {
+            i: [p for p in got if p is not None]
+            for i, got in parts.items()
+            if i not in failed and all(p is not None for p in got)
+        }
 
     def fetch(
         self, manifest: Manifest, entry: TensorEntry, out: torch.Tensor | None = None

@@ -81,19 +81,33 @@ def _tiers(storage: Storage, remote: Storage | None) -> list[tuple[TierName, Sto
     return tiers
 
 
-def resume_order(storage: Storage, remote: Storage | None = None) -> list[Candidate]:
+def resume_order(
+    storage: Storage,
+    remote: Storage | None = None,
+    *,
+    caches: dict[int, RestoreCache] | None = None,
+) -> list[Candidate]:
     """Every committed step of ``storage`` and of its ``remote`` tier, in the order a resume
     tries them: newest first by commit sequence across both tiers (see :func:`step_infos`),
     the local copy of a checkpoint before the remote one. A remote tier that cannot be read
     (down, refusing the credentials) leaves the local tier's steps, with a warning.
 
+    ``caches`` (per tier, by ``id`` of its storage): where the restore that follows finds the
+    manifests parsed here.
+
     Raises:
         StorageError: a tier cannot be read, and no other has a step (never an empty list).
     """
-    candidates = [Candidate("local", storage, info) for info in step_infos(storage)]
+
+    def infos_of(s: Storage) -> list[StepInfo]:
+        if caches is None:
+            return step_infos(s)
+        return step_infos(s, kept=caches.setdefault(id(s), RestoreCache(s)).manifests)
+
+    candidates = [Candidate("local", storage, info) for info in infos_of(storage)]
     if remote is not None:
         try:
-            infos = step_infos(remote)
+            infos = infos_of(remote)
         except StorageError as e:
             if not candidates:
                 raise
@@ -157,7 +171,7 @@ def _first_intact(
             for tier, s in _tiers(storage, remote)
         ]
     else:
-        candidates = resume_order(storage, remote)
+        candidates = resume_order(storage, remote, caches=caches)
         if not candidates:
             raise NoCheckpointError(f"no committed checkpoint in {_urls(storage, remote)}")
         starts = [i for i, c in enumerate(candidates) if c.step == start_at]

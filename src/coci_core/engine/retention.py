@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 from coci_core.engine.group import RankGroup
 from coci_core.engine.manifest import MANIFEST_NAME, parse_step_dir, step_dir_name
-from coci_core.engine.steps import StepInfo, committed_steps, read_manifest, step_infos
+from coci_core.engine.steps import StepInfo, committed_steps, step_info, step_infos
 from coci_core.errors import CheckpointError, ConfigError, StorageError
 from coci_core.storage import Storage
 
@@ -86,7 +86,7 @@ def drop_dependants(storage: Storage, step: int) -> None:
             if other == step:
                 continue
             try:
-                bases = read_manifest(storage, other).bases
+                bases = step_info(storage, other).bases
             except CheckpointError:
                 continue
             if step in bases:

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 from coci_core.engine import retention
 from coci_core.engine.group import RankGroup
 from coci_core.engine.lease import Lease, acquire_lease
-from coci_core.engine.manifest import MANIFEST_NAME, Manifest, step_dir_name
+from coci_core.engine.manifest import MANIFEST_NAME, read_head, step_dir_name
 from coci_core.engine.steps import highest_sequence
 from coci_core.errors import CheckpointError, DirectoryInUseError, StorageError
 from coci_core.knobs import (
@@ -367,7 +367,7 @@ class RemoteTier:
             return 0  # already there, byte for byte
         sent = 0
         where = f"manifest of step {step} in {self.local.url}"
-        for base in Manifest.from_json(manifest, where=where, step=step).bases:
+        for base in read_head(manifest, where=where, step=step)[1].bases:  # the head suffices
             sent += self._upload_with_bases(base, seen)
         if self.remote.exists(f"{final}/{MANIFEST_NAME}"):
             # another version of the step (a re-save): its files may share names with ours

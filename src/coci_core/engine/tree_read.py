@@ -117,13 +117,16 @@ def _make_class(name: str) -> Any:
     return getattr(omegaconf, short)
 
 
-def unflatten_state(tree: Any, leaves: list[Any]) -> Any:
+def unflatten_state(tree: Any, leaves: list[Any], *, checked: bool = False) -> Any:
     """Rebuild a state from its JSON tree; ``leaves[i]`` is the restored value of leaf ``i``.
+    ``checked``: the tree already passed :func:`check_tree` for ``len(leaves)`` arrays (a
+    tree of a parsed manifest), so it is not walked twice.
 
     Raises:
         CorruptCheckpointError: the tree is malformed (checked first, without recursion).
     """
-    check_tree(tree, n_leaves=len(leaves))
+    if not checked:
+        check_tree(tree, n_leaves=len(leaves))
     return _decode(tree, leaves)
 
 
@@ -148,51 +151,49 @@ def check_tree(
         CorruptCheckpointError: naming the path of the first bad node.
     """
     next_id = 0
+    path = ""
+
+    def bad(why: str) -> CorruptCheckpointError:  # the node at ``path``
+        return CorruptCheckpointError(f"{_at(what, path)}: {why}")
+
     # (node, its path, the depth of the container holding it)
     stack: list[tuple[Any, str, int]] = [(tree, "", 0)]
     while stack:
         node, path, depth = stack.pop()
-        where = f"{what} at {path[:200] or '/'!r}"
         if is_scalar(node):
             if type(node) is float and not math.isfinite(node):
-                raise CorruptCheckpointError(f"{where}: a non-finite number")
+                raise bad("a non-finite number")
             continue
         if type(node) is not dict or type(node.get("t")) is not str:
-            raise CorruptCheckpointError(f"{where}: not a tree node ({type(node).__name__})")
+            raise bad(f"not a tree node ({type(node).__name__})")
         tag = node["t"]
         fields = NODE_FIELDS.get(tag)
         if fields is None:
-            raise CorruptCheckpointError(f"{where}: unknown state tree node type {tag[:40]!r}")
+            raise bad(f"unknown state tree node type {tag[:40]!r}")
         required, optional = fields
         present = set(node) - {"t"}
         if not required <= present or not present <= required | optional:
-            raise CorruptCheckpointError(
-                f"{where}: a {tag!r} node has fields {sorted(present)[:8]}, "
+            raise bad(
+                f"a {tag!r} node has fields {sorted(present)[:8]}, "
                 f"expected {sorted(required)} (and optionally {sorted(optional)})"
             )
         value = node.get("v")
         if tag in LEAF_TAGS:
             i = node["id"]
             if type(i) is not int or not 0 <= i < n_leaves:
-                raise CorruptCheckpointError(
-                    f"{where}: array id {str(i)[:40]} is not one of the {n_leaves} arrays"
-                )
+                raise bad(f"array id {str(i)[:40]} is not one of the {n_leaves} arrays")
             if kinds is not None and kinds[i] != tag:
-                raise CorruptCheckpointError(f"{where}: array {i} is a {kinds[i]}, not a {tag}")
+                raise bad(f"array {i} is a {kinds[i]}, not a {tag}")
             if keys is not None:
                 if i == next_id:
                     if keys[i] != path:
-                        raise CorruptCheckpointError(
-                            f"{where}: array {i} is stored as {str(keys[i])[:200]!r}"
-                        )
+                        raise bad(f"array {i} is stored as {str(keys[i])[:200]!r}")
                     next_id += 1
                 elif i > next_id or tag != "tensor":
-                    raise CorruptCheckpointError(
-                        f"{where}: array {i} out of order (array {next_id} comes next)"
-                    )
+                    raise bad(f"array {i} out of order (array {next_id} comes next)")
         elif tag == "float":
             if type(value) is not str or value not in NONFINITE:
-                raise CorruptCheckpointError(f"{where}: a float node holds {str(value)[:40]!r}")
+                raise bad(f"a float node holds {str(value)[:40]!r}")
         elif tag == "np":
             inner = node["v"]
             dtype = node["dtype"]
@@ -204,52 +205,52 @@ def check_tree(
                     or (type(inner) is dict and inner.get("t") == "float")
                 )
             ):
-                raise CorruptCheckpointError(f"{where}: a numpy scalar node is malformed")
+                raise bad("a numpy scalar node is malformed")
             stack.append((inner, path, depth))
         elif tag == "dtype":
             if type(value) is not str or value not in SUPPORTED_DTYPES:
-                raise CorruptCheckpointError(f"{where}: unknown dtype {str(value)[:40]!r}")
+                raise bad(f"unknown dtype {str(value)[:40]!r}")
         elif tag == "size":
             if type(value) is not list or not all(
                 type(x) is int and 0 <= x <= MAX_INT64 for x in value
             ):
-                raise CorruptCheckpointError(f"{where}: a torch.Size node is malformed")
+                raise bad("a torch.Size node is malformed")
         elif tag == "bytes":
             if type(value) is not str:
-                raise CorruptCheckpointError(f"{where}: a bytes node holds no string")
+                raise bad("a bytes node holds no string")
         elif tag == "path":
             if node["type"] not in PATH_TYPES or type(value) is not str:
-                raise CorruptCheckpointError(f"{where}: a path node is malformed")
+                raise bad("a path node is malformed")
         elif tag == "class":
             if value not in CLASSES:
-                raise CorruptCheckpointError(f"{where}: class {str(value)[:80]!r} is not stored")
+                raise bad(f"class {str(value)[:80]!r} is not stored")
         elif tag in WRAPPER_TAGS:
-            _check_wrapper(node, where)
+            _check_wrapper(node, _at(what, path))
             if depth + 1 > MAX_TREE_DEPTH:
-                raise CorruptCheckpointError(f"{where}: nested more than {MAX_TREE_DEPTH} deep")
+                raise bad(f"nested more than {MAX_TREE_DEPTH} deep")
             stack.append((value, path, depth + 1))
         else:  # containers
             if depth + 1 > MAX_TREE_DEPTH:
-                raise CorruptCheckpointError(f"{where}: nested more than {MAX_TREE_DEPTH} deep")
+                raise bad(f"nested more than {MAX_TREE_DEPTH} deep")
             children: list[tuple[Any, str, int]] = []
             if tag in ("list", "tuple"):
                 if type(value) is not list:
-                    raise CorruptCheckpointError(f"{where}: a {tag} node holds no list")
+                    raise bad(f"a {tag} node holds no list")
                 children = [(v, f"{path}/{i}", depth + 1) for i, v in enumerate(value)]
             elif ("v" in node) == ("items" in node):
-                raise CorruptCheckpointError(f"{where}: a dict node needs 'v' or 'items'")
+                raise bad("a dict node needs 'v' or 'items'")
             elif "v" in node:
                 if type(value) is not dict:
-                    raise CorruptCheckpointError(f"{where}: a dict node's 'v' is no object")
+                    raise bad("a dict node's 'v' is no object")
                 children = [(v, f"{path}/{k}", depth + 1) for k, v in value.items()]
             else:
                 items = node["items"]
                 if type(items) is not list or not all(
                     type(kv) is list and len(kv) == 2 for kv in items
                 ):
-                    raise CorruptCheckpointError(f"{where}: a dict node's 'items' are malformed")
+                    raise bad("a dict node's 'items' are malformed")
                 for k, v in items:
-                    _check_key(k, where, depth + 1)
+                    _check_key(k, what, path, depth + 1)
                     children.append((v, f"{path}/{_decode_key(k)}", depth + 1))
             if "metadata" in node:
                 children.append((node["metadata"], f"{path}/_metadata", depth + 1))
@@ -258,6 +259,11 @@ def check_tree(
         raise CorruptCheckpointError(
             f"{what}: holds {next_id} of its {n_leaves} arrays (array {next_id} is not in it)"
         )
+
+
+def _at(what: str, path: str) -> str:
+    """The name of a tree node in an error message (built only when a check fails)."""
+    return f"{what} at {path[:200] or '/'!r}"
 
 
 def build_wrapped(node: Mapping[str, Any], content: Any) -> Any:
@@ -287,8 +293,11 @@ def _check_wrapper(node: dict[str, Any], where: str) -> None:
         raise CorruptCheckpointError(f"{where}: a {kind} node holds no {_WRAPPED[kind]} node")
 
 
-def _check_key(k: Any, where: str, depth: int) -> None:
+def _check_key(k: Any, what: str, path: str, depth: int) -> None:
     """A dict key of the "items" form: a scalar, or a tuple of keys (nesting counts as depth)."""
+    if is_scalar(k) and not (type(k) is float and not math.isfinite(k)):
+        return
+    where = _at(what, path)
     stack = [(k, depth)]
     while stack:
         item, d = stack.pop()
