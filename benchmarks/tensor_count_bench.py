@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Cost that grows with the number of tensors: coci against torch.save/torch.load and DCP on
-states of the same bytes split into more and more tensors (issue 30).
+states of the same bytes split into more and more tensors.
 
 Run (full sizes; about 10-20 minutes on 2 idle cores, DCP on the 50,000-tensor state is most
 of it):

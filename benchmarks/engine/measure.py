@@ -63,6 +63,8 @@ def run_rotation(
 ) -> dict[str, Any]:
     """Warm-up (first) pass in the listed order, then ``reps`` passes rotated by one each."""
     out: dict[str, Any] = {m: {first_label: None, "reps": []} for m in methods}
+    if not methods:
+        return out
     for m in methods:
         la = loadavg()
         with Others() as o:
