@@ -196,6 +196,37 @@ def restore(results: dict[str, Any]) -> Figure:
     return fig
 
 
+def tensor_count(results: dict[str, Any]) -> Figure:
+    """Stall and warm restore per state of the same bytes in more tensors, per method."""
+    cells = results["cells"]
+    states = [c["state"]["name"] for c in cells]
+    panels = (
+        ("saves", "stall_s", "reps", ("copy", "coci", "dcp_async", "torch_save"), "stall (s)"),
+        (
+            "restores",
+            "seconds",
+            "warm",
+            ("coci_restore", "torch_load", "dcp_load"),
+            "restore, warm page cache (s)",
+        ),
+    )
+    fig, axes = plt.subplots(1, 2, figsize=(10.0, 3.8))
+    for ax, (part, key, runs, names, label) in zip(axes, panels, strict=True):
+        width = 0.8 / len(names)
+        for j, name in enumerate(names):
+            medians = [float(np.median([r[key] for r in c[part][name][runs]])) for c in cells]
+            color = "tab:green" if name.startswith("coci") else None
+            ax.bar(np.arange(len(states)) + j * width, medians, width, label=name, color=color)
+        ax.set_xticks(np.arange(len(states)) + 0.4 - width / 2, states)
+        ax.set_yscale("log")
+        ax.set_ylabel(label)
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize="small")
+    fig.suptitle(f"The same bytes in more tensors: medians of {results['rounds']} rounds")
+    fig.tight_layout()
+    return fig
+
+
 #: results file stem -> the function drawing its plot
 PLOTS: dict[str, Callable[[dict[str, Any]], Figure]] = {
     "engine-1g": engine_1g,
@@ -205,6 +236,7 @@ PLOTS: dict[str, Callable[[dict[str, Any]], Figure]] = {
     "s3_loop": s3_loop,
     "restore": restore,
     "restore-4g": restore,
+    "tensor-count": tensor_count,
 }
 
 
