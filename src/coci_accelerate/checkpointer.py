@@ -139,6 +139,7 @@ class CociCheckpointer:
             world_size=accelerator.num_processes,
             broadcast=_broadcast if accelerator.num_processes > 1 else None,
             sinks=sinks,
+            log=logger,
         )
         self._closed = False
         self._tracker = _find_tracker(accelerator)

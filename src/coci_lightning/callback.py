@@ -301,6 +301,7 @@ class CociCheckpoint(Checkpoint):
             broadcast=(lambda obj: trainer.strategy.broadcast(obj, src=0))
             if trainer.world_size > 1
             else None,
+            log=logger,
         )
         if self._planner_state is not None:
             self.checkpointer.load_state_dict(self._planner_state)
