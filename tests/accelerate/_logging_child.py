@@ -2,7 +2,7 @@
 
 Run as ``python -m tests.accelerate._logging_child DIR`` (one process) or under torchrun (each
 process runs it; gloo on CPU): CociCheckpointer with ``verbose=True`` saves every 5 of 12
-optimizer steps and at ``close()``.
+optimizer steps and at ``close()``, after a ``resume()`` that finds nothing.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def main() -> None:
     ckpt = CociCheckpointer(
         accelerator, policy="every_n_steps", every_n_steps=5, total_steps=12, verbose=True
     )
-    step = 0
+    step = ckpt.resume()  # nothing to resume: it says so
     while step < 12:
         for x, y, _ in loader:
             loss = torch.nn.functional.cross_entropy(model(x), y)

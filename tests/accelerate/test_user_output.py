@@ -20,6 +20,8 @@ def _lines(stderr: str, pattern: str) -> list[str]:
 
 
 def _check_each_line_once(stderr: str) -> None:
+    (fresh,) = _lines(stderr, r"starting fresh")
+    assert fresh.startswith("coci: no committed checkpoint in ")
     (plan,) = _lines(stderr, r"coci: plan at step")
     assert "first planned save at step 5, every 5 steps" in plan
     assert "12 total steps (given as total_steps)" in plan
