@@ -174,11 +174,9 @@ class Checkpointer:
                 )
             self.last_save = event
             self.summary.add(event)
-            if self.verbose and self.rank == 0:
-                if event.outcome == "failed":
-                    self.log.warning(save_line(event))
-                else:
-                    self.log.info(save_line(event))
+            # a failed save is logged by the engine (WARNING or ERROR), verbose or not
+            if self.verbose and self.rank == 0 and event.outcome != "failed":
+                self.log.info(save_line(event))
         receivers: list[Callable[[Event], None]] = [*self.sinks, *self._listeners]
         for listener in receivers:
             try:
