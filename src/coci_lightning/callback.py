@@ -301,6 +301,7 @@ class CociCheckpoint(Checkpoint):
             broadcast=(lambda obj: trainer.strategy.broadcast(obj, src=0))
             if trainer.world_size > 1
             else None,
+            log=logger,
         )
         if self._planner_state is not None:
             self.checkpointer.load_state_dict(self._planner_state)
@@ -421,6 +422,8 @@ class CociCheckpoint(Checkpoint):
             first = None
         step_time = outline.step_time_s
         source = outline.mtbf_source("default: no mtbf_s given and no failure seen yet")
+        # whole seconds: the default refined by a second of failure-free time is no news
+        mtbf = f"{outline.mtbf_s:.0f}" if outline.mtbf_s >= 10 else f"{outline.mtbf_s:.3g}"
         length = f"of {total} steps" if total is not None else "over a rolling horizon"
         if first is None:
             when = "no save planned before the end" + (
@@ -435,7 +438,7 @@ class CociCheckpoint(Checkpoint):
         )
         message = (
             f"coci: plan ({report.policy} policy, {self.objective} objective) {length}: {when}, "
-            f"{every}; MTBF assumed {outline.mtbf_s:.6g} s ({source}). Change it with "
+            f"{every}; MTBF assumed {mtbf} s ({source}). Change it with "
             "CociCheckpoint(mtbf_s=..., every_n_steps=N (a cap on the interval), "
             "policy='every_n_steps'); the plan is re-made as costs are measured."
         )
