@@ -10,6 +10,7 @@ fails if it leaves a coci writer thread running.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -17,12 +18,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.callbacks import TQDMProgressBar
 from torch.utils.data import DataLoader, TensorDataset
-from torchdata.stateful_dataloader import StatefulDataLoader
 
 from coci_core import CheckpointManager
 
@@ -36,49 +34,58 @@ def _data(n: int, seed: int) -> TensorDataset:
     return TensorDataset(x, x.sum(1, keepdim=True) + 0.1 * torch.randn(n, 1, generator=g))
 
 
-class MyModel(pl.LightningModule):
-    """The reader's LightningModule: a small regression (8 features), 400 training samples in
-    batches of 8 (50 steps an epoch, Lightning's logging interval) through a stateful loader;
-    logs ``loss``, ``val_loss`` and ``test_loss``."""
+@functools.cache
+def my_model_class() -> type[Any]:
+    """``MyModel``, the reader's LightningModule class (Lightning is imported when a block or
+    test first asks for it, not by every test run)."""
+    import lightning.pytorch as pl
+    from torchdata.stateful_dataloader import StatefulDataLoader
 
-    def __init__(self, lr: float = 0.05) -> None:
-        super().__init__()
-        self.save_hyperparameters()
-        self.net = torch.nn.Sequential(
-            torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)
-        )
-        self.seen = 0  # training batches seen by this object
+    class MyModel(pl.LightningModule):
+        """The reader's LightningModule: a small regression (8 features), 400 training samples in
+        batches of 8 (50 steps an epoch, Lightning's logging interval) through a stateful loader;
+        logs ``loss``, ``val_loss`` and ``test_loss``."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)  # type: ignore[no-any-return]
+        def __init__(self, lr: float = 0.05) -> None:
+            super().__init__()
+            self.save_hyperparameters()
+            self.net = torch.nn.Sequential(
+                torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)
+            )
+            self.seen = 0  # training batches seen by this object
 
-    def _loss(self, batch: Any) -> torch.Tensor:
-        x, y = batch
-        return torch.nn.functional.mse_loss(self(x), y)
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.net(x)  # type: ignore[no-any-return]
 
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        self.seen += 1
-        loss = self._loss(batch)
-        self.log("loss", loss, batch_size=len(batch[0]))
-        return loss
+        def _loss(self, batch: Any) -> torch.Tensor:
+            x, y = batch
+            return torch.nn.functional.mse_loss(self(x), y)
 
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        self.log("val_loss", self._loss(batch), batch_size=len(batch[0]))
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            self.seen += 1
+            loss = self._loss(batch)
+            self.log("loss", loss, batch_size=len(batch[0]))
+            return loss
 
-    def test_step(self, batch: Any, batch_idx: int) -> None:
-        self.log("test_loss", self._loss(batch), batch_size=len(batch[0]))
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            self.log("val_loss", self._loss(batch), batch_size=len(batch[0]))
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=self.hparams["lr"])
+        def test_step(self, batch: Any, batch_idx: int) -> None:
+            self.log("test_loss", self._loss(batch), batch_size=len(batch[0]))
 
-    def train_dataloader(self) -> Any:
-        return StatefulDataLoader(_data(400, 0), batch_size=8, shuffle=True)
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=self.hparams["lr"])
 
-    def val_dataloader(self) -> Any:
-        return StatefulDataLoader(_data(16, 1), batch_size=8)
+        def train_dataloader(self) -> Any:
+            return StatefulDataLoader(_data(400, 0), batch_size=8, shuffle=True)
 
-    def test_dataloader(self) -> Any:
-        return StatefulDataLoader(_data(16, 2), batch_size=8)
+        def val_dataloader(self) -> Any:
+            return StatefulDataLoader(_data(16, 1), batch_size=8)
+
+        def test_dataloader(self) -> Any:
+            return StatefulDataLoader(_data(16, 2), batch_size=8)
+
+    return MyModel
 
 
 @pytest.fixture(autouse=True)
@@ -88,6 +95,8 @@ def _docs_block(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[None
     if request.node.get_closest_marker("markdown-docs") is None:
         yield
         return
+    from lightning.pytorch.callbacks import TQDMProgressBar
+
     from coci_core.codecs import registry
 
     monkeypatch = pytest.MonkeyPatch()
@@ -150,25 +159,25 @@ def storage_options(options: dict[str, Any]) -> dict[str, Any]:
 
 
 @pytest.fixture(name="MyModel")
-def my_model_class() -> type[MyModel]:
+def my_model_fixture() -> type[Any]:
     """The reader's LightningModule class."""
-    return MyModel
+    return my_model_class()
 
 
 @pytest.fixture
-def model() -> MyModel:
+def model() -> Any:
     """The reader's model (a LightningModule, so also a torch.nn.Module)."""
-    return MyModel()
+    return my_model_class()()
 
 
 @pytest.fixture
-def opt(model: MyModel) -> torch.optim.Optimizer:
+def opt(model: Any) -> torch.optim.Optimizer:
     """The reader's optimizer of ``model``."""
     return torch.optim.Adam(model.parameters(), lr=1e-2)
 
 
 @pytest.fixture
-def optimizer(model: MyModel) -> torch.optim.Optimizer:
+def optimizer(model: Any) -> torch.optim.Optimizer:
     """``opt`` under the name Accelerate's examples give it."""
     return torch.optim.AdamW(model.parameters(), lr=1e-2)
 
@@ -214,7 +223,7 @@ def step() -> int:
 
 
 @pytest.fixture
-def state(model: MyModel, opt: torch.optim.Optimizer) -> dict[str, Any]:
+def state(model: Any, opt: torch.optim.Optimizer) -> dict[str, Any]:
     """What the reader saves: the model's and the optimizer's state."""
     return {"model": model.state_dict(), "optim": opt.state_dict()}
 
@@ -227,7 +236,7 @@ def manager(_docs_block: None, tmp_path: Path) -> Iterator[CheckpointManager]:
 
 
 @pytest.fixture
-def train_one_step(model: MyModel, opt: torch.optim.Optimizer) -> Callable[[], tuple[float, float]]:
+def train_one_step(model: Any, opt: torch.optim.Optimizer) -> Callable[[], tuple[float, float]]:
     """One optimizer step of ``model``, the n-th call on the n-th batch of a fixed stream;
     returns the loss and the step's seconds."""
     calls = [0]

@@ -58,12 +58,12 @@ def test_getting_started_commands_work_after_its_loop(
     import torch
 
     from coci_core.commands.cli import main
-    from tests.docs_blocks import MyModel
+    from tests.docs_blocks import my_model_class
 
     page = ROOT / "docs" / "getting-started.md"
     loop, telemetry = _fences(page, "python")
     monkeypatch.chdir(tmp_path)
-    model = MyModel()
+    model = my_model_class()()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
 
     def train_one_step() -> None:

@@ -44,7 +44,7 @@ def _run(code: str, total: int) -> dict[str, torch.Tensor]:
         x = torch.randn(32, 8, generator=g)
         loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()
         opt.zero_grad()
-        loss.backward()  # type: ignore[no-untyped-call]
+        loss.backward()
         opt.step()
 
     namespace["train_one_step"] = train_one_step
@@ -79,14 +79,14 @@ def test_lightning_quick_start_resumes_instead_of_training_again(
     import lightning.pytorch as pl
 
     from coci_core import CheckpointManager
-    from tests.docs_blocks import MyModel
+    from tests.docs_blocks import my_model_class
 
     code = _block("Quick start: Lightning")
     code = code.replace("from lightning.pytorch import Trainer\n", "")
     assert "from lightning.pytorch import Trainer" not in code
     monkeypatch.chdir(tmp_path)
     pl.seed_everything(1, verbose=False)
-    model = MyModel()
+    model = my_model_class()()
     trainer_factory = functools.partial(
         pl.Trainer, max_steps=20, logger=False, enable_progress_bar=False
     )

@@ -76,7 +76,9 @@ def test_best_without_a_monitor_is_a_clear_error(tmp_path: Path) -> None:
     pl.seed_everything(3, verbose=False)
     trainer = _trainer(tmp_path, 4, [CociCheckpoint()], limit_val_batches=0)
     trainer.fit(_Scripted())
-    assert trainer.checkpoint_callback.best_model_path == ""
+    coci = trainer.checkpoint_callback
+    assert isinstance(coci, CociCheckpoint)
+    assert coci.best_model_path == ""
     with pytest.raises(ValueError, match=r"CociCheckpoint\(monitor=\\?\"val_loss\\?\"\)") as e:
         trainer.test(ckpt_path="best")
     assert 'test(ckpt_path="best")` is set but no checkpoint callback' in str(e.value)
