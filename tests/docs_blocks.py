@@ -89,7 +89,7 @@ def my_model_class() -> type[Any]:
 
 
 @pytest.fixture(autouse=True)
-def _docs_block(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[None]:
+def _docs_block(request: pytest.FixtureRequest) -> Iterator[None]:
     """Around each Markdown block (only): a fresh working directory and seed, no progress
     bars; afterwards the global state it changed is put back, and no writer thread is left."""
     if request.node.get_closest_marker("markdown-docs") is None:
@@ -100,7 +100,7 @@ def _docs_block(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[None
     from coci_core.codecs import registry
 
     monkeypatch = pytest.MonkeyPatch()
-    monkeypatch.chdir(tmp_path)
+    monkeypatch.chdir(request.getfixturevalue("tmp_path"))
     # no progress bars: pytest-markdown-docs shows a block's output as it runs
     monkeypatch.setattr(TQDMProgressBar, "is_enabled", property(lambda self: False))
     levels = {name: logging.getLogger(name).level for name in _LIGHTNING_LOGGERS}
