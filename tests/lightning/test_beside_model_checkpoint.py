@@ -126,7 +126,7 @@ def test_test_after_fit_with_coci_only_uses_the_weights_in_memory(
     assert digest(model) == final
     assert any("evaluating the weights in memory" in r.getMessage() for r in caplog.records)
     with pytest.raises(
-        ValueError, match=r'test\(ckpt_path="best"\)`: CociCheckpoint keeps the newest'
+        ValueError, match=r"no checkpoint callback is configured to keep the best model"
     ):
         trainer.test(ckpt_path="best")
     trainer.test(ckpt_path="last")  # coci's final save
