@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import queue
 import threading
@@ -38,7 +39,7 @@ from coci_core.engine.manifest import (
 from coci_core.engine.restore import read_manifest
 from coci_core.engine.snapshot import Snapshot
 from coci_core.engine.tree import ArrayLeaf, encode_dtype
-from coci_core.errors import StorageError
+from coci_core.errors import CommitError, StorageError
 from coci_core.knobs import WRITE_CHUNK_BYTES
 from coci_core.storage import Storage
 
@@ -159,8 +160,10 @@ class _RunAhead:
 
 
 def _entry(leaf: ArrayLeaf, pieces: list[Piece]) -> TensorEntry:
+    if leaf.owned:  # the ranks holding no part of a sharded tensor wrote empty pieces
+        pieces = [p for p in pieces if p.length]
     codecs = {str(p.params["codec"]) if p.params else RAW for p in pieces} or {RAW}
-    return TensorEntry(
+    entry = TensorEntry(
         key=leaf.key,
         kind=leaf.kind,
         dtype=encode_dtype(leaf.tensor.dtype),
@@ -168,7 +171,28 @@ def _entry(leaf: ArrayLeaf, pieces: list[Piece]) -> TensorEntry:
         codec=codecs.pop() if len(codecs) == 1 else "mixed",
         pieces=tuple(sorted(pieces, key=lambda p: p.start)),
         numpy_dtype=leaf.numpy_dtype,
+        boxes=leaf.boxes,
     )
+    if leaf.owned:
+        _check_cover(entry, leaf.tensor.element_size())
+    return entry
+
+
+def _check_cover(entry: TensorEntry, itemsize: int) -> None:
+    """The ranks' parts of a sharded tensor fill it, each byte once (else nothing is published:
+    a DTensor on a mesh of other ranks than the saving group's, for one)."""
+    covered = 0
+    for p in entry.pieces:
+        if p.start != covered:
+            break
+        covered += p.length
+    if covered != math.prod(entry.shape) * itemsize:
+        raise CommitError(
+            f"the ranks' parts of {entry.key!r} (shape {entry.shape}) do not fill it, each byte "
+            "once: is it a DTensor whose mesh is not the ranks that save (every rank of the "
+            "group, one mesh coordinate each)?",
+            ranks=[],
+        )
 
 
 class _Pieces:
