@@ -386,7 +386,7 @@ class _Flattener:
             local.element_size(),
             None if order is None else tuple((d, tuple(m)) for d, m in sorted(order.items())),
             len(self.leaves),
-            key,
+            f"state value at {key!r}",
         )
         coord = tuple(t.device_mesh.get_coordinate() or ())
         held = layout.held.get(coord)
