@@ -1,8 +1,9 @@
 """One rank saving or restoring DTensors of any placement on a CPU mesh with coci.
 
 ``cfg["mode"]``: ``"save"`` (a 2x2 ("dp", "tp") mesh: every placement FSDP2 and tensor
-parallelism make, uneven) or ``"restore"`` onto ``cfg["mesh"]`` with ``cfg["placements"]``
-(names of placements per mesh dim), each rank reading its part in place. Run by
+parallelism make, uneven), ``"restore"`` onto ``cfg["mesh"]`` with ``cfg["placements"]``
+(names of placements per mesh dim), each rank reading its part in place; ``"dcp_save"`` (the
+same state saved by DCP) and ``"dcp_load"`` (a DCP directory loaded by DCP onto a mesh). Run by
 ``tests.sharding._dist_child.launch(..., module=...)``; prints ``RESULT <json>``.
 """
 
@@ -20,6 +21,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from coci_core import CheckpointManager, RankGroup
+from coci_core.engine import persist
 from coci_core.engine.inplace import InPlaceTargets
 
 SAVE_STEP = 5
@@ -56,6 +58,7 @@ def _save(cfg: dict[str, Any]) -> dict[str, Any]:
     full = full_state()
     model = {k: distribute_tensor(v, mesh, SAVE_PLACEMENTS[k]) for k, v in full.items()}
     state = {"model": model, "plain": torch.ones(3), "step": SAVE_STEP}
+    persist.SHARD_PIECE_BYTES = 32  # parts in pieces of 32 bytes, as large ones are cut
     mgr = CheckpointManager(cfg["dir"], group=RankGroup.from_torch_distributed(), chunk_bytes=64)
     mgr.save(SAVE_STEP, state).wait()
     mgr.close()
@@ -65,31 +68,71 @@ def _save(cfg: dict[str, Any]) -> dict[str, Any]:
     return {"held": held}
 
 
-def _restore(cfg: dict[str, Any]) -> dict[str, Any]:
+def _dcp_save(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The same state saved by DCP itself from the 2x2 mesh."""
+    import torch.distributed.checkpoint as dcp
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = {k: distribute_tensor(v, mesh, SAVE_PLACEMENTS[k]) for k, v in full_state().items()}
+    dcp.save({"model": model, "plain": torch.ones(3), "step": SAVE_STEP}, checkpoint_id=cfg["dir"])
+    return {}
+
+
+def _targets(cfg: dict[str, Any]) -> dict[str, DTensor]:
     mesh = init_device_mesh("cpu", tuple(cfg["mesh"]))
-    full = full_state()
     targets = {}
-    for k, v in full.items():
+    for k, v in full_state().items():
         names = [("S0" if p == "S1" and v.ndim < 2 else p) for p in cfg["placements"]]
         targets[k] = distribute_tensor(torch.zeros_like(v), mesh, [_PLACEMENTS[p] for p in names])
-    mgr = CheckpointManager(cfg["dir"], group=RankGroup.from_torch_distributed())
-    state = mgr.restore(targets=InPlaceTargets({"model": targets}))
-    bytes_read = mgr.last_restore.bytes_read
-    mgr.close()
-    out: dict[str, Any] = {"in_place": {}, "equal": {}, "bytes_read": bytes_read}
-    for k, v in full.items():
-        got = state["model"][k]
+    return targets
+
+
+def _compare(model: dict[str, Any], targets: dict[str, DTensor]) -> dict[str, Any]:
+    out: dict[str, Any] = {"in_place": {}, "equal": {}}
+    for k, v in full_state().items():
+        got = model[k]
         out["in_place"][k] = got is targets[k]
         assert isinstance(got, DTensor)
         out["equal"][k] = bool(torch.equal(got.full_tensor(), v))
+    return out
+
+
+def _restore(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Restore onto each of ``cfg["layouts"]`` (``[mesh, placements]`` pairs) in turn, or onto
+    ``cfg["mesh"]`` with ``cfg["placements"]``."""
+    layouts = cfg.get("layouts") or [[cfg["mesh"], cfg["placements"]]]
+    mgr = CheckpointManager(cfg["dir"], group=RankGroup.from_torch_distributed())
+    results = []
+    for mesh, placements in layouts:
+        targets = _targets({"mesh": mesh, "placements": placements})
+        state = mgr.restore(targets=InPlaceTargets({"model": targets}))
+        out = _compare(state["model"], targets)
+        out["bytes_read"] = mgr.last_restore.bytes_read
+        out["plain"] = bool(torch.equal(state["plain"], torch.ones(3)))
+        results.append(out)
+    mgr.close()
+    return results[0] if "layouts" not in cfg else {"layouts": results}
+
+
+def _dcp_load(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A DCP directory (coci's export) loaded by DCP itself onto ``cfg["mesh"]``."""
+    import torch.distributed.checkpoint as dcp
+
+    targets = _targets(cfg)
+    state = {"model": dict(targets), "plain": torch.zeros(3)}
+    dcp.load(state, checkpoint_id=cfg["dir"])
+    out = _compare(state["model"], targets)
     out["plain"] = bool(torch.equal(state["plain"], torch.ones(3)))
     return out
+
+
+MODES = {"save": _save, "restore": _restore, "dcp_save": _dcp_save, "dcp_load": _dcp_load}
 
 
 def main(cfg: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    out = _save(cfg) if cfg["mode"] == "save" else _restore(cfg)
+    out = MODES[cfg["mode"]](cfg)
     out["rank"] = dist.get_rank()
     dist.barrier()
     return out

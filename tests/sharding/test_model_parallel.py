@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from coci_core import CheckpointManager
+from coci_core.commands import cli
 from coci_core.engine.manifest import BOXES_FORMAT_VERSION
 from tests.sharding._dist_child import launch
 from tests.sharding._mesh_child import SAVE_STEP, full_state
@@ -43,6 +44,9 @@ def test_each_byte_is_written_once_by_a_rank_that_holds_it(
         # the pieces tile the stored bytes: every byte written once
         assert sum(p.length for p in entry.pieces) == tensor.numel() * tensor.element_size()
     assert entries["s0s1"].boxes is not None and len(entries["s0s1"].boxes) == 4
+    # each rank's part cut in pieces of at most 32 bytes (the size the save was given)
+    assert len(entries["s0s1"].pieces) > 4
+    assert max(p.length for p in entries["s0s1"].pieces) <= 32
     assert entries["strided"].boxes is None  # whole rows: stored as the tensor's own bytes
     assert entries["s0rep"].boxes is None
     for r, result in enumerate(results):
@@ -56,26 +60,27 @@ def test_each_byte_is_written_once_by_a_rank_that_holds_it(
 
 
 @pytest.mark.parametrize(
-    ("world", "mesh", "placements"),
+    ("world", "layouts"),
     [
-        (4, [4, 1], ["S0", "R"]),
-        (4, [1, 4], ["R", "S1"]),
-        (4, [2, 2], ["S1", "S0"]),
-        (2, [2], ["S1"]),
+        (4, [[[4, 1], ["S0", "R"]], [[1, 4], ["R", "S1"]], [[2, 2], ["S1", "S0"]]]),
+        (2, [[[2], ["S1"]], [[2], ["S0"]]]),
     ],
+    ids=["4x1,1x4,2x2", "2"],
 )
 def test_restore_onto_another_mesh_reads_each_ranks_part_in_place(
-    saved_2x2: tuple[Path, list[dict[str, Any]]], world: int, mesh: list[int], placements: list[str]
+    saved_2x2: tuple[Path, list[dict[str, Any]]], world: int, layouts: list[Any]
 ) -> None:
     directory, _ = saved_2x2
-    cfg = {"mode": "restore", "dir": str(directory), "mesh": mesh, "placements": placements}
+    cfg = {"mode": "restore", "dir": str(directory), "layouts": layouts}
     results = _ok(launch(world, cfg, module=MODULE))
     total = CheckpointManager(directory).manifest(SAVE_STEP).nbytes
-    for r in results:
-        assert all(r["in_place"].values()), r
-        assert all(r["equal"].values()), r
-        assert r["plain"]
-        assert r["bytes_read"] < total  # only the pieces that hold its part
+    for rank in results:
+        assert len(rank["layouts"]) == len(layouts)
+        for r in rank["layouts"]:
+            assert all(r["in_place"].values()), r
+            assert all(r["equal"].values()), r
+            assert r["plain"]
+            assert r["bytes_read"] < total  # only the pieces that hold its part
 
 
 def test_restore_in_one_process_is_whole(saved_2x2: tuple[Path, list[dict[str, Any]]]) -> None:
@@ -84,3 +89,27 @@ def test_restore_in_one_process_is_whole(saved_2x2: tuple[Path, list[dict[str, A
     for key, tensor in full_state().items():
         assert torch.equal(state["model"][key], tensor), key
     assert state["step"] == SAVE_STEP
+
+
+def test_export_to_dcp_loads_with_dcp_onto_another_mesh(
+    saved_2x2: tuple[Path, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    directory, _ = saved_2x2
+    out = tmp_path / "dcp"
+    assert cli.main(["export", str(directory), str(out), "--format", "dcp"]) == 0
+    cfg = {"mode": "dcp_load", "dir": str(out), "mesh": [2], "placements": ["S1"]}
+    for r in _ok(launch(2, cfg, module=MODULE)):
+        assert all(r["equal"].values()), r
+        assert r["plain"]
+
+
+def test_import_of_a_sharded_dcp_checkpoint_restores_onto_another_mesh(tmp_path: Path) -> None:
+    dcp_dir = tmp_path / "dcp"
+    _ok(launch(4, {"mode": "dcp_save", "dir": str(dcp_dir)}, module=MODULE))
+    assert len(list(dcp_dir.glob("*.distcp"))) == 4  # written by four ranks
+    imported = tmp_path / "coci"
+    assert cli.main(["import", str(dcp_dir), str(imported)]) == 0
+    cfg = {"mode": "restore", "dir": str(imported), "mesh": [2], "placements": ["S0"]}
+    for r in _ok(launch(2, cfg, module=MODULE)):
+        assert all(r["in_place"].values()) and all(r["equal"].values()), r
+        assert r["plain"]

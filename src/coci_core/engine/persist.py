@@ -40,7 +40,7 @@ from coci_core.engine.restore import read_manifest
 from coci_core.engine.snapshot import Snapshot
 from coci_core.engine.tree import ArrayLeaf, encode_dtype
 from coci_core.errors import CommitError, StorageError
-from coci_core.knobs import WRITE_CHUNK_BYTES
+from coci_core.knobs import SHARD_PIECE_BYTES, WRITE_CHUNK_BYTES
 from coci_core.storage import Storage
 
 __all__ = [
@@ -219,7 +219,14 @@ class _Pieces:
         snap = self.job.snapshot
         for slot in snap.slots:
             data = snap.arena.memoryview(slot.offset, slot.offset + slot.nbytes)
-            self._place(slot, slot.offset, data, None)
+            if not snap.leaves[slot.leaf].owned or slot.nbytes <= SHARD_PIECE_BYTES:
+                self._place(slot, slot.offset, data, None)
+                continue
+            # a rank's part of a sharded tensor, in pieces: a rank of another mesh reading
+            # some of it reads (and verifies) only the pieces that hold what it needs
+            for at in range(0, slot.nbytes, SHARD_PIECE_BYTES):
+                part = data[at : at + SHARD_PIECE_BYTES]
+                self._place(slot, slot.offset + at, part, None, at)
 
     def encoded_stream(self, encoder: PieceEncoder) -> Iterator[memoryview]:
         """Each piece encoded and written back to back; the next piece is encoded (on a helper
@@ -251,12 +258,17 @@ class _Pieces:
                 offset += stored.nbytes
                 yield stored
 
-    def _place(self, slot: Any, offset: int, stored: memoryview, params: Any) -> None:
-        start = self.job.snapshot.leaves[slot.leaf].global_start + slot.start
+    def _place(
+        self, slot: Any, offset: int, stored: memoryview, params: Any, at: int | None = None
+    ) -> None:
+        """Record ``stored`` (a slot, or with ``at`` its raw bytes from ``at`` on) as a piece
+        at ``offset`` of the data file."""
+        start = self.job.snapshot.leaves[slot.leaf].global_start + slot.start + (at or 0)
+        length = slot.nbytes if at is None else stored.nbytes
         crc = crc32c.crc32c(stored)
-        piece = Piece(self.file, offset, stored.nbytes, start, slot.nbytes, crc, params)
+        piece = Piece(self.file, offset, stored.nbytes, start, length, crc, params)
         self.placed.append((slot.leaf, piece))
-        self.raw_bytes += slot.nbytes
+        self.raw_bytes += length
         self.stored_bytes += stored.nbytes
 
     def share(self, data_bytes: int) -> commit.RankShare:
