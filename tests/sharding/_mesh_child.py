@@ -59,8 +59,15 @@ def _save(cfg: dict[str, Any]) -> dict[str, Any]:
     model = {k: distribute_tensor(v, mesh, SAVE_PLACEMENTS[k]) for k, v in full.items()}
     state = {"model": model, "plain": torch.ones(3), "step": SAVE_STEP}
     persist.SHARD_PIECE_BYTES = 32  # parts in pieces of 32 bytes, as large ones are cut
-    mgr = CheckpointManager(cfg["dir"], group=RankGroup.from_torch_distributed(), chunk_bytes=64)
+    mgr = CheckpointManager(
+        cfg["dir"],
+        group=RankGroup.from_torch_distributed(),
+        chunk_bytes=64,
+        **cfg.get("options", {}),
+    )
     mgr.save(SAVE_STEP, state).wait()
+    if mgr.remote is not None:
+        assert mgr.remote.flush(timeout_s=120)
     mgr.close()
     held = {
         k: v.to_local().numel() * v.element_size() for k, v in model.items() if k not in ("rep",)
@@ -101,7 +108,9 @@ def _restore(cfg: dict[str, Any]) -> dict[str, Any]:
     """Restore onto each of ``cfg["layouts"]`` (``[mesh, placements]`` pairs) in turn, or onto
     ``cfg["mesh"]`` with ``cfg["placements"]``."""
     layouts = cfg.get("layouts") or [[cfg["mesh"], cfg["placements"]]]
-    mgr = CheckpointManager(cfg["dir"], group=RankGroup.from_torch_distributed())
+    mgr = CheckpointManager(
+        cfg["dir"], group=RankGroup.from_torch_distributed(), **cfg.get("options", {})
+    )
     results = []
     for mesh, placements in layouts:
         targets = _targets({"mesh": mesh, "placements": placements})
@@ -109,6 +118,7 @@ def _restore(cfg: dict[str, Any]) -> dict[str, Any]:
         out = _compare(state["model"], targets)
         out["bytes_read"] = mgr.last_restore.bytes_read
         out["plain"] = bool(torch.equal(state["plain"], torch.ones(3)))
+        out["tier"] = mgr.last_restore.tier
         results.append(out)
     mgr.close()
     return results[0] if "layouts" not in cfg else {"layouts": results}
