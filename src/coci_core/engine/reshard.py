@@ -4,21 +4,22 @@ holds, read from only the pieces that hold its bytes (resharding restore).
 
 An entry's stored bytes are its boxes' row-major bytes one after another (one box, the whole
 array, when the entry has none); its pieces are byte ranges of those. To fill a target box,
-each stored box meeting it gives the byte runs of the common part
-(:func:`~coci_core.engine.regions.byte_runs`); the pieces holding those runs are read whole
-(so that each is verified against its checksum) and the runs copied out of them.
+the common part with each stored box lies in one span of that box's bytes (from its first
+element to its last); the pieces holding the span are read whole (so that each is verified
+against its checksum), and the part is copied out of the span with the box's strides.
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass
 
 import torch
 
 from coci_core.engine.manifest import Manifest, TensorEntry
 from coci_core.engine.read import ArrayReader
-from coci_core.engine.regions import Region, box_bases, byte_runs, clip_runs
+from coci_core.engine.regions import Region, box_bases
 from coci_core.engine.tree import decode_dtype
 from coci_core.errors import CorruptCheckpointError
 
@@ -35,11 +36,12 @@ def stored_boxes_of(entry: TensorEntry) -> list[tuple[Region, int]]:
 
 @dataclass
 class _Step:
-    """Part of the target held by one stored box: its stored byte runs, joined in ``data``."""
+    """Part of the target held by one stored box, and where its bytes are."""
 
     source: Region
-    runs: list[tuple[int, int]]  # (offset in the stored bytes, length)
+    span: tuple[int, int]  # the stored bytes from its first element to its last (end)
     destination: tuple[slice, ...]
+    strides: tuple[int, ...]  # of the box that holds it, in elements
 
 
 def _plan(entry: TensorEntry, target: Region) -> list[_Step]:
@@ -49,8 +51,15 @@ def _plan(entry: TensorEntry, target: Region) -> list[_Step]:
         common = box.intersect(target)
         if common is None:
             continue
-        runs = [(base + o, n) for o, n in byte_runs(common, box, itemsize)]
-        steps.append(_Step(common, runs, common.slices(target)))
+        strides = tuple(math.prod(box.shape[d + 1 :]) for d in range(len(box.shape)))
+        first = sum(
+            (c - b) * n for c, b, n in zip(common.offsets, box.offsets, strides, strict=True)
+        )
+        last = sum(
+            (e - 1 - b) * n for e, b, n in zip(common.ends, box.offsets, strides, strict=True)
+        )
+        lo, hi = base + itemsize * first, base + itemsize * (last + 1)
+        steps.append(_Step(common, (lo, hi), common.slices(target), strides))
     return steps
 
 
@@ -93,33 +102,43 @@ def read_box(
         return 0
     steps = _plan(entry, target)
     _check_filled(entry, target, steps, manifest.step)
+    # Each step's bytes lie in one span of its box's stored bytes (from its first element to
+    # its last): the span is gathered from the pieces, then viewed with the box's strides.
+    spans = [s.span for s in steps]
     starts = [p.start for p in entry.pieces]
     wanted: set[int] = set()
-    for s in steps:
-        for offset, length in s.runs:
-            first = max(0, bisect.bisect_right(starts, offset) - 1)
-            last = bisect.bisect_left(starts, offset + length)
-            wanted.update(range(first, last))
-    itemsize = decode_dtype(entry.dtype).itemsize
-    data = [torch.empty(s.source.volume * itemsize, dtype=torch.uint8) for s in steps]
+    for lo, hi in spans:
+        first = max(0, bisect.bisect_right(starts, lo) - 1)
+        wanted.update(range(first, bisect.bisect_left(starts, hi)))
+    buffers: list[torch.Tensor | None] = [None] * len(steps)
+    filled = [0] * len(steps)
     nbytes = 0
-    joined = [0] * len(steps)
     for i, raw in reader.fetch_pieces(manifest, entry, sorted(wanted)):
         piece = entry.pieces[i]
         nbytes += piece.nbytes
-        for k, s in enumerate(steps):
-            for at, length, dest in clip_runs(s.runs, piece.start, piece.start + piece.length):
-                data[k][dest : dest + length] = raw[at : at + length]
-                joined[k] += length
+        p_lo, p_hi = piece.start, piece.start + piece.length
+        for k, (lo, hi) in enumerate(spans):
+            a, b = max(lo, p_lo), min(hi, p_hi)
+            if a >= b:
+                continue
+            if a == lo and b == hi:  # the whole span in this piece: a view of it
+                buffers[k] = raw[a - p_lo : b - p_lo]
+            else:
+                buf = buffers[k]
+                if buf is None:
+                    buf = buffers[k] = torch.empty(hi - lo, dtype=torch.uint8)
+                buf[a - lo : b - lo] = raw[a - p_lo : b - p_lo]
+            filled[k] += b - a
     dtype = decode_dtype(entry.dtype)
     for k, s in enumerate(steps):
-        if joined[k] != data[k].numel():
+        buf = buffers[k]
+        if buf is None or filled[k] != spans[k][1] - spans[k][0]:
             raise CorruptCheckpointError(
                 f"step {manifest.step}: the pieces of {entry.key!r} do not hold all of {s.source}",
                 step=manifest.step,
                 bad=[entry.key],
             )
-        out[s.destination].copy_(data[k].view(dtype).view(s.source.shape))
+        out[s.destination].copy_(torch.as_strided(buf.view(dtype), s.source.shape, s.strides))
     return nbytes
 
 
@@ -130,7 +149,7 @@ def assemble(entry: TensorEntry, raw: torch.Tensor, step: int) -> torch.Tensor:
     steps = _plan(entry, whole)
     _check_filled(entry, whole, steps, step)
     out = torch.empty(entry.shape, dtype=dtype)
-    for s in steps:
-        ((offset, length),) = s.runs  # a whole box is one run of its own bytes
-        out[s.destination].copy_(raw[offset : offset + length].view(dtype).view(s.source.shape))
+    for s in steps:  # a whole box: its bytes are its span
+        lo, hi = s.span
+        out[s.destination].copy_(raw[lo:hi].view(dtype).view(s.source.shape))
     return out
