@@ -1,12 +1,15 @@
 """Restore into the caller's tensors: which stored arrays can be read straight into which live
-tensors (``restore(into=...)``), and what a failed attempt may have overwritten.
+tensors (``restore(into=...)`` or ``restore(targets=...)``), and what a failed attempt may have
+overwritten.
 
 A stored array is read in place when the live tensor at the same path of the state (the same
 dict keys, of the same types, and list positions) is a plain CPU tensor of the same dtype and
 shape, contiguous, and shares no memory with another tensor filled in place. Its bytes are
 then read into the tensor's memory and their checksum verified there; the restored state holds
 that tensor, and ``load_state_dict`` copies nothing (a module's ``copy_`` of a tensor into
-itself is skipped; an optimizer adopts the tensors it is given).
+itself is skipped; an optimizer adopts the tensors it is given). A live DTensor of the same
+dtype and global shape, on any mesh and with any placements (but ``Partial``), gets the part
+of the array its local tensor holds, read from only the pieces that hold it (resharding).
 """
 
 from __future__ import annotations
@@ -181,6 +184,12 @@ def _fill(live: torch.Tensor, entry: TensorEntry, path: Path) -> Fill | None:
 
 class InPlaceTargets:
     """The live tensors a restore fills in place, and the paths any attempt wrote into.
+
+    ``state`` is shaped as the saved state (for model-parallel training, what
+    ``torch.distributed.checkpoint.state_dict.get_state_dict`` gives, DTensors included):
+    ``CheckpointManager.restore(targets=InPlaceTargets(state))`` reads each stored array
+    into the live tensor at the same path when it can (see the module's docstring), and the
+    restored state holds those tensors.
 
     Use one for one restore (its fallbacks included): a damaged step may have overwritten a
     tensor before its damage was found, and :meth:`check` then makes sure the step finally
