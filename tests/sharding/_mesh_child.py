@@ -23,6 +23,8 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from coci_core import CheckpointManager, RankGroup
 from coci_core.engine import persist
 from coci_core.engine.inplace import InPlaceTargets
+from coci_core.storage import LocalStorage
+from tests.sharding._dist_child import _PausingStorage
 
 SAVE_STEP = 5
 
@@ -69,10 +71,24 @@ def _save(cfg: dict[str, Any]) -> dict[str, Any]:
     if mgr.remote is not None:
         assert mgr.remote.flush(timeout_s=120)
     mgr.close()
+    out: dict[str, Any] = {}
+    if "pause_rank" in cfg:  # a second save, in which that rank stops half-way: killed there
+        rank = dist.get_rank()
+        storage = (
+            _PausingStorage(cfg["dir"], SAVE_STEP + 1)
+            if rank == cfg["pause_rank"]
+            else LocalStorage(cfg["dir"])
+        )
+        group = RankGroup.from_torch_distributed(timeout_s=3)
+        with CheckpointManager(storage, group=group) as again:
+            try:
+                again.save(SAVE_STEP + 1, state).wait()
+            except Exception as e:
+                out["save_error"] = f"{type(e).__name__}: {e} (cause: {e.__cause__})"
     held = {
         k: v.to_local().numel() * v.element_size() for k, v in model.items() if k not in ("rep",)
     }
-    return {"held": held}
+    return {"held": held, **out}
 
 
 def _dcp_save(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -144,7 +160,8 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
     dist.init_process_group("gloo")
     out = MODES[cfg["mode"]](cfg)
     out["rank"] = dist.get_rank()
-    dist.barrier()
+    if "pause_rank" not in cfg:  # a rank killed never meets the others again
+        dist.barrier()
     return out
 
 

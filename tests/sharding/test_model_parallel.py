@@ -4,6 +4,7 @@ needs. Real processes, gloo."""
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -113,3 +114,18 @@ def test_import_of_a_sharded_dcp_checkpoint_restores_onto_another_mesh(tmp_path:
     for r in _ok(launch(2, cfg, module=MODULE)):
         assert all(r["in_place"].values()) and all(r["equal"].values()), r
         assert r["plain"]
+
+
+def test_a_rank_killed_during_a_sharded_save_publishes_nothing(tmp_path: Path) -> None:
+    """Rank 3 of the 2x2 mesh is SIGKILLed half-way through its part of the second save:
+    nothing of that save is published, the first stays intact, the others get an error
+    naming rank 3."""
+    cfg = {"mode": "save", "dir": str(tmp_path), "pause_rank": 3}
+    results = launch(4, cfg, module=MODULE, kill_rank=3)
+    assert results[3] == (-signal.SIGKILL, None)
+    survivors = [r for code, r in results[:3] if code == 0 and r is not None]
+    assert len(survivors) == 3
+    assert all("[3]" in r["save_error"] for r in survivors), survivors
+    with CheckpointManager(tmp_path) as mgr:
+        assert mgr.steps() == [SAVE_STEP]
+        assert mgr.verify() == {SAVE_STEP: []}
