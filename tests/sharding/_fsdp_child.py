@@ -3,7 +3,8 @@ mesh) and AdamW, checkpointed with coci as DCP's docs write it: the state from
 ``get_state_dict``, restored in place into the state ``get_state_dict`` gives and loaded with
 ``set_state_dict``.
 
-``cfg``: ``dir``, ``mesh`` ([dp] or [dp, tp]), ``steps``, ``every`` (save interval). Prints
+``cfg``: ``dir``, ``mesh`` ([dp] or [dp, tp]), ``steps``, ``every`` (save interval), ``api``
+(``"into"``: the modules' own ``state_dict()`` saved and ``restore(into=...)``). Prints
 ``AT <step>`` after each optimizer step and ``RESULT <json>`` (the restored step, and digests
 of the full parameters and optimizer state) at the end.
 """
@@ -88,12 +89,16 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
     model, optimizer, dp = build(cfg["mesh"])
     mgr = CheckpointManager(cfg["dir"], group=RankGroup.from_torch_distributed())
     start = 0
+    into = cfg.get("api") == "into"  # the modules' own state_dict() and restore(into=...)
     if mgr.latest_step() is not None:
-        model_sd, optim_sd = get_state_dict(model, optimizer)  # the live, sharded state
-        state = mgr.restore(targets=InPlaceTargets({"model": model_sd, "optim": optim_sd}))
-        set_state_dict(
-            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
-        )
+        if into:
+            state = mgr.restore(into={"model": model, "optim": optimizer})
+        else:
+            model_sd, optim_sd = get_state_dict(model, optimizer)  # the live, sharded state
+            state = mgr.restore(targets=InPlaceTargets({"model": model_sd, "optim": optim_sd}))
+            set_state_dict(
+                model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+            )
         start = state["step"]
     for step in range(start, cfg["steps"]):
         x, y = batch(step, dp)
@@ -102,7 +107,10 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
         optimizer.step()
         optimizer.zero_grad()
         if (step + 1) % cfg["every"] == 0:
-            model_sd, optim_sd = get_state_dict(model, optimizer)
+            if into:
+                model_sd, optim_sd = model.state_dict(), optimizer.state_dict()
+            else:
+                model_sd, optim_sd = get_state_dict(model, optimizer)
             mgr.save(step + 1, {"model": model_sd, "optim": optim_sd, "step": step + 1})
         print(f"AT {step + 1}", flush=True)
     mgr.close()

@@ -42,10 +42,16 @@ def _run(world: int, cfg: dict[str, Any], kill_at: int | None = None) -> list[di
     return results
 
 
-@pytest.mark.parametrize("mesh", [[2], [2, 2]], ids=["fsdp2", "fsdp2-over-tp"])
-def test_killed_and_resumed_run_is_bit_identical(tmp_path: Path, mesh: list[int]) -> None:
+@pytest.mark.parametrize(
+    ("mesh", "api"),
+    [([2], "state_dict"), ([2, 2], "state_dict"), ([2], "into")],
+    ids=["fsdp2", "fsdp2-over-tp", "fsdp2-restore-into"],
+)
+def test_killed_and_resumed_run_is_bit_identical(tmp_path: Path, mesh: list[int], api: str) -> None:
+    """Through get_state_dict / set_state_dict, or the modules' own state_dict() and
+    restore(into=...) (the optimizer's sharded state made before it is filled)."""
     world = 2 if len(mesh) == 1 else 4
-    cfg = {"mesh": mesh, "steps": 12, "every": 3}
+    cfg = {"mesh": mesh, "steps": 12, "every": 3, "api": api}
     reference = _run(world, {**cfg, "dir": str(tmp_path / "reference")})
     assert all(r["start"] == 0 for r in reference)
 

@@ -272,9 +272,27 @@ def _drop_overlaps(plans: list[dict[int, Fill]]) -> None:
         del plans[n][i]
 
 
+def _make_sharded_state(optimizer: torch.optim.Optimizer) -> None:
+    """Make the state of an optimizer of DTensor parameters that has none yet, as
+    ``get_state_dict`` does (one step with zero gradients and a learning rate of 0): its moments
+    are then DTensors that a restore fills with only this rank's part, where the optimizer
+    would otherwise be given whole tensors that its next step cannot mix with DTensors."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if optimizer.state or not any(_is_dtensor(p) for p in params):
+        return
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    _init_optim_state(optimizer)
+
+
 def in_place_targets(into: Mapping[str, Any]) -> InPlaceTargets | None:
     """The targets for ``restore(into=...)``: the ``state_dict()`` tensors of the modules and
-    torch optimizers in ``into`` (whose ``load_state_dict`` keeps or adopts them), or None."""
+    torch optimizers in ``into`` (whose ``load_state_dict`` keeps or adopts them), or None.
+    An optimizer of DTensor parameters without a state yet gets it made first (see
+    :func:`_make_sharded_state`)."""
+    for obj in into.values():
+        if isinstance(obj, torch.optim.Optimizer):
+            _make_sharded_state(obj)
     live = {
         key: obj.state_dict()
         for key, obj in into.items()
