@@ -24,10 +24,12 @@ from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, Strategy
 
+from coci_core.errors import ConfigError
+
 if TYPE_CHECKING:
     from coci_lightning._io import CociCheckpointIO
 
-__all__ = ["is_sharded", "sharded_state", "use_sharded_load"]
+__all__ = ["check_sharded", "is_sharded", "sharded_state", "use_sharded_load"]
 
 _ORIGINAL_LOAD = "_coci_original_load_checkpoint"
 
@@ -35,6 +37,23 @@ _ORIGINAL_LOAD = "_coci_original_load_checkpoint"
 def is_sharded(strategy: Strategy) -> bool:
     """Whether ``strategy`` holds the model and optimizer state sharded over its ranks."""
     return isinstance(strategy, (ModelParallelStrategy, FSDPStrategy))
+
+
+def check_sharded(strategy: Strategy) -> None:
+    """Refuse a strategy whose sharded state coci cannot store.
+
+    Raises:
+        ConfigError: an ``FSDPStrategy`` without a ``device_mesh`` (FSDP1 then gives its
+            shards as ``ShardedTensor``, not DTensors).
+    """
+    if isinstance(strategy, FSDPStrategy) and strategy.kwargs.get("device_mesh") is None:
+        raise ConfigError(
+            "CociCheckpoint with FSDPStrategy needs FSDPStrategy(device_mesh=...): without a "
+            "device mesh FSDP gives its sharded state as ShardedTensor, which coci does not "
+            "store (with one, as DTensors). E.g. FSDPStrategy(sharding_strategy='HYBRID_SHARD', "
+            "device_mesh=(num_nodes, devices_per_node)), or ModelParallelStrategy with "
+            "fully_shard in configure_model"
+        )
 
 
 def _raw(optimizer: Any) -> Any:

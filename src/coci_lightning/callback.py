@@ -49,7 +49,7 @@ from coci_lightning._epoch_end import (
 from coci_lightning._hparams import check_hyperparameters
 from coci_lightning._io import tier_options, use_coci_io
 from coci_lightning._rng import collect_plain_rng_states, rng_for_rank, set_plain_rng_states
-from coci_lightning._sharded import is_sharded, sharded_state
+from coci_lightning._sharded import check_sharded, is_sharded, sharded_state
 from coci_lightning._stopping import early_stopping_hazard, early_stopping_of, stopped_early
 from coci_lightning._telemetry import LoggerRelay, make_sinks
 from coci_lightning._trainer import (
@@ -274,6 +274,7 @@ class CociCheckpoint(Checkpoint):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # Every entry point (fit, validate, test, predict) reads coci step directories.
+        check_sharded(trainer.strategy)
         o = self.options
         use_coci_io(trainer).configure(
             pl_module,
