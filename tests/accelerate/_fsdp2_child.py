@@ -3,13 +3,14 @@ plugin's ``fsdp_version=2``), checkpointed by ``CociCheckpointer``.
 
 On CPU, Accelerate ignores the FSDP plugin (it prepares the model for DDP); this child sets the
 state's ``distributed_type`` to FSDP after making the Accelerator, so that ``prepare`` applies
-``fully_shard`` and the Accelerator reports FSDP (training works on CPU with gloo; Accelerate's
-own ``save_state`` does not).
+``fully_shard`` and the Accelerator reports FSDP (training, and Accelerate's own ``save_state``
+and ``load_state``, work on CPU with gloo).
 
 Run as ``python -m tests.accelerate._fsdp2_child DIR TOTAL [KILL]`` with RANK, WORLD_SIZE,
 LOCAL_RANK, MASTER_ADDR and MASTER_PORT set. Prints ``AT <step>`` after each step and, at the
-end, ``RESULT <json>`` (process index, the step it resumed from, whether the parameters are
-sharded DTensors, digests of the full model and optimizer state, the samples it trained on).
+end (after a ``save_state`` and ``load_state`` of Accelerate's own), ``RESULT <json>`` (process
+index, the step it resumed from, whether the parameters are sharded DTensors, digests of the
+full model and optimizer state, the samples it trained on).
 """
 
 from __future__ import annotations
@@ -105,6 +106,9 @@ def main() -> None:
             if step >= total:
                 break
     ckpt.close()
+    # Accelerate's own save_state / load_state beside coci (their FSDP path: DCP)
+    accelerator.save_state(directory.rstrip("/") + "-accelerate")
+    accelerator.load_state(directory.rstrip("/") + "-accelerate")
     model_state, optim_state = get_state_dict(model, optimizer.optimizer)
     result = {
         "rank": accelerator.process_index,
