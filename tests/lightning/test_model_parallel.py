@@ -22,8 +22,8 @@ TOTAL = 12
 KILL = 7  # inside the first epoch (8 steps at 2 data-parallel ranks)
 
 
-def _run(directory: Path, dp: int, tp: int) -> dict[int, dict[str, Any]]:
-    out = run(module(_CHILD, str(directory), str(dp), str(tp), str(TOTAL)), timeout_s=600)
+def _run(directory: Path, dp: int, tp: int, total: int = TOTAL) -> dict[int, dict[str, Any]]:
+    out = run(module(_CHILD, str(directory), str(dp), str(tp), str(total)), timeout_s=600)
     assert out.returncode == 0, out.stderr[-3000:]
     results = {row["rank"]: row for row in result_rows(out.stdout)}
     assert sorted(results) == list(range(dp * tp))
@@ -68,3 +68,20 @@ def test_killed_mid_epoch_resumes_bit_identical(tmp_path: Path, dp: int, tp: int
         assert resumed[rank]["optim"] == expected[rank]["optim"]
         # the data loader continued where the checkpoint was taken
         assert resumed[rank]["seen"] == expected[rank]["seen"][restored * per_step :]
+
+
+def test_resumed_on_another_mesh_restores_the_same_state(tmp_path: Path) -> None:
+    """A checkpoint of a 2 x 2 (data x tensor parallel) run, resumed by 2 processes at 1 x 2:
+    each rank reads the boxes its shards hold now; the full model and optimizer state equal
+    the saved run's."""
+    saved = _run(tmp_path, 2, 2, total=6)
+    assert CheckpointManager(tmp_path / "coci").latest_step() == 6
+    resumed = _run(tmp_path, 1, 2, total=6)  # max_steps reached: nothing trained after it
+    for rank in (0, 1):
+        assert resumed[rank]["step"] == 6
+        assert resumed[rank]["seen"] == []
+        assert resumed[rank]["lr"] == saved[0]["lr"]
+        assert (resumed[rank]["model"], resumed[rank]["optim"]) == (
+            saved[0]["model"],
+            saved[0]["optim"],
+        )
