@@ -2,8 +2,9 @@
 CPU processes (gloo), checkpointed by ``CociCheckpoint``.
 
 Run as ``python -m tests.lightning._model_parallel_child DIR DP TP TOTAL [KILL]``; Lightning
-starts the other ranks by running the same command. With KILL, rank 0 prints ``AT <step>``
-after that step and every rank waits to be killed; at the end every rank prints
+starts the other ranks by running the same command (``GATHERED_FILES=1`` in the environment:
+``save_distributed_checkpoint=False``, which coci's saves ignore). With KILL, rank 0 prints
+``AT <step>`` after that step and every rank waits to be killed; at the end every rank prints
 ``RESULT <json>`` (rank, global step, the learning rate, digests of the full model and
 optimizer state, the samples this rank trained on).
 """
@@ -128,7 +129,12 @@ def main() -> None:
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=dp * tp,
-        strategy=ModelParallelStrategy(data_parallel_size=dp, tensor_parallel_size=tp),
+        strategy=ModelParallelStrategy(
+            data_parallel_size=dp,
+            tensor_parallel_size=tp,
+            # Lightning's own files then hold the full state, gathered on rank 0
+            save_distributed_checkpoint=os.environ.get("GATHERED_FILES") != "1",
+        ),
         max_steps=total,
         logger=False,
         enable_progress_bar=False,

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from coci_core import CheckpointManager
-from tests.harness.processes import Child, module, run
+from tests.harness.processes import Child, child_env, module, run
 from tests.harness.results import result_rows
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
@@ -22,8 +22,11 @@ TOTAL = 12
 KILL = 7  # inside the first epoch (8 steps at 2 data-parallel ranks)
 
 
-def _run(directory: Path, dp: int, tp: int, total: int = TOTAL) -> dict[int, dict[str, Any]]:
-    out = run(module(_CHILD, str(directory), str(dp), str(tp), str(total)), timeout_s=600)
+def _run(
+    directory: Path, dp: int, tp: int, total: int = TOTAL, env: dict[str, str] | None = None
+) -> dict[int, dict[str, Any]]:
+    command = module(_CHILD, str(directory), str(dp), str(tp), str(total))
+    out = run(command, env=child_env(env), timeout_s=600)
     assert out.returncode == 0, out.stderr[-3000:]
     results = {row["rank"]: row for row in result_rows(out.stdout)}
     assert sorted(results) == list(range(dp * tp))
@@ -73,9 +76,13 @@ def test_killed_mid_epoch_resumes_bit_identical(tmp_path: Path, dp: int, tp: int
 def test_resumed_on_another_mesh_restores_the_same_state(tmp_path: Path) -> None:
     """A checkpoint of a 2 x 2 (data x tensor parallel) run, resumed by 2 processes at 1 x 2:
     each rank reads the boxes its shards hold now; the full model and optimizer state equal
-    the saved run's."""
-    saved = _run(tmp_path, 2, 2, total=6)
+    the saved run's. The saving run asks Lightning for gathered files
+    (``save_distributed_checkpoint=False``): coci still saves each rank's shards."""
+    saved = _run(tmp_path, 2, 2, total=6, env={"GATHERED_FILES": "1"})
     assert CheckpointManager(tmp_path / "coci").latest_step() == 6
+    manifest = json.loads((tmp_path / "coci" / "step-0000000006" / "manifest.json").read_text())
+    weight = next(e for e in manifest["tensors"] if e["key"] == "/state_dict/net.0.weight")
+    assert len({p["file"] for p in weight["pieces"]}) == 4
     resumed = _run(tmp_path, 1, 2, total=6)  # max_steps reached: nothing trained after it
     for rank in (0, 1):
         assert resumed[rank]["step"] == 6
