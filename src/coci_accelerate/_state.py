@@ -8,6 +8,13 @@ the same ones, so that it saves exactly what ``save_state`` would.
 Per-process state (random states, registered objects) is written by each process itself, as
 coci per-rank state under ``PROCESS_KEY``, and put back on the process of the same index. The
 rest is the same on every process and is split over them.
+
+Under FSDP (``DistributedType.FSDP``; FSDP2's ``fully_shard`` or FSDP1) the models' and
+optimizers' state is sharded: it is taken as ``save_state`` takes a ``SHARDED_STATE_DICT``, with
+``get_model_state_dict`` / ``get_optimizer_state_dict`` (optimizer ``i`` with model ``i``), so
+each process writes its own shards (no gather), and put back in place into the live shards
+(each process reading the boxes it holds, on any mesh) with ``set_model_state_dict`` /
+``set_optimizer_state_dict``.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
 from coci_core.engine.inplace import InPlaceTargets
-from coci_core.errors import CheckpointError
+from coci_core.errors import CheckpointError, ConfigError
 
 LAYOUT = "coci.accelerate/1"
 PROCESS_KEY = "coci_process"
@@ -102,6 +109,40 @@ def completed_steps(state: dict[str, Any]) -> int:
     return int(state["step"]) + 1
 
 
+def sharded(accelerator: Accelerator) -> bool:
+    """Whether the prepared models and optimizers hold their state sharded (FSDP)."""
+    return bool(accelerator.distributed_type == DistributedType.FSDP)
+
+
+def _optimizer_models(accelerator: Accelerator) -> list[Any]:
+    """The model of each prepared optimizer under FSDP: model ``i`` for optimizer ``i``, as
+    Accelerate's ``save_state`` pairs them."""
+    acc = accelerator
+    if len(acc._optimizers) > len(acc._models):
+        raise ConfigError(
+            f"under FSDP, optimizer i is saved with the state of model i (as Accelerate's "
+            f"save_state does): prepare at least as many models as optimizers, in the same "
+            f"order (prepared: {len(acc._models)} models, {len(acc._optimizers)} optimizers)"
+        )
+    return list(acc._models[: len(acc._optimizers)])
+
+
+def _sharded_models(accelerator: Accelerator) -> list[Any]:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return [get_model_state_dict(m) for m in accelerator._models]
+
+
+def _sharded_optimizers(accelerator: Accelerator) -> list[Any]:
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    models = _optimizer_models(accelerator)
+    return [
+        get_optimizer_state_dict(m, opt.optimizer)
+        for m, opt in zip(models, accelerator._optimizers, strict=True)
+    ]
+
+
 def collect(
     accelerator: Accelerator, step: int, *, standins: dict[int, Any] | None = None
 ) -> dict[str, Any]:
@@ -110,14 +151,19 @@ def collect(
     ``skip_first_batches`` loader running the rest of its epoch."""
     acc = accelerator
     standins = standins or {}
+    if sharded(acc):  # each process's own shards
+        models, optimizers = _sharded_models(acc), _sharded_optimizers(acc)
+    else:
+        models = [acc.get_state_dict(m, unwrap=False) for m in acc._models]
+        optimizers = [opt.state_dict() for opt in acc._optimizers]
     return {
         "layout": LAYOUT,
         "num_processes": acc.num_processes,
         "step": step,
         "completed_steps": step,
         "accelerate_step": acc.step,
-        "models": [acc.get_state_dict(m, unwrap=False) for m in acc._models],
-        "optimizers": [opt.state_dict() for opt in acc._optimizers],
+        "models": models,
+        "optimizers": optimizers,
         "schedulers": [s.state_dict() for s in acc._schedulers],
         "dataloaders": [_loader_state(dl, standins.get(id(dl))) for dl in acc._dataloaders],
         "scaler": acc.scaler.state_dict() if acc.scaler is not None else None,
@@ -141,10 +187,14 @@ def run_save_hooks(accelerator: Accelerator, state: dict[str, Any], output_dir: 
 
 def live_targets(accelerator: Accelerator) -> InPlaceTargets | None:
     """The prepared models' and optimizers' own tensors, for a resume to fill in place (see
-    :meth:`CheckpointManager.restore`): None when a model's state is not its ``state_dict()``
-    (DeepSpeed, FSDP) or when load hooks may leave models out of the loading."""
+    :meth:`CheckpointManager.restore`): under FSDP their live shards (made for an optimizer
+    that has no state yet by a step with zero lr); None when a model's state is not its
+    ``state_dict()`` (DeepSpeed) or when load hooks may leave models out of the loading."""
     acc = accelerator
-    if acc.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
+    if sharded(acc):
+        live = {"models": _sharded_models(acc), "optimizers": _sharded_optimizers(acc)}
+        return InPlaceTargets(live, replaced=[("optimizers",)])
+    if acc.distributed_type == DistributedType.DEEPSPEED:
         return None
     if acc._load_model_state_pre_hook:
         return None
@@ -194,6 +244,21 @@ def _check_fits(accelerator: Accelerator, state: dict[str, Any], models: list[An
         )
 
 
+def _apply_sharded(accelerator: Accelerator, models: list[Any], state: dict[str, Any]) -> None:
+    """Under FSDP: the restored shards into the models and optimizers (``models``: those the
+    load hooks left to load)."""
+    from torch.distributed.checkpoint.state_dict import (
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    for model, model_state in zip(models, state["models"], strict=True):
+        set_model_state_dict(model, model_state)
+    pairs = zip(_optimizer_models(accelerator), accelerator._optimizers, strict=True)
+    for (model, opt), opt_state in zip(pairs, state["optimizers"], strict=True):
+        set_optimizer_state_dict(model, opt.optimizer, opt_state)
+
+
 def apply(
     accelerator: Accelerator, state: dict[str, Any], *, skip: object, input_dir: str = ""
 ) -> None:
@@ -206,10 +271,13 @@ def apply(
     for hook in acc._load_model_state_pre_hook.values():
         hook(models, input_dir)
     _check_fits(acc, state, models)
-    for model, model_state in zip(models, state["models"], strict=True):
-        model.load_state_dict(model_state)
-    for opt, opt_state in zip(acc._optimizers, state["optimizers"], strict=True):
-        opt.load_state_dict(opt_state)
+    if sharded(acc):
+        _apply_sharded(acc, models, state)
+    else:
+        for model, model_state in zip(models, state["models"], strict=True):
+            model.load_state_dict(model_state)
+        for opt, opt_state in zip(acc._optimizers, state["optimizers"], strict=True):
+            opt.load_state_dict(opt_state)
     for sched, sched_state in zip(acc._schedulers, state["schedulers"], strict=True):
         sched.load_state_dict(sched_state)
     for loader, loader_state in zip(acc._dataloaders, state["dataloaders"], strict=True):

@@ -8,7 +8,7 @@ directory goes through coci's verified restore.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
@@ -16,6 +16,7 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
 from coci_core.telemetry import RestoreEvent
 from coci_core.training import read_checkpoint, step_dir_of
+from coci_lightning._sharded import use_sharded_load
 
 if TYPE_CHECKING:
     from coci_core.engine.restore import LoadedCheckpoint
@@ -82,17 +83,34 @@ class CociCheckpointIO(CheckpointIO):
     ) -> None:
         self.inner.save_checkpoint(checkpoint, path, storage_options=storage_options)
 
+    def is_coci(self, path: Any) -> bool:
+        """Whether ``path`` is a committed coci step directory."""
+        return step_dir_of(path, self.options_for(path)) is not None
+
     def load_checkpoint(
         self, path: Any, map_location: Any = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        options = self.options_for(path)
-        found = step_dir_of(path, options)
-        if found is None:
+        if not self.is_coci(path):
             return self.inner.load_checkpoint(
                 path, map_location=map_location, weights_only=weights_only
             )
-        root, step = found
         live = getattr(self, "live_state", None)
+        return self.read(path, live() if live is not None else None)
+
+    def read(
+        self,
+        path: Any,
+        live: Mapping[str, Any] | None,
+        replaced: Iterable[tuple[Any, ...]] = (),
+    ) -> dict[str, Any]:
+        """The state of the coci step directory ``path``, its tensors read in place into
+        ``live``'s where they fit (``replaced``: paths whose ``load_state_dict`` replaces the
+        whole state, as an optimizer's)."""
+        options = self.options_for(path)
+        found = step_dir_of(path, options)
+        if found is None:
+            raise ValueError(f"{path} is not a committed coci step directory")
+        root, step = found
         if getattr(self, "fallback_for", None) == str(path):
             # "last": the newest intact checkpoint of either tier, as the manager's restore
             loaded, event = read_checkpoint(
@@ -100,18 +118,15 @@ class CociCheckpointIO(CheckpointIO):
                 step,
                 storage_options=self.storage_options,
                 rank=self.rank,
-                live=live() if live is not None else None,
+                live=live,
+                replaced=replaced,
                 fall_back=True,
                 remote=self.remote,
                 remote_storage_options=self.remote_storage_options,
             )
         else:
             loaded, event = read_checkpoint(
-                root,
-                step,
-                storage_options=options,
-                rank=self.rank,
-                live=live() if live is not None else None,
+                root, step, storage_options=options, rank=self.rank, live=live, replaced=replaced
             )
         if self.on_restore is not None:
             self.on_restore(loaded, event)
@@ -140,10 +155,12 @@ def tier_options(
 
 
 def use_coci_io(trainer: Any) -> CociCheckpointIO:
-    """Wrap the strategy's CheckpointIO (once) so that it reads coci step directories."""
+    """Wrap the strategy's CheckpointIO (once) so that it reads coci step directories; for a
+    strategy with sharded state, which reads checkpoints itself, wrap its reader too."""
     strategy = trainer.strategy
     io = strategy.checkpoint_io
     if not isinstance(io, CociCheckpointIO):
         io = CociCheckpointIO(io)
         strategy.checkpoint_io = io
+    use_sharded_load(strategy, io)
     return io

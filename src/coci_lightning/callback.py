@@ -50,6 +50,7 @@ from coci_lightning._epoch_end import (
 from coci_lightning._hparams import check_hyperparameters
 from coci_lightning._io import tier_options, use_coci_io
 from coci_lightning._rng import collect_plain_rng_states, rng_for_rank, set_plain_rng_states
+from coci_lightning._sharded import check_sharded, is_sharded, sharded_state
 from coci_lightning._stopping import early_stopping_hazard, early_stopping_of, stopped_early
 from coci_lightning._telemetry import LoggerRelay, make_sinks
 from coci_lightning._trainer import (
@@ -302,6 +303,7 @@ class CociCheckpoint(Checkpoint):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # Every entry point (fit, validate, test, predict) reads coci step directories.
+        check_sharded(trainer.strategy)
         o = self.options
         self._directory = self.resolve_dirpath(trainer)
         use_coci_io(trainer).configure(
@@ -531,7 +533,8 @@ class CociCheckpoint(Checkpoint):
         # the state that _save takes, for Checkpointer.warm_up
         self._rng_in_state = False
         try:
-            state = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)  # see _save
+            with sharded_state(trainer.strategy):  # see _save
+                state = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         finally:
             self._rng_in_state = True
         ckpt.warm_up(state, per_rank={RANK_STATE_KEY: {"rng": collect_plain_rng_states()}})
@@ -554,6 +557,14 @@ class CociCheckpoint(Checkpoint):
         alone = alone and trainer.world_size > 1
         if alone and not trainer.is_global_zero:
             return
+        if alone and is_sharded(trainer.strategy):
+            # rank 0 holds only its own shards, and collecting the others' would wait for
+            # ranks that may have failed
+            rank_zero_warn(
+                f"coci: no checkpoint saved on the exception: {type(trainer.strategy).__name__} "
+                "shards the state over the ranks, and rank 0 cannot save the others' shards alone"
+            )
+            return
         self._rng_in_state = False
         self._epoch_end_metrics = epoch_end_metrics(trainer) if epoch_end else None
         if self.monitor is not None:
@@ -561,8 +572,9 @@ class CociCheckpoint(Checkpoint):
             self._scores.taking(trainer.global_step, score)
         try:
             # Private: the exact dict trainer.save_checkpoint writes, without writing a file
-            # (Lightning has no public way to get it).
-            state = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+            # (Lightning has no public way to get it); with sharded state, each rank's shards.
+            with sharded_state(trainer.strategy):
+                state = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         finally:
             self._rng_in_state = True
             self._epoch_end_metrics = None

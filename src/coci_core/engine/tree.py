@@ -337,6 +337,12 @@ class _Flattener:
         return self._wrapped("config", content, key, type=kind, **extra)
 
     def _encode_tensor(self, t: torch.Tensor, key: str) -> Any:
+        if type(t).__name__ == "ShardedTensor":  # its attributes raise: refuse it by name
+            raise UnsupportedValueError(
+                f"state value at {key!r} is a ShardedTensor (FSDP1's sharded state dict when FSDP "
+                "has no device mesh): coci stores DTensors; pass device_mesh= to FSDP (e.g. "
+                "init_device_mesh('cuda', (world_size,))) so that its state dict holds DTensors"
+            )
         if t.is_sparse or t.layout != torch.strided:
             return self._fallback(t, key, why="sparse and other non-strided layouts are not stored")
         if t.is_quantized or encode_dtype(t.dtype) not in SUPPORTED_DTYPES:

@@ -5,7 +5,7 @@ picks and loads a checkpoint by path itself (Lightning's ``ckpt_path``), not thr
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -77,12 +77,15 @@ def read_checkpoint(
     storage_options: Mapping[str, Any] | None = None,
     rank: int = 0,
     live: Mapping[str, Any] | None = None,
+    replaced: Iterable[tuple[Any, ...]] = (),
     fall_back: bool = False,
     remote: str | None = None,
     remote_storage_options: Mapping[str, Any] | None = None,
 ) -> tuple[LoadedCheckpoint, RestoreEvent]:
     """Restore ``step`` of ``directory`` (verified) with ``rank``'s per-rank state, and the
-    event to report. ``live``: a state whose tensors are filled in place (no second copy).
+    event to report. ``live``: a state whose tensors are filled in place (no second copy; its
+    DTensors receive the boxes they hold, on any mesh); ``replaced``: paths in it whose
+    ``load_state_dict`` replaces their whole state (see ``InPlaceTargets``).
     ``fall_back``: the newest intact checkpoint from ``step`` on, of ``directory`` or the
     ``remote`` tier, as a resume takes it (past damaged ones).
 
@@ -90,7 +93,7 @@ def read_checkpoint(
         NoCheckpointError, CorruptCheckpointError, StorageError: as
             :meth:`CheckpointManager.restore <coci_core.CheckpointManager.restore>`.
     """
-    targets = InPlaceTargets(live) if live is not None else None
+    targets = InPlaceTargets(live, replaced) if live is not None else None
     storage = open_storage(str(directory), **dict(storage_options or {}))
     if fall_back:
         remote_storage = None
