@@ -23,6 +23,7 @@ from coci_core.engine.manifest import (
 )
 from coci_core.engine.regions import Region
 from coci_core.engine.tree import FlattenCache, flatten_state
+from tests.harness.processes import free_port, run, script
 from tests.harness.states import assert_same
 
 
@@ -283,3 +284,60 @@ def test_parameter_and_its_plain_view_are_one_leaf() -> None:
     assert len(first.leaves) == 1
     again = flatten_state({"p": p.detach(), "v": p}, cache=cache)
     assert again.layout is first.layout and len(again.leaves) == 1
+
+
+_DTENSOR_CHILD = """
+import json, sys, tempfile, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from coci_core import CheckpointManager, RankGroup
+from coci_core.engine.tree import FlattenCache, flatten_state
+
+dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:" + sys.argv[1])
+mesh = init_device_mesh("cpu", (1, 1))
+a = distribute_tensor(torch.arange(12.0).reshape(3, 4), mesh, [Shard(0), Shard(1)])
+b = distribute_tensor(torch.ones(5), mesh, [Replicate(), Replicate()])
+cache = FlattenCache()
+first = flatten_state({"a": a, "b": b, "n": 1}, cache=cache)
+again = flatten_state({"a": a, "b": b, "n": 2}, cache=cache)
+out = {
+    "hit": again.layout is first.layout
+    and all(x is y for x, y in zip(again.leaves, first.leaves, strict=True)),
+    "n": again.tree["v"]["n"],
+}
+moved = a.redistribute(mesh, [Replicate(), Shard(1)])  # other placements: a miss
+missed = flatten_state({"a": moved, "b": b, "n": 1}, cache=cache)
+out["placements_miss"] = missed.layout is not first.layout
+before = flatten_state({"a": a, "b": b, "n": 1}, cache=cache)
+other = distribute_tensor(torch.zeros(3, 4), mesh, [Shard(0), Shard(1)])  # other memory: a miss
+missed = flatten_state({"a": other, "b": b, "n": 1}, cache=cache)
+out["memory_miss"] = missed.layout is not before.layout and before.layout is not None
+base = flatten_state({"a": a, "b": b, "n": 1}, cache=cache)
+view = DTensor.from_local(a._local_tensor, mesh, [Shard(0), Shard(1)], run_check=False)
+same = flatten_state({"a": view, "b": b, "n": 1}, cache=cache)  # same memory, new tensor objects
+out["rebuilt"] = (
+    same.layout is base.layout
+    and same.leaves[0].tensor is not base.leaves[0].tensor
+    and same.leaves[0].tensor.data_ptr() == a._local_tensor.data_ptr()
+)
+with CheckpointManager(tempfile.mkdtemp(), group=RankGroup.from_torch_distributed()) as mgr:
+    mgr.save(1, {"a": a}).wait()
+    a._local_tensor.add_(1.0)  # written in place between saves
+    mgr.save(2, {"a": a}).wait()
+    out["values"] = [mgr.restore(step)["a"].tolist() for step in (1, 2)]
+print("RESULT " + json.dumps(out), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_dtensor_states_reuse_the_flatten_and_miss_on_any_change() -> None:
+    """DTensors keep the cached flatten while their layout (local memory, placements, mesh)
+    stays; any change is a miss; new DTensor objects over the same memory get new leaves."""
+    result = run(script(_DTENSOR_CHILD, str(free_port())), timeout_s=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    (line,) = [ln for ln in result.stdout.splitlines() if ln.startswith("RESULT ")]
+    out = json.loads(line[len("RESULT ") :])
+    assert out["hit"] and out["n"] == 2
+    assert out["placements_miss"] and out["memory_miss"] and out["rebuilt"]
+    first = torch.arange(12.0).reshape(3, 4)
+    assert out["values"] == [first.tolist(), (first + 1).tolist()]

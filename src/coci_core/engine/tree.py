@@ -157,6 +157,42 @@ def _shard_layout(
     )
 
 
+def _local(t: Any) -> torch.Tensor:
+    """A DTensor's local tensor (its attribute: ``to_local()`` goes through autograd)."""
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else t.to_local()
+
+
+def _dtensor_fingerprint(t: Any, local: torch.Tensor) -> tuple[Any, ...]:
+    """All that a DTensor's leaf and tree node depend on (see :func:`_fingerprint`)."""
+    mesh = t.device_mesh
+    order = getattr(t._spec, "shard_order", None)
+    return (
+        _fingerprint(local),
+        t.shape,
+        t.placements,
+        tuple(mesh.shape),
+        tuple(mesh.get_coordinate() or ()),
+        None if order is None else repr(order),
+    )
+
+
+class _Part:
+    """Makes a DTensor's leaf from its local tensor: the part this rank writes."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: tuple[slice, ...] | None) -> None:
+        self.index = index  # None: this rank writes none of it
+
+    def __call__(self, local: torch.Tensor) -> torch.Tensor:
+        local = local.detach()
+        return local[self.index] if self.index is not None else local.reshape(-1)[:0]
+
+
+_Maker = Any  # makes a leaf's tensor from its source: _detached, or a _Part
+
+
 class _Miss(Exception):
     """The state's tensors are not laid out as in the cached flatten."""
 
@@ -168,8 +204,10 @@ class FlattenCache:
     (those of the very same tensor objects whole), and checks no tensor again; every other
     value is encoded anew each time.
 
-    Kept only for states whose leaves are all plain strided tensors (no numpy arrays,
-    DTensors or ``torch.save``'d values). Not thread-safe: one flatten at a time.
+    Kept only for states whose leaves are all plain strided tensors or DTensors (no numpy
+    arrays or ``torch.save``'d values); a DTensor's fingerprint adds its global shape,
+    placements, mesh shape and coordinate to its local tensor's. Not thread-safe: one flatten
+    at a time.
     """
 
     def __init__(self) -> None:
@@ -179,7 +217,9 @@ class FlattenCache:
         # for each leaf, the index of the first tensor met that makes it
         self.firsts: list[int] = []
         self.leaves: tuple[ArrayLeaf, ...] = ()
-        self.tensors: list[torch.Tensor] = []  # the leaves' tensors
+        # for each leaf, the tensor it was made from (a DTensor's: its local tensor) and how
+        self.sources: list[torch.Tensor] = []
+        self.makers: list[_Maker] = []
         self.layout: object | None = None
 
     def store(self, flattener: _Flattener) -> object | None:
@@ -187,13 +227,14 @@ class FlattenCache:
         keep = flattener.plain
         self.fingerprints, self.keys, self.nodes = flattener.met if keep else ([], [], [])
         self.firsts = flattener.firsts if keep else []
-        self.keep_leaves(tuple(flattener.leaves) if keep else ())
+        self.makers = flattener.makers if keep else []
+        self.keep_leaves(tuple(flattener.leaves) if keep else (), flattener.sources if keep else [])
         self.layout = object() if keep else None
         return self.layout
 
-    def keep_leaves(self, leaves: tuple[ArrayLeaf, ...]) -> None:
+    def keep_leaves(self, leaves: tuple[ArrayLeaf, ...], sources: list[torch.Tensor]) -> None:
         self.leaves = leaves
-        self.tensors = [leaf.tensor for leaf in leaves]
+        self.sources = sources
 
 
 class _Flattener:
@@ -206,7 +247,10 @@ class _Flattener:
         self.plain = True
         self.met: tuple[list[tuple[Any, ...]], list[str], list[dict[str, Any]]] = ([], [], [])
         self.firsts: list[int] = []
-        # Replaying a FlattenCache: the tensors met so far (each must match the cache's).
+        self.sources: list[torch.Tensor] = []
+        self.makers: list[_Maker] = []
+        # Replaying a FlattenCache: the tensors met so far (each must match the cache's; a
+        # DTensor's local tensor stands for it).
         self._cache = cache
         self.tensors: list[torch.Tensor] = []
 
@@ -350,6 +394,8 @@ class _Flattener:
         if t.device.type == "meta":
             raise UnsupportedValueError(f"state value at {key!r} is a meta tensor: it has no data")
         if type(t).__name__ == "DTensor":
+            if self._cache is not None:
+                return self._replay_dtensor(t, key)
             return self._encode_dtensor(t, key)
         if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
             return self._fallback(t, key, why=f"tensor subclass {type(t).__name__} is not stored")
@@ -358,13 +404,27 @@ class _Flattener:
         if type(t) not in _PLAIN_TENSORS:
             self.plain = False
             return node
+        self._record(_fingerprint(t), key, node, leaves, t, _detached)
+        return node
+
+    def _record(
+        self,
+        fingerprint: tuple[Any, ...],
+        key: str,
+        node: Any,
+        leaves: int,
+        source: torch.Tensor,
+        maker: _Maker,
+    ) -> None:
+        """Note a tensor met for a FlattenCache (with the leaf it made, when it made one)."""
         fingerprints, keys, nodes = self.met
-        fingerprints.append(_fingerprint(t))
+        fingerprints.append(fingerprint)
         keys.append(key)
         nodes.append(node)
         if len(self.leaves) > leaves:
             self.firsts.append(len(nodes) - 1)
-        return node
+            self.sources.append(source)
+            self.makers.append(maker)
 
     def _replay_tensor(self, t: torch.Tensor, key: str) -> Any:
         """A plain tensor met while replaying the cache: its node, when it is laid out as the
@@ -377,14 +437,33 @@ class _Flattener:
         self.tensors.append(t)
         return cache.nodes[i]
 
+    def _replay_dtensor(self, t: Any, key: str) -> Any:
+        """:meth:`_replay_tensor` for a DTensor (its local tensor stands for it)."""
+        cache = self._cache
+        assert cache is not None
+        i = len(self.tensors)
+        local = _local(t)
+        if (
+            i >= len(cache.keys)
+            or cache.keys[i] != key
+            or cache.fingerprints[i] != _dtensor_fingerprint(t, local)
+        ):
+            raise _Miss
+        self.tensors.append(local)
+        return cache.nodes[i]
+
     def _encode_dtensor(self, t: Any, key: str) -> Any:
         # Replicated: like any tensor (split over ranks). Sharded: each rank writes its part
         # of the region it holds (replicas split it), as one piece of the whole tensor.
-        self.plain = False
-        local = t.to_local().detach()
+        source = _local(t)
+        local = source.detach()
+        fingerprint = _dtensor_fingerprint(t, source)
+        leaves = len(self.leaves)
         shape, mesh_shape, placements, order = dtensor_layout(t)
         if all(p.is_replicate() for p in placements):
-            return self.add_leaf(key, local, "tensor")
+            node = self.add_leaf(key, local, "tensor")
+            self._record(fingerprint, key, node, leaves, source, _Part((slice(None),) * local.ndim))
+            return node
         layout = _shard_layout(
             shape,
             mesh_shape,
@@ -403,9 +482,11 @@ class _Flattener:
                 f"{mesh_shape} give {None if held is None else held.shape}"
             )
         part = layout.parts.get(coord)
-        mine = local[part.slices(held)] if part is not None else local.reshape(-1)[:0]
+        maker = _Part(part.slices(held) if part is not None else None)
         start = layout.starts.get(coord, 0)
-        return self.add_leaf(key, mine, "tensor", shard=(shape, start, layout.boxes))
+        node = self.add_leaf(key, maker(local), "tensor", shard=(shape, start, layout.boxes))
+        self._record(fingerprint, key, node, leaves, source, maker)
+        return node
 
     def _encode_ndarray(self, a: np.ndarray, key: str) -> Any:
         self.plain = False
@@ -524,13 +605,16 @@ def _replay(state: dict[str, Any], cache: FlattenCache, allow_torch_save: bool) 
     met = flattener.tensors
     if len(met) != len(cache.keys) or flattener.leaves:
         raise _Miss  # fewer tensors, or a value that made a leaf of its own
-    tensors = [met[i] for i in cache.firsts]
-    if not all(map(operator.is_, tensors, cache.tensors)):  # new tensor objects, same layout
+    sources = [met[i] for i in cache.firsts]
+    if not all(map(operator.is_, sources, cache.sources)):  # new tensor objects, same layout
         cache.keep_leaves(
             tuple(
-                leaf if leaf.tensor is t else ArrayLeaf(leaf.key, _detached(t), "tensor")
-                for leaf, t in zip(cache.leaves, tensors, strict=True)
-            )
+                leaf if new is old else dataclasses.replace(leaf, tensor=make(new))
+                for leaf, new, old, make in zip(
+                    cache.leaves, sources, cache.sources, cache.makers, strict=True
+                )
+            ),
+            sources,
         )
     return FlatState(tree=tree, leaves=cache.leaves, layout=cache.layout)
 
