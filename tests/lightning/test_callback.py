@@ -232,8 +232,10 @@ def test_exception_saves_a_checkpoint(tmp_path: Path) -> None:
     assert CheckpointManager(tmp_path / "coci").steps() == [7]
 
 
-def test_planner_state_survives_resume(tmp_path: Path) -> None:
+def test_planner_state_survives_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The planner's measured estimates saved with a step come back into the resumed planner."""
+    import coci_core.training.checkpointer as checkpointer_module
+
     _fit(tmp_path, 10, [CociCheckpoint(policy="every_n_steps", every_n_steps=5)])
     with CheckpointManager(tmp_path / "coci") as mgr:
         saved = mgr.restore()["callbacks"]["CociCheckpoint"]["planner"]
@@ -244,6 +246,8 @@ def test_planner_state_survives_resume(tmp_path: Path) -> None:
             seen.update(callback.checkpointer.planner.state_dict())  # type: ignore[union-attr]
 
     callback = CociCheckpoint(policy="every_n_steps", every_n_steps=5, resume=True)
+    # as a new process resumes (in this one, the run would simply go on from step 10)
+    monkeypatch.setattr(checkpointer_module, "_TRAINED_HERE", {})
     _fit(tmp_path, 12, [callback, _Peek()])
     saved = json.loads(json.dumps(saved))
     # the resume itself is recorded on top of the saved state: one more failure, its restore

@@ -25,7 +25,7 @@ from coci_core.engine.persist import LatestOnlyWorker
 from coci_core.engine.stateful import Stateful
 from coci_core.errors import ConfigError, StepExistsError
 from coci_core.hpo import combine_terminations
-from coci_core.knobs import MAX_CHECKPOINTS_COSTED, TELEMETRY_PROGRESS_EVERY_S
+from coci_core.knobs import MAX_CHECKPOINTS_COSTED
 from coci_core.planner import Planner, Termination
 from coci_core.planner.optimize import Problem
 from coci_core.planner.schedule import ExpectedOverhead, compare_with_daly
@@ -48,6 +48,12 @@ from coci_core.training.restart import process_start_unix
 __all__ = ["Checkpointer"]
 
 logger = logging.getLogger(__name__)
+
+#: The checkpoint directories (storage URLs) a Checkpointer of this process trained in and
+#: closed -> the last step it trained: a later restore of that very step in this process
+#: (``fit()`` then ``fit(ckpt_path="last")``) continues the run, with no work lost; it is no
+#: failure and no restart.
+_TRAINED_HERE: dict[str, int] = {}
 
 
 class Checkpointer:
@@ -140,7 +146,7 @@ class Checkpointer:
         )
         self._started_unix = started if started is not None else time.time()
         self._restored: RestoreEvent | None = None  # until the first step after it
-        self._progress_at = -math.inf
+        self._last_observed: int | None = None
 
     def __repr__(self) -> str:
         return f"Checkpointer({self.manager.storage.url!r}, policy={self.planner.policy_name!r})"
@@ -149,8 +155,13 @@ class Checkpointer:
         """Also give every later save and restore event to ``listener``."""
         self._listeners.append(listener)
 
+    def _continues_here(self, event: RestoreEvent) -> bool:
+        """Whether ``event`` restored the step a Checkpointer of this process ended its
+        training at, in this directory: the run goes on, nothing failed."""
+        return _TRAINED_HERE.get(self.manager.storage.url) == event.step
+
     def _on_event(self, event: Event) -> None:
-        if isinstance(event, RestoreEvent):
+        if isinstance(event, RestoreEvent) and not self._continues_here(event):
             self.planner.record_restore(event.seconds, tier=event.tier)
         if isinstance(event, UploadEvent) and event.outcome == "committed":
             self._on_upload(event)
@@ -239,19 +250,17 @@ class Checkpointer:
         if self._restored is not None:
             # before the planner sees the step: one re-plan with the whole restart, not two
             self._restart_done(self._restored)
+        self._last_observed = step
         self.planner.observe(step, loss=loss, step_time_s=step_time_s)
         if not self.sinks:
             return
-        now = time.monotonic()
-        if now - self._progress_at >= TELEMETRY_PROGRESS_EVERY_S:
-            self._progress_at = now
-            for sink in self.sinks:
-                record_progress = getattr(sink, "record_progress", None)
-                if record_progress is not None:
-                    try:
-                        record_progress(step)
-                    except Exception:
-                        logger.exception("coci telemetry sink %r failed", sink)
+        for sink in self.sinks:  # every step: the sink writes a record every few seconds
+            record_progress = getattr(sink, "record_progress", None)
+            if record_progress is not None:
+                try:
+                    record_progress(step)
+                except Exception:
+                    logger.exception("coci telemetry sink %r failed", sink)
         if loss is not None and math.isfinite(loss):
             self._last_loss = float(loss)
         if (
@@ -422,7 +431,7 @@ class Checkpointer:
         event: RestoreEvent | None = self.manager.last_restore  # reported by the manager
         if event is not None:
             self.resumed_from = event.step
-            self._restored = event
+            self._restored = None if self._continues_here(event) else event
         return state
 
     def restored_elsewhere(self, run: str, event: RestoreEvent, sequence: int = 0) -> None:
@@ -432,7 +441,7 @@ class Checkpointer:
         event as the manager reports its own."""
         self.resumed_from = event.step
         self.manager.continue_run(run, sequence, restored=event)
-        self._restored = event
+        self._restored = None if self._continues_here(event) else event
         self._on_event(event)
 
     def wait(self) -> None:
@@ -441,6 +450,8 @@ class Checkpointer:
 
     def close(self) -> None:
         """Wait for pending saves, stop the writer and close the telemetry sinks."""
+        if self._last_observed is not None:
+            _TRAINED_HERE[self.manager.storage.url] = self._last_observed
         try:
             self.manager.close()
         finally:
