@@ -138,7 +138,9 @@ def _child(argv: list[str]) -> None:
     progress = Progress()
 
     class KillPoint(pl.Callback):
-        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        # At the start of the next batch: step `kill` has ended and every callback saw it
+        # (Lightning runs checkpoint callbacks, coci's among them, after the others).
+        def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
             if kill is not None and marker_fd is not None and trainer.global_step == kill:
                 progress.close()  # the bar ends where the run is killed
                 os.write(marker_fd, f"AT {kill}\n".encode())
@@ -250,10 +252,9 @@ def run(args: argparse.Namespace) -> int:
     )
     print(render_policies(compare_policies(summary, total)))
     print()
-    print(
-        f"killed at step {kill}, resumed from step {resumed_from}: {kill - resumed_from} steps "
-        "of work lost"
-    )
+    # the work lost as the report and the tab count it (the telemetry has the step reached)
+    lost = sum(summary.lost_steps)
+    print(f"killed at step {kill}, resumed from step {resumed_from}: {lost} steps of work lost")
     print(f"final weights bit-identical to the uninterrupted run: {same_weights}")
     print(f"each remaining sample trained on exactly once, in the same order: {same_samples}")
     print(
