@@ -263,7 +263,9 @@ def termination_effect(summary: RunSummary) -> dict[str, float] | None:
     """How much the termination hazard changed the last plan (by its objective): the plan's
     expected overhead, the same for the plan made without the hazard, Daly's, and the
     ``saving``: the share of the plan-without-the-hazard's overhead that the hazard saves
-    (0 to 1); None without a termination model.
+    (0 to 1), and ``share_of_gain``: the share of the plan's gain over Daly it brings (0 to
+    1, see :func:`~coci_core.planner.schedule.termination_share`); None without a
+    termination model.
 
     (Not a share of the plan's gain over Daly: where the plan made without the hazard costs
     more than Daly's, that share exceeds 100% and tells nothing.)"""
@@ -276,12 +278,15 @@ def termination_effect(summary: RunSummary) -> dict[str, float] | None:
     daly_s = _float(ov.get("daly_objective_s"))
     if objective_s is None or without_s is None or daly_s is None:
         return None
+    from coci_core.planner.schedule import termination_share
+
     saved = max(0.0, without_s - objective_s)
     return {
         "objective_s": objective_s,
         "without_objective_s": without_s,
         "daly_objective_s": daly_s,
         "saving": saved / without_s if without_s > 0 else 0.0,
+        "share_of_gain": termination_share(objective_s, without_s, daly_s),
     }
 
 
