@@ -468,13 +468,13 @@ def _uploads_line(uploads: list[dict[str, Any]]) -> str:
     """The remote tier in one line: steps uploaded, the newest, failed attempts."""
     done = [u for u in uploads if u.get("outcome") == "committed"]
     failed = [u for u in uploads if u.get("outcome") == "failed"]
-    line = f"remote tier: {len(done)} checkpoints uploaded"
+    line = f"remote tier: {_plural(len(done), 'checkpoint')} uploaded"
     if done:
         median = statistics.median(float(u.get("seconds", 0.0)) for u in done)
         line += f", newest step {done[-1]['step']} (median {_num(median, '.2f')} s each)"
     if failed:
         last = failed[-1]
-        line += f"; {len(failed)} failed attempts, the last at step {last['step']}: "
+        line += f"; {_plural(len(failed), 'failed attempt')}, the last at step {last['step']}: "
         line += str(last.get("error") or "?")
         if not done or done[-1]["step"] < last["step"]:
             line += " (not uploaded since)"
