@@ -352,12 +352,15 @@ def render(
     lines = []
     actual = [s["step"] for s in summary.committed]
     lines.append(f"checkpoints committed: {len(actual)} at steps {actual}")
-    lines.append(
-        f"checkpoints planned over the {_plural(summary.last_step, 'step')} run: "
-        f"{len(summary.planned)} at steps {summary.planned[:20]}"
-        + (" ..." if len(summary.planned) > 20 else "")
-        + (f"; still ahead: {summary.ahead[:10]}" if summary.ahead else "")
-    )
+    if not summary.plans:
+        lines.append("no plan recorded: coci's planner did not choose these saves")
+    else:
+        lines.append(
+            f"checkpoints planned over the {_plural(summary.last_step, 'step')} run: "
+            f"{len(summary.planned)} at steps {summary.planned[:20]}"
+            + (" ..." if len(summary.planned) > 20 else "")
+            + (f"; still ahead: {summary.ahead[:10]}" if summary.ahead else "")
+        )
     skipped = [s["step"] for s in summary.saves if s.get("outcome") == "skipped"]
     failed = [s["step"] for s in summary.saves if s.get("outcome") == "failed"]
     if skipped or failed:
