@@ -121,6 +121,26 @@ def test_a_killed_run_has_one_set_of_numbers(tmp_path: Path) -> None:
     assert rows and all(row.split()[3] == "1.00x" for row in rows), listing
 
 
+@pytest.mark.slow
+def test_a_new_process_going_on_from_a_finished_run_is_a_resume(tmp_path: Path) -> None:
+    """A run that ended at step 100, trained on to 200 by a new process (``resume=True``),
+    lost nothing and failed nowhere: no restart (nor its cost) is recorded, the report and
+    the tab say a resume."""
+    from coci_lightning.demo import _train
+
+    assert _train(tmp_path / "run", 100, tmp_path / "first.json") == 0
+    assert _train(tmp_path / "run", 200, tmp_path / "second.json") == 0
+    ckpt_dir = tmp_path / "run" / "coci"
+    records = read_jsonl(ckpt_dir / "telemetry.jsonl")
+    assert [(r["step"], r["reached"]) for r in records if r["type"] == "restore"] == [(100, 100)]
+    assert [r for r in records if r["type"] == "restart"] == []
+    assert [r["step"] for r in records if r["type"] == "end"] == [100, 200]
+    tab = _tab(tmp_path / "run", "coci")
+    assert tab["restarts"] == [] and [r["restored"] for r in tab["resumes"]] == [100]
+    assert (tab["summary"]["restarts"], tab["summary"]["lost_steps"]) == (0, 0)
+    assert "resume: restored step 100" in _report(ckpt_dir)
+
+
 class _Plateau(DigitsModel):
     """Digits whose validation metric never improves: EarlyStopping stops it after
     ``patience`` more validations."""

@@ -206,6 +206,8 @@ class JsonlRecords:
     reached: int | None = None
     #: the step the previous session reached, read when the sink opened (None: unknown)
     previous_reached: int | None = None
+    #: the previous session was closed (it ended at ``previous_reached``)
+    previous_ended: bool = False
     _progress_at: float = -math.inf
     _ended: bool = False
 
@@ -276,9 +278,15 @@ class JsonlRecords:
             self._progress_at = now
             self._write({"type": "progress", "step": step})
 
-    def _reach(self, step: int) -> None:
-        """Keep ``step`` as the step reached where a killed process leaves it (cheap: called
-        at every step); nothing by default."""
+    def _reach(self, step: int, *, ended: bool = False) -> None:
+        """Keep ``step`` as the step reached (``ended``: where the session ended) where a
+        killed process leaves it (cheap: called at every step); nothing by default."""
+
+    @property
+    def previous_end(self) -> int | None:
+        """The step the previous session ended at when it was closed there (so a restore of
+        that step continues the run: no failure), else None."""
+        return self.previous_reached if self.previous_ended else None
 
     def record_end(self) -> None:
         """The session ends (the sink is closed): an ``end`` record with its last step, once,
@@ -287,6 +295,7 @@ class JsonlRecords:
             return
         self._ended = True
         self._write({"type": "end", "step": self.reached})
+        self._reach(self.reached, ended=True)
 
     def record_loss(self, step: int, loss: float, fitted: float | None = None) -> None:
         self._write(
@@ -316,7 +325,7 @@ class JsonlTelemetry(JsonlRecords):
         # the step reached, rewritten in place: one small write per step, no growth
         progress = self.path.with_name(PROGRESS_FILE)
         self._progress_fd = os.open(progress, os.O_RDWR | os.O_CREAT, 0o644)
-        self.previous_reached = _read_reached(self._progress_fd)
+        self.previous_reached, self.previous_ended = _read_reached(self._progress_fd)
 
     def __enter__(self) -> JsonlTelemetry:
         return self
@@ -324,10 +333,10 @@ class JsonlTelemetry(JsonlRecords):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _reach(self, step: int) -> None:
+    def _reach(self, step: int, *, ended: bool = False) -> None:
         with self._lock:
-            if self._progress_fd >= 0:
-                os.pwrite(self._progress_fd, b"%20d\n" % step, 0)
+            if self._progress_fd >= 0:  # fixed width: each write replaces the last whole
+                os.pwrite(self._progress_fd, b"%20d %-3s\n" % (step, b"end" if ended else b""), 0)
 
     def _write_line(self, line: str, record: dict[str, Any]) -> None:
         data = memoryview((line + "\n").encode("utf-8"))
@@ -347,12 +356,14 @@ class JsonlTelemetry(JsonlRecords):
             self._fd = self._progress_fd = -1
 
 
-def _read_reached(fd: int) -> int | None:
-    """The step a progress file holds (None: empty or unreadable)."""
+def _read_reached(fd: int) -> tuple[int | None, bool]:
+    """The step a progress file holds (None: empty or unreadable), and whether its session
+    ended there."""
     try:
-        return int(os.pread(fd, 64, 0).decode("ascii").strip())
-    except (OSError, ValueError, UnicodeDecodeError):
-        return None
+        fields = os.pread(fd, 64, 0).decode("ascii").split()
+        return int(fields[0]), fields[1:2] == ["end"]
+    except (OSError, ValueError, UnicodeDecodeError, IndexError):
+        return None, False
 
 
 def parse_jsonl(text: str) -> list[dict[str, Any]]:

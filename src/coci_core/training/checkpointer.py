@@ -156,9 +156,12 @@ class Checkpointer:
         self._listeners.append(listener)
 
     def _continues_here(self, event: RestoreEvent) -> bool:
-        """Whether ``event`` restored the step a Checkpointer of this process ended its
-        training at, in this directory: the run goes on, nothing failed."""
-        return _TRAINED_HERE.get(self.manager.storage.url) == event.step
+        """Whether ``event`` restored the step the run's previous session ended its training
+        at (a Checkpointer of this process, or as the telemetry kept it): the run goes on,
+        nothing failed."""
+        if _TRAINED_HERE.get(self.manager.storage.url) == event.step:
+            return True
+        return any(getattr(sink, "previous_end", None) == event.step for sink in self.sinks)
 
     def _on_event(self, event: Event) -> None:
         if isinstance(event, RestoreEvent) and not self._continues_here(event):
