@@ -624,6 +624,8 @@ class CociCheckpoint(Checkpoint):
                 self._save(trainer, block=True, alone=True)
             except CociError as e:  # never hide the exception that stopped training
                 rank_zero_warn(f"coci: no checkpoint saved on the exception: {e}")
+        if self.checkpointer is not None:
+            self.checkpointer.mark_failed()  # a resume of this run is a restart after a failure
         self.teardown(trainer, pl_module, "fit")  # Lightning skips teardown hooks on errors
 
     @override

@@ -232,11 +232,11 @@ def test_exception_saves_a_checkpoint(tmp_path: Path) -> None:
     assert CheckpointManager(tmp_path / "coci").steps() == [7]
 
 
-def test_planner_state_survives_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The planner's measured estimates saved with a step come back into the resumed planner."""
-    import coci_core.training.checkpointer as checkpointer_module
-
-    _fit(tmp_path, 10, [CociCheckpoint(policy="every_n_steps", every_n_steps=5)])
+def test_planner_state_survives_resume(tmp_path: Path) -> None:
+    """The planner's measured estimates saved with a step come back into the resumed planner
+    (after a failure: the run stopped on an error at step 7, saving that step)."""
+    with pytest.raises(RuntimeError, match="boom"):
+        _fit(tmp_path, 30, [CociCheckpoint(policy="every_n_steps", every_n_steps=5), _Boom()])
     with CheckpointManager(tmp_path / "coci") as mgr:
         saved = mgr.restore()["callbacks"]["CociCheckpoint"]["planner"]
     seen: dict[str, Any] = {}
@@ -246,8 +246,6 @@ def test_planner_state_survives_resume(tmp_path: Path, monkeypatch: pytest.Monke
             seen.update(callback.checkpointer.planner.state_dict())  # type: ignore[union-attr]
 
     callback = CociCheckpoint(policy="every_n_steps", every_n_steps=5, resume=True)
-    # as a new process resumes (in this one, the run would simply go on from step 10)
-    monkeypatch.setattr(checkpointer_module, "_TRAINED_HERE", {})
     _fit(tmp_path, 12, [callback, _Peek()])
     saved = json.loads(json.dumps(saved))
     # the resume itself is recorded on top of the saved state: one more failure, its restore

@@ -222,6 +222,34 @@ def test_fit_then_fit_last_in_one_process_is_no_failure(tmp_path: Path) -> None:
     assert "lost work: 0 steps over 0 restarts after a failure (and 1 resume that lost" in report
 
 
+class _Boom(pl.Callback):
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == 7:
+            raise RuntimeError("boom")
+
+
+def test_fit_last_after_an_error_is_a_restart_after_a_failure(tmp_path: Path) -> None:
+    """A fit that stopped on an error (coci saved its step) then ``fit(ckpt_path="last")`` in
+    the same process: a failure for the planner and the report, though nothing was lost."""
+    model = DigitsModel()
+    pl.seed_everything(0, verbose=False)
+    with pytest.raises(RuntimeError, match="boom"):
+        _trainer(tmp_path, [CociCheckpoint(), _Boom()], max_steps=20).fit(model)
+    second = CociCheckpoint()
+    planner = _PlannerAtEnd(second)
+    _trainer(tmp_path, [second, planner], max_steps=20).fit(model, ckpt_path="last")
+    assert planner.state["failures"] == 1 and len(planner.state["costs"]["restart_s"]) == 1
+    records = read_jsonl(tmp_path / "coci" / "telemetry.jsonl")
+    assert [(r["step"], r["failed"]) for r in records if r["type"] == "end"] == [
+        (6, True),  # the error came before coci saw step 7 end (checkpoint callbacks run last)
+        (20, False),
+    ]
+    assert [r["step"] for r in records if r["type"] == "restart"] == [7]
+    f = timeline(str(tmp_path / "coci"))["summary"]
+    assert (f["restarts"], f["resumes"], f["lost_steps"]) == (1, 0, 0)
+    assert "restart: restored step 7" in _report(tmp_path / "coci")
+
+
 def _plan(step: int, next_steps: list[int], **kw: Any) -> dict[str, Any]:
     return {"type": "plan", "step": step, "next_steps": next_steps, "policy": "coci"} | kw
 

@@ -199,8 +199,9 @@ class JsonlRecords:
 
     Besides the events: ``progress`` records (the run reached a step; at most one every
     ``TELEMETRY_PROGRESS_EVERY_S``, whatever the calls), an ``end`` record when the sink is
-    closed (the session's last step), and on a restore the step the previous session reached
-    when the sink knows it (``reached``: then the lost work is exact)."""
+    closed (the session's last step; ``failed`` when training ended on an error), and on a
+    restore the step the previous session reached when the sink knows it (``reached``: then
+    the lost work is exact)."""
 
     #: the newest step this session reached (None before its first step)
     reached: int | None = None
@@ -288,14 +289,14 @@ class JsonlRecords:
         that step continues the run: no failure), else None."""
         return self.previous_reached if self.previous_ended else None
 
-    def record_end(self) -> None:
-        """The session ends (the sink is closed): an ``end`` record with its last step, once,
-        when it trained at least one step."""
+    def record_end(self, *, failed: bool = False) -> None:
+        """The session ends (the sink is closed; ``failed``: on an error): an ``end`` record
+        with its last step, once, when it trained at least one step."""
         if self._ended or self.reached is None:
             return
         self._ended = True
-        self._write({"type": "end", "step": self.reached})
-        self._reach(self.reached, ended=True)
+        self._write({"type": "end", "step": self.reached, "failed": failed})
+        self._reach(self.reached, ended=not failed)
 
     def record_loss(self, step: int, loss: float, fitted: float | None = None) -> None:
         self._write(

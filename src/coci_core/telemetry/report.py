@@ -33,8 +33,9 @@ class Restart:
     twice.
 
     ``index`` is the restore record's position in the records; ``failure``: the previous
-    session failed (it did not end, or it ended past the step restored), else the run simply
-    went on (``fit()`` then ``fit(ckpt_path="last")``, or a finished run trained further);
+    session failed (it did not end, ended on an error, or ended past the step restored), else
+    the run simply went on (``fit()`` then ``fit(ckpt_path="last")``, or a finished run
+    trained further);
     ``exact``: ``failed_at`` is the step the previous process last reached, not only the last
     step its records name (at most a few seconds older)."""
 
@@ -103,7 +104,7 @@ class RunSummary:
             kind, step = r.get("type"), _step(r)
             if kind in STEP_RECORDS and step is not None:
                 last = step if last is None else max(last, step)
-                ended = ended or kind == "end"
+                ended = ended or (kind == "end" and not r.get("failed"))
             elif kind == "restore" and step is not None:
                 reached = r.get("reached")
                 exact = isinstance(reached, int) and not isinstance(reached, bool)

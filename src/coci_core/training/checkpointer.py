@@ -147,6 +147,7 @@ class Checkpointer:
         self._started_unix = started if started is not None else time.time()
         self._restored: RestoreEvent | None = None  # until the first step after it
         self._last_observed: int | None = None
+        self._failed = False  # training ended on an error (see mark_failed)
 
     def __repr__(self) -> str:
         return f"Checkpointer({self.manager.storage.url!r}, policy={self.planner.policy_name!r})"
@@ -451,15 +452,27 @@ class Checkpointer:
         """Block until every pending save is durable (re-raises background errors)."""
         self.manager.wait()
 
+    def mark_failed(self) -> None:
+        """Training ended on an error (an adapter calls it before :meth:`close`): the session
+        is recorded as failed, so a resume of its last step is a restart after a failure."""
+        self._failed = True
+
     def close(self) -> None:
         """Wait for pending saves, stop the writer and close the telemetry sinks."""
-        if self._last_observed is not None:
+        if self._last_observed is not None and not self._failed:
             _TRAINED_HERE[self.manager.storage.url] = self._last_observed
         try:
             self.manager.close()
         finally:
             self._plans.stop()
             for sink in self.sinks:
+                record_end = getattr(sink, "record_end", None)
+                if self._failed and record_end is not None:
+                    try:
+                        record_end(failed=True)
+                    except Exception:
+                        logger.exception("coci telemetry sink %r failed", sink)
+
                 try:
                     sink.close()
                 except Exception:
