@@ -390,7 +390,9 @@ class CociCheckpoint(Checkpoint):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         if self.checkpointer is not None:
-            self.checkpointer.before_update()
+            # the step this update completes counts as reached: a kill before this callback's
+            # batch end (checkpoint callbacks run last) still tells the work it lost
+            self.checkpointer.before_update(trainer.global_step + 1)
 
     @override
     def on_train_batch_end(

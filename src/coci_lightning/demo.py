@@ -138,9 +138,9 @@ def _child(argv: list[str]) -> None:
     progress = Progress()
 
     class KillPoint(pl.Callback):
-        # At the start of the next batch: step `kill` has ended and every callback saw it
-        # (Lightning runs checkpoint callbacks, coci's among them, after the others).
-        def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        # Step `kill` has ended; coci's own batch-end hook (checkpoint callbacks run last)
+        # has not run: no save of this step begins, as in a crash right after the update.
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
             if kill is not None and marker_fd is not None and trainer.global_step == kill:
                 progress.close()  # the bar ends where the run is killed
                 os.write(marker_fd, f"AT {kill}\n".encode())

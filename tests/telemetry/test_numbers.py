@@ -241,7 +241,7 @@ def test_fit_last_after_an_error_is_a_restart_after_a_failure(tmp_path: Path) ->
     assert planner.state["failures"] == 1 and len(planner.state["costs"]["restart_s"]) == 1
     records = read_jsonl(tmp_path / "coci" / "telemetry.jsonl")
     assert [(r["step"], r["failed"]) for r in records if r["type"] == "end"] == [
-        (6, True),  # the error came before coci saw step 7 end (checkpoint callbacks run last)
+        (7, True),  # the error came after step 7's update, before coci's batch end
         (20, False),
     ]
     assert [r["step"] for r in records if r["type"] == "restart"] == [7]

@@ -258,13 +258,7 @@ class Checkpointer:
         self.planner.observe(step, loss=loss, step_time_s=step_time_s)
         if not self.sinks:
             return
-        for sink in self.sinks:  # every step: the sink writes a record every few seconds
-            record_progress = getattr(sink, "record_progress", None)
-            if record_progress is not None:
-                try:
-                    record_progress(step)
-                except Exception:
-                    logger.exception("coci telemetry sink %r failed", sink)
+        self._record_progress(step)
         if loss is not None and math.isfinite(loss):
             self._last_loss = float(loss)
         if (
@@ -272,6 +266,16 @@ class Checkpointer:
             or step - self._telemetry_step >= self.telemetry_every_n_steps
         ):
             self._record_telemetry(step)
+
+    def _record_progress(self, step: int) -> None:
+        """Every step: the sinks keep the step reached (and write a record every few s)."""
+        for sink in self.sinks:
+            record_progress = getattr(sink, "record_progress", None)
+            if record_progress is not None:
+                try:
+                    record_progress(step)
+                except Exception:
+                    logger.exception("coci telemetry sink %r failed", sink)
 
     def _restart_done(self, restored: RestoreEvent) -> None:
         """The first step after a restore ended: report the whole restart."""
@@ -414,10 +418,14 @@ class Checkpointer:
         )
         return True
 
-    def before_update(self) -> None:
+    def before_update(self, step: int | None = None) -> None:
         """Wait for an unfinished snapshot copy (torch optimizers do before each ``step()``;
-        call it before other in-place changes of the saved tensors)."""
+        call it before other in-place changes of the saved tensors). ``step``: the step this
+        update completes, kept by the telemetry as reached (a process killed before the step
+        is observed still tells how far it got)."""
         self.manager.before_update()
+        if step is not None:
+            self._record_progress(step)
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None."""
