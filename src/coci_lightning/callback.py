@@ -390,7 +390,9 @@ class CociCheckpoint(Checkpoint):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         if self.checkpointer is not None:
-            self.checkpointer.before_update()
+            # the step this update completes counts as reached: a kill before this callback's
+            # batch end (checkpoint callbacks run last) still tells the work it lost
+            self.checkpointer.before_update(trainer.global_step + 1)
 
     @override
     def on_train_batch_end(
@@ -624,6 +626,8 @@ class CociCheckpoint(Checkpoint):
                 self._save(trainer, block=True, alone=True)
             except CociError as e:  # never hide the exception that stopped training
                 rank_zero_warn(f"coci: no checkpoint saved on the exception: {e}")
+        if self.checkpointer is not None:
+            self.checkpointer.mark_failed()  # a resume of this run is a restart after a failure
         self.teardown(trainer, pl_module, "fit")  # Lightning skips teardown hooks on errors
 
     @override

@@ -138,6 +138,8 @@ def _child(argv: list[str]) -> None:
     progress = Progress()
 
     class KillPoint(pl.Callback):
+        # Step `kill` has ended; coci's own batch-end hook (checkpoint callbacks run last)
+        # has not run: no save of this step begins, as in a crash right after the update.
         def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
             if kill is not None and marker_fd is not None and trainer.global_step == kill:
                 progress.close()  # the bar ends where the run is killed
@@ -250,10 +252,9 @@ def run(args: argparse.Namespace) -> int:
     )
     print(render_policies(compare_policies(summary, total)))
     print()
-    print(
-        f"killed at step {kill}, resumed from step {resumed_from}: {kill - resumed_from} steps "
-        "of work lost"
-    )
+    # the work lost as the report and the tab count it (the telemetry has the step reached)
+    lost = sum(summary.lost_steps)
+    print(f"killed at step {kill}, resumed from step {resumed_from}: {lost} steps of work lost")
     print(f"final weights bit-identical to the uninterrupted run: {same_weights}")
     print(f"each remaining sample trained on exactly once, in the same order: {same_samples}")
     print(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -111,8 +112,15 @@ def test_coci_demo_engine_end_to_end(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "killed with SIGKILL during the persist of step 60" in proc.stdout
-    assert "resumed in a new process from step 40" in proc.stdout
+    said = re.search(
+        r"resumed in a new process from step 40 \((\d+) steps of work lost", proc.stdout
+    )
+    assert said, proc.stdout
     assert "bit-identical to the uninterrupted run: True" in proc.stdout
+    # `coci report` on the demo's directory: the same lost work, from the telemetry it wrote
+    report = run(module("coci_core.commands.cli", "report", str(tmp_path / "demo")), check=True)
+    assert f"{said[1]} steps of work lost and redone" in report.stdout
+    assert int(said[1]) >= 60 - 40  # it trained on while step 60's persist was held
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import re
 import shutil
 import threading
 from pathlib import Path
@@ -198,11 +199,8 @@ def test_a_failing_upload_is_retried_and_never_stops_training(tmp_path: Path) ->
     assert ok and ok[-1].step == 1 and ok[-1].attempt >= 2
     sink.close()
     report = render(summarize(tmp_path / "telemetry"))  # what `coci report` prints
-    assert "remote tier: 1 checkpoints uploaded, newest step 1" in report
-    assert (
-        f"{len(failed)} failed attempts" in report
-        or "failed attempts, the last at step 1" in report
-    )
+    assert "remote tier: 1 checkpoint uploaded, newest step 1" in report
+    assert re.search(r"\d+ failed attempts?, the last at step 1", report)
 
 
 def test_a_torn_remote_upload_is_invisible_and_cleaned_by_the_next_run(tmp_path: Path) -> None:

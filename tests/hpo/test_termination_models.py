@@ -162,7 +162,11 @@ def test_coci_report_and_the_tab_say_how_much_the_hazard_brings(tmp_path: Path) 
     assert got["share_of_gain"] == pytest.approx(ov.termination_share)
     assert got["without_objective_s"] == pytest.approx(ov.without_termination_objective_s)
     text = "\n".join(render_facts(facts(summarize(tmp_path))))
-    assert f"{ov.termination_share:.0%} of its gain over Daly" in text
+    saving = (ov.without_termination_objective_s - ov.objective_s) / (
+        ov.without_termination_objective_s
+    )
+    assert got["saving"] == pytest.approx(saving) and 0 < saving <= 1
+    assert f"(the hazard saves {saving:.0%})" in text
 
 
 def test_threshold_stops_follow_the_trend() -> None:

@@ -233,8 +233,10 @@ def test_exception_saves_a_checkpoint(tmp_path: Path) -> None:
 
 
 def test_planner_state_survives_resume(tmp_path: Path) -> None:
-    """The planner's measured estimates saved with a step come back into the resumed planner."""
-    _fit(tmp_path, 10, [CociCheckpoint(policy="every_n_steps", every_n_steps=5)])
+    """The planner's measured estimates saved with a step come back into the resumed planner
+    (after a failure: the run stopped on an error at step 7, saving that step)."""
+    with pytest.raises(RuntimeError, match="boom"):
+        _fit(tmp_path, 30, [CociCheckpoint(policy="every_n_steps", every_n_steps=5), _Boom()])
     with CheckpointManager(tmp_path / "coci") as mgr:
         saved = mgr.restore()["callbacks"]["CociCheckpoint"]["planner"]
     seen: dict[str, Any] = {}

@@ -70,8 +70,9 @@ def test_resumed_run_is_one_run_across_logger_versions(tmp_path: Path) -> None:
     assert runs == {"tb": str(tmp_path / "coci")}  # named after the folder of both versions
     data = timeline(runs["tb"], "tb")
     assert [s["step"] for s in data["saves"]] == [5, 10, 15, 20]
-    assert [r["restored"] for r in data["restarts"]] == [10]
-    assert data["restarts"][0]["lost_steps"] == 0
+    # the second fit went on from where the first ended: a resume, no failure, nothing lost
+    assert data["restarts"] == [] and [r["restored"] for r in data["resumes"]] == [10]
+    assert data["summary"]["restarts"] == 0 and data["summary"]["lost_steps"] == 0
 
 
 def test_without_a_logger_coci_writes_its_own_tensorboard_run(tmp_path: Path) -> None:

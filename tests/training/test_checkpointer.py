@@ -160,14 +160,14 @@ def test_the_restart_is_measured_from_process_start_and_planned_with(
     """After a restore, the first step ends the restart: a RestartEvent (process start to that
     step, the restore within it) reaches the telemetry and replaces the restore's time as the
     planner's restart cost; progress records tell how far the run got."""
-    import coci_core.training.checkpointer as checkpointer_module
+    import coci_core.telemetry.events as events_module
     from coci_core.telemetry import JsonlTelemetry, RestartEvent, read_jsonl
     from coci_core.training.restart import process_start_unix
 
     first = Checkpointer(tmp_path, policy="every_n_steps", every_n_steps=5)
     first.save(5, {"w": torch.ones(10)})
     first.close()
-    monkeypatch.setattr(checkpointer_module, "TELEMETRY_PROGRESS_EVERY_S", 1e9)
+    monkeypatch.setattr(events_module, "TELEMETRY_PROGRESS_EVERY_S", 1e9)
     events: list[Any] = []
     sink = JsonlTelemetry(tmp_path / "t.jsonl")
     ckpt = Checkpointer(tmp_path, listeners=[events.append], sinks=[sink])
@@ -187,11 +187,19 @@ def test_the_restart_is_measured_from_process_start_and_planned_with(
     ckpt.close()
     records = read_jsonl(tmp_path / "t.jsonl")
     assert [r["step"] for r in records if r["type"] == "progress"] == [6]  # then at most 1/s
+    # the step reached is kept at every step, and the session's end is recorded
+    assert (tmp_path / "telemetry.progress").read_text().split() == ["7", "end"]
+    assert [r["step"] for r in records if r["type"] == "end"] == [7]
     assert [r["seconds"] for r in records if r["type"] == "restart"] == [restart.seconds]
 
 
 def _resume(directory: Path) -> Checkpointer:
     """A new process's Checkpointer: restore, then the planner state from the checkpoint."""
+    import coci_core.training.checkpointer as checkpointer_module
+
+    # a new process has trained nowhere yet (in this one, a restore of the step it ended
+    # at would continue the run: no failure)
+    checkpointer_module._TRAINED_HERE.clear()
     ckpt = Checkpointer(
         directory,
         policy="coci",

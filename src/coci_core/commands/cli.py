@@ -144,8 +144,10 @@ def _ls_row(storage: Any, step: int, damage: str | None, resumes: bool) -> str |
         )
         or "-"
     )
-    raw = sum(t.raw_nbytes for t in m.tensors)
-    ratio = f"{raw / m.nbytes:.2f}x" if m.nbytes else "-"
+    # the tensors' bytes over their stored pieces: a raw checkpoint is 1.00x (its files also
+    # hold padding and non-tensor objects, which no codec touches)
+    raw, stored = sum(t.raw_nbytes for t in m.tensors), sum(t.nbytes for t in m.tensors)
+    ratio = f"{raw / stored:.2f}x" if stored else "-"
     created = _time(m.created_unix)
     bases = f"  (delta of {', '.join(map(str, m.bases))})" if m.bases else ""
     mark = "  <- a resume takes this one" if resumes else ""

@@ -28,7 +28,7 @@ from coci_core.engine.manager import CheckpointManager
 from coci_core.engine.manifest import MANIFEST_NAME
 from coci_core.errors import NoCheckpointError
 from coci_core.storage import LocalStorage
-from coci_core.telemetry import Event, SaveEvent
+from coci_core.telemetry import TELEMETRY_FILE, Event, JsonlTelemetry, SaveEvent
 
 __all__ = ["run", "run_child", "train"]
 
@@ -126,6 +126,7 @@ def _train(
             events.append(event)
 
     manager = None
+    telemetry = None
     start = 0
     restored = None
     if directory is not None:
@@ -134,7 +135,9 @@ def _train(
             if pause_step is not None
             else LocalStorage(directory)
         )
-        manager = CheckpointManager(storage, keep_last=3, listeners=[collect])
+        # what `coci report DIR` reads: the saves, the restore and how far each process got
+        telemetry = JsonlTelemetry(Path(directory) / TELEMETRY_FILE)
+        manager = CheckpointManager(storage, keep_last=3, listeners=[collect, telemetry])
         try:
             state = manager.restore(into={"model": model, "optim": optimizer})
             torch.set_rng_state(state["rng"])
@@ -153,6 +156,8 @@ def _train(
             manager.before_update()
         optimizer.step()
         done = step + 1
+        if telemetry is not None:
+            telemetry.record_progress(done)
         if manager is not None and done % save_every == 0:
             state = {
                 "model": model.state_dict(),
@@ -163,6 +168,8 @@ def _train(
             manager.save(done, state, block=block)
     if manager is not None:
         manager.close()
+    if telemetry is not None:
+        telemetry.close()
     model.eval()
     with torch.no_grad():
         accuracy = (model(x).argmax(1) == y).float().mean().item()
@@ -286,9 +293,12 @@ def run(args: argparse.Namespace) -> int:
         return 1
     saves = resumed["saves"]
     steady = [s for s in saves if not s["first"]] or saves
+    from coci_core.telemetry.report import summarize
+
+    lost = sum(summarize(directory).lost_steps)  # as `coci report` counts it
     print(
-        f"  resumed in a new process from step {resumed['restored_step']}; "
-        f"saved steps {[s['step'] for s in saves]}"
+        f"  resumed in a new process from step {resumed['restored_step']} ({lost} steps of "
+        f"work lost and redone); saved steps {[s['step'] for s in saves]}"
     )
     print(
         f"  stall per save (median, steady state): "
@@ -302,7 +312,7 @@ def run(args: argparse.Namespace) -> int:
         f"  final weights bit-identical to the uninterrupted run: {same}; "
         f"accuracy {resumed['accuracy']:.4f}"
     )
-    print(f"  checkpoints are in {directory}")
+    print(f"  checkpoints are in {directory} (see them with: coci report {directory})")
     return 0 if same and resumed["restored_step"] == steps[-1] else 1
 
 

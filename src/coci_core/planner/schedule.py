@@ -87,11 +87,13 @@ class ExpectedOverhead:
 
 def termination_share(objective_s: float, without_s: float, daly_s: float) -> float:
     """The share of a plan's gain over Daly (``daly_s - objective_s``) that its termination
-    hazard brings, given the plan made without the hazard costs ``without_s``."""
+    hazard brings, given the plan made without the hazard costs ``without_s``: 0 to 1 (1 when
+    the plan made without the hazard is no better than Daly's: the whole gain is the
+    hazard's)."""
     gain = daly_s - objective_s
     if gain <= 1e-12:
         return 0.0
-    return max(0.0, without_s - objective_s) / gain
+    return min(1.0, max(0.0, without_s - objective_s) / gain)
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)

@@ -13,7 +13,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol, TypeAlias
 
+from coci_core.knobs import TELEMETRY_PROGRESS_EVERY_S
+
 __all__ = [
+    "PROGRESS_FILE",
     "TELEMETRY_FILE",
     "Event",
     "JsonlRecords",
@@ -33,6 +36,10 @@ logger = logging.getLogger(__name__)
 
 #: The JSON-lines file the adapters write beside their checkpoints, read by ``coci report``.
 TELEMETRY_FILE = "telemetry.jsonl"
+
+#: Beside it, the step the run last reached, rewritten in place at every step: a run killed
+#: between two progress records still tells the restart how far it got (the work it lost).
+PROGRESS_FILE = "telemetry.progress"
 
 SaveOutcome = Literal["committed", "skipped", "failed"]
 
@@ -188,7 +195,22 @@ class JsonlRecords:
     """A sink that turns events, plans and losses into the JSON-lines records ``coci report``
     reads (each with ``time``, the wall-clock time it was written, in seconds since the
     epoch); a subclass stores each line (``_write_line``) and implements ``flush`` and
-    ``close``."""
+    ``close`` (which calls :meth:`record_end` first).
+
+    Besides the events: ``progress`` records (the run reached a step; at most one every
+    ``TELEMETRY_PROGRESS_EVERY_S``, whatever the calls), an ``end`` record when the sink is
+    closed (the session's last step; ``failed`` when training ended on an error), and on a
+    restore the step the previous session reached when the sink knows it (``reached``: then
+    the lost work is exact)."""
+
+    #: the newest step this session reached (None before its first step)
+    reached: int | None = None
+    #: the step the previous session reached, read when the sink opened (None: unknown)
+    previous_reached: int | None = None
+    #: the previous session was closed (it ended at ``previous_reached``)
+    previous_ended: bool = False
+    _progress_at: float = -math.inf
+    _ended: bool = False
 
     def _write_line(self, line: str, record: dict[str, Any]) -> None:
         raise NotImplementedError
@@ -211,7 +233,13 @@ class JsonlRecords:
             RestartEvent: "restart",
         }[type(event)]
         fields = {k: _finite_or_none(v) for k, v in asdict(event).items()}
+        starts = isinstance(event, RestoreEvent) and self.reached is None
+        if starts:
+            # the session starts with this restore: the previous one got this far
+            fields["reached"] = self.previous_reached
         self._write({"type": kind, **fields})
+        if starts:  # a session killed before its first step lost nothing more
+            self._reach(event.step)
 
     def record_plan(self, step: int, report: Any) -> None:
         overhead = getattr(report, "expected_overhead", None)
@@ -240,9 +268,35 @@ class JsonlRecords:
         )
 
     def record_progress(self, step: int) -> None:
-        """The run reached ``step`` (written at most every few seconds: it tells how far a
-        killed run got, hence the work its restart lost)."""
-        self._write({"type": "progress", "step": int(step)})
+        """The run reached ``step``; call it at every step. A ``progress`` record is written
+        at most every ``TELEMETRY_PROGRESS_EVERY_S`` (it tells how far a killed run got,
+        hence the work its restart lost)."""
+        step = int(step)
+        self.reached = step
+        self._reach(step)
+        now = time.monotonic()
+        if now - self._progress_at >= TELEMETRY_PROGRESS_EVERY_S:
+            self._progress_at = now
+            self._write({"type": "progress", "step": step})
+
+    def _reach(self, step: int, *, ended: bool = False) -> None:
+        """Keep ``step`` as the step reached (``ended``: where the session ended) where a
+        killed process leaves it (cheap: called at every step); nothing by default."""
+
+    @property
+    def previous_end(self) -> int | None:
+        """The step the previous session ended at when it was closed there (so a restore of
+        that step continues the run: no failure), else None."""
+        return self.previous_reached if self.previous_ended else None
+
+    def record_end(self, *, failed: bool = False) -> None:
+        """The session ends (the sink is closed; ``failed``: on an error): an ``end`` record
+        with its last step, once, when it trained at least one step."""
+        if self._ended or self.reached is None:
+            return
+        self._ended = True
+        self._write({"type": "end", "step": self.reached, "failed": failed})
+        self._reach(self.reached, ended=not failed)
 
     def record_loss(self, step: int, loss: float, fitted: float | None = None) -> None:
         self._write(
@@ -256,28 +310,61 @@ class JsonlRecords:
 
 
 class JsonlTelemetry(JsonlRecords):
-    """Appends telemetry as JSON lines to one file, for ``coci report``; thread-safe."""
+    """Appends telemetry as JSON lines to one file, for ``coci report``; thread-safe.
+
+    Also a :class:`~coci_core.CheckpointManager` listener: ``CheckpointManager(directory,
+    listeners=[JsonlTelemetry(f"{directory}/telemetry.jsonl")])`` records its saves and
+    restores; calling :meth:`record_progress` at each step adds how far the run got (the
+    work a restart lost). Each line is written whole at once (nothing is buffered), so an
+    unclosed one loses nothing; :meth:`close` (or a ``with`` block) records the end."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
         self._lock = threading.Lock()
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        # the step reached, rewritten in place: one small write per step, no growth
+        progress = self.path.with_name(PROGRESS_FILE)
+        self._progress_fd = os.open(progress, os.O_RDWR | os.O_CREAT, 0o644)
+        self.previous_reached, self.previous_ended = _read_reached(self._progress_fd)
+
+    def __enter__(self) -> JsonlTelemetry:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _reach(self, step: int, *, ended: bool = False) -> None:
+        with self._lock:
+            if self._progress_fd >= 0:  # fixed width: each write replaces the last whole
+                os.pwrite(self._progress_fd, b"%20d %-3s\n" % (step, b"end" if ended else b""), 0)
 
     def _write_line(self, line: str, record: dict[str, Any]) -> None:
+        data = memoryview((line + "\n").encode("utf-8"))
         with self._lock:
-            if not self._file.closed:
-                self._file.write(line + "\n")
-                self._file.flush()
+            while self._fd >= 0 and data:
+                data = data[os.write(self._fd, data) :]
 
     def flush(self) -> None:
-        with self._lock:
-            if not self._file.closed:
-                self._file.flush()
+        """Nothing to do: each line is written as it comes."""
 
     def close(self) -> None:
+        self.record_end()
         with self._lock:
-            self._file.close()
+            for fd in (self._fd, self._progress_fd):
+                if fd >= 0:
+                    os.close(fd)
+            self._fd = self._progress_fd = -1
+
+
+def _read_reached(fd: int) -> tuple[int | None, bool]:
+    """The step a progress file holds (None: empty or unreadable), and whether its session
+    ended there."""
+    try:
+        fields = os.pread(fd, 64, 0).decode("ascii").split()
+        return int(fields[0]), fields[1:2] == ["end"]
+    except (OSError, ValueError, UnicodeDecodeError, IndexError):
+        return None, False
 
 
 def parse_jsonl(text: str) -> list[dict[str, Any]]:

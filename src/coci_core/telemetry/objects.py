@@ -175,6 +175,7 @@ class ObjectTelemetry(JsonlRecords):
     def close(self) -> None:
         """Put the records a last time and stop the background thread (waits at most
         ``TELEMETRY_CLOSE_TIMEOUT_S``)."""
+        self.record_end()
         with self._cond:
             self._closed = True
             self._cond.notify_all()

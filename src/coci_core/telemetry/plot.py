@@ -134,7 +134,7 @@ def plot_timeline(data: dict[str, Any], path: str | os.PathLike[str]) -> None:
     fig.suptitle(
         f"{data['run']}: {f['planned']} checkpoints planned, {f['committed']} taken, "
         f"total stall {f['total_stall_s']:.3f} s, {f['lost_steps']} steps lost over "
-        f"{f['restarts']} restarts",
+        f"{f['restarts']} restart{'' if f['restarts'] == 1 else 's'}",
         y=0.02,
         va="bottom",
         fontsize=10,

@@ -12,10 +12,13 @@ from coci_core.storage import is_url, open_storage
 from coci_core.telemetry import TELEMETRY_FILE, read_jsonl
 
 __all__ = [
+    "MTBF_SOURCES",
     "Restart",
     "RunSummary",
     "compare_policies",
     "facts",
+    "lost_steps",
+    "no_telemetry_hint",
     "render_facts",
     "render",
     "render_policies",
@@ -25,22 +28,42 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Restart:
-    """A restore that followed a failure: the run went back from ``failed_at`` (the last step
-    recorded before it) to ``restored``; the steps between were trained twice.
+    """A restore that started a new session of the run: the run went back from ``failed_at``
+    (the step the previous session reached) to ``restored``; the steps between were trained
+    twice.
 
-    ``index`` is the restore record's position in the records."""
+    ``index`` is the restore record's position in the records; ``failure``: the previous
+    session failed (it did not end, ended on an error, or ended past the step restored), else
+    the run simply went on (``fit()`` then ``fit(ckpt_path="last")``, or a finished run
+    trained further);
+    ``exact``: ``failed_at`` is the step the previous process last reached, not only the last
+    step its records name (at most a few seconds older)."""
 
     index: int
     restored: int
     failed_at: int
+    failure: bool = True
+    exact: bool = False
 
     @property
     def lost_steps(self) -> int:
-        return max(0, self.failed_at - self.restored)
+        return lost_steps(self.restored, self.failed_at)
+
+
+def lost_steps(restored: int, reached: int) -> int:
+    """The work a restart lost, in steps: those the run had reached past the step it
+    restored, trained again. The one definition ``coci report``, the TensorBoard tab, the
+    demo and the telemetry use."""
+    return max(0, int(reached) - int(restored))
 
 
 #: The records that say the run reached their step.
-STEP_RECORDS = ("loss", "plan", "save", "progress")
+STEP_RECORDS = ("loss", "plan", "save", "progress", "end")
+
+
+def _step(r: dict[str, Any]) -> int | None:
+    step = r.get("step")
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
 class RunSummary:
@@ -54,27 +77,63 @@ class RunSummary:
         self.uploads = [r for r in records if r.get("type") == "upload"]
         self.losses = [r for r in records if r.get("type") == "loss"]
         self.committed = [s for s in self.saves if s.get("outcome") == "committed"]
-        self.planned = sorted({int(s) for p in self.plans for s in p.get("next_steps", [])})
-        self.restarts = self._restarts(records)
+        #: every step any plan proposed, reached or not (the tab draws them)
+        self.proposed = sorted({int(s) for p in self.plans for s in p.get("next_steps", [])})
+        #: per restore: the restart it started (a failure's, or the run going on)
+        self.resumes = self._restarts(records)
+        #: the restarts after a failure
+        self.restarts = [r for r in self.resumes if r.failure]
         #: per restart, its whole restart record (process start to first step), if written
         self.restart_records = [self._restart_record(records, r.index) for r in self.restarts]
         self.lost_steps = [r.lost_steps for r in self.restarts]
-        steps = [int(r["step"]) for r in records if isinstance(r.get("step"), int)]
-        self.last_step = max(steps, default=0)
+        #: the steps the run trained: the last step it reached
+        self.last_step = max(
+            [s for s in map(_step, records) if s is not None] + [r.failed_at for r in self.resumes],
+            default=0,
+        )
+        #: the planned steps the run reached, each under the plan in force when it came
+        self.planned = self._planned(records)
 
     @staticmethod
     def _restarts(records: list[dict[str, Any]]) -> list[Restart]:
-        # Steps recorded after the newest checkpoint and before a restore were trained twice.
+        # Steps reached after the newest checkpoint and before a restore were trained twice.
         restarts: list[Restart] = []
         last: int | None = None
+        ended = False
         for i, r in enumerate(records):
-            if r.get("type") in STEP_RECORDS:
-                last = r["step"] if last is None else max(last, r["step"])
-            elif r.get("type") == "restore":
-                failed_at = r["step"] if last is None else max(last, r["step"])
-                restarts.append(Restart(i, int(r["step"]), int(failed_at)))
-                last = r["step"]
+            kind, step = r.get("type"), _step(r)
+            if kind in STEP_RECORDS and step is not None:
+                last = step if last is None else max(last, step)
+                ended = ended or (kind == "end" and not r.get("failed"))
+            elif kind == "restore" and step is not None:
+                reached = r.get("reached")
+                exact = isinstance(reached, int) and not isinstance(reached, bool)
+                failed_at = max(
+                    x for x in (step, last, reached if exact else None) if x is not None
+                )
+                failure = not ended or failed_at > step
+                restarts.append(Restart(i, step, failed_at, failure, exact))
+                last, ended = step, False
         return restarts
+
+    def _planned(self, records: list[dict[str, Any]]) -> list[int]:
+        """Each session (the steps from a restore, or the start, to the step it reached) under
+        its plans: a step is planned when the plan made before it, in that session, has it."""
+        bounds = [(0, -1)] + [(r.restored, r.index) for r in self.resumes]
+        ends = [r.failed_at for r in self.resumes] + [self.last_step]
+        planned: set[int] = set()
+        for (start, begin), reach, finish in zip(
+            bounds, ends, [r.index for r in self.resumes] + [len(records)], strict=True
+        ):
+            plans = sorted(
+                (int(p["step"]), [int(s) for s in p.get("next_steps", [])])
+                for p in records[begin + 1 : finish]
+                if p.get("type") == "plan" and _step(p) is not None
+            )
+            for j, (made, steps) in enumerate(plans):
+                until = min(plans[j + 1][0], reach) if j + 1 < len(plans) else reach
+                planned.update(s for s in steps if max(made, start) < s <= until)
+        return sorted(planned)
 
     @staticmethod
     def _restart_record(records: list[dict[str, Any]], index: int) -> dict[str, Any] | None:
@@ -88,6 +147,13 @@ class RunSummary:
     @property
     def last_plan(self) -> dict[str, Any] | None:
         return self.plans[-1] if self.plans else None
+
+    @property
+    def ahead(self) -> list[int]:
+        """The steps the last plan still had ahead of the run's last step."""
+        plan = self.last_plan
+        steps = [] if plan is None else plan.get("next_steps", [])
+        return sorted(int(s) for s in steps if int(s) > self.last_step)
 
 
 def summarize(directory: str | Path, storage_options: dict[str, Any] | None = None) -> RunSummary:
@@ -106,10 +172,20 @@ def summarize(directory: str | Path, storage_options: dict[str, Any] | None = No
         return RunSummary(records)
     path = Path(directory) / TELEMETRY_FILE
     if not path.is_file():
-        raise FileNotFoundError(
-            f"no {TELEMETRY_FILE} in {directory}: was it written by an adapter?"
-        )
+        raise FileNotFoundError(no_telemetry_hint(directory))
     return RunSummary(read_jsonl(path))
+
+
+def no_telemetry_hint(directory: str | Path) -> str:
+    """What to do when a local checkpoint directory has no telemetry, in one line: the
+    adapters write it; a plain :class:`~coci_core.CheckpointManager` loop writes it with a
+    listener (the engine itself writes checkpoints only)."""
+    path = Path(directory) / TELEMETRY_FILE
+    return (
+        f"no {TELEMETRY_FILE} in {directory}: the Lightning and Accelerate adapters write it; "
+        f"with a CheckpointManager, pass listeners=[JsonlTelemetry({str(path)!r})] (from "
+        f"coci_core.telemetry) to write it (coci ls {directory} lists the checkpoints)"
+    )
 
 
 def compare_policies(
@@ -158,9 +234,11 @@ def compare_policies(
 
 def facts(summary: RunSummary, total_steps: int | None = None) -> dict[str, Any]:
     """The run's headline numbers, as ``coci report`` prints them and the TensorBoard tab shows
-    them: checkpoints planned, committed, skipped and failed, the total stall (s), restarts and
-    the steps of work they lost, and each policy's expected overhead (:func:`compare_policies`)
-    over ``total_steps`` (default: the last step recorded)."""
+    them: checkpoints planned (the steps reached that the plan in force had), committed,
+    skipped and failed, the total stall (s), restarts after a failure and the steps of work
+    they lost, resumes that lost nothing (the run went on after it ended), the steps the run
+    trained, and each policy's expected overhead (:func:`compare_policies`) over
+    ``total_steps`` (default: the steps the run trained)."""
     total = total_steps if total_steps is not None else summary.last_step
     stalls = [s.get("stall_s") for s in summary.saves]
     return {
@@ -170,6 +248,7 @@ def facts(summary: RunSummary, total_steps: int | None = None) -> dict[str, Any]
         "failed": sum(1 for s in summary.saves if s.get("outcome") == "failed"),
         "total_stall_s": sum(float(v) for v in stalls if isinstance(v, (int, float))),
         "restarts": len(summary.restarts),
+        "resumes": len(summary.resumes) - len(summary.restarts),
         "lost_steps": sum(summary.lost_steps),
         "steps": total,
         "policies": compare_policies(summary, total) if total > 0 else [],
@@ -183,8 +262,14 @@ def _float(x: object) -> float | None:
 
 def termination_effect(summary: RunSummary) -> dict[str, float] | None:
     """How much the termination hazard changed the last plan (by its objective): the plan's
-    expected overhead, the same for the plan made without the hazard, Daly's, and the share of
-    the plan's gain over Daly that the hazard brings; None without a termination model."""
+    expected overhead, the same for the plan made without the hazard, Daly's, and the
+    ``saving``: the share of the plan-without-the-hazard's overhead that the hazard saves
+    (0 to 1), and ``share_of_gain``: the share of the plan's gain over Daly it brings (0 to
+    1, see :func:`~coci_core.planner.schedule.termination_share`); None without a
+    termination model.
+
+    (Not a share of the plan's gain over Daly: where the plan made without the hazard costs
+    more than Daly's, that share exceeds 100% and tells nothing.)"""
     plan = summary.last_plan
     ov = plan.get("expected_overhead") if plan is not None else None
     if not isinstance(ov, dict):
@@ -196,30 +281,40 @@ def termination_effect(summary: RunSummary) -> dict[str, float] | None:
         return None
     from coci_core.planner.schedule import termination_share
 
+    saved = max(0.0, without_s - objective_s)
     return {
         "objective_s": objective_s,
         "without_objective_s": without_s,
         "daly_objective_s": daly_s,
+        "saving": saved / without_s if without_s > 0 else 0.0,
         "share_of_gain": termination_share(objective_s, without_s, daly_s),
     }
 
 
+def _plural(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
 def render_facts(f: dict[str, Any]) -> list[str]:
     """:func:`facts` as lines of text."""
+    saves = f["committed"] + f["failed"]
+    lost = f"lost work: {_plural(f['lost_steps'], 'step')}"
+    lost += f" over {_plural(f['restarts'], 'restart')} after a failure"
+    if f.get("resumes"):
+        lost += f" (and {_plural(f['resumes'], 'resume')} that lost nothing)"
     lines = [
-        f"total stall {f['total_stall_s']:.3f} s over {f['committed'] + f['failed']} saves; "
-        f"lost work: {f['lost_steps']} steps over {f['restarts']} restarts",
+        f"total stall {f['total_stall_s']:.3f} s over {_plural(saves, 'save')}; {lost}",
         "",
-        f"expected overhead of each policy over the run's {f['steps']} steps, from the "
-        "measured costs:",
+        f"expected overhead of each policy over the run's {_plural(f['steps'], 'step')}, from "
+        "the measured costs:",
         render_policies(f["policies"]),
     ]
     t = f.get("termination")
     if t:
         lines.append(
             f"termination hazard: the plan's expected overhead {t['objective_s']:.2f} s by its "
-            f"objective, {t['without_objective_s']:.2f} s for the plan made without it: "
-            f"{t['share_of_gain']:.0%} of its gain over Daly ({t['daly_objective_s']:.2f} s)"
+            f"objective, {t['without_objective_s']:.2f} s for the plan made without it (the "
+            f"hazard saves {t['saving']:.0%}); Daly's {t['daly_objective_s']:.2f} s"
         )
     return lines
 
@@ -258,10 +353,15 @@ def render(
     lines = []
     actual = [s["step"] for s in summary.committed]
     lines.append(f"checkpoints committed: {len(actual)} at steps {actual}")
-    planned_ahead = [s for s in summary.planned if not actual or s > actual[-1]]
-    lines.append(
-        f"planned checkpoint steps seen: {len(summary.planned)}; still ahead: {planned_ahead[:10]}"
-    )
+    if not summary.plans:
+        lines.append("no plan recorded: coci's planner did not choose these saves")
+    else:
+        lines.append(
+            f"checkpoints planned over the {_plural(summary.last_step, 'step')} run: "
+            f"{len(summary.planned)} at steps {summary.planned[:20]}"
+            + (" ..." if len(summary.planned) > 20 else "")
+            + (f"; still ahead: {summary.ahead[:10]}" if summary.ahead else "")
+        )
     skipped = [s["step"] for s in summary.saves if s.get("outcome") == "skipped"]
     failed = [s["step"] for s in summary.saves if s.get("outcome") == "failed"]
     if skipped or failed:
@@ -281,42 +381,18 @@ def render(
     )
     if summary.uploads:
         lines.append(_uploads_line(summary.uploads))
-    for r, lost, whole in zip(
-        summary.restores, summary.lost_steps, summary.restart_records, strict=False
-    ):
-        took = (
-            ""
-            if whole is None
-            else f"; first step {_num(whole.get('seconds'), '.1f', unknown='?')} s after "
-            f"{whole.get('since', 'process start')}"
-        )
-        parts = ", ".join(
-            f"{name} {r[key]:.2f}"
-            for name, key in (
-                ("read", "read_s"),
-                ("verify", "verify_s"),
-                ("decode", "decode_s"),
-                ("load", "load_s"),
-            )
-            if isinstance(r.get(key), (int, float)) and r[key] > 0
-        )
-        lines.append(
-            f"restart: restored step {r['step']} in {_num(r.get('seconds'), '.2f', unknown='?')}"
-            f" s{f' ({parts} s)' if parts else ''}{took}; about {lost} steps of work were lost "
-            "and redone"
-        )
+    for resume in summary.resumes:
+        lines.append(_restart_line(summary, resume))
     plan = summary.last_plan
     if plan is not None:
         lines.append("")
-        interval = plan.get("interval_steps")
         mtbf = _num(plan.get("mtbf_s"), ".0f", unknown="")
         source = plan.get("mtbf_source")
         lines.append(
             f"plan: policy {plan.get('policy') or '?'}, objective "
-            f"{plan.get('objective') or '?'}, "
-            + (f"interval {interval} steps, " if interval is not None else "no interval yet, ")
+            f"{plan.get('objective') or '?'}, {_plan_when(plan)}, "
             + (f"MTBF {mtbf} s" if mtbf else "MTBF unknown")
-            + (f" ({source})" if source else "")
+            + (f" ({MTBF_SOURCES.get(source, source)})" if source else "")
         )
         overhead = plan.get("expected_overhead") if with_overhead else None
         if overhead:
@@ -338,17 +414,71 @@ def render(
     return "\n".join(lines)
 
 
+#: Where a plan's MTBF comes from, in words. Without a failure the estimate is coci's prior
+#: plus the time the run has gone without one, so it grows past the default as the run goes.
+MTBF_SOURCES = {
+    "user": "given as mtbf_s",
+    "estimated": "estimated from this run's failures",
+    "default": "no mtbf_s given: coci's default, plus the time run without a failure",
+}
+
+
+def _plan_when(plan: dict[str, Any]) -> str:
+    """The plan's checkpoints in words: its interval, else its next planned step."""
+    interval = plan.get("interval_steps")
+    if isinstance(interval, int) and interval > 0:
+        return f"interval {_plural(interval, 'step')}"
+    ahead = sorted(int(s) for s in plan.get("next_steps", []) if int(s) > int(plan["step"]))
+    if ahead:
+        return f"next checkpoint at step {ahead[0]}"
+    return f"no checkpoint planned after step {plan['step']} (the run's end, or its final save)"
+
+
+def _restart_line(summary: RunSummary, resume: Restart) -> str:
+    """One restore: what it read, the whole restart, and the work lost (or that the run went
+    on from where it ended)."""
+    r = summary.records[resume.index]
+    whole = summary._restart_record(summary.records, resume.index)
+    took = (
+        ""
+        if whole is None
+        else f"; first step {_num(whole.get('seconds'), '.1f', unknown='?')} s after "
+        f"{whole.get('since', 'process start')}"
+    )
+    parts = ", ".join(
+        f"{name} {r[key]:.2f}"
+        for name, key in (
+            ("read", "read_s"),
+            ("verify", "verify_s"),
+            ("decode", "decode_s"),
+            ("load", "load_s"),
+        )
+        if isinstance(r.get(key), (int, float)) and r[key] > 0
+    )
+    restored = (
+        f"restored step {r['step']} in {_num(r.get('seconds'), '.2f', unknown='?')} s"
+        f"{f' ({parts} s)' if parts else ''}{took}"
+    )
+    if not resume.failure:
+        return f"resume: {restored}; the run had ended at that step: no work lost"
+    reached = f"step {resume.failed_at}" + ("" if resume.exact else " or a little further")
+    return (
+        f"restart: {restored}; the run had reached {reached}: "
+        f"{_plural(resume.lost_steps, 'step')} of work lost and redone"
+    )
+
+
 def _uploads_line(uploads: list[dict[str, Any]]) -> str:
     """The remote tier in one line: steps uploaded, the newest, failed attempts."""
     done = [u for u in uploads if u.get("outcome") == "committed"]
     failed = [u for u in uploads if u.get("outcome") == "failed"]
-    line = f"remote tier: {len(done)} checkpoints uploaded"
+    line = f"remote tier: {_plural(len(done), 'checkpoint')} uploaded"
     if done:
         median = statistics.median(float(u.get("seconds", 0.0)) for u in done)
         line += f", newest step {done[-1]['step']} (median {_num(median, '.2f')} s each)"
     if failed:
         last = failed[-1]
-        line += f"; {len(failed)} failed attempts, the last at step {last['step']}: "
+        line += f"; {_plural(len(failed), 'failed attempt')}, the last at step {last['step']}: "
         line += str(last.get("error") or "?")
         if not done or done[-1]["step"] < last["step"]:
             line += " (not uploaded since)"

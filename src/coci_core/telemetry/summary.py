@@ -12,11 +12,22 @@ import threading
 
 from coci_core.telemetry import SaveEvent
 
-__all__ = ["SaveSummary", "save_line"]
+__all__ = ["SaveSummary", "compression_ratio", "save_line"]
 
 
 def _mb(n: int) -> str:
     return f"{n / 1e6:.3g} MB"
+
+
+def compression_ratio(raw_bytes: float | None, written: float | None, compressed: bool) -> float:
+    """How many times smaller a save's data was stored: 1.0 for a raw (uncompressed) one,
+    whose files also hold padding and the manifest; else its bytes in memory over the bytes
+    written (NaN when unknown)."""
+    if not compressed:
+        return 1.0
+    if not raw_bytes or not written:
+        return float("nan")
+    return float(raw_bytes) / float(written)
 
 
 def save_line(event: SaveEvent) -> str:
@@ -30,7 +41,8 @@ def save_line(event: SaveEvent) -> str:
         return f"coci: save of step {event.step} failed: {event.error}"
     compression = ""
     if event.compressed and event.bytes_written > 0:
-        compression = f", compressed {event.raw_bytes / event.bytes_written:.2f}x"
+        ratio = compression_ratio(event.raw_bytes, event.bytes_written, event.compressed)
+        compression = f", compressed {ratio:.2f}x"
     return (
         f"coci: step {event.step} saved: stall {event.stall_s * 1e3:.1f} ms, "
         f"{_mb(event.bytes_written)} written{compression}, durable "
@@ -50,6 +62,7 @@ class SaveSummary:
         self.stall_s = 0.0
         self.bytes_written = 0
         self.raw_bytes = 0
+        self.compressed = False  # some committed save was stored compressed
         self.newest_step: int | None = None
 
     def add(self, event: SaveEvent) -> None:
@@ -60,6 +73,7 @@ class SaveSummary:
                 self.committed += 1
                 self.bytes_written += event.bytes_written
                 self.raw_bytes += event.raw_bytes
+                self.compressed = self.compressed or event.compressed
                 if self.newest_step is None or event.step > self.newest_step:
                     self.newest_step = event.step
             elif event.outcome == "skipped":
@@ -86,7 +100,8 @@ class SaveSummary:
             written = f"{_mb(self.bytes_written)} written"
             if world_size > 1:
                 written += " (this rank's share)"
-            if self.bytes_written and self.raw_bytes > self.bytes_written:
-                written += f", compressed {self.raw_bytes / self.bytes_written:.2f}x"
+            ratio = compression_ratio(self.raw_bytes, self.bytes_written, self.compressed)
+            if self.compressed and ratio > 1:
+                written += f", compressed {ratio:.2f}x"
             parts.append(written)
             return ", ".join(parts)

@@ -14,12 +14,14 @@ both views draw; its summary is :func:`~coci_core.telemetry.report.facts`, the n
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
 
 from coci_core.telemetry.events import TELEMETRY_FILE
 from coci_core.telemetry.report import STEP_RECORDS, RunSummary, facts, summarize
+from coci_core.telemetry.summary import compression_ratio
 
 __all__ = ["POINTER_FILE", "find_runs", "from_summary", "timeline", "write_pointer"]
 
@@ -130,6 +132,10 @@ def _at_step(points: list[tuple[int, float]], step: int) -> float | None:
     return t0 + (t1 - t0) * (step - s0) / (s1 - s0)
 
 
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
 def _num(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
@@ -144,14 +150,17 @@ def timeline(directory: str, name: str | None = None) -> dict[str, Any]:
     ``lost``: trained again after a restart); ``plans`` (each revision of the plan: ``step``,
     ``time``, ``next_steps``, ``session``: 0, then 1 after the first restart, ...);
     ``planned`` (each step a plan held: ``step``, ``time`` (when it was, or would have been,
-    reached), ``planned_at``, ``state``: ``"taken"``, ``"revised"`` (a later plan dropped it
-    before it came) or ``"missed"`` (the run failed or ended first), and ``revised_at``);
+    reached), ``planned_at``, ``state``: ``"taken"``, ``"missed"`` (the plan in force had it
+    when the run reached it, and it was not saved), ``"revised"`` (a later plan dropped it
+    before it came) or ``"unreached"`` (the run failed or ended first), and ``revised_at``);
     ``saves`` (``step``, ``outcome``, ``time``, ``stall_ms``, ``persist_s``, ``mb``,
     ``compression_x``, ``compressed``, ``error``); ``restarts`` (``restored``,
     ``failed_at``, ``lost_steps``, ``restart_s`` (process start to the first step after the
     restore, when recorded; else the restore), ``restore_s``, ``restart_since``, ``time``,
     ``failed_time``,
-    ``restored_time``); ``summary`` (:func:`~coci_core.telemetry.report.facts`).
+    ``restored_time``, ``exact``: ``failed_at`` is the step the failed process reached);
+    ``resumes`` (restores that lost nothing: the run went on after it ended: ``restored``,
+    ``time``, ``restore_s``); ``summary`` (:func:`~coci_core.telemetry.report.facts`).
     """
     return from_summary(summarize(directory), directory, name)
 
@@ -204,7 +213,8 @@ def from_summary(summary: RunSummary, directory: str, name: str | None = None) -
     committed = {int(s["step"]): _num(s.get("time")) for s in summary.committed}
     clocks = _clocks(records)
     planned = []
-    for step in summary.planned:
+    as_stood = set(summary.planned)
+    for step in summary.proposed:
         # the plans made while it was ahead; a later one of the same process dropped it?
         before = [p for p in plans if p["step"] < step]
         holders = [i for i, p in enumerate(before) if step in p["next_steps"]]
@@ -214,7 +224,12 @@ def from_summary(summary: RunSummary, directory: str, name: str | None = None) -
             after = [p for p in before[holders[-1] + 1 :] if p["session"] == last["session"]]
             if after:
                 revised_at = after[0]["step"]
-        state = "taken" if step in committed else "revised" if revised_at is not None else "missed"
+        if step in committed:
+            state = "taken"
+        elif step in as_stood:
+            state = "missed"  # the plan had it as the run reached it: not saved
+        else:  # dropped by a later plan before the run reached it, or never reached
+            state = "revised" if revised_at is not None else "unreached"
         session = before[holders[-1]]["session"] if holders else 0
         planned.append(
             {
@@ -230,6 +245,7 @@ def from_summary(summary: RunSummary, directory: str, name: str | None = None) -
     for s in summary.saves:
         written, raw = _num(s.get("bytes_written")), _num(s.get("raw_bytes"))
         ok = s.get("outcome") == "committed"
+        compressed = bool(s.get("compressed"))
         persist = _num(s.get("persist_s"))
         saves.append(
             {
@@ -239,8 +255,10 @@ def from_summary(summary: RunSummary, directory: str, name: str | None = None) -
                 "stall_ms": None if _num(s.get("stall_s")) is None else 1e3 * s["stall_s"],
                 "persist_s": persist if ok else None,
                 "mb": written / 1e6 if ok and written is not None else None,
-                "compression_x": raw / written if ok and raw and written else None,
-                "compressed": bool(s.get("compressed")),
+                "compression_x": _finite(compression_ratio(raw, written, compressed))
+                if ok
+                else None,
+                "compressed": compressed,
                 "error": s.get("error"),
             }
         )
@@ -264,6 +282,7 @@ def from_summary(summary: RunSummary, directory: str, name: str | None = None) -
                 "restored": restart.restored,
                 "failed_at": restart.failed_at,
                 "lost_steps": restart.lost_steps,
+                "exact": restart.exact,
                 "restore_s": _num(restore.get("seconds")),
                 "restore_parts_s": {
                     k[:-2]: _num(restore.get(k))
@@ -289,5 +308,14 @@ def from_summary(summary: RunSummary, directory: str, name: str | None = None) -
         "planned": planned,
         "saves": saves,
         "restarts": restarts,
+        "resumes": [
+            {
+                "restored": r.restored,
+                "time": _num(records[r.index].get("time")),
+                "restore_s": _num(records[r.index].get("seconds")),
+            }
+            for r in summary.resumes
+            if not r.failure
+        ],
         "summary": facts(summary),
     }

@@ -25,7 +25,7 @@ from coci_core.engine.persist import LatestOnlyWorker
 from coci_core.engine.stateful import Stateful
 from coci_core.errors import ConfigError, StepExistsError
 from coci_core.hpo import combine_terminations
-from coci_core.knobs import MAX_CHECKPOINTS_COSTED, TELEMETRY_PROGRESS_EVERY_S
+from coci_core.knobs import MAX_CHECKPOINTS_COSTED
 from coci_core.planner import Planner, Termination
 from coci_core.planner.optimize import Problem
 from coci_core.planner.schedule import ExpectedOverhead, compare_with_daly
@@ -48,6 +48,12 @@ from coci_core.training.restart import process_start_unix
 __all__ = ["Checkpointer"]
 
 logger = logging.getLogger(__name__)
+
+#: The checkpoint directories (storage URLs) a Checkpointer of this process trained in and
+#: closed -> the last step it trained: a later restore of that very step in this process
+#: (``fit()`` then ``fit(ckpt_path="last")``) continues the run, with no work lost; it is no
+#: failure and no restart.
+_TRAINED_HERE: dict[str, int] = {}
 
 
 class Checkpointer:
@@ -140,7 +146,8 @@ class Checkpointer:
         )
         self._started_unix = started if started is not None else time.time()
         self._restored: RestoreEvent | None = None  # until the first step after it
-        self._progress_at = -math.inf
+        self._last_observed: int | None = None
+        self._failed = False  # training ended on an error (see mark_failed)
 
     def __repr__(self) -> str:
         return f"Checkpointer({self.manager.storage.url!r}, policy={self.planner.policy_name!r})"
@@ -149,8 +156,16 @@ class Checkpointer:
         """Also give every later save and restore event to ``listener``."""
         self._listeners.append(listener)
 
+    def _continues_here(self, event: RestoreEvent) -> bool:
+        """Whether ``event`` restored the step the run's previous session ended its training
+        at (a Checkpointer of this process, or as the telemetry kept it): the run goes on,
+        nothing failed."""
+        if _TRAINED_HERE.get(self.manager.storage.url) == event.step:
+            return True
+        return any(getattr(sink, "previous_end", None) == event.step for sink in self.sinks)
+
     def _on_event(self, event: Event) -> None:
-        if isinstance(event, RestoreEvent):
+        if isinstance(event, RestoreEvent) and not self._continues_here(event):
             self.planner.record_restore(event.seconds, tier=event.tier)
         if isinstance(event, UploadEvent) and event.outcome == "committed":
             self._on_upload(event)
@@ -239,19 +254,11 @@ class Checkpointer:
         if self._restored is not None:
             # before the planner sees the step: one re-plan with the whole restart, not two
             self._restart_done(self._restored)
+        self._last_observed = step
         self.planner.observe(step, loss=loss, step_time_s=step_time_s)
         if not self.sinks:
             return
-        now = time.monotonic()
-        if now - self._progress_at >= TELEMETRY_PROGRESS_EVERY_S:
-            self._progress_at = now
-            for sink in self.sinks:
-                record_progress = getattr(sink, "record_progress", None)
-                if record_progress is not None:
-                    try:
-                        record_progress(step)
-                    except Exception:
-                        logger.exception("coci telemetry sink %r failed", sink)
+        self._record_progress(step)
         if loss is not None and math.isfinite(loss):
             self._last_loss = float(loss)
         if (
@@ -259,6 +266,16 @@ class Checkpointer:
             or step - self._telemetry_step >= self.telemetry_every_n_steps
         ):
             self._record_telemetry(step)
+
+    def _record_progress(self, step: int) -> None:
+        """Every step: the sinks keep the step reached (and write a record every few s)."""
+        for sink in self.sinks:
+            record_progress = getattr(sink, "record_progress", None)
+            if record_progress is not None:
+                try:
+                    record_progress(step)
+                except Exception:
+                    logger.exception("coci telemetry sink %r failed", sink)
 
     def _restart_done(self, restored: RestoreEvent) -> None:
         """The first step after a restore ended: report the whole restart."""
@@ -401,10 +418,14 @@ class Checkpointer:
         )
         return True
 
-    def before_update(self) -> None:
+    def before_update(self, step: int | None = None) -> None:
         """Wait for an unfinished snapshot copy (torch optimizers do before each ``step()``;
-        call it before other in-place changes of the saved tensors)."""
+        call it before other in-place changes of the saved tensors). ``step``: the step this
+        update completes, kept by the telemetry as reached (a process killed before the step
+        is observed still tells how far it got)."""
         self.manager.before_update()
+        if step is not None:
+            self._record_progress(step)
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None."""
@@ -422,7 +443,7 @@ class Checkpointer:
         event: RestoreEvent | None = self.manager.last_restore  # reported by the manager
         if event is not None:
             self.resumed_from = event.step
-            self._restored = event
+            self._restored = None if self._continues_here(event) else event
         return state
 
     def restored_elsewhere(self, run: str, event: RestoreEvent, sequence: int = 0) -> None:
@@ -432,20 +453,34 @@ class Checkpointer:
         event as the manager reports its own."""
         self.resumed_from = event.step
         self.manager.continue_run(run, sequence, restored=event)
-        self._restored = event
+        self._restored = None if self._continues_here(event) else event
         self._on_event(event)
 
     def wait(self) -> None:
         """Block until every pending save is durable (re-raises background errors)."""
         self.manager.wait()
 
+    def mark_failed(self) -> None:
+        """Training ended on an error (an adapter calls it before :meth:`close`): the session
+        is recorded as failed, so a resume of its last step is a restart after a failure."""
+        self._failed = True
+
     def close(self) -> None:
         """Wait for pending saves, stop the writer and close the telemetry sinks."""
+        if self._last_observed is not None and not self._failed:
+            _TRAINED_HERE[self.manager.storage.url] = self._last_observed
         try:
             self.manager.close()
         finally:
             self._plans.stop()
             for sink in self.sinks:
+                record_end = getattr(sink, "record_end", None)
+                if self._failed and record_end is not None:
+                    try:
+                        record_end(failed=True)
+                    except Exception:
+                        logger.exception("coci telemetry sink %r failed", sink)
+
                 try:
                     sink.close()
                 except Exception:

@@ -23,12 +23,15 @@ class PlanOutline:
         total_steps: the run's steps, if known.
         every_n_steps: the interval (or cap on it) given, if any.
         every_n_seconds: the interval in seconds given, if any.
+        default_mtbf_s: coci's prior MTBF (without ``mtbf_s`` and failures, the plan's MTBF
+            is this plus the time run without a failure).
     """
 
     report: PlannerReport
     total_steps: int | None
     every_n_steps: int | None
     every_n_seconds: float | None
+    default_mtbf_s: float | None = None
 
     @classmethod
     def of(cls, planner: Planner) -> PlanOutline:
@@ -38,6 +41,7 @@ class PlanOutline:
             total_steps=planner.total_steps,
             every_n_steps=planner.every_n_steps,
             every_n_seconds=planner.every_n_seconds,
+            default_mtbf_s=planner.default_mtbf_s,
         )
 
     @property
@@ -52,6 +56,12 @@ class PlanOutline:
         return self.report.costs.get("step_time_s") or 0.0
 
     def mtbf_source(self, default: str) -> str:
-        """Where the MTBF comes from, in words; ``default`` words coci's default."""
+        """Where the MTBF comes from, in words; ``default`` words coci's default (to which
+        the time run without a failure is added, said when it shows)."""
         source = self.report.mtbf_source
-        return default if source == "default" else _MTBF_SOURCES.get(source, source)
+        if source != "default":
+            return _MTBF_SOURCES.get(source, source)
+        grown = self.mtbf_s - (self.default_mtbf_s or self.mtbf_s)
+        if grown >= 0.5:
+            return f"{default}, plus the {grown:.0f} s run without a failure"
+        return default

@@ -400,7 +400,8 @@ function timelineSvg(data, axis, W) {
         stroke: COLORS.revised, 'stroke-width': 2 }));
     }
     const how = p.state === 'taken' ? 'taken' :
-      revised ? `revised away by the plan of step ${p.revised_at}` : 'not taken';
+      revised ? `revised away by the plan of step ${p.revised_at}` :
+        p.state === 'unreached' ? 'not reached' : 'not taken';
     g.appendChild(title(`planned checkpoint at step ${p.step} (planned at step ` +
       `${p.planned_at ?? '?'}): ${how}`));
     root.appendChild(g);
@@ -554,10 +555,13 @@ function summaryTable(f) {
     row('committed', 'checkpoints taken (committed)', String(f.committed)),
     row('skipped', 'saves skipped / failed', `${f.skipped} / ${f.failed}`),
     row('total_stall_s', 'total stall (s)', fmt(f.total_stall_s, 3)),
-    row('restarts', 'restarts', String(f.restarts)),
+    row('restarts', 'restarts after a failure', String(f.restarts)),
+    ...(f.resumes ? [row('resumes', 'resumes where the run had ended', String(f.resumes))] : []),
     row('lost_steps', 'lost work (steps)', String(f.lost_steps)),
-    ...(f.termination ? [row('termination', "plan's gain over Daly from the termination hazard",
-      `${Math.round(100 * f.termination.share_of_gain)}%`)] : []),
+    row('steps', 'steps trained', String(f.steps)),
+    ...(f.termination ? [row('termination',
+      "expected overhead the termination hazard saves (vs the plan made without it)",
+      `${Math.round(100 * f.termination.saving)}%`)] : []),
   ]);
   const policies = el('table', { class: 'coci-summary', id: 'coci-policies' }, [
     el('tr', {}, [
