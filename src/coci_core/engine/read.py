@@ -104,6 +104,8 @@ def read_checked(
     offset: int,
     view: memoryview,
     times: RestoreTimes | None = None,
+    *,
+    shared: bool = False,
 ) -> int:
     """Fill ``view`` from ``path`` at ``offset``; return the crc32c of what was read (and add
     the time spent reading and checksumming to ``times``).
@@ -111,9 +113,11 @@ def read_checked(
     From a storage that :attr:`~coci_core.storage.Storage.reads_in_chunks`, a piece of
     :data:`CHUNKED_MIN_BYTES` or more is read in :data:`READ_CHUNK_BYTES` reads (see
     :meth:`~coci_core.storage.Storage.read_chunks`), each checksummed after it (or, with
-    :data:`OVERLAP_CHECKSUMS`, while the next one is read)."""
+    :data:`OVERLAP_CHECKSUMS`, while the next one is read). ``shared``: other processes may
+    read the same bytes now (ranks resharding), so it is read whole and its pages are left in
+    the page cache for them."""
     times = times if times is not None else RestoreTimes()
-    if len(view) >= CHUNKED_MIN_BYTES and storage.reads_in_chunks:
+    if len(view) >= CHUNKED_MIN_BYTES and storage.reads_in_chunks and not shared:
         return _read_chunked(storage, path, offset, view, times)
     started = time.perf_counter()
     storage.read_into(path, offset, view)
@@ -497,8 +501,11 @@ class ArrayReader:
         piece: Piece,
         target: torch.Tensor,
         bases: dict[int, torch.Tensor],
+        *,
+        shared: bool = False,
     ) -> None:
-        """Read, verify and decode one piece into ``target`` (its ``length`` raw bytes)."""
+        """Read, verify and decode one piece into ``target`` (its ``length`` raw bytes);
+        ``shared``: see :func:`read_checked`."""
         # raw pieces are read where they belong; compressed ones into a buffer of their stored
         # size, then decoded where they belong
         stored = target if piece.params is None else _alloc(piece.nbytes)
@@ -510,6 +517,7 @@ class ArrayReader:
                 piece.offset,
                 view,
                 self.times,
+                shared=shared,
             )
         except StorageError as e:
             raise CorruptCheckpointError(
@@ -545,7 +553,8 @@ class ArrayReader:
     ) -> Iterator[tuple[int, torch.Tensor]]:
         """The raw bytes of the pieces ``wanted`` (indices into ``entry.pieces``, in order),
         each read, verified and decoded alone, as ``(index, bytes)``; an entry whose pieces
-        need bases (deltas) is fetched whole first and its pieces sliced from it."""
+        need bases (deltas) is fetched whole first and its pieces sliced from it. The pieces'
+        pages stay in the page cache: the ranks of another mesh may each read some of them."""
         known = self._damaged.get((manifest.step, entry.key))
         if known is not None:
             raise known
@@ -559,7 +568,7 @@ class ArrayReader:
             p = entry.pieces[i]
             buf = _alloc(p.length)
             try:
-                self._decode_piece(manifest.step, entry, p, buf, {})
+                self._decode_piece(manifest.step, entry, p, buf, {}, shared=True)
             except CorruptCheckpointError as e:
                 self._damaged[(manifest.step, entry.key)] = e
                 raise
