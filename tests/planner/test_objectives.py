@@ -87,3 +87,29 @@ def test_a_registered_objective_is_planned_for_without_other_changes(monkeypatch
     assert wall.expected_overhead_s.objective == "wall"
     assert wall.expected_overhead_s.objective_s == time.expected_overhead_s.objective_s
     assert Planner(objective="wall", total_steps=1_000, mtbf_s=3600.0).objective == "wall"
+
+
+def test_time_is_the_default_objective_everywhere():
+    """Every entry point plans for wall-clock time unless told otherwise: the Planner,
+    plan_schedule, the options both adapters share, both adapters and the command line; the
+    convergence objective is an opt-in."""
+    import argparse
+    import inspect
+
+    from coci_accelerate import CociCheckpointer
+    from coci_core.commands.simulate import add_subcommands
+    from coci_core.training.options import CheckpointOptions
+    from coci_lightning import CociCheckpoint
+
+    assert Planner(total_steps=1_000).objective == "time"
+    assert plan_schedule(**JOB).expected_overhead_s.objective == "time"
+    assert CheckpointOptions.check(dirpath=None).objective == "time"
+    for adapter in (CociCheckpoint, CociCheckpointer):
+        assert inspect.signature(adapter).parameters["objective"].default == "time"
+    parser = argparse.ArgumentParser(prog="coci")
+    add_subcommands(parser.add_subparsers(dest="command", required=True))
+    job = ["--total-steps", "100", "--step-time-s", "1", "--stall-s", "1", "--mtbf-h", "1"]
+    for command in ("plan", "simulate"):
+        assert parser.parse_args([command, *job]).objective == "time"
+    opted = Planner(total_steps=1_000, objective="convergence")
+    assert opted.objective == "convergence"
