@@ -113,3 +113,19 @@ def test_time_is_the_default_objective_everywhere():
         assert parser.parse_args([command, *job]).objective == "time"
     opted = Planner(total_steps=1_000, objective="convergence")
     assert opted.objective == "convergence"
+
+
+def test_the_default_objective_measures_a_save_early_instead_of_trusting_the_assumed_cost():
+    """Before any save is measured the planner assumes 1 s per save: with a 20 s MTBF and 10 ms
+    steps that plans no save in 200 steps. One early save measures the real (5 ms) cost, and
+    the plan made with it saves every few dozen steps."""
+    planner = Planner(total_steps=200, mtbf_s=20.0, step_time_s=0.01)
+    saved = []
+    for step in range(1, 200):
+        planner.observe(step, step_time_s=0.01)
+        if planner.should_save(step):
+            saved.append(step)
+            planner.record_save(stall_s=0.005, persist_s=0.005)
+    assert saved and saved[0] <= 60
+    assert len(saved) >= 4
+    assert planner.cost_source("stall_s") == "measured"

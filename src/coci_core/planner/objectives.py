@@ -60,6 +60,7 @@ class TimeObjective(Objective):
     """Wall-clock overhead (``wall_s``): every step counts alike, as for Young and Daly."""
 
     name = "time"
+    early_profile_save = True  # the interval grows with the cost of a save: measure it early
 
     def cost(self, breakdown: CostBreakdown) -> float:
         return breakdown.wall_s
