@@ -396,12 +396,7 @@ def _fit_pieces(
 
 
 def _detect_regime(
-    x: FloatArray,
-    y: FloatArray,
-    offset: float,
-    scale: float,
-    curve: LossCurve,
-    max_bins: int,
+    x: FloatArray, y: FloatArray, offset: float, scale: float, curve: LossCurve, max_bins: int
 ) -> LossCurve | None:
     """Try one split at the largest sudden drop; keep it if the residual falls by 2x or more.
 
