@@ -14,6 +14,7 @@ from coci_core.planner import (
     Objective,
     Planner,
     Problem,
+    daly_interval_s,
     expected_cost,
     make_objective,
     plan_schedule,
@@ -129,3 +130,17 @@ def test_the_default_objective_measures_a_save_early_instead_of_trusting_the_ass
     assert saved and saved[0] <= 60
     assert len(saved) >= 4
     assert planner.cost_source("stall_s") == "measured"
+
+
+def test_the_default_objective_takes_no_extra_save_where_its_first_planned_one_measures_the_cost():
+    """With a save planned before the end, no profiling save is added: the first save is at
+    Daly's interval for the assumed 1 s."""
+    planner = Planner(total_steps=20_000, mtbf_s=2 * 3600.0, step_time_s=0.3)
+    first = None
+    for step in range(1, 20_000):
+        planner.observe(step, step_time_s=0.3)
+        if planner.should_save(step):
+            first = step
+            break
+    assert first is not None
+    assert abs(first - daly_interval_s(1.0, 2 * 3600.0) / 0.3) <= 2
