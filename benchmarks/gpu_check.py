@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from coci_core import CheckpointManager, RankGroup
+from coci_core import CheckpointManager, InPlaceTargets, RankGroup
 
 STALL_TARGET = 1.3  # save(block=True) at most this many times the copy limit
 DCP_TARGET = 2.0  # save(block=False) at least this many times below DCP async_save
@@ -231,7 +231,8 @@ def check_kill_resume(device: str, width: int, root: Path) -> dict[str, Any]:
 
 
 def check_fsdp2(device: str, width: int, root: Path) -> dict[str, Any]:
-    """An FSDP2 model + AdamW on a one-process mesh: saved, loaded back, bit-exact."""
+    """An FSDP2 model + AdamW on a one-process mesh: saved, restored in place into another
+    model's sharded state on the device, bit-exact, and the next step alike."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_state_dict,
@@ -264,23 +265,25 @@ def check_fsdp2(device: str, width: int, root: Path) -> dict[str, Any]:
         root / "fsdp2", compression="none", group=RankGroup.from_torch_distributed()
     ) as mgr:
         mgr.save(3, {"model": msd, "optim": osd}, block=False).wait()
-        restored = mgr.restore()
-    other, other_opt = sharded(seed=1)
-    _train(other, other_opt, 0, width)  # gives the optimizer its state to load into
+        # restored in place into the live sharded state of another model, on the device
+        other, other_opt = sharded(seed=1)
+        other_msd, other_osd = get_state_dict(other, other_opt)
+        restored = mgr.restore(targets=InPlaceTargets({"model": other_msd, "optim": other_osd}))
+        in_place = all(restored["model"][k] is v for k, v in other_msd.items())
     set_state_dict(
         other,
         other_opt,
         model_state_dict=restored["model"],
         optim_state_dict=restored["optim"],
-        options=StateDictOptions(full_state_dict=True),
     )
     diffs = _differences(full(other, other_opt), saved)
     _train(model, opt, 3, width)
     _train(other, other_opt, 3, width)
     step_diffs = _differences(full(other, other_opt), full(model, opt))
     return {
-        "ok": not diffs and not step_diffs,
+        "ok": not diffs and not step_diffs and in_place,
         "placements": placements,
+        "restored_in_place": in_place,
         "bit_exact": not diffs,
         "next_step_bit_exact": not step_diffs,
         "differences": (diffs + step_diffs)[:5],

@@ -29,6 +29,7 @@ def test_cpu_mode_passes_its_checks_and_writes_the_figures(tmp_path: Path) -> No
     assert checks["kill_resume"]["returncode"] == -9
     assert checks["kill_resume"]["resumed_bit_exact"]
     assert checks["fsdp2"]["placements"] == ["(Shard(dim=0),)"]
+    assert checks["fsdp2"]["restored_in_place"] is True
     stall = res["stall"]
     assert stall["bytes"] == 8 << 20
     for key in (

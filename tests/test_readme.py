@@ -1,23 +1,36 @@
-"""The README's plain-loop quick start, copied from the README itself, resumes exactly."""
+"""What running the README's blocks as written (conftest.py, pytest-markdown-docs) does not
+check: the plain-loop quick start resumes exactly, the Lightning quick start resumes instead of
+training again, the test command is the one CI runs, and what it says of torch is true. The
+blocks are read with the plugin's own Markdown parser."""
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from markdown_it import MarkdownIt
+from pytest_markdown_docs.plugin import extract_fence_tests
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
 
 
-def _quick_start(title: str) -> str:
+def _block(title: str) -> str:
+    """The first Python block under the README's section ``title``."""
     text = README.read_text()
-    section = text.split(f"## {title}", 1)[1]
-    match = re.search(r"```python\n(.*?)```", section, re.S)
-    assert match is not None, f"no python block under {title!r}"
-    return match.group(1)
+    start = text.index(f"\n## {title}\n")
+    end = text.find("\n## ", start + 1)
+    blocks = list(extract_fence_tests(MarkdownIt("commonmark"), text, 0, README))
+    line = text[:start].count("\n") + 2
+    last = text[:end].count("\n") + 1 if end != -1 else len(text.splitlines())
+    for block in blocks:
+        if line <= block.start_line <= last:
+            return block.source
+    raise AssertionError(f"no python block under {title!r}")
 
 
 def _run(code: str, total: int) -> dict[str, torch.Tensor]:
@@ -31,7 +44,7 @@ def _run(code: str, total: int) -> dict[str, torch.Tensor]:
         x = torch.randn(32, 8, generator=g)
         loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()
         opt.zero_grad()
-        loss.backward()  # type: ignore[no-untyped-call]
+        loss.backward()
         opt.step()
 
     namespace["train_one_step"] = train_one_step
@@ -45,7 +58,7 @@ def test_plain_loop_quick_start_resumes_exactly(
     """Stopped after 250 of 400 steps (last checkpoint: 200 steps done) and run again, the
     README's loop ends with the weights of an uninterrupted run (it used to train the restored
     step twice)."""
-    code = _quick_start("Quick start: any training loop")
+    code = _block("Quick start: any training loop")
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     monkeypatch.chdir(tmp_path / "a")
@@ -57,34 +70,57 @@ def test_plain_loop_quick_start_resumes_exactly(
         assert torch.equal(resumed[key], value), key
 
 
-def test_lightning_quick_start_saves_and_resumes(tmp_path: Path) -> None:
-    """The README's Lightning quick start, run as written (the Trainer bounded to 20 steps on
-    the digits model): fit saves coci checkpoints, and the second fit resumes from the newest
-    one instead of training again from scratch."""
-    import functools
-
+def test_lightning_quick_start_resumes_instead_of_training_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The README's Lightning quick start, its Trainer bounded to 20 steps: the first fit ends
+    with a coci checkpoint, and the second resumes from it (its 20 steps are done) instead of
+    training again from scratch."""
     import lightning.pytorch as pl
 
     from coci_core import CheckpointManager
-    from tests.lightning.models import DigitsModel
+    from tests.docs_blocks import my_model_class
 
-    code = _quick_start("Quick start: Lightning")
+    code = _block("Quick start: Lightning")
+    code = code.replace("from lightning.pytorch import Trainer\n", "")
+    assert "from lightning.pytorch import Trainer" not in code
+    monkeypatch.chdir(tmp_path)
     pl.seed_everything(1, verbose=False)
-    model = DigitsModel()
+    model = my_model_class()()
     trainer_factory = functools.partial(
-        pl.Trainer,
-        accelerator="cpu",
-        max_steps=20,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
+        pl.Trainer, max_steps=20, logger=False, enable_progress_bar=False
     )
     namespace: dict[str, Any] = {"Trainer": trainer_factory, "model": model}
     exec(compile(code, str(README), "exec"), namespace)
-    trainer = namespace["trainer"]
     with CheckpointManager(tmp_path / "coci") as mgr:
         assert mgr.latest_step() == 20  # the final save of the first fit
     # the second fit resumed at step 20 (max_steps): it trained no further step
-    assert trainer.global_step == 20
-    assert len(model.seen) == 20 * 16
+    assert namespace["trainer"].global_step == 20
+    assert model.seen == 20
+
+
+def _commands(kind: str) -> list[str]:
+    tokens = MarkdownIt("commonmark").parse(README.read_text())
+    return [t.content.strip() for t in tokens if t.type == "fence" and t.info.strip() == kind]
+
+
+def test_the_test_command_is_the_one_ci_runs_and_runs_the_blocks() -> None:
+    """The README's test command is `.ci/run`'s, and its pytest collects the README's and the
+    docs' blocks (testpaths)."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    test_command = next(c for c in _commands("bash") if c.endswith("python -m pytest"))
+    assert test_command in ci
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert 'testpaths = ["tests", "README.md", "docs"]' in pyproject
+
+
+def test_what_the_readme_says_of_torch_is_what_pip_installs() -> None:
+    """The set-up commands pin torch==2.13.0, and the README says which build pip's default
+    index gives (a CUDA build on Linux) and how to get the CPU build, instead of claiming
+    that the pin is the CPU build."""
+    text = README.read_text()
+    setup = text.split("## Set up and run", 1)[1].split("\n## ", 1)[0]
+    assert "pinned to the CPU build" not in text
+    assert all("pip install torch==2.13.0 " in c for c in _commands("bash") if "venv" in c)
+    assert re.search(r"CUDA build", setup)
+    assert "--index-url https://download.pytorch.org/whl/cpu" in setup

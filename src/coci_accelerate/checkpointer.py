@@ -139,6 +139,7 @@ class CociCheckpointer:
             world_size=accelerator.num_processes,
             broadcast=_broadcast if accelerator.num_processes > 1 else None,
             sinks=sinks,
+            log=logger,
         )
         self._closed = False
         self._tracker = _find_tracker(accelerator)
@@ -330,7 +331,8 @@ class CociCheckpointer:
             # the models' and optimizers' tensors are read in place: no second copy of them
             state = self.checkpointer.restore(targets=_state.live_targets(self.accelerator))
         except NoCheckpointError:
-            logger.info("coci: no committed checkpoint in %s; starting fresh", self.dirpath)
+            if self.accelerator.is_main_process:
+                logger.info("coci: no committed checkpoint in %s; starting fresh", self.dirpath)
             return 0
         _state.apply(self.accelerator, state, skip=self, input_dir=str(self.dirpath))
         self.checkpointer.load_state_dict(state.get("coci", {}))

@@ -23,6 +23,7 @@ from coci_core.errors import (
 if _typing.TYPE_CHECKING:
     from coci_core.engine.compress import CompressionPolicy
     from coci_core.engine.group import RankGroup
+    from coci_core.engine.inplace import InPlaceTargets
     from coci_core.engine.manager import CheckpointManager, SaveHandle
     from coci_core.engine.manifest import Manifest
     from coci_core.engine.stateful import Stateful
@@ -34,6 +35,7 @@ if _typing.TYPE_CHECKING:
 _LAZY = {
     "CompressionPolicy": "coci_core.engine.compress",
     "RankGroup": "coci_core.engine.group",
+    "InPlaceTargets": "coci_core.engine.inplace",
     "CheckpointManager": "coci_core.engine.manager",
     "SaveHandle": "coci_core.engine.manager",
     "Manifest": "coci_core.engine.manifest",
@@ -74,6 +76,7 @@ __all__ = [
     "DirectoryInUseError",
     "FsspecStorage",
     "GlobalSampler",
+    "InPlaceTargets",
     "LocalStorage",
     "Manifest",
     "NoCheckpointError",

@@ -188,3 +188,9 @@ REGION_GAP_BYTES = 64 * 1024
 #: The heads of at most this many manifests (a few hundred bytes each) are remembered in a
 #: process, by the SHA-256 of their bytes, so that retention and resume do not decode them again.
 STEP_INFO_CACHE_ENTRIES = 4096
+
+# -- model-parallel state (engine/persist.py, engine/reshard.py) ------------------------------
+#: A rank's raw part of a sharded tensor (a DTensor's shard) larger than this is recorded as
+#: pieces of this size, each with its checksum: a rank of another mesh that needs some of the
+#: part reads (and verifies) only the pieces holding it, not the whole part.
+SHARD_PIECE_BYTES = 8 * MiB

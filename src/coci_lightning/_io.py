@@ -115,7 +115,8 @@ class CociCheckpointIO(CheckpointIO):
             )
         if self.on_restore is not None:
             self.on_restore(loaded, event)
-        logger.info("coci: Lightning restores step %d from %s", loaded.step, root)
+        if self.rank == 0:
+            logger.info("coci: Lightning restores step %d from %s", loaded.step, root)
         return loaded.state
 
     def remove_checkpoint(self, path: Any) -> None:

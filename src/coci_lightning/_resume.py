@@ -11,9 +11,10 @@ wraps that resolution once (idempotently) so that, when a ``CociCheckpoint`` is 
   ``OnExceptionCheckpoint``), by modification time as Lightning picks among its own; a tie
   goes to coci;
 - ``"best"`` (and ``None`` in validate/test/predict without a model, which Lightning turns into
-  "best") is the first ``ModelCheckpoint``'s best model; without a ``ModelCheckpoint``,
-  ``None`` evaluates the weights in memory (with an info line) and ``"best"`` is a ValueError
-  saying what to do.
+  "best") is the first ``ModelCheckpoint``'s best model; without a ``ModelCheckpoint``, the
+  kept coci checkpoint with the lowest value of ``CociCheckpoint(monitor=...)``; without
+  either, ``None`` evaluates the weights in memory (with an info line) and ``"best"`` is a
+  ValueError saying what to do.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def install_last_resolution() -> None:
             and kwargs.get("model_connected", False)
         )
         if cocis and (ckpt_path == "best" or implicit):
-            return _resolve_best(self.trainer, fn, implicit=implicit)
+            return _resolve_best(self.trainer, cocis[0], fn, implicit=implicit)
         resolved = original(self, state_fn, ckpt_path, **kwargs)
         options = cocis[0].storage_options_for(resolved) if cocis else None
         if step_dir_of(resolved, options) is not None:
@@ -150,26 +151,31 @@ def _resolve_last(trainer: Any, coci: Any) -> str | None:
     return None
 
 
-def _resolve_best(trainer: Any, fn: str, *, implicit: bool) -> str | None:
+def _resolve_best(trainer: Any, coci: Any, fn: str, *, implicit: bool) -> str | None:
     """``"best"`` with a CociCheckpoint attached: the first ModelCheckpoint's best model (as
     Lightning, which would take the first ``Checkpoint`` callback, possibly coci's); without
-    one, ``None`` (implicit) evaluates the weights in memory and ``"best"`` is an error."""
+    one, coci's best by its ``monitor``; without that, ``None`` (implicit) evaluates the
+    weights in memory and ``"best"`` is an error."""
     models = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)]
+    if not models and coci.monitor is not None:
+        return _coci_best(trainer, coci, fn, implicit=implicit)
     if not models:
         if implicit:
             logger.info(
                 "coci: `.%s()` without a model or ckpt_path after fit: evaluating the weights "
                 "in memory (CociCheckpoint keeps the newest training state, not a best model). "
-                'Pass ckpt_path="last" for coci\'s newest checkpoint, or add '
-                'ModelCheckpoint(monitor=...) for ckpt_path="best".',
+                'Pass ckpt_path="last" for coci\'s newest checkpoint, or give '
+                "CociCheckpoint(monitor=...) or add ModelCheckpoint(monitor=...) for "
+                'ckpt_path="best".',
                 fn,
             )
             return None
         raise ValueError(
-            f'`.{fn}(ckpt_path="best")`: CociCheckpoint keeps the newest training state, not a '
-            'best model. Pass ckpt_path="last" for coci\'s newest checkpoint, or add '
-            "ModelCheckpoint(monitor=..., save_top_k=...) to the Trainer's callbacks to keep "
-            "the best."
+            f'`.{fn}(ckpt_path="best")` is set but no checkpoint callback is configured to keep '
+            "the best model: CociCheckpoint() without a monitor keeps the newest training "
+            'state. Give it the metric, CociCheckpoint(monitor="val_loss"), for the kept '
+            'checkpoint with its lowest value; pass ckpt_path="last" for coci\'s newest '
+            "checkpoint; or add ModelCheckpoint(monitor=..., save_top_k=...)."
         )
     if implicit:  # Lightning's own message for this case
         rank_zero_warn(
@@ -196,6 +202,31 @@ def _resolve_best(trainer: Any, fn: str, *, implicit: bool) -> str | None:
             "the best model."
         )
     return best
+
+
+def _coci_best(trainer: Any, coci: Any, fn: str, *, implicit: bool) -> str:
+    """The kept coci checkpoint with the lowest value of ``coci.monitor``."""
+    best = coci.best_model_path
+    if not best:
+        if trainer.fast_dev_run:
+            raise ValueError(
+                f'You cannot execute `.{fn}(ckpt_path="best")` with `fast_dev_run=True`. Please '
+                f"pass an exact checkpoint path to `.{fn}(ckpt_path=...)`"
+            )
+        raise ValueError(
+            f'`.{fn}(ckpt_path="best")` is set but CociCheckpoint(monitor={coci.monitor!r}) '
+            f"has no kept checkpoint saved with a value of {coci.monitor!r} yet (is it logged "
+            'before the saves?). Pass ckpt_path="last" for coci\'s newest checkpoint.'
+        )
+    if implicit:  # Lightning's own message for this case
+        rank_zero_warn(
+            f"`.{fn}(ckpt_path=None)` was called without a model. The best model of the "
+            f"previous `fit` call will be used. You can pass `.{fn}(ckpt_path='best')` to use "
+            f"the best model or `.{fn}(ckpt_path='last')` to use the last model. If you pass "
+            "a value, this warning will be silenced."
+        )
+    use_coci_io(trainer)  # read the step directory with coci's restore
+    return str(best)
 
 
 def _install_load_from_checkpoint() -> None:

@@ -1,7 +1,7 @@
 """CociCheckpoint: convergence-aware, asynchronous checkpoints for a Lightning Trainer.
 
-A little over 600 lines, kept whole: one callback's hooks, and the documentation of each of its
-arguments (LightningCLI's help). What every adapter shares is in :mod:`coci_core.training`;
+Why one module: it is one callback's hooks, and the documentation of each of its arguments
+(LightningCLI's help). What every adapter shares is in :mod:`coci_core.training`;
 what the callback reads from the Trainer, its EarlyStopping hazard, its CheckpointIO and the
 ``"last"``/``"best"`` resolution are in the private modules beside it.
 """
@@ -40,6 +40,7 @@ from coci_core.training import (
     shared_options,
     step_dir_of,
 )
+from coci_lightning._best import SCORES_KEY, MonitorScores, monitored
 from coci_lightning._epoch_end import (
     as_after_the_batch,
     epoch_end_metrics,
@@ -97,6 +98,8 @@ class CociCheckpoint(Checkpoint):
             ``policy="epoch"`` saves only there (every epoch by default), with the steps per
             epoch taken from the Trainer.
         monitor: a logged metric to use as the loss (default: the training step's loss).
+            Each save records its value, and ``ckpt_path="best"`` is the kept checkpoint with
+            the lowest one (:attr:`best_model_path`).
         block: copy the state before the save returns (default), so that what the checkpoint
             holds is the state of the step whatever changes the tensors next (an EMA or
             weight clipping through ``.data``, numpy). False overlaps the copy with the next
@@ -188,6 +191,9 @@ class CociCheckpoint(Checkpoint):
         self.resume = resume
         self.monitor = monitor
         self._monitor_warned = False
+        self._scores = MonitorScores()  # for ckpt_path="best"
+        self._directory: Path | str | None = None  # resolve_dirpath at the last setup
+        self._best_path_given = ""  # best_model_path as set from outside (ddp_spawn)
         self.save_on_train_end = save_on_train_end
         self.save_on_exception = save_on_exception
         self.early_stopping_hazard = early_stopping_hazard
@@ -255,6 +261,29 @@ class CociCheckpoint(Checkpoint):
             return Path(self.dirpath)
         return Path(trainer.default_root_dir) / "coci"
 
+    @property
+    def best_model_path(self) -> str:
+        """The step directory of the kept checkpoint with the lowest value of ``monitor`` (what
+        ``ckpt_path="best"`` loads), or ``""`` (as ``ModelCheckpoint.best_model_path``)."""
+        best = self._best()
+        return self._best_path_given if best is None else best[0]
+
+    @best_model_path.setter
+    def best_model_path(self, path: str) -> None:
+        # Lightning's ddp_spawn hands the worker's best_model_path back to the main process
+        self._best_path_given = str(path)
+
+    @property
+    def best_model_score(self) -> float | None:
+        """The value of ``monitor`` at :attr:`best_model_path`'s save, or None."""
+        best = self._best()
+        return None if best is None else best[1]
+
+    def _best(self) -> tuple[str, float] | None:
+        if self.monitor is None or self._directory is None:
+            return None
+        return self._scores.best(self._directory, self.storage_options_for)
+
     def storage_options_for(self, path: object) -> dict[str, Any]:
         """The fsspec options of the tier that ``path`` is in (``remote`` or ``dirpath``)."""
         o = self.options
@@ -275,6 +304,7 @@ class CociCheckpoint(Checkpoint):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # Every entry point (fit, validate, test, predict) reads coci step directories.
         o = self.options
+        self._directory = self.resolve_dirpath(trainer)
         use_coci_io(trainer).configure(
             pl_module,
             rank=trainer.global_rank,
@@ -302,6 +332,7 @@ class CociCheckpoint(Checkpoint):
             broadcast=(lambda obj: trainer.strategy.broadcast(obj, src=0))
             if trainer.world_size > 1
             else None,
+            log=logger,
         )
         if self._planner_state is not None:
             self.checkpointer.load_state_dict(self._planner_state)
@@ -422,6 +453,8 @@ class CociCheckpoint(Checkpoint):
             first = None
         step_time = outline.step_time_s
         source = outline.mtbf_source("default: no mtbf_s given and no failure seen yet")
+        # whole seconds: the default refined by a second of failure-free time is no news
+        mtbf = f"{outline.mtbf_s:.0f}" if outline.mtbf_s >= 10 else f"{outline.mtbf_s:.3g}"
         length = f"of {total} steps" if total is not None else "over a rolling horizon"
         if first is None:
             when = "no save planned before the end" + (
@@ -436,7 +469,7 @@ class CociCheckpoint(Checkpoint):
         )
         message = (
             f"coci: plan ({report.policy} policy, {self.objective} objective) {length}: {when}, "
-            f"{every}; MTBF assumed {outline.mtbf_s:.6g} s ({source}). Change it with "
+            f"{every}; MTBF assumed {mtbf} s ({source}). Change it with "
             "CociCheckpoint(mtbf_s=..., every_n_steps=N (a cap on the interval), "
             "policy='every_n_steps'); the plan is re-made as costs are measured."
         )
@@ -460,6 +493,9 @@ class CociCheckpoint(Checkpoint):
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.state.fn == "fit" and not trainer.sanity_checking:
             self._check_monitor(trainer, planned=False)  # where ModelCheckpoint checks
+            if self.monitor is not None and self._last_saved_step == trainer.global_step:
+                score = monitored(trainer.callback_metrics, self.monitor)
+                self._scores.validated(trainer.global_step, score)
             stopper = self._early_stopping(trainer)
             if stopper is not None and not getattr(stopper, "_check_on_train_epoch_end", False):
                 self._early_stopping_check(trainer, stopper)
@@ -521,6 +557,9 @@ class CociCheckpoint(Checkpoint):
             return
         self._rng_in_state = False
         self._epoch_end_metrics = epoch_end_metrics(trainer) if epoch_end else None
+        if self.monitor is not None:
+            score = monitored(trainer.callback_metrics, self.monitor)
+            self._scores.taking(trainer.global_step, score)
         try:
             # Private: the exact dict trainer.save_checkpoint writes, without writing a file
             # (Lightning has no public way to get it).
@@ -533,13 +572,14 @@ class CociCheckpoint(Checkpoint):
             self._deferred = True
             return
         self._last_saved_step = trainer.global_step
-        self.checkpointer.save(
+        handle = self.checkpointer.save(
             trainer.global_step,
             state,
             block=block,
             per_rank={RANK_STATE_KEY: {"rng": collect_plain_rng_states()}},
             alone=alone,
         )
+        self._scores.taken(handle)
 
     def _restore_rng(self, trainer: pl.Trainer) -> None:
         """Put back the random states a resumed checkpoint holds for this rank (once)."""
@@ -598,6 +638,8 @@ class CociCheckpoint(Checkpoint):
             state.update(self.checkpointer.state_dict())
         if self._epoch_end_metrics is not None:
             state[EPOCH_END_KEY] = self._epoch_end_metrics
+        if self.monitor is not None:
+            state[SCORES_KEY] = self._scores.state()
         return state
 
     @override
@@ -622,6 +664,7 @@ class CociCheckpoint(Checkpoint):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if "rng" in state_dict:  # older coci checkpoints, and Lightning's own
             self._pending_rng = state_dict["rng"]
+        self._scores.load(state_dict.get(SCORES_KEY))
         metrics = state_dict.get(EPOCH_END_KEY)
         self._rng_at_train_start = isinstance(metrics, dict)  # taken at an epoch's last step
         self._pending_metrics = dict(metrics) if isinstance(metrics, dict) else None

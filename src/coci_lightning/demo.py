@@ -31,17 +31,24 @@ TRAIN_SAMPLES = 1500
 
 def _quiet() -> None:
     """No third-party noise in the demo's output: Lightning's info lines (accelerator, tips,
-    restoring) and the deprecation warnings that torch, torchdata and Lightning raise about
-    each other. coci's own warnings still show."""
+    restoring), and the deprecation warnings its dependencies raise about each other, each by
+    its message and module: torchdata's ``StatefulDataLoader`` calls ``torch.set_vital`` and
+    Lightning's pytree helper makes a ``LeafSpec``, both deprecated by torch. Every other
+    warning, coci's and its dependencies', still shows."""
     import logging
     import warnings
 
     for name in ("lightning.pytorch", "lightning.fabric", "lightning_fabric", "pytorch_lightning"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    third_party = r"(torch|torchdata|lightning|lightning_fabric|pytorch_lightning)(\.|$)"
-    for category in (DeprecationWarning, FutureWarning, UserWarning):
-        warnings.filterwarnings("ignore", category=category, module=third_party)
-    warnings.filterwarnings("ignore", message=".*is deprecated", module=third_party)
+    warnings.filterwarnings(
+        "ignore", message="'set_vital' is deprecated", category=UserWarning, module="torchdata"
+    )
+    warnings.filterwarnings(
+        "ignore",
+        message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+        category=FutureWarning,
+        module="lightning",
+    )
 
 
 def _child(argv: list[str]) -> None:

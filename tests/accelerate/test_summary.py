@@ -43,7 +43,10 @@ def test_verbose_lines_and_one_summary_at_close(
         ckpt.close()
         ckpt.close()
     messages = [(r.name, r.getMessage()) for r in caplog.records]
-    per_save = [m for name, m in messages if name == "coci_core.training.checkpointer"]
+    per_save = [
+        m for name, m in messages if name == "coci_accelerate.checkpointer" and " saved: " in m
+    ]
+    assert [m for _, m in messages if "saved step" in m] == []  # each save told once
     if verbose:
         assert [m.split(" saved")[0] for m in per_save] == [
             "coci: step 4",

@@ -54,7 +54,7 @@ from coci_core.engine import read as restore
 from coci_core.engine.manifest import step_dir_name
 from coci_core.engine.restore import load_checkpoint, verify_checkpoint
 from coci_core.storage import LocalStorage
-from tests.adversarial.craft import encode_doc, manifest_path, read_doc, same
+from tests.adversarial.craft import encode_doc, manifest_path, read_doc, same, write_doc
 
 SEED = 20240614
 NAN, DEEP = "\u0000raw-nan\u0000", "\u0000raw-deep\u0000"
@@ -117,6 +117,20 @@ def delta_state(step: int) -> dict[str, Any]:
     }
 
 
+def boxes_state(step: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(100 + step)
+    return {"w": torch.randn(6, 5, generator=g), "b": torch.arange(4.0) * step, "epoch": step}
+
+
+# a 2x2 grid of uneven boxes of "w" (6x5), as a DTensor split over both dims of a mesh stores it
+BOXES = [((0, 0), (3, 3)), ((0, 3), (3, 2)), ((3, 0), (3, 3)), ((3, 3), (3, 2))]
+
+
+def as_boxes(w: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``w`` as its BOXES store them: each box's own row-major bytes in turn."""
+    return torch.cat([w[a : a + m, b : b + n].reshape(-1) for (a, b), (m, n) in BOXES])
+
+
 @dataclass
 class Run:
     name: str
@@ -146,6 +160,23 @@ def save_runs(root: Path) -> list[Run]:
     assert {"coci.xor-zstd/1", "coci.chunks/1"} <= codecs
     assert read_doc(lossless.root, 2)["bases"] == [1]
     runs.append(lossless)
+    # an array stored as boxes (format 4): saved as its boxes' bytes, the manifest then made to
+    # say so (what four ranks of a 2x2 mesh write, in one process)
+    boxes = Run("boxes", root / "boxes", {}, {1: (), 2: ()})
+    with CheckpointManager(boxes.root, keep_last=None, compression="none") as mgr:
+        for step in (1, 2):
+            state = boxes_state(step)
+            mgr.save(step, {**state, "w": as_boxes(state["w"])}).wait()
+            boxes.states[step] = state
+    for step in (1, 2):
+        doc = read_doc(boxes.root, step)
+        (entry,) = (t for t in doc["tensors"] if t["key"] == "/w")
+        entry["shape"] = [6, 5]
+        entry["boxes"] = [[list(o), list(n)] for o, n in BOXES]
+        doc["format_version"] = 4
+        doc["world_size"] = 4
+        write_doc(boxes.root, step, doc)
+    runs.append(boxes)
     return runs
 
 
@@ -233,10 +264,15 @@ def mutations(doc: dict[str, Any], *, crafted: bool) -> list[Mutation]:
             if type(v) is not type(old) or v != old:
                 out.append(Mutation(kind, f"{'.'.join(map(str, path))}={_short(v)}", path, v))
 
-    def structure(kind: str, path: Path_, *, optional: tuple[str, ...] = ()) -> None:
+    def structure(kind: str, path: Path_, *, consistent: tuple[str, ...] = ()) -> None:
+        """Fields added and removed; removing one of ``consistent`` (an array's boxes: its
+        bytes then read as the whole array's) describes another checkpoint, so is made only
+        when not ``crafted``."""
         obj = get(doc, path)
         out.append(Mutation(kind + "+extra", f"{_dotted(path)}+zzz", path, op="add"))
         for key in obj:
+            if crafted and key in consistent:
+                continue
             out.append(
                 Mutation(kind + "-field", f"{_dotted(path)}-{key}", (*path, key), op="delete")
             )
@@ -264,7 +300,7 @@ def mutations(doc: dict[str, Any], *, crafted: bool) -> list[Mutation]:
     add("tensors", ("tensors",), ["x", None, {}])
     for path in entries:
         entry = get(doc, path)
-        structure("entry", path)
+        structure("entry", path, consistent=("boxes",))
         add("entry-key", (*path, "key"), [*STR_BAD, "/other"])
         add("entry-kind", (*path, "kind"), ["tensor", "ndarray", "torch_save", "pickle", 5, None])
         size = ITEMSIZE.get(entry["dtype"])
@@ -293,6 +329,8 @@ def mutations(doc: dict[str, Any], *, crafted: bool) -> list[Mutation]:
                     continue  # same size: a valid reshape
                 add("entry-dim", (*path, "shape", j), [v])
         add("entry-pieces", (*path, "pieces"), ["x", None, [], {}])
+        if "boxes" in entry:
+            out += box_mutations(entry, (*path, "boxes"), crafted=crafted)
         for k, piece in enumerate(entry["pieces"]):
             pp = (*path, "pieces", k)
             structure("piece", pp)
@@ -341,6 +379,34 @@ def mutations(doc: dict[str, Any], *, crafted: bool) -> list[Mutation]:
                 ),
             )
         )
+    return out
+
+
+def box_mutations(entry: dict[str, Any], path: Path_, *, crafted: bool) -> list[Mutation]:
+    """Mutations of an entry's boxes: wrong types, a box outside the array, empty, out of
+    order, a count or volume that differs, and boxes that overlap with the right volume (left
+    for the read to find); with ``crafted`` False also another valid tiling (another
+    checkpoint, which only the checksum can tell)."""
+    boxes = entry["boxes"]
+    values: list[Any] = ["x", None, {}, [], [[[0, 0]]], [[0, 0], [6, 5]], boxes[:-1]]
+    values += [
+        [boxes[1], boxes[0], *boxes[2:]],  # out of order
+        [boxes[0], boxes[0], *boxes[1:]],  # repeated
+        [[[0, 0], [3, 3]], [[0, 3], [3, 3]], *boxes[2:]],  # outside the array
+        [[[0, 0], [0, 3]], *boxes[1:]],  # empty
+        [[[0, 0], [3, 3]], [[0, 2], [3, 3]], [[3, 0], [3, 3]], [[3, 3], [3, 1]]],  # overlap
+        [[[0, 0], [6, 5], [0]]],
+    ]
+    if not crafted:
+        values.append([[[0, 0], [6, 5]]])  # the same bytes read as the whole array
+    out = [Mutation("boxes", f"{_dotted(path)}={_short(v)}", path, v) for v in values]
+    for b, box in enumerate(boxes):
+        for part in (0, 1):
+            for j, v in enumerate(box[part]):
+                for bad in [*INT_BAD, v + 1, max(v - 1, 0)]:
+                    if bad != v or type(bad) is not int:
+                        label = f"{_dotted(path)}[{b}][{part}][{j}]={_short(bad)}"
+                        out.append(Mutation("box-dim", label, (*path, b, part, j), bad))
     return out
 
 
@@ -690,7 +756,7 @@ def all_cases(runs: list[Run], rng: random.Random) -> list[Case]:
     """Every crafted mutation of the newest manifests; a seeded, stratified sample of the
     rest."""
     cases: list[Case] = []
-    budget = {"raw": (250, 100, 100), "lossless": (150, 60, 60)}
+    budget = {"raw": (250, 100, 100), "lossless": (150, 60, 60), "boxes": (60, 40, 40)}
     for run in runs:
         damaged_n, manifest_n, data_n = budget[run.name]
         newest = max(run.states)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -133,6 +134,8 @@ def test_coci_demo_lightning_end_to_end(tmp_path: Path) -> None:
         ],
         capture_output=True,
         timeout=600,
+        # every warning shown, deprecations included: the demo silences only known ones
+        env={**os.environ, "PYTHONWARNINGS": "default"},
     )
     # decoded by hand: text=True would turn the progress bars' carriage returns into newlines
     out, err = proc.stdout.decode(), proc.stderr.decode()

@@ -1,4 +1,5 @@
-"""One rank saving DTensors (Shard(0) and Replicate() on a 1-D CPU mesh) with coci.
+"""One rank saving DTensors (Shard(0) and Replicate() on a 1-D CPU mesh; a Partial one, refused)
+with coci.
 
 Run by ``tests.sharding._dist_child.launch(..., module=...)``; prints ``RESULT <json>``.
 """
@@ -13,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from coci_core import CheckpointManager, RankGroup, UnsupportedValueError
 
@@ -43,8 +44,8 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
     }
     out: dict[str, Any] = {"rank": dist.get_rank()}
     try:
-        state_2d = {"x": distribute_tensor(full["w"], mesh, [Shard(1)])}
-        CheckpointManager(cfg["dir"] + "-refused").save(1, state_2d)
+        partial = {"x": DTensor.from_local(torch.ones(3), mesh, [Partial()])}
+        CheckpointManager(cfg["dir"] + "-refused").save(1, partial)
     except UnsupportedValueError as e:
         out["refused"] = str(e)
     mgr = CheckpointManager(cfg["dir"], group=RankGroup.from_torch_distributed(), chunk_bytes=64)

@@ -1,5 +1,5 @@
-"""The ``coci`` command line: ls, verify, export, import, report, demo (and plan, simulate from
-the planner).
+"""The ``coci`` command line: ls, verify, export, import, report, demo, plan and simulate (the
+last two from the planner).
 
 Exit codes: 0 done; 1 the checkpoints have a problem (none committed, damage found, a failed
 save); 2 the command line or its input is unusable (a missing directory or file, a file that
@@ -211,14 +211,22 @@ def _verify(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     from coci_core.engine.restore import committed_steps, restore_newest
-    from coci_core.errors import NoCheckpointError
-    from coci_core.interop.exchange import export_state
+    from coci_core.errors import CociError, NoCheckpointError
+    from coci_core.interop.exchange import export_state, require_safetensors
 
     storage = _checkpoint_dir(args.dir)
     remote = _remote(args)
     out = Path(args.out)
     if not out.parent.is_dir():
         raise BadInput(f"{args.out}: the directory {out.parent} does not exist")
+    fmt = args.format
+    if fmt == "auto":
+        fmt = "safetensors" if out.suffix == ".safetensors" else "torch"
+    if fmt == "safetensors":
+        try:  # before anything is read: a missing package is one line naming the install
+            require_safetensors(f"writing {args.out}")
+        except CociError as e:
+            raise BadInput(str(e)) from e
     steps = committed_steps(storage)
     remote_steps = committed_steps(remote) if remote is not None else []
     if not steps and not remote_steps:
@@ -229,9 +237,6 @@ def _export(args: argparse.Namespace) -> int:
         raise BadInput(f"step {args.step} is not committed in {storage.url} (its steps: {shown})")
     # without --step: the step a resume takes (past damaged newer ones), as restore picks it
     loaded, _ = restore_newest(storage, args.step, rank=args.rank, remote=remote)
-    fmt = args.format
-    if fmt == "auto":
-        fmt = "safetensors" if out.suffix == ".safetensors" else "torch"
     print(export_state(loaded.state, out, fmt, loaded.step))
     return 0
 
@@ -303,7 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``coci`` argument parser (imports nothing heavy)."""
     parser = _Parser(
         prog="coci",
-        description="coci checkpoints: list, verify, export, import, report, demo, plan",
+        description="coci checkpoints: list, verify, export, import, report, demo, plan, simulate",
         epilog="exit codes: 0 done, 1 a checkpoint problem, 2 bad command line or input",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

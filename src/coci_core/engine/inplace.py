@@ -1,16 +1,20 @@
 """Restore into the caller's tensors: which stored arrays can be read straight into which live
-tensors (``restore(into=...)``), and what a failed attempt may have overwritten.
+tensors (``restore(into=...)`` or ``restore(targets=...)``), and what a failed attempt may have
+overwritten.
 
 A stored array is read in place when the live tensor at the same path of the state (the same
 dict keys, of the same types, and list positions) is a plain CPU tensor of the same dtype and
 shape, contiguous, and shares no memory with another tensor filled in place. Its bytes are
 then read into the tensor's memory and their checksum verified there; the restored state holds
 that tensor, and ``load_state_dict`` copies nothing (a module's ``copy_`` of a tensor into
-itself is skipped; an optimizer adopts the tensors it is given).
+itself is skipped; an optimizer adopts the tensors it is given). A live DTensor of the same
+dtype and global shape, on any mesh and with any placements (but ``Partial``), gets the part
+of the array its local tensor holds, read from only the pieces that hold it (resharding).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -19,8 +23,9 @@ from typing import Any
 import torch
 
 from coci_core.engine.manifest import TensorEntry
+from coci_core.engine.regions import Coordinate, Region, dtensor_layout, dtensor_regions
 from coci_core.engine.tree import MAX_TREE_DEPTH
-from coci_core.errors import CheckpointError
+from coci_core.errors import CheckpointError, UnsupportedValueError
 
 __all__ = ["Fill", "InPlaceTargets", "in_place_targets"]
 
@@ -30,11 +35,14 @@ Path = tuple[str | int, ...]
 
 @dataclass(frozen=True)
 class Fill:
-    """One stored array read in place: the live tensor, its bytes and where it is."""
+    """One stored array read in place: the live tensor, its bytes and where it is; for a
+    DTensor (or an array stored as boxes), the box of the array its local tensor holds."""
 
     tensor: torch.Tensor
-    raw: torch.Tensor  # uint8 view of ``tensor``'s memory
+    raw: torch.Tensor  # uint8 view of the memory written (``tensor``'s, or ``local``'s)
     path: Path
+    box: Region | None = None  # None: the stored bytes are read straight into ``raw``
+    local: torch.Tensor | None = None  # with ``box``: the tensor that holds it
 
 
 _NOT_A_KEY = object()
@@ -86,7 +94,7 @@ def _live_tensors(state: Any) -> dict[Path, torch.Tensor]:
         if len(path) > MAX_TREE_DEPTH:
             continue
         if isinstance(value, torch.Tensor):
-            if type(value) in (torch.Tensor, torch.nn.Parameter):
+            if type(value) in (torch.Tensor, torch.nn.Parameter) or _is_dtensor(value):
                 found[path] = value
         elif isinstance(value, Mapping):
             for k, v in value.items():
@@ -121,8 +129,67 @@ def _byte_view(t: torch.Tensor, entry: TensorEntry) -> torch.Tensor | None:
     return raw
 
 
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "DTensor"
+
+
+@functools.lru_cache(maxsize=4096)
+def _held(
+    shape: tuple[int, ...],
+    mesh_shape: tuple[int, ...],
+    placements: tuple[Any, ...],
+    order: tuple[tuple[int, tuple[int, ...]], ...] | None,
+) -> dict[Coordinate, Region]:
+    return dtensor_regions(
+        shape, mesh_shape, placements, shard_order=None if order is None else dict(order)
+    )
+
+
+def _fill(live: torch.Tensor, entry: TensorEntry, path: Path) -> Fill | None:
+    """How the stored array ``entry`` is read into ``live`` in place, or None."""
+    if not _is_dtensor(live):
+        raw = _byte_view(live, entry)
+        if raw is None:
+            return None
+        if entry.boxes is None:
+            return Fill(live, raw, path)
+        return Fill(live, raw, path, Region.whole(entry.shape), live)
+    if (
+        entry.kind != "tensor"
+        or str(live.dtype).removeprefix("torch.") != entry.dtype
+        or tuple(live.shape) != entry.shape
+    ):
+        return None
+    shape, mesh_shape, placements, order = dtensor_layout(live)
+    try:
+        held = _held(
+            shape,
+            mesh_shape,
+            placements,
+            None if order is None else tuple((d, tuple(m)) for d, m in sorted(order.items())),
+        )
+    except UnsupportedValueError:
+        return None  # Partial, interleaved: restored as a whole tensor
+    dtensor: Any = live
+    box = held.get(tuple(dtensor.device_mesh.get_coordinate() or ()))
+    local = dtensor.to_local()
+    if box is None or tuple(local.shape) != box.shape or not local.is_contiguous():
+        return None
+    try:
+        raw = local.detach().reshape(-1).view(torch.uint8)
+    except (RuntimeError, TypeError):
+        return None
+    return Fill(live, raw, path, box, local)
+
+
 class InPlaceTargets:
     """The live tensors a restore fills in place, and the paths any attempt wrote into.
+
+    ``state`` is shaped as the saved state (for model-parallel training, what
+    ``torch.distributed.checkpoint.state_dict.get_state_dict`` gives, DTensors included):
+    ``CheckpointManager.restore(targets=InPlaceTargets(state))`` reads each stored array
+    into the live tensor at the same path when it can (see the module's docstring), and the
+    restored state holds those tensors.
 
     Use one for one restore (its fallbacks included): a damaged step may have overwritten a
     tensor before its damage was found, and :meth:`check` then makes sure the step finally
@@ -157,9 +224,9 @@ class InPlaceTargets:
                 self._present.update(paths)
                 for path in paths:
                     live = self._live.get(path)
-                    raw = None if live is None else _byte_view(live, entries[i])
-                    if live is not None and raw is not None:
-                        fills[i] = Fill(live, raw, path)
+                    fill = None if live is None else _fill(live, entries[i], path)
+                    if fill is not None:
+                        fills[i] = fill
                         break
             plans.append(fills)
         _drop_overlaps(plans)
@@ -205,9 +272,27 @@ def _drop_overlaps(plans: list[dict[int, Fill]]) -> None:
         del plans[n][i]
 
 
+def _make_sharded_state(optimizer: torch.optim.Optimizer) -> None:
+    """Make the state of an optimizer of DTensor parameters that has none yet, as
+    ``get_state_dict`` does (one step with zero gradients and a learning rate of 0): its moments
+    are then DTensors that a restore fills with only this rank's part, where the optimizer
+    would otherwise be given whole tensors that its next step cannot mix with DTensors."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if optimizer.state or not any(_is_dtensor(p) for p in params):
+        return
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    _init_optim_state(optimizer)
+
+
 def in_place_targets(into: Mapping[str, Any]) -> InPlaceTargets | None:
     """The targets for ``restore(into=...)``: the ``state_dict()`` tensors of the modules and
-    torch optimizers in ``into`` (whose ``load_state_dict`` keeps or adopts them), or None."""
+    torch optimizers in ``into`` (whose ``load_state_dict`` keeps or adopts them), or None.
+    An optimizer of DTensor parameters without a state yet gets it made first (see
+    :func:`_make_sharded_state`)."""
+    for obj in into.values():
+        if isinstance(obj, torch.optim.Optimizer):
+            _make_sharded_state(obj)
     live = {
         key: obj.state_dict()
         for key, obj in into.items()

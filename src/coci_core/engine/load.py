@@ -14,6 +14,8 @@ import torch
 from coci_core.engine.inplace import Fill, InPlaceTargets
 from coci_core.engine.manifest import MANIFEST_NAME, Manifest, TensorEntry, step_dir_name
 from coci_core.engine.read import ArrayReader, RestoreTimes
+from coci_core.engine.regions import Region
+from coci_core.engine.reshard import assemble, read_box
 from coci_core.engine.steps import ManifestCache, gc_paused, read_manifest
 from coci_core.engine.tree import decode_dtype, load_torch_saved, ndarray_dtype, unflatten_state
 from coci_core.errors import (
@@ -35,11 +37,13 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-def _as_value(entry: TensorEntry, raw: torch.Tensor) -> Any:
+def _as_value(entry: TensorEntry, raw: torch.Tensor, step: int) -> Any:
     if raw.numel() != entry.raw_nbytes:
         raise CorruptCheckpointError(
             f"{entry.key!r} has {raw.numel()} bytes, its shape and dtype need {entry.raw_nbytes}"
         )
+    if entry.boxes is not None:
+        return assemble(entry, raw, step)
     if entry.kind == "torch_save":
         return load_torch_saved(raw.numpy().tobytes(), entry.key)
     if entry.kind == "ndarray":
@@ -69,16 +73,36 @@ def _values(
     """The entries' values; those in ``fills`` read into their live tensors (the values)."""
     if targets is None:
         fills = {}
-    fetched = reader.fetch_all(manifest, entries, {i: f.raw for i, f in fills.items()})
+    boxed = {i for i, f in fills.items() if f.box is not None}
+    outs = {i: f.raw for i, f in fills.items() if f.box is None}
+    fetched = reader.fetch_all(manifest, entries, outs, skip=boxed)
     values, nbytes = [], 0
     for i, entry in enumerate(entries):
         fill = fills.get(i)
         if fill is not None and targets is not None:
             targets.written.add(fill.path)  # before: a failed read may leave it half written
         raw = next(fetched)
-        values.append(_as_value(entry, raw) if fill is None else fill.tensor)
+        if fill is not None and fill.box is not None:
+            assert fill.local is not None
+            nbytes += _read_box_into(reader, manifest, entry, fill.box, fill.local)
+            values.append(fill.tensor)
+            continue
+        assert raw is not None
+        values.append(_as_value(entry, raw, manifest.step) if fill is None else fill.tensor)
         nbytes += entry.nbytes
     return values, nbytes
+
+
+def _read_box_into(
+    reader: ArrayReader, manifest: Manifest, entry: TensorEntry, box: Region, local: torch.Tensor
+) -> int:
+    """Read ``box`` of the array into ``local`` (through a CPU buffer when it is elsewhere)."""
+    if local.device.type == "cpu":
+        return read_box(reader, manifest, entry, box, local)
+    staged = torch.empty(local.shape, dtype=local.dtype)
+    nbytes = read_box(reader, manifest, entry, box, staged)
+    local.copy_(staged)
+    return nbytes
 
 
 def _unexpected(step: int, e: Exception, what: str = "") -> CorruptCheckpointError:
@@ -214,7 +238,7 @@ def verify_checkpoint(
     bad = []
     for entry in (*manifest.tensors, *(t for r in manifest.per_rank for t in r.tensors)):
         try:
-            _as_value(entry, reader.fetch(manifest, entry))
+            _as_value(entry, reader.fetch(manifest, entry), manifest.step)
         except Exception as e:
             if isinstance(e, CheckpointError) and not isinstance(e, CorruptCheckpointError):
                 raise
@@ -249,7 +273,7 @@ def _check_loadable(storage: Storage, step: int, rank: int, reader: ArrayReader)
         unflatten_state(tree, [None] * len(entries))  # the tree's own values, as restore does
     for _, entries in trees:
         for entry in entries:
-            _as_value(entry, reader.fetch(manifest, entry))
+            _as_value(entry, reader.fetch(manifest, entry), manifest.step)
 
 
 def check_checkpoint(

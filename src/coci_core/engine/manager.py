@@ -488,7 +488,8 @@ class CheckpointManager:
     ) -> SaveHandle:
         handle = SaveHandle(step, block=block, started=started, snapshot=None)
         handle.add_stall(time.perf_counter() - started)
-        logger.info("coci: skipped step %d: %s", step, reason)
+        # DEBUG: the adapters' verbose=True line tells the user of each save (once)
+        logger.debug("coci: skipped step %d: %s", step, reason)
         handle.finish(handle.new_event(outcome="skipped"), notify=lambda e: emit(self.listeners, e))
         return handle
 

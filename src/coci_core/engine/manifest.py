@@ -7,8 +7,10 @@ Format 3 protects the manifest itself: its last field, ``"checksum"``, is the SH
 exact bytes written before it (the document with that field left out), and a reader verifies it
 before it uses anything in the manifest. Every field is then checked against hard limits before
 anything is allocated or read (see :class:`Manifest.from_json`). Each array is stored as one
-or more *pieces* (byte ranges, possibly in different ranks' data files). Format 3 is the only
-format this coci reads: a manifest of any other ``format_version`` is refused.
+or more *pieces* (byte ranges, possibly in different ranks' data files). Format 4 is format 3
+plus an array's ``boxes`` (a DTensor cut along a dim other than its first: see
+:class:`TensorEntry`); it is written only for such a state. This coci reads formats 3 and 4; a
+manifest of any other ``format_version`` is refused.
 
 Why one module: the records, their JSON form and the checks of that form are one on-disk
 format; the checker builds the records, and a change to a field touches all three.
@@ -23,10 +25,12 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, NoReturn
 
+from coci_core.engine.regions import Region
 from coci_core.engine.tree import check_tree, decode_dtype, ndarray_dtype
 from coci_core.errors import CorruptCheckpointError
 
 __all__ = [
+    "BOXES_FORMAT_VERSION",
     "FORMAT_VERSION",
     "MANIFEST_NAME",
     "MAX_ARRAY_BYTES",
@@ -46,6 +50,10 @@ __all__ = [
 ]
 
 FORMAT_VERSION = 3
+#: The format of a manifest with an array stored as boxes (a DTensor split along a dim other
+#: than its first): written only then, so that other manifests stay readable by earlier coci.
+BOXES_FORMAT_VERSION = 4
+READ_FORMAT_VERSIONS = (FORMAT_VERSION, BOXES_FORMAT_VERSION)
 MANIFEST_NAME = "manifest.json"
 
 # Hard limits, checked before anything is allocated or read.
@@ -189,10 +197,15 @@ class TensorEntry:
     codec: str
     pieces: tuple[Piece, ...]
     numpy_dtype: str | None = None
+    # None: the pieces are byte ranges of the array's row-major bytes. Else the array is
+    # stored as these boxes of it (disjoint, tiling it, sorted by offsets), each box's own
+    # row-major bytes one after another, and the pieces are byte ranges of that.
+    boxes: tuple[Region, ...] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """The entry as JSON values (its fields in order, as ``dataclasses.asdict``)."""
-        return {
+        """The entry as JSON values (its fields in order, as ``dataclasses.asdict``; ``boxes``
+        only when set, as ``[offsets, shape]`` pairs)."""
+        doc: dict[str, Any] = {
             "key": self.key,
             "kind": self.kind,
             "dtype": self.dtype,
@@ -201,6 +214,9 @@ class TensorEntry:
             "pieces": [p.to_dict() for p in self.pieces],
             "numpy_dtype": self.numpy_dtype,
         }
+        if self.boxes is not None:
+            doc["boxes"] = [[list(b.offsets), list(b.shape)] for b in self.boxes]
+        return doc
 
     @property
     def nbytes(self) -> int:
@@ -283,10 +299,19 @@ class Manifest:
             "sequence": self.sequence,
         }
 
+    @property
+    def has_boxes(self) -> bool:
+        """Whether an array (shared or a rank's own) is stored as boxes."""
+        return any(
+            t.boxes is not None
+            for t in (*self.tensors, *(t for r in self.per_rank for t in r.tensors))
+        )
+
     def to_json(self) -> bytes:
-        """The manifest as UTF-8 JSON (format 3: with its checksum as the last field)."""
+        """The manifest as UTF-8 JSON, with its checksum as the last field (format 3, or 4 when
+        an array is stored as boxes)."""
         doc = self.to_dict()
-        doc["format_version"] = FORMAT_VERSION
+        doc["format_version"] = BOXES_FORMAT_VERSION if self.has_boxes else FORMAT_VERSION
         return seal(json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8"))
 
     @classmethod
@@ -295,7 +320,7 @@ class Manifest:
     ) -> Manifest:
         """Parse and check a manifest.
 
-        The checksum is verified first, then the format version (only format 3 is read). Every
+        The checksum is verified first, then the format version (3 or 4). Every
         field is then checked: its JSON type; integers within ``[0, 2**63)``; file names plain ASCII
         (``[A-Za-z0-9._-]``, at most 128); dtypes known, numpy dtypes numbers of the matching
         size; each array's shape times its itemsize (at most ``MAX_ARRAY_BYTES``) equal to its
@@ -387,7 +412,8 @@ _TOP_FIELDS = (
 # Fields a manifest written by an earlier 0.1.0.dev0 lacks (read as 0: see Manifest.sequence).
 _OPTIONAL_TOP_FIELDS = ("sequence",)
 _REQUIRED_TOP_FIELDS = tuple(f for f in _TOP_FIELDS if f not in _OPTIONAL_TOP_FIELDS)
-_ENTRY_FIELDS = ("key", "kind", "dtype", "shape", "codec", "pieces", "numpy_dtype")
+_ENTRY_FIELDS = ("key", "kind", "dtype", "shape", "codec", "pieces", "numpy_dtype", "boxes")
+_ENTRY_REQUIRED_FIELDS = _ENTRY_FIELDS[:-2]
 _PIECE_FIELDS = ("file", "offset", "nbytes", "start", "length", "crc32c", "params")
 _KINDS = ("tensor", "ndarray", "torch_save")
 
@@ -412,6 +438,8 @@ class RecordChecker:
     def __init__(self, where: str, step: int | None) -> None:
         self.where = where
         self.step = step
+        self.version: int | None = None  # the document's, once read
+        self.world_size = MAX_WORLD_SIZE  # the document's, once read: bounds an array's boxes
 
     def fail(self, name: str, why: str) -> NoReturn:
         raise CorruptCheckpointError(f"{self.where}: field {name} {why}", step=self.step)
@@ -455,12 +483,13 @@ class RecordChecker:
     def head(self, doc: Any, *, sealed: bool) -> ManifestHead:
         doc = self.obj(doc, "(the document)", ("format_version",), None)
         version = doc["format_version"]
-        if type(version) is not int or version != FORMAT_VERSION:
+        if type(version) is not int or version not in READ_FORMAT_VERSIONS:
             raise CorruptCheckpointError(
                 f"{self.where} has format_version {_show(version)}; this coci reads "
-                f"format {FORMAT_VERSION}",
+                f"formats {FORMAT_VERSION} and {BOXES_FORMAT_VERSION}",
                 step=self.step,
             )
+        self.version = version
         if not sealed:
             raise CorruptCheckpointError(
                 f"{self.where}: format {version} has no valid checksum; the manifest is damaged",
@@ -493,6 +522,7 @@ class RecordChecker:
                 self.fail(f"files[{i}].name", f"repeats {name!r}")
             files[name] = self.int_(f["nbytes"], f"files[{i}].nbytes")
         world_size = self.int_(doc["world_size"], "world_size", 1, MAX_WORLD_SIZE)
+        self.world_size = world_size
         metadata = doc["metadata"]
         if type(metadata) is not dict:
             self.fail("metadata", f"must be an object, got {_show(metadata)}")
@@ -516,7 +546,7 @@ class RecordChecker:
             tree=doc["tree"],
             tensors=tensors,
             files=tuple(DataFile(n, size) for n, size in files.items()),
-            format_version=FORMAT_VERSION,
+            format_version=self.version or FORMAT_VERSION,
             world_size=world_size,
             metadata=metadata,
             per_rank=tuple(per_rank),
@@ -550,7 +580,7 @@ class RecordChecker:
     def entry(self, t: Any, name: str, files: dict[str, int] | None) -> TensorEntry:
         """The checked entry; every check below has its error message (the common case is
         accepted by :func:`_plain_entry` first, without building any)."""
-        t = self.obj(t, name, _ENTRY_FIELDS[:-1], _ENTRY_FIELDS)
+        t = self.obj(t, name, _ENTRY_REQUIRED_FIELDS, _ENTRY_FIELDS)
         key = self.str_(t["key"], f"{name}.key")
         where = f"{name} ({key[:200]!r})"
         kind = t["kind"]
@@ -589,6 +619,13 @@ class RecordChecker:
             self.piece(p, f"{where}.pieces[{i}]")
             for i, p in enumerate(self.list_(t["pieces"], f"{where}.pieces"))
         )
+        boxes = None
+        if "boxes" in t:
+            if self.version is not None and self.version < BOXES_FORMAT_VERSION:
+                self.fail(f"{where}.boxes", f"is not a field of format {self.version}")
+            if kind != "tensor":
+                self.fail(f"{where}.boxes", f"is set for a {kind}")
+            boxes = self.boxes(t["boxes"], f"{where}.boxes", shape)
         covered = 0
         for i, p in enumerate(pieces):
             pname = f"{where}.pieces[{i}]"
@@ -618,7 +655,37 @@ class RecordChecker:
             codec=codec,
             pieces=pieces,
             numpy_dtype=numpy_dtype,
+            boxes=boxes,
         )
+
+    def boxes(self, value: Any, name: str, shape: tuple[int, ...]) -> tuple[Region, ...]:
+        """An array's boxes: each ``[offsets, shape]`` inside the array and not empty, sorted
+        by offsets, at most one per rank, their elements as many as the array's. (That they do
+        not overlap is checked where they are read: with as many elements, an overlap leaves
+        an element unfilled.)"""
+        items = self.list_(value, name)
+        if not 1 <= len(items) <= self.world_size:
+            self.fail(name, f"must hold 1 to {self.world_size} boxes (one per rank at most)")
+        boxes: list[Region] = []
+        total = 0
+        for i, item in enumerate(items):
+            bname = f"{name}[{i}]"
+            if type(item) is not list or len(item) != 2:
+                self.fail(bname, f"must be a pair [offsets, shape], got {_show(item)}")
+            for part in item:
+                if type(part) is not list or len(part) != len(shape):
+                    self.fail(bname, f"must hold {len(shape)} offsets and {len(shape)} sizes")
+            offsets = tuple(self.int_(o, f"{bname}[0]") for o in item[0])
+            sizes = tuple(self.int_(n, f"{bname}[1]", 1) for n in item[1])
+            if any(o + n > d for o, n, d in zip(offsets, sizes, shape, strict=True)):
+                self.fail(bname, f"{[list(offsets), list(sizes)]} is outside shape {list(shape)}")
+            if boxes and offsets <= boxes[-1].offsets:
+                self.fail(bname, "is not after the box before it (boxes are sorted by offsets)")
+            boxes.append(Region(offsets, sizes))
+            total += math.prod(sizes)
+        if total != math.prod(shape):
+            self.fail(name, f"hold {total} elements, the array {math.prod(shape)}")
+        return tuple(boxes)
 
     def piece(self, p: Any, name: str) -> Piece:
         p = self.obj(p, name, _PIECE_FIELDS[:-1], _PIECE_FIELDS)
@@ -636,8 +703,8 @@ class RecordChecker:
         )
 
 
-_ENTRY_KEYS = frozenset(_ENTRY_FIELDS)
-_ENTRY_REQUIRED = frozenset(_ENTRY_FIELDS[:-1])
+_ENTRY_KEYS = frozenset(_ENTRY_FIELDS[:-1])  # an entry with boxes takes the full checker
+_ENTRY_REQUIRED = frozenset(_ENTRY_REQUIRED_FIELDS)
 _PIECE_KEYS = frozenset(_PIECE_FIELDS)
 _PIECE_REQUIRED = frozenset(_PIECE_FIELDS[:-1])
 _MAX_CRC = 0xFFFFFFFF

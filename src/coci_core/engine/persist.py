@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import queue
 import threading
@@ -38,8 +39,8 @@ from coci_core.engine.manifest import (
 from coci_core.engine.restore import read_manifest
 from coci_core.engine.snapshot import Snapshot
 from coci_core.engine.tree import ArrayLeaf, encode_dtype
-from coci_core.errors import StorageError
-from coci_core.knobs import WRITE_CHUNK_BYTES
+from coci_core.errors import CommitError, StorageError
+from coci_core.knobs import SHARD_PIECE_BYTES, WRITE_CHUNK_BYTES
 from coci_core.storage import Storage
 
 __all__ = [
@@ -159,8 +160,10 @@ class _RunAhead:
 
 
 def _entry(leaf: ArrayLeaf, pieces: list[Piece]) -> TensorEntry:
+    if leaf.owned:  # the ranks holding no part of a sharded tensor wrote empty pieces
+        pieces = [p for p in pieces if p.length]
     codecs = {str(p.params["codec"]) if p.params else RAW for p in pieces} or {RAW}
-    return TensorEntry(
+    entry = TensorEntry(
         key=leaf.key,
         kind=leaf.kind,
         dtype=encode_dtype(leaf.tensor.dtype),
@@ -168,7 +171,28 @@ def _entry(leaf: ArrayLeaf, pieces: list[Piece]) -> TensorEntry:
         codec=codecs.pop() if len(codecs) == 1 else "mixed",
         pieces=tuple(sorted(pieces, key=lambda p: p.start)),
         numpy_dtype=leaf.numpy_dtype,
+        boxes=leaf.boxes,
     )
+    if leaf.owned:
+        _check_cover(entry, leaf.tensor.element_size())
+    return entry
+
+
+def _check_cover(entry: TensorEntry, itemsize: int) -> None:
+    """The ranks' parts of a sharded tensor fill it, each byte once (else nothing is published:
+    a DTensor on a mesh of other ranks than the saving group's, for one)."""
+    covered = 0
+    for p in entry.pieces:
+        if p.start != covered:
+            break
+        covered += p.length
+    if covered != math.prod(entry.shape) * itemsize:
+        raise CommitError(
+            f"the ranks' parts of {entry.key!r} (shape {entry.shape}) do not fill it, each byte "
+            "once: is it a DTensor whose mesh is not the ranks that save (every rank of the "
+            "group, one mesh coordinate each)?",
+            ranks=[],
+        )
 
 
 class _Pieces:
@@ -195,7 +219,14 @@ class _Pieces:
         snap = self.job.snapshot
         for slot in snap.slots:
             data = snap.arena.memoryview(slot.offset, slot.offset + slot.nbytes)
-            self._place(slot, slot.offset, data, None)
+            if not snap.leaves[slot.leaf].owned or slot.nbytes <= SHARD_PIECE_BYTES:
+                self._place(slot, slot.offset, data, None)
+                continue
+            # a rank's part of a sharded tensor, in pieces: a rank of another mesh reading
+            # some of it reads (and verifies) only the pieces that hold what it needs
+            for at in range(0, slot.nbytes, SHARD_PIECE_BYTES):
+                part = data[at : at + SHARD_PIECE_BYTES]
+                self._place(slot, slot.offset + at, part, None, at)
 
     def encoded_stream(self, encoder: PieceEncoder) -> Iterator[memoryview]:
         """Each piece encoded and written back to back; the next piece is encoded (on a helper
@@ -227,12 +258,17 @@ class _Pieces:
                 offset += stored.nbytes
                 yield stored
 
-    def _place(self, slot: Any, offset: int, stored: memoryview, params: Any) -> None:
-        start = self.job.snapshot.leaves[slot.leaf].global_start + slot.start
+    def _place(
+        self, slot: Any, offset: int, stored: memoryview, params: Any, at: int | None = None
+    ) -> None:
+        """Record ``stored`` (a slot, or with ``at`` its raw bytes from ``at`` on) as a piece
+        at ``offset`` of the data file."""
+        start = self.job.snapshot.leaves[slot.leaf].global_start + slot.start + (at or 0)
+        length = slot.nbytes if at is None else stored.nbytes
         crc = crc32c.crc32c(stored)
-        piece = Piece(self.file, offset, stored.nbytes, start, slot.nbytes, crc, params)
+        piece = Piece(self.file, offset, stored.nbytes, start, length, crc, params)
         self.placed.append((slot.leaf, piece))
-        self.raw_bytes += slot.nbytes
+        self.raw_bytes += length
         self.stored_bytes += stored.nbytes
 
     def share(self, data_bytes: int) -> commit.RankShare:

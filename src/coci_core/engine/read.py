@@ -9,7 +9,7 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -18,7 +18,7 @@ import torch
 
 from coci_core.codecs import RAW as RAW_CODEC
 from coci_core.codecs import decode, needs_base
-from coci_core.engine.manifest import Manifest, TensorEntry, step_dir_name
+from coci_core.engine.manifest import Manifest, Piece, TensorEntry, step_dir_name
 from coci_core.engine.steps import ManifestCache
 from coci_core.errors import CheckpointError, CorruptCheckpointError, StorageError
 from coci_core.knobs import (
@@ -331,16 +331,23 @@ class ArrayReader:
         return [(nodes[s][0], nodes[s][1], bases_of[s]) for s in sorted(nodes)]
 
     def fetch_all(
-        self, manifest: Manifest, entries: Sequence[TensorEntry], outs: dict[int, torch.Tensor]
-    ) -> Iterator[torch.Tensor]:
+        self,
+        manifest: Manifest,
+        entries: Sequence[TensorEntry],
+        outs: dict[int, torch.Tensor],
+        skip: Collection[int] = (),
+    ) -> Iterator[torch.Tensor | None]:
         """What :meth:`fetch` gives for each of ``entries`` in turn (into ``outs[i]`` where
         given), the arrays stored raw in small pieces read by regions of their data files:
         one read per region, each piece checked over its slice. An array that does not fit
         that path (a delta, a compressed or large piece, a region that cannot be read, a
         checksum that does not match) goes through :meth:`fetch`, which reads it again and
-        raises what it raises there."""
-        regions = self._read_regions(manifest, entries)
+        raises what it raises there. The entries in ``skip`` are not read (None)."""
+        regions = self._read_regions(manifest, entries, skip)
         for i, entry in enumerate(entries):
+            if i in skip:
+                yield None
+                continue
             out = outs.get(i)
             parts = regions.pop(i, None)
             if parts is None:
@@ -372,7 +379,7 @@ class ArrayReader:
         return True
 
     def _read_regions(
-        self, manifest: Manifest, entries: Sequence[TensorEntry]
+        self, manifest: Manifest, entries: Sequence[TensorEntry], skip: Collection[int] = ()
     ) -> dict[int, list[memoryview]]:
         """For each plain entry (by index) read and checked whole: its pieces' bytes, views of
         the regions read."""
@@ -381,7 +388,7 @@ class ArrayReader:
         spans = [
             (piece.file, piece.offset, piece.nbytes, i, k)
             for i, entry in enumerate(entries)
-            if self._plain(manifest, entry)
+            if i not in skip and self._plain(manifest, entry)
             for k, piece in enumerate(entry.pieces)
         ]
         spans.sort()
@@ -477,48 +484,83 @@ class ArrayReader:
         bases: dict[int, torch.Tensor],
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        step = manifest.step
         out = _alloc(entry.raw_nbytes) if out is None else out
         for piece in entry.pieces:
-            # raw pieces are read where they belong; compressed ones (one piece at a time)
-            # into a buffer of their stored size, then decoded where they belong
             target = out[piece.start : piece.start + piece.length]
-            stored = target if piece.params is None else _alloc(piece.nbytes)
-            view = stored.numpy().data
-            try:
-                crc = read_checked(
-                    self.storage,
-                    f"{step_dir_name(step)}/{piece.file}",
-                    piece.offset,
-                    view,
-                    self.times,
-                )
-            except StorageError as e:
-                raise CorruptCheckpointError(
-                    f"step {step}: cannot read {entry.key!r}: {e}; the checkpoint is incomplete "
-                    "or corrupted",
-                    step=step,
-                    bad=[entry.key],
-                ) from e
-            if crc != piece.crc32c:
-                raise CorruptCheckpointError(
-                    f"step {step}: checksum mismatch in {entry.key!r} (bytes "
-                    f"{piece.start}-{piece.start + piece.length} in {piece.file})",
-                    step=step,
-                    bad=[entry.key],
-                )
-            if piece.params is not None:
-                base = None
-                if needs_base(piece.params):
-                    whole = bases[piece.params["base_step"]]
-                    base = whole[piece.start : piece.start + piece.length].numpy()
-                started = time.perf_counter()
-                try:
-                    decode(stored.numpy(), piece.params, target.numpy(), base)
-                except CorruptCheckpointError as e:
-                    raise CorruptCheckpointError(
-                        f"step {step}: {entry.key!r}: {e}", step=step, bad=[entry.key]
-                    ) from e
-                finally:
-                    self.times.decode_s += time.perf_counter() - started
+            self._decode_piece(manifest.step, entry, piece, target, bases)
         return out
+
+    def _decode_piece(
+        self,
+        step: int,
+        entry: TensorEntry,
+        piece: Piece,
+        target: torch.Tensor,
+        bases: dict[int, torch.Tensor],
+    ) -> None:
+        """Read, verify and decode one piece into ``target`` (its ``length`` raw bytes)."""
+        # raw pieces are read where they belong; compressed ones into a buffer of their stored
+        # size, then decoded where they belong
+        stored = target if piece.params is None else _alloc(piece.nbytes)
+        view = stored.numpy().data
+        try:
+            crc = read_checked(
+                self.storage,
+                f"{step_dir_name(step)}/{piece.file}",
+                piece.offset,
+                view,
+                self.times,
+            )
+        except StorageError as e:
+            raise CorruptCheckpointError(
+                f"step {step}: cannot read {entry.key!r}: {e}; the checkpoint is incomplete "
+                "or corrupted",
+                step=step,
+                bad=[entry.key],
+            ) from e
+        if crc != piece.crc32c:
+            raise CorruptCheckpointError(
+                f"step {step}: checksum mismatch in {entry.key!r} (bytes "
+                f"{piece.start}-{piece.start + piece.length} in {piece.file})",
+                step=step,
+                bad=[entry.key],
+            )
+        if piece.params is not None:
+            base = None
+            if needs_base(piece.params):
+                whole = bases[piece.params["base_step"]]
+                base = whole[piece.start : piece.start + piece.length].numpy()
+            started = time.perf_counter()
+            try:
+                decode(stored.numpy(), piece.params, target.numpy(), base)
+            except CorruptCheckpointError as e:
+                raise CorruptCheckpointError(
+                    f"step {step}: {entry.key!r}: {e}", step=step, bad=[entry.key]
+                ) from e
+            finally:
+                self.times.decode_s += time.perf_counter() - started
+
+    def fetch_pieces(
+        self, manifest: Manifest, entry: TensorEntry, wanted: Sequence[int]
+    ) -> Iterator[tuple[int, torch.Tensor]]:
+        """The raw bytes of the pieces ``wanted`` (indices into ``entry.pieces``, in order),
+        each read, verified and decoded alone, as ``(index, bytes)``; an entry whose pieces
+        need bases (deltas) is fetched whole first and its pieces sliced from it."""
+        known = self._damaged.get((manifest.step, entry.key))
+        if known is not None:
+            raise known
+        if len(manifest.bases) >= MAX_DELTA_CHAIN or self._check(manifest, entry):
+            whole = self.fetch(manifest, entry)
+            for i in wanted:
+                p = entry.pieces[i]
+                yield i, whole[p.start : p.start + p.length]
+            return
+        for i in wanted:
+            p = entry.pieces[i]
+            buf = _alloc(p.length)
+            try:
+                self._decode_piece(manifest.step, entry, p, buf, {})
+            except CorruptCheckpointError as e:
+                self._damaged[(manifest.step, entry.key)] = e
+                raise
+            yield i, buf

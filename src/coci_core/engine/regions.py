@@ -21,12 +21,16 @@ __all__ = [
     "Coordinate",
     "ReadStep",
     "Region",
+    "ShardLayout",
+    "box_bases",
     "byte_runs",
     "check_tiling",
     "clip_runs",
     "dtensor_layout",
     "dtensor_regions",
     "plan_read",
+    "shard_layout",
+    "stored_boxes",
     "writers",
 ]
 
@@ -361,3 +365,64 @@ def plan_read(
         if problem is not None:
             raise CorruptCheckpointError(f"the stored pieces do not fill {target}: {problem}")
     return steps
+
+
+def stored_boxes(global_shape: Sequence[int], parts: Iterable[Region]) -> tuple[Region, ...] | None:
+    """The non-empty ``parts`` of an array in the order they are stored (by their offsets),
+    each as its own row-major bytes one after another; None when they are whole rows, whose
+    bytes so stored are the array's own row-major bytes."""
+    boxes = sorted({p for p in parts if p.volume}, key=lambda r: r.offsets)
+    if all(tuple(b.shape[1:]) == tuple(global_shape[1:]) for b in boxes):
+        return None
+    return tuple(boxes)
+
+
+def box_bases(boxes: Sequence[Region], itemsize: int) -> list[int]:
+    """The byte offset of each box in an array stored as its boxes' bytes one after another."""
+    bases, at = [], 0
+    for box in boxes:
+        bases.append(at)
+        at += box.volume * itemsize
+    return bases
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """How a DTensor layout is saved: the region each coordinate holds, the part of it each
+    coordinate writes, the boxes as stored (None: whole rows, stored as the array's own
+    bytes) and each writer's first byte in the stored bytes."""
+
+    held: dict[Coordinate, Region]
+    parts: dict[Coordinate, Region]
+    boxes: tuple[Region, ...] | None
+    starts: dict[Coordinate, int]
+
+
+def shard_layout(
+    global_shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    placements: Sequence[Any],
+    itemsize: int,
+    *,
+    shard_order: Mapping[int, Sequence[int]] | None = None,
+    rotate: int = 0,
+    key: str = "tensor",
+) -> ShardLayout:
+    """The :class:`ShardLayout` of a DTensor layout (see :func:`dtensor_regions` and
+    :func:`writers`), its parts checked to tile the array.
+
+    Raises:
+        UnsupportedValueError: what :func:`dtensor_regions` raises for, or parts that do not
+            tile the array.
+    """
+    held = dtensor_regions(global_shape, mesh_shape, placements, shard_order=shard_order, key=key)
+    parts = writers(held, rotate=rotate)
+    check_tiling(global_shape, parts.values())
+    boxes = stored_boxes(global_shape, parts.values())
+    row = itemsize * math.prod(global_shape[1:])
+    if boxes is None:
+        starts = {c: (p.offsets[0] * row if p.offsets else 0) for c, p in parts.items()}
+    else:
+        base = dict(zip(boxes, box_bases(boxes, itemsize), strict=True))
+        starts = {c: base[p] for c, p in parts.items()}
+    return ShardLayout(held, parts, boxes, starts)

@@ -99,7 +99,9 @@ def rank_regions(
 
 def layout_digest(leaves: tuple[ArrayLeaf, ...], chunk_bytes: int) -> str:
     """What every rank must agree on to split the state the same way."""
-    text = repr([(leaf.key, str(leaf.tensor.dtype), leaf.shape, leaf.owned) for leaf in leaves])
+    text = repr(
+        [(leaf.key, str(leaf.tensor.dtype), leaf.shape, leaf.owned, leaf.boxes) for leaf in leaves]
+    )
     return hashlib.sha1(f"{chunk_bytes}|{text}".encode()).hexdigest()[:16]
 
 

@@ -20,6 +20,7 @@ import argparse
 import base64
 import dataclasses
 import enum
+import functools
 import io
 import math
 import operator
@@ -33,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from coci_core.engine.regions import Region, ShardLayout, dtensor_layout, shard_layout
 from coci_core.engine.torch_saved import (
     check_loadable,
     check_saved_pickle,
@@ -87,6 +89,9 @@ class ArrayLeaf:
     numpy_dtype: str | None = None
     global_shape: tuple[int, ...] | None = None
     global_start: int = 0
+    # the array's stored boxes when a part of it is not whole rows (see regions.stored_boxes);
+    # ``global_start`` is then this part's first byte in those boxes' bytes
+    boxes: tuple[Region, ...] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -94,8 +99,8 @@ class ArrayLeaf:
 
     @property
     def owned(self) -> bool:
-        """A shard of a larger tensor (``global_shape``), at byte ``global_start`` of it:
-        written by the rank that holds it, not split over ranks."""
+        """A part of a larger tensor (``global_shape``), at byte ``global_start`` of its stored
+        bytes: written by the rank that holds it, not split over ranks."""
         return self.global_shape is not None
 
     @property
@@ -127,6 +132,29 @@ def _fingerprint(t: torch.Tensor) -> tuple[Any, ...]:
 
 # tensor types whose leaves a FlattenCache keeps (subclasses of Parameter are encoded anew)
 _PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
+
+
+@functools.lru_cache(maxsize=4096)
+def _shard_layout(
+    shape: tuple[int, ...],
+    mesh_shape: tuple[int, ...],
+    placements: tuple[Any, ...],
+    itemsize: int,
+    order: tuple[tuple[int, tuple[int, ...]], ...] | None,
+    rotate: int,
+    key: str,
+) -> ShardLayout:
+    """:func:`~coci_core.engine.regions.shard_layout`, once per layout: its cost grows with the
+    mesh, and a state's layouts repeat every save."""
+    return shard_layout(
+        shape,
+        mesh_shape,
+        placements,
+        itemsize,
+        shard_order=None if order is None else dict(order),
+        rotate=rotate,
+        key=key,
+    )
 
 
 class _Miss(Exception):
@@ -197,13 +225,13 @@ class _Flattener:
         t: torch.Tensor,
         kind: LeafKind,
         numpy_dtype: str | None = None,
-        shard: tuple[tuple[int, ...], int] | None = None,
+        shard: tuple[tuple[int, ...], int, tuple[Region, ...] | None] | None = None,
     ) -> Any:
         alias = _fingerprint(t) if kind == "tensor" and t.numel() else None
         if alias is not None and alias in self._aliases:
             return {"t": "tensor", "id": self._aliases[alias]}
         index = len(self.leaves)
-        global_shape, global_start = shard if shard is not None else (None, 0)
+        global_shape, global_start, boxes = shard if shard is not None else (None, 0, None)
         self.leaves.append(
             ArrayLeaf(
                 key=key,
@@ -212,6 +240,7 @@ class _Flattener:
                 numpy_dtype=numpy_dtype,
                 global_shape=global_shape,
                 global_start=global_start,
+                boxes=boxes,
             )
         )
         if alias is not None:
@@ -343,34 +372,34 @@ class _Flattener:
         return cache.nodes[i]
 
     def _encode_dtensor(self, t: Any, key: str) -> Any:
+        # Replicated: like any tensor (split over ranks). Sharded: each rank writes its part
+        # of the region it holds (replicas split it), as one piece of the whole tensor.
         self.plain = False
-        # Replicated: like any tensor (split over ranks). Shard(0) on a 1-D mesh (FSDP2): the
-        # local rows are one byte range of the whole tensor, written by their owner.
-        from torch.distributed.tensor import Replicate, Shard
-
-        placements = tuple(t.placements)
         local = t.to_local().detach()
-        if all(isinstance(p, Replicate) for p in placements):
+        shape, mesh_shape, placements, order = dtensor_layout(t)
+        if all(p.is_replicate() for p in placements):
             return self.add_leaf(key, local, "tensor")
-        mesh = t.device_mesh
-        if mesh.ndim != 1 or placements != (Shard(0),):
+        layout = _shard_layout(
+            shape,
+            mesh_shape,
+            placements,
+            local.element_size(),
+            None if order is None else tuple((d, tuple(m)) for d, m in sorted(order.items())),
+            len(self.leaves),
+            f"state value at {key!r}",
+        )
+        coord = tuple(t.device_mesh.get_coordinate() or ())
+        held = layout.held.get(coord)
+        if held is None or tuple(local.shape) != held.shape:
             raise UnsupportedValueError(
-                f"state value at {key!r} is a DTensor with placements {placements} on a "
-                f"{mesh.ndim}-D mesh; coci stores Replicate() and Shard(0) on a 1-D mesh: save "
-                "its full_tensor() (or a full state dict) instead"
+                f"state value at {key!r}: a DTensor shard of shape {tuple(local.shape)} at mesh "
+                f"coordinate {coord}, where its placements {placements} on mesh "
+                f"{mesh_shape} give {None if held is None else held.shape}"
             )
-        rows = int(t.shape[0])
-        world, rank = mesh.size(), mesh.get_local_rank()
-        per_rank = -(-rows // world) if rows else 0
-        first = min(rows, rank * per_rank)
-        count = max(0, min(rows, first + per_rank) - first)
-        if tuple(local.shape) != (count, *t.shape[1:]):
-            raise UnsupportedValueError(
-                f"state value at {key!r}: a DTensor shard of shape {tuple(local.shape)} where "
-                f"torch.chunk over {world} ranks gives {(count, *t.shape[1:])}"
-            )
-        row_bytes = local.element_size() * math.prod(t.shape[1:])
-        return self.add_leaf(key, local, "tensor", shard=(tuple(t.shape), first * row_bytes))
+        part = layout.parts.get(coord)
+        mine = local[part.slices(held)] if part is not None else local.reshape(-1)[:0]
+        start = layout.starts.get(coord, 0)
+        return self.add_leaf(key, mine, "tensor", shard=(shape, start, layout.boxes))
 
     def _encode_ndarray(self, a: np.ndarray, key: str) -> Any:
         self.plain = False

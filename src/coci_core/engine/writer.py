@@ -118,7 +118,8 @@ class SaveWriter:
                 raw_bytes=result.raw_bytes,
                 compressed=result.encoded,
             )
-            logger.info(
+            # DEBUG: the adapters' verbose=True line tells the user of each save (once)
+            logger.debug(
                 "coci: saved step %d to %s/%s (%.1f MB, stall %.3f s, durable after %.3f s)",
                 job.step,
                 self.storage.url,

@@ -58,6 +58,22 @@ __all__ = [
 
 NOTE_FILE = "coci_export.json"  # the note: a record of a .pt archive, a file of a DCP directory
 SAFETENSORS_NOTE = "coci_export"  # the metadata entry of the note in a .safetensors file
+
+
+def require_safetensors(what: str) -> None:
+    """Check that the optional ``safetensors`` package can be imported.
+
+    Raises:
+        CociError: it cannot; one line that names ``what`` needed it and the install.
+    """
+    try:
+        import safetensors  # noqa: F401
+    except ImportError:
+        raise CociError(
+            f"{what} needs the safetensors package, which is not installed: pip install safetensors"
+        ) from None
+
+
 NOTE_FORMAT = "coci-export/1"
 
 
@@ -169,6 +185,7 @@ def export_state(state: Mapping[str, Any], out: Path, fmt: str, step: int) -> st
 
 
 def _export_safetensors(natural: _Natural, out: Path, step: int) -> str:
+    require_safetensors(f"writing {out}")
     from safetensors.torch import save_file
 
     tensors: dict[str, torch.Tensor] = {}

@@ -83,6 +83,7 @@ def read_foreign_with_step(src: Path) -> tuple[dict[str, Any], int | None]:
         if src.suffix == ".safetensors":
             state, note = _read_safetensors(src)
         else:
+            _check_torch_saved(src)
             check_saved_pickle(src, what=str(src))
             state = load_weights_only(src, what=str(src), map_location="cpu")
             note = read_pt_note(src)
@@ -94,10 +95,27 @@ def read_foreign_with_step(src: Path) -> tuple[dict[str, Any], int | None]:
     return state, None if note is None else note_step(note)
 
 
-def _read_safetensors(src: Path) -> tuple[Any, str | None]:
-    from safetensors import safe_open
+# The first bytes of a torch.save file: a zip archive, or a pickle (the legacy format).
+_TORCH_SAVE_MAGIC = (b"PK\x03\x04", b"\x80")
 
-    from coci_core.interop.exchange import SAFETENSORS_NOTE, from_note
+
+def _check_torch_saved(src: Path) -> None:
+    """Refuse, by its first bytes, a file that is no ``torch.save`` file at all."""
+    with open(src, "rb") as f:
+        head = f.read(4)
+    if not head.startswith(_TORCH_SAVE_MAGIC):
+        what = "is empty" if not head else "is not a torch.save file"
+        raise CociError(
+            f"{src} {what}: coci import reads a torch.save file, a .safetensors file or a "
+            "torch.distributed.checkpoint directory"
+        )
+
+
+def _read_safetensors(src: Path) -> tuple[Any, str | None]:
+    from coci_core.interop.exchange import SAFETENSORS_NOTE, from_note, require_safetensors
+
+    require_safetensors(f"reading {src}")
+    from safetensors import safe_open
 
     try:
         with safe_open(str(src), framework="pt") as f:

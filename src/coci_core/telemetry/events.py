@@ -230,6 +230,12 @@ class JsonlRecords:
                 "expected_overhead": None
                 if overhead is None
                 else {k: _finite_or_none(v) for k, v in asdict(overhead).items()},
+                # why the plan is what it is, for the TensorBoard tab (a reader of older
+                # records finds these missing)
+                "horizon_end_step": getattr(report, "horizon_end_step", None),
+                "rolling": getattr(report, "rolling", None),
+                "plan_method": getattr(report, "plan_method", None),
+                "termination": getattr(report, "termination", None),
             }
         )
 

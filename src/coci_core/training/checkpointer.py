@@ -72,6 +72,8 @@ class Checkpointer:
         sinks: telemetry sinks (TensorBoard, JSON lines): every save and restore event, the
             plan whenever it changes and at each save, and the observed loss beside the fitted
             curve every ``telemetry_every_n_steps`` steps.
+        log: where the lines for the user go (rank 0: a line per save with ``verbose``, the
+            restart's cost): the adapter's logger; default this module's.
     """
 
     def __init__(
@@ -86,6 +88,7 @@ class Checkpointer:
         broadcast: Callable[[Any], Any] | None = None,
         sinks: Iterable[TelemetrySink] = (),
         telemetry_every_n_steps: int = 50,
+        log: logging.Logger | None = None,
         **arguments: Any,
     ) -> None:
         if options is None:
@@ -97,6 +100,7 @@ class Checkpointer:
             )
         self.options = options
         self.verbose = options.verbose
+        self.log = log if log is not None else logger
         self.summary = SaveSummary()
         self.block = options.block
         self.planner = Planner.from_config(options.planner)
@@ -153,7 +157,7 @@ class Checkpointer:
         if isinstance(event, RestartEvent):
             self.planner.record_restart(event.seconds)
         if isinstance(event, RestartEvent) and self.rank == 0:
-            logger.info(
+            self.log.info(
                 "coci: restarted in %.1f s from %s to the first step after step %d "
                 "(restore %.2f s)",
                 event.seconds,
@@ -170,11 +174,9 @@ class Checkpointer:
                 )
             self.last_save = event
             self.summary.add(event)
-            if self.verbose and self.rank == 0:
-                if event.outcome == "failed":
-                    logger.warning(save_line(event))
-                else:
-                    logger.info(save_line(event))
+            # a failed save is logged by the engine (WARNING or ERROR), verbose or not
+            if self.verbose and self.rank == 0 and event.outcome != "failed":
+                self.log.info(save_line(event))
         receivers: list[Callable[[Event], None]] = [*self.sinks, *self._listeners]
         for listener in receivers:
             try:

@@ -1,7 +1,9 @@
 // The coci tab of TensorBoard: a run's checkpoints on one timeline, their costs, a summary.
 // Plain JavaScript drawing inline SVG (no build step, nothing fetched but the plugin's routes).
+// Beside the timeline, in words, why the plan is what it is (the plugin's reason route).
 // Test hooks: data-kind on markers (planned, committed, skipped, failed, restart, failure,
-// lost), <title> children for the hover text, class "axis-label" on labels with units.
+// lost), <title> children for the hover text, class "axis-label" on labels with units,
+// data-reason on each line of the plan's reason (#coci-reason).
 
 const SVG = 'http://www.w3.org/2000/svg';
 const COLORS = {
@@ -45,6 +47,10 @@ function fmt(x, digits = 2) {
   return Number(x).toFixed(digits);
 }
 
+function plural(n, noun) {
+  return `${n} ${noun}${n === 1 ? '' : 's'}`;
+}
+
 function niceTicks(lo, hi, count = 6) {
   if (!(hi > lo)) return [lo];
   const raw = (hi - lo) / count;
@@ -74,10 +80,29 @@ const STYLE = `
     border-bottom: 1px solid #e0e0e0; }
   table.coci-summary td.num { text-align: right; font-variant-numeric: tabular-nums; }
   .axis-label { font-size: 12px; fill: #424242; }
+  svg[data-chart=timeline] .axis-label { paint-order: stroke; stroke: #ffffff;
+    stroke-width: 3px; stroke-linejoin: round; }
   .tick { font-size: 10px; fill: #616161; }
   .lane-label { font-size: 12px; fill: #212121; font-weight: 500; }
   .coci-note { font-size: 12px; color: #616161; }
+  .coci-main { display: flex; gap: 16px; align-items: flex-start; }
+  .coci-main[data-layout=below] { flex-direction: column; }
+  .coci-main > svg { flex: none; }
+  .coci-main[data-layout=beside] > .coci-reason { flex: 1 1 auto; min-width: 0; }
+  .coci-reason { box-sizing: border-box; font-size: 13px; line-height: 1.4;
+    border: 1px solid #e0e0e0; border-radius: 4px; padding: 8px 12px; background: #fafafa;
+    overflow-wrap: anywhere; }
+  .coci-reason h3 { font-size: 14px; margin: 2px 0 8px; }
+  .coci-reason dl { margin: 0; }
+  .coci-reason dt { font-weight: 500; color: #424242; }
+  .coci-reason dd { margin: 0 0 7px 0; }
 `;
+
+// the reason panel's width beside the timeline; below it when the window is narrower than
+// the timeline's least width plus this
+const REASON_W = { min: 280, max: 420, share: 0.28 };
+const TIMELINE_MIN_W = 640;
+const GAP = 16;
 
 export async function render() {
   document.head.appendChild(el('style', {}, STYLE));
@@ -99,7 +124,7 @@ export async function render() {
     return;
   }
   status.remove();
-  const state = { axis: 'step', run: runs[0].name, data: null };
+  const state = { axis: 'step', run: runs[0].name, data: null, reason: null };
   const select = el('select', { id: 'coci-run' },
     runs.map((r) => el('option', { value: r.name }, r.name)));
   const axisStep = el('input', { type: 'radio', name: 'coci-axis', value: 'step', checked: '' });
@@ -115,12 +140,20 @@ export async function render() {
 
   const draw = () => {
     view.replaceChildren();
-    if (state.data) drawRun(view, state.data, state.axis, root.clientWidth || 1000);
+    if (state.data) {
+      drawRun(view, state.data, state.reason, state.axis, root.clientWidth || 1000);
+      for (const chart of view.querySelectorAll('svg[data-chart]')) fitLabels(chart);
+    }
     axisTime.disabled = !(state.data && state.data.has_time);
   };
   const load = async () => {
-    state.data = await fetch('./timeline?' + new URLSearchParams({ run: state.run }))
-      .then((r) => r.json());
+    const query = new URLSearchParams({ run: state.run });
+    const [data, reason] = await Promise.all([
+      fetch('./timeline?' + query).then((r) => r.json()),
+      fetch('./reason?' + query).then((r) => (r.ok ? r.json() : null)).catch(() => null),
+    ]);
+    state.data = data;
+    state.reason = reason;
     if (!state.data.has_time) state.axis = 'step';
     draw();
   };
@@ -132,16 +165,76 @@ export async function render() {
   await load();
 }
 
-function drawRun(view, data, axis, width) {
+function drawRun(view, data, reason, axis, width) {
   view.setAttribute('data-run', data.run);
   view.setAttribute('data-axis', axis);
   view.appendChild(el('h2', {}, `Timeline of ${data.run}`));
   view.appendChild(legend());
-  view.appendChild(timelineSvg(data, axis, Math.max(640, width - 40)));
+  // the reason beside the timeline when both fit, else below it, never cut; room is kept for
+  // the scroll bar the drawing may bring (the panel then gives up those pixels)
+  const scrollbar = window.innerWidth - document.documentElement.clientWidth;
+  const avail = Math.max(320, width - 4 - (scrollbar > 0 ? 0 : 17));
+  const beside = avail >= TIMELINE_MIN_W + GAP + REASON_W.min;
+  const panelW = beside ?
+    Math.round(Math.min(REASON_W.max, Math.max(REASON_W.min, avail * REASON_W.share))) : avail;
+  const chartW = beside ? avail - panelW - GAP : avail;
+  const panel = reasonPanel(reason, data.summary);
+  panel.style.width = `${panelW}px`;
+  panel.setAttribute('data-layout', beside ? 'beside' : 'below');
+  view.appendChild(el('div', { class: 'coci-main', 'data-layout': beside ? 'beside' : 'below' },
+    [timelineSvg(data, axis, chartW), panel]));
   view.appendChild(el('h2', {}, 'Costs of each checkpoint'));
   view.appendChild(costs(data));
   view.appendChild(el('h2', {}, 'Summary (the numbers of coci report)'));
   view.appendChild(summaryTable(data.summary));
+}
+
+// Why the plan is what it is: the reason route's lines, then the whole run's expected
+// overhead against Daly from the summary (the numbers of coci report).
+function reasonPanel(reason, summary) {
+  const panel = el('aside', { class: 'coci-reason', id: 'coci-reason' });
+  const made = reason && reason.plan_step != null ? ` (made at step ${reason.plan_step})` : '';
+  panel.appendChild(el('h3', {}, `Why this plan${made}`));
+  if (!reason || !reason.lines.length) {
+    panel.appendChild(el('p', { class: 'coci-note', 'data-reason': 'none' },
+      (reason && reason.note) || 'no plan recorded for this run'));
+    return panel;
+  }
+  const rows = [];
+  for (const line of reason.lines) {
+    rows.push(el('dt', {}, line.label), el('dd', { 'data-reason': line.key }, line.text));
+  }
+  const rowOf = (name) => (summary.policies || []).find((p) => p.policy === name);
+  const coci = rowOf('coci');
+  const daly = rowOf('daly');
+  if (coci && daly) {
+    const share = daly.wall_s > 0 ? (daly.wall_s - coci.wall_s) / daly.wall_s : 0;
+    const versus = Math.abs(share) < 5e-4 ? 'the same as Daly' :
+      `${fmt(Math.abs(100 * share), 1)}% ${share > 0 ? 'less' : 'more'} than Daly`;
+    rows.push(el('dt', {}, 'over the whole run'), el('dd', { 'data-reason': 'overhead_run' },
+      `${fmt(coci.wall_s)} s of wall-clock time expected over the run's ${summary.steps} ` +
+      `steps with ${plural(coci.checkpoints, 'checkpoint')}, against Daly's ` +
+      `${fmt(daly.wall_s)} s with ${daly.checkpoints}: ${versus} (from the measured costs)`));
+  }
+  panel.appendChild(el('dl', {}, rows));
+  return panel;
+}
+
+// Keep every label of a drawn chart inside it: shrink one wider than the chart, move one that
+// sticks out over an edge (the chart must be in the document: text is measured).
+function fitLabels(chart) {
+  const W = chart.width.baseVal.value;
+  for (const text of chart.querySelectorAll('text')) {
+    if (text.hasAttribute('transform')) continue; // the rotated y-axis label
+    let box = text.getBBox();
+    if (box.width > W - 4) {
+      const size = parseFloat(getComputedStyle(text).fontSize) || 12;
+      text.style.fontSize = `${Math.max(8, (size * (W - 4)) / box.width).toFixed(1)}px`;
+      box = text.getBBox();
+    }
+    const dx = box.x < 2 ? 2 - box.x : box.x + box.width > W - 2 ? W - 2 - box.x - box.width : 0;
+    if (dx) text.setAttribute('x', String(parseFloat(text.getAttribute('x')) + dx));
+  }
 }
 
 function legend() {

@@ -1,0 +1,56 @@
+"""What an Accelerate user reads with no logging configured: coci's plan line, a line per save
+with ``verbose=True`` and the end-of-run summary, each once on stderr, from the main process
+only (Accelerate itself shows nothing below WARNING then)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from coci_core import CheckpointManager
+from tests.harness.processes import module, run
+
+_CHILD = "tests.accelerate._logging_child"
+
+
+def _lines(stderr: str, pattern: str) -> list[str]:
+    return [line for line in stderr.splitlines() if re.search(pattern, line)]
+
+
+def _check_each_line_once(stderr: str) -> None:
+    (fresh,) = _lines(stderr, r"starting fresh")
+    assert fresh.startswith("coci: no committed checkpoint in ")
+    (plan,) = _lines(stderr, r"coci: plan at step")
+    assert "first planned save at step 5, every 5 steps" in plan
+    assert "12 total steps (given as total_steps)" in plan
+    for step in (5, 10, 12):  # one line per save: the verbose one, no second from the engine
+        (line,) = _lines(stderr, rf"(\bstep {step} saved\b|\bsaved step {step}\b)")
+        assert f"coci: step {step} saved: stall " in line and " MB written" in line
+    (summary,) = _lines(stderr, r"checkpoints committed")
+    assert "coci: 3 checkpoints committed (newest step 12)" in summary
+
+
+@pytest.mark.slow
+def test_one_process(tmp_path: Path) -> None:
+    out = run(module(_CHILD, str(tmp_path)), timeout_s=300)
+    assert out.returncode == 0, out.stderr
+    _check_each_line_once(out.stderr)
+    assert "coci:" not in out.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_two_processes_main_only(tmp_path: Path) -> None:
+    """torchrun with 2 processes (gloo), both writing to the same stderr: each coci line
+    appears once, while both processes saved their share."""
+    command = module("torch.distributed.run", "--nproc-per-node", "2", "-m", _CHILD)
+    out = run([*command, str(tmp_path)], timeout_s=300)
+    assert out.returncode == 0, out.stderr
+    _check_each_line_once(out.stderr)
+    (summary,) = _lines(out.stderr, r"checkpoints committed")
+    assert "(this rank's share)" in summary
+    with CheckpointManager(tmp_path / "coci") as mgr:
+        assert mgr.steps() == [5, 10, 12]
+        assert [f.name for f in mgr.manifest(12).files] == ["data-r0.bin", "data-r1.bin"]

@@ -1,0 +1,62 @@
+"""What a Lightning user reads with no logging configured: coci's plan line, a line per save
+with ``verbose=True`` and the end-of-run summary, each once, on stderr as Lightning's own
+messages are, from rank 0 only; the same once when the user configures logging."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from coci_core import CheckpointManager
+from tests.harness.processes import module, run
+
+_CHILD = "tests.lightning._logging_child"
+
+
+def _lines(stderr: str, pattern: str) -> list[str]:
+    return [line for line in stderr.splitlines() if re.search(pattern, line)]
+
+
+def _check_each_line_once(stderr: str) -> None:
+    (plan,) = _lines(stderr, r"coci: plan \(")
+    assert "first save at step 5" in plan and "then every 5 steps" in plan
+    # the default (86400 s) as refined by the run's failure-free seconds so far
+    assert re.search(r"MTBF assumed 864\d\d s \(default: no mtbf_s given", plan), plan
+    for step in (5, 10, 12):  # one line per save: the verbose one, no second from the engine
+        (line,) = _lines(stderr, rf"(\bstep {step} saved\b|\bsaved step {step}\b)")
+        assert f"coci: step {step} saved: stall " in line and " MB written" in line
+    (summary,) = _lines(stderr, r"checkpoints committed")
+    assert "coci: 3 checkpoints committed (newest step 12)" in summary
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("configured", [False, True], ids=["default-logging", "basicConfig"])
+def test_one_process(tmp_path: Path, configured: bool) -> None:
+    """Lightning's own messages and coci's reach stderr alike; with ``logging.basicConfig``
+    (after the imports) coci's lines still appear once, through the user's handler."""
+    extra = ["basicConfig"] if configured else []
+    out = run(module(_CHILD, str(tmp_path), "1", *extra), timeout_s=300)
+    assert out.returncode == 0, out.stderr
+    assert "`Trainer.fit` stopped: `max_steps=12` reached." in out.stderr  # Lightning's own
+    _check_each_line_once(out.stderr)
+    assert "coci:" not in out.stdout
+    prefixed = _lines(out.stderr, r"^INFO:coci_lightning\.callback:coci: ")
+    assert len(prefixed) == (5 if configured else 0)  # the user's format, when configured
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_two_ranks_rank_zero_only(tmp_path: Path) -> None:
+    """strategy="ddp" on 2 processes (gloo), both writing to the same stderr: each coci line
+    appears once (rank 0's), while both ranks saved their share."""
+    out = run(module(_CHILD, str(tmp_path), "2"), timeout_s=300)
+    assert out.returncode == 0, out.stderr
+    assert "GLOBAL_RANK: 1" in out.stderr  # rank 1's output reaches the same stream
+    _check_each_line_once(out.stderr)
+    (summary,) = _lines(out.stderr, r"checkpoints committed")
+    assert "(this rank's share)" in summary
+    with CheckpointManager(tmp_path / "coci") as mgr:
+        assert mgr.steps() == [5, 10, 12]
+        assert mgr.manifest(12).world_size == 2
