@@ -82,7 +82,7 @@ class CociCheckpointer:
         dirpath: str | Path | None = None,
         *,
         policy: str | SavePolicy = "coci",
-        objective: str = "convergence",
+        objective: str = "time",
         mtbf_s: float | None = None,
         keep_last: int | None = 3,
         compression: str | CompressionPolicy | None = "auto",

@@ -82,7 +82,8 @@ class CociCheckpoint(Checkpoint):
             such as ``"s3://bucket/run"``, kept a string); default ``<default_root_dir>/coci``.
         policy: ``"coci"`` or a baseline of the planner (e.g. ``"every_n_steps"``), or a
             policy object of :mod:`coci_core.planner` (e.g. ``EveryNSteps(every_n_steps=500)``).
-        objective: ``"convergence"`` (default), ``"time"`` or ``"progress"``.
+        objective: ``"time"`` (default: a lost step costs its wall time), ``"convergence"``
+            (lost work weighted by its progress) or ``"progress"``; see docs/planner.md.
         mtbf_s: mean time between failures of one node, in seconds (None: estimated).
         keep_last: committed checkpoints to keep.
         compression: ``"auto"`` (default: compress only where it shortens the time to
@@ -137,7 +138,7 @@ class CociCheckpoint(Checkpoint):
         dirpath: str | os.PathLike[str] | None = None,
         *,
         policy: str | SavePolicy = "coci",
-        objective: str = "convergence",
+        objective: str = "time",
         mtbf_s: float | None = None,
         keep_last: int | None = 3,
         compression: str | CompressionPolicy | None = "auto",

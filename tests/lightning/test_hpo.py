@@ -112,6 +112,7 @@ def test_early_stopping_enters_the_plan_and_a_stopped_run_takes_no_final_save(
     assert trainer.global_step == 4 * STEPS_PER_EPOCH
     assert spy.reports, "the spy saw the run"
     rep = spy.reports[-1]
+    assert rep.objective == "time"  # the default objective keeps the termination hazard
     assert rep.termination.startswith("EarlyStopping(monitor='val_loss', patience 3, wait 2")
     # at wait 2 of 3 with a metric that has not improved lately, a stop is likely and soon
     assert rep.stop_probability > 0.5

@@ -31,7 +31,7 @@ def test_subcommands_attach_to_a_host_parser_with_callable_defaults(capsys):
     args = parser.parse_args(["plan", *JOB, *LOSS, "--json"])
     assert args.func(args) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["objective"] == "convergence"
+    assert out["objective"] == "time"  # the default: a lost step costs its wall time
     assert out["steps"] == sorted(out["steps"])
     assert len(out["steps"]) > 5
     assert out["expected_overhead_s"]["daly_wall_s"] > 0

@@ -20,7 +20,7 @@ def _assert_uniform(steps, interval):
 
 def test_a_flat_loss_gives_dalys_interval(resnet):
     """A constant loss has no value gradient, so the interval is Daly's."""
-    sched = plan_schedule(**resnet, loss=lambda k: 3.0)
+    sched = plan_schedule(**resnet, loss=lambda k: 3.0, objective="convergence")
     _assert_uniform(sched.steps, _daly_steps(resnet))
 
 
@@ -29,7 +29,7 @@ def test_an_all_noise_loss_gives_dalys_interval(resnet):
     rng = np.random.default_rng(5)
     steps = np.arange(30_000)
     losses = 2.0 + 0.3 * rng.standard_normal(steps.size)
-    sched = plan_schedule(**resnet, loss=(steps, losses))
+    sched = plan_schedule(**resnet, loss=(steps, losses), objective="convergence")
     assert not sched.curve.trusted
     _assert_uniform(sched.steps, _daly_steps(resnet))
 
@@ -38,7 +38,7 @@ def test_a_noisy_callable_is_fitted_and_then_rejected(resnet):
     """A callable that returns noise is treated like observations, and rejected."""
     rng = np.random.default_rng(9)
     table = 2.0 + 0.3 * rng.standard_normal(resnet["total_steps"] + 1)
-    sched = plan_schedule(**resnet, loss=lambda k: table[k])
+    sched = plan_schedule(**resnet, loss=lambda k: table[k], objective="convergence")
     assert not sched.curve.trusted
     _assert_uniform(sched.steps, _daly_steps(resnet))
 

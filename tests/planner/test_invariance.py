@@ -23,10 +23,11 @@ def test_scaling_or_shifting_an_exact_loss_keeps_the_schedule(resnet, objective)
 def test_scaling_or_shifting_observed_losses_keeps_the_schedule(resnet, noisy_observations):
     """The same holds for a curve fitted to noisy observations."""
     steps, losses = noisy_observations
-    base = plan_schedule(**resnet, loss=(steps, losses))
+    job = {**resnet, "objective": "convergence"}
+    base = plan_schedule(**job, loss=(steps, losses))
     assert base.curve.trusted
-    assert plan_schedule(**resnet, loss=(steps, losses * 10)).steps == base.steps
-    assert plan_schedule(**resnet, loss=(steps, losses - 1.25)).steps == base.steps
+    assert plan_schedule(**job, loss=(steps, losses * 10)).steps == base.steps
+    assert plan_schedule(**job, loss=(steps, losses - 1.25)).steps == base.steps
 
 
 @pytest.mark.parametrize("objective", ["time", "convergence", "progress"])
@@ -41,6 +42,6 @@ def test_minutes_instead_of_seconds_keeps_the_schedule(resnet, objective):
 
 def test_the_convergence_plan_is_denser_early_than_late(resnet):
     """The convergence objective front-loads checkpoints for a diminishing-returns curve."""
-    sched = plan_schedule(**resnet, loss=power_loss)
+    sched = plan_schedule(**resnet, loss=power_loss, objective="convergence")
     iv = sched.intervals()
     assert iv[0] < iv[len(iv) // 2] < iv[-2]

@@ -61,8 +61,8 @@ def test_expected_cost_with_a_uniform_kill_window_matches_the_monte_carlo():
 def test_a_likely_early_kill_makes_the_plan_sparser_early_than_without(resnet):
     """If most jobs are killed by step 10k, fewer checkpoints are planned before it."""
     kill = UniformKill(start_step=0, end_step=10_000, probability=0.9)
-    with_kill = plan_schedule(**resnet, loss=power_loss, termination=kill)
-    without = plan_schedule(**resnet, loss=power_loss)
+    with_kill = plan_schedule(**resnet, loss=power_loss, termination=kill, objective="convergence")
+    without = plan_schedule(**resnet, loss=power_loss, objective="convergence")
     early = lambda s: sum(1 for x in s.steps if x < 10_000)  # noqa: E731
     assert early(with_kill) < early(without)
 

@@ -14,6 +14,7 @@ from coci_core.planner import (
     Objective,
     Planner,
     Problem,
+    daly_interval_s,
     expected_cost,
     make_objective,
     plan_schedule,
@@ -87,3 +88,59 @@ def test_a_registered_objective_is_planned_for_without_other_changes(monkeypatch
     assert wall.expected_overhead_s.objective == "wall"
     assert wall.expected_overhead_s.objective_s == time.expected_overhead_s.objective_s
     assert Planner(objective="wall", total_steps=1_000, mtbf_s=3600.0).objective == "wall"
+
+
+def test_time_is_the_default_objective_everywhere():
+    """Every entry point plans for wall-clock time unless told otherwise: the Planner,
+    plan_schedule, the options both adapters share, both adapters and the command line; the
+    convergence objective is an opt-in."""
+    import argparse
+    import inspect
+
+    from coci_accelerate import CociCheckpointer
+    from coci_core.commands.simulate import add_subcommands
+    from coci_core.training.options import CheckpointOptions
+    from coci_lightning import CociCheckpoint
+
+    assert Planner(total_steps=1_000).objective == "time"
+    assert plan_schedule(**JOB).expected_overhead_s.objective == "time"
+    assert CheckpointOptions.check(dirpath=None).objective == "time"
+    for adapter in (CociCheckpoint, CociCheckpointer):
+        assert inspect.signature(adapter).parameters["objective"].default == "time"
+    parser = argparse.ArgumentParser(prog="coci")
+    add_subcommands(parser.add_subparsers(dest="command", required=True))
+    job = ["--total-steps", "100", "--step-time-s", "1", "--stall-s", "1", "--mtbf-h", "1"]
+    for command in ("plan", "simulate"):
+        assert parser.parse_args([command, *job]).objective == "time"
+    opted = Planner(total_steps=1_000, objective="convergence")
+    assert opted.objective == "convergence"
+
+
+def test_the_default_objective_measures_a_save_early_instead_of_trusting_the_assumed_cost():
+    """Before any save is measured the planner assumes 1 s per save: with a 20 s MTBF and 10 ms
+    steps that plans no save in 200 steps. One early save measures the real (5 ms) cost, and
+    the plan made with it saves every few dozen steps."""
+    planner = Planner(total_steps=200, mtbf_s=20.0, step_time_s=0.01)
+    saved = []
+    for step in range(1, 200):
+        planner.observe(step, step_time_s=0.01)
+        if planner.should_save(step):
+            saved.append(step)
+            planner.record_save(stall_s=0.005, persist_s=0.005)
+    assert saved and saved[0] <= 60
+    assert len(saved) >= 4
+    assert planner.cost_source("stall_s") == "measured"
+
+
+def test_the_default_objective_takes_no_extra_save_where_its_first_planned_one_measures_the_cost():
+    """With a save planned before the end, no profiling save is added: the first save is at
+    Daly's interval for the assumed 1 s."""
+    planner = Planner(total_steps=20_000, mtbf_s=2 * 3600.0, step_time_s=0.3)
+    first = None
+    for step in range(1, 20_000):
+        planner.observe(step, step_time_s=0.3)
+        if planner.should_save(step):
+            first = step
+            break
+    assert first is not None
+    assert abs(first - daly_interval_s(1.0, 2 * 3600.0) / 0.3) <= 2

@@ -163,7 +163,7 @@ def test_signature_drift_names_each_difference() -> None:
 
     drift = signature_drift(adapter)
     assert "policy: not keyword-only" in drift
-    assert "objective: default 0, declared 'convergence'" in drift
+    assert "objective: default 0, declared 'time'" in drift
     assert "objective: annotation int, declared str" in drift
     missing = {d.split(":")[0] for d in drift if d.endswith(": missing")}
     assert missing == set(SHARED_ARGUMENTS) - {"policy", "objective"}

@@ -61,9 +61,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--objective",
         choices=OBJECTIVE_NAMES,
-        default="convergence",
-        help="what a lost step costs: its time, or its progress toward convergence "
-        "(default: convergence)",
+        default="time",
+        help="what a lost step costs: its wall time (default), or its progress toward "
+        "convergence ('convergence', 'progress')",
     )
     p.add_argument("--asha-rungs", help="comma-separated rung steps (ASHA early stopping)")
     p.add_argument("--asha-eta", type=float, default=3.0, help="ASHA reduction factor")

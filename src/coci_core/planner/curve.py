@@ -4,6 +4,10 @@ The fit runs on binned means (log-spaced bins of the step index), after the loss
 affinely onto [0, 1], so that neither the loss scale nor an added constant can change it; the
 residuals are taken in log space with a floor (``log(y + 0.1)``). Two shapes compete,
 ``L_inf + A·(1 + k/k0)^(-alpha)`` and ``L_inf + A·e^(-k/kappa)``, and the lower residual wins.
+A loss never observed below 0 is taken to be non-negative: the fitted loss (what is reported
+and drawn, and what the loss is compared with to find a regime change) is never below 0, even
+where a fitted floor ``L_inf`` below 0 is extrapolated ahead of the observations. The value of
+progress depends on the curve's shape only, so an offset added to the loss leaves it unchanged.
 A curve is *trusted* only when it beats a flat line by a chi-square of at least 16 against
 the noise of the binned means (or, for noise-free data, has R^2 >= 0.6); an untrusted curve
 has flat value (so the plan falls back to Daly). A regime change (a learning-rate drop)
@@ -69,6 +73,8 @@ class LossCurve:
         scale: the loss range used to normalise (to report the fitted value in loss units).
         offset: the loss offset used to normalise.
         exact: per-step loss values of a user-given exact curve, with ``exact_start``.
+        lower: the lowest value the loss can take (0 for a loss never observed below 0), in
+            the caller's units; ``predict`` never goes below it. None: no known bound.
     """
 
     trusted: bool
@@ -79,6 +85,7 @@ class LossCurve:
     offset: float = 0.0
     exact: FloatArray | None = None
     exact_start: int = 0
+    lower: float | None = None
 
     def predict(self, steps: npt.ArrayLike) -> FloatArray:
         """Fitted loss, in the caller's units, at ``steps`` (NaN when untrusted)."""
@@ -88,7 +95,8 @@ class LossCurve:
             return np.asarray(self.exact[idx])
         if not self.pieces:
             return np.full(k.shape, np.nan)
-        return self.offset + self.scale * self._normalised(k)
+        fitted = self.offset + self.scale * self._normalised(k)
+        return fitted if self.lower is None else np.maximum(fitted, self.lower)
 
     def _normalised(self, k: FloatArray) -> FloatArray:
         starts = np.array([p.start_step for p in self.pieces])
@@ -126,12 +134,14 @@ class LossCurve:
             "scale": self.scale,
             "offset": self.offset,
             "exact": self.exact is not None,
+            "lower": self.lower,
         }
 
 
 def curve_from_dict(state: dict[str, object]) -> LossCurve:
     """Rebuild a fitted curve from :meth:`LossCurve.to_dict` (exact curves are not stored)."""
     raw = state.get("pieces", [])
+    lower = state.get("lower")
     pieces = tuple(
         CurvePiece(
             start_step=int(p["start_step"]),
@@ -147,6 +157,7 @@ def curve_from_dict(state: dict[str, object]) -> LossCurve:
         reason=str(state.get("reason", "")),
         scale=float(state.get("scale", 1.0)),  # type: ignore[arg-type]
         offset=float(state.get("offset", 0.0)),  # type: ignore[arg-type]
+        lower=None if lower is None else float(lower),  # type: ignore[arg-type]
     )
 
 
@@ -326,7 +337,10 @@ def fit_loss_curve(
             curve = split
     # back to the caller's loss units
     return dataclasses.replace(
-        curve, offset=raw_lo + raw_span * curve.offset, scale=raw_span * curve.scale
+        curve,
+        offset=raw_lo + raw_span * curve.offset,
+        scale=raw_span * curve.scale,
+        lower=0.0 if raw_lo >= 0 else None,  # a loss never seen below 0 cannot go there
     )
 
 
@@ -384,22 +398,28 @@ def _fit_pieces(
 def _detect_regime(
     x: FloatArray, y: FloatArray, offset: float, scale: float, curve: LossCurve, max_bins: int
 ) -> LossCurve | None:
-    """Try one split at the largest sudden drop; keep it if the residual falls by 2x or more."""
+    """Try one split at the largest sudden drop; keep it if the residual falls by 2x or more.
+
+    The residual is compared between neighbouring occupied bins of 64 equal widths; with too
+    few of them to tell a jump from the noise, no split is tried.
+    """
     edges = np.linspace(x[0], x[-1] + 1, 65)
     idx = np.clip(np.searchsorted(edges, x, side="right") - 1, 0, 63)
     counts = np.bincount(idx, minlength=64)
     sums = np.bincount(idx, weights=y, minlength=64)
-    ok = counts > 0
-    means = np.where(ok, sums / np.maximum(counts, 1), np.nan)
-    resid = means - (offset + scale * curve._normalised((edges[:-1] + edges[1:]) / 2))
-    jumps = np.diff(resid)
-    if not np.any(np.isfinite(jumps)):
+    occupied = np.flatnonzero(counts > 0)
+    if occupied.size < MIN_BINS:
         return None
-    j = int(np.nanargmin(jumps))
-    noise = float(np.nanmedian(np.abs(np.diff(jumps)))) + 1e-12
+    centres = (edges[occupied] + edges[occupied + 1]) / 2
+    resid = sums[occupied] / counts[occupied] - (offset + scale * curve._normalised(centres))
+    jumps = np.diff(resid)
+    if not np.all(np.isfinite(jumps)):
+        return None
+    j = int(np.argmin(jumps))
+    noise = float(np.median(np.abs(np.diff(jumps)))) + 1e-12
     if -jumps[j] < 8.0 * noise:
         return None
-    cut = int(edges[j + 1])
+    cut = int(edges[occupied[j + 1]])
     split = _fit_pieces(x, y, offset, scale, [cut], max_bins)
     if not split.trusted:
         return None

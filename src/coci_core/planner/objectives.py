@@ -36,12 +36,16 @@ class Objective(ABC):
         early_profile_save: ``coci`` takes a save early, before any is measured, to measure the
             stall and persist, then re-plans (not under ``progress``, where an early stall is
             weighted by the high early value and costs more than it teaches).
+        unplanned_profile_save: ``coci`` takes that early save only when the plan made with
+            the assumed cost has no save before the horizon's end (otherwise the first planned
+            save measures the cost, and an extra one would cost more than it teaches).
     """
 
     name: ClassVar[str]
     lost_work_by_value: ClassVar[bool] = False
     stall_by_value: ClassVar[bool] = False
     early_profile_save: ClassVar[bool] = False
+    unplanned_profile_save: ClassVar[bool] = False
 
     @property
     def uses_value(self) -> bool:
@@ -60,6 +64,7 @@ class TimeObjective(Objective):
     """Wall-clock overhead (``wall_s``): every step counts alike, as for Young and Daly."""
 
     name = "time"
+    unplanned_profile_save = True
 
     def cost(self, breakdown: CostBreakdown) -> float:
         return breakdown.wall_s

@@ -90,7 +90,7 @@ class Problem:
     restart_s: float
     failure: FailureModel
     value: FloatArray | None = None
-    objective: str = "convergence"
+    objective: str = "time"
     termination: Termination = field(default_factory=NoTermination)
 
     def __post_init__(self) -> None:

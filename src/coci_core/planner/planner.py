@@ -78,7 +78,7 @@ class Planner:
             ``"epoch"``, ``"coci_paper"``; or a policy object of this package, which carries
             its own options (``EveryNSteps(every_n_steps=500)``, ``CheckFreq(overhead_bound=
             0.03)``, ``Coci(method="closed_form")``, ...).
-        objective: ``"time"``, ``"convergence"`` (default) or ``"progress"``.
+        objective: ``"time"`` (default), ``"convergence"`` or ``"progress"``.
         total_steps: the job's last step; None plans over a rolling horizon of
             ``max(min_horizon_steps, 2 x steps so far)`` ahead, re-planned as it goes.
         mtbf_s: MTBF of one node; None estimates it from the run's restarts with a prior of
@@ -115,7 +115,7 @@ class Planner:
         self,
         *,
         policy: str | SavePolicy = "coci",
-        objective: str = "convergence",
+        objective: str = "time",
         total_steps: int | None = None,
         mtbf_s: float | None = None,
         nodes: int | Callable[[int], float] = 1,

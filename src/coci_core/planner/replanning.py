@@ -262,12 +262,13 @@ class Replanner:
             ahead = [k + 1, *(int(x) for x in steps if x > k + 1)]
         if (
             s.policy_name == "coci"
-            and s.goal.early_profile_save
+            and (s.goal.early_profile_save or (s.goal.unplanned_profile_save and not ahead))
             and isinstance(s.termination, NoTermination)
             and obs.costs.get("stall_s").source == "default"
         ):
             # no save measured yet: take one early to measure stall and persist, then re-plan
-            # (where the objective finds it worth it: Objective.early_profile_save)
+            # (where the objective finds it worth it: Objective.early_profile_save, or
+            # unplanned_profile_save when no save is planned to measure it)
             # (from the plan's start, so that re-plans before it do not push it back)
             # (with nothing planned yet, e.g. a short job under the pessimistic defaults, a
             # quarter of the way to the horizon's end)

@@ -194,7 +194,7 @@ def plan_schedule(
     restart_s: float,
     mtbf_s: float,
     loss: LossSpec = None,
-    objective: str = "convergence",
+    objective: str = "time",
     termination: Termination | Sequence[int] | None = None,
     start_step: int = 0,
     policy: str | SavePolicy = "coci",
@@ -210,7 +210,7 @@ def plan_schedule(
         restart_s: restart + restore time after a failure.
         mtbf_s: mean time between failures of one node.
         loss: a callable ``loss(step)``, observed ``(steps, losses)``, or None (flat value).
-        objective: ``"time"``, ``"convergence"`` (default) or ``"progress"``.
+        objective: ``"time"`` (default), ``"convergence"`` or ``"progress"``.
         termination: None, a Termination model, or ASHA rung steps (reduction factor 3).
         start_step: the step the plan starts from.
         policy: a policy name (see :data:`~coci_core.planner.policies.POLICIES`) or object.

@@ -160,7 +160,7 @@ class CheckpointOptions:
         *,
         dirpath: object,
         policy: str | SavePolicy = "coci",
-        objective: str = "convergence",
+        objective: str = "time",
         mtbf_s: float | None = None,
         keep_last: int | None = 3,
         compression: str | CompressionPolicy | None = "auto",
