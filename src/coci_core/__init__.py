@@ -1,4 +1,4 @@
-"""coci: convergence-aware, asynchronous, verified checkpoints for PyTorch training."""
+"""coci: asynchronous, verified checkpoints for PyTorch training, planned to save time."""
 
 import typing as _typing
 
