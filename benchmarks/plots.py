@@ -227,6 +227,33 @@ def tensor_count(results: dict[str, Any]) -> Figure:
     return fig
 
 
+def fsdp(results: dict[str, Any]) -> Figure:
+    """Blocking time, time to durable and restore onto another layout, per process count."""
+    worlds = list(results["worlds"])
+    panels = (
+        ("blocking_s", ("coci", "coci_block_false", "dcp_async_save", "dcp_save"), "blocking (s)"),
+        ("durable_s", ("coci", "coci_block_false", "dcp_async_save", "dcp_save"), "durable (s)"),
+        ("restore_s", ("coci_restore", "dcp_load"), "restore onto another layout (s)"),
+    )
+    fig, axes = plt.subplots(1, 3, figsize=(12.0, 3.6))
+    for ax, (key, names, label) in zip(axes, panels, strict=True):
+        width = 0.8 / len(names)
+        for j, name in enumerate(names):
+            values = [results["worlds"][w]["summary"][name][key] for w in worlds]
+            color = "tab:green" if name.startswith("coci") else None
+            ax.bar(np.arange(len(worlds)) + j * width, values, width, label=name, color=color)
+        ax.set_xticks(np.arange(len(worlds)) + 0.4 - width / 2, [f"{w} processes" for w in worlds])
+        ax.set_ylabel(label)
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize="small")
+    cfg = results["config"]
+    fig.suptitle(
+        f"FSDP2 model and AdamW, {cfg['state_mb']} MiB of state: medians of {cfg['rounds']} rounds"
+    )
+    fig.tight_layout()
+    return fig
+
+
 #: results file stem -> the function drawing its plot
 PLOTS: dict[str, Callable[[dict[str, Any]], Figure]] = {
     "engine-1g": engine_1g,
@@ -237,6 +264,7 @@ PLOTS: dict[str, Callable[[dict[str, Any]], Figure]] = {
     "restore": restore,
     "restore-4g": restore,
     "tensor-count": tensor_count,
+    "fsdp": fsdp,
 }
 
 

@@ -109,7 +109,7 @@ def test_report_never_prints_none(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert main(["report", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "None" not in out, out
-    assert "no interval yet" in out and "MTBF unknown" in out
+    assert "no checkpoint planned after step 3" in out and "MTBF unknown" in out
     assert "plan 1.0 s wall-clock (? s by its objective) vs Daly 2.0 s (? s)" in out
 
 

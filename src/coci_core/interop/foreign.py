@@ -103,9 +103,9 @@ def _check_torch_saved(src: Path) -> None:
     """Refuse, by its first bytes, a file that is no ``torch.save`` file at all."""
     with open(src, "rb") as f:
         head = f.read(4)
-    if not head.startswith(_TORCH_SAVE_MAGIC):
+    if not head.startswith(_TORCH_SAVE_MAGIC):  # damaged, or another kind of file
         what = "is empty" if not head else "is not a torch.save file"
-        raise CociError(
+        raise CorruptCheckpointError(
             f"{src} {what}: coci import reads a torch.save file, a .safetensors file or a "
             "torch.distributed.checkpoint directory"
         )
