@@ -60,3 +60,23 @@ def test_a_level_the_user_set_is_kept(isolated: logging.Logger) -> None:
     isolated.setLevel(logging.WARNING)
     show_by_default(isolated.name)
     assert isolated.level == logging.WARNING
+
+
+def test_a_line_under_a_progress_bar_starts_on_its_own(
+    isolated: logging.Logger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a tqdm bar on the terminal (Lightning's, the demo's), the bar is cleared for the line
+    and drawn again after it: the line does not run on from the bar's text."""
+    from tqdm import tqdm
+
+    terminal = io.StringIO()
+    monkeypatch.setattr("sys.stderr", terminal)
+    isolated.propagate = False
+    show_by_default(isolated.name)
+    with tqdm(total=10, desc="training", file=terminal, mininterval=0) as bar:
+        bar.update(3)
+        isolated.info("coci: plan line")
+        bar.update(1)
+    (segment,) = [s for s in terminal.getvalue().split("\n") if "coci: plan line" in s]
+    assert segment.split("\r")[-1] == "coci: plan line"
+    assert "4/10" in terminal.getvalue()  # drawn again after the line

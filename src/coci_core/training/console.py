@@ -26,8 +26,17 @@ class ConsoleHandler(logging.Handler):
             return
         try:
             stream = sys.stderr
-            stream.write(self.format(record) + "\n")
-            stream.flush()
+            text = self.format(record) + "\n"
+            bars = getattr(sys.modules.get("tqdm"), "tqdm", None)
+            if bars is None:
+                stream.write(text)
+                stream.flush()
+                return
+            # a progress bar on the terminal (Lightning's, the demo's): cleared for the line
+            # and drawn again below it, so that the line does not run on from the bar
+            with bars.external_write_mode(file=stream):
+                stream.write(text)
+                stream.flush()
         except Exception:
             self.handleError(record)
 
