@@ -25,10 +25,7 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
-import subprocess
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -36,6 +33,7 @@ from typing import Any
 
 from benchmarks._lib.files import dir_bytes, drop_file_cache, scratch
 from benchmarks._lib.machine import loadavg
+from benchmarks._lib.ranks import run_ranks
 from benchmarks._lib.results import write_json
 
 SAVES = ("coci", "coci_block_false", "dcp_save", "dcp_async_save")
@@ -196,42 +194,6 @@ def rank_main(cfg: dict[str, Any]) -> None:
     os._exit(0)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def run_world(world: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
-    port = _free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.fsdp_bench", "--rank-config", json.dumps(cfg)],
-            env={
-                **os.environ,
-                "RANK": str(r),
-                "WORLD_SIZE": str(world),
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
-                "OMP_NUM_THREADS": "1",
-            },
-            stdout=subprocess.PIPE,
-            text=True,
-            cwd=Path(__file__).resolve().parent.parent,
-        )
-        for r in range(world)
-    ]
-    samples: list[dict[str, Any]] = []
-    for proc in procs:
-        out, _ = proc.communicate(timeout=3600)
-        if proc.returncode != 0:
-            raise SystemExit(f"a rank failed with {proc.returncode}")
-        for line in out.splitlines():
-            if line.startswith("SAMPLES "):
-                samples += json.loads(line[len("SAMPLES ") :])
-    return samples
-
-
 def summarize(samples: list[dict[str, Any]]) -> dict[str, Any]:
     rounds = sorted({s["round"] for s in samples if s["round"] > 0})
     out: dict[str, Any] = {}
@@ -296,7 +258,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cfg = {"dir": str(directory), "state_mb": args.state_mb, "rounds": args.rounds}
     results: dict[str, Any] = {"config": cfg, "load_before": loadavg(), "worlds": {}}
     for world in [int(w) for w in args.worlds.split(",")]:
-        samples = run_world(world, cfg)
+        samples = run_ranks("benchmarks.fsdp_bench", world, cfg)
         results["worlds"][str(world)] = {"samples": samples, "summary": summarize(samples)}
         shutil.rmtree(Path(directory) / f"run-w{world}", ignore_errors=True)
     results["load_after"] = loadavg()

@@ -23,16 +23,14 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from benchmarks._lib.files import dir_bytes, scratch
 from benchmarks._lib.machine import loadavg
+from benchmarks._lib.ranks import run_ranks
 from benchmarks._lib.results import results_path, write_json
 from benchmarks._lib.timing import parse_size
 
@@ -102,42 +100,6 @@ def rank_main(cfg: dict[str, Any]) -> None:
     os._exit(0)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def run_world(world: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
-    port = _free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.sharding_bench", "--rank-config", json.dumps(cfg)],
-            env={
-                **os.environ,
-                "RANK": str(r),
-                "WORLD_SIZE": str(world),
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
-                "OMP_NUM_THREADS": "1",
-            },
-            stdout=subprocess.PIPE,
-            text=True,
-            cwd=Path(__file__).resolve().parent.parent,  # the repository: -m finds benchmarks
-        )
-        for r in range(world)
-    ]
-    samples: list[dict[str, Any]] = []
-    for proc in procs:
-        out, _ = proc.communicate(timeout=3600)
-        if proc.returncode != 0:
-            raise SystemExit(f"a rank failed with {proc.returncode}")
-        for line in out.splitlines():
-            if line.startswith("SAMPLES "):
-                samples += json.loads(line[len("SAMPLES ") :])
-    return samples
-
-
 def summarize(world: int, samples: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for method in METHODS:
@@ -179,7 +141,7 @@ def main() -> None:
     results: dict[str, Any] = {"config": cfg, "load_before": load_before, "worlds": {}}
     for world in [int(w) for w in args.worlds.split(",")]:
         started = time.perf_counter()
-        samples = run_world(world, cfg)
+        samples = run_ranks("benchmarks.sharding_bench", world, cfg)
         results["worlds"][str(world)] = {
             "samples": samples,
             "summary": summarize(world, samples),

@@ -15,12 +15,10 @@ full model and optimizer state, the samples it trained on).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sys
 import threading
-from typing import Any
 
 import torch
 from accelerate import Accelerator, PartialState
@@ -35,28 +33,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from coci_accelerate import CociCheckpointer
-
-
-def digest(state: Any) -> str:
-    """A digest of a nested state's full tensors (DTensors gathered) and values."""
-    h = hashlib.sha256()
-
-    def walk(value: Any, key: str) -> None:
-        if isinstance(value, dict):
-            for k in sorted(value, key=str):
-                walk(value[k], f"{key}/{k}")
-        elif isinstance(value, (list, tuple)):
-            for i, v in enumerate(value):
-                walk(v, f"{key}/{i}")
-        elif isinstance(value, torch.Tensor):
-            full = value.full_tensor() if isinstance(value, DTensor) else value
-            h.update(key.encode())
-            h.update(full.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
-        else:
-            h.update(f"{key}={value!r}".encode())
-
-    walk(state, "")
-    return h.hexdigest()
+from tests.harness.states import full_digest
 
 
 def main() -> None:
@@ -115,8 +92,8 @@ def main() -> None:
         "start": start,
         "sharded": all(isinstance(p, DTensor) for p in model.parameters()),
         "lr": scheduler.get_last_lr(),
-        "model": digest(model_state),
-        "optim": digest(optim_state),
+        "model": full_digest(model_state),
+        "optim": full_digest(optim_state),
         "seen": seen,
     }
     accelerator.wait_for_everyone()

@@ -47,3 +47,28 @@ def assert_same(a: Any, b: Any, path: str = "") -> None:
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).contiguous().view(torch.uint8)
+
+
+def full_digest(state: Any) -> str:
+    """A digest of a nested state's keys, values and full tensors (a DTensor gathered with
+    ``full_tensor()``, a collective: every rank calls it alike)."""
+    import hashlib
+
+    h = hashlib.sha256()
+
+    def walk(value: Any, key: str) -> None:
+        if isinstance(value, dict):
+            for k in sorted(value, key=str):
+                walk(value[k], f"{key}/{k}")
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                walk(v, f"{key}/{i}")
+        elif isinstance(value, torch.Tensor):
+            full = value.full_tensor() if type(value).__name__ == "DTensor" else value
+            h.update(key.encode())
+            h.update(full.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+        else:
+            h.update(f"{key}={value!r}".encode())
+
+    walk(state, "")
+    return h.hexdigest()

@@ -11,7 +11,6 @@ optimizer state, the samples this rank trained on).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sys
@@ -23,13 +22,13 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
 from coci_lightning import CociCheckpoint
+from tests.harness.states import full_digest
 
 BATCH = 4
 SAMPLES = 64
@@ -82,28 +81,6 @@ class Parallel(pl.LightningModule):
         return StatefulDataLoader(data, batch_size=BATCH, sampler=sampler)
 
 
-def digest(state: Any) -> str:
-    """A digest of a nested state's full tensors (DTensors gathered) and values."""
-    h = hashlib.sha256()
-
-    def walk(value: Any, key: str) -> None:
-        if isinstance(value, dict):
-            for k in sorted(value, key=str):
-                walk(value[k], f"{key}/{k}")
-        elif isinstance(value, (list, tuple)):
-            for i, v in enumerate(value):
-                walk(v, f"{key}/{i}")
-        elif isinstance(value, torch.Tensor):
-            full = value.full_tensor() if isinstance(value, DTensor) else value
-            h.update(key.encode())
-            h.update(full.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
-        else:
-            h.update(f"{key}={value!r}".encode())
-
-    walk(state, "")
-    return h.hexdigest()
-
-
 class _StopHere(pl.Callback):
     def __init__(self, step: int) -> None:
         self.step = step
@@ -149,8 +126,8 @@ def main() -> None:
         "rank": trainer.global_rank,
         "step": trainer.global_step,
         "lr": optimizer.param_groups[0]["lr"],
-        "model": digest(model_state),
-        "optim": digest(optim_state),
+        "model": full_digest(model_state),
+        "optim": full_digest(optim_state),
         "seen": model.seen,
     }
     print("RESULT " + json.dumps(result), flush=True)

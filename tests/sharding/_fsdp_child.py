@@ -11,7 +11,6 @@ of the full parameters and optimizer state) at the end.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sys
@@ -22,7 +21,6 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     RowwiseParallel,
@@ -31,33 +29,7 @@ from torch.distributed.tensor.parallel import (
 
 from coci_core import CheckpointManager, RankGroup
 from coci_core.engine.inplace import InPlaceTargets
-
-
-def _full(t: Any) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def digest(state: dict[str, Any]) -> str:
-    """A digest of a (nested) state's full tensors and values."""
-    h = hashlib.sha256()
-
-    def walk(value: Any, key: str) -> None:
-        if isinstance(value, dict):
-            for k in sorted(value, key=str):
-                walk(value[k], f"{key}/{k}")
-        elif isinstance(value, (list, tuple)):
-            for i, v in enumerate(value):
-                walk(v, f"{key}/{i}")
-        elif isinstance(value, torch.Tensor):
-            h.update(key.encode())
-            h.update(
-                _full(value).detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
-            )
-        else:
-            h.update(f"{key}={value!r}".encode())
-
-    walk(state, "")
-    return h.hexdigest()
+from tests.harness.states import full_digest
 
 
 def build(mesh_shape: list[int]) -> tuple[torch.nn.Module, torch.optim.Optimizer, int]:
@@ -118,8 +90,8 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
     return {
         "rank": dist.get_rank(),
         "start": start,
-        "model": digest(model_sd),
-        "optim": digest(optim_sd),
+        "model": full_digest(model_sd),
+        "optim": full_digest(optim_sd),
     }
 
 
