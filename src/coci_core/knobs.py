@@ -31,6 +31,9 @@ AUTO_MIN_BYTES = 16 * MiB
 DEFAULT_COMMIT_TIMEOUT_S = 600.0
 #: How long the ranks wait for each other's manager (``RankGroup.default``).
 JOIN_TIMEOUT_S = 300.0
+#: How long a restoring rank waits for the others to say which step they could restore
+#: (engine/agreement.py): long enough for the slowest rank to read and verify a large state.
+RESTORE_AGREE_TIMEOUT_S = 1800.0
 #: An object store's owner record not renewed for this long belongs to a dead writer; it is
 #: renewed every third of it (engine/lease.py).
 LEASE_TTL_S = 60.0

@@ -126,7 +126,12 @@ class CociCheckpointIO(CheckpointIO):
             )
         else:
             loaded, event = read_checkpoint(
-                root, step, storage_options=options, rank=self.rank, live=live, replaced=replaced
+                root,
+                step,
+                storage_options=options,
+                rank=self.rank,
+                live=live,
+                replaced=replaced,
             )
         if self.on_restore is not None:
             self.on_restore(loaded, event)

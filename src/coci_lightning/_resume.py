@@ -245,7 +245,7 @@ def _install_load_from_checkpoint() -> None:
         if not isinstance(path_or_url, (str, Path)) or step_dir_of(path_or_url) is None:
             return original(path_or_url, map_location=map_location, weights_only=weights_only)
         root, step = step_dir_of(path_or_url)  # type: ignore[misc]
-        state = read_checkpoint(root, step)[0].state
+        state = read_checkpoint(root, step, agree=False)[0].state  # may run on one rank only
         buffer = io.BytesIO()
         torch.save(state, buffer)
         buffer.seek(0)

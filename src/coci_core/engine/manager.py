@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
 from coci_core.engine import lifecycle, retention
+from coci_core.engine.agreement import RestoreAgreement
 from coci_core.engine.compress import CompressionPolicy, PieceEncoder, check_policy
 from coci_core.engine.group import RankGroup
 from coci_core.engine.handle import SaveHandle
@@ -581,6 +582,7 @@ class CheckpointManager:
             strict=self.strict if strict is None else strict,
             targets=targets,
             remote=self.remote.remote if self.remote is not None else None,
+            agreement=RestoreAgreement.for_group(self.group),
         )
         self.last_restore = event
         if targets is not None:

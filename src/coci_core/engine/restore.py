@@ -10,8 +10,9 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, TypeVar
+from typing import Generic, Literal, TypeVar, cast
 
+from coci_core.engine.agreement import Found, RestoreAgreement, agreed_error, error_report
 from coci_core.engine.inplace import InPlaceTargets
 from coci_core.engine.load import (
     LoadedCheckpoint,
@@ -30,7 +31,7 @@ from coci_core.engine.steps import (
     read_manifest,
     step_infos,
 )
-from coci_core.errors import CorruptCheckpointError, NoCheckpointError, StorageError
+from coci_core.errors import CociError, CorruptCheckpointError, NoCheckpointError, StorageError
 from coci_core.storage import Storage
 from coci_core.telemetry.events import RestoreEvent
 
@@ -40,6 +41,7 @@ __all__ = [
     "Candidate",
     "LoadedCheckpoint",
     "RestoreCache",
+    "RestoreAgreement",
     "ResumePoint",
     "StepInfo",
     "check_checkpoint",
@@ -152,6 +154,89 @@ def _urls(storage: Storage, remote: Storage | None) -> str:
     return storage.url if remote is None else f"{storage.url} or {remote.url}"
 
 
+def _found(c: Candidate) -> Found:
+    """What a rank reports of the candidate it holds: its place in the order, and its run."""
+    sequence, created = c.info.order
+    return (sequence, created, c.step, c.info.run)
+
+
+def _place(found: Found) -> tuple[int, float, int]:
+    return found[:3]
+
+
+class _Search(Generic[_T]):
+    """The candidates of one restore, tried newest first; what was passed over and why."""
+
+    def __init__(
+        self,
+        candidates: list[Candidate],
+        storage: Storage,
+        remote: Storage | None,
+        step: int | None,
+        strict: bool,
+        attempt: Callable[[Candidate, RestoreCache], _T],
+        caches: dict[int, RestoreCache],
+        on_damaged: Callable[[Candidate, CorruptCheckpointError], None] | None,
+    ) -> None:
+        self.candidates = candidates
+        self.storage, self.remote, self.step, self.strict = storage, remote, step, strict
+        self.attempt, self.caches, self.on_damaged = attempt, caches, on_damaged
+        self.skipped: list[tuple[Candidate, str]] = []
+        self.errors: list[str] = []
+        self.damage: CorruptCheckpointError | None = None
+        self.absence: NoCheckpointError | None = None
+
+    def first_from(self, start: int) -> tuple[int, _T]:
+        """The first candidate from ``start`` on that ``attempt`` reads without damage."""
+        step, remote = self.step, self.remote
+        newest = self.candidates[0].info
+        for i in range(start, len(self.candidates)):
+            c = self.candidates[i]
+            strict_stop = self.strict and step is None and self.damage is not None
+            if strict_stop and not _same_checkpoint(c, newest):
+                assert self.damage is not None
+                raise self.damage  # strict: only another tier's copy of the newest
+            cache = self.caches.setdefault(id(c.storage), RestoreCache(c.storage))
+            try:
+                return i, self.attempt(c, cache)
+            except NoCheckpointError as e:
+                self.absence = self.absence or e
+                if step is None:  # removed while we read it (the writer's retention)
+                    logger.info(
+                        "coci: step %d was removed from %s while restoring it", c.step, c.tier
+                    )
+                    self.errors.append(f"step {c.step} ({c.tier}) was removed")
+            except CorruptCheckpointError as e:
+                self.damage = self.damage or e
+                if self.on_damaged is not None:
+                    self.on_damaged(c, e)
+                if step is None:
+                    where = f" ({c.tier})" if remote is not None else ""
+                    logger.warning(
+                        "coci: step %d%s is damaged, trying an older one: %s", c.step, where, e
+                    )
+                elif c.tier == "local" and remote is not None:
+                    logger.warning(
+                        "coci: step %d (local) is damaged, trying the remote tier's copy: %s",
+                        step,
+                        e,
+                    )
+                self.skipped.append((c, str(e)))
+                self.errors.append(str(e))
+        if step is not None:  # damage before absence
+            raise self.damage or self.absence or NoCheckpointError(f"no step {step}")
+        raise CorruptCheckpointError(
+            f"no intact checkpoint in {_urls(self.storage, remote)}: " + "; ".join(self.errors),
+            bad=[],
+        )
+
+    def pass_over(self, start: int, end: int, why: str) -> None:
+        """Candidates ``start`` to ``end`` (excluded) are passed over for ``why``."""
+        for c in self.candidates[start:end]:
+            if not any(s is c for s, _ in self.skipped):
+                self.skipped.append((c, why))
+
+
 def _first_intact(
     storage: Storage,
     remote: Storage | None,
@@ -161,58 +246,62 @@ def _first_intact(
     attempt: Callable[[Candidate, RestoreCache], _T],
     caches: dict[int, RestoreCache],
     on_damaged: Callable[[Candidate, CorruptCheckpointError], None] | None = None,
+    agreement: RestoreAgreement | None = None,
 ) -> tuple[ResumePoint, _T]:
     """The one decision of which checkpoint a resume takes: the candidates in
     :func:`resume_order` (or ``step`` in each tier), the first that ``attempt`` reads without
-    damage. Restore, ``coci ls``, ``coci export`` and the adapters all come here."""
-    if step is not None:
-        candidates = [
-            Candidate(tier, s, StepInfo(step, "", 0.0, intact=True))
-            for tier, s in _tiers(storage, remote)
-        ]
-    else:
-        candidates = resume_order(storage, remote, caches=caches)
-        if not candidates:
-            raise NoCheckpointError(f"no committed checkpoint in {_urls(storage, remote)}")
-        starts = [i for i, c in enumerate(candidates) if c.step == start_at]
-        if starts:
-            candidates = candidates[starts[0] :]
-    newest = candidates[0].info
-    skipped: list[tuple[Candidate, str]] = []
-    errors: list[str] = []
-    damage: CorruptCheckpointError | None = None
-    absence: NoCheckpointError | None = None
-    for c in candidates:
-        if strict and step is None and damage is not None and not _same_checkpoint(c, newest):
-            raise damage  # strict: only another tier's copy of the newest may replace it
-        cache = caches.setdefault(id(c.storage), RestoreCache(c.storage))
+    damage. Restore, ``coci ls``, ``coci export`` and the adapters all come here. With
+    ``agreement``, the first that every rank of it reads without damage (see
+    :mod:`~coci_core.engine.agreement`), or the same error on every rank."""
+    search: _Search[_T] | None = None
+    try:
+        if step is not None:
+            candidates = [
+                Candidate(tier, s, StepInfo(step, "", 0.0, intact=True))
+                for tier, s in _tiers(storage, remote)
+            ]
+        else:
+            candidates = resume_order(storage, remote, caches=caches)
+            if not candidates:
+                raise NoCheckpointError(f"no committed checkpoint in {_urls(storage, remote)}")
+            starts = [i for i, c in enumerate(candidates) if c.step == start_at]
+            if starts:
+                candidates = candidates[starts[0] :]
+        search = _Search(candidates, storage, remote, step, strict, attempt, caches, on_damaged)
+        i, result = search.first_from(0)
+    except CociError as e:
+        if agreement is None:
+            raise
+        raise agreed_error(agreement.exchange(error_report(e))) from e
+    if agreement is not None:
+        i, result = _agree(search, i, result, agreement)
+    return ResumePoint(search.candidates[i], tuple(search.skipped)), result
+
+
+def _agree(search: _Search[_T], i: int, result: _T, agreement: RestoreAgreement) -> tuple[int, _T]:
+    """Exchange what each rank holds until all hold the same checkpoint (the oldest of those
+    found, or an older one): every rank ends on one step, or raises the same error."""
+    while True:
+        reports = agreement.exchange({"found": list(_found(search.candidates[i]))})
+        if any(r.get("error") for r in reports):
+            raise agreed_error(reports)
+        found = [cast(Found, tuple(r["found"])) for r in reports]
+        agreed = min(found, key=_place)
+        if all(f == agreed for f in found):
+            return i, result
+        if _found(search.candidates[i]) == agreed:
+            continue  # this rank holds it; the others look again
+        # The newest this rank read is damaged or missing on another rank: take the agreed one,
+        # or the next older intact one, and tell the others.
+        start = next(
+            (j for j, c in enumerate(search.candidates) if _place(_found(c)) <= _place(agreed)),
+            len(search.candidates),
+        )
+        search.pass_over(i, start, "passed over: not intact on every rank")
         try:
-            return ResumePoint(c, tuple(skipped)), attempt(c, cache)
-        except NoCheckpointError as e:
-            absence = absence or e
-            if step is None:  # removed while we read it (the writer's retention): not damage
-                logger.info("coci: step %d was removed from %s while restoring it", c.step, c.tier)
-                errors.append(f"step {c.step} ({c.tier}) was removed")
-        except CorruptCheckpointError as e:
-            damage = damage or e
-            if on_damaged is not None:
-                on_damaged(c, e)
-            if step is None:
-                where = f" ({c.tier})" if remote is not None else ""
-                logger.warning(
-                    "coci: step %d%s is damaged, trying an older one: %s", c.step, where, e
-                )
-            elif c.tier == "local" and remote is not None:
-                logger.warning(
-                    "coci: step %d (local) is damaged, trying the remote tier's copy: %s", step, e
-                )
-            skipped.append((c, str(e)))
-            errors.append(str(e))
-    if step is not None:
-        raise damage or absence or NoCheckpointError(f"no step {step}")  # damage before absence
-    raise CorruptCheckpointError(
-        f"no intact checkpoint in {_urls(storage, remote)}: " + "; ".join(errors), bad=[]
-    )
+            i, result = search.first_from(start)
+        except CociError as e:
+            raise agreed_error(agreement.exchange(error_report(e))) from e
 
 
 def resume_step(
@@ -222,6 +311,7 @@ def resume_step(
     rank: int = 0,
     strict: bool = False,
     on_damaged: Callable[[Candidate, CorruptCheckpointError], None] | None = None,
+    agreement: RestoreAgreement | None = None,
 ) -> ResumePoint:
     """The checkpoint a resume takes from ``storage`` and its ``remote`` tier, as
     :func:`restore_newest` decides it, found by checking the candidates (newest first, every
@@ -237,7 +327,7 @@ def resume_step(
     def check(c: Candidate, cache: RestoreCache) -> None:
         check_checkpoint(c.storage, c.step, rank=rank, cache=cache)
 
-    return _first_intact(storage, remote, None, None, strict, check, {}, on_damaged)[0]
+    return _first_intact(storage, remote, None, None, strict, check, {}, on_damaged, agreement)[0]
 
 
 def restore_newest(
@@ -249,6 +339,7 @@ def restore_newest(
     strict: bool = False,
     targets: InPlaceTargets | None = None,
     remote: Storage | None = None,
+    agreement: RestoreAgreement | None = None,
 ) -> tuple[LoadedCheckpoint, RestoreEvent]:
     """Restore ``step``, or without it the newest checkpoint of the newest run (from
     ``start_at`` on, in that order, when given), falling back past damaged ones unless
@@ -256,7 +347,9 @@ def restore_newest(
     ``coci export``) uses, returning the event to report. With ``remote`` (a second tier), the
     newest intact checkpoint of either tier (see :func:`resume_order`), or ``step`` from the
     first tier where it is intact. ``targets``: live tensors to fill in place (see
-    :func:`load_checkpoint`; call ``targets.check`` once a step is restored).
+    :func:`load_checkpoint`; call ``targets.check`` once a step is restored). ``agreement``:
+    the ranks restoring together (:meth:`RestoreAgreement.for_group`), which then all restore
+    the newest step intact for every one of them, or all raise the same error.
 
     Raises:
         NoCheckpointError: nothing is committed (or not ``step``).
@@ -270,7 +363,9 @@ def restore_newest(
     def load(c: Candidate, cache: RestoreCache) -> LoadedCheckpoint:
         return load_checkpoint(c.storage, c.step, rank=rank, cache=cache, targets=targets)
 
-    point, loaded = _first_intact(storage, remote, step, start_at, strict, load, caches)
+    point, loaded = _first_intact(
+        storage, remote, step, start_at, strict, load, caches, agreement=agreement
+    )
     times = [cache.times for cache in caches.values()]
     event = RestoreEvent(
         step=loaded.step,

@@ -9,6 +9,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from coci_core.engine.agreement import RestoreAgreement
 from coci_core.engine.inplace import InPlaceTargets
 from coci_core.engine.manifest import MANIFEST_NAME, parse_step_dir, step_dir_name
 from coci_core.engine.restore import LoadedCheckpoint, restore_newest, resume_order
@@ -81,29 +82,40 @@ def read_checkpoint(
     fall_back: bool = False,
     remote: str | None = None,
     remote_storage_options: Mapping[str, Any] | None = None,
+    agree: bool = True,
 ) -> tuple[LoadedCheckpoint, RestoreEvent]:
     """Restore ``step`` of ``directory`` (verified) with ``rank``'s per-rank state, and the
     event to report. ``live``: a state whose tensors are filled in place (no second copy; its
     DTensors receive the boxes they hold, on any mesh); ``replaced``: paths in it whose
     ``load_state_dict`` replaces their whole state (see ``InPlaceTargets``).
     ``fall_back``: the newest intact checkpoint from ``step`` on, of ``directory`` or the
-    ``remote`` tier, as a resume takes it (past damaged ones).
+    ``remote`` tier, as a resume takes it (past damaged ones). ``agree``: every process of an
+    initialized ``torch.distributed`` job reads together, and all end on one step (the newest
+    intact for every one of them) or raise the same error.
 
     Raises:
         NoCheckpointError, CorruptCheckpointError, StorageError: as
             :meth:`CheckpointManager.restore <coci_core.CheckpointManager.restore>`.
     """
     targets = InPlaceTargets(live, replaced) if live is not None else None
+    agreement = RestoreAgreement.for_job() if agree else None
     storage = open_storage(str(directory), **dict(storage_options or {}))
     if fall_back:
         remote_storage = None
         if remote is not None:
             remote_storage = open_storage(remote, **dict(remote_storage_options or {}))
         loaded, event = restore_newest(
-            storage, start_at=step, rank=rank, targets=targets, remote=remote_storage
+            storage,
+            start_at=step,
+            rank=rank,
+            targets=targets,
+            remote=remote_storage,
+            agreement=agreement,
         )
     else:
-        loaded, event = restore_newest(storage, step, rank=rank, targets=targets)
+        loaded, event = restore_newest(
+            storage, step, rank=rank, targets=targets, agreement=agreement
+        )
     if targets is not None:
         targets.check(loaded.step)
     return loaded, event

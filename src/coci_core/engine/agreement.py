@@ -1,0 +1,170 @@
+"""How the ranks that restore one checkpoint together agree on its step.
+
+Each rank reads on its own (its pieces, its per-rank state); then the ranks tell each other,
+through the job's key-value store, which step each found intact. The oldest of those is
+proposed to all; a rank for which it is damaged goes on to older steps, and the ranks tell each
+other again, until all hold the same step or one has none left, and then all raise the same
+error. The store, not a collective: a rank that fails says so and the others raise with it, and
+a rank that died is waited for only ``RESTORE_AGREE_TIMEOUT_S`` (a collective would hang until
+the process group's timeout, or for ever).
+
+Every rank of a group restores together: the n-th restore of each rank agrees with the n-th
+restore of the others (as the n-th manager of each rank joins the others', see
+:meth:`RankGroup.default <coci_core.engine.group.RankGroup.default>`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from datetime import timedelta
+from typing import Any
+
+from coci_core.engine.group import RankGroup
+from coci_core.errors import (
+    CheckpointError,
+    CociError,
+    CorruptCheckpointError,
+    NoCheckpointError,
+    StorageError,
+)
+from coci_core.knobs import RESTORE_AGREE_TIMEOUT_S
+
+__all__ = ["RestoreAgreement", "agreed_error"]
+
+logger = logging.getLogger(__name__)
+
+#: What a rank reports: the checkpoint it holds (commit sequence, creation time when the
+#: manifest records no sequence, step, run), or why it holds none.
+Found = tuple[int, float, int, str]
+
+
+class RestoreAgreement:
+    """One restore's exchange between the ranks of ``group`` through ``store`` (a
+    ``torch.distributed.Store``): :meth:`exchange` gives every rank's report, in rank order."""
+
+    def __init__(
+        self,
+        store: Any,
+        rank: int,
+        world_size: int,
+        *,
+        name: str = "job",
+        timeout_s: float = RESTORE_AGREE_TIMEOUT_S,
+    ) -> None:
+        self.store = store
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        # the n-th restore of this rank meets the n-th restore of the others
+        n = int(store.add(f"coci/restore/{name}/count/r{rank}", 1))
+        self._prefix = f"coci/restore/{name}/{n}"
+        self._round = 0
+
+    @classmethod
+    def for_group(
+        cls, group: RankGroup | None, *, timeout_s: float = RESTORE_AGREE_TIMEOUT_S
+    ) -> RestoreAgreement | None:
+        """The agreement of ``group``'s ranks through the job's store; None when there is
+        nothing to agree on (one rank) or no store to agree through (``torch.distributed`` not
+        initialized: ranks made by hand in one process restore each on its own)."""
+        if group is None or group.world_size == 1:
+            return None
+        store = _job_store()
+        if store is None:
+            return None
+        return cls(store, group.rank, group.world_size, name=group.session, timeout_s=timeout_s)
+
+    @classmethod
+    def for_job(cls, *, timeout_s: float = RESTORE_AGREE_TIMEOUT_S) -> RestoreAgreement | None:
+        """The agreement of every process of the initialized ``torch.distributed`` job (for a
+        framework whose every rank loads a checkpoint by path); None with one process."""
+        store = _job_store()
+        if store is None:
+            return None
+        import torch.distributed as dist
+
+        world = dist.get_world_size()
+        if world == 1:
+            return None
+        return cls(store, dist.get_rank(), world, timeout_s=timeout_s)
+
+    def exchange(self, report: dict[str, Any]) -> list[dict[str, Any]]:
+        """Post this rank's ``report`` (JSON) and return every rank's, in rank order.
+
+        Raises:
+            CheckpointError: a rank did not report within ``timeout_s``.
+        """
+        key = f"{self._prefix}/{self._round}"
+        self._round += 1
+        self.store.set(f"{key}/r{self.rank}", json.dumps(report))
+        keys = [f"{key}/r{r}" for r in range(self.world_size)]
+        try:
+            self.store.wait(keys, timedelta(seconds=self.timeout_s))
+        except RuntimeError as e:  # the store's timeout (or a store that went away)
+            missing = []
+            for r in range(self.world_size):
+                try:
+                    if not self.store.check([keys[r]]):
+                        missing.append(r)
+                except RuntimeError:
+                    missing.append(r)
+            raise CheckpointError(
+                f"rank(s) {missing or '?'} did not say within {self.timeout_s:g} s which "
+                f"checkpoint they could restore; this rank restores nothing ({e})"
+            ) from e
+        return [json.loads(self.store.get(k)) for k in keys]
+
+
+def _job_store() -> Any:
+    """The initialized job's key-value store, or None."""
+    try:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        # Private, but the job's own store, reachable without a collective (as in
+        # RankGroup.default).
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store()
+    except (ImportError, RuntimeError, ValueError) as e:
+        logger.warning("coci: the ranks cannot agree on the restored step (%s)", e)
+        return None
+
+
+_KINDS: dict[str, type[CociError]] = {
+    "NoCheckpointError": NoCheckpointError,
+    "CorruptCheckpointError": CorruptCheckpointError,
+    "StorageError": StorageError,
+    "CheckpointError": CheckpointError,
+}
+
+
+def error_report(e: BaseException) -> dict[str, Any]:
+    """What a rank reports when it holds no checkpoint: the kind of error and why."""
+    kind = next((k for k, cls in _KINDS.items() if isinstance(e, cls)), "CheckpointError")
+    return {"error": [kind, f"{type(e).__name__}: {str(e)[:500]}"]}
+
+
+def agreed_error(reports: list[dict[str, Any]]) -> CociError:
+    """The one error every rank raises when some rank holds no checkpoint: of the kind of
+    the failures when they are all alike (every rank found nothing: NoCheckpointError), else
+    a CorruptCheckpointError, its message naming each failed rank's reason."""
+    failed = [(r, rep["error"]) for r, rep in enumerate(reports) if rep.get("error")]
+    kinds = {kind for _, (kind, _) in failed}
+    if len(failed) < len(reports) and kinds <= {"NoCheckpointError"}:
+        # Some ranks hold a checkpoint that others do not have at all (node-local disks, one
+        # of them new): restoring on some ranks only would split the job.
+        held = [r for r, rep in enumerate(reports) if not rep.get("error")]
+        kinds = {"CorruptCheckpointError"}
+        detail = f"; rank(s) {held} hold one"
+    else:
+        detail = ""
+    kind = kinds.pop() if len(kinds) == 1 else "CorruptCheckpointError"
+    reasons = "; ".join(f"rank {r}: {why}" for r, (_, why) in failed)
+    message = f"no checkpoint can be restored on every rank ({reasons}{detail})"
+    cls = _KINDS[kind]
+    if cls is StorageError:
+        return StorageError(message)
+    return cls(message)

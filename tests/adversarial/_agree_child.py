@@ -1,0 +1,158 @@
+"""One rank of a job whose ranks restore together: saves a ``Shard(0)`` DTensor and per-rank
+state at steps 1 to 3 (``cfg["save"]``), damages copies of the checkpoint (rank 0, between
+barriers), then restores each copy through ``restore()``, ``restore(into=...)`` and
+``InPlaceTargets``, and reports the step each restore ended on, or its error.
+
+Run by ``tests.sharding._dist_child.launch(..., module="tests.adversarial._agree_child")``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from coci_core import CheckpointManager, CociError, InPlaceTargets, RankGroup
+from coci_core.engine.manifest import step_dir_name
+from coci_core.engine.restore import read_manifest
+from coci_core.storage import LocalStorage
+
+STEPS = (1, 2, 3)
+
+
+def full(step: int) -> torch.Tensor:
+    return torch.arange(48.0).reshape(12, 4) + 100 * step
+
+
+def rank_value(step: int, rank: int) -> torch.Tensor:
+    return torch.full((3,), float(10 * step + rank))
+
+
+def flip(directory: Path, step: int, key: str, rank: int) -> None:
+    """Flip one byte of what ``rank`` wrote of ``key`` at ``step`` (a per-rank key with
+    ``rank:`` in front: that rank's own state)."""
+    manifest = read_manifest(LocalStorage(directory), step)
+    if key.startswith("rank:"):
+        entries = manifest.per_rank[rank].tensors
+        key = key[len("rank:") :]
+    else:
+        entries = manifest.tensors
+    entry = next(e for e in entries if e.key == key)
+    piece = next(p for p in entry.pieces if p.file == f"data-r{rank}.bin")
+    path = directory / step_dir_name(step) / piece.file
+    data = bytearray(path.read_bytes())
+    data[piece.offset + piece.nbytes // 2] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+# name -> damage done to a copy of the saved checkpoint (the saving world's ranks 0 and 1)
+SCENARIOS: dict[str, list[tuple[int, str, int]]] = {
+    "intact": [],
+    "piece": [(3, "/model/w", 1)],  # rank 1's piece of the newest step
+    "rank_state": [(3, "rank:/rng", 1)],  # rank 1's own state of the newest step
+    # the newest step damaged for rank 1, the one before for rank 0: two rounds to agree
+    "staggered": [(3, "/model/w", 1), (2, "/model/w", 0)],
+    "all": [(3, "/model/w", 1), (2, "/model/w", 0), (1, "/model/w", 1)],
+}
+
+
+def restore_all(root: Path, mesh: Any, rank: int) -> dict[str, Any]:
+    """Every scenario's copy, restored through each path: the step, or the error."""
+    out: dict[str, Any] = {}
+    for name in [*SCENARIOS, "missing_here", "unreadable_here"]:
+        directory = root / name
+        if name in ("missing_here", "unreadable_here"):
+            directory = root / "intact"
+        if name == "missing_here" and rank == 1:
+            directory = root / "empty"  # a node whose disk holds nothing
+        if name == "unreadable_here" and rank == 1:
+            directory = root / "a-file"  # a node that cannot read the directory at all
+        for path in ("restore", "into", "targets"):
+            group = RankGroup.from_torch_distributed()
+            mgr = CheckpointManager(directory, group=group, keep_last=None)
+            live = {
+                "w": distribute_tensor(torch.zeros(12, 4), mesh, [Shard(0)]),
+                "rng": torch.zeros(3),
+            }
+            model = torch.nn.Linear(4, 12, bias=False)
+            try:
+                if path == "restore":
+                    state = mgr.restore()
+                    got_w = state["model"]["w"]
+                elif path == "into":
+                    state = mgr.restore(into={"model": Holder(live)})
+                    got_w = live["w"]
+                else:
+                    target = {"model": {"w": live["w"]}, "rng": live["rng"]}
+                    state = mgr.restore(targets=InPlaceTargets(target))
+                    got_w = state["model"]["w"]
+                step = mgr.last_restore.step if mgr.last_restore else None
+                if hasattr(got_w, "full_tensor"):
+                    got_w = got_w.full_tensor()
+                exact = step is not None and torch.equal(got_w, full(step))
+                rng = state.get("rng")
+                own = rng is not None and torch.equal(rng, rank_value(step or 0, rank))
+                out[f"{name}/{path}"] = {"step": step, "exact": exact, "own": own}
+            except CociError as e:
+                out[f"{name}/{path}"] = {"error": f"{type(e).__name__}: {e}"}
+            finally:
+                mgr.close()
+                del model
+    return out
+
+
+class Holder:
+    """A ``load_state_dict`` target that copies the restored model into ``live``."""
+
+    def __init__(self, live: dict[str, Any]) -> None:
+        self.live = live
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        w = state["w"]
+        if hasattr(w, "full_tensor"):
+            w = w.full_tensor()
+        local = self.live["w"]
+        shard = distribute_tensor(w, local.device_mesh, local.placements)
+        local.to_local().copy_(shard.to_local())
+
+
+def main(cfg: dict[str, Any]) -> dict[str, Any]:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    root = Path(cfg["dir"])
+    if cfg.get("save"):
+        mgr = CheckpointManager(
+            root / "saved", group=RankGroup.from_torch_distributed(), keep_last=None
+        )
+        for step in STEPS:
+            state = {"model": {"w": distribute_tensor(full(step), mesh, [Shard(0)])}}
+            mgr.save(step, state, per_rank={"rng": rank_value(step, rank)}).wait()
+        mgr.close()
+        dist.barrier()
+        if rank == 0:
+            for name, damage in SCENARIOS.items():
+                shutil.copytree(root / "saved", root / name)
+                for step, key, r in damage:
+                    flip(root / name, step, key, r)
+            (root / "empty").mkdir()
+            (root / "a-file").write_bytes(b"not a directory")
+    dist.barrier()
+    out = {"rank": rank, "results": restore_all(root, mesh, rank)}
+    dist.barrier()
+    return out
+
+
+if __name__ == "__main__":
+    result = main(json.loads(sys.argv[1]))
+    print("RESULT " + json.dumps(result), flush=True)
+    sys.stdout.flush()
+    os._exit(0)
