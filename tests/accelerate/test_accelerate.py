@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from coci_core import CheckpointError, CheckpointManager, CociError
 from coci_core.telemetry import read_jsonl
 from coci_core.telemetry.timeline import find_runs
 from tests.accelerate.loop import digits, train
+from tests.harness.faults import flip_stored_byte
 from tests.harness.processes import Child, module, run
 from tests.harness.results import result_rows
 
@@ -32,11 +34,16 @@ def _results(stdout: str) -> dict[int, dict[str, Any]]:
 
 
 def _kill_and_resume(
-    command: list[str], directory: Path, total: int, kill: int
+    command: list[str],
+    directory: Path,
+    total: int,
+    kill: int,
+    damage: Callable[[Path, list[int]], None] | None = None,
 ) -> tuple[list[int], dict[int, dict[str, Any]]]:
     """Run ``command`` until it prints ``AT kill``, then SIGKILL it and all its workers at
     once (torchrun starts them in sessions of their own), as a node failure would; run it
-    again to its end. The steps committed at the kill, and the second run's results."""
+    again to its end (after ``damage`` to the checkpoint directory and its steps). The steps
+    committed at the kill, and the second run's results."""
     with Child(
         [*command, str(directory), str(total), str(kill)],
         stderr=subprocess.DEVNULL,
@@ -44,6 +51,8 @@ def _kill_and_resume(
     ) as child:
         child.kill_at(f"AT {kill}")
     steps = CheckpointManager(directory / "coci", keep_last=None).steps()
+    if damage is not None:
+        damage(directory / "coci", steps)
     out = run([*command, str(directory), str(total)], timeout_s=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return steps, _results(out.stdout)
@@ -96,17 +105,22 @@ def test_sigkill_mid_epoch_single_process(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.dist
-def test_sigkill_two_processes(tmp_path: Path) -> None:
-    """The same with 2 processes (torchrun, gloo): every process ends bit-identical and sees
-    each of its remaining samples once."""
+def test_sigkill_two_processes_resume_one_step_past_one_ranks_damage(tmp_path: Path) -> None:
+    """The same with 2 processes (torchrun, gloo), the newest step's random states of rank 1
+    damaged on disk: both processes resume the step before (the newest intact for both), end
+    bit-identical and see each of their remaining samples once."""
     command = module(
         "torch.distributed.run", "--nproc-per-node", "2", "-m", "tests.accelerate.loop"
     )
     expected = _results(
         run([*command, str(tmp_path / "ref"), "40"], timeout_s=600, check=True).stdout
     )
-    steps, resumed = _kill_and_resume(command, tmp_path / "run", 40, 23)
-    assert steps and steps[-1] <= 23 and steps[-1] % 5 == 0  # older if the writer lagged
+
+    def damage(directory: Path, steps: list[int]) -> None:
+        flip_stored_byte(directory, steps[-1], 1, own=True)
+
+    steps, resumed = _kill_and_resume(command, tmp_path / "run", 40, 23, damage)
+    assert len(steps) >= 2 and steps[-1] <= 23 and steps[-1] % 5 == 0  # older: writer lagged
     with CheckpointManager(tmp_path / "run" / "coci") as mgr:
         manifest = mgr.manifest(mgr.steps()[-1])
     # both processes wrote their share, and each its own random states
@@ -114,7 +128,7 @@ def test_sigkill_two_processes(tmp_path: Path) -> None:
     assert [f.name for f in manifest.files] == ["data-r0.bin", "data-r1.bin"]
     assert all(f.nbytes > 0 for f in manifest.files)
     assert len(manifest.per_rank) == 2 and all(r.tree for r in manifest.per_rank)
-    start = steps[-1]
+    start = steps[-2]
     for rank in (0, 1):
         assert resumed[rank]["digest"] == expected[rank]["digest"]
         # 2 processes: each takes half of every global batch of 2 x 16

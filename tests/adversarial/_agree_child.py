@@ -21,9 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from coci_core import CheckpointManager, CociError, InPlaceTargets, RankGroup
-from coci_core.engine.manifest import step_dir_name
-from coci_core.engine.restore import read_manifest
-from coci_core.storage import LocalStorage
+from tests.harness.faults import flip_stored_byte
 
 STEPS = (1, 2, 3)
 
@@ -34,23 +32,6 @@ def full(step: int) -> torch.Tensor:
 
 def rank_value(step: int, rank: int) -> torch.Tensor:
     return torch.full((3,), float(10 * step + rank))
-
-
-def flip(directory: Path, step: int, key: str, rank: int) -> None:
-    """Flip one byte of what ``rank`` wrote of ``key`` at ``step`` (a per-rank key with
-    ``rank:`` in front: that rank's own state)."""
-    manifest = read_manifest(LocalStorage(directory), step)
-    if key.startswith("rank:"):
-        entries = manifest.per_rank[rank].tensors
-        key = key[len("rank:") :]
-    else:
-        entries = manifest.tensors
-    entry = next(e for e in entries if e.key == key)
-    piece = next(p for p in entry.pieces if p.file == f"data-r{rank}.bin")
-    path = directory / step_dir_name(step) / piece.file
-    data = bytearray(path.read_bytes())
-    data[piece.offset + piece.nbytes // 2] ^= 0x40
-    path.write_bytes(bytes(data))
 
 
 # name -> damage done to a copy of the saved checkpoint (the saving world's ranks 0 and 1)
@@ -142,7 +123,8 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
             for name, damage in SCENARIOS.items():
                 shutil.copytree(root / "saved", root / name)
                 for step, key, r in damage:
-                    flip(root / name, step, key, r)
+                    own = key.startswith("rank:")
+                    flip_stored_byte(root / name, step, r, key.removeprefix("rank:"), own=own)
             (root / "empty").mkdir()
             (root / "a-file").write_bytes(b"not a directory")
     dist.barrier()

@@ -5,10 +5,35 @@ from __future__ import annotations
 import errno
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
+from coci_core.engine.manifest import step_dir_name
+from coci_core.engine.steps import read_manifest
 from coci_core.knobs import S3_PART_BYTES, MiB
-from coci_core.storage import Storage, StorageWrapper, s3_parallel
+from coci_core.storage import LocalStorage, Storage, StorageWrapper, s3_parallel
+
+
+def flip_stored_byte(
+    directory: Path, step: int, rank: int, key: str | None = None, *, own: bool = False
+) -> str:
+    """Flip one byte of what ``rank`` wrote of ``key`` (default: its first array) at ``step``
+    of the local checkpoint ``directory``: of the shared state, or with ``own`` of that rank's
+    own state (``per_rank``). Disk damage only that rank reads. Returns the key."""
+    manifest = read_manifest(LocalStorage(directory), step)
+    entries = manifest.per_rank[rank].tensors if own else manifest.tensors
+    file = f"data-r{rank}.bin"
+    entry = next(
+        e
+        for e in entries
+        if (key is None or e.key == key) and any(p.file == file and p.nbytes for p in e.pieces)
+    )
+    piece = next(p for p in entry.pieces if p.file == file and p.nbytes)
+    path = directory / step_dir_name(step) / file
+    data = bytearray(path.read_bytes())
+    data[piece.offset + piece.nbytes // 2] ^= 0x40
+    path.write_bytes(bytes(data))
+    return entry.key
 
 
 class FaultyStorage(StorageWrapper):
