@@ -48,7 +48,7 @@ SCENARIOS: dict[str, list[tuple[int, str, int]]] = {
 def restore_all(root: Path, mesh: Any, rank: int) -> dict[str, Any]:
     """Every scenario's copy, restored through each path: the step, or the error."""
     out: dict[str, Any] = {}
-    for name in [*SCENARIOS, "missing_here", "unreadable_here"]:
+    for name in [*SCENARIOS, "missing_here", "unreadable_here", "tiers"]:
         directory = root / name
         if name in ("missing_here", "unreadable_here"):
             directory = root / "intact"
@@ -56,9 +56,13 @@ def restore_all(root: Path, mesh: Any, rank: int) -> dict[str, Any]:
             directory = root / "empty"  # a node whose disk holds nothing
         if name == "unreadable_here" and rank == 1:
             directory = root / "a-file"  # a node that cannot read the directory at all
+        # a remote tier holding an intact copy of what rank 1 finds damaged locally
+        remote = root / "intact" if name == "tiers" else None
+        if name == "tiers":
+            directory = root / "piece"
         for path in ("restore", "into", "targets"):
             group = RankGroup.from_torch_distributed()
-            mgr = CheckpointManager(directory, group=group, keep_last=None)
+            mgr = CheckpointManager(directory, group=group, keep_last=None, remote=remote)
             live = {
                 "w": distribute_tensor(torch.zeros(12, 4), mesh, [Shard(0)]),
                 "rng": torch.zeros(3),

@@ -4,7 +4,8 @@ waiting in a collective).
 
 Two real gloo ranks save a ``Shard(0)`` DTensor and per-rank state at steps 1 to 3; copies of
 the checkpoint are damaged (one rank's piece, one rank's own state, different steps for
-different ranks, every step for some rank), or missing or unreadable on one rank only. The
+different ranks, every step for some rank), or missing or unreadable on one rank only, or
+damaged locally with an intact copy on a remote tier. The
 same two ranks, then four ranks (another world size: a resharding restore), restore every
 copy through ``restore()``, ``restore(into=...)`` and ``InPlaceTargets``.
 """
@@ -21,7 +22,7 @@ from tests.sharding._dist_child import launch
 pytestmark = [pytest.mark.dist, pytest.mark.faults]
 
 PATHS = ("restore", "into", "targets")
-EXPECTED = {"intact": 3, "piece": 2, "rank_state": 2, "staggered": 1}
+EXPECTED = {"intact": 3, "piece": 2, "rank_state": 2, "staggered": 1, "tiers": 3}
 FAILING = ("all", "missing_here", "unreadable_here")
 
 
