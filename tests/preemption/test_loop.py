@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from coci_core import CheckpointManager
-from tests.harness.processes import Child, module
+from tests.harness.processes import Child, free_port, module, rank_env
 from tests.preemption.metadata_server import MetadataServer
 
 CHILD = "tests.preemption._loop_child"
@@ -117,3 +117,38 @@ def test_the_aws_spot_notice_from_the_metadata_endpoint(tmp_path: Path) -> None:
     (stop,) = _marks(lines, "PREEMPTED")
     assert stop["source"] == "aws" and stop["saved"] == stop["at"]
     assert _restored(tmp_path)[0] == stop["at"]
+
+
+def test_two_gloo_ranks_save_the_same_step_when_only_one_gets_sigterm(tmp_path: Path) -> None:
+    """Rank 1 alone gets SIGTERM; at the next step boundary both ranks learn of it, both save
+    that step (each its share) and stop; the checkpoint restores to what they saved."""
+    args = json.dumps({"dir": str(tmp_path), "sources": ["TERM@30"], "margin_s": 2})
+    port = free_port()
+    children = [
+        Child(module(CHILD, args), env=rank_env(r, 2, port), stderr=subprocess.DEVNULL)
+        for r in range(2)
+    ]
+    try:
+        ready = 0
+        lines: list[list[str]] = [[], []]
+        for rank, child in enumerate(children):  # both saved step 5 and wait at READY
+            while line := child.readline():
+                lines[rank].append(line)
+                if line.startswith("READY"):
+                    ready += 1
+                    break
+        assert ready == 2
+        os.kill(children[1].pid, signal.SIGTERM)
+        codes = [child.wait(60) for child in children]
+        for rank, child in enumerate(children):
+            lines[rank].extend(child.lines())
+    finally:
+        for child in children:
+            child.close()
+    assert codes == [143, 143]
+    stops = [_marks(rank_lines, "PREEMPTED")[0] for rank_lines in lines]
+    assert [s["source"] for s in stops] == ["another rank", "SIGTERM"]
+    assert stops[0]["at"] == stops[1]["at"] == stops[0]["saved"] == stops[1]["saved"] > 5
+    saved = {s["step"]: s["digest"] for s in _marks(lines[0], "SAVED")}
+    step, state = _restored(tmp_path)
+    assert step == stops[0]["at"] and _digest(state) == saved[step]
