@@ -10,7 +10,7 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -22,6 +22,7 @@ from coci_accelerate.tracker import CociTracker
 from coci_core.engine.compress import CompressionPolicy
 from coci_core.errors import CociError, ConfigError, NoCheckpointError
 from coci_core.planner.policies import SavePolicy
+from coci_core.preemption import NoticeSource, Preemption
 from coci_core.storage import is_url
 from coci_core.telemetry import TelemetrySink
 from coci_core.telemetry.objects import report_sink
@@ -33,6 +34,7 @@ from coci_core.training import (
     check_bool,
     shared_options,
 )
+from coci_core.training.preemption import min_over_ranks
 
 __all__ = ["CociCheckpointer"]
 
@@ -74,6 +76,11 @@ class CociCheckpointer:
         remote_keep_last: as for ``CociCheckpoint``.
         remote_storage_options: as for ``CociCheckpoint``.
         remote_upload_every: as for ``CociCheckpoint``.
+        preemption: the preemption notices to act on (default ``"auto"``: SIGTERM with a
+            30 s grace period, and the metadata of the cloud the machine runs in; None: none;
+            see docs/preemption.md). On a notice every process learns of it at the next
+            ``step()``, saves that step when the save fits the time left, and ``step()``
+            raises :class:`~coci_core.Preempted` (a ``SystemExit``, exit status 143).
     """
 
     def __init__(
@@ -100,6 +107,7 @@ class CociCheckpointer:
         remote_keep_last: int | None = 10,
         remote_storage_options: Mapping[str, Any] | None = None,
         remote_upload_every: int | Literal["auto"] = "auto",
+        preemption: str | Sequence[str | NoticeSource] | Preemption | None = "auto",
     ) -> None:
         if not isinstance(accelerator, Accelerator):
             raise ConfigError(
@@ -132,15 +140,18 @@ class CociCheckpointer:
                     for tracker in accelerator.trackers
                     if type(tracker).__name__ == "TensorBoardTracker"
                 )
+        several = accelerator.num_processes > 1
         self.checkpointer = Checkpointer(
             self.dirpath,
             self.options,
             rank=accelerator.process_index,
             world_size=accelerator.num_processes,
-            broadcast=_broadcast if accelerator.num_processes > 1 else None,
+            broadcast=_broadcast if several else None,
+            min_over_ranks=min_over_ranks() if several and self.options.preemption else None,
             sinks=sinks,
             log=logger,
         )
+        self.checkpointer.watch_preemption()
         self._closed = False
         self._tracker = _find_tracker(accelerator)
         config = accelerator.dataloader_config
@@ -183,6 +194,11 @@ class CociCheckpointer:
         ``ConfigError``. A call after which no optimizer step completed (gradient accumulation)
         does nothing. ``loss`` is only needed without a ``CociTracker`` in ``log_with``.
         Returns the save's handle on the process that writes, else None.
+
+        Raises:
+            Preempted: a preemption notice reached a process (see ``preemption``): this step
+                was saved if the save fitted the time left, the checkpointer is closed; let
+                it end the process (exit status 143) so that the scheduler restarts the job.
         """
         self._check_prepared()
         if self._hook_optimizers(late=True):
@@ -213,8 +229,14 @@ class CociCheckpointer:
             self._announce_plan()
         if self.checkpointer.should_save(count):
             handle = self.save()
-        elif not self.checkpointer.warmed:
+        elif not self.checkpointer.warmed and self.checkpointer.preempted is None:
             self._warm_up(count)
+        if self.checkpointer.preempted is not None:
+            self._closed = True  # a close() in the user's finally has nothing left to do
+            stop = self.checkpointer.end_preempted()
+            if self.accelerator.is_main_process:
+                self.checkpointer.log_summary(logger)
+            raise stop
         self._last_step_end = time.perf_counter()
         return handle
 
@@ -299,6 +321,8 @@ class CociCheckpointer:
         while an exception propagates (``close()`` in a ``finally``: another process may be
         gone, the step may be half done); ``save=True`` forces it then.
         """
+        if self._closed and self.checkpointer.preempted is not None:
+            return  # stopped on a notice: saved and closed then
         try:
             forced = save is True
             wanted = self.save_on_close if save is None else save

@@ -13,6 +13,8 @@
     ├── BackgroundSaveError(CociError)             a background persist failed
     ├── DirectoryInUseError(CociError)             another writer owns the directory
     └── CommitError(CociError)                     a rank of a sharded save failed (its cause)
+
+    Preempted(SystemExit)                          training stopped on a preemption notice
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ __all__ = [
     "CorruptCheckpointError",
     "DirectoryInUseError",
     "NoCheckpointError",
+    "Preempted",
     "StepExistsError",
     "StorageError",
     "UnsafeCheckpointError",
@@ -118,3 +121,23 @@ class CommitError(CociError):
     def __init__(self, message: str, *, ranks: list[int]):
         super().__init__(message)
         self.ranks = sorted(ranks)
+
+
+class Preempted(SystemExit):
+    """Training stopped on a preemption notice (raised by ``CociCheckpointer.step()`` and
+    :meth:`Checkpointer.stop_if_preempted <coci_core.training.Checkpointer.stop_if_preempted>`
+    at the step all ranks agreed on, after its save, or without one that could not fit).
+
+    A ``SystemExit``: ``except Exception`` does not catch it, ``finally`` blocks run, and the
+    process exits with ``code`` (default 143, as a process ended by SIGTERM reports), which
+    schedulers count as a failure to retry (Kubernetes, torchelastic, SLURM ``--requeue``).
+    ``step``: the step saved (None: no save fitted the time left); ``source``: the notice."""
+
+    def __init__(self, message: str, *, code: int, step: int | None, source: str):
+        super().__init__(code)
+        self.message = message
+        self.step = step
+        self.source = source
+
+    def __str__(self) -> str:
+        return self.message

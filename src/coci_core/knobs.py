@@ -197,3 +197,15 @@ STEP_INFO_CACHE_ENTRIES = 4096
 #: pieces of this size, each with its checksum: a rank of another mesh that needs some of the
 #: part reads (and verifies) only the pieces holding it, not the whole part.
 SHARD_PIECE_BYTES = 8 * MiB
+
+# -- preemption notices (preemption/) ----------------------------------------------------
+#: How often the cloud metadata pollers ask (AWS advises every 5 s; the notice gives 120 s).
+METADATA_POLL_S = 5.0
+#: How long one metadata request may take (the endpoint is on the machine itself).
+METADATA_TIMEOUT_S = 1.0
+#: The time a notice's save keeps in reserve for what follows it (closing, the exit).
+PREEMPTION_MARGIN_S = 3.0
+#: The grace period assumed after a SIGTERM (Kubernetes' and torchelastic's default).
+SIGTERM_GRACE_S = 30.0
+#: The exit status after a preemption (a process ended by SIGTERM reports 128 + 15).
+PREEMPTED_EXIT_CODE = 143

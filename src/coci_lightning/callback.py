@@ -13,7 +13,7 @@ import logging
 import os
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -27,6 +27,7 @@ from coci_core.engine.compress import CompressionPolicy
 from coci_core.errors import CociError, ConfigError
 from coci_core.planner import Termination
 from coci_core.planner.policies import SavePolicy
+from coci_core.preemption import NoticeSource, Preemption
 from coci_core.storage import is_url
 from coci_core.telemetry import RestoreEvent
 from coci_core.training import (
@@ -123,6 +124,7 @@ class CociCheckpoint(Checkpoint):
             at the end), or ``"auto"`` (default): the planner's two-level period for the
             measured upload cost and ``planner_options={"node_loss_share": ...}`` (every
             checkpoint until an upload is measured, and while uploads cost the loop little).
+        preemption: the preemption notices to act on (see docs/preemption.md).
         early_stopping_hazard: when the Trainer has an ``EarlyStopping`` callback, plan with
             the probability that it stops the run at each coming validation (see
             :mod:`coci_core.hpo.early_stopping`); ``explain()`` shows it.
@@ -158,6 +160,7 @@ class CociCheckpoint(Checkpoint):
         remote_keep_last: int | None = 10,
         remote_storage_options: Mapping[str, Any] | None = None,
         remote_upload_every: int | Literal["auto"] = "auto",
+        preemption: str | Sequence[str | NoticeSource] | Preemption | None = "auto",
         early_stopping_hazard: bool = True,
         save_when_stopped: bool = False,
     ) -> None:

@@ -423,10 +423,12 @@ class CheckpointManager:
             raise TimeoutError(f"save of step {handle.step} not durable after {timeout_s} s")
         self._writer.raise_failed()
 
-    def close(self) -> None:
+    def close(self, *, upload_timeout_s: float | None = None) -> None:
         """Wait for pending saves and stop the background worker (idempotent). A manager that
         is never closed is closed when the main thread ends, before the interpreter shuts
         down: its pending saves are made durable then (a save that fails logs one line).
+        ``upload_timeout_s``: how long the remote tier's last upload may still take (default
+        ``UPLOAD_CLOSE_TIMEOUT_S``; a preempted run gives the time it has left).
 
         Raises:
             BackgroundSaveError: a background save failed and was not reported yet.
@@ -444,7 +446,9 @@ class CheckpointManager:
                 handle.check_copy(any_thread=True)
                 handle.wait_done()
             self._worker.stop()
-            if self.remote is not None:
+            if self.remote is not None and upload_timeout_s is not None:
+                self.remote.close(max(0.0, upload_timeout_s))
+            elif self.remote is not None:
                 self.remote.close(retry=not self._closed_at_exit)
             self._finalizer.detach()
             self._owner.release(None)  # never raises

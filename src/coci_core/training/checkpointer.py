@@ -23,7 +23,7 @@ from coci_core.engine.inplace import InPlaceTargets
 from coci_core.engine.manager import CheckpointManager, SaveHandle
 from coci_core.engine.persist import LatestOnlyWorker
 from coci_core.engine.stateful import Stateful
-from coci_core.errors import ConfigError, StepExistsError
+from coci_core.errors import ConfigError, Preempted, StepExistsError
 from coci_core.hpo import combine_terminations
 from coci_core.knobs import MAX_CHECKPOINTS_COSTED
 from coci_core.planner import Planner, Termination
@@ -43,6 +43,7 @@ from coci_core.telemetry.summary import SaveSummary, save_line
 from coci_core.training.decision import SharedDecision
 from coci_core.training.options import CheckpointOptions
 from coci_core.training.outline import PlanOutline
+from coci_core.training.preemption import PreemptionDecision, PreemptionWatch
 from coci_core.training.restart import process_start_unix
 
 __all__ = ["Checkpointer"]
@@ -75,6 +76,10 @@ class Checkpointer:
             ``manager_options`` gives a ``group``. None: the manager's default group.
         broadcast: for several processes, a collective that sends rank 0's object to every
             rank; save decisions are then shared at a few sync steps (see ``decision.py``).
+        min_over_ranks: for several processes that watch preemption notices, a collective
+            that returns the minimum of a number over the ranks (see
+            :func:`~coci_core.training.preemption.min_over_ranks`), called at every step
+            boundary once :meth:`watch_preemption` started.
         sinks: telemetry sinks (TensorBoard, JSON lines): every save and restore event, the
             plan whenever it changes and at each save, and the observed loss beside the fitted
             curve every ``telemetry_every_n_steps`` steps.
@@ -92,6 +97,7 @@ class Checkpointer:
         rank: int = 0,
         world_size: int | None = None,
         broadcast: Callable[[Any], Any] | None = None,
+        min_over_ranks: Callable[[float], float] | None = None,
         sinks: Iterable[TelemetrySink] = (),
         telemetry_every_n_steps: int = 50,
         log: logging.Logger | None = None,
@@ -148,6 +154,14 @@ class Checkpointer:
         self._restored: RestoreEvent | None = None  # until the first step after it
         self._last_observed: int | None = None
         self._failed = False  # training ended on an error (see mark_failed)
+        self._world_size = world_size if world_size is not None else 1
+        self._broadcast = broadcast
+        self._min_over_ranks = min_over_ranks
+        self._watch: PreemptionWatch | None = None
+        #: what the ranks agreed on at a preemption notice (None until one came)
+        self.preempted: PreemptionDecision | None = None
+        self._durable_s: list[float] = []  # the last committed saves' time to durable
+        self._notice_handle: SaveHandle | None = None
 
     def __repr__(self) -> str:
         return f"Checkpointer({self.manager.storage.url!r}, policy={self.planner.policy_name!r})"
@@ -182,6 +196,7 @@ class Checkpointer:
             )
         if isinstance(event, SaveEvent):
             if event.outcome == "committed":
+                self._durable_s = [*self._durable_s[-3:], event.time_to_durable_s]
                 self.planner.record_save(
                     stall_s=event.stall_s,
                     persist_s=event.persist_s,
@@ -333,8 +348,102 @@ class Checkpointer:
         return overhead
 
     def should_save(self, step: int) -> bool:
-        """Whether the plan checkpoints after ``step`` (the same on every rank)."""
+        """Whether the plan checkpoints after ``step`` (the same on every rank). Once a
+        preemption notice came to any rank (see :meth:`watch_preemption`): whether the
+        notice's save fits the time left, at the step boundary every rank learned of it;
+        :attr:`preempted` then holds the decision, and the loop stops after this step."""
+        if self._watch is not None and self.preempted is None:
+            decision = self._watch.check(step, self._save_time_s)
+            if decision is not None:
+                self.preempted = decision
+                self._on_notice(decision)
+                return decision.save
+        if self.preempted is not None:
+            return False
         return self.decision.should_save(step)
+
+    def watch_preemption(self) -> list[str]:
+        """Start watching the preemption notices of the options (signal handlers on the main
+        thread, metadata pollers on threads of their own): from now on every
+        :meth:`should_save` learns of any rank's notice. Call it on every rank, where the
+        loop can stop at a step boundary (it checks :attr:`preempted` after each step, or
+        calls :meth:`stop_if_preempted`). The names of the sources watched.
+
+        Raises:
+            ConfigError: several processes without ``min_over_ranks``.
+        """
+        config = self.options.preemption
+        if config is None or self._watch is not None:
+            return [s.name for s in self._watch.sources] if self._watch is not None else []
+        if self._world_size > 1 and (self._min_over_ranks is None or self._broadcast is None):
+            raise ConfigError(
+                f"watching preemption notices with {self._world_size} processes needs "
+                "'min_over_ranks' and 'broadcast' (see coci_core.training.preemption)"
+            )
+        self._watch = PreemptionWatch(
+            config, rank=self.rank, min_over_ranks=self._min_over_ranks, broadcast=self._broadcast
+        )
+        return [s.name for s in self._watch.start()]
+
+    def _save_time_s(self) -> float | None:
+        """The time a save takes to be durable: the longest of the last few (None: none yet)."""
+        return max(self._durable_s) if self._durable_s else None
+
+    def _on_notice(self, decision: PreemptionDecision) -> None:
+        if self.rank == 0:
+            self.log.warning(
+                "coci: preemption notice (%s) at step %d, %.1f s left: %s",
+                decision.source,
+                decision.step,
+                decision.time_left_s,
+                decision.reason,
+            )
+
+    def stop_if_preempted(self) -> None:
+        """Raise :class:`~coci_core.Preempted` (after :meth:`end_preempted`) when the ranks
+        agreed on a notice; else nothing. A plain loop calls it after each step's
+        ``should_save``/``save``."""
+        if self.preempted is not None:
+            raise self.end_preempted()
+
+    def end_preempted(self) -> Preempted:
+        """After a notice's step: wait for its save to be durable (within the time left),
+        give the remote upload what is left of it, close (telemetry flushed), and return
+        the exception to stop with (an adapter that stops otherwise, Lightning's
+        ``should_stop``, only logs it)."""
+        decision = self.preempted
+        assert decision is not None
+        saved: int | None = None
+        handle = self._notice_handle
+        if handle is not None:
+            try:
+                event = handle.wait(max(0.0, decision.time_left()))
+                saved = event.step if event.outcome == "committed" else None
+            except Exception as e:
+                self.log.warning("coci: the save at the notice did not finish: %s", e)
+        upload_s = max(0.0, decision.time_left() - decision.margin_s)
+        try:
+            self.close(upload_timeout_s=upload_s)
+        except Exception as e:
+            self.log.warning("coci: closing after the notice failed: %s", e)
+        if saved is not None:
+            message = (
+                f"coci: stopped on a preemption notice ({decision.source}) after saving step "
+                f"{saved}, {decision.time_left():.1f} s before the deadline"
+            )
+        else:
+            message = (
+                f"coci: stopped on a preemption notice ({decision.source}) at step "
+                f"{decision.step} without saving it: {decision.reason}"
+            )
+        if self.rank == 0:
+            self.log.warning(message)
+        return Preempted(
+            message,
+            code=self.options.preemption.exit_code if self.options.preemption else 143,
+            step=saved,
+            source=decision.source,
+        )
 
     def warm_up(
         self, state: Mapping[str, Any], *, per_rank: Mapping[str, Any] | None = None
@@ -392,6 +501,8 @@ class Checkpointer:
                 return self.manager.skip(step, "another run's checkpoint has that step")
         if self.sinks:
             self._record_telemetry(step, plan=True)
+        if self.preempted is not None and self.preempted.step == step:
+            self._notice_handle = handle
         return handle
 
     def warn_if_not_empty(self) -> bool:
@@ -465,12 +576,16 @@ class Checkpointer:
         is recorded as failed, so a resume of its last step is a restart after a failure."""
         self._failed = True
 
-    def close(self) -> None:
-        """Wait for pending saves, stop the writer and close the telemetry sinks."""
+    def close(self, *, upload_timeout_s: float | None = None) -> None:
+        """Wait for pending saves, stop the writer and close the telemetry sinks (and stop
+        watching preemption notices). ``upload_timeout_s``: how long the remote tier's last
+        upload may still take (see :meth:`CheckpointManager.close`)."""
+        if self._watch is not None:
+            self._watch.stop()
         if self._last_observed is not None and not self._failed:
             _TRAINED_HERE[self.manager.storage.url] = self._last_observed
         try:
-            self.manager.close()
+            self.manager.close(upload_timeout_s=upload_timeout_s)
         finally:
             self._plans.stop()
             for sink in self.sinks:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 from coci_core.engine.compress import CompressionPolicy, check_policy
@@ -20,6 +20,7 @@ from coci_core.errors import ConfigError
 from coci_core.planner import PlannerConfig, planner_config
 from coci_core.planner.policies import SavePolicy
 from coci_core.planner.settings import policy_arguments
+from coci_core.preemption import NoticeSource, Preemption, check_preemption
 from coci_core.storage import is_url
 
 __all__ = [
@@ -123,6 +124,8 @@ class CheckpointOptions:
         remote_storage_options: fsspec options of ``remote``.
         remote_upload_every: copy every this many checkpoints to ``remote``, or ``"auto"``:
             the planner's two-level period for the measured costs (1 until measured).
+        preemption: the preemption notices watched and how to stop on one (None: none;
+            see ``docs/preemption.md``).
     """
 
     policy: str | SavePolicy
@@ -139,6 +142,7 @@ class CheckpointOptions:
     remote_keep_last: int | None = 10
     remote_storage_options: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False)
     remote_upload_every: int | Literal["auto"] = "auto"
+    preemption: Preemption | None = None
 
     def manager_arguments(self) -> dict[str, Any]:
         """The CheckpointManager's keyword arguments that these options give."""
@@ -175,6 +179,7 @@ class CheckpointOptions:
         remote_keep_last: int | None = 10,
         remote_storage_options: Mapping[str, Any] | None = None,
         remote_upload_every: int | Literal["auto"] = "auto",
+        preemption: str | Sequence[str | NoticeSource] | Preemption | None = "auto",
     ) -> CheckpointOptions:
         """Check each argument once (see the adapters' docstrings for their meaning).
 
@@ -206,6 +211,7 @@ class CheckpointOptions:
                 remote_storage_options, remote, names=("remote_storage_options", "remote")
             ),
             remote_upload_every=check_upload_every(remote_upload_every),
+            preemption=check_preemption(preemption),
         )
 
 

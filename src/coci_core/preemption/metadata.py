@@ -1,0 +1,246 @@
+"""Notices in the cloud's instance metadata, polled on a thread of their own a few seconds
+apart, each request with a short timeout, only at the configured endpoint (by default the
+link-local metadata address; never through a proxy).
+
+* AWS spot: ``/latest/meta-data/spot/instance-action`` (404 until a stop is scheduled, then
+  ``{"action": "terminate", "time": "2025-01-01T12:00:00Z"}``, two minutes ahead), with an
+  IMDSv2 token from ``/latest/api/token`` (IMDSv1 when the token is refused).
+* GCE: ``/computeMetadata/v1/instance/preempted`` (``TRUE`` once preempted; about 30 s left).
+* Azure: Scheduled Events (``/metadata/scheduledevents``): an event of type ``Preempt`` and its
+  ``NotBefore`` time (at least 30 s ahead).
+"""
+
+from __future__ import annotations
+
+import calendar
+import email.utils
+import json
+import logging
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from coci_core.errors import ConfigError
+from coci_core.knobs import METADATA_POLL_S, METADATA_TIMEOUT_S
+from coci_core.preemption.notice import Notice, NoticeBoard, NoticeSource
+
+__all__ = [
+    "LINK_LOCAL",
+    "AwsSpotNotice",
+    "AzureNotice",
+    "GceNotice",
+    "MetadataPoller",
+    "detect_cloud",
+]
+
+logger = logging.getLogger(__name__)
+
+#: The clouds' instance metadata address.
+LINK_LOCAL = "http://169.254.169.254"
+
+# never a proxy: the metadata address is this machine's own
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+class MetadataPoller(NoticeSource):
+    """Asks ``endpoint`` every ``interval_s`` seconds (each request at most ``timeout_s``) on a
+    daemon thread whether the instance will be stopped, until a notice is posted or
+    :meth:`stop`. Subclasses implement :meth:`check`."""
+
+    def __init__(
+        self,
+        endpoint: str = LINK_LOCAL,
+        *,
+        interval_s: float = METADATA_POLL_S,
+        timeout_s: float = METADATA_TIMEOUT_S,
+    ) -> None:
+        if not isinstance(endpoint, str) or not endpoint.startswith(("http://", "https://")):
+            raise ConfigError(
+                f"the {self.name} metadata endpoint must be an http(s) URL: {endpoint!r}"
+            )
+        for option, value in (("interval_s", interval_s), ("timeout_s", timeout_s)):
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ConfigError(f"the {self.name} poller's {option} must be > 0: {value!r}")
+        self.endpoint = endpoint.rstrip("/")
+        self.interval_s = float(interval_s)
+        self.timeout_s = float(timeout_s)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.polls = 0  # requests answered (for tests and the log)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.endpoint!r}, interval_s={self.interval_s:g})"
+
+    def start(self, board: NoticeBoard) -> bool:
+        self._stop.clear()
+        self._thread = threading.Thread(
+            target=self._run, args=(board,), name=f"coci-{self.name}-notice", daemon=True
+        )
+        self._thread.start()
+        return True
+
+    def stop(self) -> None:
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(self.timeout_s + 1)
+
+    def _run(self, board: NoticeBoard) -> None:
+        failures = 0
+        while not self._stop.is_set():
+            try:
+                notice = self.check()
+                self.polls += 1
+                failures = 0
+            except (OSError, ValueError) as e:  # unreachable, timed out, or garbled
+                notice = None
+                failures += 1
+                if failures == 3:
+                    logger.warning(
+                        "coci: the %s metadata endpoint %s does not answer: %s",
+                        self.name,
+                        self.endpoint,
+                        e,
+                    )
+            if notice is not None:
+                board.post_from_thread(notice)
+                return
+            self._stop.wait(self.interval_s)
+
+    def check(self) -> Notice | None:
+        """One request: the notice, or None while no stop is scheduled."""
+        raise NotImplementedError
+
+    def _get(self, path: str, headers: dict[str, str], method: str = "GET") -> bytes | None:
+        """The body at ``path``, None on 404."""
+        request = urllib.request.Request(self.endpoint + path, headers=headers, method=method)
+        try:
+            with _OPENER.open(request, timeout=self.timeout_s) as response:
+                return bytes(response.read(65536))
+        except urllib.error.HTTPError as e:
+            if e.code == 404:
+                return None
+            raise
+
+
+def _monotonic_at(unix: float) -> float:
+    return time.monotonic() + (unix - time.time())
+
+
+class AwsSpotNotice(MetadataPoller):
+    """EC2 spot instance interruption notices (two minutes ahead)."""
+
+    name = "aws"
+
+    def __init__(self, endpoint: str = LINK_LOCAL, **options: float) -> None:
+        super().__init__(endpoint, **options)
+        self._token: str | None = None
+
+    def check(self) -> Notice | None:
+        headers = {}
+        token = self._imds_token()
+        if token:
+            headers["X-aws-ec2-metadata-token"] = token
+        try:
+            body = self._get("/latest/meta-data/spot/instance-action", headers)
+        except urllib.error.HTTPError as e:
+            if e.code == 401:  # the token expired
+                self._token = None
+            raise
+        if body is None:
+            return None
+        action = json.loads(body)
+        when = calendar.timegm(time.strptime(action["time"], "%Y-%m-%dT%H:%M:%SZ"))
+        now = time.monotonic()
+        return Notice(
+            "aws",
+            now,
+            _monotonic_at(when),
+            f"spot instance-action {action['action']!r} at {action['time']}",
+        )
+
+    def _imds_token(self) -> str | None:
+        if self._token is None:
+            try:
+                body = self._get(
+                    "/latest/api/token", {"X-aws-ec2-metadata-token-ttl-seconds": "21600"}, "PUT"
+                )
+                self._token = body.decode().strip() if body else ""
+            except urllib.error.HTTPError:
+                self._token = ""  # IMDSv1 only
+        return self._token or None
+
+
+class GceNotice(MetadataPoller):
+    """GCE preemptible and spot VMs: ``instance/preempted`` turns ``TRUE``; the VM stops
+    about ``lead_s`` (30) seconds later."""
+
+    name = "gce"
+
+    def __init__(
+        self, endpoint: str = LINK_LOCAL, *, lead_s: float = 30.0, **options: float
+    ) -> None:
+        super().__init__(endpoint, **options)
+        if isinstance(lead_s, bool) or not isinstance(lead_s, int | float) or not lead_s > 0:
+            raise ConfigError(f"the gce notice's lead_s must be > 0: {lead_s!r}")
+        self.lead_s = float(lead_s)
+
+    def check(self) -> Notice | None:
+        body = self._get("/computeMetadata/v1/instance/preempted", {"Metadata-Flavor": "Google"})
+        if body is None or body.strip().upper() != b"TRUE":
+            return None
+        now = time.monotonic()
+        return Notice("gce", now, now + self.lead_s, "instance/preempted is TRUE")
+
+
+class AzureNotice(MetadataPoller):
+    """Azure Scheduled Events: a ``Preempt`` event (spot eviction) and its ``NotBefore``."""
+
+    name = "azure"
+    api_version = "2020-07-01"
+
+    def check(self) -> Notice | None:
+        body = self._get(
+            f"/metadata/scheduledevents?api-version={self.api_version}", {"Metadata": "true"}
+        )
+        if body is None:
+            return None
+        events = [e for e in json.loads(body).get("Events", []) if e.get("EventType") == "Preempt"]
+        if not events:
+            return None
+        event = events[0]
+        now = time.monotonic()
+        not_before = event.get("NotBefore") or ""
+        parsed = email.utils.parsedate_to_datetime(not_before) if not_before else None
+        deadline = _monotonic_at(parsed.timestamp()) if parsed is not None else now + 30.0
+        return Notice(
+            "azure",
+            now,
+            deadline,
+            f"Scheduled Event Preempt {event.get('EventId', '')} not before {not_before or '?'}",
+        )
+
+
+_DMI = Path("/sys/class/dmi/id")
+
+
+def detect_cloud(dmi: Path = _DMI) -> str | None:
+    """``"aws"``, ``"gce"`` or ``"azure"`` when this machine's firmware says it runs there
+    (DMI vendor strings: no request is made), else None."""
+    found = []
+    for name in ("sys_vendor", "bios_vendor", "product_name", "chassis_asset_tag"):
+        try:
+            found.append((dmi / name).read_text(errors="replace").strip())
+        except OSError:
+            continue
+    text = " ".join(found)
+    if "Amazon EC2" in text:
+        return "aws"
+    if "Google" in text:
+        return "gce"
+    # Azure's chassis asset tag; "Microsoft Corporation" alone is also Hyper-V on premises
+    if "7783-7084-3265-9085-8269-3286-77" in text:
+        return "azure"
+    return None

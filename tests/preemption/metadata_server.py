@@ -1,0 +1,84 @@
+"""A stand-in for the clouds' instance metadata endpoints on 127.0.0.1 (a real HTTP server on
+a thread): AWS's IMDSv2 token and spot ``instance-action``, GCE's ``instance/preempted`` and
+Azure's Scheduled Events, each answering what the test sets, and every request recorded."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+TOKEN = "test-token"
+
+
+class MetadataServer:
+    """``aws_action`` (a dict, None: 404), ``gce_preempted``, ``azure_events`` (a list) say
+    what the endpoints answer; ``requests`` holds (method, path, headers) per request."""
+
+    def __init__(self) -> None:
+        self.aws_action: dict[str, str] | None = None
+        self.aws_token_required = True
+        self.gce_preempted = False
+        self.azure_events: list[dict[str, Any]] = []
+        self.requests: list[tuple[str, str, dict[str, str]]] = []
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _answer(self, code: int, body: bytes = b"") -> None:
+                self.send_response(code)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_PUT(self) -> None:
+                server.requests.append(("PUT", self.path, _lower(self.headers)))
+                if self.path == "/latest/api/token" and self.headers.get(
+                    "X-aws-ec2-metadata-token-ttl-seconds"
+                ):
+                    self._answer(200, TOKEN.encode())
+                else:
+                    self._answer(400)
+
+            def do_GET(self) -> None:
+                server.requests.append(("GET", self.path, _lower(self.headers)))
+                h = self.headers
+                if self.path == "/latest/meta-data/spot/instance-action":
+                    if server.aws_token_required and h.get("X-aws-ec2-metadata-token") != TOKEN:
+                        self._answer(401)
+                    elif server.aws_action is None:
+                        self._answer(404)
+                    else:
+                        self._answer(200, json.dumps(server.aws_action).encode())
+                elif self.path == "/computeMetadata/v1/instance/preempted":
+                    if h.get("Metadata-Flavor") != "Google":
+                        self._answer(403)
+                    else:
+                        self._answer(200, b"TRUE" if server.gce_preempted else b"FALSE")
+                elif self.path.startswith("/metadata/scheduledevents?api-version="):
+                    if h.get("Metadata") != "true":
+                        self._answer(400)
+                    else:
+                        body = {"DocumentIncarnation": 1, "Events": server.azure_events}
+                        self._answer(200, json.dumps(body).encode())
+                else:
+                    self._answer(404)
+
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self._httpd.server_address[1]}"
+        self._thread = threading.Thread(target=self._httpd.serve_forever, args=(0.05,), daemon=True)
+
+    def __enter__(self) -> MetadataServer:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+
+
+def _lower(headers: Any) -> dict[str, str]:
+    return {k.lower(): v for k, v in headers.items()}

@@ -1,0 +1,154 @@
+"""A plain training loop stopped by real notices: SIGTERM to a real child (and SIGKILL after
+the grace period, as a scheduler does), a grace period too short for the measured save, the
+AWS notice from a local stand-in for the metadata endpoint, and two gloo ranks of which only
+one gets the signal."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from coci_core import CheckpointManager
+from tests.harness.processes import Child, free_port, module, rank_env
+from tests.preemption.metadata_server import MetadataServer
+
+CHILD = "tests.preemption._loop_child"
+
+
+def _marks(lines: list[str], mark: str) -> list[dict[str, Any]]:
+    return [json.loads(line.split(" ", 1)[1]) for line in lines if line.startswith(mark + " ")]
+
+
+def _preempt(child: Child, grace_s: float, notify: Any) -> tuple[int, list[str]]:
+    """Read the child's lines; at READY call ``notify``; SIGKILL it if it still runs
+    ``grace_s`` later (the scheduler's end of the grace period). Its status and lines."""
+    lines = []
+    while line := child.readline():  # (leaving lines() early would close the pipe)
+        lines.append(line)
+        if line.startswith("READY"):
+            notify()
+            break
+    try:
+        code = child.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        code = child.wait()
+    lines.extend(child.lines())
+    return code, lines
+
+
+def _restored(directory: Path) -> tuple[int, dict[str, Any]]:
+    with CheckpointManager(directory, keep_last=None) as mgr:
+        step = mgr.latest_step()
+        assert step is not None
+        return step, mgr.restore(step)
+
+
+def _digest(state: dict[str, Any]) -> str:
+    import hashlib
+
+    return hashlib.sha256(
+        b"".join(t.numpy().tobytes() for t in state["model"].values())
+    ).hexdigest()
+
+
+def test_sigterm_with_time_to_save_saves_the_next_step(tmp_path: Path) -> None:
+    args = {"dir": str(tmp_path), "sources": ["TERM@20"], "margin_s": 2}
+    with Child(module(CHILD, json.dumps(args)), stderr=subprocess.DEVNULL) as child:
+        code, lines = _preempt(child, 20, lambda: os.kill(child.pid, signal.SIGTERM))
+    assert code == 143  # stopped by itself, before the SIGKILL
+    (stop,) = _marks(lines, "PREEMPTED")
+    assert stop["source"] == "SIGTERM" and stop["saved"] == stop["at"] > 5
+    saved = {s["step"]: s["digest"] for s in _marks(lines, "SAVED")}
+    step, state = _restored(tmp_path)
+    assert step == stop["at"] and _digest(state) == saved[step]
+    # the job starts again from that step
+    with Child(
+        module(CHILD, json.dumps({**args, "ready_at": 1})), stderr=subprocess.DEVNULL
+    ) as child:
+        code, lines = _preempt(child, 20, lambda: os.kill(child.pid, signal.SIGTERM))
+    assert code == 143
+    (resumed,) = _marks(lines, "RESUMED")
+    assert resumed == {"step": step, "digest": saved[step]}
+
+
+def test_a_save_that_cannot_fit_the_grace_period_is_not_started(tmp_path: Path) -> None:
+    """The measured save takes over 2 s (a slow disk); SIGTERM with a 2 s grace period: the
+    notice's step is not saved, the previous step stays the newest. The child stops, or is
+    SIGKILLed at the end of the grace period while its interpreter exits (torch's teardown
+    takes seconds on a loaded machine)."""
+    args = {
+        "dir": str(tmp_path),
+        "sources": ["TERM@2"],
+        "margin_s": 0.5,
+        "write_delay_s": 2.5,
+    }
+    with Child(module(CHILD, json.dumps(args)), stderr=subprocess.DEVNULL) as child:
+        code, lines = _preempt(child, 2, lambda: os.kill(child.pid, signal.SIGTERM))
+    (stop,) = _marks(lines, "PREEMPTED")
+    assert code in (143, -signal.SIGKILL)
+    assert stop["saved"] is None and "not started" in stop["reason"]
+    assert [s["step"] for s in _marks(lines, "SAVED")] == [5]
+    assert _restored(tmp_path)[0] == 5
+    assert not any(
+        p.name.startswith("step-") and p.name != "step-0000000005" for p in tmp_path.iterdir()
+    )
+
+
+def test_the_aws_spot_notice_from_the_metadata_endpoint(tmp_path: Path) -> None:
+    with MetadataServer() as server:
+        args = {"dir": str(tmp_path), "sources": [{"aws": server.url}], "margin_s": 2}
+
+        def notify() -> None:
+            when = time.gmtime(time.time() + 120)
+            server.aws_action = {
+                "action": "terminate",
+                "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", when),
+            }
+
+        with Child(module(CHILD, json.dumps(args)), stderr=subprocess.DEVNULL) as child:
+            code, lines = _preempt(child, 60, notify)
+    assert code == 143
+    (stop,) = _marks(lines, "PREEMPTED")
+    assert stop["source"] == "aws" and stop["saved"] == stop["at"]
+    assert _restored(tmp_path)[0] == stop["at"]
+
+
+def test_two_gloo_ranks_save_the_same_step_when_only_one_gets_sigterm(tmp_path: Path) -> None:
+    """Rank 1 alone gets SIGTERM; at the next step boundary both ranks learn of it, both save
+    that step (each its share) and stop; the checkpoint restores to what they saved."""
+    args = json.dumps({"dir": str(tmp_path), "sources": ["TERM@30"], "margin_s": 2})
+    port = free_port()
+    children = [
+        Child(module(CHILD, args), env=rank_env(r, 2, port), stderr=subprocess.DEVNULL)
+        for r in range(2)
+    ]
+    try:
+        ready = 0
+        lines: list[list[str]] = [[], []]
+        for rank, child in enumerate(children):  # both saved step 5 and wait at READY
+            while line := child.readline():
+                lines[rank].append(line)
+                if line.startswith("READY"):
+                    ready += 1
+                    break
+        assert ready == 2
+        os.kill(children[1].pid, signal.SIGTERM)
+        codes = [child.wait(60) for child in children]
+        for rank, child in enumerate(children):
+            lines[rank].extend(child.lines())
+    finally:
+        for child in children:
+            child.close()
+    assert codes == [143, 143]
+    stops = [_marks(rank_lines, "PREEMPTED")[0] for rank_lines in lines]
+    assert [s["source"] for s in stops] == ["another rank", "SIGTERM"]
+    assert stops[0]["at"] == stops[1]["at"] == stops[0]["saved"] == stops[1]["saved"] > 5
+    saved = {s["step"]: s["digest"] for s in _marks(lines[0], "SAVED")}
+    step, state = _restored(tmp_path)
+    assert step == stops[0]["at"] and _digest(state) == saved[step]

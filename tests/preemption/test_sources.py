@@ -1,0 +1,186 @@
+"""Notice sources in this process: a real signal to itself, the pollers against a real local
+HTTP server standing in for AWS, GCE and Azure, the registry and the option's errors, and the
+fit decision."""
+
+from __future__ import annotations
+
+import email.utils
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from coci_core import ConfigError
+from coci_core.preemption import (
+    AwsSpotNotice,
+    AzureNotice,
+    GceNotice,
+    NoticeBoard,
+    Preemption,
+    SignalNotice,
+    check_preemption,
+    detect_cloud,
+    notice_source,
+    register_notice_source,
+)
+from coci_core.training.preemption import PreemptionWatch, fit_save
+from tests.preemption.metadata_server import MetadataServer
+
+
+def test_a_signal_only_records_the_notice_and_its_lead_time() -> None:
+    board = NoticeBoard()
+    source = SignalNotice("USR1", lead_s=90)
+    before = signal.getsignal(signal.SIGUSR1)
+    assert source.start(board)
+    try:
+        t0 = time.monotonic()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        for _ in range(1000):  # the handler runs at the next bytecode boundary
+            if board.first() is not None:
+                break
+        notice = board.first()
+        assert notice is not None and notice.source == "SIGUSR1"
+        assert 89 < notice.deadline - t0 <= 90 + (time.monotonic() - t0)
+    finally:
+        source.stop()
+    assert signal.getsignal(signal.SIGUSR1) == before
+
+
+def test_a_previous_python_handler_is_still_called() -> None:
+    called: list[int] = []
+    previous = signal.signal(signal.SIGUSR2, lambda signum, frame: called.append(signum))
+    try:
+        board = NoticeBoard()
+        source = SignalNotice("SIGUSR2", lead_s=5)
+        source.start(board)
+        os.kill(os.getpid(), signal.SIGUSR2)
+        for _ in range(1000):
+            if called:
+                break
+        source.stop()
+        assert called == [signal.SIGUSR2] and board.first() is not None
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+
+
+def _poll(source: AwsSpotNotice | GceNotice | AzureNotice) -> float:
+    board = NoticeBoard()
+    source.start(board)
+    try:
+        notice = board.wait(10)
+    finally:
+        source.stop()
+    assert notice is not None
+    return notice.time_left()
+
+
+def test_the_aws_poller_reads_the_spot_instance_action_with_an_imdsv2_token() -> None:
+    with MetadataServer() as server:
+        source = AwsSpotNotice(server.url, interval_s=0.05, timeout_s=1)
+        assert source.check() is None  # 404: nothing scheduled
+        when = time.gmtime(time.time() + 120)
+        server.aws_action = {
+            "action": "terminate",
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", when),
+        }
+        left = _poll(source)
+        assert 115 < left <= 120
+        gets = [r for r in server.requests if r[0] == "GET"]
+        assert gets and all(r[2].get("x-aws-ec2-metadata-token") == "test-token" for r in gets)
+        assert {r[1] for r in server.requests} <= {
+            "/latest/api/token",
+            "/latest/meta-data/spot/instance-action",
+        }
+
+
+def test_the_gce_poller_reads_instance_preempted() -> None:
+    with MetadataServer() as server:
+        source = GceNotice(server.url, lead_s=30, interval_s=0.05)
+        assert source.check() is None
+        server.gce_preempted = True
+        assert 29 < _poll(source) <= 30
+
+
+def test_the_azure_poller_reads_a_preempt_scheduled_event() -> None:
+    with MetadataServer() as server:
+        source = AzureNotice(server.url, interval_s=0.05)
+        server.azure_events = [{"EventId": "a", "EventType": "Freeze", "NotBefore": ""}]
+        assert source.check() is None  # not a preemption
+        not_before = email.utils.formatdate(time.time() + 45, usegmt=True)
+        server.azure_events.append(
+            {"EventId": "b", "EventType": "Preempt", "NotBefore": not_before}
+        )
+        assert 43 < _poll(source) <= 45
+
+
+def test_a_poller_that_gets_no_answer_posts_nothing() -> None:
+    with MetadataServer() as server:
+        url = server.url
+    board = NoticeBoard()
+    source = GceNotice(url, interval_s=0.05, timeout_s=0.2)  # the server is gone
+    source.start(board)
+    assert board.wait(0.5) is None
+    source.stop()
+
+
+def test_auto_watches_sigterm_and_no_cloud_here(tmp_path: Path) -> None:
+    sources = Preemption().make_sources()
+    assert sources[0].name == "SIGTERM"
+    (tmp_path / "sys_vendor").write_text("Amazon EC2\n")
+    assert detect_cloud(tmp_path) == "aws"
+    (tmp_path / "sys_vendor").write_text("Google\n")
+    assert detect_cloud(tmp_path) == "gce"
+    (tmp_path / "sys_vendor").write_text("QEMU\n")
+    assert detect_cloud(tmp_path) is None
+
+
+def test_the_option_names_sources_and_rejects_bad_ones() -> None:
+    config = check_preemption(["TERM@45", "USR1@90", "aws"])
+    assert config is not None
+    made = config.make_sources()
+    assert [(s.name, getattr(s, "lead_s", None)) for s in made] == [
+        ("SIGTERM", 45.0),
+        ("SIGUSR1", 90.0),
+        ("aws", None),
+    ]
+    assert check_preemption(None) is None
+    with pytest.raises(ConfigError, match="unknown preemption notice source 'slurm'"):
+        check_preemption("slurm")
+    with pytest.raises(ConfigError, match=r"'USR1@soon'.*USR1@90"):
+        check_preemption("USR1@soon")
+    with pytest.raises(ConfigError, match="margin_s"):
+        Preemption(margin_s=-1)
+    with pytest.raises(ConfigError, match="'preemption' must be None"):
+        check_preemption(3)
+    with pytest.raises(ConfigError, match="lead time"):
+        SignalNotice("TERM", lead_s=0)
+
+
+def test_a_registered_source_is_named_in_the_option() -> None:
+    register_notice_source("test-usr2", lambda arg: SignalNotice("USR2", float(arg or 7)))
+    source = notice_source("test-usr2@12")
+    assert isinstance(source, SignalNotice) and source.lead_s == 12.0
+    with pytest.raises(ConfigError, match="not a notice source name"):
+        register_notice_source("a@b", lambda arg: source)
+
+
+def test_the_fit_decision() -> None:
+    assert fit_save(30, 10, 3)[0]
+    ok, why = fit_save(10, 8, 3)
+    assert not ok and "not started" in why
+    assert fit_save(10, None, 3)[0]  # not measured: tried
+    assert not fit_save(2, None, 3)[0]
+
+
+def test_one_process_decides_once_at_the_first_boundary_after_the_notice() -> None:
+    watch = PreemptionWatch(Preemption(["TERM@20"], margin_s=2))
+    assert watch.check(1, lambda: 1.0) is None
+    now = time.monotonic()
+    from coci_core.preemption import Notice
+
+    watch.board.post(Notice("SIGTERM", now, now + 20))
+    decision = watch.check(2, lambda: 1.0)
+    assert decision is not None and decision.step == 2 and decision.save
+    assert watch.check(3, lambda: 100.0) is decision  # made once
