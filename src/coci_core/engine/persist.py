@@ -34,6 +34,7 @@ from coci_core.engine.manifest import (
     Piece,
     RankState,
     TensorEntry,
+    check_readable_head,
     step_dir_name,
 )
 from coci_core.engine.restore import read_manifest
@@ -397,6 +398,8 @@ def _write_checkpoint(
             run=job.run,
             sequence=job.sequence,
         )
+        # never commit what a resume would refuse (the save fails instead, loudly)
+        check_readable_head(manifest, where=f"the manifest of step {job.step}, not committed,")
         manifest_json = manifest.to_json()
         storage.write_file(f"{staging}/{MANIFEST_NAME}", [memoryview(manifest_json)])
         # The staging directory may have been removed under us (by hand, or by a tool that is
