@@ -20,7 +20,7 @@ import torch
 from coci_core import BackgroundSaveError, CheckpointManager, ConfigError
 from coci_core.commands.cli import main
 from coci_core.engine import persist
-from coci_core.engine.manifest import MAX_SEQUENCE, step_dir_name
+from coci_core.engine.manifest import step_dir_name
 from coci_core.interop.foreign import read_foreign
 from tests.adversarial.craft import edit_manifest
 from tests.harness.processes import run, script
@@ -28,6 +28,10 @@ from tests.harness.processes import run, script
 # a dict keyed by a tuple nested 200,000 deep: CPython hashes the key in C while unpickling
 # it, and the stack overflows (SIGSEGV)
 DEEP_KEY = b"\x80\x02}K\x01" + b"\x85" * 200_000 + b"K\x01s."
+
+# the highest commit sequence a manifest may record (coci_core.engine.manifest.MAX_SEQUENCE;
+# written out so that these tests also run against a coci without it)
+HIGHEST_SEQUENCE = 2**62
 
 
 def _two_steps(root: Path) -> None:
@@ -98,17 +102,21 @@ def test_a_genuine_legacy_file_still_imports(tmp_path: Path) -> None:
 
 _GLOBAL_STEP = """
 import sys
+import fsspec
 from coci_lightning._resume import _global_step
-print("STEP", _global_step(sys.argv[1]))
+head, tail = bytes.fromhex(sys.argv[1]), bytes.fromhex(sys.argv[2])
+fsspec.filesystem("memory").pipe("/ckpt/last.ckpt", head + b"\\x85" * 200_000 + tail)
+print("STEP", _global_step("memory://ckpt/last.ckpt"))
 """
 
 
-def test_a_planted_lightning_file_does_not_crash_the_resume(tmp_path: Path) -> None:
-    """A file among Lightning's "last" candidates whose pickle would crash torch.load: its
-    step is unknown (compared by time), the resume goes on."""
-    planted = tmp_path / "last.ckpt"
-    planted.write_bytes(DEEP_KEY)
-    child = run(script(_GLOBAL_STEP, str(planted)))
+def test_a_planted_lightning_file_does_not_crash_the_resume() -> None:
+    """A file among Lightning's "last" candidates (in an fsspec store) whose pickle would
+    crash torch.load (before: SIGSEGV): its step is unknown (compared by time), the resume
+    goes on."""
+    head, tail = DEEP_KEY[:5], DEEP_KEY[-4:]
+    assert head + b"\x85" * 200_000 + tail == DEEP_KEY
+    child = run(script(_GLOBAL_STEP, head.hex(), tail.hex()))
     assert child.returncode == 0, (child.returncode, child.stderr[-2000:])
     assert "STEP None" in child.stdout
 
@@ -140,7 +148,7 @@ def test_a_save_after_the_highest_sequence_fails_and_is_not_committed(tmp_path: 
     root = tmp_path / "ckpt"
     with CheckpointManager(root) as mgr:
         mgr.save(1, {"w": torch.ones(3)}).wait()
-    _forge_sequence(root, 1, MAX_SEQUENCE)
+    _forge_sequence(root, 1, HIGHEST_SEQUENCE)
     with CheckpointManager(root) as mgr:
         handle = mgr.save(2, {"w": torch.full((3,), 2.0)})
         with pytest.raises(BackgroundSaveError, match=r"step 1 of .* records commit sequence"):
