@@ -399,7 +399,9 @@ def _write_checkpoint(
             sequence=job.sequence,
         )
         # never commit what a resume would refuse (the save fails instead, loudly)
-        check_readable_head(manifest, where=f"the manifest of step {job.step}, not committed,")
+        check_readable_head(
+            manifest, where=f"step {job.step} (not committed: a resume could not read its manifest)"
+        )
         manifest_json = manifest.to_json()
         storage.write_file(f"{staging}/{MANIFEST_NAME}", [memoryview(manifest_json)])
         # The staging directory may have been removed under us (by hand, or by a tool that is

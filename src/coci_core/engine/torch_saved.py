@@ -136,9 +136,13 @@ def _is_zip(source: bytes | os.PathLike[str]) -> bool:
 
 
 def _check_legacy(source: bytes | os.PathLike[str], what: str) -> None:
-    """Measure the pickles of torch's legacy format, each against its own length."""
+    """Measure the pickles of torch's legacy format, each against its own length (up to the
+    end of the bytes: torch.load fails there, after unpickling only what was measured)."""
     with io.BytesIO(source) if isinstance(source, bytes) else open(source, "rb") as stream:
         for _ in range(_LEGACY_PICKLES):
+            if not stream.read(1):
+                return
+            stream.seek(-1, io.SEEK_CUR)
             try:
                 tree, length = pickle_tree_from(stream, _cap)
             except ValueError as e:
