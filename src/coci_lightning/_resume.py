@@ -33,7 +33,7 @@ from lightning.pytorch.trainer.connectors.checkpoint_connector import _Checkpoin
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from coci_core.engine.manifest import MANIFEST_NAME
-from coci_core.training import read_checkpoint, step_dir_of
+from coci_core.training import read_checkpoint, read_torch_file, step_dir_of
 from coci_lightning._io import use_coci_io
 from coci_lightning.callback import CociCheckpoint
 
@@ -94,13 +94,13 @@ def _mtime(path: str, **storage_options: Any) -> float:
 
 def _global_step(path: str) -> int | None:
     """The ``global_step`` a Lightning checkpoint file records (None if it cannot be read
-    with ``weights_only=True``)."""
+    with ``weights_only=True``, or its pickles are crafted: never a crash of the resume)."""
     try:
         if get_filesystem(path).protocol in ("file", "local", ("file", "local")):
-            loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            loaded = read_torch_file(Path(path), what=path)
         else:
             with get_filesystem(path).open(path, "rb") as f:
-                loaded = torch.load(f, map_location="cpu", weights_only=True)
+                loaded = read_torch_file(f.read(), what=path)
         return int(loaded["global_step"])
     except Exception:
         return None

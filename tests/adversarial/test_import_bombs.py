@@ -235,8 +235,7 @@ def shared_list_in_a_pt_file(src: Path) -> Path:
 
 
 def shared_list_in_a_dcp_value(src: Path) -> Path:
-    """The same list in torch.save's legacy format (torch.load reads it; no zip to measure
-    before): the state it loads is measured."""
+    """The same list in torch.save's legacy format: its pickles are measured alike."""
     _dcp_save({"w": torch.ones(1), "v": 0}, src)
     buffer = io.BytesIO()
     torch.save(_shared_at_every_level(22), buffer, _use_new_zipfile_serialization=False)
@@ -272,6 +271,37 @@ def deeply_nested_key_in_a_dcp_value(src: Path) -> Path:
     return src
 
 
+_DEEP_KEY_PICKLE = b"\x80\x02}K\x01" + b"\x85" * 200_000 + b"K\x01s."
+
+
+def _legacy_with_deep_key() -> bytes:
+    """torch.save's legacy (non-zip) format, its object a dict keyed by a 200,000-deep tuple:
+    its five pickles, of which torch.load unpickles each."""
+    buffer = io.BytesIO()
+    torch.save({"a": 1}, buffer, _use_new_zipfile_serialization=False)
+    stream = io.BytesIO(buffer.getvalue())
+    head = [pickle.load(stream) for _ in range(3)]  # magic number, protocol, system info
+    return b"".join(pickle.dumps(v, protocol=2) for v in head) + _DEEP_KEY_PICKLE + b"]."
+
+
+def deeply_nested_key_in_a_legacy_pt_file(src: Path) -> Path:
+    """No zip to measure: before, torch.load's legacy loader hashed the key (SIGSEGV)."""
+    src.write_bytes(_legacy_with_deep_key())
+    return src
+
+
+def deeply_nested_key_as_the_first_pickle_of_a_pt_file(src: Path) -> Path:
+    """A bare pickle: the legacy loader unpickles it as the magic number."""
+    src.write_bytes(_DEEP_KEY_PICKLE)
+    return src
+
+
+def deeply_nested_key_in_a_legacy_dcp_value(src: Path) -> Path:
+    _dcp_save({"w": torch.ones(1), "v": 0}, src)
+    _replace_stored(src, MetadataIndex("v"), _legacy_with_deep_key())
+    return src
+
+
 # what each crafted source makes the CLI say (a regex of its one line)
 CRAFTED: dict[str, tuple[Callable[[Path], Path], str]] = {
     "list indices in many keys": (list_indices_in_many_keys, r"pads a list with 1048577 more"),
@@ -304,7 +334,7 @@ CRAFTED: dict[str, tuple[Callable[[Path], Path], str]] = {
     ),
     "shared list in a DCP value": (
         shared_list_in_a_dcp_value,
-        r"the state it holds is a tree of \d+ or more values",
+        r"the value at 'v' cannot be read: its pickle describes a tree of more than \d+ objects",
     ),
     "deeply nested key in a .pt file": (
         deeply_nested_key_in_a_pt_file,
@@ -312,6 +342,18 @@ CRAFTED: dict[str, tuple[Callable[[Path], Path], str]] = {
     ),
     "deeply nested key in a DCP value": (
         deeply_nested_key_in_a_dcp_value,
+        r"the value at 'v' cannot be read: its pickle nests objects 200\d\d\d levels deep",
+    ),
+    "deeply nested key in a legacy .pt file": (
+        deeply_nested_key_in_a_legacy_pt_file,
+        r"cannot be read: its pickle nests objects 200\d\d\d levels deep",
+    ),
+    "deeply nested key as the first pickle of a .pt file": (
+        deeply_nested_key_as_the_first_pickle_of_a_pt_file,
+        r"cannot be read: its pickle nests objects 200\d\d\d levels deep",
+    ),
+    "deeply nested key in a legacy DCP value": (
+        deeply_nested_key_in_a_legacy_dcp_value,
         r"the value at 'v' cannot be read: its pickle nests objects 200\d\d\d levels deep",
     ),
 }

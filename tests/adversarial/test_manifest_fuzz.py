@@ -7,9 +7,9 @@ an infinite float, per-rank state) and a lossless run whose step 2 is a delta ag
 (XOR and chunk-incremental pieces with a base). Then, in a fresh copy of a run per case:
 
 - ``crafted``: a structured mutation of one field of the newest manifest (every kind of field:
-  wrong JSON types, negative, huge, 2**40, 2**63, 2**64, NaN, 100,000-deep nesting, NUL and
-  ``../`` names, other dtype names, swapped ids, removed fields, extra fields), with the
-  checksum recomputed: validation alone must refuse it (or it must be harmless);
+  wrong JSON types, negative, huge, 2**40, 2**62, 2**63-1, 2**63, 2**64, NaN, 100,000-deep
+  nesting, NUL and ``../`` names, other dtype names, swapped ids, removed fields, extra fields),
+  with the checksum recomputed: validation alone must refuse it (or it must be harmless);
 - ``damaged``: the same mutations and semantic ones (a scalar changed, a dtype of the same size,
   a list made a tuple, ...) with the checksum left as it was: the checksum must refuse them;
 - ``manifest-bytes`` / ``data-bytes``: random byte edits of the manifest / of a data file;
@@ -26,8 +26,10 @@ it reports (the newest step when the case did not touch it or its base, else the
 older step), or CorruptCheckpointError when every step was touched; ``restore(step=newest)``
 (``load_checkpoint``) returns exactly the saved state or raises CorruptCheckpointError;
 ``verify_checkpoint`` agrees with it; nothing else is raised, nothing hangs (pytest-timeout),
-and no buffer beyond the checkpoint's limits is allocated. Counts are printed (``-s``) and
-written as JSON to ``$COCI_FUZZ_REPORT`` when set.
+and no buffer beyond the checkpoint's limits is allocated. After a change of a step or a commit
+sequence, a save of the next step is committed and restored exactly by a resume, or fails loudly
+(after a record at the highest sequence): a forged record never poisons later saves. Counts are
+printed (``-s``) and written as JSON to ``$COCI_FUZZ_REPORT`` when set.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ import numpy as np
 import pytest
 import torch
 
-from coci_core import CheckpointManager, CorruptCheckpointError
+from coci_core import BackgroundSaveError, CheckpointManager, CorruptCheckpointError
 from coci_core.engine import read as restore
 from coci_core.engine.manifest import step_dir_name
 from coci_core.engine.restore import load_checkpoint, verify_checkpoint
@@ -220,6 +222,8 @@ def get(doc: Any, path: Path_) -> Any:
 
 
 INT_BAD: list[Any] = ["7", 1.5, True, None, [], {}, -1, 2**40, 2**63, 2**64, NAN, DEEP]
+# integers at and beyond the bounds of steps and commit sequences (a step is at most 2**63-1)
+INT_EDGES: list[Any] = [2**63 - 1, -(2**63), 10**30, 1 << 4000]
 STR_BAD: list[Any] = [5, None, [], {}, "", "a\x00b", "../x", "x" * 300, NAN, DEEP]
 NAME_BAD: list[Any] = [
     *STR_BAD,
@@ -279,10 +283,11 @@ def mutations(doc: dict[str, Any], *, crafted: bool) -> list[Mutation]:
 
     structure("top", ())
     add("version", ("format_version",), [2, 1, 4, "3", None])
-    add("step", ("step",), [*INT_BAD, 1, 3])
+    add("step", ("step",), [*INT_BAD, *INT_EDGES, 1, 3])
     add("time", ("created_unix",), [*INT_BAD, 0.0, 1e300, -5.0, 1e9])
-    # the commit order: any valid value only reorders (harmless), the rest is refused
-    add("sequence", ("sequence",), [*INT_BAD, 0, 1, 2**63 - 1])
+    # the commit order: any valid value (at most 2**62) only reorders (harmless), the rest is
+    # refused; a save after it must be committed readable, or fail loudly (see save_after)
+    add("sequence", ("sequence",), [*INT_BAD, *INT_EDGES, 0, 1, 2**62, 2**62 + 1])
     add("token", ("token",), [*STR_BAD, "other"])
     add("world", ("world_size",), [*INT_BAD, 0, 2, 2**20 + 1])
     add("metadata", ("metadata",), [*STR_BAD, {"a": NAN}, {"a": [DEEP]}, {"a": 1}])
@@ -579,6 +584,7 @@ class Case:
     label: str
     touched: tuple[int, ...]  # the steps whose files the case changed
     prepare: Callable[[Path], None]
+    save_after: bool = False  # then save a step, which must be readable (see save_after)
 
 
 @dataclass
@@ -657,10 +663,47 @@ def run_case(case: Case, work: Path, tally: Tally, allocs: list[int]) -> None:
             tally.count(case.mode, "fallback")
             if newest not in affected:
                 tally.failures.append(f"{where}: manager skipped the intact step {newest}")
+    if case.save_after:
+        save_after(root, newest + 1, where, tally, case.mode)
     tally.max_alloc = max(tally.max_alloc, *allocs, 0)
     if any(n > max(limit, 1 << 20) for n in allocs):
         tally.failures.append(f"{where}: allocated {max(allocs)} bytes (limit {limit})")
     shutil.rmtree(root, ignore_errors=True)
+
+
+AFTER = {"after": torch.arange(3.0)}
+
+
+def save_after(root: Path, step: int, where: str, tally: Tally, mode: str) -> None:
+    """A save after the changed record (its step or commit sequence): committed, and then
+    what a resume takes exactly; or failed loudly, for a record at the highest sequence, after
+    which nothing can be ordered. Never reported committed and then unreadable."""
+    try:
+        with CheckpointManager(root, keep_last=None) as mgr:
+            mgr.save(step, AFTER).wait()
+    except BackgroundSaveError as e:
+        tally.count(mode, "save-after-refused")
+        if "records commit sequence" not in str(e):
+            tally.failures.append(f"{where}: the save after it failed: {e}")
+        return
+    except Exception as e:
+        tally.count(mode, "other-exception")
+        tally.failures.append(f"{where}: the save after it raised {type(e).__name__}: {e}")
+        return
+    try:
+        with CheckpointManager(root, keep_last=None) as mgr:
+            state = mgr.restore()
+            assert mgr.last_restore is not None
+            got = mgr.last_restore.step
+    except Exception as e:
+        tally.count(mode, "save-after-lost")
+        tally.failures.append(f"{where}: the save after it is not restorable: {e}")
+        return
+    if got != step or not same(state, AFTER):
+        tally.count(mode, "save-after-lost")
+        tally.failures.append(f"{where}: the save after it committed, a resume took step {got}")
+    else:
+        tally.count(mode, "save-after-restored")
 
 
 def manifest_case(run: Run, mode: str, m: Mutation, step: int | None = None) -> Case:
@@ -677,7 +720,9 @@ def manifest_case(run: Run, mode: str, m: Mutation, step: int | None = None) -> 
             body = encode_doc(doc, seal=False, raw=RAW)
             path.write_bytes(body[:-1] + b',"checksum":' + json.dumps(old).encode() + b"}")
 
-    return Case(run, mode, m.label, (step,), prepare)
+    # a crafted step or sequence is what a writer reads (a damaged one, the checksum refuses)
+    save_after = mode == "crafted" and m.kind in ("step", "sequence")
+    return Case(run, mode, m.label, (step,), prepare, save_after)
 
 
 def byte_case(run: Run, mode: str, rng: random.Random, step: int) -> Case:

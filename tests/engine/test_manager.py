@@ -343,7 +343,7 @@ def test_bad_directory_and_step(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="'directory'"):
         CheckpointManager(42)  # type: ignore[arg-type]
     mgr = CheckpointManager(tmp_path)
-    with pytest.raises(ConfigError, match="'step' must be an integer >= 0: -1"):
+    with pytest.raises(ConfigError, match=r"'step' must be an integer in \[0, 2\*\*63-1\], got -1"):
         mgr.save(-1, {})
     mgr.close()
     with pytest.raises(CociError, match="closed"):

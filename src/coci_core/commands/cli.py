@@ -48,8 +48,8 @@ def _step(text: str) -> int:
         step = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a step number: {text!r}") from None
-    if step < 0:
-        raise argparse.ArgumentTypeError(f"a step is >= 0: {text!r}")
+    if not 0 <= step <= (1 << 63) - 1:  # a checkpoint's steps (MAX_STEP); no torch import here
+        raise argparse.ArgumentTypeError(f"a step is an integer in [0, 2**63-1]: {text!r:.60}")
     return step
 
 

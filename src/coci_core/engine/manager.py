@@ -37,6 +37,8 @@ from coci_core.engine.restore import (
     verify_checkpoint,
 )
 from coci_core.engine.save_inputs import (
+    check_run_position,
+    check_step,
     flatten_per_rank,
     json_metadata,
     layout_digest,
@@ -272,7 +274,7 @@ class CheckpointManager:
         other than a torch optimizer changes saved tensors before the next step.
 
         Args:
-            step: the training step (an integer >= 0).
+            step: the training step (an integer in ``[0, 2**63-1]``).
             state: a mapping of tensors, numpy arrays, JSON values, lists, tuples and dicts.
             block: wait for the copy (True) or let it overlap the caller's next work (False;
                 see above for which writes it then sees).
@@ -294,6 +296,8 @@ class CheckpointManager:
             DirectoryInUseError: another manager (in this or another process) is writing to
                 the directory.
             StepExistsError: the directory holds ``step`` and ``overwrite`` is False.
+            ConfigError: an argument is malformed (``step`` not an integer in
+                ``[0, 2**63-1]``, ...).
         """
         inflight = self._inflight
         if inflight is not None:
@@ -315,8 +319,7 @@ class CheckpointManager:
     ) -> SaveHandle:
         started = time.perf_counter()
         self._check_open()
-        if type(step) is not int or step < 0:
-            raise ConfigError(f"'step' must be an integer >= 0: {step!r}")
+        check_step(step)
         if type(overwrite) is not bool:
             raise ConfigError(f"'overwrite' must be True or False: {overwrite!r}")
         previous = self._inflight
@@ -480,7 +483,12 @@ class CheckpointManager:
 
     def skip(self, step: int, reason: str) -> SaveHandle:
         """Record that ``step`` is not saved, for ``reason``: listeners get a skipped
-        :class:`SaveEvent` (telemetry shows it), and nothing is written."""
+        :class:`SaveEvent` (telemetry shows it), and nothing is written.
+
+        Raises:
+            ConfigError: ``step`` is not an integer in ``[0, 2**63-1]``.
+        """
+        check_step(step)
         return self._skip(step, block=True, started=time.perf_counter(), reason=reason)
 
     def _skip(
@@ -501,7 +509,13 @@ class CheckpointManager:
     def continue_run(self, run: str, sequence: int, restored: RestoreEvent | None = None) -> None:
         """Later saves continue ``run`` and are committed after ``sequence``: those of a
         restored checkpoint (restored here, or by an adapter's own restore: ``restored``, its
-        event, then becomes :attr:`last_restore`)."""
+        event, then becomes :attr:`last_restore`).
+
+        Raises:
+            ConfigError: ``run`` is not a run id or ``sequence`` not a commit sequence that a
+                manifest can record (as the restored manifest's are).
+        """
+        check_run_position(run, sequence)
         self.run_id = run
         self._writer.commit_after(sequence)
         if restored is not None:

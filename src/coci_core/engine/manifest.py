@@ -35,12 +35,15 @@ __all__ = [
     "MANIFEST_NAME",
     "MAX_ARRAY_BYTES",
     "MAX_MANIFEST_BYTES",
+    "MAX_SEQUENCE",
+    "MAX_STEP",
     "DataFile",
     "Manifest",
     "ManifestHead",
     "Piece",
     "RankState",
     "TensorEntry",
+    "check_readable_head",
     "load_sealed",
     "parse_step_dir",
     "parse_tensor_entry",
@@ -60,6 +63,11 @@ MANIFEST_NAME = "manifest.json"
 MAX_MANIFEST_BYTES = 256 * 1024 * 1024  # ~1M pieces with codec parameters fit many times over
 MAX_ARRAY_BYTES = 1 << 48  # one array (256 TiB); also bounds the product of a shape's dims
 MAX_INT = (1 << 63) - 1  # every integer field (offsets, sizes, steps, dims)
+MAX_STEP = MAX_INT  # a step: save refuses a larger one, a manifest or directory name too
+#: A commit sequence (see Manifest.sequence) counts commits: no run reaches 2**62 (a commit
+#: each nanosecond for 146 years), so a larger one is damage; the writer numbers a save at most
+#: this, and fails it rather than commit a number the reader refuses.
+MAX_SEQUENCE = 1 << 62
 MAX_NDIM = 64
 MAX_WORLD_SIZE = 1 << 20
 MAX_TOKEN = 256
@@ -89,7 +97,7 @@ def parse_step_dir(name: str) -> int | None:
     if match is None:
         return None
     step = int(match.group(1))
-    return step if step <= MAX_INT and step_dir_name(step) == name else None
+    return step if step <= MAX_STEP and step_dir_name(step) == name else None
 
 
 # --- the checksum ----------------------------------------------------------------------
@@ -382,6 +390,26 @@ def read_head(
     return doc, RecordChecker(where, step).head(doc, sealed=sealed)
 
 
+def check_readable_head(manifest: Manifest, *, where: str) -> None:
+    """Raise what reading ``manifest`` back would raise for its head (step, commit sequence,
+    creation time, run, bases): the writer checks this before it commits, so that it never
+    reports committed a checkpoint that a resume refuses.
+
+    Raises:
+        CorruptCheckpointError: naming the field.
+    """
+    doc: dict[str, Any] = dict.fromkeys(_REQUIRED_TOP_FIELDS)  # the others are not read here
+    doc.update(
+        format_version=FORMAT_VERSION,
+        step=manifest.step,
+        created_unix=manifest.created_unix,
+        run=manifest.run,
+        bases=list(manifest.bases),
+        sequence=manifest.sequence,
+    )
+    RecordChecker(where, manifest.step).head(doc, sealed=True)
+
+
 def parse_tensor_entry(t: Any) -> TensorEntry:
     """A tensor entry from its JSON form, checked as in a manifest (without the data files'
     sizes).
@@ -496,8 +524,8 @@ class RecordChecker:
                 step=self.step,
             )
         self.obj(doc, "(the document)", _REQUIRED_TOP_FIELDS, _TOP_FIELDS)
-        step = self.int_(doc["step"], "step")
-        sequence = self.int_(doc.get("sequence", 0), "sequence")
+        step = self.int_(doc["step"], "step", 0, MAX_STEP)
+        sequence = self.int_(doc.get("sequence", 0), "sequence", 0, MAX_SEQUENCE)
         created = doc["created_unix"]
         if type(created) not in (int, float) or not 0 <= created <= MAX_CREATED_UNIX:
             self.fail("created_unix", f"must be a time in [0, 2**37], got {_show(created)}")

@@ -34,6 +34,7 @@ from coci_core.engine.manifest import (
     Piece,
     RankState,
     TensorEntry,
+    check_readable_head,
     step_dir_name,
 )
 from coci_core.engine.restore import read_manifest
@@ -396,6 +397,10 @@ def _write_checkpoint(
             bases=_bases(storage, shares),
             run=job.run,
             sequence=job.sequence,
+        )
+        # never commit what a resume would refuse (the save fails instead, loudly)
+        check_readable_head(
+            manifest, where=f"step {job.step} (not committed: a resume could not read its manifest)"
         )
         manifest_json = manifest.to_json()
         storage.write_file(f"{staging}/{MANIFEST_NAME}", [memoryview(manifest_json)])

@@ -13,10 +13,11 @@ importer refuses a pickle whose tree is larger than what its files justify befor
 from __future__ import annotations
 
 import pickletools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import IO, Any, cast
 
-__all__ = ["PickleTree", "pickle_tree"]
+__all__ = ["PickleTree", "pickle_tree", "pickle_tree_from"]
 
 # Opcodes that push one new object whose size is the length of their argument (strings, bytes)
 _SIZED = frozenset(
@@ -117,7 +118,22 @@ def pickle_tree(data: bytes, cap: int) -> PickleTree:
     return _measure(graph, root, cap)
 
 
-def _follow(data: bytes, graph: _Graph) -> int:
+def pickle_tree_from(stream: IO[bytes], cap: Callable[[int], int]) -> tuple[PickleTree, int]:
+    """:func:`pickle_tree` of the pickle that starts at ``stream``'s position, and its length
+    in bytes; the stream is left just after its STOP (where the next pickle of a stream of
+    pickles starts), and ``cap(length)`` is the cap.
+
+    Raises:
+        ValueError: the stream holds no well-formed pickle there.
+    """
+    start = stream.tell()
+    graph = _Graph()
+    root = _follow(stream, graph)
+    length = stream.tell() - start
+    return _measure(graph, root, cap(length)), length
+
+
+def _follow(data: bytes | IO[bytes], graph: _Graph) -> int:
     """Run the pickle's stack machine on object numbers; the number of the object it returns."""
     stack: list[int] = []
     marks: list[int] = []

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from coci_core.engine.group import RankGroup
-from coci_core.engine.manifest import MANIFEST_NAME, step_dir_name
+from coci_core.engine.manifest import MANIFEST_NAME, MAX_SEQUENCE, MAX_STEP, step_dir_name
 from coci_core.engine.partition import Share, partition
 from coci_core.engine.restore import read_manifest
 from coci_core.engine.tree import ArrayLeaf, FlatState, FlattenCache, flatten_state
@@ -17,12 +17,42 @@ from coci_core.errors import CheckpointError, ConfigError, NoCheckpointError, St
 from coci_core.storage import Storage
 
 __all__ = [
+    "check_run_position",
+    "check_step",
     "flatten_per_rank",
     "json_metadata",
     "layout_digest",
     "rank_regions",
     "refuse_existing",
 ]
+
+
+def check_step(step: Any) -> int:
+    """``step``, if it is a step a checkpoint can have (one a resume reads back).
+
+    Raises:
+        ConfigError: it is not an integer in ``[0, 2**63-1]``.
+    """
+    if type(step) is not int or not 0 <= step <= MAX_STEP:
+        big = type(step) is int and step.bit_length() > 64  # str() of a huge one may raise
+        shown = f"a {step.bit_length()}-bit integer" if big else f"{step!r:.100}"
+        raise ConfigError(f"'step' must be an integer in [0, 2**63-1], got {shown}")
+    return step
+
+
+def check_run_position(run: Any, sequence: Any) -> None:
+    """Raise unless ``run`` and ``sequence`` are a run id and a commit sequence a manifest
+    can record (what :meth:`CheckpointManager.continue_run` is given).
+
+    Raises:
+        ConfigError: naming the argument and what is allowed.
+    """
+    if type(run) is not str or not run.isascii() or not run.isalnum() or len(run) > 64:
+        raise ConfigError(f"'run' must be 1-64 ASCII letters or digits, got {run!r:.100}")
+    if type(sequence) is not int or not 0 <= sequence <= MAX_SEQUENCE:
+        big = type(sequence) is int and sequence.bit_length() > 64
+        shown = f"a {sequence.bit_length()}-bit integer" if big else f"{sequence!r:.100}"
+        raise ConfigError(f"'sequence' must be an integer in [0, 2**62], got {shown}")
 
 
 def refuse_existing(storage: Storage, step: int, run_id: str) -> None:

@@ -1,6 +1,8 @@
 """Values kept with ``torch.save`` (``allow_torch_save=True``, and the files ``coci import``
-reads): their pickle measured before ``torch.load(weights_only=True)`` reads them, so that no
-code from a checkpoint runs and no crafted pickle exhausts memory or the C stack.
+reads): every pickle ``torch.load(weights_only=True)`` would unpickle is measured before it
+runs, so that no code from a checkpoint runs and no crafted pickle exhausts memory or the C
+stack. A value coci stored is a ``torch.save`` zip, or damage; a file to import may also be in
+torch's legacy format, whose pickles are measured alike.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any
 
 import torch
 
-from coci_core.engine.pickle_tree import pickle_tree
+from coci_core.engine.pickle_tree import PickleTree, pickle_tree, pickle_tree_from
 from coci_core.errors import CorruptCheckpointError, UnsafeCheckpointError, UnsupportedValueError
 from coci_core.knobs import (
     MAX_SAVED_PICKLE_DEPTH,
@@ -80,28 +82,81 @@ def load_torch_saved(data: bytes, key: str | None = None) -> Any:
         raise
 
 
-def check_saved_pickle(source: bytes | os.PathLike[str], *, what: str) -> None:
-    """Measure the pickle of a ``torch.save`` zip (its ``data.pkl``, the record torch.load
-    unpickles) before torch.load runs it, with :func:`~coci_core.engine.pickle_tree.pickle_tree`
-    (nothing is built or called); bytes that are no such zip are left to torch.load.
+def check_saved_pickle(
+    source: bytes | os.PathLike[str], *, what: str, legacy: bool = False
+) -> None:
+    """Measure every pickle ``torch.load`` would unpickle from ``source`` before it runs, with
+    :func:`~coci_core.engine.pickle_tree.pickle_tree` (nothing is built or called): a
+    ``torch.save`` zip's ``data.pkl``; with ``legacy``, the pickles of torch's legacy
+    (non-zip) format; without, such bytes are refused (coci writes only zips).
 
     Raises:
-        CorruptCheckpointError: the pickle nests deeper than :data:`MAX_SAVED_PICKLE_DEPTH`
-            or describes more than :data:`SAVED_PICKLE_UNITS_PER_BYTE` objects per byte (plus
-            a floor), shared references counted again.
+        CorruptCheckpointError: the bytes are in the legacy format and ``legacy`` is False,
+            or a pickle nests deeper than :data:`MAX_SAVED_PICKLE_DEPTH` or describes more than
+            :data:`SAVED_PICKLE_UNITS_PER_BYTE` objects per byte (plus a floor), shared
+            references counted again, or is malformed.
     """
+    if not _is_zip(source):
+        if not legacy:
+            raise CorruptCheckpointError(
+                f"{what} cannot be read: it is not a torch.save zip archive, the only format "
+                "coci stores values in"
+            )
+        _check_legacy(source, what)
+        return
     try:
         reader = torch._C.PyTorchFileReader(
             io.BytesIO(source) if isinstance(source, bytes) else os.fspath(source)
         )
         record = reader.get_record("data.pkl")
     except (RuntimeError, OSError, ValueError):
-        return
-    cap = SAVED_PICKLE_UNITS_PER_BYTE * len(record) + SAVED_PICKLE_FLOOR
+        return  # torch.load reads the record the same way: it fails before unpickling
     try:
-        tree = pickle_tree(record, cap=cap)
+        tree = pickle_tree(record, cap=_cap(len(record)))
     except ValueError as e:
         raise CorruptCheckpointError(f"{what} cannot be read: {_reason(e)}") from e
+    _check_tree(tree, len(record), what)
+
+
+# torch.load of the legacy format unpickles five pickles one after another (a magic number,
+# the protocol version, system information, the object, its storages' keys), then reads the
+# storages' raw bytes (torch/serialization.py, _legacy_load)
+_LEGACY_PICKLES = 5
+_ZIP_MAGIC = b"PK\x03\x04"  # how torch.load tells a zip (serialization._is_zipfile)
+
+
+def _is_zip(source: bytes | os.PathLike[str]) -> bool:
+    if isinstance(source, bytes):
+        return source.startswith(_ZIP_MAGIC)
+    try:
+        with open(source, "rb") as f:
+            return f.read(len(_ZIP_MAGIC)) == _ZIP_MAGIC
+    except OSError:
+        return True  # torch.load fails to open it too: nothing is unpickled
+
+
+def _check_legacy(source: bytes | os.PathLike[str], what: str) -> None:
+    """Measure the pickles of torch's legacy format, each against its own length (up to the
+    end of the bytes: torch.load fails there, after unpickling only what was measured)."""
+    with io.BytesIO(source) if isinstance(source, bytes) else open(source, "rb") as stream:
+        for _ in range(_LEGACY_PICKLES):
+            if not stream.read(1):
+                return
+            stream.seek(-1, io.SEEK_CUR)
+            try:
+                tree, length = pickle_tree_from(stream, _cap)
+            except ValueError as e:
+                raise CorruptCheckpointError(f"{what} cannot be read: {_reason(e)}") from e
+            _check_tree(tree, length, what)
+
+
+def _cap(nbytes: int) -> int:
+    return SAVED_PICKLE_UNITS_PER_BYTE * nbytes + SAVED_PICKLE_FLOOR
+
+
+def _check_tree(tree: PickleTree, nbytes: int, what: str) -> None:
+    """Refuse a pickle of ``nbytes`` whose tree is too deep or too large."""
+    cap = _cap(nbytes)
     if tree.depth > MAX_SAVED_PICKLE_DEPTH:
         nests = (
             f"refers to itself or nests objects more than {cap} levels deep"
@@ -116,7 +171,7 @@ def check_saved_pickle(source: bytes | os.PathLike[str], *, what: str) -> None:
         raise CorruptCheckpointError(
             f"{what} cannot be read: its pickle describes a tree of more than {cap} objects "
             f"and characters (at most {SAVED_PICKLE_UNITS_PER_BYTE} per byte of its "
-            f"{len(record)}-byte pickle, plus {SAVED_PICKLE_FLOOR}, are read)"
+            f"{nbytes}-byte pickle, plus {SAVED_PICKLE_FLOOR}, are read)"
         )
 
 
@@ -143,10 +198,14 @@ def _reason(error: BaseException) -> str:
 
 
 def load_weights_only(
-    data: bytes | os.PathLike[str], *, what: str, map_location: str | None = None
+    data: bytes | os.PathLike[str],
+    *,
+    what: str,
+    map_location: str | None = None,
+    mmap: bool = False,
 ) -> Any:
-    """``torch.load(data, weights_only=True)`` (bytes or a file), every failure a CociError
-    naming ``what``.
+    """``torch.load(data, weights_only=True)`` (bytes or a file; a zip file memory-mapped with
+    ``mmap``), every failure a CociError naming ``what``.
 
     Raises:
         UnsafeCheckpointError: the pickle names a global that ``weights_only`` refuses (loading
@@ -154,8 +213,12 @@ def load_weights_only(
         CorruptCheckpointError: the bytes are not a loadable ``torch.save`` file.
     """
     try:
-        source = io.BytesIO(data) if isinstance(data, bytes) else data
-        return torch.load(source, weights_only=True, map_location=map_location)
+        if isinstance(data, bytes):
+            return torch.load(io.BytesIO(data), weights_only=True, map_location=map_location)
+        if _is_zip(data):
+            return torch.load(data, weights_only=True, map_location=map_location, mmap=mmap)
+        with _Unnumbered(io.FileIO(data, "rb")) as stream:
+            return torch.load(stream, weights_only=True, map_location=map_location)
     except Exception as e:  # torch raises many types for a bad file (OSError included)
         name = refused_global(e)
         if name is not None:
@@ -165,3 +228,13 @@ def load_weights_only(
                 "checkpoint"
             ) from e
         raise CorruptCheckpointError(f"{what} cannot be read: {_reason(e)}") from e
+
+
+class _Unnumbered(io.BufferedReader):
+    """A file that hides its file number: given a real file of the legacy format, torch.load
+    first tries it as a tar archive of yet older torch, whose pickles
+    :func:`check_saved_pickle` does not measure; given a stream, it reads the pickles it
+    measured."""
+
+    def fileno(self) -> int:
+        raise io.UnsupportedOperation("fileno")

@@ -19,12 +19,13 @@ from coci_core.engine.compress import PieceEncoder
 from coci_core.engine.group import RankGroup
 from coci_core.engine.handle import SaveHandle
 from coci_core.engine.lifecycle import Owner
-from coci_core.engine.manifest import MANIFEST_NAME, step_dir_name
+from coci_core.engine.manifest import MANIFEST_NAME, MAX_SEQUENCE, step_dir_name
 from coci_core.engine.persist import PersistJob, write_checkpoint
 from coci_core.engine.restore import highest_sequence
 from coci_core.engine.snapshot import Snapshotter
+from coci_core.engine.steps import step_infos
 from coci_core.engine.tiers import RemoteTier
-from coci_core.errors import BackgroundSaveError, StateChangedError
+from coci_core.errors import BackgroundSaveError, CorruptCheckpointError, StateChangedError
 from coci_core.knobs import ROOM_MARGIN_BYTES
 from coci_core.storage import Storage
 from coci_core.telemetry import SaveEvent
@@ -176,8 +177,23 @@ class SaveWriter:
             self._sequence = highest_sequence(self.storage)
         # the remote's is read again: a remote that was down when the run started is read
         # once its lease is taken
-        self._sequence = max(self._sequence, self._sequence_floor, remote) + 1
+        top = max(self._sequence, self._sequence_floor, remote)
+        if top >= MAX_SEQUENCE:  # the reader bounds what this read: only a forged one is here
+            raise self._sequence_exhausted(top)
+        self._sequence = top + 1
         return self._sequence
+
+    def _sequence_exhausted(self, top: int) -> CorruptCheckpointError:
+        """The error of a save that cannot be numbered after a (forged) checkpoint at
+        :data:`MAX_SEQUENCE`: it fails rather than commit a number the reader refuses."""
+        steps = [i.step for i in step_infos(self.storage) if i.intact and i.sequence == top]
+        where = f"step {steps[0]} of {self.storage.url}" if steps else "a restored checkpoint"
+        return CorruptCheckpointError(
+            f"{where} records commit sequence {top}, the highest a checkpoint may record (no "
+            "run commits that often: it is damaged or forged), so no save can be ordered "
+            "after it; nothing was committed: remove that step's directory",
+            step=steps[0] if steps else None,
+        )
 
     def _apply_retention(self, *, newest: int, done_seq: int) -> None:
         # Retention never fails a save that is already durable: its errors are logged.

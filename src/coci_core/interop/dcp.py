@@ -104,7 +104,7 @@ def read_dcp_values(
                     )
                 if item.chunk is None:
                     what = f"{where}: the value at {short(item.key)}"
-                    check_saved_pickle(data, what=what)
+                    check_saved_pickle(data, what=what, legacy=True)
                     values[item.key] = load_weights_only(data, what=what, map_location="cpu")
                 else:
                     _copy_chunk(values[item.key], tensors[item.key], item, data, where)
@@ -343,7 +343,7 @@ def _copy_chunk(out: torch.Tensor, spec: _Tensor, item: _Item, data: bytes, wher
     assert item.chunk is not None
     offsets, sizes = item.chunk
     what = f"{where}: a chunk of the tensor {short(item.key)}"
-    check_saved_pickle(data, what=what)
+    check_saved_pickle(data, what=what, legacy=True)
     chunk = load_weights_only(data, what=what, map_location="cpu")
     if (
         not isinstance(chunk, torch.Tensor)

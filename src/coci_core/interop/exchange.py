@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from coci_core.engine.manifest import MAX_STEP
 from coci_core.engine.torch_saved import load_torch_saved
 from coci_core.engine.tree import flatten_state
 from coci_core.engine.tree_nodes import LEAF_TAGS, WRAPPER_TAGS, encode_dtype, ndarray_dtype
@@ -306,7 +307,7 @@ def note_step(text: str) -> int | None:
         step = json.loads(text).get("step")
     except (ValueError, RecursionError, AttributeError):
         return None
-    return step if type(step) is int and step >= 0 else None
+    return step if type(step) is int and 0 <= step <= MAX_STEP else None
 
 
 def from_note(text: Any, locate: Callable[[Any], Any], what: str) -> dict[str, Any]:

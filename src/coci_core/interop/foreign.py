@@ -24,7 +24,8 @@ little memory, and a ``CociError`` naming what is wrong:
   counted again, :mod:`coci_core.engine.pickle_tree`) must be at most 16 objects and
   characters per byte of it, and at most 64 levels deep; the checks of the chunks spend from
   the same kind of allowance; the pickle of each ``torch.save`` record (a ``.pt`` file, a DCP
-  value or chunk) is measured alike before ``torch.load`` runs it (at most 1024 levels deep);
+  value or chunk; each of the pickles of torch's legacy non-zip format) is measured alike
+  before ``torch.load`` runs it (at most 1024 levels deep);
 - a tensor is no larger than the bytes of its chunks (which tile it, and each value has bytes
   of its own in its file);
 - the None slots that planner_data's list indices pad lists with take 8 bytes each of the bytes
@@ -84,7 +85,7 @@ def read_foreign_with_step(src: Path) -> tuple[dict[str, Any], int | None]:
             state, note = _read_safetensors(src)
         else:
             _check_torch_saved(src)
-            check_saved_pickle(src, what=str(src))
+            check_saved_pickle(src, what=str(src), legacy=True)
             state = load_weights_only(src, what=str(src), map_location="cpu")
             note = read_pt_note(src)
             if note is not None:  # written by coci export: rebuild the exact state

@@ -13,10 +13,11 @@ from coci_core.engine.agreement import RestoreAgreement
 from coci_core.engine.inplace import InPlaceTargets
 from coci_core.engine.manifest import MANIFEST_NAME, parse_step_dir, step_dir_name
 from coci_core.engine.restore import LoadedCheckpoint, restore_newest, resume_order
+from coci_core.engine.torch_saved import check_saved_pickle, load_weights_only
 from coci_core.storage import open_storage
 from coci_core.telemetry import RestoreEvent
 
-__all__ = ["newest_step_dir", "read_checkpoint", "step_dir_of"]
+__all__ = ["newest_step_dir", "read_checkpoint", "read_torch_file", "step_dir_of"]
 
 
 def step_dir_of(
@@ -119,3 +120,16 @@ def read_checkpoint(
     if targets is not None:
         targets.check(loaded.step)
     return loaded, event
+
+
+def read_torch_file(source: bytes | Path, *, what: str) -> Any:
+    """A ``torch.save`` file of the framework's own (its bytes, or a local path, then
+    memory-mapped), loaded on the CPU with ``torch.load(weights_only=True)`` once every pickle
+    in it is measured: a crafted file is an error, never a crash of the process.
+
+    Raises:
+        CorruptCheckpointError: the file is damaged or crafted (``UnsafeCheckpointError``
+            when loading it would run code).
+    """
+    check_saved_pickle(source, what=what, legacy=True)
+    return load_weights_only(source, what=what, map_location="cpu", mmap=True)
