@@ -32,7 +32,7 @@ from lightning.pytorch.callbacks.on_exception_checkpoint import OnExceptionCheck
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from coci_core.engine.manifest import MANIFEST_NAME
+from coci_core.engine.manifest import MANIFEST_NAME, parse_step_dir
 from coci_core.training import read_checkpoint, step_dir_of
 from coci_lightning._io import use_coci_io
 from coci_lightning.callback import CociCheckpoint
@@ -125,7 +125,7 @@ def _resolve_last(trainer: Any, coci: Any) -> str | None:
     steps = {p: _global_step(p) for p in others}
     times = {p: _mtime(p) for p in others}
     if newest is not None:
-        coci_step = int(str(newest).rstrip("/").rsplit("-", 1)[-1])
+        coci_step = parse_step_dir(str(newest).rstrip("/").rsplit("/", 1)[-1]) or 0
         manifest = str(newest).rstrip("/") + "/" + MANIFEST_NAME
         # only compared with Lightning's own files (no request to the store without them)
         coci_time = _mtime(manifest, **coci.storage_options_for(manifest)) if others else 0.0

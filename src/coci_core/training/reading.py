@@ -10,23 +10,34 @@ from pathlib import Path
 from typing import Any
 
 from coci_core.engine.inplace import InPlaceTargets
-from coci_core.engine.manifest import MANIFEST_NAME, parse_step_dir, step_dir_name
-from coci_core.engine.restore import LoadedCheckpoint, restore_newest, resume_order
+from coci_core.engine.manifest import MANIFEST_NAME, parse_step_version
+from coci_core.engine.restore import CheckpointRef, LoadedCheckpoint, restore_newest, resume_order
 from coci_core.storage import open_storage
 from coci_core.telemetry import RestoreEvent
 
 __all__ = ["newest_step_dir", "read_checkpoint", "step_dir_of"]
 
 
+def _ref(name: str) -> CheckpointRef | None:
+    """The step of a plain step directory's name, the name itself for one saved beside
+    another run's checkpoint of the step (``step-...-v1``), else None."""
+    parsed = parse_step_version(name)
+    if parsed is None:
+        return None
+    return parsed[0] if parsed[1] == 0 else name
+
+
 def step_dir_of(
     path: Any, storage_options: Mapping[str, Any] | None = None
-) -> tuple[Path | str, int] | None:
-    """(root, step) when ``path`` is a committed coci step directory, else None. An fsspec
-    URL (``s3://bucket/run/step-...``) stays a string, its root too; ``storage_options`` reach
-    its file system."""
+) -> tuple[Path | str, CheckpointRef] | None:
+    """(root, step) when ``path`` is a committed coci step directory, else None; ``step`` is
+    the directory's name instead for a checkpoint saved beside another run's of the same step
+    (``step-0000000004-v1``): :func:`read_checkpoint` takes either. An fsspec URL
+    (``s3://bucket/run/step-...``) stays a string, its root too; ``storage_options`` reach its
+    file system."""
     if isinstance(path, str) and "://" in path:
         root, _, name = path.rstrip("/").rpartition("/")
-        step = parse_step_dir(name)
+        step = _ref(name)
         if step is None or "://" not in root:
             return None
         try:
@@ -40,7 +51,7 @@ def step_dir_of(
         p = Path(path)
     except TypeError:
         return None
-    step = parse_step_dir(p.name)
+    step = _ref(p.name)
     if step is None or not (p / MANIFEST_NAME).is_file():
         return None
     return p.parent, step
@@ -66,13 +77,13 @@ def newest_step_dir(
     newest = candidates[0]
     base = directory if newest.tier == "local" or remote is None else remote
     if isinstance(base, str):
-        return base.rstrip("/") + "/" + step_dir_name(newest.step)
-    return base / step_dir_name(newest.step)
+        return base.rstrip("/") + "/" + newest.name
+    return base / newest.name
 
 
 def read_checkpoint(
     directory: Path | str,
-    step: int,
+    step: CheckpointRef,
     *,
     storage_options: Mapping[str, Any] | None = None,
     rank: int = 0,
@@ -82,10 +93,12 @@ def read_checkpoint(
     remote: str | None = None,
     remote_storage_options: Mapping[str, Any] | None = None,
 ) -> tuple[LoadedCheckpoint, RestoreEvent]:
-    """Restore ``step`` of ``directory`` (verified) with ``rank``'s per-rank state, and the
-    event to report. ``live``: a state whose tensors are filled in place (no second copy; its
-    DTensors receive the boxes they hold, on any mesh); ``replaced``: paths in it whose
-    ``load_state_dict`` replaces their whole state (see ``InPlaceTargets``).
+    """Restore ``step`` of ``directory`` (verified; a step directory's name, as
+    :func:`step_dir_of` gives it, names that checkpoint of a step two runs hold) with
+    ``rank``'s per-rank state, and the event to report. ``live``: a state whose tensors are
+    filled in place (no second copy; its DTensors receive the boxes they hold, on any mesh);
+    ``replaced``: paths in it whose ``load_state_dict`` replaces their whole state (see
+    ``InPlaceTargets``).
     ``fall_back``: the newest intact checkpoint from ``step`` on, of ``directory`` or the
     ``remote`` tier, as a resume takes it (past damaged ones).
 
