@@ -19,7 +19,12 @@ from coci_core.training.options import (
     signature_drift,
 )
 from coci_core.training.outline import PlanOutline
-from coci_core.training.reading import newest_step_dir, read_checkpoint, step_dir_of
+from coci_core.training.reading import (
+    newest_step_dir,
+    read_checkpoint,
+    run_step_dir,
+    step_dir_of,
+)
 from coci_core.training.stopping import ValidationHistory, is_trial_pruned
 
 __all__ = [
@@ -35,6 +40,7 @@ __all__ = [
     "is_trial_pruned",
     "newest_step_dir",
     "read_checkpoint",
+    "run_step_dir",
     "shared_options",
     "signature_drift",
     "step_dir_of",

@@ -10,12 +10,18 @@ from pathlib import Path
 from typing import Any
 
 from coci_core.engine.inplace import InPlaceTargets
-from coci_core.engine.manifest import MANIFEST_NAME, parse_step_version
-from coci_core.engine.restore import CheckpointRef, LoadedCheckpoint, restore_newest, resume_order
+from coci_core.engine.manifest import MANIFEST_NAME, parse_step_version, step_dir_name
+from coci_core.engine.restore import (
+    CheckpointRef,
+    LoadedCheckpoint,
+    restore_newest,
+    resume_order,
+    step_versions,
+)
 from coci_core.storage import open_storage
 from coci_core.telemetry import RestoreEvent
 
-__all__ = ["newest_step_dir", "read_checkpoint", "step_dir_of"]
+__all__ = ["newest_step_dir", "read_checkpoint", "run_step_dir", "step_dir_of"]
 
 
 def _ref(name: str) -> CheckpointRef | None:
@@ -79,6 +85,25 @@ def newest_step_dir(
     if isinstance(base, str):
         return base.rstrip("/") + "/" + newest.name
     return base / newest.name
+
+
+def run_step_dir(
+    directory: Path | str,
+    step: int,
+    run: str | None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> Path | str:
+    """The step directory of ``run``'s checkpoint of ``step`` in ``directory`` (when two runs
+    hold the step, see :func:`~coci_core.engine.manifest.step_dir_name`), else the step's
+    plain name. A URL stays a string."""
+    name = step_dir_name(step)
+    if run:
+        storage = open_storage(str(directory), **dict(storage_options or {}))
+        own = [i for i in step_versions(storage, step) if i.intact and i.run == run]
+        name = own[0].name if own else name
+    if isinstance(directory, str):
+        return directory.rstrip("/") + "/" + name
+    return directory / name
 
 
 def read_checkpoint(
