@@ -618,10 +618,9 @@ class CheckpointManager:
         return loaded.state
 
     def verify(self, step: CheckpointRef | None = None) -> dict[int | str, list[str]]:
-        """Damaged array keys per committed checkpoint (all, or just ``step``, named as in
-        :meth:`restore`), by step; a checkpoint saved beside another run's of the same step
-        (``step-...-v1``) by its directory's name. A step that retention removes while it is
-        checked is left out, not reported damaged."""
+        """Damaged array keys per committed checkpoint (all, or ``step`` named as in
+        :meth:`restore`), by step (by name for one saved beside another run's, ``step-...-v1``);
+        one that retention removes while it is checked is left out, not reported damaged."""
         if step is not None:
             info = find_checkpoint(self.storage, step)
             where = checkpoint_storage(self.storage, info)
@@ -629,11 +628,10 @@ class CheckpointManager:
         found: dict[int | str, list[str]] = {}
         infos = step_infos(self.storage)
         for info in sorted(infos, key=lambda i: (i.step, i.version)):
+            where = checkpoint_storage(self.storage, info, infos)
             try:
-                where = checkpoint_storage(self.storage, info, infos)
-                found[info.step if info.version == 0 else info.name] = verify_checkpoint(
-                    where, info.step
-                )
+                key = info.step if info.version == 0 else info.name
+                found[key] = verify_checkpoint(where, info.step)
             except NoCheckpointError:
                 continue
         return found
