@@ -192,7 +192,9 @@ def _size(n: int) -> str:
 
 def _verify(args: argparse.Namespace) -> int:
     from coci_core.engine.restore import (
+        StepInfo,
         checkpoint_storage,
+        committed_dirs,
         find_checkpoint,
         step_infos,
         verify_checkpoint,
@@ -200,11 +202,14 @@ def _verify(args: argparse.Namespace) -> int:
     from coci_core.errors import CorruptCheckpointError, NoCheckpointError
 
     storage = _checkpoint_dir(args.dir)
-    infos = step_infos(storage)
+    dirs = committed_dirs(storage)
     if args.step is not None:
         chosen = [find_checkpoint(storage, args.step)]
     else:
-        chosen = sorted(infos, key=lambda i: (i.step, i.version))
+        chosen = [StepInfo(s, "", 0.0, intact=True, version=v) for s, v in dirs]
+    # each run's versioned directories (the bases of its deltas), read only when there are any
+    infos = step_infos(storage) if any(v for _, v in dirs) else []
+    runs = {(i.step, i.version): i for i in infos}
     if not chosen:
         print(f"no committed checkpoints in {storage.url}")
         return 1
@@ -212,7 +217,7 @@ def _verify(args: argparse.Namespace) -> int:
     for info in chosen:
         step = info.step
         label = f"step {step}" if info.version == 0 else info.name
-        where = checkpoint_storage(storage, info, infos)
+        where = checkpoint_storage(storage, runs.get((step, info.version), info), infos)
         reasons: list[str] = []
 
         def report(key: str, why: str, step: int = step, reasons: list[str] = reasons) -> None:
