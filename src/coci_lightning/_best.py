@@ -9,8 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from coci_core.engine.handle import SaveHandle
-from coci_core.engine.manifest import step_dir_name
-from coci_core.training import step_dir_of
+from coci_core.training import run_step_dir, step_dir_of
 
 __all__ = ["SCORES_KEY", "MonitorScores"]
 
@@ -81,13 +80,15 @@ class MonitorScores:
             }
 
     def best(
-        self, directory: Path | str, options_for: Callable[[str], Mapping[str, Any]]
+        self,
+        directory: Path | str,
+        options_for: Callable[[str], Mapping[str, Any]],
+        run: str | None = None,
     ) -> tuple[str, float] | None:
         """(the step directory, its value) of the kept checkpoint with the lowest value (the
-        newest of equals), or None."""
-        root = str(directory).rstrip("/")
+        newest of equals), or None; ``run``: whose checkpoint of a step two runs hold."""
         for step, score in sorted(self.scores.items(), key=lambda item: (item[1], -item[0])):
-            path = f"{root}/{step_dir_name(step)}"
+            path = str(run_step_dir(directory, step, run, options_for(str(directory))))
             if step_dir_of(path, options_for(path)) is not None:  # committed, still kept
                 return path, score
         return None

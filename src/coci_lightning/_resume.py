@@ -12,8 +12,9 @@ wraps that resolution once (idempotently) so that, when a ``CociCheckpoint`` is 
   goes to coci;
 - ``"best"`` (and ``None`` in validate/test/predict without a model, which Lightning turns into
   "best") is the first ``ModelCheckpoint``'s best model; without a ``ModelCheckpoint``, the
-  kept coci checkpoint with the lowest value of ``CociCheckpoint(monitor=...)``; without
-  either, ``None`` evaluates the weights in memory (with an info line) and ``"best"`` is a
+  kept coci checkpoint with the lowest value of ``CociCheckpoint(monitor=...)``, or without a
+  monitor the newest kept checkpoint (as ``ModelCheckpoint()`` without one); with no kept
+  checkpoint, ``None`` evaluates the weights in memory (with an info line) and ``"best"`` is a
   ValueError saying what to do.
 """
 
@@ -32,7 +33,7 @@ from lightning.pytorch.callbacks.on_exception_checkpoint import OnExceptionCheck
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from coci_core.engine.manifest import MANIFEST_NAME
+from coci_core.engine.manifest import MANIFEST_NAME, parse_step_dir
 from coci_core.training import read_checkpoint, read_torch_file, step_dir_of
 from coci_lightning._io import use_coci_io
 from coci_lightning.callback import CociCheckpoint
@@ -125,7 +126,7 @@ def _resolve_last(trainer: Any, coci: Any) -> str | None:
     steps = {p: _global_step(p) for p in others}
     times = {p: _mtime(p) for p in others}
     if newest is not None:
-        coci_step = int(str(newest).rstrip("/").rsplit("-", 1)[-1])
+        coci_step = parse_step_dir(str(newest).rstrip("/").rsplit("/", 1)[-1]) or 0
         manifest = str(newest).rstrip("/") + "/" + MANIFEST_NAME
         # only compared with Lightning's own files (no request to the store without them)
         coci_time = _mtime(manifest, **coci.storage_options_for(manifest)) if others else 0.0
@@ -154,28 +155,24 @@ def _resolve_last(trainer: Any, coci: Any) -> str | None:
 def _resolve_best(trainer: Any, coci: Any, fn: str, *, implicit: bool) -> str | None:
     """``"best"`` with a CociCheckpoint attached: the first ModelCheckpoint's best model (as
     Lightning, which would take the first ``Checkpoint`` callback, possibly coci's); without
-    one, coci's best by its ``monitor``; without that, ``None`` (implicit) evaluates the
-    weights in memory and ``"best"`` is an error."""
+    one, coci's best (by its ``monitor``; without one, its newest kept checkpoint); with none
+    kept, ``None`` (implicit) evaluates the weights in memory and ``"best"`` is an error."""
     models = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)]
-    if not models and coci.monitor is not None:
+    if not models and (coci.monitor is not None or coci.best_model_path):
         return _coci_best(trainer, coci, fn, implicit=implicit)
-    if not models:
+    if not models:  # no monitor, and no kept checkpoint yet
         if implicit:
             logger.info(
-                "coci: `.%s()` without a model or ckpt_path after fit: evaluating the weights "
-                "in memory (CociCheckpoint keeps the newest training state, not a best model). "
-                'Pass ckpt_path="last" for coci\'s newest checkpoint, or give '
-                "CociCheckpoint(monitor=...) or add ModelCheckpoint(monitor=...) for "
-                'ckpt_path="best".',
+                "coci: `.%s()` without a model or ckpt_path: evaluating the weights in memory "
+                "(CociCheckpoint has no kept checkpoint to load as the best model).",
                 fn,
             )
             return None
         raise ValueError(
-            f'`.{fn}(ckpt_path="best")` is set but no checkpoint callback is configured to keep '
-            "the best model: CociCheckpoint() without a monitor keeps the newest training "
-            'state. Give it the metric, CociCheckpoint(monitor="val_loss"), for the kept '
-            'checkpoint with its lowest value; pass ckpt_path="last" for coci\'s newest '
-            "checkpoint; or add ModelCheckpoint(monitor=..., save_top_k=...)."
+            f'`.{fn}(ckpt_path="best")` is set but CociCheckpoint has no kept checkpoint in '
+            f"{coci.resolve_dirpath(trainer)} (without a monitor, the best model is the newest "
+            'kept checkpoint). Pass an exact ckpt_path, or give CociCheckpoint(monitor="...") '
+            "for the kept checkpoint with the lowest value of a metric."
         )
     if implicit:  # Lightning's own message for this case
         rank_zero_warn(
@@ -205,7 +202,8 @@ def _resolve_best(trainer: Any, coci: Any, fn: str, *, implicit: bool) -> str | 
 
 
 def _coci_best(trainer: Any, coci: Any, fn: str, *, implicit: bool) -> str:
-    """The kept coci checkpoint with the lowest value of ``coci.monitor``."""
+    """The kept coci checkpoint with the lowest value of ``coci.monitor`` (without one: the
+    newest kept)."""
     best = coci.best_model_path
     if not best:
         if trainer.fast_dev_run:

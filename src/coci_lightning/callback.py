@@ -23,6 +23,7 @@ from lightning.pytorch.callbacks import Checkpoint, EarlyStopping
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from coci_core import SaveHandle
 from coci_core.engine.compress import CompressionPolicy
 from coci_core.errors import CociError, ConfigError
 from coci_core.planner import Termination
@@ -101,7 +102,8 @@ class CociCheckpoint(Checkpoint):
             epoch taken from the Trainer.
         monitor: a logged metric to use as the loss (default: the training step's loss).
             Each save records its value, and ``ckpt_path="best"`` is the kept checkpoint with
-            the lowest one (:attr:`best_model_path`).
+            the lowest one (:attr:`best_model_path`). Without it, "best" is the newest kept
+            checkpoint, as for ``ModelCheckpoint()`` without a monitor.
         block: copy the state before the save returns (default), so that what the checkpoint
             holds is the state of the step whatever changes the tensors next (an EMA or
             weight clipping through ``.data``, numpy). False overlaps the copy with the next
@@ -198,6 +200,8 @@ class CociCheckpoint(Checkpoint):
         self._scores = MonitorScores()  # for ckpt_path="best"
         self._directory: Path | str | None = None  # resolve_dirpath at the last setup
         self._best_path_given = ""  # best_model_path as set from outside (ddp_spawn)
+        self._newest_saved = ""  # the step directory of this callback's newest committed save
+        self._run: str | None = None  # the run of its saves (for a step two runs hold)
         self.save_on_train_end = save_on_train_end
         self.save_on_exception = save_on_exception
         self.early_stopping_hazard = early_stopping_hazard
@@ -267,8 +271,11 @@ class CociCheckpoint(Checkpoint):
 
     @property
     def best_model_path(self) -> str:
-        """The step directory of the kept checkpoint with the lowest value of ``monitor`` (what
-        ``ckpt_path="best"`` loads), or ``""`` (as ``ModelCheckpoint.best_model_path``)."""
+        """The step directory of the kept checkpoint with the lowest value of ``monitor``, or
+        without a monitor the newest kept checkpoint (as ``ModelCheckpoint()`` without one):
+        what ``ckpt_path="best"`` loads; or ``""`` (as ``ModelCheckpoint.best_model_path``)."""
+        if self.monitor is None:
+            return self._newest_kept() or self._best_path_given
         best = self._best()
         return self._best_path_given if best is None else best[0]
 
@@ -286,7 +293,29 @@ class CociCheckpoint(Checkpoint):
     def _best(self) -> tuple[str, float] | None:
         if self.monitor is None or self._directory is None:
             return None
-        return self._scores.best(self._directory, self.storage_options_for)
+        return self._scores.best(self._directory, self.storage_options_for, self._run)
+
+    def _newest_kept(self) -> str:
+        """This callback's newest committed save while it is kept; else the checkpoint a
+        resume takes (the newest commit of the directory, as after a resume that saved
+        nothing); ``""`` when there is none."""
+        if self._directory is None:
+            return ""
+        if self._newest_saved:
+            path = f"{str(self._directory).rstrip('/')}/{self._newest_saved}"
+            if step_dir_of(path, self.storage_options_for(path)) is not None:
+                return path
+        o = self.options
+        try:
+            newest = newest_step_dir(
+                self._directory,
+                o.storage_options,
+                remote=o.remote,
+                remote_storage_options=o.remote_storage_options,
+            )
+        except Exception:  # an unreadable directory has no best model to offer
+            return ""
+        return "" if newest is None else str(newest)
 
     def storage_options_for(self, path: object) -> dict[str, Any]:
         """The fsspec options of the tier that ``path`` is in (``remote`` or ``dirpath``)."""
@@ -360,6 +389,7 @@ class CociCheckpoint(Checkpoint):
         if self.checkpointer is not None:
             manifest = loaded.manifest
             self.checkpointer.restored_elsewhere(manifest.run, event, manifest.sequence)
+            self._run = manifest.run
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -597,6 +627,14 @@ class CociCheckpoint(Checkpoint):
             alone=alone,
         )
         self._scores.taken(handle)
+        self._run = self.checkpointer.manager.run_id
+        handle.add_done_callback(self._note_saved)
+
+    def _note_saved(self, handle: SaveHandle) -> None:
+        """A save finished: its step directory is the newest kept, if it committed."""
+        event = handle.event
+        if event is not None and event.outcome == "committed" and event.path:
+            self._newest_saved = str(event.path)
 
     def _restore_rng(self, trainer: pl.Trainer) -> None:
         """Put back the random states a resumed checkpoint holds for this rank (once)."""

@@ -1,6 +1,6 @@
-"""One run per directory, or a clear choice: runs never delete or overwrite each other's
-checkpoints, a resume takes the newest checkpoint of the newest run, and saving a step that
-exists is refused unless asked."""
+"""Runs never delete or overwrite each other's checkpoints (a step another run holds is saved
+beside it, ``step-...-v1``), a resume takes the newest checkpoint of the newest run, and
+saving a step this run holds is refused unless asked."""
 
 from __future__ import annotations
 
@@ -40,9 +40,7 @@ def test_a_fresh_run_never_touches_another_runs_checkpoints(tmp_path: Path) -> N
 
     with CheckpointManager(tmp_path, keep_last=2, compression="none") as new:
         assert new.run_id != old_run
-        with pytest.raises(StepExistsError, match="overwrite=True") as caught:
-            new.save(20, _state(-1.0))
-        assert caught.value.run == old_run and not caught.value.own
+        new.save(20, _state(-1.0)).wait()  # beside the old run's step 20, retired below
         for step in (1, 2, 3, 4):
             new.save(step, _state(1000 + step)).wait()
         new_run = new.run_id
@@ -53,6 +51,53 @@ def test_a_fresh_run_never_touches_another_runs_checkpoints(tmp_path: Path) -> N
         assert reader.latest_step() == 4
         assert float(reader.restore()["w"][0]) == 1004.0
     assert {s: _manifest_bytes(tmp_path, s) for s in (20, 30)} == before
+    assert not (tmp_path / step_dir_name(20, 1)).exists()
+
+
+def test_two_runs_saving_the_same_steps_keep_both_and_agree_on_the_newest(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A second run saves the steps the first run holds under versioned names; both runs'
+    checkpoints are kept and listed, retention counts each run's own, and latest_step(),
+    restore() and coci ls all take the newest commit; restore(step) is the step's newest
+    commit, and a step directory's name reads the other one."""
+    from coci_core.commands.cli import main
+
+    with CheckpointManager(tmp_path, keep_last=None, compression="none") as first:
+        for step in (2, 4, 6, 8):
+            first.save(step, _state(step)).wait()
+        first_run = first.run_id
+    before = {s: _manifest_bytes(tmp_path, s) for s in (2, 4, 6, 8)}
+    with CheckpointManager(tmp_path, keep_last=2, compression="none") as second:
+        for step in (2, 4, 6):
+            second.save(step, _state(100 + step)).wait()
+        with pytest.raises(StepExistsError, match="this run's checkpoint of step 6"):
+            second.save(6, _state(-1.0))
+        second_run = second.run_id
+    assert {s: _manifest_bytes(tmp_path, s) for s in before} == before
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step-")) == [
+        "step-0000000002",
+        "step-0000000004",
+        "step-0000000004-v1",
+        "step-0000000006",
+        "step-0000000006-v1",
+        "step-0000000008",
+    ]
+    with CheckpointManager(tmp_path, keep_last=None, compression="none") as reader:
+        assert reader.runs() == {second_run: [4, 6], first_run: [2, 4, 6, 8]}
+        assert reader.steps() == [2, 4, 6, 8]
+        assert reader.latest_step() == 6 and reader.latest() == "step-0000000006-v1"
+        assert float(reader.restore(4)["w"][0]) == 104.0  # the newest commit of step 4
+        assert float(reader.restore("step-0000000004")["w"][0]) == 4.0
+        assert reader.manifest(6).run == second_run
+        assert set(reader.verify()) == {2, 4, 6, 8, "step-0000000004-v1", "step-0000000006-v1"}
+        assert float(reader.restore()["w"][0]) == 106.0
+        assert reader.last_restore is not None and reader.last_restore.step == 6
+    assert main(["ls", str(tmp_path)]) == 0
+    rows = capsys.readouterr().out.splitlines()[1:]
+    assert [r.split()[0] for r in rows if "a resume takes this one" in r] == ["6-v1"]
+    assert main(["verify", str(tmp_path), "--step", "step-0000000006-v1"]) == 0
+    assert "step-0000000006-v1: ok" in capsys.readouterr().out
 
 
 def test_a_restore_continues_the_restored_run(tmp_path: Path) -> None:
@@ -108,7 +153,7 @@ def test_saves_of_the_same_step_in_flight_are_ordered(tmp_path: Path) -> None:
         assert float(mgr.restore(1)["w"][0]) == 1.0
 
 
-def test_checkpointer_skips_another_runs_step_and_overwrites_its_own(
+def test_checkpointer_saves_beside_another_runs_step_and_overwrites_its_own(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     with CheckpointManager(tmp_path, keep_last=None, compression="none") as other:
@@ -123,17 +168,14 @@ def test_checkpointer_skips_another_runs_step_and_overwrites_its_own(
             assert ckpt.warn_if_not_empty()
             assert not ckpt.warn_if_not_empty()  # once
             ckpt.save(2, _state(2.0)).wait()
-            ckpt.save(4, _state(4.0)).wait()  # another run's step: skipped, not overwritten
+            ckpt.save(4, _state(4.0)).wait()  # another run's step: saved beside it
             assert ckpt.save(2, _state(22.0)).wait().outcome == "committed"  # its own: replaced
         assert "holds 1 checkpoint(s) of another run (steps 4)" in caplog.text
-        assert "step 4 is not saved" in caplog.text
-        assert [getattr(e, "outcome", None) for e in events] == [
-            "committed",
-            "skipped",
-            "committed",
-        ]
+        assert [getattr(e, "outcome", None) for e in events] == ["committed"] * 3
         assert _manifest_bytes(tmp_path, 4) == foreign
         assert float(ckpt.manager.restore(2)["w"][0]) == 22.0
+        assert float(ckpt.manager.restore(4)["w"][0]) == 4.0
+        assert float(ckpt.manager.restore(step_dir_name(4))["w"][0]) == -4.0
     finally:
         ckpt.close()
 

@@ -107,31 +107,35 @@ def test_last_falls_back_to_last_ckpt_without_coci_steps(tmp_path: Path) -> None
     assert _last_of_fresh_trainer(tmp_path, fresh_mc) == str(tmp_path / "mc" / "last.ckpt")
 
 
-def test_test_after_fit_with_coci_only_uses_the_weights_in_memory(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+def test_test_after_fit_with_coci_only_loads_the_newest_kept_checkpoint(
+    tmp_path: Path,
 ) -> None:
-    """The default Trainer with CociCheckpoint (it replaces ModelCheckpoint): test() after fit
-    evaluates the weights in memory and says so, instead of failing on a missing
-    best_model_path; test(ckpt_path="best") is a ValueError saying what to do."""
+    """The default Trainer with CociCheckpoint (it replaces ModelCheckpoint) and no monitor:
+    test(), validate() and predict() after fit load "best", which is the newest kept
+    checkpoint (as ModelCheckpoint() without a monitor has its newest file as the best)."""
     pl.seed_everything(2, verbose=False)
     model = _EvalModel()
-    trainer = _trainer(tmp_path, 6, [CociCheckpoint()], limit_val_batches=0)
+    trainer = _trainer(
+        tmp_path,
+        6,
+        [CociCheckpoint(policy="every_n_steps", every_n_steps=4, save_on_train_end=False)],
+        limit_val_batches=0,
+    )
     assert trainer.checkpoint_callback is trainer.callbacks[-1]  # coci is Lightning's Checkpoint
     trainer.fit(model)
-    final = digest(model)
-    with caplog.at_level(logging.INFO, logger="coci_lightning"):
+    newest = str(tmp_path / "coci" / step_dir_name(4))  # step 6 was not saved
+    assert trainer.checkpoint_callback.best_model_path == newest
+    with pytest.warns(UserWarning, match=r"The best model of the previous `fit` call"):
         result = trainer.test()
     assert "test_loss" in result[0]
-    assert trainer.ckpt_path is None
-    assert digest(model) == final
-    assert any("evaluating the weights in memory" in r.getMessage() for r in caplog.records)
-    with pytest.raises(
-        ValueError, match=r"no checkpoint callback is configured to keep the best model"
-    ):
-        trainer.test(ckpt_path="best")
-    trainer.test(ckpt_path="last")  # coci's final save
-    assert trainer.ckpt_path == str(tmp_path / "coci" / step_dir_name(6))
-    assert digest(model) == final
+    assert trainer.ckpt_path == newest
+    at_step_4 = digest(model)
+    assert at_step_4 == digest(_EvalModel.load_from_checkpoint(newest))
+    trainer.validate(ckpt_path="best")
+    assert trainer.ckpt_path == newest
+    trainer.predict(ckpt_path="best")
+    assert trainer.ckpt_path == newest
+    assert digest(model) == at_step_4
 
 
 def test_load_from_checkpoint_reads_a_coci_step(tmp_path: Path) -> None:

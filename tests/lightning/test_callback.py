@@ -334,8 +334,8 @@ def test_a_fresh_fit_into_another_runs_directory(
     tmp_path: Path, reference: DigitsModel, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A fresh fit() into a directory with another run's checkpoints warns, never deletes or
-    overwrites them (a step both runs reach is not saved), and ckpt_path="last" then resumes
-    the new run's newest checkpoint, exactly."""
+    overwrites them (a step both runs reach is saved beside the other's, ``-v1``), and
+    ckpt_path="last" then resumes the new run's newest checkpoint, exactly."""
     _fit(tmp_path, 40, [CociCheckpoint(policy="every_n_steps", every_n_steps=10)], seed=7)
     root = tmp_path / "coci"
     old = {s: (root / step_dir_name(s) / "manifest.json").read_bytes() for s in (20, 30, 40)}
@@ -346,10 +346,9 @@ def test_a_fresh_fit_into_another_runs_directory(
             [CociCheckpoint(policy="every_n_steps", every_n_steps=10, save_on_train_end=False)],
         )
     assert "holds 3 checkpoint(s) of another run (steps 20, 30, 40)" in caplog.text
-    assert "step 20 is not saved" in caplog.text
     assert {s: (root / step_dir_name(s) / "manifest.json").read_bytes() for s in old} == old
     with CheckpointManager(root) as mgr:
-        assert mgr.latest_step() == 10  # the new run's newest, not the old run's step 40
+        assert mgr.latest() == step_dir_name(20, 1)  # the new run's newest, not step 40
     resumed = _fit(
         tmp_path,
         40,
@@ -359,6 +358,28 @@ def test_a_fresh_fit_into_another_runs_directory(
     )
     assert digest(resumed) == digest(reference)
     assert {s: (root / step_dir_name(s) / "manifest.json").read_bytes() for s in old} == old
+
+
+def test_restart_from_last_parity(tmp_path: Path, reference: DigitsModel) -> None:
+    """Lightning's test_restart_from_last_parity with CociCheckpoint: 8 steps into a
+    directory, then a new Trainer with the same dirpath trains 4 steps. Its save of step 4 is
+    kept beside the first run's (``step-...-v1``; the first run's files untouched), and
+    ckpt_path="last" resumes it, the checkpoint written last, exactly."""
+
+    def coci() -> CociCheckpoint:
+        return CociCheckpoint(dirpath=tmp_path / "ckpts", policy="every_n_steps", every_n_steps=4)
+
+    _fit(tmp_path, 8, [coci()], seed=5)
+    root = tmp_path / "ckpts"
+    first = {p.name: p.joinpath("manifest.json").read_bytes() for p in root.glob("step-*")}
+    assert sorted(first) == [step_dir_name(4), step_dir_name(8)]
+    _fit(tmp_path, 4, [coci()])  # seed 1: the reference's first 4 steps
+    assert {name: (root / name / "manifest.json").read_bytes() for name in first} == first
+    assert (root / step_dir_name(4, 1) / "manifest.json").is_file()
+    resumed = _fit(tmp_path, 40, [coci()], seed=99, ckpt_path="last")
+    assert resumed.seen == reference.seen[4 * 16 :]  # from the second run's step 4
+    assert digest(resumed) == digest(reference)
+    assert {name: (root / name / "manifest.json").read_bytes() for name in first} == first
 
 
 @pytest.mark.parametrize(

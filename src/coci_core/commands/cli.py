@@ -53,6 +53,18 @@ def _step(text: str) -> int:
     return step
 
 
+def _checkpoint_ref(text: str) -> int | str:
+    """A step number, or a step directory's name (``step-0000000004-v1``: a checkpoint saved
+    beside another run's of the same step)."""
+    from coci_core.engine.manifest import parse_step_version
+
+    if text.startswith("step-"):
+        if parse_step_version(text) is None:
+            raise argparse.ArgumentTypeError(f"not a step directory's name: {text!r}")
+        return text
+    return _step(text)
+
+
 def open_storage(target: str) -> Any:
     """:func:`coci_core.storage.open_storage`, imported when a subcommand runs."""
     from coci_core.storage import open_storage as open_
@@ -79,26 +91,26 @@ def _remote(args: argparse.Namespace) -> Any:
 
 
 def _ls(args: argparse.Namespace) -> int:
-    from coci_core.engine.restore import committed_steps, resume_step
+    from coci_core.engine.restore import committed_dirs, resume_step
     from coci_core.errors import CorruptCheckpointError, NoCheckpointError
 
     storage = _checkpoint_dir(args.dir)
     remote = _remote(args)
     tiers = [("local", storage)] + ([("remote", remote)] if remote is not None else [])
-    listed = [(tier, tier_storage, committed_steps(tier_storage)) for tier, tier_storage in tiers]
+    listed = [(tier, tier_storage, committed_dirs(tier_storage)) for tier, tier_storage in tiers]
     if not any(steps for _, _, steps in listed):
         print(f"no committed checkpoints in {' or '.join(str(s.url) for _, s in tiers)}")
         return 1
     # the step a resume takes, decided as restore decides it (the newer ones found damaged)
-    damaged: dict[tuple[str, int], str] = {}
+    damaged: dict[tuple[str, int, int], str] = {}
 
     def note(candidate: Any, error: CorruptCheckpointError) -> None:
-        damaged[(candidate.tier, candidate.step)] = _one_line(error)
+        damaged[(candidate.tier, candidate.step, candidate.info.version)] = _one_line(error)
 
-    resume: tuple[str, int] | None = None
+    resume: tuple[str, int, int] | None = None
     try:
         point = resume_step(storage, remote=remote, on_damaged=note)
-        resume = (point.tier, point.step)
+        resume = (point.tier, point.step, point.candidate.info.version)
     except (NoCheckpointError, CorruptCheckpointError):
         pass
     tier_column = f"{'tier':<6}  " if remote is not None else ""
@@ -108,8 +120,9 @@ def _ls(args: argparse.Namespace) -> int:
     )
     for tier, tier_storage, steps in listed:
         prefix = f"{tier:<6}  " if remote is not None else ""
-        for step in steps:
-            row = _ls_row(tier_storage, step, damaged.get((tier, step)), (tier, step) == resume)
+        for step, version in steps:
+            key = (tier, step, version)
+            row = _ls_row(tier_storage, step, version, damaged.get(key), key == resume)
             if row is not None:
                 print(prefix + row)
     if resume is None:
@@ -118,20 +131,23 @@ def _ls(args: argparse.Namespace) -> int:
     return 0
 
 
-def _ls_row(storage: Any, step: int, damage: str | None, resumes: bool) -> str | None:
-    """The line of ``step`` in ``coci ls``, or None when it was removed meanwhile."""
+def _ls_row(storage: Any, step: int, version: int, damage: str | None, resumes: bool) -> str | None:
+    """The line of ``step`` (its directory of ``version``) in ``coci ls``, or None when it was
+    removed meanwhile. A checkpoint saved beside another run's of the same step shows its
+    version: ``4-v1`` (the directory ``step-0000000004-v1``)."""
     from coci_core.engine.manifest import MANIFEST_NAME, step_dir_name
     from coci_core.engine.restore import read_manifest
     from coci_core.errors import CorruptCheckpointError, NoCheckpointError
 
+    shown = str(step) if version == 0 else f"{step}-v{version}"
     try:
-        m = read_manifest(storage, step)
+        m = read_manifest(storage, step, version)
     except NoCheckpointError:
         return None  # removed (by retention) since it was listed
     except CorruptCheckpointError as e:
-        if not storage.exists(f"{step_dir_name(step)}/{MANIFEST_NAME}"):
+        if not storage.exists(f"{step_dir_name(step, version)}/{MANIFEST_NAME}"):
             return None  # removed while it was being read: gone, not damaged
-        return f"{step:>10}  damaged manifest: {_one_line(e)}"
+        return f"{shown:>10}  damaged manifest: {_one_line(e)}"
     codecs = (
         ",".join(
             sorted(
@@ -154,7 +170,7 @@ def _ls_row(storage: Any, step: int, damage: str | None, resumes: bool) -> str |
     if damage is not None:
         mark = f"  damaged, a resume skips it: {damage}"
     return (
-        f"{step:>10}  {_size(m.nbytes):>12}  {ratio:>6}  {len(m.tensors):>7}  {created}  "
+        f"{shown:>10}  {_size(m.nbytes):>12}  {ratio:>6}  {len(m.tensors):>7}  {created}  "
         f"{m.run[:8]:<8}  {codecs}{bases}{mark}"
     )
 
@@ -175,16 +191,33 @@ def _size(n: int) -> str:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from coci_core.engine.restore import committed_steps, verify_checkpoint
+    from coci_core.engine.restore import (
+        StepInfo,
+        checkpoint_storage,
+        committed_dirs,
+        find_checkpoint,
+        step_infos,
+        verify_checkpoint,
+    )
     from coci_core.errors import CorruptCheckpointError, NoCheckpointError
 
     storage = _checkpoint_dir(args.dir)
-    steps = [args.step] if args.step is not None else committed_steps(storage)
-    if not steps:
+    dirs = committed_dirs(storage)
+    if args.step is not None:
+        chosen = [find_checkpoint(storage, args.step)]
+    else:
+        chosen = [StepInfo(s, "", 0.0, intact=True, version=v) for s, v in dirs]
+    # each run's versioned directories (the bases of its deltas), read only when there are any
+    infos = step_infos(storage) if any(v for _, v in dirs) else []
+    runs = {(i.step, i.version): i for i in infos}
+    if not chosen:
         print(f"no committed checkpoints in {storage.url}")
         return 1
     damaged = 0
-    for step in steps:
+    for info in chosen:
+        step = info.step
+        label = f"step {step}" if info.version == 0 else info.name
+        where = checkpoint_storage(storage, runs.get((step, info.version), info), infos)
         reasons: list[str] = []
 
         def report(key: str, why: str, step: int = step, reasons: list[str] = reasons) -> None:
@@ -193,26 +226,27 @@ def _verify(args: argparse.Namespace) -> int:
             reasons.append(f"  damaged {key}: {why}")
 
         try:
-            bad = verify_checkpoint(storage, step, on_bad=report)
+            bad = verify_checkpoint(where, step, on_bad=report)
         except NoCheckpointError as e:
             if args.step is not None:
                 raise BadInput(str(e)) from e
             # listed here and then removed (retention): gone, not damaged
-            print(f"step {step}: removed while verifying (not damaged)")
+            print(f"{label}: removed while verifying (not damaged)")
             continue
         except CorruptCheckpointError as e:
-            print(f"step {step}: {e}")
+            print(f"{label}: {e}")
             damaged += 1
             continue
         for line in reasons:
             print(line)
-        print(f"step {step}: {'ok' if not bad else f'{len(bad)} damaged'}")
+        print(f"{label}: {'ok' if not bad else f'{len(bad)} damaged'}")
         damaged += bool(bad)
     return 1 if damaged else 0
 
 
 def _export(args: argparse.Namespace) -> int:
-    from coci_core.engine.restore import committed_steps, restore_newest
+    from coci_core.engine.manifest import step_dir_name
+    from coci_core.engine.restore import committed_dirs, restore_newest
     from coci_core.errors import CociError, NoCheckpointError
     from coci_core.interop.exchange import export_state, require_safetensors
 
@@ -229,12 +263,14 @@ def _export(args: argparse.Namespace) -> int:
             require_safetensors(f"writing {args.out}")
         except CociError as e:
             raise BadInput(str(e)) from e
-    steps = committed_steps(storage)
-    remote_steps = committed_steps(remote) if remote is not None else []
-    if not steps and not remote_steps:
+    dirs = committed_dirs(storage)
+    remote_dirs = committed_dirs(remote) if remote is not None else []
+    if not dirs and not remote_dirs:
         where = storage.url if remote is None else f"{storage.url} or {remote.url}"
         raise NoCheckpointError(f"no committed checkpoints in {where}")
-    if args.step is not None and args.step not in steps and args.step not in remote_steps:
+    refs = {r for s, v in (*dirs, *remote_dirs) for r in (s, step_dir_name(s, v))}
+    steps = sorted({s for s, _ in dirs})
+    if args.step is not None and args.step not in refs:
         shown = ", ".join(map(str, steps[-10:])) or "none"
         raise BadInput(f"step {args.step} is not committed in {storage.url} (its steps: {shown})")
     # without --step: the step a resume takes (past damaged newer ones), as restore picks it
@@ -325,7 +361,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_ls)
     p = sub.add_parser("verify", help="check every checksum (exit 1 on damage)")
     p.add_argument("dir", metavar="DIR", help=dir_help)
-    p.add_argument("--step", type=_step, help="verify only this step (default: every step)")
+    p.add_argument(
+        "--step",
+        type=_checkpoint_ref,
+        help="verify only this step (its newest checkpoint) or step directory (default: all)",
+    )
     p.set_defaults(func=_verify)
     p = sub.add_parser(
         "export",
@@ -338,8 +378,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out", metavar="OUT", help="the file (or DCP directory) to write")
     p.add_argument(
         "--step",
-        type=_step,
-        help="default: the step a resume takes (the newest intact one of the newest run)",
+        type=_checkpoint_ref,
+        help="a step (its newest checkpoint) or a step directory's name; default: the step a "
+        "resume takes (the newest intact one of the newest run)",
     )
     p.add_argument("--remote", metavar="URL", help=remote_help)
     p.add_argument(

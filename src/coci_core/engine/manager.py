@@ -29,7 +29,10 @@ from coci_core.engine.manifest import Manifest
 from coci_core.engine.partition import DEFAULT_CHUNK_BYTES, partition
 from coci_core.engine.persist import PersistJob, PersistWorker
 from coci_core.engine.restore import (
+    CheckpointRef,
+    checkpoint_storage,
     committed_steps,
+    find_checkpoint,
     read_manifest,
     restore_newest,
     resume_order,
@@ -43,7 +46,7 @@ from coci_core.engine.save_inputs import (
     json_metadata,
     layout_digest,
     rank_regions,
-    refuse_existing,
+    save_version,
 )
 from coci_core.engine.snapshot import Snapshotter
 from coci_core.engine.stateful import Stateful
@@ -119,8 +122,11 @@ class CheckpointManager:
     continues the restored checkpoint's run. Restoring without a step takes the newest
     intact checkpoint of the newest run (by commit sequence, never by step number or wall
     clock; with ``remote``, of either tier), retention counts and deletes only this run's
-    checkpoints, and ``save`` of a step the directory already holds raises
-    :class:`StepExistsError` unless ``overwrite=True``.
+    checkpoints, and ``save`` of a step this run already holds raises
+    :class:`StepExistsError` unless ``overwrite=True``. A step that another run holds is saved
+    beside it, under the step's name with a version suffix (``step-0000000004-v1``), as
+    Lightning's ``ModelCheckpoint`` names a file whose name is taken: neither run's checkpoint
+    is lost, and the newest commit is the one a restore takes.
     """
 
     def __init__(
@@ -285,8 +291,10 @@ class CheckpointManager:
                 same on every rank (it is split over them and written once).
             alone: rank 0 writes the whole state by itself while the other ranks do not save
                 (for a save only rank 0 reaches, such as one on an exception).
-            overwrite: replace the checkpoint if the directory already holds ``step`` (the
-                old one stays readable until the new one is committed).
+            overwrite: replace this run's checkpoint of ``step`` (or, when only other runs
+                hold ``step``, the newest of theirs); the old one stays readable until the
+                new one is committed. Without it, a step that another run holds is saved
+                beside that run's checkpoint (``step-...-v1``), never over it.
 
         ``save`` may be called from any thread: concurrent calls run one after the other.
 
@@ -295,7 +303,8 @@ class CheckpointManager:
             UnsupportedValueError: ``state`` holds a value that cannot be stored without pickle.
             DirectoryInUseError: another manager (in this or another process) is writing to
                 the directory.
-            StepExistsError: the directory holds ``step`` and ``overwrite`` is False.
+            StepExistsError: this run's checkpoint of ``step`` exists and ``overwrite`` is
+                False.
             ConfigError: an argument is malformed (``step`` not an integer in
                 ``[0, 2**63-1]``, ...).
         """
@@ -331,8 +340,7 @@ class CheckpointManager:
             else:
                 previous.wait_done()
         self._writer.raise_failed()
-        if not overwrite:
-            refuse_existing(self.storage, step, self.run_id)
+        version = save_version(self.storage, step, self.run_id, overwrite=overwrite)
         if alone and not self.group.is_coordinator:
             raise ConfigError("'alone' saves are made by rank 0 only")
         group = RankGroup(0, 1, self.group.session) if alone else self.group
@@ -370,6 +378,7 @@ class CheckpointManager:
             layout=layout_digest(flat.leaves, self.chunk_bytes) if regions is not None else "",
             group=group,
             run=self.run_id,
+            version=version,
         )
         if block:
             # Copied before the writer starts: writing the copied part of the arena while the
@@ -540,21 +549,31 @@ class CheckpointManager:
         candidates = resume_order(self.storage, remote)
         return candidates[0].step if candidates else None
 
+    def latest(self) -> str | None:
+        """The step directory's name of the checkpoint a restore without ``step`` tries first
+        (see :meth:`latest_step`; ``step-0000000004-v1`` when two runs hold step 4), or None."""
+        remote = self.remote.remote if self.remote is not None else None
+        candidates = resume_order(self.storage, remote)
+        return candidates[0].name if candidates else None
+
     def runs(self) -> dict[str, list[int]]:
-        """The committed steps of each run in the directory (ascending), newest run first."""
+        """The committed steps of each run in the directory (ascending), newest run first.
+        Two runs may each hold a checkpoint of one step: it is listed under both."""
         found: dict[str, list[int]] = {}
         for info in step_infos(self.storage):
             if info.intact:
                 found.setdefault(info.run, []).append(info.step)
         return {run: sorted(steps) for run, steps in found.items()}
 
-    def manifest(self, step: int) -> Manifest:
-        """The manifest of a committed step."""
-        return read_manifest(self.storage, step)
+    def manifest(self, step: CheckpointRef) -> Manifest:
+        """The manifest of a committed step (its newest checkpoint), or of a step directory
+        named by its name (``"step-0000000004-v1"``)."""
+        info = find_checkpoint(self.storage, step)
+        return read_manifest(self.storage, info.step, info.version)
 
     def restore(
         self,
-        step: int | None = None,
+        step: CheckpointRef | None = None,
         *,
         into: Mapping[str, Stateful] | None = None,
         strict: bool | None = None,
@@ -567,13 +586,15 @@ class CheckpointManager:
         state that rank ``rank`` (default: this manager's rank) saved is merged in; a rank the
         checkpoint does not have gets none (logged; ``last_restore.rank_state_restored``).
 
-        Pending saves are made durable first. Without ``step`` the newest checkpoint of the
-        newest run is used (:meth:`latest_step`; with a remote tier, of either tier); if it
-        is damaged, it is reported and the next newest intact one (the other tier's copy
-        first) is used instead (unless ``strict``, which accepts only that copy). Later saves
-        of this manager continue the restored checkpoint's run and are committed after it.
-        ``into`` maps keys of the state to objects whose ``load_state_dict`` receives them.
-        The restored step is in ``last_restore.step``.
+        Pending saves are made durable first. ``step``: a step, whose newest checkpoint is read when
+        two runs hold one of it (by commit sequence), or a step directory's name
+        (``"step-0000000004-v1"``, as :meth:`latest` and ``coci ls`` show it) for that one. Without
+        ``step`` the newest checkpoint of the newest run is used (:meth:`latest_step`; with a remote
+        tier, of either tier); if it is damaged, it is reported and the next newest intact one (the
+        other tier's copy first) is used instead (unless ``strict``, which accepts only that copy).
+        Later saves of this manager continue the restored checkpoint's run and are committed after
+        it. ``into`` maps keys of the state to objects whose ``load_state_dict`` receives them. The
+        restored step is in ``last_restore.step``.
 
         Modules and torch optimizers in ``into`` are filled in place: each stored tensor whose
         live counterpart (in their ``state_dict()``) is a contiguous CPU tensor of the same
@@ -616,15 +637,21 @@ class CheckpointManager:
         emit(self.listeners, self.last_restore)
         return loaded.state
 
-    def verify(self, step: int | None = None) -> dict[int, list[str]]:
-        """Damaged array keys per committed step (all steps, or just ``step``); a step that
-        retention removes while it is checked is left out, not reported damaged."""
+    def verify(self, step: CheckpointRef | None = None) -> dict[int | str, list[str]]:
+        """Damaged array keys per committed checkpoint (all, or ``step`` named as in
+        :meth:`restore`), by step (by name for one saved beside another run's, ``step-...-v1``);
+        one that retention removes while it is checked is left out, not reported damaged."""
         if step is not None:
-            return {step: verify_checkpoint(self.storage, step)}
-        found: dict[int, list[str]] = {}
-        for s in self.steps():
+            info = find_checkpoint(self.storage, step)
+            where = checkpoint_storage(self.storage, info)
+            return {step: verify_checkpoint(where, info.step)}
+        found: dict[int | str, list[str]] = {}
+        infos = step_infos(self.storage)
+        for info in sorted(infos, key=lambda i: (i.step, i.version)):
+            where = checkpoint_storage(self.storage, info, infos)
             try:
-                found[s] = verify_checkpoint(self.storage, s)
+                key = info.step if info.version == 0 else info.name
+                found[key] = verify_checkpoint(where, info.step)
             except NoCheckpointError:
                 continue
         return found

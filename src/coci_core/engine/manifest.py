@@ -46,6 +46,7 @@ __all__ = [
     "check_readable_head",
     "load_sealed",
     "parse_step_dir",
+    "parse_step_version",
     "parse_tensor_entry",
     "read_head",
     "seal",
@@ -74,30 +75,46 @@ MAX_TOKEN = 256
 MAX_RUN = 64  # a run id: the RankGroup session that first wrote the run (letters and digits)
 MAX_CREATED_UNIX = float(1 << 37)  # the year 6325
 _FILE_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}", re.ASCII)
-_STEP_DIR = re.compile(r"step-([0-9]{10,19})", re.ASCII)
+_STEP_DIR = re.compile(r"step-([0-9]{10,19})(?:-v([1-9][0-9]{0,18}))?", re.ASCII)
 
 _SEAL_HEAD = b',"checksum":"sha256:'
 _SEAL_TAIL = re.compile(rb',"checksum":"sha256:([0-9a-f]{64})"\}')
 _SEAL_LEN = len(_SEAL_HEAD) + 64 + 2
 
 
-def step_dir_name(step: int) -> str:
-    """The directory name of a committed step (zero-padded, so names sort by step)."""
-    return f"step-{step:010d}"
+def step_dir_name(step: int, version: int = 0) -> str:
+    """The directory name of a committed step (zero-padded, so names sort by step).
+
+    ``version`` > 0 names a checkpoint of a step that another run already held when it was
+    saved (``step-0000000004-v1``, as Lightning's ``ModelCheckpoint`` adds ``-v1`` to a name
+    that is taken): both runs' checkpoints are kept, each under its own name.
+    """
+    name = f"step-{step:010d}"
+    return name if version == 0 else f"{name}-v{version}"
 
 
-def parse_step_dir(name: str) -> int | None:
-    """The step of a committed step directory's name, or None for any other name.
+def parse_step_version(name: str) -> tuple[int, int] | None:
+    """(step, version) of a committed step directory's name, or None for any other name.
 
-    Only the canonical name ``step_dir_name(step)`` counts (ASCII digits, exactly that
-    padding): another spelling of the same number would name a directory that restore does
-    not read.
+    Only the canonical name ``step_dir_name(step, version)`` counts (ASCII digits, exactly
+    that padding, no ``-v0``, no leading zero in the version): another spelling of the same
+    checkpoint would name a directory that restore does not read.
     """
     match = _STEP_DIR.fullmatch(name)
     if match is None:
         return None
     step = int(match.group(1))
-    return step if step <= MAX_STEP and step_dir_name(step) == name else None
+    version = int(match.group(2) or 0)
+    if step > MAX_STEP or version > MAX_INT or step_dir_name(step, version) != name:
+        return None
+    return step, version
+
+
+def parse_step_dir(name: str) -> int | None:
+    """The step of a committed step directory's name (of any version, see
+    :func:`parse_step_version`), or None for any other name."""
+    parsed = parse_step_version(name)
+    return None if parsed is None else parsed[0]
 
 
 # --- the checksum ----------------------------------------------------------------------

@@ -39,6 +39,7 @@ from coci_core.engine.manifest import (
 )
 from coci_core.engine.restore import read_manifest
 from coci_core.engine.snapshot import Snapshot
+from coci_core.engine.steps import step_versions
 from coci_core.engine.tree import ArrayLeaf, encode_dtype
 from coci_core.errors import CommitError, StorageError
 from coci_core.knobs import SHARD_PIECE_BYTES, WRITE_CHUNK_BYTES
@@ -81,6 +82,7 @@ class PersistJob:
     layout: str = ""
     group: RankGroup = field(default_factory=RankGroup.single)
     run: str = ""  # the run the checkpoint belongs to (see CheckpointManager.run_id)
+    version: int = 0  # of the step directory (see step_dir_name): the same on every rank
     # the commit order (Manifest.sequence), set by the coordinator's writer thread before the
     # write, under the directory's lease
     sequence: int = 0
@@ -296,8 +298,9 @@ class _Pieces:
         )
 
 
-def _bases(storage: Storage, shares: list[commit.RankShare]) -> tuple[int, ...]:
-    """Every earlier step this checkpoint's deltas need, through their own bases."""
+def _bases(storage: Storage, shares: list[commit.RankShare], run: str) -> tuple[int, ...]:
+    """Every earlier step this checkpoint's deltas need, through their own bases (steps of
+    ``run``: read where that run wrote them)."""
     direct = {
         int(p.params["base_step"])
         for s in shares
@@ -306,7 +309,8 @@ def _bases(storage: Storage, shares: list[commit.RankShare]) -> tuple[int, ...]:
     }
     needed = set(direct)
     for step in direct:
-        needed.update(read_manifest(storage, step).bases)
+        held = [i for i in step_versions(storage, step) if i.intact and i.run == run]
+        needed.update(read_manifest(storage, step, held[0].version if held else 0).bases)
     return tuple(sorted(needed))
 
 
@@ -342,7 +346,7 @@ def _write_checkpoint(
 ) -> WriteResult:
     snap = job.snapshot
     group = job.group
-    final = step_dir_name(job.step)
+    final = step_dir_name(job.step, job.version)
     staging = storage.staging_dir(final, job.token)
     in_place = staging == final
     file = data_file_name(group.rank, job.token if in_place else None)
@@ -394,7 +398,7 @@ def _write_checkpoint(
             metadata=job.metadata,
             per_rank=tuple(s.per_rank for s in shares),
             token=job.token,
-            bases=_bases(storage, shares),
+            bases=_bases(storage, shares, job.run),
             run=job.run,
             sequence=job.sequence,
         )

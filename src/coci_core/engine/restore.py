@@ -21,15 +21,19 @@ from coci_core.engine.load import (
     load_checkpoint,
     verify_checkpoint,
 )
+from coci_core.engine.manifest import parse_step_version
 from coci_core.engine.read import MAX_DELTA_CHAIN, ZSTD_MAX_RATIO, read_checked
 from coci_core.engine.steps import (
     StepInfo,
+    checkpoint_storage,
+    committed_dirs,
     committed_steps,
     highest_sequence,
     newest_first,
     newest_first_key,
     read_manifest,
     step_infos,
+    step_versions,
 )
 from coci_core.errors import CociError, CorruptCheckpointError, NoCheckpointError, StorageError
 from coci_core.storage import Storage
@@ -39,13 +43,17 @@ __all__ = [
     "MAX_DELTA_CHAIN",
     "ZSTD_MAX_RATIO",
     "Candidate",
+    "CheckpointRef",
     "LoadedCheckpoint",
     "RestoreCache",
     "RestoreAgreement",
     "ResumePoint",
     "StepInfo",
     "check_checkpoint",
+    "checkpoint_storage",
+    "committed_dirs",
     "committed_steps",
+    "find_checkpoint",
     "highest_sequence",
     "load_checkpoint",
     "newest_first",
@@ -55,6 +63,7 @@ __all__ = [
     "resume_order",
     "resume_step",
     "step_infos",
+    "step_versions",
     "verify_checkpoint",
 ]
 
@@ -62,18 +71,61 @@ logger = logging.getLogger(__name__)
 
 TierName = Literal["local", "remote"]
 
+#: How a caller names a checkpoint: a step (its newest checkpoint, when two runs hold it), or
+#: a step directory's name (``"step-0000000004-v1"``: that one).
+CheckpointRef = int | str
+
 
 @dataclass(frozen=True)
 class Candidate:
-    """A committed step of one tier, as a resume tries it."""
+    """A committed step of one tier, as a resume tries it. ``storage`` reads it as step
+    ``step`` (see :func:`checkpoint_storage`); ``tier_storage`` is the tier's own."""
 
     tier: TierName
     storage: Storage
     info: StepInfo
+    tier_storage: Storage | None = None
 
     @property
     def step(self) -> int:
         return self.info.step
+
+    @property
+    def name(self) -> str:
+        """The step directory's name."""
+        return self.info.name
+
+    def matches(self, ref: CheckpointRef) -> bool:
+        """Whether ``ref`` (a step or a step directory's name) names this checkpoint."""
+        return self.info.name == ref if isinstance(ref, str) else self.info.step == ref
+
+
+def find_checkpoint(storage: Storage, ref: CheckpointRef) -> StepInfo:
+    """The checkpoint ``ref`` names in ``storage``: a step directory's name, or a step's newest
+    checkpoint (by commit sequence: two runs may each hold one of that step). A step or name
+    with no committed checkpoint gives an info that reading then reports as missing.
+
+    Raises:
+        NoCheckpointError: ``ref`` is a string that names no step directory.
+    """
+    if isinstance(ref, str):
+        parsed = parse_step_version(ref)
+        if parsed is None:
+            raise NoCheckpointError(f"{ref!r} is not the name of a step directory")
+        step, version = parsed
+        versions = [i for i in step_versions(storage, step) if i.version == version]
+    else:
+        step, version = ref, 0
+        versions = step_versions(storage, step)
+    if versions:
+        return versions[0]
+    return StepInfo(step, "", 0.0, intact=True, version=version)
+
+
+def _candidate(
+    tier: TierName, storage: Storage, info: StepInfo, infos: list[StepInfo]
+) -> Candidate:
+    return Candidate(tier, checkpoint_storage(storage, info, infos), info, storage)
 
 
 def _tiers(storage: Storage, remote: Storage | None) -> list[tuple[TierName, Storage]]:
@@ -106,7 +158,8 @@ def resume_order(
             return step_infos(s)
         return step_infos(s, kept=caches.setdefault(id(s), RestoreCache(s)).manifests)
 
-    candidates = [Candidate("local", storage, info) for info in infos_of(storage)]
+    local = infos_of(storage)
+    candidates = [_candidate("local", storage, info, local) for info in local]
     if remote is not None:
         try:
             infos = infos_of(remote)
@@ -115,7 +168,7 @@ def resume_order(
                 raise
             logger.warning("coci: the remote tier cannot be read (%s); resuming from local", e)
             infos = []
-        candidates += [Candidate("remote", remote, info) for info in infos]
+        candidates += [_candidate("remote", remote, info, infos) for info in infos]
     # stable: of equal keys, the local tier (listed first) stays first
     return sorted(candidates, key=lambda c: newest_first_key(c.info), reverse=True)
 
@@ -172,7 +225,7 @@ class _Search(Generic[_T]):
         candidates: list[Candidate],
         storage: Storage,
         remote: Storage | None,
-        step: int | None,
+        step: CheckpointRef | None,
         strict: bool,
         attempt: Callable[[Candidate, RestoreCache], _T],
         caches: dict[int, RestoreCache],
@@ -217,7 +270,7 @@ class _Search(Generic[_T]):
                     )
                 elif c.tier == "local" and remote is not None:
                     logger.warning(
-                        "coci: step %d (local) is damaged, trying the remote tier's copy: %s",
+                        "coci: step %s (local) is damaged, trying the remote tier's copy: %s",
                         step,
                         e,
                     )
@@ -240,8 +293,8 @@ class _Search(Generic[_T]):
 def _first_intact(
     storage: Storage,
     remote: Storage | None,
-    step: int | None,
-    start_at: int | None,
+    step: CheckpointRef | None,
+    start_at: CheckpointRef | None,
     strict: bool,
     attempt: Callable[[Candidate, RestoreCache], _T],
     caches: dict[int, RestoreCache],
@@ -256,15 +309,19 @@ def _first_intact(
     search: _Search[_T] | None = None
     try:
         if step is not None:
-            candidates = [
-                Candidate(tier, s, StepInfo(step, "", 0.0, intact=True))
-                for tier, s in _tiers(storage, remote)
-            ]
+            # the newest checkpoint of that step (or the one named) in each tier, newest first
+            candidates = []
+            for tier, s in _tiers(storage, remote):
+                info = find_checkpoint(s, step)
+                candidates.append(Candidate(tier, checkpoint_storage(s, info), info, s))
+            candidates.sort(key=lambda c: newest_first_key(c.info), reverse=True)
         else:
             candidates = resume_order(storage, remote, caches=caches)
             if not candidates:
                 raise NoCheckpointError(f"no committed checkpoint in {_urls(storage, remote)}")
-            starts = [i for i, c in enumerate(candidates) if c.step == start_at]
+            starts = [
+                i for i, c in enumerate(candidates) if start_at is not None and c.matches(start_at)
+            ]
             if starts:
                 candidates = candidates[starts[0] :]
         search = _Search(candidates, storage, remote, step, strict, attempt, caches, on_damaged)
@@ -332,24 +389,25 @@ def resume_step(
 
 def restore_newest(
     storage: Storage,
-    step: int | None = None,
+    step: CheckpointRef | None = None,
     *,
-    start_at: int | None = None,
+    start_at: CheckpointRef | None = None,
     rank: int = 0,
     strict: bool = False,
     targets: InPlaceTargets | None = None,
     remote: Storage | None = None,
     agreement: RestoreAgreement | None = None,
 ) -> tuple[LoadedCheckpoint, RestoreEvent]:
-    """Restore ``step``, or without it the newest checkpoint of the newest run (from
-    ``start_at`` on, in that order, when given), falling back past damaged ones unless
-    ``strict``: the one restore path that every caller (the manager, the Lightning adapter,
-    ``coci export``) uses, returning the event to report. With ``remote`` (a second tier), the
-    newest intact checkpoint of either tier (see :func:`resume_order`), or ``step`` from the
-    first tier where it is intact. ``targets``: live tensors to fill in place (see
-    :func:`load_checkpoint`; call ``targets.check`` once a step is restored). ``agreement``:
-    the ranks restoring together (:meth:`RestoreAgreement.for_group`), which then all restore
-    the newest step intact for every one of them, or all raise the same error.
+    """Restore ``step`` (a step: its newest checkpoint; or a step directory's name), or without it
+    the newest checkpoint of the newest run (from ``start_at`` on, in that order, when given),
+    falling back past damaged ones unless ``strict``: the one restore path that every caller (the
+    manager, the Lightning adapter, ``coci export``) uses, returning the event to report. With
+    ``remote`` (a second tier), the newest intact checkpoint of either tier (see
+    :func:`resume_order`), or ``step`` from the first tier where it is intact. ``targets``: live
+    tensors to fill in place (see :func:`load_checkpoint`; call ``targets.check`` once a step is
+    restored). ``agreement``: the ranks restoring together (:meth:`RestoreAgreement.for_group`),
+    which then all restore the newest step intact for every one of them, or all raise the same
+    error.
 
     Raises:
         NoCheckpointError: nothing is committed (or not ``step``).

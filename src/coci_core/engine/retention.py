@@ -16,8 +16,8 @@ from collections.abc import Iterable
 
 from coci_core.engine.group import RankGroup
 from coci_core.engine.manifest import MANIFEST_NAME, parse_step_dir, step_dir_name
-from coci_core.engine.steps import StepInfo, committed_steps, step_info, step_infos
-from coci_core.errors import CheckpointError, ConfigError, StorageError
+from coci_core.engine.steps import StepInfo, committed_dirs, step_infos, step_versions
+from coci_core.errors import ConfigError, StorageError
 from coci_core.storage import Storage
 
 __all__ = [
@@ -41,10 +41,11 @@ def check_keep_last(value: object, name: str = "keep_last") -> int | None:
     return value
 
 
-def retire(storage: Storage, step: int) -> None:
-    """Delete a committed step so that no crash leaves its manifest without its data: the
-    storage un-publishes it first where it can (:meth:`Storage.retire`)."""
-    storage.retire(step_dir_name(step))
+def retire(storage: Storage, step: int, version: int = 0) -> None:
+    """Delete a committed step (its directory of ``version``) so that no crash leaves its
+    manifest without its data: the storage un-publishes it first where it can
+    (:meth:`Storage.retire`)."""
+    storage.retire(step_dir_name(step, version))
 
 
 def own_steps(storage: Storage, run_id: str) -> list[StepInfo]:
@@ -73,23 +74,22 @@ def apply_keep_last(
         needed.add(next_base)
     for info in own[:cut]:
         if info.step != newest and info.step not in needed:
-            retire(storage, info.step)
+            retire(storage, info.step, info.version)
             logger.debug("coci: retention removed step %d", info.step)
 
 
-def drop_dependants(storage: Storage, step: int) -> None:
-    """A re-saved step replaced the base that later steps' deltas were taken against: those
-    steps can no longer be restored (their base checks would fail), so they go. Never raises
-    (restore would detect what is left)."""
+def drop_dependants(storage: Storage, step: int, run_id: str) -> None:
+    """A re-saved step (now run ``run_id``'s) replaced the base that later steps' deltas were
+    taken against (those of ``run_id``, or of a run that holds no other checkpoint of
+    ``step``): those steps can no longer be restored (their base checks would fail), so they
+    go. Never raises (restore would detect what is left)."""
     try:
-        for other in committed_steps(storage):
-            if other == step:
+        holders = {i.run for i in step_versions(storage, step) if i.intact} - {run_id}
+        for info in step_infos(storage):
+            other = info.step
+            if other == step or not info.intact or info.run in holders:
                 continue
-            try:
-                bases = step_info(storage, other).bases
-            except CheckpointError:
-                continue
-            if step in bases:
+            if step in info.bases:
                 logger.warning(
                     "coci: step %d was re-saved and step %d was a delta against its old "
                     "contents: step %d is removed",
@@ -97,7 +97,7 @@ def drop_dependants(storage: Storage, step: int) -> None:
                     other,
                     other,
                 )
-                retire(storage, other)
+                retire(storage, other, info.version)
     except Exception as e:  # never fails a save that is durable
         logger.warning("coci: after re-saving step %d: %s", step, e)
 
@@ -179,10 +179,11 @@ def make_room(
     protected = {i.step for i in keep} | _bases_of(keep) | {step}
     if next_base is not None:
         protected.add(next_base)
-    for old in (i.step for i in own):
+    for info in own:
+        old = info.step
         if old in protected:
             continue
-        retire(storage, old)
+        retire(storage, old, info.version)
         logger.warning(
             "coci: %.1f MB free, step %d needs about %.1f MB: removed step %d early (it "
             "was beyond keep_last=%d once this save commits)",
@@ -204,7 +205,7 @@ def explain_full_disk(
     to do."""
     if not isinstance(error, OSError) or error.errno != errno.ENOSPC:
         return error
-    steps = committed_steps(storage)
+    steps = committed_dirs(storage)
     new = StorageError(
         errno.ENOSPC,
         f"{error.strerror or error}. The storage is full: {len(steps)} committed "

@@ -9,11 +9,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from coci_core.engine.group import RankGroup
-from coci_core.engine.manifest import MANIFEST_NAME, MAX_SEQUENCE, MAX_STEP, step_dir_name
+from coci_core.engine.manifest import MAX_SEQUENCE, MAX_STEP
 from coci_core.engine.partition import Share, partition
-from coci_core.engine.restore import read_manifest
+from coci_core.engine.steps import step_versions
 from coci_core.engine.tree import ArrayLeaf, FlatState, FlattenCache, flatten_state
-from coci_core.errors import CheckpointError, ConfigError, NoCheckpointError, StepExistsError
+from coci_core.errors import ConfigError, StepExistsError
 from coci_core.storage import Storage
 
 __all__ = [
@@ -23,7 +23,7 @@ __all__ = [
     "json_metadata",
     "layout_digest",
     "rank_regions",
-    "refuse_existing",
+    "save_version",
 ]
 
 
@@ -55,29 +55,32 @@ def check_run_position(run: Any, sequence: Any) -> None:
         raise ConfigError(f"'sequence' must be an integer in [0, 2**62], got {shown}")
 
 
-def refuse_existing(storage: Storage, step: int, run_id: str) -> None:
-    """Raise if ``storage`` holds a committed checkpoint of ``step``.
+def save_version(storage: Storage, step: int, run_id: str, *, overwrite: bool) -> int:
+    """The version of the step directory that a save of ``step`` by run ``run_id`` goes to
+    (see :func:`~coci_core.engine.manifest.step_dir_name`): 0 for a step the directory does
+    not hold; the run's own directory of it with ``overwrite``; with ``overwrite``, the
+    step's newest checkpoint of another run (replaced); else a version no run holds yet, so
+    that another run's checkpoint of the step is never touched.
 
     Raises:
-        StepExistsError: naming whose checkpoint it is (``run_id``'s or another run's).
+        StepExistsError: the directory holds this run's checkpoint of ``step`` and
+            ``overwrite`` is False.
     """
-    if not storage.exists(f"{step_dir_name(step)}/{MANIFEST_NAME}"):
-        return
-    try:
-        run = read_manifest(storage, step).run
-    except NoCheckpointError:
-        return  # removed meanwhile
-    except CheckpointError:
-        run = "?"
-    own = run == run_id
-    whose = "this run's" if own else f"run {run}'s"
-    raise StepExistsError(
-        f"{storage.url} already holds {whose} checkpoint of step {step}; pass "
-        "overwrite=True to replace it, or save into another directory",
-        step=step,
-        run=run,
-        own=own,
-    )
+    held = step_versions(storage, step)
+    if not held:
+        return 0
+    own = [i for i in held if i.intact and i.run == run_id]
+    if own and not overwrite:
+        raise StepExistsError(
+            f"{storage.url} already holds this run's checkpoint of step {step}; pass "
+            "overwrite=True to replace it, or save into another directory",
+            step=step,
+            run=run_id,
+            own=True,
+        )
+    if own or overwrite:
+        return (own or held)[0].version
+    return max(i.version for i in held) + 1
 
 
 def flatten_per_rank(

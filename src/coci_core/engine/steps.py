@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -14,17 +14,20 @@ from coci_core.engine.manifest import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
     Manifest,
-    parse_step_dir,
+    parse_step_version,
     read_head,
     step_dir_name,
 )
 from coci_core.errors import CorruptCheckpointError, NoCheckpointError, StorageError
 from coci_core.knobs import STEP_INFO_CACHE_ENTRIES
-from coci_core.storage import Storage
+from coci_core.storage import Storage, StorageWrapper
 
 __all__ = [
     "ManifestCache",
+    "RunView",
     "StepInfo",
+    "checkpoint_storage",
+    "committed_dirs",
     "committed_steps",
     "gc_paused",
     "highest_sequence",
@@ -33,17 +36,25 @@ __all__ = [
     "read_manifest",
     "step_info",
     "step_infos",
+    "step_versions",
 ]
 
 
-def committed_steps(storage: Storage) -> list[int]:
-    """Steps that have a committed manifest, ascending (damage is found on read, not here)."""
-    steps = []
+def committed_dirs(storage: Storage) -> list[tuple[int, int]]:
+    """(step, version) of each step directory with a committed manifest, ascending (damage
+    is found on read, not here); see :func:`~coci_core.engine.manifest.step_dir_name`."""
+    found = []
     for name in storage.list_dir(""):
-        step = parse_step_dir(name)
-        if step is not None and storage.exists(f"{name}/{MANIFEST_NAME}"):
-            steps.append(step)
-    return sorted(steps)
+        parsed = parse_step_version(name)
+        if parsed is not None and storage.exists(f"{name}/{MANIFEST_NAME}"):
+            found.append(parsed)
+    return sorted(found)
+
+
+def committed_steps(storage: Storage) -> list[int]:
+    """Steps that have a committed manifest, ascending, each once (two runs may each hold a
+    checkpoint of a step: see :func:`committed_dirs`)."""
+    return sorted({step for step, _ in committed_dirs(storage)})
 
 
 @dataclass(frozen=True)
@@ -59,6 +70,13 @@ class StepInfo:
     intact: bool
     bases: tuple[int, ...] = ()
     sequence: int = 0
+    #: 0, or the version suffix of a step that another run held first (``step-...-v1``)
+    version: int = 0
+
+    @property
+    def name(self) -> str:
+        """The step directory's name."""
+        return step_dir_name(self.step, self.version)
 
     @property
     def order(self) -> tuple[int, float]:
@@ -67,10 +85,10 @@ class StepInfo:
         return (self.sequence, self.created_unix if self.sequence == 0 else 0.0)
 
 
-def newest_first_key(info: StepInfo) -> tuple[tuple[int, float], bool, int]:
+def newest_first_key(info: StepInfo) -> tuple[tuple[int, float], bool, int, int]:
     """The sort key of :func:`step_infos` (descending): a damaged manifest just before the
     intact step whose place it takes."""
-    return (info.order, info.intact is False, info.step)
+    return (info.order, info.intact is False, info.step, info.version)
 
 
 def step_infos(storage: Storage, *, kept: ManifestCache | None = None) -> list[StepInfo]:
@@ -88,15 +106,17 @@ def step_infos(storage: Storage, *, kept: ManifestCache | None = None) -> list[S
     """
     infos: list[StepInfo] = []
     newest_below: StepInfo | None = None  # steps ascend: the newest intact step below this one
-    for step in committed_steps(storage):
+    for step, version in committed_dirs(storage):
         try:
-            info = _step_info(storage, step, kept)
+            info = _step_info(storage, step, kept, version)
         except NoCheckpointError:
             continue  # removed meanwhile (retention)
         except CorruptCheckpointError:
             below = newest_below
             created, sequence = (below.created_unix, below.sequence) if below else (-1.0, 0)
-            infos.append(StepInfo(step, "", created, intact=False, sequence=sequence))
+            infos.append(
+                StepInfo(step, "", created, intact=False, sequence=sequence, version=version)
+            )
         else:
             infos.append(info)
             if newest_below is None or info.order > newest_below.order:
@@ -114,26 +134,30 @@ def newest_first(storage: Storage) -> list[int]:
     return [i.step for i in step_infos(storage)]
 
 
-def read_manifest(storage: Storage, step: int) -> Manifest:
-    """The manifest of ``step``, checked (see :meth:`Manifest.from_json`).
+def read_manifest(storage: Storage, step: int, version: int = 0) -> Manifest:
+    """The manifest of ``step`` (in its directory of ``version``), checked (see
+    :meth:`Manifest.from_json`).
 
     Raises:
         NoCheckpointError: ``step`` is not committed.
         CorruptCheckpointError: the manifest is too large, cannot be read or parsed, fails
             its checksum or a check, or names another step.
     """
-    return _parse(storage, step, _manifest_bytes(storage, step))
+    return _parse(storage, step, _manifest_bytes(storage, step, version), version)
 
 
-def _manifest_bytes(storage: Storage, step: int) -> bytes:
-    path = f"{step_dir_name(step)}/{MANIFEST_NAME}"
+def _manifest_bytes(storage: Storage, step: int, version: int = 0) -> bytes:
+    name = step_dir_name(step, version)
+    path = f"{name}/{MANIFEST_NAME}"
     if not storage.exists(path):
-        raise NoCheckpointError(f"no committed checkpoint at step {step} in {storage.url}")
+        what = f"step {step}" if version == 0 else name
+        raise NoCheckpointError(f"no committed checkpoint at {what} in {storage.url}")
     try:
         size = storage.size(path)
         if size is not None and size > MAX_MANIFEST_BYTES:
             raise CorruptCheckpointError(
-                f"{_where(storage, step)} has {size} bytes, more than {MAX_MANIFEST_BYTES}",
+                f"{_where(storage, step, version)} has {size} bytes, more than "
+                f"{MAX_MANIFEST_BYTES}",
                 step=step,
             )
         return storage.read_bytes(path)
@@ -141,8 +165,9 @@ def _manifest_bytes(storage: Storage, step: int) -> bytes:
         raise CorruptCheckpointError(f"cannot read manifest of step {step}: {e}", step=step) from e
 
 
-def _where(storage: Storage, step: int) -> str:
-    return f"manifest of step {step} in {storage.url}"
+def _where(storage: Storage, step: int, version: int = 0) -> str:
+    what = f"step {step}" if version == 0 else step_dir_name(step, version)
+    return f"manifest of {what} in {storage.url}"
 
 
 @contextmanager
@@ -161,47 +186,49 @@ def gc_paused() -> Iterator[None]:
         gc.enable()
 
 
-def _parse(storage: Storage, step: int, data: bytes) -> Manifest:
+def _parse(storage: Storage, step: int, data: bytes, version: int = 0) -> Manifest:
     with gc_paused():
-        manifest = Manifest.from_json(data, where=_where(storage, step), step=step)
-    return _checked(manifest, step)
+        manifest = Manifest.from_json(data, where=_where(storage, step, version), step=step)
+    return _checked(manifest, step, version)
 
 
-def _checked(manifest: Manifest, step: int) -> Manifest:
+def _checked(manifest: Manifest, step: int, version: int = 0) -> Manifest:
     if manifest.step != step:
         raise CorruptCheckpointError(
-            f"manifest in {step_dir_name(step)} says step {manifest.step}", step=step
+            f"manifest in {step_dir_name(step, version)} says step {manifest.step}", step=step
         )
     return manifest
 
 
-# What ordering and retention need of the manifests read in this process, by step and the
-# SHA-256 of the manifest's exact bytes: the same bytes give the same head, so a manifest read
-# again (after each save, at each restore) is hashed, not parsed again.
-_infos: dict[tuple[int, bytes], StepInfo] = {}
+# What ordering and retention need of the manifests read in this process, by step directory
+# and the SHA-256 of the manifest's exact bytes: the same bytes give the same head, so a
+# manifest read again (after each save, at each restore) is hashed, not parsed again.
+_infos: dict[tuple[int, int, bytes], StepInfo] = {}
 
 
-def _step_info(storage: Storage, step: int, kept: ManifestCache | None) -> StepInfo:
-    data = _manifest_bytes(storage, step)
-    key = (step, hashlib.sha256(data).digest())
+def _step_info(
+    storage: Storage, step: int, kept: ManifestCache | None, version: int = 0
+) -> StepInfo:
+    data = _manifest_bytes(storage, step, version)
+    key = (step, version, hashlib.sha256(data).digest())
     info = _infos.get(key)
     if info is None:
         with gc_paused():
-            doc, head = read_head(data, where=_where(storage, step), step=step)
+            doc, head = read_head(data, where=_where(storage, step, version), step=step)
         if head.step != step:
             raise CorruptCheckpointError(
-                f"manifest in {step_dir_name(step)} says step {head.step}", step=step
+                f"manifest in {step_dir_name(step, version)} says step {head.step}", step=step
             )
-        info = StepInfo(step, head.run, head.created_unix, True, head.bases, head.sequence)
+        info = StepInfo(step, head.run, head.created_unix, True, head.bases, head.sequence, version)
         if len(_infos) >= STEP_INFO_CACHE_ENTRIES:
             _infos.clear()
         _infos[key] = info
         if kept is not None:
-            kept.offer(key[1], doc, info)
+            kept.offer(key[2], doc, info)
     return info
 
 
-def step_info(storage: Storage, step: int) -> StepInfo:
+def step_info(storage: Storage, step: int, version: int = 0) -> StepInfo:
     """What ordering and retention need of ``step``'s manifest (its run, sequence, bases):
     its checksum, format and head checked (see :func:`read_head`), the arrays and trees not
     (restore checks them all before it uses the step).
@@ -211,7 +238,91 @@ def step_info(storage: Storage, step: int) -> StepInfo:
         CorruptCheckpointError: the manifest cannot be read, fails its checksum or a check of
             its head, or names another step.
     """
-    return _step_info(storage, step, None)
+    return _step_info(storage, step, None, version)
+
+
+def step_versions(storage: Storage, step: int) -> list[StepInfo]:
+    """The checkpoints of ``step`` in ``storage`` (one per run that holds it), newest first;
+    one whose manifest cannot be read is listed with ``intact`` False."""
+    prefix = step_dir_name(step)
+    found = []
+    for name in storage.list_dir(""):
+        parsed = parse_step_version(name) if name.startswith(prefix) else None
+        if parsed is None or parsed[0] != step:
+            continue
+        try:
+            found.append(_step_info(storage, step, None, parsed[1]))
+        except NoCheckpointError:
+            continue
+        except CorruptCheckpointError:
+            found.append(StepInfo(step, "", -1.0, intact=False, version=parsed[1]))
+    return sorted(found, key=newest_first_key, reverse=True)
+
+
+class RunView(StorageWrapper):
+    """A storage as one run's checkpoints read it: each step that the run holds under a
+    versioned name (``step-...-v1``, see :func:`step_dir_name`) appears under the step's plain
+    name, so that a checkpoint and the bases of its deltas (steps of its own run) are read
+    where that run wrote them. Read only by restore; nothing is written through it."""
+
+    def __init__(self, inner: Storage, versions: Mapping[int, int]) -> None:
+        super().__init__(inner)
+        self._names = {step_dir_name(s): step_dir_name(s, v) for s, v in versions.items() if v}
+
+    def _map(self, path: str) -> str:
+        head, sep, rest = path.partition("/")
+        name = self._names.get(head)
+        return path if name is None else name + sep + rest
+
+    def list_dir(self, path: str = "") -> list[str]:
+        return self.inner.list_dir(self._map(path))
+
+    def exists(self, path: str) -> bool:
+        return self.inner.exists(self._map(path))
+
+    def read_bytes(self, path: str) -> bytes:
+        return self.inner.read_bytes(self._map(path))
+
+    def read_into(self, path: str, offset: int, out: memoryview) -> None:
+        self.inner.read_into(self._map(path), offset, out)
+
+    def size(self, path: str) -> int | None:
+        return self.inner.size(self._map(path))
+
+    @property
+    def reads_in_chunks(self) -> bool:
+        return self.inner.reads_in_chunks
+
+    def read_chunks(
+        self, path: str, offset: int, out: memoryview, chunk_bytes: int
+    ) -> Iterator[memoryview]:
+        return self.inner.read_chunks(self._map(path), offset, out, chunk_bytes)
+
+    def write_file(self, path: str, chunks: Iterable[memoryview], *, aligned: bool = False) -> int:
+        raise StorageError(f"{self.url}: a run's view of the directory is read only")
+
+    def remove_dir(self, path: str) -> None:
+        raise StorageError(f"{self.url}: a run's view of the directory is read only")
+
+    def publish(self, staging: str, final: str) -> None:
+        raise StorageError(f"{self.url}: a run's view of the directory is read only")
+
+
+def checkpoint_storage(
+    storage: Storage, info: StepInfo, infos: Iterable[StepInfo] | None = None
+) -> Storage:
+    """Where the checkpoint ``info`` is read, as step ``info.step`` (its plain name): the
+    storage itself, or, when its run holds steps under versioned names, the run's
+    :class:`RunView` (``infos``: the storage's :func:`step_infos`, when read already)."""
+    if infos is None:
+        if info.version == 0 and all(v == 0 for _, v in committed_dirs(storage)):
+            return storage
+        infos = step_infos(storage)
+    versions = {i.step: i.version for i in infos if i.intact and i.run == info.run and info.run}
+    versions[info.step] = info.version
+    if not any(versions.values()):
+        return storage
+    return RunView(storage, versions)
 
 
 class ManifestCache:

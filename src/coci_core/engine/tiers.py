@@ -28,8 +28,8 @@ from coci_core.engine import retention
 from coci_core.engine.group import RankGroup
 from coci_core.engine.lease import Lease, acquire_lease
 from coci_core.engine.manifest import MANIFEST_NAME, read_head, step_dir_name
-from coci_core.engine.steps import highest_sequence
-from coci_core.errors import CheckpointError, DirectoryInUseError, StorageError
+from coci_core.engine.steps import StepInfo, highest_sequence, step_versions
+from coci_core.errors import CheckpointError, DirectoryInUseError, NoCheckpointError, StorageError
 from coci_core.knobs import (
     UPLOAD_BACKOFF_MAX_S,
     UPLOAD_BACKOFF_START_S,
@@ -282,7 +282,7 @@ class RemoteTier:
         error: str | None = None
         try:
             self._hold_lease()
-            sent = self._upload_with_bases(step, set())
+            sent = self._upload_with_bases(step, self._run_id(), set())
             if self.keep_last is not None:
                 retention.apply_keep_last(
                     self.remote,
@@ -297,7 +297,7 @@ class RemoteTier:
             error = f"{type(e).__name__}: {e}"
             logger.error("coci: %s; nothing more is uploaded there", self._refused)
         except Exception as e:  # a remote that fails never stops training: retried
-            if not self.local.exists(f"{step_dir_name(step)}/{MANIFEST_NAME}"):
+            if not _held_by(self.local, step, self._run_id()):
                 # retention removed the local step meanwhile: a newer one supersedes it
                 self._emit(UploadEvent(step=step, outcome="superseded", attempt=attempt))
                 return True
@@ -353,30 +353,42 @@ class RemoteTier:
         self.highest_sequence = highest_sequence(self.remote)
         self._remote_read = True
 
-    def _upload_with_bases(self, step: int, seen: set[int]) -> int:
-        """Upload ``step`` after any of its delta bases the remote lacks; the bytes sent."""
+    def _upload_with_bases(self, step: int, run: str, seen: set[int]) -> int:
+        """Upload ``run``'s checkpoint of ``step`` after any of its delta bases the remote
+        lacks; the bytes sent. A step that another run holds on the remote is uploaded beside
+        it (``step-...-v1``), as the manager saves it locally."""
         if step in seen:
             raise CheckpointError(f"step {step}: its delta bases form a cycle")
+        local = _held_by(self.local, step, run)
+        if local is None and not seen:
+            raise NoCheckpointError(
+                f"{self.local.url} holds no checkpoint of step {step} of run {run}"
+            )
         seen.add(step)
-        final = step_dir_name(step)
-        manifest = self.local.read_bytes(f"{final}/{MANIFEST_NAME}")
-        if (
-            self.remote.exists(f"{final}/{MANIFEST_NAME}")
-            and self.remote.read_bytes(f"{final}/{MANIFEST_NAME}") == manifest
-        ):
+        # a base of an earlier coci (no run holds it under a versioned name): its plain name
+        source = local.name if local is not None else step_dir_name(step)
+        manifest = self.local.read_bytes(f"{source}/{MANIFEST_NAME}")
+        held = step_versions(self.remote, step)
+        own = [i for i in held if i.intact and i.run == run]
+        final = (
+            own[0].name
+            if own
+            else step_dir_name(step, max((i.version for i in held), default=-1) + 1)
+        )
+        if own and self.remote.read_bytes(f"{final}/{MANIFEST_NAME}") == manifest:
             return 0  # already there, byte for byte
         sent = 0
-        where = f"manifest of step {step} in {self.local.url}"
+        where = f"manifest of {source} in {self.local.url}"
         for base in read_head(manifest, where=where, step=step)[1].bases:  # the head suffices
-            sent += self._upload_with_bases(base, seen)
-        if self.remote.exists(f"{final}/{MANIFEST_NAME}"):
+            sent += self._upload_with_bases(base, run, seen)
+        if own:
             # another version of the step (a re-save): its files may share names with ours
-            retention.retire(self.remote, step)
+            retention.retire(self.remote, step, own[0].version)
         staging = self.remote.staging_dir(final, f"{self._group.session}up-{step}")
-        for name in self.local.list_dir(final):
+        for name in self.local.list_dir(source):
             if name == MANIFEST_NAME or not name.startswith("data-"):
                 continue
-            sent += self.remote.write_file(f"{staging}/{name}", self._chunks(f"{final}/{name}"))
+            sent += self.remote.write_file(f"{staging}/{name}", self._chunks(f"{source}/{name}"))
         sent += self.remote.write_file(f"{staging}/{MANIFEST_NAME}", [memoryview(manifest)])
         self.remote.publish(staging, final)
         return sent
@@ -396,6 +408,12 @@ class RemoteTier:
             self.local.read_into(path, offset, view)
             yield view
             offset += n
+
+
+def _held_by(storage: Storage, step: int, run: str) -> StepInfo | None:
+    """``run``'s checkpoint of ``step`` in ``storage``, or None."""
+    own = [i for i in step_versions(storage, step) if i.intact and i.run == run]
+    return own[0] if own else None
 
 
 def _steps_text(steps: list[int], most: int = 10) -> str:

@@ -84,7 +84,7 @@ class SaveWriter:
                     self._lease_generation = lease.generation  # committed meanwhile
                     self._sequence = None
             resaved = self.group.is_coordinator and self.storage.exists(
-                f"{step_dir_name(job.step)}/{MANIFEST_NAME}"
+                f"{step_dir_name(job.step, job.version)}/{MANIFEST_NAME}"
             )
             if self.group.is_coordinator:
                 retention.make_room(
@@ -143,7 +143,7 @@ class SaveWriter:
             # After done: deleting old steps (0.3 s per GB here) must not hold up wait() or
             # the next save; the next job on this thread starts once it is finished.
             if resaved:
-                retention.drop_dependants(self.storage, job.step)
+                retention.drop_dependants(self.storage, job.step, job.run)
             if self.remote is not None:
                 self.remote.submit(job.step)
             self._apply_retention(newest=job.step, done_seq=job.seq)

@@ -23,6 +23,7 @@ from coci_core.training.reading import (
     newest_step_dir,
     read_checkpoint,
     read_torch_file,
+    run_step_dir,
     step_dir_of,
 )
 from coci_core.training.stopping import ValidationHistory, is_trial_pruned
@@ -41,6 +42,7 @@ __all__ = [
     "newest_step_dir",
     "read_checkpoint",
     "read_torch_file",
+    "run_step_dir",
     "shared_options",
     "signature_drift",
     "step_dir_of",

@@ -471,8 +471,8 @@ class Checkpointer:
 
         A step the directory already holds is replaced when it belongs to this run (a run
         that went back to an older step and trained on), and never when it belongs to
-        another run: that save is skipped with a warning. The step this run resumed from is
-        not saved again.
+        another run: the engine saves it beside that run's (``step-...-v1``). The step this
+        run resumed from is not saved again.
         """
         save = functools.partial(
             self.manager.save,
@@ -485,20 +485,12 @@ class Checkpointer:
         try:
             handle = save()
         except StepExistsError as e:
-            if e.own and self.resumed_from != step:
+            if not e.own:  # not raised for another run's step (saved beside it)
+                raise
+            if self.resumed_from != step:
                 handle = save(overwrite=True)
-            elif e.own:
-                return self.manager.skip(step, "it is the checkpoint this run resumed from")
             else:
-                if self.rank == 0:
-                    logger.warning(
-                        "coci: step %d is not saved: %s holds another run's checkpoint of "
-                        "that step, and coci never overwrites another run's checkpoints "
-                        "(resume to continue that run, or use a directory of your own)",
-                        step,
-                        self.manager.storage.url,
-                    )
-                return self.manager.skip(step, "another run's checkpoint has that step")
+                return self.manager.skip(step, "it is the checkpoint this run resumed from")
         if self.sinks:
             self._record_telemetry(step, plan=True)
         if self.preempted is not None and self.preempted.step == step:
@@ -519,9 +511,10 @@ class Checkpointer:
         shown = ", ".join(map(str, steps[:5])) + (", ..." if len(steps) > 5 else "")
         logger.warning(
             "coci: %s holds %d checkpoint(s) of %s (steps %s). This run starts fresh and saves "
-            "beside them; they are never deleted or overwritten by it, and a resume takes this "
-            "run's newest checkpoint once it has one. To continue that run instead, resume "
-            "from it; to keep runs apart, give each run a directory of its own.",
+            "beside them (a step they hold as step-...-v1); they are never deleted or "
+            "overwritten by it, and a resume takes this run's newest checkpoint once it has "
+            "one. To continue that run instead, resume from it; to keep runs apart, give each "
+            "run a directory of its own.",
             self.manager.storage.url,
             len(steps),
             "another run" if len(runs) == 1 else f"{len(runs)} other runs",

@@ -11,24 +11,47 @@ from typing import Any
 
 from coci_core.engine.agreement import RestoreAgreement
 from coci_core.engine.inplace import InPlaceTargets
-from coci_core.engine.manifest import MANIFEST_NAME, parse_step_dir, step_dir_name
-from coci_core.engine.restore import LoadedCheckpoint, restore_newest, resume_order
+from coci_core.engine.manifest import MANIFEST_NAME, parse_step_version, step_dir_name
+from coci_core.engine.restore import (
+    CheckpointRef,
+    LoadedCheckpoint,
+    restore_newest,
+    resume_order,
+    step_versions,
+)
 from coci_core.engine.torch_saved import check_saved_pickle, load_weights_only
 from coci_core.storage import open_storage
 from coci_core.telemetry import RestoreEvent
 
-__all__ = ["newest_step_dir", "read_checkpoint", "read_torch_file", "step_dir_of"]
+__all__ = [
+    "newest_step_dir",
+    "read_checkpoint",
+    "read_torch_file",
+    "run_step_dir",
+    "step_dir_of",
+]
+
+
+def _ref(name: str) -> CheckpointRef | None:
+    """The step of a plain step directory's name, the name itself for one saved beside
+    another run's checkpoint of the step (``step-...-v1``), else None."""
+    parsed = parse_step_version(name)
+    if parsed is None:
+        return None
+    return parsed[0] if parsed[1] == 0 else name
 
 
 def step_dir_of(
     path: Any, storage_options: Mapping[str, Any] | None = None
-) -> tuple[Path | str, int] | None:
-    """(root, step) when ``path`` is a committed coci step directory, else None. An fsspec
-    URL (``s3://bucket/run/step-...``) stays a string, its root too; ``storage_options`` reach
-    its file system."""
+) -> tuple[Path | str, CheckpointRef] | None:
+    """(root, step) when ``path`` is a committed coci step directory, else None; ``step`` is
+    the directory's name instead for a checkpoint saved beside another run's of the same step
+    (``step-0000000004-v1``): :func:`read_checkpoint` takes either. An fsspec URL
+    (``s3://bucket/run/step-...``) stays a string, its root too; ``storage_options`` reach its
+    file system."""
     if isinstance(path, str) and "://" in path:
         root, _, name = path.rstrip("/").rpartition("/")
-        step = parse_step_dir(name)
+        step = _ref(name)
         if step is None or "://" not in root:
             return None
         try:
@@ -42,7 +65,7 @@ def step_dir_of(
         p = Path(path)
     except TypeError:
         return None
-    step = parse_step_dir(p.name)
+    step = _ref(p.name)
     if step is None or not (p / MANIFEST_NAME).is_file():
         return None
     return p.parent, step
@@ -68,13 +91,32 @@ def newest_step_dir(
     newest = candidates[0]
     base = directory if newest.tier == "local" or remote is None else remote
     if isinstance(base, str):
-        return base.rstrip("/") + "/" + step_dir_name(newest.step)
-    return base / step_dir_name(newest.step)
+        return base.rstrip("/") + "/" + newest.name
+    return base / newest.name
+
+
+def run_step_dir(
+    directory: Path | str,
+    step: int,
+    run: str | None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> Path | str:
+    """The step directory of ``run``'s checkpoint of ``step`` in ``directory`` (when two runs
+    hold the step, see :func:`~coci_core.engine.manifest.step_dir_name`), else the step's
+    plain name. A URL stays a string."""
+    name = step_dir_name(step)
+    if run:
+        storage = open_storage(str(directory), **dict(storage_options or {}))
+        own = [i for i in step_versions(storage, step) if i.intact and i.run == run]
+        name = own[0].name if own else name
+    if isinstance(directory, str):
+        return directory.rstrip("/") + "/" + name
+    return directory / name
 
 
 def read_checkpoint(
     directory: Path | str,
-    step: int,
+    step: CheckpointRef,
     *,
     storage_options: Mapping[str, Any] | None = None,
     rank: int = 0,
@@ -85,10 +127,12 @@ def read_checkpoint(
     remote_storage_options: Mapping[str, Any] | None = None,
     agree: bool = True,
 ) -> tuple[LoadedCheckpoint, RestoreEvent]:
-    """Restore ``step`` of ``directory`` (verified) with ``rank``'s per-rank state, and the
-    event to report. ``live``: a state whose tensors are filled in place (no second copy; its
-    DTensors receive the boxes they hold, on any mesh); ``replaced``: paths in it whose
-    ``load_state_dict`` replaces their whole state (see ``InPlaceTargets``).
+    """Restore ``step`` of ``directory`` (verified; a step directory's name, as
+    :func:`step_dir_of` gives it, names that checkpoint of a step two runs hold) with
+    ``rank``'s per-rank state, and the event to report. ``live``: a state whose tensors are
+    filled in place (no second copy; its DTensors receive the boxes they hold, on any mesh);
+    ``replaced``: paths in it whose ``load_state_dict`` replaces their whole state (see
+    ``InPlaceTargets``).
     ``fall_back``: the newest intact checkpoint from ``step`` on, of ``directory`` or the
     ``remote`` tier, as a resume takes it (past damaged ones). ``agree``: every process of an
     initialized ``torch.distributed`` job reads together, and all end on one step (the newest
