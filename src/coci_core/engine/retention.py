@@ -6,6 +6,11 @@ too little free space (the steps retention would delete anyway go first), after 
 later steps whose deltas the old contents were the base of) and at startup under the
 directory's lease (uncommitted leftovers). Deleting a step un-publishes it first where the
 storage can, so that no crash leaves a manifest without its data.
+
+A step is deleted only after every listed step whose deltas need it (dependants first, newest
+step number first: a base always has a lower step number than its deltas), and never while a
+listed step that stays needs it. So at every moment, also after a SIGKILL part way, each listed
+step's bases are there, and a reader that finds a base gone finds the step itself gone too.
 """
 
 from __future__ import annotations
@@ -59,22 +64,34 @@ def _bases_of(infos: Iterable[StepInfo]) -> set[int]:
     return {base for info in infos for base in info.bases}
 
 
+def _deletable(infos: list[StepInfo], wanted: Iterable[int], protected: set[int]) -> set[int]:
+    """Of the steps ``wanted`` gone, those that can go: not ``protected``, and no base of a
+    listed step that stays (``infos``: every listed step, of every run)."""
+    doomed = set(wanted) - protected
+    while True:  # until no staying step needs a doomed one (bases listed in full: one pass)
+        staying = [i for i in infos if i.step not in doomed]
+        needed = _bases_of(staying)
+        if not doomed & needed:
+            return doomed
+        doomed -= needed
+
+
 def apply_keep_last(
     storage: Storage, *, keep_last: int, run_id: str, newest: int, next_base: int | None
 ) -> None:
     """Delete the run's steps beyond the newest ``keep_last``, except ``newest``, the bases of
-    the kept ones and ``next_base`` (the base the next deltas will use)."""
-    own = own_steps(storage, run_id)
+    the kept ones and ``next_base`` (the base the next deltas will use); a step whose deltas
+    need another is deleted before it."""
+    infos = step_infos(storage)
+    own = [i for i in reversed(infos) if i.intact and i.run == run_id]
     cut = max(0, len(own) - keep_last)
-    # The newest save's bases are needed even when it went back to a step below its older
-    # checkpoints.
-    needed = _bases_of([*own[cut:], *(i for i in own if i.step == newest)])
+    protected = {i.step for i in own[cut:]} | {newest}
     if next_base is not None:
-        needed.add(next_base)
-    for info in own[:cut]:
-        if info.step != newest and info.step not in needed:
-            retire(storage, info.step)
-            logger.debug("coci: retention removed step %d", info.step)
+        protected.add(next_base)
+    doomed = _deletable(infos, (i.step for i in own[:cut]), protected)
+    for step in sorted(doomed, reverse=True):  # a delta's step is above its bases': first
+        retire(storage, step)
+        logger.debug("coci: retention removed step %d", step)
 
 
 def drop_dependants(storage: Storage, step: int) -> None:
@@ -172,26 +189,31 @@ def make_room(
     free = storage.free_bytes()
     if free is None or free >= needed_bytes:
         return
-    own = own_steps(storage, run_id)
+    infos = step_infos(storage)
+    own = [i for i in reversed(infos) if i.intact and i.run == run_id]
     if not own:
         return
     keep = [*own[max(0, len(own) - (keep_last - 1)) :], own[-1]]
     protected = {i.step for i in keep} | _bases_of(keep) | {step}
     if next_base is not None:
         protected.add(next_base)
-    for old in (i.step for i in own):
-        if old in protected:
-            continue
-        retire(storage, old)
-        logger.warning(
-            "coci: %.1f MB free, step %d needs about %.1f MB: removed step %d early (it "
-            "was beyond keep_last=%d once this save commits)",
-            free / 1e6,
-            step,
-            needed_bytes / 1e6,
-            old,
-            keep_last,
-        )
+    doomed = _deletable(infos, (i.step for i in own), protected)
+    by_step = {i.step: i for i in infos}
+    for old in (i.step for i in own if i.step in doomed):  # oldest first
+        # with the doomed steps whose deltas need it, those first
+        group = [old, *(s for s in doomed if old in by_step[s].bases)]
+        for gone in sorted(group, reverse=True):
+            retire(storage, gone)
+            doomed.discard(gone)
+            logger.warning(
+                "coci: %.1f MB free, step %d needs about %.1f MB: removed step %d early (it "
+                "was beyond keep_last=%d once this save commits)",
+                free / 1e6,
+                step,
+                needed_bytes / 1e6,
+                gone,
+                keep_last,
+            )
         free = storage.free_bytes()
         if free is None or free >= needed_bytes:
             return
