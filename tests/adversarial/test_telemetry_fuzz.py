@@ -211,3 +211,17 @@ def test_a_wrong_value_in_any_field_of_any_record_is_skipped(
     _shows_the_rest(views, clean, len(bad))
     line = f"{len(bad)} telemetry lines could not be read and were skipped\n"
     assert views.report() == line + clean["report"]
+
+
+def test_the_largest_step_is_shown_without_planning_over_it(tmp_path: Path, real: bytes) -> None:
+    """A step of 2**63 - 1 is a step: the run's length, with no per-step plan over it (before:
+    the policy comparison asked numpy for an array that long, and the routes and the report
+    failed)."""
+    last = json.dumps({"type": "progress", "step": 2**63 - 1, "time": 2e9}).encode()
+    views = Views(tmp_path, real + last + b"\n")
+    timeline = views.route("timeline")
+    assert timeline["last_step"] == 2**63 - 1 and timeline["skipped_lines"] == 0
+    assert timeline["summary"]["policies"] == []
+    assert views.route("reason")["lines"]
+    report = views.report()
+    assert "not compared: the policies are compared over at most 20,000,000 steps" in report

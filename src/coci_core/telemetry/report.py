@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from coci_core.knobs import MAX_HORIZON_STEPS
 from coci_core.storage import is_url, open_storage
 from coci_core.telemetry import TELEMETRY_FILE
 from coci_core.telemetry.records import parse_records, skipped_line
@@ -57,6 +58,10 @@ def lost_steps(restored: int, reached: int) -> int:
     demo and the telemetry use."""
     return max(0, int(reached) - int(restored))
 
+
+#: The longest run whose policies the report compares (the planner's per-step arrays; a step
+#: read from telemetry may be anything up to 2**63 - 1).
+COMPARE_MAX_STEPS = 10 * MAX_HORIZON_STEPS
 
 #: The records that say the run reached their step.
 STEP_RECORDS = ("loss", "plan", "save", "progress", "end")
@@ -201,7 +206,7 @@ def compare_policies(
     from coci_core.planner import plan_schedule
 
     plan = summary.last_plan
-    if plan is None or plan.get("mtbf_s") is None:
+    if plan is None or plan.get("mtbf_s") is None or total_steps > COMPARE_MAX_STEPS:
         return []
     costs = plan.get("costs") or {}
     if not costs.get("step_time_s"):
@@ -222,8 +227,8 @@ def compare_policies(
                 objective=plan.get("objective") or "time",
                 policy=policy,
             )
-        except ConfigError:
-            continue
+        except (ConfigError, ValueError, ArithmeticError, MemoryError):
+            continue  # costs the planner cannot plan with (telemetry is read, not trusted)
         ov = sched.expected_overhead_s
         rows.append(
             {
@@ -311,7 +316,9 @@ def render_facts(f: dict[str, Any]) -> list[str]:
         "",
         f"expected overhead of each policy over the run's {_plural(f['steps'], 'step')}, from "
         "the measured costs:",
-        render_policies(f["policies"]),
+        render_policies(f["policies"])
+        if f["policies"] or f["steps"] <= COMPARE_MAX_STEPS
+        else f"(not compared: the policies are compared over at most {COMPARE_MAX_STEPS:,} steps)",
     ]
     t = f.get("termination")
     if t:
