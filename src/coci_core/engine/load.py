@@ -149,19 +149,25 @@ def load_checkpoint(
     the state holds that tensor; if this raises, those tensors may be partly overwritten.
 
     Raises:
-        NoCheckpointError: ``step`` is not committed.
+        NoCheckpointError: ``step`` is not committed, or was removed (by retention, say)
+            while it was being read.
         CorruptCheckpointError: the manifest or any array is damaged (the error names them);
             also any error that reading the checkpoint raised unforeseen.
         StorageError: the storage cannot tell whether ``step`` exists (it refuses the
             credentials, its bucket is missing, it cannot be reached).
     """
     reader = cache._reader if cache is not None and cache.storage is storage else None
+    path = f"{step_dir_name(step)}/{MANIFEST_NAME}"
     try:
         with gc_paused():  # many new objects, none in a cycle
             return _load(storage, step, rank, reader or ArrayReader(storage), targets)
+    except CorruptCheckpointError:
+        _raise_if_removed(storage, step, path)
+        raise
     except (CheckpointError, StorageError):
         raise  # a store that cannot say whether the step exists (refused, down): not damage
     except Exception as e:
+        _raise_if_removed(storage, step, path)
         raise _unexpected(step, e) from e
 
 
@@ -283,13 +289,18 @@ def check_checkpoint(
     every array it needs, against their checksums), holding one array at a time.
 
     Raises:
-        NoCheckpointError: ``step`` is not committed.
+        NoCheckpointError: ``step`` is not committed, or was removed while it was checked.
         CorruptCheckpointError: what :func:`load_checkpoint` would raise it for.
     """
     reader = cache._reader if cache is not None and cache.storage is storage else None
+    path = f"{step_dir_name(step)}/{MANIFEST_NAME}"
     try:
         _check_loadable(storage, step, rank, reader or ArrayReader(storage))
+    except CorruptCheckpointError:
+        _raise_if_removed(storage, step, path)
+        raise
     except CheckpointError:
         raise
     except Exception as e:
+        _raise_if_removed(storage, step, path)
         raise _unexpected(step, e) from e

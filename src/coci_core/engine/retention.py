@@ -6,6 +6,11 @@ too little free space (the steps retention would delete anyway go first), after 
 later steps whose deltas the old contents were the base of) and at startup under the
 directory's lease (uncommitted leftovers). Deleting a step un-publishes it first where the
 storage can, so that no crash leaves a manifest without its data.
+
+A step is deleted only after every listed step whose deltas need it (dependants first, newest
+step number first: a base always has a lower step number than its deltas), and never while a
+listed step that stays needs it. So at every moment, also after a SIGKILL part way, each listed
+step's bases are there, and a reader that finds a base gone finds the step itself gone too.
 """
 
 from __future__ import annotations
@@ -60,22 +65,38 @@ def _bases_of(infos: Iterable[StepInfo]) -> set[int]:
     return {base for info in infos for base in info.bases}
 
 
+def _deletable(
+    infos: list[StepInfo], wanted: Iterable[StepInfo], protected: set[int]
+) -> list[StepInfo]:
+    """Of the checkpoints ``wanted`` gone, those that can go: not of a ``protected`` step,
+    and not of a step that a listed checkpoint that stays (``infos``: every listed one, of
+    every run) needs as a base; highest step first (a delta's step is above its bases')."""
+    doomed = {i.name: i for i in wanted if i.step not in protected}
+    while True:  # until no staying checkpoint needs a doomed one
+        staying = [i for i in infos if i.name not in doomed]
+        needed = _bases_of(staying)
+        kept = [name for name, i in doomed.items() if i.step in needed]
+        if not kept:
+            return sorted(doomed.values(), key=lambda i: (i.step, i.version), reverse=True)
+        for name in kept:
+            del doomed[name]
+
+
 def apply_keep_last(
     storage: Storage, *, keep_last: int, run_id: str, newest: int, next_base: int | None
 ) -> None:
     """Delete the run's steps beyond the newest ``keep_last``, except ``newest``, the bases of
-    the kept ones and ``next_base`` (the base the next deltas will use)."""
-    own = own_steps(storage, run_id)
+    the kept ones and ``next_base`` (the base the next deltas will use); a step whose deltas
+    need another is deleted before it."""
+    infos = step_infos(storage)
+    own = [i for i in reversed(infos) if i.intact and i.run == run_id]
     cut = max(0, len(own) - keep_last)
-    # The newest save's bases are needed even when it went back to a step below its older
-    # checkpoints.
-    needed = _bases_of([*own[cut:], *(i for i in own if i.step == newest)])
+    protected = {i.step for i in own[cut:]} | {newest}
     if next_base is not None:
-        needed.add(next_base)
-    for info in own[:cut]:
-        if info.step != newest and info.step not in needed:
-            retire(storage, info.step, info.version)
-            logger.debug("coci: retention removed step %d", info.step)
+        protected.add(next_base)
+    for info in _deletable(infos, own[:cut], protected):  # deltas before their bases
+        retire(storage, info.step, info.version)
+        logger.debug("coci: retention removed step %d", info.step)
 
 
 def drop_dependants(storage: Storage, step: int, run_id: str) -> None:
@@ -172,27 +193,32 @@ def make_room(
     free = storage.free_bytes()
     if free is None or free >= needed_bytes:
         return
-    own = own_steps(storage, run_id)
+    infos = step_infos(storage)
+    own = [i for i in reversed(infos) if i.intact and i.run == run_id]
     if not own:
         return
     keep = [*own[max(0, len(own) - (keep_last - 1)) :], own[-1]]
     protected = {i.step for i in keep} | _bases_of(keep) | {step}
     if next_base is not None:
         protected.add(next_base)
-    for info in own:
-        old = info.step
-        if old in protected:
+    doomed = _deletable(infos, own, protected)
+    for old in [i for i in own if i in doomed]:  # oldest first
+        if old not in doomed:
             continue
-        retire(storage, old, info.version)
-        logger.warning(
-            "coci: %.1f MB free, step %d needs about %.1f MB: removed step %d early (it "
-            "was beyond keep_last=%d once this save commits)",
-            free / 1e6,
-            step,
-            needed_bytes / 1e6,
-            old,
-            keep_last,
-        )
+        # with the doomed checkpoints whose deltas need it, those first
+        group = [old, *(i for i in doomed if i is not old and old.step in i.bases)]
+        for gone in sorted(group, key=lambda i: (i.step, i.version), reverse=True):
+            retire(storage, gone.step, gone.version)
+            doomed.remove(gone)
+            logger.warning(
+                "coci: %.1f MB free, step %d needs about %.1f MB: removed step %d early (it "
+                "was beyond keep_last=%d once this save commits)",
+                free / 1e6,
+                step,
+                needed_bytes / 1e6,
+                gone.step,
+                keep_last,
+            )
         free = storage.free_bytes()
         if free is None or free >= needed_bytes:
             return

@@ -12,6 +12,10 @@ and their root's ``readonly``/``struct`` flags; built with ``OmegaConf.create`` 
 is installed, else plain dicts and lists), ``argparse.Namespace``, ``pathlib`` paths, and the
 classes ``omegaconf.DictConfig``, ``omegaconf.ListConfig`` and ``argparse.Namespace`` themselves
 (Lightning records its hyper-parameters' type as the class).
+
+Why one module: every kind of value a state may hold is decided in one place (stored, stored
+with ``torch.save``, or refused by key before anything is written), together with the cache
+that replays a state's tensors; split, the rules for one value would sit in two files.
 """
 
 from __future__ import annotations
@@ -309,7 +313,15 @@ class _Flattener:
             finally:
                 self._depth -= 1
         if isinstance(value, torch.Tensor):
-            return self._encode_tensor(value, key)
+            try:
+                return self._encode_tensor(value, key)
+            except UnsupportedValueError:
+                raise
+            except Exception as e:  # a kind of tensor no check foresaw: still named, unwritten
+                raise UnsupportedValueError(
+                    f"state value at {key!r} is a {type(value).__name__} that cannot be stored "
+                    f"({type(e).__name__}: {str(e)[:200]})"
+                ) from e
         if isinstance(value, np.ndarray):
             return self._encode_ndarray(value, key)
         if isinstance(value, np.generic) and value.dtype.kind in "biuf":
@@ -387,12 +399,15 @@ class _Flattener:
                 "has no device mesh): coci stores DTensors; pass device_mesh= to FSDP (e.g. "
                 "init_device_mesh('cuda', (world_size,))) so that its state dict holds DTensors"
             )
+        why = _no_data(t)
+        if why is not None:
+            raise UnsupportedValueError(f"state value at {key!r} is {why}")
+        if t.is_nested:  # before any size or stride: a nested tensor has none
+            return self._fallback(t, key, why="nested tensors are not stored")
         if t.is_sparse or t.layout != torch.strided:
             return self._fallback(t, key, why="sparse and other non-strided layouts are not stored")
         if t.is_quantized or encode_dtype(t.dtype) not in SUPPORTED_DTYPES:
             return self._fallback(t, key, why=f"dtype {t.dtype} is not stored")
-        if t.device.type == "meta":
-            raise UnsupportedValueError(f"state value at {key!r} is a meta tensor: it has no data")
         if type(t).__name__ == "DTensor":
             if self._cache is not None:
                 return self._replay_dtensor(t, key)
@@ -539,7 +554,13 @@ class _Flattener:
                 "with torch.load(weights_only=True)"
             )
         buffer = io.BytesIO()
-        torch.save(value, buffer)
+        try:
+            torch.save(value, buffer)
+        except Exception as e:  # a local class, an opaque tensor, a dtype torch.save lacks
+            raise UnsupportedValueError(
+                f"state value at {key!r} cannot be stored: torch.save refuses it "
+                f"({type(e).__name__}: {str(e)[:200]})"
+            ) from e
         check_loadable(buffer.getvalue(), value, key)
         data = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
         return self.add_leaf(key, data, "torch_save")
@@ -591,6 +612,24 @@ def _why_not_stored(value: Any) -> str | None:
 def _as_is(value: Any) -> bool:
     """Whether ``encode`` gives ``value`` back unchanged."""
     return type(value) in AS_IS or (type(value) is float and math.isfinite(value))
+
+
+def _no_data(t: torch.Tensor) -> str | None:
+    """Why ``t`` has no data of its own to store (None: it has): a meta tensor, an
+    uninitialized parameter of a lazy module, a tensor inside a ``torch.func`` transform."""
+    if torch.nn.parameter.is_lazy(t):
+        return (
+            "an uninitialized parameter or buffer of a lazy module: it has no data until the "
+            "module's first forward pass"
+        )
+    if t.device.type == "meta":
+        return "a meta tensor: it has no data"
+    if torch._C._functorch.is_functorch_wrapped_tensor(t) or torch._is_functional_tensor(t):
+        return (
+            "a tensor inside a torch.func transform (grad, vmap, functionalize, ...): it has "
+            "no data of its own; save the state outside the transform"
+        )
+    return None
 
 
 def _detached(t: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol, TypeAlias
 
 from coci_core.knobs import TELEMETRY_PROGRESS_EVERY_S
+from coci_core.telemetry.records import parse_records
 
 __all__ = [
     "PROGRESS_FILE",
@@ -368,19 +369,12 @@ def _read_reached(fd: int) -> tuple[int | None, bool]:
 
 
 def parse_jsonl(text: str) -> list[dict[str, Any]]:
-    """The records of telemetry text (a torn line, from a killed run, is skipped)."""
-    records = []
-    for line in text.split("\n"):
-        if not line.strip():
-            continue
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return records
+    """The records of telemetry text that can be used (a torn line from a killed run, or any
+    line :func:`~coci_core.telemetry.records.parse_records` skips, is left out)."""
+    return parse_records(text)[0]
 
 
 def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """The records of a telemetry file (a torn last line, from a killed run, is skipped)."""
-    with open(path, encoding="utf-8") as f:
-        return parse_jsonl(f.read())
+    """The records of a telemetry file that can be used (see :func:`parse_jsonl`)."""
+    with open(path, "rb") as f:
+        return parse_records(f.read())[0]

@@ -21,9 +21,16 @@ from typing import Any
 
 from coci_core.knobs import TELEMETRY_CLOSE_TIMEOUT_S, TELEMETRY_PUT_DELAY_S, TELEMETRY_PUT_GAP_S
 from coci_core.storage import Storage, is_url, open_storage
-from coci_core.telemetry.events import TELEMETRY_FILE, JsonlRecords, JsonlTelemetry, parse_jsonl
+from coci_core.telemetry.events import TELEMETRY_FILE, JsonlRecords, JsonlTelemetry
+from coci_core.telemetry.records import parse_records
 
-__all__ = ["TELEMETRY_DIR", "ObjectTelemetry", "read_objects", "report_sink"]
+__all__ = [
+    "TELEMETRY_DIR",
+    "ObjectTelemetry",
+    "read_object_records",
+    "read_objects",
+    "report_sink",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -195,14 +202,23 @@ class ObjectTelemetry(JsonlRecords):
 def read_objects(storage: Storage) -> list[dict[str, Any]] | None:
     """The records of every session's telemetry object under ``storage``, sessions in the
     order they started; None when there is none."""
+    read = read_object_records(storage)
+    return None if read is None else read[0]
+
+
+def read_object_records(storage: Storage) -> tuple[list[dict[str, Any]], int] | None:
+    """:func:`read_objects`, and how many lines were skipped (see
+    :func:`~coci_core.telemetry.records.parse_records`); None when there is none."""
     names = sorted(n for n in storage.list_dir(TELEMETRY_DIR) if n.endswith(".jsonl"))
     if not names:
         return None
     records: list[dict[str, Any]] = []
+    skipped = 0
     for name in names:
-        data = storage.read_bytes(f"{TELEMETRY_DIR}/{name}")
-        records.extend(parse_jsonl(data.decode("utf-8", errors="replace")))
-    return records
+        got, bad = parse_records(storage.read_bytes(f"{TELEMETRY_DIR}/{name}"))
+        records.extend(got)
+        skipped += bad
+    return records, skipped
 
 
 def report_sink(dirpath: Path | str, storage_options: dict[str, Any] | None = None) -> JsonlRecords:

@@ -8,8 +8,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from coci_core.knobs import MAX_HORIZON_STEPS
 from coci_core.storage import is_url, open_storage
-from coci_core.telemetry import TELEMETRY_FILE, read_jsonl
+from coci_core.telemetry import TELEMETRY_FILE
+from coci_core.telemetry.records import parse_records, skipped_line
 
 __all__ = [
     "MTBF_SOURCES",
@@ -57,6 +59,10 @@ def lost_steps(restored: int, reached: int) -> int:
     return max(0, int(reached) - int(restored))
 
 
+#: The longest run whose policies the report compares (the planner's per-step arrays; a step
+#: read from telemetry may be anything up to 2**63 - 1).
+COMPARE_MAX_STEPS = 10 * MAX_HORIZON_STEPS
+
 #: The records that say the run reached their step.
 STEP_RECORDS = ("loss", "plan", "save", "progress", "end")
 
@@ -67,10 +73,13 @@ def _step(r: dict[str, Any]) -> int | None:
 
 
 class RunSummary:
-    """The facts ``coci report`` prints, gathered from a checkpoint directory's telemetry."""
+    """The facts ``coci report`` prints, gathered from a checkpoint directory's telemetry
+    (``records`` checked as :func:`~coci_core.telemetry.records.parse_records` checks them;
+    ``skipped_lines``: the lines it could not use)."""
 
-    def __init__(self, records: list[dict[str, Any]]) -> None:
+    def __init__(self, records: list[dict[str, Any]], skipped_lines: int = 0) -> None:
         self.records = records
+        self.skipped_lines = skipped_lines
         self.saves = [r for r in records if r.get("type") == "save"]
         self.plans = [r for r in records if r.get("type") == "plan"]
         self.restores = [r for r in records if r.get("type") == "restore"]
@@ -160,20 +169,20 @@ def summarize(directory: str | Path, storage_options: dict[str, Any] | None = No
     """Read ``DIR/telemetry.jsonl``, or for an fsspec URL every session's object under
     ``DIR/telemetry/`` (written by the Lightning and Accelerate adapters)."""
     if is_url(directory):
-        from coci_core.telemetry.objects import TELEMETRY_DIR, read_objects
+        from coci_core.telemetry.objects import TELEMETRY_DIR, read_object_records
 
-        records = read_objects(open_storage(directory, **(storage_options or {})))
-        if records is None:
+        read = read_object_records(open_storage(directory, **(storage_options or {})))
+        if read is None:
             raise FileNotFoundError(
                 f"no telemetry in {directory}/{TELEMETRY_DIR}/: a run writes it there when "
                 f"this URL is its checkpoint directory (a remote tier's run keeps it with its "
                 f"local directory, in {TELEMETRY_FILE})"
             )
-        return RunSummary(records)
+        return RunSummary(*read)
     path = Path(directory) / TELEMETRY_FILE
     if not path.is_file():
         raise FileNotFoundError(no_telemetry_hint(directory))
-    return RunSummary(read_jsonl(path))
+    return RunSummary(*parse_records(path.read_bytes()))
 
 
 def no_telemetry_hint(directory: str | Path) -> str:
@@ -197,9 +206,9 @@ def compare_policies(
     from coci_core.planner import plan_schedule
 
     plan = summary.last_plan
-    if plan is None or plan.get("mtbf_s") is None:
+    if plan is None or plan.get("mtbf_s") is None or total_steps > COMPARE_MAX_STEPS:
         return []
-    costs = plan["costs"]
+    costs = plan.get("costs") or {}
     if not costs.get("step_time_s"):
         return []
     steps = [r["step"] for r in summary.losses if r.get("loss") is not None]
@@ -215,11 +224,11 @@ def compare_policies(
                 restart_s=costs.get("restart_s") or 0.0,
                 mtbf_s=plan["mtbf_s"],
                 loss=(steps, losses) if len(steps) >= 8 else None,
-                objective=plan["objective"],
+                objective=plan.get("objective") or "time",
                 policy=policy,
             )
-        except ConfigError:
-            continue
+        except (ConfigError, ValueError, ArithmeticError, MemoryError):
+            continue  # costs the planner cannot plan with (telemetry is read, not trusted)
         ov = sched.expected_overhead_s
         rows.append(
             {
@@ -307,7 +316,9 @@ def render_facts(f: dict[str, Any]) -> list[str]:
         "",
         f"expected overhead of each policy over the run's {_plural(f['steps'], 'step')}, from "
         "the measured costs:",
-        render_policies(f["policies"]),
+        render_policies(f["policies"])
+        if f["policies"] or f["steps"] <= COMPARE_MAX_STEPS
+        else f"(not compared: the policies are compared over at most {COMPARE_MAX_STEPS:,} steps)",
     ]
     t = f.get("termination")
     if t:
@@ -350,7 +361,7 @@ def render(
 ) -> str:
     """The report as text (``with_overhead=False``: without the plan's expected overhead, for
     a caller that states each policy's overhead itself)."""
-    lines = []
+    lines = [skipped_line(summary.skipped_lines)] if summary.skipped_lines else []
     actual = [s["step"] for s in summary.committed]
     lines.append(f"checkpoints committed: {len(actual)} at steps {actual}")
     if not summary.plans:
@@ -474,7 +485,7 @@ def _uploads_line(uploads: list[dict[str, Any]]) -> str:
     failed = [u for u in uploads if u.get("outcome") == "failed"]
     line = f"remote tier: {_plural(len(done), 'checkpoint')} uploaded"
     if done:
-        median = statistics.median(float(u.get("seconds", 0.0)) for u in done)
+        median = statistics.median(_float(u.get("seconds")) or 0.0 for u in done)
         line += f", newest step {done[-1]['step']} (median {_num(median, '.2f')} s each)"
     if failed:
         last = failed[-1]

@@ -7,7 +7,11 @@ under ``/data/plugin/coci/``:
 - ``runs``: ``{"runs": [{"name": ..., "dir": ...}]}``, the runs under the log directory
   (:func:`~coci_core.telemetry.timeline.find_runs`);
 - ``timeline?run=NAME``: the run's :func:`~coci_core.telemetry.timeline.timeline`;
-- ``reason?run=NAME``: why the run's plan is what it is, in words (:func:`plan_reason`).
+- ``reason?run=NAME``: why the run's plan is what it is, in words (:func:`plan_reason`), and
+  ``skipped_lines``.
+
+Telemetry lines that cannot be read are skipped and counted (``skipped_lines``, see
+:mod:`~coci_core.telemetry.records`): the routes show the rest.
 """
 
 from __future__ import annotations
@@ -93,7 +97,9 @@ class CociPlugin(base_plugin.TBPlugin):  # type: ignore[misc]  # tensorboard is 
         if cached is not None and cached[0] == key and key != (-1.0, -1):
             data = cached[1]
         else:
-            data = _finite_or_none(plan_reason(summarize(directory)))
+            summary = summarize(directory)
+            data = _finite_or_none(plan_reason(summary))
+            data["skipped_lines"] = summary.skipped_lines
             with self._lock:
                 self._reasons[directory] = (key, data)
         return {**data, "run": name}

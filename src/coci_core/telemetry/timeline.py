@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from coci_core.telemetry.events import TELEMETRY_FILE
+from coci_core.telemetry.records import skipped_line
 from coci_core.telemetry.report import STEP_RECORDS, RunSummary, facts, summarize
 from coci_core.telemetry.summary import compression_ratio
 
@@ -160,7 +161,9 @@ def timeline(directory: str, name: str | None = None) -> dict[str, Any]:
     ``failed_time``,
     ``restored_time``, ``exact``: ``failed_at`` is the step the failed process reached);
     ``resumes`` (restores that lost nothing: the run went on after it ended: ``restored``,
-    ``time``, ``restore_s``); ``summary`` (:func:`~coci_core.telemetry.report.facts`).
+    ``time``, ``restore_s``); ``summary`` (:func:`~coci_core.telemetry.report.facts`);
+    ``skipped_lines`` (the telemetry lines that could not be read, left out) and
+    ``skipped_note`` (that count in words, "" for none).
     """
     return from_summary(summarize(directory), directory, name)
 
@@ -318,4 +321,6 @@ def from_summary(summary: RunSummary, directory: str, name: str | None = None) -
             if not r.failure
         ],
         "summary": facts(summary),
+        "skipped_lines": summary.skipped_lines,
+        "skipped_note": skipped_line(summary.skipped_lines),
     }

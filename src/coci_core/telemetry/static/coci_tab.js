@@ -169,6 +169,10 @@ function drawRun(view, data, reason, axis, width) {
   view.setAttribute('data-run', data.run);
   view.setAttribute('data-axis', axis);
   view.appendChild(el('h2', {}, `Timeline of ${data.run}`));
+  if (data.skipped_note) {  // lines of the telemetry that could not be read: the rest is shown
+    view.appendChild(el('p', { class: 'coci-note', 'data-skipped': String(data.skipped_lines) },
+      data.skipped_note));
+  }
   view.appendChild(legend());
   // the reason beside the timeline when both fit, else below it, never cut; room is kept for
   // the scroll bar the drawing may bring (the panel then gives up those pixels)

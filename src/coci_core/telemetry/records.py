@@ -1,0 +1,171 @@
+"""Reading telemetry records back: each line of a telemetry file is one JSON record, checked
+field by field before ``coci report`` and the TensorBoard tab use it.
+
+Telemetry is written by long jobs that get killed, copied and edited: a line that is not JSON
+(torn by a kill, not UTF-8, nested too deep to parse), a record that is not an object, a known
+record without its ``step``, or a field the readers use that holds the wrong kind of value (a
+string among ``next_steps``, a NaN or 1e400 time, a list as a cost) is skipped and counted,
+never raised; the rest is shown. Fields the readers do not use are not checked (a newer
+version's records read as far as they can).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["MAX_STEP", "check_record", "parse_records", "skipped_line"]
+
+#: Steps above this are not a training step's (and would not fit a signed 64-bit integer).
+MAX_STEP = 2**63 - 1
+#: Numbers above this (in magnitude) cannot be a time, a size or a cost telemetry wrote.
+_MAX_NUMBER = 1e300
+
+_Check = Callable[[Any], bool]
+
+
+def _step(x: Any) -> bool:
+    return type(x) is int and 0 <= x <= MAX_STEP
+
+
+def _number(x: Any) -> bool:
+    """A finite number (None: unknown, which telemetry writes for a non-finite one)."""
+    if x is None:
+        return True
+    if type(x) is int:
+        return abs(x) <= _MAX_NUMBER
+    return type(x) is float and math.isfinite(x) and abs(x) <= _MAX_NUMBER
+
+
+def _opt(kind: type) -> _Check:
+    return lambda x: x is None or type(x) is kind
+
+
+def _steps(x: Any) -> bool:
+    return x is None or (type(x) is list and all(_step(s) for s in x))
+
+
+def _opt_step(x: Any) -> bool:
+    return x is None or _step(x)
+
+
+def _numbers(x: Any) -> bool:
+    return x is None or (type(x) is dict and all(_number(v) for v in x.values()))
+
+
+def _mapping(x: Any) -> bool:
+    return x is None or type(x) is dict
+
+
+def _overhead(x: Any) -> bool:
+    """A plan's expected overhead: the figures the readers use are numbers, its objective a
+    string (the breakdowns inside are not read)."""
+    if x is None:
+        return True
+    if type(x) is not dict or not _opt(str)(x.get("objective")):
+        return False
+    return all(_number(v) for k, v in x.items() if k.endswith("_s"))
+
+
+_STR, _BOOL = _opt(str), _opt(bool)
+_TIMES = ("stall_s", "update_wait_s", "copy_s", "persist_s", "time_to_durable_s")
+_PARTS = ("read_s", "verify_s", "decode_s", "load_s")
+
+#: Per record type: the fields the readers use and what each must hold (absent is None).
+#: Each of these types needs a ``step``.
+SCHEMA: dict[str, dict[str, _Check]] = {
+    "save": {
+        "outcome": _STR,
+        "error": _STR,
+        "path": _STR,
+        "compressed": _BOOL,
+        "first_save": _BOOL,
+        "block": _BOOL,
+        "bytes_written": _number,
+        "raw_bytes": _number,
+        **dict.fromkeys(_TIMES, _number),
+    },
+    "restore": {
+        "seconds": _number,
+        "bytes_read": _number,
+        "skipped_steps": _steps,
+        "rank_state_restored": _BOOL,
+        "tier": _STR,
+        "reached": _opt_step,
+        **dict.fromkeys(_PARTS, _number),
+    },
+    "upload": {
+        "outcome": _STR,
+        "attempt": _opt_step,
+        "seconds": _number,
+        "bytes_uploaded": _number,
+        "error": _STR,
+    },
+    "restart": {"seconds": _number, "restore_s": _number, "since": _STR, "tier": _STR},
+    "plan": {
+        "policy": _STR,
+        "objective": _STR,
+        "next_steps": _steps,
+        "interval_steps": _opt_step,
+        "mtbf_s": _number,
+        "mtbf_source": _STR,
+        "costs": _numbers,
+        "cost_sources": _mapping,
+        "expected_overhead": _overhead,
+        "horizon_end_step": _opt_step,
+        "rolling": _BOOL,
+        "plan_method": _STR,
+        "termination": _STR,
+    },
+    "loss": {"loss": _number, "fitted": _number},
+    "progress": {},
+    "end": {"failed": _BOOL},
+}
+
+
+def check_record(record: Any) -> bool:
+    """Whether ``record`` can be used: an object with a string ``type``; for a type coci
+    writes, a ``step`` and every field the readers use of the kind they expect."""
+    if type(record) is not dict or type(record.get("type")) is not str:
+        return False
+    if not _number(record.get("time")):
+        return False
+    fields = SCHEMA.get(record["type"])
+    if fields is None:
+        return True  # another version's record: nothing reads it
+    if not _step(record.get("step")):
+        return False
+    return all(check(record.get(name)) for name, check in fields.items())
+
+
+def parse_records(data: bytes | str) -> tuple[list[dict[str, Any]], int]:
+    """The usable records of telemetry text (JSON lines), and how many non-blank lines were
+    skipped (see the module's docstring)."""
+    lines = data.split(b"\n") if isinstance(data, bytes) else data.split("\n")
+    records: list[dict[str, Any]] = []
+    skipped = 0
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            text = line.decode("utf-8") if isinstance(line, bytes) else line
+            record = json.loads(text)
+        except (ValueError, RecursionError):  # not UTF-8 or not JSON, too deep, too many digits
+            skipped += 1
+            continue
+        if check_record(record):
+            records.append(record)
+        else:
+            skipped += 1
+    return records, skipped
+
+
+def skipped_line(skipped: int) -> str:
+    """The one line that says how many telemetry lines were skipped ("" for none)."""
+    if not skipped:
+        return ""
+    if skipped == 1:
+        return "1 telemetry line could not be read and was skipped"
+    return f"{skipped} telemetry lines could not be read and were skipped"

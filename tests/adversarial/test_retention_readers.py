@@ -1,0 +1,180 @@
+"""Retention beside readers and crashes, with delta chains: a step that retention removes while a
+reader runs is reported removed, never damaged; no base goes while a listed step needs it, also
+when a SIGKILL stops retention part way."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from coci_core import CheckpointManager, CompressionPolicy, LocalStorage, NoCheckpointError
+from coci_core.engine import retention
+from coci_core.engine.load import check_checkpoint, load_checkpoint, verify_checkpoint
+from coci_core.engine.manifest import MANIFEST_NAME, step_dir_name
+from coci_core.engine.steps import committed_steps, step_info
+from coci_core.storage import Storage, StorageWrapper
+from tests.harness.processes import module, run
+
+# A base every third save: 1 base, 2 and 3 deltas against 1, 4 base, 5 against 4, ...
+POLICY = CompressionPolicy("lossless", full_every=3)
+
+
+def _state(step: int) -> dict[str, torch.Tensor]:
+    w = torch.arange(4096, dtype=torch.float32)
+    w[:16] += step  # a delta that differs in a few bytes
+    return {"w": w}
+
+
+def _damage(storage: Storage) -> dict[int, list[str]]:
+    """The damaged keys of each listed step that is still there when it has been read."""
+    found = {}
+    for step in committed_steps(storage):
+        try:
+            bad = verify_checkpoint(storage, step)
+        except NoCheckpointError:
+            continue
+        if bad:
+            found[step] = bad
+    return found
+
+
+def _saved(directory: Path, steps: range, keep_last: int | None = None) -> LocalStorage:
+    with CheckpointManager(directory, keep_last=keep_last, compression=POLICY) as mgr:
+        for step in steps:
+            mgr.save(step, _state(step)).wait()
+    return LocalStorage(directory)
+
+
+class _ReadAtEachRetire(StorageWrapper):
+    """After each step retention deletes, every listed step is verified (a reader that runs
+    between two deletions)."""
+
+    def __init__(self, inner: Storage) -> None:
+        super().__init__(inner)
+        self.retired: list[str] = []
+        self.seen: list[dict[int, list[str]]] = []
+
+    def retire(self, final: str) -> None:
+        self.inner.retire(final)
+        self.retired.append(final)
+        self.seen.append(_damage(self.inner))
+
+
+def test_a_reader_between_two_deletions_of_retention_finds_no_damage(tmp_path: Path) -> None:
+    storage = _ReadAtEachRetire(LocalStorage(tmp_path))
+    with CheckpointManager(storage, keep_last=2, compression=POLICY) as mgr:
+        for step in range(1, 8):
+            mgr.save(step, _state(step)).wait()
+    # retention removed a base (1) and the delta on it (3) in one pass, with a reader between
+    assert {step_dir_name(1), step_dir_name(3)} <= set(storage.retired)
+    assert storage.seen and all(not found for found in storage.seen), storage.seen
+    assert _damage(storage.inner) == {}
+
+
+class _RetentionMidRead(StorageWrapper):
+    """Runs ``retention`` (once) when the reader first asks for step 1's manifest: the reader
+    has read step 3's manifest and not yet its base."""
+
+    def __init__(self, inner: Storage, retention: Callable[[], None]) -> None:
+        super().__init__(inner)
+        self.retention: Callable[[], None] | None = retention
+
+    def exists(self, path: str) -> bool:
+        if path == f"{step_dir_name(1)}/{MANIFEST_NAME}" and self.retention is not None:
+            self.retention, ran = None, self.retention
+            ran()
+        return self.inner.exists(path)
+
+
+READERS: dict[str, Callable[[Storage], Any]] = {
+    "verify": lambda s: verify_checkpoint(s, 3),
+    "load": lambda s: load_checkpoint(s, 3),
+    "check": lambda s: check_checkpoint(s, 3),
+}
+
+
+@pytest.mark.parametrize("reader", list(READERS))
+def test_a_step_removed_with_its_base_mid_read_is_removed_not_damaged(
+    tmp_path: Path, reader: str
+) -> None:
+    inner = _saved(tmp_path, range(1, 6))
+    assert step_info(inner, 3).bases == (1,)
+    run_id = step_info(inner, 5).run
+
+    def keep_last_2() -> None:
+        retention.apply_keep_last(inner, keep_last=2, run_id=run_id, newest=5, next_base=4)
+
+    storage = _RetentionMidRead(inner, keep_last_2)
+    with pytest.raises(NoCheckpointError, match=r"removed .* while it was being read"):
+        READERS[reader](storage)
+    assert storage.retention is None  # it ran mid-read
+    assert committed_steps(inner) == [4, 5]
+
+
+class _FreedByOneDeletion(StorageWrapper):
+    """A storage that reports no free space until one step is deleted, then plenty."""
+
+    def __init__(self, inner: Storage) -> None:
+        super().__init__(inner)
+        self.retired: list[str] = []
+
+    def retire(self, final: str) -> None:
+        self.inner.retire(final)
+        self.retired.append(final)
+
+    def free_bytes(self) -> int | None:
+        return 10**12 if self.retired else 0
+
+
+def test_room_made_early_never_leaves_a_delta_without_its_base(tmp_path: Path) -> None:
+    inner = _saved(tmp_path, range(1, 5))  # 1 base, 2 and 3 deltas on it, 4 base
+    storage = _FreedByOneDeletion(inner)
+    retention.make_room(
+        storage,
+        keep_last=2,
+        run_id=step_info(inner, 4).run,
+        step=5,
+        needed_bytes=1,
+        next_base=4,
+    )
+    # step 1 went first by age, so the deltas on it went with it (before it)
+    assert storage.retired == [step_dir_name(3), step_dir_name(2), step_dir_name(1)]
+    assert committed_steps(inner) == [4]
+    assert _damage(inner) == {}
+
+
+def test_sigkill_at_every_point_of_retention_leaves_no_step_without_its_base(
+    tmp_path: Path,
+) -> None:
+    template = _saved(tmp_path / "template", range(1, 6))
+    run_id = step_info(template, 5).run
+    out = tmp_path / "killed"
+    proc = run(
+        module(
+            "tests.adversarial._retention_kill_child",
+            str(tmp_path / "template"),
+            str(out),
+            run_id,
+        )
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.split("RESULT", 1)[1])
+    # two steps each renamed away, fsynced and deleted: every operation between was a kill point
+    assert result["killed"] >= 6 and result["statuses"] == [-9] * result["killed"]
+    for kill_at in range(result["killed"]):
+        directory = out / f"k{kill_at}"
+        with CheckpointManager(directory, keep_last=None) as mgr:
+            steps = mgr.steps()
+            assert {4, 5} <= set(steps) <= {1, 2, 3, 4, 5}, (kill_at, steps)
+            for step in steps:
+                assert mgr.verify(step) == {step: []}, (kill_at, step)
+                assert torch.equal(mgr.restore(step=step)["w"], _state(step)["w"])
+    finished = out / f"k{result['killed']}"
+    assert committed_steps(LocalStorage(finished)) == [4, 5]
+    shutil.rmtree(out)
