@@ -3,6 +3,9 @@ it minimises, and a newly registered one is planned for like the built-in ones."
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 import numpy as np
 import pytest
 from planner_helpers import power_loss
@@ -10,14 +13,18 @@ from planner_helpers import power_loss
 from coci_core.errors import ConfigError
 from coci_core.planner import (
     OBJECTIVES,
+    CostBreakdown,
     FailureModel,
     Objective,
     Planner,
     Problem,
+    Schedule,
     daly_interval_s,
     expected_cost,
     make_objective,
     plan_schedule,
+    register_objective,
+    uniform_schedule,
 )
 from coci_core.planner import objectives as objectives_module
 from coci_core.planner.objectives import TimeObjective
@@ -144,3 +151,94 @@ def test_the_default_objective_takes_no_extra_save_where_its_first_planned_one_m
             break
     assert first is not None
     assert abs(first - daly_interval_s(1.0, 2 * 3600.0) / 0.3) <= 2
+
+
+class FewSaves(Objective):
+    """Wall-clock time, each second of stall counted ten times: fewer checkpoints."""
+
+    name = "few_saves"
+    description = "wall-clock time, with each stall counted ten times"
+
+    def cost(self, breakdown: CostBreakdown) -> float:
+        return breakdown.wall_s + 9.0 * breakdown.stall_s
+
+
+class LostWorkOnly(Objective):
+    """Only the work a failure loses: saves cost nothing, so many more checkpoints."""
+
+    name = "lost_work_only"
+    description = "only the work a failure loses"
+
+    def cost(self, breakdown: CostBreakdown) -> float:
+        return breakdown.lost_compute_s + breakdown.lost_stall_s
+
+
+@pytest.fixture
+def registered() -> Iterator[None]:
+    """FewSaves and LostWorkOnly registered the documented way, for one test."""
+    register_objective(FewSaves())
+    register_objective(LostWorkOnly())
+    yield
+    for name in (FewSaves.name, LostWorkOnly.name):
+        del OBJECTIVES[name]
+
+
+SHORT_JOB = {**JOB, "total_steps": 10_000}
+
+
+def _best_uniform(schedule: Schedule) -> float:
+    """The objective's lowest expected cost over uniform intervals from 0.6 to 1.6 times the
+    plan's mean interval."""
+    pb = schedule.problem
+    mean = pb.horizon_steps / (len(schedule.steps) + 1)
+    intervals = np.unique((mean * np.geomspace(0.6, 1.6, 12)).round())
+    return min(pb.goal.cost(expected_cost(pb, uniform_schedule(pb, k))) for k in intervals)
+
+
+def test_a_registered_objective_drives_the_plan_to_its_own_optimum(registered: None) -> None:
+    """The solvers minimise the objective's cost(): an objective that counts stalls ten times
+    plans fewer checkpoints than "time", one that values only lost work plans more; each plan
+    costs less under its objective than Daly's, and no more than the best uniform interval."""
+    time = plan_schedule(**SHORT_JOB, objective="time")
+    few = plan_schedule(**SHORT_JOB, objective="few_saves")
+    many = plan_schedule(**SHORT_JOB, objective="lost_work_only")
+    assert 0 < len(few.steps) < len(time.steps) < len(many.steps)
+    for plan in (few, many):
+        ov = plan.expected_overhead_s
+        assert ov.objective_s == plan.problem.goal.cost(expected_cost(plan.problem, plan.steps))
+        assert ov.objective_s < 0.9 * ov.daly_objective_s
+    assert few.expected_overhead_s.objective_s <= _best_uniform(few) * 1.001
+    assert "Daly" not in Planner(objective="few_saves", total_steps=100).report().plan_method
+
+
+def test_the_built_in_objectives_read_their_weights_off_cost() -> None:
+    """The weights the solvers use are those of each objective's figure."""
+    w = make_objective("convergence").weights
+    assert (w.stall_s, w.lost_compute_s, w.lost_compute_value_s, w.restart_value_s) == (1, 0, 1, 0)
+    assert make_objective("time").plans_as_time(value_is_flat=False)
+    assert make_objective("progress").plans_as_time(value_is_flat=True)
+    assert not make_objective("progress").plans_as_time(value_is_flat=False)
+
+
+class Squared(Objective):
+    name = "squared"
+
+    def cost(self, breakdown: CostBreakdown) -> float:
+        return breakdown.wall_s**2
+
+
+class Rewarded(Objective):
+    name = "rewarded"
+
+    def cost(self, breakdown: CostBreakdown) -> float:
+        return breakdown.lost_compute_s - breakdown.stall_s
+
+
+@pytest.mark.parametrize("objective", [Squared(), Rewarded(), object()])
+def test_an_objective_the_solvers_cannot_minimise_is_refused(objective: Any) -> None:
+    """cost() must be a weighted sum with weights >= 0: refused when registered, and the
+    registry is unchanged."""
+    before = dict(OBJECTIVES)
+    with pytest.raises(ConfigError, match=r"weights >= 0|not an Objective"):
+        register_objective(objective)
+    assert before == OBJECTIVES

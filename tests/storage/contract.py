@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from coci_core import CheckpointManager
-from coci_core.storage import Storage
+from coci_core.storage import Storage, staging_name
 
 
 class StorageContract:
@@ -34,6 +34,14 @@ class StorageContract:
         storage.write_file("f.bin", [memoryview(b"abc")])
         with pytest.raises(OSError, match="shorter"):
             storage.read_into("f.bin", 1, memoryview(bytearray(5)))
+
+    def test_the_staging_directory_is_named_by_the_engine(self, storage: Storage) -> None:
+        """A save stages under the name the cleanup of partial writes looks for (or in place,
+        without renames)."""
+        staged = storage.staging_dir("step-0000000001", "tok")
+        assert staged == (
+            staging_name("step-0000000001", "tok") if storage.renames else "step-0000000001"
+        )
 
     def test_publish_makes_visible(self, storage: Storage) -> None:
         """A staged directory is visible under its final name only after publish."""

@@ -72,9 +72,6 @@ class DictStorage(Storage):
             for k in [k for k in self.files if k.startswith(f"{path}/")]:
                 del self.files[k]
 
-    def staging_dir(self, final: str, token: str) -> str:
-        return f"{final}.coci-tmp-{token}"
-
     def publish(self, staging: str, final: str) -> None:
         with self._lock:
             for k in [k for k in self.files if k.startswith(f"{final}/")]:

@@ -22,14 +22,24 @@ How to add a codec:
    :class:`~coci_core.errors.CorruptCheckpointError`, and one through ``CheckpointManager``
    (``tests/codecs/test_registry.py`` shows one).
 
+A codec from another package is a :class:`Codec` object (with a ``select`` predicate if coci
+should write it) named in that package's metadata, ``[project.entry-points."coci.codecs"]
+<any name> = "module:CODEC"``: the registry loads the group (:data:`ENTRY_POINTS`) the first
+time a writer chooses a codec or a reader meets a codec name it does not know, in any process
+(the ``coci`` command included), so that its checkpoints restore and verify wherever the package
+is installed.
+
 A codec's name and parameters are the on-disk format: a new layout is a new name (``.../2``),
 and the old name keeps its decoder so that old checkpoints restore.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Literal, TypeAlias
 
 from coci_core.codecs._common import Buffer, Encoded, Params, u8, writable_u8
@@ -40,6 +50,7 @@ if TYPE_CHECKING:
     from coci_core.codecs.quantized import QuantState
 
 __all__ = [
+    "ENTRY_POINTS",
     "RAW",
     "BaseAvailable",
     "Codec",
@@ -58,6 +69,9 @@ __all__ = [
 ]
 
 RAW = "coci.raw/1"
+#: The entry-point group of codecs other packages install: ``<name> = "module:CODEC"``.
+ENTRY_POINTS = "coci.codecs"
+logger = logging.getLogger(__name__)
 Mode: TypeAlias = Literal["none", "lossless", "lossy", "auto"]
 # What the writer has of a piece in the previous checkpoint (see ``choose_codec``).
 BaseAvailable: TypeAlias = Literal["none", "hashes", "bytes", "reference"]
@@ -137,6 +151,36 @@ class Codec:
 
 
 _CODECS: dict[str, Codec] = {}
+# whether the installed codecs (ENTRY_POINTS) were loaded in this process
+_installed_loaded = False
+_LOCK = threading.RLock()
+
+
+def _load_installed() -> None:
+    """Register the codecs installed packages declare (once per process)."""
+    global _installed_loaded
+    if _installed_loaded:
+        return
+    with _LOCK:
+        if _installed_loaded:
+            return
+        _installed_loaded = True
+        for entry in entry_points(group=ENTRY_POINTS):
+            try:
+                codec = entry.load()
+                if not isinstance(codec, Codec):
+                    raise ConfigError(f"{entry.value} is not a Codec: {codec!r}")
+                if _CODECS.get(codec.name) is not codec:  # its module may register it too
+                    register_codec(codec)
+            except Exception as e:  # one broken package must not stop the other codecs
+                logger.warning(
+                    "the codec %r of entry point group %r (%s) cannot be loaded: %s: %s",
+                    entry.name,
+                    ENTRY_POINTS,
+                    entry.value,
+                    type(e).__name__,
+                    e,
+                )
 
 
 def register_codec(codec: Codec) -> Codec:
@@ -169,13 +213,17 @@ def get_codec(name: str) -> Codec:
     """
     codec = _CODECS.get(name)
     if codec is None:
+        _load_installed()
+        codec = _CODECS.get(name)
+    if codec is None:
         raise CorruptCheckpointError(f"unknown array codec {name!r}")
     return codec
 
 
 def selected_codec(dtype: str, nbytes: int, mode: Mode, base: BaseAvailable) -> str | None:
     """The first registered codec whose ``select`` picks this piece (None: none does)."""
-    for codec in _CODECS.values():
+    _load_installed()
+    for codec in list(_CODECS.values()):
         if codec.select is not None and codec.select(dtype, nbytes, mode, base):
             return codec.name
     return None
@@ -193,6 +241,9 @@ def needs_base(params: Params) -> bool:
 def stores_compressed(params: Params) -> bool:
     """Whether a piece's bytes went through a compressor (not only chunk selection)."""
     codec = _CODECS.get(str(params.get("codec")))
+    if codec is None:
+        _load_installed()
+        codec = _CODECS.get(str(params.get("codec")))
     if codec is None:
         return params.get("codec") is not None
     return codec.compressed(params)

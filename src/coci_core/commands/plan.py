@@ -14,12 +14,14 @@ from collections.abc import Callable
 from typing import Any
 
 from coci_core.errors import CociError, ConfigError
+from coci_core.planner.objectives import OBJECTIVES
 
 __all__ = ["OBJECTIVE_NAMES", "POLICY_NAMES", "add_subcommands", "run_plan", "run_simulate"]
 
-# These are the names of coci_core.planner.objectives.OBJECTIVES and
-# coci_core.planner.policies.POLICIES (a test keeps them equal).
-OBJECTIVE_NAMES = ("time", "convergence", "progress")
+#: The built-in objectives' names (those of coci_core.planner.objectives.OBJECTIVES, which
+#: imports no numpy); the policies' names are coci_core.planner.policies.POLICIES's (a test
+#: keeps them equal).
+OBJECTIVE_NAMES = tuple(OBJECTIVES)
 POLICY_NAMES = (
     "coci",
     "young",
@@ -60,10 +62,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     lg.add_argument("--loss-csv", help="CSV of step,loss from a real run's log")
     p.add_argument(
         "--objective",
-        choices=OBJECTIVE_NAMES,
+        choices=tuple(OBJECTIVES),
         default="time",
-        help="what a lost step costs: its wall time (default), or its progress toward "
-        "convergence ('convergence', 'progress')",
+        help="what the plan minimises (default: time): "
+        + "; ".join(f"{name}: {o.description}" for name, o in OBJECTIVES.items()),
     )
     p.add_argument("--asha-rungs", help="comma-separated rung steps (ASHA early stopping)")
     p.add_argument("--asha-eta", type=float, default=3.0, help="ASHA reduction factor")

@@ -35,6 +35,7 @@ from coci_core.engine.manifest import (
 )
 from coci_core.errors import CommitError, CorruptCheckpointError, StorageError
 from coci_core.knobs import COMMIT_POLL_MAX_S, COMMIT_POLL_START_S
+from coci_core.storage.base import staging_name
 
 __all__ = [
     "RankShare",
@@ -53,7 +54,7 @@ def records_dir(final: str, token: str) -> str:
     """Where the ranks of one save leave their commit records when the storage writes the
     data in the step's own directory (no rename): beside it, named after the save, and
     removed with the other leftovers of uncommitted saves."""
-    return f"{final}.coci-tmp-{token}"
+    return staging_name(final, token)
 
 
 def _share_name(rank: int) -> str:

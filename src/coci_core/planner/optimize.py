@@ -30,7 +30,13 @@ import numpy.typing as npt
 from coci_core.errors import ConfigError
 from coci_core.planner.checks import check_int, check_nonnegative, check_positive
 from coci_core.planner.model import FailureModel, NoTermination, Termination
-from coci_core.planner.objectives import OBJECTIVES, Objective, make_objective
+from coci_core.planner.objectives import FIELDS as _FIELDS
+from coci_core.planner.objectives import (
+    OBJECTIVES,
+    CostBreakdown,
+    Objective,
+    make_objective,
+)
 
 __all__ = [
     "OBJECTIVES",
@@ -77,8 +83,8 @@ class Problem:
         failure: the failure model.
         value: normalised value density per step of ``[start_step, end_step)`` (mean 1);
             None for a flat value.
-        objective: ``"time"``, ``"convergence"`` or ``"progress"`` (the name of one of
-            :data:`~coci_core.planner.objectives.OBJECTIVES`).
+        objective: ``"time"``, ``"convergence"``, ``"progress"`` or the name of another
+            objective of :data:`~coci_core.planner.objectives.OBJECTIVES`.
         termination: the early-termination model.
     """
 
@@ -148,72 +154,11 @@ class Problem:
         """(lost compute weighted by value, stall and restart weighted by value)."""
         return self.goal.lost_work_by_value, self.goal.stall_by_value
 
-
-@dataclass(frozen=True, kw_only=True)
-class CostBreakdown:
-    """Expected overhead of one schedule, by kind; ``*_value_s`` are weighted by value density.
-
-    ``wall_s`` is the wall-clock overhead; ``convergence_s`` weights lost compute by value;
-    ``progress_s`` weights everything by value. ``convergence_excl_restart_s`` leaves out the
-    restart time, which no schedule can change.
-    """
-
-    stall_s: float
-    lost_compute_s: float
-    lost_stall_s: float
-    restart_s: float
-    failures: float
-    stall_value_s: float
-    lost_compute_value_s: float
-    lost_stall_value_s: float
-    restart_value_s: float
-
-    @classmethod
-    def from_vector(cls, vec: FloatArray) -> CostBreakdown:
-        """Build from the internal component vector."""
-        return cls(**{name: float(x) for name, x in zip(_FIELDS, vec, strict=True)})
-
     @property
-    def wall_s(self) -> float:
-        """Wall-clock overhead: stall + lost work + restart."""
-        return self.stall_s + self.lost_compute_s + self.lost_stall_s + self.restart_s
-
-    @property
-    def convergence_s(self) -> float:
-        """Lost compute weighted by value; stall and restart unweighted."""
-        return self.stall_s + self.lost_compute_value_s + self.lost_stall_s + self.restart_s
-
-    @property
-    def convergence_excl_restart_s(self) -> float:
-        """:attr:`convergence_s` without the restart time."""
-        return self.convergence_s - self.restart_s
-
-    @property
-    def progress_s(self) -> float:
-        """Everything weighted by value density."""
-        return (
-            self.stall_value_s
-            + self.lost_compute_value_s
-            + self.lost_stall_value_s
-            + self.restart_value_s
-        )
-
-    def objective(self, name: str) -> float:
-        """The figure the named objective minimises."""
-        return make_objective(name).cost(self)
-
-
-_FIELDS = (
-    "stall_s",
-    "lost_compute_s",
-    "lost_stall_s",
-    "restart_s",
-    "failures",
-    "stall_value_s",
-    "lost_compute_value_s",
-    "lost_stall_value_s",
-    "restart_value_s",
-)
+    def cost_weights(self) -> CostBreakdown:
+        """The weight of each field of a :class:`CostBreakdown` in the objective: what the
+        solvers minimise."""
+        return self.goal.weights
 
 
 def normalize_steps(steps: npt.ArrayLike, start_step: int, end_step: int) -> IntArray:

@@ -243,9 +243,10 @@ class CociPaper:
 class Coci:
     """The optimal schedule for the problem's objective (convergence-aware by default).
 
-    Falls back to Daly's uniform interval when it is optimal to first order: a flat value
-    (no trusted loss curve) or an objective that ignores value (``time``), with no
-    termination model and a constant failure rate. Otherwise a dynamic programme over at most
+    Falls back to Daly's uniform interval when it is optimal to first order: an objective that
+    is wall-clock time times a constant once the value is flat (no trusted loss curve) or
+    unused (``time``; see :meth:`~coci_core.planner.objectives.Objective.plans_as_time`), with
+    no termination model and a constant failure rate. Otherwise a dynamic programme over at most
     ``grid_points`` candidates (``method="dp"``) or the closed form (``method="closed_form"``).
     """
 
@@ -261,8 +262,7 @@ class Coci:
     def plan(self, problem: Problem, *, context: PlanContext) -> IntArray:
         """Daly when that is optimal, else the DP or the closed form."""
         simple = isinstance(problem.termination, NoTermination) and problem.failure.is_constant
-        flat = context.value_is_flat or not problem.goal.uses_value
-        if simple and flat:
+        if simple and problem.goal.plans_as_time(context.value_is_flat):
             return Daly().plan(problem, context=context)
         if self.method == "closed_form":
             return closed_form_schedule(problem, max_interval_steps=context.max_interval_steps)

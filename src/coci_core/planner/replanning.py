@@ -313,7 +313,7 @@ class Replanner:
         if s.policy_name != "coci":
             return f"the {s.policy_name} policy"
         simple = isinstance(pb.termination, NoTermination) and pb.failure.is_constant
-        if simple and (not self.curve.trusted or not s.goal.uses_value):
+        if simple and s.goal.plans_as_time(not self.curve.trusted):
             why = "flat value" if s.goal.uses_value else f"{s.objective} objective"
             return f"Daly's interval ({why}, no termination model)"
         return f"{s.method} for the {s.objective} objective"

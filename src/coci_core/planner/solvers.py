@@ -5,12 +5,15 @@ programme over a grid of candidate steps (a cell-averaged version of the exact c
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from coci_core.planner.checks import check_int
 from coci_core.planner.optimize import (
+    CostBreakdown,
     FloatArray,
     IntArray,
     Problem,
@@ -30,11 +33,12 @@ def uniform_schedule(pb: Problem, interval_steps: float) -> IntArray:
 def closed_form_schedule(pb: Problem, *, max_interval_steps: int | None = None) -> IntArray:
     """March ``T(k) = Daly(s, w_c / (lambda(k) rho(k)))`` from the start (the fast path).
 
-    ``rho`` is the mean value density over the next interval (two fixed-point passes); ``w_c`` is
-    1, or the local value density for the ``progress`` objective. Termination is ignored (it
-    cancels to first order away from kill points).
+    ``rho`` is the objective's weight of lost compute (its value-weighted part at the mean
+    value density over the next interval: two fixed-point passes); ``w_c`` its weight of a stall
+    (the value-weighted part at the local value density). Termination is ignored (it cancels to
+    first order away from kill points).
     """
-    weight_lost, weight_stall = pb.weights()
+    wt = pb.cost_weights
     tau = pb.step_time_s
     cum: FloatArray = pb._value_cum  # type: ignore[attr-defined]
     out: list[int] = []
@@ -46,10 +50,17 @@ def closed_form_schedule(pb: Problem, *, max_interval_steps: int | None = None) 
         for _ in range(2):
             hi = min(pb.end_step, x + max(1, round(interval)))
             a, b = x - pb.start_step, hi - pb.start_step
-            rho = float(cum[b] - cum[a]) / max(1, b - a) if weight_lost else 1.0
-            w_c = value_at(pb, x) if weight_stall else 1.0
+            rho = wt.lost_compute_s
+            if wt.lost_compute_value_s:
+                rho += wt.lost_compute_value_s * float(cum[b] - cum[a]) / max(1, b - a)
+            w_c = wt.stall_s
+            if wt.stall_value_s:
+                w_c += wt.stall_value_s * value_at(pb, x)
             lam = pb.mean_rate(x, hi)
-            interval = max(1.0, daly_interval_s(pb.stall_s, w_c / (lam * rho)) / tau)
+            if rho > 0:
+                interval = max(1.0, daly_interval_s(pb.stall_s, w_c / (lam * rho)) / tau)
+            else:  # lost work costs nothing: no checkpoint is worth its stall
+                interval = float(pb.horizon_steps)
             if max_interval_steps is not None:
                 interval = min(interval, float(max_interval_steps))
         nxt = x + max(1, round(interval))
@@ -58,6 +69,12 @@ def closed_form_schedule(pb: Problem, *, max_interval_steps: int | None = None) 
         out.append(nxt)
         x = nxt
     return np.asarray(out, dtype=np.int64)
+
+
+def _weighted(plain: float, by_value: float, value: Callable[[], Any]) -> Any:
+    """``plain + by_value * value()``: the weight of one kind of overhead where the value
+    density is ``value()`` (not computed when no weight is by value)."""
+    return plain + by_value * value() if by_value else plain
 
 
 def _grid(pb: Problem, points: int, extra: npt.ArrayLike) -> IntArray:
@@ -109,7 +126,7 @@ def dp_schedule(
     """
     check_int("grid_points", grid_points, minimum=2)
     tau, s, p = pb.step_time_s, pb.stall_s, pb.persist_s
-    weight_lost, weight_stall = pb.weights()
+    wt = pb.cost_weights
     kill_steps, kill_probs = pb.termination.atoms(pb.start_step, pb.end_step)
     inner = kill_steps < pb.end_step
     atoms, atom_p = kill_steps[inner].astype(np.int64), kill_probs[inner]
@@ -126,8 +143,17 @@ def dp_schedule(
     tail_p = tails[np.searchsorted(atoms, g, side="right")]
     tail_p[-1] = p_end
     lam_min = float(np.min(rcum[1:] - rcum[:-1]))
-    rho_min = float(np.min(pb.v)) if weight_lost and not weight_stall else 1.0
-    longest = daly_interval_s(s, 1.0 / (lam_min * rho_min)) / tau
+    # the longest interval worth considering: Daly's at the lowest ratio of the weight of lost
+    # compute to the weight of a stall
+    lost_w = np.asarray(_weighted(wt.lost_compute_s, wt.lost_compute_value_s, lambda: pb.v))
+    stall_w = np.asarray(_weighted(wt.stall_s, wt.stall_value_s, lambda: pb.v))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(stall_w > 0, lost_w / stall_w, np.inf)
+    rho_min = float(np.min(ratio))
+    if rho_min > 0:
+        longest = daly_interval_s(s, 1.0 / (lam_min * rho_min)) / tau
+    else:
+        longest = float(pb.horizon_steps)
     if max_interval_steps is not None:
         longest = min(longest, float(max_interval_steps))
     band_steps = band_factor * longest + 2 * (pb.horizon_steps / n_g)
@@ -146,11 +172,9 @@ def dp_schedule(
         ii = rows[:, None]
         # absurd segments (e.g. exp(lambda E) beyond float range) become +inf, never NaN
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-            cost = _dp_costs(pb, gi, js, ii, v_pt, vcum, rcum, tail_p, weight_lost, weight_stall)
+            cost = _dp_costs(pb, gi, js, ii, v_pt, vcum, rcum, tail_p, wt)
             if atoms.size:
-                cost = cost + _dp_kill_costs(
-                    pb, g, gi, js, rows, atoms, atom_p, v_pt, weight_lost, weight_stall
-                )
+                cost = cost + _dp_kill_costs(pb, g, gi, js, rows, atoms, atom_p, v_pt, wt)
         cost = np.where(np.isnan(cost), np.inf, cost)
         span = (gi[js] - gi[ii]).astype(np.float64)
         if max_interval_steps is not None:
@@ -180,8 +204,7 @@ def _dp_costs(
     vcum: FloatArray,
     rcum: FloatArray,
     tail_p: FloatArray,
-    weight_lost: bool,
-    weight_stall: bool,
+    wt: CostBreakdown,
 ) -> FloatArray:
     """Cost of segments ``ii -> js`` when the job outlives ``js`` (x its probability)."""
     tau, s, p, r_s = pb.step_time_s, pb.stall_s, pb.persist_s, pb.restart_s
@@ -201,16 +224,18 @@ def _dp_costs(
     q = -np.expm1(-lam * e1)
     n_fail = q * np.exp(lam * e2)
     ones = np.ones_like(w)
-    if weight_lost:
-        rho_a = (vcum[gi[js]] - vcum[gi[ii]]) / span
-        rho_c = v_pt[js]
-    else:
-        rho_a = rho_c = ones
-    ws = v_pt[js] if weight_stall else ones
-    wr = v_pt[ii] * ones if weight_stall else ones
-    parts = (lam, stall, win, rho_a, ws, rho_c)
+    # each kind of overhead's weight in the objective (x1.0 and +0.0 leave a weight exact)
+    lc, lcv = wt.lost_compute_s, wt.lost_compute_value_s
+    rho_a = _weighted(lc, lcv, lambda: (vcum[gi[js]] - vcum[gi[ii]]) / span) * ones
+    rho_c = _weighted(lc, lcv, lambda: v_pt[js]) * ones
+    ws = _weighted(wt.stall_s, wt.stall_value_s, lambda: v_pt[js]) * ones
+    wls = _weighted(wt.lost_stall_s, wt.lost_stall_value_s, lambda: v_pt[js]) * ones
+    wr = _weighted(wt.restart_s, wt.restart_value_s, lambda: v_pt[ii]) * ones
+    parts = (lam, stall, win, rho_a, wls, rho_c)
     lost_total = q * pre * rho_a + _dp_lost(e1, d1, *parts) + n_fail * _dp_lost(e2, w, *parts)
     cost = (stall + pre_wait) * ws + lost_total + r_s * wr * n_fail
+    if wt.failures:
+        cost = cost + wt.failures * n_fail
     return np.asarray(tail_p[js] * cost)
 
 
@@ -223,8 +248,7 @@ def _dp_kill_costs(
     atoms: IntArray,
     atom_p: FloatArray,
     v_pt: FloatArray,
-    weight_lost: bool,
-    weight_stall: bool,
+    wt: CostBreakdown,
 ) -> FloatArray:
     """Expected cost of segments cut short by a kill at an atom inside them."""
     tau, p, r_s = pb.step_time_s, pb.persist_s, pb.restart_s
@@ -237,14 +261,19 @@ def _dp_kill_costs(
     lam = np.maximum((rcum[np.maximum(r, a)] - rcum[a]) / span, 1e-300)
     pre = np.where(rows[:, None] == 0, 0.0, np.minimum(w, p))
     zero = np.zeros_like(w)
-    rho = (vcum[np.maximum(r, a)] - vcum[a]) / span if weight_lost else np.ones_like(w)
-    wr = v_pt[rows][:, None] * np.ones_like(w) if weight_stall else np.ones_like(w)
+    ones = np.ones_like(w)
+    lc, lcv = wt.lost_compute_s, wt.lost_compute_value_s
+    rho = _weighted(lc, lcv, lambda: (vcum[np.maximum(r, a)] - vcum[a]) / span) * ones
+    wr = _weighted(wt.restart_s, wt.restart_value_s, lambda: v_pt[rows][:, None]) * ones
     d1 = w - pre
     q = -np.expm1(-lam * d1)
     n_fail = q * np.exp(lam * w)
     parts = (lam, zero, zero, rho, zero, zero)
     lost = q * pre * rho + _dp_lost(d1, d1, *parts) + n_fail * _dp_lost(w, w, *parts)
-    per_atom = np.where(r > a, atom_p[None, :] * (lost + r_s * wr * n_fail), 0.0)
+    per_kill = lost + r_s * wr * n_fail
+    if wt.failures:
+        per_kill = per_kill + wt.failures * n_fail
+    per_atom = np.where(r > a, atom_p[None, :] * per_kill, 0.0)
     cum = np.concatenate([np.zeros((len(rows), 1)), np.cumsum(per_atom, axis=1)], axis=1)
     upto = np.searchsorted(atoms, g[js], side="right")  # atoms <= the segment's end
     return np.asarray(np.take_along_axis(cum, upto, axis=1))

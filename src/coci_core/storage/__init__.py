@@ -3,12 +3,13 @@ opens them (see :func:`register_storage` for how to add one)."""
 
 from __future__ import annotations
 
-from coci_core.storage.base import RecordStore, Storage, StorageWrapper
+from coci_core.storage.base import STAGING_MARK, RecordStore, Storage, StorageWrapper, staging_name
 from coci_core.storage.fsspec import FsspecStorage
 from coci_core.storage.local import LocalStorage
 from coci_core.storage.registry import StorageFactory, is_url, open_storage, register_storage
 
 __all__ = [
+    "STAGING_MARK",
     "FsspecStorage",
     "LocalStorage",
     "RecordStore",
@@ -18,4 +19,5 @@ __all__ = [
     "is_url",
     "open_storage",
     "register_storage",
+    "staging_name",
 ]

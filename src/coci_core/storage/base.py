@@ -12,7 +12,17 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Protocol, runtime_checkable
 
-__all__ = ["RecordStore", "Storage", "StorageWrapper"]
+__all__ = ["STAGING_MARK", "RecordStore", "Storage", "StorageWrapper", "staging_name"]
+
+#: What a staging directory's name holds between the step's name and the save's token: the
+#: cleanup of a crash's partial writes (engine/retention.py) finds them by it.
+STAGING_MARK = ".coci-tmp-"
+
+
+def staging_name(final: str, token: str) -> str:
+    """The directory a save writes into before it is published as ``final``:
+    ``{final}.coci-tmp-{token}``. The engine owns this name (backends never make it up)."""
+    return f"{final}{STAGING_MARK}{token}"
 
 
 @runtime_checkable
@@ -46,14 +56,15 @@ class RecordStore(Protocol):
 class Storage(Protocol):
     """A tree of files addressed by '/'-separated paths relative to the storage's root.
 
-    Called as: (writer) 1) ``staging_dir(final, token)``; 2) ``write_file`` for each data file,
-    then for the manifest, each durable when it returns; 3) ``publish(staging, final)``, after
-    which the checkpoint is visible under ``final``. (reader) ``list_dir``, ``exists``,
-    ``read_bytes``, ``read_into``. (coordinator) ``retire`` and ``remove_dir`` for retention
-    and cleanup.
+    Called as: (writer) 1) ``staging_dir(final, token)`` (given here: a backend does not
+    override it); 2) ``write_file`` for each data file, then for the manifest, each durable
+    when it returns; 3) ``publish(staging, final)``, after which the checkpoint is visible
+    under ``final``. (reader) ``list_dir``, ``exists``, ``read_bytes``, ``read_into``.
+    (coordinator) ``retire`` and ``remove_dir`` for retention and cleanup.
 
-    The methods below ``publish`` are optional capabilities: their defaults here are what the
-    engine does without them, and a subclass overrides those its storage supports.
+    A backend implements ``list_dir`` to ``remove_dir`` and ``publish``, and sets ``url`` and
+    ``renames``. The methods below ``publish`` are optional capabilities: their defaults here
+    are what the engine does without them, and a subclass overrides those its storage supports.
     """
 
     url: str
@@ -90,11 +101,26 @@ class Storage(Protocol):
         ...
 
     def staging_dir(self, final: str, token: str) -> str:
-        """The directory to write a checkpoint into before it is published as ``final``."""
-        ...
+        """The directory a save writes into before it is published as ``final``: with
+        ``renames``, :func:`staging_name` (``{final}.coci-tmp-{token}``, the name by which the
+        next manager finds and deletes what a crash left); without, ``final`` itself. Not
+        overridden by backends."""
+        return staging_name(final, token) if self.renames else final
 
     def publish(self, staging: str, final: str) -> None:
-        """Make the staged checkpoint visible as ``final`` atomically."""
+        """Make the staged checkpoint visible as ``final``.
+
+        With ``renames``: move the directory ``staging`` to ``final`` atomically (a crash
+        leaves one or the other, whole). When ``final`` exists (a step saved again), replace
+        it so that a crash leaves the old step or the new one, never neither for good.
+
+        Without ``renames``: ``staging == final`` and the manifest, written last, has already
+        committed the step. Then delete, after reading the new manifest, the files under
+        ``final`` that an older save of the same step left and the new manifest does not list
+        (its data files, ``data-*``, and manifests written aside, ``manifest.json.coci-tmp-*``);
+        never a file the new manifest lists, and nothing at all if the new manifest cannot be
+        read. A failed deletion is not an error (the step is committed; it is only clutter).
+        """
         ...
 
     # -- optional capabilities -------------------------------------------------------------
@@ -179,9 +205,6 @@ class StorageWrapper(Storage):
 
     def remove_dir(self, path: str) -> None:
         self.inner.remove_dir(path)
-
-    def staging_dir(self, final: str, token: str) -> str:
-        return self.inner.staging_dir(final, token)
 
     def publish(self, staging: str, final: str) -> None:
         self.inner.publish(staging, final)

@@ -15,7 +15,7 @@ from typing import Any
 import coci_core.storage.s3_parallel as s3_parallel
 from coci_core.errors import ConfigError, StorageError
 from coci_core.knobs import S3_PART_BYTES
-from coci_core.storage.base import RecordStore, Storage
+from coci_core.storage.base import RecordStore, Storage, staging_name
 
 __all__ = ["FsspecStorage"]
 
@@ -128,7 +128,7 @@ class FsspecStorage(Storage):
                 written = s3_parallel.upload(self.fs, full, chunks)
                 self.fs.invalidate_cache(parent)
                 return written
-            target = f"{full}.coci-tmp-{uuid.uuid4().hex[:12]}" if atomic else full
+            target = staging_name(full, uuid.uuid4().hex[:12]) if atomic else full
             with self.fs.open(target, "wb") as f:
                 for chunk in chunks:
                     f.write(chunk)
@@ -202,9 +202,6 @@ class FsspecStorage(Storage):
                 if key:
                     self.fs.call_s3("delete_object", Bucket=bucket, Key=key.rstrip("/") + "/")
             self.fs.invalidate_cache(full)
-
-    def staging_dir(self, final: str, token: str) -> str:
-        return final
 
     def abort_uploads(self) -> int:
         """Abort the multipart uploads a killed writer left open under this directory (S3

@@ -180,9 +180,6 @@ class LocalStorage(Storage):
     def remove_dir(self, path: str) -> None:
         shutil.rmtree(self._path(path), ignore_errors=True)
 
-    def staging_dir(self, final: str, token: str) -> str:
-        return f"{final}.coci-tmp-{token}"
-
     def publish(self, staging: str, final: str) -> None:
         """Rename ``staging`` to ``final``. Re-saving a committed step swaps the two
         directories in one step (``renameat2(RENAME_EXCHANGE)``) where the kernel and file

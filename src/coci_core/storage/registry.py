@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 from collections.abc import Callable
+from importlib.metadata import EntryPoint, entry_points
 from typing import Any, TypeGuard
 
 from coci_core.errors import ConfigError
@@ -12,13 +14,19 @@ from coci_core.storage.base import Storage
 from coci_core.storage.fsspec import FsspecStorage
 from coci_core.storage.local import LocalStorage
 
-__all__ = ["StorageFactory", "is_url", "open_storage", "register_storage"]
+__all__ = ["ENTRY_POINTS", "StorageFactory", "is_url", "open_storage", "register_storage"]
+
+#: The entry-point group of backends other packages install: ``<scheme> = "module:Factory"``.
+ENTRY_POINTS = "coci.storage"
 
 #: Makes the storage of a URL: ``factory(url, **storage_options)``.
 StorageFactory = Callable[..., Storage]
 
 _FACTORIES: dict[str, StorageFactory] = {}
 _SCHEME = re.compile(r"[a-z][a-z0-9+.-]*")
+# the installed backends' entry points by scheme, read once (at the first URL not registered)
+_INSTALLED: dict[str, EntryPoint] | None = None
+_LOCK = threading.Lock()
 
 
 def register_storage(scheme: str, factory: StorageFactory) -> None:
@@ -26,14 +34,18 @@ def register_storage(scheme: str, factory: StorageFactory) -> None:
     fsspec (which opens every scheme no backend registered: ``memory://``, ``file://``,
     ``s3://``, ``gs://``, ``az://`` ...). Registering a scheme again replaces its factory.
 
-    To add a backend: 1) write a class in ``coci_core/storage/<name>.py`` (or your own package)
-    that subclasses :class:`~coci_core.storage.Storage` and implements its required operations;
-    2) override the optional capabilities it supports (``retire``, ``size``, ``free_bytes``,
-    ``abort_uploads``, ``local_root``, ``record_store``, ``reads_in_chunks``); the defaults are
-    what the engine does without them; 3) call ``register_storage("<scheme>", YourStorage)``
-    when your module is imported. ``CheckpointManager("<scheme>://...")``, the adapters and
-    the ``coci`` commands then open it; ``tests/storage/contract.py`` checks the required
-    operations.
+    To add a backend: 1) write a class (in your own package, or ``coci_core/storage/<name>.py``)
+    that subclasses :class:`~coci_core.storage.Storage`, sets ``url`` and ``renames`` and
+    implements the required operations (``staging_dir`` is given: the engine owns the staging
+    name); 2) override the optional capabilities it supports (``retire``, ``size``,
+    ``free_bytes``, ``abort_uploads``, ``local_root``, ``record_store``, ``reads_in_chunks``);
+    the defaults are what the engine does without them; 3) declare it in your package's
+    metadata, ``[project.entry-points."coci.storage"] <scheme> = "module:YourStorage"``, which
+    :func:`open_storage` loads the first time it meets ``<scheme>://`` (the ``coci`` command
+    too), or call ``register_storage("<scheme>", YourStorage)`` (the way for a backend inside
+    coci: at the end of its module, imported by ``coci_core/storage/__init__.py``).
+    ``CheckpointManager("<scheme>://...")``, the adapters and the ``coci`` commands then open
+    it; ``tests/storage/contract.py`` checks the required operations.
 
     Raises:
         ConfigError: ``scheme`` is not a URL scheme (letters, digits, ``+``, ``-``, ``.``;
@@ -64,7 +76,7 @@ def open_storage(target: str | os.PathLike[str] | Storage, **storage_options: An
         if not target:
             raise ConfigError("'directory' must be a non-empty path or URL: ''")
         if is_url(target):
-            factory = _FACTORIES.get(target.split("://", 1)[0].lower(), FsspecStorage)
+            factory = _factory(target.split("://", 1)[0].lower())
             return factory(target, **storage_options)
         return LocalStorage(target)
     if isinstance(target, Storage):
@@ -72,3 +84,27 @@ def open_storage(target: str | os.PathLike[str] | Storage, **storage_options: An
     raise ConfigError(
         f"'directory' must be a path, a URL or a Storage, got {type(target).__name__}"
     )
+
+
+def _factory(scheme: str) -> StorageFactory:
+    """The registered factory of ``scheme``, else an installed one (entry point ``coci.storage``
+    named ``scheme``, loaded and registered now), else fsspec's."""
+    factory = _FACTORIES.get(scheme)
+    if factory is not None:
+        return factory
+    global _INSTALLED
+    with _LOCK:
+        if _INSTALLED is None:
+            _INSTALLED = {e.name.lower(): e for e in entry_points(group=ENTRY_POINTS)}
+        entry = _INSTALLED.get(scheme)
+    if entry is None:
+        return FsspecStorage
+    try:
+        loaded = entry.load()
+    except Exception as e:  # an installed package's import error, whatever it is
+        raise ConfigError(
+            f"the storage backend of {scheme}:// ({entry.value}, entry point "
+            f"{ENTRY_POINTS!r}) cannot be loaded: {type(e).__name__}: {e}"
+        ) from e
+    register_storage(scheme, loaded)
+    return _FACTORIES[scheme]

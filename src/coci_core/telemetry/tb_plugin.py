@@ -26,6 +26,7 @@ from typing import Any
 from tensorboard.plugins import base_plugin
 from werkzeug import Request, Response, exceptions
 
+from coci_core.planner.objectives import OBJECTIVES
 from coci_core.telemetry.events import TELEMETRY_FILE, _finite_or_none
 from coci_core.telemetry.report import RunSummary, summarize
 from coci_core.telemetry.timeline import find_runs, timeline
@@ -160,11 +161,6 @@ def _json(data: Any) -> Response:
 
 # -- why the plan is what it is ------------------------------------------------------------
 
-_OBJECTIVES = {
-    "time": "wall-clock time lost to saves, failures and restarts",
-    "convergence": "lost work weighted by how much it lowers the loss, plus stalls and restarts",
-    "progress": "stalls, lost work and restarts, all weighted by how much they lower the loss",
-}
 _MTBF_SOURCES = {
     "user": "user-given (mtbf_s)",
     "estimated": "measured from this run's failures",
@@ -235,7 +231,8 @@ def plan_reason(summary: RunSummary) -> dict[str, Any]:
     how = f": {method}" if method and method != f"the {policy} policy" else ""
     add("policy", "policy", f"{policy}{how}")
     objective = str(plan.get("objective") or "?")
-    meaning = _OBJECTIVES.get(objective)
+    known = OBJECTIVES.get(objective)
+    meaning = known.description if known is not None else None
     add("objective", "objective", f"{objective}: {meaning}" if meaning else objective)
 
     mtbf = _number(plan.get("mtbf_s"))
