@@ -23,7 +23,7 @@ from coci_core.engine.group import RankGroup
 from coci_core.engine.manifest import MANIFEST_NAME, parse_step_dir, step_dir_name
 from coci_core.engine.steps import StepInfo, committed_dirs, step_infos, step_versions
 from coci_core.errors import ConfigError, StorageError
-from coci_core.storage import Storage
+from coci_core.storage import STAGING_MARK, Storage
 
 __all__ = [
     "apply_keep_last",
@@ -166,8 +166,8 @@ def remove_uncommitted(
                 continue
         elif ".coci-" not in name:
             continue  # not a name coci writes: someone else's, left alone
-        elif sharded and ".coci-tmp-" in name:
-            session, _, seq = name.rsplit(".coci-tmp-", 1)[1].rpartition("-")
+        elif sharded and STAGING_MARK in name:
+            session, _, seq = name.rsplit(STAGING_MARK, 1)[1].rpartition("-")
             if session == group.session and (
                 done_seq is None or not seq.isdigit() or int(seq) >= done_seq
             ):
