@@ -206,13 +206,25 @@ def live_targets(accelerator: Accelerator, *, partial: bool = False) -> InPlaceT
     return InPlaceTargets(live, replaced=[("optimizers",)], partial=partial)
 
 
-def _check_fits(accelerator: Accelerator, state: dict[str, Any], models: list[Any]) -> None:
-    acc = accelerator
-    if state.get("layout") != LAYOUT:
+def check_layout(layout: Any) -> None:
+    """Raise unless ``layout`` (a checkpoint's ``"layout"`` value) is this adapter's."""
+    if layout != LAYOUT:
         raise CheckpointError(
-            f"this checkpoint was not written by coci_accelerate (layout {state.get('layout')!r}, "
+            f"this checkpoint was not written by coci_accelerate (layout {layout!r}, "
             f"expected {LAYOUT!r}): point CociCheckpointer at its own directory"
         )
+
+
+def stored_layout(tree: Any) -> Any:
+    """The ``"layout"`` value of a checkpoint's manifest tree (a plain string is stored as
+    itself), or None."""
+    content = tree.get("v") if isinstance(tree, dict) else None
+    return content.get("layout") if isinstance(content, dict) else None
+
+
+def _check_fits(accelerator: Accelerator, state: dict[str, Any], models: list[Any]) -> None:
+    acc = accelerator
+    check_layout(state.get("layout"))
     counts = {
         "models": len(models),
         "optimizers": len(acc._optimizers),

@@ -20,7 +20,7 @@ from accelerate.utils import broadcast_object_list
 import coci_accelerate._state as _state
 from coci_accelerate.tracker import CociTracker
 from coci_core.engine.compress import CompressionPolicy
-from coci_core.errors import CociError, ConfigError, NoCheckpointError
+from coci_core.errors import CociError, ConfigError, NoCheckpointError, StateMismatchError
 from coci_core.planner.policies import SavePolicy
 from coci_core.storage import is_url
 from coci_core.telemetry import TelemetrySink
@@ -334,7 +334,13 @@ class CociCheckpointer:
         try:
             # the models' and optimizers' tensors are read in place: no second copy of them
             targets = _state.live_targets(self.accelerator, partial=partial)
-            state = self.checkpointer.restore(targets=targets, partial=partial)
+            try:
+                state = self.checkpointer.restore(targets=targets, partial=partial)
+            except StateMismatchError as e:
+                if e.step is not None:  # another program's checkpoint: say that instead
+                    manifest = self.checkpointer.manager.manifest(e.step)
+                    _state.check_layout(_state.stored_layout(manifest.tree))
+                raise
         except NoCheckpointError:
             if self.accelerator.is_main_process:
                 logger.info("coci: no committed checkpoint in %s; starting fresh", self.dirpath)

@@ -78,10 +78,12 @@ class StateMismatchError(CheckpointError):
         *,
         missing: list[str] | None = None,
         mismatched: list[str] | None = None,
+        step: int | None = None,
     ):
         super().__init__(message)
         self.missing = list(missing or ())
         self.mismatched = list(mismatched or ())
+        self.step = step
 
 
 class CorruptCheckpointError(CheckpointError):

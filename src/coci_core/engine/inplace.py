@@ -274,6 +274,7 @@ class InPlaceTargets:
             f"step {step} does not match the state to restore into: " + "; ".join(parts),
             missing=missing,
             mismatched=mismatched,
+            step=step,
         )
 
     def plan(
