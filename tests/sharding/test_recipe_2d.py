@@ -6,6 +6,20 @@ process; exported to DCP and loaded by DCP; restored with ``into=`` objects list
 order on odd ranks, whose ``load_state_dict`` runs collectives; and into targets the
 checkpoint does not match (a missing key, another shape: refused before reading, on the same
 and on another mesh). Real processes, gloo, AdamW. Three launches of four ranks, a tiny model.
+
+torch's own distributed-checkpoint tests that apply, as they are ported here:
+``test_2d_fsdp_dt_checkpoint`` / ``fsdp_tp_checkpoint_conversion`` (FSDP2 over tensor
+parallelism saved, loaded onto another layout and unsharded): the restores onto ``(4,)``,
+``(1, 4)`` and one process; ``test_different_ordered_state_dict_keys``: its load half (the
+``into=`` order test; on the save side coci refuses ranks whose keys are ordered differently,
+with an error that says so, where DCP saves them); DCP's partial load and shape-mismatch
+errors: the mismatch test here and ``tests/engine/test_restore_match.py``. Not ported: DCP's
+planner, storage-writer and ``async_save`` tests (coci has no planner hooks, its own storage and
+asynchronous saves), and FSDP1 ``ShardedTensor`` tests (coci stores DTensors).
+
+Lightning's ``ModelParallelStrategy`` and Accelerate's FSDP2 on a 2-D mesh with layers that are
+not tensor-parallel are not run here (time): they save and restore through the same core paths
+(``get_model_state_dict`` DTensors, in place), tested above.
 """
 
 from __future__ import annotations
