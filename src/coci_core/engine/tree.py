@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from coci_core.engine.meshes import mesh_copies, with_copies
 from coci_core.engine.regions import Region, ShardLayout, dtensor_layout, shard_layout
 from coci_core.engine.torch_saved import (
     check_loadable,
@@ -163,42 +164,6 @@ def _local(t: Any) -> torch.Tensor:
     return local if isinstance(local, torch.Tensor) else t.to_local()
 
 
-@functools.lru_cache(maxsize=64)
-def _mesh_copies(mesh: Any) -> tuple[int, int]:
-    """How many disjoint copies of ``mesh`` its root mesh holds, and which one this rank is in:
-    ``(1, 0)`` for a root mesh; for a sub-mesh (``mesh["dp"]`` of a ``(dp, tp)`` mesh), one
-    per coordinate of the dims left out, in the order torch lays out their groups. Every rank
-    computes the same groups, so the copies of a coordinate (its holders of the same region)
-    are told apart without a collective.
-
-    Raises:
-        UnsupportedValueError: the groups of a sub-mesh cannot be found (a torch without
-            mesh layouts, and a sub-mesh whose dim names are not its root mesh's).
-    """
-    layout, rank_map = getattr(mesh, "_layout", None), getattr(mesh, "_rank_map", None)
-    if layout is not None and rank_map is not None:
-        groups = layout.remap_to_tensor(rank_map).reshape(-1, mesh.size())
-    else:  # torch < 2.9: a sub-mesh sliced by dim names from its root mesh
-        from torch.distributed.device_mesh import _mesh_resources
-
-        root = _mesh_resources.get_root_mesh(mesh)
-        names, own = root.mesh_dim_names or (), mesh.mesh_dim_names or ()
-        if root is mesh:
-            groups = mesh.mesh.reshape(1, -1)
-        elif own and all(n in names for n in own):
-            dims = [names.index(n) for n in own]
-            rest = [d for d in range(root.ndim) if d not in dims]
-            groups = root.mesh.permute(*rest, *dims).reshape(-1, mesh.size())
-        else:
-            raise UnsupportedValueError(
-                f"a DTensor on the sub-mesh {own} of mesh {names}: its copies over the other "
-                "mesh dims cannot be found with this torch version (use torch >= 2.9, or "
-                "a sub-mesh sliced by dim names)"
-            )
-    rows = (groups == mesh.get_rank()).any(dim=1).nonzero()
-    return int(groups.shape[0]), int(rows[0, 0]) if len(rows) else 0
-
-
 def _dtensor_fingerprint(t: Any, local: torch.Tensor) -> tuple[Any, ...]:
     """All that a DTensor's leaf and tree node depend on (see :func:`_fingerprint`)."""
     mesh = t.device_mesh
@@ -209,28 +174,9 @@ def _dtensor_fingerprint(t: Any, local: torch.Tensor) -> tuple[Any, ...]:
         t.placements,
         tuple(mesh.shape),
         tuple(mesh.get_coordinate() or ()),
-        _mesh_copies(mesh),
+        mesh_copies(mesh),
         None if order is None else repr(order),
     )
-
-
-class _Replicated:
-    """A ``Replicate()`` placement, as :mod:`~coci_core.engine.regions` reads placements."""
-
-    def is_partial(self) -> bool:
-        return False
-
-    def is_replicate(self) -> bool:
-        return True
-
-    def is_shard(self) -> bool:
-        return False
-
-    def __repr__(self) -> str:
-        return "Replicate()"
-
-
-_REPLICATE = _Replicated()
 
 
 class _Part:
@@ -520,15 +466,7 @@ class _Flattener:
             node = self.add_leaf(key, local, "tensor")
             self._record(fingerprint, key, node, leaves, source, _Part((slice(None),) * local.ndim))
             return node
-        coord = tuple(t.device_mesh.get_coordinate() or ())
-        copies, copy = _mesh_copies(t.device_mesh)
-        if copies > 1:
-            # a sub-mesh (FSDP2's "dp" of a 2-D mesh): the same part is held by one rank of
-            # each copy, as if the mesh had one more dim, leading and replicated
-            mesh_shape, placements = (copies, *mesh_shape), (_REPLICATE, *placements)
-            coord = (copy, *coord)
-            if order is not None:
-                order = {d: [m + 1 for m in dims] for d, dims in order.items()}
+        mesh_shape, placements, coord, order = with_copies(t.device_mesh, placements, order)
         layout = _shard_layout(
             shape,
             mesh_shape,
