@@ -185,15 +185,16 @@ def run_save_hooks(accelerator: Accelerator, state: dict[str, Any], output_dir: 
         hook(list(accelerator._models), state["models"], output_dir)
 
 
-def live_targets(accelerator: Accelerator) -> InPlaceTargets | None:
+def live_targets(accelerator: Accelerator, *, partial: bool = False) -> InPlaceTargets | None:
     """The prepared models' and optimizers' own tensors, for a resume to fill in place (see
     :meth:`CheckpointManager.restore`): under FSDP their live shards (made for an optimizer
     that has no state yet by a step with zero lr); None when a model's state is not its
-    ``state_dict()`` (DeepSpeed) or when load hooks may leave models out of the loading."""
+    ``state_dict()`` (DeepSpeed) or when load hooks may leave models out of the loading.
+    ``partial``: live tensors the checkpoint lacks are allowed (see ``InPlaceTargets``)."""
     acc = accelerator
     if sharded(acc):
         live = {"models": _sharded_models(acc), "optimizers": _sharded_optimizers(acc)}
-        return InPlaceTargets(live, replaced=[("optimizers",)])
+        return InPlaceTargets(live, replaced=[("optimizers",)], partial=partial)
     if acc.distributed_type == DistributedType.DEEPSPEED:
         return None
     if acc._load_model_state_pre_hook:
@@ -202,16 +203,28 @@ def live_targets(accelerator: Accelerator) -> InPlaceTargets | None:
         "models": [m.state_dict() for m in acc._models],
         "optimizers": [opt.state_dict() for opt in acc._optimizers],
     }
-    return InPlaceTargets(live, replaced=[("optimizers",)])
+    return InPlaceTargets(live, replaced=[("optimizers",)], partial=partial)
+
+
+def check_layout(layout: Any) -> None:
+    """Raise unless ``layout`` (a checkpoint's ``"layout"`` value) is this adapter's."""
+    if layout != LAYOUT:
+        raise CheckpointError(
+            f"this checkpoint was not written by coci_accelerate (layout {layout!r}, "
+            f"expected {LAYOUT!r}): point CociCheckpointer at its own directory"
+        )
+
+
+def stored_layout(tree: Any) -> Any:
+    """The ``"layout"`` value of a checkpoint's manifest tree (a plain string is stored as
+    itself), or None."""
+    content = tree.get("v") if isinstance(tree, dict) else None
+    return content.get("layout") if isinstance(content, dict) else None
 
 
 def _check_fits(accelerator: Accelerator, state: dict[str, Any], models: list[Any]) -> None:
     acc = accelerator
-    if state.get("layout") != LAYOUT:
-        raise CheckpointError(
-            f"this checkpoint was not written by coci_accelerate (layout {state.get('layout')!r}, "
-            f"expected {LAYOUT!r}): point CociCheckpointer at its own directory"
-        )
+    check_layout(state.get("layout"))
     counts = {
         "models": len(models),
         "optimizers": len(acc._optimizers),
@@ -244,25 +257,34 @@ def _check_fits(accelerator: Accelerator, state: dict[str, Any], models: list[An
         )
 
 
-def _apply_sharded(accelerator: Accelerator, models: list[Any], state: dict[str, Any]) -> None:
+def _apply_sharded(
+    accelerator: Accelerator, models: list[Any], state: dict[str, Any], *, strict: bool
+) -> None:
     """Under FSDP: the restored shards into the models and optimizers (``models``: those the
     load hooks left to load)."""
     from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
         set_model_state_dict,
         set_optimizer_state_dict,
     )
 
     for model, model_state in zip(models, state["models"], strict=True):
-        set_model_state_dict(model, model_state)
+        set_model_state_dict(model, model_state, options=StateDictOptions(strict=strict))
     pairs = zip(_optimizer_models(accelerator), accelerator._optimizers, strict=True)
     for (model, opt), opt_state in zip(pairs, state["optimizers"], strict=True):
         set_optimizer_state_dict(model, opt.optimizer, opt_state)
 
 
 def apply(
-    accelerator: Accelerator, state: dict[str, Any], *, skip: object, input_dir: str = ""
+    accelerator: Accelerator,
+    state: dict[str, Any],
+    *,
+    skip: object,
+    input_dir: str = "",
+    strict: bool = True,
 ) -> None:
-    """Put a collected state back into the prepared and registered objects (every process).
+    """Put a collected state back into the prepared and registered objects (every process);
+    ``strict``: as ``load_state_dict``'s, for the models.
 
     First the hooks of ``register_load_state_pre_hook`` run, as in ``load_state``: the models
     they remove from the list they are given are not loaded from the checkpoint."""
@@ -272,10 +294,10 @@ def apply(
         hook(models, input_dir)
     _check_fits(acc, state, models)
     if sharded(acc):
-        _apply_sharded(acc, models, state)
+        _apply_sharded(acc, models, state, strict=strict)
     else:
         for model, model_state in zip(models, state["models"], strict=True):
-            model.load_state_dict(model_state)
+            model.load_state_dict(model_state, strict=strict)
         for opt, opt_state in zip(acc._optimizers, state["optimizers"], strict=True):
             opt.load_state_dict(opt_state)
     for sched, sched_state in zip(acc._schedulers, state["schedulers"], strict=True):

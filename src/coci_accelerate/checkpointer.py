@@ -20,7 +20,7 @@ from accelerate.utils import broadcast_object_list
 import coci_accelerate._state as _state
 from coci_accelerate.tracker import CociTracker
 from coci_core.engine.compress import CompressionPolicy
-from coci_core.errors import CociError, ConfigError, NoCheckpointError
+from coci_core.errors import CociError, ConfigError, NoCheckpointError, StateMismatchError
 from coci_core.planner.policies import SavePolicy
 from coci_core.preemption import NoticeSource, Preemption
 from coci_core.storage import is_url
@@ -344,21 +344,34 @@ class CociCheckpointer:
                     self.checkpointer.log_summary(logger)
                 self._closed = True
 
-    def resume(self) -> int:
+    def resume(self, *, partial: bool = False) -> int:
         """Restore the newest committed checkpoint, if any, into everything Accelerate
         prepared and registered; returns the number of optimizer steps it had completed (0
-        when starting fresh): the batches of the run already trained on, to skip."""
+        when starting fresh): the batches of the run already trained on, to skip.
+
+        A model tensor the checkpoint has no value for, or one of another shape, raises
+        ``StateMismatchError`` before anything is read; ``partial=True`` allows the missing
+        ones (the models are then loaded with ``strict=False``)."""
         self._check_prepared()
         self._hook_optimizers()
         _state.own_loader_generators(self.accelerator)
         try:
             # the models' and optimizers' tensors are read in place: no second copy of them
-            state = self.checkpointer.restore(targets=_state.live_targets(self.accelerator))
+            targets = _state.live_targets(self.accelerator, partial=partial)
+            try:
+                state = self.checkpointer.restore(targets=targets, partial=partial)
+            except StateMismatchError as e:
+                if e.step is not None:  # another program's checkpoint: say that instead
+                    manifest = self.checkpointer.manager.manifest(e.step)
+                    _state.check_layout(_state.stored_layout(manifest.tree))
+                raise
         except NoCheckpointError:
             if self.accelerator.is_main_process:
                 logger.info("coci: no committed checkpoint in %s; starting fresh", self.dirpath)
             return 0
-        _state.apply(self.accelerator, state, skip=self, input_dir=str(self.dirpath))
+        _state.apply(
+            self.accelerator, state, skip=self, input_dir=str(self.dirpath), strict=not partial
+        )
         self.checkpointer.load_state_dict(state.get("coci", {}))
         self._last_step_end = None
         count = _state.completed_steps(state)

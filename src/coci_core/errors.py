@@ -8,6 +8,8 @@
     ├── StorageError(CociError, OSError)           reading or writing the storage failed
     ├── CheckpointError(CociError)                 a checkpoint cannot be used
     │   ├── NoCheckpointError                      there is no committed checkpoint
+    │   ├── StateMismatchError                     it lacks a key, or has another shape,
+    │   │                                          than the live state to restore into
     │   └── CorruptCheckpointError                 checksum, size or manifest mismatch
     │       └── UnsafeCheckpointError              loading it would run code from it (refused)
     ├── BackgroundSaveError(CociError)             a background persist failed
@@ -29,6 +31,7 @@ __all__ = [
     "DirectoryInUseError",
     "NoCheckpointError",
     "Preempted",
+    "StateMismatchError",
     "StepExistsError",
     "StorageError",
     "UnsafeCheckpointError",
@@ -64,6 +67,26 @@ class CheckpointError(CociError):
 
 class NoCheckpointError(CheckpointError, FileNotFoundError):
     """There is no committed checkpoint (at the requested step)."""
+
+
+class StateMismatchError(CheckpointError):
+    """The live state a restore fills (``restore(targets=...)``, ``restore(into=...)``, the
+    adapters' resume) does not match the checkpoint: ``missing`` names the live tensors it has
+    no value for (allowed with ``partial=True``), ``mismatched`` the stored arrays of another
+    shape than their live tensor (never allowed). Raised before anything is read."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        missing: list[str] | None = None,
+        mismatched: list[str] | None = None,
+        step: int | None = None,
+    ):
+        super().__init__(message)
+        self.missing = list(missing or ())
+        self.mismatched = list(mismatched or ())
+        self.step = step
 
 
 class CorruptCheckpointError(CheckpointError):

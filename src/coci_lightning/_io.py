@@ -47,6 +47,9 @@ class CociCheckpointIO(CheckpointIO):
         # the live state a resume reads into in place ({"state_dict": the module's}; set by
         # the callback): Lightning loads the module from the checkpoint's "state_dict" later
         self.live_state: Callable[[], Mapping[str, Any]] | None = None
+        # whether the module loads strictly (LightningModule.strict_loading; set by the
+        # callback): when it does not, live tensors the checkpoint lacks are allowed
+        self.strict_loading: Callable[[], bool] = lambda: True
 
     def configure(
         self,
@@ -73,6 +76,7 @@ class CociCheckpointIO(CheckpointIO):
         # Not when the module's on_load_checkpoint may change what it loads (keep a weight).
         own_hook = type(module).on_load_checkpoint is not pl.LightningModule.on_load_checkpoint
         self.live_state = None if own_hook else lambda: {"state_dict": module.state_dict()}
+        self.strict_loading = lambda: bool(getattr(module, "strict_loading", True))
 
     def options_for(self, path: Any) -> dict[str, Any]:
         """The fsspec options of the tier that ``path`` is in."""
@@ -95,17 +99,21 @@ class CociCheckpointIO(CheckpointIO):
                 path, map_location=map_location, weights_only=weights_only
             )
         live = getattr(self, "live_state", None)
-        return self.read(path, live() if live is not None else None)
+        strict = getattr(self, "strict_loading", lambda: True)()
+        return self.read(path, live() if live is not None else None, partial=not strict)
 
     def read(
         self,
         path: Any,
         live: Mapping[str, Any] | None,
         replaced: Iterable[tuple[Any, ...]] = (),
+        *,
+        partial: bool = False,
     ) -> dict[str, Any]:
         """The state of the coci step directory ``path``, its tensors read in place into
         ``live``'s where they fit (``replaced``: paths whose ``load_state_dict`` replaces the
-        whole state, as an optimizer's)."""
+        whole state, as an optimizer's; ``partial``: live tensors the checkpoint lacks are
+        allowed, else ``StateMismatchError``)."""
         options = self.options_for(path)
         found = step_dir_of(path, options)
         if found is None:
@@ -120,6 +128,7 @@ class CociCheckpointIO(CheckpointIO):
                 rank=self.rank,
                 live=live,
                 replaced=replaced,
+                partial=partial,
                 fall_back=True,
                 remote=self.remote,
                 remote_storage_options=self.remote_storage_options,
@@ -132,6 +141,7 @@ class CociCheckpointIO(CheckpointIO):
                 rank=self.rank,
                 live=live,
                 replaced=replaced,
+                partial=partial,
             )
         if self.on_restore is not None:
             self.on_restore(loaded, event)

@@ -120,8 +120,8 @@ def _load_sharded(strategy: Strategy, io: CociCheckpointIO, path: Any) -> dict[s
         "state_dict": get_model_state_dict(model),
         "optimizer_states": [get_optimizer_state_dict(model, o) for o in optimizers],
     }
-    checkpoint = io.read(path, live, replaced=[("optimizer_states",)])
     strict = strategy.lightning_module.strict_loading
+    checkpoint = io.read(path, live, replaced=[("optimizer_states",)], partial=not strict)
     set_model_state_dict(model, checkpoint["state_dict"], options=StateDictOptions(strict=strict))
     saved = checkpoint.get("optimizer_states", [])
     if optimizers and len(saved) != len(optimizers):

@@ -26,6 +26,7 @@ from coci_core.errors import (
     CociError,
     CorruptCheckpointError,
     NoCheckpointError,
+    StateMismatchError,
     StorageError,
 )
 from coci_core.knobs import RESTORE_AGREE_TIMEOUT_S
@@ -137,6 +138,7 @@ _KINDS: dict[str, type[CociError]] = {
     "NoCheckpointError": NoCheckpointError,
     "CorruptCheckpointError": CorruptCheckpointError,
     "StorageError": StorageError,
+    "StateMismatchError": StateMismatchError,
     "CheckpointError": CheckpointError,
 }
 

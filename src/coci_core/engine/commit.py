@@ -193,12 +193,27 @@ def collect_shares(storage: Any, staging: str, own: RankShare, group: RankGroup)
         )
     strangers = [r for r, s in shares.items() if s.layout != own.layout or s.token != own.token]
     if strangers:
+        reordered = [r for r in strangers if _same_keys(shares[r].layout, own.layout)]
+        why = (
+            f"; rank(s) {reordered} hold the same keys in another order: build the shared "
+            "state's dicts in the same order on every rank (not from a set, whose order "
+            "differs between processes)"
+            if reordered
+            else ""
+        )
         raise CommitError(
             f"rank(s) {strangers} saved a state of another layout than rank 0 (every rank "
-            "must pass the same shared state)",
+            f"must pass the same shared state){why}",
             ranks=strangers,
         )
     return [shares[r] for r in range(group.world_size)]
+
+
+def _same_keys(layout: str, other: str) -> bool:
+    """Whether two layout digests (see ``save_inputs.layout_digest``) differ only in the order
+    of the keys."""
+    a, b = layout.partition("-")[2], other.partition("-")[2]
+    return bool(a) and a == b
 
 
 def pieces_by_leaf(shares: Sequence[RankShare], n_leaves: int) -> list[list[Piece]]:

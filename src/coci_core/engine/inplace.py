@@ -25,7 +25,12 @@ import torch
 from coci_core.engine.manifest import TensorEntry
 from coci_core.engine.regions import Coordinate, Region, dtensor_layout, dtensor_regions
 from coci_core.engine.tree import MAX_TREE_DEPTH
-from coci_core.errors import CheckpointError, UnsupportedValueError
+from coci_core.errors import (
+    CheckpointError,
+    ConfigError,
+    StateMismatchError,
+    UnsupportedValueError,
+)
 
 __all__ = ["Fill", "InPlaceTargets", "in_place_targets"]
 
@@ -63,13 +68,15 @@ def _key_text(node: Any) -> str:
     return json.dumps(node, sort_keys=True)
 
 
-def manifest_paths(tree: Any) -> dict[int, list[Path]]:
+def manifest_paths(tree: Any, every: set[Path] | None = None) -> dict[int, list[Path]]:
     """The paths of every ``tensor`` node of a checked manifest tree, by array id (a tied
-    tensor has several)."""
+    tensor has several); ``every`` gets the path of every node, of any kind."""
     found: dict[int, list[Path]] = {}
     stack: list[tuple[Any, Path]] = [(tree, ())]
     while stack:
         node, path = stack.pop()
+        if every is not None:
+            every.add(path)
         if type(node) is not dict:
             continue
         tag, value = node.get("t"), node.get("v")
@@ -191,31 +198,95 @@ class InPlaceTargets:
     into the live tensor at the same path when it can (see the module's docstring), and the
     restored state holds those tensors.
 
+    The checkpoint must match ``state``, as DCP's ``load`` requires: a live tensor that it has
+    no value for, or whose stored array has another shape (a DTensor's global shape), makes
+    the restore raise :class:`~coci_core.errors.StateMismatchError` before anything is read.
+    ``partial=True`` allows the missing ones (they are left as they are); a shape never
+    differs. Values the checkpoint holds and ``state`` does not are restored as stored.
+
     Use one for one restore (its fallbacks included): a damaged step may have overwritten a
     tensor before its damage was found, and :meth:`check` then makes sure the step finally
     restored puts a value at each such path (``load_state_dict`` then overwrites it again),
     except under the paths in ``replaced`` (keys and list indices, such as ``("optim",)``),
     whose ``load_state_dict`` replaces their whole state (an optimizer's: the tensors it is not
-    given are dropped).
+    given are dropped; they may be missing from the checkpoint).
     """
 
-    def __init__(self, state: Mapping[str, Any], replaced: Iterable[tuple[Any, ...]] = ()) -> None:
+    def __init__(
+        self,
+        state: Mapping[str, Any],
+        replaced: Iterable[tuple[Any, ...]] = (),
+        *,
+        partial: bool = False,
+    ) -> None:
+        if type(partial) is not bool:
+            raise ConfigError(f"'partial' must be True or False: {partial!r}")
         self._live = _live_tensors(dict(state))
         self._replaced = [
             tuple(k if type(k) is int else _key_text(_key_node(k)) for k in prefix)
             for prefix in replaced
         ]
+        self.partial = partial
         self.written: set[Path] = set()
         self._present: set[Path] = set()
 
     def __len__(self) -> int:
         return len(self._live)
 
-    def plan(self, trees: Iterable[tuple[Any, tuple[TensorEntry, ...]]]) -> list[dict[int, Fill]]:
-        """For each (checked) tree and its arrays, the arrays to read in place, by id.
+    def _is_replaced(self, path: Path) -> bool:
+        return any(path[: len(r)] == r for r in self._replaced)
+
+    def check_match(self, trees: Iterable[tuple[Any, tuple[TensorEntry, ...]]], step: int) -> None:
+        """Raise unless the (checked) trees of ``step`` hold a value for every live tensor
+        (but under ``replaced``, or with ``partial``) and an array of the same shape for each.
+
+        Raises:
+            StateMismatchError: naming each missing path and each shape that differs.
+        """
+        every: set[Path] = set()
+        stored: dict[Path, TensorEntry] = {}
+        for tree, entries in trees:
+            for i, paths in manifest_paths(tree, every).items():
+                stored.update((p, entries[i]) for p in paths)
+        missing = sorted(
+            _show(p) for p in self._live if p not in every and not self._is_replaced(p)
+        )
+        mismatched = sorted(
+            f"{_show(p)}: stored {entry.shape}, live {tuple(live.shape)}"
+            for p, live in self._live.items()
+            if (entry := stored.get(p)) is not None
+            and entry.kind == "tensor"
+            and entry.shape != tuple(live.shape)
+        )
+        if self.partial:
+            missing = []
+        if not missing and not mismatched:
+            return
+        parts = []
+        if missing:
+            parts.append(
+                f"it has no value for {len(missing)} live tensor(s): {_few(missing)} (pass "
+                "partial=True to restore the rest and leave these as they are)"
+            )
+        if mismatched:
+            parts.append(f"{len(mismatched)} stored shape(s) differ: {_few(mismatched)}")
+        raise StateMismatchError(
+            f"step {step} does not match the state to restore into: " + "; ".join(parts),
+            missing=missing,
+            mismatched=mismatched,
+            step=step,
+        )
+
+    def plan(
+        self, trees: Iterable[tuple[Any, tuple[TensorEntry, ...]]], step: int = -1
+    ) -> list[dict[int, Fill]]:
+        """For each (checked) tree and its arrays, the arrays to read in place, by id, once
+        :meth:`check_match` passed.
 
         Tensors that share memory with one another are left out (each would be written twice).
         """
+        trees = list(trees)
+        self.check_match(trees, step)
         self._present = set()
         plans: list[dict[int, Fill]] = []
         for tree, entries in trees:
@@ -238,11 +309,7 @@ class InPlaceTargets:
         Raises:
             CheckpointError: naming the paths (their tensors hold bytes of a damaged step).
         """
-        missing = sorted(
-            _show(p)
-            for p in self.written - self._present
-            if not any(p[: len(r)] == r for r in self._replaced)
-        )
+        missing = sorted(_show(p) for p in self.written - self._present if not self._is_replaced(p))
         if missing:
             raise CheckpointError(
                 f"a damaged checkpoint was partly read into the given objects before its damage "
@@ -253,6 +320,10 @@ class InPlaceTargets:
 
 def _show(path: Path) -> str:
     return "/" + "/".join(str(json.loads(p)) if isinstance(p, str) else str(p) for p in path)
+
+
+def _few(items: list[str], n: int = 10) -> str:
+    return ", ".join(items[:n]) + (f" and {len(items) - n} more" if len(items) > n else "")
 
 
 def _drop_overlaps(plans: list[dict[int, Fill]]) -> None:
@@ -285,7 +356,7 @@ def _make_sharded_state(optimizer: torch.optim.Optimizer) -> None:
     _init_optim_state(optimizer)
 
 
-def in_place_targets(into: Mapping[str, Any]) -> InPlaceTargets | None:
+def in_place_targets(into: Mapping[str, Any], *, partial: bool = False) -> InPlaceTargets | None:
     """The targets for ``restore(into=...)``: the ``state_dict()`` tensors of the modules and
     torch optimizers in ``into`` (whose ``load_state_dict`` keeps or adopts them), or None.
     An optimizer of DTensor parameters without a state yet gets it made first (see
@@ -299,5 +370,5 @@ def in_place_targets(into: Mapping[str, Any]) -> InPlaceTargets | None:
         if isinstance(obj, (torch.nn.Module, torch.optim.Optimizer))
     }
     optimizers = [(k,) for k, obj in into.items() if isinstance(obj, torch.optim.Optimizer)]
-    targets = InPlaceTargets(live, optimizers) if live else None
+    targets = InPlaceTargets(live, optimizers, partial=partial) if live else None
     return targets if targets is not None and len(targets) else None

@@ -187,7 +187,7 @@ def _load(
 ) -> LoadedCheckpoint:
     manifest = reader.manifests.read(step)  # parsed once: step_infos may have parsed it
     trees, has_rank_state = _rank_trees(manifest, rank)
-    fills = targets.plan(trees) if targets is not None else [{} for _ in trees]
+    fills = targets.plan(trees, step) if targets is not None else [{} for _ in trees]
     values, bytes_read = _values(reader, manifest, manifest.tensors, fills[0], targets)
     state = unflatten_state(manifest.tree, values, checked=True)  # checked with the manifest
     if not isinstance(state, dict):

@@ -49,13 +49,12 @@ from coci_core.engine.save_inputs import (
     save_version,
 )
 from coci_core.engine.snapshot import Snapshotter
-from coci_core.engine.stateful import Stateful
+from coci_core.engine.stateful import Stateful, load_into
 from coci_core.engine.tiers import RemoteTier
 from coci_core.engine.tree import FlattenCache, flatten_state
 from coci_core.engine.writer import SaveWriter
 from coci_core.errors import (
     BackgroundSaveError,
-    CheckpointError,
     CociError,
     ConfigError,
     DirectoryInUseError,
@@ -579,6 +578,7 @@ class CheckpointManager:
         strict: bool | None = None,
         rank: int | None = None,
         targets: InPlaceTargets | None = None,
+        partial: bool = False,
     ) -> dict[str, Any]:
         """Read, verify and return a committed state (tensors on CPU).
 
@@ -602,18 +602,32 @@ class CheckpointManager:
         second copy of them; the returned state then holds those live tensors. A restore that
         raises may have left them partly overwritten. ``targets`` (instead of what ``into``
         gives) names live tensors of any layout to fill in place, for a caller that loads the
-        state itself (see :class:`~coci_core.engine.inplace.InPlaceTargets`).
+        state itself (see :class:`~coci_core.engine.inplace.InPlaceTargets`). The objects in
+        ``into`` are loaded in the sorted order of their keys, the same on every rank (their
+        ``load_state_dict`` may run collectives).
+
+        The checkpoint must match the live state that ``into`` or ``targets`` gives: a live
+        tensor it has no value for, or a stored array of another shape, raises
+        :class:`~coci_core.errors.StateMismatchError` before anything is read. ``partial=True``
+        allows the missing ones (left as they are; modules in ``into`` are loaded with
+        ``strict=False``, and objects whose key the checkpoint lacks are not loaded); shapes
+        must match all the same.
 
         Raises:
             NoCheckpointError: nothing is committed (or not ``step``).
             CorruptCheckpointError: the requested (or, with ``strict``, the newest) checkpoint
                 is damaged, or no intact one is left.
+            StateMismatchError: the checkpoint does not match ``into`` or ``targets``.
             StorageError: the directory cannot be read (refused credentials or permission, a
                 missing bucket, a store that cannot be reached): never read as empty.
         """
+        if type(partial) is not bool:
+            raise ConfigError(f"'partial' must be True or False: {partial!r}")
         self.wait()
         if targets is None and into is not None:
-            targets = in_place_targets(into)
+            targets = in_place_targets(into, partial=partial)
+        elif targets is not None and partial:
+            targets.partial = True
         loaded, event = restore_newest(
             self.storage,
             step,
@@ -628,7 +642,7 @@ class CheckpointManager:
             targets.check(loaded.step)
         if into is not None:
             started = time.perf_counter()
-            _load_into(loaded.state, into)
+            load_into(loaded.state, into, partial=partial)
             load_s = time.perf_counter() - started
             self.last_restore = dataclasses.replace(
                 self.last_restore, seconds=self.last_restore.seconds + load_s, load_s=load_s
@@ -655,15 +669,3 @@ class CheckpointManager:
             except NoCheckpointError:
                 continue
         return found
-
-
-def _load_into(state: Mapping[str, Any], into: Mapping[str, Stateful]) -> None:
-    missing = [key for key in into if key not in state]
-    if missing:
-        raise CheckpointError(
-            f"the restored state has no {missing}; it has {sorted(map(str, state))}"
-        )
-    for key, target in into.items():
-        if not hasattr(target, "load_state_dict"):
-            raise ConfigError(f"'into[{key!r}]' has no load_state_dict: {type(target).__name__}")
-        target.load_state_dict(state[key])

@@ -131,11 +131,15 @@ def rank_regions(
 
 
 def layout_digest(leaves: tuple[ArrayLeaf, ...], chunk_bytes: int) -> str:
-    """What every rank must agree on to split the state the same way."""
-    text = repr(
-        [(leaf.key, str(leaf.tensor.dtype), leaf.shape, leaf.owned, leaf.boxes) for leaf in leaves]
+    """What every rank must agree on to split the state the same way: a digest of the leaves
+    in order, then one of the same leaves sorted by key (equal when only the order of the
+    keys differs, so that the error can say so)."""
+    rows = [(leaf.key, str(leaf.tensor.dtype), leaf.shape, leaf.owned) for leaf in leaves]
+    text = repr([(*row, leaf.boxes) for row, leaf in zip(rows, leaves, strict=True)])
+    keys = repr(sorted(rows, key=lambda row: row[0]))
+    return "-".join(
+        hashlib.sha1(f"{chunk_bytes}|{t}".encode()).hexdigest()[:16] for t in (text, keys)
     )
-    return hashlib.sha1(f"{chunk_bytes}|{text}".encode()).hexdigest()[:16]
 
 
 def json_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:

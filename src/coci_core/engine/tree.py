@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from coci_core.engine.meshes import mesh_copies, with_copies
 from coci_core.engine.regions import Region, ShardLayout, dtensor_layout, shard_layout
 from coci_core.engine.torch_saved import (
     check_loadable,
@@ -177,6 +178,7 @@ def _dtensor_fingerprint(t: Any, local: torch.Tensor) -> tuple[Any, ...]:
         t.placements,
         tuple(mesh.shape),
         tuple(mesh.get_coordinate() or ()),
+        mesh_copies(mesh),
         None if order is None else repr(order),
     )
 
@@ -479,6 +481,7 @@ class _Flattener:
             node = self.add_leaf(key, local, "tensor")
             self._record(fingerprint, key, node, leaves, source, _Part((slice(None),) * local.ndim))
             return node
+        mesh_shape, placements, coord, order = with_copies(t.device_mesh, placements, order)
         layout = _shard_layout(
             shape,
             mesh_shape,
@@ -488,7 +491,6 @@ class _Flattener:
             len(self.leaves),
             f"state value at {key!r}",
         )
-        coord = tuple(t.device_mesh.get_coordinate() or ())
         held = layout.held.get(coord)
         if held is None or tuple(local.shape) != held.shape:
             raise UnsupportedValueError(

@@ -541,9 +541,10 @@ class Checkpointer:
         *,
         into: Mapping[str, Stateful] | None = None,
         targets: InPlaceTargets | None = None,
+        partial: bool = False,
     ) -> dict[str, Any]:
         """Restore (see :meth:`CheckpointManager.restore`) and tell the planner what it cost."""
-        state = self.manager.restore(step, into=into, targets=targets)
+        state = self.manager.restore(step, into=into, targets=targets, partial=partial)
         event: RestoreEvent | None = self.manager.last_restore  # reported by the manager
         if event is not None:
             self.resumed_from = event.step

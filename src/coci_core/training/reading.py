@@ -122,6 +122,7 @@ def read_checkpoint(
     rank: int = 0,
     live: Mapping[str, Any] | None = None,
     replaced: Iterable[tuple[Any, ...]] = (),
+    partial: bool = False,
     fall_back: bool = False,
     remote: str | None = None,
     remote_storage_options: Mapping[str, Any] | None = None,
@@ -133,16 +134,18 @@ def read_checkpoint(
     filled in place (no second copy; its DTensors receive the boxes they hold, on any mesh);
     ``replaced``: paths in it whose ``load_state_dict`` replaces their whole state (see
     ``InPlaceTargets``).
+    ``partial``: tensors of ``live`` that the checkpoint has no value for are allowed (else
+    ``StateMismatchError``).
     ``fall_back``: the newest intact checkpoint from ``step`` on, of ``directory`` or the
     ``remote`` tier, as a resume takes it (past damaged ones). ``agree``: every process of an
     initialized ``torch.distributed`` job reads together, and all end on one step (the newest
     intact for every one of them) or raise the same error.
 
     Raises:
-        NoCheckpointError, CorruptCheckpointError, StorageError: as
+        NoCheckpointError, CorruptCheckpointError, StateMismatchError, StorageError: as
             :meth:`CheckpointManager.restore <coci_core.CheckpointManager.restore>`.
     """
-    targets = InPlaceTargets(live, replaced) if live is not None else None
+    targets = InPlaceTargets(live, replaced, partial=partial) if live is not None else None
     agreement = RestoreAgreement.for_job() if agree else None
     storage = open_storage(str(directory), **dict(storage_options or {}))
     if fall_back:
