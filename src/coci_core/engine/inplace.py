@@ -236,14 +236,23 @@ class InPlaceTargets:
     def _is_replaced(self, path: Path) -> bool:
         return any(path[: len(r)] == r for r in self._replaced)
 
-    def check_match(self, trees: Iterable[tuple[Any, tuple[TensorEntry, ...]]], step: int) -> None:
+    def check_match(
+        self,
+        trees: Iterable[tuple[Any, tuple[TensorEntry, ...]]],
+        step: int,
+        absent: Any = None,
+    ) -> None:
         """Raise unless the (checked) trees of ``step`` hold a value for every live tensor
         (but under ``replaced``, or with ``partial``) and an array of the same shape for each.
+        ``absent``: the per-rank tree of another rank, when the checkpoint has none for this
+        one (a restore onto more ranks): its paths are not missing, this rank gets none.
 
         Raises:
             StateMismatchError: naming each missing path and each shape that differs.
         """
         every: set[Path] = set()
+        if absent is not None:
+            manifest_paths(absent, every)
         stored: dict[Path, TensorEntry] = {}
         for tree, entries in trees:
             for i, paths in manifest_paths(tree, every).items():
@@ -278,15 +287,18 @@ class InPlaceTargets:
         )
 
     def plan(
-        self, trees: Iterable[tuple[Any, tuple[TensorEntry, ...]]], step: int = -1
+        self,
+        trees: Iterable[tuple[Any, tuple[TensorEntry, ...]]],
+        step: int = -1,
+        absent: Any = None,
     ) -> list[dict[int, Fill]]:
         """For each (checked) tree and its arrays, the arrays to read in place, by id, once
-        :meth:`check_match` passed.
+        :meth:`check_match` passed (``absent``: see there).
 
         Tensors that share memory with one another are left out (each would be written twice).
         """
         trees = list(trees)
-        self.check_match(trees, step)
+        self.check_match(trees, step, absent)
         self._present = set()
         plans: list[dict[int, Fill]] = []
         for tree, entries in trees:

@@ -187,7 +187,11 @@ def _load(
 ) -> LoadedCheckpoint:
     manifest = reader.manifests.read(step)  # parsed once: step_infos may have parsed it
     trees, has_rank_state = _rank_trees(manifest, rank)
-    fills = targets.plan(trees, step) if targets is not None else [{} for _ in trees]
+    # a rank the checkpoint has no per-rank state for gets none (reported), as without targets
+    absent = None
+    if has_rank_state and len(trees) == 1:
+        absent = next(r.tree for r in manifest.per_rank if r.tree is not None)
+    fills = targets.plan(trees, step, absent) if targets is not None else [{} for _ in trees]
     values, bytes_read = _values(reader, manifest, manifest.tensors, fills[0], targets)
     state = unflatten_state(manifest.tree, values, checked=True)  # checked with the manifest
     if not isinstance(state, dict):
