@@ -824,7 +824,7 @@ def all_cases(runs: list[Run], rng: random.Random) -> list[Case]:
     return cases
 
 
-@pytest.mark.timeout(900)  # ~2 min on a quiet 2-core machine
+@pytest.mark.timeout(900)
 def test_manifest_fuzz(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     started = time.perf_counter()
     rng = random.Random(SEED)
