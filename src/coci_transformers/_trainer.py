@@ -1,0 +1,112 @@
+"""The Trainer's side of CociCallback: which arguments coci refuses, the run's length as the
+Trainer will count it, the Trainer being made, its TensorBoard writer, the collectives."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import torch
+from transformers import Trainer, TrainingArguments
+
+from coci_core.errors import ConfigError
+from coci_core.telemetry.tensorboard import TensorBoardTelemetry
+
+#: TrainingArguments that coci refuses, with the reason (checked when training starts)
+_REFUSED: dict[str, tuple[Callable[[TrainingArguments], bool], str]] = {
+    "save_strategy": (
+        lambda a: str(getattr(a.save_strategy, "value", a.save_strategy)) == "best",
+        "save_strategy='best' is not supported with CociCallback: coci saves when its plan "
+        "says so; use load_best_model_at_end=True with metric_for_best_model to load the best "
+        "kept step at the end",
+    ),
+    "deepspeed": (
+        lambda a: bool(a.deepspeed),
+        "DeepSpeed is not supported by CociCallback yet: remove the callback or deepspeed=",
+    ),
+    "fsdp": (
+        lambda a: bool(a.fsdp),
+        "FSDP through the Trainer is not supported by CociCallback yet: remove the callback "
+        "or fsdp=",
+    ),
+    "push_to_hub": (
+        lambda a: (
+            bool(a.push_to_hub)
+            and str(getattr(a.hub_strategy, "value", a.hub_strategy))
+            in ("checkpoint", "all_checkpoints")
+        ),
+        "hub_strategy='checkpoint'/'all_checkpoints' pushes the Trainer's checkpoint-N "
+        "directories, which CociCallback replaces: use hub_strategy='every_save' or 'end'",
+    ),
+}
+
+
+def calling_trainer(frame: FrameType | None) -> Trainer | None:
+    """The Trainer whose method is running below ``frame`` (its ``__init__`` calls
+    ``on_init_end``): callbacks are given no reference to their Trainer."""
+    while frame is not None:
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, Trainer):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+def check_arguments(args: TrainingArguments) -> None:
+    for name, (refused, message) in _REFUSED.items():
+        if refused(args):
+            raise ConfigError(f"TrainingArguments({name}=...): {message}")
+
+
+def planned_steps(trainer: Trainer) -> tuple[int | None, int | None, str]:
+    """The run's optimizer steps and steps per epoch, as the Trainer will count them
+    (``set_initial_training_values``), and where the total comes from."""
+    args = trainer.args
+    per_epoch = None
+    try:
+        n = len(trainer.train_dataset)  # type: ignore[arg-type]
+    except TypeError:
+        n = None
+    if n:
+        per_batch = args.train_batch_size * max(1, args.world_size)
+        batches = n // per_batch if args.dataloader_drop_last else math.ceil(n / per_batch)
+        per_epoch = max(math.ceil(batches / args.gradient_accumulation_steps), 1)
+    if args.max_steps > 0:
+        return args.max_steps, per_epoch, "max_steps"
+    if per_epoch is None:
+        return None, None, ""
+    total = math.ceil(args.num_train_epochs * per_epoch)
+    return (
+        total,
+        per_epoch,
+        f"{per_epoch} steps per epoch x num_train_epochs {args.num_train_epochs:g}",
+    )
+
+
+def with_trial_termination(trial: Any, planner_options: dict[str, Any]) -> dict[str, Any]:
+    """An Optuna trial's termination hazard from its study (pruned trials stop early)."""
+    if not hasattr(trial, "study"):
+        return planner_options
+    from coci_core.hpo import optuna as coci_optuna
+
+    return coci_optuna.planner_options(trial, planner_options)
+
+
+def tensorboard_sink(trainer: Trainer, dirpath: Path) -> TensorBoardTelemetry:
+    """The scalars go through the Trainer's TensorBoard writer (``report_to="tensorboard"``)
+    when it has one, else under ``dirpath/tensorboard``; either way pointed at ``dirpath``
+    for TensorBoard's coci tab."""
+    for cb in trainer.callback_handler.callbacks:
+        writer = getattr(cb, "tb_writer", None)
+        if type(cb).__name__ == "TensorBoardCallback" and writer is not None:
+            return TensorBoardTelemetry(writer=writer, telemetry_dir=dirpath)
+    return TensorBoardTelemetry(dirpath / "tensorboard", telemetry_dir=dirpath)
+
+
+def broadcast(obj: Any) -> Any:
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
