@@ -35,7 +35,14 @@ from types import FrameType
 from typing import Any, Literal
 
 import torch
-from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers import (
+    EarlyStoppingCallback,
+    Trainer,
+    TrainerCallback,
+    TrainerControl,
+    TrainerState,
+    TrainingArguments,
+)
 from transformers.trainer_utils import get_last_checkpoint
 
 import coci_transformers._state as _state
@@ -49,6 +56,7 @@ from coci_core.training import (
     Checkpointer,
     CheckpointOptions,
     SaveHandle,
+    ValidationHistory,
     check_bool,
     is_trial_pruned,
     newest_step_dir,
@@ -152,8 +160,12 @@ class CociCallback(TrainerCallback):
         self._pruning = False
         self._sigterm = False
         self._sigterm_previous: Any = None
+        self._sigterm_handler: Any = None
         self._steps_per_epoch: int | None = None
         self._total_source = ""
+        self._validations = ValidationHistory()
+        self._es_wait = 0
+        self._start_step = 0
 
     # -- attaching to the Trainer ---------------------------------------------------------
 
@@ -378,6 +390,9 @@ class CociCallback(TrainerCallback):
             with contextlib.suppress(ConfigError):  # tensorboard is not installed
                 checkpointer.sinks.append(tensorboard_sink(trainer, self.dirpath))
         self._install_sigterm(args)
+        self._start_step = state.global_step
+        stopper = _early_stopping(trainer)
+        self._es_wait = stopper.early_stopping_patience_counter if stopper is not None else 0
 
     def _before_update(self) -> None:
         if self.checkpointer is not None and not self._closed:
@@ -423,6 +438,40 @@ class CociCallback(TrainerCallback):
                 per_rank=None if weights_only else {_state.PROCESS_KEY: _state.collect_own()},
             )
         self._last_step_end = time.perf_counter()
+
+    def on_evaluate(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        metrics: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """The planner plans with the stop hazard of an ``EarlyStoppingCallback``, judged as
+        it judges ``metric_for_best_model`` (before the Trainer updates ``best_metric``)."""
+        stopper = _early_stopping(self._trainer())
+        value = _metric(args, metrics)
+        if stopper is None or value is None or self.checkpointer is None:
+            return
+        best = state.best_metric
+        threshold = stopper.early_stopping_threshold or 0.0
+        improved = best is None or (
+            (value > best if args.greater_is_better else value < best)
+            and abs(value - best) > threshold
+        )
+        self._es_wait = 0 if improved else self._es_wait + 1
+        if not self._validations.add(state.global_step, improved=improved, value=value):
+            return
+        model = self._validations.termination(
+            rule=f"EarlyStoppingCallback(metric_for_best_model={args.metric_for_best_model!r}",
+            start=self._start_step,
+            total=state.max_steps if state.max_steps > 0 else None,
+            patience=stopper.early_stopping_patience,
+            wait_count=self._es_wait,
+            min_delta=threshold,
+            mode="max" if args.greater_is_better else "min",
+        )
+        self.checkpointer.set_termination("early_stopping", model)
 
     def on_epoch_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -484,17 +533,18 @@ class CociCallback(TrainerCallback):
         trainer, checkpointer = self._trainer(), self._checkpointer()
         self._final_save()
         checkpointer.wait()
-        best = trainer.state.best_global_step
-        if not best:
+        best = _best_kept(trainer, checkpointer.manager.steps())
+        if best is None:
             return
+        step, value = best
         if trainer.args.process_index == 0:
             logger.info(
-                "coci: loading the best step %d (%s %s)",
-                best,
+                "coci: loading the best kept step %d (%s %s)",
+                step,
                 trainer.args.metric_for_best_model,
-                trainer.state.best_metric,
+                value,
             )
-        state = checkpointer.restore(best)
+        state = checkpointer.restore(step)
         trainer.accelerator.unwrap_model(trainer.model).load_state_dict(state["model"])
 
     # -- stopping: Optuna's pruning, SIGTERM -------------------------------------------------
@@ -518,12 +568,16 @@ class CociCallback(TrainerCallback):
         def handler(signum: int, frame: FrameType | None) -> None:
             self._sigterm = True
 
+        self._sigterm_handler = handler
         self._sigterm_previous = signal.signal(signal.SIGTERM, handler)
 
     def _restore_sigterm(self) -> None:
+        """Put the previous SIGTERM handler back, unless another took ours over since (the
+        Trainer's JIT checkpoint callback puts its own previous one back at the end)."""
         if self._sigterm_previous is not None:
             with contextlib.suppress(ValueError):
-                signal.signal(signal.SIGTERM, self._sigterm_previous)
+                if signal.getsignal(signal.SIGTERM) is self._sigterm_handler:
+                    signal.signal(signal.SIGTERM, self._sigterm_previous)
             self._sigterm_previous = None
 
     def _sigterm_agreed(self) -> bool:
@@ -586,6 +640,42 @@ class CociCallback(TrainerCallback):
             outline.mtbf_s,
             outline.mtbf_source("coci's default, refined from restarts"),
         )
+
+
+def _early_stopping(trainer: Trainer) -> EarlyStoppingCallback | None:
+    for cb in trainer.callback_handler.callbacks:
+        if isinstance(cb, EarlyStoppingCallback):
+            return cb
+    return None
+
+
+def _metric(args: TrainingArguments, metrics: Mapping[str, Any] | None) -> float | None:
+    """The value of ``metric_for_best_model`` in ``metrics`` (``eval_`` prefixed as the
+    Trainer reads it), if it is a finite number."""
+    name = args.metric_for_best_model
+    if not name or not metrics:
+        return None
+    key = name if name.startswith("eval_") else f"eval_{name}"
+    value = metrics.get(key)
+    if not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def _best_kept(trainer: Trainer, kept: list[int]) -> tuple[int, float] | None:
+    """The kept step with the best ``metric_for_best_model`` evaluated at it (the log
+    history), and its value; None without an evaluated kept step."""
+    args = trainer.args
+    scores: dict[int, float] = {}
+    for entry in trainer.state.log_history:
+        value = _metric(args, entry)
+        if value is not None and entry.get("step") in kept:
+            scores[int(entry["step"])] = value
+    if not scores:
+        return None
+    sign = -1.0 if args.greater_is_better else 1.0
+    step = min(scores, key=lambda k: (sign * scores[k], k))  # the earliest of equal values
+    return step, scores[step]
 
 
 def _when_restoring(

@@ -108,6 +108,7 @@ def train(
     resume: Any = None,
     callback: CociCallback | None = None,
     extra_callbacks: tuple[TrainerCallback, ...] = (),
+    in_process: bool = True,
     **extra: Any,
 ) -> dict[str, Any]:
     threads = torch.get_num_threads()
@@ -133,6 +134,7 @@ def train(
                 for e in trainer.state.log_history
             ],
             "rank": trainer.args.process_index,
+            "best_model": trainer.model.state_dict() if in_process else None,
         }
     finally:
         torch.set_num_threads(threads)
