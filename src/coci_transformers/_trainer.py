@@ -13,6 +13,7 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 from coci_core.errors import ConfigError
+from coci_core.planner import Termination
 from coci_core.telemetry.tensorboard import TensorBoardTelemetry
 
 #: TrainingArguments that coci refuses, with the reason (checked when training starts)
@@ -86,13 +87,22 @@ def planned_steps(trainer: Trainer) -> tuple[int | None, int | None, str]:
     )
 
 
-def with_trial_termination(trial: Any, planner_options: dict[str, Any]) -> dict[str, Any]:
-    """An Optuna trial's termination hazard from its study (pruned trials stop early)."""
+def trial_termination(trial: Any) -> Termination | None:
+    """An Optuna trial's termination hazard, estimated from its study (None for another
+    search backend)."""
     if not hasattr(trial, "study"):
-        return planner_options
+        return None
     from coci_core.hpo import optuna as coci_optuna
 
-    return coci_optuna.planner_options(trial, planner_options)
+    return coci_optuna.study_termination(trial.study, trial=trial)
+
+
+def record_step(trial: Any, step: int) -> None:
+    """Record the training step of an Optuna trial's report, for later trials' estimates."""
+    if hasattr(trial, "set_user_attr") and hasattr(trial, "study"):
+        from coci_core.hpo import optuna as coci_optuna
+
+        trial.set_user_attr(coci_optuna.STEP_ATTR, int(step))
 
 
 def tensorboard_sink(trainer: Trainer, dirpath: Path) -> TensorBoardTelemetry:

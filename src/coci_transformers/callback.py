@@ -69,8 +69,9 @@ from coci_transformers._trainer import (
     calling_trainer,
     check_arguments,
     planned_steps,
+    record_step,
     tensorboard_sink,
-    with_trial_termination,
+    trial_termination,
 )
 
 __all__ = ["CociCallback"]
@@ -286,8 +287,6 @@ class CociCallback(TrainerCallback):
             self._total_source = "given as planner_options['total_steps']"
         if arguments["policy"] == "epoch" and per_epoch is not None:
             planner_options.setdefault("steps_per_epoch", per_epoch)
-        if trial is not None and trainer.hp_search_backend is not None:
-            planner_options = with_trial_termination(trial, planner_options)
         arguments["planner_options"] = planner_options
         assert self.dirpath is not None
         options = CheckpointOptions.check(dirpath=self.dirpath, **arguments)
@@ -297,7 +296,7 @@ class CociCallback(TrainerCallback):
         if is_main:
             sinks.append(report_sink(self.dirpath, dict(options.storage_options)))
         world = args.world_size
-        return Checkpointer(
+        checkpointer = Checkpointer(
             self.dirpath,
             options,
             rank=args.process_index,
@@ -306,6 +305,9 @@ class CociCallback(TrainerCallback):
             sinks=sinks,
             log=logger,
         )
+        if trial is not None and trainer.hp_search_backend is not None:
+            checkpointer.set_termination("optuna", trial_termination(trial))
+        return checkpointer
 
     def _restore(
         self, trainer: Trainer, checkpointer: Checkpointer, step: int | None
@@ -553,11 +555,15 @@ class CociCallback(TrainerCallback):
         self, original: Callable[..., Any], trial: Any, step: int, metrics: dict[str, float]
     ) -> None:
         # The Trainer calls on_train_end before it raises TrialPruned: no final save then.
+        record_step(trial, step)
         self._pruning = True
         try:
             original(trial, step, metrics)
         finally:
             self._pruning = False
+        if self.checkpointer is not None and not self._closed:
+            # re-estimated from the study as it is now, and from how this trial ranks
+            self.checkpointer.set_termination("optuna", trial_termination(trial))
 
     def _install_sigterm(self, args: TrainingArguments) -> None:
         import threading

@@ -95,6 +95,7 @@ def arguments(directory: str | Path, total: int, **extra: Any) -> TrainingArgume
         "save_steps": 3,
         "dataloader_num_workers": 0,
         "remove_unused_columns": False,
+        "eval_strategy": "no",
     }
     options.update(extra)
     return TrainingArguments(**options)
