@@ -69,12 +69,14 @@ def trainer_state_json(trainer: Trainer) -> str:
 def collect(trainer: Trainer, *, weights_only: bool) -> dict[str, Any]:
     """Everything ``_save_checkpoint`` saves that is the same on every process
     (``weights_only``: the model and the TrainerState, as with ``save_only_model``)."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
     state: dict[str, Any] = {
         "layout": LAYOUT,
         "world_size": trainer.args.world_size,
         "global_step": trainer.state.global_step,
         "weights_only": weights_only,
-        "model": trainer.accelerator.unwrap_model(trainer.model).state_dict(),
+        "model": model.state_dict(),
+        "model_config": _config_json(model),
         "trainer_state": trainer_state_json(trainer),
     }
     if not weights_only:
@@ -86,19 +88,31 @@ def collect(trainer: Trainer, *, weights_only: bool) -> dict[str, Any]:
     return state
 
 
+def _config_json(model: Any) -> str | None:
+    """The model's ``config.json`` (for ``from_pretrained`` after an export), if it has one."""
+    config = getattr(model, "config", None)
+    to_json = getattr(config, "to_json_string", None)
+    return str(to_json()) if callable(to_json) else None
+
+
 def collect_own() -> dict[str, Any]:
     """This process's own state: its random states."""
     return {"rng": rng_state()}
 
 
+def check_layout(state: Any) -> None:
+    """``state`` was written by this adapter."""
+    if not isinstance(state, dict) or state.get("layout") != LAYOUT:
+        layout = state.get("layout") if isinstance(state, dict) else None
+        raise CheckpointError(
+            f"this checkpoint was not written by coci_transformers (layout {layout!r}, "
+            f"expected {LAYOUT!r}): point CociCallback at its own directory"
+        )
+
+
 def check_fits(state: dict[str, Any], trainer: Trainer) -> None:
     """The restored ``state`` was written by this adapter and holds what a resume needs."""
-    if state.get("layout") != LAYOUT:
-        raise CheckpointError(
-            f"this checkpoint was not written by coci_transformers (layout "
-            f"{state.get('layout')!r}, expected {LAYOUT!r}): point CociCallback at its own "
-            "directory"
-        )
+    check_layout(state)
     if state.get("weights_only"):
         raise CheckpointError(
             f"step {state.get('global_step')} was saved with save_only_model=True (weights and "
