@@ -135,7 +135,8 @@ def run(method: str, a: argparse.Namespace, d: Path) -> dict[str, Any]:
 
         class Listen(TrainerCallback):
             def on_train_begin(self, *args: Any, **kwargs: Any) -> None:
-                assert coci is not None and coci.checkpointer is not None
+                assert coci is not None
+                assert coci.checkpointer is not None
                 coci.checkpointer.add_listener(events.append)
 
         trainer.add_callback(Listen())
