@@ -1,11 +1,12 @@
 """A tiny GPT-2 (built from a config, no download) trained by a real ``transformers.Trainer``
 with ``CociCallback``, in the test process or as a child process:
 
-    python -m tests.transformers.run DIR TOTAL_STEPS [KILL_AT] [--resume]
+    python -m tests.transformers.run DIR TOTAL_STEPS [KILL_AT] [--resume] [--reference DIR]
 
 prints ``AT <step>`` after each optimizer step (``KILL_AT``: then waits to be killed, reading
 stdin) and ``RESULT <json>`` at the end: the model and optimizer digest, the samples trained
-on, the step it resumed from, and the Trainer's log history.
+on, the step it resumed from, and the Trainer's log history; ``--reference DIR`` first runs
+the whole run in DIR, never stopped, and prints ``REFERENCE <json>``.
 """
 
 from __future__ import annotations
@@ -142,9 +143,17 @@ def train(
 
 
 if __name__ == "__main__":
+    if "--reference" in sys.argv:  # first a run never stopped, in the same processes
+        at = sys.argv.index("--reference")
+        reference_dir = sys.argv[at + 1]
+        del sys.argv[at : at + 2]
+        reference = train(reference_dir, int(sys.argv[2]), in_process=False)
+        print("REFERENCE " + json.dumps(reference), flush=True)
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState._reset_state(True)
     argv = [a for a in sys.argv[1:] if a != "--resume"]
     kill = int(argv[2]) if len(argv) > 2 else None
-    result = train(
-        argv[0], int(argv[1]), kill_at=kill, resume=True if "--resume" in sys.argv else None
-    )
+    resume = True if "--resume" in sys.argv else None
+    result = train(argv[0], int(argv[1]), kill_at=kill, resume=resume, in_process=False)
     print("RESULT " + json.dumps(result), flush=True)

@@ -21,8 +21,9 @@ COMMAND = module("torch.distributed.run", "--nproc-per-node", "2", "-m", "tests.
 BATCH = 4  # per process
 
 
-def _results(stdout: str) -> dict[int, dict[str, Any]]:
-    results = [json.loads(line[7:]) for line in stdout.splitlines() if line.startswith("RESULT ")]
+def _results(stdout: str, mark: str = "RESULT ") -> dict[int, dict[str, Any]]:
+    lines = stdout.splitlines()
+    results = [json.loads(line[len(mark) :]) for line in lines if line.startswith(mark)]
     return {r["rank"]: r for r in results}
 
 
@@ -32,9 +33,6 @@ def _results(stdout: str) -> dict[int, dict[str, Any]]:
 def test_sigkill_two_processes_and_resume_onto_one(tmp_path: Path) -> None:
     total, kill = 12, 7  # 4 steps an epoch (32 samples, 2 x 4 a step); saves at 3, 6, 9, 12
     env = child_env({"OMP_NUM_THREADS": "1"})
-    out = run([*COMMAND, str(tmp_path / "ref"), str(total)], env=env, timeout_s=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    expected = _results(out.stdout)
     with Child(
         [*COMMAND, str(tmp_path / "run"), str(total), str(kill)],
         env=env,
@@ -52,9 +50,11 @@ def test_sigkill_two_processes_and_resume_onto_one(tmp_path: Path) -> None:
     assert len(manifest.per_rank) == 2 and all(r.tree for r in manifest.per_rank)
     shutil.copytree(tmp_path / "run", tmp_path / "one")
 
-    out = run([*COMMAND, str(tmp_path / "run"), str(total), "--resume"], env=env, timeout_s=300)
+    # the same processes first train a run never stopped, then resume the killed one
+    command = [*COMMAND, str(tmp_path / "run"), str(total), "--resume"]
+    out = run([*command, "--reference", str(tmp_path / "ref")], env=env, timeout_s=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    resumed = _results(out.stdout)
+    expected, resumed = _results(out.stdout, "REFERENCE "), _results(out.stdout)
     for rank in (0, 1):
         assert resumed[rank]["start"] == start
         assert resumed[rank]["digest"] == expected[rank]["digest"]

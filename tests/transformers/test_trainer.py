@@ -12,6 +12,7 @@ import pytest
 from accelerate.state import AcceleratorState
 
 from coci_core import CheckpointManager
+from coci_core.commands import cli
 from coci_core.errors import ConfigError
 from coci_transformers import CociCallback
 from tests.harness.processes import Child, module
@@ -25,7 +26,9 @@ def _reset_accelerate_state() -> Any:
     AcceleratorState._reset_state(True)
 
 
-def test_coci_saves_in_place_of_the_trainer(tmp_path: Path) -> None:
+def test_coci_saves_in_place_of_the_trainer(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """save_steps=3 as coci's every_n_steps: coci commits 3, 6, 9, 12 (keeps the last 3), each
     save returned before it was durable, and the Trainer writes no checkpoint-N of its own."""
     callback = CociCallback(policy="every_n_steps")
@@ -46,6 +49,10 @@ def test_coci_saves_in_place_of_the_trainer(tmp_path: Path) -> None:
     assert [s for s, _ in handles] == [3, 6, 9, 12]
     assert not all(done for _, done in handles)  # written in the background
     assert len(result["seen"]) == 12 * BATCH
+    # coci report and the TensorBoard tab read the run's telemetry
+    assert cli.main(["report", str(tmp_path / "coci")]) == 0
+    assert "checkpoints committed: 4 at steps [3, 6, 9, 12]" in capsys.readouterr().out
+    assert list((tmp_path / "coci" / "tensorboard").glob("events.out.tfevents.*"))
 
 
 def test_bad_options_are_refused_by_name(tmp_path: Path) -> None:
