@@ -4,17 +4,18 @@ Trainer will count it, the Trainer being made, its TensorBoard writer, the colle
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 import torch
-from transformers import Trainer, TrainingArguments
+from transformers import EarlyStoppingCallback, Trainer, TrainingArguments
 
 from coci_core.errors import ConfigError
 from coci_core.planner import Termination
 from coci_core.telemetry.tensorboard import TensorBoardTelemetry
+from coci_core.training import PlanOutline
 
 #: TrainingArguments that coci refuses, with the reason (checked when training starts)
 _REFUSED: dict[str, tuple[Callable[[TrainingArguments], bool], str]] = {
@@ -120,3 +121,67 @@ def broadcast(obj: Any) -> Any:
     box = [obj]
     torch.distributed.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def early_stopping(trainer: Trainer) -> EarlyStoppingCallback | None:
+    for cb in trainer.callback_handler.callbacks:
+        if isinstance(cb, EarlyStoppingCallback):
+            return cb
+    return None
+
+
+def metric(args: TrainingArguments, metrics: Mapping[str, Any] | None) -> float | None:
+    """The value of ``metric_for_best_model`` in ``metrics`` (``eval_`` prefixed as the
+    Trainer reads it), if it is a finite number."""
+    name = args.metric_for_best_model
+    if not name or not metrics:
+        return None
+    key = name if name.startswith("eval_") else f"eval_{name}"
+    value = metrics.get(key)
+    if not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def best_kept(trainer: Trainer, kept: list[int]) -> tuple[int, float] | None:
+    """The kept step with the best ``metric_for_best_model`` evaluated at it (the log
+    history), and its value; None without an evaluated kept step."""
+    args = trainer.args
+    scores: dict[int, float] = {}
+    for entry in trainer.state.log_history:
+        value = metric(args, entry)
+        if value is not None and entry.get("step") in kept:
+            scores[int(entry["step"])] = value
+    if not scores:
+        return None
+    sign = -1.0 if args.greater_is_better else 1.0
+    step = min(scores, key=lambda k: (sign * scores[k], k))  # the earliest of equal values
+    return step, scores[step]
+
+
+def plan_line(outline: PlanOutline, total_source: str) -> str:
+    """The log line at the first step: what coci plans and how to change it."""
+    report, every = outline.report, outline.every_n_steps
+    if report.next_steps:
+        first = f"first planned save at step {report.next_steps[0]}"
+    else:
+        first = "first save planned once a few step times are measured"
+    if report.interval_steps is not None:
+        interval = f"every {report.interval_steps} steps"
+    elif report.policy == "every_n_steps" and every is not None:
+        interval = f"every {every} steps"
+    elif report.policy == "every_n_seconds":
+        interval = f"every {outline.every_n_seconds} s"
+    else:
+        interval = "interval from the measured costs"
+    total = (
+        f"{outline.total_steps} total steps ({total_source})"
+        if outline.total_steps is not None
+        else "total steps unknown (rolling horizon)"
+    )
+    source = outline.mtbf_source("coci's default, refined from restarts")
+    return (
+        f"coci: plan at step {report.step}: policy {report.policy}, {total}; {first}, "
+        f"{interval}; MTBF {outline.mtbf_s:.0f} s assumed ({source}); "
+        "change with CociCallback(mtbf_s=, every_n_steps=, policy=)"
+    )

@@ -36,7 +36,6 @@ from typing import Any, Literal
 
 import torch
 from transformers import (
-    EarlyStoppingCallback,
     Trainer,
     TrainerCallback,
     TrainerControl,
@@ -65,9 +64,13 @@ from coci_core.training import (
     step_dir_of,
 )
 from coci_transformers._trainer import (
+    best_kept,
     broadcast,
     calling_trainer,
     check_arguments,
+    early_stopping,
+    metric,
+    plan_line,
     planned_steps,
     record_step,
     tensorboard_sink,
@@ -393,7 +396,7 @@ class CociCallback(TrainerCallback):
                 checkpointer.sinks.append(tensorboard_sink(trainer, self.dirpath))
         self._install_sigterm(args)
         self._start_step = state.global_step
-        stopper = _early_stopping(trainer)
+        stopper = early_stopping(trainer)
         self._es_wait = stopper.early_stopping_patience_counter if stopper is not None else 0
 
     def _before_update(self) -> None:
@@ -451,8 +454,8 @@ class CociCallback(TrainerCallback):
     ) -> None:
         """The planner plans with the stop hazard of an ``EarlyStoppingCallback``, judged as
         it judges ``metric_for_best_model`` (before the Trainer updates ``best_metric``)."""
-        stopper = _early_stopping(self._trainer())
-        value = _metric(args, metrics)
+        stopper = early_stopping(self._trainer())
+        value = metric(args, metrics)
         if stopper is None or value is None or self.checkpointer is None:
             return
         best = state.best_metric
@@ -535,7 +538,7 @@ class CociCallback(TrainerCallback):
         trainer, checkpointer = self._trainer(), self._checkpointer()
         self._final_save()
         checkpointer.wait()
-        best = _best_kept(trainer, checkpointer.manager.steps())
+        best = best_kept(trainer, checkpointer.manager.steps())
         if best is None:
             return
         step, value = best
@@ -616,72 +619,7 @@ class CociCallback(TrainerCallback):
 
     def _announce_plan(self) -> None:
         """One log line at the first step: what coci plans and how to change it."""
-        outline = self._checkpointer().plan_outline()
-        report, every = outline.report, outline.every_n_steps
-        if report.next_steps:
-            first = f"first planned save at step {report.next_steps[0]}"
-        else:
-            first = "first save planned once a few step times are measured"
-        if report.interval_steps is not None:
-            interval = f"every {report.interval_steps} steps"
-        elif report.policy == "every_n_steps" and every is not None:
-            interval = f"every {every} steps"
-        elif report.policy == "every_n_seconds":
-            interval = f"every {outline.every_n_seconds} s"
-        else:
-            interval = "interval from the measured costs"
-        total = (
-            f"{outline.total_steps} total steps ({self._total_source})"
-            if outline.total_steps is not None
-            else "total steps unknown (rolling horizon)"
-        )
-        logger.info(
-            "coci: plan at step %d: policy %s, %s; %s, %s; MTBF %.0f s assumed (%s); "
-            "change with CociCallback(mtbf_s=, every_n_steps=, policy=)",
-            report.step,
-            report.policy,
-            total,
-            first,
-            interval,
-            outline.mtbf_s,
-            outline.mtbf_source("coci's default, refined from restarts"),
-        )
-
-
-def _early_stopping(trainer: Trainer) -> EarlyStoppingCallback | None:
-    for cb in trainer.callback_handler.callbacks:
-        if isinstance(cb, EarlyStoppingCallback):
-            return cb
-    return None
-
-
-def _metric(args: TrainingArguments, metrics: Mapping[str, Any] | None) -> float | None:
-    """The value of ``metric_for_best_model`` in ``metrics`` (``eval_`` prefixed as the
-    Trainer reads it), if it is a finite number."""
-    name = args.metric_for_best_model
-    if not name or not metrics:
-        return None
-    key = name if name.startswith("eval_") else f"eval_{name}"
-    value = metrics.get(key)
-    if not isinstance(value, (int, float)) or not math.isfinite(value):
-        return None
-    return float(value)
-
-
-def _best_kept(trainer: Trainer, kept: list[int]) -> tuple[int, float] | None:
-    """The kept step with the best ``metric_for_best_model`` evaluated at it (the log
-    history), and its value; None without an evaluated kept step."""
-    args = trainer.args
-    scores: dict[int, float] = {}
-    for entry in trainer.state.log_history:
-        value = _metric(args, entry)
-        if value is not None and entry.get("step") in kept:
-            scores[int(entry["step"])] = value
-    if not scores:
-        return None
-    sign = -1.0 if args.greater_is_better else 1.0
-    step = min(scores, key=lambda k: (sign * scores[k], k))  # the earliest of equal values
-    return step, scores[step]
+        logger.info(plan_line(self._checkpointer().plan_outline(), self._total_source))
 
 
 def _when_restoring(

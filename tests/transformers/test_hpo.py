@@ -9,6 +9,7 @@ from typing import Any
 
 import optuna
 import pytest
+import torch
 from accelerate.state import AcceleratorState
 from transformers import Trainer
 
@@ -40,13 +41,20 @@ def test_pruned_trial_takes_no_final_save(tmp_path: Path) -> None:
         eval_dataset=Tokens(),
         callbacks=[callback],
     )
-    trainer.hyperparameter_search(
-        hp_space=lambda trial: {"learning_rate": trial.suggest_float("learning_rate", 1e-4, 1e-2)},
-        backend="optuna",
-        n_trials=4,
-        direction="minimize",
-        pruner=_PruneTrialOne(),
-    )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        trainer.hyperparameter_search(
+            hp_space=lambda trial: {
+                "learning_rate": trial.suggest_float("learning_rate", 1e-4, 0.01)
+            },
+            backend="optuna",
+            n_trials=4,
+            direction="minimize",
+            pruner=_PruneTrialOne(),
+        )
+    finally:
+        torch.set_num_threads(threads)
 
     def steps(trial: int) -> list[int]:
         with CheckpointManager(tmp_path / f"run-{trial}" / "coci", keep_last=None) as mgr:
