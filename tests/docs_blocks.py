@@ -253,3 +253,26 @@ def train_one_step(model: Any, opt: torch.optim.Optimizer) -> Callable[[], tuple
         return loss.item(), time.perf_counter() - started
 
     return train_one_step
+
+
+@pytest.fixture
+def lm(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The reader's transformers model: a tiny GPT-2 built from a config (no download)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from tests.transformers.run import tiny_model
+
+    return tiny_model()
+
+
+@pytest.fixture
+def train_dataset() -> Any:
+    """The reader's training set for ``lm``: dicts of ``input_ids`` and ``labels``."""
+    from tests.transformers.run import Tokens
+
+    class Plain(Tokens):
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            item = super().__getitem__(i)
+            del item["idx"]
+            return item
+
+    return Plain()

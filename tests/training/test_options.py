@@ -22,6 +22,7 @@ from coci_core.training import (
     signature_drift,
 )
 from coci_lightning import CociCheckpoint
+from coci_transformers import CociCallback
 from tests.lightning.models import DigitsModel
 
 # full_every=2: saves alternate between a base (zstd) and an XOR delta against it
@@ -124,6 +125,8 @@ def test_bad_options_fail_where_both_adapters_are_made(
         CociCheckpointer(accelerator, **arguments)  # type: ignore[arg-type]
     AcceleratorState._reset_state(reset_partial_state=True)
     with pytest.raises(ConfigError, match=named):
+        CociCallback(tmp_path, **arguments)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=named):
         Checkpointer(tmp_path, **arguments)
     assert not (tmp_path / "coci").exists()
 
@@ -148,7 +151,7 @@ def test_planners_from_one_config_do_not_share_settings() -> None:
     assert [s for s in range(1, 16) if second.should_save(s)] == [5, 10, 15]
 
 
-@pytest.mark.parametrize("adapter", [CociCheckpoint, CociCheckpointer])
+@pytest.mark.parametrize("adapter", [CociCheckpoint, CociCheckpointer, CociCallback])
 def test_each_adapter_takes_the_declared_options(adapter: type) -> None:
     """Each adapter spells its signature out (for IDEs and LightningCLI), and it takes every
     shared option as declared once, by CheckpointOptions.check: keyword-only, with the same

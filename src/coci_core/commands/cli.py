@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -256,6 +256,17 @@ def _export(args: argparse.Namespace) -> int:
     if not out.parent.is_dir():
         raise BadInput(f"{args.out}: the directory {out.parent} does not exist")
     fmt = args.format
+    if fmt in ADAPTER_EXPORTS:  # an adapter's own layout, written by the adapter
+        if remote is not None:
+            raise BadInput(f"--format {fmt} reads the local directory only: leave out --remote")
+        exporter = adapter_exporter(fmt)
+        if exporter is None:
+            raise BadInput(
+                f"--format {fmt} is written by coci_{fmt}, which is not installed "
+                f"(pip install 'coci[{fmt}]')"
+            )
+        print(exporter(args.dir, out, args.step))
+        return 0
     if fmt == "auto":
         fmt = "safetensors" if out.suffix == ".safetensors" else "torch"
     if fmt == "safetensors":
@@ -321,6 +332,22 @@ def _report(args: argparse.Namespace) -> int:
 
 
 DEMO_ENTRY_POINTS = "coci.demos"  # adapters register their demo here (pyproject.toml)
+EXPORT_ENTRY_POINTS = "coci.exports"  # adapters register their export format here
+ADAPTER_EXPORTS = ("transformers",)  # the formats an adapter writes (`--format` choices)
+
+
+def adapter_exporter(fmt: str) -> Callable[[str, Path, int | None], str] | None:
+    """The exporter an adapter registered for ``fmt`` (entry point group ``coci.exports``):
+    ``(directory, out, step) -> summary``; None when that adapter is not installed."""
+    from importlib.metadata import entry_points
+
+    for entry in entry_points(group=EXPORT_ENTRY_POINTS, name=fmt):
+        try:
+            exporter: Callable[[str, Path, int | None], str] = entry.load()
+        except ImportError:
+            return None
+        return exporter
+    return None
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -385,9 +412,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--remote", metavar="URL", help=remote_help)
     p.add_argument(
         "--format",
-        choices=("auto", "torch", "safetensors", "dcp"),
+        choices=("auto", "torch", "safetensors", "dcp", *ADAPTER_EXPORTS),
         default="auto",
-        help="auto: safetensors for a .safetensors name, else torch.save",
+        help="auto: safetensors for a .safetensors name, else torch.save; transformers: a "
+        "CociCallback step as the Trainer's checkpoint-N directory (OUT)",
     )
     p.add_argument(
         "--rank",

@@ -5,6 +5,9 @@ Beside it: the handle a save returns (``handle.py``), what the writer thread doe
 save (``writer.py``), the checks of a save's inputs and the regions each rank writes
 (``save_inputs.py``), and what holds for every manager of the process: the optimizer pre-hook,
 closing unclosed managers when the main thread ends (``lifecycle.py``).
+
+Why one module: it holds one public class whose methods are thin and each hands its work to
+one of the modules above; most of its lines are the public API's docstrings.
 """
 
 from __future__ import annotations

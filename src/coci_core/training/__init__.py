@@ -8,6 +8,7 @@ How to add a framework adapter: see docs/architecture.md.
 """
 
 from coci_core.engine.manager import SaveHandle
+from coci_core.engine.manifest import step_dir_name
 from coci_core.training.checkpointer import Checkpointer
 from coci_core.training.options import (
     SHARED_ARGUMENTS,
@@ -45,5 +46,6 @@ __all__ = [
     "run_step_dir",
     "shared_options",
     "signature_drift",
+    "step_dir_name",
     "step_dir_of",
 ]

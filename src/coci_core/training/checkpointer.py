@@ -537,7 +537,7 @@ class Checkpointer:
 
     def restore(
         self,
-        step: int | None = None,
+        step: int | str | None = None,
         *,
         into: Mapping[str, Stateful] | None = None,
         targets: InPlaceTargets | None = None,

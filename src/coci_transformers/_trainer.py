@@ -1,0 +1,187 @@
+"""The Trainer's side of CociCallback: which arguments coci refuses, the run's length as the
+Trainer will count it, the Trainer being made, its TensorBoard writer, the collectives."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import torch
+from transformers import EarlyStoppingCallback, Trainer, TrainingArguments
+
+from coci_core.errors import ConfigError
+from coci_core.planner import Termination
+from coci_core.telemetry.tensorboard import TensorBoardTelemetry
+from coci_core.training import PlanOutline
+
+#: TrainingArguments that coci refuses, with the reason (checked when training starts)
+_REFUSED: dict[str, tuple[Callable[[TrainingArguments], bool], str]] = {
+    "save_strategy": (
+        lambda a: str(getattr(a.save_strategy, "value", a.save_strategy)) == "best",
+        "save_strategy='best' is not supported with CociCallback: coci saves when its plan "
+        "says so; use load_best_model_at_end=True with metric_for_best_model to load the best "
+        "kept step at the end",
+    ),
+    "deepspeed": (
+        lambda a: bool(a.deepspeed),
+        "DeepSpeed is not supported by CociCallback yet: remove the callback or deepspeed=",
+    ),
+    "fsdp": (
+        lambda a: bool(a.fsdp),
+        "FSDP through the Trainer is not supported by CociCallback yet: remove the callback "
+        "or fsdp=",
+    ),
+    "push_to_hub": (
+        lambda a: (
+            bool(a.push_to_hub)
+            and str(getattr(a.hub_strategy, "value", a.hub_strategy))
+            in ("checkpoint", "all_checkpoints")
+        ),
+        "hub_strategy='checkpoint'/'all_checkpoints' pushes the Trainer's checkpoint-N "
+        "directories, which CociCallback replaces: use hub_strategy='every_save' or 'end'",
+    ),
+}
+
+
+def calling_trainer(frame: FrameType | None) -> Trainer | None:
+    """The Trainer whose method is running below ``frame`` (its ``__init__`` calls
+    ``on_init_end``): callbacks are given no reference to their Trainer."""
+    while frame is not None:
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, Trainer):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+def check_arguments(args: TrainingArguments) -> None:
+    for name, (refused, message) in _REFUSED.items():
+        if refused(args):
+            raise ConfigError(f"TrainingArguments({name}=...): {message}")
+
+
+def planned_steps(trainer: Trainer) -> tuple[int | None, int | None, str]:
+    """The run's optimizer steps and steps per epoch, as the Trainer will count them
+    (``set_initial_training_values``), and where the total comes from."""
+    args = trainer.args
+    per_epoch = None
+    try:
+        n = len(trainer.train_dataset)  # type: ignore[arg-type]
+    except TypeError:
+        n = None
+    if n:
+        per_batch = args.train_batch_size * max(1, args.world_size)
+        batches = n // per_batch if args.dataloader_drop_last else math.ceil(n / per_batch)
+        per_epoch = max(math.ceil(batches / args.gradient_accumulation_steps), 1)
+    if args.max_steps > 0:
+        return args.max_steps, per_epoch, "max_steps"
+    if per_epoch is None:
+        return None, None, ""
+    total = math.ceil(args.num_train_epochs * per_epoch)
+    return (
+        total,
+        per_epoch,
+        f"{per_epoch} steps per epoch x num_train_epochs {args.num_train_epochs:g}",
+    )
+
+
+def trial_termination(trial: Any) -> Termination | None:
+    """An Optuna trial's termination hazard, estimated from its study (None for another
+    search backend)."""
+    if not hasattr(trial, "study"):
+        return None
+    from coci_core.hpo import optuna as coci_optuna
+
+    return coci_optuna.study_termination(trial.study, trial=trial)
+
+
+def record_step(trial: Any, step: int) -> None:
+    """Record the training step of an Optuna trial's report, for later trials' estimates."""
+    if hasattr(trial, "set_user_attr") and hasattr(trial, "study"):
+        from coci_core.hpo import optuna as coci_optuna
+
+        trial.set_user_attr(coci_optuna.STEP_ATTR, int(step))
+
+
+def tensorboard_sink(trainer: Trainer, dirpath: Path) -> TensorBoardTelemetry:
+    """The scalars go through the Trainer's TensorBoard writer (``report_to="tensorboard"``)
+    when it has one, else under ``dirpath/tensorboard``; either way pointed at ``dirpath``
+    for TensorBoard's coci tab."""
+    for cb in trainer.callback_handler.callbacks:
+        writer = getattr(cb, "tb_writer", None)
+        if type(cb).__name__ == "TensorBoardCallback" and writer is not None:
+            return TensorBoardTelemetry(writer=writer, telemetry_dir=dirpath)
+    return TensorBoardTelemetry(dirpath / "tensorboard", telemetry_dir=dirpath)
+
+
+def broadcast(obj: Any) -> Any:
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def early_stopping(trainer: Trainer) -> EarlyStoppingCallback | None:
+    for cb in trainer.callback_handler.callbacks:
+        if isinstance(cb, EarlyStoppingCallback):
+            return cb
+    return None
+
+
+def metric(args: TrainingArguments, metrics: Mapping[str, Any] | None) -> float | None:
+    """The value of ``metric_for_best_model`` in ``metrics`` (``eval_`` prefixed as the
+    Trainer reads it), if it is a finite number."""
+    name = args.metric_for_best_model
+    if not name or not metrics:
+        return None
+    key = name if name.startswith("eval_") else f"eval_{name}"
+    value = metrics.get(key)
+    if not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def best_kept(trainer: Trainer, kept: list[int]) -> tuple[int, float] | None:
+    """The kept step with the best ``metric_for_best_model`` evaluated at it (the log
+    history), and its value; None without an evaluated kept step."""
+    args = trainer.args
+    scores: dict[int, float] = {}
+    for entry in trainer.state.log_history:
+        value = metric(args, entry)
+        if value is not None and entry.get("step") in kept:
+            scores[int(entry["step"])] = value
+    if not scores:
+        return None
+    sign = -1.0 if args.greater_is_better else 1.0
+    step = min(scores, key=lambda k: (sign * scores[k], k))  # the earliest of equal values
+    return step, scores[step]
+
+
+def plan_line(outline: PlanOutline, total_source: str) -> str:
+    """The log line at the first step: what coci plans and how to change it."""
+    report, every = outline.report, outline.every_n_steps
+    if report.next_steps:
+        first = f"first planned save at step {report.next_steps[0]}"
+    else:
+        first = "first save planned once a few step times are measured"
+    if report.interval_steps is not None:
+        interval = f"every {report.interval_steps} steps"
+    elif report.policy == "every_n_steps" and every is not None:
+        interval = f"every {every} steps"
+    elif report.policy == "every_n_seconds":
+        interval = f"every {outline.every_n_seconds} s"
+    else:
+        interval = "interval from the measured costs"
+    total = (
+        f"{outline.total_steps} total steps ({total_source})"
+        if outline.total_steps is not None
+        else "total steps unknown (rolling horizon)"
+    )
+    source = outline.mtbf_source("coci's default, refined from restarts")
+    return (
+        f"coci: plan at step {report.step}: policy {report.policy}, {total}; {first}, "
+        f"{interval}; MTBF {outline.mtbf_s:.0f} s assumed ({source}); "
+        "change with CociCallback(mtbf_s=, every_n_steps=, policy=)"
+    )

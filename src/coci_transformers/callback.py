@@ -1,0 +1,640 @@
+"""CociCallback: coci's planned, asynchronous checkpoints for a ``transformers.Trainer``.
+
+The callback takes the Trainer's saving over. The Trainer has no hook for a callback to save
+or to resume through, so, when the Trainer is made (``on_init_end``), the callback replaces a
+few of that Trainer's own methods on the instance (never on the class):
+
+- ``_save_checkpoint`` (called where ``control.should_save`` is set, after the step's logging
+  and evaluation, and by the Trainer's own SIGTERM checkpoint): a coci save of the same state;
+- ``train``: ``resume_from_checkpoint=True``, a coci directory or a step directory restores
+  coci's newest intact checkpoint (or that step), then runs the Trainer's own resume with a
+  ``trainer_state.json`` written from it, so that the Trainer puts back its state, callbacks
+  and data position itself;
+- ``_load_from_checkpoint``, ``_load_optimizer_and_scheduler``, ``_load_scaler``,
+  ``_load_rng_state``: read the restored state instead of files, for that resume only;
+- ``_load_best_model`` (``load_best_model_at_end``): coci's best kept step.
+
+These are private methods of ``transformers`` 5.x (the extra pins ``<6``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import logging
+import math
+import os
+import shutil
+import signal
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from types import FrameType
+from typing import Any, Literal
+
+import torch
+from transformers import (
+    Trainer,
+    TrainerCallback,
+    TrainerControl,
+    TrainerState,
+    TrainingArguments,
+)
+from transformers.trainer_utils import get_last_checkpoint
+
+import coci_transformers._state as _state
+from coci_core.engine.compress import CompressionPolicy
+from coci_core.errors import ConfigError, NoCheckpointError
+from coci_core.planner.policies import SavePolicy
+from coci_core.preemption import NoticeSource, Preemption
+from coci_core.storage import is_url
+from coci_core.telemetry import TelemetrySink
+from coci_core.telemetry.objects import report_sink
+from coci_core.training import (
+    Checkpointer,
+    CheckpointOptions,
+    SaveHandle,
+    ValidationHistory,
+    check_bool,
+    is_trial_pruned,
+    newest_step_dir,
+    shared_options,
+    step_dir_name,
+    step_dir_of,
+)
+from coci_transformers._trainer import (
+    best_kept,
+    broadcast,
+    calling_trainer,
+    check_arguments,
+    early_stopping,
+    metric,
+    plan_line,
+    planned_steps,
+    record_step,
+    tensorboard_sink,
+    trial_termination,
+)
+
+__all__ = ["CociCallback"]
+
+logger = logging.getLogger(__name__)
+
+
+class CociCallback(TrainerCallback):
+    """Saves a ``transformers.Trainer`` run when coci's planner says so and resumes it:
+    ``Trainer(..., callbacks=[CociCallback()])``.
+
+    While attached, the Trainer writes no ``checkpoint-N`` directory of its own: every save
+    goes through coci (the copy before the next optimizer step, the write in the background).
+    ``trainer.train(resume_from_checkpoint=True)`` resumes from coci's newest intact step.
+
+    Args:
+        dirpath: where checkpoints go: a path or an fsspec URL; default
+            ``<output_dir>/coci`` (``<output_dir>/run-<trial>/coci`` in a hyper-parameter
+            search).
+        policy: as for ``coci_lightning.CociCheckpoint``; ``"every_n_steps"`` without
+            ``every_n_steps`` takes the Trainer's ``save_steps``.
+        objective: as for ``CociCheckpoint``.
+        mtbf_s: as for ``CociCheckpoint``.
+        keep_last: checkpoints to keep; the Trainer's ``save_total_limit`` when that is set.
+        compression: as for ``CociCheckpoint``.
+        compression_options: as for ``CociCheckpoint``.
+        every_n_steps: as for ``CociCheckpoint``.
+        every_n_seconds: as for ``CociCheckpoint``.
+        block: as for ``CociCheckpoint``.
+        planner_options: as for ``CociCheckpoint``.
+        verbose: a log line per save.
+        storage_options: as for ``CociCheckpoint``.
+        remote: as for ``CociCheckpoint``.
+        remote_keep_last: as for ``CociCheckpoint``.
+        remote_storage_options: as for ``CociCheckpoint``.
+        remote_upload_every: as for ``CociCheckpoint``.
+        preemption: the preemption notices (see docs/preemption.md); checked, not yet acted on
+            by this adapter beyond its own save at the next step boundary on SIGTERM.
+        save_on_train_end: also save the final state (unless a pruned trial's).
+    """
+
+    def __init__(
+        self,
+        dirpath: str | os.PathLike[str] | None = None,
+        *,
+        policy: str | SavePolicy = "coci",
+        objective: str = "time",
+        mtbf_s: float | None = None,
+        keep_last: int | None = 3,
+        compression: str | CompressionPolicy | None = "auto",
+        compression_options: Mapping[str, Any] | None = None,
+        every_n_steps: int | None = None,
+        every_n_seconds: float | None = None,
+        block: bool = True,
+        planner_options: Mapping[str, Any] | None = None,
+        verbose: bool = False,
+        storage_options: Mapping[str, Any] | None = None,
+        remote: str | os.PathLike[str] | None = None,
+        remote_keep_last: int | None = 10,
+        remote_storage_options: Mapping[str, Any] | None = None,
+        remote_upload_every: int | Literal["auto"] = "auto",
+        preemption: str | Sequence[str | NoticeSource] | Preemption | None = "auto",
+        save_on_train_end: bool = True,
+    ) -> None:
+        check_bool("save_on_train_end", save_on_train_end)
+        self._arguments = shared_options(locals())
+        # checked now for what does not depend on the Trainer, again when training starts
+        early = dict(self._arguments)
+        if policy == "every_n_steps" and every_n_steps is None:
+            early["every_n_steps"] = 1  # the Trainer's save_steps, known when training starts
+        self.options = CheckpointOptions.check(dirpath=dirpath, **early)
+        self.save_on_train_end = save_on_train_end
+        self._dirpath_given = dirpath is not None
+        self._dirpath_arg: Path | str | None = (
+            None if dirpath is None else str(dirpath) if is_url(dirpath) else Path(dirpath)
+        )
+        self.dirpath: Path | str | None = self._dirpath_arg
+        self.trainer: Trainer | None = None
+        self.checkpointer: Checkpointer | None = None
+        self._restored: dict[str, Any] | None = None
+        self._resume_dir: str | None = None
+        self._reset_run()
+
+    def _reset_run(self) -> None:
+        self._last_step_end: float | None = None
+        self._loss: float | None = None
+        self._saved: int | None = None
+        self._announced = False
+        self._closed = False
+        self._pruning = False
+        self._sigterm = False
+        self._sigterm_previous: Any = None
+        self._sigterm_handler: Any = None
+        self._steps_per_epoch: int | None = None
+        self._total_source = ""
+        self._validations = ValidationHistory()
+        self._es_wait = 0
+        self._start_step = 0
+
+    # -- attaching to the Trainer ---------------------------------------------------------
+
+    def on_init_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """Find the Trainer being made and take its saving over."""
+        trainer = calling_trainer(inspect.currentframe())
+        if trainer is None:
+            raise ConfigError(
+                "CociCallback must be given to a transformers.Trainer: "
+                "Trainer(..., callbacks=[CociCallback()])"
+            )
+        self.attach(trainer)
+
+    def attach(self, trainer: Trainer) -> None:
+        """Take ``trainer``'s saving and resuming over (``Trainer(callbacks=[...])`` does it;
+        after ``trainer.add_callback(callback)``, call it yourself)."""
+        if self.trainer is trainer:
+            return
+        if self.trainer is not None:
+            raise ConfigError("a CociCallback serves one Trainer: make one per Trainer")
+        self.trainer = trainer
+        t: Any = trainer
+        t.train = functools.partial(self._train, trainer.train)
+        t._save_checkpoint = self._save_checkpoint
+        t._load_from_checkpoint = _when_restoring(
+            self, trainer._load_from_checkpoint, self._load_model
+        )
+        t._load_optimizer_and_scheduler = _when_restoring(
+            self, trainer._load_optimizer_and_scheduler, self._load_optimizer
+        )
+        t._load_scaler = _when_restoring(self, trainer._load_scaler, self._load_scaler)
+        t._load_rng_state = _when_restoring(self, trainer._load_rng_state, self._load_rng)
+        t._load_best_model = self._load_best_model
+        t._report_to_hp_search = functools.partial(
+            self._report_to_hp_search, trainer._report_to_hp_search
+        )
+        if trainer.args.process_index == 0:
+            logger.info(
+                "coci: the Trainer's own checkpoint saves are off while CociCallback is attached "
+                "(save_strategy=%r, save_steps=%s); coci saves when its plan says so",
+                str(getattr(trainer.args.save_strategy, "value", trainer.args.save_strategy)),
+                trainer.args.save_steps,
+            )
+
+    # -- train(): the run's checkpointer and the resume -----------------------------------
+
+    def _train(
+        self,
+        original: Callable[..., Any],
+        resume_from_checkpoint: str | bool | None = None,
+        trial: Any = None,
+        **kwargs: Any,
+    ) -> Any:
+        trainer = self._trainer()
+        check_arguments(trainer.args)
+        self._reset_run()
+        resume: Any = resume_from_checkpoint
+        coci_step: int | str | None = None
+        if isinstance(resume, (str, os.PathLike)):
+            found = step_dir_of(resume, self.options.storage_options)
+            root = found[0] if found else (resume if newest_step_dir(str(resume)) else None)
+            if root is not None:
+                if self._dirpath_given and str(root) != str(self._dirpath_arg):
+                    raise ConfigError(
+                        f"resume_from_checkpoint={str(resume)!r} is not in CociCallback's "
+                        f"dirpath {str(self._dirpath_arg)!r}: resume from a step of that "
+                        "directory, or leave dirpath out to continue in the one given"
+                    )
+                self.dirpath = root if isinstance(root, str) else Path(root)
+                coci_step = found[1] if found else None
+                resume = True
+        if not self._dirpath_given and not (resume is True and coci_step is not None):
+            self.dirpath = Path(trainer._get_output_dir(trial)) / "coci"
+        checkpointer = self._open(trainer, trial)
+        self.checkpointer = checkpointer
+        self._restored, self._resume_dir = None, None
+        try:
+            if resume is True:
+                resume = self._restore(trainer, checkpointer, coci_step)
+            return original(resume_from_checkpoint=resume, trial=trial, **kwargs)
+        except BaseException as e:
+            if not self._closed:
+                if not self._pruning and not is_trial_pruned(e):
+                    checkpointer.mark_failed()
+                self._close()
+            raise
+        finally:
+            if self._resume_dir is not None:
+                shutil.rmtree(self._resume_dir, ignore_errors=True)
+            self._restored, self._resume_dir = None, None
+            self._restore_sigterm()
+
+    def _open(self, trainer: Trainer, trial: Any) -> Checkpointer:
+        args = trainer.args
+        arguments = dict(self._arguments)
+        if args.save_total_limit is not None:
+            if arguments["keep_last"] not in (3, args.save_total_limit):
+                raise ConfigError(
+                    f"keep_last={arguments['keep_last']} and save_total_limit="
+                    f"{args.save_total_limit} disagree: give one of them"
+                )
+            arguments["keep_last"] = args.save_total_limit
+        if arguments["policy"] == "every_n_steps" and arguments["every_n_steps"] is None:
+            save_steps = args.save_steps
+            if save_steps < 1:  # a fraction of the run, as the Trainer reads it
+                total = planned_steps(trainer)[0]
+                save_steps = math.ceil((total or 1) * save_steps)
+            arguments["every_n_steps"] = int(save_steps)
+        planner_options = dict(arguments["planner_options"] or {})
+        total, per_epoch, source = planned_steps(trainer)
+        self._steps_per_epoch = per_epoch
+        if total is not None and "total_steps" not in planner_options:
+            planner_options["total_steps"] = total
+            self._total_source = source
+        elif "total_steps" in planner_options:
+            self._total_source = "given as planner_options['total_steps']"
+        if arguments["policy"] == "epoch" and per_epoch is not None:
+            planner_options.setdefault("steps_per_epoch", per_epoch)
+        arguments["planner_options"] = planner_options
+        assert self.dirpath is not None
+        options = CheckpointOptions.check(dirpath=self.dirpath, **arguments)
+        self.options = options
+        is_main = args.process_index == 0
+        sinks: list[TelemetrySink] = []
+        if is_main:
+            sinks.append(report_sink(self.dirpath, dict(options.storage_options)))
+        world = args.world_size
+        checkpointer = Checkpointer(
+            self.dirpath,
+            options,
+            rank=args.process_index,
+            world_size=world,
+            broadcast=broadcast if world > 1 else None,
+            sinks=sinks,
+            log=logger,
+        )
+        if trial is not None and trainer.hp_search_backend is not None:
+            checkpointer.set_termination("optuna", trial_termination(trial))
+        return checkpointer
+
+    def _restore(
+        self, trainer: Trainer, checkpointer: Checkpointer, step: int | str | None
+    ) -> str | bool | None:
+        """Restore coci's newest intact checkpoint (or ``step``); the directory to give the
+        Trainer's own resume: a ``trainer_state.json`` written from it (what the Trainer
+        reads of a checkpoint directory itself), or a Trainer ``checkpoint-N`` when coci has
+        none, or None (start fresh)."""
+        try:
+            state = checkpointer.restore(step)
+        except NoCheckpointError:
+            output_dir = str(trainer.args.output_dir)
+            last = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+            if trainer.args.process_index == 0:
+                if last is not None:
+                    logger.info(
+                        "coci: no coci checkpoint in %s; resuming from the Trainer's %s",
+                        self.dirpath,
+                        last,
+                    )
+                else:
+                    logger.info("coci: no committed checkpoint in %s; starting fresh", self.dirpath)
+            return last
+        _state.check_fits(state, trainer)
+        checkpointer.load_state_dict(state.get("coci", {}))
+        self._restored = state
+        self._saved = int(state["global_step"])
+        self._resume_dir = tempfile.mkdtemp(prefix="coci-resume-")
+        saved_state = _state.trainer_state(state)
+        best = saved_state.best_global_step
+        if best and self.dirpath is not None:
+            saved_state.best_model_checkpoint = self._step_dir(best)
+        saved_state.save_to_json(os.path.join(self._resume_dir, "trainer_state.json"))
+        if _state.own(state) is None and trainer.args.process_index == 0:
+            logger.warning(
+                "coci: step %d was saved by %s processes and this run has %d: the processes "
+                "without a saved random state start from their current one (not bit-identical "
+                "to a run never stopped), and the Trainer skips the trained batches by count",
+                state["global_step"],
+                state.get("world_size"),
+                trainer.args.world_size,
+            )
+        return self._resume_dir
+
+    def _load_model(self, trainer: Trainer, *args: Any) -> None:
+        pass  # loaded with the optimizer, after accelerator.prepare (see _load_optimizer)
+
+    def _load_optimizer(self, trainer: Trainer, *args: Any) -> None:
+        state = self._restored
+        assert state is not None
+        t: Any = trainer
+        t.accelerator.unwrap_model(t.model).load_state_dict(state["model"])
+        t.optimizer.load_state_dict(state["optimizer"])
+        t.lr_scheduler.load_state_dict(state["scheduler"])
+
+    def _load_scaler(self, trainer: Trainer, *args: Any) -> None:
+        state = self._restored
+        assert state is not None
+        scaler = trainer.accelerator.scaler
+        if scaler is not None and state.get("scaler") is not None:
+            scaler.load_state_dict(state["scaler"])
+
+    def _load_rng(self, trainer: Trainer, *args: Any) -> None:
+        state = self._restored
+        assert state is not None
+        mine = _state.own(state)
+        if mine is not None:
+            _state.set_rng_state(mine["rng"])
+
+    # -- the Trainer's events ---------------------------------------------------------------
+
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        trainer, checkpointer = self._trainer(), self._checkpointer()
+        optimizer: Any = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+        if not getattr(optimizer, "_coci_hooked", False):
+            # the snapshot may overlap the next forward/backward: wait for it before an update
+            optimizer.register_step_pre_hook(lambda *_: self._before_update())
+            optimizer._coci_hooked = True
+        if args.process_index == 0 and isinstance(self.dirpath, Path):
+            with contextlib.suppress(ConfigError):  # tensorboard is not installed
+                checkpointer.sinks.append(tensorboard_sink(trainer, self.dirpath))
+        self._install_sigterm(args)
+        self._start_step = state.global_step
+        stopper = early_stopping(trainer)
+        self._es_wait = stopper.early_stopping_patience_counter if stopper is not None else 0
+
+    def _before_update(self) -> None:
+        if self.checkpointer is not None and not self._closed:
+            self.checkpointer.before_update()
+
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if logs and isinstance(logs.get("loss"), (int, float)):
+            self._loss = float(logs["loss"])
+
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        checkpointer = self._checkpointer()
+        count = state.global_step
+        now = time.perf_counter()
+        step_time = None if self._last_step_end is None else now - self._last_step_end
+        loss, self._loss = self._loss, None  # logged at an earlier step (on_log follows)
+        checkpointer.observe(count, loss=loss, step_time_s=step_time)
+        if not self._announced:
+            self._announced = True
+            if args.process_index == 0:
+                checkpointer.warn_if_not_empty()
+                self._announce_plan()
+        save = checkpointer.should_save(count)
+        if self.save_on_train_end and state.max_steps > 0 and count >= state.max_steps:
+            save = True
+        if self._sigterm_agreed():
+            save = True
+            control.should_training_stop = True
+        control.should_save = save and count != self._saved
+        if not control.should_save and not checkpointer.warmed:
+            trainer = self._trainer()
+            weights_only = bool(args.save_only_model)
+            checkpointer.warm_up(
+                {**_state.collect(trainer, weights_only=weights_only), "coci": {}},
+                per_rank=None if weights_only else {_state.PROCESS_KEY: _state.collect_own()},
+            )
+        self._last_step_end = time.perf_counter()
+
+    def on_evaluate(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        metrics: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """The planner plans with the stop hazard of an ``EarlyStoppingCallback``, judged as
+        it judges ``metric_for_best_model`` (before the Trainer updates ``best_metric``)."""
+        stopper = early_stopping(self._trainer())
+        value = metric(args, metrics)
+        if stopper is None or value is None or self.checkpointer is None:
+            return
+        best = state.best_metric
+        threshold = stopper.early_stopping_threshold or 0.0
+        improved = best is None or (
+            (value > best if args.greater_is_better else value < best)
+            and abs(value - best) > threshold
+        )
+        self._es_wait = 0 if improved else self._es_wait + 1
+        if not self._validations.add(state.global_step, improved=improved, value=value):
+            return
+        model = self._validations.termination(
+            rule=f"EarlyStoppingCallback(metric_for_best_model={args.metric_for_best_model!r}",
+            start=self._start_step,
+            total=state.max_steps if state.max_steps > 0 else None,
+            patience=stopper.early_stopping_patience,
+            wait_count=self._es_wait,
+            min_delta=threshold,
+            mode="max" if args.greater_is_better else "min",
+        )
+        self.checkpointer.set_termination("early_stopping", model)
+
+    def on_epoch_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        control.should_save = False  # the plan decided at the step's end (policy "epoch" too)
+
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if self._closed:
+            return
+        if not self._pruning:
+            self._final_save()
+        self._close()
+
+    # -- saving -----------------------------------------------------------------------------
+
+    def _save_checkpoint(self, model: Any = None, trial: Any = None) -> SaveHandle | None:
+        """The Trainer's ``_save_checkpoint``, through coci (every process, same step)."""
+        trainer, checkpointer = self._trainer(), self._checkpointer()
+        if self._closed:
+            return None
+        step = trainer.state.global_step
+        if trainer.hp_search_backend is None and trial is None:
+            trainer.store_flos()
+        best = trainer.state.best_global_step
+        if best and (best == step or best in set(checkpointer.manager.steps())):
+            trainer.state.best_model_checkpoint = self._step_dir(best)
+        weights_only = bool(trainer.args.save_only_model)
+        state = _state.collect(trainer, weights_only=weights_only)
+        state["coci"] = checkpointer.state_dict()
+        per_rank = None if weights_only else {_state.PROCESS_KEY: _state.collect_own()}
+        handle = checkpointer.save(step, state, per_rank=per_rank)
+        self._saved = step
+        return handle
+
+    def _final_save(self) -> None:
+        trainer = self._trainer()
+        step = trainer.state.global_step
+        if self.save_on_train_end and step > 0 and step != self._saved:
+            self._save_checkpoint()
+
+    def _close(self) -> None:
+        self._closed = True
+        checkpointer = self._checkpointer()
+        try:
+            checkpointer.close()
+        finally:
+            if self._trainer().args.process_index == 0:
+                checkpointer.log_summary(logger)
+
+    def _step_dir(self, step: int) -> str:
+        base = str(self.dirpath)
+        return (base.rstrip("/") + "/" if is_url(base) else base + os.sep) + step_dir_name(step)
+
+    def _load_best_model(self) -> None:
+        """``load_best_model_at_end``: the final state is saved first, then the weights of the
+        best step (``metric_for_best_model``) are read from coci."""
+        trainer, checkpointer = self._trainer(), self._checkpointer()
+        self._final_save()
+        checkpointer.wait()
+        best = best_kept(trainer, checkpointer.manager.steps())
+        if best is None:
+            return
+        step, value = best
+        if trainer.args.process_index == 0:
+            logger.info(
+                "coci: loading the best kept step %d (%s %s)",
+                step,
+                trainer.args.metric_for_best_model,
+                value,
+            )
+        state = checkpointer.restore(step)
+        trainer.accelerator.unwrap_model(trainer.model).load_state_dict(state["model"])
+
+    # -- stopping: Optuna's pruning, SIGTERM -------------------------------------------------
+
+    def _report_to_hp_search(
+        self, original: Callable[..., Any], trial: Any, step: int, metrics: dict[str, float]
+    ) -> None:
+        # The Trainer calls on_train_end before it raises TrialPruned: no final save then.
+        record_step(trial, step)
+        self._pruning = True
+        try:
+            original(trial, step, metrics)
+        finally:
+            self._pruning = False
+        if self.checkpointer is not None and not self._closed:
+            # re-estimated from the study as it is now, and from how this trial ranks
+            self.checkpointer.set_termination("optuna", trial_termination(trial))
+
+    def _install_sigterm(self, args: TrainingArguments) -> None:
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def handler(signum: int, frame: FrameType | None) -> None:
+            self._sigterm = True
+
+        self._sigterm_handler = handler
+        self._sigterm_previous = signal.signal(signal.SIGTERM, handler)
+
+    def _restore_sigterm(self) -> None:
+        """Put the previous SIGTERM handler back, unless another took ours over since (the
+        Trainer's JIT checkpoint callback puts its own previous one back at the end)."""
+        if self._sigterm_previous is not None:
+            with contextlib.suppress(ValueError):
+                if signal.getsignal(signal.SIGTERM) is self._sigterm_handler:
+                    signal.signal(signal.SIGTERM, self._sigterm_previous)
+            self._sigterm_previous = None
+
+    def _sigterm_agreed(self) -> bool:
+        """Whether any process got SIGTERM (one all-reduce per step with several processes)."""
+        flag = self._sigterm
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            flag = bool(t.item())
+        trainer = self._trainer()
+        if flag and trainer.args.process_index == 0 and not self._closed:
+            logger.info("coci: SIGTERM: save at step %d, then stop", trainer.state.global_step)
+        return flag
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _trainer(self) -> Trainer:
+        if self.trainer is None:
+            raise ConfigError(
+                "CociCallback is not attached to a Trainer: pass it as "
+                "Trainer(..., callbacks=[CociCallback()]), or call callback.attach(trainer)"
+            )
+        return self.trainer
+
+    def _checkpointer(self) -> Checkpointer:
+        if self.checkpointer is None:
+            raise ConfigError("CociCallback: training has not started (call trainer.train())")
+        return self.checkpointer
+
+    def _announce_plan(self) -> None:
+        """One log line at the first step: what coci plans and how to change it."""
+        logger.info(plan_line(self._checkpointer().plan_outline(), self._total_source))
+
+
+def _when_restoring(
+    callback: CociCallback, original: Callable[..., Any], replacement: Callable[..., None]
+) -> Callable[..., Any]:
+    """``original`` (a Trainer loader of checkpoint files), or ``replacement`` when it is asked
+    for the directory of coci's resume."""
+
+    def load(checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if callback._resume_dir is not None and checkpoint == callback._resume_dir:
+            return replacement(callback._trainer(), *args)
+        return original(checkpoint, *args, **kwargs)
+
+    return load

@@ -1,0 +1,89 @@
+"""``coci export --format transformers``: a coci step of a ``CociCallback`` run written as the
+Trainer's own ``checkpoint-N`` directory, which ``Trainer.train(resume_from_checkpoint=...)``
+and ``from_pretrained`` read natively: ``model.safetensors``, ``config.json``,
+``trainer_state.json``, ``optimizer.pt``, ``scheduler.pt``, ``scaler.pt`` (when saved) and
+``rng_state.pth`` (``rng_state_<i>.pth`` per process of a run of several).
+
+The way back needs no command: ``trainer.train(resume_from_checkpoint="<output_dir>/checkpoint-N")``
+with a ``CociCallback`` attached resumes from the Trainer's directory, and coci saves from there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import coci_transformers._state as _state
+from coci_core.training import newest_step_dir, read_checkpoint, step_dir_of
+
+__all__ = ["export_step"]
+
+
+def export_step(directory: str, out: str | os.PathLike[str], step: int | str | None = None) -> str:
+    """Write ``step`` of the coci directory ``directory`` (default: the step a resume takes)
+    to the directory ``out`` in the Trainer's layout; a one-line summary.
+
+    Raises:
+        NoCheckpointError: no committed checkpoint.
+        CheckpointError: the step was not written by ``CociCallback``.
+    """
+    ref: int | str = 0
+    if step is None:
+        newest = newest_step_dir(directory)
+        found = step_dir_of(newest) if newest is not None else None
+        ref = found[1] if found is not None else 0
+    else:
+        ref = step
+    loaded, _ = read_checkpoint(directory, ref, fall_back=True)
+    state = loaded.state
+    _state.check_layout(state)
+    target = Path(out)
+    target.mkdir(parents=True, exist_ok=True)
+    _write_weights(state["model"], target / "model.safetensors")
+    if state.get("model_config"):
+        (target / "config.json").write_text(str(state["model_config"]))
+    trainer_state = json.loads(state["trainer_state"])
+    (target / "trainer_state.json").write_text(
+        json.dumps(trainer_state, indent=2, sort_keys=True) + "\n"
+    )
+    written = ["model.safetensors", "trainer_state.json"]
+    if not state.get("weights_only"):
+        torch.save(state["optimizer"], target / "optimizer.pt")
+        torch.save(state["scheduler"], target / "scheduler.pt")
+        written += ["optimizer.pt", "scheduler.pt"]
+        if state.get("scaler") is not None:
+            torch.save(state["scaler"], target / "scaler.pt")
+            written.append("scaler.pt")
+        world = int(state.get("world_size") or 1)
+        for rank in range(world):
+            mine = _state.own(state if rank == 0 else _rank_state(directory, loaded.step, rank))
+            if mine is None:
+                continue
+            name = "rng_state.pth" if world == 1 else f"rng_state_{rank}.pth"
+            torch.save(mine["rng"], target / name)
+            written.append(name)
+    return f"exported step {loaded.step} to {target} (transformers: {', '.join(written)})"
+
+
+def _rank_state(directory: str, step: int, rank: int) -> dict[str, Any]:
+    loaded, _ = read_checkpoint(directory, step, rank=rank)
+    state: dict[str, Any] = loaded.state
+    return state
+
+
+def _write_weights(weights: dict[str, torch.Tensor], path: Path) -> None:
+    from safetensors.torch import save_file  # a dependency of transformers
+
+    tensors: dict[str, torch.Tensor] = {}
+    storages: set[int] = set()
+    for name, tensor in weights.items():
+        t = tensor.detach().contiguous()
+        if t.untyped_storage().data_ptr() in storages and t.numel():
+            t = t.clone()  # safetensors refuses tensors that share memory (tied weights)
+        storages.add(t.untyped_storage().data_ptr())
+        tensors[name] = t
+    save_file(tensors, str(path), metadata={"format": "pt"})

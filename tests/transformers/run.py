@@ -1,0 +1,159 @@
+"""A tiny GPT-2 (built from a config, no download) trained by a real ``transformers.Trainer``
+with ``CociCallback``, in the test process or as a child process:
+
+    python -m tests.transformers.run DIR TOTAL_STEPS [KILL_AT] [--resume] [--reference DIR]
+
+prints ``AT <step>`` after each optimizer step (``KILL_AT``: then waits to be killed, reading
+stdin) and ``RESULT <json>`` at the end: the model and optimizer digest, the samples trained
+on, the step it resumed from, and the Trainer's log history; ``--reference DIR`` first runs
+the whole run in DIR, never stopped, and prints ``REFERENCE <json>``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import torch
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
+
+from coci_transformers import CociCallback
+from tests.harness.states import full_digest
+
+SAMPLES = 32
+BATCH = 4
+STEPS_PER_EPOCH = SAMPLES // BATCH
+
+
+class Tokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+    """Random token sequences, each carrying its index (``idx``) for the test to record."""
+
+    def __len__(self) -> int:
+        return SAMPLES
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids = torch.randint(0, 64, (8,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "labels": ids, "idx": torch.tensor(i)}
+
+
+class Recording(Trainer):
+    """Records the index of every sample it trains on."""
+
+    seen: list[int]
+
+    def training_step(self, model: Any, inputs: dict[str, Any], *args: Any) -> torch.Tensor:
+        self.seen.extend(inputs.pop("idx").tolist())
+        return super().training_step(model, inputs, *args)
+
+
+class Marks(TrainerCallback):
+    def __init__(self, kill_at: int | None) -> None:
+        self.kill_at = kill_at
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if args.process_index == 0:
+            print(f"AT {state.global_step}", flush=True)
+        if state.global_step == self.kill_at:
+            sys.stdin.read()  # until killed
+
+
+def tiny_model() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    config = GPT2Config(
+        n_layer=2,
+        n_embd=32,
+        n_head=2,
+        vocab_size=64,
+        n_positions=16,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return GPT2LMHeadModel(config)
+
+
+def arguments(directory: str | Path, total: int, **extra: Any) -> TrainingArguments:
+    options: dict[str, Any] = {
+        "output_dir": str(directory),
+        "per_device_train_batch_size": BATCH,
+        "max_steps": total,
+        "use_cpu": True,
+        "report_to": "none",
+        "logging_steps": 2,
+        "seed": 7,
+        "disable_tqdm": True,
+        "save_steps": 3,
+        "dataloader_num_workers": 0,
+        "remove_unused_columns": False,
+        "eval_strategy": "no",
+    }
+    options.update(extra)
+    return TrainingArguments(**options)
+
+
+def train(
+    directory: str | Path,
+    total: int,
+    *,
+    kill_at: int | None = None,
+    resume: Any = None,
+    callback: CociCallback | None = None,
+    extra_callbacks: tuple[TrainerCallback, ...] = (),
+    in_process: bool = True,
+    **extra: Any,
+) -> dict[str, Any]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        callback = callback or CociCallback(policy="every_n_steps")  # save_steps 3
+        trainer = Recording(
+            model=tiny_model(),
+            args=arguments(directory, total, **extra),
+            train_dataset=Tokens(),
+            eval_dataset=Tokens() if extra.get("eval_strategy", "no") != "no" else None,
+            callbacks=[callback, Marks(kill_at), *extra_callbacks],
+        )
+        trainer.seen = []
+        trainer.train(resume_from_checkpoint=resume)
+        opt = trainer.optimizer.state_dict()
+        return {
+            "digest": full_digest({"model": trainer.model.state_dict(), "opt": opt["state"]}),
+            "seen": trainer.seen,
+            "start": callback.checkpointer.resumed_from if callback.checkpointer else None,
+            "log": [
+                {k: v for k, v in e.items() if "runtime" not in k and "per_second" not in k}
+                for e in trainer.state.log_history
+            ],
+            "rank": trainer.args.process_index,
+            "best_model": trainer.model.state_dict() if in_process else None,
+        }
+    finally:
+        torch.set_num_threads(threads)
+
+
+if __name__ == "__main__":
+    if "--reference" in sys.argv:  # first a run never stopped, in the same processes
+        at = sys.argv.index("--reference")
+        reference_dir = sys.argv[at + 1]
+        del sys.argv[at : at + 2]
+        reference = train(reference_dir, int(sys.argv[2]), in_process=False)
+        print("REFERENCE " + json.dumps(reference), flush=True)
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState._reset_state(True)
+    argv = [a for a in sys.argv[1:] if a != "--resume"]
+    kill = int(argv[2]) if len(argv) > 2 else None
+    resume = True if "--resume" in sys.argv else None
+    result = train(argv[0], int(argv[1]), kill_at=kill, resume=resume, in_process=False)
+    print("RESULT " + json.dumps(result), flush=True)

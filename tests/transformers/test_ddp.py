@@ -1,0 +1,69 @@
+"""Two processes (torchrun, gloo, DDP through the Trainer): SIGKILLed mid-epoch and resumed
+with ``train(resume_from_checkpoint=True)``, bit-identical on both; the same checkpoint also
+resumes onto one process."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+from accelerate.state import AcceleratorState
+
+from coci_core import CheckpointManager
+from tests.harness.processes import Child, child_env, module, run
+from tests.transformers.run import train
+
+COMMAND = module("torch.distributed.run", "--nproc-per-node", "2", "-m", "tests.transformers.run")
+BATCH = 4  # per process
+
+
+def _results(stdout: str, mark: str = "RESULT ") -> dict[int, dict[str, Any]]:
+    lines = stdout.splitlines()
+    results = [json.loads(line[len(mark) :]) for line in lines if line.startswith(mark)]
+    return {r["rank"]: r for r in results}
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.faults
+def test_sigkill_two_processes_and_resume_onto_one(tmp_path: Path) -> None:
+    total, kill = 12, 7  # 4 steps an epoch (32 samples, 2 x 4 a step); saves at 3, 6, 9, 12
+    env = child_env({"OMP_NUM_THREADS": "1"})
+    with Child(
+        [*COMMAND, str(tmp_path / "run"), str(total), str(kill)],
+        env=env,
+        stderr=subprocess.DEVNULL,
+        kill_scope="tree",
+    ) as child:
+        child.kill_at(f"AT {kill}")
+    with CheckpointManager(tmp_path / "run" / "coci", keep_last=None) as mgr:
+        steps = mgr.steps()
+        manifest = mgr.manifest(steps[-1])
+    assert steps and steps[-1] <= kill and steps[-1] % 3 == 0
+    start = steps[-1]
+    # both processes wrote their share, and each its own random states
+    assert manifest.world_size == 2
+    assert len(manifest.per_rank) == 2 and all(r.tree for r in manifest.per_rank)
+    shutil.copytree(tmp_path / "run", tmp_path / "one")
+
+    # the same processes first train a run never stopped, then resume the killed one
+    command = [*COMMAND, str(tmp_path / "run"), str(total), "--resume"]
+    out = run([*command, "--reference", str(tmp_path / "ref")], env=env, timeout_s=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    expected, resumed = _results(out.stdout, "REFERENCE "), _results(out.stdout)
+    for rank in (0, 1):
+        assert resumed[rank]["start"] == start
+        assert resumed[rank]["digest"] == expected[rank]["digest"]
+        assert resumed[rank]["seen"] == expected[rank]["seen"][start * BATCH :]
+
+    # onto one process: the same step, the run goes on to its end (batches by count)
+    AcceleratorState._reset_state(True)
+    one = train(tmp_path / "one", total, resume=True)
+    assert one["start"] == start
+    assert len(one["seen"]) == (total - start) * BATCH
+    history = [e for e in expected[0]["log"] if e.get("step", 0) <= start]
+    assert one["log"][: len(history)] == history

@@ -1,0 +1,85 @@
+"""The Trainer's own checkpoints and coci's, both ways: a coci step exported with
+``--format transformers`` is read natively by ``from_pretrained`` and by a plain Trainer's
+resume; a Trainer ``checkpoint-N`` resumes a run with ``CociCallback``; both end bit-identical
+to a run never stopped."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from accelerate.state import AcceleratorState
+from transformers import GPT2LMHeadModel
+
+from coci_core import CheckpointManager
+from coci_transformers.export import export_step
+from tests.transformers.run import Recording, Tokens, arguments, tiny_model, train
+
+
+@pytest.fixture(autouse=True)
+def _reset_accelerate_state() -> Any:
+    AcceleratorState._reset_state(True)
+    yield
+    AcceleratorState._reset_state(True)
+
+
+def test_export_and_import_both_ways(tmp_path: Path) -> None:
+    reference = train(tmp_path / "coci_run", 12)  # coci saves 6, 9, 12 (keeps 3)
+    out = tmp_path / "plain" / "checkpoint-6"
+    summary = export_step(str(tmp_path / "coci_run" / "coci"), out, 6)
+    assert "exported step 6" in summary and "rng_state.pth" in summary
+    with CheckpointManager(tmp_path / "coci_run" / "coci") as mgr:
+        saved = mgr.restore(6)["model"]
+    loaded = GPT2LMHeadModel.from_pretrained(out).state_dict()
+    assert all(torch.equal(loaded[k], saved[k]) for k in saved)
+
+    # a plain Trainer (no coci) resumes from the exported directory, saving its own
+    AcceleratorState._reset_state(True)
+    plain = Recording(
+        model=tiny_model(), args=arguments(tmp_path / "plain", 12), train_dataset=Tokens()
+    )
+    plain.seen = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as train() runs (the sums' order depends on the threads)
+    try:
+        plain.train(resume_from_checkpoint=str(out))
+    finally:
+        torch.set_num_threads(threads)
+    assert plain.seen == reference["seen"][6 * 4 :]
+    assert (tmp_path / "plain" / "checkpoint-9").is_dir()
+    for k, v in plain.model.state_dict().items():
+        assert torch.equal(v, reference["best_model"][k])
+
+    # and CociCallback resumes from the Trainer's checkpoint-9, then saves with coci
+    AcceleratorState._reset_state(True)
+    resumed = train(tmp_path / "plain", 12, resume=str(tmp_path / "plain" / "checkpoint-9"))
+    assert resumed["digest"] == reference["digest"]
+    assert resumed["seen"] == reference["seen"][9 * 4 :]
+    with CheckpointManager(tmp_path / "plain" / "coci") as mgr:
+        assert mgr.steps() == [12]
+
+
+def test_coci_export_format_transformers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``coci export DIR OUT --format transformers`` runs the exporter coci_transformers
+    registers (entry point ``coci.exports``; looked up here without an installed package)."""
+    from coci_core.commands import cli
+
+    train(tmp_path / "run", 4)
+    monkeypatch.setattr(cli, "adapter_exporter", lambda fmt: export_step)
+    out = tmp_path / "checkpoint-4"
+    assert (
+        cli.main(["export", str(tmp_path / "run" / "coci"), str(out), "--format", "transformers"])
+        == 0
+    )
+    assert "exported step 4" in capsys.readouterr().out
+    assert (out / "model.safetensors").is_file() and (out / "trainer_state.json").is_file()
+    monkeypatch.setattr(cli, "adapter_exporter", lambda fmt: None)
+    assert (
+        cli.main(["export", str(tmp_path / "run" / "coci"), str(out), "--format", "transformers"])
+        == 2
+    )
+    assert "pip install 'coci[transformers]'" in capsys.readouterr().err

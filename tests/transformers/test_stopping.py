@@ -1,0 +1,82 @@
+"""Runs stopped on purpose: an EarlyStoppingCallback (its hazard reaches the planner;
+load_best_model_at_end loads coci's best kept step) and SIGTERM (one save at the next step
+boundary, then a clean stop; the Trainer's JIT checkpoint saves nothing more)."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from accelerate.state import AcceleratorState
+from transformers import EarlyStoppingCallback, TrainerCallback
+
+from coci_core import CheckpointManager
+from coci_transformers import CociCallback
+from tests.transformers.run import tiny_model, train
+
+
+@pytest.fixture(autouse=True)
+def _reset_accelerate_state() -> Any:
+    AcceleratorState._reset_state(True)
+    yield
+    AcceleratorState._reset_state(True)
+
+
+def test_early_stopping_and_the_best_kept_step(tmp_path: Path) -> None:
+    """EarlyStoppingCallback(patience 1, a threshold no evaluation beats) stops the run at its
+    second evaluation (step 4 of 12); its hazard reaches the planner; the final state is
+    saved; load_best_model_at_end loads the weights of the kept step with the lower
+    eval_loss."""
+    callback = CociCallback(policy="every_n_steps")
+    stopper = EarlyStoppingCallback(early_stopping_patience=1, early_stopping_threshold=10.0)
+    result = train(
+        tmp_path,
+        12,
+        callback=callback,
+        extra_callbacks=(stopper,),
+        save_steps=2,
+        eval_strategy="steps",
+        eval_steps=2,
+        load_best_model_at_end=True,
+        metric_for_best_model="loss",
+    )
+    evals = {e["step"]: e["eval_loss"] for e in result["log"] if "eval_loss" in e}
+    assert sorted(evals) == [2, 4]
+    assert callback.checkpointer is not None
+    assert "EarlyStoppingCallback" in callback.checkpointer.plan_outline().report.termination
+    with CheckpointManager(tmp_path / "coci", keep_last=None) as mgr:
+        assert mgr.steps() == [2, 4]
+        best = min(evals, key=lambda k: evals[k])
+        saved = mgr.restore(best)["model"]
+    assert result["best_model"].keys() == saved.keys()
+    assert all(torch.equal(result["best_model"][k], saved[k]) for k in saved)
+    assert not all(torch.equal(tiny_model().state_dict()[k], saved[k]) for k in saved)
+
+
+class _Terminate(TrainerCallback):
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step == 5:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_sigterm_saves_once_and_stops(tmp_path: Path) -> None:
+    """SIGTERM after step 5: coci saves at step 6 (the next boundary) and training stops;
+    the Trainer's JIT checkpoint (enable_jit_checkpoint=True) writes nothing; the previous
+    SIGTERM handler is back afterwards."""
+    before = signal.getsignal(signal.SIGTERM)
+    result = train(
+        tmp_path,
+        12,
+        callback=CociCallback(policy="every_n_steps", every_n_steps=100),
+        extra_callbacks=(_Terminate(),),
+        enable_jit_checkpoint=True,
+    )
+    assert max(e.get("step", 0) for e in result["log"]) == 6
+    with CheckpointManager(tmp_path / "coci", keep_last=None) as mgr:
+        assert mgr.steps() == [6]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["coci"]
+    assert signal.getsignal(signal.SIGTERM) is before

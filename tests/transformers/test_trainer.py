@@ -1,0 +1,113 @@
+"""CociCallback with a real transformers.Trainer (tiny GPT-2 from a config, CPU): coci's saves
+replace the Trainer's, are asynchronous, and a run SIGKILLed mid-epoch resumes with
+``train(resume_from_checkpoint=True)`` bit-identical to a run never stopped."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+from accelerate.state import AcceleratorState
+
+from coci_core import CheckpointManager
+from coci_core.commands import cli
+from coci_core.errors import ConfigError
+from coci_transformers import CociCallback
+from tests.harness.processes import Child, module
+from tests.transformers.run import BATCH, STEPS_PER_EPOCH, train
+
+
+@pytest.fixture(autouse=True)
+def _reset_accelerate_state() -> Any:
+    AcceleratorState._reset_state(True)
+    yield
+    AcceleratorState._reset_state(True)
+
+
+def test_coci_saves_in_place_of_the_trainer(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """save_steps=3 as coci's every_n_steps: coci commits 3, 6, 9, 12 (keeps the last 3), each
+    save returned before it was durable, and the Trainer writes no checkpoint-N of its own."""
+    callback = CociCallback(policy="every_n_steps")
+    handles: list[Any] = []
+    original = callback._save_checkpoint
+
+    def save(*args: Any) -> Any:
+        handle = original(*args)
+        handles.append((handle.step, handle.done()))
+        return handle
+
+    callback._save_checkpoint = save  # type: ignore[method-assign]
+    # the Trainer reads the bound method it was given at on_init_end: patch before
+    result = train(tmp_path, 12, callback=callback)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["coci"]  # no checkpoint-N
+    with CheckpointManager(tmp_path / "coci", keep_last=None) as mgr:
+        assert mgr.steps() == [6, 9, 12]
+    assert [s for s, _ in handles] == [3, 6, 9, 12]
+    assert not all(done for _, done in handles)  # written in the background
+    assert len(result["seen"]) == 12 * BATCH
+    # coci report and the TensorBoard tab read the run's telemetry
+    assert cli.main(["report", str(tmp_path / "coci")]) == 0
+    assert "checkpoints committed: 4 at steps [3, 6, 9, 12]" in capsys.readouterr().out
+    assert list((tmp_path / "coci" / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_bad_options_are_refused_by_name(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="keep_last"):
+        CociCallback(keep_last=-1)
+    with pytest.raises(ConfigError, match="save_strategy"):
+        train(
+            tmp_path, 4, save_strategy="best", eval_strategy="steps", metric_for_best_model="loss"
+        )
+    with pytest.raises(ConfigError, match="save_total_limit"):
+        train(tmp_path, 4, callback=CociCallback(keep_last=5), save_total_limit=2)
+
+
+@pytest.mark.faults
+def test_sigkill_mid_epoch_resumes_bit_identical(tmp_path: Path) -> None:
+    """SIGKILL at step 11 (mid-epoch 2); train(resume_from_checkpoint=True) in a new Trainer
+    resumes from the newest committed step and ends bit-identical, each remaining sample
+    trained on once, with the log history of a run never stopped."""
+    total, kill = 16, 11
+    reference = train(tmp_path / "ref", total)
+    with Child(
+        module("tests.transformers.run", str(tmp_path / "run"), str(total), str(kill)),
+        stderr=subprocess.DEVNULL,
+    ) as child:
+        child.kill_at(f"AT {kill}")
+    with CheckpointManager(tmp_path / "run" / "coci", keep_last=None) as mgr:
+        steps = mgr.steps()
+    assert steps and steps[-1] <= kill and steps[-1] % 3 == 0
+    start = steps[-1]
+    AcceleratorState._reset_state(True)
+    resumed = train(tmp_path / "run", total, resume=True)
+    assert resumed["start"] == start
+    assert resumed["digest"] == reference["digest"]
+    assert resumed["seen"] == reference["seen"][start * BATCH :]
+    epoch2 = reference["seen"][STEPS_PER_EPOCH * BATCH :]
+    assert sorted(epoch2) == list(range(STEPS_PER_EPOCH * BATCH))
+    # the log history as saved, then logged on (a loss logged after the resume averages the
+    # steps since the resume, as with the Trainer's own checkpoints)
+    assert _without_loss(resumed["log"]) == _without_loss(reference["log"])
+
+
+def test_resume_from_a_step_directory(tmp_path: Path) -> None:
+    """resume_from_checkpoint=<coci step dir> resumes that step, and the run continues saving
+    into its directory."""
+    reference = train(tmp_path / "a", 8)  # saves 3, 6 and 8
+    AcceleratorState._reset_state(True)
+    step_dir = tmp_path / "a" / "coci" / "step-0000000003"
+    resumed = train(tmp_path / "b", 8, resume=str(step_dir))
+    assert resumed["start"] == 3
+    assert resumed["digest"] == reference["digest"]
+    with CheckpointManager(tmp_path / "a" / "coci", keep_last=None) as mgr:
+        assert mgr.steps() == [3, 6, 8]  # 6 and 8 saved again by the resumed run
+    assert not (tmp_path / "b" / "coci").exists()
+    assert _without_loss(resumed["log"]) == _without_loss(reference["log"])
+
+
+def _without_loss(log: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: v for k, v in e.items() if k not in ("loss", "train_loss")} for e in log]
