@@ -50,10 +50,12 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.random.set_rng_state_all(state["cuda"])
 
 
-def trainer_state_json(trainer: Trainer) -> str:
+def trainer_state_json(trainer: Trainer, *, update: bool = True) -> str:
     """``trainer.state`` as the Trainer writes ``trainer_state.json``, with the states of the
     stateful callbacks (``EarlyStoppingCallback``, ``TrainerControl``) brought up to date
-    first, as ``_save_checkpoint`` does."""
+    first, as ``_save_checkpoint`` does (unless not ``update``: a warm-up's state)."""
+    if not update:
+        return json.dumps(dataclasses.asdict(trainer.state), sort_keys=True)
     stored: Any = trainer.state.stateful_callbacks
     for cb in [*trainer.callback_handler.callbacks, trainer.control]:
         if not isinstance(cb, ExportableState):
@@ -66,9 +68,10 @@ def trainer_state_json(trainer: Trainer) -> str:
     return json.dumps(dataclasses.asdict(trainer.state), sort_keys=True)
 
 
-def collect(trainer: Trainer, *, weights_only: bool) -> dict[str, Any]:
+def collect(trainer: Trainer, *, weights_only: bool, warm_up: bool = False) -> dict[str, Any]:
     """Everything ``_save_checkpoint`` saves that is the same on every process
-    (``weights_only``: the model and the TrainerState, as with ``save_only_model``)."""
+    (``weights_only``: the model and the TrainerState, as with ``save_only_model``;
+    ``warm_up``: for the buffers only, the Trainer's state left as it is)."""
     model = trainer.accelerator.unwrap_model(trainer.model)
     state: dict[str, Any] = {
         "layout": LAYOUT,
@@ -77,7 +80,7 @@ def collect(trainer: Trainer, *, weights_only: bool) -> dict[str, Any]:
         "weights_only": weights_only,
         "model": model.state_dict(),
         "model_config": _config_json(model),
-        "trainer_state": trainer_state_json(trainer),
+        "trainer_state": trainer_state_json(trainer, update=not warm_up),
     }
     if not weights_only:
         t: Any = trainer

@@ -46,7 +46,7 @@ from transformers.trainer_utils import get_last_checkpoint
 
 import coci_transformers._state as _state
 from coci_core.engine.compress import CompressionPolicy
-from coci_core.errors import ConfigError, NoCheckpointError
+from coci_core.errors import CociError, ConfigError, NoCheckpointError
 from coci_core.planner.policies import SavePolicy
 from coci_core.preemption import NoticeSource, Preemption
 from coci_core.storage import is_url
@@ -234,10 +234,12 @@ class CociCallback(TrainerCallback):
         self._reset_run()
         resume: Any = resume_from_checkpoint
         coci_step: int | str | None = None
+        coci_root = False  # resuming from a coci directory given by path
         if isinstance(resume, (str, os.PathLike)):
             found = step_dir_of(resume, self.options.storage_options)
-            root = found[0] if found else (resume if newest_step_dir(str(resume)) else None)
+            root = found[0] if found else (resume if _coci_directory(resume) else None)
             if root is not None:
+                coci_root = True
                 if self._dirpath_given and str(root) != str(self._dirpath_arg):
                     raise ConfigError(
                         f"resume_from_checkpoint={str(resume)!r} is not in CociCallback's "
@@ -247,7 +249,7 @@ class CociCallback(TrainerCallback):
                 self.dirpath = root if isinstance(root, str) else Path(root)
                 coci_step = found[1] if found else None
                 resume = True
-        if not self._dirpath_given and not (resume is True and coci_step is not None):
+        if not self._dirpath_given and not coci_root:
             self.dirpath = Path(trainer._get_output_dir(trial)) / "coci"
         checkpointer = self._open(trainer, trial)
         self.checkpointer = checkpointer
@@ -443,7 +445,7 @@ class CociCallback(TrainerCallback):
             trainer = self._trainer()
             weights_only = bool(args.save_only_model)
             checkpointer.warm_up(
-                {**_state.collect(trainer, weights_only=weights_only), "coci": {}},
+                {**_state.collect(trainer, weights_only=weights_only, warm_up=True), "coci": {}},
                 per_rank=None if weights_only else {_state.PROCESS_KEY: _state.collect_own()},
             )
         self._last_step_end = time.perf_counter()
@@ -624,6 +626,14 @@ class CociCallback(TrainerCallback):
     def _announce_plan(self) -> None:
         """One log line at the first step: what coci plans and how to change it."""
         logger.info(plan_line(self._checkpointer().plan_outline(), self._total_source))
+
+
+def _coci_directory(path: Any) -> bool:
+    """Whether ``path`` is a directory holding committed coci checkpoints."""
+    try:
+        return newest_step_dir(str(path)) is not None
+    except (OSError, CociError):
+        return False
 
 
 def _when_restoring(

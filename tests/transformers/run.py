@@ -6,13 +6,15 @@ with ``CociCallback``, in the test process or as a child process:
 prints ``AT <step>`` after each optimizer step (``KILL_AT``: then waits to be killed, reading
 stdin) and ``RESULT <json>`` at the end: the model and optimizer digest, the samples trained
 on, the step it resumed from, and the Trainer's log history; ``--reference DIR`` first runs
-the whole run in DIR, never stopped, and prints ``REFERENCE <json>``.
+the whole run in DIR, never stopped, and prints ``REFERENCE <json>``; ``--sigterm DIR`` last
+runs it in DIR with SIGTERM sent to process 1 alone after step 4 (``SIGTERM <json>``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -67,6 +69,17 @@ class Marks(TrainerCallback):
             print(f"AT {state.global_step}", flush=True)
         if state.global_step == self.kill_at:
             sys.stdin.read()  # until killed
+
+
+class Terminate(TrainerCallback):
+    """Sends this process SIGTERM at the end of step ``at`` (on process ``rank`` only)."""
+
+    def __init__(self, at: int, rank: int | None = None) -> None:
+        self.at, self.rank = at, rank
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step == self.at and self.rank in (None, args.process_index):
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def tiny_model() -> GPT2LMHeadModel:
@@ -152,8 +165,21 @@ if __name__ == "__main__":
         from accelerate.state import AcceleratorState
 
         AcceleratorState._reset_state(True)
+    sigterm_dir = None
+    if "--sigterm" in sys.argv:  # last, a run where rank 1 alone gets SIGTERM after step 4
+        at = sys.argv.index("--sigterm")
+        sigterm_dir = sys.argv[at + 1]
+        del sys.argv[at : at + 2]
     argv = [a for a in sys.argv[1:] if a != "--resume"]
     kill = int(argv[2]) if len(argv) > 2 else None
     resume = True if "--resume" in sys.argv else None
     result = train(argv[0], int(argv[1]), kill_at=kill, resume=resume, in_process=False)
     print("RESULT " + json.dumps(result), flush=True)
+    if sigterm_dir is not None:
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState._reset_state(True)
+        stopped = train(
+            sigterm_dir, int(argv[1]), extra_callbacks=(Terminate(4, rank=1),), in_process=False
+        )
+        print("SIGTERM " + json.dumps(stopped), flush=True)

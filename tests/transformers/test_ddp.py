@@ -1,6 +1,6 @@
 """Two processes (torchrun, gloo, DDP through the Trainer): SIGKILLed mid-epoch and resumed
-with ``train(resume_from_checkpoint=True)``, bit-identical on both; the same checkpoint also
-resumes onto one process."""
+with ``train(resume_from_checkpoint=True)``, bit-identical on both; SIGTERM to one of them: both
+save at the next step and stop; the killed run's checkpoint also resumes onto one process."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def _results(stdout: str, mark: str = "RESULT ") -> dict[int, dict[str, Any]]:
 @pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.faults
-def test_sigkill_two_processes_and_resume_onto_one(tmp_path: Path) -> None:
+def test_two_processes_sigkill_sigterm_and_resume_onto_one(tmp_path: Path) -> None:
     total, kill = 12, 7  # 4 steps an epoch (32 samples, 2 x 4 a step); saves at 3, 6, 9, 12
     env = child_env({"OMP_NUM_THREADS": "1"})
     with Child(
@@ -50,15 +50,25 @@ def test_sigkill_two_processes_and_resume_onto_one(tmp_path: Path) -> None:
     assert len(manifest.per_rank) == 2 and all(r.tree for r in manifest.per_rank)
     shutil.copytree(tmp_path / "run", tmp_path / "one")
 
-    # the same processes first train a run never stopped, then resume the killed one
+    # the same processes first train a run never stopped, then resume the killed one, then
+    # train a run that gets SIGTERM
     command = [*COMMAND, str(tmp_path / "run"), str(total), "--resume"]
-    out = run([*command, "--reference", str(tmp_path / "ref")], env=env, timeout_s=300)
+    reference, sigterm = ["--reference", str(tmp_path / "ref")], ["--sigterm", str(tmp_path / "t")]
+    out = run([*command, *reference, *sigterm], env=env, timeout_s=300)
     assert out.returncode == 0, out.stderr[-3000:]
     expected, resumed = _results(out.stdout, "REFERENCE "), _results(out.stdout)
     for rank in (0, 1):
         assert resumed[rank]["start"] == start
         assert resumed[rank]["digest"] == expected[rank]["digest"]
         assert resumed[rank]["seen"] == expected[rank]["seen"][start * BATCH :]
+
+    # SIGTERM to process 1 alone after step 4: both save step 5, the next boundary, and stop
+    stopped = _results(out.stdout, "SIGTERM ")
+    for rank in (0, 1):
+        assert max(e.get("step", 0) for e in stopped[rank]["log"]) == 5
+    with CheckpointManager(tmp_path / "t" / "coci", keep_last=None) as mgr:
+        assert mgr.steps() == [3, 5]
+        assert mgr.manifest(5).world_size == 2
 
     # onto one process: the same step, the run goes on to its end (batches by count)
     AcceleratorState._reset_state(True)

@@ -4,7 +4,6 @@ boundary, then a clean stop; the Trainer's JIT checkpoint saves nothing more).""
 
 from __future__ import annotations
 
-import os
 import signal
 from pathlib import Path
 from typing import Any
@@ -12,11 +11,11 @@ from typing import Any
 import pytest
 import torch
 from accelerate.state import AcceleratorState
-from transformers import EarlyStoppingCallback, TrainerCallback
+from transformers import EarlyStoppingCallback
 
 from coci_core import CheckpointManager
 from coci_transformers import CociCallback
-from tests.transformers.run import tiny_model, train
+from tests.transformers.run import Terminate, tiny_model, train
 
 
 @pytest.fixture(autouse=True)
@@ -57,12 +56,6 @@ def test_early_stopping_and_the_best_kept_step(tmp_path: Path) -> None:
     assert not all(torch.equal(tiny_model().state_dict()[k], saved[k]) for k in saved)
 
 
-class _Terminate(TrainerCallback):
-    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if state.global_step == 5:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-
 def test_sigterm_saves_once_and_stops(tmp_path: Path) -> None:
     """SIGTERM after step 5: coci saves at step 6 (the next boundary) and training stops;
     the Trainer's JIT checkpoint (enable_jit_checkpoint=True) writes nothing; the previous
@@ -72,7 +65,7 @@ def test_sigterm_saves_once_and_stops(tmp_path: Path) -> None:
         tmp_path,
         12,
         callback=CociCallback(policy="every_n_steps", every_n_steps=100),
-        extra_callbacks=(_Terminate(),),
+        extra_callbacks=(Terminate(5),),
         enable_jit_checkpoint=True,
     )
     assert max(e.get("step", 0) for e in result["log"]) == 6

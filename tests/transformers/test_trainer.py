@@ -13,7 +13,7 @@ from accelerate.state import AcceleratorState
 
 from coci_core import CheckpointManager
 from coci_core.commands import cli
-from coci_core.errors import ConfigError
+from coci_core.errors import CheckpointError, ConfigError
 from coci_transformers import CociCallback
 from tests.harness.processes import Child, module
 from tests.transformers.run import BATCH, STEPS_PER_EPOCH, train
@@ -107,6 +107,23 @@ def test_resume_from_a_step_directory(tmp_path: Path) -> None:
         assert mgr.steps() == [3, 6, 8]  # 6 and 8 saved again by the resumed run
     assert not (tmp_path / "b" / "coci").exists()
     assert _without_loss(resumed["log"]) == _without_loss(reference["log"])
+    # the directory itself: its newest step (8), where the run ends: nothing left to train
+    AcceleratorState._reset_state(True)
+    again = train(tmp_path / "c", 8, resume=str(tmp_path / "a" / "coci"))
+    assert again["start"] == 8 and again["seen"] == []
+    assert not (tmp_path / "c" / "coci").exists()
+
+
+def test_a_weights_only_save_is_not_resumed(tmp_path: Path) -> None:
+    """save_only_model=True: coci saves the weights and TrainerState only, and a resume from
+    such a step is refused, saying why."""
+    train(tmp_path, 3, save_only_model=True)
+    with CheckpointManager(tmp_path / "coci") as mgr:
+        state = mgr.restore(3)
+    assert "optimizer" not in state and state["weights_only"] is True
+    AcceleratorState._reset_state(True)
+    with pytest.raises(CheckpointError, match="save_only_model"):
+        train(tmp_path, 6, resume=True)
 
 
 def _without_loss(log: list[dict[str, Any]]) -> list[dict[str, Any]]:
