@@ -9,11 +9,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from coci_core.engine.group import RankGroup
-from coci_core.engine.manifest import MAX_SEQUENCE, MAX_STEP
+from coci_core.engine.manifest import MANIFEST_NAME, MAX_SEQUENCE, MAX_STEP, step_dir_name
 from coci_core.engine.partition import Share, partition
 from coci_core.engine.steps import step_versions
 from coci_core.engine.tree import ArrayLeaf, FlatState, FlattenCache, flatten_state
-from coci_core.errors import ConfigError, StepExistsError
+from coci_core.errors import ConfigError, StepExistsError, StorageError
 from coci_core.storage import Storage
 
 __all__ = [
@@ -62,11 +62,23 @@ def save_version(storage: Storage, step: int, run_id: str, *, overwrite: bool) -
     step's newest checkpoint of another run (replaced); else a version no run holds yet, so
     that another run's checkpoint of the step is never touched.
 
+    One request when the step is not held (a version is made only beside a held plain
+    name). With ``overwrite``, a store that cannot be reached gives the plain name: the write
+    itself then fails in the background, as any write to it.
+
     Raises:
         StepExistsError: the directory holds this run's checkpoint of ``step`` and
             ``overwrite`` is False.
+        StorageError: the store cannot be reached (without ``overwrite``).
     """
-    held = step_versions(storage, step)
+    try:
+        if not storage.exists(f"{step_dir_name(step)}/{MANIFEST_NAME}"):
+            return 0
+        held = step_versions(storage, step)
+    except StorageError:
+        if overwrite:
+            return 0
+        raise
     if not held:
         return 0
     own = [i for i in held if i.intact and i.run == run_id]
