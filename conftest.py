@@ -9,6 +9,8 @@ fixtures are in :mod:`tests.docs_blocks`.
 
 from __future__ import annotations
 
+import signal
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,17 @@ ROOT = Path(__file__).resolve().parent
 DOCUMENTS = (ROOT / "README.md", ROOT / "docs")
 
 pytest_plugins = ["tests.docs_blocks"]
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_restored() -> Iterator[None]:
+    """A test (or a library it starts, like Ray) that installs a SIGTERM or SIGINT handler
+    does not leave it to the tests after it: the preemption tests chain to what is there."""
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    yield
+    for signum, handler in handlers.items():
+        if signal.getsignal(signum) is not handler:
+            signal.signal(signum, handler)
 
 
 def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> Any:

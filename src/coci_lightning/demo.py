@@ -254,7 +254,8 @@ def run(args: argparse.Namespace) -> int:
     print()
     # the work lost as the report and the tab count it (the telemetry has the step reached)
     lost = sum(summary.lost_steps)
-    print(f"killed at step {kill}, resumed from step {resumed_from}: {lost} steps of work lost")
+    steps = "step" if lost == 1 else "steps"
+    print(f"killed at step {kill}, resumed from step {resumed_from}: {lost} {steps} of work lost")
     print(f"final weights bit-identical to the uninterrupted run: {same_weights}")
     print(f"each remaining sample trained on exactly once, in the same order: {same_samples}")
     print(

@@ -34,11 +34,14 @@ def ray_session() -> Iterator[None]:
     old = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, old) if p)
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         yield
     finally:
         ray.shutdown()
+        for signum, handler in handlers.items():  # ray.init leaves its SIGTERM handler (exit)
+            signal.signal(signum, handler)
         if old is None:
             os.environ.pop("PYTHONPATH", None)
         else:

@@ -12,6 +12,7 @@ import os
 from typing import Any
 
 from coci_core.errors import ConfigError
+from coci_core.telemetry.report import plural
 
 __all__ = ["plot_timeline"]
 
@@ -52,7 +53,7 @@ def plot_timeline(data: dict[str, Any], path: str | os.PathLike[str]) -> None:
             a.axvline(restart["failed_at"], color="#c62828", lw=1.5)
             a.axvline(restart["restored"], color="#c62828", lw=1.5, ls="--")
         ax.annotate(
-            f"lost work: {restart['lost_steps']} steps\n"
+            f"lost work: {plural(restart['lost_steps'], 'step')}\n"
             f"✕ failure after step {restart['failed_at']}\n"
             f"↻ restart from step {restart['restored']}",
             xy=((restart["restored"] + restart["failed_at"]) / 2, 1.0),
@@ -133,8 +134,8 @@ def plot_timeline(data: dict[str, Any], path: str | os.PathLike[str]) -> None:
     f = data["summary"]
     fig.suptitle(
         f"{data['run']}: {f['planned']} checkpoints planned, {f['committed']} taken, "
-        f"total stall {f['total_stall_s']:.3f} s, {f['lost_steps']} steps lost over "
-        f"{f['restarts']} restart{'' if f['restarts'] == 1 else 's'}",
+        f"total stall {f['total_stall_s']:.3f} s, {plural(f['lost_steps'], 'step')} lost over "
+        f"{plural(f['restarts'], 'restart')}",
         y=0.02,
         va="bottom",
         fontsize=10,

@@ -300,21 +300,21 @@ def termination_effect(summary: RunSummary) -> dict[str, float] | None:
     }
 
 
-def _plural(n: int, noun: str) -> str:
+def plural(n: int, noun: str) -> str:
     return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
 def render_facts(f: dict[str, Any]) -> list[str]:
     """:func:`facts` as lines of text."""
     saves = f["committed"] + f["failed"]
-    lost = f"lost work: {_plural(f['lost_steps'], 'step')}"
-    lost += f" over {_plural(f['restarts'], 'restart')} after a failure"
+    lost = f"lost work: {plural(f['lost_steps'], 'step')}"
+    lost += f" over {plural(f['restarts'], 'restart')} after a failure"
     if f.get("resumes"):
-        lost += f" (and {_plural(f['resumes'], 'resume')} that lost nothing)"
+        lost += f" (and {plural(f['resumes'], 'resume')} that lost nothing)"
     lines = [
-        f"total stall {f['total_stall_s']:.3f} s over {_plural(saves, 'save')}; {lost}",
+        f"total stall {f['total_stall_s']:.3f} s over {plural(saves, 'save')}; {lost}",
         "",
-        f"expected overhead of each policy over the run's {_plural(f['steps'], 'step')}, from "
+        f"expected overhead of each policy over the run's {plural(f['steps'], 'step')}, from "
         "the measured costs:",
         render_policies(f["policies"])
         if f["policies"] or f["steps"] <= COMPARE_MAX_STEPS
@@ -368,7 +368,7 @@ def render(
         lines.append("no plan recorded: coci's planner did not choose these saves")
     else:
         lines.append(
-            f"checkpoints planned over the {_plural(summary.last_step, 'step')} run: "
+            f"checkpoints planned over the {plural(summary.last_step, 'step')} run: "
             f"{len(summary.planned)} at steps {summary.planned[:20]}"
             + (" ..." if len(summary.planned) > 20 else "")
             + (f"; still ahead: {summary.ahead[:10]}" if summary.ahead else "")
@@ -438,7 +438,7 @@ def _plan_when(plan: dict[str, Any]) -> str:
     """The plan's checkpoints in words: its interval, else its next planned step."""
     interval = plan.get("interval_steps")
     if isinstance(interval, int) and interval > 0:
-        return f"interval {_plural(interval, 'step')}"
+        return f"interval {plural(interval, 'step')}"
     ahead = sorted(int(s) for s in plan.get("next_steps", []) if int(s) > int(plan["step"]))
     if ahead:
         return f"next checkpoint at step {ahead[0]}"
@@ -475,7 +475,7 @@ def _restart_line(summary: RunSummary, resume: Restart) -> str:
     reached = f"step {resume.failed_at}" + ("" if resume.exact else " or a little further")
     return (
         f"restart: {restored}; the run had reached {reached}: "
-        f"{_plural(resume.lost_steps, 'step')} of work lost and redone"
+        f"{plural(resume.lost_steps, 'step')} of work lost and redone"
     )
 
 
@@ -483,13 +483,13 @@ def _uploads_line(uploads: list[dict[str, Any]]) -> str:
     """The remote tier in one line: steps uploaded, the newest, failed attempts."""
     done = [u for u in uploads if u.get("outcome") == "committed"]
     failed = [u for u in uploads if u.get("outcome") == "failed"]
-    line = f"remote tier: {_plural(len(done), 'checkpoint')} uploaded"
+    line = f"remote tier: {plural(len(done), 'checkpoint')} uploaded"
     if done:
         median = statistics.median(_float(u.get("seconds")) or 0.0 for u in done)
         line += f", newest step {done[-1]['step']} (median {_num(median, '.2f')} s each)"
     if failed:
         last = failed[-1]
-        line += f"; {_plural(len(failed), 'failed attempt')}, the last at step {last['step']}: "
+        line += f"; {plural(len(failed), 'failed attempt')}, the last at step {last['step']}: "
         line += str(last.get("error") or "?")
         if not done or done[-1]["step"] < last["step"]:
             line += " (not uploaded since)"

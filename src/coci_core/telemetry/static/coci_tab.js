@@ -457,7 +457,7 @@ function timelineSvg(data, axis, W) {
           (Object.keys(r.restore_parts_s || {}).length ? ' (' + Object.entries(r.restore_parts_s)
             .map(([k, v]) => `${k} ${fmt(v)} s`).join(', ') + ')' : '') +
           (r.restart_since ? `, first step ${fmt(r.restart_s)} s after ${r.restart_since}` : '') +
-          `; ${r.lost_steps} steps of work lost`),
+          `; ${r.lost_steps} step${r.lost_steps === 1 ? '' : 's'} of work lost`),
       );
       root.appendChild(g);
     }
