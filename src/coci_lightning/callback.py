@@ -23,7 +23,7 @@ from lightning.pytorch.callbacks import Checkpoint, EarlyStopping
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from coci_core import SaveHandle
+from coci_core import Preempted, SaveHandle
 from coci_core.engine.compress import CompressionPolicy
 from coci_core.errors import CociError, ConfigError
 from coci_core.planner import Termination
@@ -51,6 +51,7 @@ from coci_lightning._epoch_end import (
 )
 from coci_lightning._hparams import check_hyperparameters
 from coci_lightning._io import tier_options, use_coci_io
+from coci_lightning._preemption import give_sigterm_back, rank_minimum, take_sigterm_over
 from coci_lightning._rng import collect_plain_rng_states, rng_for_rank, set_plain_rng_states
 from coci_lightning._sharded import check_sharded, is_sharded, sharded_state
 from coci_lightning._stopping import early_stopping_hazard, early_stopping_of, stopped_early
@@ -126,7 +127,15 @@ class CociCheckpoint(Checkpoint):
             at the end), or ``"auto"`` (default): the planner's two-level period for the
             measured upload cost and ``planner_options={"node_loss_share": ...}`` (every
             checkpoint until an upload is measured, and while uploads cost the loop little).
-        preemption: the preemption notices to act on (see docs/preemption.md).
+        preemption: the preemption notices to act on (default ``"auto"``: SIGTERM with a
+            30 s grace period, and the metadata of the cloud the machine runs in; None: none,
+            Lightning's own SIGTERM handling stays; see docs/preemption.md). On a notice every
+            rank learns of it at the next training step's end, saves that step when the save
+            fits the time left (none otherwise: the previous checkpoint stays the newest),
+            sets ``trainer.should_stop`` and, once the save is durable, raises
+            :class:`~coci_core.Preempted` out of ``trainer.fit`` (a ``SystemExit``, exit
+            status 143, which schedulers restart on). While coci watches SIGTERM, Lightning
+            does not act on it (no ``SIGTERMException``, no save on it).
         early_stopping_hazard: when the Trainer has an ``EarlyStopping`` callback, plan with
             the probability that it stops the run at each coming validation (see
             :mod:`coci_core.hpo.early_stopping`); ``explain()`` shows it.
@@ -366,10 +375,14 @@ class CociCheckpoint(Checkpoint):
             broadcast=(lambda obj: trainer.strategy.broadcast(obj, src=0))
             if trainer.world_size > 1
             else None,
+            min_over_ranks=rank_minimum(trainer, options),
             log=logger,
         )
         if self._planner_state is not None:
             self.checkpointer.load_state_dict(self._planner_state)
+        # before Lightning registers its signal handlers (they chain coci's after its own)
+        if "SIGTERM" in self.checkpointer.watch_preemption():
+            take_sigterm_over(trainer)
         self._validations = ValidationHistory()
         for source, model in self._terminations.items():
             self.checkpointer.set_termination(source, model)
@@ -445,6 +458,8 @@ class CociCheckpoint(Checkpoint):
         loss = loss_of(trainer, self.monitor, outputs)
         ckpt.observe(trainer.global_step, loss=loss, step_time_s=step_time)
         planned = ckpt.should_save(trainer.global_step)  # every rank asks (shared decision)
+        if ckpt.preempted is not None:
+            self._stop_on_notice(trainer, ckpt, save=planned)
         if self.policy == "epoch":
             planned = False  # the epoch saves are the every_n_epochs ones below
         self._check_monitor(trainer, planned=planned)
@@ -469,6 +484,25 @@ class CociCheckpoint(Checkpoint):
                 self._plan_told = True
                 self._tell_plan(trainer.global_step, outline)
         self._last_end = time.perf_counter()
+
+    def _stop_on_notice(self, trainer: pl.Trainer, ckpt: Checkpointer, *, save: bool) -> None:
+        """The ranks agreed on a preemption notice at this step: save it if the save fits
+        (every rank), stop, wait for the save to be durable, and raise ``Preempted`` out of
+        ``fit`` (through Lightning's exception handling: no validation, epoch end or final
+        save runs in the time left)."""
+        if save:
+            last_batch = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+            if last_batch:  # in the state Lightning resumes after the epoch's last batch
+                self._save(trainer, epoch_end=True, after_the_batch=True)
+            else:
+                self._save(trainer)
+        trainer.should_stop = True
+        self.checkpointer = None  # closed by end_preempted: nothing more for the hooks to do
+        stop = ckpt.end_preempted()
+        if trainer.is_global_zero:
+            ckpt.log_summary(logger)
+            self._relay.drain(trainer, final=True)
+        raise stop
 
     def _save_at_epoch_end(self, trainer: pl.Trainer) -> None:
         """A save at the step of an epoch's last batch, taken at that step in the state that
@@ -656,6 +690,9 @@ class CociCheckpoint(Checkpoint):
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
+        if isinstance(exception, Preempted):  # saved (or not) at the notice, and closed
+            self.teardown(trainer, pl_module, "fit")
+            return
         # Nothing trained in this run (the sanity check failed, or training failed before its
         # first optimizer step): there is nothing new to save, and a step-0 save would be what
         # "last" resumes from next time.
@@ -674,6 +711,7 @@ class CociCheckpoint(Checkpoint):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        give_sigterm_back(trainer)
         if self.checkpointer is not None:
             ckpt, self.checkpointer = self.checkpointer, None
             try:

@@ -1,0 +1,59 @@
+"""CociCheckpoint on a preemption notice, beside Lightning's own SIGTERM handling.
+
+Lightning 2.x registers a SIGTERM handler when training starts (its ``_SignalConnector``): it
+sets ``trainer.received_sigterm``, forwards SIGTERM to the processes its launcher started,
+broadcasts a flag from rank 0 *inside the handler* with several processes, and the loops then
+raise ``SIGTERMException`` (a ``SystemExit`` with exit status 0) after the step, which
+``OnExceptionCheckpoint`` and ``CociCheckpoint(save_on_exception=True)`` save on. While coci
+watches SIGTERM (``preemption`` names it, as ``"auto"`` does), that notifier is replaced on the
+Trainer's connector (an instance attribute over a private method) by one that does nothing:
+coci's handler, which Lightning chains after its own, records the notice; the ranks agree at
+the next step boundary; CociCheckpoint saves that step if it fits and raises
+:class:`~coci_core.Preempted` (exit status 143). The rest of Lightning's SIGTERM handler (the
+``SLURMEnvironment(auto_requeue=True)`` "bypass" line) and its requeue signal handler are left
+alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+import lightning.pytorch as pl
+
+from coci_core.training import CheckpointOptions
+from coci_core.training.preemption import min_over_ranks
+
+_NOTIFIER = "_sigterm_notifier_fn"
+
+
+def rank_minimum(
+    trainer: pl.Trainer, options: CheckpointOptions
+) -> Callable[[float], float] | None:
+    """The per-step collective of the notice watch with several processes (over gloo: a
+    group of its own when the strategy's backend is another; every rank makes it in
+    ``setup``), or None."""
+    if trainer.world_size > 1 and options.preemption is not None:
+        return min_over_ranks()
+    return None
+
+
+def _ignore(signum: int, frame: FrameType | None) -> None:
+    """Lightning's SIGTERM notifier while coci watches SIGTERM: nothing (coci's handler,
+    chained after it, records the notice; no I/O or collective in a signal handler)."""
+
+
+def take_sigterm_over(trainer: pl.Trainer) -> None:
+    """Lightning neither flags SIGTERM nor raises ``SIGTERMException`` for this fit: coci's
+    notice handling stops the run. Call it before Lightning registers its handlers (``setup``)."""
+    connector: Any = getattr(trainer, "_signal_connector", None)
+    if connector is not None:
+        setattr(connector, _NOTIFIER, _ignore)
+
+
+def give_sigterm_back(trainer: pl.Trainer) -> None:
+    """Lightning's own SIGTERM notifier again (for a later fit without coci's notices)."""
+    connector: Any = getattr(trainer, "_signal_connector", None)
+    if connector is not None:
+        vars(connector).pop(_NOTIFIER, None)

@@ -1,0 +1,88 @@
+"""Lightning's CociCheckpoint (default ``preemption="auto"``) gets a real SIGTERM: every rank
+saves the step after it, the process exits 143 (Lightning saves nothing of its own), and the
+restarted run resumes from that step, bit-identical to a run never stopped."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from coci_core import CheckpointManager
+from tests.harness.processes import Child, module, run
+
+CHILD = "tests.preemption._lightning_child"
+
+
+def _rows(lines: list[str], mark: str) -> list[dict[str, Any]]:
+    return [json.loads(x.split(" ", 1)[1]) for x in lines if x.startswith(mark + " ")]
+
+
+def _preempt(directory: Path, *args: str, kill_scope: Any = "process") -> tuple[int, list[str]]:
+    """Run the child with ``--notice 3``; at its READY, SIGTERM the process it names, then
+    let it go on. Its exit status and output lines."""
+    command = module(CHILD, str(directory), "40", "--notice", "3", *args)
+    with Child(command, stderr=subprocess.DEVNULL, kill_scope=kill_scope) as child:
+        lines = []
+        while line := child.readline():
+            lines.append(line)
+            if line.startswith("READY "):
+                os.kill(int(line.split()[1]), signal.SIGTERM)
+                child.send("go\n")  # after the signal: the handler ran before the step goes on
+                break
+        lines.extend(child.lines())
+        code = child.wait(60)
+    return code, lines
+
+
+def test_lightning_stops_on_sigterm_saves_the_next_step_and_resumes_exactly(
+    tmp_path: Path,
+) -> None:
+    code, lines = _preempt(tmp_path / "run")
+    assert code == 143
+    (stop,) = _rows(lines, "PREEMPTED")
+    # SIGTERM after step 3: step 4 is the boundary every rank learns of it at, and is saved
+    assert stop == {"rank": 0, "saved": 4, "code": 143, "should_stop": True}
+    assert not _rows(lines, "RESULT")  # nothing after trainer.fit ran
+    with CheckpointManager(tmp_path / "run" / "coci", keep_last=None) as mgr:
+        assert mgr.steps() == [2, 4]  # the planned save at step 2, the notice's at 4
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["coci"]  # no .ckpt
+    done = run(
+        module(CHILD, str(tmp_path / "run"), "12", "--reference", str(tmp_path / "ref")),
+        timeout_s=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    (result,), (reference,) = _rows(lines, "RESULT"), _rows(lines, "REFERENCE")
+    assert result["start"] == 4 and reference["start"] == 0
+    assert result["digest"] == reference["digest"]
+
+
+def test_lightning_short_grace_does_not_start_the_save(tmp_path: Path) -> None:
+    """A grace period shorter than the margin: the notice's step is not saved, the previous
+    checkpoint stays the newest, and the process still exits 143."""
+    code, lines = _preempt(tmp_path, "--preemption", "TERM@0.5")
+    assert code == 143
+    (stop,) = _rows(lines, "PREEMPTED")
+    assert stop["saved"] is None and stop["code"] == 143
+    with CheckpointManager(tmp_path / "coci", keep_last=None) as mgr:
+        assert mgr.steps() == [2]
+
+
+@pytest.mark.dist
+def test_lightning_ddp_sigterm_to_rank_1_alone(tmp_path: Path) -> None:
+    """Two gloo processes; only rank 1 gets SIGTERM: both learn of it at the same step
+    boundary, both save their share of step 4, and both exit 143."""
+    code, lines = _preempt(tmp_path, "--ddp", "--rank", "1", kill_scope="group")
+    stops = {row["rank"]: row for row in _rows(lines, "PREEMPTED")}
+    assert sorted(stops) == [0, 1]
+    assert stops[0]["saved"] == stops[1]["saved"] == 4
+    assert code == 143  # rank 0, the process the launcher runs as
+    with CheckpointManager(tmp_path / "coci", keep_last=None) as mgr:
+        assert mgr.steps() == [2, 4]
+        assert mgr.manifest(4).world_size == 2
