@@ -3,7 +3,9 @@ Trainer will count it, the Trainer being made, its TensorBoard writer, the colle
 
 from __future__ import annotations
 
+import contextlib
 import math
+import signal
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import FrameType
@@ -14,6 +16,7 @@ from transformers import EarlyStoppingCallback, Trainer, TrainingArguments
 
 from coci_core.errors import ConfigError
 from coci_core.planner import Termination
+from coci_core.preemption import Preemption, SignalNotice
 from coci_core.telemetry.tensorboard import TensorBoardTelemetry
 from coci_core.training import PlanOutline
 
@@ -185,3 +188,26 @@ def plan_line(outline: PlanOutline, total_source: str) -> str:
         f"{interval}; MTBF {outline.mtbf_s:.0f} s assumed ({source}); "
         "change with CociCallback(mtbf_s=, every_n_steps=, policy=)"
     )
+
+
+def jit_checkpoint_off(trainer: Trainer, preemption: Preemption | None) -> bool:
+    """While coci acts on SIGTERM, the Trainer's JIT checkpoint (``enable_jit_checkpoint``)
+    is off: its SIGTERM handler is replaced by the one it replaced, before coci installs its
+    own (which chains to the handler it finds), so that SIGTERM starts no timer thread that
+    saves a second time 3 s later (and holds the exit back). Whether it was turned off."""
+    if preemption is None or not any(
+        isinstance(s, SignalNotice) and s.signum == signal.SIGTERM
+        for s in preemption.make_sources()
+    ):
+        return False
+    for callback in trainer.callback_handler.callbacks:
+        manager = getattr(callback, "jit_manager", None)
+        if type(callback).__name__ != "JITCheckpointCallback" or manager is None:
+            continue
+        with contextlib.suppress(ValueError):  # not the main thread: the handler stays
+            if signal.getsignal(signal.SIGTERM) == manager._sigterm_handler:
+                previous = manager._original_sigterm_handler
+                signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+        callback.jit_manager = None
+        return True
+    return False

@@ -5,7 +5,8 @@ or to resume through, so, when the Trainer is made (``on_init_end``), the callba
 few of that Trainer's own methods on the instance (never on the class):
 
 - ``_save_checkpoint`` (called where ``control.should_save`` is set, after the step's logging
-  and evaluation, and by the Trainer's own SIGTERM checkpoint): a coci save of the same state;
+  and evaluation, and by the Trainer's JIT checkpoint unless coci watches SIGTERM): a coci
+  save of the same state;
 - ``train``: ``resume_from_checkpoint=True``, a coci directory or a step directory restores
   coci's newest intact checkpoint (or that step), then runs the Trainer's own resume with a
   ``trainer_state.json`` written from it, so that the Trainer puts back its state, callbacks
@@ -26,15 +27,12 @@ import logging
 import math
 import os
 import shutil
-import signal
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from types import FrameType
 from typing import Any, Literal
 
-import torch
 from transformers import (
     Trainer,
     TrainerCallback,
@@ -46,7 +44,7 @@ from transformers.trainer_utils import get_last_checkpoint
 
 import coci_transformers._state as _state
 from coci_core.engine.compress import CompressionPolicy
-from coci_core.errors import CociError, ConfigError, NoCheckpointError
+from coci_core.errors import CociError, ConfigError, NoCheckpointError, Preempted
 from coci_core.planner.policies import SavePolicy
 from coci_core.preemption import NoticeSource, Preemption
 from coci_core.storage import is_url
@@ -64,12 +62,14 @@ from coci_core.training import (
     step_dir_name,
     step_dir_of,
 )
+from coci_core.training.preemption import min_over_ranks
 from coci_transformers._trainer import (
     best_kept,
     broadcast,
     calling_trainer,
     check_arguments,
     early_stopping,
+    jit_checkpoint_off,
     metric,
     plan_line,
     planned_steps,
@@ -112,8 +112,13 @@ class CociCallback(TrainerCallback):
         remote_keep_last: as for ``CociCheckpoint``.
         remote_storage_options: as for ``CociCheckpoint``.
         remote_upload_every: as for ``CociCheckpoint``.
-        preemption: the preemption notices (see docs/preemption.md); checked, not yet acted on
-            by this adapter beyond its own save at the next step boundary on SIGTERM.
+        preemption: the preemption notices to act on (default ``"auto"``: SIGTERM with a
+            30 s grace period, and the metadata of the cloud the machine runs in; None: none;
+            see docs/preemption.md). On a notice every process learns of it at the next
+            step's end, saves that step when the save fits the time left (none otherwise),
+            and training stops (``control.should_training_stop``, no evaluation); once the
+            save is durable ``trainer.train()`` raises :class:`~coci_core.Preempted` (a
+            ``SystemExit``, exit status 143). The Trainer's JIT checkpoint is then off.
         save_on_train_end: also save the final state (unless a pruned trial's).
     """
 
@@ -166,9 +171,7 @@ class CociCallback(TrainerCallback):
         self._announced = False
         self._closed = False
         self._pruning = False
-        self._sigterm = False
-        self._sigterm_previous: Any = None
-        self._sigterm_handler: Any = None
+        self._stop: Preempted | None = None  # raised out of train() once it returns
         self._steps_per_epoch: int | None = None
         self._total_source = ""
         self._validations = ValidationHistory()
@@ -257,7 +260,10 @@ class CociCallback(TrainerCallback):
         try:
             if resume is True:
                 resume = self._restore(trainer, checkpointer, coci_step)
-            return original(resume_from_checkpoint=resume, trial=trial, **kwargs)
+            result = original(resume_from_checkpoint=resume, trial=trial, **kwargs)
+            if self._stop is not None:  # the notice's save is durable (see on_train_end)
+                raise self._stop
+            return result
         except BaseException as e:
             if not self._closed:
                 if not self._pruning and not is_trial_pruned(e):
@@ -268,7 +274,6 @@ class CociCallback(TrainerCallback):
             if self._resume_dir is not None:
                 shutil.rmtree(self._resume_dir, ignore_errors=True)
             self._restored, self._resume_dir = None, None
-            self._restore_sigterm()
 
     def _open(self, trainer: Trainer, trial: Any) -> Checkpointer:
         args = trainer.args
@@ -311,6 +316,7 @@ class CociCallback(TrainerCallback):
             rank=args.process_index,
             world_size=world,
             broadcast=broadcast if world > 1 else None,
+            min_over_ranks=min_over_ranks() if world > 1 and options.preemption else None,
             sinks=sinks,
             log=logger,
         )
@@ -400,7 +406,8 @@ class CociCallback(TrainerCallback):
         if args.process_index == 0 and isinstance(self.dirpath, Path):
             with contextlib.suppress(ConfigError):  # tensorboard is not installed
                 checkpointer.sinks.append(tensorboard_sink(trainer, self.dirpath))
-        self._install_sigterm(args)
+        jit_checkpoint_off(trainer, self.options.preemption)  # before coci's handler
+        checkpointer.watch_preemption()
         self._start_step = state.global_step
         stopper = early_stopping(trainer)
         self._es_wait = stopper.early_stopping_patience_counter if stopper is not None else 0
@@ -435,13 +442,13 @@ class CociCallback(TrainerCallback):
                 checkpointer.warn_if_not_empty()
                 self._announce_plan()
         save = checkpointer.should_save(count)
-        if self.save_on_train_end and state.max_steps > 0 and count >= state.max_steps:
-            save = True
-        if self._sigterm_agreed():
-            save = True
+        if checkpointer.preempted is not None:  # the notice's step: saved if it fits, stop
             control.should_training_stop = True
+            control.should_evaluate = False
+        elif self.save_on_train_end and state.max_steps > 0 and count >= state.max_steps:
+            save = True
         control.should_save = save and count != self._saved
-        if not control.should_save and not checkpointer.warmed:
+        if not control.should_save and not checkpointer.warmed and not self._preempted():
             trainer = self._trainer()
             weights_only = bool(args.save_only_model)
             checkpointer.warm_up(
@@ -488,11 +495,20 @@ class CociCallback(TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         control.should_save = False  # the plan decided at the step's end (policy "epoch" too)
+        if self._preempted():
+            control.should_evaluate = False
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         if self._closed:
+            return
+        checkpointer = self._checkpointer()
+        if checkpointer.preempted is not None:  # wait for the notice's save, then stop
+            self._closed = True
+            self._stop = checkpointer.end_preempted()
+            if args.process_index == 0:
+                checkpointer.log_summary(logger)
             return
         if not self._pruning:
             self._final_save()
@@ -542,6 +558,8 @@ class CociCallback(TrainerCallback):
         """``load_best_model_at_end``: the final state is saved first, then the weights of the
         best step (``metric_for_best_model``) are read from coci."""
         trainer, checkpointer = self._trainer(), self._checkpointer()
+        if checkpointer.preempted is not None:
+            return  # the process ends on the notice: no final save, no weights to load
         self._final_save()
         checkpointer.wait()
         best = best_kept(trainer, checkpointer.manager.steps())
@@ -558,7 +576,7 @@ class CociCallback(TrainerCallback):
         state = checkpointer.restore(step)
         trainer.accelerator.unwrap_model(trainer.model).load_state_dict(state["model"])
 
-    # -- stopping: Optuna's pruning, SIGTERM -------------------------------------------------
+    # -- stopping: Optuna's pruning ----------------------------------------------------------
 
     def _report_to_hp_search(
         self, original: Callable[..., Any], trial: Any, step: int, metrics: dict[str, float]
@@ -574,40 +592,6 @@ class CociCallback(TrainerCallback):
             # re-estimated from the study as it is now, and from how this trial ranks
             self.checkpointer.set_termination("optuna", trial_termination(trial))
 
-    def _install_sigterm(self, args: TrainingArguments) -> None:
-        import threading
-
-        if threading.current_thread() is not threading.main_thread():
-            return
-
-        def handler(signum: int, frame: FrameType | None) -> None:
-            self._sigterm = True
-
-        self._sigterm_handler = handler
-        self._sigterm_previous = signal.signal(signal.SIGTERM, handler)
-
-    def _restore_sigterm(self) -> None:
-        """Put the previous SIGTERM handler back, unless another took ours over since (the
-        Trainer's JIT checkpoint callback puts its own previous one back at the end)."""
-        if self._sigterm_previous is not None:
-            with contextlib.suppress(ValueError):
-                if signal.getsignal(signal.SIGTERM) is self._sigterm_handler:
-                    signal.signal(signal.SIGTERM, self._sigterm_previous)
-            self._sigterm_previous = None
-
-    def _sigterm_agreed(self) -> bool:
-        """Whether any process got SIGTERM (one all-reduce per step with several processes)."""
-        flag = self._sigterm
-        dist = torch.distributed
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            t = torch.tensor([1 if flag else 0], dtype=torch.int32)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            flag = bool(t.item())
-        trainer = self._trainer()
-        if flag and trainer.args.process_index == 0 and not self._closed:
-            logger.info("coci: SIGTERM: save at step %d, then stop", trainer.state.global_step)
-        return flag
-
     # -- internals ----------------------------------------------------------------------------
 
     def _trainer(self) -> Trainer:
@@ -622,6 +606,9 @@ class CociCallback(TrainerCallback):
         if self.checkpointer is None:
             raise ConfigError("CociCallback: training has not started (call trainer.train())")
         return self.checkpointer
+
+    def _preempted(self) -> bool:
+        return self.checkpointer is not None and self.checkpointer.preempted is not None
 
     def _announce_plan(self) -> None:
         """One log line at the first step: what coci plans and how to change it."""

@@ -7,7 +7,8 @@ prints ``AT <step>`` after each optimizer step (``KILL_AT``: then waits to be ki
 stdin) and ``RESULT <json>`` at the end: the model and optimizer digest, the samples trained
 on, the step it resumed from, and the Trainer's log history; ``--reference DIR`` first runs
 the whole run in DIR, never stopped, and prints ``REFERENCE <json>``; ``--sigterm DIR`` last
-runs it in DIR with SIGTERM sent to process 1 alone after step 4 (``SIGTERM <json>``).
+runs it in DIR with SIGTERM sent to process 1 alone after step 4 (each process prints
+``SIGTERM <json>``, the step it saved, and exits 143).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from transformers import (
     TrainingArguments,
 )
 
+from coci_core import Preempted
 from coci_transformers import CociCallback
 from tests.harness.states import full_digest
 
@@ -179,7 +181,11 @@ if __name__ == "__main__":
         from accelerate.state import AcceleratorState
 
         AcceleratorState._reset_state(True)
-        stopped = train(
-            sigterm_dir, int(argv[1]), extra_callbacks=(Terminate(4, rank=1),), in_process=False
-        )
-        print("SIGTERM " + json.dumps(stopped), flush=True)
+        try:
+            train(
+                sigterm_dir, int(argv[1]), extra_callbacks=(Terminate(4, rank=1),), in_process=False
+            )
+        except Preempted as stop:  # then it ends the process: exit status 143
+            rank = int(os.environ.get("RANK", "0"))
+            print("SIGTERM " + json.dumps({"rank": rank, "saved": stop.step}), flush=True)
+            raise

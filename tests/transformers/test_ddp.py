@@ -55,7 +55,8 @@ def test_two_processes_sigkill_sigterm_and_resume_onto_one(tmp_path: Path) -> No
     command = [*COMMAND, str(tmp_path / "run"), str(total), "--resume"]
     reference, sigterm = ["--reference", str(tmp_path / "ref")], ["--sigterm", str(tmp_path / "t")]
     out = run([*command, *reference, *sigterm], env=env, timeout_s=300)
-    assert out.returncode == 0, out.stderr[-3000:]
+    # the workers exit 143 on the notice (the SIGTERM run, last): torchrun reports a failure
+    assert out.returncode != 0 and "exitcode  : 143" in out.stderr, out.stderr[-3000:]
     expected, resumed = _results(out.stdout, "REFERENCE "), _results(out.stdout)
     for rank in (0, 1):
         assert resumed[rank]["start"] == start
@@ -64,8 +65,7 @@ def test_two_processes_sigkill_sigterm_and_resume_onto_one(tmp_path: Path) -> No
 
     # SIGTERM to process 1 alone after step 4: both save step 5, the next boundary, and stop
     stopped = _results(out.stdout, "SIGTERM ")
-    for rank in (0, 1):
-        assert max(e.get("step", 0) for e in stopped[rank]["log"]) == 5
+    assert stopped[0]["saved"] == stopped[1]["saved"] == 5
     with CheckpointManager(tmp_path / "t" / "coci", keep_last=None) as mgr:
         assert mgr.steps() == [3, 5]
         assert mgr.manifest(5).world_size == 2

@@ -13,7 +13,7 @@ import torch
 from accelerate.state import AcceleratorState
 from transformers import EarlyStoppingCallback
 
-from coci_core import CheckpointManager
+from coci_core import CheckpointManager, Preempted
 from coci_transformers import CociCallback
 from tests.transformers.run import Terminate, tiny_model, train
 
@@ -57,18 +57,20 @@ def test_early_stopping_and_the_best_kept_step(tmp_path: Path) -> None:
 
 
 def test_sigterm_saves_once_and_stops(tmp_path: Path) -> None:
-    """SIGTERM after step 5: coci saves at step 6 (the next boundary) and training stops;
-    the Trainer's JIT checkpoint (enable_jit_checkpoint=True) writes nothing; the previous
-    SIGTERM handler is back afterwards."""
+    """SIGTERM after step 5: coci saves at step 6 (the next boundary), training stops and
+    ``train()`` raises ``Preempted`` (exit status 143); the Trainer's JIT checkpoint
+    (enable_jit_checkpoint=True) writes nothing; the previous SIGTERM handler is back
+    afterwards."""
     before = signal.getsignal(signal.SIGTERM)
-    result = train(
-        tmp_path,
-        12,
-        callback=CociCallback(policy="every_n_steps", every_n_steps=100),
-        extra_callbacks=(Terminate(5),),
-        enable_jit_checkpoint=True,
-    )
-    assert max(e.get("step", 0) for e in result["log"]) == 6
+    with pytest.raises(Preempted) as stopped:
+        train(
+            tmp_path,
+            12,
+            callback=CociCallback(policy="every_n_steps", every_n_steps=100),
+            extra_callbacks=(Terminate(5),),
+            enable_jit_checkpoint=True,
+        )
+    assert stopped.value.step == 6 and stopped.value.code == 143
     with CheckpointManager(tmp_path / "coci", keep_last=None) as mgr:
         assert mgr.steps() == [6]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["coci"]
