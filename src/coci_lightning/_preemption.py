@@ -16,6 +16,7 @@ alone.
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
@@ -57,3 +58,26 @@ def give_sigterm_back(trainer: pl.Trainer) -> None:
     connector: Any = getattr(trainer, "_signal_connector", None)
     if connector is not None:
         vars(connector).pop(_NOTIFIER, None)
+
+
+Handlers = dict[int, Any]
+
+
+def signal_handlers() -> Handlers:
+    """The handlers of the signals a notice may come by, now."""
+    return {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)}
+
+
+def forget_coci_handlers(trainer: pl.Trainer, before: Handlers, mine: Handlers) -> None:
+    """On an exception, Lightning puts back the handlers it found when it registered its own
+    (coci's, installed in ``setup``) after the callbacks' ``on_exception``, where coci has
+    stopped watching: it puts back the ones coci replaced instead (``before``), so that no
+    stopped coci handler is left to swallow a later SIGTERM. A no-op after a fit that ended
+    normally (Lightning put its handlers back first)."""
+    connector: Any = getattr(trainer, "_signal_connector", None)
+    originals = getattr(connector, "_original_handlers", None)
+    if not isinstance(originals, dict):
+        return
+    for signum, handler in mine.items():
+        if handler is not before.get(signum) and originals.get(signum) is handler:
+            originals[signum] = before.get(signum)

@@ -51,7 +51,14 @@ from coci_lightning._epoch_end import (
 )
 from coci_lightning._hparams import check_hyperparameters
 from coci_lightning._io import tier_options, use_coci_io
-from coci_lightning._preemption import give_sigterm_back, rank_minimum, take_sigterm_over
+from coci_lightning._preemption import (
+    Handlers,
+    forget_coci_handlers,
+    give_sigterm_back,
+    rank_minimum,
+    signal_handlers,
+    take_sigterm_over,
+)
 from coci_lightning._rng import collect_plain_rng_states, rng_for_rank, set_plain_rng_states
 from coci_lightning._sharded import check_sharded, is_sharded, sharded_state
 from coci_lightning._stopping import early_stopping_hazard, early_stopping_of, stopped_early
@@ -236,6 +243,8 @@ class CociCheckpoint(Checkpoint):
         self._start_step: int | None = None  # global_step at on_train_start (None: not started)
         self._plan_told = False
         self._relay = LoggerRelay()
+        # the signal handlers before and after coci's watch started (this fit's)
+        self._handlers: tuple[Handlers, Handlers] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         # The live Checkpointer (an open directory lease, a writer thread) belongs to this
@@ -245,6 +254,7 @@ class CociCheckpoint(Checkpoint):
         if self.checkpointer is not None:
             state["_planner_state"] = self.checkpointer.state_dict()
         state["checkpointer"] = None
+        state["_handlers"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -381,8 +391,10 @@ class CociCheckpoint(Checkpoint):
         if self._planner_state is not None:
             self.checkpointer.load_state_dict(self._planner_state)
         # before Lightning registers its signal handlers (they chain coci's after its own)
+        before = signal_handlers()
         if "SIGTERM" in self.checkpointer.watch_preemption():
             take_sigterm_over(trainer)
+        self._handlers = (before, signal_handlers())
         self._validations = ValidationHistory()
         for source, model in self._terminations.items():
             self.checkpointer.set_termination(source, model)
@@ -712,6 +724,9 @@ class CociCheckpoint(Checkpoint):
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         give_sigterm_back(trainer)
+        if self._handlers is not None:
+            forget_coci_handlers(trainer, *self._handlers)
+            self._handlers = None
         if self.checkpointer is not None:
             ckpt, self.checkpointer = self.checkpointer, None
             try:

@@ -86,3 +86,37 @@ def test_lightning_ddp_sigterm_to_rank_1_alone(tmp_path: Path) -> None:
     with CheckpointManager(tmp_path / "coci", keep_last=None) as mgr:
         assert mgr.steps() == [2, 4]
         assert mgr.manifest(4).world_size == 2
+
+
+def test_lightning_puts_the_signal_handlers_back_after_an_exception(tmp_path: Path) -> None:
+    """A fit that fails: Lightning puts back the handlers it found (coci's, stopped by then)
+    after the callbacks' on_exception; coci has them put back what coci replaced instead, so
+    that no stopped handler is left to swallow a later SIGTERM."""
+    import lightning.pytorch as pl
+
+    from coci_lightning import CociCheckpoint
+    from tests.lightning.models import DigitsModel
+
+    seen: list[Any] = []
+
+    class Failing(DigitsModel):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            seen.append(signal.getsignal(signal.SIGTERM))
+            if self.global_step == 2:
+                raise RuntimeError("a failing step")
+            return super().training_step(batch, batch_idx)
+
+    before = signal.getsignal(signal.SIGTERM)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=5,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        callbacks=[CociCheckpoint(save_on_exception=False)],
+    )
+    with pytest.raises(RuntimeError, match="a failing step"):
+        trainer.fit(Failing())
+    assert seen and seen[0] is not before  # Lightning's handler, coci's chained after it
+    assert signal.getsignal(signal.SIGTERM) is before
