@@ -47,13 +47,21 @@ class Indexed(Dataset[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]):
 
 
 class Parallel(pl.LightningModule):
-    """An MLP split as Lightning's docs write it: a tensor-parallel plan, then fully_shard."""
+    """An MLP split as Lightning's docs write it: a tensor-parallel plan, then fully_shard.
+    The norm and the head are not in the plan: fully_shard over the data-parallel sub-mesh
+    makes them DTensors of that sub-mesh, one copy per tensor-parallel rank (the standard
+    2-D recipe's embeddings, norms and heads)."""
 
     def __init__(self) -> None:
         super().__init__()
         # 34 hidden units: even over tensor parallelism; FSDP2 then splits rows unevenly
         self.net = torch.nn.Sequential(
-            torch.nn.Linear(16, 34), torch.nn.ReLU(), torch.nn.Dropout(0.1), torch.nn.Linear(34, 8)
+            torch.nn.Linear(16, 34),
+            torch.nn.ReLU(),
+            torch.nn.Dropout(0.1),
+            torch.nn.Linear(34, 8),
+            torch.nn.LayerNorm(8),
+            torch.nn.Linear(8, 8),
         )
         self.seen: list[int] = []
 

@@ -61,6 +61,11 @@ def test_killed_mid_epoch_resumes_bit_identical(tmp_path: Path, dp: int, tp: int
         assert len({p["file"] for p in pieces}) == world
     exp_avg = entries["/optimizer_states/0/state/net.0.weight/exp_avg"]["pieces"]
     assert len({p["file"] for p in exp_avg}) == world
+    # the norm and head are not tensor-parallel: DTensors of the data-parallel sub-mesh, one
+    # copy per tensor-parallel rank, whose bytes are written once (the replicas share the work)
+    for key, numel in [("/state_dict/net.5.weight", 8 * 8), ("/state_dict/net.4.bias", 8)]:
+        pieces = entries[key]["pieces"]
+        assert sum(p["length"] for p in pieces) == numel * 4
 
     resumed = _run(tmp_path / "run", dp, tp)
     per_step = 4  # samples per rank and step
