@@ -4,6 +4,7 @@ dependencies that point the way docs/architecture.md says."""
 from __future__ import annotations
 
 import ast
+import importlib
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -106,8 +107,7 @@ def test_dependencies_point_one_way() -> None:
     allowed_for_planner = ("coci_core.planner", "coci_core.errors", "coci_core.knobs")
     for module, deps in graph.items():
         if module.startswith("coci_core"):
-            adapters = ("coci_lightning", "coci_accelerate", "coci_transformers")
-            assert not {d for d in deps if d.startswith(adapters)}
+            assert not {d for d in deps if d.startswith("coci_") and d.split(".")[0] != "coci_core"}
         if module.startswith("coci_core.planner"):
             assert {
                 d
@@ -116,6 +116,79 @@ def test_dependencies_point_one_way() -> None:
             } == set(), module
         if module.startswith(("coci_core.codecs", "coci_core.storage")):
             assert {d for d in deps if d.startswith("coci_core.engine")} == set(), module
+
+
+#: The public line (docs/architecture.md): the modules whose ``__all__`` an adapter, or any
+#: package outside coci_core, may import from. Everything else of coci_core is internal.
+PUBLIC_MODULES = (
+    "coci_core",
+    "coci_core.training",
+    "coci_core.errors",
+    "coci_core.planner",
+    "coci_core.preemption",
+    "coci_core.storage",
+    "coci_core.codecs",
+    "coci_core.telemetry",
+    "coci_core.hpo",
+    "coci_core.hpo.optuna",
+    "coci_core.hpo.ray",
+)
+
+
+def _past_the_line(source: str) -> list[str]:
+    """The coci_core imports of a module's source (type-only and function-level ones too)
+    that are not a public module or a name in a public module's ``__all__``."""
+    crossed = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            crossed += [
+                a.name
+                for a in node.names
+                if a.name.startswith("coci_core") and a.name not in PUBLIC_MODULES
+            ]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("coci_core"):
+            module = node.module or ""
+            if module not in PUBLIC_MODULES:
+                crossed.append(module)
+                continue
+            public = set(importlib.import_module(module).__all__)
+            crossed += [
+                f"{module}.{a.name}"
+                for a in node.names
+                if a.name not in public and f"{module}.{a.name}" not in PUBLIC_MODULES
+            ]
+    return crossed
+
+
+def test_adapters_import_only_the_public_line() -> None:
+    """Every ``coci_*`` package other than coci_core (the three adapters, and any added
+    later) imports from coci_core only public modules and the names in their ``__all__``."""
+    crossed = {}
+    for package in sorted(p for p in SRC.iterdir() if p.name.startswith("coci_")):
+        if package.name == "coci_core" or not (package / "__init__.py").exists():
+            continue
+        for path in sorted(package.rglob("*.py")):
+            found = _past_the_line(path.read_text())
+            if found:
+                crossed[str(path.relative_to(SRC))] = found
+    assert crossed == {}
+
+
+def test_the_public_line_check_finds_a_crossing() -> None:
+    source = (
+        "from coci_core.training import Checkpointer\n"
+        "from coci_core.engine.tree import flatten_state\n"
+        "from coci_core import CheckpointManager, _LAZY\n"
+        "from coci_core.hpo import optuna\n"
+        "import coci_core.engine.manager\n"
+        "def f():\n    from coci_core.telemetry.report import render\n"
+    )
+    assert sorted(_past_the_line(source)) == [
+        "coci_core._LAZY",
+        "coci_core.engine.manager",
+        "coci_core.engine.tree",
+        "coci_core.telemetry.report",
+    ]
 
 
 def test_long_modules_say_why() -> None:

@@ -4,7 +4,7 @@ from accelerate.tracking import register_tracker_class
 
 from coci_accelerate.checkpointer import CociCheckpointer
 from coci_accelerate.tracker import CociTracker
-from coci_core.training.console import show_by_default
+from coci_core.training import show_by_default
 
 __all__ = ["CociCheckpointer", "CociTracker"]
 

@@ -27,7 +27,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
-from coci_core.engine.inplace import InPlaceTargets
+from coci_core import InPlaceTargets
 from coci_core.errors import CheckpointError, ConfigError
 
 LAYOUT = "coci.accelerate/1"

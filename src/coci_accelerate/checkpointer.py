@@ -19,22 +19,22 @@ from accelerate.utils import broadcast_object_list
 
 import coci_accelerate._state as _state
 from coci_accelerate.tracker import CociTracker
-from coci_core.engine.compress import CompressionPolicy
+from coci_core import CompressionPolicy
 from coci_core.errors import CociError, ConfigError, NoCheckpointError, StateMismatchError
-from coci_core.planner.policies import SavePolicy
+from coci_core.planner import SavePolicy
 from coci_core.preemption import NoticeSource, Preemption
 from coci_core.storage import is_url
 from coci_core.telemetry import TelemetrySink
-from coci_core.telemetry.objects import report_sink
-from coci_core.telemetry.tensorboard import TensorBoardTelemetry
 from coci_core.training import (
     Checkpointer,
     CheckpointOptions,
     SaveHandle,
+    TensorBoardTelemetry,
     check_bool,
+    min_over_ranks,
+    report_sink,
     shared_options,
 )
-from coci_core.training.preemption import min_over_ranks
 
 __all__ = ["CociCheckpointer"]
 

@@ -1,6 +1,6 @@
 """coci for PyTorch Lightning: ``Trainer(callbacks=[CociCheckpoint()])``."""
 
-from coci_core.training.console import show_by_default
+from coci_core.training import show_by_default
 from coci_lightning._resume import install_last_resolution
 from coci_lightning.callback import CociCheckpoint
 

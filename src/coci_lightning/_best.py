@@ -8,8 +8,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from coci_core.engine.handle import SaveHandle
-from coci_core.training import run_step_dir, step_dir_of
+from coci_core.training import SaveHandle, run_step_dir, step_dir_of
 
 __all__ = ["SCORES_KEY", "MonitorScores"]
 

@@ -15,8 +15,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from coci_core.engine.tree import flatten_state
 from coci_core.errors import UnsupportedValueError
+from coci_core.training import flatten_state
 
 __all__ = ["check_hyperparameters", "lightning_hyperparameters"]
 

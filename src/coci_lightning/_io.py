@@ -19,7 +19,7 @@ from coci_core.training import read_checkpoint, step_dir_of
 from coci_lightning._sharded import use_sharded_load
 
 if TYPE_CHECKING:
-    from coci_core.engine.restore import LoadedCheckpoint
+    from coci_core.training import LoadedCheckpoint
 
 logger = logging.getLogger(__name__)
 

@@ -23,8 +23,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from coci_core.training import CheckpointOptions
-from coci_core.training.preemption import min_over_ranks
+from coci_core.training import CheckpointOptions, min_over_ranks
 
 _NOTIFIER = "_sigterm_notifier_fn"
 

@@ -33,8 +33,13 @@ from lightning.pytorch.callbacks.on_exception_checkpoint import OnExceptionCheck
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from coci_core.engine.manifest import MANIFEST_NAME, parse_step_dir
-from coci_core.training import read_checkpoint, read_torch_file, step_dir_of
+from coci_core.training import (
+    MANIFEST_NAME,
+    parse_step_dir,
+    read_checkpoint,
+    read_torch_file,
+    step_dir_of,
+)
 from coci_lightning._io import use_coci_io
 from coci_lightning.callback import CociCheckpoint
 

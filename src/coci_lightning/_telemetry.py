@@ -12,7 +12,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from coci_core.errors import ConfigError
 from coci_core.telemetry import Event, SaveEvent, TelemetrySink
-from coci_core.telemetry.objects import report_sink
+from coci_core.training import report_sink
 
 
 def make_sinks(
@@ -25,7 +25,7 @@ def make_sinks(
     ``root`` for TensorBoard's coci tab."""
     if not trainer.is_global_zero:
         return []
-    from coci_core.telemetry.tensorboard import TensorBoardTelemetry
+    from coci_core.training import TensorBoardTelemetry
 
     local = root if isinstance(root, Path) else None
     sinks: list[TelemetrySink] = [report_sink(root, storage_options)]

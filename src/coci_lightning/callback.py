@@ -23,11 +23,9 @@ from lightning.pytorch.callbacks import Checkpoint, EarlyStopping
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from coci_core import Preempted, SaveHandle
-from coci_core.engine.compress import CompressionPolicy
+from coci_core import CompressionPolicy, Preempted, SaveHandle
 from coci_core.errors import CociError, ConfigError
-from coci_core.planner import Termination
-from coci_core.planner.policies import SavePolicy
+from coci_core.planner import SavePolicy, Termination
 from coci_core.preemption import NoticeSource, Preemption
 from coci_core.storage import is_url
 from coci_core.telemetry import RestoreEvent
@@ -72,7 +70,7 @@ from coci_lightning._trainer import (
 )
 
 if TYPE_CHECKING:
-    from coci_core.engine.restore import LoadedCheckpoint
+    from coci_core.training import LoadedCheckpoint
 
 __all__ = ["CociCheckpoint"]
 

@@ -198,7 +198,7 @@ def _train(directory: Path, total: int, result: Path, kill: int | None = None) -
 def run(args: argparse.Namespace) -> int:
     """Run the demo; returns the exit code (0 when the resumed run matches)."""
     from coci_core import CheckpointManager
-    from coci_core.telemetry.report import compare_policies, render, render_policies, summarize
+    from coci_core.training import compare_policies, render, render_policies, summarize
 
     total = args.total_steps or 600
     if total < 50:

@@ -1,6 +1,6 @@
 """coci for the Hugging Face ``transformers.Trainer``: ``CociCallback``."""
 
-from coci_core.training.console import show_by_default
+from coci_core.training import show_by_default
 from coci_transformers.callback import CociCallback
 
 __all__ = ["CociCallback"]

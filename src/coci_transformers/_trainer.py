@@ -17,8 +17,7 @@ from transformers import EarlyStoppingCallback, Trainer, TrainingArguments
 from coci_core.errors import ConfigError
 from coci_core.planner import Termination
 from coci_core.preemption import Preemption, SignalNotice
-from coci_core.telemetry.tensorboard import TensorBoardTelemetry
-from coci_core.training import PlanOutline
+from coci_core.training import PlanOutline, TensorBoardTelemetry
 
 #: TrainingArguments that coci refuses, with the reason (checked when training starts)
 _REFUSED: dict[str, tuple[Callable[[TrainingArguments], bool], str]] = {

@@ -43,13 +43,12 @@ from transformers import (
 from transformers.trainer_utils import get_last_checkpoint
 
 import coci_transformers._state as _state
-from coci_core.engine.compress import CompressionPolicy
+from coci_core import CompressionPolicy
 from coci_core.errors import CociError, ConfigError, NoCheckpointError, Preempted
-from coci_core.planner.policies import SavePolicy
+from coci_core.planner import SavePolicy
 from coci_core.preemption import NoticeSource, Preemption
 from coci_core.storage import is_url
 from coci_core.telemetry import TelemetrySink
-from coci_core.telemetry.objects import report_sink
 from coci_core.training import (
     Checkpointer,
     CheckpointOptions,
@@ -57,12 +56,13 @@ from coci_core.training import (
     ValidationHistory,
     check_bool,
     is_trial_pruned,
+    min_over_ranks,
     newest_step_dir,
+    report_sink,
     shared_options,
     step_dir_name,
     step_dir_of,
 )
-from coci_core.training.preemption import min_over_ranks
 from coci_transformers._trainer import (
     best_kept,
     broadcast,

@@ -51,6 +51,7 @@ from coci_core.planner.model import AshaRungs, NoTermination, Termination
 __all__ = [
     "EARLY_STOPPED_ATTR",
     "STEP_ATTR",
+    "StepMap",
     "CheckpointCleanup",
     "should_prune",
     "per_epoch",

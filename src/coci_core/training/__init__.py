@@ -4,12 +4,23 @@
 stopped on purpose (:class:`ValidationHistory`, :func:`is_trial_pruned`), and, for a framework
 that restores by path itself, finding and reading step directories (:func:`read_checkpoint`).
 
+It is also the public line for the adapters: a ``coci_*`` package imports from coci_core only
+the names in the ``__all__`` of this module, of ``coci_core`` and of the other public modules
+that docs/architecture.md lists (tests/test_layering.py checks it); the engine's and the
+telemetry's internals stay behind them.
+
 How to add a framework adapter: see docs/architecture.md.
 """
 
+import typing as _typing
+
 from coci_core.engine.manager import SaveHandle
-from coci_core.engine.manifest import step_dir_name
+from coci_core.engine.manifest import MANIFEST_NAME, parse_step_dir, step_dir_name
+from coci_core.engine.restore import LoadedCheckpoint
+from coci_core.engine.tree import flatten_state
+from coci_core.telemetry.objects import report_sink
 from coci_core.training.checkpointer import Checkpointer
+from coci_core.training.console import show_by_default
 from coci_core.training.options import (
     SHARED_ARGUMENTS,
     CheckpointOptions,
@@ -20,6 +31,7 @@ from coci_core.training.options import (
     signature_drift,
 )
 from coci_core.training.outline import PlanOutline
+from coci_core.training.preemption import min_over_ranks
 from coci_core.training.reading import (
     newest_step_dir,
     read_checkpoint,
@@ -29,23 +41,61 @@ from coci_core.training.reading import (
 )
 from coci_core.training.stopping import ValidationHistory, is_trial_pruned
 
+if _typing.TYPE_CHECKING:
+    from coci_core.telemetry.report import compare_policies, render, render_policies, summarize
+    from coci_core.telemetry.tensorboard import TensorBoardTelemetry
+
+# Imported on first use: the TensorBoard writer and the run report are for the adapters that
+# write or print them.
+_LAZY = {
+    "TensorBoardTelemetry": "coci_core.telemetry.tensorboard",
+    "compare_policies": "coci_core.telemetry.report",
+    "render": "coci_core.telemetry.report",
+    "render_policies": "coci_core.telemetry.report",
+    "summarize": "coci_core.telemetry.report",
+}
+
+
+def __getattr__(name: str) -> _typing.Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'coci_core.training' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
 __all__ = [
+    "MANIFEST_NAME",
     "SHARED_ARGUMENTS",
     "CheckpointOptions",
     "Checkpointer",
+    "LoadedCheckpoint",
     "PlanOutline",
     "SaveHandle",
+    "TensorBoardTelemetry",
     "ValidationHistory",
     "check_bool",
     "check_storage_options",
     "check_verbose",
+    "compare_policies",
+    "flatten_state",
     "is_trial_pruned",
+    "min_over_ranks",
     "newest_step_dir",
+    "parse_step_dir",
     "read_checkpoint",
     "read_torch_file",
+    "render",
+    "render_policies",
+    "report_sink",
     "run_step_dir",
     "shared_options",
+    "show_by_default",
     "signature_drift",
     "step_dir_name",
     "step_dir_of",
+    "summarize",
 ]
