@@ -19,15 +19,28 @@ what it returns.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, Protocol
 
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, Strategy
 
 from coci_core.errors import ConfigError
 
-if TYPE_CHECKING:
-    from coci_lightning._io import CociCheckpointIO
+
+class _CociReader(Protocol):
+    """What the sharded load needs of :class:`~coci_lightning._io.CociCheckpointIO`."""
+
+    def is_coci(self, path: Any) -> bool: ...
+
+    def read(
+        self,
+        path: Any,
+        live: Mapping[str, Any] | None,
+        replaced: Iterable[tuple[Any, ...]] = (),
+        *,
+        partial: bool = False,
+    ) -> dict[str, Any]: ...
+
 
 __all__ = ["check_sharded", "is_sharded", "sharded_state", "use_sharded_load"]
 
@@ -86,7 +99,7 @@ def sharded_state(strategy: Strategy) -> Iterator[None]:
         vars(strategy).pop("optimizer_state", None)
 
 
-def use_sharded_load(strategy: Strategy, io: CociCheckpointIO) -> None:
+def use_sharded_load(strategy: Strategy, io: _CociReader) -> None:
     """Make ``strategy.load_checkpoint`` read coci step directories into the live sharded state
     (once; anything else goes to the strategy's own reader)."""
     if not is_sharded(strategy) or _ORIGINAL_LOAD in vars(strategy):
@@ -102,7 +115,7 @@ def use_sharded_load(strategy: Strategy, io: CociCheckpointIO) -> None:
     vars(strategy)["load_checkpoint"] = load_checkpoint
 
 
-def _load_sharded(strategy: Strategy, io: CociCheckpointIO, path: Any) -> dict[str, Any]:
+def _load_sharded(strategy: Strategy, io: _CociReader, path: Any) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,

@@ -145,3 +145,34 @@ def pmap(fn: Callable[[_T], _R], items: Iterable[_T], threads: int) -> list[_R]:
         if pool is None:
             pool = _pools[threads] = ThreadPoolExecutor(threads, thread_name_prefix="coci-codec")
     return list(pool.map(fn, jobs))
+
+
+@dataclass
+class QuantState:
+    """What the caller keeps per piece between lossy saves (one copy of the piece's bytes).
+
+    ``reset(data, step)`` after the piece was saved losslessly (a new base); ``encode_quantized``
+    computes the new reconstruction and holds it as pending; ``commit()`` once that checkpoint
+    is durable makes it the reference for the next save (skip it if the save failed: the next
+    delta is then taken against the last durable one).
+    """
+
+    ref: U8 | None = field(default=None, repr=False)
+    ref_step: int | None = None
+    generation: int = 0  # lossy saves since the last lossless base
+    _pending: tuple[U8, int | None] | None = field(default=None, repr=False)
+
+    def reset(self, data: Buffer, step: int | None = None) -> None:
+        """The piece was stored exactly (at ``step``): it is the reference from now on."""
+        self.ref = u8(data).copy()
+        self.ref_step = step
+        self.generation = 0
+        self._pending = None
+
+    def commit(self) -> None:
+        """The last encoded save is durable: its reconstruction is the next reference."""
+        if self._pending is None:
+            raise ConfigError("nothing to commit: no quantized encode since the last commit")
+        self.ref, self.ref_step = self._pending
+        self.generation += 1
+        self._pending = None

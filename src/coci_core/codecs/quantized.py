@@ -35,7 +35,6 @@ the positive normal range (underflow, overflow) is stored exactly too. Parameter
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
@@ -47,6 +46,7 @@ from coci_core.codecs._common import (
     Buffer,
     Encoded,
     Params,
+    QuantState,
     pack_sections,
     u8,
     unpack_sections,
@@ -98,37 +98,6 @@ QDELTA = "coci.qdelta/1"
 QDELTA2 = "coci.qdelta/2"
 QDELTA_LOG = "coci.qdelta-log/1"
 QDELTAS = (QDELTA, QDELTA2, QDELTA_LOG)
-
-
-@dataclass
-class QuantState:
-    """What the caller keeps per piece between lossy saves (one copy of the piece's bytes).
-
-    ``reset(data, step)`` after the piece was saved losslessly (a new base); ``encode_quantized``
-    computes the new reconstruction and holds it as pending; ``commit()`` once that checkpoint
-    is durable makes it the reference for the next save (skip it if the save failed: the next
-    delta is then taken against the last durable one).
-    """
-
-    ref: U8 | None = field(default=None, repr=False)
-    ref_step: int | None = None
-    generation: int = 0  # lossy saves since the last lossless base
-    _pending: tuple[U8, int | None] | None = field(default=None, repr=False)
-
-    def reset(self, data: Buffer, step: int | None = None) -> None:
-        """The piece was stored exactly (at ``step``): it is the reference from now on."""
-        self.ref = u8(data).copy()
-        self.ref_step = step
-        self.generation = 0
-        self._pending = None
-
-    def commit(self) -> None:
-        """The last encoded save is durable: its reconstruction is the next reference."""
-        if self._pending is None:
-            raise ConfigError("nothing to commit: no quantized encode since the last commit")
-        self.ref, self.ref_step = self._pending
-        self.generation += 1
-        self._pending = None
 
 
 def _check_args(bits: int, block: int, promote: int) -> None:

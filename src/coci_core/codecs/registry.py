@@ -40,14 +40,11 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import entry_points
-from typing import TYPE_CHECKING, Literal, TypeAlias
+from typing import Literal, TypeAlias
 
-from coci_core.codecs._common import Buffer, Encoded, Params, u8, writable_u8
+from coci_core.codecs._common import Buffer, Encoded, Params, QuantState, u8, writable_u8
 from coci_core.codecs._params import p_bool, p_str
 from coci_core.errors import ConfigError, CorruptCheckpointError
-
-if TYPE_CHECKING:
-    from coci_core.codecs.quantized import QuantState
 
 __all__ = [
     "ENTRY_POINTS",
