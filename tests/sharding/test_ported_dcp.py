@@ -41,9 +41,10 @@ Not applicable (why):
 - ``test_fsdp_dsd.py``: ``test_save_with_fsdp1_and_load_with_fsdp2``,
   ``test_save_with_fsdp1_and_load_with_fsdp2_tp``; ``test_fsdp_checkpoint.py``,
   ``test_2d_fsdp_dt_checkpoint.py``, ``test_hsdp_checkpoint.py``,
-  ``test_fsdp_tp_checkpoint_conversion.py`` in their FSDP1 parts: FSDP1's sharded state is
-  ``ShardedTensor`` (without a device mesh), which coci refuses by name; their FSDP2 / DTensor
-  content is the resharding and 2-D cases above and ``test_recipe_2d.py``.
+  ``test_fsdp_tp_checkpoint_conversion.py`` in their FSDP1 parts (these four judged by their
+  subject): FSDP1's sharded state is ``ShardedTensor`` (without a device mesh), which coci
+  refuses by name; their FSDP2 / DTensor content is the resharding and 2-D cases above and
+  ``test_recipe_2d.py``.
   ``test_1d_fsdp_get_model_state_dict``, ``test_1d_fsdp_cpu_offload_full_model_state_dict``
   test torch's ``get_model_state_dict``, not a save or load.
 - ``test_e2e_save_and_load.py``: ``test_e2e_async_cached``, ``TestNoCPU.test_no_cpu`` (DCP's
