@@ -18,8 +18,9 @@ planner, storage-writer and ``async_save`` tests (coci has no planner hooks, its
 asynchronous saves), and FSDP1 ``ShardedTensor`` tests (coci stores DTensors).
 
 Lightning's ``ModelParallelStrategy`` and Accelerate's FSDP2 on a 2-D mesh with layers that are
-not tensor-parallel are not run here (time): they save and restore through the same core paths
-(``get_model_state_dict`` DTensors, in place), tested above.
+not tensor-parallel are tested in ``tests/lightning/test_model_parallel.py`` and
+``tests/accelerate/test_fsdp2_tp.py``; the rest of torch's distributed-checkpoint tests that
+apply, in ``test_ported_dcp.py``.
 """
 
 from __future__ import annotations
