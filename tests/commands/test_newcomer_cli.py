@@ -9,6 +9,7 @@ import re
 import subprocess
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -135,3 +136,41 @@ def test_verify_remote_checks_the_remote_tier_too(tmp_path: Path) -> None:
     args = ("verify", str(local), "--remote", str(remote), "--step", "2")
     one = run(module("coci_core.commands.cli", *args))
     assert one.returncode == 1 and "remote step 2: 1 damaged" in one.stdout, one.stdout
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        lambda sd: {"model": sd, "optim": {"lr": 0.1}, "step": 3},  # a loop's own
+        lambda sd: {"models": [sd], "optimizers": [{}]},  # Accelerate's
+    ],
+)
+def test_export_weights_only_of_a_loop_s_and_accelerate_s_layout(
+    tmp_path: Path, layout: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from safetensors.torch import load_file
+
+    from coci_core.commands.cli import main
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1))
+    with CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(3, layout(model.state_dict())).wait()
+    out = tmp_path / "w.safetensors"
+    assert main(["export", str(tmp_path / "run"), str(out), "--weights-only"]) == 0
+    fresh = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1))
+    fresh.load_state_dict(load_file(out))
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in model.state_dict().items())
+
+
+def test_export_weights_only_of_an_unknown_layout_says_where_it_looks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from coci_core.commands.cli import main
+
+    with CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(3, {"net": {"w": torch.zeros(2)}}).wait()
+    out = tmp_path / "w.safetensors"
+    assert main(["export", str(tmp_path / "run"), str(out), "--weights-only"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'state_dict'" in err and "'net'" in err, err
+    assert not out.exists()

@@ -285,6 +285,10 @@ def _export(args: argparse.Namespace) -> int:
     if not out.parent.is_dir():
         raise BadInput(f"{args.out}: the directory {out.parent} does not exist")
     fmt = args.format
+    if args.weights_only and fmt not in ("auto", "torch", "safetensors"):
+        raise BadInput(
+            f"--weights-only writes a .safetensors or torch.save file, not --format {fmt}"
+        )
     if fmt in ADAPTER_EXPORTS:  # an adapter's own layout, written by the adapter
         if remote is not None:
             raise BadInput(f"--format {fmt} reads the local directory only: leave out --remote")
@@ -315,6 +319,11 @@ def _export(args: argparse.Namespace) -> int:
         raise BadInput(f"step {args.step} is not committed in {storage.url} (its steps: {shown})")
     # without --step: the step a resume takes (past damaged newer ones), as restore picks it
     loaded, _ = restore_newest(storage, args.step, rank=args.rank, remote=remote)
+    if args.weights_only:
+        from coci_core.interop.weights import export_weights
+
+        print(export_weights(loaded.state, out, fmt, loaded.step))
+        return 0
     print(export_state(loaded.state, out, fmt, loaded.step))
     return 0
 
@@ -468,6 +477,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="whose per-rank state (random states) to include (default: 0)",
+    )
+    p.add_argument(
+        "--weights-only",
+        action="store_true",
+        help="write the model's weights alone, keyed as its state_dict() (a LightningModule's, "
+        "the state's 'model', Accelerate's one model): model.load_state_dict(load_file(OUT)) "
+        "reads it; no note, so `coci import` cannot resume from it",
     )
     p.set_defaults(func=_export)
     p = sub.add_parser(
