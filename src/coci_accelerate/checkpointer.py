@@ -226,7 +226,8 @@ class CociCheckpointer:
         self.checkpointer.observe(count, loss=loss, step_time_s=step_time)
         handle = None
         if announce and self.accelerator.is_main_process:
-            self.checkpointer.warn_if_not_empty()  # a fresh run into another run's directory
+            # a fresh run into another run's directory (a rerun of the script)
+            self.checkpointer.warn_if_not_empty("call ckpt.resume() before the loop")
             self._announce_plan()
         if self.checkpointer.should_save(count):
             handle = self.save()
@@ -301,7 +302,8 @@ class CociCheckpointer:
                 f"steps completed, {count} here; call ckpt.save() with no argument"
             )
         if self.accelerator.is_main_process:
-            self.checkpointer.warn_if_not_empty()  # a fresh run into another run's directory
+            # a fresh run into another run's directory (a rerun of the script)
+            self.checkpointer.warn_if_not_empty("call ckpt.resume() before the loop")
         state = _state.collect(self.accelerator, count, standins=self._standins)
         _state.run_save_hooks(self.accelerator, state, str(self.dirpath))
         state["coci"] = self.checkpointer.state_dict()

@@ -455,7 +455,10 @@ class CociCheckpoint(Checkpoint):
                 trainer.callback_metrics.update(self._pending_metrics)
         self._pending_metrics = None
         if self.checkpointer is not None:
-            self.checkpointer.warn_if_not_empty()  # a fresh run into another run's directory
+            # a fresh run into another run's directory (a rerun of the script)
+            self.checkpointer.warn_if_not_empty(
+                'fit(ckpt_path="last") or CociCheckpoint(resume=True)'
+            )
         if self.checkpointer is not None:
             epochs = (self.every_n_epochs or 1) if self.policy == "epoch" else None
             plan_horizon(self.checkpointer.planner, trainer, save_every_epochs=epochs)
