@@ -82,7 +82,7 @@ def test_getting_started_commands_work_after_its_loop(
         for line in block.splitlines()
         if line.startswith("coci ") and not line.startswith("coci demo")
     ]
-    assert [c[1] for c in commands] == ["ls", "verify", "export", "report"]
+    assert [c[1] for c in commands] == ["ls", "verify", "export", "export", "report"]
     for command in commands:
         capsys.readouterr()
         assert main(command[1:]) == 0, (command, capsys.readouterr())

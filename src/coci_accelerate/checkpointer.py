@@ -141,6 +141,7 @@ class CociCheckpointer:
                     if type(tracker).__name__ == "TensorBoardTracker"
                 )
         several = accelerator.num_processes > 1
+        _warn_unless_one_run(accelerator)
         self.checkpointer = Checkpointer(
             self.dirpath,
             self.options,
@@ -225,7 +226,8 @@ class CociCheckpointer:
         self.checkpointer.observe(count, loss=loss, step_time_s=step_time)
         handle = None
         if announce and self.accelerator.is_main_process:
-            self.checkpointer.warn_if_not_empty()  # a fresh run into another run's directory
+            # a fresh run into another run's directory (a rerun of the script)
+            self.checkpointer.warn_if_not_empty("call ckpt.resume() before the loop")
             self._announce_plan()
         if self.checkpointer.should_save(count):
             handle = self.save()
@@ -300,7 +302,8 @@ class CociCheckpointer:
                 f"steps completed, {count} here; call ckpt.save() with no argument"
             )
         if self.accelerator.is_main_process:
-            self.checkpointer.warn_if_not_empty()  # a fresh run into another run's directory
+            # a fresh run into another run's directory (a rerun of the script)
+            self.checkpointer.warn_if_not_empty("call ckpt.resume() before the loop")
         state = _state.collect(self.accelerator, count, standins=self._standins)
         _state.run_save_hooks(self.accelerator, state, str(self.dirpath))
         state["coci"] = self.checkpointer.state_dict()
@@ -539,6 +542,29 @@ def _log_skip_advice(accelerator: Accelerator, count: int) -> None:
                 i,
                 count % per_epoch,
             )
+
+
+def _warn_unless_one_run(accelerator: Accelerator) -> None:
+    """Warn (once, in the launcher's rank 0) when the launcher started several processes
+    (``WORLD_SIZE`` > 1) but the Accelerator runs one: each process is then a run of its own,
+    all writing into one checkpoint directory. On a machine without GPUs, Accelerate 1.15 forms
+    a process group (gloo) only with ``Accelerator(cpu=True)`` (or ``ACCELERATE_USE_CPU=1``
+    under torchrun); ``accelerate launch --multi_gpu`` and ``torchrun`` without it start
+    independent runs."""
+    try:
+        launched = int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return
+    # once for the job: by the process the launcher numbered 0 (each of them runs alone)
+    if launched > 1 and accelerator.num_processes == 1 and os.environ.get("RANK", "0") == "0":
+        warnings.warn(
+            f"coci: WORLD_SIZE={launched} but the Accelerator runs one process: each of the "
+            f"{launched} processes is a run of its own, writing into the same checkpoint "
+            "directory. On a CPU machine pass Accelerator(cpu=True), so that the processes "
+            "form one run (gloo); on a GPU machine, check that each process sees a GPU",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def _tensorboard_sink(accelerator: Accelerator, dirpath: Path) -> TensorBoardTelemetry:

@@ -1,5 +1,6 @@
 """``ckpt_path="best"`` for ``CociCheckpoint(monitor=...)``: the monitored value of each
-committed save, by step, and the kept checkpoint with the lowest one."""
+committed save, by step, and the kept checkpoint with the lowest one (the highest for
+``mode="max"``)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ class MonitorScores:
     logged when it is taken, replaced by a validation's at the same step (the planner saves at
     a step's end, before its validation)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, maximize: bool = False) -> None:
+        self.maximize = maximize  # mode="max": the highest value is best
         self.scores: dict[int, float] = {}
         self._saving: tuple[int, float] | None = None  # the save being taken
         self._validated: tuple[int, float] | None = None  # the validation after the last save
@@ -85,8 +87,10 @@ class MonitorScores:
         run: str | None = None,
     ) -> tuple[str, float] | None:
         """(the step directory, its value) of the kept checkpoint with the lowest value (the
-        newest of equals), or None; ``run``: whose checkpoint of a step two runs hold."""
-        for step, score in sorted(self.scores.items(), key=lambda item: (item[1], -item[0])):
+        highest with ``maximize``; the newest of equals), or None; ``run``: whose checkpoint
+        of a step two runs hold."""
+        sign = -1.0 if self.maximize else 1.0
+        for step, score in sorted(self.scores.items(), key=lambda it: (sign * it[1], -it[0])):
             path = str(run_step_dir(directory, step, run, options_for(str(directory))))
             if step_dir_of(path, options_for(path)) is not None:  # committed, still kept
                 return path, score

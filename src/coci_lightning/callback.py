@@ -47,6 +47,7 @@ from coci_lightning._epoch_end import (
     run_ends_with_this_epoch,
     validation_follows,
 )
+from coci_lightning._habits import model_checkpoint_arguments
 from coci_lightning._hparams import check_hyperparameters
 from coci_lightning._io import tier_options, use_coci_io
 from coci_lightning._preemption import (
@@ -110,6 +111,9 @@ class CociCheckpoint(Checkpoint):
             Each save records its value, and ``ckpt_path="best"`` is the kept checkpoint with
             the lowest one (:attr:`best_model_path`). Without it, "best" is the newest kept
             checkpoint, as for ``ModelCheckpoint()`` without a monitor.
+        mode: ``"min"`` (default) or ``"max"``, as ``ModelCheckpoint``'s: with ``"max"`` the
+            best checkpoint is the one with the highest value of ``monitor`` (an accuracy),
+            and the planner plans with the training step's loss instead of it.
         block: copy the state before the save returns (default), so that what the checkpoint
             holds is the state of the step whatever changes the tensors next (an EMA or
             weight clipping through ``.data``, numpy). False overlaps the copy with the next
@@ -149,6 +153,13 @@ class CociCheckpoint(Checkpoint):
             pruned by Optuna (``optuna.TrialPruned``, or optuna-integration's pruning callback
             stopping the Trainer). By default a stopped run is done and takes none (a run
             stopped by ``max_time`` still takes its final save).
+        every_n_train_steps: ``ModelCheckpoint``'s name: ``every_n_train_steps=N`` is
+            ``policy="every_n_steps", every_n_steps=N`` (a save every N steps).
+        save_weights_only: ``ModelCheckpoint``'s; only False: coci's checkpoints hold the
+            whole training state, for an exact resume (``True`` is a ConfigError that says
+            how to get the weights alone: ``coci export DIR OUT --weights-only``).
+        filename: ``ModelCheckpoint``'s; only None: coci names its checkpoints by step (a
+            name is a ConfigError that says why).
     """
 
     def __init__(
@@ -166,6 +177,7 @@ class CociCheckpoint(Checkpoint):
         every_n_seconds: float | None = None,
         every_n_epochs: int | None = None,
         monitor: str | None = None,
+        mode: Literal["min", "max"] = "min",
         block: bool = True,
         save_on_train_end: bool = True,
         save_on_exception: bool = True,
@@ -179,6 +191,9 @@ class CociCheckpoint(Checkpoint):
         preemption: str | Sequence[str | NoticeSource] | Preemption | None = "auto",
         early_stopping_hazard: bool = True,
         save_when_stopped: bool = False,
+        every_n_train_steps: int | None = None,
+        save_weights_only: bool = False,
+        filename: str | None = None,
     ) -> None:
         super().__init__()
         dirpath = check_dirpath(dirpath)
@@ -199,6 +214,14 @@ class CociCheckpoint(Checkpoint):
             raise ConfigError(
                 f"'every_n_epochs' must be an integer >= 1 or None: {every_n_epochs!r}"
             )
+        policy, every_n_steps = model_checkpoint_arguments(
+            policy=policy,
+            every_n_steps=every_n_steps,
+            every_n_train_steps=every_n_train_steps,
+            mode=mode,
+            save_weights_only=save_weights_only,
+            filename=filename,
+        )
         self.every_n_epochs = every_n_epochs
         if policy == "epoch":
             self.every_n_epochs = every_n_epochs or 1
@@ -210,8 +233,9 @@ class CociCheckpoint(Checkpoint):
         self.dirpath = dirpath
         self.resume = resume
         self.monitor = monitor
+        self.mode = mode
         self._monitor_warned = False
-        self._scores = MonitorScores()  # for ckpt_path="best"
+        self._scores = MonitorScores(maximize=mode == "max")  # for ckpt_path="best"
         self._directory: Path | str | None = None  # resolve_dirpath at the last setup
         self._best_path_given = ""  # best_model_path as set from outside (ddp_spawn)
         self._newest_saved = ""  # the step directory of this callback's newest committed save
@@ -288,9 +312,10 @@ class CociCheckpoint(Checkpoint):
 
     @property
     def best_model_path(self) -> str:
-        """The step directory of the kept checkpoint with the lowest value of ``monitor``, or
-        without a monitor the newest kept checkpoint (as ``ModelCheckpoint()`` without one):
-        what ``ckpt_path="best"`` loads; or ``""`` (as ``ModelCheckpoint.best_model_path``)."""
+        """The step directory of the kept checkpoint with the best value of ``monitor`` (the
+        lowest; the highest for ``mode="max"``), or without a monitor the newest kept
+        checkpoint (as ``ModelCheckpoint()`` without one): what ``ckpt_path="best"`` loads;
+        or ``""`` (as ``ModelCheckpoint.best_model_path``)."""
         if self.monitor is None:
             return self._newest_kept() or self._best_path_given
         best = self._best()
@@ -428,7 +453,10 @@ class CociCheckpoint(Checkpoint):
                 trainer.callback_metrics.update(self._pending_metrics)
         self._pending_metrics = None
         if self.checkpointer is not None:
-            self.checkpointer.warn_if_not_empty()  # a fresh run into another run's directory
+            # a fresh run into another run's directory (a rerun of the script)
+            self.checkpointer.warn_if_not_empty(
+                'fit(ckpt_path="last") or CociCheckpoint(resume=True)'
+            )
         if self.checkpointer is not None:
             epochs = (self.every_n_epochs or 1) if self.policy == "epoch" else None
             plan_horizon(self.checkpointer.planner, trainer, save_every_epochs=epochs)
@@ -465,7 +493,8 @@ class CociCheckpoint(Checkpoint):
             return
         now = time.perf_counter()
         step_time = None if self._last_end is None else now - self._last_end
-        loss = loss_of(trainer, self.monitor, outputs)
+        # a metric to maximise is no loss: plan with the training step's then
+        loss = loss_of(trainer, self.monitor if self.mode == "min" else None, outputs)
         ckpt.observe(trainer.global_step, loss=loss, step_time_s=step_time)
         planned = ckpt.should_save(trainer.global_step)  # every rank asks (shared decision)
         if ckpt.preempted is not None:

@@ -77,6 +77,8 @@ def test_a_fresh_run_into_another_runs_directory_warns_and_keeps_them(
     with caplog.at_level("WARNING", logger="coci_core"), pytest.raises(Stop):
         _run(root, resume=False, kill_at=2 * STEPS_PER_EPOCH + 3)
     assert caplog.text.count("of another run") == 1
+    assert "This is a new run, not a resumed one" in caplog.text
+    assert "To continue that run instead, call ckpt.resume() before the loop" in caplog.text
     # the ends of epochs 1 and 2, steps the first run holds too: saved beside them
     assert {p.name for p in coci_dir.glob("step-*-v1")} == {
         f"step-{n * STEPS_PER_EPOCH:010d}-v1" for n in (1, 2)

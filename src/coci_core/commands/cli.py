@@ -4,8 +4,9 @@ last two from the planner).
 Exit codes: 0 done; 1 the checkpoints have a problem (none committed, damage found, a failed
 save); 2 the command line or its input is unusable (a missing directory or file, a file that
 is not a checkpoint or is damaged, a file import refuses because loading it would run code, a
-step that is not there, a step import would overwrite without ``--force``). Errors are one
-line on stderr, never a traceback.
+step that is not there, a step import would overwrite without ``--force``); 141 the reader of
+the output went away (``coci report DIR | head``), quietly. Errors are one line on stderr, never
+a traceback.
 
 Building the parser imports nothing heavy (no torch, numpy, scipy): each subcommand imports
 what it needs when it runs, so ``coci --help`` answers at once.
@@ -14,6 +15,7 @@ what it needs when it runs, so ``coci --help`` answers at once.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -191,6 +193,37 @@ def _size(n: int) -> str:
 
 
 def _verify(args: argparse.Namespace) -> int:
+    from coci_core.engine.restore import committed_dirs
+
+    storage = _checkpoint_dir(args.dir)
+    remote = _remote(args)
+    tiers = [("", storage)] + ([("remote ", remote)] if remote is not None else [])
+    if args.step is not None and remote is not None:
+        # the tier that holds the step (both, when both do)
+        held = [(tier, s) for tier, s in tiers if _holds(args.step, committed_dirs(s))]
+        tiers = held or tiers[:1]  # neither: the local tier says it is missing
+    found, damaged = 0, 0
+    for tier, tier_storage in tiers:
+        tier_found, tier_damaged = _verify_tier(tier_storage, args.step, tier)
+        found += tier_found
+        damaged += tier_damaged
+    if not found:
+        where = " or ".join(str(s.url) for _, s in tiers)
+        print(f"no committed checkpoints in {where}")
+        return 1
+    return 1 if damaged else 0
+
+
+def _holds(ref: int | str, dirs: list[tuple[int, int]]) -> bool:
+    """Whether committed step directories ``dirs`` hold ``ref`` (a step or a directory's name)."""
+    from coci_core.engine.manifest import step_dir_name
+
+    return any(ref in (s, step_dir_name(s, v)) for s, v in dirs)
+
+
+def _verify_tier(storage: Any, ref: int | str | None, tier: str) -> tuple[int, int]:
+    """Verify ``ref`` (None: every committed checkpoint) in one tier, a line each (prefixed
+    with ``tier``, "" for the local one); the checkpoints verified and those found damaged."""
     from coci_core.engine.restore import (
         StepInfo,
         checkpoint_storage,
@@ -201,22 +234,18 @@ def _verify(args: argparse.Namespace) -> int:
     )
     from coci_core.errors import CorruptCheckpointError, NoCheckpointError
 
-    storage = _checkpoint_dir(args.dir)
     dirs = committed_dirs(storage)
-    if args.step is not None:
-        chosen = [find_checkpoint(storage, args.step)]
+    if ref is not None:
+        chosen = [find_checkpoint(storage, ref)]
     else:
         chosen = [StepInfo(s, "", 0.0, intact=True, version=v) for s, v in dirs]
     # each run's versioned directories (the bases of its deltas), read only when there are any
     infos = step_infos(storage) if any(v for _, v in dirs) else []
     runs = {(i.step, i.version): i for i in infos}
-    if not chosen:
-        print(f"no committed checkpoints in {storage.url}")
-        return 1
     damaged = 0
     for info in chosen:
         step = info.step
-        label = f"step {step}" if info.version == 0 else info.name
+        label = tier + (f"step {step}" if info.version == 0 else info.name)
         where = checkpoint_storage(storage, runs.get((step, info.version), info), infos)
         reasons: list[str] = []
 
@@ -228,7 +257,7 @@ def _verify(args: argparse.Namespace) -> int:
         try:
             bad = verify_checkpoint(where, step, on_bad=report)
         except NoCheckpointError as e:
-            if args.step is not None:
+            if ref is not None:
                 raise BadInput(str(e)) from e
             # listed here and then removed (retention): gone, not damaged
             print(f"{label}: removed while verifying (not damaged)")
@@ -241,7 +270,7 @@ def _verify(args: argparse.Namespace) -> int:
             print(line)
         print(f"{label}: {'ok' if not bad else f'{len(bad)} damaged'}")
         damaged += bool(bad)
-    return 1 if damaged else 0
+    return len(chosen), damaged
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -256,6 +285,10 @@ def _export(args: argparse.Namespace) -> int:
     if not out.parent.is_dir():
         raise BadInput(f"{args.out}: the directory {out.parent} does not exist")
     fmt = args.format
+    if args.weights_only and fmt not in ("auto", "torch", "safetensors"):
+        raise BadInput(
+            f"--weights-only writes a .safetensors or torch.save file, not --format {fmt}"
+        )
     if fmt in ADAPTER_EXPORTS:  # an adapter's own layout, written by the adapter
         if remote is not None:
             raise BadInput(f"--format {fmt} reads the local directory only: leave out --remote")
@@ -286,6 +319,11 @@ def _export(args: argparse.Namespace) -> int:
         raise BadInput(f"step {args.step} is not committed in {storage.url} (its steps: {shown})")
     # without --step: the step a resume takes (past damaged newer ones), as restore picks it
     loaded, _ = restore_newest(storage, args.step, rank=args.rank, remote=remote)
+    if args.weights_only:
+        from coci_core.interop.weights import export_weights
+
+        print(export_weights(loaded.state, out, fmt, loaded.step))
+        return 0
     print(export_state(loaded.state, out, fmt, loaded.step))
     return 0
 
@@ -382,12 +420,29 @@ def build_parser() -> argparse.ArgumentParser:
         "a remote tier of DIR (a path or an fsspec URL, as CheckpointManager's remote=): "
         "its steps count too"
     )
-    p = sub.add_parser("ls", help="list committed checkpoints")
+    p = sub.add_parser(
+        "ls",
+        help="list committed checkpoints",
+        description="List the committed checkpoints of DIR (and of its remote tier): step, size, "
+        "compression ratio, tensors, when, which run, codec; marks the one a resume takes.",
+    )
     p.add_argument("dir", metavar="DIR", help=dir_help)
     p.add_argument("--remote", metavar="URL", help=remote_help)
     p.set_defaults(func=_ls)
-    p = sub.add_parser("verify", help="check every checksum (exit 1 on damage)")
+    p = sub.add_parser(
+        "verify",
+        help="check every checksum (exit 1 on damage)",
+        description="Read every committed checkpoint of DIR (and of its remote tier) and check "
+        "each piece's checksum; one line per checkpoint, one per damaged tensor. Exit 1 on "
+        "damage.",
+    )
     p.add_argument("dir", metavar="DIR", help=dir_help)
+    p.add_argument(
+        "--remote",
+        metavar="URL",
+        help="a remote tier of DIR (a path or an fsspec URL, as CheckpointManager's remote=): "
+        "its checkpoints are verified too",
+    )
     p.add_argument(
         "--step",
         type=_checkpoint_ref,
@@ -423,9 +478,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="whose per-rank state (random states) to include (default: 0)",
     )
+    p.add_argument(
+        "--weights-only",
+        action="store_true",
+        help="write the model's weights alone, keyed as its state_dict() (a LightningModule's, "
+        "the state's 'model', Accelerate's one model): model.load_state_dict(load_file(OUT)) "
+        "reads it; no note, so `coci import` cannot resume from it",
+    )
     p.set_defaults(func=_export)
     p = sub.add_parser(
-        "import", help="save a torch.save / .safetensors file or a DCP directory as a coci step"
+        "import",
+        help="save a torch.save / .safetensors file or a DCP directory as a coci step",
+        description="Save a torch.save file, a .safetensors file or a "
+        "torch.distributed.checkpoint directory into DIR as a coci step (a file `coci export` "
+        "wrote comes back as the exact state it held).",
     )
     p.add_argument(
         "src", metavar="SRC", help="a torch.save file, a .safetensors file or a DCP directory"
@@ -444,7 +510,12 @@ def build_parser() -> argparse.ArgumentParser:
         "allows) as torch.save'd leaves, read back with weights_only=True",
     )
     p.set_defaults(func=_import)
-    p = sub.add_parser("report", help="what a run's checkpoints cost, planned vs actual")
+    p = sub.add_parser(
+        "report",
+        help="what a run's checkpoints cost, planned vs actual",
+        description="What a run's checkpoints cost, from the telemetry its adapter wrote: the "
+        "plan, the saves taken, stalls, failures, lost work, restores.",
+    )
     p.add_argument(
         "dir",
         metavar="DIR",
@@ -457,7 +528,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="also draw the run's timeline (TensorBoard's coci tab) with matplotlib",
     )
     p.set_defaults(func=_report)
-    p = sub.add_parser("demo", help="kill a training run mid-persist and resume it exactly")
+    p = sub.add_parser(
+        "demo",
+        help="kill a small training run and resume it bit-identically",
+        description="Train a small model with Lightning and CociCheckpoint, kill the process "
+        "(SIGKILL) at a step, resume it and check that the resumed run matches an uninterrupted "
+        "one bit for bit; then report what the checkpoints cost. --engine: the engine alone "
+        "(no Lightning), killed in the middle of a save.",
+    )
     p.add_argument(
         "--engine",
         action="store_true",
@@ -479,8 +557,29 @@ def _one_line(error: BaseException) -> str:
     return " ".join(line.strip() for line in str(error).splitlines() if line.strip())
 
 
+#: the exit code of a command whose reader went away (``coci report | head``): a shell's for a
+#: process killed by SIGPIPE (128 + 13)
+BROKEN_PIPE_EXIT = 141
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``coci``; returns the exit code (0 done, 1 a checkpoint problem, 2 bad input)."""
+    """Run ``coci``; returns the exit code (0 done, 1 a checkpoint problem, 2 bad input; 141
+    when the reader of its output went away, as ``head`` does, quietly)."""
+    try:
+        try:
+            return _main(argv)
+        finally:  # its --help's SystemExit too: flush here, where a closed pipe can be caught
+            sys.stdout.flush()
+    except BrokenPipeError:
+        # Python's documented way: whatever is left to flush goes to devnull, so that the
+        # interpreter's own flush at exit prints no "Exception ignored ... BrokenPipeError"
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return BROKEN_PIPE_EXIT
+
+
+def _main(argv: Sequence[str] | None) -> int:
     try:
         args = build_parser().parse_args(argv)
     except BadInput as e:
@@ -496,6 +595,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CociError as e:
         print(f"coci: {_one_line(e)}", file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        raise  # the reader went away: main says nothing
     except OSError as e:  # the disk, permissions: not a bug in coci
         print(f"coci: {_one_line(e)}", file=sys.stderr)
         return 1

@@ -293,7 +293,12 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 def add_subcommands(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Add ``plan`` and ``simulate`` to a ``coci`` command's subparsers."""
-    plan = subparsers.add_parser("plan", help="print a checkpoint schedule and why")
+    plan = subparsers.add_parser(
+        "plan",
+        help="print a checkpoint schedule and why",
+        description="Print the steps a policy checkpoints at for a job's costs (step time, "
+        "stall, persist, restart, MTBF), its expected overhead and Daly's for comparison.",
+    )
     _common(plan)
     plan.add_argument(
         "--policy",
@@ -304,7 +309,12 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:  # type: ig
     plan.add_argument("--json", action="store_true", help="print JSON instead of text")
     plan.add_argument("--show", type=int, default=20, help="how many steps to print")
     plan.set_defaults(func=run_plan)
-    sim = subparsers.add_parser("simulate", help="Monte Carlo of policies x metrics")
+    sim = subparsers.add_parser(
+        "simulate",
+        help="Monte Carlo of policies x metrics",
+        description="Simulate random failures of a job (Monte Carlo) under each policy and "
+        "print each one's overheads in seconds per run, with 95%% confidence intervals.",
+    )
     _common(sim)
     sim.add_argument(
         "--policies",

@@ -497,10 +497,11 @@ class Checkpointer:
             self._notice_handle = handle
         return handle
 
-    def warn_if_not_empty(self) -> bool:
+    def warn_if_not_empty(self, resume_hint: str = "resume from it") -> bool:
         """At the start of a run that did not resume: warn (rank 0, at the first call) when
         the directory holds checkpoints of another run, as Lightning's ModelCheckpoint warns
-        of a non-empty directory. Returns whether it did."""
+        of a non-empty directory (a script rerun into its default directory). ``resume_hint``:
+        how the adapter's user continues that run instead. Returns whether it did."""
         if self._checked_not_empty or self.rank != 0 or self.resumed_from is not None:
             return False
         self._checked_not_empty = True
@@ -510,15 +511,16 @@ class Checkpointer:
         steps = sorted(s for run_steps in runs.values() for s in run_steps)
         shown = ", ".join(map(str, steps[:5])) + (", ..." if len(steps) > 5 else "")
         logger.warning(
-            "coci: %s holds %d checkpoint(s) of %s (steps %s). This run starts fresh and saves "
-            "beside them (a step they hold as step-...-v1); they are never deleted or "
-            "overwritten by it, and a resume takes this run's newest checkpoint once it has "
-            "one. To continue that run instead, resume from it; to keep runs apart, give each "
-            "run a directory of its own.",
+            "coci: %s holds %d checkpoint(s) of %s (steps %s). This is a new run, not a "
+            "resumed one: it saves beside them (a step they hold as step-...-v1) and never "
+            "deletes or overwrites them, and a resume takes this run's newest checkpoint once "
+            "it has one. To continue that run instead, %s; to keep runs apart, give each run "
+            "a directory of its own.",
             self.manager.storage.url,
             len(steps),
             "another run" if len(runs) == 1 else f"{len(runs)} other runs",
             shown,
+            resume_hint,
         )
         return True
 
