@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from coci_core.errors import ConfigError
-from coci_core.planner.policies import SavePolicy
+from coci_core.planner import SavePolicy
 
 __all__ = ["MODES", "model_checkpoint_arguments"]
 
