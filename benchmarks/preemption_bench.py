@@ -17,7 +17,7 @@ notice is acted on at the next step boundary. Policies:
   unusable: the resume goes back to the periodic checkpoint before the newest; Lightning writes
   its checkpoint file in place and the Trainer resumes from the highest-numbered directory).
 * ``coci``: :func:`coci_core.training.preemption.fit_save` decides, from the longest of the
-  last three measured saves and the time left, less coci's default margin; the save is taken
+  last four measured saves and the time left, less coci's default margin; the save is taken
   only when it fits (coci's commit is atomic).
 
 Lost work: the training seconds to redo after the restart (steps trained past the step
@@ -138,7 +138,7 @@ def one_preemption(
     else:
         before = run.steps[newest - 1] if newest >= 1 else 0
         out["naive in place"] = (b - before) * STEP_S
-    needed = max(run.measured[max(0, known - 3) : known]) if known else None
+    needed = max(run.measured[max(0, known - 4) : known]) if known else None
     left = kill - float(ends[b])
     take, _ = fit_save(left, needed, PREEMPTION_MARGIN_S)
     out["coci"] = saved if take and fits else kept
