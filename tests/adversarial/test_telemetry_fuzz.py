@@ -35,6 +35,18 @@ def _session(directory: Path, steps: range, *, restore: bool) -> None:
         if ckpt.should_save(step) or step % 10 == 0:
             ckpt.save(step, {"w": torch.full((64,), float(step))})
     sink(UploadEvent(step=steps[-1], outcome="failed", seconds=0.1, error="OSError: down"))
+    if restore:  # the second session ends on a notice
+        sink.record_preemption(
+            steps[-1],
+            source="SIGTERM",
+            time_left_s=28.5,
+            save=True,
+            needed_s=0.2,
+            margin_s=3.0,
+            reason="it fits",
+            saved=steps[-1],
+            save_s=0.21,
+        )
     ckpt.close()
 
 
@@ -46,7 +58,17 @@ def real(tmp_path_factory: pytest.TempPathFactory) -> bytes:
     _session(directory, range(21, 31), restore=True)
     data = (directory / "telemetry.jsonl").read_bytes()
     kinds = {json.loads(line)["type"] for line in data.splitlines()}
-    assert kinds >= {"plan", "save", "loss", "progress", "end", "restore", "restart", "upload"}
+    assert kinds >= {
+        "plan",
+        "save",
+        "loss",
+        "progress",
+        "end",
+        "restore",
+        "restart",
+        "upload",
+        "preemption",
+    }
     return data
 
 
@@ -203,6 +225,7 @@ def test_a_wrong_value_in_any_field_of_any_record_is_skipped(
     tmp_path: Path, real: bytes, clean: dict[str, Any]
 ) -> None:
     kinds = ("plan", "save", "loss", "progress", "end", "restore", "restart", "upload")
+    kinds += ("preemption",)
     bad = [line for kind in kinds for line in _mutants(_record(real, kind, last=True))]
     assert len(bad) > 300  # every field of every kind of record, each several ways
     for line in bad:

@@ -2,7 +2,8 @@
 
 argv: a JSON object: ``dir``, ``sources`` (names, or ``{"aws": url}``), ``margin_s``,
 ``write_delay_s`` (a slow disk: each data file write sleeps that long), ``ready_at`` (the step
-after which it takes one save, waits for it and prints ``READY``). It resumes from the newest
+after which it takes one save, waits for it and prints ``READY``), ``telemetry`` (rank 0
+records telemetry in the directory, for ``coci report``). It resumes from the newest
 checkpoint (printing ``RESUMED <json>``), trains until the notice, and prints ``SAVED <json>``
 (the step and a digest of the model) at every save and ``PREEMPTED <json>`` before it stops
 with :class:`~coci_core.Preempted`. With RANK and WORLD_SIZE set it is one gloo rank.
@@ -23,6 +24,7 @@ import torch.distributed as dist
 
 from coci_core import LocalStorage, NoCheckpointError, Preempted
 from coci_core.preemption import AwsSpotNotice, NoticeSource, Preemption
+from coci_core.telemetry import JsonlTelemetry
 from coci_core.training import Checkpointer
 from coci_core.training.preemption import min_over_ranks
 
@@ -84,6 +86,9 @@ def main() -> None:
         world_size=world,
         broadcast=broadcast,
         min_over_ranks=reduce,
+        sinks=[JsonlTelemetry(f"{args['dir']}/telemetry.jsonl")]
+        if args.get("telemetry") and rank == 0
+        else [],
     )
     step = 0
     try:

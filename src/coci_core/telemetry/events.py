@@ -299,6 +299,38 @@ class JsonlRecords:
         self._write({"type": "end", "step": self.reached, "failed": failed})
         self._reach(self.reached, ended=not failed)
 
+    def record_preemption(
+        self,
+        step: int,
+        *,
+        source: str,
+        time_left_s: float,
+        save: bool,
+        needed_s: float | None,
+        margin_s: float,
+        reason: str,
+        saved: int | None,
+        save_s: float | None,
+    ) -> None:
+        """A preemption notice: the step at which the ranks learned of it, its source, the
+        seconds left then, the decision (``save``, the save's measured time ``needed_s``, the
+        ``margin_s`` kept, the ``reason`` in words) and what came of it: the step ``saved``
+        (None: none) and the time that save took to be durable."""
+        self._write(
+            {
+                "type": "preemption",
+                "step": int(step),
+                "source": str(source),
+                "time_left_s": _finite_or_none(float(time_left_s)),
+                "save": bool(save),
+                "needed_s": None if needed_s is None else _finite_or_none(float(needed_s)),
+                "margin_s": _finite_or_none(float(margin_s)),
+                "reason": str(reason),
+                "saved": None if saved is None else int(saved),
+                "save_s": None if save_s is None else _finite_or_none(float(save_s)),
+            }
+        )
+
     def record_loss(self, step: int, loss: float, fitted: float | None = None) -> None:
         self._write(
             {

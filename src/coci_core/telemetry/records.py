@@ -120,6 +120,16 @@ SCHEMA: dict[str, dict[str, _Check]] = {
         "termination": _STR,
     },
     "loss": {"loss": _number, "fitted": _number},
+    "preemption": {
+        "source": _STR,
+        "time_left_s": _number,
+        "save": _BOOL,
+        "needed_s": _number,
+        "margin_s": _number,
+        "reason": _STR,
+        "saved": _opt_step,
+        "save_s": _number,
+    },
     "progress": {},
     "end": {"failed": _BOOL},
 }

@@ -64,7 +64,7 @@ def lost_steps(restored: int, reached: int) -> int:
 COMPARE_MAX_STEPS = 10 * MAX_HORIZON_STEPS
 
 #: The records that say the run reached their step.
-STEP_RECORDS = ("loss", "plan", "save", "progress", "end")
+STEP_RECORDS = ("loss", "plan", "save", "progress", "end", "preemption")
 
 
 def _step(r: dict[str, Any]) -> int | None:
@@ -85,6 +85,8 @@ class RunSummary:
         self.restores = [r for r in records if r.get("type") == "restore"]
         self.uploads = [r for r in records if r.get("type") == "upload"]
         self.losses = [r for r in records if r.get("type") == "loss"]
+        #: the preemption notices: each one's decision and outcome
+        self.preemptions = [r for r in records if r.get("type") == "preemption"]
         self.committed = [s for s in self.saves if s.get("outcome") == "committed"]
         #: every step any plan proposed, reached or not (the tab draws them)
         self.proposed = sorted({int(s) for p in self.plans for s in p.get("next_steps", [])})
@@ -392,6 +394,8 @@ def render(
     )
     if summary.uploads:
         lines.append(_uploads_line(summary.uploads))
+    for notice in summary.preemptions:
+        lines.append(preemption_line(notice))
     for resume in summary.resumes:
         lines.append(_restart_line(summary, resume))
     plan = summary.last_plan
@@ -477,6 +481,24 @@ def _restart_line(summary: RunSummary, resume: Restart) -> str:
         f"restart: {restored}; the run had reached {reached}: "
         f"{plural(resume.lost_steps, 'step')} of work lost and redone"
     )
+
+
+def preemption_line(r: dict[str, Any]) -> str:
+    """One preemption notice: when it came, the time left, and the step saved (and how long
+    the save took) or why none was."""
+    head = (
+        f"preemption notice ({r.get('source') or '?'}) at step {r['step']}, "
+        f"{_num(r.get('time_left_s'), '.1f', unknown='?')} s left"
+    )
+    saved = r.get("saved")
+    if saved is not None:
+        took = _num(r.get("save_s"), ".2f", unknown="?")
+        return f"{head}: saved step {saved} (the save took {took} s)"
+    if r.get("save"):
+        why = "the save did not finish before the deadline"
+    else:
+        why = r.get("reason") or "no reason recorded"
+    return f"{head}: not saved: {why}"
 
 
 def _uploads_line(uploads: list[dict[str, Any]]) -> str:

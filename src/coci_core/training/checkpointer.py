@@ -414,13 +414,16 @@ class Checkpointer:
         decision = self.preempted
         assert decision is not None
         saved: int | None = None
+        save_s: float | None = None
         handle = self._notice_handle
         if handle is not None:
             try:
                 event = handle.wait(max(0.0, decision.time_left()))
                 saved = event.step if event.outcome == "committed" else None
+                save_s = event.time_to_durable_s if saved is not None else None
             except Exception as e:
                 self.log.warning("coci: the save at the notice did not finish: %s", e)
+        self._record_preemption(decision, saved, save_s)
         upload_s = max(0.0, decision.time_left() - decision.margin_s)
         try:
             self.close(upload_timeout_s=upload_s)
@@ -444,6 +447,30 @@ class Checkpointer:
             step=saved,
             source=decision.source,
         )
+
+    def _record_preemption(
+        self, decision: PreemptionDecision, saved: int | None, save_s: float | None
+    ) -> None:
+        """The notice, the decision and its outcome, to the sinks that keep it (before they
+        are closed)."""
+        for sink in self.sinks:
+            record = getattr(sink, "record_preemption", None)
+            if record is None:
+                continue
+            try:
+                record(
+                    decision.step,
+                    source=decision.source,
+                    time_left_s=decision.time_left_s,
+                    save=decision.save,
+                    needed_s=decision.needed_s,
+                    margin_s=decision.margin_s,
+                    reason=decision.reason,
+                    saved=saved,
+                    save_s=save_s,
+                )
+            except Exception:
+                logger.exception("coci telemetry sink %r failed", sink)
 
     def warm_up(
         self, state: Mapping[str, Any], *, per_rank: Mapping[str, Any] | None = None
