@@ -33,8 +33,10 @@ def _run(
     return results
 
 
-@pytest.mark.parametrize(("dp", "tp"), [(2, 1), (2, 2)], ids=["fsdp2", "fsdp2-over-tp"])
-def test_killed_mid_epoch_resumes_bit_identical(tmp_path: Path, dp: int, tp: int) -> None:
+def test_killed_mid_epoch_resumes_bit_identical(tmp_path: Path) -> None:
+    """FSDP2 over the data-parallel dimension of a 2 x 2 mesh, tensor parallel over the other
+    (the 2-D case holds the 1-D one: FSDP2 alone is tested through Accelerate and the core)."""
+    dp, tp = 2, 2
     world = dp * tp
     expected = _run(tmp_path / "uninterrupted", dp, tp)
     assert len({(r["model"], r["optim"]) for r in expected.values()}) == 1
