@@ -84,7 +84,10 @@ def test_routes_serve_the_run_as_one_timeline(
     assert restart["restart_s"] > restart["restore_s"] > 0
     # loss points trained again after the restart are the lost ones
     lost = [p["step"] for p in data["loss"] if p["lost"]]
-    assert lost and all(restart["restored"] < s <= restart["failed_at"] for s in lost)
+    assert all(restart["restored"] < s <= restart["failed_at"] for s in lost)
+    # the run records a loss point every 50 steps: more lost steps than that lose a point
+    # (the plan may have saved just before the kill, and then none was lost)
+    assert lost or restart["lost_steps"] <= 50
     assert data["has_time"] and data["last_step"] == TOTAL
 
     summary = summarize(logdir / "coci")
