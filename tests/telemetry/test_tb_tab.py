@@ -158,8 +158,9 @@ def test_tab_in_a_real_browser(
     assert lost.get_attribute("data-from") == str(restore["step"])
     steps = int(lost.get_attribute("data-steps"))
     assert steps == int(lost.get_attribute("data-to")) - restore["step"] > 0
-    assert f"lost work: {steps} steps" in lost.text
-    assert lost.find_element(By.CSS_SELECTOR, "rect").size["width"] > 10
+    assert f"lost work: {steps} step{'' if steps == 1 else 's'}" in lost.text
+    # the shade spans the lost steps (at least 2 px: the plan may save just before the kill)
+    assert lost.find_element(By.CSS_SELECTOR, "rect").size["width"] > (10 if steps >= 20 else 1)
 
     # hover text of a committed save: stall, persist, bytes, compression, with units
     hover = kind("committed")[0].find_element(By.TAG_NAME, "title").get_attribute("textContent")

@@ -320,8 +320,8 @@ function timelineSvg(data, axis, W) {
         fill: COLORS.lost, 'fill-opacity': 0.13 }),
       svg('text', { x: (a + b) / 2, y: M.top - 8, 'text-anchor': 'middle',
         class: 'axis-label', fill: COLORS.lost, 'font-weight': 'bold' },
-      `lost work: ${r.lost_steps} steps`),
-      title(`lost work: steps ${r.restored}–${r.failed_at} (${r.lost_steps} steps) were ` +
+      `lost work: ${r.lost_steps} step${r.lost_steps === 1 ? '' : 's'}`),
+      title(`lost work: steps ${r.restored}–${r.failed_at} (${r.lost_steps} step${r.lost_steps === 1 ? '' : 's'}) were ` +
         `trained again: the run failed after step ${r.failed_at} and restarted from the ` +
         `checkpoint of step ${r.restored}`),
     );
