@@ -12,13 +12,13 @@ telemetry's internals stay behind them.
 How to add a framework adapter: see docs/architecture.md.
 """
 
-import typing as _typing
-
 from coci_core.engine.manager import SaveHandle
 from coci_core.engine.manifest import MANIFEST_NAME, parse_step_dir, step_dir_name
 from coci_core.engine.restore import LoadedCheckpoint
 from coci_core.engine.tree import flatten_state
 from coci_core.telemetry.objects import report_sink
+from coci_core.telemetry.report import compare_policies, render, render_policies, summarize
+from coci_core.telemetry.tensorboard import TensorBoardTelemetry
 from coci_core.training.checkpointer import Checkpointer
 from coci_core.training.console import show_by_default
 from coci_core.training.options import (
@@ -40,32 +40,6 @@ from coci_core.training.reading import (
     step_dir_of,
 )
 from coci_core.training.stopping import ValidationHistory, is_trial_pruned
-
-if _typing.TYPE_CHECKING:
-    from coci_core.telemetry.report import compare_policies, render, render_policies, summarize
-    from coci_core.telemetry.tensorboard import TensorBoardTelemetry
-
-# Imported on first use: the TensorBoard writer and the run report are for the adapters that
-# write or print them.
-_LAZY = {
-    "TensorBoardTelemetry": "coci_core.telemetry.tensorboard",
-    "compare_policies": "coci_core.telemetry.report",
-    "render": "coci_core.telemetry.report",
-    "render_policies": "coci_core.telemetry.report",
-    "summarize": "coci_core.telemetry.report",
-}
-
-
-def __getattr__(name: str) -> _typing.Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'coci_core.training' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
 
 __all__ = [
     "MANIFEST_NAME",
