@@ -10,6 +10,12 @@ under ``PROCESS_KEY``), which go back to the process of the same index.
 The Trainer finds the position in the data from the global step (it skips the batches of the
 resumed epoch that were trained on, then sets the random states saved at the step), so the
 data position needs nothing of its own.
+
+Under FSDP2 (``TrainingArguments(fsdp=..., fsdp_config={"version": 2})``) the model's and the
+optimizer's state is sharded: it is taken with ``get_model_state_dict`` /
+``get_optimizer_state_dict`` (each process's own shards, DTensors, the optimizer keyed by
+parameter name), so each process writes its own shards (no gather), and put back with
+``set_model_state_dict`` / ``set_optimizer_state_dict``.
 """
 
 from __future__ import annotations
@@ -17,10 +23,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
+from accelerate.utils import DistributedType
 from transformers import Trainer, TrainerState
 from transformers.trainer_callback import ExportableState
 
@@ -68,27 +75,90 @@ def trainer_state_json(trainer: Trainer, *, update: bool = True) -> str:
     return json.dumps(dataclasses.asdict(trainer.state), sort_keys=True)
 
 
+def sharded(trainer: Trainer) -> bool:
+    """Whether the Trainer's model and optimizer hold their state sharded (FSDP)."""
+    return bool(trainer.accelerator.distributed_type == DistributedType.FSDP)
+
+
+def _model(trainer: Trainer) -> torch.nn.Module:
+    """The Trainer's model (under FSDP2 the sharded module itself)."""
+    return cast(torch.nn.Module, trainer.model)
+
+
+def _optimizer(trainer: Trainer) -> Any:
+    """The torch optimizer (inside Accelerate's wrapper)."""
+    t: Any = trainer
+    return getattr(t.optimizer, "optimizer", t.optimizer)
+
+
 def collect(trainer: Trainer, *, weights_only: bool, warm_up: bool = False) -> dict[str, Any]:
     """Everything ``_save_checkpoint`` saves that is the same on every process
     (``weights_only``: the model and the TrainerState, as with ``save_only_model``;
-    ``warm_up``: for the buffers only, the Trainer's state left as it is)."""
+    ``warm_up``: for the buffers only, the Trainer's state left as it is); under FSDP each
+    process's own shards."""
     model = trainer.accelerator.unwrap_model(trainer.model)
+    is_sharded = sharded(trainer)
+    if is_sharded:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        model_state = get_model_state_dict(_model(trainer))
+    else:
+        model_state = model.state_dict()
     state: dict[str, Any] = {
         "layout": LAYOUT,
         "world_size": trainer.args.world_size,
         "global_step": trainer.state.global_step,
         "weights_only": weights_only,
-        "model": model.state_dict(),
+        "sharded": is_sharded,
+        "model": model_state,
         "model_config": _config_json(model),
         "trainer_state": trainer_state_json(trainer, update=not warm_up),
     }
     if not weights_only:
         t: Any = trainer
         scaler = trainer.accelerator.scaler
-        state["optimizer"] = t.optimizer.state_dict()
+        if is_sharded:
+            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+            state["optimizer"] = get_optimizer_state_dict(_model(trainer), _optimizer(trainer))
+        else:
+            state["optimizer"] = t.optimizer.state_dict()
         state["scheduler"] = t.lr_scheduler.state_dict()
         state["scaler"] = scaler.state_dict() if scaler is not None else None
     return state
+
+
+def load_model(trainer: Trainer, state: dict[str, Any]) -> None:
+    """The saved model weights into the Trainer's model (after ``accelerator.prepare``): under
+    FSDP into its shards; a checkpoint saved under FSDP also into an unsharded model."""
+    if sharded(trainer) or state.get("sharded"):
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+        )
+
+        # restored whole (no live shards yet when it was read): each process keeps its part
+        options = StateDictOptions(full_state_dict=sharded(trainer))
+        set_model_state_dict(_model(trainer), state["model"], options=options)
+    else:
+        trainer.accelerator.unwrap_model(trainer.model).load_state_dict(state["model"])
+
+
+def load_optimizer(trainer: Trainer, state: dict[str, Any]) -> None:
+    """The saved optimizer state into the Trainer's optimizer, as :func:`load_model`."""
+    if sharded(trainer) or state.get("sharded"):
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=sharded(trainer))
+        set_optimizer_state_dict(
+            _model(trainer), _optimizer(trainer), state["optimizer"], options=options
+        )
+    else:
+        t: Any = trainer
+        t.optimizer.load_state_dict(state["optimizer"])
 
 
 def _config_json(model: Any) -> str | None:
@@ -121,6 +191,12 @@ def check_fits(state: dict[str, Any], trainer: Trainer) -> None:
             f"step {state.get('global_step')} was saved with save_only_model=True (weights and "
             "TrainerState only): training cannot resume from it; load its weights with "
             "`coci export --format transformers` and from_pretrained"
+        )
+    if sharded(trainer) and not state.get("sharded"):
+        raise CheckpointError(
+            f"step {state.get('global_step')} was saved without FSDP and this run shards the "
+            "model with FSDP: resume it without fsdp= (a checkpoint saved under FSDP resumes "
+            "with or without it)"
         )
 
 

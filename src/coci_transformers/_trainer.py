@@ -32,9 +32,9 @@ _REFUSED: dict[str, tuple[Callable[[TrainingArguments], bool], str]] = {
         "DeepSpeed is not supported by CociCallback yet: remove the callback or deepspeed=",
     ),
     "fsdp": (
-        lambda a: bool(a.fsdp),
-        "FSDP through the Trainer is not supported by CociCallback yet: remove the callback "
-        "or fsdp=",
+        lambda a: bool(a.fsdp) and _fsdp_version(a) != 2,
+        "CociCallback saves FSDP2 through the Trainer (fsdp_config={'version': 2}, the "
+        "default), not FSDP1 nor FSDP on XLA: use FSDP2, or remove the callback",
     ),
     "push_to_hub": (
         lambda a: (
@@ -46,6 +46,14 @@ _REFUSED: dict[str, tuple[Callable[[TrainingArguments], bool], str]] = {
         "directories, which CociCallback replaces: use hub_strategy='every_save' or 'end'",
     ),
 }
+
+
+def _fsdp_version(args: TrainingArguments) -> int | None:
+    """The FSDP version of the Trainer's FSDP plugin (None: FSDP on XLA)."""
+    plugin = getattr(args, "fsdp_plugin_args", None)
+    if not plugin:
+        return None
+    return int(plugin.get("fsdp_version", 1))
 
 
 def calling_trainer(frame: FrameType | None) -> Trainer | None:

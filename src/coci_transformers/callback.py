@@ -374,8 +374,8 @@ class CociCallback(TrainerCallback):
         state = self._restored
         assert state is not None
         t: Any = trainer
-        t.accelerator.unwrap_model(t.model).load_state_dict(state["model"])
-        t.optimizer.load_state_dict(state["optimizer"])
+        _state.load_model(trainer, state)
+        _state.load_optimizer(trainer, state)
         t.lr_scheduler.load_state_dict(state["scheduler"])
 
     def _load_scaler(self, trainer: Trainer, *args: Any) -> None:
@@ -573,8 +573,7 @@ class CociCallback(TrainerCallback):
                 trainer.args.metric_for_best_model,
                 value,
             )
-        state = checkpointer.restore(step)
-        trainer.accelerator.unwrap_model(trainer.model).load_state_dict(state["model"])
+        _state.load_model(trainer, checkpointer.restore(step))
 
     # -- stopping: Optuna's pruning ----------------------------------------------------------
 

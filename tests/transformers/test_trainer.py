@@ -15,8 +15,9 @@ from coci_core import CheckpointManager
 from coci_core.commands import cli
 from coci_core.errors import CheckpointError, ConfigError
 from coci_transformers import CociCallback
+from coci_transformers._trainer import check_arguments
 from tests.harness.processes import Child, module
-from tests.transformers.run import BATCH, STEPS_PER_EPOCH, train
+from tests.transformers.run import BATCH, STEPS_PER_EPOCH, arguments, train
 
 
 @pytest.fixture(autouse=True)
@@ -64,6 +65,12 @@ def test_bad_options_are_refused_by_name(tmp_path: Path) -> None:
         )
     with pytest.raises(ConfigError, match="save_total_limit"):
         train(tmp_path, 4, callback=CociCallback(keep_last=5), save_total_limit=2)
+    # FSDP2 is saved (test_fsdp2.py); FSDP1 is refused (on CPU Accelerate cannot make its plugin,
+    # so the check that train() runs is called here itself)
+    fsdp1 = arguments(tmp_path, 4, fsdp="full_shard", fsdp_config={"version": 1})
+    with pytest.raises(ConfigError, match=r"fsdp=.*not FSDP1"):
+        check_arguments(fsdp1)
+    check_arguments(arguments(tmp_path, 4, fsdp="full_shard", fsdp_config={"version": 2}))
 
 
 @pytest.mark.faults
