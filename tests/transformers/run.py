@@ -226,5 +226,6 @@ if __name__ == "__main__":
             )
         except Preempted as stop:  # then it ends the process: exit status 143
             rank = int(os.environ.get("RANK", "0"))
-            print("SIGTERM " + json.dumps({"rank": rank, "saved": stop.step}), flush=True)
+            row = {"rank": rank, "saved": stop.step, "code": stop.code}
+            print("SIGTERM " + json.dumps(row), flush=True)
             raise

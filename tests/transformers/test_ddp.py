@@ -1,6 +1,7 @@
 """Two processes (torchrun, gloo, DDP through the Trainer): SIGKILLed mid-epoch and resumed
 with ``train(resume_from_checkpoint=True)``, bit-identical on both; SIGTERM to one of them: both
-save at the next step and stop; the killed run's checkpoint also resumes onto one process."""
+save at the next step and stop with exit status 143, and resume bit-identical; the killed run's
+checkpoint also resumes onto one process."""
 
 from __future__ import annotations
 
@@ -64,11 +65,22 @@ def test_two_processes_sigkill_sigterm_and_resume_onto_one(tmp_path: Path) -> No
         assert resumed[rank]["seen"] == expected[rank]["seen"][start * BATCH :]
 
     # SIGTERM to process 1 alone after step 4: both save step 5, the next boundary, and stop
+    # (each raises Preempted out of train(), exit status 143)
     stopped = _results(out.stdout, "SIGTERM ")
     assert stopped[0]["saved"] == stopped[1]["saved"] == 5
+    assert stopped[0]["code"] == stopped[1]["code"] == 143
+    assert sum(x.startswith("RESULT ") for x in out.stdout.splitlines()) == 2  # the resume's
     with CheckpointManager(tmp_path / "t" / "coci", keep_last=None) as mgr:
         assert mgr.steps() == [3, 5]
         assert mgr.manifest(5).world_size == 2
+    # restarted, both resume step 5 and end bit-identical to the run never stopped
+    again = run([*COMMAND, str(tmp_path / "t"), str(total), "--resume"], env=env, timeout_s=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    after = _results(again.stdout)
+    for rank in (0, 1):
+        assert after[rank]["start"] == 5
+        assert after[rank]["digest"] == expected[rank]["digest"]
+        assert after[rank]["seen"] == expected[rank]["seen"][5 * BATCH :]
 
     # onto one process: the same step, the run goes on to its end (batches by count)
     AcceleratorState._reset_state(True)
