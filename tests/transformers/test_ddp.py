@@ -1,7 +1,7 @@
-"""Two processes (torchrun, gloo, DDP through the Trainer): SIGKILLed mid-epoch and resumed
-with ``train(resume_from_checkpoint=True)``, bit-identical on both; SIGTERM to one of them: both
-save at the next step and stop with exit status 143, and resume bit-identical; the killed run's
-checkpoint also resumes onto one process."""
+"""Two processes (torchrun and ``accelerate launch``, gloo, DDP through the Trainer): SIGKILLed
+mid-epoch and resumed with ``train(resume_from_checkpoint=True)``, bit-identical on both;
+SIGTERM to one of them: both save at the next step, stop with exit status 143, and resume
+bit-identical; the killed run's checkpoint also resumes onto one process."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 from accelerate.state import AcceleratorState
 
 from coci_core import CheckpointManager
-from tests.harness.processes import Child, child_env, module, run
+from tests.harness.processes import Child, child_env, free_port, module, run
 from tests.transformers.run import train
 
 COMMAND = module("torch.distributed.run", "--nproc-per-node", "2", "-m", "tests.transformers.run")
@@ -73,8 +73,15 @@ def test_two_processes_sigkill_sigterm_and_resume_onto_one(tmp_path: Path) -> No
     with CheckpointManager(tmp_path / "t" / "coci", keep_last=None) as mgr:
         assert mgr.steps() == [3, 5]
         assert mgr.manifest(5).world_size == 2
-    # restarted, both resume step 5 and end bit-identical to the run never stopped
-    again = run([*COMMAND, str(tmp_path / "t"), str(total), "--resume"], env=env, timeout_s=300)
+    # restarted (by `accelerate launch` this time), both resume step 5 and end bit-identical to
+    # the run never stopped
+    launch = module(
+        "accelerate.commands.launch",
+        *("--multi_gpu", "--num_processes", "2", "--num_machines", "1"),
+        *("--mixed_precision", "no", "--dynamo_backend", "no"),
+        *("--main_process_port", str(free_port()), "-m", "tests.transformers.run"),
+    )
+    again = run([*launch, str(tmp_path / "t"), str(total), "--resume"], env=env, timeout_s=300)
     assert again.returncode == 0, again.stderr[-3000:]
     after = _results(again.stdout)
     for rank in (0, 1):
