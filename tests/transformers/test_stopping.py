@@ -1,6 +1,6 @@
-"""Runs stopped on purpose: an EarlyStoppingCallback (its hazard reaches the planner;
-load_best_model_at_end loads coci's best kept step) and SIGTERM (one save at the next step
-boundary, then a clean stop; the Trainer's JIT checkpoint saves nothing more)."""
+"""Runs stopped on purpose: an EarlyStoppingCallback (its hazard reaches the planner, its counter
+resumes; load_best_model_at_end loads coci's best kept step) and SIGTERM (one save at the next
+step boundary, then a clean stop; the Trainer's JIT checkpoint saves nothing more)."""
 
 from __future__ import annotations
 
@@ -75,3 +75,28 @@ def test_sigterm_saves_once_and_stops(tmp_path: Path) -> None:
         assert mgr.steps() == [6]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["coci"]
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_early_stopping_counter_resumes(tmp_path: Path) -> None:
+    """The EarlyStoppingCallback's counter is saved with the TrainerState: a run resumed at
+    step 4 with one evaluation without improvement behind it (patience 2) stops at its next
+    evaluation (step 6), as the run never stopped would; with the counter lost it would run
+    on to step 8."""
+
+    def stopper() -> EarlyStoppingCallback:
+        return EarlyStoppingCallback(early_stopping_patience=2, early_stopping_threshold=10.0)
+
+    options: dict[str, Any] = {
+        "save_steps": 2,
+        "eval_strategy": "steps",
+        "eval_steps": 2,
+        "metric_for_best_model": "loss",
+        "restore_callback_states_from_checkpoint": True,
+    }
+    first = train(tmp_path, 4, extra_callbacks=(stopper(),), **options)
+    assert [e["step"] for e in first["log"] if "eval_loss" in e] == [2, 4]
+    AcceleratorState._reset_state(True)
+    resumed = train(tmp_path, 8, resume=True, extra_callbacks=(stopper(),), **options)
+    assert resumed["start"] == 4
+    assert [e["step"] for e in resumed["log"] if "eval_loss" in e] == [2, 4, 6]
+    assert len(resumed["seen"]) == 2 * 4  # steps 5 and 6
