@@ -2,7 +2,8 @@
 Trainer's own ``checkpoint-N`` directory, which ``Trainer.train(resume_from_checkpoint=...)``
 and ``from_pretrained`` read natively: ``model.safetensors``, ``config.json``,
 ``trainer_state.json``, ``optimizer.pt``, ``scheduler.pt``, ``scaler.pt`` (when saved) and
-``rng_state.pth`` (``rng_state_<i>.pth`` per process of a run of several).
+``rng_state.pth`` (``rng_state_<i>.pth`` per process of a run of several). A step saved under
+FSDP2 is written whole (the optimizer keyed by index, as without FSDP).
 
 The way back needs no command: ``trainer.train(resume_from_checkpoint="<output_dir>/checkpoint-N")``
 with a ``CociCallback`` attached resumes from the Trainer's directory, and coci saves from there.
@@ -52,7 +53,10 @@ def export_step(directory: str, out: str | os.PathLike[str], step: int | str | N
     )
     written = ["model.safetensors", "trainer_state.json"]
     if not state.get("weights_only"):
-        torch.save(state["optimizer"], target / "optimizer.pt")
+        optimizer = state["optimizer"]
+        if state.get("sharded"):  # keyed by parameter name under FSDP
+            optimizer = _by_index(optimizer)
+        torch.save(optimizer, target / "optimizer.pt")
         torch.save(state["scheduler"], target / "scheduler.pt")
         written += ["optimizer.pt", "scheduler.pt"]
         if state.get("scaler") is not None:
@@ -67,6 +71,19 @@ def export_step(directory: str, out: str | os.PathLike[str], step: int | str | N
             torch.save(mine["rng"], target / name)
             written.append(name)
     return f"exported step {loaded.step} to {target} (transformers: {', '.join(written)})"
+
+
+def _by_index(optimizer: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer state keyed by parameter name (``get_optimizer_state_dict``, as saved under
+    FSDP) keyed by index instead, as ``optimizer.state_dict()`` gives it: the parameters
+    numbered in the order of the parameter groups, which the names are listed in."""
+    index: dict[str, int] = {}
+    groups = []
+    for group in optimizer["param_groups"]:
+        params = [index.setdefault(name, len(index)) for name in group["params"]]
+        groups.append({**group, "params": params})
+    state = {index[name]: value for name, value in optimizer["state"].items()}
+    return {"state": state, "param_groups": groups}
 
 
 def _rank_state(directory: str, step: int, rank: int) -> dict[str, Any]:

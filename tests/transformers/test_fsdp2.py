@@ -1,7 +1,7 @@
 """FSDP2 through the Trainer (``fsdp="full_shard"``, ``fsdp_config={"version": 2}``) on two
 processes (torchrun, gloo): each process saves its own shards, the run SIGKILLed mid-epoch
 resumes bit-identical to a run never stopped, and its checkpoint also resumes onto one process
-without FSDP.
+without FSDP, by coci or (exported) by the Trainer itself.
 
 On CPU, Accelerate 1.15 ignores the FSDP plugin (the Trainer would train with DDP); the child's
 Trainer forces the FSDP type and plugin (``tests.transformers.run.FSDP2Trainer``)."""
@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from accelerate.state import AcceleratorState
 
 from coci_core import CheckpointManager
+from coci_transformers.export import export_step
 from tests.harness.processes import Child, child_env, module, run
 from tests.transformers.run import train
 
@@ -71,17 +71,23 @@ def test_fsdp2_through_the_trainer_killed_and_resumed(tmp_path: Path) -> None:
         assert resumed[rank]["digest"] == expected[rank]["digest"]
         assert resumed[rank]["seen"] == expected[rank]["seen"][start * BATCH :]
 
-    # onto one process, without FSDP: the weights put back whole from the shards (a resume
-    # with nothing left to train), then the same step resumed and trained to the run's end
-    AcceleratorState._reset_state(True)
-    loaded = train(tmp_path / "one", start, resume=True)["best_model"]
-    with CheckpointManager(tmp_path / "one" / "coci", keep_last=None) as mgr:
-        saved = mgr.restore(start)["model"]
-    assert saved.keys() == loaded.keys()
-    assert all(torch.equal(loaded[k], saved[k]) for k in saved)
+    # onto one process, without FSDP: the weights and optimizer state put back whole from the
+    # shards, and the run goes on to its end
     AcceleratorState._reset_state(True)
     one = train(tmp_path / "one", total, resume=True)
     assert one["start"] == start and not one["sharded"]
     assert len(one["seen"]) == (total - start) * BATCH
     history = [e for e in expected[0]["log"] if e.get("step", 0) <= start]
     assert one["log"][: len(history)] == history
+
+    # exported as the Trainer's checkpoint-N, whole: the Trainer itself resumes from it on one
+    # process (weights, optimizer keyed by index, scheduler) and ends bit-identical to coci's
+    # resume (neither put back nothing, nor put back something else)
+    exported = tmp_path / "exported" / f"checkpoint-{start}"
+    export_step(str(tmp_path / "run" / "coci"), exported, start)
+    # the random states of process 0, as coci's resume onto one process takes them (the
+    # Trainer on one process reads rng_state.pth only)
+    shutil.copy(exported / "rng_state_0.pth", exported / "rng_state.pth")
+    AcceleratorState._reset_state(True)
+    native = train(tmp_path / "exported", total, resume=str(exported))
+    assert native["digest"] == one["digest"]
