@@ -21,6 +21,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Literal
 
+from tests.harness import zygote
+
 ROOT = Path(__file__).resolve().parents[2]
 
 KillScope = Literal["process", "group", "tree"]
@@ -80,16 +82,39 @@ def run(
         subprocess.TimeoutExpired: it ran past ``timeout_s`` (it is killed then).
         subprocess.CalledProcessError: ``check`` and it exited with a status other than 0.
     """
-    return subprocess.run(
-        list(command),
-        cwd=cwd,
-        env=dict(env) if env is not None else child_env(),
-        input=input,
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        check=check,
+    env = dict(env) if env is not None else child_env()
+    forker = zygote.for_command(command, env, child_env())
+    if forker is None:
+        return subprocess.run(
+            list(command),
+            cwd=cwd,
+            env=env,
+            input=input,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=check,
+        )
+    proc = zygote.Forked(
+        command,
+        forker,
+        env=env,
+        cwd=str(cwd),
+        stdin=subprocess.PIPE if input is not None else None,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=False,
     )
+    try:
+        out, err = proc.communicate(input, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
+    done = subprocess.CompletedProcess(list(command), proc.wait(), out or "", err or "")
+    if check:
+        done.check_returncode()
+    return done
 
 
 def free_port() -> int:
@@ -141,16 +166,34 @@ class Child:
         kill_scope: KillScope = "process",
     ) -> None:
         self.kill_scope = kill_scope
-        self.proc = subprocess.Popen(
-            list(command),
-            cwd=cwd,
-            env=dict(env) if env is not None else child_env(),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE if stdout == "pipe" else stdout,
-            stderr=subprocess.PIPE if stderr == "pipe" else stderr,
-            text=True,
-            start_new_session=kill_scope != "process",
-        )
+        env = dict(env) if env is not None else child_env()
+        out = subprocess.PIPE if stdout == "pipe" else stdout
+        err = subprocess.PIPE if stderr == "pipe" else stderr
+        assert not isinstance(out, str) and not isinstance(err, str)
+        forker = zygote.for_command(command, env, child_env())
+        self.proc: subprocess.Popen[str] | zygote.Forked
+        if forker is None:
+            self.proc = subprocess.Popen(
+                list(command),
+                cwd=cwd,
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=out,
+                stderr=err,
+                text=True,
+                start_new_session=kill_scope != "process",
+            )
+        else:
+            self.proc = zygote.Forked(
+                command,
+                forker,
+                env=env,
+                cwd=str(cwd),
+                stdin=subprocess.PIPE,
+                stdout=out,
+                stderr=err,
+                start_new_session=kill_scope != "process",
+            )
 
     @property
     def pid(self) -> int:

@@ -1,0 +1,80 @@
+"""The test harness's children: forked from a zygote or started fresh, each behaves as
+``python -m <module>`` would (argv, cwd, environment, streams, exit statuses, signals)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from tests.harness.processes import ROOT, Child, child_env, module, run
+
+CHILD = "tests._harness_child"
+
+
+def _result(stdout: str) -> dict[str, object]:
+    line = next(x for x in stdout.splitlines() if x.startswith("RESULT "))
+    out: dict[str, object] = json.loads(line[len("RESULT ") :])
+    return out
+
+
+@pytest.mark.parametrize("fork", ["1", "0"], ids=["forked", "fresh"])
+def test_a_child_starts_as_python_dash_m_would(
+    fork: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COCI_TEST_FORK", fork)
+    env = child_env({"COCI_HARNESS_PROBE": "seen", "OMP_NUM_THREADS": "1"})
+    done = run(module(CHILD, "report", "x y"), env=env, input="from stdin", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    got = _result(done.stdout)
+    assert got["forked"] is (fork == "1")
+    assert got["argv"][1:] == ["report", "x y"]  # type: ignore[index]
+    assert got["argv"][0].endswith("_harness_child.py")  # type: ignore[index]
+    assert got["main_spec"] == CHILD
+    assert got["cwd"] == str(tmp_path) == got["path0"]
+    assert got["env"] == "seen"
+    assert got["threads"] == 1
+    assert got["stdin"] == "from stdin"
+    assert done.stderr.strip().endswith("to stderr")
+    assert done.stdout.rstrip().endswith("ATEXIT")  # atexit handlers ran, output flushed
+
+
+def test_an_import_time_variable_gets_a_fresh_interpreter() -> None:
+    env = child_env({"PYTHONHASHSEED": "123"})
+    assert _result(run(module(CHILD, "report"), env=env, input="").stdout)["forked"] is False
+    assert _result(run(module(CHILD, "report"), input="").stdout)["forked"] is True
+
+
+def test_exit_statuses_errors_and_threads() -> None:
+    raised = run(module(CHILD, "raise"))
+    assert raised.returncode == 1
+    assert "ValueError: the child's own error" in raised.stderr
+    assert run(module(CHILD, "exit", "7")).returncode == 7
+    thread = run(module(CHILD, "thread"))
+    assert thread.returncode == 0
+    assert thread.stdout.splitlines() == ["THREAD", "ATEXIT"]  # joined before atexit
+
+
+@pytest.mark.parametrize("scope", ["process", "group"])
+def test_a_killed_child_reports_the_signal(scope: str) -> None:
+    with Child(module(CHILD, "wait"), kill_scope=scope) as child:  # type: ignore[arg-type]
+        assert child.readline() == "READY\n"
+        if scope == "group":
+            assert os.getpgid(child.pid) == child.pid  # a session of its own
+        child.kill()
+        assert child.wait(30) == -signal.SIGKILL
+    with Child(module(CHILD, "wait")) as child:
+        assert child.readline() == "READY\n"
+        os.kill(child.pid, signal.SIGTERM)
+        assert child.wait(30) == -signal.SIGTERM
+    with Child(module(CHILD, "wait")) as child:
+        assert child.readline() == "READY\n"
+        assert child.communicate("") == ("ATEXIT\n", "")
+
+
+def test_the_root_is_the_default_directory() -> None:
+    got = _result(run(module(CHILD, "report"), input="").stdout)
+    assert got["cwd"] == str(ROOT)
