@@ -67,12 +67,14 @@ def test_a_killed_run_has_one_set_of_numbers(tmp_path: Path) -> None:
         timeout_s=600,
     )
     assert demo.returncode == 0, demo.stdout + demo.stderr
+    # the kill comes at step 120, or just after the first committed checkpoint
     said = re.search(
-        rf"killed at step {kill}, resumed from step (\d+): (\d+) steps? of work lost", demo.stdout
+        r"killed at step (\d+), resumed from step (\d+): (\d+) steps? of work lost", demo.stdout
     )
     assert said, demo.stdout
-    restored, lost = int(said[1]), int(said[2])
+    kill, restored, lost = int(said[1]), int(said[2]), int(said[3])
     assert 0 < restored < kill and lost == kill - restored  # the truth, from the demo's kill
+    assert kill >= 120
 
     ckpt_dir = tmp_path / "demo" / "run" / "coci"
     records = read_jsonl(ckpt_dir / "telemetry.jsonl")
@@ -120,6 +122,97 @@ def test_a_killed_run_has_one_set_of_numbers(tmp_path: Path) -> None:
     listing = run(module("coci_core.commands.cli", "ls", str(ckpt_dir)), check=True).stdout
     rows = listing.splitlines()[1:]
     assert rows and all(row.split()[3] == "1.00x" for row in rows), listing
+
+
+_LIGHTNING_RUN = """
+import sys
+import lightning.pytorch as pl
+from coci_lightning import CociCheckpoint
+from tests.lightning.models import DigitsModel
+
+root, total, kill = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+
+class KillPoint(pl.Callback):
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_step == kill:
+            print(f"AT {kill}", flush=True)
+            sys.stdin.readline()  # SIGKILLed here
+
+pl.seed_everything(0, verbose=False)
+pl.Trainer(
+    accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+    default_root_dir=root, callbacks=[CociCheckpoint(resume=True), KillPoint()],
+    max_steps=total,
+).fit(DigitsModel())
+"""
+
+
+def test_a_run_killed_before_its_first_checkpoint_lost_every_step_it_reached(
+    tmp_path: Path,
+) -> None:
+    """A Lightning run SIGKILLed at step 2, before coci saved anything, then started again by
+    a new process (``resume=True``, nothing to restore): the restart lost the 2 steps it had
+    reached, in the telemetry, the report, the tab and the facts ("0 steps" before)."""
+    with Child(script(_LIGHTNING_RUN, str(tmp_path), "12", "2")) as child:
+        assert child.kill_at("AT 2") == -9
+    ckpt_dir = tmp_path / "coci"
+    assert CheckpointManager(ckpt_dir).steps() == []  # nothing to restore
+    with Child(script(_LIGHTNING_RUN, str(tmp_path), "12", "-1")) as child:
+        assert child.wait(300) == 0
+    records = read_jsonl(ckpt_dir / "telemetry.jsonl")
+    assert [(r["step"], r["reached"]) for r in records if r["type"] == "start"] == [(0, 2)]
+    assert [r for r in records if r["type"] == "restore"] == []
+
+    summary = summarize(ckpt_dir)
+    assert summary.lost_steps == [2] and summary.last_step == 12
+    f = facts(summary)
+    assert (f["restarts"], f["resumes"], f["lost_steps"]) == (1, 0, 2)
+    report = _report(ckpt_dir)
+    assert (
+        "restart: no checkpoint to restore, the run started over from step 0; it had reached "
+        "step 2: 2 steps of work lost and redone" in report
+    )
+    assert "lost work: 2 steps over 1 restart after a failure" in report
+    tab = _tab(tmp_path, "coci")
+    (restart,) = tab["restarts"]
+    assert (restart["restored"], restart["failed_at"], restart["lost_steps"]) == (0, 2, 2)
+    assert restart["exact"] and restart["checkpoint"] is False
+    assert tab["summary"]["lost_steps"] == 2
+    # the killed session's loss points are drawn as lost work, the new session's are not
+    start = next(i for i, r in enumerate(records) if r["type"] == "start")
+    killed = [r["step"] for r in records[:start] if r["type"] == "loss"]
+    assert killed and [p["step"] for p in tab["loss"] if p["lost"]] == killed
+
+
+@pytest.mark.slow
+def test_the_demo_kills_its_run_after_the_first_checkpoint(tmp_path: Path) -> None:
+    """`coci demo` asked to kill at step 2, before coci's first save, kills the run just after
+    its first committed checkpoint instead, so that it shows a real resume; its line and the
+    report give the same lost work."""
+    demo = run(
+        module(
+            "coci_core.commands.cli",
+            "demo",
+            "--dir",
+            str(tmp_path / "demo"),
+            "--total-steps",
+            "60",
+            "--kill-step",
+            "2",
+        ),
+        timeout_s=600,
+    )
+    assert demo.returncode == 0, demo.stdout + demo.stderr
+    said = re.search(
+        r"killed at step (\d+), resumed from step (\d+): (\d+) steps? of work lost", demo.stdout
+    )
+    assert said, demo.stdout
+    killed, restored, lost = int(said[1]), int(said[2]), int(said[3])
+    assert 2 < restored <= killed and lost == killed - restored
+    assert f"killed at step {killed}; committed checkpoints at the kill: [{restored}]" in (
+        demo.stdout
+    )
+    assert f"restart: restored step {restored}" in _report(tmp_path / "demo" / "run" / "coci")
 
 
 @pytest.mark.slow

@@ -30,9 +30,15 @@ TOTAL, KILL = 200, 120
 
 
 @pytest.fixture(scope="module")
-def logdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The log directory ``coci demo`` prints, of a run killed at step 120 and resumed."""
+def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
+    """The log directory ``coci demo`` prints, of a run killed at step 120 (or just after its
+    first checkpoint) and resumed, and the step it was killed at."""
     return killed_and_resumed_run(tmp_path_factory.mktemp("demo"), TOTAL, KILL)
+
+
+@pytest.fixture(scope="module")
+def logdir(demo: tuple[Path, int]) -> Path:
+    return demo[0]
 
 
 @pytest.fixture(scope="module")
@@ -52,10 +58,11 @@ def telemetry(logdir: Path) -> list[dict[str, Any]]:
 
 
 def test_routes_serve_the_run_as_one_timeline(
-    server: TensorBoard, logdir: Path, telemetry: list[dict[str, Any]]
+    server: TensorBoard, demo: tuple[Path, int], telemetry: list[dict[str, Any]]
 ) -> None:
     """One run across the kill and the resume; its markers, restart and lost work match the
     telemetry; the summary is `coci report`'s numbers."""
+    logdir, killed = demo
     listing = server.get_json("/data/plugins_listing")["coci"]
     assert listing["tab_name"] == "coci"
     assert listing["loading_mechanism"]["module_path"] == "/data/plugin/coci/index.js"
@@ -76,8 +83,8 @@ def test_routes_serve_the_run_as_one_timeline(
     assert committed[-1] == TOTAL
     assert len(restores) == 1 and len(data["restarts"]) == 1
     restart = data["restarts"][0]
-    assert restart["restored"] == restores[0]["step"] < KILL
-    assert restart["restored"] < restart["failed_at"] == KILL  # the step the killed run reached
+    assert restart["restored"] == restores[0]["step"] < killed
+    assert restart["restored"] < restart["failed_at"] == killed  # the step the run reached
     assert restart["lost_steps"] == restart["failed_at"] - restart["restored"]
     # the resumed process measured its whole restart: its start to its first step
     assert restart["restart_since"] == "process start"

@@ -100,6 +100,7 @@ def test_timeline_of_a_killed_and_resumed_run(tmp_path: Path) -> None:
         "failed_time": 129.0,
         "restored_time": 125.0,
         "exact": False,
+        "checkpoint": True,
     }
     assert [p["step"] for p in data["loss"] if p["lost"]] == [27, 28]
     assert [p["session"] for p in data["plans"]] == [0, 0, 1]

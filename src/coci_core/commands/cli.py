@@ -543,7 +543,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--dir", help="run directory (default: a new temporary one)")
     p.add_argument("--total-steps", type=int, help="training steps")
-    p.add_argument("--kill-step", type=int, help="the step at which the run is killed")
+    p.add_argument(
+        "--kill-step",
+        type=int,
+        help="the step at which the run is killed (or just after its first committed "
+        "checkpoint, if none is by then)",
+    )
     p.add_argument("--save-every", type=int, default=25, help="(engine demo) save interval")
     p.add_argument("--seed", type=int, help="seed of the random kill step")
     p.set_defaults(func=_demo)

@@ -39,13 +39,16 @@ class Restart:
     the run simply went on (``fit()`` then ``fit(ckpt_path="last")``, or a finished run
     trained further);
     ``exact``: ``failed_at`` is the step the previous process last reached, not only the last
-    step its records name (at most a few seconds older)."""
+    step its records name (at most a few seconds older); ``checkpoint``: a checkpoint was
+    restored (False: a ``start`` record, the session started over from step 0 with none to
+    restore)."""
 
     index: int
     restored: int
     failed_at: int
     failure: bool = True
     exact: bool = False
+    checkpoint: bool = True
 
     @property
     def lost_steps(self) -> int:
@@ -65,6 +68,10 @@ COMPARE_MAX_STEPS = 10 * MAX_HORIZON_STEPS
 
 #: The records that say the run reached their step.
 STEP_RECORDS = ("loss", "plan", "save", "progress", "end", "preemption")
+
+#: The records that start a new session of the run: a restore, or a ``start`` over from
+#: step 0 after a session that failed before its first checkpoint.
+SESSION_STARTS = ("restore", "start")
 
 
 def _step(r: dict[str, Any]) -> int | None:
@@ -116,14 +123,14 @@ class RunSummary:
             if kind in STEP_RECORDS and step is not None:
                 last = step if last is None else max(last, step)
                 ended = ended or (kind == "end" and not r.get("failed"))
-            elif kind == "restore" and step is not None:
+            elif kind in SESSION_STARTS and step is not None:
                 reached = r.get("reached")
                 exact = isinstance(reached, int) and not isinstance(reached, bool)
                 failed_at = max(
                     x for x in (step, last, reached if exact else None) if x is not None
                 )
                 failure = not ended or failed_at > step
-                restarts.append(Restart(i, step, failed_at, failure, exact))
+                restarts.append(Restart(i, step, failed_at, failure, exact, kind == "restore"))
                 last, ended = step, False
         return restarts
 
@@ -149,7 +156,7 @@ class RunSummary:
     @staticmethod
     def _restart_record(records: list[dict[str, Any]], index: int) -> dict[str, Any] | None:
         for r in records[index + 1 :]:
-            if r.get("type") == "restore":
+            if r.get("type") in SESSION_STARTS:
                 return None
             if r.get("type") == "restart":
                 return r
@@ -453,6 +460,12 @@ def _restart_line(summary: RunSummary, resume: Restart) -> str:
     """One restore: what it read, the whole restart, and the work lost (or that the run went
     on from where it ended)."""
     r = summary.records[resume.index]
+    if not resume.checkpoint:
+        reached = f"step {resume.failed_at}" + ("" if resume.exact else " or a little further")
+        return (
+            f"restart: no checkpoint to restore, the run started over from step 0; it had "
+            f"reached {reached}: {plural(resume.lost_steps, 'step')} of work lost and redone"
+        )
     whole = summary._restart_record(summary.records, resume.index)
     took = (
         ""

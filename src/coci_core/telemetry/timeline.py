@@ -21,7 +21,7 @@ from typing import Any
 
 from coci_core.telemetry.events import TELEMETRY_FILE
 from coci_core.telemetry.records import skipped_line
-from coci_core.telemetry.report import STEP_RECORDS, RunSummary, facts, summarize
+from coci_core.telemetry.report import SESSION_STARTS, STEP_RECORDS, RunSummary, facts, summarize
 from coci_core.telemetry.summary import compression_ratio
 
 __all__ = ["POINTER_FILE", "find_runs", "from_summary", "timeline", "write_pointer"]
@@ -108,7 +108,7 @@ def _clocks(records: list[dict[str, Any]]) -> dict[int, list[tuple[int, float]]]
     clocks: dict[int, list[tuple[int, float]]] = {}
     session = 0
     for r in records:
-        if r.get("type") == "restore":
+        if r.get("type") in SESSION_STARTS:
             session += 1
         t = _num(r.get("time"))
         if r.get("type") in STEP_RECORDS and t is not None:
@@ -158,8 +158,9 @@ def timeline(directory: str, name: str | None = None) -> dict[str, Any]:
     ``compression_x``, ``compressed``, ``error``); ``restarts`` (``restored``,
     ``failed_at``, ``lost_steps``, ``restart_s`` (process start to the first step after the
     restore, when recorded; else the restore), ``restore_s``, ``restart_since``, ``time``,
-    ``failed_time``,
-    ``restored_time``, ``exact``: ``failed_at`` is the step the failed process reached);
+    ``failed_time``, ``restored_time``, ``exact``: ``failed_at`` is the step the failed
+    process reached, ``checkpoint``: False when there was none to restore and the run started
+    over from step 0);
     ``resumes`` (restores that lost nothing: the run went on after it ended: ``restored``,
     ``time``, ``restore_s``); ``summary`` (:func:`~coci_core.telemetry.report.facts`);
     ``skipped_lines`` (the telemetry lines that could not be read, left out) and
@@ -197,7 +198,7 @@ def from_summary(summary: RunSummary, directory: str, name: str | None = None) -
     plans: list[dict[str, Any]] = []
     session = 0  # the process: a restore starts the next one
     for r in records:
-        if r.get("type") == "restore":
+        if r.get("type") in SESSION_STARTS:
             session += 1
         if r.get("type") != "plan":
             continue
@@ -286,6 +287,7 @@ def from_summary(summary: RunSummary, directory: str, name: str | None = None) -
                 "failed_at": restart.failed_at,
                 "lost_steps": restart.lost_steps,
                 "exact": restart.exact,
+                "checkpoint": restart.checkpoint,
                 "restore_s": _num(restore.get("seconds")),
                 "restore_parts_s": {
                     k[:-2]: _num(restore.get(k))

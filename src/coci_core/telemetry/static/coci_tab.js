@@ -322,8 +322,9 @@ function timelineSvg(data, axis, W) {
         class: 'axis-label', fill: COLORS.lost, 'font-weight': 'bold' },
       `lost work: ${r.lost_steps} step${r.lost_steps === 1 ? '' : 's'}`),
       title(`lost work: steps ${r.restored}–${r.failed_at} (${r.lost_steps} step${r.lost_steps === 1 ? '' : 's'}) were ` +
-        `trained again: the run failed after step ${r.failed_at} and restarted from the ` +
-        `checkpoint of step ${r.restored}`),
+        `trained again: the run failed after step ${r.failed_at} and ` +
+        (r.checkpoint === false ? 'started over from step 0: no checkpoint to restore' :
+          `restarted from the checkpoint of step ${r.restored}`)),
     );
     root.appendChild(g);
   }
@@ -452,8 +453,9 @@ function timelineSvg(data, axis, W) {
           'stroke-width': 2, 'stroke-dasharray': '5 3' }),
         svg('text', { x: sx(xr) - 5, y: M.top + 14, class: 'axis-label', fill: COLORS.failed,
           'text-anchor': 'end' }, `↻ restart from step ${r.restored}`),
-        title(`restarted from the checkpoint of step ${r.restored}; restore took ` +
-          `${fmt(r.restore_s)} s` +
+        title((r.checkpoint === false ? 'started over from step 0: no checkpoint to restore' :
+          `restarted from the checkpoint of step ${r.restored}; restore took ` +
+          `${fmt(r.restore_s)} s`) +
           (Object.keys(r.restore_parts_s || {}).length ? ' (' + Object.entries(r.restore_parts_s)
             .map(([k, v]) => `${k} ${fmt(v)} s`).join(', ') + ')' : '') +
           (r.restart_since ? `, first step ${fmt(r.restart_s)} s after ${r.restart_since}` : '') +
