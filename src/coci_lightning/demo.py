@@ -273,8 +273,9 @@ def run(args: argparse.Namespace) -> int:
     print(render(summary, tensorboard_dir=str(root / "run"), with_overhead=False))
     print()
     print(
-        f"expected overhead of each policy over this run's {total} steps, from the measured "
-        "costs (the run itself used coci):"
+        f"each policy's plan over this run's {total} steps, made afresh with the costs "
+        "measured by its end, and its expected overhead (the run itself followed coci's plan "
+        "as it measured them: the checkpoints planned above):"
     )
     print(render_policies(compare_policies(summary, total)))
     print()

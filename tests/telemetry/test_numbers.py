@@ -112,6 +112,14 @@ def test_a_killed_run_has_one_set_of_numbers(tmp_path: Path) -> None:
         s: "taken" if s in committed else "missed" for s in as_stood
     }
     assert all(s in as_stood for s, state in states.items() if state == "missed")
+    # planned, taken (the planned steps committed), committed (the final save too): each
+    # says what it counts, and the policy table says it is each policy's plan made afresh
+    taken = [s for s in as_stood if s in committed]
+    assert summary["taken"] == len(taken) and summary["committed"] == len(committed)
+    assert f"at steps {as_stood}, {len(taken)} of them taken" in report
+    assert max(committed) == total and total not in as_stood  # the final save
+    assert "made afresh with the costs measured by its end" in report
+    assert "made afresh with the costs measured by its end" in demo.stdout
 
     # raw checkpoints: 1.00x, though their files hold padding and the manifest too
     saves = [r for r in records if r["type"] == "save" and r["outcome"] == "committed"]
@@ -403,7 +411,9 @@ def test_words_and_figures_of_the_facts() -> None:
     }
     text = "\n".join(render_facts(f))
     assert "over 1 save; lost work: 1 step over 1 restart after a failure" in text
-    assert "over the run's 1 step," in text
+    assert "policies not compared: no measured costs yet" in text
+    f["policies"] = [{"policy": "coci", "checkpoints": 0, "wall_s": 0.0, "objective_s": 0.0}]
+    assert "over the run's 1 step," in "\n".join(render_facts(f))
 
     summary = _summary_of(
         [
@@ -519,6 +529,9 @@ telemetry.close()
     assert "checkpoints committed: 4 at steps [10, 20, 30, 40]" in out
     assert "restart: restored step 20" in out
     assert "the run had reached step 27: 7 steps of work lost and redone" in out
+    # no plan, so no policy comparison: said why (before: "no measured costs yet" under the
+    # table of measured costs)
+    assert "policies not compared: no plan recorded" in out and "no measured costs" not in out
 
 
 def test_the_plan_line_says_where_a_grown_default_mtbf_comes_from() -> None:

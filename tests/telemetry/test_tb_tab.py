@@ -189,7 +189,12 @@ def test_tab_in_a_real_browser(
     assert facts_shown["committed"] == str(len(committed))
     assert facts_shown["restarts"] == "1"
     assert facts_shown["lost_steps"] == str(steps)
-    assert len(browser.find_elements(By.CSS_SELECTOR, "#coci-policies tr[data-policy]")) == 3
+    assert facts_shown["taken"] == str(expected["taken"])
+    # each number says what it counts: the policy rows are plans made afresh, not this plan
+    rows = browser.find_elements(By.CSS_SELECTOR, "#coci-policies tr[data-policy]")
+    assert [r.find_element(By.TAG_NAME, "td").text for r in rows] == ["coci", "daly", "checkfreq"]
+    note = browser.find_element(By.ID, "coci-policies-note").text
+    assert "made afresh with the costs measured by its end" in note
 
     browser.switch_to.default_content()
     shot = _artifact_dir(tmp_path_factory) / "coci-tab.png"

@@ -61,6 +61,30 @@ def _write(directory: Path, records: list[dict[str, Any]] = RECORDS) -> Path:
     return directory
 
 
+def test_a_planned_step_the_run_reached_after_a_restart_is_not_unreached(tmp_path: Path) -> None:
+    """A step the first session planned (30) and failed before, which the run reached after the
+    restart under a plan that did not have it, was revised away by that plan (before: a hollow
+    "planned, not reached" diamond at a step the run reached); a step no session reached (50)
+    is still unreached."""
+    records = [
+        _plan(1, [10, 30], 100.0),
+        _save(10, "committed", 110.0),
+        {"type": "progress", "step": 20, "time": 120.0},
+        {"type": "restore", "step": 10, "seconds": 1.0, "bytes_read": 10, "time": 130.0},
+        _plan(11, [25, 50], 131.0),
+        _save(25, "committed", 145.0),
+        {"type": "end", "step": 40, "time": 160.0},
+    ]
+    planned = {p["step"]: p for p in timeline(str(_write(tmp_path / "run", records)))["planned"]}
+    assert {s: p["state"] for s, p in planned.items()} == {
+        10: "taken",
+        25: "taken",
+        30: "revised",
+        50: "unreached",
+    }
+    assert planned[30]["revised_at"] == 11
+
+
 def test_timeline_of_a_killed_and_resumed_run(tmp_path: Path) -> None:
     """Planned steps with their fate, saves by outcome with costs in display units, one restart
     with its lost work, lost loss points, wall times, and the report's facts."""

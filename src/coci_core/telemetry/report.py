@@ -209,8 +209,11 @@ def no_telemetry_hint(directory: str | Path) -> str:
 def compare_policies(
     summary: RunSummary, total_steps: int, policies: tuple[str, ...] = ("coci", "daly", "checkfreq")
 ) -> list[dict[str, Any]]:
-    """Each policy's expected overhead for this run, from the last plan's measured costs and
-    the observed losses (rows with ``policy``, ``checkpoints``, ``wall_s``, ``objective_s``)."""
+    """Each policy's plan for the run's ``total_steps``, made afresh with the last plan's
+    measured costs and MTBF and the observed losses, and its expected overhead (rows with
+    ``policy``, ``checkpoints``, ``wall_s``, ``objective_s``). The ``coci`` row is not the plan
+    the run followed (made as it measured its costs, the steps :attr:`RunSummary.planned`
+    counts), and no row counts the final save."""
     from coci_core.errors import ConfigError
     from coci_core.planner import plan_schedule
 
@@ -250,17 +253,36 @@ def compare_policies(
     return rows
 
 
+def not_compared(summary: RunSummary, total_steps: int) -> str:
+    """Why :func:`compare_policies` gives no rows for this run, in words."""
+    plan = summary.last_plan
+    if plan is None:
+        return "no plan recorded (coci's planner did not choose these saves)"
+    if total_steps <= 0:
+        return "no step trained"
+    if total_steps > COMPARE_MAX_STEPS:
+        return f"the policies are compared over at most {COMPARE_MAX_STEPS:,} steps"
+    if plan.get("mtbf_s") is None:
+        return "the plan recorded no MTBF"
+    if not (plan.get("costs") or {}).get("step_time_s"):
+        return "no step time measured yet"
+    return "the planner could not plan with the recorded costs"
+
+
 def facts(summary: RunSummary, total_steps: int | None = None) -> dict[str, Any]:
     """The run's headline numbers, as ``coci report`` prints them and the TensorBoard tab shows
-    them: checkpoints planned (the steps reached that the plan in force had), committed,
-    skipped and failed, the total stall (s), restarts after a failure and the steps of work
+    them: checkpoints planned (the steps reached that the plan in force had), ``taken`` (those
+    of them committed), committed (every save: the final one, and any other, too), skipped
+    and failed, the total stall (s), restarts after a failure and the steps of work
     they lost, resumes that lost nothing (the run went on after it ended), the steps the run
     trained, and each policy's expected overhead (:func:`compare_policies`) over
-    ``total_steps`` (default: the steps the run trained)."""
+    ``total_steps`` (default: the steps the run trained), or why not (``not_compared``)."""
     total = total_steps if total_steps is not None else summary.last_step
     stalls = [s.get("stall_s") for s in summary.saves]
+    policies = compare_policies(summary, total) if total > 0 else []
     return {
         "planned": len(summary.planned),
+        "taken": facts_taken(summary),
         "committed": len(summary.committed),
         "skipped": sum(1 for s in summary.saves if s.get("outcome") == "skipped"),
         "failed": sum(1 for s in summary.saves if s.get("outcome") == "failed"),
@@ -269,9 +291,15 @@ def facts(summary: RunSummary, total_steps: int | None = None) -> dict[str, Any]
         "resumes": len(summary.resumes) - len(summary.restarts),
         "lost_steps": sum(summary.lost_steps),
         "steps": total,
-        "policies": compare_policies(summary, total) if total > 0 else [],
+        "policies": policies,
+        "not_compared": None if policies else not_compared(summary, total),
         "termination": termination_effect(summary),
     }
+
+
+def facts_taken(summary: RunSummary) -> int:
+    """The planned steps (:attr:`RunSummary.planned`) that were committed."""
+    return len(set(summary.planned) & {int(s["step"]) for s in summary.committed})
 
 
 def _float(x: object) -> float | None:
@@ -323,12 +351,16 @@ def render_facts(f: dict[str, Any]) -> list[str]:
     lines = [
         f"total stall {f['total_stall_s']:.3f} s over {plural(saves, 'save')}; {lost}",
         "",
-        f"expected overhead of each policy over the run's {plural(f['steps'], 'step')}, from "
-        "the measured costs:",
-        render_policies(f["policies"])
-        if f["policies"] or f["steps"] <= COMPARE_MAX_STEPS
-        else f"(not compared: the policies are compared over at most {COMPARE_MAX_STEPS:,} steps)",
     ]
+    if f["policies"]:
+        lines += [
+            f"each policy's plan over the run's {plural(f['steps'], 'step')}, made afresh with "
+            "the costs measured by its end, and its expected overhead (not the plan the run "
+            "followed, made as it measured them; the final save not counted):",
+            render_policies(f["policies"]),
+        ]
+    else:
+        lines.append(f"policies not compared: {f.get('not_compared') or 'no measured costs yet'}")
     t = f.get("termination")
     if t:
         lines.append(
@@ -380,6 +412,7 @@ def render(
             f"checkpoints planned over the {plural(summary.last_step, 'step')} run: "
             f"{len(summary.planned)} at steps {summary.planned[:20]}"
             + (" ..." if len(summary.planned) > 20 else "")
+            + f", {facts_taken(summary)} of them taken"
             + (f"; still ahead: {summary.ahead[:10]}" if summary.ahead else "")
         )
     skipped = [s["step"] for s in summary.saves if s.get("outcome") == "skipped"]

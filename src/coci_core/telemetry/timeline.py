@@ -153,7 +153,8 @@ def timeline(directory: str, name: str | None = None) -> dict[str, Any]:
     ``planned`` (each step a plan held: ``step``, ``time`` (when it was, or would have been,
     reached), ``planned_at``, ``state``: ``"taken"``, ``"missed"`` (the plan in force had it
     when the run reached it, and it was not saved), ``"revised"`` (a later plan dropped it
-    before it came) or ``"unreached"`` (the run failed or ended first), and ``revised_at``);
+    before it came, or the plans after a restart did not have it) or ``"unreached"`` (the run
+    never reached it: it ended first), and ``revised_at``);
     ``saves`` (``step``, ``outcome``, ``time``, ``stall_ms``, ``persist_s``, ``mb``,
     ``compression_x``, ``compressed``, ``error``); ``restarts`` (``restored``,
     ``failed_at``, ``lost_steps``, ``restart_s`` (process start to the first step after the
@@ -226,6 +227,10 @@ def from_summary(summary: RunSummary, directory: str, name: str | None = None) -
         if holders:
             last = before[holders[-1]]
             after = [p for p in before[holders[-1] + 1 :] if p["session"] == last["session"]]
+            if not after and step <= summary.last_step:
+                # its session failed before it; the run reached it after the restart, when the
+                # new session's plans did not have it: they revised it away
+                after = [p for p in plans if p["session"] > last["session"]]
             if after:
                 revised_at = after[0]["step"]
         if step in committed:

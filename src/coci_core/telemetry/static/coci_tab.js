@@ -216,7 +216,8 @@ function reasonPanel(reason, summary) {
     const versus = Math.abs(share) < 5e-4 ? 'the same as Daly' :
       `${fmt(Math.abs(100 * share), 1)}% ${share > 0 ? 'less' : 'more'} than Daly`;
     rows.push(el('dt', {}, 'over the whole run'), el('dd', { 'data-reason': 'overhead_run' },
-      `${fmt(coci.wall_s)} s of wall-clock time expected over the run's ${summary.steps} ` +
+      `coci's plan made afresh with the costs measured by the run's end: ` +
+      `${fmt(coci.wall_s)} s of wall-clock time expected over its ${summary.steps} ` +
       `steps with ${plural(coci.checkpoints, 'checkpoint')}, against Daly's ` +
       `${fmt(daly.wall_s)} s with ${daly.checkpoints}: ${versus} (from the measured costs)`));
   }
@@ -557,8 +558,9 @@ function summaryTable(f) {
   const row = (key, label, value) =>
     el('tr', {}, [el('td', {}, label), el('td', { class: 'num', 'data-fact': key }, value)]);
   const table = el('table', { class: 'coci-summary', id: 'coci-summary' }, [
-    row('planned', 'checkpoints planned', String(f.planned)),
-    row('committed', 'checkpoints taken (committed)', String(f.committed)),
+    row('planned', 'checkpoints planned (as the run reached them)', String(f.planned)),
+    row('taken', 'of them taken', String(f.taken)),
+    row('committed', 'checkpoints committed (the final save included)', String(f.committed)),
     row('skipped', 'saves skipped / failed', `${f.skipped} / ${f.failed}`),
     row('total_stall_s', 'total stall (s)', fmt(f.total_stall_s, 3)),
     row('restarts', 'restarts after a failure', String(f.restarts)),
@@ -577,14 +579,18 @@ function summaryTable(f) {
       el('th', {}, 'by its objective (s)'),
     ]),
     ...f.policies.map((p) => el('tr', { 'data-policy': p.policy }, [
-      el('td', {}, p.policy === 'coci' ? 'coci (this plan)' : p.policy),
+      el('td', {}, p.policy),
       el('td', { class: 'num' }, String(p.checkpoints)),
       el('td', { class: 'num' }, fmt(p.wall_s)),
       el('td', { class: 'num' }, fmt(p.objective_s)),
     ])),
   ]);
-  const note = f.policies.length ? null :
-    el('p', { class: 'coci-note' }, 'no measured costs yet to compare policies');
+  const note = f.policies.length ?
+    el('p', { class: 'coci-note', id: 'coci-policies-note' }, "each policy's plan for the " +
+      `whole run, made afresh with the costs measured by its end: not the plan the run ` +
+      'followed (made as it measured them), and without the final save') :
+    el('p', { class: 'coci-note', id: 'coci-policies-note' },
+      `policies not compared: ${f.not_compared || 'no measured costs yet'}`);
   return el('div', { style: 'display:flex;gap:32px;align-items:flex-start' },
     [table, el('div', {}, [policies, note])]);
 }
