@@ -181,7 +181,8 @@ def test_report_plot_draws_the_timeline(tmp_path: Path, capsys: pytest.CaptureFi
     assert main(["report", str(ck), "--plot", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 20_000
     text = capsys.readouterr().out
-    assert "lost work: 4 steps over 1 restart after a failure" in text
+    # the restore does not say the step reached: the lost work is a lower bound
+    assert "lost work: at least 4 steps over 1 restart after a failure" in text
     assert "restored step 25 in 1.50 s (read 1.00, verify 0.20, load 0.30 s)" in text
     assert "first step 9.0 s after process start" in text
     assert f"timeline drawn to {out}" in text

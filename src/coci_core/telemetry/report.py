@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from coci_core.knobs import MAX_HORIZON_STEPS
+from coci_core.knobs import MAX_HORIZON_STEPS, TELEMETRY_PUT_DELAY_S, TELEMETRY_PUT_GAP_S
 from coci_core.storage import is_url, open_storage
 from coci_core.telemetry import TELEMETRY_FILE
 from coci_core.telemetry.records import parse_records, skipped_line
@@ -290,6 +290,8 @@ def facts(summary: RunSummary, total_steps: int | None = None) -> dict[str, Any]
         "restarts": len(summary.restarts),
         "resumes": len(summary.resumes) - len(summary.restarts),
         "lost_steps": sum(summary.lost_steps),
+        # the step each failed session reached is known (else lost_steps is a lower bound)
+        "lost_exact": all(r.exact for r in summary.restarts),
         "steps": total,
         "policies": policies,
         "not_compared": None if policies else not_compared(summary, total),
@@ -344,7 +346,8 @@ def plural(n: int, noun: str) -> str:
 def render_facts(f: dict[str, Any]) -> list[str]:
     """:func:`facts` as lines of text."""
     saves = f["committed"] + f["failed"]
-    lost = f"lost work: {plural(f['lost_steps'], 'step')}"
+    at_least = "" if f.get("lost_exact", True) else "at least "
+    lost = f"lost work: {at_least}{plural(f['lost_steps'], 'step')}"
     lost += f" over {plural(f['restarts'], 'restart')} after a failure"
     if f.get("resumes"):
         lost += f" (and {plural(f['resumes'], 'resume')} that lost nothing)"
@@ -493,11 +496,11 @@ def _restart_line(summary: RunSummary, resume: Restart) -> str:
     """One restore: what it read, the whole restart, and the work lost (or that the run went
     on from where it ended)."""
     r = summary.records[resume.index]
-    if not resume.checkpoint:
-        reached = f"step {resume.failed_at}" + ("" if resume.exact else " or a little further")
+    if not resume.checkpoint:  # written only where the step reached is known
         return (
             f"restart: no checkpoint to restore, the run started over from step 0; it had "
-            f"reached {reached}: {plural(resume.lost_steps, 'step')} of work lost and redone"
+            f"reached step {resume.failed_at}: {plural(resume.lost_steps, 'step')} of work "
+            f"lost and redone"
         )
     whole = summary._restart_record(summary.records, resume.index)
     took = (
@@ -522,9 +525,16 @@ def _restart_line(summary: RunSummary, resume: Restart) -> str:
     )
     if not resume.failure:
         return f"resume: {restored}; the run had ended at that step: no work lost"
-    reached = f"step {resume.failed_at}" + ("" if resume.exact else " or a little further")
+    if not resume.exact:
+        return (
+            f"restart: {restored}; the run had reached step {resume.failed_at} or further (the "
+            f"records of its last seconds were not written before it stopped; an object "
+            f"store's are put every {TELEMETRY_PUT_GAP_S:.0f}-{TELEMETRY_PUT_DELAY_S:.0f} s): "
+            f"at least {plural(resume.lost_steps, 'step')} of work lost and redone, the exact "
+            f"number unknown"
+        )
     return (
-        f"restart: {restored}; the run had reached {reached}: "
+        f"restart: {restored}; the run had reached step {resume.failed_at}: "
         f"{plural(resume.lost_steps, 'step')} of work lost and redone"
     )
 

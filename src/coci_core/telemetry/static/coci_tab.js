@@ -321,11 +321,14 @@ function timelineSvg(data, axis, W) {
         fill: COLORS.lost, 'fill-opacity': 0.13 }),
       svg('text', { x: (a + b) / 2, y: M.top - 8, 'text-anchor': 'middle',
         class: 'axis-label', fill: COLORS.lost, 'font-weight': 'bold' },
-      `lost work: ${r.lost_steps} step${r.lost_steps === 1 ? '' : 's'}`),
+      `lost work: ${r.exact ? '' : 'at least '}${r.lost_steps} ` +
+      `step${r.lost_steps === 1 ? '' : 's'}`),
       title(`lost work: steps ${r.restored}–${r.failed_at} (${r.lost_steps} step${r.lost_steps === 1 ? '' : 's'}) were ` +
         `trained again: the run failed after step ${r.failed_at} and ` +
         (r.checkpoint === false ? 'started over from step 0: no checkpoint to restore' :
-          `restarted from the checkpoint of step ${r.restored}`)),
+          `restarted from the checkpoint of step ${r.restored}`) +
+        (r.exact ? '' : '; the run may have gone further: the records of its last seconds ' +
+          'were not written before it stopped (the exact number is unknown)')),
     );
     root.appendChild(g);
   }
@@ -565,7 +568,8 @@ function summaryTable(f) {
     row('total_stall_s', 'total stall (s)', fmt(f.total_stall_s, 3)),
     row('restarts', 'restarts after a failure', String(f.restarts)),
     ...(f.resumes ? [row('resumes', 'resumes where the run had ended', String(f.resumes))] : []),
-    row('lost_steps', 'lost work (steps)', String(f.lost_steps)),
+    row('lost_steps', 'lost work (steps)',
+      `${f.lost_exact === false ? 'at least ' : ''}${f.lost_steps}`),
     row('steps', 'steps trained', String(f.steps)),
     ...(f.termination ? [row('termination',
       "expected overhead the termination hazard saves (vs the plan made without it)",
