@@ -133,24 +133,28 @@ def test_a_killed_run_has_one_set_of_numbers(tmp_path: Path) -> None:
 
 
 _LIGHTNING_RUN = """
-import sys
+import json, sys
 import lightning.pytorch as pl
 from coci_lightning import CociCheckpoint
 from tests.lightning.models import DigitsModel
 
 root, total, kill = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+options = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
+after_save = options.pop("kill_after_a_save", False)
+ckpt = CociCheckpoint(resume=True, **options)
 
 class KillPoint(pl.Callback):
     def on_train_batch_end(self, trainer, *args):
-        if trainer.global_step == kill:
-            print(f"AT {kill}", flush=True)
+        step = trainer.global_step
+        saved = step > kill and bool(ckpt.checkpointer.manager.steps())
+        if saved if after_save else step == kill:
+            print(f"AT {step}", flush=True)
             sys.stdin.readline()  # SIGKILLed here
 
 pl.seed_everything(0, verbose=False)
 pl.Trainer(
     accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
-    default_root_dir=root, callbacks=[CociCheckpoint(resume=True), KillPoint()],
-    max_steps=total,
+    default_root_dir=root, callbacks=[ckpt, KillPoint()], max_steps=total,
 ).fit(DigitsModel())
 """
 
@@ -190,6 +194,29 @@ def test_a_run_killed_before_its_first_checkpoint_lost_every_step_it_reached(
     start = next(i for i, r in enumerate(records) if r["type"] == "start")
     killed = [r["step"] for r in records[:start] if r["type"] == "loss"]
     assert killed and [p["step"] for p in tab["loss"] if p["lost"]] == killed
+
+
+def test_the_mtbf_after_one_failure_says_it_is_mostly_the_default(tmp_path: Path) -> None:
+    """A Lightning run killed after its first checkpoint and resumed: the MTBF it plans with is
+    coci's default counted as one failure and averaged with this one, about half the default;
+    the plan line and the report say so (before: "estimated from this run's restarts")."""
+    options = json.dumps({"every_n_steps": 4, "kill_after_a_save": True})
+    with Child(script(_LIGHTNING_RUN, str(tmp_path), "12", "4", options)) as child:
+        assert child.kill_at("AT ") == -9  # after step 4, once its save is committed
+    assert CheckpointManager(tmp_path / "coci").steps()  # the resume restores a checkpoint
+    resumed = run(script(_LIGHTNING_RUN, str(tmp_path), "12", "-1", options), timeout_s=300)
+    assert resumed.returncode == 0, resumed.stderr
+    said = re.search(
+        r"MTBF assumed (\d+) s \(coci's default (\d+) s, counted as one failure, averaged with "
+        r"this run's 1 failure in (\d+) s: \(\d+ \+ \d+\) / 2\)",
+        resumed.stderr,
+    )
+    assert said, resumed.stderr
+    mtbf, default, ran = (int(x) for x in said.groups())
+    assert abs(mtbf - (default + ran) / 2) <= 1 and mtbf < 0.51 * default + ran
+    report = _report(tmp_path / "coci")
+    assert "(coci's default, counted as one failure, averaged with this run's failures: " in report
+    assert "estimated from this run's" not in report + resumed.stderr
 
 
 @pytest.mark.slow

@@ -473,10 +473,12 @@ def render(
 
 
 #: Where a plan's MTBF comes from, in words. Without a failure the estimate is coci's prior
-#: plus the time the run has gone without one, so it grows past the default as the run goes.
+#: plus the time the run has gone without one, so it grows past the default as the run goes;
+#: with failures, the prior counts as one of them (after one, the MTBF is about half of it).
 MTBF_SOURCES = {
     "user": "given as mtbf_s",
-    "estimated": "estimated from this run's failures",
+    "estimated": "coci's default, counted as one failure, averaged with this run's failures: "
+    "(default + time run) / (failures + 1)",
     "default": "no mtbf_s given: coci's default, plus the time run without a failure",
 }
 
