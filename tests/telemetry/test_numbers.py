@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import re
 from pathlib import Path
 from typing import Any
@@ -311,6 +312,40 @@ def test_an_early_stopped_run_is_as_long_as_the_steps_it_trained(tmp_path: Path)
     assert [r["step"] for r in records if r["type"] == "end"] == [steps]
     assert timeline(str(tmp_path / "coci"))["summary"]["steps"] == steps
     assert f"over the run's {steps} steps" in _report(tmp_path / "coci")
+
+
+def test_a_checkpoint_has_one_size(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A Lightning run's checkpoints: `coci ls`, the files in the step directory, `coci report`
+    and the end-of-training line give one size for each, its data and manifest (before: `ls`
+    counted the data alone)."""
+    pl.seed_everything(0, verbose=False)
+    with caplog.at_level(logging.INFO):
+        _trainer(tmp_path, [CociCheckpoint(every_n_steps=4)], max_steps=8).fit(DigitsModel())
+    ckpt_dir = tmp_path / "coci"
+    saves = {
+        r["step"]: r["bytes_written"]
+        for r in read_jsonl(ckpt_dir / "telemetry.jsonl")
+        if r["type"] == "save" and r["outcome"] == "committed"
+    }
+    assert sorted(saves) == [4, 8]
+    files = {
+        step: sum(f.stat().st_size for f in (ckpt_dir / f"step-{step:010d}").iterdir())
+        for step in saves
+    }
+    assert files == saves  # what the save wrote is what the directory holds
+    capsys.readouterr()
+    assert main(["ls", str(ckpt_dir)]) == 0
+    rows = [row.split() for row in capsys.readouterr().out.splitlines()[1:]]
+    assert {int(r[0]): f"{r[1]} {r[2]}" for r in rows} == {
+        step: f"{size / 1000:.1f} KB" for step, size in saves.items()
+    }
+    report = render(summarize(ckpt_dir))
+    for step, size in saves.items():
+        assert re.search(rf"^ +{step} .* {size / 1e6:.2f}$", report, re.M), report
+    (end,) = [r.getMessage() for r in caplog.records if "checkpoints committed (" in r.getMessage()]
+    assert f"{sum(saves.values()) / 1e6:.3g} MB written" in end
 
 
 class _PlannerAtEnd(pl.Callback):
