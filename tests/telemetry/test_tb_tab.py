@@ -216,3 +216,65 @@ def test_wall_time_axis(server: TensorBoard, browser: Any) -> None:
     assert "wall time (s since the run started)" in labels
     assert len(browser.find_elements(By.CSS_SELECTOR, "svg [data-kind=restart]")) == 1
     assert len(browser.find_elements(By.CSS_SELECTOR, "svg [data-kind=lost]")) == 1
+
+
+def _path_points(browser: Any, kind: str) -> list[tuple[float, float]]:
+    """The (x, y) points of the timeline's paths of ``kind`` (data-kind)."""
+    from selenium.webdriver.common.by import By
+
+    points = []
+    for path in browser.find_elements(By.CSS_SELECTOR, f"svg path[data-kind={kind}]"):
+        for x, y in re.findall(r"[ML]([-\d.]+),([-\d.]+)", path.get_attribute("d")):
+            points.append((float(x), float(y)))
+    return points
+
+
+def test_the_legend_names_what_is_drawn_and_the_loss_has_a_log_scale(
+    server: TensorBoard, browser: Any, logdir: Path
+) -> None:
+    """The legend lists what the timeline draws, no more: the demo's run (objective "time")
+    fits no loss curve, so no "planner's fitted curve" (listed before, never drawn); a checkbox
+    draws the loss on a log scale, which spreads the later steps' losses that a linear axis
+    flattens under the first ones."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    data = server.get_json("/data/plugin/coci/timeline?run=coci")
+    open_coci_tab(browser, server.url)
+    legend = {
+        e.get_attribute("data-legend")
+        for e in browser.find_elements(By.CSS_SELECTOR, "#coci-legend [data-legend]")
+    }
+    assert all(p["fitted"] is None for p in data["loss"])  # the time objective fits no curve
+    assert browser.find_elements(By.CSS_SELECTOR, "svg [data-kind=fitted]") == []
+    assert "fitted" not in legend
+    assert {"loss", "committed", "lost"} <= legend
+    states = {p["state"] for p in data["planned"]}
+    assert ("unreached" in legend) == ("unreached" in states)
+    assert ("revised" in legend) == ("revised" in states)
+
+    label = browser.find_element(By.CSS_SELECTOR, ".axis-label[data-scale]")
+    assert (label.get_attribute("data-scale"), label.text) == ("linear", "loss")
+    linear = _path_points(browser, "loss")
+    browser.find_element(By.ID, "coci-logy").click()
+    WebDriverWait(browser, 10).until(
+        lambda d: (
+            d.find_element(By.CSS_SELECTOR, ".axis-label[data-scale]").get_attribute("data-scale")
+            == "log"
+        )
+    )
+    label = browser.find_element(By.CSS_SELECTOR, ".axis-label[data-scale]")
+    assert label.text == "loss (log scale)"
+    ticks = [float(e.text) for e in browser.find_elements(By.CSS_SELECTOR, "[data-tick=loss]")]
+    assert len(ticks) >= 2 and all(
+        any(abs(t / (m * 10**k) - 1) < 1e-6 for m in (1, 2, 5) for k in range(-6, 7)) for t in ticks
+    ), ticks
+    log = _path_points(browser, "loss")
+    assert len(log) == len(linear) > 10
+
+    def later_spread(points: list[tuple[float, float]]) -> float:
+        xs = sorted(x for x, _ in points)
+        later = [y for x, y in points if x > xs[len(xs) // 4]]
+        return max(later) - min(later)
+
+    assert later_spread(log) > 1.2 * later_spread(linear)
