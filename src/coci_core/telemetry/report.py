@@ -282,7 +282,7 @@ def facts(summary: RunSummary, total_steps: int | None = None) -> dict[str, Any]
     policies = compare_policies(summary, total) if total > 0 else []
     return {
         "planned": len(summary.planned),
-        "taken": facts_taken(summary),
+        "taken": _taken(summary),
         "committed": len(summary.committed),
         "skipped": sum(1 for s in summary.saves if s.get("outcome") == "skipped"),
         "failed": sum(1 for s in summary.saves if s.get("outcome") == "failed"),
@@ -299,7 +299,7 @@ def facts(summary: RunSummary, total_steps: int | None = None) -> dict[str, Any]
     }
 
 
-def facts_taken(summary: RunSummary) -> int:
+def _taken(summary: RunSummary) -> int:
     """The planned steps (:attr:`RunSummary.planned`) that were committed."""
     return len(set(summary.planned) & {int(s["step"]) for s in summary.committed})
 
@@ -415,7 +415,7 @@ def render(
             f"checkpoints planned over the {plural(summary.last_step, 'step')} run: "
             f"{len(summary.planned)} at steps {summary.planned[:20]}"
             + (" ..." if len(summary.planned) > 20 else "")
-            + f", {facts_taken(summary)} of them taken"
+            + f", {_taken(summary)} of them taken"
             + (f"; still ahead: {summary.ahead[:10]}" if summary.ahead else "")
         )
     skipped = [s["step"] for s in summary.saves if s.get("outcome") == "skipped"]
