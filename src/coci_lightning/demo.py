@@ -275,7 +275,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"each policy's plan over this run's {total} steps, made afresh with the costs "
         "measured by its end, and its expected overhead (the run itself followed coci's plan "
-        "as it measured them: the checkpoints planned above):"
+        "as it measured them: the checkpoints planned above; the final save not counted):"
     )
     print(render_policies(compare_policies(summary, total)))
     print()
