@@ -1,8 +1,9 @@
 """``coci demo``: a Lightning run on scikit-learn's digits, SIGKILLed, resumed, checked, reported.
 
 Three processes train the same small CNN with ``CociCheckpoint`` (policy ``"coci"``): an
-uninterrupted run; a run killed with SIGKILL at a random step, as a node failure would; and a
-run that resumes it. The resumed run must end with weights bit-identical to the uninterrupted
+uninterrupted run; a run killed with SIGKILL at a random step, as a node failure would (once
+its first checkpoint is committed, so that there is one to resume from); and a run that
+resumes it. The resumed run must end with weights bit-identical to the uninterrupted
 one, having trained on exactly the samples the uninterrupted run trained on after the restored
 step. Then the report: planned against actual checkpoints, their costs, the lost work, and the
 plan's expected overhead against Daly and CheckFreq.
@@ -137,17 +138,25 @@ def _child(argv: list[str]) -> None:
 
     progress = Progress()
 
-    class KillPoint(pl.Callback):
-        # Step `kill` has ended; coci's own batch-end hook (checkpoint callbacks run last)
-        # has not run: no save of this step begins, as in a crash right after the update.
-        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-            if kill is not None and marker_fd is not None and trainer.global_step == kill:
-                progress.close()  # the bar ends where the run is killed
-                os.write(marker_fd, f"AT {kill}\n".encode())
-                os.read(sys.stdin.fileno(), 1)  # the parent SIGKILLs this process here
-
     model = DigitsCNN()
     callback = CociCheckpoint(resume=True, mtbf_s=20.0, keep_last=3)
+
+    class KillPoint(pl.Callback):
+        # Step `kill` (or the first after it at which a checkpoint is committed: a kill
+        # before any would show no resume) has ended; coci's own batch-end hook (checkpoint
+        # callbacks run last) has not run: no save of this step begins, as in a crash right
+        # after the update.
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            step = trainer.global_step
+            if kill is None or marker_fd is None or step < kill:
+                return
+            assert callback.checkpointer is not None
+            if step < total - 1 and not callback.checkpointer.manager.steps():
+                return  # the first save is not committed yet
+            progress.close()  # the bar ends where the run is killed
+            os.write(marker_fd, f"AT {step}\n".encode())
+            os.read(sys.stdin.fileno(), 1)  # the parent SIGKILLs this process here
+
     trainer = pl.Trainer(
         accelerator="cpu",
         max_steps=total,
@@ -179,20 +188,32 @@ def _child(argv: list[str]) -> None:
 
 
 def _train(directory: Path, total: int, result: Path, kill: int | None = None) -> int:
+    """Train in a new process (killed as :func:`_train_killed` says when ``kill`` is given);
+    its exit code."""
     command = [sys.executable, "-m", "coci_lightning.demo", str(directory), str(total), str(result)]
     if kill is None:
         return subprocess.run(command, stdin=subprocess.DEVNULL).returncode
+    return _train_killed(directory, total, result, kill)[0]
+
+
+def _train_killed(directory: Path, total: int, result: Path, kill: int) -> tuple[int, int | None]:
+    """Train in a new process and SIGKILL it at step ``kill``, or at the first step after it at
+    which a checkpoint is committed (at the latest the step before the last); its exit code
+    and the step it was killed at (None: it was not)."""
+    command = [sys.executable, "-m", "coci_lightning.demo", str(directory), str(total), str(result)]
     read_fd, write_fd = os.pipe()
+    killed = None
     with subprocess.Popen(
         [*command, str(kill), str(write_fd)], stdin=subprocess.PIPE, pass_fds=(write_fd,)
     ) as proc:
         os.close(write_fd)
         with os.fdopen(read_fd) as markers:
             for line in markers:
-                if line.startswith(f"AT {kill}"):
+                if line.startswith("AT "):
+                    killed = int(line.split()[1])
                     proc.send_signal(signal.SIGKILL)
                     break
-        return proc.wait()
+        return proc.wait(), killed
 
 
 def run(args: argparse.Namespace) -> int:
@@ -222,14 +243,19 @@ def run(args: argparse.Namespace) -> int:
     print("[1/3] the uninterrupted run, for reference")
     if _train(root / "reference", total, root / "reference.json") != 0:
         return 1
-    print(f"[2/3] the protected run, killed with SIGKILL at step {kill}")
-    code = _train(root / "run", total, root / "killed.json", kill)
-    if code != -signal.SIGKILL:
+    print(
+        f"[2/3] the protected run, killed with SIGKILL at step {kill} (or, if coci has not "
+        "committed a checkpoint by then, just after its first)"
+    )
+    code, killed = _train_killed(root / "run", total, root / "killed.json", kill)
+    if code != -signal.SIGKILL or killed is None:
         print(f"coci demo: FAILED: the run exited with {code} instead of being killed")
         return 1
+    kill = killed
     ckpt_dir = root / "run" / "coci"
     restored = CheckpointManager(ckpt_dir, keep_last=None).latest_step()
-    print(f"      committed checkpoints at the kill: {CheckpointManager(ckpt_dir).steps()}")
+    steps = CheckpointManager(ckpt_dir).steps()
+    print(f"      killed at step {kill}; committed checkpoints at the kill: {steps}")
     print("[3/3] a new process resumes the run")
     if _train(root / "run", total, root / "resumed.json") != 0:
         return 1
@@ -247,15 +273,16 @@ def run(args: argparse.Namespace) -> int:
     print(render(summary, tensorboard_dir=str(root / "run"), with_overhead=False))
     print()
     print(
-        f"expected overhead of each policy over this run's {total} steps, from the measured "
-        "costs (the run itself used coci):"
+        f"each policy's plan over this run's {total} steps, made afresh with the costs "
+        "measured by its end, and its expected overhead (the run itself followed coci's plan "
+        "as it measured them: the checkpoints planned above; the final save not counted):"
     )
     print(render_policies(compare_policies(summary, total)))
     print()
     # the work lost as the report and the tab count it (the telemetry has the step reached)
     lost = sum(summary.lost_steps)
-    steps = "step" if lost == 1 else "steps"
-    print(f"killed at step {kill}, resumed from step {resumed_from}: {lost} {steps} of work lost")
+    noun = "step" if lost == 1 else "steps"
+    print(f"killed at step {kill}, resumed from step {resumed_from}: {lost} {noun} of work lost")
     print(f"final weights bit-identical to the uninterrupted run: {same_weights}")
     print(f"each remaining sample trained on exactly once, in the same order: {same_samples}")
     print(

@@ -29,18 +29,20 @@ from tests.harness.processes import free_port
 START_TIMEOUT_S = 90.0
 
 
-def killed_and_resumed_run(root: Path, total: int = 200, kill: int = 120) -> Path:
-    """``root/run``: the demo's Lightning run, killed with SIGKILL at step ``kill`` and resumed
-    to ``total`` in a new process; returns the log directory ``coci demo`` prints."""
-    from coci_lightning.demo import _train
+def killed_and_resumed_run(root: Path, total: int = 200, kill: int = 120) -> tuple[Path, int]:
+    """``root/run``: the demo's Lightning run, killed with SIGKILL at step ``kill`` (as ``coci
+    demo`` does: or just after its first committed checkpoint, when none is by then) and
+    resumed to ``total`` in a new process; returns the log directory ``coci demo`` prints and
+    the step the run was killed at."""
+    from coci_lightning.demo import _train, _train_killed
 
     run = root / "run"
-    code = _train(run, total, root / "killed.json", kill)
-    if code != -signal.SIGKILL:
+    code, killed = _train_killed(run, total, root / "killed.json", kill)
+    if code != -signal.SIGKILL or killed is None:
         raise AssertionError(f"the demo run exited with {code} instead of being killed")
     if _train(run, total, root / "resumed.json") != 0:
         raise AssertionError("the resumed demo run failed")
-    return run
+    return run, killed
 
 
 def plugin_registered() -> bool:

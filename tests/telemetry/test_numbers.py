@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import re
 from pathlib import Path
 from typing import Any
@@ -67,12 +68,14 @@ def test_a_killed_run_has_one_set_of_numbers(tmp_path: Path) -> None:
         timeout_s=600,
     )
     assert demo.returncode == 0, demo.stdout + demo.stderr
+    # the kill comes at step 120, or just after the first committed checkpoint
     said = re.search(
-        rf"killed at step {kill}, resumed from step (\d+): (\d+) steps? of work lost", demo.stdout
+        r"killed at step (\d+), resumed from step (\d+): (\d+) steps? of work lost", demo.stdout
     )
     assert said, demo.stdout
-    restored, lost = int(said[1]), int(said[2])
+    kill, restored, lost = int(said[1]), int(said[2]), int(said[3])
     assert 0 < restored < kill and lost == kill - restored  # the truth, from the demo's kill
+    assert kill >= 120
 
     ckpt_dir = tmp_path / "demo" / "run" / "coci"
     records = read_jsonl(ckpt_dir / "telemetry.jsonl")
@@ -110,6 +113,14 @@ def test_a_killed_run_has_one_set_of_numbers(tmp_path: Path) -> None:
         s: "taken" if s in committed else "missed" for s in as_stood
     }
     assert all(s in as_stood for s, state in states.items() if state == "missed")
+    # planned, taken (the planned steps committed), committed (the final save too): each
+    # says what it counts, and the policy table says it is each policy's plan made afresh
+    taken = [s for s in as_stood if s in committed]
+    assert summary["taken"] == len(taken) and summary["committed"] == len(committed)
+    assert f"at steps {as_stood}, {len(taken)} of them taken" in report
+    assert max(committed) == total and total not in as_stood  # the final save
+    assert "made afresh with the costs measured by its end" in report
+    assert "made afresh with the costs measured by its end" in demo.stdout
 
     # raw checkpoints: 1.00x, though their files hold padding and the manifest too
     saves = [r for r in records if r["type"] == "save" and r["outcome"] == "committed"]
@@ -120,6 +131,124 @@ def test_a_killed_run_has_one_set_of_numbers(tmp_path: Path) -> None:
     listing = run(module("coci_core.commands.cli", "ls", str(ckpt_dir)), check=True).stdout
     rows = listing.splitlines()[1:]
     assert rows and all(row.split()[3] == "1.00x" for row in rows), listing
+
+
+_LIGHTNING_RUN = """
+import json, sys
+import lightning.pytorch as pl
+from coci_lightning import CociCheckpoint
+from tests.lightning.models import DigitsModel
+
+root, total, kill = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+options = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
+after_save = options.pop("kill_after_a_save", False)
+ckpt = CociCheckpoint(resume=True, **options)
+
+class KillPoint(pl.Callback):
+    def on_train_batch_end(self, trainer, *args):
+        step = trainer.global_step
+        saved = step > kill and bool(ckpt.checkpointer.manager.steps())
+        if saved if after_save else step == kill:
+            print(f"AT {step}", flush=True)
+            sys.stdin.readline()  # SIGKILLed here
+
+pl.seed_everything(0, verbose=False)
+pl.Trainer(
+    accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+    default_root_dir=root, callbacks=[ckpt, KillPoint()], max_steps=total,
+).fit(DigitsModel())
+"""
+
+
+def test_a_run_killed_before_its_first_checkpoint_lost_every_step_it_reached(
+    tmp_path: Path,
+) -> None:
+    """A Lightning run SIGKILLed at step 2, before coci saved anything, then started again by
+    a new process (``resume=True``, nothing to restore): the restart lost the 2 steps it had
+    reached, in the telemetry, the report, the tab and the facts ("0 steps" before)."""
+    with Child(script(_LIGHTNING_RUN, str(tmp_path), "12", "2")) as child:
+        assert child.kill_at("AT 2") == -9
+    ckpt_dir = tmp_path / "coci"
+    assert CheckpointManager(ckpt_dir).steps() == []  # nothing to restore
+    with Child(script(_LIGHTNING_RUN, str(tmp_path), "12", "-1")) as child:
+        assert child.wait(300) == 0
+    records = read_jsonl(ckpt_dir / "telemetry.jsonl")
+    assert [(r["step"], r["reached"]) for r in records if r["type"] == "start"] == [(0, 2)]
+    assert [r for r in records if r["type"] == "restore"] == []
+
+    summary = summarize(ckpt_dir)
+    assert summary.lost_steps == [2] and summary.last_step == 12
+    f = facts(summary)
+    assert (f["restarts"], f["resumes"], f["lost_steps"]) == (1, 0, 2)
+    report = _report(ckpt_dir)
+    assert (
+        "restart: no checkpoint to restore, the run started over from step 0; it had reached "
+        "step 2: 2 steps of work lost and redone" in report
+    )
+    assert "lost work: 2 steps over 1 restart after a failure" in report
+    tab = _tab(tmp_path, "coci")
+    (restart,) = tab["restarts"]
+    assert (restart["restored"], restart["failed_at"], restart["lost_steps"]) == (0, 2, 2)
+    assert restart["exact"] and restart["checkpoint"] is False
+    assert tab["summary"]["lost_steps"] == 2
+    # the killed session's loss points are drawn as lost work, the new session's are not
+    start = next(i for i, r in enumerate(records) if r["type"] == "start")
+    killed = [r["step"] for r in records[:start] if r["type"] == "loss"]
+    assert killed and [p["step"] for p in tab["loss"] if p["lost"]] == killed
+
+
+def test_the_mtbf_after_one_failure_says_it_is_mostly_the_default(tmp_path: Path) -> None:
+    """A Lightning run killed after its first checkpoint and resumed: the MTBF it plans with is
+    coci's default counted as one failure and averaged with this one, about half the default;
+    the plan line and the report say so (before: "estimated from this run's restarts")."""
+    options = json.dumps({"every_n_steps": 4, "kill_after_a_save": True})
+    with Child(script(_LIGHTNING_RUN, str(tmp_path), "12", "4", options)) as child:
+        assert child.kill_at("AT ") == -9  # after step 4, once its save is committed
+    assert CheckpointManager(tmp_path / "coci").steps()  # the resume restores a checkpoint
+    resumed = run(script(_LIGHTNING_RUN, str(tmp_path), "12", "-1", options), timeout_s=300)
+    assert resumed.returncode == 0, resumed.stderr
+    said = re.search(
+        r"MTBF assumed (\d+) s \(coci's default (\d+) s, counted as one failure, averaged with "
+        r"this run's 1 failure in (\d+) s: \(\d+ \+ \d+\) / 2\)",
+        resumed.stderr,
+    )
+    assert said, resumed.stderr
+    mtbf, default, ran = (int(x) for x in said.groups())
+    assert abs(mtbf - (default + ran) / 2) <= 1 and mtbf < 0.51 * default + ran
+    report = _report(tmp_path / "coci")
+    assert "(coci's default, counted as one failure, averaged with this run's failures: " in report
+    assert "estimated from this run's" not in report + resumed.stderr
+
+
+@pytest.mark.slow
+def test_the_demo_kills_its_run_after_the_first_checkpoint(tmp_path: Path) -> None:
+    """`coci demo` asked to kill at step 2, before coci's first save, kills the run just after
+    its first committed checkpoint instead, so that it shows a real resume; its line and the
+    report give the same lost work."""
+    demo = run(
+        module(
+            "coci_core.commands.cli",
+            "demo",
+            "--dir",
+            str(tmp_path / "demo"),
+            "--total-steps",
+            "60",
+            "--kill-step",
+            "2",
+        ),
+        timeout_s=600,
+    )
+    assert demo.returncode == 0, demo.stdout + demo.stderr
+    said = re.search(
+        r"killed at step (\d+), resumed from step (\d+): (\d+) steps? of work lost", demo.stdout
+    )
+    assert said, demo.stdout
+    killed, restored, lost = int(said[1]), int(said[2]), int(said[3])
+    assert 2 < restored <= killed and lost == killed - restored
+    assert f"killed at step {killed}; committed checkpoints at the kill: [{restored}]" in (
+        demo.stdout
+    )
+    assert f"restart: restored step {restored}" in _report(tmp_path / "demo" / "run" / "coci")
 
 
 @pytest.mark.slow
@@ -183,6 +312,40 @@ def test_an_early_stopped_run_is_as_long_as_the_steps_it_trained(tmp_path: Path)
     assert [r["step"] for r in records if r["type"] == "end"] == [steps]
     assert timeline(str(tmp_path / "coci"))["summary"]["steps"] == steps
     assert f"over the run's {steps} steps" in _report(tmp_path / "coci")
+
+
+def test_a_checkpoint_has_one_size(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A Lightning run's checkpoints: `coci ls`, the files in the step directory, `coci report`
+    and the end-of-training line give one size for each, its data and manifest (before: `ls`
+    counted the data alone)."""
+    pl.seed_everything(0, verbose=False)
+    with caplog.at_level(logging.INFO):
+        _trainer(tmp_path, [CociCheckpoint(every_n_steps=4)], max_steps=8).fit(DigitsModel())
+    ckpt_dir = tmp_path / "coci"
+    saves = {
+        r["step"]: r["bytes_written"]
+        for r in read_jsonl(ckpt_dir / "telemetry.jsonl")
+        if r["type"] == "save" and r["outcome"] == "committed"
+    }
+    assert sorted(saves) == [4, 8]
+    files = {
+        step: sum(f.stat().st_size for f in (ckpt_dir / f"step-{step:010d}").iterdir())
+        for step in saves
+    }
+    assert files == saves  # what the save wrote is what the directory holds
+    capsys.readouterr()
+    assert main(["ls", str(ckpt_dir)]) == 0
+    rows = [row.split() for row in capsys.readouterr().out.splitlines()[1:]]
+    assert {int(r[0]): f"{r[1]} {r[2]}" for r in rows} == {
+        step: f"{size / 1000:.1f} KB" for step, size in saves.items()
+    }
+    report = render(summarize(ckpt_dir))
+    for step, size in saves.items():
+        assert re.search(rf"^ +{step} .* {size / 1e6:.2f}$", report, re.M), report
+    (end,) = [r.getMessage() for r in caplog.records if "checkpoints committed (" in r.getMessage()]
+    assert f"{sum(saves.values()) / 1e6:.3g} MB written" in end
 
 
 class _PlannerAtEnd(pl.Callback):
@@ -310,7 +473,9 @@ def test_words_and_figures_of_the_facts() -> None:
     }
     text = "\n".join(render_facts(f))
     assert "over 1 save; lost work: 1 step over 1 restart after a failure" in text
-    assert "over the run's 1 step," in text
+    assert "policies not compared: no measured costs yet" in text
+    f["policies"] = [{"policy": "coci", "checkpoints": 0, "wall_s": 0.0, "objective_s": 0.0}]
+    assert "over the run's 1 step," in "\n".join(render_facts(f))
 
     summary = _summary_of(
         [
@@ -426,6 +591,9 @@ telemetry.close()
     assert "checkpoints committed: 4 at steps [10, 20, 30, 40]" in out
     assert "restart: restored step 20" in out
     assert "the run had reached step 27: 7 steps of work lost and redone" in out
+    # no plan, so no policy comparison: said why (before: "no measured costs yet" under the
+    # table of measured costs)
+    assert "policies not compared: no plan recorded" in out and "no measured costs" not in out
 
 
 def test_the_plan_line_says_where_a_grown_default_mtbf_comes_from() -> None:

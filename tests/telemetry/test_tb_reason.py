@@ -120,7 +120,10 @@ def test_sources_and_the_comparison_with_daly() -> None:
         "50 s: 20.0% less than Daly's"
     )
     estimated = _lines([_plan(5, mtbf_source="estimated", mtbf_s=600.0)])
-    assert estimated["mtbf"] == "10 min, measured from this run's failures"
+    assert estimated["mtbf"] == (
+        "10 min, coci's default, counted as one failure, averaged with this run's failures: "
+        "(default + time run) / (failures + 1)"
+    )
 
 
 def test_the_end_of_a_run() -> None:

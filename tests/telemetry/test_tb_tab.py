@@ -30,9 +30,15 @@ TOTAL, KILL = 200, 120
 
 
 @pytest.fixture(scope="module")
-def logdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The log directory ``coci demo`` prints, of a run killed at step 120 and resumed."""
+def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
+    """The log directory ``coci demo`` prints, of a run killed at step 120 (or just after its
+    first checkpoint) and resumed, and the step it was killed at."""
     return killed_and_resumed_run(tmp_path_factory.mktemp("demo"), TOTAL, KILL)
+
+
+@pytest.fixture(scope="module")
+def logdir(demo: tuple[Path, int]) -> Path:
+    return demo[0]
 
 
 @pytest.fixture(scope="module")
@@ -52,10 +58,11 @@ def telemetry(logdir: Path) -> list[dict[str, Any]]:
 
 
 def test_routes_serve_the_run_as_one_timeline(
-    server: TensorBoard, logdir: Path, telemetry: list[dict[str, Any]]
+    server: TensorBoard, demo: tuple[Path, int], telemetry: list[dict[str, Any]]
 ) -> None:
     """One run across the kill and the resume; its markers, restart and lost work match the
     telemetry; the summary is `coci report`'s numbers."""
+    logdir, killed = demo
     listing = server.get_json("/data/plugins_listing")["coci"]
     assert listing["tab_name"] == "coci"
     assert listing["loading_mechanism"]["module_path"] == "/data/plugin/coci/index.js"
@@ -76,8 +83,8 @@ def test_routes_serve_the_run_as_one_timeline(
     assert committed[-1] == TOTAL
     assert len(restores) == 1 and len(data["restarts"]) == 1
     restart = data["restarts"][0]
-    assert restart["restored"] == restores[0]["step"] < KILL
-    assert restart["restored"] < restart["failed_at"] == KILL  # the step the killed run reached
+    assert restart["restored"] == restores[0]["step"] < killed
+    assert restart["restored"] < restart["failed_at"] == killed  # the step the run reached
     assert restart["lost_steps"] == restart["failed_at"] - restart["restored"]
     # the resumed process measured its whole restart: its start to its first step
     assert restart["restart_since"] == "process start"
@@ -182,7 +189,12 @@ def test_tab_in_a_real_browser(
     assert facts_shown["committed"] == str(len(committed))
     assert facts_shown["restarts"] == "1"
     assert facts_shown["lost_steps"] == str(steps)
-    assert len(browser.find_elements(By.CSS_SELECTOR, "#coci-policies tr[data-policy]")) == 3
+    assert facts_shown["taken"] == str(expected["taken"])
+    # each number says what it counts: the policy rows are plans made afresh, not this plan
+    rows = browser.find_elements(By.CSS_SELECTOR, "#coci-policies tr[data-policy]")
+    assert [r.find_element(By.TAG_NAME, "td").text for r in rows] == ["coci", "daly", "checkfreq"]
+    note = browser.find_element(By.ID, "coci-policies-note").text
+    assert "made afresh with the costs measured by its end" in note
 
     browser.switch_to.default_content()
     shot = _artifact_dir(tmp_path_factory) / "coci-tab.png"
@@ -204,3 +216,65 @@ def test_wall_time_axis(server: TensorBoard, browser: Any) -> None:
     assert "wall time (s since the run started)" in labels
     assert len(browser.find_elements(By.CSS_SELECTOR, "svg [data-kind=restart]")) == 1
     assert len(browser.find_elements(By.CSS_SELECTOR, "svg [data-kind=lost]")) == 1
+
+
+def _path_points(browser: Any, kind: str) -> list[tuple[float, float]]:
+    """The (x, y) points of the timeline's paths of ``kind`` (data-kind)."""
+    from selenium.webdriver.common.by import By
+
+    points = []
+    for path in browser.find_elements(By.CSS_SELECTOR, f"svg path[data-kind={kind}]"):
+        for x, y in re.findall(r"[ML]([-\d.]+),([-\d.]+)", path.get_attribute("d")):
+            points.append((float(x), float(y)))
+    return points
+
+
+def test_the_legend_names_what_is_drawn_and_the_loss_has_a_log_scale(
+    server: TensorBoard, browser: Any, logdir: Path
+) -> None:
+    """The legend lists what the timeline draws, no more: the demo's run (objective "time")
+    fits no loss curve, so no "planner's fitted curve" (listed before, never drawn); a checkbox
+    draws the loss on a log scale, which spreads the later steps' losses that a linear axis
+    flattens under the first ones."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    data = server.get_json("/data/plugin/coci/timeline?run=coci")
+    open_coci_tab(browser, server.url)
+    legend = {
+        e.get_attribute("data-legend")
+        for e in browser.find_elements(By.CSS_SELECTOR, "#coci-legend [data-legend]")
+    }
+    assert all(p["fitted"] is None for p in data["loss"])  # the time objective fits no curve
+    assert browser.find_elements(By.CSS_SELECTOR, "svg [data-kind=fitted]") == []
+    assert "fitted" not in legend
+    assert {"loss", "committed", "lost"} <= legend
+    states = {p["state"] for p in data["planned"]}
+    assert ("unreached" in legend) == ("unreached" in states)
+    assert ("revised" in legend) == ("revised" in states)
+
+    label = browser.find_element(By.CSS_SELECTOR, ".axis-label[data-scale]")
+    assert (label.get_attribute("data-scale"), label.text) == ("linear", "loss")
+    linear = _path_points(browser, "loss")
+    browser.find_element(By.ID, "coci-logy").click()
+    WebDriverWait(browser, 10).until(
+        lambda d: (
+            d.find_element(By.CSS_SELECTOR, ".axis-label[data-scale]").get_attribute("data-scale")
+            == "log"
+        )
+    )
+    label = browser.find_element(By.CSS_SELECTOR, ".axis-label[data-scale]")
+    assert label.text == "loss (log scale)"
+    ticks = [float(e.text) for e in browser.find_elements(By.CSS_SELECTOR, "[data-tick=loss]")]
+    assert len(ticks) >= 2 and all(
+        any(abs(t / (m * 10**k) - 1) < 1e-6 for m in (1, 2, 5) for k in range(-6, 7)) for t in ticks
+    ), ticks
+    log = _path_points(browser, "loss")
+    assert len(log) == len(linear) > 10
+
+    def later_spread(points: list[tuple[float, float]]) -> float:
+        xs = sorted(x for x, _ in points)
+        later = [y for x, y in points if x > xs[len(xs) // 4]]
+        return max(later) - min(later)
+
+    assert later_spread(log) > 1.2 * later_spread(linear)

@@ -167,12 +167,18 @@ def _ls_row(storage: Any, step: int, version: int, damage: str | None, resumes: 
     raw, stored = sum(t.raw_nbytes for t in m.tensors), sum(t.nbytes for t in m.tensors)
     ratio = f"{raw / stored:.2f}x" if stored else "-"
     created = _time(m.created_unix)
+    # its files: the data and the manifest (the bytes its save wrote, as coci report and the
+    # end-of-training line count them)
+    try:
+        size = m.nbytes + (storage.size(f"{step_dir_name(step, version)}/{MANIFEST_NAME}") or 0)
+    except OSError:  # a StorageError too: removed meanwhile, its data is most of it
+        size = m.nbytes
     bases = f"  (delta of {', '.join(map(str, m.bases))})" if m.bases else ""
     mark = "  <- a resume takes this one" if resumes else ""
     if damage is not None:
         mark = f"  damaged, a resume skips it: {damage}"
     return (
-        f"{shown:>10}  {_size(m.nbytes):>12}  {ratio:>6}  {len(m.tensors):>7}  {created}  "
+        f"{shown:>10}  {_size(size):>12}  {ratio:>6}  {len(m.tensors):>7}  {created}  "
         f"{m.run[:8]:<8}  {codecs}{bases}{mark}"
     )
 
@@ -543,7 +549,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--dir", help="run directory (default: a new temporary one)")
     p.add_argument("--total-steps", type=int, help="training steps")
-    p.add_argument("--kill-step", type=int, help="the step at which the run is killed")
+    p.add_argument(
+        "--kill-step",
+        type=int,
+        help="the step at which the run is killed (or just after its first committed "
+        "checkpoint, if none is by then)",
+    )
     p.add_argument("--save-every", type=int, default=25, help="(engine demo) save interval")
     p.add_argument("--seed", type=int, help="seed of the random kill step")
     p.set_defaults(func=_demo)

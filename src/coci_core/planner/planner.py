@@ -322,6 +322,12 @@ class Planner:
         return self._plan.problem, tuple(self._plan.schedule), self._plan.plain_planner()
 
     @property
+    def failures(self) -> int:
+        """The failures this planner counts (each restore after one): with ``mtbf_s`` None,
+        the MTBF is ``(time run + default_mtbf_s) / (failures + 1)``."""
+        return self._obs.failures
+
+    @property
     def replans(self) -> int:
         """How many plans have been made (cheap: tells telemetry when the plan changed)."""
         return self._plan.replans

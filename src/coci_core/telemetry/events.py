@@ -202,7 +202,9 @@ class JsonlRecords:
     ``TELEMETRY_PROGRESS_EVERY_S``, whatever the calls), an ``end`` record when the sink is
     closed (the session's last step; ``failed`` when training ended on an error), and on a
     restore the step the previous session reached when the sink knows it (``reached``: then
-    the lost work is exact)."""
+    the lost work is exact). A session that starts without a restore after a session that did
+    not end (killed before its first checkpoint) first writes a ``start`` record: step 0, and
+    the step the previous session ``reached``."""
 
     #: the newest step this session reached (None before its first step)
     reached: int | None = None
@@ -212,11 +214,22 @@ class JsonlRecords:
     previous_ended: bool = False
     _progress_at: float = -math.inf
     _ended: bool = False
+    _began: bool = False  # this session wrote a record
 
     def _write_line(self, line: str, record: dict[str, Any]) -> None:
         raise NotImplementedError
 
     def _write(self, record: dict[str, Any]) -> None:
+        if not self._began:
+            self._began = True
+            if (
+                record.get("type") != "restore"
+                and self.previous_reached
+                and not self.previous_ended
+            ):
+                # the previous session failed and this one starts without a checkpoint to
+                # restore: it starts over from step 0, the steps it reached lost
+                self._write({"type": "start", "step": 0, "reached": self.previous_reached})
         record["time"] = round(time.time(), 3)
         self._write_line(json.dumps(record, default=str, allow_nan=False), record)
 

@@ -53,7 +53,8 @@ def plot_timeline(data: dict[str, Any], path: str | os.PathLike[str]) -> None:
             a.axvline(restart["failed_at"], color="#c62828", lw=1.5)
             a.axvline(restart["restored"], color="#c62828", lw=1.5, ls="--")
         ax.annotate(
-            f"lost work: {plural(restart['lost_steps'], 'step')}\n"
+            f"lost work: {'' if restart['exact'] else 'at least '}"
+            f"{plural(restart['lost_steps'], 'step')}\n"
             f"✕ failure after step {restart['failed_at']}\n"
             f"↻ restart from step {restart['restored']}",
             xy=((restart["restored"] + restart["failed_at"]) / 2, 1.0),
@@ -133,8 +134,9 @@ def plot_timeline(data: dict[str, Any], path: str | os.PathLike[str]) -> None:
     fig.legend(handles=handles, loc="upper center", ncol=4, fontsize=9, frameon=False)
     f = data["summary"]
     fig.suptitle(
-        f"{data['run']}: {f['planned']} checkpoints planned, {f['committed']} taken, "
-        f"total stall {f['total_stall_s']:.3f} s, {plural(f['lost_steps'], 'step')} lost over "
+        f"{data['run']}: {f['planned']} checkpoints planned, {f['taken']} of them taken, "
+        f"{f['committed']} committed, total stall {f['total_stall_s']:.3f} s, "
+        f"{'' if f['lost_exact'] else 'at least '}{plural(f['lost_steps'], 'step')} lost over "
         f"{plural(f['restarts'], 'restart')}",
         y=0.02,
         va="bottom",

@@ -103,6 +103,7 @@ SCHEMA: dict[str, dict[str, _Check]] = {
         "bytes_uploaded": _number,
         "error": _STR,
     },
+    "start": {"reached": _opt_step},
     "restart": {"seconds": _number, "restore_s": _number, "since": _STR, "tier": _STR},
     "plan": {
         "policy": _STR,

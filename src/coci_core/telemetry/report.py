@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from coci_core.knobs import MAX_HORIZON_STEPS
+from coci_core.knobs import MAX_HORIZON_STEPS, TELEMETRY_PUT_DELAY_S, TELEMETRY_PUT_GAP_S
 from coci_core.storage import is_url, open_storage
 from coci_core.telemetry import TELEMETRY_FILE
 from coci_core.telemetry.records import parse_records, skipped_line
@@ -39,13 +39,16 @@ class Restart:
     the run simply went on (``fit()`` then ``fit(ckpt_path="last")``, or a finished run
     trained further);
     ``exact``: ``failed_at`` is the step the previous process last reached, not only the last
-    step its records name (at most a few seconds older)."""
+    step its records name (at most a few seconds older); ``checkpoint``: a checkpoint was
+    restored (False: a ``start`` record, the session started over from step 0 with none to
+    restore)."""
 
     index: int
     restored: int
     failed_at: int
     failure: bool = True
     exact: bool = False
+    checkpoint: bool = True
 
     @property
     def lost_steps(self) -> int:
@@ -65,6 +68,10 @@ COMPARE_MAX_STEPS = 10 * MAX_HORIZON_STEPS
 
 #: The records that say the run reached their step.
 STEP_RECORDS = ("loss", "plan", "save", "progress", "end", "preemption")
+
+#: The records that start a new session of the run: a restore, or a ``start`` over from
+#: step 0 after a session that failed before its first checkpoint.
+SESSION_STARTS = ("restore", "start")
 
 
 def _step(r: dict[str, Any]) -> int | None:
@@ -116,14 +123,14 @@ class RunSummary:
             if kind in STEP_RECORDS and step is not None:
                 last = step if last is None else max(last, step)
                 ended = ended or (kind == "end" and not r.get("failed"))
-            elif kind == "restore" and step is not None:
+            elif kind in SESSION_STARTS and step is not None:
                 reached = r.get("reached")
                 exact = isinstance(reached, int) and not isinstance(reached, bool)
                 failed_at = max(
                     x for x in (step, last, reached if exact else None) if x is not None
                 )
                 failure = not ended or failed_at > step
-                restarts.append(Restart(i, step, failed_at, failure, exact))
+                restarts.append(Restart(i, step, failed_at, failure, exact, kind == "restore"))
                 last, ended = step, False
         return restarts
 
@@ -149,7 +156,7 @@ class RunSummary:
     @staticmethod
     def _restart_record(records: list[dict[str, Any]], index: int) -> dict[str, Any] | None:
         for r in records[index + 1 :]:
-            if r.get("type") == "restore":
+            if r.get("type") in SESSION_STARTS:
                 return None
             if r.get("type") == "restart":
                 return r
@@ -202,8 +209,11 @@ def no_telemetry_hint(directory: str | Path) -> str:
 def compare_policies(
     summary: RunSummary, total_steps: int, policies: tuple[str, ...] = ("coci", "daly", "checkfreq")
 ) -> list[dict[str, Any]]:
-    """Each policy's expected overhead for this run, from the last plan's measured costs and
-    the observed losses (rows with ``policy``, ``checkpoints``, ``wall_s``, ``objective_s``)."""
+    """Each policy's plan for the run's ``total_steps``, made afresh with the last plan's
+    measured costs and MTBF and the observed losses, and its expected overhead (rows with
+    ``policy``, ``checkpoints``, ``wall_s``, ``objective_s``). The ``coci`` row is not the plan
+    the run followed (made as it measured its costs, the steps :attr:`RunSummary.planned`
+    counts), and no row counts the final save."""
     from coci_core.errors import ConfigError
     from coci_core.planner import plan_schedule
 
@@ -243,17 +253,36 @@ def compare_policies(
     return rows
 
 
+def not_compared(summary: RunSummary, total_steps: int) -> str:
+    """Why :func:`compare_policies` gives no rows for this run, in words."""
+    plan = summary.last_plan
+    if plan is None:
+        return "no plan recorded (coci's planner did not choose these saves)"
+    if total_steps <= 0:
+        return "no step trained"
+    if total_steps > COMPARE_MAX_STEPS:
+        return f"the policies are compared over at most {COMPARE_MAX_STEPS:,} steps"
+    if plan.get("mtbf_s") is None:
+        return "the plan recorded no MTBF"
+    if not (plan.get("costs") or {}).get("step_time_s"):
+        return "no step time measured yet"
+    return "the planner could not plan with the recorded costs"
+
+
 def facts(summary: RunSummary, total_steps: int | None = None) -> dict[str, Any]:
     """The run's headline numbers, as ``coci report`` prints them and the TensorBoard tab shows
-    them: checkpoints planned (the steps reached that the plan in force had), committed,
-    skipped and failed, the total stall (s), restarts after a failure and the steps of work
+    them: checkpoints planned (the steps reached that the plan in force had), ``taken`` (those
+    of them committed), committed (every save: the final one, and any other, too), skipped
+    and failed, the total stall (s), restarts after a failure and the steps of work
     they lost, resumes that lost nothing (the run went on after it ended), the steps the run
     trained, and each policy's expected overhead (:func:`compare_policies`) over
-    ``total_steps`` (default: the steps the run trained)."""
+    ``total_steps`` (default: the steps the run trained), or why not (``not_compared``)."""
     total = total_steps if total_steps is not None else summary.last_step
     stalls = [s.get("stall_s") for s in summary.saves]
+    policies = compare_policies(summary, total) if total > 0 else []
     return {
         "planned": len(summary.planned),
+        "taken": _taken(summary),
         "committed": len(summary.committed),
         "skipped": sum(1 for s in summary.saves if s.get("outcome") == "skipped"),
         "failed": sum(1 for s in summary.saves if s.get("outcome") == "failed"),
@@ -261,10 +290,18 @@ def facts(summary: RunSummary, total_steps: int | None = None) -> dict[str, Any]
         "restarts": len(summary.restarts),
         "resumes": len(summary.resumes) - len(summary.restarts),
         "lost_steps": sum(summary.lost_steps),
+        # the step each failed session reached is known (else lost_steps is a lower bound)
+        "lost_exact": all(r.exact for r in summary.restarts),
         "steps": total,
-        "policies": compare_policies(summary, total) if total > 0 else [],
+        "policies": policies,
+        "not_compared": None if policies else not_compared(summary, total),
         "termination": termination_effect(summary),
     }
+
+
+def _taken(summary: RunSummary) -> int:
+    """The planned steps (:attr:`RunSummary.planned`) that were committed."""
+    return len(set(summary.planned) & {int(s["step"]) for s in summary.committed})
 
 
 def _float(x: object) -> float | None:
@@ -309,19 +346,24 @@ def plural(n: int, noun: str) -> str:
 def render_facts(f: dict[str, Any]) -> list[str]:
     """:func:`facts` as lines of text."""
     saves = f["committed"] + f["failed"]
-    lost = f"lost work: {plural(f['lost_steps'], 'step')}"
+    at_least = "" if f.get("lost_exact", True) else "at least "
+    lost = f"lost work: {at_least}{plural(f['lost_steps'], 'step')}"
     lost += f" over {plural(f['restarts'], 'restart')} after a failure"
     if f.get("resumes"):
         lost += f" (and {plural(f['resumes'], 'resume')} that lost nothing)"
     lines = [
         f"total stall {f['total_stall_s']:.3f} s over {plural(saves, 'save')}; {lost}",
         "",
-        f"expected overhead of each policy over the run's {plural(f['steps'], 'step')}, from "
-        "the measured costs:",
-        render_policies(f["policies"])
-        if f["policies"] or f["steps"] <= COMPARE_MAX_STEPS
-        else f"(not compared: the policies are compared over at most {COMPARE_MAX_STEPS:,} steps)",
     ]
+    if f["policies"]:
+        lines += [
+            f"each policy's plan over the run's {plural(f['steps'], 'step')}, made afresh with "
+            "the costs measured by its end, and its expected overhead (not the plan the run "
+            "followed, made as it measured them; the final save not counted):",
+            render_policies(f["policies"]),
+        ]
+    else:
+        lines.append(f"policies not compared: {f.get('not_compared') or 'no measured costs yet'}")
     t = f.get("termination")
     if t:
         lines.append(
@@ -373,6 +415,7 @@ def render(
             f"checkpoints planned over the {plural(summary.last_step, 'step')} run: "
             f"{len(summary.planned)} at steps {summary.planned[:20]}"
             + (" ..." if len(summary.planned) > 20 else "")
+            + f", {_taken(summary)} of them taken"
             + (f"; still ahead: {summary.ahead[:10]}" if summary.ahead else "")
         )
     skipped = [s["step"] for s in summary.saves if s.get("outcome") == "skipped"]
@@ -430,10 +473,12 @@ def render(
 
 
 #: Where a plan's MTBF comes from, in words. Without a failure the estimate is coci's prior
-#: plus the time the run has gone without one, so it grows past the default as the run goes.
+#: plus the time the run has gone without one, so it grows past the default as the run goes;
+#: with failures, the prior counts as one of them (after one, the MTBF is about half of it).
 MTBF_SOURCES = {
     "user": "given as mtbf_s",
-    "estimated": "estimated from this run's failures",
+    "estimated": "coci's default, counted as one failure, averaged with this run's failures: "
+    "(default + time run) / (failures + 1)",
     "default": "no mtbf_s given: coci's default, plus the time run without a failure",
 }
 
@@ -453,6 +498,12 @@ def _restart_line(summary: RunSummary, resume: Restart) -> str:
     """One restore: what it read, the whole restart, and the work lost (or that the run went
     on from where it ended)."""
     r = summary.records[resume.index]
+    if not resume.checkpoint:  # written only where the step reached is known
+        return (
+            f"restart: no checkpoint to restore, the run started over from step 0; it had "
+            f"reached step {resume.failed_at}: {plural(resume.lost_steps, 'step')} of work "
+            f"lost and redone"
+        )
     whole = summary._restart_record(summary.records, resume.index)
     took = (
         ""
@@ -476,9 +527,16 @@ def _restart_line(summary: RunSummary, resume: Restart) -> str:
     )
     if not resume.failure:
         return f"resume: {restored}; the run had ended at that step: no work lost"
-    reached = f"step {resume.failed_at}" + ("" if resume.exact else " or a little further")
+    if not resume.exact:
+        return (
+            f"restart: {restored}; the run had reached step {resume.failed_at} or further (the "
+            f"records of its last seconds were not written before it stopped; an object "
+            f"store's are put every {TELEMETRY_PUT_GAP_S:.0f}-{TELEMETRY_PUT_DELAY_S:.0f} s): "
+            f"at least {plural(resume.lost_steps, 'step')} of work lost and redone, the exact "
+            f"number unknown"
+        )
     return (
-        f"restart: {restored}; the run had reached {reached}: "
+        f"restart: {restored}; the run had reached step {resume.failed_at}: "
         f"{plural(resume.lost_steps, 'step')} of work lost and redone"
     )
 

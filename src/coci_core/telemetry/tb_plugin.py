@@ -163,7 +163,8 @@ def _json(data: Any) -> Response:
 
 _MTBF_SOURCES = {
     "user": "user-given (mtbf_s)",
-    "estimated": "measured from this run's failures",
+    "estimated": "coci's default, counted as one failure, averaged with this run's failures: "
+    "(default + time run) / (failures + 1)",
     "default": "coci's default: no mtbf_s given and no failure seen yet",
 }
 _COST_SOURCES = {

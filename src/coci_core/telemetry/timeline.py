@@ -21,7 +21,7 @@ from typing import Any
 
 from coci_core.telemetry.events import TELEMETRY_FILE
 from coci_core.telemetry.records import skipped_line
-from coci_core.telemetry.report import STEP_RECORDS, RunSummary, facts, summarize
+from coci_core.telemetry.report import SESSION_STARTS, STEP_RECORDS, RunSummary, facts, summarize
 from coci_core.telemetry.summary import compression_ratio
 
 __all__ = ["POINTER_FILE", "find_runs", "from_summary", "timeline", "write_pointer"]
@@ -108,7 +108,7 @@ def _clocks(records: list[dict[str, Any]]) -> dict[int, list[tuple[int, float]]]
     clocks: dict[int, list[tuple[int, float]]] = {}
     session = 0
     for r in records:
-        if r.get("type") == "restore":
+        if r.get("type") in SESSION_STARTS:
             session += 1
         t = _num(r.get("time"))
         if r.get("type") in STEP_RECORDS and t is not None:
@@ -153,13 +153,15 @@ def timeline(directory: str, name: str | None = None) -> dict[str, Any]:
     ``planned`` (each step a plan held: ``step``, ``time`` (when it was, or would have been,
     reached), ``planned_at``, ``state``: ``"taken"``, ``"missed"`` (the plan in force had it
     when the run reached it, and it was not saved), ``"revised"`` (a later plan dropped it
-    before it came) or ``"unreached"`` (the run failed or ended first), and ``revised_at``);
+    before it came, or the plans after a restart did not have it) or ``"unreached"`` (the run
+    never reached it: it ended first), and ``revised_at``);
     ``saves`` (``step``, ``outcome``, ``time``, ``stall_ms``, ``persist_s``, ``mb``,
     ``compression_x``, ``compressed``, ``error``); ``restarts`` (``restored``,
     ``failed_at``, ``lost_steps``, ``restart_s`` (process start to the first step after the
     restore, when recorded; else the restore), ``restore_s``, ``restart_since``, ``time``,
-    ``failed_time``,
-    ``restored_time``, ``exact``: ``failed_at`` is the step the failed process reached);
+    ``failed_time``, ``restored_time``, ``exact``: ``failed_at`` is the step the failed
+    process reached, ``checkpoint``: False when there was none to restore and the run started
+    over from step 0);
     ``resumes`` (restores that lost nothing: the run went on after it ended: ``restored``,
     ``time``, ``restore_s``); ``summary`` (:func:`~coci_core.telemetry.report.facts`);
     ``skipped_lines`` (the telemetry lines that could not be read, left out) and
@@ -197,7 +199,7 @@ def from_summary(summary: RunSummary, directory: str, name: str | None = None) -
     plans: list[dict[str, Any]] = []
     session = 0  # the process: a restore starts the next one
     for r in records:
-        if r.get("type") == "restore":
+        if r.get("type") in SESSION_STARTS:
             session += 1
         if r.get("type") != "plan":
             continue
@@ -225,6 +227,10 @@ def from_summary(summary: RunSummary, directory: str, name: str | None = None) -
         if holders:
             last = before[holders[-1]]
             after = [p for p in before[holders[-1] + 1 :] if p["session"] == last["session"]]
+            if not after and step <= summary.last_step:
+                # its session failed before it; the run reached it after the restart, when the
+                # new session's plans did not have it: they revised it away
+                after = [p for p in plans if p["session"] > last["session"]]
             if after:
                 revised_at = after[0]["step"]
         if step in committed:
@@ -286,6 +292,7 @@ def from_summary(summary: RunSummary, directory: str, name: str | None = None) -
                 "failed_at": restart.failed_at,
                 "lost_steps": restart.lost_steps,
                 "exact": restart.exact,
+                "checkpoint": restart.checkpoint,
                 "restore_s": _num(restore.get("seconds")),
                 "restore_parts_s": {
                     k[:-2]: _num(restore.get(k))

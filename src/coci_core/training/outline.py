@@ -10,7 +10,7 @@ from coci_core.planner.report import PlannerReport
 
 __all__ = ["PlanOutline"]
 
-_MTBF_SOURCES = {"user": "given as mtbf_s", "estimated": "estimated from this run's restarts"}
+_MTBF_SOURCES = {"user": "given as mtbf_s"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +25,8 @@ class PlanOutline:
         every_n_seconds: the interval in seconds given, if any.
         default_mtbf_s: coci's prior MTBF (without ``mtbf_s`` and failures, the plan's MTBF
             is this plus the time run without a failure).
+        failures: the failures the planner counts (the MTBF estimated from them is
+            ``(time run + default_mtbf_s) / (failures + 1)``).
     """
 
     report: PlannerReport
@@ -32,6 +34,7 @@ class PlanOutline:
     every_n_steps: int | None
     every_n_seconds: float | None
     default_mtbf_s: float | None = None
+    failures: int = 0
 
     @classmethod
     def of(cls, planner: Planner) -> PlanOutline:
@@ -42,6 +45,7 @@ class PlanOutline:
             every_n_steps=planner.every_n_steps,
             every_n_seconds=planner.every_n_seconds,
             default_mtbf_s=planner.default_mtbf_s,
+            failures=planner.failures,
         )
 
     @property
@@ -59,6 +63,17 @@ class PlanOutline:
         """Where the MTBF comes from, in words; ``default`` words coci's default (to which
         the time run without a failure is added, said when it shows)."""
         source = self.report.mtbf_source
+        if source == "estimated" and self.default_mtbf_s is not None and self.failures > 0:
+            # the default counts as one failure: with few failures, it weighs the most
+            n, prior = self.failures, self.default_mtbf_s
+            run = max(0.0, self.mtbf_s * (n + 1) - prior)
+            failures = f"{n} failure" + ("" if n == 1 else "s")
+            return (
+                f"coci's default {prior:.0f} s, counted as one failure, averaged with this "
+                f"run's {failures} in {run:.0f} s: ({prior:.0f} + {run:.0f}) / {n + 1}"
+            )
+        if source == "estimated":
+            return "coci's default, counted as one failure, averaged with this run's failures"
         if source != "default":
             return _MTBF_SOURCES.get(source, source)
         grown = self.mtbf_s - (self.default_mtbf_s or self.mtbf_s)

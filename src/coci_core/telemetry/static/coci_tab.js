@@ -61,6 +61,20 @@ function niceTicks(lo, hi, count = 6) {
   return ticks;
 }
 
+// ticks of a log10 axis from lo to hi (in log10 units), as values: 1, 2 and 5 times the
+// powers of ten over a few decades, the powers alone over more
+function logTicks(lo, hi) {
+  const ticks = [];
+  const steps = hi - lo > 3 ? [1] : [1, 2, 5];
+  for (let k = Math.floor(lo); k <= Math.ceil(hi); k++) {
+    for (const m of steps) {
+      const v = m * Math.pow(10, k);
+      if (Math.log10(v) >= lo && Math.log10(v) <= hi) ticks.push(v);
+    }
+  }
+  return ticks;
+}
+
 function scale(d0, d1, r0, r1) {
   const k = d1 > d0 ? (r1 - r0) / (d1 - d0) : 0;
   return (x) => r0 + (x - d0) * k;
@@ -124,16 +138,18 @@ export async function render() {
     return;
   }
   status.remove();
-  const state = { axis: 'step', run: runs[0].name, data: null, reason: null };
+  const state = { axis: 'step', logy: false, run: runs[0].name, data: null, reason: null };
   const select = el('select', { id: 'coci-run' },
     runs.map((r) => el('option', { value: r.name }, r.name)));
   const axisStep = el('input', { type: 'radio', name: 'coci-axis', value: 'step', checked: '' });
   const axisTime = el('input', { type: 'radio', name: 'coci-axis', value: 'time' });
+  const logy = el('input', { type: 'checkbox', id: 'coci-logy' });
   const controls = el('div', { class: 'coci-controls' }, [
     el('label', {}, ['run ', select]),
     el('span', { class: 'coci-note' }, 'x axis:'),
     el('label', {}, [axisStep, ' training step']),
     el('label', {}, [axisTime, ' wall time']),
+    el('label', {}, [logy, ' loss on a log scale']),
   ]);
   const view = el('div', { id: 'coci-view' });
   root.append(controls, view);
@@ -141,10 +157,11 @@ export async function render() {
   const draw = () => {
     view.replaceChildren();
     if (state.data) {
-      drawRun(view, state.data, state.reason, state.axis, root.clientWidth || 1000);
+      drawRun(view, state.data, state.reason, state.axis, root.clientWidth || 1000, state.logy);
       for (const chart of view.querySelectorAll('svg[data-chart]')) fitLabels(chart);
     }
     axisTime.disabled = !(state.data && state.data.has_time);
+    logy.disabled = !(state.data && positiveLoss(state.data));
   };
   const load = async () => {
     const query = new URLSearchParams({ run: state.run });
@@ -161,11 +178,18 @@ export async function render() {
   for (const radio of [axisStep, axisTime]) {
     radio.addEventListener('change', () => { state.axis = radio.value; draw(); });
   }
+  logy.addEventListener('change', () => { state.logy = logy.checked; draw(); });
   window.addEventListener('resize', draw);
   await load();
 }
 
-function drawRun(view, data, reason, axis, width) {
+// every loss value drawn is above 0: a log scale can show them
+function positiveLoss(data) {
+  const values = data.loss.flatMap((p) => [p.loss, p.fitted]).filter((v) => v != null);
+  return values.length > 0 && values.every((v) => v > 0);
+}
+
+function drawRun(view, data, reason, axis, width, logy = false) {
   view.setAttribute('data-run', data.run);
   view.setAttribute('data-axis', axis);
   view.appendChild(el('h2', {}, `Timeline of ${data.run}`));
@@ -173,7 +197,7 @@ function drawRun(view, data, reason, axis, width) {
     view.appendChild(el('p', { class: 'coci-note', 'data-skipped': String(data.skipped_lines) },
       data.skipped_note));
   }
-  view.appendChild(legend());
+  view.appendChild(legend(data));
   // the reason beside the timeline when both fit, else below it, never cut; room is kept for
   // the scroll bar the drawing may bring (the panel then gives up those pixels)
   const scrollbar = window.innerWidth - document.documentElement.clientWidth;
@@ -186,7 +210,7 @@ function drawRun(view, data, reason, axis, width) {
   panel.style.width = `${panelW}px`;
   panel.setAttribute('data-layout', beside ? 'beside' : 'below');
   view.appendChild(el('div', { class: 'coci-main', 'data-layout': beside ? 'beside' : 'below' },
-    [timelineSvg(data, axis, chartW), panel]));
+    [timelineSvg(data, axis, chartW, logy && positiveLoss(data)), panel]));
   view.appendChild(el('h2', {}, 'Costs of each checkpoint'));
   view.appendChild(costs(data));
   view.appendChild(el('h2', {}, 'Summary (the numbers of coci report)'));
@@ -216,7 +240,8 @@ function reasonPanel(reason, summary) {
     const versus = Math.abs(share) < 5e-4 ? 'the same as Daly' :
       `${fmt(Math.abs(100 * share), 1)}% ${share > 0 ? 'less' : 'more'} than Daly`;
     rows.push(el('dt', {}, 'over the whole run'), el('dd', { 'data-reason': 'overhead_run' },
-      `${fmt(coci.wall_s)} s of wall-clock time expected over the run's ${summary.steps} ` +
+      `coci's plan made afresh with the costs measured by the run's end: ` +
+      `${fmt(coci.wall_s)} s of wall-clock time expected over its ${summary.steps} ` +
       `steps with ${plural(coci.checkpoints, 'checkpoint')}, against Daly's ` +
       `${fmt(daly.wall_s)} s with ${daly.checkpoints}: ${versus} (from the measured costs)`));
   }
@@ -241,7 +266,8 @@ function fitLabels(chart) {
   }
 }
 
-function legend() {
+// the legend of what the timeline draws (an item only when the run has one to draw)
+function legend(data) {
   const item = (color, text, shape = 'square') =>
     el('span', {}, [
       el('span', {
@@ -253,17 +279,28 @@ function legend() {
       }),
       text,
     ]);
-  return el('div', { class: 'coci-legend' }, [
-    item(COLORS.loss, 'observed loss', 'line'),
-    item(COLORS.fitted, "planner's fitted curve", 'line'),
-    item(COLORS.planned, 'planned checkpoint'),
-    item(COLORS.planned, 'planned, not reached', 'hollow'),
-    item(COLORS.revised, 'planned, then revised away'),
-    item(COLORS.committed, 'save committed'),
-    item(COLORS.skipped, 'save skipped'),
-    item(COLORS.failed, 'save failed'),
-    item(COLORS.lost, 'lost work (trained again after a restart)', 'shade'),
-  ]);
+  const planned = (state) => data.planned.some((p) => p.state === state);
+  const saved = (outcome) => data.saves.some((s) => s.outcome === outcome);
+  const lost = data.restarts.length > 0;
+  const items = [
+    ['loss', data.loss.some((p) => p.loss != null), COLORS.loss, 'observed loss', 'line'],
+    ['fitted', data.loss.some((p) => p.fitted != null && !p.lost), COLORS.fitted,
+      "planner's fitted curve", 'line'],
+    ['planned', planned('taken') || planned('missed'), COLORS.planned, 'planned checkpoint'],
+    ['unreached', planned('unreached'), COLORS.planned, 'planned, not reached', 'hollow'],
+    ['revised', planned('revised'), COLORS.revised, 'planned, then revised away'],
+    ['committed', saved('committed'), COLORS.committed, 'save committed'],
+    ['skipped', saved('skipped'), COLORS.skipped, 'save skipped'],
+    ['failed', saved('failed'), COLORS.failed, 'save failed'],
+    ['lost', lost, COLORS.lost, 'lost work (trained again after a restart)', 'shade'],
+  ];
+  return el('div', { class: 'coci-legend', id: 'coci-legend' }, items
+    .filter(([, drawn]) => drawn)
+    .map(([key, , color, text, shape]) => {
+      const node = item(color, text, shape);
+      node.setAttribute('data-legend', key);
+      return node;
+    }));
 }
 
 // x of a record: its step, or its wall time since the run's first record
@@ -271,7 +308,7 @@ function xOf(data, axis) {
   return (step, time) => (axis === 'time' ? (time == null ? null : time - data.t0) : step);
 }
 
-function timelineSvg(data, axis, W) {
+function timelineSvg(data, axis, W, logy = false) {
   const X = xOf(data, axis);
   const M = { left: 78, right: 24, top: 30 };
   const lossH = 210;
@@ -289,11 +326,16 @@ function timelineSvg(data, axis, W) {
   const xmax = Math.max(1, ...xs.filter((v) => v != null));
   const sx = scale(0, xmax, M.left, W - M.right);
 
-  const losses = data.loss.flatMap((p) => [p.loss, p.fitted]).filter((v) => v != null);
+  // the loss axis, linear or (logy) log10: `sy` takes a loss value either way
+  const toAxis = logy ? Math.log10 : (v) => v;
+  const losses = data.loss.flatMap((p) => [p.loss, p.fitted]).filter((v) => v != null)
+    .map(toAxis);
   const lo = losses.length ? Math.min(...losses) : 0;
   const hi = losses.length ? Math.max(...losses) : 1;
-  const pad = (hi - lo) * 0.08 || 0.5;
-  const sy = scale(lo - pad, hi + pad, M.top + lossH, M.top);
+  const pad = (hi - lo) * 0.08 || (logy ? 0.1 : 0.5);
+  const syAxis = scale(lo - pad, hi + pad, M.top + lossH, M.top);
+  const sy = (v) => syAxis(toAxis(v));
+  const lossTicks = logy ? logTicks(lo - pad, hi + pad) : niceTicks(lo - pad, hi + pad, 5);
 
   const root = svg('svg', {
     width: W, height: H, viewBox: `0 0 ${W} ${H}`, 'data-chart': 'timeline',
@@ -320,26 +362,31 @@ function timelineSvg(data, axis, W) {
         fill: COLORS.lost, 'fill-opacity': 0.13 }),
       svg('text', { x: (a + b) / 2, y: M.top - 8, 'text-anchor': 'middle',
         class: 'axis-label', fill: COLORS.lost, 'font-weight': 'bold' },
-      `lost work: ${r.lost_steps} step${r.lost_steps === 1 ? '' : 's'}`),
+      `lost work: ${r.exact ? '' : 'at least '}${r.lost_steps} ` +
+      `step${r.lost_steps === 1 ? '' : 's'}`),
       title(`lost work: steps ${r.restored}–${r.failed_at} (${r.lost_steps} step${r.lost_steps === 1 ? '' : 's'}) were ` +
-        `trained again: the run failed after step ${r.failed_at} and restarted from the ` +
-        `checkpoint of step ${r.restored}`),
+        `trained again: the run failed after step ${r.failed_at} and ` +
+        (r.checkpoint === false ? 'started over from step 0: no checkpoint to restore' :
+          `restarted from the checkpoint of step ${r.restored}`) +
+        (r.exact ? '' : '; the run may have gone further: the records of its last seconds ' +
+          'were not written before it stopped (the exact number is unknown)')),
     );
     root.appendChild(g);
   }
 
   // axes of the loss plot
-  for (const t of niceTicks(lo - pad, hi + pad, 5)) {
+  for (const t of lossTicks) {
     root.append(
       svg('line', { x1: M.left, x2: W - M.right, y1: sy(t), y2: sy(t), stroke: '#eeeeee' }),
-      svg('text', { x: M.left - 6, y: sy(t) + 3, 'text-anchor': 'end', class: 'tick' },
-        fmt(t, Math.abs(hi - lo) < 1 ? 2 : 1)),
+      svg('text', { x: M.left - 6, y: sy(t) + 3, 'text-anchor': 'end', class: 'tick',
+        'data-tick': 'loss' },
+      logy ? String(+t.toPrecision(2)) : fmt(t, Math.abs(hi - lo) < 1 ? 2 : 1)),
     );
   }
   root.appendChild(svg('text', {
     x: 16, y: M.top + lossH / 2, class: 'axis-label', 'text-anchor': 'middle',
-    transform: `rotate(-90 16 ${M.top + lossH / 2})`,
-  }, 'loss'));
+    transform: `rotate(-90 16 ${M.top + lossH / 2})`, 'data-scale': logy ? 'log' : 'linear',
+  }, logy ? 'loss (log scale)' : 'loss'));
 
   // loss: one line per stretch; a stretch later trained again is grey
   const line = (points, color, dash, kind) => {
@@ -452,8 +499,9 @@ function timelineSvg(data, axis, W) {
           'stroke-width': 2, 'stroke-dasharray': '5 3' }),
         svg('text', { x: sx(xr) - 5, y: M.top + 14, class: 'axis-label', fill: COLORS.failed,
           'text-anchor': 'end' }, `↻ restart from step ${r.restored}`),
-        title(`restarted from the checkpoint of step ${r.restored}; restore took ` +
-          `${fmt(r.restore_s)} s` +
+        title((r.checkpoint === false ? 'started over from step 0: no checkpoint to restore' :
+          `restarted from the checkpoint of step ${r.restored}; restore took ` +
+          `${fmt(r.restore_s)} s`) +
           (Object.keys(r.restore_parts_s || {}).length ? ' (' + Object.entries(r.restore_parts_s)
             .map(([k, v]) => `${k} ${fmt(v)} s`).join(', ') + ')' : '') +
           (r.restart_since ? `, first step ${fmt(r.restart_s)} s after ${r.restart_since}` : '') +
@@ -555,13 +603,15 @@ function summaryTable(f) {
   const row = (key, label, value) =>
     el('tr', {}, [el('td', {}, label), el('td', { class: 'num', 'data-fact': key }, value)]);
   const table = el('table', { class: 'coci-summary', id: 'coci-summary' }, [
-    row('planned', 'checkpoints planned', String(f.planned)),
-    row('committed', 'checkpoints taken (committed)', String(f.committed)),
+    row('planned', 'checkpoints planned (as the run reached them)', String(f.planned)),
+    row('taken', 'of them taken', String(f.taken)),
+    row('committed', 'checkpoints committed (the final save included)', String(f.committed)),
     row('skipped', 'saves skipped / failed', `${f.skipped} / ${f.failed}`),
     row('total_stall_s', 'total stall (s)', fmt(f.total_stall_s, 3)),
     row('restarts', 'restarts after a failure', String(f.restarts)),
     ...(f.resumes ? [row('resumes', 'resumes where the run had ended', String(f.resumes))] : []),
-    row('lost_steps', 'lost work (steps)', String(f.lost_steps)),
+    row('lost_steps', 'lost work (steps)',
+      `${f.lost_exact === false ? 'at least ' : ''}${f.lost_steps}`),
     row('steps', 'steps trained', String(f.steps)),
     ...(f.termination ? [row('termination',
       "expected overhead the termination hazard saves (vs the plan made without it)",
@@ -575,14 +625,18 @@ function summaryTable(f) {
       el('th', {}, 'by its objective (s)'),
     ]),
     ...f.policies.map((p) => el('tr', { 'data-policy': p.policy }, [
-      el('td', {}, p.policy === 'coci' ? 'coci (this plan)' : p.policy),
+      el('td', {}, p.policy),
       el('td', { class: 'num' }, String(p.checkpoints)),
       el('td', { class: 'num' }, fmt(p.wall_s)),
       el('td', { class: 'num' }, fmt(p.objective_s)),
     ])),
   ]);
-  const note = f.policies.length ? null :
-    el('p', { class: 'coci-note' }, 'no measured costs yet to compare policies');
+  const note = f.policies.length ?
+    el('p', { class: 'coci-note', id: 'coci-policies-note' }, "each policy's plan for the " +
+      `whole run, made afresh with the costs measured by its end: not the plan the run ` +
+      'followed (made as it measured them), and without the final save') :
+    el('p', { class: 'coci-note', id: 'coci-policies-note' },
+      `policies not compared: ${f.not_compared || 'no measured costs yet'}`);
   return el('div', { style: 'display:flex;gap:32px;align-items:flex-start' },
     [table, el('div', {}, [policies, note])]);
 }
