@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from coci_core import CheckpointManager
+from coci_core.telemetry import read_jsonl
+from coci_core.telemetry.report import preemption_line
 from tests.harness.processes import Child, free_port, module, rank_env
 from tests.preemption.metadata_server import MetadataServer
 
@@ -101,11 +103,13 @@ def test_a_save_that_cannot_fit_the_grace_period_is_not_started(tmp_path: Path) 
 
 
 def test_the_aws_spot_notice_from_the_metadata_endpoint(tmp_path: Path) -> None:
+    """The notice's time is the end (two minutes ahead on EC2; 3 to 4 s here): training goes
+    on to the last step before it at which the save fits, saves it and stops."""
     with MetadataServer() as server:
         args = {"dir": str(tmp_path), "sources": [{"aws": server.url}], "margin_s": 2}
 
         def notify() -> None:
-            when = time.gmtime(time.time() + 120)
+            when = time.gmtime(time.time() + 4)
             server.aws_action = {
                 "action": "terminate",
                 "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", when),
@@ -115,7 +119,7 @@ def test_the_aws_spot_notice_from_the_metadata_endpoint(tmp_path: Path) -> None:
             code, lines = _preempt(child, 60, notify)
     assert code == 143
     (stop,) = _marks(lines, "PREEMPTED")
-    assert stop["source"] == "aws" and stop["saved"] == stop["at"]
+    assert stop["source"] == "aws" and stop["saved"] == stop["at"] > stop["noticed_at"]
     assert _restored(tmp_path)[0] == stop["at"]
 
 
@@ -152,3 +156,37 @@ def test_two_gloo_ranks_save_the_same_step_when_only_one_gets_sigterm(tmp_path: 
     saved = {s["step"]: s["digest"] for s in _marks(lines[0], "SAVED")}
     step, state = _restored(tmp_path)
     assert step == stops[0]["at"] and _digest(state) == saved[step]
+
+
+def test_a_notice_of_a_known_end_moves_the_save_to_the_last_step_that_fits(
+    tmp_path: Path,
+) -> None:
+    """SIGUSR1 4 s before the end (SLURM's ``--signal=USR1@4``), 20 ms steps: training goes
+    on; the plan moves the save to the last step before the deadline at which it fits, the
+    save is taken there, durable before the deadline, and the run stops."""
+    args = {
+        "dir": str(tmp_path),
+        "sources": ["USR1@4"],
+        "margin_s": 1,
+        "step_s": 0.02,
+        "telemetry": True,
+    }
+    with Child(module(CHILD, json.dumps(args)), stderr=subprocess.DEVNULL) as child:
+        code, lines = _preempt(child, 30, lambda: os.kill(child.pid, signal.SIGUSR1))
+    assert code == 143
+    (stop,) = _marks(lines, "PREEMPTED")
+    assert stop["source"] == "SIGUSR1" and stop["saved"] == stop["at"]
+    assert stop["at"] > stop["noticed_at"] + 50  # about 150 steps fit before the deadline
+    records = read_jsonl(tmp_path / "telemetry.jsonl")
+    plans = [r for r in records if r["type"] == "plan" and r["step"] >= stop["noticed_at"]]
+    assert plans and plans[-1]["next_steps"] == [stop["at"]]
+    assert plans[-1]["plan_method"].startswith("preemption notice: SIGUSR1")
+    (notice,) = [r for r in records if r["type"] == "preemption"]
+    assert notice["noticed_at"] == stop["noticed_at"] and notice["step"] == stop["at"]
+    assert 3 < notice["noticed_left_s"] <= 4
+    # as late as fits: durable before the deadline, less than a second more than the margin
+    assert notice["save_s"] < notice["time_left_s"] - 1 < 1
+    assert preemption_line(notice).startswith(
+        f"preemption notice (SIGUSR1) at step {stop['noticed_at']}, "
+    ) and f"the save moved to step {stop['at']}" in preemption_line(notice)
+    assert _restored(tmp_path)[0] == stop["at"]
