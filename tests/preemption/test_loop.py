@@ -1,7 +1,8 @@
 """A plain training loop stopped by real notices: SIGTERM to a real child (and SIGKILL after
 the grace period, as a scheduler does), a grace period too short for the measured save, the
-AWS notice from a local stand-in for the metadata endpoint, and two gloo ranks of which only
-one gets the signal."""
+AWS notice from a local stand-in for the metadata endpoint, a SIGUSR1 a set time before the
+end (the save moved to the last step that fits), and two and four gloo ranks of which only one
+gets the signal."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import subprocess
 import time
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from coci_core import CheckpointManager
 from coci_core.telemetry import read_jsonl
@@ -190,3 +193,50 @@ def test_a_notice_of_a_known_end_moves_the_save_to_the_last_step_that_fits(
         f"preemption notice (SIGUSR1) at step {stop['noticed_at']}, "
     ) and f"the save moved to step {stop['at']}" in preemption_line(notice)
     assert _restored(tmp_path)[0] == stop["at"]
+
+
+def _until(child: Child, mark: str, lines: list[str]) -> bool:
+    """Read ``child``'s lines into ``lines`` up to one starting with ``mark``; whether one did."""
+    while line := child.readline():
+        lines.append(line)
+        if line.startswith(mark):
+            return True
+    return False
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_four_gloo_ranks_agree_on_a_moved_save_when_only_one_gets_the_notice(
+    tmp_path: Path,
+) -> None:
+    """Rank 3 of 4 alone gets SIGUSR1 3 s before the end: every rank learns of it at the same
+    step, every rank trains on to the same planned step and saves it (each its share), all
+    stop with exit status 143; the checkpoint restores exactly what they saved."""
+    args = {"dir": str(tmp_path), "sources": ["USR1@3"], "margin_s": 1, "step_s": 0.02}
+    world = 4
+    lines: list[list[str]] = [[] for _ in range(world)]
+    port = free_port()
+    children = [
+        Child(
+            module(CHILD, json.dumps(args)), env=rank_env(r, world, port), stderr=subprocess.DEVNULL
+        )
+        for r in range(world)
+    ]
+    try:
+        assert all(_until(child, "READY", lines[r]) for r, child in enumerate(children))
+        os.kill(children[3].pid, signal.SIGUSR1)
+        codes = [child.wait(60) for child in children]
+        for rank, child in enumerate(children):
+            lines[rank].extend(child.lines())
+    finally:
+        for child in children:
+            child.close()
+    assert codes == [143] * world
+    stops = [_marks(rank_lines, "PREEMPTED")[0] for rank_lines in lines]
+    assert [s["source"] for s in stops] == ["another rank"] * 3 + ["SIGUSR1"]
+    assert len({(s["noticed_at"], s["at"], s["saved"]) for s in stops}) == 1
+    step = stops[0]["saved"]
+    assert step == stops[0]["at"] > stops[0]["noticed_at"] > 5
+    saved = {s["step"]: s["digest"] for s in _marks(lines[0], "SAVED")}
+    restored, state = _restored(tmp_path)  # every rank's share, committed together
+    assert restored == step and _digest(state) == saved[step]
