@@ -37,6 +37,8 @@ logger = logging.getLogger(__name__)
 
 #: how many of the last steps' times a notice's plan takes the longest of
 STEP_TIMES_KEPT = 8
+#: how many steps after a notice's plan their pace is checked against it
+PACE_MIN_STEPS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,8 +221,9 @@ class PreemptionWatch:
         return min(n.time_left(now) if n.known_end else 0.0 for n in notices)
 
     def _pace(self, step: int, now: float) -> float | None:
-        """The mean time of the steps since the plan was made (None: none yet)."""
-        if self._plan_from is None or step <= self._plan_from[0]:
+        """The mean time of the steps since the plan was made (None: fewer than
+        ``PACE_MIN_STEPS``, too few to tell a slower pace from one slow step)."""
+        if self._plan_from is None or step - self._plan_from[0] < PACE_MIN_STEPS:
             return None
         return (now - self._plan_from[1]) / (step - self._plan_from[0])
 
@@ -228,14 +231,17 @@ class PreemptionWatch:
         self, step: int, now: float, usable_s: float, needed_s: float | None
     ) -> int | None:
         """The plan's step while it still holds: the steps left to it, at the pace of the
-        steps since it was made, leave time for the save (None: no plan, or it no longer
-        holds)."""
+        steps since it was made (once there are ``PACE_MIN_STEPS``), leave time for the save
+        (None: no plan, or it no longer holds)."""
         plan = self.plan
         if plan is None or needed_s is None:
             return None
-        pace = self._pace(step, now) or plan.step_s
+        pace = self._pace(step, now)
         ahead = plan.save_at - step
-        if ahead > 0 and ahead * pace + needed_s + self.config.margin_s <= usable_s:
+        # right after the plan, one step's time says little: the plan holds while the save
+        # fits (the margin covers a slow step)
+        steps_s = 0.0 if pace is None else ahead * pace
+        if ahead > 0 and steps_s + needed_s + self.config.margin_s <= usable_s:
             return plan.save_at
         return None
 
