@@ -1,7 +1,8 @@
 """A plain training loop that acts on preemption notices, on one process or one gloo rank.
 
 argv: a JSON object: ``dir``, ``sources`` (names, or ``{"aws": url}``), ``margin_s``,
-``write_delay_s`` (a slow disk: each data file write sleeps that long), ``ready_at`` (the step
+``write_delay_s`` (a slow disk: each data file write sleeps that long), ``step_s`` (each
+step's compute takes that long more), ``ready_at`` (the step
 after which it takes one save, waits for it and prints ``READY``), ``telemetry`` (rank 0
 records telemetry in the directory, for ``coci report``). It resumes from the newest
 checkpoint (printing ``RESUMED <json>``), trains until the notice, and prints ``SAVED <json>``
@@ -107,8 +108,11 @@ def main() -> None:
         ckpt.save(step, state)
         say("SAVED", {"step": step, "digest": digest(model), "rank": rank})
 
+    step_s = float(args.get("step_s", 0))
     try:
         while step < 10**8:
+            if step_s:
+                time.sleep(step_s)  # a longer step's compute, not a synchronisation
             loss = model(data[step % 64]).pow(2).mean()
             loss.backward()
             optimizer.step()
@@ -130,6 +134,7 @@ def main() -> None:
             {
                 "saved": stop.step,
                 "at": decision.step,
+                "noticed_at": decision.noticed_at,
                 "source": decision.source,
                 "reason": decision.reason,
                 "rank": rank,

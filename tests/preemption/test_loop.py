@@ -1,7 +1,8 @@
 """A plain training loop stopped by real notices: SIGTERM to a real child (and SIGKILL after
 the grace period, as a scheduler does), a grace period too short for the measured save, the
-AWS notice from a local stand-in for the metadata endpoint, and two gloo ranks of which only
-one gets the signal."""
+AWS notice from a local stand-in for the metadata endpoint, a SIGUSR1 a set time before the
+end (the save moved to the last step that fits), and two and four gloo ranks of which only one
+gets the signal."""
 
 from __future__ import annotations
 
@@ -13,7 +14,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from coci_core import CheckpointManager
+from coci_core.telemetry import read_jsonl
+from coci_core.telemetry.report import preemption_line
 from tests.harness.processes import Child, free_port, module, rank_env
 from tests.preemption.metadata_server import MetadataServer
 
@@ -101,11 +106,13 @@ def test_a_save_that_cannot_fit_the_grace_period_is_not_started(tmp_path: Path) 
 
 
 def test_the_aws_spot_notice_from_the_metadata_endpoint(tmp_path: Path) -> None:
+    """The notice's time is the end (two minutes ahead on EC2; 3 to 4 s here): training goes
+    on to the last step before it at which the save fits, saves it and stops."""
     with MetadataServer() as server:
         args = {"dir": str(tmp_path), "sources": [{"aws": server.url}], "margin_s": 2}
 
         def notify() -> None:
-            when = time.gmtime(time.time() + 120)
+            when = time.gmtime(time.time() + 4)
             server.aws_action = {
                 "action": "terminate",
                 "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", when),
@@ -115,7 +122,7 @@ def test_the_aws_spot_notice_from_the_metadata_endpoint(tmp_path: Path) -> None:
             code, lines = _preempt(child, 60, notify)
     assert code == 143
     (stop,) = _marks(lines, "PREEMPTED")
-    assert stop["source"] == "aws" and stop["saved"] == stop["at"]
+    assert stop["source"] == "aws" and stop["saved"] == stop["at"] > stop["noticed_at"]
     assert _restored(tmp_path)[0] == stop["at"]
 
 
@@ -152,3 +159,84 @@ def test_two_gloo_ranks_save_the_same_step_when_only_one_gets_sigterm(tmp_path: 
     saved = {s["step"]: s["digest"] for s in _marks(lines[0], "SAVED")}
     step, state = _restored(tmp_path)
     assert step == stops[0]["at"] and _digest(state) == saved[step]
+
+
+def test_a_notice_of_a_known_end_moves_the_save_to_the_last_step_that_fits(
+    tmp_path: Path,
+) -> None:
+    """SIGUSR1 4 s before the end (SLURM's ``--signal=USR1@4``), 20 ms steps: training goes
+    on; the plan moves the save to the last step before the deadline at which it fits, the
+    save is taken there, durable before the deadline, and the run stops."""
+    args = {
+        "dir": str(tmp_path),
+        "sources": ["USR1@4"],
+        "margin_s": 1,
+        "step_s": 0.02,
+        "telemetry": True,
+    }
+    with Child(module(CHILD, json.dumps(args)), stderr=subprocess.DEVNULL) as child:
+        code, lines = _preempt(child, 30, lambda: os.kill(child.pid, signal.SIGUSR1))
+    assert code == 143
+    (stop,) = _marks(lines, "PREEMPTED")
+    assert stop["source"] == "SIGUSR1" and stop["saved"] == stop["at"]
+    assert stop["at"] > stop["noticed_at"] + 50  # about 150 steps fit before the deadline
+    records = read_jsonl(tmp_path / "telemetry.jsonl")
+    plans = [r for r in records if r["type"] == "plan" and r["step"] >= stop["noticed_at"]]
+    assert plans and plans[-1]["next_steps"] == [stop["at"]]
+    assert plans[-1]["plan_method"].startswith("preemption notice: SIGUSR1")
+    (notice,) = [r for r in records if r["type"] == "preemption"]
+    assert notice["noticed_at"] == stop["noticed_at"] and notice["step"] == stop["at"]
+    assert 3 < notice["noticed_left_s"] <= 4
+    # as late as fits: durable before the deadline, less than a second more than the margin
+    assert notice["save_s"] < notice["time_left_s"] - 1 < 1
+    assert preemption_line(notice).startswith(
+        f"preemption notice (SIGUSR1) at step {stop['noticed_at']}, "
+    ) and f"the save moved to step {stop['at']}" in preemption_line(notice)
+    assert _restored(tmp_path)[0] == stop["at"]
+
+
+def _until(child: Child, mark: str, lines: list[str]) -> bool:
+    """Read ``child``'s lines into ``lines`` up to one starting with ``mark``; whether one did."""
+    while line := child.readline():
+        lines.append(line)
+        if line.startswith(mark):
+            return True
+    return False
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_four_gloo_ranks_agree_on_a_moved_save_when_only_one_gets_the_notice(
+    tmp_path: Path,
+) -> None:
+    """Rank 3 of 4 alone gets SIGUSR1 3 s before the end: every rank learns of it at the same
+    step, every rank trains on to the same planned step and saves it (each its share), all
+    stop with exit status 143; the checkpoint restores exactly what they saved."""
+    args = {"dir": str(tmp_path), "sources": ["USR1@3"], "margin_s": 1, "step_s": 0.02}
+    world = 4
+    lines: list[list[str]] = [[] for _ in range(world)]
+    port = free_port()
+    children = [
+        Child(
+            module(CHILD, json.dumps(args)), env=rank_env(r, world, port), stderr=subprocess.DEVNULL
+        )
+        for r in range(world)
+    ]
+    try:
+        assert all(_until(child, "READY", lines[r]) for r, child in enumerate(children))
+        os.kill(children[3].pid, signal.SIGUSR1)
+        codes = [child.wait(60) for child in children]
+        for rank, child in enumerate(children):
+            lines[rank].extend(child.lines())
+    finally:
+        for child in children:
+            child.close()
+    assert codes == [143] * world
+    stops = [_marks(rank_lines, "PREEMPTED")[0] for rank_lines in lines]
+    assert [s["source"] for s in stops] == ["another rank"] * 3 + ["SIGUSR1"]
+    assert len({(s["noticed_at"], s["at"], s["saved"]) for s in stops}) == 1
+    step = stops[0]["saved"]
+    assert step == stops[0]["at"] > stops[0]["noticed_at"] > 5
+    saved = {s["step"]: s["digest"] for s in _marks(lines[0], "SAVED")}
+    restored, state = _restored(tmp_path)  # every rank's share, committed together
+    assert restored == step and _digest(state) == saved[step]

@@ -184,3 +184,27 @@ def test_one_process_decides_once_at_the_first_boundary_after_the_notice() -> No
     decision = watch.check(2, lambda: 1.0)
     assert decision is not None and decision.step == 2 and decision.save
     assert watch.check(3, lambda: 100.0) is decision  # made once
+
+
+def test_a_known_end_is_planned_for_and_a_later_sigterm_takes_the_save_at_once() -> None:
+    """A SIGUSR1 30 s ahead: the save is planned many steps later, the same plan at the next
+    boundaries; a SIGTERM then takes the save at once, at that boundary."""
+    from coci_core.preemption import Notice
+    from coci_core.training.preemption import NoticePlan, plan_save_step
+
+    watch = PreemptionWatch(Preemption(["USR1@30"], margin_s=2))
+    for step in range(1, 4):
+        assert watch.check(step, lambda: 1.0) is None
+    now = time.monotonic()
+    watch.board.post(Notice("SIGUSR1", now, now + 30, known_end=True))
+    plan = watch.check(4, lambda: 1.0)
+    assert isinstance(plan, NoticePlan) and plan.noticed_at == 4 and plan.save_at > 100
+    assert watch.check(5, lambda: 1.0) is plan  # its pace is checked after a few steps
+    watch.board.post(Notice("SIGTERM", time.monotonic(), time.monotonic() + 20))
+    decision = watch.check(6, lambda: 1.0)
+    assert not isinstance(decision, NoticePlan) and decision is not None
+    assert decision.save and decision.step == 6 and decision.noticed_at == 4 and decision.moved
+    # the plan: the last boundary at which the save still fits
+    assert plan_save_step(10, 20.0, 0.5, 3.0, 2.0) == 10 + 30
+    assert plan_save_step(10, 20.0, None, 3.0, 2.0) == 10  # no step time: at once
+    assert plan_save_step(10, 4.0, 0.5, 3.0, 2.0) == 10  # it does not fit: decided now

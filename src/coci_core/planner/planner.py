@@ -220,6 +220,13 @@ class Planner:
             self._settings.termination = model
             self._plan.force_replan = True
 
+    def plan_notice(self, save_at: int, why: str) -> None:
+        """A preemption notice of a known end: the next save moves to ``save_at`` (the last
+        step boundary before the deadline at which it fits) and is the last one; the plan is
+        not remade after it. ``why``: the plan in words (the report's ``plan_method``)."""
+        with self._obs.lock:
+            self._plan.plan_notice(int(save_at), str(why))
+
     def should_save(self, step: int) -> bool:
         """Whether to checkpoint after ``step``: O(1), never raises (False on odd input)."""
         try:
@@ -227,6 +234,8 @@ class Planner:
             if k == self._obs.last_true:
                 return True
             n = self._settings.fixed_every
+            if self._plan.notice is not None:
+                n = None
             save = is_fixed_save(k, n) if n is not None else self._plan.take(k)
             if save:
                 self._obs.mark_save(k)

@@ -70,6 +70,7 @@ class Replanner:
         self.plan_method = "no plan yet" if settings.fixed_every is None else f"the {policy} policy"
         self.warned = False
         self.cost_assumed = True  # the plan's cost of a save is not a measured loop cost
+        self.notice: str | None = None  # a preemption notice's plan, in words (then no re-plan)
 
     # ------------------------------------------------------------------ the plan's cursor
 
@@ -88,7 +89,7 @@ class Replanner:
     def ahead(self) -> tuple[int, ...]:
         """See :attr:`Planner.schedule`."""
         n = self.settings.fixed_every
-        if n is not None:
+        if n is not None and self.notice is None:
             obs = self.obs
             now = max(self.settings.start_step, obs.last_true, obs.last_step or 0)
             return tuple(fixed_ahead(n, now, self.settings.total_steps, FIXED_AHEAD_STEPS))
@@ -98,6 +99,8 @@ class Replanner:
 
     def after_observe(self, k: int) -> None:
         """Re-plan if it is time to (step ``k`` was just observed)."""
+        if self.notice is not None:
+            return  # the run ends at a notice's save: nothing more to plan
         try:
             if self._should_replan(k):
                 self.replan(k)
@@ -290,6 +293,17 @@ class Replanner:
         )
         self.replans += 1
         self.last_replan_s = time.perf_counter() - t0
+
+    def plan_notice(self, save_at: int, why: str) -> None:
+        """A preemption notice of a known end: the one save left is at ``save_at``; no
+        re-plan after it (see :meth:`Planner.plan_notice`)."""
+        self.schedule, self.ptr = [int(save_at)], 0
+        self.notice = why
+        self.plan_method = f"preemption notice: {why}"
+        self.problem = None  # nothing to cost against Daly: the run ends at the save
+        self.overhead = None
+        self.horizon_end = int(save_at)
+        self.replans += 1
 
     def plain_planner(self) -> Callable[[], tuple[int, ...]] | None:
         """A function (pure, for any thread) that plans the current problem again without its

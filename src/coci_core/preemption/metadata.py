@@ -159,6 +159,7 @@ class AwsSpotNotice(MetadataPoller):
             now,
             _monotonic_at(when),
             f"spot instance-action {action['action']!r} at {action['time']}",
+            known_end=True,
         )
 
     def _imds_token(self) -> str | None:
@@ -220,6 +221,7 @@ class AzureNotice(MetadataPoller):
             now,
             deadline,
             f"Scheduled Event Preempt {event.get('EventId', '')} not before {not_before or '?'}",
+            known_end=parsed is not None,
         )
 
 

@@ -23,12 +23,17 @@ class Notice:
         received: when it was received (``time.monotonic()``).
         deadline: when the process will be killed (``time.monotonic()``).
         detail: what the source said, for the log.
+        known_end: the deadline is the announced end of the machine (a signal a set time
+            before the end, a cloud notice with a time), so training may go on until the
+            last save that fits; False for a request to stop now within a grace period
+            (SIGTERM), whose deadline only bounds the time a save may take.
     """
 
     source: str
     received: float
     deadline: float
     detail: str = ""
+    known_end: bool = False
 
     def time_left(self, now: float | None = None) -> float:
         """Seconds until the deadline (negative once past)."""
@@ -56,6 +61,10 @@ class NoticeBoard:
         """The notice with the earliest deadline, or None."""
         notices = list(self._notices)
         return min(notices, key=lambda n: n.deadline) if notices else None
+
+    def all(self) -> list[Notice]:
+        """Every notice received so far."""
+        return list(self._notices)
 
     def wait(self, timeout_s: float) -> Notice | None:
         """Wait up to ``timeout_s`` for a notice posted by a thread; the earliest one."""

@@ -21,6 +21,10 @@ SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT")
 class SignalNotice(NoticeSource):
     """A notice by signal ``signame``, ``lead_s`` seconds before the process is killed.
 
+    SIGUSR1 and SIGUSR2 announce the end (SLURM's ``--signal=USR1@90``): training goes on
+    until the last step at which the save still fits (see :class:`Notice`'s ``known_end``).
+    SIGTERM and SIGINT ask the process to stop: the next step boundary saves and stops.
+
     The handler records the notice and nothing else. A Python handler that was installed
     before (Lightning's, a user's) is called after it; the default action (ending the
     process) is not: the loop stops at its next step boundary instead. :meth:`stop` puts the
@@ -55,10 +59,11 @@ class SignalNotice(NoticeSource):
         previous = signal.getsignal(self.signum)
         chained = previous if callable(previous) else None
         name, lead = self.name, self.lead_s
+        known_end = name in ("SIGUSR1", "SIGUSR2")
 
         def handler(signum: int, frame: FrameType | None) -> None:
             now = time.monotonic()
-            board.post(Notice(name, now, now + lead, f"{name} received"))
+            board.post(Notice(name, now, now + lead, f"{name} received", known_end))
             if chained is not None:
                 chained(signum, frame)
 

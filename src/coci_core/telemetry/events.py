@@ -324,11 +324,15 @@ class JsonlRecords:
         reason: str,
         saved: int | None,
         save_s: float | None,
+        noticed_at: int | None = None,
+        noticed_left_s: float | None = None,
     ) -> None:
-        """A preemption notice: the step at which the ranks learned of it, its source, the
-        seconds left then, the decision (``save``, the save's measured time ``needed_s``, the
-        ``margin_s`` kept, the ``reason`` in words) and what came of it: the step ``saved``
-        (None: none) and the time that save took to be durable."""
+        """A preemption notice: the step of the decision (where the ranks learned of it, or
+        where its save was moved to before a known end), its source, the seconds left then,
+        the decision (``save``, the save's measured time ``needed_s``, the ``margin_s`` kept,
+        the ``reason`` in words) and what came of it: the step ``saved`` (None: none) and the
+        time that save took to be durable; ``noticed_at`` and ``noticed_left_s``: the step
+        at which the ranks learned of it and the seconds left then."""
         self._write(
             {
                 "type": "preemption",
@@ -341,6 +345,10 @@ class JsonlRecords:
                 "reason": str(reason),
                 "saved": None if saved is None else int(saved),
                 "save_s": None if save_s is None else _finite_or_none(float(save_s)),
+                "noticed_at": int(step) if noticed_at is None else int(noticed_at),
+                "noticed_left_s": _finite_or_none(
+                    float(time_left_s if noticed_left_s is None else noticed_left_s)
+                ),
             }
         )
 

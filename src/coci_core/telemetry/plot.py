@@ -28,6 +28,10 @@ COLORS = {
 }
 
 
+#: the colour of a preemption notice (the tab's)
+NOTICE = "#ef6c00"
+
+
 def plot_timeline(data: dict[str, Any], path: str | os.PathLike[str]) -> None:
     """Draw ``data`` (a timeline) to the image file ``path`` (its suffix picks the format).
 
@@ -62,6 +66,26 @@ def plot_timeline(data: dict[str, Any], path: str | os.PathLike[str]) -> None:
             ha="center",
             va="top",
             color="#c62828",
+            fontsize=9,
+        )
+
+    for notice in data.get("preemptions", []):
+        for a in (ax, lanes):
+            a.axvline(notice["step"], color=NOTICE, lw=1.5, ls=":")
+        if notice["save_step"] != notice["step"]:  # the save moved before a known end
+            lanes.annotate(
+                "",
+                xy=(notice["save_step"], 1.45),
+                xytext=(notice["step"], 1.45),
+                arrowprops={"arrowstyle": "->", "color": NOTICE, "lw": 1.5},
+            )
+        decision = notice["decision"]
+        ax.annotate(
+            f"⚑ {notice['source']} notice: "
+            + (f"saved step {notice['saved']}" if decision == "saved" else decision),
+            xy=(notice["step"], 0.88),
+            xycoords=("data", "axes fraction"),
+            color=NOTICE,
             fontsize=9,
         )
 
@@ -131,6 +155,8 @@ def plot_timeline(data: dict[str, Any], path: str | os.PathLike[str]) -> None:
         Line2D([], [], color=COLORS["failed"], marker="X", ls="", label="save failed"),
         Patch(color="#c62828", alpha=0.13, label="lost work"),
     ]
+    if data.get("preemptions"):
+        handles.append(Line2D([], [], color=NOTICE, ls=":", label="preemption notice"))
     fig.legend(handles=handles, loc="upper center", ncol=4, fontsize=9, frameon=False)
     f = data["summary"]
     fig.suptitle(

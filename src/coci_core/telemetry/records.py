@@ -130,6 +130,8 @@ SCHEMA: dict[str, dict[str, _Check]] = {
         "reason": _STR,
         "saved": _opt_step,
         "save_s": _number,
+        "noticed_at": _opt_step,
+        "noticed_left_s": _number,
     },
     "progress": {},
     "end": {"failed": _BOOL},

@@ -544,10 +544,18 @@ def _restart_line(summary: RunSummary, resume: Restart) -> str:
 def preemption_line(r: dict[str, Any]) -> str:
     """One preemption notice: when it came, the time left, and the step saved (and how long
     the save took) or why none was."""
-    head = (
-        f"preemption notice ({r.get('source') or '?'}) at step {r['step']}, "
-        f"{_num(r.get('time_left_s'), '.1f', unknown='?')} s left"
-    )
+    noticed_at = r.get("noticed_at")
+    if noticed_at is None or noticed_at == r["step"]:
+        head = (
+            f"preemption notice ({r.get('source') or '?'}) at step {r['step']}, "
+            f"{_num(r.get('time_left_s'), '.1f', unknown='?')} s left"
+        )
+    else:  # a known end far enough ahead: the save was moved to its last step that fits
+        head = (
+            f"preemption notice ({r.get('source') or '?'}) at step {noticed_at}, "
+            f"{_num(r.get('noticed_left_s'), '.1f', unknown='?')} s left: the save moved to "
+            f"step {r['step']}, {_num(r.get('time_left_s'), '.1f', unknown='?')} s left"
+        )
     saved = r.get("saved")
     if saved is not None:
         took = _num(r.get("save_s"), ".2f", unknown="?")

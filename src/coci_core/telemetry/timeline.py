@@ -21,7 +21,14 @@ from typing import Any
 
 from coci_core.telemetry.events import TELEMETRY_FILE
 from coci_core.telemetry.records import skipped_line
-from coci_core.telemetry.report import SESSION_STARTS, STEP_RECORDS, RunSummary, facts, summarize
+from coci_core.telemetry.report import (
+    SESSION_STARTS,
+    STEP_RECORDS,
+    RunSummary,
+    facts,
+    preemption_line,
+    summarize,
+)
 from coci_core.telemetry.summary import compression_ratio
 
 __all__ = ["POINTER_FILE", "find_runs", "from_summary", "timeline", "write_pointer"]
@@ -163,7 +170,13 @@ def timeline(directory: str, name: str | None = None) -> dict[str, Any]:
     process reached, ``checkpoint``: False when there was none to restore and the run started
     over from step 0);
     ``resumes`` (restores that lost nothing: the run went on after it ended: ``restored``,
-    ``time``, ``restore_s``); ``summary`` (:func:`~coci_core.telemetry.report.facts`);
+    ``time``, ``restore_s``); ``preemptions`` (each notice: ``step`` and ``time`` where the
+    ranks learned of it, ``source``, ``time_left_s`` then, ``decision`` (``"saved"``, ``"not
+    saved"``: the save did not fit, ``"not finished"``: it did not end before the
+    deadline), ``save_step`` (the step of the decision: later than ``step`` when the save
+    was moved before a known end) and ``save_time``, ``saved``, ``save_s``, ``reason``, and
+    ``text``: ``coci report``'s line); ``summary``
+    (:func:`~coci_core.telemetry.report.facts`);
     ``skipped_lines`` (the telemetry lines that could not be read, left out) and
     ``skipped_note`` (that count in words, "" for none).
     """
@@ -307,6 +320,37 @@ def from_summary(summary: RunSummary, directory: str, name: str | None = None) -
             }
         )
 
+    preemptions = []
+    session = 0
+    for r in records:
+        if r.get("type") == "restore":
+            session += 1
+        if r.get("type") != "preemption":
+            continue
+        step = int(r["step"])
+        noticed = r.get("noticed_at")
+        noticed = step if noticed is None else int(noticed)
+        saved = r.get("saved")
+        decision = (
+            "saved" if saved is not None else "not finished" if r.get("save") else "not saved"
+        )
+        left = _num(r.get("noticed_left_s"))
+        preemptions.append(
+            {
+                "step": noticed,
+                "time": _at_step(clocks.get(session, []), noticed),
+                "source": str(r.get("source") or "?"),
+                "time_left_s": _num(r.get("time_left_s")) if left is None else left,
+                "decision": decision,
+                "save_step": step,
+                "save_time": committed.get(step) or _at_step(clocks.get(session, []), step),
+                "saved": saved,
+                "save_s": _num(r.get("save_s")),
+                "reason": r.get("reason"),
+                "text": preemption_line(r),
+            }
+        )
+
     return {
         "run": name or directory,
         "dir": directory,
@@ -327,6 +371,7 @@ def from_summary(summary: RunSummary, directory: str, name: str | None = None) -
             for r in summary.resumes
             if not r.failure
         ],
+        "preemptions": preemptions,
         "summary": facts(summary),
         "skipped_lines": summary.skipped_lines,
         "skipped_note": skipped_line(summary.skipped_lines),

@@ -43,7 +43,7 @@ from coci_core.telemetry.summary import SaveSummary, save_line
 from coci_core.training.decision import SharedDecision
 from coci_core.training.options import CheckpointOptions
 from coci_core.training.outline import PlanOutline
-from coci_core.training.preemption import PreemptionDecision, PreemptionWatch
+from coci_core.training.preemption import NoticePlan, PreemptionDecision, PreemptionWatch
 from coci_core.training.restart import process_start_unix
 
 __all__ = ["Checkpointer"]
@@ -160,6 +160,8 @@ class Checkpointer:
         self._watch: PreemptionWatch | None = None
         #: what the ranks agreed on at a preemption notice (None until one came)
         self.preempted: PreemptionDecision | None = None
+        #: the save planned before a notice's known end, while training goes on to it
+        self.notice_plan: NoticePlan | None = None
         self._durable_s: list[float] = []  # the last committed saves' time to durable
         self._notice_handle: SaveHandle | None = None
 
@@ -353,11 +355,16 @@ class Checkpointer:
         notice's save fits the time left, at the step boundary every rank learned of it;
         :attr:`preempted` then holds the decision, and the loop stops after this step."""
         if self._watch is not None and self.preempted is None:
-            decision = self._watch.check(step, self._save_time_s)
-            if decision is not None:
-                self.preempted = decision
-                self._on_notice(decision)
-                return decision.save
+            checked = self._watch.check(step, self._save_time_s)
+            if isinstance(checked, NoticePlan):
+                if checked is not self.notice_plan:
+                    self.notice_plan = checked
+                    self._on_notice_plan(step, checked)
+                return False  # the save moved to the plan's step; none before it
+            if checked is not None:
+                self.preempted = checked
+                self._on_notice(checked)
+                return checked.save
         if self.preempted is not None:
             return False
         return self.decision.should_save(step)
@@ -389,8 +396,30 @@ class Checkpointer:
         """The time a save takes to be durable: the longest of the last few (None: none yet)."""
         return max(self._durable_s) if self._durable_s else None
 
-    def _on_notice(self, decision: PreemptionDecision) -> None:
+    def _on_notice_plan(self, step: int, plan: NoticePlan) -> None:
+        """A notice of a known end, far enough ahead: the planner's next save moves to the
+        plan's step (the plan's telemetry says so), and training goes on to it."""
+        self.planner.plan_notice(plan.save_at, f"{plan.source}: {plan.reason}")
+        if self.sinks:
+            self._record_telemetry(step, plan=True)
         if self.rank == 0:
+            self.log.warning(
+                "coci: preemption notice (%s) at step %d: %s",
+                plan.source,
+                plan.noticed_at,
+                plan.reason,
+            )
+
+    def _on_notice(self, decision: PreemptionDecision) -> None:
+        if self.rank == 0 and decision.moved:
+            self.log.warning(
+                "coci: the save planned for the preemption notice (%s) at step %d, %.1f s left: %s",
+                decision.source,
+                decision.step,
+                decision.time_left_s,
+                decision.reason,
+            )
+        elif self.rank == 0:
             self.log.warning(
                 "coci: preemption notice (%s) at step %d, %.1f s left: %s",
                 decision.source,
@@ -468,6 +497,8 @@ class Checkpointer:
                     reason=decision.reason,
                     saved=saved,
                     save_s=save_s,
+                    noticed_at=decision.noticed_at,
+                    noticed_left_s=decision.noticed_left_s,
                 )
             except Exception:
                 logger.exception("coci telemetry sink %r failed", sink)

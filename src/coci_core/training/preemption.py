@@ -3,6 +3,12 @@ boundary (one collective: the minimum of the ranks' time left), rank 0 decides w
 fits the time left (from the measured time a save takes to be durable, less a safety margin)
 and tells every rank, so that all save the same step, or none; then the loop stops.
 
+A notice of a known end (a signal a set time before the end, a cloud notice with a time) far
+enough ahead for more steps does not stop training at once: the save is planned at the last
+step boundary before the deadline at which it still fits (from the median of the last few
+steps' times), checked again at every boundary (moved earlier when steps slow down, taken at once
+when a rank is asked to stop now), and the loop stops after it.
+
 The notices themselves come from :mod:`coci_core.preemption`.
 """
 
@@ -11,15 +17,28 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
 from coci_core.preemption import NoticeBoard, NoticeSource, Preemption
 
-__all__ = ["PreemptionDecision", "PreemptionWatch", "fit_save", "min_over_ranks"]
+__all__ = [
+    "NoticePlan",
+    "PreemptionDecision",
+    "PreemptionWatch",
+    "fit_save",
+    "min_over_ranks",
+    "plan_save_step",
+]
 
 logger = logging.getLogger(__name__)
+
+#: how many of the last steps' times a notice's plan takes the longest of
+STEP_TIMES_KEPT = 8
+#: how many steps after a notice's plan their pace is checked against it
+PACE_MIN_STEPS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,7 +46,9 @@ class PreemptionDecision:
     """What the ranks agreed on at a notice.
 
     Attributes:
-        step: the step boundary at which every rank learned of it.
+        step: the step boundary at which the save is taken (or not): where the ranks learned
+            of the notice, or, for a notice of a known end, the last step boundary before it
+            at which the save still fits (see ``noticed_at``).
         source: the notice's source (``"another rank"`` on a rank that got none).
         time_left_s: seconds until the earliest deadline of any rank, at ``step``.
         save: whether ``step`` is saved (the save fits the time left).
@@ -36,6 +57,9 @@ class PreemptionDecision:
         reason: the decision in words, for the log.
         deadline: this process's ``time.monotonic()`` at the deadline.
         noticed_after_s: seconds from the notice's arrival (on this rank) to ``step``.
+        noticed_at: the step boundary at which every rank learned of the notice (``step``,
+            unless the save was moved later).
+        noticed_left_s: seconds until the deadline at ``noticed_at``.
     """
 
     step: int
@@ -47,9 +71,42 @@ class PreemptionDecision:
     reason: str
     deadline: float
     noticed_after_s: float = 0.0
+    noticed_at: int | None = None
+    noticed_left_s: float | None = None
 
     def time_left(self) -> float:
         return self.deadline - time.monotonic()
+
+    @property
+    def moved(self) -> bool:
+        """Whether the save was moved from the notice's step to a later one."""
+        return self.noticed_at is not None and self.noticed_at != self.step
+
+
+@dataclasses.dataclass(frozen=True)
+class NoticePlan:
+    """A notice of a known end, far enough ahead for more steps: training goes on and the
+    save is planned at ``save_at``, the last step boundary before the deadline at which it
+    still fits (the same on every rank).
+
+    Attributes:
+        noticed_at: the step boundary at which every rank learned of the notice.
+        source: the notice's source (``"another rank"`` on a rank that got none).
+        save_at: the step the save is planned at.
+        time_left_s: seconds until the deadline when the plan was made.
+        step_s: the time a step was planned with (the median of the last few, or the pace
+            since an earlier plan when slower).
+        needed_s: the save's measured time to durable.
+        reason: the plan in words.
+    """
+
+    noticed_at: int
+    source: str
+    save_at: int
+    time_left_s: float
+    step_s: float
+    needed_s: float
+    reason: str
 
 
 def fit_save(time_left_s: float, needed_s: float | None, margin_s: float) -> tuple[bool, str]:
@@ -70,6 +127,20 @@ def fit_save(time_left_s: float, needed_s: float | None, margin_s: float) -> tup
         f"the save takes {needed_s:.2f} s, only {time_left_s:.1f} s left "
         f"({margin_s:g} s margin): not started, the newest checkpoint stays the previous one"
     )
+
+
+def plan_save_step(
+    step: int, time_left_s: float, step_s: float | None, needed_s: float | None, margin_s: float
+) -> int:
+    """The last step boundary (``step`` or later) at which a save that takes ``needed_s``
+    still fits before a deadline ``time_left_s`` away, ``margin_s`` kept, when a step takes
+    ``step_s``. ``step`` itself when either time is unknown (nothing to plan with)."""
+    if step_s is None or needed_s is None or not step_s > 0:
+        return step
+    spare = time_left_s - needed_s - margin_s
+    if not spare > 0 or not math.isfinite(spare):
+        return step
+    return step + int(spare // step_s)
 
 
 def min_over_ranks() -> Callable[[float], float]:
@@ -116,6 +187,11 @@ class PreemptionWatch:
         self.board = NoticeBoard()
         self.sources: list[NoticeSource] = []
         self.decision: PreemptionDecision | None = None
+        #: the save planned before a known end, while training goes on to it
+        self.plan: NoticePlan | None = None
+        self._boundary: float | None = None  # time.monotonic() at the last step boundary
+        self._step_times: list[float] = []  # the last few steps' times, boundary to boundary
+        self._plan_from: tuple[int, float] | None = None  # rank 0: the plan's step and time
 
     def start(self) -> list[NoticeSource]:
         """Start the sources; the ones that started (a signal handler needs the main
@@ -136,35 +212,116 @@ class PreemptionWatch:
             except Exception:
                 logger.exception("coci: stopping %r failed", source)
 
-    def check(self, step: int, needed_s: Callable[[], float | None]) -> PreemptionDecision | None:
-        """At a step boundary, on every rank: the decision once any rank has a notice (the
-        same on every rank; made once), else None."""
+    def _go_on_left(self, now: float) -> float:
+        """Seconds this rank's notices let training go on: until the earliest known end, 0
+        once a notice asks to stop now (SIGTERM), infinite without a notice."""
+        notices = self.board.all()
+        if not notices:
+            return math.inf
+        return min(n.time_left(now) if n.known_end else 0.0 for n in notices)
+
+    def _pace(self, step: int, now: float) -> float | None:
+        """The mean time of the steps since the plan was made (None: fewer than
+        ``PACE_MIN_STEPS``, too few to tell a slower pace from one slow step)."""
+        if self._plan_from is None or step - self._plan_from[0] < PACE_MIN_STEPS:
+            return None
+        return (now - self._plan_from[1]) / (step - self._plan_from[0])
+
+    def _planned_step(
+        self, step: int, now: float, usable_s: float, needed_s: float | None
+    ) -> int | None:
+        """The plan's step while it still holds: the steps left to it, at the pace of the
+        steps since it was made (once there are ``PACE_MIN_STEPS``), leave time for the save
+        (None: no plan, or it no longer holds)."""
+        plan = self.plan
+        if plan is None or needed_s is None:
+            return None
+        pace = self._pace(step, now)
+        ahead = plan.save_at - step
+        # right after the plan, one step's time says little: the plan holds while the save
+        # fits (the margin covers a slow step)
+        steps_s = 0.0 if pace is None else ahead * pace
+        if ahead > 0 and steps_s + needed_s + self.config.margin_s <= usable_s:
+            return plan.save_at
+        return None
+
+    def check(
+        self, step: int, needed_s: Callable[[], float | None]
+    ) -> PreemptionDecision | NoticePlan | None:
+        """At a step boundary, on every rank: None while no rank has a notice; a
+        :class:`NoticePlan` while training goes on to a save planned before a known end; then
+        the decision (the same on every rank; made once)."""
         if self.decision is not None:
             return self.decision
-        notice = self.board.first()
         now = time.monotonic()
+        if self._boundary is not None:
+            self._step_times = [*self._step_times[1 - STEP_TIMES_KEPT :], now - self._boundary]
+        self._boundary = now
+        notice = self.board.first()
         left = notice.time_left(now) if notice is not None else math.inf
         if self.min_over_ranks is not None:
             left = self.min_over_ranks(left)
         if math.isinf(left):
             return None
+        go_on = self._go_on_left(now)
+        if self.min_over_ranks is not None:  # every rank got the notice at the same boundary
+            go_on = self.min_over_ranks(go_on)
+        source = notice.source if notice is not None else "another rank"
+        margin = self.config.margin_s
         payload: dict[str, Any] | None = None
         if self.rank == 0:
             needed = needed_s()
-            save, reason = fit_save(left, needed, self.config.margin_s)
-            payload = {"save": save, "reason": reason, "needed_s": needed}
+            # a step's time: the median of the last few (one that waited for a save is not
+            # the pace), or the pace since the plan when that was slower
+            step_s = statistics.median(self._step_times) if self._step_times else None
+            usable = min(left, go_on)
+            target = self._planned_step(step, now, usable, needed)
+            if target is None:  # no plan, or the steps since it were too slow for it
+                pace = self._pace(step, now)
+                if step_s is not None and pace is not None:
+                    step_s = max(step_s, pace)
+                target = plan_save_step(step, usable, step_s, needed, margin)
+                if self.plan is not None:  # the plan moves earlier, never later
+                    target = min(target, self.plan.save_at)
+                self._plan_from = (step, now)
+            if target > step:
+                payload = {"save_at": target, "step_s": step_s, "needed_s": needed}
+            else:
+                save, reason = fit_save(left, needed, margin)
+                payload = {"save": save, "reason": reason, "needed_s": needed}
         if self.broadcast is not None:
             payload = self.broadcast(payload)
         assert payload is not None
+        plan = self.plan
+        if "save_at" in payload:
+            target, step_s, needed = payload["save_at"], payload["step_s"], payload["needed_s"]
+            if plan is None or plan.save_at != target:
+                noticed_at = step if plan is None else plan.noticed_at
+                self.plan = NoticePlan(
+                    noticed_at=noticed_at,
+                    source=source,
+                    save_at=int(target),
+                    time_left_s=left,
+                    step_s=float(step_s),
+                    needed_s=float(needed),
+                    reason=(
+                        f"{left:.1f} s left at step {step}: the save moves to step {target}, the "
+                        f"last step before the deadline at which it fits (a step takes "
+                        f"{step_s:.3g} s, the save {needed:.2f} s, {margin:g} s margin)"
+                    ),
+                )
+            return self.plan
         self.decision = PreemptionDecision(
             step=step,
-            source=notice.source if notice is not None else "another rank",
+            source=source,
             time_left_s=left,
             save=bool(payload["save"]),
             needed_s=payload["needed_s"],
-            margin_s=self.config.margin_s,
+            margin_s=margin,
             reason=str(payload["reason"]),
             deadline=now + left,
             noticed_after_s=now - notice.received if notice is not None else 0.0,
+            noticed_at=plan.noticed_at if plan is not None else step,
+            noticed_left_s=plan.time_left_s if plan is not None else left,
         )
         return self.decision

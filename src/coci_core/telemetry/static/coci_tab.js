@@ -2,7 +2,7 @@
 // Plain JavaScript drawing inline SVG (no build step, nothing fetched but the plugin's routes).
 // Beside the timeline, in words, why the plan is what it is (the plugin's reason route).
 // Test hooks: data-kind on markers (planned, committed, skipped, failed, restart, failure,
-// lost), <title> children for the hover text, class "axis-label" on labels with units,
+// lost, preemption, with data-decision and data-save-step), <title> children for the hover text, class "axis-label" on labels with units,
 // data-reason on each line of the plan's reason (#coci-reason).
 
 const SVG = 'http://www.w3.org/2000/svg';
@@ -16,6 +16,7 @@ const COLORS = {
   skipped: '#f9a825',
   failed: '#c62828',
   lost: '#c62828',
+  notice: '#ef6c00',
 };
 
 function el(tag, attrs = {}, children = []) {
@@ -293,6 +294,8 @@ function legend(data) {
     ['skipped', saved('skipped'), COLORS.skipped, 'save skipped'],
     ['failed', saved('failed'), COLORS.failed, 'save failed'],
     ['lost', lost, COLORS.lost, 'lost work (trained again after a restart)', 'shade'],
+    ['notice', (data.preemptions || []).length > 0, COLORS.notice,
+      'preemption notice (its save, hover for the decision)', 'line'],
   ];
   return el('div', { class: 'coci-legend', id: 'coci-legend' }, items
     .filter(([, drawn]) => drawn)
@@ -323,6 +326,7 @@ function timelineSvg(data, axis, W, logy = false) {
   for (const s of data.saves) xs.push(X(s.step, s.time));
   for (const p of data.planned) xs.push(X(p.step, p.time));
   for (const r of data.restarts) xs.push(X(r.failed_at, r.failed_time), X(r.restored, r.time));
+  for (const p of data.preemptions || []) xs.push(X(p.step, p.time), X(p.save_step, p.save_time));
   const xmax = Math.max(1, ...xs.filter((v) => v != null));
   const sx = scale(0, xmax, M.left, W - M.right);
 
@@ -509,6 +513,36 @@ function timelineSvg(data, axis, W, logy = false) {
       );
       root.appendChild(g);
     }
+  }
+
+  // preemption notices: a flag where the ranks learned of it, an arrow in the planned lane
+  // to the step its save was moved to (a known end far enough ahead), the decision on hover
+  for (const p of data.preemptions || []) {
+    const x = X(p.step, p.time);
+    if (x == null) continue;
+    const px = sx(x);
+    const g = svg('g', { 'data-kind': 'preemption', 'data-step': p.step,
+      'data-decision': p.decision, 'data-save-step': p.save_step });
+    const label = p.decision === 'saved' ? `saved step ${p.saved}` : p.decision;
+    g.append(
+      svg('line', { x1: px, x2: px, y1: M.top, y2: axisY, stroke: COLORS.notice,
+        'stroke-width': 2, 'stroke-dasharray': '2 3' }),
+      svg('text', { x: px + 5, y: M.top + 30, class: 'axis-label', fill: COLORS.notice },
+        `⚑ ${p.source} notice, ${fmt(p.time_left_s, 1)} s left: ${label}`),
+    );
+    const xs2 = X(p.save_step, p.save_time);
+    if (p.save_step !== p.step && xs2 != null) {
+      const qx = sx(xs2);
+      const y = lanePlanned + 6;
+      g.append(
+        svg('line', { x1: px, x2: qx, y1: y, y2: y, stroke: COLORS.notice, 'stroke-width': 2 }),
+        svg('path', { d: `M${qx},${y}L${qx - 6},${y - 4}L${qx - 6},${y + 4}Z`,
+          fill: COLORS.notice }),
+      );
+    }
+    g.appendChild(title(p.text + (p.reason && p.decision !== 'not saved' ?
+      ` (${p.reason})` : '')));
+    root.appendChild(g);
   }
 
   // x axis
