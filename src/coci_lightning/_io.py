@@ -15,7 +15,7 @@ import lightning.pytorch as pl
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
 from coci_core.telemetry import RestoreEvent
-from coci_core.training import read_checkpoint, step_dir_of
+from coci_core.training import parse_step_dir, read_checkpoint, step_dir_name, step_dir_of
 from coci_lightning._sharded import use_sharded_load
 
 if TYPE_CHECKING:
@@ -50,6 +50,9 @@ class CociCheckpointIO(CheckpointIO):
         # whether the module loads strictly (LightningModule.strict_loading; set by the
         # callback): when it does not, live tensors the checkpoint lacks are allowed
         self.strict_loading: Callable[[], bool] = lambda: True
+        # the step directory the last read restored: another than the one asked for when
+        # "last" fell back past a damaged step (the callback makes Lightning name it)
+        self.restored_path: str | None = None
 
     def configure(
         self,
@@ -143,6 +146,11 @@ class CociCheckpointIO(CheckpointIO):
                 replaced=replaced,
                 partial=partial,
             )
+        self.restored_path = str(path)
+        if loaded.step != _step_of(step):
+            tier = self.remote if event.tier == "remote" and self.remote else None
+            base = tier or getattr(self, "directory", None) or str(root)
+            self.restored_path = f"{str(base).rstrip('/')}/{step_dir_name(loaded.step)}"
         if self.on_restore is not None:
             self.on_restore(loaded, event)
         if self.rank == 0:
@@ -154,6 +162,11 @@ class CociCheckpointIO(CheckpointIO):
 
     def teardown(self) -> None:
         self.inner.teardown()
+
+
+def _step_of(ref: object) -> int | None:
+    """The step a reference names (a step, or a step directory's name)."""
+    return ref if isinstance(ref, int) else parse_step_dir(str(ref))
 
 
 def tier_options(

@@ -388,7 +388,7 @@ class CociCheckpoint(Checkpoint):
             storage_options=o.storage_options,
             remote=o.remote,
             remote_storage_options=o.remote_storage_options,
-            on_restore=self._on_restore,
+            on_restore=lambda loaded, event: self._on_restore(trainer, loaded, event),
             fallback_for=self._fallback_for,
         )
         if stage != "fit":
@@ -433,7 +433,15 @@ class CociCheckpoint(Checkpoint):
         if self.checkpointer is not None:
             self.checkpointer.set_termination(source, model)
 
-    def _on_restore(self, loaded: LoadedCheckpoint, event: RestoreEvent) -> None:
+    def _on_restore(
+        self, trainer: pl.Trainer, loaded: LoadedCheckpoint, event: RestoreEvent
+    ) -> None:
+        restored = use_coci_io(trainer).restored_path
+        connector = trainer._checkpoint_connector
+        if restored is not None and connector._ckpt_path not in (None, restored):
+            # "last" fell back past a damaged step: Lightning's "Restored all states from
+            # the checkpoint at ..." and trainer.ckpt_path name the step restored
+            connector._ckpt_path = restored
         if self.checkpointer is not None:
             manifest = loaded.manifest
             self.checkpointer.restored_elsewhere(manifest.run, event, manifest.sequence)

@@ -189,7 +189,7 @@ def test_damaged_newest_falls_back_to_previous(
     raw = bytearray(data.read_bytes())
     raw[100] ^= 0xFF
     data.write_bytes(bytes(raw))
-    with caplog.at_level("WARNING", logger="coci_core"):
+    with caplog.at_level("WARNING", logger="coci_core"), caplog.at_level("INFO", "lightning"):
         resumed = _fit(
             tmp_path,
             40,
@@ -197,6 +197,10 @@ def test_damaged_newest_falls_back_to_previous(
             ckpt_path="last",
         )
     assert "step 20 is damaged, trying an older one" in caplog.text
+    # Lightning names the step restored, not the damaged one it was given
+    restored = tmp_path / "coci" / step_dir_name(15)
+    assert f"Restored all states from the checkpoint at {restored}" in caplog.text
+    assert step_dir_name(20) not in caplog.text.split("Restored all states", 1)[1]
     # Lightning's restore reports its event like the manager's, to the run's telemetry
     lines = (tmp_path / "coci" / "telemetry.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines]
