@@ -265,6 +265,17 @@ class CociCheckpointer:
             if outline.total_steps is not None
             else "total steps unknown (rolling horizon; pass total_steps= or num_epochs=)"
         )
+        if outline.fixed_interval:
+            logger.info(
+                "coci: plan at step %d: policy %s, %s; %s, %s; %s",
+                report.step,
+                report.policy,
+                total,
+                first,
+                interval,
+                outline.fixed_advice("CociCheckpointer"),
+            )
+            return
         logger.info(
             "coci: plan at step %d: policy %s, %s; %s, %s; MTBF %.0f s assumed (%s); "
             "change with CociCheckpointer(..., mtbf_s=, every_n_steps=, policy=, total_steps=)",

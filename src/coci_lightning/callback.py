@@ -585,12 +585,15 @@ class CociCheckpoint(Checkpoint):
             if interval
             else "no further save planned yet"
         )
-        message = (
-            f"coci: plan ({report.policy} policy, {self.objective} objective) {length}: {when}, "
-            f"{every}; MTBF assumed {mtbf} s ({source}). Change it with "
-            "CociCheckpoint(mtbf_s=..., every_n_steps=N (a cap on the interval), "
-            "policy='every_n_steps'); the plan is re-made as costs are measured."
-        )
+        head = f"coci: plan ({report.policy} policy, {self.objective} objective) {length}: {when}"
+        if outline.fixed_interval:
+            message = f"{head}, {every}; {outline.fixed_advice('CociCheckpoint')}."
+        else:
+            message = (
+                f"{head}, {every}; MTBF assumed {mtbf} s ({source}). Change it with "
+                "CociCheckpoint(mtbf_s=..., every_n_steps=N (a cap on the interval), "
+                "policy='every_n_steps'); the plan is re-made as costs are measured."
+            )
         if first is None:
             logger.warning(message)
         else:

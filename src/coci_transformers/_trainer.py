@@ -189,10 +189,12 @@ def plan_line(outline: PlanOutline, total_source: str) -> str:
         if outline.total_steps is not None
         else "total steps unknown (rolling horizon)"
     )
+    head = f"coci: plan at step {report.step}: policy {report.policy}, {total}; {first}, {interval}"
+    if outline.fixed_interval:
+        return f"{head}; {outline.fixed_advice('CociCallback')}"
     source = outline.mtbf_source("coci's default, refined from restarts")
     return (
-        f"coci: plan at step {report.step}: policy {report.policy}, {total}; {first}, "
-        f"{interval}; MTBF {outline.mtbf_s:.0f} s assumed ({source}); "
+        f"{head}; MTBF {outline.mtbf_s:.0f} s assumed ({source}); "
         "change with CociCallback(mtbf_s=, every_n_steps=, policy=)"
     )
 

@@ -46,13 +46,14 @@ def _plan_lines(tmp_path: Path, caplog: pytest.LogCaptureFixture, **options: Any
 
 def test_plan_from_the_loaders_length(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """num_epochs=3 with 12 batches an epoch: 36 steps; one line, at step 1, with the first
-    save, the interval, the MTBF assumed, its source and how to change it."""
+    save, the interval and how to change it: a fixed interval, which no MTBF moves."""
     (line,) = _plan_lines(tmp_path, caplog, policy="every_n_steps", every_n_steps=4, num_epochs=3)
     assert "plan at step 1" in line
     assert "36 total steps (len(dataloader) 12 x num_epochs 3)" in line
     assert "first planned save at step 4, every 4 steps" in line
-    assert "MTBF 86400 s assumed (coci's default" in line
-    assert "mtbf_s=" in line
+    assert "s assumed" not in line and "mtbf_s=" not in line
+    assert "a fixed interval: the MTBF and the measured costs do not change it" in line
+    assert "CociCheckpointer(every_n_steps=N)" in line
 
 
 def test_plan_with_given_total_and_mtbf(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -60,6 +61,7 @@ def test_plan_with_given_total_and_mtbf(tmp_path: Path, caplog: pytest.LogCaptur
     (line,) = _plan_lines(tmp_path, caplog, total_steps=100, mtbf_s=3600.0)
     assert "100 total steps (given as total_steps)" in line
     assert "MTBF 3600 s assumed (given as mtbf_s)" in line
+    assert "mtbf_s=" in line  # how to change it
 
 
 def test_num_epochs_needs_a_prepared_loader(tmp_path: Path) -> None:

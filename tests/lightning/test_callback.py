@@ -435,3 +435,17 @@ def test_a_new_node_resumes_from_the_remote_tier(tmp_path: Path, reference: Digi
     resumed = _fit(tmp_path, 40, [second], seed=99)  # another seed: the state comes back
     assert digest(resumed) == digest(reference)
     assert CheckpointManager(tmp_path / "node2", keep_last=None).steps()[-1] == 40
+
+
+def test_the_plan_line_of_a_fixed_interval_names_no_mtbf(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A fixed interval is told as one: no MTBF (which does not move it) and no mtbf_s= advice,
+    but how to change the interval or let coci plan."""
+    with caplog.at_level("INFO", logger="coci_lightning"):
+        _fit(tmp_path, 12, [CociCheckpoint(policy="every_n_steps", every_n_steps=4)])
+    (line,) = [r.getMessage() for r in caplog.records if "coci: plan" in r.getMessage()]
+    assert "every_n_steps policy" in line and "first save at step 4" in line
+    assert "MTBF assumed" not in line and "mtbf_s" not in line
+    assert "a fixed interval: the MTBF and the measured costs do not change it" in line
+    assert "CociCheckpoint(every_n_steps=N)" in line

@@ -13,6 +13,9 @@ __all__ = ["PlanOutline"]
 _MTBF_SOURCES = {"user": "given as mtbf_s"}
 
 
+FIXED_INTERVAL_POLICIES = frozenset({"every_n_steps", "every_n_seconds", "epoch"})
+
+
 @dataclasses.dataclass(frozen=True)
 class PlanOutline:
     """The plan as a log line tells it (see :meth:`Checkpointer.plan_outline
@@ -58,6 +61,19 @@ class PlanOutline:
     def step_time_s(self) -> float:
         """The measured step time (0 until measured)."""
         return self.report.costs.get("step_time_s") or 0.0
+
+    @property
+    def fixed_interval(self) -> bool:
+        """Whether the policy saves at a fixed interval (the MTBF and costs do not move it)."""
+        return self.report.policy in FIXED_INTERVAL_POLICIES
+
+    def fixed_advice(self, adapter: str) -> str:
+        """How to change a fixed interval, for the plan line of ``adapter`` (its class)."""
+        return (
+            f"a fixed interval: the MTBF and the measured costs do not change it; change it "
+            f"with {adapter}(every_n_steps=N), or leave policy out for coci to plan from "
+            "the measured costs"
+        )
 
     def mtbf_source(self, default: str) -> str:
         """Where the MTBF comes from, in words; ``default`` words coci's default (to which
