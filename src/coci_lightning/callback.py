@@ -813,6 +813,8 @@ class CociCheckpoint(Checkpoint):
         if "rng" in state_dict:  # older coci checkpoints, and Lightning's own
             self._pending_rng = state_dict["rng"]
         self._scores.load(state_dict.get(SCORES_KEY))
+        if self._scores.scores:  # the module logged the monitored key before the resume
+            self._monitor_warned = True
         metrics = state_dict.get(EPOCH_END_KEY)
         self._rng_at_train_start = isinstance(metrics, dict)  # taken at an epoch's last step
         self._pending_metrics = dict(metrics) if isinstance(metrics, dict) else None

@@ -187,3 +187,26 @@ def test_verbose_lines_and_end_summary(
 def test_verbose_is_checked() -> None:
     with pytest.raises(ConfigError, match="'verbose' must be a bool"):
         CociCheckpoint(verbose="yes")  # type: ignore[arg-type]
+
+
+def test_a_resumed_run_is_not_warned_of_a_monitored_key_it_logged_before(tmp_path: Path) -> None:
+    """monitor= a validation metric: a fresh run's first save, before any validation, warns
+    (the key may be misspelt); a resumed run whose checkpoints hold values of that key does not
+    warn at its first save before the next validation."""
+    import warnings
+
+    def fit(max_steps: int, **fit_kwargs: object) -> list[str]:
+        pl.seed_everything(2, verbose=False)
+        coci = CociCheckpoint(
+            policy="every_n_steps", every_n_steps=3, monitor="val_loss", keep_last=None
+        )
+        trainer = _trainer(
+            tmp_path, max_steps, [coci], val_check_interval=4, num_sanity_val_steps=0
+        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(_EvalModel(), **fit_kwargs)  # type: ignore[arg-type]
+        return [str(w.message) for w in caught if "monitored key" in str(w.message)]
+
+    assert len(fit(8)) == 1  # at step 3, before the first validation (step 4)
+    assert fit(14, ckpt_path="last") == []  # resumed at 8: saves at 9 before validating at 12
