@@ -140,3 +140,21 @@ def test_storage_options_are_checked_at_construction(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="fsspec URL"):
         CociCheckpoint(storage_options={"secret": SECRET_KEY})
     assert CociCheckpoint(dirpath="s3://b/run", storage_options={}).storage_options == {}
+
+
+def test_refused_credentials_end_the_script_with_one_traceback(
+    s3_server: S3Server, s3_prefix: str, tmp_path: Path
+) -> None:
+    """A Lightning script whose S3 secret is wrong ends with one traceback and the line that
+    says what to check (not botocore's and s3fs's errors chained before it)."""
+    opts = {**s3_server.storage_options, "secret": "wrong"}
+    env = child_env(drop_prefixes=("AWS_", "FSSPEC_"))
+    remote = ["--dirpath", f"s3://{s3_prefix}/refused", "--storage-options", json.dumps(opts)]
+    done = run(module(_CHILD, str(tmp_path / "run"), "4", *remote), env=env, timeout_s=300)
+    assert done.returncode == 1
+    assert done.stderr.count("Traceback (most recent call last)") == 1, done.stderr[-4000:]
+    assert "exception was the direct cause" not in done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("coci_core.errors.StorageError") and "access denied" in last, last
+    assert "check the credentials" in last
+    assert "wrong" not in last and SECRET_KEY not in done.stderr

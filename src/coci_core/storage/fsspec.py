@@ -68,7 +68,13 @@ class FsspecStorage(Storage):
         """The StorageError for ``error``, a failure to ``action`` ``path``."""
         where = f"{self.url}/{path}" if path else self.url
         wrapped = StorageError.wrap(f"cannot {action} {where}: {self._why(error)}", error)
-        wrapped.__cause__ = error
+        if _told_in_full(error):
+            # refused or missing credentials, a missing bucket: the message says it all, and
+            # botocore's and s3fs's errors chained before it would bury it (raise it bare)
+            wrapped.__cause__ = None
+            wrapped.__suppress_context__ = True
+        else:
+            wrapped.__cause__ = error
         return wrapped
 
     def _why(self, error: BaseException) -> str:
@@ -309,13 +315,13 @@ class FsspecStorage(Storage):
                 raise FileExistsError(f"{self.url}/{path}: {e}") from e
             if if_match is not None and _gone(e):  # If-Match on an object deleted meanwhile
                 raise FileExistsError(f"{self.url}/{path} is gone: {e}") from e
-            raise self._failure("write", path, e) from e
+            raise self._failure("write", path, e)  # noqa: B904 (its cause: see _failure)
         except (TypeError, NotImplementedError, ValueError) as e:
             raise StorageError(f"{self.url} cannot write {path} conditionally: {e}") from e
         except Exception as e:
             if not _is_store_error(e):
                 raise
-            raise self._failure("write", path, e) from e
+            raise self._failure("write", path, e)  # noqa: B904 (its cause: see _failure)
         etag = out.get("ETag") if isinstance(out, dict) else None
         if etag is None:
             with contextlib.suppress(StorageError), self._failures("read", path):
@@ -348,7 +354,7 @@ class _Failures:
     ) -> None:
         if error is None or isinstance(error, StorageError) or not _is_store_error(error):
             return
-        raise self.storage._failure(self.action, self.path, error) from error
+        raise self.storage._failure(self.action, self.path, error)  # its cause: see _failure
 
 
 def _is_store_error(error: BaseException) -> bool:
@@ -358,6 +364,13 @@ def _is_store_error(error: BaseException) -> bool:
         return True
     botocore = sys.modules.get("botocore.exceptions")
     return botocore is not None and isinstance(error, botocore.BotoCoreError)
+
+
+def _told_in_full(error: BaseException) -> bool:
+    """Whether :meth:`FsspecStorage._why` words all there is to know of ``error``."""
+    botocore = sys.modules.get("botocore.exceptions")
+    no_credentials = botocore is not None and isinstance(error, botocore.NoCredentialsError)
+    return isinstance(error, PermissionError) or no_credentials or _names_missing_bucket(error)
 
 
 def _error_codes(error: BaseException) -> Iterator[str]:
