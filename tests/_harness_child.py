@@ -28,6 +28,7 @@ def main() -> None:
             "main_spec": getattr(sys.modules["__main__"].__spec__, "name", None),
             "path0": sys.path[0],
             "threads": torch.get_num_threads(),
+            "hash": hash("coci"),
             "forked": b"tests.harness.zygote" in b" ".join(cmdline),
             "stdin": sys.stdin.read(),
         }

@@ -42,8 +42,23 @@ def test_a_child_starts_as_python_dash_m_would(
     assert done.stdout.rstrip().endswith("ATEXIT")  # atexit handlers ran, output flushed
 
 
-def test_an_import_time_variable_gets_a_fresh_interpreter() -> None:
-    env = child_env({"PYTHONHASHSEED": "123"})
+@pytest.mark.parametrize("seed", ["123", "456"])
+def test_an_import_time_variable_is_as_in_a_fresh_interpreter(
+    seed: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A child whose PYTHONHASHSEED (read as Python starts) is set is forked from a zygote
+    started with it: its hashes are a fresh interpreter's."""
+    env = child_env({"PYTHONHASHSEED": seed})
+    forked = _result(run(module(CHILD, "report"), env=env, input="").stdout)
+    monkeypatch.setenv("COCI_TEST_FORK", "0")
+    fresh = _result(run(module(CHILD, "report"), env=env, input="").stdout)
+    assert forked["forked"] is True and fresh["forked"] is False
+    assert forked["hash"] == fresh["hash"]
+
+
+def test_another_pythonpath_gets_a_fresh_interpreter(tmp_path: Path) -> None:
+    env = child_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
     assert _result(run(module(CHILD, "report"), env=env, input="").stdout)["forked"] is False
     assert _result(run(module(CHILD, "report"), input="").stdout)["forked"] is True
 

@@ -9,10 +9,10 @@ interpreter would (atexit handlers, non-daemon threads, buffered output). It is 
 its own: signals, ``kill -9``, process groups and exit statuses are those of the child itself.
 
 Only ``python -m <module>`` commands run by this interpreter with this checkout's ``PYTHONPATH``
-are forked, and only when no variable that Python or torch read while importing differs from the
-zygote's (``OMP_NUM_THREADS`` is applied with ``torch.set_num_threads`` instead). Anything else,
-and everything when ``COCI_TEST_FORK=0``, starts a fresh interpreter. :class:`Forked` is the
-part of ``subprocess.Popen``'s interface the harness uses.
+are forked, each from a zygote started with the same variables that Python or torch read while
+importing (``OMP_NUM_THREADS`` is applied with ``torch.set_num_threads`` instead; up to four
+zygotes). Anything else, and everything when ``COCI_TEST_FORK=0``, starts a fresh interpreter.
+:class:`Forked` is the part of ``subprocess.Popen``'s interface the harness uses.
 """
 
 from __future__ import annotations
@@ -46,7 +46,10 @@ LIGHTNING_CHILDREN = frozenset(
     }
 )
 # Variables read while Python or torch start (or whose value a forked child could not change).
-_IMPORT_TIME = ("PYTHON", "OMP_", "MKL_", "KMP_", "TORCH", "PYTORCH", "CUDA", "LD_", "GOMP")
+_IMPORT_TIME = (
+    *("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP", "LD_", "TORCH", "PYTORCH", "CUDA", "PL_"),
+    "LIGHTNING",
+)
 _APPLIED = frozenset({"OMP_NUM_THREADS"})
 _MAX_MESSAGE = 1 << 20
 
@@ -55,31 +58,38 @@ def enabled() -> bool:
     return os.environ.get("COCI_TEST_FORK", "1") != "0"
 
 
-def kind_for(command: Sequence[str], env: Mapping[str, str], base: Mapping[str, str]) -> str | None:
-    """The zygote kind that may fork ``command`` run with ``env`` (``base``: the environment
-    that kind's zygote runs with), or None when it needs a fresh interpreter."""
-    if not enabled() or len(command) < 3 or command[0] != sys.executable or command[1] != "-m":
-        return None
-    keys = {k for k in (*env, *base) if k.startswith(_IMPORT_TIME) and k not in _APPLIED}
-    if any(env.get(k) != base.get(k) for k in keys):
-        return None
-    return "lightning" if command[2] in LIGHTNING_CHILDREN else "torch"
+def kind_of(module: str) -> str:
+    """The zygote kind for a child that runs ``module``."""
+    return "lightning" if module in LIGHTNING_CHILDREN else "torch"
+
+
+def import_time(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    """The variables of ``env`` that Python or torch read while importing (a forked child
+    gets those of its zygote, so a zygote serves only children with the same ones)."""
+    return tuple(
+        sorted((k, v) for k, v in env.items() if k.startswith(_IMPORT_TIME) and k not in _APPLIED)
+    )
 
 
 def for_command(
-    command: Sequence[str], env: Mapping[str, str], start_env: Mapping[str, str]
+    command: Sequence[str], env: Mapping[str, str], checkout_env: Mapping[str, str]
 ) -> Zygote | None:
-    """The zygote that forks ``command`` with ``env`` (started with ``start_env`` when this
-    worker has none of its kind yet), or None when it needs a fresh interpreter."""
-    if not enabled() or len(command) < 3:
+    """The zygote that forks ``command`` run with ``env``, started with ``env`` if this worker
+    has none of that kind for ``env``'s import-time variables; None when it needs a fresh
+    interpreter: another interpreter, not ``-m``, another ``PYTHONPATH`` than this checkout's
+    (``checkout_env``), or too many zygotes already."""
+    if not enabled() or len(command) < 3 or command[0] != sys.executable or command[1] != "-m":
         return None
-    kind = "lightning" if command[2] in LIGHTNING_CHILDREN else "torch"
+    if env.get("PYTHONPATH") != checkout_env.get("PYTHONPATH"):
+        return None
+    key = (kind_of(command[2]), import_time(env))
     with _zygotes_lock:
-        running = _zygotes.get(kind)
-    base = running.env if running is not None and running.alive() else start_env
-    if kind_for(command, env, base) is None:
-        return None
-    return zygote(kind, base)
+        z = _zygotes.get(key)
+        if z is None or not z.alive():
+            if z is None and len(_zygotes) >= _MAX_ZYGOTES:
+                return None
+            z = _zygotes[key] = Zygote(key[0], env)
+        return z
 
 
 # -- the zygote ------------------------------------------------------------------------------
@@ -259,17 +269,9 @@ def _root() -> str:
     return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-_zygotes: dict[str, Zygote] = {}
+_zygotes: dict[tuple[str, tuple[tuple[str, str], ...]], Zygote] = {}
 _zygotes_lock = threading.Lock()
-
-
-def zygote(kind: str, env: Mapping[str, str]) -> Zygote:
-    """This worker's zygote of ``kind`` (started with ``env`` the first time)."""
-    with _zygotes_lock:
-        z = _zygotes.get(kind)
-        if z is None or not z.alive():
-            z = _zygotes[kind] = Zygote(kind, env)
-        return z
+_MAX_ZYGOTES = 4  # each holds torch (and maybe Lightning) in memory
 
 
 def close_all() -> None:

@@ -80,7 +80,8 @@ def test_the_report_and_the_tab_show_a_save_moved_before_a_known_end(tmp_path: P
     (notice,) = data["preemptions"]
     assert notice["source"] == "SIGUSR1" and notice["decision"] == "saved"
     assert notice["step"] == noticed and notice["save_step"] == notice["saved"] == moved
-    assert 2 < notice["time_left_s"] <= 3 and notice["save_s"] > 0
+    # 3 s ahead, less the time to the step boundary where the ranks learned of it
+    assert 0 < notice["time_left_s"] <= 3 and notice["save_s"] > 0
     assert notice["text"] == line[0]
     assert notice["time"] < notice["save_time"]
     # the moved save is a planned checkpoint, taken

@@ -4,6 +4,10 @@ An adapter calls, on every rank: ``observe(step, loss=..., step_time_s=...)`` th
 ``should_save(step)``; ``save(step, state)`` when it says so; ``before_update()`` before each
 optimizer step; ``restore()`` on resume; ``close()`` at teardown. The Checkpointer feeds the
 measured stall, persist and restore times back into the planner.
+
+Why one module: it is the one object every adapter holds, and each of its methods is a thin
+step of that protocol handing its work to the planner, the engine (``CheckpointManager``) or
+:mod:`coci_core.training.preemption`; split, the protocol would be read across files.
 """
 
 from __future__ import annotations
