@@ -26,20 +26,20 @@ __all__ = ["export_step"]
 
 def export_step(directory: str, out: str | os.PathLike[str], step: int | str | None = None) -> str:
     """Write ``step`` of the coci directory ``directory`` (default: the step a resume takes)
-    to the directory ``out`` in the Trainer's layout; a one-line summary.
+    to the directory ``out`` in the Trainer's layout; a one-line summary. A ``step`` given is
+    that step or an error, as ``coci export --step`` (never another step in its place).
 
     Raises:
-        NoCheckpointError: no committed checkpoint.
+        NoCheckpointError: no committed checkpoint (or none at ``step``).
+        CorruptCheckpointError: ``step`` is damaged.
         CheckpointError: the step was not written by ``CociCallback``.
     """
-    ref: int | str = 0
-    if step is None:
+    if step is None:  # the step a resume takes: the newest, past damaged ones
         newest = newest_step_dir(directory)
         found = step_dir_of(newest) if newest is not None else None
-        ref = found[1] if found is not None else 0
+        loaded, _ = read_checkpoint(directory, found[1] if found else 0, fall_back=True)
     else:
-        ref = step
-    loaded, _ = read_checkpoint(directory, ref, fall_back=True)
+        loaded, _ = read_checkpoint(directory, step)
     state = loaded.state
     _state.check_layout(state)
     target = Path(out)

@@ -116,6 +116,15 @@ class Terminate(TrainerCallback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
+def say(line: str) -> None:
+    """Print ``line`` to stdout in one write: the processes of a run share the pipe, and with
+    ``PYTHONUNBUFFERED`` set ``print`` writes the text and its newline apart, so two processes'
+    lines printed at once could join into one (a write of under ``PIPE_BUF``, 4096 bytes, to a
+    pipe is never split)."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def tiny_model() -> GPT2LMHeadModel:
     torch.manual_seed(0)
     config = GPT2Config(
@@ -198,7 +207,7 @@ if __name__ == "__main__":
         reference_dir = sys.argv[at + 1]
         del sys.argv[at : at + 2]
         reference = train(reference_dir, int(sys.argv[2]), in_process=False, **options)
-        print("REFERENCE " + json.dumps(reference), flush=True)
+        say("REFERENCE " + json.dumps(reference))
         from accelerate.state import AcceleratorState
 
         AcceleratorState._reset_state(True)
@@ -211,7 +220,7 @@ if __name__ == "__main__":
     kill = int(argv[2]) if len(argv) > 2 else None
     resume = True if "--resume" in sys.argv else None
     result = train(argv[0], int(argv[1]), kill_at=kill, resume=resume, in_process=False, **options)
-    print("RESULT " + json.dumps(result), flush=True)
+    say("RESULT " + json.dumps(result))
     if sigterm_dir is not None:
         from accelerate.state import AcceleratorState
 
@@ -227,5 +236,5 @@ if __name__ == "__main__":
         except Preempted as stop:  # then it ends the process: exit status 143
             rank = int(os.environ.get("RANK", "0"))
             row = {"rank": rank, "saved": stop.step, "code": stop.code}
-            print("SIGTERM " + json.dumps(row), flush=True)
+            say("SIGTERM " + json.dumps(row))
             raise

@@ -13,7 +13,7 @@ import torch
 from accelerate.state import AcceleratorState
 from transformers import GPT2LMHeadModel
 
-from coci_core import CheckpointManager
+from coci_core import CheckpointManager, NoCheckpointError
 from coci_transformers.export import export_step
 from tests.transformers.run import Recording, Tokens, arguments, tiny_model, train
 
@@ -30,6 +30,10 @@ def test_export_and_import_both_ways(tmp_path: Path) -> None:
     out = tmp_path / "plain" / "checkpoint-6"
     summary = export_step(str(tmp_path / "coci_run" / "coci"), out, 6)
     assert "exported step 6" in summary and "rng_state.pth" in summary
+    # a step no longer kept (keep_last 3: 6, 9, 12) is an error, not another step in its place
+    with pytest.raises(NoCheckpointError, match="step 3"):
+        export_step(str(tmp_path / "coci_run" / "coci"), tmp_path / "gone" / "checkpoint-3", 3)
+    assert not (tmp_path / "gone").exists()
     with CheckpointManager(tmp_path / "coci_run" / "coci") as mgr:
         saved = mgr.restore(6)["model"]
     loaded = GPT2LMHeadModel.from_pretrained(out).state_dict()

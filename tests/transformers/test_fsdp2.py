@@ -58,6 +58,12 @@ def test_fsdp2_through_the_trainer_killed_and_resumed(tmp_path: Path) -> None:
         pieces = sorted((p["file"], p["length"]) for p in entries[key]["pieces"])
         assert pieces == [("data-r0.bin", 33 * 32 * 4), ("data-r1.bin", 32 * 32 * 4)]
     shutil.copytree(tmp_path / "run", tmp_path / "one")
+    # exported now, as the Trainer's checkpoint-N, whole: the run below goes on in "run" and
+    # prunes its older steps (keep_last 3: step 3 is gone by its end, when the kill came before
+    # step 6 was committed)
+    exported = tmp_path / "exported" / f"checkpoint-{start}"
+    summary = export_step(str(tmp_path / "run" / "coci"), exported, start)
+    assert summary.startswith(f"exported step {start} "), summary
 
     # the same processes train a run never stopped, then resume the killed one
     command = [*COMMAND, str(tmp_path / "run"), str(total), "--resume", "--fsdp"]
@@ -80,11 +86,9 @@ def test_fsdp2_through_the_trainer_killed_and_resumed(tmp_path: Path) -> None:
     history = [e for e in expected[0]["log"] if e.get("step", 0) <= start]
     assert one["log"][: len(history)] == history
 
-    # exported as the Trainer's checkpoint-N, whole: the Trainer itself resumes from it on one
+    # exported as the Trainer's checkpoint-N (above): the Trainer itself resumes from it on one
     # process (weights, optimizer keyed by index, scheduler) and ends bit-identical to coci's
     # resume (neither put back nothing, nor put back something else)
-    exported = tmp_path / "exported" / f"checkpoint-{start}"
-    export_step(str(tmp_path / "run" / "coci"), exported, start)
     # the random states of process 0, as coci's resume onto one process takes them (the
     # Trainer on one process reads rng_state.pth only)
     shutil.copy(exported / "rng_state_0.pth", exported / "rng_state.pth")
