@@ -1,0 +1,120 @@
+"""The contract every framework adapter keeps, run on each through its driver (drivers.py):
+a run SIGKILLed mid-epoch resumes bit-identical to a run never stopped, each remaining sample
+once; ``policy="every_n_steps"`` commits exactly the planned steps and the final one, and the
+framework writes no checkpoint of its own; ``coci report`` reads the run's telemetry and names
+those checkpoints; the adapter takes the shared options as declared once.
+
+Each driver's run never stopped is made once (``reference``, module-scoped) and read by every
+test; the runs are the real framework's, in child processes, killed with a real SIGKILL."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from coci_core import CheckpointManager
+from coci_core.training import signature_drift
+from tests.contract.drivers import DRIVERS, AdapterDriver, Outcome
+from tests.harness.processes import Child, module, run
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The steps of a driver's runs: a save every quarter epoch, a kill one step past the
+    first save of epoch 2, and an end one step before epoch 3 (not a planned save)."""
+
+    every: int
+    kill: int
+    total: int
+
+    @classmethod
+    def of(cls, driver: AdapterDriver) -> Plan:
+        epoch = driver.steps_per_epoch
+        every = epoch // 4
+        return cls(every=every, kill=epoch + every + 1, total=2 * epoch - 1)
+
+    def options(self) -> dict[str, Any]:
+        return {"policy": "every_n_steps", "every_n_steps": self.every, "keep_last": None}
+
+
+@dataclass(frozen=True)
+class Reference:
+    directory: Path
+    outcome: Outcome
+
+
+@pytest.fixture(scope="module", params=DRIVERS, ids=lambda d: d.name)
+def driver(request: pytest.FixtureRequest) -> AdapterDriver:
+    chosen: AdapterDriver = request.param
+    return chosen
+
+
+@pytest.fixture(scope="module")
+def reference(driver: AdapterDriver, tmp_path_factory: pytest.TempPathFactory) -> Reference:
+    """The driver's run never stopped, its checkpoints kept."""
+    plan = Plan.of(driver)
+    directory = tmp_path_factory.mktemp(f"{driver.name}-reference")
+    done = run(driver.command(directory, plan.total, plan.options()), timeout_s=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return Reference(directory, driver.outcome(done.stdout))
+
+
+@pytest.mark.faults
+def test_sigkill_mid_epoch_then_resume_is_bit_identical(
+    driver: AdapterDriver, reference: Reference, tmp_path: Path
+) -> None:
+    """SIGKILL one step past the first save of epoch 2; a new process resumes from the newest
+    committed step and ends with the model and optimizer of the run never stopped (and the
+    framework's record of the run), having trained on each remaining sample once, in order."""
+    plan = Plan.of(driver)
+    command = driver.command(tmp_path, plan.total, plan.options(), kill_at=plan.kill)
+    with Child(command, stderr=subprocess.DEVNULL, kill_scope="tree") as child:
+        assert child.kill_at(f"AT {plan.kill}") == -signal.SIGKILL
+    with CheckpointManager(tmp_path / "coci", keep_last=None) as mgr:
+        steps = mgr.steps()
+    # the newest planned save, or an older one if its writer was still at work at the kill
+    assert steps and steps[-1] <= plan.kill and steps[-1] % plan.every == 0
+    start = steps[-1]
+    done = run(driver.command(tmp_path, plan.total, plan.options(), resume=True), timeout_s=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    resumed, expected = driver.outcome(done.stdout), reference.outcome
+    assert resumed.start == start
+    assert resumed.state == expected.state
+    assert resumed.seen == expected.seen[start * driver.batch :]
+    assert len(expected.seen) == plan.total * driver.batch
+    assert resumed.history == expected.history
+
+
+def test_planned_saves_are_exactly_the_multiples_and_the_final_step(
+    driver: AdapterDriver, reference: Reference
+) -> None:
+    """``policy="every_n_steps", every_n_steps=K``: the committed steps are the multiples of K
+    and the last step, and beside coci's directory the framework wrote no checkpoint."""
+    plan = Plan.of(driver)
+    with CheckpointManager(reference.directory / "coci", keep_last=None) as mgr:
+        assert mgr.steps() == [*range(plan.every, plan.total, plan.every), plan.total]
+    assert sorted(p.name for p in reference.directory.iterdir()) == ["coci"]
+
+
+def test_report_reads_the_runs_telemetry(driver: AdapterDriver, reference: Reference) -> None:
+    """``coci report`` on the run's directory names its committed checkpoints, and the run
+    wrote TensorBoard events for coci's tab."""
+    plan = Plan.of(driver)
+    coci = reference.directory / "coci"
+    done = run(module("coci_core.commands.cli", "report", str(coci)), timeout_s=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    steps = [*range(plan.every, plan.total, plan.every), plan.total]
+    assert f"checkpoints committed: {len(steps)} at steps {steps}" in done.stdout
+    assert list((coci / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_the_adapter_takes_the_declared_options(driver: AdapterDriver) -> None:
+    """The adapter spells its signature out (for IDEs and LightningCLI), and it takes every
+    shared option as declared once, by CheckpointOptions.check: keyword-only, with the same
+    default and annotation."""
+    assert signature_drift(driver.adapter) == []
