@@ -218,7 +218,13 @@ if __name__ == "__main__":
     kill = int(argv[2]) if len(argv) > 2 else None
     resume = True if "--resume" in sys.argv else None
     result = train(
-        argv[0], int(argv[1]), kill_at=kill, resume=resume, callback=coci, in_process=False, **options
+        argv[0],
+        int(argv[1]),
+        kill_at=kill,
+        resume=resume,
+        callback=coci,
+        in_process=False,
+        **options,
     )
     print("RESULT " + json.dumps(result), flush=True)
     if sigterm_dir is not None:
