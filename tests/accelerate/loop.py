@@ -67,9 +67,13 @@ def train(
     )
     ckpt = CociCheckpointer(
         accelerator,
-        dirpath,
-        storage_options=storage_options,
-        **{"policy": "every_n_steps", "every_n_steps": every_n_steps, **(options or {})},
+        **{
+            "dirpath": dirpath,
+            "storage_options": storage_options,
+            "policy": "every_n_steps",
+            "every_n_steps": every_n_steps,
+            **(options or {}),
+        },
     )
     start_step = ckpt.resume()  # optimizer steps completed: the label of the checkpoint
     seen: list[int] = []

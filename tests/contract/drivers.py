@@ -3,9 +3,10 @@ over that framework's existing training child, so that one suite (test_contract.
 adapter alike.
 
 A driver says which adapter it drives, how big an epoch of its child's run is, the command that
-trains the child to ``total`` steps with given coci options (killed at step ``kill_at`` if
-given: the child prints ``AT <step>`` there and waits to be killed; resumed from the newest
-committed checkpoint if ``resume``), and how to read the child's ``RESULT <json>`` line as an
+trains the child to ``total`` steps with the adapter made from given options (any of the shared
+ones, ``dirpath`` and ``storage_options`` included, as JSON; killed at step ``kill_at`` if given:
+the child prints ``AT <step>`` there and waits to be killed; resumed from the newest committed
+checkpoint if ``resume``), and how to read the child's ``RESULT <json>`` line as an
 :class:`Outcome`. A new adapter writes one more driver here and adds it to :data:`DRIVERS`.
 """
 

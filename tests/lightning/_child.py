@@ -60,7 +60,9 @@ def main() -> None:
     options = {"policy": "every_n_steps", "every_n_steps": 6, "resume": True, **args.coci}
     start = _Start()
     callbacks: list[pl.Callback] = [
-        CociCheckpoint(args.dirpath, storage_options=args.storage_options, **options),
+        CociCheckpoint(
+            **{"dirpath": args.dirpath, "storage_options": args.storage_options, **options}
+        ),
         start,
     ]
     if args.kill is not None:
