@@ -2,8 +2,8 @@
 a run SIGKILLed mid-epoch resumes bit-identical to a run never stopped, each remaining sample
 once, from a local directory and from an ``s3://`` one; ``policy="every_n_steps"`` commits
 exactly the planned steps and the final one, and the framework writes no checkpoint of its own;
-``coci report`` reads the run's telemetry and names those checkpoints; the adapter takes the
-shared options as declared once.
+``coci report`` reads the run's telemetry and names those checkpoints; the user reads coci's
+lines once each, on stderr; the adapter takes the shared options as declared once.
 
 Each driver's run never stopped is made once (``reference``, module-scoped) and read by every
 test; the runs are the real framework's, in child processes, killed with a real SIGKILL."""
@@ -42,13 +42,24 @@ class Plan:
         return cls(every=every, kill=epoch + every + 1, total=2 * epoch + 1)
 
     def options(self) -> dict[str, Any]:
-        return {"policy": "every_n_steps", "every_n_steps": self.every, "keep_last": None}
+        return {
+            "policy": "every_n_steps",
+            "every_n_steps": self.every,
+            "keep_last": None,
+            "verbose": True,
+        }
+
+    def saves(self) -> list[int]:
+        """The steps a run to the end commits: the multiples of ``every`` and the last."""
+        return [*range(self.every, self.total, self.every), self.total]
 
 
 @dataclass(frozen=True)
 class Reference:
     directory: Path
     outcome: Outcome
+    stdout: str
+    stderr: str
 
 
 @pytest.fixture(scope="module", params=DRIVERS, ids=lambda d: d.name)
@@ -64,7 +75,7 @@ def reference(driver: AdapterDriver, tmp_path_factory: pytest.TempPathFactory) -
     directory = tmp_path_factory.mktemp(f"{driver.name}-reference")
     done = run(driver.command(directory, plan.total, plan.options()), timeout_s=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    return Reference(directory, driver.outcome(done.stdout))
+    return Reference(directory, driver.outcome(done.stdout), done.stdout, done.stderr)
 
 
 def _kill_then_resume(
@@ -161,7 +172,7 @@ def test_planned_saves_are_exactly_the_multiples_and_the_final_step(
     and the last step, and beside coci's directory the framework wrote no checkpoint."""
     plan = Plan.of(driver)
     with CheckpointManager(reference.directory / "coci", keep_last=None) as mgr:
-        assert mgr.steps() == [*range(plan.every, plan.total, plan.every), plan.total]
+        assert mgr.steps() == plan.saves()
     assert sorted(p.name for p in reference.directory.iterdir()) == ["coci"]
 
 
@@ -174,9 +185,26 @@ def test_report_reads_the_runs_telemetry(
     plan = Plan.of(driver)
     coci = reference.directory / "coci"
     assert cli.main(["report", str(coci)]) == 0
-    steps = [*range(plan.every, plan.total, plan.every), plan.total]
+    steps = plan.saves()
     assert f"checkpoints committed: {len(steps)} at steps {steps}" in capsys.readouterr().out
     assert list((coci / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_the_user_reads_each_line_once_on_stderr(
+    driver: AdapterDriver, reference: Reference
+) -> None:
+    """With no logging configured and ``verbose=True``: one plan line, one line per save and
+    one summary, on stderr (as the framework's own messages), none on stdout."""
+    plan = Plan.of(driver)
+    lines = [line for line in reference.stderr.splitlines() if line.startswith("coci: ")]
+    assert len([line for line in lines if line.startswith("coci: plan ")]) == 1, lines
+    saved = [line for line in lines if " saved: stall " in line]
+    assert [int(line.split()[2]) for line in saved] == plan.saves(), lines
+    assert all(" MB written" in line for line in saved)
+    (summary,) = [line for line in lines if "checkpoints committed" in line]
+    count = len(plan.saves())
+    assert summary.startswith(f"coci: {count} checkpoints committed (newest step {plan.total})")
+    assert "coci:" not in reference.stdout
 
 
 def test_the_adapter_takes_the_declared_options(driver: AdapterDriver) -> None:
