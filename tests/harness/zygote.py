@@ -35,7 +35,13 @@ from typing import IO, Any
 # The modules each kind imports before it forks. Lightning adds a handler to its logger when it
 # is imported into a process whose logging is not configured yet, so only children that import
 # it before configuring logging may use that kind.
-KINDS = {"torch": ("torch",), "lightning": ("torch", "lightning.pytorch")}
+# The transformers kind imports the Trainer and GPT-2 (6 s) with the two variables that
+# tests/transformers/run.py sets before it imports them.
+KINDS = {
+    "torch": ("torch",),
+    "lightning": ("torch", "lightning.pytorch"),
+    "transformers": ("torch", "transformers.trainer", "transformers.models.gpt2.modeling_gpt2"),
+}
 LIGHTNING_CHILDREN = frozenset(
     {
         "tests.lightning._child",
@@ -45,8 +51,31 @@ LIGHTNING_CHILDREN = frozenset(
         "tests.preemption._lightning_child",
     }
 )
-# Variables read while Python or torch start (or whose value a forked child could not change).
-_IMPORT_TIME = ("PYTHON", "OMP_", "MKL_", "KMP_", "TORCH", "PYTORCH", "CUDA", "LD_", "GOMP")
+TRANSFORMERS_CHILDREN = frozenset({"tests.transformers.run"})
+_KIND_ENV = {"transformers": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}}
+
+
+def _kind_of(module: str) -> str:
+    if module in LIGHTNING_CHILDREN:
+        return "lightning"
+    return "transformers" if module in TRANSFORMERS_CHILDREN else "torch"
+
+
+# Variables read while Python, torch or transformers start (or whose value a forked child could
+# not change).
+_IMPORT_TIME = (
+    "PYTHON",
+    "OMP_",
+    "MKL_",
+    "KMP_",
+    "TORCH",
+    "PYTORCH",
+    "CUDA",
+    "LD_",
+    "GOMP",
+    "HF_",
+    "TRANSFORMERS",
+)
 _APPLIED = frozenset({"OMP_NUM_THREADS"})
 _MAX_MESSAGE = 1 << 20
 
@@ -63,7 +92,7 @@ def kind_for(command: Sequence[str], env: Mapping[str, str], base: Mapping[str, 
     keys = {k for k in (*env, *base) if k.startswith(_IMPORT_TIME) and k not in _APPLIED}
     if any(env.get(k) != base.get(k) for k in keys):
         return None
-    return "lightning" if command[2] in LIGHTNING_CHILDREN else "torch"
+    return _kind_of(command[2])
 
 
 def for_command(
@@ -73,7 +102,7 @@ def for_command(
     worker has none of its kind yet), or None when it needs a fresh interpreter."""
     if not enabled() or len(command) < 3:
         return None
-    kind = "lightning" if command[2] in LIGHTNING_CHILDREN else "torch"
+    kind = _kind_of(command[2])
     with _zygotes_lock:
         running = _zygotes.get(kind)
     base = running.env if running is not None and running.alive() else start_env
@@ -90,6 +119,8 @@ def serve(sock_fd: int, kind: str) -> None:
     each child's exit status, until the test process closes the socket."""
     own = {p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
     site_path = [p for p in sys.path[1:] if p not in own]  # the stdlib and site-packages
+    for key, value in _KIND_ENV.get(kind, {}).items():
+        os.environ.setdefault(key, value)
     for name in KINDS[kind]:
         __import__(name)
     sock = socket.socket(fileno=sock_fd)
