@@ -1,8 +1,9 @@
 """The issue's Accelerate loop on scikit-learn's digits, as a function and as a process.
 
-Run as ``python -m tests.accelerate.loop DIR TOTAL [KILL] [--coci JSON]`` (also under
-``accelerate launch`` or torchrun): with KILL it prints ``AT <step>`` after that step and waits
-to be killed; ``--coci`` adds or replaces ``CociCheckpointer`` options; at the end each process
+Run as ``python -m tests.accelerate.loop DIR TOTAL [KILL] [--coci JSON] [--samples N]`` (also
+under ``accelerate launch`` or torchrun): with KILL it prints ``AT <step>`` after that step and
+waits to be killed; ``--coci`` adds or replaces ``CociCheckpointer`` options; ``--samples``: the
+first N digits (512) make the data set; at the end each process
 prints ``RESULT <json>`` (process index, weights digest, that of the weights and the optimizer's
 state, the step it resumed from, samples trained on).
 """
@@ -44,6 +45,7 @@ def train(
     dirpath: str | None = None,
     storage_options: dict[str, Any] | None = None,
     options: dict[str, Any] | None = None,
+    samples: int = 512,
 ) -> dict[str, Any]:
     """The issue's loop: prepare, resume, train with ``accelerator.log`` and ``ckpt.step``."""
     set_seed(5)
@@ -61,7 +63,7 @@ def train(
     )
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=20, gamma=0.5)
-    dataloader = DataLoader(digits(), batch_size=batch_size, shuffle=True)
+    dataloader = DataLoader(digits(samples), batch_size=batch_size, shuffle=True)
     model, optimizer, dataloader, scheduler = accelerator.prepare(
         model, optimizer, dataloader, scheduler
     )
@@ -118,16 +120,22 @@ def _wait_for_kill(accelerator: Accelerator) -> None:
 
 
 def main() -> None:
-    argv, options = sys.argv[1:], None
+    argv, options, samples = sys.argv[1:], None, 512
     if "--coci" in argv:
         at = argv.index("--coci")
         options = json.loads(argv[at + 1])
+        del argv[at : at + 2]
+    if "--samples" in argv:
+        at = argv.index("--samples")
+        samples = int(argv[at + 1])
         del argv[at : at + 2]
     directory, total = argv[0], int(argv[1])
     kill = int(argv[2]) if len(argv) > 2 else None
     if kill is not None:
         os.environ["COCI_KILL_AT"] = str(kill)
-    result = train(directory, total, kill_at=kill, on_kill=_wait_for_kill, options=options)
+    result = train(
+        directory, total, kill_at=kill, on_kill=_wait_for_kill, options=options, samples=samples
+    )
     print("RESULT " + json.dumps(result), flush=True)
 
 

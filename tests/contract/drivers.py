@@ -98,7 +98,7 @@ class Accelerate:
     name = "accelerate"
     adapter = CociCheckpointer
     batch = 16
-    steps_per_epoch = 32
+    steps_per_epoch = 16  # 256 digits
 
     def command(
         self,
@@ -110,8 +110,8 @@ class Accelerate:
         resume: bool = False,
     ) -> list[str]:
         kill = [] if kill_at is None else [str(kill_at)]
-        coci = ["--coci", json.dumps(options)]
-        return module("tests.accelerate.loop", str(directory), str(total), *kill, *coci)
+        flags = ["--coci", json.dumps(options), "--samples", str(self.steps_per_epoch * self.batch)]
+        return module("tests.accelerate.loop", str(directory), str(total), *kill, *flags)
 
     def outcome(self, stdout: str) -> Outcome:
         row = _result(stdout)
