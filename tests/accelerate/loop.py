@@ -1,8 +1,11 @@
 """The issue's Accelerate loop on scikit-learn's digits, as a function and as a process.
 
-Run as ``python -m tests.accelerate.loop DIR TOTAL [KILL]`` (also under ``accelerate launch``
-or torchrun): with KILL it prints ``AT <step>`` after that step and waits to be killed; at the
-end each process prints ``RESULT <json>`` (process index, weights digest, samples trained on).
+Run as ``python -m tests.accelerate.loop DIR TOTAL [KILL] [--coci JSON] [--samples N]`` (also
+under ``accelerate launch`` or torchrun): with KILL it prints ``AT <step>`` after that step and
+waits to be killed; ``--coci`` adds or replaces ``CociCheckpointer`` options; ``--samples``: the
+first N digits (512) make the data set; at the end each process
+prints ``RESULT <json>`` (process index, weights digest, that of the weights and the optimizer's
+state, the step it resumed from, samples trained on).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from coci_accelerate import CociCheckpointer, CociTracker
 from tests.harness.digits import digits_flat
+from tests.harness.states import full_digest
 
 
 def digits(n: int = 512) -> TensorDataset:
@@ -40,6 +44,8 @@ def train(
     epochs: int = 3,
     dirpath: str | None = None,
     storage_options: dict[str, Any] | None = None,
+    options: dict[str, Any] | None = None,
+    samples: int = 512,
 ) -> dict[str, Any]:
     """The issue's loop: prepare, resume, train with ``accelerator.log`` and ``ckpt.step``."""
     set_seed(5)
@@ -57,16 +63,19 @@ def train(
     )
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=20, gamma=0.5)
-    dataloader = DataLoader(digits(), batch_size=batch_size, shuffle=True)
+    dataloader = DataLoader(digits(samples), batch_size=batch_size, shuffle=True)
     model, optimizer, dataloader, scheduler = accelerator.prepare(
         model, optimizer, dataloader, scheduler
     )
     ckpt = CociCheckpointer(
         accelerator,
-        dirpath,
-        policy="every_n_steps",
-        every_n_steps=every_n_steps,
-        storage_options=storage_options,
+        **{
+            "dirpath": dirpath,
+            "storage_options": storage_options,
+            "policy": "every_n_steps",
+            "every_n_steps": every_n_steps,
+            **(options or {}),
+        },
     )
     start_step = ckpt.resume()  # optimizer steps completed: the label of the checkpoint
     seen: list[int] = []
@@ -94,9 +103,11 @@ def train(
     digest = hashlib.sha256()
     for name, t in accelerator.unwrap_model(model).state_dict().items():
         digest.update(name.encode() + t.contiguous().view(torch.uint8).numpy().tobytes())
+    state = {"model": model.state_dict(), "opt": optimizer.optimizer.state_dict()}
     return {
         "rank": accelerator.process_index,
         "digest": digest.hexdigest(),
+        "state": full_digest(state),
         "seen": seen,
         "start": start_step,
     }
@@ -109,11 +120,22 @@ def _wait_for_kill(accelerator: Accelerator) -> None:
 
 
 def main() -> None:
-    directory, total = sys.argv[1], int(sys.argv[2])
-    kill = int(sys.argv[3]) if len(sys.argv) > 3 else None
+    argv, options, samples = sys.argv[1:], None, 512
+    if "--coci" in argv:
+        at = argv.index("--coci")
+        options = json.loads(argv[at + 1])
+        del argv[at : at + 2]
+    if "--samples" in argv:
+        at = argv.index("--samples")
+        samples = int(argv[at + 1])
+        del argv[at : at + 2]
+    directory, total = argv[0], int(argv[1])
+    kill = int(argv[2]) if len(argv) > 2 else None
     if kill is not None:
         os.environ["COCI_KILL_AT"] = str(kill)
-    result = train(directory, total, kill_at=kill, on_kill=_wait_for_kill)
+    result = train(
+        directory, total, kill_at=kill, on_kill=_wait_for_kill, options=options, samples=samples
+    )
     print("RESULT " + json.dumps(result), flush=True)
 
 

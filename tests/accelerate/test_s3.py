@@ -98,33 +98,6 @@ def _local_files(root: Path) -> list[str]:
     return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
 
 
-@pytest.mark.slow
-@pytest.mark.faults
-def test_example_script_with_an_s3_dirpath_survives_sigkill(
-    s3_server: S3Server, s3_prefix: str, tmp_path: Path
-) -> None:
-    """Accelerate's checkpointing-example loop checkpointing to ``s3://`` (credentials and
-    endpoint from the AWS_* variables only), SIGKILLed after step 17 (mid-epoch 2; the save at
-    16 may still be uploading): a new process resumes from the bucket's newest committed step
-    and ends bit-identical, each remaining sample once; nothing lands in a local ``s3:``."""
-    url = f"s3://{s3_prefix}/run"
-    env = _env(s3_server.env)
-    reference = example.train_like_example(str(tmp_path / "ref"))
-    args = [str(tmp_path / "run"), "3"]
-    _run_until([*args, "17", "--dirpath", url], "AT 17", env, tmp_path, lambda: None)
-    with CheckpointManager(
-        url, storage_options=s3_server.storage_options, keep_last=None
-    ) as reader:
-        steps = reader.steps()
-    assert steps in ([4, 8, 12], [4, 8, 12, 16])  # 16 if its upload finished before the kill
-    resumed = _finish([*args, "--dirpath", url], env, tmp_path)
-    assert resumed["start"] == steps[-1]
-    assert resumed["seen"] == reference["seen"][steps[-1] * example.BATCH :]
-    assert resumed["digest"] == reference["digest"]
-    assert not [p for p in _local_files(tmp_path) if "s3:" in p]
-    assert not [p for p in _local_files(tmp_path / "run") if "coci" in p]
-
-
 def _open_uploads(server: S3Server, prefix: str) -> list[str]:
     fs = server.filesystem()
     bucket, key, _ = fs.split_path(prefix)

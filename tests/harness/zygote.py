@@ -35,7 +35,13 @@ from typing import IO, Any
 # The modules each kind imports before it forks. Lightning adds a handler to its logger when it
 # is imported into a process whose logging is not configured yet, so only children that import
 # it before configuring logging may use that kind.
-KINDS = {"torch": ("torch",), "lightning": ("torch", "lightning.pytorch")}
+# The transformers kind imports the Trainer and GPT-2 (6 s) with the two variables that
+# tests/transformers/run.py sets before it imports them.
+KINDS = {
+    "torch": ("torch",),
+    "lightning": ("torch", "lightning.pytorch"),
+    "transformers": ("torch", "transformers.trainer", "transformers.models.gpt2.modeling_gpt2"),
+}
 LIGHTNING_CHILDREN = frozenset(
     {
         "tests.lightning._child",
@@ -45,10 +51,13 @@ LIGHTNING_CHILDREN = frozenset(
         "tests.preemption._lightning_child",
     }
 )
-# Variables read while Python or torch start (or whose value a forked child could not change).
+TRANSFORMERS_CHILDREN = frozenset({"tests.transformers.run"})
+_KIND_ENV = {"transformers": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}}
+# Variables read while Python, torch, Lightning or transformers start (or whose value a forked
+# child could not change).
 _IMPORT_TIME = (
     *("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP", "LD_", "TORCH", "PYTORCH", "CUDA", "PL_"),
-    "LIGHTNING",
+    *("LIGHTNING", "HF_", "TRANSFORMERS"),
 )
 _APPLIED = frozenset({"OMP_NUM_THREADS"})
 _MAX_MESSAGE = 1 << 20
@@ -60,7 +69,9 @@ def enabled() -> bool:
 
 def kind_of(module: str) -> str:
     """The zygote kind for a child that runs ``module``."""
-    return "lightning" if module in LIGHTNING_CHILDREN else "torch"
+    if module in LIGHTNING_CHILDREN:
+        return "lightning"
+    return "transformers" if module in TRANSFORMERS_CHILDREN else "torch"
 
 
 def import_time(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
@@ -100,6 +111,8 @@ def serve(sock_fd: int, kind: str) -> None:
     each child's exit status, until the test process closes the socket."""
     own = {p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
     site_path = [p for p in sys.path[1:] if p not in own]  # the stdlib and site-packages
+    for key, value in _KIND_ENV.get(kind, {}).items():
+        os.environ.setdefault(key, value)
     for name in KINDS[kind]:
         __import__(name)
     sock = socket.socket(fileno=sock_fd)

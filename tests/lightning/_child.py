@@ -1,12 +1,14 @@
 """A Lightning training process for kill tests.
 
 Run as ``python -m tests.lightning._child DIR TOTAL [KILL] [--dirpath URL]
-[--storage-options JSON]``: checkpoints go to ``DIR/coci``, or to ``--dirpath`` (an fsspec URL
-such as ``s3://bucket/run``, reached with ``--storage-options`` or else the environment's
-``AWS_*`` variables).
+[--storage-options JSON] [--coci JSON]``: checkpoints go to ``DIR/coci``, or to ``--dirpath``
+(an fsspec URL such as ``s3://bucket/run``, reached with ``--storage-options`` or else the
+environment's ``AWS_*`` variables); ``--coci`` adds or replaces ``CociCheckpoint`` options.
 
 With KILL it prints ``AT <step>`` after that step and waits to be killed; at the end it prints
-``RESULT <json>`` with the final weights' digest and the sample indices this process trained on.
+``RESULT <json>`` with the final weights' digest (``digest``), that of the weights and the
+optimizer's state (``state``), the step it started from and the sample indices this process
+trained on.
 """
 
 from __future__ import annotations
@@ -20,7 +22,17 @@ from typing import Any
 import lightning.pytorch as pl
 
 from coci_lightning import CociCheckpoint
+from tests.harness.states import full_digest
 from tests.lightning.models import DigitsModel, digest
+
+
+class _Start(pl.Callback):
+    """The step the fit started from (after any resume)."""
+
+    step: int | None = None
+
+    def on_train_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.step = trainer.global_step
 
 
 class _StopHere(pl.Callback):
@@ -41,17 +53,17 @@ def main() -> None:
     parser.add_argument("kill", type=int, nargs="?")
     parser.add_argument("--dirpath", default=None)
     parser.add_argument("--storage-options", type=json.loads, default=None)
+    parser.add_argument("--coci", type=json.loads, default={})
     args = parser.parse_args()
     pl.seed_everything(7, verbose=False)
     model = DigitsModel()
+    options = {"policy": "every_n_steps", "every_n_steps": 6, "resume": True, **args.coci}
+    start = _Start()
     callbacks: list[pl.Callback] = [
         CociCheckpoint(
-            args.dirpath,
-            policy="every_n_steps",
-            every_n_steps=6,
-            resume=True,
-            storage_options=args.storage_options,
-        )
+            **{"dirpath": args.dirpath, "storage_options": args.storage_options, **options}
+        ),
+        start,
     ]
     if args.kill is not None:
         callbacks.append(_StopHere(args.kill))
@@ -66,7 +78,9 @@ def main() -> None:
         log_every_n_steps=1,
     )
     trainer.fit(model)
-    print("RESULT " + json.dumps({"digest": digest(model), "seen": model.seen}), flush=True)
+    state = full_digest({"model": model.state_dict(), "opt": trainer.optimizers[0].state_dict()})
+    result = {"digest": digest(model), "state": state, "start": start.step, "seen": model.seen}
+    print("RESULT " + json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":

@@ -5,8 +5,6 @@ from __future__ import annotations
 import csv
 import json
 import logging
-import signal
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +14,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from coci_core import CheckpointManager, ConfigError
 from coci_lightning import CociCheckpoint
-from tests.harness.processes import Child, child_env, module, run
-from tests.harness.results import result_rows
+from tests.harness.processes import child_env, module, run
 from tests.harness.s3 import SECRET_KEY, S3Server
 from tests.lightning.models import DigitsModel, digest
 
@@ -82,51 +79,6 @@ def test_s3_dirpath_saves_to_the_bucket_and_resumes_exactly(
     assert "restores step 23" in caplog.text
     assert SECRET_KEY not in caplog.text
     assert SECRET_KEY not in repr(first) + repr(first.checkpointer)
-
-
-@pytest.mark.slow
-@pytest.mark.faults
-def test_sigkill_mid_epoch_with_an_s3_dirpath_then_resume(
-    s3_server: S3Server, s3_prefix: str, tmp_path: Path
-) -> None:
-    """A Trainer checkpointing to ``s3://`` every 6 steps, SIGKILLed after step 21 (mid-epoch
-    2, not a save step), resumes in a new process from the bucket's newest committed step and
-    ends bit-identical to an uninterrupted run, each remaining sample trained on once; nothing
-    lands in a local ``s3:`` directory."""
-    url = f"s3://{s3_prefix}/run"
-    opts = s3_server.storage_options
-    env = child_env(drop_prefixes=("AWS_", "FSSPEC_"))  # the child gets --storage-options
-    remote = ["--dirpath", url, "--storage-options", json.dumps(opts)]
-    # The uninterrupted run (local checkpoints) runs beside the killed one.
-    with Child(
-        module(_CHILD, str(tmp_path / "u"), "40"), env=env, stderr=subprocess.DEVNULL
-    ) as uninterrupted:
-        with Child(
-            module(_CHILD, str(tmp_path / "run"), "40", "21", *remote),
-            env=env,
-            stderr=subprocess.DEVNULL,
-            cwd=tmp_path,  # a relative "s3:/..." directory would land here
-        ) as child:
-            assert child.kill_at("AT 21") == -signal.SIGKILL
-        expected_out, _ = uninterrupted.communicate(timeout_s=300)
-        assert uninterrupted.wait() == 0
-    with CheckpointManager(url, storage_options=opts, keep_last=None) as reader:
-        steps = reader.steps()
-    # step 18's upload may still have been running at the kill: then 12 is the newest
-    assert steps in ([6, 12], [6, 12, 18])
-    resumed = run(
-        module(_CHILD, str(tmp_path / "run"), "40", *remote),
-        timeout_s=300,
-        env=env,
-        cwd=tmp_path,
-    )
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    (result,) = result_rows(resumed.stdout)
-    (expected,) = result_rows(expected_out)
-    assert result["digest"] == expected["digest"]
-    assert result["seen"] == expected["seen"][steps[-1] * 16 :]
-    assert not [p for p in _local_files(tmp_path) if "s3:" in p]
-    assert not [p for p in _local_files(tmp_path / "run") if "coci" in p]
 
 
 def test_storage_options_are_checked_at_construction(tmp_path: Path) -> None:

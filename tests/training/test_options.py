@@ -151,14 +151,6 @@ def test_planners_from_one_config_do_not_share_settings() -> None:
     assert [s for s in range(1, 16) if second.should_save(s)] == [5, 10, 15]
 
 
-@pytest.mark.parametrize("adapter", [CociCheckpoint, CociCheckpointer, CociCallback])
-def test_each_adapter_takes_the_declared_options(adapter: type) -> None:
-    """Each adapter spells its signature out (for IDEs and LightningCLI), and it takes every
-    shared option as declared once, by CheckpointOptions.check: keyword-only, with the same
-    default and annotation."""
-    assert signature_drift(adapter) == []
-
-
 def test_signature_drift_names_each_difference() -> None:
     """A missing option, a positional one, another default or annotation: each is named."""
 

@@ -2,6 +2,7 @@
 with ``CociCallback``, in the test process or as a child process:
 
     python -m tests.transformers.run DIR TOTAL_STEPS [KILL_AT] [--resume] [--reference DIR]
+        [--coci JSON]
 
 prints ``AT <step>`` after each optimizer step (``KILL_AT``: then waits to be killed, reading
 stdin) and ``RESULT <json>`` at the end: the model and optimizer digest, the samples trained
@@ -10,7 +11,8 @@ the whole run in DIR, never stopped, and prints ``REFERENCE <json>``; ``--sigter
 runs it in DIR with SIGTERM sent to process 1 alone after step 4 (each process prints
 ``SIGTERM <json>``, the step it saved, and exits 143); ``--fsdp`` shards the model with FSDP2
 through the Trainer (``fsdp="full_shard"``, ``fsdp_config={"version": 2}``; see
-:class:`FSDP2Trainer`) in every run.
+:class:`FSDP2Trainer`) in every run; ``--coci JSON``: ``CociCallback``'s options (default
+``policy="every_n_steps"``, the Trainer's ``save_steps`` 3) in the last run.
 """
 
 from __future__ import annotations
@@ -216,10 +218,23 @@ if __name__ == "__main__":
         at = sys.argv.index("--sigterm")
         sigterm_dir = sys.argv[at + 1]
         del sys.argv[at : at + 2]
+    coci = None
+    if "--coci" in sys.argv:
+        at = sys.argv.index("--coci")
+        coci = CociCallback(**{"policy": "every_n_steps", **json.loads(sys.argv[at + 1])})
+        del sys.argv[at : at + 2]
     argv = [a for a in sys.argv[1:] if a != "--resume"]
     kill = int(argv[2]) if len(argv) > 2 else None
     resume = True if "--resume" in sys.argv else None
-    result = train(argv[0], int(argv[1]), kill_at=kill, resume=resume, in_process=False, **options)
+    result = train(
+        argv[0],
+        int(argv[1]),
+        kill_at=kill,
+        resume=resume,
+        callback=coci,
+        in_process=False,
+        **options,
+    )
     say("RESULT " + json.dumps(result))
     if sigterm_dir is not None:
         from accelerate.state import AcceleratorState

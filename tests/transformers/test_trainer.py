@@ -1,10 +1,9 @@
 """CociCallback with a real transformers.Trainer (tiny GPT-2 from a config, CPU): coci's saves
-replace the Trainer's, are asynchronous, and a run SIGKILLed mid-epoch resumes with
-``train(resume_from_checkpoint=True)`` bit-identical to a run never stopped."""
+replace the Trainer's and are asynchronous; resumes from a step directory, refusals. (A run
+SIGKILLed mid-epoch resuming bit-identical is tests/contract's, for every adapter.)"""
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +15,7 @@ from coci_core.commands import cli
 from coci_core.errors import CheckpointError, ConfigError
 from coci_transformers import CociCallback
 from coci_transformers._trainer import check_arguments
-from tests.harness.processes import Child, module
-from tests.transformers.run import BATCH, STEPS_PER_EPOCH, arguments, train
+from tests.transformers.run import BATCH, arguments, train
 
 
 @pytest.fixture(autouse=True)
@@ -71,34 +69,6 @@ def test_bad_options_are_refused_by_name(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"fsdp=.*not FSDP1"):
         check_arguments(fsdp1)
     check_arguments(arguments(tmp_path, 4, fsdp="full_shard", fsdp_config={"version": 2}))
-
-
-@pytest.mark.faults
-def test_sigkill_mid_epoch_resumes_bit_identical(tmp_path: Path) -> None:
-    """SIGKILL at step 11 (mid-epoch 2); train(resume_from_checkpoint=True) in a new Trainer
-    resumes from the newest committed step and ends bit-identical, each remaining sample
-    trained on once, with the log history of a run never stopped."""
-    total, kill = 16, 11
-    reference = train(tmp_path / "ref", total)
-    with Child(
-        module("tests.transformers.run", str(tmp_path / "run"), str(total), str(kill)),
-        stderr=subprocess.DEVNULL,
-    ) as child:
-        child.kill_at(f"AT {kill}")
-    with CheckpointManager(tmp_path / "run" / "coci", keep_last=None) as mgr:
-        steps = mgr.steps()
-    assert steps and steps[-1] <= kill and steps[-1] % 3 == 0
-    start = steps[-1]
-    AcceleratorState._reset_state(True)
-    resumed = train(tmp_path / "run", total, resume=True)
-    assert resumed["start"] == start
-    assert resumed["digest"] == reference["digest"]
-    assert resumed["seen"] == reference["seen"][start * BATCH :]
-    epoch2 = reference["seen"][STEPS_PER_EPOCH * BATCH :]
-    assert sorted(epoch2) == list(range(STEPS_PER_EPOCH * BATCH))
-    # the log history as saved, then logged on (a loss logged after the resume averages the
-    # steps since the resume, as with the Trainer's own checkpoints)
-    assert _without_loss(resumed["log"]) == _without_loss(reference["log"])
 
 
 def test_resume_from_a_step_directory(tmp_path: Path) -> None:

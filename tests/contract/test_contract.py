@@ -1,0 +1,214 @@
+"""The contract every framework adapter keeps, run on each through its driver (drivers.py):
+a run SIGKILLed mid-epoch resumes bit-identical to a run never stopped, each remaining sample
+once, from a local directory and from an ``s3://`` one; ``policy="every_n_steps"`` commits
+exactly the planned steps and the final one, and the framework writes no checkpoint of its own;
+``coci report`` reads the run's telemetry and names those checkpoints; the user reads coci's
+lines once each, on stderr; the adapter takes the shared options as declared once.
+
+Each driver's run never stopped is made once (``reference``, module-scoped) and read by every
+test; the runs are the real framework's, in child processes, killed with a real SIGKILL."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from coci_core import CheckpointManager
+from coci_core.commands import cli
+from coci_core.training import signature_drift
+from tests.contract.drivers import DRIVERS, AdapterDriver, Outcome
+from tests.harness.processes import Child, child_env, run
+from tests.harness.s3 import S3Server
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The steps of a driver's runs: a save every quarter epoch, a kill one step past the
+    first save of epoch 2, and an end one step into epoch 3 (not a planned save)."""
+
+    every: int
+    kill: int
+    total: int
+
+    @classmethod
+    def of(cls, driver: AdapterDriver) -> Plan:
+        epoch = driver.steps_per_epoch
+        every = epoch // 4
+        return cls(every=every, kill=epoch + every + 1, total=2 * epoch + 1)
+
+    def options(self) -> dict[str, Any]:
+        return {
+            "policy": "every_n_steps",
+            "every_n_steps": self.every,
+            "keep_last": None,
+            "verbose": True,
+        }
+
+    def saves(self) -> list[int]:
+        """The steps a run to the end commits: the multiples of ``every`` and the last."""
+        return [*range(self.every, self.total, self.every), self.total]
+
+
+@dataclass(frozen=True)
+class Reference:
+    directory: Path
+    outcome: Outcome
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture(scope="module", params=DRIVERS, ids=lambda d: d.name)
+def driver(request: pytest.FixtureRequest) -> AdapterDriver:
+    chosen: AdapterDriver = request.param
+    return chosen
+
+
+@pytest.fixture(scope="module")
+def reference(driver: AdapterDriver, tmp_path_factory: pytest.TempPathFactory) -> Reference:
+    """The driver's run never stopped, its checkpoints kept."""
+    plan = Plan.of(driver)
+    directory = tmp_path_factory.mktemp(f"{driver.name}-reference")
+    done = run(driver.command(directory, plan.total, plan.options()), timeout_s=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return Reference(directory, driver.outcome(done.stdout), done.stdout, done.stderr)
+
+
+def _kill_then_resume(
+    driver: AdapterDriver,
+    directory: Path,
+    options: dict[str, Any],
+    *,
+    where: str | None = None,
+    env: dict[str, str] | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> tuple[list[int], Outcome]:
+    """Train in ``directory`` (checkpoints in ``where``, by default its ``coci``), SIGKILL the
+    process one step past the first save of epoch 2, then train again to the end: the steps
+    committed at the kill and the second run's outcome. The processes run in ``directory``'s
+    parent."""
+    plan = Plan.of(driver)
+    cwd = directory.parent
+    command = driver.command(directory, plan.total, options, kill_at=plan.kill)
+    with Child(command, env=env, stderr=subprocess.DEVNULL, kill_scope="tree", cwd=cwd) as child:
+        assert child.kill_at(f"AT {plan.kill}") == -signal.SIGKILL
+    where = where or str(directory / "coci")
+    with CheckpointManager(where, storage_options=storage_options, keep_last=None) as mgr:
+        steps = mgr.steps()
+    command = driver.command(directory, plan.total, options, resume=True)
+    done = run(command, env=env, timeout_s=300, cwd=cwd)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return steps, driver.outcome(done.stdout)
+
+
+def _assert_resumed_exactly(
+    driver: AdapterDriver, steps: list[int], resumed: Outcome, expected: Outcome
+) -> None:
+    """The run resumed from the newest committed step ends as the run never stopped."""
+    plan = Plan.of(driver)
+    # the newest planned save, or an older one if its writer was still at work at the kill
+    assert steps and steps[-1] <= plan.kill and steps[-1] % plan.every == 0
+    start = steps[-1]
+    assert resumed.start == start
+    assert resumed.state == expected.state
+    assert resumed.seen == expected.seen[start * driver.batch :]
+    assert resumed.history == expected.history
+    # the epoch of the checkpoint (epoch 2, or 1 if the writer lagged), trained partly before
+    # it and partly after the resume: each sample of the data set once
+    assert len(expected.seen) == plan.total * driver.batch
+    size, at = driver.steps_per_epoch * driver.batch, start * driver.batch
+    first = at // size * size
+    interrupted = expected.seen[first:at] + resumed.seen[: first + size - at]
+    assert sorted(interrupted) == sorted(expected.seen[:size]) == sorted(set(expected.seen))
+
+
+@pytest.mark.faults
+def test_sigkill_mid_epoch_then_resume_is_bit_identical(
+    driver: AdapterDriver, reference: Reference, tmp_path: Path
+) -> None:
+    """SIGKILL one step past the first save of epoch 2; a new process resumes from the newest
+    committed step and ends with the model and optimizer of the run never stopped (and the
+    framework's record of the run), having trained on each remaining sample once, in order."""
+    options = Plan.of(driver).options()
+    steps, resumed = _kill_then_resume(driver, tmp_path / "run", options)
+    _assert_resumed_exactly(driver, steps, resumed, reference.outcome)
+
+
+@pytest.mark.faults
+def test_sigkill_with_an_s3_dirpath_then_resume(
+    driver: AdapterDriver,
+    reference: Reference,
+    s3_server: S3Server,
+    s3_prefix: str,
+    tmp_path: Path,
+) -> None:
+    """The same with ``dirpath="s3://..."`` (credentials and endpoint from the ``AWS_*``
+    variables only, as a user's shell gives them): the run resumes from the bucket exactly,
+    and nothing of coci's lands on local disk (no ``coci`` folder, no folder named ``s3:``)."""
+    url = f"s3://{s3_prefix}/run"
+    options = {**Plan.of(driver).options(), "dirpath": url}
+    env = child_env(s3_server.env, drop_prefixes=("AWS_", "FSSPEC_"))
+    steps, resumed = _kill_then_resume(
+        driver,
+        tmp_path / "run",
+        options,
+        where=url,
+        env=env,
+        storage_options=s3_server.storage_options,
+    )
+    _assert_resumed_exactly(driver, steps, resumed, reference.outcome)
+    local = [str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")]
+    assert not [p for p in local if "s3:" in p or "coci" in p], local
+
+
+def test_planned_saves_are_exactly_the_multiples_and_the_final_step(
+    driver: AdapterDriver, reference: Reference
+) -> None:
+    """``policy="every_n_steps", every_n_steps=K``: the committed steps are the multiples of K
+    and the last step, and beside coci's directory the framework wrote no checkpoint."""
+    plan = Plan.of(driver)
+    with CheckpointManager(reference.directory / "coci", keep_last=None) as mgr:
+        assert mgr.steps() == plan.saves()
+    assert sorted(p.name for p in reference.directory.iterdir()) == ["coci"]
+
+
+def test_report_reads_the_runs_telemetry(
+    driver: AdapterDriver, reference: Reference, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``coci report`` on the run's directory names its committed checkpoints, and the run
+    wrote TensorBoard events for coci's tab. (The command runs in this process: a process of
+    its own costs two seconds a driver and tests nothing more.)"""
+    plan = Plan.of(driver)
+    coci = reference.directory / "coci"
+    assert cli.main(["report", str(coci)]) == 0
+    steps = plan.saves()
+    assert f"checkpoints committed: {len(steps)} at steps {steps}" in capsys.readouterr().out
+    assert list((coci / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_the_user_reads_each_line_once_on_stderr(
+    driver: AdapterDriver, reference: Reference
+) -> None:
+    """With no logging configured and ``verbose=True``: one plan line, one line per save and
+    one summary, on stderr (as the framework's own messages), none on stdout."""
+    plan = Plan.of(driver)
+    lines = [line for line in reference.stderr.splitlines() if line.startswith("coci: ")]
+    assert len([line for line in lines if line.startswith("coci: plan ")]) == 1, lines
+    saved = [line for line in lines if " saved: stall " in line]
+    assert [int(line.split()[2]) for line in saved] == plan.saves(), lines
+    assert all(" MB written" in line for line in saved)
+    (summary,) = [line for line in lines if "checkpoints committed" in line]
+    count = len(plan.saves())
+    assert summary.startswith(f"coci: {count} checkpoints committed (newest step {plan.total})")
+    assert "coci:" not in reference.stdout
+
+
+def test_the_adapter_takes_the_declared_options(driver: AdapterDriver) -> None:
+    """The adapter spells its signature out (for IDEs and LightningCLI), and it takes every
+    shared option as declared once, by CheckpointOptions.check: keyword-only, with the same
+    default and annotation."""
+    assert signature_drift(driver.adapter) == []
