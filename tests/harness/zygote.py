@@ -53,11 +53,11 @@ LIGHTNING_CHILDREN = frozenset(
 )
 TRANSFORMERS_CHILDREN = frozenset({"tests.transformers.run"})
 _KIND_ENV = {"transformers": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}}
-# Variables read while Python, torch, Lightning or transformers start (or whose value a forked
-# child could not change).
+# Variables read while Python, torch or transformers start (or whose value a forked child could
+# not change). Lightning's (PL_GLOBAL_SEED, set by seed_everything) are read when used.
 _IMPORT_TIME = (
-    *("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP", "LD_", "TORCH", "PYTORCH", "CUDA", "PL_"),
-    *("LIGHTNING", "HF_", "TRANSFORMERS"),
+    *("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP", "LD_", "TORCH", "PYTORCH", "CUDA", "HF_"),
+    "TRANSFORMERS",
 )
 _APPLIED = frozenset({"OMP_NUM_THREADS"})
 _MAX_MESSAGE = 1 << 20
