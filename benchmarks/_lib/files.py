@@ -14,7 +14,10 @@ def drop_file_cache(path: Path) -> None:
     """Evict a file's (clean) pages from the page cache; directories are walked."""
     paths = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
     for p in paths:
-        fd = os.open(p, os.O_RDONLY)
+        try:
+            fd = os.open(p, os.O_RDONLY)
+        except FileNotFoundError:  # retired meanwhile (another rank's retention)
+            continue
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:

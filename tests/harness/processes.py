@@ -258,7 +258,8 @@ class Child:
             self.proc.wait()
         for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
             if pipe is not None:
-                pipe.close()
+                with contextlib.suppress(OSError):  # a broken pipe: closed all the same
+                    pipe.close()
 
     def __enter__(self) -> Child:
         return self

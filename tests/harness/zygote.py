@@ -11,8 +11,8 @@ its own: signals, ``kill -9``, process groups and exit statuses are those of the
 Only ``python -m <module>`` commands run by this interpreter with this checkout's ``PYTHONPATH``
 are forked, each from a zygote started with the same variables that Python or torch read while
 importing (``OMP_NUM_THREADS`` is applied with ``torch.set_num_threads`` instead; up to four
-zygotes). Anything else, and everything when ``COCI_TEST_FORK=0``, starts a fresh interpreter.
-:class:`Forked` is the part of ``subprocess.Popen``'s interface the harness uses.
+zygotes of each kind). Anything else, and everything when ``COCI_TEST_FORK=0``, starts a fresh
+interpreter. :class:`Forked` is the part of ``subprocess.Popen``'s interface the harness uses.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def for_command(
     with _zygotes_lock:
         z = _zygotes.get(key)
         if z is None or not z.alive():
-            if z is None and len(_zygotes) >= _MAX_ZYGOTES:
+            if z is None and sum(k[0] == key[0] for k in _zygotes) >= _MAX_ZYGOTES:
                 return None
             z = _zygotes[key] = Zygote(key[0], env)
         return z
@@ -284,7 +284,7 @@ def _root() -> str:
 
 _zygotes: dict[tuple[str, tuple[tuple[str, str], ...]], Zygote] = {}
 _zygotes_lock = threading.Lock()
-_MAX_ZYGOTES = 4  # each holds torch (and maybe Lightning) in memory
+_MAX_ZYGOTES = 4  # of one kind; each holds torch (and maybe more) in memory
 
 
 def close_all() -> None:
@@ -348,8 +348,13 @@ class Forked:
             for fd in opened:
                 os.close(fd)
         encoding = locale.getpreferredencoding(False)
-        streams = [
-            None if fd < 0 else open(fd, mode, encoding=encoding)  # noqa: SIM115
+        streams: list[IO[str] | None] = [
+            None
+            if fd < 0
+            # as Popen's text pipes: stdin written through, so that closing it never flushes
+            else io.TextIOWrapper(open(fd, mode + "b"), encoding=encoding, write_through=True)  # noqa: SIM115
+            if mode == "w"
+            else open(fd, mode, encoding=encoding)  # noqa: SIM115
             for fd, mode in mine
         ]
         self.stdin, self.stdout, self.stderr = streams
@@ -381,10 +386,14 @@ class Forked:
         self, input: str | None = None, timeout: float | None = None
     ) -> tuple[str | None, str | None]:
         if self.stdin is not None:
-            with contextlib.suppress(BrokenPipeError):
+            try:
                 if input:
                     self.stdin.write(input)
-                self.stdin.close()
+            except BrokenPipeError:
+                pass  # it ended without reading it all, as Popen allows
+            finally:
+                with contextlib.suppress(BrokenPipeError):
+                    self.stdin.close()
         results: dict[int, str] = {}
 
         def drain(index: int, stream: IO[str]) -> None:
