@@ -56,6 +56,21 @@ def test_an_import_time_variable_is_as_in_a_fresh_interpreter(
     assert forked["hash"] == fresh["hash"]
 
 
+def test_a_child_without_omp_num_threads_has_a_fresh_interpreters_threads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """OMP_NUM_THREADS is applied per child: a child after one that set it has the default
+    thread count (a zygote first asked for one thread once handed it to every later child, and
+    a benchmark's reference run then differed in its last bits from its own fresh child's)."""
+    one = run(module(CHILD, "report"), env=child_env({"OMP_NUM_THREADS": "1"}), input="")
+    after = _result(run(module(CHILD, "report"), input="").stdout)
+    monkeypatch.setenv("COCI_TEST_FORK", "0")
+    fresh = _result(run(module(CHILD, "report"), input="").stdout)
+    assert _result(one.stdout)["threads"] == 1
+    assert after["forked"] is True and fresh["forked"] is False
+    assert after["threads"] == fresh["threads"] == os.cpu_count()
+
+
 def test_another_pythonpath_gets_a_fresh_interpreter(tmp_path: Path) -> None:
     env = child_env()
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])

@@ -115,6 +115,9 @@ def serve(sock_fd: int, kind: str) -> None:
         os.environ.setdefault(key, value)
     for name in KINDS[kind]:
         __import__(name)
+    import torch
+
+    threads = torch.get_num_threads()  # a fresh interpreter's, the zygote has no OMP_NUM_THREADS
     sock = socket.socket(fileno=sock_fd)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
@@ -144,7 +147,7 @@ def serve(sock_fd: int, kind: str) -> None:
             sock.close()
             for fd in (wake_r, wake_w):
                 os.close(fd)
-            _become(request, fds, site_path)  # runs the child and exits; never returns
+            _become(request, fds, site_path, threads)  # runs the child and exits; never returns
         for fd in fds:
             os.close(fd)
         children.add(pid)
@@ -155,7 +158,7 @@ def _send(sock: socket.socket, message: dict[str, Any]) -> None:
     sock.sendall(json.dumps(message).encode())
 
 
-def _become(request: dict[str, Any], fds: list[int], site_path: list[str]) -> None:
+def _become(request: dict[str, Any], fds: list[int], site_path: list[str], threads: int) -> None:
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     if request["session"]:
@@ -174,10 +177,9 @@ def _become(request: dict[str, Any], fds: list[int], site_path: list[str]) -> No
         for stream in (sys.stdout, sys.stderr):
             if isinstance(stream, io.TextIOWrapper):
                 stream.reconfigure(write_through=True)
-    if "OMP_NUM_THREADS" in env:
-        import torch
+    import torch
 
-        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", threads)))
     import runpy
 
     module, *args = request["argv"]
@@ -202,7 +204,9 @@ class Zygote:
         )
         self.proc = subprocess.Popen(
             [sys.executable, "-c", code, str(theirs.fileno()), kind],
-            env=self.env,
+            # started without the applied variables, so that its threads are a fresh
+            # interpreter's default, and each child sets its own
+            env={k: v for k, v in self.env.items() if k not in _APPLIED},
             cwd=str(_root()),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
