@@ -109,7 +109,8 @@ def test_the_cycle_check_finds_a_cycle() -> None:
 
 def test_dependencies_point_one_way() -> None:
     """The core never imports an adapter; the planner imports nothing else of coci but errors
-    and knobs; codecs and storage never import the engine."""
+    and knobs; codecs and storage never import the engine; the save path's modules import
+    down it only (manager -> writer -> persist; the worker threads know none of them)."""
     graph = _import_graph()
     allowed_for_planner = ("coci_core.planner", "coci_core.errors", "coci_core.knobs")
     for module, deps in graph.items():
@@ -123,6 +124,11 @@ def test_dependencies_point_one_way() -> None:
             } == set(), module
         if module.startswith(("coci_core.codecs", "coci_core.storage")):
             assert {d for d in deps if d.startswith("coci_core.engine")} == set(), module
+    # the save hand-off (tests/engine/test_save_path.py checks its frames at run time)
+    assert {d for d in graph["coci_core.engine.workers"] if d.startswith("coci_core")} == set()
+    save_path = ("coci_core.engine.manager", "coci_core.engine.writer")
+    assert not graph["coci_core.engine.writer"] & {save_path[0]}
+    assert not graph["coci_core.engine.persist"] & set(save_path)
 
 
 #: The public line (docs/architecture.md): the modules whose ``__all__`` an adapter, or any

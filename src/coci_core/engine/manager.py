@@ -30,7 +30,7 @@ from coci_core.engine.inplace import InPlaceTargets, in_place_targets
 from coci_core.engine.lease import acquire_lease
 from coci_core.engine.manifest import Manifest
 from coci_core.engine.partition import DEFAULT_CHUNK_BYTES, partition
-from coci_core.engine.persist import PersistJob, PersistWorker
+from coci_core.engine.persist import PersistJob
 from coci_core.engine.restore import (
     CheckpointRef,
     checkpoint_storage,
@@ -55,7 +55,8 @@ from coci_core.engine.snapshot import Snapshotter
 from coci_core.engine.stateful import Stateful, load_into
 from coci_core.engine.tiers import RemoteTier
 from coci_core.engine.tree import FlattenCache, flatten_state
-from coci_core.engine.writer import SaveWriter
+from coci_core.engine.workers import PersistWorker
+from coci_core.engine.writer import QueuedSave, SaveWriter
 from coci_core.errors import (
     BackgroundSaveError,
     CociError,
@@ -197,10 +198,10 @@ class CheckpointManager:
         self._flat_cache = FlattenCache()
         self._rank_cache = FlattenCache()
         self._encoder = PieceEncoder(self.compression)
-        # The writer thread holds the manager only while a save of it is queued or running:
-        # an unclosed manager that nothing else references is freed once its saves are
-        # durable (its thread ends, its lease is released), never with a save still pending.
-        self._worker = PersistWorker(CheckpointManager._run_save, niceness=worker_niceness)
+        # The writer thread holds the manager only while a save of it is queued or running
+        # (QueuedSave.holder): an unclosed manager that nothing else references is freed once
+        # its saves are durable (its thread ends, its lease is released).
+        self._worker = PersistWorker(niceness=worker_niceness)
         self._pid = os.getpid()  # a forked child's copy has none of this process's threads
         self._inflight: SaveHandle | None = None
         self._save_lock = threading.RLock()
@@ -392,7 +393,7 @@ class CheckpointManager:
         self._saves += 0 if alone else 1
         self._inflight = handle
         handle.add_stall(time.perf_counter() - started)
-        self._worker.submit((self, job, handle))
+        self._worker.submit(QueuedSave(self._writer, job, handle, holder=self))
         return handle
 
     def warm_up(
@@ -531,12 +532,6 @@ class CheckpointManager:
         self._writer.commit_after(sequence)
         if restored is not None:
             self.last_restore = restored
-
-    @staticmethod
-    def _run_save(item: tuple[CheckpointManager, PersistJob, SaveHandle]) -> None:
-        """The writer thread's job: the queued item holds its manager until the save is done."""
-        manager, job, handle = item
-        manager._writer.run(job, handle)
 
     # -- restoring ------------------------------------------------------------------------
 

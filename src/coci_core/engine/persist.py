@@ -12,11 +12,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,14 +40,13 @@ from coci_core.engine.restore import read_manifest
 from coci_core.engine.snapshot import Snapshot
 from coci_core.engine.steps import step_versions
 from coci_core.engine.tree import ArrayLeaf, encode_dtype
+from coci_core.engine.workers import lower_thread_priority
 from coci_core.errors import CommitError, StorageError
 from coci_core.knobs import SHARD_PIECE_BYTES, WRITE_CHUNK_BYTES
 from coci_core.storage import Storage
 
 __all__ = [
-    "LatestOnlyWorker",
     "PersistJob",
-    "PersistWorker",
     "WriteResult",
     "data_file_name",
     "write_checkpoint",
@@ -130,7 +128,7 @@ class _RunAhead:
         self._thread.join()
 
     def _fill(self, items: Iterator[memoryview]) -> None:
-        _lower_thread_priority(5)
+        lower_thread_priority(5)
         try:
             for item in items:
                 if not self._put(item):
@@ -247,7 +245,7 @@ class _Pieces:
 
         offset = 0
         with ThreadPoolExecutor(
-            1, "coci-encode", initializer=_lower_thread_priority, initargs=(5,)
+            1, "coci-encode", initializer=lower_thread_priority, initargs=(5,)
         ) as pool:
             slots = list(snap.slots)
             ahead = pool.submit(encode, slots[0]) if slots else None
@@ -367,7 +365,7 @@ def _write_checkpoint(
                 data_bytes = storage.write_file(path, chunks, aligned=False)
         else:
             with ThreadPoolExecutor(
-                1, "coci-persist-crc", initializer=_lower_thread_priority, initargs=(5,)
+                1, "coci-persist-crc", initializer=lower_thread_priority, initargs=(5,)
             ) as pool:
                 checksums = pool.submit(pieces.checksum_raw)
                 data_bytes = storage.write_file(path, pieces.raw(), aligned=True)
@@ -444,102 +442,3 @@ def _probe(job: PersistJob) -> list[tuple[memoryview, str]]:
         (snap.arena.memoryview(s.offset, s.offset + s.nbytes), encode_dtype(s.dtype))
         for s in slots[:4]
     ]
-
-
-def _lower_thread_priority(niceness: int) -> None:
-    # Linux applies nice values per thread: the writer yields the cores to training.
-    if niceness <= 0 or not hasattr(os, "setpriority"):
-        return
-    with contextlib.suppress(OSError, AttributeError):
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + niceness)
-
-
-class PersistWorker:
-    """A single background thread that runs jobs in order (one persist in flight at a time)."""
-
-    def __init__(self, run: Callable[[Any], None], *, niceness: int = 5) -> None:
-        self._run = run
-        self._niceness = niceness
-        self._queue: queue.Queue[Any] = queue.Queue()
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-
-    def submit(self, job: Any) -> None:
-        """Queue ``job``; starts the thread on first use."""
-        with self._lock:
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._loop, name="coci-persist", daemon=True)
-                self._thread.start()
-        self._queue.put(job)
-
-    def _loop(self) -> None:
-        _lower_thread_priority(self._niceness)
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            try:
-                self._run(job)
-            except Exception:  # the job reports its own errors; never let the worker die
-                logger.exception("coci: unexpected error in the writer thread")
-            # A job may hold its owner (the manager): let go of it before waiting for the next.
-            job = None
-
-    def stop(self, *, wait: bool = True) -> None:
-        """Finish the queued jobs and end the thread (``wait``: join it, unless called from
-        the thread itself)."""
-        with self._lock:
-            thread, self._thread = self._thread, None
-        if thread is not None and thread.is_alive():
-            self._queue.put(None)
-            if wait and thread is not threading.current_thread():
-                thread.join()
-
-
-class LatestOnlyWorker:
-    """A background thread that runs ``fn(*args)`` for the newest submission only: work that
-    is superseded before it starts (an older plan's telemetry) is dropped."""
-
-    def __init__(self, fn: Callable[..., None], *, name: str, niceness: int = 5) -> None:
-        self._fn = fn
-        self._name = name
-        self._niceness = niceness
-        self._pending: tuple[Any, ...] | None = None
-        self._cond = threading.Condition()
-        self._thread: threading.Thread | None = None
-        self._stopping = False
-
-    def submit(self, *args: Any) -> None:
-        """Replace any pending work with ``args``."""
-        with self._cond:
-            if self._stopping:
-                return
-            self._pending = args
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
-                self._thread.start()
-            self._cond.notify()
-
-    def _loop(self) -> None:
-        _lower_thread_priority(self._niceness)
-        while True:
-            with self._cond:
-                while self._pending is None and not self._stopping:
-                    self._cond.wait()
-                if self._pending is None:
-                    return
-                args, self._pending = self._pending, None
-            try:
-                self._fn(*args)
-            except Exception:
-                logger.exception("coci: error in %s", self._name)
-
-    def stop(self) -> None:
-        """Finish the pending work, then end the thread."""
-        with self._cond:
-            self._stopping = True
-            thread = self._thread
-            self._cond.notify()
-        if thread is not None:
-            thread.join()

@@ -30,7 +30,7 @@ from coci_core.knobs import ROOM_MARGIN_BYTES
 from coci_core.storage import Storage
 from coci_core.telemetry import SaveEvent
 
-__all__ = ["SaveWriter"]
+__all__ = ["QueuedSave", "SaveWriter"]
 
 logger = logging.getLogger(__name__)
 
@@ -209,3 +209,21 @@ class SaveWriter:
             retention.remove_uncommitted(self.storage, self.group, done_seq=done_seq, newest=newest)
         except Exception as e:
             logger.warning("coci: retention after step %d failed: %s", newest, e)
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class QueuedSave:
+    """One save queued on a manager's writer thread: ``run`` makes it durable.
+
+    It holds ``holder`` (the manager) until the save is done, so that a manager that nothing
+    else references is never freed with a save still pending.
+    """
+
+    writer: SaveWriter
+    job: PersistJob
+    handle: SaveHandle
+    holder: object
+
+    def run(self) -> None:
+        """Make the save durable and finish its handle; never raises."""
+        self.writer.run(self.job, self.handle)
