@@ -16,9 +16,11 @@ notice is acted on at the next step boundary. Policies:
   stays the previous one) and ``in place`` (the cut-short save is the newest by name and is
   unusable: the resume goes back to the periodic checkpoint before the newest; Lightning writes
   its checkpoint file in place and the Trainer resumes from the highest-numbered directory).
-* ``coci``: :func:`coci_core.training.preemption.fit_save` decides, from the longest of the
-  last four measured saves and the time left, less coci's default margin; the save is taken
-  only when it fits (coci's commit is atomic).
+* ``coci``: :func:`coci_core.training.preemption.fit_save` decides, from the last four measured
+  saves, the wait for a periodic save still being written and the time left: taken when the
+  slowest fits with coci's default margin to spare, tried when only the fastest fits (on the
+  local disk, with no upload waiting, a save cut short costs nothing: the commit is atomic),
+  not started when even the fastest cannot fit.
 
 Lost work: the training seconds to redo after the restart (steps trained past the step
 restored, times the step time). A save queued behind a periodic save that is still being
@@ -138,9 +140,16 @@ def one_preemption(
     else:
         before = run.steps[newest - 1] if newest >= 1 else 0
         out["naive in place"] = (b - before) * STEP_S
-    needed = max(run.measured[max(0, known - 4) : known]) if known else None
+    recent = run.measured[max(0, known - 4) : known]
     left = kill - float(ends[b])
-    take, _ = fit_save(left, needed, PREEMPTION_MARGIN_S)
+    take, _ = fit_save(
+        left,
+        max(recent) if recent else None,
+        PREEMPTION_MARGIN_S,
+        fastest_s=min(recent) if recent else None,
+        wait_s=max(0.0, free - float(ends[b]) - run.stall_s),
+        try_uncertain=True,  # the local disk, nothing uploading
+    )
     out["coci"] = saved if take and fits else kept
     out["naive fits"] = float(fits)
     return out

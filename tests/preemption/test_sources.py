@@ -25,7 +25,7 @@ from coci_core.preemption import (
     notice_source,
     register_notice_source,
 )
-from coci_core.training.preemption import PreemptionWatch, fit_save
+from coci_core.training.preemption import NoticePlan, PreemptionWatch, fit_save
 from tests.preemption.metadata_server import MetadataServer
 
 
@@ -174,6 +174,41 @@ def test_the_fit_decision() -> None:
     assert not fit_save(2, None, 3)[0]
 
 
+def test_a_save_that_may_fit_is_tried_only_where_cut_short_it_costs_nothing() -> None:
+    """The slowest of the last saves does not fit, the fastest does: tried when nothing waits
+    for the time (no remote upload), else not started; one that cannot fit even at the
+    fastest pace, counting the save still being written, is never started."""
+    ok, why = fit_save(10, 12, 3, fastest_s=8, try_uncertain=True)
+    assert ok and "may not finish" in why and "8.00 to 12.00 s" in why
+    assert not fit_save(10, 12, 3, fastest_s=8)[0]  # an upload waits: not started
+    ok, why = fit_save(10, 12, 3, fastest_s=11, try_uncertain=True)
+    assert not ok and "not started" in why
+    ok, why = fit_save(30, 10, 3, fastest_s=10, wait_s=25, try_uncertain=True)
+    assert not ok and "after 25.00 s for the save being written" in why
+    ok, why = fit_save(30, 10, 3, wait_s=15)
+    assert ok and "it fits" in why and "after 15.00 s" in why
+
+
+def test_the_watch_decides_from_the_fastest_and_the_wait() -> None:
+    from coci_core.preemption import Notice
+    from coci_core.training.preemption import SaveTimes
+
+    def decide(times: SaveTimes) -> tuple[bool, str]:
+        watch = PreemptionWatch(Preemption(["TERM@10"], margin_s=2))
+        now = time.monotonic()
+        watch.board.post(Notice("SIGTERM", now, now + 10))
+        decision = watch.check(1, lambda: times)
+        assert decision is not None and not isinstance(decision, NoticePlan)
+        assert decision.needed_s == times.longest_s
+        return decision.save, decision.reason
+
+    assert decide(SaveTimes(12.0, 6.0))[0]
+    assert not decide(SaveTimes(12.0, 6.0, try_uncertain=False))[0]
+    assert not decide(SaveTimes(12.0, 6.0, wait_s=5.0))[0]
+    assert decide(SaveTimes(5.0, 4.0, wait_s=2.0))[0]
+    assert "after" not in decide(SaveTimes(5.0, 4.0))[1]
+
+
 def test_one_process_decides_once_at_the_first_boundary_after_the_notice() -> None:
     watch = PreemptionWatch(Preemption(["TERM@20"], margin_s=2))
     assert watch.check(1, lambda: 1.0) is None
@@ -190,7 +225,7 @@ def test_a_known_end_is_planned_for_and_a_later_sigterm_takes_the_save_at_once()
     """A SIGUSR1 30 s ahead: the save is planned many steps later, the same plan at the next
     boundaries; a SIGTERM then takes the save at once, at that boundary."""
     from coci_core.preemption import Notice
-    from coci_core.training.preemption import NoticePlan, plan_save_step
+    from coci_core.training.preemption import plan_save_step
 
     watch = PreemptionWatch(Preemption(["USR1@30"], margin_s=2))
     for step in range(1, 4):

@@ -47,7 +47,12 @@ from coci_core.telemetry.summary import SaveSummary, save_line
 from coci_core.training.decision import SharedDecision
 from coci_core.training.options import CheckpointOptions
 from coci_core.training.outline import PlanOutline
-from coci_core.training.preemption import NoticePlan, PreemptionDecision, PreemptionWatch
+from coci_core.training.preemption import (
+    NoticePlan,
+    PreemptionDecision,
+    PreemptionWatch,
+    SaveTimes,
+)
 from coci_core.training.restart import process_start_unix
 
 __all__ = ["Checkpointer"]
@@ -168,6 +173,8 @@ class Checkpointer:
         self.notice_plan: NoticePlan | None = None
         self._durable_s: list[float] = []  # the last committed saves' time to durable
         self._notice_handle: SaveHandle | None = None
+        # the last save's handle and when it began (time.monotonic())
+        self._last_save: tuple[SaveHandle, float] | None = None
 
     def __repr__(self) -> str:
         return f"Checkpointer({self.manager.storage.url!r}, policy={self.planner.policy_name!r})"
@@ -396,9 +403,23 @@ class Checkpointer:
         )
         return [s.name for s in self._watch.start()]
 
-    def _save_time_s(self) -> float | None:
-        """The time a save takes to be durable: the longest of the last few (None: none yet)."""
-        return max(self._durable_s) if self._durable_s else None
+    def _save_time_s(self) -> SaveTimes | None:
+        """What a save takes to be durable: the longest and the fastest of the last few, and
+        the wait for one still being written (None: none measured yet). One that may not fit
+        is tried only where a cut-short save costs nothing: no upload to a remote tier waits."""
+        if not self._durable_s:
+            return None
+        longest = max(self._durable_s)
+        wait = 0.0
+        last = self._last_save
+        if last is not None and not last[0].done():
+            wait = max(0.0, longest - (time.monotonic() - last[1]))
+        return SaveTimes(
+            longest_s=longest,
+            fastest_s=min(self._durable_s),
+            wait_s=wait,
+            try_uncertain=self.manager.remote is None,
+        )
 
     def _on_notice_plan(self, step: int, plan: NoticePlan) -> None:
         """A notice of a known end, far enough ahead: the planner's next save moves to the
@@ -536,6 +557,7 @@ class Checkpointer:
         another run: the engine saves it beside that run's (``step-...-v1``). The step this
         run resumed from is not saved again.
         """
+        started = time.monotonic()
         save = functools.partial(
             self.manager.save,
             step,
@@ -553,6 +575,7 @@ class Checkpointer:
                 handle = save(overwrite=True)
             else:
                 return self.manager.skip(step, "it is the checkpoint this run resumed from")
+        self._last_save = (handle, started)
         if self.sinks:
             self._record_telemetry(step, plan=True)
         if self.preempted is not None and self.preempted.step == step:

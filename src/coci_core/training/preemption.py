@@ -3,6 +3,12 @@ boundary (one collective: the minimum of the ranks' time left), rank 0 decides w
 fits the time left (from the measured time a save takes to be durable, less a safety margin)
 and tells every rank, so that all save the same step, or none; then the loop stops.
 
+Between "fits" and "cannot fit" (the last few saves' slowest would not fit, their fastest would)
+the save is tried when a cut-short save costs nothing: the commit is atomic, so the previous
+checkpoint stays the newest, and no upload to a remote tier waits for the time it takes. A save
+that cannot fit even at the pace of the fastest of the last few, after the save still being
+written, is never started.
+
 A notice of a known end (a signal a set time before the end, a cloud notice with a time) far
 enough ahead for more steps does not stop training at once: the save is planned at the last
 step boundary before the deadline at which it still fits (from the median of the last few
@@ -27,6 +33,7 @@ from coci_core.preemption import NoticeBoard, NoticeSource, Preemption
 __all__ = [
     "NoticePlan",
     "PreemptionDecision",
+    "SaveTimes",
     "PreemptionWatch",
     "fit_save",
     "min_over_ranks",
@@ -39,6 +46,24 @@ logger = logging.getLogger(__name__)
 STEP_TIMES_KEPT = 8
 #: how many steps after a notice's plan their pace is checked against it
 PACE_MIN_STEPS = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveTimes:
+    """What a notice's save will take, as measured.
+
+    Attributes:
+        longest_s: the longest of the last few saves' time to durable.
+        fastest_s: the fastest of them.
+        wait_s: until the save still being written is durable (estimated; 0: none is).
+        try_uncertain: a save that may not fit is tried (cut short, it costs nothing: the
+            commit is atomic and no upload to a remote tier waits for the time).
+    """
+
+    longest_s: float
+    fastest_s: float
+    wait_s: float = 0.0
+    try_uncertain: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,22 +134,40 @@ class NoticePlan:
     reason: str
 
 
-def fit_save(time_left_s: float, needed_s: float | None, margin_s: float) -> tuple[bool, str]:
-    """Whether a save that takes ``needed_s`` (None: not measured) fits ``time_left_s`` with
+def fit_save(
+    time_left_s: float,
+    needed_s: float | None,
+    margin_s: float,
+    *,
+    fastest_s: float | None = None,
+    wait_s: float = 0.0,
+    try_uncertain: bool = False,
+) -> tuple[bool, str]:
+    """Whether a save that takes ``needed_s`` (the slowest of the last few; None: not
+    measured), after ``wait_s`` for a save still being written, fits ``time_left_s`` with
     ``margin_s`` to spare, and why. An unmeasured save is tried when any time is left: its
-    commit is atomic, so one cut short leaves the previous checkpoint the newest."""
+    commit is atomic, so one cut short leaves the previous checkpoint the newest. With
+    ``try_uncertain``, so is one that fits at the pace of the fastest (``fastest_s``) of the
+    last few, without the margin."""
     usable = time_left_s - margin_s
+    behind = f" after {wait_s:.2f} s for the save being written" if wait_s > 0 else ""
     if needed_s is None:
         if usable > 0:
             return True, f"{time_left_s:.1f} s left; the save's time is not measured yet: tried"
         return False, f"{time_left_s:.1f} s left, within the {margin_s:g} s margin: not started"
-    if needed_s <= usable:
+    if wait_s + needed_s <= usable:
         return True, (
-            f"the save takes {needed_s:.2f} s, {time_left_s:.1f} s left "
+            f"the save takes {needed_s:.2f} s{behind}, {time_left_s:.1f} s left "
             f"({margin_s:g} s margin): it fits"
         )
+    fastest = needed_s if fastest_s is None else min(fastest_s, needed_s)
+    if try_uncertain and wait_s + fastest <= time_left_s:
+        return True, (
+            f"the save takes {fastest:.2f} to {needed_s:.2f} s{behind}, {time_left_s:.1f} s "
+            "left: it may not finish; tried (cut short, the previous checkpoint stays the newest)"
+        )
     return False, (
-        f"the save takes {needed_s:.2f} s, only {time_left_s:.1f} s left "
+        f"the save takes {needed_s:.2f} s{behind}, only {time_left_s:.1f} s left "
         f"({margin_s:g} s margin): not started, the newest checkpoint stays the previous one"
     )
 
@@ -246,7 +289,7 @@ class PreemptionWatch:
         return None
 
     def check(
-        self, step: int, needed_s: Callable[[], float | None]
+        self, step: int, needed_s: Callable[[], float | SaveTimes | None]
     ) -> PreemptionDecision | NoticePlan | None:
         """At a step boundary, on every rank: None while no rank has a notice; a
         :class:`NoticePlan` while training goes on to a save planned before a known end; then
@@ -270,7 +313,13 @@ class PreemptionWatch:
         margin = self.config.margin_s
         payload: dict[str, Any] | None = None
         if self.rank == 0:
-            needed = needed_s()
+            measured = needed_s()
+            times = (
+                measured
+                if isinstance(measured, SaveTimes) or measured is None
+                else SaveTimes(measured, measured, try_uncertain=False)
+            )
+            needed = times.longest_s if times is not None else None
             # a step's time: the median of the last few (one that waited for a save is not
             # the pace), or the pace since the plan when that was slower
             step_s = statistics.median(self._step_times) if self._step_times else None
@@ -287,7 +336,18 @@ class PreemptionWatch:
             if target > step:
                 payload = {"save_at": target, "step_s": step_s, "needed_s": needed}
             else:
-                save, reason = fit_save(left, needed, margin)
+                save, reason = (
+                    fit_save(left, None, margin)
+                    if times is None
+                    else fit_save(
+                        left,
+                        times.longest_s,
+                        margin,
+                        fastest_s=times.fastest_s,
+                        wait_s=times.wait_s,
+                        try_uncertain=times.try_uncertain,
+                    )
+                )
                 payload = {"save": save, "reason": reason, "needed_s": needed}
         if self.broadcast is not None:
             payload = self.broadcast(payload)
