@@ -6,7 +6,13 @@ Methods, each a fresh ``Trainer`` in this process for ``--steps`` optimizer step
 (a) no checkpointing (``save_strategy="no"``), (b) the Trainer's own saves
 (``save_strategy="steps", save_steps=K``: ``checkpoint-N`` directories, synchronous),
 (c) ``CociCallback(policy="every_n_steps", every_n_steps=K)`` (the Trainer's saves off, coci's
-written in the background), (d) ``CociCallback()`` with its own plan (``--mtbf``).
+written in the background), (d) ``CociCallback()`` with its own plan (``--mtbf``), (e) as (c)
+with ``block=False`` (the copy too in the background, overlapping the next step).
+
+Overheads: "vs (a)", the median mean step against (a)'s; "in-run", each run's time against its
+own pace (the median step outside the five steps from each save), which a machine slower for a
+whole run does not move; (a)'s in-run figure, with the windows of a save every K steps, is the
+estimator's floor.
 
 The model is a GPT-2 built from a config (no download; by default 4 layers, d=384, a 8192-token
 vocabulary: about 10 M parameters, over 100 MB of state with AdamW) on synthetic tokens. The
@@ -17,9 +23,9 @@ medians over repetitions. Time to durable: coci's (from the ``save`` call to the
 fsync included); the Trainer's is the time ``_save_checkpoint`` holds training (it does not
 fsync, so its files may still be in the page cache then).
 
-Run (the lead's figures; about 10 minutes on 2 idle cores):
+Run (the figures in docs/benchmarks-adapters.md; about 15 minutes on 2 idle cores):
 
-    python -m benchmarks.transformers_bench --threads 1 --reps 3 --steps 100 --dir bench-tmp/hf
+    python -m benchmarks.transformers_bench --threads 1 --reps 5 --steps 100 --dir bench-tmp/hf
 
 ``--tiny`` checks that the script runs (a tiny model, a few steps, one repetition). Writes
 benchmarks/results/transformers-<time>.json and prints a Markdown table.
@@ -54,6 +60,7 @@ METHODS = {
     "b": "(b) the Trainer's own saves, `save_steps=K`",
     "c": '(c) `CociCallback(policy="every_n_steps", every_n_steps=K)`',
     "d": "(d) `CociCallback()`, own plan",
+    "e": '(e) `CociCallback(policy="every_n_steps", every_n_steps=K, block=False)`',
 }
 
 
@@ -99,6 +106,8 @@ def run(method: str, a: argparse.Namespace, d: Path) -> dict[str, Any]:
         coci = CociCallback(policy="every_n_steps", every_n_steps=a.every, keep_last=2)
     elif method == "d":
         coci = CociCallback(mtbf_s=a.mtbf, keep_last=2)
+    elif method == "e":
+        coci = CociCallback(policy="every_n_steps", every_n_steps=a.every, keep_last=2, block=False)
     if coci is not None:
         callbacks.insert(0, coci)
     args = TrainingArguments(
@@ -145,9 +154,18 @@ def run(method: str, a: argparse.Namespace, d: Path) -> dict[str, Any]:
     window = a.steps - a.warmup
     mean_step = (end - clock.ends[a.warmup]) / window
     committed = [e for e in events if getattr(e, "outcome", None) == "committed"]
+    timed = range(a.warmup + 1, a.steps + 1)
+    step_s = [clock.ends[k] - clock.ends[k - 1] for k in timed]
+    # (a) gets the windows of (b) and (c): every K-th step
+    every_k = [k for k in range(1, a.steps + 1) if k % a.every == 0]
+    saved_at = [e.step for e in committed] if coci is not None else every_k
     result = {
         "method": method,
         "mean_step_s": mean_step,
+        "in_run_overhead": in_run_overhead(
+            step_s, end - clock.ends[a.steps], [k - a.warmup - 1 for k in saved_at]
+        ),
+        "saved_at": saved_at,
         "state_mb": state_mb(model),
         "checkpoints": len(saves) if method == "b" else len(committed),
         "trainer_save_s": saves,
@@ -157,6 +175,21 @@ def run(method: str, a: argparse.Namespace, d: Path) -> dict[str, Any]:
     }
     clean(d)
     return result
+
+
+#: steps after a save (the save's own included) that its stall and background work may slow
+AFTER_SAVE_STEPS = 5
+
+
+def in_run_overhead(step_s: list[float], tail_s: float, saves: list[int]) -> float:
+    """The run's time (its steps and ``tail_s`` after the last, coci's wait for its last save)
+    against its own pace: the median step outside the ``AFTER_SAVE_STEPS`` steps from each save
+    (``saves``: indices into ``step_s``). A run slowed as a whole by the machine is not counted;
+    (a) gets the same windows (at each K-th step): its figure is the estimator's floor."""
+    after = {i + j for i in saves for j in range(AFTER_SAVE_STEPS)}
+    quiet = [t for i, t in enumerate(step_s) if i not in after] or step_s
+    pace = statistics.median(quiet)
+    return (sum(step_s) + tail_s) / (pace * len(step_s)) - 1
 
 
 def table(res: dict[str, Any]) -> str:
@@ -169,9 +202,9 @@ def table(res: dict[str, Any]) -> str:
         f"State {rows[0]['state_mb']:.0f} MB; steps {res['args']['warmup'] + 1}-"
         f"{res['args']['steps']} timed, K = {res['args']['every']}.",
         "",
-        "| method | mean step (median) | overhead vs (a) | checkpoints | stall per save "
-        "| time to durable per save |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        "| method | mean step (median) | overhead vs (a) | in-run overhead | checkpoints "
+        "| stall per save | time to durable per save |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for m, runs in sorted(by.items()):
         step = statistics.median(r["mean_step_s"] for r in runs)
@@ -184,8 +217,10 @@ def table(res: dict[str, Any]) -> str:
         if m == "b" and saves:
             dur += " (no fsync)"
         checkpoints = statistics.median(r["checkpoints"] for r in runs)
+        in_run = statistics.median(r["in_run_overhead"] for r in runs)
         out.append(
-            f"| {METHODS[m]} | {1e3 * step:.1f} ms | {over} | {checkpoints:g} | {stall} | {dur} |"
+            f"| {METHODS[m]} | {1e3 * step:.1f} ms | {over} | {100 * in_run:+.1f} % "
+            f"| {checkpoints:g} | {stall} | {dur} |"
         )
     return "\n".join(out)
 
@@ -205,7 +240,7 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    p.add_argument("--methods", default="abcd")
+    p.add_argument("--methods", default="abcde")
     p.add_argument("--tiny", action="store_true", help="check that it runs: tiny and short")
     p.add_argument("--out", default=None, help="directory of the results file")
     a = p.parse_args()
