@@ -98,7 +98,7 @@ def rank_main(cfg: dict[str, Any]) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from coci_core import CheckpointManager, RankGroup
-    from coci_core.engine.inplace import InPlaceTargets
+    from coci_core.engine.restore.inplace import InPlaceTargets
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -43,7 +43,7 @@ from benchmarks._lib.files import drop_file_cache, free
 from benchmarks._lib.results import run_recorded
 from benchmarks._lib.timing import med
 from coci_core import CheckpointManager
-from coci_core.engine import read as restore_module
+from coci_core.engine.restore import read as restore_module
 from coci_core.storage import local as local_storage
 
 MiB = 1 << 20

@@ -125,10 +125,10 @@ def test_dependencies_point_one_way() -> None:
         if module.startswith(("coci_core.codecs", "coci_core.storage")):
             assert {d for d in deps if d.startswith("coci_core.engine")} == set(), module
     # the save hand-off (tests/engine/test_save_path.py checks its frames at run time)
-    assert {d for d in graph["coci_core.engine.workers"] if d.startswith("coci_core")} == set()
-    save_path = ("coci_core.engine.manager", "coci_core.engine.writer")
-    assert not graph["coci_core.engine.writer"] & {save_path[0]}
-    assert not graph["coci_core.engine.persist"] & set(save_path)
+    assert {d for d in graph["coci_core.engine.save.workers"] if d.startswith("coci_core")} == set()
+    save_path = ("coci_core.engine.manager", "coci_core.engine.save.writer")
+    assert not graph["coci_core.engine.save.writer"] & {save_path[0]}
+    assert not graph["coci_core.engine.save.persist"] & set(save_path)
 
 
 #: The public line (docs/architecture.md): the modules whose ``__all__`` an adapter, or any
@@ -190,7 +190,7 @@ def test_adapters_import_only_the_public_line() -> None:
 def test_the_public_line_check_finds_a_crossing() -> None:
     source = (
         "from coci_core.training import Checkpointer\n"
-        "from coci_core.engine.tree import flatten_state\n"
+        "from coci_core.engine.format.tree import flatten_state\n"
         "from coci_core import CheckpointManager, _LAZY\n"
         "from coci_core.hpo import optuna\n"
         "import coci_core.engine.manager\n"
@@ -198,8 +198,8 @@ def test_the_public_line_check_finds_a_crossing() -> None:
     )
     assert sorted(_past_the_line(source)) == [
         "coci_core._LAZY",
+        "coci_core.engine.format.tree",
         "coci_core.engine.manager",
-        "coci_core.engine.tree",
         "coci_core.telemetry.report",
     ]
 

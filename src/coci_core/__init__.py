@@ -3,7 +3,7 @@
 import typing as _typing
 
 # Eager: the function shares its name with its module, which a submodule import would bind.
-from coci_core.engine.partition import Share, partition
+from coci_core.engine.save.partition import Share, partition
 from coci_core.errors import (
     BackgroundSaveError,
     CheckpointError,
@@ -23,11 +23,11 @@ from coci_core.errors import (
 )
 
 if _typing.TYPE_CHECKING:
-    from coci_core.engine.compress import CompressionPolicy
+    from coci_core.engine.format.manifest import Manifest
     from coci_core.engine.group import RankGroup
-    from coci_core.engine.inplace import InPlaceTargets
     from coci_core.engine.manager import CheckpointManager, SaveHandle
-    from coci_core.engine.manifest import Manifest
+    from coci_core.engine.restore.inplace import InPlaceTargets
+    from coci_core.engine.save.compress import CompressionPolicy
     from coci_core.engine.stateful import Stateful
     from coci_core.storage import FsspecStorage, LocalStorage, Storage
     from coci_core.telemetry import RestoreEvent, SaveEvent
@@ -35,12 +35,12 @@ if _typing.TYPE_CHECKING:
 
 # Imported on first use, so that `coci --help` and the errors need no torch.
 _LAZY = {
-    "CompressionPolicy": "coci_core.engine.compress",
+    "CompressionPolicy": "coci_core.engine.save.compress",
     "RankGroup": "coci_core.engine.group",
-    "InPlaceTargets": "coci_core.engine.inplace",
+    "InPlaceTargets": "coci_core.engine.restore.inplace",
     "CheckpointManager": "coci_core.engine.manager",
     "SaveHandle": "coci_core.engine.manager",
-    "Manifest": "coci_core.engine.manifest",
+    "Manifest": "coci_core.engine.format.manifest",
     "GlobalSampler": "coci_core.training.sampler",
     "Stateful": "coci_core.engine.stateful",
     "FsspecStorage": "coci_core.storage",

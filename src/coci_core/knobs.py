@@ -1,7 +1,7 @@
 """coci's tuning numbers, in one place: sizes, timeouts and intervals chosen by measurement or
-by judgement, not fixed by the format (the format's limits live in ``engine/manifest.py``, the
-planner's model constants in ``planner/``). Each module imports its numbers from here under
-the same name.
+by judgement, not fixed by the format (the format's limits live in
+``engine/format/manifest.py``, the planner's model constants in ``planner/``). Each module
+imports its numbers from here under the same name.
 """
 
 from __future__ import annotations
@@ -9,17 +9,17 @@ from __future__ import annotations
 MiB = 1024 * 1024
 
 # -- the save path ---------------------------------------------------------------------
-#: The unit in which a replicated state is split over ranks (engine/partition.py).
+#: The unit in which a replicated state is split over ranks (engine/save/partition.py).
 DEFAULT_CHUNK_BYTES = 4 * MiB
-#: Writes are issued in chunks of at most this size (engine/persist.py).
+#: Writes are issued in chunks of at most this size (engine/save/persist.py).
 WRITE_CHUNK_BYTES = 64 * MiB
 #: A local data file is synced every this many bytes, so that the final fsync is short
 #: (storage/local.py).
 SYNC_EVERY_BYTES = 32 * MiB
-#: Free space kept beyond a save's size before old steps are deleted early (engine/writer.py).
+#: Free space kept beyond a save's size before old steps are deleted early (engine/save/writer.py).
 ROOM_MARGIN_BYTES = 1 * MiB
 
-# -- compression (engine/compress.py) ---------------------------------------------------
+# -- compression (engine/save/compress.py) ----------------------------------------------
 #: How much of a state is compressed to estimate whether compression pays.
 PROBE_BYTES = 1 * MiB
 #: ``compression="auto"`` never compresses saves smaller than this.
@@ -35,13 +35,13 @@ JOIN_TIMEOUT_S = 300.0
 #: (engine/agreement.py): long enough for the slowest rank to read and verify a large state.
 RESTORE_AGREE_TIMEOUT_S = 1800.0
 #: An object store's owner record not renewed for this long belongs to a dead writer; it is
-#: renewed every third of it (engine/lease.py).
+#: renewed every third of it (engine/directory/lease.py).
 LEASE_TTL_S = 60.0
 #: Planned steps rank 0 shares at a sync step: far more than are used before the next one
 #: (training/decision.py).
 SCHEDULE_SENT = 64
 
-# -- the remote tier (engine/tiers.py) -----------------------------------------------------
+# -- the remote tier (engine/directory/tiers.py) -------------------------------------------
 #: A failed upload is retried after this long, doubling up to UPLOAD_BACKOFF_MAX_S.
 UPLOAD_BACKOFF_START_S = 0.5
 UPLOAD_BACKOFF_MAX_S = 30.0
@@ -116,7 +116,7 @@ MIN_RANK_WEIGHT = 0.01
 #: ... and the most ASHA rungs read from an Optuna pruner.
 ASHA_MAX_RUNGS = 64
 
-# -- the snapshot and the commit across ranks (engine/snapshot.py, engine/commit.py) ------
+# -- the snapshot and the commit across ranks (engine/save/snapshot.py, engine/save/commit.py) ---
 #: With ``block=False``, regions of at most this many bytes are copied at once by ``save()``:
 #: the small tensors that the next forward pass changes in place (BatchNorm's running
 #: statistics, step counters) are then saved as they were.
@@ -136,7 +136,7 @@ CHECK_GRACE_COPIES = 10
 COMMIT_POLL_START_S = 0.002
 COMMIT_POLL_MAX_S = 0.1
 
-# -- reading what others wrote: torch.save'd values and imports (engine/torch_saved.py,
+# -- reading what others wrote: torch.save'd values and imports (engine/format/torch_saved.py,
 # -- interop/foreign.py, interop/exchange.py) ------------------------------------------------
 #: The most levels a stored ``torch.save`` value's pickle may nest, and the most objects (each
 #: shared reference counted again) per byte of it, plus a floor: a value coci saves nests at
@@ -170,7 +170,7 @@ EARLY_STOPPING_COMING_VALIDATIONS = 512
 #: ... and, without a known end of the run, a horizon of this many validation intervals.
 EARLY_STOPPING_ROLLING_VALIDATIONS = 256
 
-# -- storage and restore reads (engine/read.py) --------------------------------------------
+# -- storage and restore reads (engine/restore/read.py) ------------------------------------
 #: A stored piece larger than this is read from local storage in reads of this size, the
 #: checksum of each computed on a helper thread while the next one is read.
 READ_CHUNK_BYTES = 16 * MiB
@@ -178,7 +178,7 @@ READ_CHUNK_BYTES = 16 * MiB
 #: from the page cache (smaller ones are read whole and left there).
 CHUNKED_MIN_BYTES = 1 * MiB
 
-# -- restore of many small arrays (engine/read.py) -------------------------------------------
+# -- restore of many small arrays (engine/restore/read.py) -----------------------------------
 #: The raw pieces of at most REGION_PIECE_BYTES of one data file are read in regions of at
 #: most REGION_READ_BYTES, one read each, every piece then checked over its slice of the
 #: region and copied out; a larger piece is read straight into its array (its own read costs
@@ -192,7 +192,7 @@ REGION_GAP_BYTES = 64 * 1024
 #: process, by the SHA-256 of their bytes, so that retention and resume do not decode them again.
 STEP_INFO_CACHE_ENTRIES = 4096
 
-# -- model-parallel state (engine/persist.py, engine/reshard.py) ------------------------------
+# -- model-parallel state (engine/save/persist.py, engine/restore/reshard.py) -----------------
 #: A rank's raw part of a sharded tensor (a DTensor's shard) larger than this is recorded as
 #: pieces of this size, each with its checksum: a rank of another mesh that needs some of the
 #: part reads (and verifies) only the pieces holding it, not the whole part.

@@ -2,10 +2,10 @@
 
 ``save_hyperparameters`` puts the module's (and the datamodule's) hyper-parameters into every
 checkpoint: a dict of its values, or an OmegaConf config as it is, with its class beside it
-(``hparams_type``). coci stores them without pickle (see :mod:`coci_core.engine.tree`: OmegaConf
-configs, ``argparse.Namespace`` and paths by the name of their type); a value it cannot store
-(an enum member, a dataclass, a structured config, any other object) is refused here, before
-any training, instead of at the first save.
+(``hparams_type``). coci stores them without pickle (see
+:mod:`coci_core.engine.format.tree`: OmegaConf configs, ``argparse.Namespace`` and paths by the
+name of their type); a value it cannot store (an enum member, a dataclass, a structured config,
+any other object) is refused here, before any training, instead of at the first save.
 """
 
 from __future__ import annotations

@@ -98,7 +98,7 @@ class CociCheckpoint(Checkpoint):
         compression: ``"auto"`` (default: compress only where it shortens the time to
             durable; raw on a fast local disk), ``"none"``, ``"lossless"`` or ``"lossy"``
             (opt-in, bounded error); see docs/compression.md.
-        compression_options: the knobs of ``coci_core.engine.compress.CompressionPolicy``
+        compression_options: the knobs of ``coci_core.engine.save.compress.CompressionPolicy``
             (``full_every``, ``lossy_bits``, ``max_lossy_generations``, ...).
         resume: continue from the newest committed checkpoint when ``fit`` gets no ckpt_path.
         every_n_steps: the interval of that policy (a cap on the interval for ``coci``).

@@ -148,7 +148,7 @@ def main() -> None:
     parser.add_argument("--hold-upload", type=int, default=None)
     args = parser.parse_args()
     if args.hold_upload is not None:
-        from coci_core.engine.manifest import step_dir_name
+        from coci_core.engine.format.manifest import step_dir_name
         from tests.harness.faults import hold_s3_uploads
 
         step = args.hold_upload

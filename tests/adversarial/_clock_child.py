@@ -16,7 +16,7 @@ import time
 import torch
 
 from coci_core import CheckpointManager
-from coci_core.engine import persist
+from coci_core.engine.save import persist
 
 
 class SkewedClock:

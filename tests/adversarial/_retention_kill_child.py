@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from coci_core import LocalStorage
-from coci_core.engine import retention
+from coci_core.engine.directory import retention
 
 
 def _kill_at(n: int) -> None:

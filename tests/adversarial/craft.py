@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from coci_core.engine.manifest import step_dir_name
+from coci_core.engine.format.manifest import step_dir_name
 from coci_core.storage import Storage, StorageWrapper
 from tests.harness.states import assert_same
 

@@ -19,8 +19,8 @@ import torch
 
 from coci_core import BackgroundSaveError, CheckpointManager, ConfigError
 from coci_core.commands.cli import main
-from coci_core.engine import persist
-from coci_core.engine.manifest import step_dir_name
+from coci_core.engine.format.manifest import step_dir_name
+from coci_core.engine.save import persist
 from coci_core.interop.foreign import read_foreign
 from tests.adversarial.craft import edit_manifest
 from tests.harness.processes import run, script
@@ -29,7 +29,7 @@ from tests.harness.processes import run, script
 # it, and the stack overflows (SIGSEGV)
 DEEP_KEY = b"\x80\x02}K\x01" + b"\x85" * 200_000 + b"K\x01s."
 
-# the highest commit sequence a manifest may record (coci_core.engine.manifest.MAX_SEQUENCE;
+# the highest commit sequence a manifest may record (coci_core.engine.format.manifest.MAX_SEQUENCE;
 # written out so that these tests also run against a coci without it)
 HIGHEST_SEQUENCE = 2**62
 
@@ -215,7 +215,7 @@ def test_import_refuses_a_step_beyond_the_bound(
 
 def test_the_legacy_stream_is_measured_pickle_by_pickle() -> None:
     """The pickles after the first are measured too (the object is the fourth)."""
-    from coci_core.engine.torch_saved import check_saved_pickle
+    from coci_core.engine.format.torch_saved import check_saved_pickle
     from coci_core.errors import CorruptCheckpointError
 
     buffer = io.BytesIO()

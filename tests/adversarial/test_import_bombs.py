@@ -594,7 +594,7 @@ def test_pickle_tree_measures_the_tree_a_pickle_describes() -> None:
     """For plain data written with every pickle protocol, the measure read from the opcodes is
     the size and depth of the value walked as a tree, shared references counted each time;
     a reference cycle is an endless tree."""
-    from coci_core.engine.pickle_tree import pickle_tree
+    from coci_core.engine.format.pickle_tree import pickle_tree
 
     shared = ["abc", 2.5, (1, None)]
     deep: list[Any] = [shared, {"k": [shared, shared]}]

@@ -24,9 +24,11 @@ from coci_core import (
     NoCheckpointError,
 )
 from coci_core.commands import cli
-from coci_core.engine import read, restore, steps, tree
-from coci_core.engine.manifest import step_dir_name
-from coci_core.engine.restore import load_checkpoint, verify_checkpoint
+from coci_core.engine.directory import steps
+from coci_core.engine.format import tree
+from coci_core.engine.format.manifest import step_dir_name
+from coci_core.engine.restore import read, restore
+from coci_core.engine.restore.restore import load_checkpoint, verify_checkpoint
 from coci_core.storage import LocalStorage
 from tests.adversarial.craft import (
     HookedStorage,
@@ -141,8 +143,8 @@ def test_format_3_without_its_checksum_is_refused(tmp_path: Path) -> None:
 
 
 def test_rank_markers_are_checked_like_manifests(tmp_path: Path) -> None:
-    from coci_core.engine.commit import RankShare
-    from coci_core.engine.manifest import DataFile, Piece, RankState
+    from coci_core.engine.format.manifest import DataFile, Piece, RankState
+    from coci_core.engine.save.commit import RankShare
 
     share = RankShare(
         rank=1,
@@ -323,7 +325,7 @@ def test_a_tree_one_level_too_deep_is_refused_and_save_refuses_it_too(tmp_path: 
     """Save refuses what load refuses: a state nested MAX_TREE_DEPTH deep round-trips, one
     level more is refused by save (UnsupportedValueError) and by load (crafted)."""
     from coci_core import UnsupportedValueError
-    from coci_core.engine.tree import flatten_state
+    from coci_core.engine.format.tree import flatten_state
 
     def nested(depth: int) -> dict[str, Any]:
         state: Any = [1]

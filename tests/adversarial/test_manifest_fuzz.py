@@ -52,9 +52,9 @@ import pytest
 import torch
 
 from coci_core import BackgroundSaveError, CheckpointManager, CorruptCheckpointError
-from coci_core.engine import read as restore
-from coci_core.engine.manifest import step_dir_name
-from coci_core.engine.restore import load_checkpoint, verify_checkpoint
+from coci_core.engine.format.manifest import step_dir_name
+from coci_core.engine.restore import read as restore
+from coci_core.engine.restore.restore import load_checkpoint, verify_checkpoint
 from coci_core.storage import LocalStorage
 from tests.adversarial.craft import encode_doc, manifest_path, read_doc, same, write_doc
 

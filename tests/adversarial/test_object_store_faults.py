@@ -26,8 +26,8 @@ from accelerate.utils import DataLoaderConfiguration
 
 from coci_accelerate import CociCheckpointer
 from coci_core import BackgroundSaveError, CheckpointManager, DirectoryInUseError, StorageError
-from coci_core.engine import lease as lease_module
-from coci_core.engine.lease import LEASE_NAME
+from coci_core.engine.directory import lease as lease_module
+from coci_core.engine.directory.lease import LEASE_NAME
 from coci_core.telemetry import Event, UploadEvent
 from coci_lightning import CociCheckpoint
 from tests.harness.processes import run, script

@@ -13,7 +13,7 @@ a real Lightning Trainer and Accelerator, the ``coci`` command in its own proces
   Accelerate resumes all take the same intact newest step, from either tier.
 
 A clock is skewed where the engine reads it for ``created_unix`` (``time.time`` in
-``coci_core.engine.persist``), in the child process or in this one.
+``coci_core.engine.save.persist``), in the child process or in this one.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from accelerate.utils import DataLoaderConfiguration
 from coci_accelerate import CociCheckpointer
 from coci_core import CheckpointManager
 from coci_core.commands import cli
-from coci_core.engine import persist
-from coci_core.engine.manifest import MANIFEST_NAME, step_dir_name
+from coci_core.engine.format.manifest import MANIFEST_NAME, step_dir_name
+from coci_core.engine.save import persist
 from coci_lightning import CociCheckpoint
 from tests.adversarial._clock_child import SkewedClock, state
 from tests.adversarial.craft import same

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from coci_core import CheckpointManager, CompressionPolicy, LocalStorage, NoCheckpointError
-from coci_core.engine import retention
-from coci_core.engine.load import check_checkpoint, load_checkpoint, verify_checkpoint
-from coci_core.engine.manifest import MANIFEST_NAME, step_dir_name
-from coci_core.engine.steps import committed_steps, step_info
+from coci_core.engine.directory import retention
+from coci_core.engine.directory.steps import committed_steps, step_info
+from coci_core.engine.format.manifest import MANIFEST_NAME, step_dir_name
+from coci_core.engine.restore.load import check_checkpoint, load_checkpoint, verify_checkpoint
 from coci_core.storage import Storage, StorageWrapper
 from tests.harness.processes import module, run
 

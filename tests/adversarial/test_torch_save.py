@@ -30,7 +30,7 @@ from coci_core import (
     UnsafeCheckpointError,
     UnsupportedValueError,
 )
-from coci_core.engine.manifest import MANIFEST_NAME, seal, step_dir_name
+from coci_core.engine.format.manifest import MANIFEST_NAME, seal, step_dir_name
 from tests.harness.processes import run, script
 
 

@@ -22,7 +22,7 @@ from coci_core import (
     LocalStorage,
     StorageError,
 )
-from coci_core.engine.manifest import step_dir_name
+from coci_core.engine.format.manifest import step_dir_name
 from tests.harness.faults import FaultyStorage, HeldStorage
 from tests.harness.processes import Child, run, script
 

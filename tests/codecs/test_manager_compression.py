@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from coci_core import CheckpointManager, ConfigError, LocalStorage
-from coci_core.engine.manifest import step_dir_name
-from coci_core.engine.restore import load_checkpoint
+from coci_core.engine.format.manifest import step_dir_name
+from coci_core.engine.restore.restore import load_checkpoint
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 

@@ -27,7 +27,7 @@ from coci_core.codecs import (
 )
 from coci_core.codecs._common import Buffer, u8, writable_u8
 from coci_core.codecs._params import check_codec, check_out
-from coci_core.engine.manifest import step_dir_name
+from coci_core.engine.format.manifest import step_dir_name
 from tests.codecs.test_manager_compression import manifest_entry
 
 FLIP = "test.flip/1"

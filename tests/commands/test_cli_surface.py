@@ -14,7 +14,7 @@ import torch
 import coci_core
 from coci_core import CheckpointManager
 from coci_core.commands.cli import build_parser, main
-from coci_core.engine.manifest import step_dir_name
+from coci_core.engine.format.manifest import step_dir_name
 from coci_core.planner.schedule import ExpectedOverhead
 from coci_core.telemetry import JsonlTelemetry
 from tests.harness.processes import run, script

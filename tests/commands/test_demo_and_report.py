@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from coci_core import CheckpointManager
 from coci_core.commands.cli import main
-from coci_core.engine.manifest import step_dir_name
+from coci_core.engine.format.manifest import step_dir_name
 from tests.harness.processes import module, run
 from tests.harness.states import assert_same, tiny_model_state
 

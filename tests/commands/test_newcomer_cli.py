@@ -16,7 +16,7 @@ import torch
 
 from coci_core import CheckpointManager
 from coci_core.commands.cli import BROKEN_PIPE_EXIT
-from coci_core.engine.manifest import step_dir_name
+from coci_core.engine.format.manifest import step_dir_name
 from coci_core.planner.schedule import ExpectedOverhead
 from coci_core.telemetry import JsonlTelemetry
 from tests.harness.processes import child_env, module, run

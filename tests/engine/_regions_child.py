@@ -26,7 +26,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from coci_core.engine.regions import dtensor_layout, dtensor_regions, writers
+from coci_core.engine.format.regions import dtensor_layout, dtensor_regions, writers
 
 
 def check(name: str, dt: DTensor, full: torch.Tensor) -> dict[str, Any]:

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from coci_core import CheckpointManager
-from coci_core.engine.partition import Share
-from coci_core.engine.snapshot import LeafSlot, copy_outside_torch, plan_layout
-from coci_core.engine.tree import ArrayLeaf
+from coci_core.engine.format.tree import ArrayLeaf
+from coci_core.engine.save.partition import Share
+from coci_core.engine.save.snapshot import LeafSlot, copy_outside_torch, plan_layout
 
 DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from coci_core import CheckpointManager, CorruptCheckpointError
-from coci_core.engine.restore import verify_checkpoint
+from coci_core.engine.restore.restore import verify_checkpoint
 from coci_core.storage import LocalStorage
 from tests.adversarial.craft import edit_manifest
 

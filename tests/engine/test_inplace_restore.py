@@ -22,8 +22,8 @@ from coci_core import (
     LocalStorage,
     StorageError,
 )
-from coci_core.engine import read as restore_module
-from coci_core.engine.manifest import step_dir_name
+from coci_core.engine.format.manifest import step_dir_name
+from coci_core.engine.restore import read as restore_module
 
 
 def _model() -> torch.nn.Module:

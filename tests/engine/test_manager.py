@@ -24,8 +24,8 @@ from coci_core import (
     SaveEvent,
     StorageError,
 )
-from coci_core.engine.lease import LEASE_NAME
-from coci_core.engine.manifest import seal, step_dir_name
+from coci_core.engine.directory.lease import LEASE_NAME
+from coci_core.engine.format.manifest import seal, step_dir_name
 from tests.harness.faults import FaultyStorage, HeldStorage
 from tests.harness.states import assert_same, tiny_model_state
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from coci_core import CheckpointManager, SaveHandle
-from coci_core.engine.snapshot import SMALL_COPY_BYTES, Snapshotter
-from coci_core.engine.tree import flatten_state
+from coci_core.engine.format.tree import flatten_state
+from coci_core.engine.save.snapshot import SMALL_COPY_BYTES, Snapshotter
 from coci_core.errors import BackgroundSaveError, StateChangedError
 from coci_core.storage import LocalStorage
 from coci_core.training import Checkpointer

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from coci_core import BackgroundSaveError, CheckpointManager, LocalStorage
-from coci_core.engine import persist
-from coci_core.engine.manifest import step_dir_name
+from coci_core.engine.format.manifest import step_dir_name
+from coci_core.engine.save import persist
 from tests.harness.states import assert_same
 
 CHUNK = 8192

@@ -15,7 +15,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, ShardOrderEntry
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from coci_core.engine.regions import (
+from coci_core.engine.format.regions import (
     Coordinate,
     Region,
     byte_runs,

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from coci_core import CheckpointManager, CorruptCheckpointError
-from coci_core.engine import steps
-from coci_core.engine.load import load_checkpoint
-from coci_core.engine.manifest import Manifest, step_dir_name
-from coci_core.engine.steps import read_manifest
+from coci_core.engine.directory import steps
+from coci_core.engine.directory.steps import read_manifest
+from coci_core.engine.format.manifest import Manifest, step_dir_name
+from coci_core.engine.restore.load import load_checkpoint
 from coci_core.storage import LocalStorage
 
 

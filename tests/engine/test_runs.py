@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from coci_core import CheckpointManager, StepExistsError
-from coci_core.engine.manifest import MANIFEST_NAME, step_dir_name
-from coci_core.engine.restore import newest_first, read_manifest
+from coci_core.engine.format.manifest import MANIFEST_NAME, step_dir_name
+from coci_core.engine.restore.restore import newest_first, read_manifest
 from coci_core.errors import CorruptCheckpointError
 from coci_core.storage import open_storage
 from coci_core.training.checkpointer import Checkpointer
@@ -209,7 +209,7 @@ def test_a_damaged_newest_manifest_is_reported_and_skipped(tmp_path: Path) -> No
 
 @pytest.mark.parametrize("run", [17, None, "", "a-b", "x" * 65, "é", ["a"]])
 def test_a_bad_run_field_is_refused(tmp_path: Path, run: object) -> None:
-    from coci_core.engine.manifest import Manifest, seal
+    from coci_core.engine.format.manifest import Manifest, seal
 
     with CheckpointManager(tmp_path, compression="none") as mgr:
         mgr.save(1, _state(1.0)).wait()

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from coci_core import CheckpointManager
-from coci_core.engine.manifest import (
+from coci_core.engine.format.manifest import (
     FORMAT_VERSION,
     DataFile,
     Manifest,
@@ -21,8 +21,8 @@ from coci_core.engine.manifest import (
     TensorEntry,
     seal,
 )
-from coci_core.engine.regions import Region
-from coci_core.engine.tree import FlattenCache, flatten_state
+from coci_core.engine.format.regions import Region
+from coci_core.engine.format.tree import FlattenCache, flatten_state
 from tests.harness.processes import free_port, run, script
 from tests.harness.states import assert_same
 
@@ -254,7 +254,7 @@ def test_to_json_bytes_as_before(tmp_path: Path, options: dict[str, Any]) -> Non
 
 def test_second_save_checks_no_tensor(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A save of an unchanged layout encodes no tensor again and allocates no buffers."""
-    from coci_core.engine import tree
+    from coci_core.engine.format import tree
 
     encoded: list[str] = []
     full = tree._Flattener._encode_tensor
@@ -291,7 +291,7 @@ import json, sys, tempfile, torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from coci_core import CheckpointManager, RankGroup
-from coci_core.engine.tree import FlattenCache, flatten_state
+from coci_core.engine.format.tree import FlattenCache, flatten_state
 
 dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:" + sys.argv[1])
 mesh = init_device_mesh("cpu", (1, 1))

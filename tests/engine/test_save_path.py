@@ -17,9 +17,9 @@ from coci_core.storage.local import LocalStorage
 
 #: The save path's modules in the order the hand-off goes.
 SAVE_PATH = (
-    "coci_core/engine/workers.py",
-    "coci_core/engine/writer.py",
-    "coci_core/engine/persist.py",
+    "coci_core/engine/save/workers.py",
+    "coci_core/engine/save/writer.py",
+    "coci_core/engine/save/persist.py",
 )
 
 

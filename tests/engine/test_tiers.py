@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from coci_core import CheckpointManager, ConfigError, DirectoryInUseError
-from coci_core.engine.lease import acquire_lease
-from coci_core.engine.manifest import MANIFEST_NAME, step_dir_name
-from coci_core.engine.restore import newest_first
+from coci_core.engine.directory.lease import acquire_lease
+from coci_core.engine.format.manifest import MANIFEST_NAME, step_dir_name
+from coci_core.engine.restore.restore import newest_first
 from coci_core.storage import LocalStorage
 from coci_core.telemetry import TELEMETRY_FILE, Event, JsonlTelemetry, UploadEvent
 from coci_core.telemetry.report import render, summarize

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from coci_core import CheckpointManager, UnsupportedValueError
-from coci_core.engine.tree import flatten_state, unflatten_state
-from coci_core.engine.tree_nodes import SUPPORTED_DTYPES as _SUPPORTED_DTYPES
+from coci_core.engine.format.tree import flatten_state, unflatten_state
+from coci_core.engine.format.tree_nodes import SUPPORTED_DTYPES as _SUPPORTED_DTYPES
 from tests.harness.states import assert_same, tiny_model_state
 
 ALL_DTYPES = sorted(_SUPPORTED_DTYPES.values(), key=str)

@@ -8,8 +8,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from coci_core.engine.manifest import step_dir_name
-from coci_core.engine.steps import read_manifest
+from coci_core.engine.directory.steps import read_manifest
+from coci_core.engine.format.manifest import step_dir_name
 from coci_core.knobs import S3_PART_BYTES, MiB
 from coci_core.storage import LocalStorage, Storage, StorageWrapper, s3_parallel
 

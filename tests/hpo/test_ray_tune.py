@@ -16,7 +16,7 @@ import torch
 from ray import tune
 from ray.tune.schedulers import ASHAScheduler
 
-from coci_core.engine.restore import newest_first
+from coci_core.engine.restore.restore import newest_first
 from coci_core.hpo import asha_rungs
 from coci_core.hpo.ray import CheckpointCleanup, trial_directory
 from coci_core.storage import open_storage

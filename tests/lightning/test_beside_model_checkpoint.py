@@ -14,7 +14,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from coci_core import ConfigError
-from coci_core.engine.manifest import MANIFEST_NAME, step_dir_name
+from coci_core.engine.format.manifest import MANIFEST_NAME, step_dir_name
 from coci_lightning import CociCheckpoint
 from tests.lightning.models import digest
 from tests.lightning.test_usual_script import _EvalModel, _trainer

@@ -11,7 +11,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 
-from coci_core.engine.manifest import step_dir_name
+from coci_core.engine.format.manifest import step_dir_name
 from coci_lightning import CociCheckpoint
 from tests.lightning.models import digest
 from tests.lightning.test_usual_script import _EvalModel, _trainer

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from coci_core import CheckpointManager, ConfigError
-from coci_core.engine.manifest import step_dir_name
+from coci_core.engine.format.manifest import step_dir_name
 from coci_lightning import CociCheckpoint
 from tests.lightning.models import DigitsModel, digest
 

@@ -15,7 +15,7 @@ from lightning.pytorch.callbacks import EarlyStopping
 from optuna_integration import PyTorchLightningPruningCallback
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from coci_core.engine.restore import newest_first
+from coci_core.engine.restore.restore import newest_first
 from coci_core.hpo.optuna import STEP_ATTR, CheckpointCleanup
 from coci_core.storage import open_storage
 from coci_lightning import CociCheckpoint

@@ -15,7 +15,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from coci_core import CheckpointManager
 from coci_core.commands.cli import main as coci
-from coci_core.engine.manifest import step_dir_name
+from coci_core.engine.format.manifest import step_dir_name
 from coci_lightning import CociCheckpoint
 from tests.lightning.models import DigitsModel, digest
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from coci_core import CheckpointManager
-from coci_core.engine.manifest import step_dir_name
+from coci_core.engine.format.manifest import step_dir_name
 from coci_core.errors import ConfigError
 from coci_lightning import CociCheckpoint
 from tests.harness.processes import module, run

@@ -10,7 +10,7 @@ import lightning.pytorch as pl
 import pytest
 
 from coci_core import CheckpointManager
-from coci_core.engine.manifest import step_dir_name
+from coci_core.engine.format.manifest import step_dir_name
 from coci_lightning import CociCheckpoint
 from tests.lightning.models import DigitsModel
 from tests.lightning.test_usual_script import _trainer

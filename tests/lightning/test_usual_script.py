@@ -15,8 +15,8 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from coci_core import CheckpointManager, ConfigError
-from coci_core.engine.manifest import step_dir_name
-from coci_core.engine.restore import committed_steps
+from coci_core.engine.format.manifest import step_dir_name
+from coci_core.engine.restore.restore import committed_steps
 from coci_core.storage import open_storage
 from coci_lightning import CociCheckpoint
 from tests.harness.processes import run, script

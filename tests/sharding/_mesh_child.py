@@ -21,8 +21,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from coci_core import CheckpointManager, RankGroup
-from coci_core.engine import persist
-from coci_core.engine.inplace import InPlaceTargets
+from coci_core.engine.restore.inplace import InPlaceTargets
+from coci_core.engine.save import persist
 from coci_core.storage import LocalStorage
 from tests.sharding._dist_child import _PausingStorage
 

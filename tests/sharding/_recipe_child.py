@@ -36,7 +36,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from coci_core import CheckpointManager, RankGroup
-from coci_core.engine.inplace import InPlaceTargets
+from coci_core.engine.restore.inplace import InPlaceTargets
 from coci_core.errors import CociError
 from tests.harness.states import full_digest
 

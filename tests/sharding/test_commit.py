@@ -21,8 +21,8 @@ from coci_core import (
     LocalStorage,
     RankGroup,
 )
-from coci_core.engine.manifest import MANIFEST_NAME, step_dir_name
-from coci_core.engine.restore import load_checkpoint
+from coci_core.engine.format.manifest import MANIFEST_NAME, step_dir_name
+from coci_core.engine.restore.restore import load_checkpoint
 from coci_core.storage import FsspecStorage
 from tests.harness.faults import FaultyStorage
 

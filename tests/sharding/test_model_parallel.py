@@ -13,7 +13,7 @@ import torch
 
 from coci_core import CheckpointManager
 from coci_core.commands import cli
-from coci_core.engine.manifest import BOXES_FORMAT_VERSION
+from coci_core.engine.format.manifest import BOXES_FORMAT_VERSION
 from tests.sharding._dist_child import launch
 from tests.sharding._mesh_child import SAVE_STEP, full_state
 

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coci_core import ConfigError, GlobalSampler, partition
-from coci_core.engine.partition import LEAF_ALIGN_BYTES
+from coci_core.engine.save.partition import LEAF_ALIGN_BYTES
 
 
 @settings(max_examples=200, deadline=None)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from coci_core import CheckpointManager
-from coci_core.engine.restore import load_checkpoint
+from coci_core.engine.restore.restore import load_checkpoint
 from coci_core.storage import LocalStorage
 from tests.sharding._dist_child import BATCH, SAMPLES, digest, launch
 

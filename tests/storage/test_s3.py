@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from coci_core import CheckpointManager
-from coci_core.engine import lease as lease_module
-from coci_core.engine.lease import LEASE_NAME
+from coci_core.engine.directory import lease as lease_module
+from coci_core.engine.directory.lease import LEASE_NAME
 from coci_core.errors import (
     CorruptCheckpointError,
     DirectoryInUseError,
@@ -221,7 +221,7 @@ _SECOND_WRITER = """
 import json, sys
 import torch
 from coci_core import CheckpointManager
-from coci_core.engine import lease as lease_module
+from coci_core.engine.directory import lease as lease_module
 from coci_core.errors import DirectoryInUseError
 opts = json.loads(sys.argv[2])
 with CheckpointManager(sys.argv[1], storage_options=opts) as mgr:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from coci_core import CheckpointManager
-from coci_core.engine.restore import load_checkpoint
+from coci_core.engine.restore.restore import load_checkpoint
 from coci_core.storage import FsspecStorage
 from tests.harness.s3 import SECRET_KEY, S3Server
 from tests.sharding._dist_child import SAMPLES, digest, launch, model_digest

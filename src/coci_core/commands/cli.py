@@ -58,7 +58,7 @@ def _step(text: str) -> int:
 def _checkpoint_ref(text: str) -> int | str:
     """A step number, or a step directory's name (``step-0000000004-v1``: a checkpoint saved
     beside another run's of the same step)."""
-    from coci_core.engine.manifest import parse_step_version
+    from coci_core.engine.format.manifest import parse_step_version
 
     if text.startswith("step-"):
         if parse_step_version(text) is None:
@@ -93,7 +93,7 @@ def _remote(args: argparse.Namespace) -> Any:
 
 
 def _ls(args: argparse.Namespace) -> int:
-    from coci_core.engine.restore import committed_dirs, resume_step
+    from coci_core.engine.restore.restore import committed_dirs, resume_step
     from coci_core.errors import CorruptCheckpointError, NoCheckpointError
 
     storage = _checkpoint_dir(args.dir)
@@ -137,8 +137,8 @@ def _ls_row(storage: Any, step: int, version: int, damage: str | None, resumes: 
     """The line of ``step`` (its directory of ``version``) in ``coci ls``, or None when it was
     removed meanwhile. A checkpoint saved beside another run's of the same step shows its
     version: ``4-v1`` (the directory ``step-0000000004-v1``)."""
-    from coci_core.engine.manifest import MANIFEST_NAME, step_dir_name
-    from coci_core.engine.restore import read_manifest
+    from coci_core.engine.format.manifest import MANIFEST_NAME, step_dir_name
+    from coci_core.engine.restore.restore import read_manifest
     from coci_core.errors import CorruptCheckpointError, NoCheckpointError
 
     shown = str(step) if version == 0 else f"{step}-v{version}"
@@ -199,7 +199,7 @@ def _size(n: int) -> str:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from coci_core.engine.restore import committed_dirs
+    from coci_core.engine.restore.restore import committed_dirs
 
     storage = _checkpoint_dir(args.dir)
     remote = _remote(args)
@@ -222,7 +222,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 def _holds(ref: int | str, dirs: list[tuple[int, int]]) -> bool:
     """Whether committed step directories ``dirs`` hold ``ref`` (a step or a directory's name)."""
-    from coci_core.engine.manifest import step_dir_name
+    from coci_core.engine.format.manifest import step_dir_name
 
     return any(ref in (s, step_dir_name(s, v)) for s, v in dirs)
 
@@ -230,7 +230,7 @@ def _holds(ref: int | str, dirs: list[tuple[int, int]]) -> bool:
 def _verify_tier(storage: Any, ref: int | str | None, tier: str) -> tuple[int, int]:
     """Verify ``ref`` (None: every committed checkpoint) in one tier, a line each (prefixed
     with ``tier``, "" for the local one); the checkpoints verified and those found damaged."""
-    from coci_core.engine.restore import (
+    from coci_core.engine.restore.restore import (
         StepInfo,
         checkpoint_storage,
         committed_dirs,
@@ -280,8 +280,8 @@ def _verify_tier(storage: Any, ref: int | str | None, tier: str) -> tuple[int, i
 
 
 def _export(args: argparse.Namespace) -> int:
-    from coci_core.engine.manifest import step_dir_name
-    from coci_core.engine.restore import committed_dirs, restore_newest
+    from coci_core.engine.format.manifest import step_dir_name
+    from coci_core.engine.restore.restore import committed_dirs, restore_newest
     from coci_core.errors import CociError, NoCheckpointError
     from coci_core.interop.exchange import export_state, require_safetensors
 

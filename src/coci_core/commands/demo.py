@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
+from coci_core.engine.format.manifest import MANIFEST_NAME
 from coci_core.engine.manager import CheckpointManager
-from coci_core.engine.manifest import MANIFEST_NAME
 from coci_core.errors import NoCheckpointError
 from coci_core.storage import LocalStorage
 from coci_core.telemetry import TELEMETRY_FILE, Event, JsonlTelemetry, SaveEvent

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from coci_core.engine.snapshot import Snapshot
+from coci_core.engine.save.snapshot import Snapshot
 from coci_core.errors import BackgroundSaveError
 from coci_core.telemetry import SaveEvent
 

@@ -19,9 +19,9 @@ from typing import Any, Protocol
 
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from coci_core.engine.lease import Lease
-from coci_core.engine.tiers import RemoteTier
-from coci_core.engine.workers import PersistWorker
+from coci_core.engine.directory.lease import Lease
+from coci_core.engine.directory.tiers import RemoteTier
+from coci_core.engine.save.workers import PersistWorker
 from coci_core.telemetry import Listener, SaveEvent, UploadEvent, emit
 
 __all__ = ["Owner", "track", "untrack", "weak_emit", "weak_run_id"]

@@ -21,17 +21,17 @@ import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
-from coci_core.engine import lifecycle, retention
+from coci_core.engine import lifecycle
 from coci_core.engine.agreement import RestoreAgreement
-from coci_core.engine.compress import CompressionPolicy, PieceEncoder, check_policy
+from coci_core.engine.directory import retention
+from coci_core.engine.directory.lease import acquire_lease
+from coci_core.engine.directory.tiers import RemoteTier
+from coci_core.engine.format.manifest import Manifest
+from coci_core.engine.format.tree import FlattenCache, flatten_state
 from coci_core.engine.group import RankGroup
 from coci_core.engine.handle import SaveHandle
-from coci_core.engine.inplace import InPlaceTargets, in_place_targets
-from coci_core.engine.lease import acquire_lease
-from coci_core.engine.manifest import Manifest
-from coci_core.engine.partition import DEFAULT_CHUNK_BYTES, partition
-from coci_core.engine.persist import PersistJob
-from coci_core.engine.restore import (
+from coci_core.engine.restore.inplace import InPlaceTargets, in_place_targets
+from coci_core.engine.restore.restore import (
     CheckpointRef,
     checkpoint_storage,
     committed_steps,
@@ -42,7 +42,10 @@ from coci_core.engine.restore import (
     step_infos,
     verify_checkpoint,
 )
-from coci_core.engine.save_inputs import (
+from coci_core.engine.save.compress import CompressionPolicy, PieceEncoder, check_policy
+from coci_core.engine.save.partition import DEFAULT_CHUNK_BYTES, partition
+from coci_core.engine.save.persist import PersistJob
+from coci_core.engine.save.save_inputs import (
     check_run_position,
     check_step,
     flatten_per_rank,
@@ -51,12 +54,10 @@ from coci_core.engine.save_inputs import (
     rank_regions,
     save_version,
 )
-from coci_core.engine.snapshot import Snapshotter
+from coci_core.engine.save.snapshot import Snapshotter
+from coci_core.engine.save.workers import PersistWorker
+from coci_core.engine.save.writer import QueuedSave, SaveWriter
 from coci_core.engine.stateful import Stateful, load_into
-from coci_core.engine.tiers import RemoteTier
-from coci_core.engine.tree import FlattenCache, flatten_state
-from coci_core.engine.workers import PersistWorker
-from coci_core.engine.writer import QueuedSave, SaveWriter
 from coci_core.errors import (
     BackgroundSaveError,
     CociError,
@@ -107,15 +108,15 @@ class CheckpointManager:
         compression: ``"auto"`` (default: compress only where it shortens the time to
             durable; raw on a fast local disk), ``"none"``, ``"lossless"``, ``"lossy"``
             (opt-in, bounded error); or a
-            :class:`~coci_core.engine.compress.CompressionPolicy`. See docs/compression.md.
-        compression_options: knobs of :class:`~coci_core.engine.compress.CompressionPolicy`
+            :class:`~coci_core.engine.save.compress.CompressionPolicy`. See docs/compression.md.
+        compression_options: knobs of :class:`~coci_core.engine.save.compress.CompressionPolicy`
             (``full_every``, ``max_lossy_generations``, ``lossy_bits``, ...).
         remote: a second, remote tier (an fsspec URL such as ``"s3://bucket/run"``, a path or
             a Storage): each checkpoint committed in ``directory`` is then copied there in the
-            background and committed there too (see :mod:`coci_core.engine.tiers`); a restore
-            takes the newest intact checkpoint of either tier, from ``directory`` when it is
-            intact there, else from ``remote`` (a damaged local copy, or a new node with an
-            empty disk).
+            background and committed there too (see
+            :mod:`coci_core.engine.directory.tiers`); a restore takes the newest intact
+            checkpoint of either tier, from ``directory`` when it is intact there, else from
+            ``remote`` (a damaged local copy, or a new node with an empty disk).
         remote_keep_last: committed checkpoints kept on the remote tier (None: all).
         remote_storage_options: fsspec options of ``remote`` (credentials, endpoint).
         remote_upload_every: copy every this many checkpoints to ``remote`` (and the newest
@@ -600,7 +601,7 @@ class CheckpointManager:
         second copy of them; the returned state then holds those live tensors. A restore that
         raises may have left them partly overwritten. ``targets`` (instead of what ``into``
         gives) names live tensors of any layout to fill in place, for a caller that loads the
-        state itself (see :class:`~coci_core.engine.inplace.InPlaceTargets`). The objects in
+        state itself (see :class:`~coci_core.engine.restore.inplace.InPlaceTargets`). The objects in
         ``into`` are loaded in the sorted order of their keys, the same on every rank (their
         ``load_state_dict`` may run collectives).
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from coci_core.engine.torch_saved import check_saved_pickle, load_weights_only
+from coci_core.engine.format.torch_saved import check_saved_pickle, load_weights_only
 from coci_core.errors import CorruptCheckpointError
 from coci_core.interop.allowance import (
     METADATA_NAME,

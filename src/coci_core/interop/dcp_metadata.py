@@ -1,5 +1,5 @@
 """DCP's ``.metadata``, read without running code: its pickle measured first
-(:mod:`coci_core.engine.pickle_tree`), then unpickled by an unpickler that resolves only an
+(:mod:`coci_core.engine.format.pickle_tree`), then unpickled by an unpickler that resolves only an
 allowlist of globals (DCP's metadata dataclasses, ``torch.Size``, torch dtypes, layouts and
 memory formats, ``OrderedDict``, paths and sets).
 """
@@ -14,7 +14,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from coci_core.engine.pickle_tree import PickleTree, pickle_tree
+from coci_core.engine.format.pickle_tree import PickleTree, pickle_tree
 from coci_core.errors import CociError, CorruptCheckpointError, UnsafeCheckpointError
 from coci_core.interop.allowance import METADATA_NAME, Allowance, open_regular_file, short
 from coci_core.knobs import MAX_METADATA_DEPTH

@@ -38,11 +38,11 @@ from typing import Any
 
 import torch
 
-from coci_core.engine.manifest import MAX_STEP
-from coci_core.engine.torch_saved import load_torch_saved
-from coci_core.engine.tree import flatten_state
-from coci_core.engine.tree_nodes import LEAF_TAGS, WRAPPER_TAGS, encode_dtype, ndarray_dtype
-from coci_core.engine.tree_read import build_wrapped, check_tree, unflatten_state
+from coci_core.engine.format.manifest import MAX_STEP
+from coci_core.engine.format.torch_saved import load_torch_saved
+from coci_core.engine.format.tree import flatten_state
+from coci_core.engine.format.tree_nodes import LEAF_TAGS, WRAPPER_TAGS, encode_dtype, ndarray_dtype
+from coci_core.engine.restore.tree_read import build_wrapped, check_tree, unflatten_state
 from coci_core.errors import CociError, CorruptCheckpointError
 from coci_core.knobs import MAX_NOTE_CHARS
 

@@ -21,7 +21,7 @@ What an import builds or walks is paid for by the bytes it reads
 little memory, and a ``CociError`` naming what is wrong:
 
 - before ``.metadata`` is unpickled, the tree its pickle describes (each shared reference
-  counted again, :mod:`coci_core.engine.pickle_tree`) must be at most 16 objects and
+  counted again, :mod:`coci_core.engine.format.pickle_tree`) must be at most 16 objects and
   characters per byte of it, and at most 64 levels deep; the checks of the chunks spend from
   the same kind of allowance; the pickle of each ``torch.save`` record (a ``.pt`` file, a DCP
   value or chunk; each of the pickles of torch's legacy non-zip format) is measured alike
@@ -44,7 +44,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from coci_core.engine.torch_saved import check_saved_pickle, load_weights_only
+from coci_core.engine.format.torch_saved import check_saved_pickle, load_weights_only
 from coci_core.errors import CociError, CorruptCheckpointError
 from coci_core.interop.allowance import Allowance, check_state_size, open_regular_file
 from coci_core.interop.dcp import nest, read_dcp, read_dcp_values

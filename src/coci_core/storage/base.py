@@ -15,7 +15,7 @@ from typing import Protocol, runtime_checkable
 __all__ = ["STAGING_MARK", "RecordStore", "Storage", "StorageWrapper", "staging_name"]
 
 #: What a staging directory's name holds between the step's name and the save's token: the
-#: cleanup of a crash's partial writes (engine/retention.py) finds them by it.
+#: cleanup of a crash's partial writes (engine/directory/retention.py) finds them by it.
 STAGING_MARK = ".coci-tmp-"
 
 
@@ -28,7 +28,7 @@ def staging_name(final: str, token: str) -> str:
 @runtime_checkable
 class RecordStore(Protocol):
     """Small objects written conditionally, shared with other machines: where an object store
-    keeps the writer's owner record (see :mod:`coci_core.engine.lease`)."""
+    keeps the writer's owner record (see :mod:`coci_core.engine.directory.lease`)."""
 
     url: str
 

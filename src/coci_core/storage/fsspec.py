@@ -239,7 +239,7 @@ class FsspecStorage(Storage):
             self.fs.rm(self._path(f"{final}/{_MANIFEST}"))
         self.remove_dir(final)
 
-    # -- the owner record of an object store (see coci_core.engine.lease) --------------------
+    # -- the owner record of an object store (see coci_core.engine.directory.lease) ----------
 
     def _protocols(self) -> set[str]:
         p = self.fs.protocol

@@ -12,10 +12,10 @@ telemetry's internals stay behind them.
 How to add a framework adapter: see docs/architecture.md.
 """
 
+from coci_core.engine.format.manifest import MANIFEST_NAME, parse_step_dir, step_dir_name
+from coci_core.engine.format.tree import flatten_state
 from coci_core.engine.manager import SaveHandle
-from coci_core.engine.manifest import MANIFEST_NAME, parse_step_dir, step_dir_name
-from coci_core.engine.restore import LoadedCheckpoint
-from coci_core.engine.tree import flatten_state
+from coci_core.engine.restore.restore import LoadedCheckpoint
 from coci_core.telemetry.objects import report_sink
 from coci_core.telemetry.report import compare_policies, render, render_policies, summarize
 from coci_core.telemetry.tensorboard import TensorBoardTelemetry

@@ -23,10 +23,10 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal
 
 from coci_core.engine.group import RankGroup
-from coci_core.engine.inplace import InPlaceTargets
 from coci_core.engine.manager import CheckpointManager, SaveHandle
+from coci_core.engine.restore.inplace import InPlaceTargets
+from coci_core.engine.save.workers import LatestOnlyWorker
 from coci_core.engine.stateful import Stateful
-from coci_core.engine.workers import LatestOnlyWorker
 from coci_core.errors import ConfigError, Preempted, StepExistsError
 from coci_core.hpo import combine_terminations
 from coci_core.knobs import MAX_CHECKPOINTS_COSTED

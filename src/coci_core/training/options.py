@@ -14,8 +14,8 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
-from coci_core.engine.compress import CompressionPolicy, check_policy
-from coci_core.engine.retention import check_keep_last
+from coci_core.engine.directory.retention import check_keep_last
+from coci_core.engine.save.compress import CompressionPolicy, check_policy
 from coci_core.errors import ConfigError
 from coci_core.planner import PlannerConfig, planner_config
 from coci_core.planner.policies import SavePolicy

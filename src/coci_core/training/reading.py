@@ -10,16 +10,16 @@ from pathlib import Path
 from typing import Any
 
 from coci_core.engine.agreement import RestoreAgreement
-from coci_core.engine.inplace import InPlaceTargets
-from coci_core.engine.manifest import MANIFEST_NAME, parse_step_version, step_dir_name
-from coci_core.engine.restore import (
+from coci_core.engine.format.manifest import MANIFEST_NAME, parse_step_version, step_dir_name
+from coci_core.engine.format.torch_saved import check_saved_pickle, load_weights_only
+from coci_core.engine.restore.inplace import InPlaceTargets
+from coci_core.engine.restore.restore import (
     CheckpointRef,
     LoadedCheckpoint,
     restore_newest,
     resume_order,
     step_versions,
 )
-from coci_core.engine.torch_saved import check_saved_pickle, load_weights_only
 from coci_core.storage import open_storage
 from coci_core.telemetry import RestoreEvent
 
@@ -102,7 +102,7 @@ def run_step_dir(
     storage_options: Mapping[str, Any] | None = None,
 ) -> Path | str:
     """The step directory of ``run``'s checkpoint of ``step`` in ``directory`` (when two runs
-    hold the step, see :func:`~coci_core.engine.manifest.step_dir_name`), else the step's
+    hold the step, see :func:`~coci_core.engine.format.manifest.step_dir_name`), else the step's
     plain name. A URL stays a string."""
     name = step_dir_name(step)
     if run:

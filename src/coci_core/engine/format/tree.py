@@ -38,15 +38,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from coci_core.engine.meshes import mesh_copies, with_copies
-from coci_core.engine.regions import Region, ShardLayout, dtensor_layout, shard_layout
-from coci_core.engine.torch_saved import (
+from coci_core.engine.format.regions import Region, ShardLayout, dtensor_layout, shard_layout
+from coci_core.engine.format.torch_saved import (
     check_loadable,
     check_saved_pickle,
     load_torch_saved,
     load_weights_only,
 )
-from coci_core.engine.tree_nodes import (
+from coci_core.engine.format.tree_nodes import (
     AS_IS,
     CONFIG_TYPES,
     MAX_TREE_DEPTH,
@@ -59,7 +58,8 @@ from coci_core.engine.tree_nodes import (
     encode_dtype,
     ndarray_dtype,
 )
-from coci_core.engine.tree_read import build_wrapped, check_tree, unflatten_state
+from coci_core.engine.restore.meshes import mesh_copies, with_copies
+from coci_core.engine.restore.tree_read import build_wrapped, check_tree, unflatten_state
 from coci_core.errors import UnsupportedValueError
 
 # Reading a tree (tree_read), its vocabulary (tree_nodes) and torch.save'd values (torch_saved)
@@ -149,8 +149,8 @@ def _shard_layout(
     rotate: int,
     key: str,
 ) -> ShardLayout:
-    """:func:`~coci_core.engine.regions.shard_layout`, once per layout: its cost grows with the
-    mesh, and a state's layouts repeat every save."""
+    """:func:`~coci_core.engine.format.regions.shard_layout`, once per layout: its cost grows
+    with the mesh, and a state's layouts repeat every save."""
     return shard_layout(
         shape,
         mesh_shape,

@@ -2,8 +2,8 @@
 
 :func:`check_tree` walks a tree without recursion before anything is built from it;
 :func:`unflatten_state` then builds the values, the types stored by name only from the fixed
-lists of :mod:`coci_core.engine.tree_nodes` (OmegaConf's configs with ``OmegaConf.create`` when
-omegaconf is installed, else their plain content).
+lists of :mod:`coci_core.engine.format.tree_nodes` (OmegaConf's configs with
+``OmegaConf.create`` when omegaconf is installed, else their plain content).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from coci_core.engine.tree_nodes import (
+from coci_core.engine.format.tree_nodes import (
     CLASSES,
     CONFIG_FLAGS,
     CONFIG_TYPES,

@@ -25,8 +25,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, NoReturn
 
-from coci_core.engine.regions import Region
-from coci_core.engine.tree import check_tree, decode_dtype, ndarray_dtype
+from coci_core.engine.format.regions import Region
+from coci_core.engine.format.tree import check_tree, decode_dtype, ndarray_dtype
 from coci_core.errors import CorruptCheckpointError
 
 __all__ = [

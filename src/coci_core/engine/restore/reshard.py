@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
-from coci_core.engine.manifest import Manifest, TensorEntry
-from coci_core.engine.read import ArrayReader
-from coci_core.engine.regions import Region, box_bases
-from coci_core.engine.tree import decode_dtype
+from coci_core.engine.format.manifest import Manifest, TensorEntry
+from coci_core.engine.format.regions import Region, box_bases
+from coci_core.engine.format.tree import decode_dtype
+from coci_core.engine.restore.read import ArrayReader
 from coci_core.errors import CorruptCheckpointError
 
 __all__ = ["assemble", "read_box", "stored_boxes_of"]

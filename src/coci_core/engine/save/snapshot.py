@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from coci_core.engine.partition import Share
-from coci_core.engine.tree import ArrayLeaf
+from coci_core.engine.format.tree import ArrayLeaf
+from coci_core.engine.save.partition import Share
 from coci_core.errors import StateChangedError
 from coci_core.knobs import CHECK_GRACE_COPIES, CHECK_GRACE_S, OWNER_POLL_S, SMALL_COPY_BYTES
 
@@ -315,7 +315,7 @@ class Snapshotter:
     ) -> bool:
         """Make the arena of this layout the current one (under ``_lock``); whether one was
         allocated. ``touch`` writes every page, so that the kernel maps them now. ``layout``:
-        the flatten's layout tokens (see :class:`~coci_core.engine.tree.FlattenCache`), the
+        the flatten's layout tokens (see :class:`~coci_core.engine.format.tree.FlattenCache`), the
         same ones for the same leaves' layout, or None."""
         if (
             layout is not None

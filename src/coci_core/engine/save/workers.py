@@ -37,7 +37,7 @@ class PersistWorker:
     """A single background thread that runs tasks in order (one persist in flight at a time).
 
     The hand-off goes one way: the worker calls each task's ``run`` and knows nothing of what
-    it does (a manager queues a :class:`~coci_core.engine.writer.QueuedSave`).
+    it does (a manager queues a :class:`~coci_core.engine.save.writer.QueuedSave`).
     """
 
     def __init__(self, *, niceness: int = 5) -> None:

@@ -1,8 +1,8 @@
 """Restore: which checkpoint a resume takes (newest first across the tiers, past damaged
 ones), and the one restore path every caller uses. Reading arrays is in
-:mod:`~coci_core.engine.read`, loading one step in :mod:`~coci_core.engine.load`, the committed
-steps and their order in :mod:`~coci_core.engine.steps`; their public names are importable
-from here too."""
+:mod:`~coci_core.engine.restore.read`, loading one step in
+:mod:`~coci_core.engine.restore.load`, the committed steps and their order in
+:mod:`~coci_core.engine.directory.steps`; their public names are importable from here too."""
 
 from __future__ import annotations
 
@@ -13,17 +13,7 @@ from dataclasses import dataclass
 from typing import Generic, Literal, TypeVar, cast
 
 from coci_core.engine.agreement import Found, RestoreAgreement, agreed_error, error_report
-from coci_core.engine.inplace import InPlaceTargets
-from coci_core.engine.load import (
-    LoadedCheckpoint,
-    RestoreCache,
-    check_checkpoint,
-    load_checkpoint,
-    verify_checkpoint,
-)
-from coci_core.engine.manifest import parse_step_version
-from coci_core.engine.read import MAX_DELTA_CHAIN, ZSTD_MAX_RATIO, read_checked
-from coci_core.engine.steps import (
+from coci_core.engine.directory.steps import (
     StepInfo,
     checkpoint_storage,
     committed_dirs,
@@ -35,6 +25,16 @@ from coci_core.engine.steps import (
     step_infos,
     step_versions,
 )
+from coci_core.engine.format.manifest import parse_step_version
+from coci_core.engine.restore.inplace import InPlaceTargets
+from coci_core.engine.restore.load import (
+    LoadedCheckpoint,
+    RestoreCache,
+    check_checkpoint,
+    load_checkpoint,
+    verify_checkpoint,
+)
+from coci_core.engine.restore.read import MAX_DELTA_CHAIN, ZSTD_MAX_RATIO, read_checked
 from coci_core.errors import CociError, CorruptCheckpointError, NoCheckpointError, StorageError
 from coci_core.storage import Storage
 from coci_core.telemetry.events import RestoreEvent

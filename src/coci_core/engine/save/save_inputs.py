@@ -8,11 +8,11 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from coci_core.engine.directory.steps import step_versions
+from coci_core.engine.format.manifest import MANIFEST_NAME, MAX_SEQUENCE, MAX_STEP, step_dir_name
+from coci_core.engine.format.tree import ArrayLeaf, FlatState, FlattenCache, flatten_state
 from coci_core.engine.group import RankGroup
-from coci_core.engine.manifest import MANIFEST_NAME, MAX_SEQUENCE, MAX_STEP, step_dir_name
-from coci_core.engine.partition import Share, partition
-from coci_core.engine.steps import step_versions
-from coci_core.engine.tree import ArrayLeaf, FlatState, FlattenCache, flatten_state
+from coci_core.engine.save.partition import Share, partition
 from coci_core.errors import ConfigError, StepExistsError, StorageError
 from coci_core.storage import Storage
 
@@ -57,7 +57,7 @@ def check_run_position(run: Any, sequence: Any) -> None:
 
 def save_version(storage: Storage, step: int, run_id: str, *, overwrite: bool) -> int:
     """The version of the step directory that a save of ``step`` by run ``run_id`` goes to
-    (see :func:`~coci_core.engine.manifest.step_dir_name`): 0 for a step the directory does
+    (see :func:`~coci_core.engine.format.manifest.step_dir_name`): 0 for a step the directory does
     not hold; the run's own directory of it with ``overwrite``; with ``overwrite``, the
     step's newest checkpoint of another run (replaced); else a version no run holds yet, so
     that another run's checkpoint of the step is never touched.
@@ -103,7 +103,7 @@ def flatten_per_rank(
     cache: FlattenCache | None = None,
 ) -> FlatState | None:
     """The flattened ``per_rank`` state (None without one); its keys must not be ``state``'s.
-    ``cache``: see :func:`~coci_core.engine.tree.flatten_state`."""
+    ``cache``: see :func:`~coci_core.engine.format.tree.flatten_state`."""
     if per_rank is None:
         return None
     if not isinstance(per_rank, Mapping):

@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from coci_core.engine.manifest import TensorEntry
-from coci_core.engine.regions import Coordinate, Region, dtensor_layout, dtensor_regions
-from coci_core.engine.tree import MAX_TREE_DEPTH
+from coci_core.engine.format.manifest import TensorEntry
+from coci_core.engine.format.regions import Coordinate, Region, dtensor_layout, dtensor_regions
+from coci_core.engine.format.tree import MAX_TREE_DEPTH
 from coci_core.errors import (
     CheckpointError,
     ConfigError,

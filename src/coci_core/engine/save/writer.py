@@ -14,17 +14,17 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from coci_core.engine import retention
-from coci_core.engine.compress import PieceEncoder
+from coci_core.engine.directory import retention
+from coci_core.engine.directory.steps import step_infos
+from coci_core.engine.directory.tiers import RemoteTier
+from coci_core.engine.format.manifest import MANIFEST_NAME, MAX_SEQUENCE, step_dir_name
 from coci_core.engine.group import RankGroup
 from coci_core.engine.handle import SaveHandle
 from coci_core.engine.lifecycle import Owner
-from coci_core.engine.manifest import MANIFEST_NAME, MAX_SEQUENCE, step_dir_name
-from coci_core.engine.persist import PersistJob, write_checkpoint
-from coci_core.engine.restore import highest_sequence
-from coci_core.engine.snapshot import Snapshotter
-from coci_core.engine.steps import step_infos
-from coci_core.engine.tiers import RemoteTier
+from coci_core.engine.restore.restore import highest_sequence
+from coci_core.engine.save.compress import PieceEncoder
+from coci_core.engine.save.persist import PersistJob, write_checkpoint
+from coci_core.engine.save.snapshot import Snapshotter
 from coci_core.errors import BackgroundSaveError, CorruptCheckpointError, StateChangedError
 from coci_core.knobs import ROOM_MARGIN_BYTES
 from coci_core.storage import Storage

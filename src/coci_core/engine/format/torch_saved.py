@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from coci_core.engine.pickle_tree import PickleTree, pickle_tree, pickle_tree_from
+from coci_core.engine.format.pickle_tree import PickleTree, pickle_tree, pickle_tree_from
 from coci_core.errors import CorruptCheckpointError, UnsafeCheckpointError, UnsupportedValueError
 from coci_core.knobs import (
     MAX_SAVED_PICKLE_DEPTH,
@@ -86,7 +86,7 @@ def check_saved_pickle(
     source: bytes | os.PathLike[str], *, what: str, legacy: bool = False
 ) -> None:
     """Measure every pickle ``torch.load`` would unpickle from ``source`` before it runs, with
-    :func:`~coci_core.engine.pickle_tree.pickle_tree` (nothing is built or called): a
+    :func:`~coci_core.engine.format.pickle_tree.pickle_tree` (nothing is built or called): a
     ``torch.save`` zip's ``data.pkl``; with ``legacy``, the pickles of torch's legacy
     (non-zip) format; without, such bytes are refused (coci writes only zips).
 

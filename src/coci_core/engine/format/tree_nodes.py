@@ -1,8 +1,8 @@
 """The state tree's vocabulary: its node tags and their fields, the types stored by name, the
 dtypes an array may have, and how deeply containers may nest.
 
-:mod:`coci_core.engine.tree` writes trees of these nodes and :mod:`coci_core.engine.tree_read`
-checks and reads them; nothing here builds a value.
+:mod:`coci_core.engine.format.tree` writes trees of these nodes and
+:mod:`coci_core.engine.restore.tree_read` checks and reads them; nothing here builds a value.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ __all__ = [
 
 LeafKind = Literal["tensor", "ndarray", "torch_save"]
 
-# Types stored by name (see coci_core.engine.tree's docstring); nothing else is built from a name.
+# Types stored by name (see coci_core.engine.format.tree's docstring); nothing else is built
+# from a name.
 CONFIG_TYPES = ("DictConfig", "ListConfig")  # omegaconf's containers
 CONFIG_FLAGS = ("struct", "readonly")  # the root flags stored
 PATH_TYPES = ("PurePath", "PurePosixPath", "PureWindowsPath", "Path", "PosixPath", "WindowsPath")

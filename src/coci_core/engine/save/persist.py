@@ -23,10 +23,8 @@ from typing import Any
 import crc32c
 
 from coci_core.codecs import RAW, stores_compressed
-from coci_core.engine import commit
-from coci_core.engine.compress import PieceEncoder
-from coci_core.engine.group import RankGroup
-from coci_core.engine.manifest import (
+from coci_core.engine.directory.steps import step_versions
+from coci_core.engine.format.manifest import (
     MANIFEST_NAME,
     DataFile,
     Manifest,
@@ -36,11 +34,13 @@ from coci_core.engine.manifest import (
     check_readable_head,
     step_dir_name,
 )
-from coci_core.engine.restore import read_manifest
-from coci_core.engine.snapshot import Snapshot
-from coci_core.engine.steps import step_versions
-from coci_core.engine.tree import ArrayLeaf, encode_dtype
-from coci_core.engine.workers import lower_thread_priority
+from coci_core.engine.format.tree import ArrayLeaf, encode_dtype
+from coci_core.engine.group import RankGroup
+from coci_core.engine.restore.restore import read_manifest
+from coci_core.engine.save import commit
+from coci_core.engine.save.compress import PieceEncoder
+from coci_core.engine.save.snapshot import Snapshot
+from coci_core.engine.save.workers import lower_thread_priority
 from coci_core.errors import CommitError, StorageError
 from coci_core.knobs import SHARD_PIECE_BYTES, WRITE_CHUNK_BYTES
 from coci_core.storage import Storage

@@ -24,11 +24,11 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-from coci_core.engine import retention
+from coci_core.engine.directory import retention
+from coci_core.engine.directory.lease import Lease, acquire_lease
+from coci_core.engine.directory.steps import StepInfo, highest_sequence, step_versions
+from coci_core.engine.format.manifest import MANIFEST_NAME, read_head, step_dir_name
 from coci_core.engine.group import RankGroup
-from coci_core.engine.lease import Lease, acquire_lease
-from coci_core.engine.manifest import MANIFEST_NAME, read_head, step_dir_name
-from coci_core.engine.steps import StepInfo, highest_sequence, step_versions
 from coci_core.errors import CheckpointError, DirectoryInUseError, NoCheckpointError, StorageError
 from coci_core.knobs import (
     UPLOAD_BACKOFF_MAX_S,

@@ -19,8 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
-from coci_core.engine.group import RankGroup
-from coci_core.engine.manifest import (
+from coci_core.engine.format.manifest import (
     MANIFEST_NAME,
     MAX_TOKEN,
     MAX_WORLD_SIZE,
@@ -33,6 +32,7 @@ from coci_core.engine.manifest import (
     parse_step_dir,
     seal,
 )
+from coci_core.engine.group import RankGroup
 from coci_core.errors import CommitError, CorruptCheckpointError, StorageError
 from coci_core.knobs import COMMIT_POLL_MAX_S, COMMIT_POLL_START_S
 from coci_core.storage.base import staging_name

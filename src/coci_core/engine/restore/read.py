@@ -18,8 +18,8 @@ import torch
 
 from coci_core.codecs import RAW as RAW_CODEC
 from coci_core.codecs import decode, needs_base
-from coci_core.engine.manifest import Manifest, Piece, TensorEntry, step_dir_name
-from coci_core.engine.steps import ManifestCache
+from coci_core.engine.directory.steps import ManifestCache
+from coci_core.engine.format.manifest import Manifest, Piece, TensorEntry, step_dir_name
 from coci_core.errors import CheckpointError, CorruptCheckpointError, StorageError
 from coci_core.knobs import (
     CHUNKED_MIN_BYTES,

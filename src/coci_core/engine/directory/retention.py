@@ -19,9 +19,9 @@ import errno
 import logging
 from collections.abc import Iterable
 
+from coci_core.engine.directory.steps import StepInfo, committed_dirs, step_infos, step_versions
+from coci_core.engine.format.manifest import MANIFEST_NAME, parse_step_dir, step_dir_name
 from coci_core.engine.group import RankGroup
-from coci_core.engine.manifest import MANIFEST_NAME, parse_step_dir, step_dir_name
-from coci_core.engine.steps import StepInfo, committed_dirs, step_infos, step_versions
 from coci_core.errors import ConfigError, StorageError
 from coci_core.storage import STAGING_MARK, Storage
 

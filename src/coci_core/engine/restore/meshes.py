@@ -14,7 +14,7 @@ __all__ = ["REPLICATE", "mesh_copies", "with_copies"]
 
 
 class _Replicated:
-    """A ``Replicate()`` placement, as :mod:`~coci_core.engine.regions` reads placements."""
+    """A ``Replicate()`` placement, as :mod:`~coci_core.engine.format.regions` reads placements."""
 
     def is_partial(self) -> bool:
         return False

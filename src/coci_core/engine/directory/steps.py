@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from coci_core.engine.manifest import (
+from coci_core.engine.format.manifest import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
     Manifest,
@@ -42,7 +42,7 @@ __all__ = [
 
 def committed_dirs(storage: Storage) -> list[tuple[int, int]]:
     """(step, version) of each step directory with a committed manifest, ascending (damage
-    is found on read, not here); see :func:`~coci_core.engine.manifest.step_dir_name`."""
+    is found on read, not here); see :func:`~coci_core.engine.format.manifest.step_dir_name`."""
     found = []
     for name in storage.list_dir(""):
         parsed = parse_step_version(name)

@@ -11,13 +11,18 @@ from typing import Any
 
 import torch
 
-from coci_core.engine.inplace import Fill, InPlaceTargets
-from coci_core.engine.manifest import MANIFEST_NAME, Manifest, TensorEntry, step_dir_name
-from coci_core.engine.read import ArrayReader, RestoreTimes
-from coci_core.engine.regions import Region
-from coci_core.engine.reshard import assemble, read_box
-from coci_core.engine.steps import ManifestCache, gc_paused, read_manifest
-from coci_core.engine.tree import decode_dtype, load_torch_saved, ndarray_dtype, unflatten_state
+from coci_core.engine.directory.steps import ManifestCache, gc_paused, read_manifest
+from coci_core.engine.format.manifest import MANIFEST_NAME, Manifest, TensorEntry, step_dir_name
+from coci_core.engine.format.regions import Region
+from coci_core.engine.format.tree import (
+    decode_dtype,
+    load_torch_saved,
+    ndarray_dtype,
+    unflatten_state,
+)
+from coci_core.engine.restore.inplace import Fill, InPlaceTargets
+from coci_core.engine.restore.read import ArrayReader, RestoreTimes
+from coci_core.engine.restore.reshard import assemble, read_box
 from coci_core.errors import (
     CheckpointError,
     CorruptCheckpointError,

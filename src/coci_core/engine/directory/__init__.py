@@ -1,0 +1,1 @@
+"""A checkpoint directory's bookkeeping: committed steps, retention, the lease, the tiers."""

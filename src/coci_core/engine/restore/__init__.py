@@ -1,0 +1,1 @@
+"""The restore path: which checkpoint a resume takes, reading, verifying, resharding."""
