@@ -270,7 +270,8 @@ def test_the_legend_names_what_is_drawn_and_the_loss_has_a_log_scale(
         any(abs(t / (m * 10**k) - 1) < 1e-6 for m in (1, 2, 5) for k in range(-6, 7)) for t in ticks
     ), ticks
     log = _path_points(browser, "loss")
-    assert len(log) == len(linear) > 10
+    # how many losses the demo logs before its kill depends on timing (9 to 12 seen)
+    assert len(log) == len(linear) >= 6
 
     def later_spread(points: list[tuple[float, float]]) -> float:
         xs = sorted(x for x, _ in points)
