@@ -1,6 +1,6 @@
 """What an Accelerate user reads with no logging configured: coci's plan line, a line per save
-with ``verbose=True`` and the end-of-run summary, each once on stderr, from the main process
-only (Accelerate itself shows nothing below WARNING then)."""
+with ``verbose=True`` and the end-of-run summary, each once on stderr (Accelerate itself shows
+nothing below WARNING then). From the main process only, with two processes: tests/contract."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from coci_core import CheckpointManager
 from tests.harness.processes import module, run
 
 _CHILD = "tests.accelerate._logging_child"
@@ -38,19 +37,3 @@ def test_one_process(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     _check_each_line_once(out.stderr)
     assert "coci:" not in out.stdout
-
-
-@pytest.mark.slow
-@pytest.mark.dist
-def test_two_processes_main_only(tmp_path: Path) -> None:
-    """torchrun with 2 processes (gloo), both writing to the same stderr: each coci line
-    appears once, while both processes saved their share."""
-    command = module("torch.distributed.run", "--nproc-per-node", "2", "-m", _CHILD)
-    out = run([*command, str(tmp_path)], timeout_s=300)
-    assert out.returncode == 0, out.stderr
-    _check_each_line_once(out.stderr)
-    (summary,) = _lines(out.stderr, r"checkpoints committed")
-    assert "(this rank's share)" in summary
-    with CheckpointManager(tmp_path / "coci") as mgr:
-        assert mgr.steps() == [5, 10, 12]
-        assert [f.name for f in mgr.manifest(12).files] == ["data-r0.bin", "data-r1.bin"]

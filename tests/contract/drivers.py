@@ -6,8 +6,9 @@ A driver says which adapter it drives, how big an epoch of its child's run is, t
 trains the child to ``total`` steps with the adapter made from given options (any of the shared
 ones, ``dirpath`` and ``storage_options`` included, as JSON; killed at step ``kill_at`` if given:
 the child prints ``AT <step>`` there and waits to be killed; resumed from the newest committed
-checkpoint if ``resume``), and how to read the child's ``RESULT <json>`` line as an
-:class:`Outcome`. A new adapter writes one more driver here and adds it to :data:`DRIVERS`.
+checkpoint if ``resume``; in ``processes`` processes, gloo, each writing its share), and how to
+read process 0's ``RESULT <json>`` line as an :class:`Outcome`. A new adapter writes one more
+driver here and adds it to :data:`DRIVERS`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any, Protocol
 from coci_accelerate import CociCheckpointer
 from coci_lightning import CociCheckpoint
 from coci_transformers import CociCallback
-from tests.harness.processes import module
+from tests.harness.processes import free_port, module
 from tests.harness.results import result_rows
 
 
@@ -50,14 +51,23 @@ class AdapterDriver(Protocol):
         *,
         kill_at: int | None = None,
         resume: bool = False,
+        processes: int = 1,
     ) -> list[str]:
         """The command that trains in ``directory`` (checkpoints in ``directory / "coci"``) to
-        ``total`` steps, the adapter made with ``options``."""
+        ``total`` steps, the adapter made with ``options``, in ``processes`` processes."""
         ...
 
     def outcome(self, stdout: str) -> Outcome:
         """The child's result, read from its output."""
         ...
+
+
+def _launch(name: str, processes: int, args: list[str]) -> list[str]:
+    """``python -m name args``, or torchrun of it in ``processes`` processes on a free port."""
+    if processes == 1:
+        return module(name, *args)
+    run = ["--nproc-per-node", str(processes), "--master-port", str(free_port())]
+    return module("torch.distributed.run", *run, "-m", name, *args)
 
 
 def _result(stdout: str) -> dict[str, Any]:
@@ -82,9 +92,10 @@ class Lightning:
         *,
         kill_at: int | None = None,
         resume: bool = False,
+        processes: int = 1,
     ) -> list[str]:
         kill = [] if kill_at is None else [str(kill_at)]
-        coci = ["--coci", json.dumps(options)]
+        coci = ["--coci", json.dumps(options), "--devices", str(processes)]
         return module("tests.lightning._child", str(directory), str(total), *kill, *coci)
 
     def outcome(self, stdout: str) -> Outcome:
@@ -108,10 +119,12 @@ class Accelerate:
         *,
         kill_at: int | None = None,
         resume: bool = False,
+        processes: int = 1,
     ) -> list[str]:
         kill = [] if kill_at is None else [str(kill_at)]
         flags = ["--coci", json.dumps(options), "--samples", str(self.steps_per_epoch * self.batch)]
-        return module("tests.accelerate.loop", str(directory), str(total), *kill, *flags)
+        args = [str(directory), str(total), *kill, *flags]
+        return _launch("tests.accelerate.loop", processes, args)
 
     def outcome(self, stdout: str) -> Outcome:
         row = _result(stdout)
@@ -136,10 +149,12 @@ class Transformers:
         *,
         kill_at: int | None = None,
         resume: bool = False,
+        processes: int = 1,
     ) -> list[str]:
         kill = [] if kill_at is None else [str(kill_at)]
         flags = ["--coci", json.dumps(options), *(["--resume"] if resume else [])]
-        return module("tests.transformers.run", str(directory), str(total), *kill, *flags)
+        args = [str(directory), str(total), *kill, *flags]
+        return _launch("tests.transformers.run", processes, args)
 
     def outcome(self, stdout: str) -> Outcome:
         row = _result(stdout)

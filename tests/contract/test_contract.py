@@ -3,7 +3,8 @@ a run SIGKILLed mid-epoch resumes bit-identical to a run never stopped, each rem
 once, from a local directory and from an ``s3://`` one; ``policy="every_n_steps"`` commits
 exactly the planned steps and the final one, and the framework writes no checkpoint of its own;
 ``coci report`` reads the run's telemetry and names those checkpoints; the user reads coci's
-lines once each, on stderr; the adapter takes the shared options as declared once.
+lines once each, on stderr, also from two processes, each of which writes its share; the
+adapter takes the shared options as declared once.
 
 Each driver's run never stopped is made once (``reference``, module-scoped) and read by every
 test; the runs are the real framework's, in child processes, killed with a real SIGKILL."""
@@ -205,6 +206,32 @@ def test_the_user_reads_each_line_once_on_stderr(
     count = len(plan.saves())
     assert summary.startswith(f"coci: {count} checkpoints committed (newest step {plan.total})")
     assert "coci:" not in reference.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_two_processes_each_write_their_share_and_rank_0_alone_speaks(
+    driver: AdapterDriver, tmp_path: Path
+) -> None:
+    """Two processes (gloo) on one stderr: every planned step committed with both processes'
+    shares, and the user reads coci's lines once each, as from one process (rank 0's)."""
+    plan = Plan.of(driver)
+    command = driver.command(tmp_path, plan.total, plan.options(), processes=2)
+    done = run(command, env=child_env({"OMP_NUM_THREADS": "1"}), timeout_s=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stderr.splitlines() if line.startswith("coci: ")]
+    assert len([line for line in lines if line.startswith("coci: plan ")]) == 1, lines
+    saved = [line for line in lines if " saved: stall " in line]
+    assert [int(line.split()[2]) for line in saved] == plan.saves(), lines
+    (summary,) = [line for line in lines if "checkpoints committed" in line]
+    assert summary.startswith(f"coci: {len(plan.saves())} checkpoints committed")
+    assert "(this rank's share)" in summary
+    assert "coci:" not in done.stdout
+    with CheckpointManager(tmp_path / "coci", keep_last=None) as mgr:
+        assert mgr.steps() == plan.saves()
+        manifest = mgr.manifest(plan.total)
+    assert manifest.world_size == 2 and len(manifest.per_rank) == 2
+    assert sorted(f.name.split("-")[1].removesuffix(".bin") for f in manifest.files) == ["r0", "r1"]
 
 
 def test_the_adapter_takes_the_declared_options(driver: AdapterDriver) -> None:

@@ -1,9 +1,10 @@
 """A Lightning training process for kill tests.
 
 Run as ``python -m tests.lightning._child DIR TOTAL [KILL] [--dirpath URL]
-[--storage-options JSON] [--coci JSON]``: checkpoints go to ``DIR/coci``, or to ``--dirpath``
-(an fsspec URL such as ``s3://bucket/run``, reached with ``--storage-options`` or else the
-environment's ``AWS_*`` variables); ``--coci`` adds or replaces ``CociCheckpoint`` options.
+[--storage-options JSON] [--coci JSON] [--devices N]``: checkpoints go to ``DIR/coci``, or to
+``--dirpath`` (an fsspec URL such as ``s3://bucket/run``, reached with ``--storage-options`` or
+else the environment's ``AWS_*`` variables); ``--coci`` adds or replaces ``CociCheckpoint``
+options; ``--devices 2``: two processes (DDP, gloo).
 
 With KILL it prints ``AT <step>`` after that step and waits to be killed; at the end it prints
 ``RESULT <json>`` with the final weights' digest (``digest``), that of the weights and the
@@ -54,6 +55,7 @@ def main() -> None:
     parser.add_argument("--dirpath", default=None)
     parser.add_argument("--storage-options", type=json.loads, default=None)
     parser.add_argument("--coci", type=json.loads, default={})
+    parser.add_argument("--devices", type=int, default=1, help="processes (DDP on CPU, gloo)")
     args = parser.parse_args()
     pl.seed_everything(7, verbose=False)
     model = DigitsModel()
@@ -69,6 +71,8 @@ def main() -> None:
         callbacks.append(_StopHere(args.kill))
     trainer = pl.Trainer(
         accelerator="cpu",
+        devices=args.devices,
+        strategy="ddp" if args.devices > 1 else "auto",
         max_steps=args.total,
         logger=False,
         enable_progress_bar=False,
@@ -79,7 +83,13 @@ def main() -> None:
     )
     trainer.fit(model)
     state = full_digest({"model": model.state_dict(), "opt": trainer.optimizers[0].state_dict()})
-    result = {"digest": digest(model), "state": state, "start": start.step, "seen": model.seen}
+    result = {
+        "rank": trainer.global_rank,
+        "digest": digest(model),
+        "state": state,
+        "start": start.step,
+        "seen": model.seen,
+    }
     print("RESULT " + json.dumps(result), flush=True)
 
 
