@@ -187,6 +187,9 @@ def test_a_save_that_may_fit_is_tried_only_where_cut_short_it_costs_nothing() ->
     assert not ok and "after 25.00 s for the save being written" in why
     ok, why = fit_save(30, 10, 3, wait_s=15)
     assert ok and "it fits" in why and "after 15.00 s" in why
+    # not measured yet: tried while any time is left, where a cut-short save costs nothing
+    assert fit_save(2, None, 3, try_uncertain=True)[0]
+    assert not fit_save(-0.1, None, 3, try_uncertain=True)[0]
 
 
 def test_the_watch_decides_from_the_fastest_and_the_wait() -> None:
@@ -203,6 +206,7 @@ def test_the_watch_decides_from_the_fastest_and_the_wait() -> None:
         return decision.save, decision.reason
 
     assert decide(SaveTimes(12.0, 6.0))[0]
+    assert decide(SaveTimes(None, None))[0]  # none measured: tried
     assert not decide(SaveTimes(12.0, 6.0, try_uncertain=False))[0]
     assert not decide(SaveTimes(12.0, 6.0, wait_s=5.0))[0]
     assert decide(SaveTimes(5.0, 4.0, wait_s=2.0))[0]

@@ -403,20 +403,18 @@ class Checkpointer:
         )
         return [s.name for s in self._watch.start()]
 
-    def _save_time_s(self) -> SaveTimes | None:
-        """What a save takes to be durable: the longest and the fastest of the last few, and
-        the wait for one still being written (None: none measured yet). One that may not fit
-        is tried only where a cut-short save costs nothing: no upload to a remote tier waits."""
-        if not self._durable_s:
-            return None
-        longest = max(self._durable_s)
+    def _save_time_s(self) -> SaveTimes:
+        """What a save takes to be durable: the longest and the fastest of the last few (None:
+        none measured yet), and the wait for one still being written. One that may not fit is
+        tried only where a cut-short save costs nothing: no upload to a remote tier waits."""
+        longest = max(self._durable_s) if self._durable_s else None
         wait = 0.0
         last = self._last_save
-        if last is not None and not last[0].done():
+        if longest is not None and last is not None and not last[0].done():
             wait = max(0.0, longest - (time.monotonic() - last[1]))
         return SaveTimes(
             longest_s=longest,
-            fastest_s=min(self._durable_s),
+            fastest_s=min(self._durable_s) if self._durable_s else None,
             wait_s=wait,
             try_uncertain=self.manager.remote is None,
         )

@@ -53,15 +53,15 @@ class SaveTimes:
     """What a notice's save will take, as measured.
 
     Attributes:
-        longest_s: the longest of the last few saves' time to durable.
-        fastest_s: the fastest of them.
+        longest_s: the longest of the last few saves' time to durable (None: none measured).
+        fastest_s: the fastest of them (None: none measured).
         wait_s: until the save still being written is durable (estimated; 0: none is).
         try_uncertain: a save that may not fit is tried (cut short, it costs nothing: the
             commit is atomic and no upload to a remote tier waits for the time).
     """
 
-    longest_s: float
-    fastest_s: float
+    longest_s: float | None
+    fastest_s: float | None
     wait_s: float = 0.0
     try_uncertain: bool = True
 
@@ -145,14 +145,15 @@ def fit_save(
 ) -> tuple[bool, str]:
     """Whether a save that takes ``needed_s`` (the slowest of the last few; None: not
     measured), after ``wait_s`` for a save still being written, fits ``time_left_s`` with
-    ``margin_s`` to spare, and why. An unmeasured save is tried when any time is left: its
-    commit is atomic, so one cut short leaves the previous checkpoint the newest. With
-    ``try_uncertain``, so is one that fits at the pace of the fastest (``fastest_s``) of the
-    last few, without the margin."""
+    ``margin_s`` to spare, and why. An unmeasured save is tried when time beyond the margin is
+    left: its commit is atomic, so one cut short leaves the previous checkpoint the newest.
+    With ``try_uncertain``, an unmeasured save is tried when any time is left, and a measured
+    one that fits at the pace of the fastest (``fastest_s``) of the last few, without the
+    margin."""
     usable = time_left_s - margin_s
     behind = f" after {wait_s:.2f} s for the save being written" if wait_s > 0 else ""
     if needed_s is None:
-        if usable > 0:
+        if usable > 0 or (try_uncertain and time_left_s - wait_s > 0):
             return True, f"{time_left_s:.1f} s left; the save's time is not measured yet: tried"
         return False, f"{time_left_s:.1f} s left, within the {margin_s:g} s margin: not started"
     if wait_s + needed_s <= usable:
@@ -316,10 +317,10 @@ class PreemptionWatch:
             measured = needed_s()
             times = (
                 measured
-                if isinstance(measured, SaveTimes) or measured is None
+                if isinstance(measured, SaveTimes)
                 else SaveTimes(measured, measured, try_uncertain=False)
             )
-            needed = times.longest_s if times is not None else None
+            needed = times.longest_s
             # a step's time: the median of the last few (one that waited for a save is not
             # the pace), or the pace since the plan when that was slower
             step_s = statistics.median(self._step_times) if self._step_times else None
@@ -336,17 +337,13 @@ class PreemptionWatch:
             if target > step:
                 payload = {"save_at": target, "step_s": step_s, "needed_s": needed}
             else:
-                save, reason = (
-                    fit_save(left, None, margin)
-                    if times is None
-                    else fit_save(
-                        left,
-                        times.longest_s,
-                        margin,
-                        fastest_s=times.fastest_s,
-                        wait_s=times.wait_s,
-                        try_uncertain=times.try_uncertain,
-                    )
+                save, reason = fit_save(
+                    left,
+                    times.longest_s,
+                    margin,
+                    fastest_s=times.fastest_s,
+                    wait_s=times.wait_s,
+                    try_uncertain=times.try_uncertain,
                 )
                 payload = {"save": save, "reason": reason, "needed_s": needed}
         if self.broadcast is not None:
