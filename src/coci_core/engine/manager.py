@@ -27,7 +27,7 @@ from coci_core.engine.directory import retention
 from coci_core.engine.directory.lease import acquire_lease
 from coci_core.engine.directory.tiers import RemoteTier
 from coci_core.engine.format.manifest import Manifest
-from coci_core.engine.format.tree import FlattenCache, flatten_state
+from coci_core.engine.format.tree import ArrayLeaf, flatten_state
 from coci_core.engine.group import RankGroup
 from coci_core.engine.handle import SaveHandle
 from coci_core.engine.restore.inplace import InPlaceTargets, in_place_targets
@@ -42,8 +42,9 @@ from coci_core.engine.restore.restore import (
     step_infos,
     verify_checkpoint,
 )
+from coci_core.engine.save.ahead import FlattenAhead
 from coci_core.engine.save.compress import CompressionPolicy, PieceEncoder, check_policy
-from coci_core.engine.save.partition import DEFAULT_CHUNK_BYTES, partition
+from coci_core.engine.save.partition import DEFAULT_CHUNK_BYTES, Share, partition
 from coci_core.engine.save.persist import PersistJob
 from coci_core.engine.save.save_inputs import (
     check_run_position,
@@ -195,9 +196,11 @@ class CheckpointManager:
         self.chunk_bytes = chunk_bytes
         self._saves = 0
         self._snapshotter = Snapshotter()
-        # the last save's flattens of ``state`` and ``per_rank`` (used under ``_save_lock``)
-        self._flat_cache = FlattenCache()
-        self._rank_cache = FlattenCache()
+        # flattens saves (under ``_save_lock``), keeping the last save's flattens of ``state``
+        # and ``per_rank``, and copies ahead where that pays
+        self._flattener = FlattenAhead(self._snapshotter, allow_torch_save=self.allow_torch_save)
+        # the flatten's layout tokens of the last save, its regions and their digest
+        self._last_split: tuple[tuple[object, ...], tuple[Share, ...] | None, str] | None = None
         self._encoder = PieceEncoder(self.compression)
         # The writer thread holds the manager only while a save of it is queued or running
         # (QueuedSave.holder): an unclosed manager that nothing else references is freed once
@@ -348,10 +351,9 @@ class CheckpointManager:
         if alone and not self.group.is_coordinator:
             raise ConfigError("'alone' saves are made by rank 0 only")
         group = RankGroup(0, 1, self.group.session) if alone else self.group
-        flat = flatten_state(state, allow_torch_save=self.allow_torch_save, cache=self._flat_cache)
-        own = flatten_per_rank(
-            state, per_rank, allow_torch_save=self.allow_torch_save, cache=self._rank_cache
-        )
+        ahead = block and not alone and self.group.world_size == 1
+        flattened = self._flattener.flatten(state, per_rank, ahead=ahead)
+        flat, own = flattened.flat, flattened.own
         if self.group.is_coordinator and self._owner.lease is None:  # after the input checks
             self._owner.lease = acquire_lease(self.storage, self.group.session)
             retention.remove_uncommitted(self.storage, self.group, done_seq=None)
@@ -364,10 +366,12 @@ class CheckpointManager:
                 "an 'alone' save cannot hold shards of DTensors: the other ranks' rows are not "
                 "written (save a full state dict instead)"
             )
-        regions = None if alone else rank_regions(self.group, self.chunk_bytes, flat.leaves, leaves)
         known = flat.layout is not None and (own is None or own.layout is not None)
         layout = (flat.layout, own.layout if own else None) if known else None
-        snapshot = self._snapshotter.prepare(leaves, regions, layout)
+        regions, digest = self._split(flat.leaves, leaves, layout, alone)
+        snapshot = self._snapshotter.prepare(leaves, regions, layout, track_versions=not block)
+        if flattened.views is not None and snapshot.views is flattened.views:
+            snapshot.precopied = frozenset(range(flattened.precopied))
         handle = SaveHandle(step, block=block, started=started, snapshot=snapshot)
         job = PersistJob(
             step,
@@ -379,7 +383,7 @@ class CheckpointManager:
             solo=alone,
             n_shared=len(flat.leaves),
             rank_tree=own.tree if own else None,
-            layout=layout_digest(flat.leaves, self.chunk_bytes) if regions is not None else "",
+            layout=digest,
             group=group,
             run=self.run_id,
             version=version,
@@ -396,6 +400,25 @@ class CheckpointManager:
         handle.add_stall(time.perf_counter() - started)
         self._worker.submit(QueuedSave(self._writer, job, handle, holder=self))
         return handle
+
+    def _split(
+        self,
+        shared: tuple[ArrayLeaf, ...],
+        leaves: tuple[ArrayLeaf, ...],
+        layout: tuple[object, ...] | None,
+        alone: bool,
+    ) -> tuple[tuple[Share, ...] | None, str]:
+        """This rank's regions of ``leaves`` and the digest of the split that every rank must
+        agree on (none for a save of one rank); the last save's while the flatten's ``layout``
+        tokens stay the same."""
+        if alone:
+            return None, ""
+        if layout is not None and self._last_split is not None and self._last_split[0] == layout:
+            return self._last_split[1], self._last_split[2]
+        regions = rank_regions(self.group, self.chunk_bytes, shared, leaves)
+        digest = layout_digest(shared, self.chunk_bytes) if regions is not None else ""
+        self._last_split = (layout, regions, digest) if layout is not None else None
+        return regions, digest
 
     def warm_up(
         self, state: Mapping[str, Any], *, per_rank: Mapping[str, Any] | None = None
