@@ -254,6 +254,46 @@ def fsdp(results: dict[str, Any]) -> Figure:
     return fig
 
 
+def loop(results: dict[str, Any]) -> Figure:
+    """Loop overhead against the save interval, one line per method, one panel per torch
+    thread setting (benchmarks/loop_bench.py). Not in :data:`PLOTS` until a results file
+    ``docs/results/loop.json`` is committed."""
+    cells = results["cells"]
+    fig, axes = plt.subplots(1, len(cells), figsize=(5.0 * len(cells), 3.8), squeeze=False)
+    for ax, cell in zip(axes[0], cells, strict=True):
+        for name, by_every in cell["summary"].items():
+            if name == "none":
+                continue
+            every = sorted(by_every, key=int)
+            rows = [by_every[e]["overhead_pct"] for e in every]
+            shown = [i for i, r in enumerate(rows) if r]
+            values = [[rows[i][k] for k in ("median", "min", "max")] for i in shown]
+            ax.errorbar(
+                [int(every[i]) for i in shown],
+                [v[0] for v in values],
+                yerr=_error_bars(values),
+                marker="o",
+                capsize=3,
+                linestyle="-" if name.startswith("coci") else "--",
+                label=name,
+            )
+        ax.set_xscale("log")
+        ax.set_yscale("symlog", linthresh=1)
+        ax.axhline(0, color="black", linewidth=0.8)
+        ax.set_xlabel("save every N steps")
+        ax.set_ylabel("loop overhead (% of the step without saves)")
+        step_ms = cell["summary"]["none"]["step_s"]["median"] * 1e3
+        ax.set_title(f"{cell['threads']} torch thread(s), step {step_ms:.0f} ms")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    fig.suptitle(
+        f"{results['state_bytes'] / 1e9:.2g} GB state: median, bars min-max of "
+        f"{results['rounds']} rounds"
+    )
+    fig.tight_layout()
+    return fig
+
+
 #: results file stem -> the function drawing its plot
 PLOTS: dict[str, Callable[[dict[str, Any]], Figure]] = {
     "engine-1g": engine_1g,
