@@ -1,7 +1,8 @@
 """A child for tests/test_harness.py: it reports how it was started, then does what argv says.
 
 argv: what (``report``, ``raise``, ``exit <code>``, ``wait``: block on stdin, ``thread``: print
-from a non-daemon thread after the main module ends).
+from a non-daemon thread after the main module ends, ``fail <rank> <code>``: that rank exits
+with that status, the others wait forever).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ def main() -> None:
             "argv": sys.argv,
             "cwd": os.getcwd(),
             "env": os.environ.get("COCI_HARNESS_PROBE"),
+            "rank": os.environ.get("RANK"),
+            "world": os.environ.get("WORLD_SIZE"),
             "main_spec": getattr(sys.modules["__main__"].__spec__, "name", None),
             "path0": sys.path[0],
             "threads": torch.get_num_threads(),
@@ -38,6 +41,10 @@ def main() -> None:
         raise ValueError("the child's own error")
     elif what == "exit":
         sys.exit(int(sys.argv[2]))
+    elif what == "fail":
+        if os.environ["RANK"] == sys.argv[2]:
+            sys.exit(int(sys.argv[3]))
+        threading.Event().wait()
     elif what == "wait":
         print("READY", flush=True)
         sys.stdin.read()

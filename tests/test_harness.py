@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.harness.processes import ROOT, Child, child_env, module, run
+from tests.harness.results import result_rows
 
 CHILD = "tests._harness_child"
 
@@ -103,6 +104,20 @@ def test_a_killed_child_reports_the_signal(scope: str) -> None:
     with Child(module(CHILD, "wait")) as child:
         assert child.readline() == "READY\n"
         assert child.communicate("") == ("ATEXIT\n", "")
+
+
+def test_ranks_runs_the_processes_of_a_run_and_one_that_fails_ends_it() -> None:
+    """``python -m tests.harness.ranks N MODULE ...``: N processes (forked), each with its rank's
+    variables, each running MODULE as ``python -m`` would; when one fails, the others are
+    killed and the run ends with its status (as under torchrun)."""
+    done = run(module("tests.harness.ranks", "2", CHILD, "report", "x"), input="")
+    assert done.returncode == 0, done.stderr
+    rows = result_rows(done.stdout)
+    assert sorted((r["rank"], r["world"]) for r in rows) == [("0", "2"), ("1", "2")]
+    assert all(r["argv"][1:] == ["report", "x"] and r["main_spec"] == CHILD for r in rows)
+    assert done.stdout.count("ATEXIT") == 2
+    failed = run(module("tests.harness.ranks", "2", CHILD, "fail", "1", "3"), timeout_s=60)
+    assert failed.returncode == 3
 
 
 def test_the_root_is_the_default_directory() -> None:

@@ -11,8 +11,8 @@ On CPU, Accelerate ignores the FSDP plugin (the distributed type stays ``MULTI_C
 *before* the constructor does not help either: ``AcceleratorState`` then never records the
 plugin (it does so only while turning a ``MULTI_<accelerator>`` type into FSDP), and
 ``is_fsdp2`` fails. So this child makes the ``Accelerator`` with the FSDP plugin alone, forces
-the FSDP type (as ``_fsdp2_child`` does), and then does what the constructor does with a
-``ParallelismConfig``, with Accelerate's own code: ``state.parallelism_config``,
+the FSDP type (as ``tests.accelerate.loop.force_fsdp`` does), then does what the constructor
+does with a ``ParallelismConfig``, with Accelerate's own code: ``state.parallelism_config``,
 ``state.device_mesh = config.get_device_mesh("cpu")`` and ``config._validate_accelerator``.
 From there on, ``prepare`` runs Accelerate's 2-D path: ``_prepare_tp`` (the parameters that
 are not DTensors become DTensors replicated over ``tp``), then ``fully_shard`` over the

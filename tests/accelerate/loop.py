@@ -1,11 +1,15 @@
 """The issue's Accelerate loop on scikit-learn's digits, as a function and as a process.
 
-Run as ``python -m tests.accelerate.loop DIR TOTAL [KILL] [--coci JSON] [--samples N]`` (also
-under ``accelerate launch`` or torchrun): with KILL it prints ``AT <step>`` after that step and
-waits to be killed; ``--coci`` adds or replaces ``CociCheckpointer`` options; ``--samples``: the
-first N digits (512) make the data set; at the end each process
-prints ``RESULT <json>`` (process index, weights digest, that of the weights and the optimizer's
-state, the step it resumed from, samples trained on).
+Run as ``python -m tests.accelerate.loop DIR TOTAL [KILL] [--coci JSON] [--samples N]
+[--fsdp2]`` (also under ``accelerate launch`` or torchrun): with KILL it prints ``AT <step>``
+after that step and waits to be killed; ``--coci`` adds or replaces ``CociCheckpointer``
+options; ``--samples``: the first N digits (512) make the data set; ``--fsdp2`` (several
+processes): the model is sharded with FSDP2 by Accelerate's FSDP plugin (``fsdp_version=2``;
+see :func:`force_fsdp`), and at the end Accelerate's own ``save_state`` / ``load_state`` (their
+FSDP path) run beside coci, in ``DIR/accelerate``; at the end each process prints
+``RESULT <json>`` (process index, weights digest, that of the weights and the optimizer's
+state, of the full tensors, whether the parameters are sharded DTensors, the step it resumed
+from, samples trained on).
 """
 
 from __future__ import annotations
@@ -18,8 +22,14 @@ import threading
 from typing import Any
 
 import torch
-from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, set_seed
+from accelerate import Accelerator, PartialState
+from accelerate.utils import (
+    DataLoaderConfiguration,
+    DistributedType,
+    FullyShardedDataParallelPlugin,
+    set_seed,
+)
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from coci_accelerate import CociCheckpointer, CociTracker
@@ -31,6 +41,19 @@ def digits(n: int = 512) -> TensorDataset:
     """The first ``n`` digits with their indices."""
     x, y = digits_flat(n)
     return TensorDataset(x, y, torch.arange(n))
+
+
+def force_fsdp(accelerator: Accelerator, plugin: FullyShardedDataParallelPlugin) -> None:
+    """Make ``accelerator``, made with ``plugin`` on CPU, prepare for FSDP.
+
+    On CPU, Accelerate ignores the FSDP plugin (it prepares the model for DDP); setting the
+    state's ``distributed_type`` to FSDP (on ``PartialState()`` too: every ``AcceleratorState()``
+    copies its type back) and recording the plugin makes ``prepare`` apply ``fully_shard`` and
+    the Accelerator report FSDP (training, and Accelerate's own ``save_state`` and
+    ``load_state``, work on CPU with gloo)."""
+    PartialState().distributed_type = DistributedType.FSDP
+    accelerator.state.distributed_type = DistributedType.FSDP
+    accelerator.state.fsdp_plugin = plugin
 
 
 def train(
@@ -46,9 +69,11 @@ def train(
     storage_options: dict[str, Any] | None = None,
     options: dict[str, Any] | None = None,
     samples: int = 512,
+    fsdp2: bool = False,
 ) -> dict[str, Any]:
     """The issue's loop: prepare, resume, train with ``accelerator.log`` and ``ckpt.step``."""
     set_seed(5)
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2) if fsdp2 else None
     accelerator = Accelerator(
         cpu=True,
         log_with=[CociTracker()],
@@ -56,7 +81,10 @@ def train(
         dataloader_config=DataLoaderConfiguration(
             use_seedable_sampler=True, use_stateful_dataloader=True
         ),
+        fsdp_plugin=plugin,
     )
+    if plugin is not None:
+        force_fsdp(accelerator, plugin)
     accelerator.init_trackers("digits")
     model = torch.nn.Sequential(
         torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(64, 10)
@@ -99,18 +127,24 @@ def train(
                     break
     finally:
         ckpt.close()
-    accelerator.end_training()
+    if fsdp2:  # Accelerate's own save_state / load_state beside coci's (their FSDP path: DCP)
+        accelerator.save_state(os.path.join(directory, "accelerate"))
+        accelerator.load_state(os.path.join(directory, "accelerate"))
     digest = hashlib.sha256()
     for name, t in accelerator.unwrap_model(model).state_dict().items():
+        t = t.full_tensor() if isinstance(t, DTensor) else t  # a collective, as full_digest's
         digest.update(name.encode() + t.contiguous().view(torch.uint8).numpy().tobytes())
     state = {"model": model.state_dict(), "opt": optimizer.optimizer.state_dict()}
-    return {
+    result = {
         "rank": accelerator.process_index,
         "digest": digest.hexdigest(),
         "state": full_digest(state),
+        "sharded": all(isinstance(p, DTensor) for p in model.parameters()),
         "seen": seen,
         "start": start_step,
     }
+    accelerator.end_training()  # it ends the process group: after the collectives above
+    return result
 
 
 def _wait_for_kill(accelerator: Accelerator) -> None:
@@ -121,6 +155,8 @@ def _wait_for_kill(accelerator: Accelerator) -> None:
 
 def main() -> None:
     argv, options, samples = sys.argv[1:], None, 512
+    fsdp2 = "--fsdp2" in argv
+    argv = [a for a in argv if a != "--fsdp2"]
     if "--coci" in argv:
         at = argv.index("--coci")
         options = json.loads(argv[at + 1])
@@ -134,7 +170,13 @@ def main() -> None:
     if kill is not None:
         os.environ["COCI_KILL_AT"] = str(kill)
     result = train(
-        directory, total, kill_at=kill, on_kill=_wait_for_kill, options=options, samples=samples
+        directory,
+        total,
+        kill_at=kill,
+        on_kill=_wait_for_kill,
+        options=options,
+        samples=samples,
+        fsdp2=fsdp2,
     )
     print("RESULT " + json.dumps(result), flush=True)
 

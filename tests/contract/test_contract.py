@@ -3,14 +3,18 @@ a run SIGKILLed mid-epoch resumes bit-identical to a run never stopped, each rem
 once, from a local directory and from an ``s3://`` one; ``policy="every_n_steps"`` commits
 exactly the planned steps and the final one, and the framework writes no checkpoint of its own;
 ``coci report`` reads the run's telemetry and names those checkpoints; the user reads coci's
-lines once each, on stderr, also from two processes, each of which writes its share; the
-adapter takes the shared options as declared once.
+lines once each, on stderr, also from two processes whose model FSDP2 shards (gloo, CPU), each
+of which writes its share; such a run SIGKILLed and resumed is bit-identical too, each process
+having written its own pieces of the sharded weights; the adapter takes the shared options as
+declared once.
 
-Each driver's run never stopped is made once (``reference``, module-scoped) and read by every
-test; the runs are the real framework's, in child processes, killed with a real SIGKILL."""
+Each driver's runs never stopped (in one process; in two with FSDP2) are made once
+(``reference``, ``sharded_reference``, module-scoped) and read by every test; the runs are the
+real framework's, in child processes, killed with a real SIGKILL."""
 
 from __future__ import annotations
 
+import math
 import signal
 import subprocess
 from dataclasses import dataclass
@@ -18,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from coci_core import CheckpointManager
 from coci_core.commands import cli
@@ -29,18 +34,24 @@ from tests.harness.s3 import S3Server
 
 @dataclass(frozen=True)
 class Plan:
-    """The steps of a driver's runs: a save every quarter epoch, a kill one step past the
-    first save of epoch 2, and an end one step into epoch 3 (not a planned save)."""
+    """The steps of a driver's runs in ``processes`` processes: a save every quarter epoch, a
+    kill one step past the first save of epoch 2, and an end one step into epoch 3 (not a
+    planned save)."""
 
     every: int
     kill: int
     total: int
+    epoch: int  # steps an epoch
+    batch: int  # samples a step, over all processes
 
     @classmethod
-    def of(cls, driver: AdapterDriver) -> Plan:
-        epoch = driver.steps_per_epoch
-        every = epoch // 4
-        return cls(every=every, kill=epoch + every + 1, total=2 * epoch + 1)
+    def of(cls, driver: AdapterDriver, processes: int = 1) -> Plan:
+        epoch = driver.steps_per_epoch // processes
+        every = max(epoch // 4, 1)
+        batch = driver.batch * processes
+        return cls(
+            every=every, kill=epoch + every + 1, total=2 * epoch + 1, epoch=epoch, batch=batch
+        )
 
     def options(self) -> dict[str, Any]:
         return {
@@ -79,6 +90,21 @@ def reference(driver: AdapterDriver, tmp_path_factory: pytest.TempPathFactory) -
     return Reference(directory, driver.outcome(done.stdout), done.stdout, done.stderr)
 
 
+SHARDED_ENV = {"OMP_NUM_THREADS": "1"}  # two processes share the machine's cores
+
+
+@pytest.fixture(scope="module")
+def sharded_reference(driver: AdapterDriver, tmp_path_factory: pytest.TempPathFactory) -> Reference:
+    """The driver's run in two processes (gloo) whose model FSDP2 shards, never stopped, its
+    checkpoints kept."""
+    plan = Plan.of(driver, processes=2)
+    directory = tmp_path_factory.mktemp(f"{driver.name}-fsdp2")
+    command = driver.command(directory, plan.total, plan.options(), processes=2, fsdp2=True)
+    done = run(command, env=child_env(SHARDED_ENV), timeout_s=300, cwd=directory)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return Reference(directory, driver.outcome(done.stdout), done.stdout, done.stderr)
+
+
 def _kill_then_resume(
     driver: AdapterDriver,
     directory: Path,
@@ -87,41 +113,42 @@ def _kill_then_resume(
     where: str | None = None,
     env: dict[str, str] | None = None,
     storage_options: dict[str, Any] | None = None,
+    plan: Plan | None = None,
+    **launch: Any,
 ) -> tuple[list[int], Outcome]:
-    """Train in ``directory`` (checkpoints in ``where``, by default its ``coci``), SIGKILL the
-    process one step past the first save of epoch 2, then train again to the end: the steps
-    committed at the kill and the second run's outcome. The processes run in ``directory``'s
-    parent."""
-    plan = Plan.of(driver)
+    """Train in ``directory`` (checkpoints in ``where``, by default its ``coci``; ``launch``:
+    the command's ``processes`` and ``fsdp2``), SIGKILL the processes one step past the first
+    save of epoch 2, then train again to the end: the steps committed at the kill and the
+    second run's outcome. The processes run in ``directory``'s parent."""
+    plan = plan or Plan.of(driver)
     cwd = directory.parent
-    command = driver.command(directory, plan.total, options, kill_at=plan.kill)
+    command = driver.command(directory, plan.total, options, kill_at=plan.kill, **launch)
     with Child(command, env=env, stderr=subprocess.DEVNULL, kill_scope="tree", cwd=cwd) as child:
         assert child.kill_at(f"AT {plan.kill}") == -signal.SIGKILL
     where = where or str(directory / "coci")
     with CheckpointManager(where, storage_options=storage_options, keep_last=None) as mgr:
         steps = mgr.steps()
-    command = driver.command(directory, plan.total, options, resume=True)
+    command = driver.command(directory, plan.total, options, resume=True, **launch)
     done = run(command, env=env, timeout_s=300, cwd=cwd)
     assert done.returncode == 0, done.stderr[-3000:]
     return steps, driver.outcome(done.stdout)
 
 
 def _assert_resumed_exactly(
-    driver: AdapterDriver, steps: list[int], resumed: Outcome, expected: Outcome
+    plan: Plan, steps: list[int], resumed: Outcome, expected: Outcome
 ) -> None:
     """The run resumed from the newest committed step ends as the run never stopped."""
-    plan = Plan.of(driver)
     # the newest planned save, or an older one if its writer was still at work at the kill
     assert steps and steps[-1] <= plan.kill and steps[-1] % plan.every == 0
     start = steps[-1]
     assert resumed.start == start
     assert resumed.state == expected.state
-    assert resumed.seen == expected.seen[start * driver.batch :]
+    assert resumed.seen == expected.seen[start * plan.batch :]
     assert resumed.history == expected.history
     # the epoch of the checkpoint (epoch 2, or 1 if the writer lagged), trained partly before
-    # it and partly after the resume: each sample of the data set once
-    assert len(expected.seen) == plan.total * driver.batch
-    size, at = driver.steps_per_epoch * driver.batch, start * driver.batch
+    # it and partly after the resume (by every process): each sample of the data set once
+    assert len(expected.seen) == plan.total * plan.batch
+    size, at = plan.epoch * plan.batch, start * plan.batch
     first = at // size * size
     interrupted = expected.seen[first:at] + resumed.seen[: first + size - at]
     assert sorted(interrupted) == sorted(expected.seen[:size]) == sorted(set(expected.seen))
@@ -136,7 +163,7 @@ def test_sigkill_mid_epoch_then_resume_is_bit_identical(
     framework's record of the run), having trained on each remaining sample once, in order."""
     options = Plan.of(driver).options()
     steps, resumed = _kill_then_resume(driver, tmp_path / "run", options)
-    _assert_resumed_exactly(driver, steps, resumed, reference.outcome)
+    _assert_resumed_exactly(Plan.of(driver), steps, resumed, reference.outcome)
 
 
 @pytest.mark.faults
@@ -161,7 +188,7 @@ def test_sigkill_with_an_s3_dirpath_then_resume(
         env=env,
         storage_options=s3_server.storage_options,
     )
-    _assert_resumed_exactly(driver, steps, resumed, reference.outcome)
+    _assert_resumed_exactly(Plan.of(driver), steps, resumed, reference.outcome)
     local = [str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")]
     assert not [p for p in local if "s3:" in p or "coci" in p], local
 
@@ -211,27 +238,58 @@ def test_the_user_reads_each_line_once_on_stderr(
 @pytest.mark.slow
 @pytest.mark.dist
 def test_two_processes_each_write_their_share_and_rank_0_alone_speaks(
-    driver: AdapterDriver, tmp_path: Path
+    driver: AdapterDriver, sharded_reference: Reference
 ) -> None:
-    """Two processes (gloo) on one stderr: every planned step committed with both processes'
-    shares, and the user reads coci's lines once each, as from one process (rank 0's)."""
-    plan = Plan.of(driver)
-    command = driver.command(tmp_path, plan.total, plan.options(), processes=2)
-    done = run(command, env=child_env({"OMP_NUM_THREADS": "1"}), timeout_s=300, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = [line for line in done.stderr.splitlines() if line.startswith("coci: ")]
+    """Two processes (gloo, FSDP2) on one stderr: every planned step committed with both
+    processes' shares, and the user reads coci's lines once each, as from one process (rank
+    0's)."""
+    plan = Plan.of(driver, processes=2)
+    lines = [line for line in sharded_reference.stderr.splitlines() if line.startswith("coci: ")]
     assert len([line for line in lines if line.startswith("coci: plan ")]) == 1, lines
     saved = [line for line in lines if " saved: stall " in line]
     assert [int(line.split()[2]) for line in saved] == plan.saves(), lines
     (summary,) = [line for line in lines if "checkpoints committed" in line]
     assert summary.startswith(f"coci: {len(plan.saves())} checkpoints committed")
     assert "(this rank's share)" in summary
-    assert "coci:" not in done.stdout
-    with CheckpointManager(tmp_path / "coci", keep_last=None) as mgr:
+    assert "coci:" not in sharded_reference.stdout
+    with CheckpointManager(sharded_reference.directory / "coci", keep_last=None) as mgr:
         assert mgr.steps() == plan.saves()
         manifest = mgr.manifest(plan.total)
     assert manifest.world_size == 2 and len(manifest.per_rank) == 2
     assert sorted(f.name.split("-")[1].removesuffix(".bin") for f in manifest.files) == ["r0", "r1"]
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.faults
+def test_fsdp2_sigkill_mid_epoch_then_resume_is_bit_identical(
+    driver: AdapterDriver, sharded_reference: Reference, tmp_path: Path
+) -> None:
+    """Two processes (gloo, CPU) whose model FSDP2 shards, as the framework's users shard it,
+    SIGKILLed one step past the first save of epoch 2: two new processes resume from the newest
+    committed step and end with the model and optimizer of the run never stopped (and the
+    framework's record of the run), the two having trained on each remaining sample once. The
+    state was sharded (DTensors) in both runs, and in the checkpoint each sharded weight and
+    moment lies in both processes' data files, each byte once."""
+    plan = Plan.of(driver, processes=2)
+    directory = tmp_path / "run"
+    env = child_env(SHARDED_ENV)
+    steps, resumed = _kill_then_resume(
+        driver, directory, plan.options(), env=env, plan=plan, processes=2, fsdp2=True
+    )
+    _assert_resumed_exactly(plan, steps, resumed, sharded_reference.outcome)
+    assert sharded_reference.outcome.sharded and resumed.sharded
+    with CheckpointManager(directory / "coci", keep_last=None) as mgr:
+        manifest = mgr.manifest(steps[-1])
+    assert manifest.world_size == 2
+    split = [
+        e for e in manifest.tensors if {p.file for p in e.pieces} == {"data-r0.bin", "data-r1.bin"}
+    ]
+    assert any(e.key.endswith("weight") for e in split), [e.key for e in manifest.tensors]
+    assert any(e.key.endswith("weight/exp_avg") for e in split), [e.key for e in split]
+    for entry in split:  # each byte once: the processes' pieces tile the tensor
+        itemsize = getattr(torch, entry.dtype).itemsize
+        assert sum(p.length for p in entry.pieces) == math.prod(entry.shape) * itemsize, entry
 
 
 def test_the_adapter_takes_the_declared_options(driver: AdapterDriver) -> None:

@@ -11,8 +11,10 @@ its own: signals, ``kill -9``, process groups and exit statuses are those of the
 Only ``python -m <module>`` commands run by this interpreter with this checkout's ``PYTHONPATH``
 are forked, each from a zygote started with the same variables that Python or torch read while
 importing (``OMP_NUM_THREADS`` is applied with ``torch.set_num_threads`` instead; up to four
-zygotes of each kind). Anything else, and everything when ``COCI_TEST_FORK=0``, starts a fresh
-interpreter. :class:`Forked` is the part of ``subprocess.Popen``'s interface the harness uses.
+zygotes of each kind; ``python -m tests.harness.ranks N <module> ...``, which forks the module's
+processes in turn, from a zygote of the module's kind). Anything else, and everything when
+``COCI_TEST_FORK=0``, starts a fresh interpreter. :class:`Forked` is the part of
+``subprocess.Popen``'s interface the harness uses.
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ LIGHTNING_CHILDREN = frozenset(
     }
 )
 TRANSFORMERS_CHILDREN = frozenset({"tests.transformers.run"})
+# ``python -m tests.harness.ranks N MODULE ...`` forks MODULE's processes: its kind is MODULE's
+RANKS = "tests.harness.ranks"
 _KIND_ENV = {"transformers": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}}
 # Variables read while Python, torch or transformers start (or whose value a forked child could
 # not change). Lightning's (PL_GLOBAL_SEED, set by seed_everything) are read when used.
@@ -93,7 +97,8 @@ def for_command(
         return None
     if env.get("PYTHONPATH") != checkout_env.get("PYTHONPATH"):
         return None
-    key = (kind_of(command[2]), import_time(env))
+    name = command[4] if command[2] == RANKS and len(command) > 4 else command[2]
+    key = (kind_of(name), import_time(env))
     with _zygotes_lock:
         z = _zygotes.get(key)
         if z is None or not z.alive():

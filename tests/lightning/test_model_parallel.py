@@ -35,7 +35,8 @@ def _run(
 
 def test_killed_mid_epoch_resumes_bit_identical(tmp_path: Path) -> None:
     """FSDP2 over the data-parallel dimension of a 2 x 2 mesh, tensor parallel over the other
-    (the 2-D case holds the 1-D one: FSDP2 alone is tested through Accelerate and the core)."""
+    (FSDP2 alone, ``ModelParallelStrategy(data_parallel_size=2)``, is the adapter contract's:
+    tests/contract/test_contract.py)."""
     dp, tp = 2, 2
     world = dp * tp
     expected = _run(tmp_path / "uninterrupted", dp, tp)

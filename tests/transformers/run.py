@@ -73,7 +73,7 @@ class FSDP2Trainer(Recording):
     ``AcceleratorState`` switches to ``DistributedType.FSDP`` and records the plugin only for
     accelerators (``MULTI_GPU``, ``MULTI_NPU``, ...; not ``MULTI_CPU``), so the Trainer's
     ``is_fsdp_enabled`` is False and it trains with DDP. This Trainer forces the FSDP type
-    and plugin once its Accelerator is made, as tests/accelerate/_fsdp2_child.py does: the
+    and plugin once its Accelerator is made, as ``tests.accelerate.loop.force_fsdp`` does: the
     Trainer then shards the model with ``fully_shard`` (gloo)."""
 
     def create_accelerator_and_postprocess(self) -> None:
