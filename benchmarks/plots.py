@@ -256,8 +256,7 @@ def fsdp(results: dict[str, Any]) -> Figure:
 
 def loop(results: dict[str, Any]) -> Figure:
     """Loop overhead against the save interval, one line per method, one panel per torch
-    thread setting (benchmarks/loop_bench.py). Not in :data:`PLOTS` until a results file
-    ``docs/results/loop.json`` is committed."""
+    thread setting (benchmarks/loop_bench.py)."""
     cells = results["cells"]
     fig, axes = plt.subplots(1, len(cells), figsize=(5.0 * len(cells), 3.8), squeeze=False)
     for ax, cell in zip(axes[0], cells, strict=True):
@@ -305,6 +304,7 @@ PLOTS: dict[str, Callable[[dict[str, Any]], Figure]] = {
     "restore-4g": restore,
     "tensor-count": tensor_count,
     "fsdp": fsdp,
+    "loop": loop,
 }
 
 

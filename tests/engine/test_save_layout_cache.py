@@ -3,7 +3,6 @@ views: the saved state is still exactly the state of each save() call."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 from pathlib import Path
@@ -13,7 +12,6 @@ import pytest
 import torch
 
 from coci_core import CheckpointManager
-from coci_core.engine.format import tree
 from coci_core.engine.format.manifest import (
     FORMAT_VERSION,
     DataFile,
@@ -25,7 +23,6 @@ from coci_core.engine.format.manifest import (
 )
 from coci_core.engine.format.regions import Region
 from coci_core.engine.format.tree import FlattenCache, flatten_state
-from coci_core.errors import UnsupportedValueError
 from tests.harness.processes import free_port, run, script
 from tests.harness.states import assert_same
 
@@ -294,7 +291,6 @@ import json, sys, tempfile, torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from coci_core import CheckpointManager, RankGroup
-from coci_core.engine.format import tree
 from coci_core.engine.format.tree import FlattenCache, flatten_state
 
 dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:" + sys.argv[1])
@@ -345,138 +341,3 @@ def test_dtensor_states_reuse_the_flatten_and_miss_on_any_change() -> None:
     assert out["placements_miss"] and out["memory_miss"] and out["rebuilt"]
     first = torch.arange(12.0).reshape(3, 4)
     assert out["values"] == [first.tolist(), (first + 1).tolist()]
-
-
-# -- the copy ahead of the flatten (engine/save/ahead.py) --------------------------------------
-
-
-def _ahead(mgr: CheckpointManager) -> tuple[int, int]:
-    """How many saves copied ahead of their flatten, and how many copied twice."""
-    flattener = mgr._flattener
-    return flattener.copied_ahead, flattener.copied_twice
-
-
-def test_collect_tensors_finds_what_the_flatten_meets() -> None:
-    """The quick walk finds the flatten's tensors, in its order, through dicts with any keys,
-    OrderedDicts (a state_dict with its metadata), lists and tuples, ties included."""
-    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4))
-    opt = torch.optim.AdamW(model.parameters())
-    model(torch.randn(2, 3)).sum().backward()
-    opt.step()
-    w = torch.randn(5)
-    state = {
-        "model": model.state_dict(),
-        "optim": opt.state_dict(),  # int keys, tensors of each parameter's state
-        "pair": (w, [w[1:], {"lr": 0.1}]),
-        "epoch": 3,
-    }
-    flat = flatten_state(state, cache=FlattenCache())
-    found = tree.collect_tensors(state)
-    assert found is not None and flat.tensors is not None
-    assert len(found) == len(flat.tensors) > 10
-    assert all(a is b for a, b in zip(found, flat.tensors, strict=True))
-
-
-def test_saves_copy_ahead_and_hold_each_saves_values(tmp_path: Path) -> None:
-    """Blocking saves of a state whose layout stays copy ahead of the flatten from the second
-    save on, and each step restores the values of its save() call."""
-    model = torch.nn.Linear(64, 32)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    expected = []
-    with CheckpointManager(tmp_path, keep_last=None) as mgr:
-        for step in range(5):
-            model(torch.randn(2, 64)).sum().backward()
-            opt.step()
-            state = {"model": model.state_dict(), "optim": opt.state_dict(), "step": step}
-            mgr.save(step, state, per_rank={"rng": torch.get_rng_state()})
-            expected.append(
-                {
-                    "model": {k: v.clone() for k, v in model.state_dict().items()},
-                    "rng": torch.get_rng_state(),
-                }
-            )
-        assert _ahead(mgr) == (4, 0)
-        for step, want in enumerate(expected):
-            got = mgr.restore(step=step)
-            assert_same(dict(got["model"]), want["model"])
-            assert torch.equal(got["rng"], want["rng"])
-            assert got["step"] == step
-
-
-@pytest.mark.parametrize(
-    ("change", "ahead"),
-    [
-        (lambda s: s.update(w=s["w"].view(torch.int32)), (2, 1)),  # same address, another dtype
-        (lambda s: s.update(w=s["w"].view(2, 6)), (2, 1)),  # same address, another shape
-        (lambda s: s.update(w=s["w"].t()), (2, 1)),  # same address, other strides
-        (lambda s: s.update(w=torch.randn(3, 4)), (2, 1)),  # another tensor
-        (lambda s: s.update(w=torch.randn(4, 3)), (2, 1)),  # another tensor of another shape
-        (lambda s: s.update(w=s.pop("w")), (2, 1)),  # the tensors' keys in another order
-        (lambda s: s.update(b=s["w"].reshape(-1)[:5]), (2, 1)),  # an alias where none was
-        (lambda s: s.update(w=s["b"], b=s["w"]), (2, 1)),  # two tensors swapped
-        # the quick walk finds another number of tensors: the copy is not tried
-        (lambda s: s.update(x=torch.ones(2)), (2, 0)),  # one more tensor
-        (lambda s: s.pop("b"), (2, 0)),  # one fewer
-        # only a value that is not a tensor moved: the same tensors' layout
-        (lambda s: s.update(lr=s.pop("lr")), (4, 0)),
-    ],
-)
-def test_a_change_of_layout_copies_again(
-    tmp_path: Path, change: Any, ahead: tuple[int, int]
-) -> None:
-    """A save whose state changed its layout after a copy ahead copies again (once), and
-    every step restores exactly what was saved; the next saves copy ahead again (steps 1
-    and 4; step 3's flatten finds the new layout)."""
-    state: dict[str, Any] = {"w": torch.randn(3, 4), "b": torch.randn(5), "lr": 0.1}
-    states = []
-    with CheckpointManager(tmp_path, keep_last=None) as mgr:
-        for step in range(5):
-            if step == 2:
-                change(state)
-            for t in state.values():
-                if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
-                    t.add_(1.0)
-            mgr.save(step, state)
-            states.append(
-                {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
-            )
-        assert _ahead(mgr) == ahead
-        for step, want in enumerate(states):
-            assert_same(mgr.restore(step=step), want)
-
-
-def test_a_state_whose_layout_changes_at_every_save_copies_twice_once(tmp_path: Path) -> None:
-    """A tensor made anew at every save (a new address each time): the flatten never reuses
-    its cache, and the copy ahead is tried once only."""
-    w = torch.randn(100)
-    with CheckpointManager(tmp_path, keep_last=None) as mgr:
-        for step in range(6):
-            mgr.save(step, {"w": w, "loss": torch.tensor(float(step))})
-        assert _ahead(mgr) == (0, 1)
-        assert mgr.restore(step=5)["loss"].item() == 5.0
-
-
-def test_tensors_in_other_containers_are_not_copied_ahead(tmp_path: Path) -> None:
-    """Tensors the quick walk cannot find (inside an argparse Namespace): no copy ahead."""
-    ns = argparse.Namespace(t=torch.zeros(3))
-    with CheckpointManager(tmp_path, keep_last=None) as mgr:
-        for step in range(4):
-            ns.t.fill_(step)
-            mgr.save(step, {"w": torch.ones(2), "ns": ns})
-        assert _ahead(mgr) == (0, 0)
-        assert torch.equal(mgr.restore(step=3)["ns"].t, torch.full((3,), 3.0))
-
-
-def test_an_error_of_the_flatten_surfaces_and_the_next_save_copies_right(tmp_path: Path) -> None:
-    """A value that cannot be stored, met by the flatten on its helper thread while the copy
-    ran ahead: save() raises it, and the next save holds its own values."""
-    w = torch.randn(10)
-    with CheckpointManager(tmp_path, keep_last=None) as mgr:
-        mgr.save(0, {"w": w})
-        mgr.save(1, {"w": w})
-        with pytest.raises(UnsupportedValueError, match="'/f'"):
-            mgr.save(2, {"w": w, "f": lambda: 0})
-        w.add_(1.0)
-        mgr.save(2, {"w": w})
-        assert torch.equal(mgr.restore(step=2)["w"], w)
-        assert mgr.steps() == [0, 1, 2]

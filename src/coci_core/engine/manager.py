@@ -27,7 +27,7 @@ from coci_core.engine.directory import retention
 from coci_core.engine.directory.lease import acquire_lease
 from coci_core.engine.directory.tiers import RemoteTier
 from coci_core.engine.format.manifest import Manifest
-from coci_core.engine.format.tree import ArrayLeaf, flatten_state
+from coci_core.engine.format.tree import ArrayLeaf, FlattenCache, flatten_state
 from coci_core.engine.group import RankGroup
 from coci_core.engine.handle import SaveHandle
 from coci_core.engine.restore.inplace import InPlaceTargets, in_place_targets
@@ -42,7 +42,6 @@ from coci_core.engine.restore.restore import (
     step_infos,
     verify_checkpoint,
 )
-from coci_core.engine.save.ahead import FlattenAhead
 from coci_core.engine.save.compress import CompressionPolicy, PieceEncoder, check_policy
 from coci_core.engine.save.partition import DEFAULT_CHUNK_BYTES, Share, partition
 from coci_core.engine.save.persist import PersistJob
@@ -196,9 +195,9 @@ class CheckpointManager:
         self.chunk_bytes = chunk_bytes
         self._saves = 0
         self._snapshotter = Snapshotter()
-        # flattens saves (under ``_save_lock``), keeping the last save's flattens of ``state``
-        # and ``per_rank``, and copies ahead where that pays
-        self._flattener = FlattenAhead(self._snapshotter, allow_torch_save=self.allow_torch_save)
+        # the last save's flattens of ``state`` and ``per_rank`` (used under ``_save_lock``)
+        self._flat_cache = FlattenCache()
+        self._rank_cache = FlattenCache()
         # the flatten's layout tokens of the last save, its regions and their digest
         self._last_split: tuple[tuple[object, ...], tuple[Share, ...] | None, str] | None = None
         self._encoder = PieceEncoder(self.compression)
@@ -351,9 +350,10 @@ class CheckpointManager:
         if alone and not self.group.is_coordinator:
             raise ConfigError("'alone' saves are made by rank 0 only")
         group = RankGroup(0, 1, self.group.session) if alone else self.group
-        ahead = block and not alone and self.group.world_size == 1
-        flattened = self._flattener.flatten(state, per_rank, ahead=ahead)
-        flat, own = flattened.flat, flattened.own
+        flat = flatten_state(state, allow_torch_save=self.allow_torch_save, cache=self._flat_cache)
+        own = flatten_per_rank(
+            state, per_rank, allow_torch_save=self.allow_torch_save, cache=self._rank_cache
+        )
         if self.group.is_coordinator and self._owner.lease is None:  # after the input checks
             self._owner.lease = acquire_lease(self.storage, self.group.session)
             retention.remove_uncommitted(self.storage, self.group, done_seq=None)
@@ -369,9 +369,7 @@ class CheckpointManager:
         known = flat.layout is not None and (own is None or own.layout is not None)
         layout = (flat.layout, own.layout if own else None) if known else None
         regions, digest = self._split(flat.leaves, leaves, layout, alone)
-        snapshot = self._snapshotter.prepare(leaves, regions, layout, track_versions=not block)
-        if flattened.views is not None and snapshot.views is flattened.views:
-            snapshot.precopied = frozenset(range(flattened.precopied))
+        snapshot = self._snapshotter.prepare(leaves, regions, layout)
         handle = SaveHandle(step, block=block, started=started, snapshot=snapshot)
         job = PersistJob(
             step,

@@ -74,7 +74,6 @@ __all__ = [
     "build_wrapped",
     "check_saved_pickle",
     "check_tree",
-    "collect_tensors",
     "decode_dtype",
     "encode_dtype",
     "flatten_state",
@@ -127,9 +126,6 @@ class FlatState:
     tree: Any
     leaves: tuple[ArrayLeaf, ...]
     layout: object | None = None
-    # with a layout: every plain tensor met, in tree order, as the state holds it (a DTensor's
-    # local tensor); tied tensors once per place
-    tensors: list[torch.Tensor] | None = None
 
 
 def _fingerprint(t: torch.Tensor) -> tuple[Any, ...]:
@@ -442,7 +438,6 @@ class _Flattener:
         fingerprints.append(fingerprint)
         keys.append(key)
         nodes.append(node)
-        self.tensors.append(source)
         if len(self.leaves) > leaves:
             self.firsts.append(len(nodes) - 1)
             self.sources.append(source)
@@ -662,7 +657,7 @@ def _replay(state: dict[str, Any], cache: FlattenCache, allow_torch_save: bool) 
             ),
             sources,
         )
-    return FlatState(tree=tree, leaves=cache.leaves, layout=cache.layout, tensors=met)
+    return FlatState(tree=tree, leaves=cache.leaves, layout=cache.layout)
 
 
 def flatten_state(
@@ -687,35 +682,4 @@ def flatten_state(
     flattener = _Flattener(allow_torch_save)
     tree = flattener.encode(dict(state), "")
     layout = cache.store(flattener) if cache is not None else None
-    tensors = flattener.tensors if layout is not None else None
-    return FlatState(tree=tree, leaves=tuple(flattener.leaves), layout=layout, tensors=tensors)
-
-
-def collect_tensors(state: Mapping[str, Any]) -> list[torch.Tensor] | None:
-    """The plain tensors of ``state`` in the order :func:`flatten_state` meets them, found
-    by walking only its dicts, lists and tuples (a fraction of a flatten's cost); None when
-    a DTensor or a tensor subclass is among them. Tensors inside other containers are not
-    found: compare the result with :attr:`FlatState.tensors` before relying on it."""
-    found: list[torch.Tensor] = []
-    pending: list[Any] = [iter(dict(state).values())]
-    append = found.append
-    while pending:
-        for value in pending[-1]:
-            kind = type(value)
-            if kind in _PLAIN_TENSORS:
-                append(value)
-            elif kind in _WALKED_MAPPINGS:
-                pending.append(iter(value.values()))
-                break
-            elif kind in _WALKED_SEQUENCES:
-                pending.append(iter(value))
-                break
-            elif isinstance(value, torch.Tensor):
-                return None
-        else:
-            pending.pop()
-    return found
-
-
-_WALKED_MAPPINGS = frozenset({dict, OrderedDict})
-_WALKED_SEQUENCES = frozenset({list, tuple})
+    return FlatState(tree=tree, leaves=tuple(flattener.leaves), layout=layout)

@@ -97,19 +97,12 @@ def _versions(leaves: tuple[ArrayLeaf, ...]) -> tuple[int | None, ...]:
 
 
 def _copy_whole(snap: Snapshot) -> None:
-    """Copy every slot of a snapshot of whole host leaves (but those already copied) in one
-    call (no Python loop)."""
-    leaves = snap.leaves
-    if snap.precopied:
-        todo = [i for i in range(len(snap.slots)) if i not in snap.precopied]
-        views = [snap.views[i] for i in todo]
-        sources = [leaves[snap.slots[i].leaf].tensor for i in todo]
-    else:
-        views = snap.views
+    """Copy every slot of a snapshot of whole host leaves in one call (no Python loop)."""
+    if snap.slots:
+        leaves = snap.leaves
         sources = [leaves[slot.leaf].tensor for slot in snap.slots]
-    if views:
         with torch.no_grad():
-            torch._foreach_copy_(views, sources)
+            torch._foreach_copy_(snap.views, sources)
 
 
 def _source(tensor: torch.Tensor, slot: LeafSlot) -> torch.Tensor:
@@ -363,33 +356,15 @@ class Snapshotter:
         thread.start()
         return thread
 
-    def whole_views(self, layout: tuple[object, ...]) -> list[torch.Tensor] | None:
-        """The views of the current arena (one per leaf, in order) when it was prepared last
-        for the flatten's ``layout`` tokens with every leaf whole in host memory, else None:
-        where :meth:`prepare` of that layout puts the leaves."""
-        with self._lock:
-            if (
-                self._arena is None
-                or self._views is None
-                or not self._host_whole
-                or self._regions is not None
-                or self._layout != layout
-            ):
-                return None
-            return self._views
-
     def prepare(
         self,
         leaves: tuple[ArrayLeaf, ...],
         regions: tuple[Share, ...] | None = None,
         layout: tuple[object, ...] | None = None,
-        *,
-        track_versions: bool = True,
     ) -> Snapshot:
         """Bind ``regions`` of ``leaves`` (default: all of every leaf) to an arena, allocating
         one only when the layout changed. ``layout``: the flatten's layout tokens, which
-        spare comparing every leaf's dtype and shape with the arena's. ``track_versions``:
-        note each leaf's version counter (for a copy made after the save returns)."""
+        spare comparing every leaf's dtype and shape with the arena's."""
         with self._lock:
             allocated = self._allocate(leaves, regions, touch=False, layout=layout)
             arena = self._arena
@@ -404,7 +379,7 @@ class Snapshotter:
                 threading.Event(),
                 views=self._views,
                 host_whole=self._host_whole,
-                versions=_versions(leaves) if track_versions else (),
+                versions=_versions(leaves),
             )
 
     def copy_small(
@@ -456,7 +431,7 @@ class Snapshotter:
         start = time.perf_counter()
         try:
             cuda_leaves = []
-            if snap.host_whole and not background:
+            if snap.host_whole and not background and not snap.precopied:
                 _copy_whole(snap)
             else:
                 for i, slot in enumerate(snap.slots):
