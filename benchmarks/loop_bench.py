@@ -116,8 +116,8 @@ import torch
 
 from benchmarks._lib.files import drop_file_cache, free, fsync_path, rm
 from benchmarks._lib.machine import (
-    HZ,
     Idle,
+    Others,
     loadavg,
     machine,
     mem_available_gib,
@@ -125,7 +125,7 @@ from benchmarks._lib.machine import (
     uptime,
 )
 from benchmarks._lib.results import log, run_recorded
-from benchmarks._lib.timing import human, perf, stats
+from benchmarks._lib.timing import human, parse_choices, perf, stats
 
 INTERVALS = (1, 2, 5, 10, 50)
 METHODS = ("none", "coci", "coci_nb", "dcp_zero", "dcp_thread", "torch_save_bg")
@@ -171,19 +171,10 @@ def tree_jiffies() -> tuple[int, int]:
     return user + nice + system + irq + softirq + steal, sum(cpu.get(p, 0) for p in ours)
 
 
-class OthersTree:
+class OthersTree(Others):
     """Cores used by every process but this one and its descendants, over a window."""
 
-    cores = 0.0
-
-    def __enter__(self) -> OthersTree:
-        self.t0, (self.b0, self.s0) = perf(), tree_jiffies()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        b, own = tree_jiffies()
-        wall = max(perf() - self.t0, 1e-3)
-        self.cores = max(0.0, ((b - self.b0) - (own - self.s0)) / HZ / wall)
+    jiffies = staticmethod(tree_jiffies)
 
 
 # -- the training loop ----------------------------------------------------------------------
@@ -867,14 +858,6 @@ def report(res: dict[str, Any]) -> str:
 # -- command line ---------------------------------------------------------------------------
 
 
-def _csv(s: str, allowed: tuple[str, ...], what: str) -> list[str]:
-    out = [x for x in s.split(",") if x]
-    bad = [x for x in out if x not in allowed]
-    if bad:
-        raise SystemExit(f"unknown {what} {bad}; choose from {list(allowed)}")
-    return out
-
-
 def _threads(s: str) -> list[int]:
     out: list[int] = []
     for x in s.split(","):
@@ -968,7 +951,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if getattr(args, k) is None:
             setattr(args, k, v)
     args.every = sorted({int(x) for x in str(args.every).split(",") if x})
-    args.methods = _csv(args.methods, METHODS, "methods")
+    args.methods = parse_choices(args.methods, METHODS, "methods")
     args.threads = _threads(args.threads)
     if args.rounds < 1 or not args.every or min(args.every) < 1:
         raise SystemExit("--rounds and every interval must be >= 1")

@@ -80,7 +80,7 @@ import torch
 from benchmarks._lib.files import dir_bytes, drop_file_cache, free, fsync_path, rm
 from benchmarks._lib.machine import Idle, machine, mem_available_gib, thread_cpu, uptime
 from benchmarks._lib.results import log, run_recorded
-from benchmarks._lib.timing import human, med, perf
+from benchmarks._lib.timing import human, med, parse_choices, perf
 from benchmarks.engine import measure
 from benchmarks.engine.measure import fmt_sample, run_rotation, sample
 from coci_core import CheckpointManager
@@ -636,14 +636,6 @@ def report(res: dict[str, Any]) -> str:
 # -- command line ---------------------------------------------------------------------------
 
 
-def _csv(s: str, allowed: tuple[str, ...], what: str) -> list[str]:
-    out = [x for x in s.split(",") if x]
-    bad = [x for x in out if x not in allowed]
-    if bad:
-        raise SystemExit(f"unknown {what} {bad}; choose from {list(allowed)}")
-    return out
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -688,8 +680,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         res: dict[str, Any] = json.loads(Path(args.report).read_text())
         print(report(res))
         return res
-    args.states = _csv(args.states, STATES, "states")
-    args.methods = _csv(args.methods, SAVE_METHODS + RESTORE_METHODS, "methods")
+    args.states = parse_choices(args.states, STATES, "states")
+    args.methods = parse_choices(args.methods, SAVE_METHODS + RESTORE_METHODS, "methods")
     if args.rounds < 1:
         raise SystemExit("--rounds must be >= 1")
     measure.IDLE = Idle(args.idle_budget, args.idle_threshold, log) if args.idle_budget else None

@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 perf = time.perf_counter
 HZ = os.sysconf("SC_CLK_TCK")
@@ -44,12 +44,15 @@ class Others:
     """CPU used by everything but this process (cores, averaged over a window): the
     disturbance of a sample. Kernel writeback threads count too (a few % during writes)."""
 
-    def __enter__(self) -> Others:
-        self.t0, (self.b0, self.s0) = perf(), cpu_jiffies()
+    #: (busy jiffies of the machine, jiffies of what is not a disturbance)
+    jiffies: Callable[[], tuple[int, int]] = staticmethod(cpu_jiffies)
+
+    def __enter__(self) -> Self:
+        self.t0, (self.b0, self.s0) = perf(), self.jiffies()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        b, own = cpu_jiffies()
+        b, own = self.jiffies()
         wall = max(perf() - self.t0, 1e-3)
         self.cores = max(0.0, ((b - self.b0) - (own - self.s0)) / HZ / wall)
 

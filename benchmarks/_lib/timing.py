@@ -50,6 +50,16 @@ def fmt_s(st: dict[str, float], scale: float = 1.0, unit: str = "s", digits: int
     return f"{med_:.{digits}f} ({lo:.{digits}f}-{hi:.{digits}f})"
 
 
+def parse_choices(s: str, allowed: tuple[str, ...], what: str) -> list[str]:
+    """A comma list of names from ``allowed`` (a command-line argument); exits naming the
+    unknown ones."""
+    out = [x for x in s.split(",") if x]
+    bad = [x for x in out if x not in allowed]
+    if bad:
+        raise SystemExit(f"unknown {what} {bad}; choose from {list(allowed)}")
+    return out
+
+
 def parse_size(s: str) -> int:
     """``"100M"``, ``"1G"``, ``"4GB"``, ``"512k"`` (decimal units) or a number of bytes."""
     s = s.strip().upper().removesuffix("B")
