@@ -46,7 +46,8 @@ Every save is made durable and its files are dropped from the page cache before 
 runs. Restores read the last save of each method, each round cold then warm:
 
 * cold: the files' pages are dropped first with ``posix_fadvise(POSIX_FADV_DONTNEED)`` after an
-  fsync (dropping the whole page cache needs root); warm: read again at once.
+  fsync (dropping the whole page cache needs root); warm: every page of the files in the page
+  cache (read through once first, untimed), as a checkpoint just written or read is.
 * ``coci_restore``: ``CheckpointManager.restore()`` by a new manager, as a resume calls it (the
   newest checkpoint, of the ``keep_last`` in the directory; every checksum verified);
   ``torch_load``: ``torch.load(weights_only=True)``; ``dcp_load``: ``dcp.load`` into a state of
@@ -67,6 +68,8 @@ import argparse
 import functools
 import json
 import math
+import subprocess
+import sys
 import tempfile
 import time
 import warnings
@@ -77,7 +80,14 @@ from typing import Any
 
 import torch
 
-from benchmarks._lib.files import dir_bytes, drop_file_cache, free, fsync_path, rm
+from benchmarks._lib.files import (
+    dir_bytes,
+    drop_file_cache,
+    free,
+    fsync_path,
+    load_file_cache,
+    rm,
+)
 from benchmarks._lib.machine import Idle, machine, mem_available_gib, thread_cpu, uptime
 from benchmarks._lib.results import log, run_recorded
 from benchmarks._lib.timing import human, med, parse_choices, perf
@@ -423,7 +433,6 @@ class Restores:
             "torch_load": root / "state.pt",
             "dcp_load": root / "dcp-save",
         }
-        self.checked: set[str] = set()
 
     def available(self, methods: list[str]) -> list[str]:
         return [
@@ -435,36 +444,101 @@ class Restores:
     def close(self) -> None:
         self.mgr.close()
 
-    def run(self, method: str, cold: bool) -> dict[str, Any]:
-        from torch.distributed.checkpoint.filesystem import FileSystemReader
-        from torch.distributed.checkpoint.state_dict_loader import load
+    def check(self, method: str) -> None:
+        """Restore once in this process, untimed: the same tensors back."""
+        out = _restore(method, self.paths[method], self.mgr, self.state)
+        if method == "coci_restore" and (
+            self.mgr.last_restore is None or self.mgr.last_restore.step != self.step
+        ):
+            raise AssertionError(f"restored {self.mgr.last_restore}, not step {self.step}")
+        got = dict(leaves(out))
+        bad = [k for k, v in leaves(self.state) if k not in got or not torch.equal(got[k], v)]
+        if bad:
+            raise AssertionError(f"{method}: {len(bad)} tensors differ, e.g. {bad[:3]}")
 
+    def run(self, method: str, cold: bool) -> dict[str, Any]:
+        """One timed restore in a new process, as a resume's is (its memory fresh, faulted in
+        by the restore), after the files' pages were dropped (cold) or all loaded (warm)."""
         path = self.paths[method]
         if cold:
             drop_file_cache(path)
-        out: Any
-        t0 = perf()
-        if method == "coci_restore":
-            out = self.mgr.restore()
-            if self.mgr.last_restore is None or self.mgr.last_restore.step != self.step:
-                raise AssertionError(f"restored {self.mgr.last_restore}, not step {self.step}")
-        elif method == "torch_load":
-            out = torch.load(path, weights_only=True)
         else:
-            out = empty_like_tree(self.state)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                load(out, storage_reader=FileSystemReader(path), no_dist=True)
-        t1 = perf()
-        if method not in self.checked:  # once, untimed: the same tensors back
-            self.checked.add(method)
-            got = dict(leaves(out))
-            bad = [k for k, v in leaves(self.state) if k not in got or not torch.equal(got[k], v)]
-            if bad:
-                raise AssertionError(f"{method}: {len(bad)} tensors differ, e.g. {bad[:3]}")
-        del out
+            load_file_cache(path)
+        spec = {
+            "method": method,
+            "path": str(path),
+            "step": self.step,
+            "threads": torch.get_num_threads(),
+        }
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "benchmarks.tensor_count_bench",
+                "--restore-sample",
+                *[json.dumps(spec)],
+            ],
+            capture_output=True,
+            text=True,
+            check=False,
+            cwd=Path(__file__).resolve().parent.parent,
+        )
+        if proc.returncode:
+            raise RuntimeError(f"{method} restore failed: {proc.stderr[-2000:]}")
+        seconds = json.loads(proc.stdout.strip().splitlines()[-1])["seconds"]
         size = path.stat().st_size if path.is_file() else dir_bytes(path)
-        return {"seconds": t1 - t0, "bytes": size}
+        return {"seconds": seconds, "bytes": size}
+
+
+def _restore(method: str, path: Path, mgr: CheckpointManager | None, like: Any) -> Any:
+    if method == "coci_restore":
+        assert mgr is not None
+        return mgr.restore()
+    if method == "torch_load":
+        return torch.load(path, weights_only=True)
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.state_dict_loader import load
+
+    out = empty_like_tree(like)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        load(out, storage_reader=FileSystemReader(path), no_dist=True)
+    return out
+
+
+def _dcp_like(path: Path) -> dict[str, Any]:
+    """Empty tensors of the shapes and dtypes a DCP checkpoint holds, by flattened key."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    meta = FileSystemReader(path).read_metadata().state_dict_metadata
+    return {
+        k: torch.empty(m.size, dtype=m.properties.dtype)
+        for k, m in meta.items()
+        if isinstance(m, TensorStorageMetadata)
+    }
+
+
+def restore_sample(spec: dict[str, Any]) -> dict[str, float]:
+    """The child of :meth:`Restores.run`: one restore, timed (the modules any method imports
+    on its first call imported before)."""
+    import torch.distributed.checkpoint.filesystem
+    import torch.distributed.checkpoint.state_dict_loader
+
+    import coci_core.engine.restore.load  # noqa: F401
+
+    path = Path(spec["path"])
+    torch.set_num_threads(spec["threads"])
+    mgr = CheckpointManager(path, keep_last=None) if spec["method"] == "coci_restore" else None
+    like = _dcp_like(path) if spec["method"] == "dcp_load" else None
+    t0 = perf()
+    _restore(spec["method"], path, mgr, like)
+    seconds = perf() - t0
+    if mgr is not None:
+        if mgr.last_restore is None or mgr.last_restore.step != spec["step"]:
+            raise AssertionError(f"restored {mgr.last_restore}, not step {spec['step']}")
+        mgr.close()
+    return {"seconds": seconds}
 
 
 # -- one state ------------------------------------------------------------------------------
@@ -498,6 +572,9 @@ def state_cell(
     rc = Restores(state, root, coci_step)
     try:
         rmethods = rc.available(restores_wanted)
+        for m in rmethods:
+            rc.check(m)
+        free()
         res: dict[str, Any] = {m: {"cold": [], "warm": []} for m in rmethods}
         if rmethods:
             log(f"  restore: {rmethods}, {args.rounds} rounds, each cold then warm")
@@ -675,7 +752,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--idle-threshold", type=float, default=0.15, help="cores used by others that count as idle"
     )
     ap.add_argument("--report", metavar="JSON", help="print the tables of an earlier run and exit")
+    ap.add_argument("--restore-sample", metavar="JSON", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.restore_sample:
+        print(json.dumps(restore_sample(json.loads(args.restore_sample))))
+        return {}
     if args.report:
         res: dict[str, Any] = json.loads(Path(args.report).read_text())
         print(report(res))

@@ -24,6 +24,21 @@ def drop_file_cache(path: Path) -> None:
             os.close(fd)
 
 
+def load_file_cache(path: Path) -> None:
+    """Bring every page of a file (directories are walked) into the page cache by reading it
+    through once."""
+    paths = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+    buf = bytearray(16 << 20)
+    for p in paths:
+        try:
+            f = open(p, "rb", buffering=0)
+        except FileNotFoundError:
+            continue
+        with f:
+            while f.readinto(buf):
+                pass
+
+
 def fsync_path(path: Path) -> None:
     """fsync a file or a directory (its entries)."""
     fd = os.open(path, os.O_RDONLY)

@@ -177,6 +177,16 @@ READ_CHUNK_BYTES = 16 * MiB
 #: Pieces from this size on are read from local storage in chunks whose pages are then dropped
 #: from the page cache (smaller ones are read whole and left there).
 CHUNKED_MIN_BYTES = 1 * MiB
+#: A chunk whose pages are all in the page cache already is read (a copy from memory) in parts
+#: of this size, each checksummed while the next is copied: the checksum of a 16 MiB read
+#: would otherwise wait alone at the end of each piece.
+CACHED_READ_BYTES = 1 * MiB
+#: Arrays from this size on are read from local storage by a pool of threads, several at once,
+#: while the restore hands out the ones before them in order: two threads move (and fault in
+#: the fresh memory of) a warm state 1.6x faster than one on 2 cores.
+READ_AHEAD_MIN_BYTES = 1 * MiB
+#: The threads of that pool (at most; fewer on fewer cores).
+READ_AHEAD_THREADS = 4
 
 # -- restore of many small arrays (engine/restore/read.py) -----------------------------------
 #: The raw pieces of at most REGION_PIECE_BYTES of one data file are read in regions of at

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import ctypes
 import mmap
 import multiprocessing
 import os
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -176,18 +179,30 @@ def _data_file(root: Path, step: int) -> Path:
     return root / step_dir_name(step) / "data-r0.bin"
 
 
-@pytest.mark.parametrize(("chunk", "overlap"), [(None, False), (4096, False), (4096, True)])
+def _read_ahead(monkeypatch: pytest.MonkeyPatch, min_bytes: int) -> None:
+    """Arrays from ``min_bytes`` on read by two threads ahead of the restore, on any machine."""
+    monkeypatch.setattr(restore_module, "READ_AHEAD_MIN_BYTES", min_bytes)
+    monkeypatch.setattr(restore_module, "READ_AHEAD_THREADS", 2)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+
+
+@pytest.mark.parametrize(
+    ("chunk", "overlap", "ahead"),
+    [(None, False, False), (4096, False, False), (4096, True, False), (4096, True, True)],
+)
 def test_a_damaged_step_is_never_restored_in_place(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunk: int | None, overlap: bool
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunk: int | None, overlap: bool, ahead: bool
 ) -> None:
     """A flipped byte in the newest step's biggest array (read into the live tensors: whole,
-    or in chunks checksummed after each read or on the helper thread): the restore falls back
-    to the previous step and every tensor holds its values bit for bit; with ``strict`` it
-    raises."""
+    or in chunks checksummed after each read or on the helper thread, or by the threads that
+    read arrays ahead): the restore falls back to the previous step and every tensor holds its
+    values bit for bit; with ``strict`` it raises."""
     if chunk is not None:
         monkeypatch.setattr(restore_module, "READ_CHUNK_BYTES", chunk)
         monkeypatch.setattr(restore_module, "CHUNKED_MIN_BYTES", 1)
         monkeypatch.setattr(restore_module, "OVERLAP_CHECKSUMS", overlap)
+    if ahead:
+        _read_ahead(monkeypatch, 1)
     model, opt = _pair(0)
     _train(model, opt, 2, seed=1)
     with CheckpointManager(tmp_path, compression="none") as mgr:
@@ -209,6 +224,50 @@ def test_a_damaged_step_is_never_restored_in_place(
         assert (mgr.last_restore.step, mgr.last_restore.skipped_steps) == (1, (2,))
     _assert_bit_exact(model.state_dict(), good_model)
     _assert_bit_exact(opt.state_dict(), good_opt)
+
+
+class _Recording(LocalStorage):
+    """Local storage that records which thread read each chunk."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.readers: list[str] = []
+
+    def read_chunks(
+        self, path: str, offset: int, out: memoryview, chunk_bytes: int
+    ) -> Iterator[memoryview]:
+        self.readers.append(threading.current_thread().name)
+        yield from super().read_chunks(path, offset, out, chunk_bytes)
+
+
+@pytest.mark.parametrize("into", [False, True])
+def test_large_arrays_are_read_ahead_by_threads_and_handed_out_in_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, into: bool
+) -> None:
+    """Arrays from READ_AHEAD_MIN_BYTES on are read by the read-ahead threads, each with its
+    own checksum, the small ones by the restore itself: every tensor comes back bit for bit,
+    in place or new, and the files opened for the restore are closed after it."""
+    _read_ahead(monkeypatch, 16 << 10)
+    monkeypatch.setattr(restore_module, "CHUNKED_MIN_BYTES", 1)
+    monkeypatch.setattr(restore_module, "REGION_PIECE_BYTES", 1024)
+    gen = torch.Generator().manual_seed(0)
+    params = {f"big{i}": torch.randn(8192 + i, generator=gen) for i in range(12)}
+    params |= {f"small{i}": torch.randn(16, generator=gen) for i in range(5)}
+    model = torch.nn.ParameterDict({k: torch.nn.Parameter(v) for k, v in params.items()})
+    with CheckpointManager(tmp_path, compression="none") as mgr:
+        mgr.save(1, {"m": model.state_dict()}).wait()
+    storage = _Recording(tmp_path)
+    target = torch.nn.ParameterDict(
+        {k: torch.nn.Parameter(torch.zeros_like(v)) for k, v in params.items()}
+    )
+    with CheckpointManager(storage) as mgr:
+        got = mgr.restore(into={"m": target}) if into else mgr.restore()
+    _assert_bit_exact(got["m"], model.state_dict())
+    if into:
+        _assert_bit_exact(target.state_dict(), model.state_dict())
+    ahead = [name for name in storage.readers if name.startswith("coci-restore-read")]
+    assert len(ahead) == 12, storage.readers
+    assert storage._read_fds is None  # the session's descriptors are closed
 
 
 class _Lenient(torch.nn.Module):
@@ -279,21 +338,29 @@ def _cached_pages(path: Path) -> int:
 
 def test_a_chunked_read_leaves_the_page_cache_alone(tmp_path: Path) -> None:
     """A large piece read from local storage does not stay in the page cache (a plain read
-    does): a restore does not evict what training keeps cached."""
+    does): a restore does not evict what training keeps cached; and a piece that was cached
+    before it was read (just written, or read by another process) stays cached."""
     data = torch.randint(0, 256, (8 << 20,), dtype=torch.uint8).numpy().tobytes()
     path = tmp_path / "f"
     with open(path, "wb") as f:
         f.write(data)
         os.fsync(f.fileno())
     storage = LocalStorage(tmp_path)
-    drop_file_cache(path)
-    assert _cached_pages(path) == 0
-    storage.read_into("f", 0, memoryview(bytearray(len(data))))
-    assert _cached_pages(path) == len(data) // mmap.PAGESIZE  # the control: a plain read
-    out = bytearray(len(data))
-    crc = restore_module.read_checked(storage, "f", 0, memoryview(out))
-    assert crc == crc32c.crc32c(data) and bytes(out) == data
-    assert _cached_pages(path) == 0
+    pages = len(data) // mmap.PAGESIZE
+    for session in (False, True):
+        drop_file_cache(path)
+        assert _cached_pages(path) == 0
+        out = bytearray(len(data))
+        with storage.read_session() if session else contextlib.nullcontext():
+            crc = restore_module.read_checked(storage, "f", 0, memoryview(out))
+        assert crc == crc32c.crc32c(data) and bytes(out) == data
+        assert _cached_pages(path) == 0
+        storage.read_into("f", 0, memoryview(bytearray(len(data))))
+        assert _cached_pages(path) == pages  # the control: a plain read
+        out = bytearray(len(data))
+        crc = restore_module.read_checked(storage, "f", 0, memoryview(out))
+        assert crc == crc32c.crc32c(data) and bytes(out) == data
+        assert _cached_pages(path) == pages
 
 
 def _read_crc(root: str, n: int) -> int:

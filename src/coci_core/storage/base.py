@@ -9,6 +9,7 @@ methods.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Iterator
 from typing import Protocol, runtime_checkable
 
@@ -155,6 +156,11 @@ class Storage(Protocol):
         object store); None (the default): the lease stays within this process (or is the
         ``flock`` of :meth:`local_root`)."""
         return None
+
+    def read_session(self) -> contextlib.AbstractContextManager[None]:
+        """A scope for many reads of the same files (a restore): a storage may keep what it
+        opened for them until the scope ends. Default: nothing kept."""
+        return contextlib.nullcontext()
 
     @property
     def reads_in_chunks(self) -> bool:

@@ -23,6 +23,8 @@ from coci_core.engine.format.manifest import Manifest, Piece, TensorEntry, step_
 from coci_core.errors import CheckpointError, CorruptCheckpointError, StorageError
 from coci_core.knobs import (
     CHUNKED_MIN_BYTES,
+    READ_AHEAD_MIN_BYTES,
+    READ_AHEAD_THREADS,
     READ_CHUNK_BYTES,
     REGION_GAP_BYTES,
     REGION_PIECE_BYTES,
@@ -53,9 +55,12 @@ ZSTD_MAX_RATIO = 32768
 # True: each chunk's checksum is computed on a helper thread while the next chunk is read. A
 # restore runs before training does, so a core is free for it: measured 1.1-1.3x faster at 1
 # and 4 GB on quiet cores; only on cores busy with other jobs was the checksum right after each
-# read as fast (benchmarks/restore_bench.py measures both). False checksums inline.
+# read as fast (benchmarks/restore_bench.py measures both). False checksums inline. The threads
+# that read large arrays ahead (READ_AHEAD_THREADS) checksum inline: the cores are theirs.
 OVERLAP_CHECKSUMS = True
 
+# Set in the threads that read arrays ahead: each checksums its own chunks, on its own core.
+_reading_ahead = threading.local()
 _crc_lock = threading.Lock()
 _crc_pool: ThreadPoolExecutor | None = None
 
@@ -132,7 +137,8 @@ def _read_chunked(
     storage: Storage, path: str, offset: int, view: memoryview, times: RestoreTimes
 ) -> int:
     crc = _Crc()
-    worker = _crc_worker() if OVERLAP_CHECKSUMS else None
+    inline = not OVERLAP_CHECKSUMS or getattr(_reading_ahead, "on", False)
+    worker = None if inline else _crc_worker()
     last: Future[None] | None = None
     verify = 0.0
     started = time.perf_counter()
@@ -152,6 +158,10 @@ def _read_chunked(
     times.verify_s += verify
     times.read_s += time.perf_counter() - started - verify
     return crc.value
+
+
+def _read_ahead_thread() -> None:
+    _reading_ahead.on = True
 
 
 def _alloc(nbytes: int) -> torch.Tensor:
@@ -347,12 +357,58 @@ class ArrayReader:
         that path (a delta, a compressed or large piece, a region that cannot be read, a
         checksum that does not match) goes through :meth:`fetch`, which reads it again and
         raises what it raises there. The entries in ``skip`` are not read (None)."""
+        with self.storage.read_session():
+            yield from self._fetch_all(manifest, entries, outs, skip)
+
+    def _fetch_all(
+        self,
+        manifest: Manifest,
+        entries: Sequence[TensorEntry],
+        outs: dict[int, torch.Tensor],
+        skip: Collection[int],
+    ) -> Iterator[torch.Tensor | None]:
         regions = self._read_regions(manifest, entries, skip)
+        ahead = [
+            i
+            for i, entry in enumerate(entries)
+            if i not in skip and i not in regions and entry.raw_nbytes >= READ_AHEAD_MIN_BYTES
+        ]
+        threads = min(READ_AHEAD_THREADS, os.cpu_count() or 1)
+        if len(ahead) < 2 or threads < 2 or not self.storage.reads_in_chunks:
+            yield from self._fetch_in_order(manifest, entries, outs, skip, regions, {})
+            return
+        # Several large arrays read at once (each checked whole by its own thread), handed out
+        # in order; on an early exit (an error, the caller stopping) nothing is still writing
+        # into ``outs`` once this returns.
+        pool = ThreadPoolExecutor(
+            threads, thread_name_prefix="coci-restore-read", initializer=_read_ahead_thread
+        )
+        futures: dict[int, Future[torch.Tensor]] = {}
+        try:
+            for i in ahead:
+                futures[i] = pool.submit(self.fetch, manifest, entries[i], outs.get(i))
+            yield from self._fetch_in_order(manifest, entries, outs, skip, regions, futures)
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def _fetch_in_order(
+        self,
+        manifest: Manifest,
+        entries: Sequence[TensorEntry],
+        outs: dict[int, torch.Tensor],
+        skip: Collection[int],
+        regions: dict[int, list[memoryview]],
+        futures: dict[int, Future[torch.Tensor]],
+    ) -> Iterator[torch.Tensor | None]:
         for i, entry in enumerate(entries):
             if i in skip:
                 yield None
                 continue
             out = outs.get(i)
+            future = futures.pop(i, None)
+            if future is not None:
+                yield future.result()
+                continue
             parts = regions.pop(i, None)
             if parts is None:
                 yield self.fetch(manifest, entry, out)
