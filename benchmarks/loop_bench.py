@@ -137,46 +137,6 @@ RETRIES = 2
 # -- the load of other processes (this process's children excluded) -----------------------
 
 
-def _proc_stat(pid: str) -> list[str] | None:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-
-
-def tree_jiffies() -> tuple[int, int]:
-    """(busy jiffies of the machine, jiffies of this process and its live descendants, their
-    reaped children included): the DCP writer process is ours, not a disturbance."""
-    f = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in f[:8])
-    parent: dict[int, int] = {}
-    cpu: dict[int, int] = {}
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        st = _proc_stat(d)
-        if st is None:
-            continue
-        parent[int(d)] = int(st[1])
-        cpu[int(d)] = sum(int(x) for x in st[11:15])  # utime, stime, cutime, cstime
-    me = os.getpid()
-    ours = {me}
-    grew = True
-    while grew:
-        grew = False
-        for pid, pp in parent.items():
-            if pp in ours and pid not in ours:
-                ours.add(pid)
-                grew = True
-    return user + nice + system + irq + softirq + steal, sum(cpu.get(p, 0) for p in ours)
-
-
-class OthersTree(Others):
-    """Cores used by every process but this one and its descendants, over a window."""
-
-    jiffies = staticmethod(tree_jiffies)
-
-
 # -- the training loop ----------------------------------------------------------------------
 
 
@@ -572,7 +532,7 @@ def run_block(trainer: Trainer, saver: Saver | None, every: int, periods: int) -
         waits.append(t2 - t1)
 
     out: dict[str, Any] = {"load_before": loadavg(), "uptime_before": uptime()}
-    with OthersTree() as o:
+    with Others() as o:
         one_step()  # the lead-in: not in the periods
         t0 = perf()
         for _ in range(periods):

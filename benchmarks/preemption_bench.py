@@ -50,7 +50,7 @@ import numpy as np
 
 from coci_core.knobs import PREEMPTION_MARGIN_S
 from coci_core.planner import plan_schedule
-from coci_core.training.preemption import fit_save
+from coci_core.training.preemption import fit_save, plan_save_step
 
 STEPS = 43_200  # 24 h at 2 s/step
 STEP_S = 2.0
@@ -115,9 +115,15 @@ def _newest_durable(run: Run, at: float, known: int) -> int:
 
 
 def one_preemption(
-    run: Run, notice_at: float, grace: float, rng: np.random.Generator
+    run: Run, notice_at: float, grace: float, rng: np.random.Generator, *, known_end: bool = False
 ) -> dict[str, float]:
-    """Lost work (s) of each policy for a notice at ``notice_at`` and the kill ``grace`` later."""
+    """Each policy's loss for a notice at ``notice_at`` and the kill ``grace`` later: the
+    training seconds to redo (``<policy>``) and the seconds of the job before the kill whose
+    training the restored state does not hold (``<policy> wall``: the work to redo and the time
+    the job stood still after its save). ``known_end``: the notice gives the time of the kill
+    (a signal a set time before the end, a cloud notice with its time): coci trains on and
+    saves at the step :func:`~coci_core.training.preemption.plan_save_step` plans; the
+    frameworks save at the notice either way."""
     kill = notice_at + grace
     ends = run.step_end
     last = len(ends) - 1
@@ -126,31 +132,45 @@ def one_preemption(
     known = bisect.bisect_right(run.steps, b)  # periodic saves taken by step b
     newest = _newest_durable(run, kill, known)
     newest_step = run.steps[newest] if newest >= 0 else 0
-    out = {"none": (k_kill - _step_at(run, kill)) * STEP_S}
+    restored: dict[str, tuple[int, int]] = {}  # policy: (step restored, step trained to)
+    restored["none"] = (_step_at(run, kill), k_kill)
     # the notice's save, taken at step b: queued behind a periodic save still being written
     write = run.write_s * float(rng.lognormal(0.0, JITTER))
     free = run.durable[known - 1] if known else 0.0
     done = max(float(ends[b]) + run.stall_s, free) + write
     fits = done <= kill
-    saved = 0.0  # the notice's step saved: nothing to redo
-    kept = (b - newest_step) * STEP_S
-    out["naive atomic"] = saved if fits else kept
+    restored["naive atomic"] = (b if fits else newest_step, b)
     if fits or done - write >= kill:  # saved, or never started writing
-        out["naive in place"] = saved if fits else kept
+        restored["naive in place"] = restored["naive atomic"]
     else:
-        before = run.steps[newest - 1] if newest >= 1 else 0
-        out["naive in place"] = (b - before) * STEP_S
+        restored["naive in place"] = (run.steps[newest - 1] if newest >= 1 else 0, b)
     recent = run.measured[max(0, known - 4) : known]
-    left = kill - float(ends[b])
+    at = b
+    if known_end:
+        at = min(
+            plan_save_step(
+                b,
+                kill - float(ends[b]),
+                STEP_S,
+                max(recent) if recent else None,
+                PREEMPTION_MARGIN_S,
+            ),
+            last,
+        )
+        done = max(float(ends[at]) + run.stall_s, free) + write
     take, _ = fit_save(
-        left,
+        kill - float(ends[at]),
         max(recent) if recent else None,
         PREEMPTION_MARGIN_S,
         fastest_s=min(recent) if recent else None,
-        wait_s=max(0.0, free - float(ends[b]) - run.stall_s),
+        wait_s=max(0.0, free - float(ends[at]) - run.stall_s),
         try_uncertain=True,  # the local disk, nothing uploading
     )
-    out["coci"] = saved if take and fits else kept
+    restored["coci"] = (at if take and done <= kill else newest_step, at)
+    out: dict[str, float] = {}
+    for policy, (step, trained) in restored.items():
+        out[policy] = (trained - step) * STEP_S
+        out[f"{policy} wall"] = kill - float(ends[step])
     out["naive fits"] = float(fits)
     return out
 
@@ -168,33 +188,38 @@ def simulate(
     trials: int = 2000,
     seed: int = 0,
     steps: int = STEPS,
+    known_end: bool = False,
 ) -> list[dict[str, Any]]:
     """One row per (state size, grace period): each policy's lost work per preemption (median
-    and mean, s) over ``trials`` preemptions, and the share of trials where the naive save
-    fit."""
+    and mean, s; and the same of the job's seconds not kept, ``<policy> wall``) over
+    ``trials`` preemptions, and the share of trials where the naive save fit."""
     rows = []
     for size in sizes_gb:
         for grace in graces_s:
             rng = np.random.default_rng([seed, int(size * 10), int(grace)])
             run = simulate_run(size, rng, steps=steps)
             end = float(run.step_end[-1]) - grace
-            lost: dict[str, list[float]] = {p: [] for p in POLICIES}
+            keys = [*POLICIES, *(f"{p} wall" for p in POLICIES)]
+            lost: dict[str, list[float]] = {k: [] for k in keys}
             fit = 0.0
             for _ in range(trials):
-                r = one_preemption(run, float(rng.uniform(0.0, end)), grace, rng)
-                for p in POLICIES:
-                    lost[p].append(r[p])
+                r = one_preemption(
+                    run, float(rng.uniform(0.0, end)), grace, rng, known_end=known_end
+                )
+                for k in keys:
+                    lost[k].append(r[k])
                 fit += r["naive fits"]
             row: dict[str, Any] = {
                 "size_gb": size,
                 "grace_s": grace,
+                "known_end": known_end,
                 "save_s": run.stall_s + run.write_s,
                 "interval_steps": int(np.median(np.diff([0, *run.steps]))) if run.steps else steps,
                 "naive_fits": fit / trials,
             }
-            for p in POLICIES:
-                row[f"{p} median"] = statistics.median(lost[p])
-                row[f"{p} mean"] = statistics.fmean(lost[p])
+            for k in keys:
+                row[f"{k} median"] = statistics.median(lost[k])
+                row[f"{k} mean"] = statistics.fmean(lost[k])
             rows.append(row)
     return rows
 
@@ -219,8 +244,46 @@ def check_targets(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def check_known_end(rows: list[dict[str, Any]]) -> list[str]:
+    """With notices of a known end: coci never loses more work than the no-budget save, and
+    keeps more of the job's time before the kill where that save fits with time to spare."""
+    worse = [r for r in rows if r["coci mean"] > r["naive atomic mean"] + 1e-9]
+    lines = [
+        "known end: coci <= naive atomic (work to redo) everywhere: "
+        + ("ok" if not worse else "FAILS at " + ", ".join(_at(r) for r in worse))
+    ]
+    for r in rows:
+        naive, coci = r["naive atomic wall mean"], r["coci wall mean"]
+        lines.append(
+            f"known end, {_at(r)}: the job's seconds not kept, coci {coci:.0f} s against "
+            f"{naive:.0f} s ({100 * (1 - coci / naive):.0f}% less)"
+            if naive > 0
+            else f"known end, {_at(r)}: nothing lost either way"
+        )
+    return lines
+
+
 def _at(row: dict[str, Any]) -> str:
     return f"{row['size_gb']:g} GB/{row['grace_s']:g} s"
+
+
+def known_end_table(rows: list[dict[str, Any]]) -> str:
+    head = (
+        "| state | save | notice | naive save fits | none | naive (atomic) | coci "
+        "| coci: work to redo |\n|---|---|---|---|---|---|---|---|\n"
+    )
+    body = ""
+    for r in rows:
+        cells = " | ".join(
+            f"{r[f'{p} wall median']:.0f} / {r[f'{p} wall mean']:.0f}"
+            for p in ("none", "naive atomic", "coci")
+        )
+        body += (
+            f"| {r['size_gb']:g} GB | {r['save_s']:.0f} s | {r['grace_s']:g} s "
+            f"| {100 * r['naive_fits']:.0f}% | {cells} "
+            f"| {r['coci median']:.0f} / {r['coci mean']:.0f} |\n"
+        )
+    return head + body
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -375,6 +438,16 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     print(table(rows))
     for line in check_targets(rows):
         print("- " + line)
+    known = simulate(trials=a.trials, seed=a.seed, known_end=True)
+    print(
+        "\nNotices of a known end (the kill's time announced, as by a SLURM signal a set time "
+        "before the end or a cloud notice with its time): the job's seconds before the kill "
+        "whose training the restored state does not hold, median / mean, s\n"
+    )
+    print(known_end_table(known))
+    for line in check_known_end(known):
+        print("- " + line)
+    rows = rows + known
     if not a.no_real:
         runs = [real_run(2.0, 0.0), real_run(2.0, 3.0)]
         print("\nReal runs (tiny model, local disk, SIGTERM then SIGKILL after the grace):\n")

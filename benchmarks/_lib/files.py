@@ -31,12 +31,11 @@ def load_file_cache(path: Path) -> None:
     buf = bytearray(16 << 20)
     for p in paths:
         try:
-            f = open(p, "rb", buffering=0)
+            with open(p, "rb", buffering=0) as f:
+                while f.readinto(buf):
+                    pass
         except FileNotFoundError:
             continue
-        with f:
-            while f.readinto(buf):
-                pass
 
 
 def fsync_path(path: Path) -> None:

@@ -32,20 +32,48 @@ def mem_available_gib() -> float:
     return float("nan")
 
 
-def cpu_jiffies() -> tuple[int, int]:
-    """(busy jiffies of the whole machine, jiffies of this process and its threads)."""
+def _proc_stat(pid: str) -> list[str] | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def tree_jiffies() -> tuple[int, int]:
+    """(busy jiffies of the whole machine, jiffies of this process and its live descendants,
+    their reaped children included): a benchmark's own processes (DCP's writer process, a
+    restore in a new process) are not a disturbance."""
     f = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
     user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in f[:8])
-    own = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-    return user + nice + system + irq + softirq + steal, int(own[11]) + int(own[12])
+    parent: dict[int, int] = {}
+    cpu: dict[int, int] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        st = _proc_stat(d)
+        if st is None:
+            continue
+        parent[int(d)] = int(st[1])
+        cpu[int(d)] = sum(int(x) for x in st[11:15])  # utime, stime, cutime, cstime
+    me = os.getpid()
+    ours = {me}
+    grew = True
+    while grew:
+        grew = False
+        for pid, pp in parent.items():
+            if pp in ours and pid not in ours:
+                ours.add(pid)
+                grew = True
+    return user + nice + system + irq + softirq + steal, sum(cpu.get(p, 0) for p in ours)
 
 
 class Others:
-    """CPU used by everything but this process (cores, averaged over a window): the
-    disturbance of a sample. Kernel writeback threads count too (a few % during writes)."""
+    """CPU used by everything but this process and its descendants (cores, averaged over a
+    window): the disturbance of a sample. Kernel writeback threads count too (a few % during
+    writes)."""
 
     #: (busy jiffies of the machine, jiffies of what is not a disturbance)
-    jiffies: Callable[[], tuple[int, int]] = staticmethod(cpu_jiffies)
+    jiffies: Callable[[], tuple[int, int]] = staticmethod(tree_jiffies)
 
     def __enter__(self) -> Self:
         self.t0, (self.b0, self.s0) = perf(), self.jiffies()

@@ -45,3 +45,19 @@ def test_the_target_lines() -> None:
         line.startswith("coci <= 50% of naive in place") and line.endswith("ok") for line in lines
     )
     assert any("naive atomic where" in line and "FAILS" in line for line in lines)
+
+
+def test_a_known_end_keeps_more_of_the_job_and_loses_no_more_work() -> None:
+    """With the kill's time announced, coci trains on to the planned save: where the save fits
+    with time to spare, far less of the job's time is lost than by saving at the notice, and
+    the work to redo stays the no-budget save's (the plan's reserve)."""
+    from benchmarks.preemption_bench import check_known_end
+
+    known = simulate((5.0, 20.0), (120.0,), trials=300, seed=3, steps=5000, known_end=True)
+    for r in known:
+        assert r["known_end"] and r["naive_fits"] == 1.0
+        assert r["coci mean"] <= r["naive atomic mean"] + 1e-9  # nothing to redo either way
+        assert r["coci wall mean"] < 0.5 * r["naive atomic wall mean"]
+        # the frameworks save at the notice and stand idle until the kill
+        assert r["naive atomic wall mean"] > 100
+    assert check_known_end(known)[0].endswith("ok")

@@ -244,6 +244,8 @@ def test_a_known_end_is_planned_for_and_a_later_sigterm_takes_the_save_at_once()
     assert not isinstance(decision, NoticePlan) and decision is not None
     assert decision.save and decision.step == 6 and decision.noticed_at == 4 and decision.moved
     # the plan: the last boundary at which the save still fits
-    assert plan_save_step(10, 20.0, 0.5, 3.0, 2.0) == 10 + 30
-    assert plan_save_step(10, 20.0, None, 3.0, 2.0) == 10  # no step time: at once
-    assert plan_save_step(10, 4.0, 0.5, 3.0, 2.0) == 10  # it does not fit: decided now
+    # (20 s left, a 4 s save, a quarter of it in reserve: 5 s, 2 s of margin: 13 s to train)
+    assert plan_save_step(10, 20.0, 0.5, 4.0, 2.0) == 10 + 26
+    assert plan_save_step(10, 20.0, None, 4.0, 2.0) == 10  # no step time: at once
+    assert plan_save_step(10, 6.5, 0.5, 4.0, 2.0) == 10  # it fits, not with its reserve: now
+    assert plan_save_step(10, 7.5, 0.5, 4.0, 2.0) == 11  # a step to spare

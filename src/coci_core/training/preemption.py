@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from coci_core.knobs import NOTICE_PLAN_RESERVE
 from coci_core.preemption import NoticeBoard, NoticeSource, Preemption
 
 __all__ = [
@@ -177,11 +178,12 @@ def plan_save_step(
     step: int, time_left_s: float, step_s: float | None, needed_s: float | None, margin_s: float
 ) -> int:
     """The last step boundary (``step`` or later) at which a save that takes ``needed_s``
-    still fits before a deadline ``time_left_s`` away, ``margin_s`` kept, when a step takes
+    still fits before a deadline ``time_left_s`` away, ``margin_s`` kept and a reserve of
+    :data:`~coci_core.knobs.NOTICE_PLAN_RESERVE` of ``needed_s`` besides, when a step takes
     ``step_s``. ``step`` itself when either time is unknown (nothing to plan with)."""
     if step_s is None or needed_s is None or not step_s > 0:
         return step
-    spare = time_left_s - needed_s - margin_s
+    spare = time_left_s - needed_s * (1 + NOTICE_PLAN_RESERVE) - margin_s
     if not spare > 0 or not math.isfinite(spare):
         return step
     return step + int(spare // step_s)
