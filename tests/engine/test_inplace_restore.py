@@ -9,6 +9,7 @@ import mmap
 import multiprocessing
 import os
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -183,7 +184,7 @@ def _read_ahead(monkeypatch: pytest.MonkeyPatch, min_bytes: int) -> None:
     """Arrays from ``min_bytes`` on read by two threads ahead of the restore, on any machine."""
     monkeypatch.setattr(restore_module, "READ_AHEAD_MIN_BYTES", min_bytes)
     monkeypatch.setattr(restore_module, "READ_AHEAD_THREADS", 2)
-    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(restore_module, "usable_cores", lambda: 2)
 
 
 @pytest.mark.parametrize(
@@ -267,7 +268,63 @@ def test_large_arrays_are_read_ahead_by_threads_and_handed_out_in_order(
         _assert_bit_exact(target.state_dict(), model.state_dict())
     ahead = [name for name in storage.readers if name.startswith("coci-restore-read")]
     assert len(ahead) == 12, storage.readers
-    assert storage._read_fds is None  # the session's descriptors are closed
+    assert storage._read_fds == {} and storage._read_sessions == 0  # the session ended
+
+
+class _Counting(LocalStorage):
+    """Local storage that counts the chunked reads in flight and finished (a slow disk)."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.lock = threading.Lock()
+        self.in_flight = 0
+        self.finished = 0
+
+    def read_chunks(
+        self, path: str, offset: int, out: memoryview, chunk_bytes: int
+    ) -> Iterator[memoryview]:
+        with self.lock:
+            self.in_flight += 1
+        try:
+            time.sleep(0.02)  # the disk's pace, not a synchronisation
+            yield from super().read_chunks(path, offset, out, chunk_bytes)
+        finally:
+            with self.lock:
+                self.in_flight -= 1
+                self.finished += 1
+
+
+def test_a_restore_left_early_leaves_no_read_in_flight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The arrays read ahead by threads write into the caller's tensors: once the caller
+    closes the restore's generator (as the load does on any error), no read is still going
+    on and none starts later; the arrays not started are never read."""
+    _read_ahead(monkeypatch, 16 << 10)
+    monkeypatch.setattr(restore_module, "CHUNKED_MIN_BYTES", 1)
+    monkeypatch.setattr(restore_module, "REGION_PIECE_BYTES", 1024)
+    gen = torch.Generator().manual_seed(0)
+    state = {f"big{i}": torch.randn(8192, generator=gen) for i in range(40)}
+    with CheckpointManager(tmp_path, compression="none") as mgr:
+        mgr.save(1, state).wait()
+        manifest = mgr.manifest(1)
+    storage = _Counting(tmp_path)
+    reader = restore_module.ArrayReader(storage)
+    entries = list(manifest.tensors)
+    outs = {i: torch.zeros(e.raw_nbytes, dtype=torch.uint8) for i, e in enumerate(entries)}
+    fetched = reader.fetch_all(manifest, entries, outs)
+    first = next(fetched)
+    assert first is outs[0]
+    fetched.close()
+    with storage.lock:
+        assert storage.in_flight == 0
+        done = storage.finished
+    assert done < len(entries)  # the queued ones were cancelled
+    snapshot = {i: t.clone() for i, t in outs.items()}
+    time.sleep(0.1)  # any read still going on would finish within this
+    assert storage.finished == done
+    assert all(torch.equal(outs[i], snapshot[i]) for i in outs)
+    assert storage._read_fds == {}
 
 
 class _Lenient(torch.nn.Module):

@@ -165,7 +165,9 @@ class Storage(Protocol):
     @property
     def reads_in_chunks(self) -> bool:
         """Whether restore should read large pieces with :meth:`read_chunks` (checksumming
-        each chunk while the next is read) rather than one ``read_into``. Default: False."""
+        each chunk while the next is read) rather than one ``read_into``, and read several
+        arrays at once: :meth:`read_chunks` and :meth:`read_into` are then called from several
+        threads together. Default: False."""
         return False
 
     def read_chunks(

@@ -5,12 +5,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import functools
 import os
 import shutil
 import stat
 import threading
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from coci_core.errors import StorageError
@@ -34,9 +35,10 @@ class LocalStorage(Storage):
     """
 
     renames = True
-    # the descriptors of a read session (see read_session), by file; None: none is open
-    _read_fds: dict[Path, int] | None = None
+    # the descriptors of the read sessions open now (see read_session), by file
+    _read_fds: dict[Path, _Lent] = {}  # noqa: RUF012 - replaced, never changed, on the class
     _read_sessions = 0
+    _read_pid = -1  # the process whose sessions these are
     _read_lock = threading.Lock()
 
     def __init__(self, root: str | os.PathLike[str], *, direct_io: bool = True) -> None:
@@ -122,7 +124,7 @@ class LocalStorage(Storage):
         target = self._path(path)
         view = out.cast("B")
         try:
-            fd, owned = self._open_read(target)
+            fd, done = self._open_read(target)
             try:
                 size = os.fstat(fd).st_size
                 if offset + len(view) > size:
@@ -132,8 +134,7 @@ class LocalStorage(Storage):
                     )
                 _read_exactly(fd, offset, view, target)
             finally:
-                if owned:
-                    os.close(fd)
+                done()
         except StorageError:
             raise
         except (OSError, ValueError, OverflowError) as e:
@@ -142,36 +143,54 @@ class LocalStorage(Storage):
     @contextlib.contextmanager
     def read_session(self) -> Iterator[None]:
         """Within it, the reads of one file share one descriptor, opened at the first read and
-        closed at the end: the kernel's read-ahead then follows a restore through each data
-        file (a new descriptor per piece starts without it: measured 1.3x slower cold), and
-        every read sees the file that was there at the first one."""
+        closed at the end (once no read holds it): the kernel's read-ahead then follows a
+        restore through each data file (a new descriptor per piece starts without it:
+        measured 1.3x slower cold). A descriptor is lent only while its path still names the
+        file it opened (a step saved again gets a new one), and at most
+        :data:`SESSION_DESCRIPTORS` are kept (more files are opened per read)."""
         with self._read_lock:
-            if not self._read_sessions:
-                self._read_fds = {}
+            if self._read_pid != os.getpid():  # nothing of a parent's session is ours
+                self._read_fds, self._read_sessions, self._read_pid = {}, 0, os.getpid()
             self._read_sessions += 1
         try:
             yield
         finally:
             with self._read_lock:
                 self._read_sessions -= 1
-                done = self._read_fds if not self._read_sessions else None
-                if done is not None:
-                    self._read_fds = None
-            for fd in (done or {}).values():
-                os.close(fd)
+                ended = self._read_fds if not self._read_sessions else {}
+                if ended:
+                    self._read_fds = {}
+                for lent in ended.values():
+                    lent.retire()
 
-    def _open_read(self, target: Path) -> tuple[int, bool]:
-        """A descriptor of ``target`` and whether the caller closes it (outside a session)."""
-        if self._read_fds is None:
-            return open_regular(target), True
+    def _open_read(self, target: Path) -> tuple[int, Callable[[], None]]:
+        """A descriptor of ``target``, and what to call once done with it."""
+        if not self._read_sessions or self._read_pid != os.getpid():
+            fd = open_regular(target)
+            return fd, functools.partial(os.close, fd)
+        try:
+            now = os.stat(target)
+        except OSError:
+            now = None  # open_regular below says what is wrong
         with self._read_lock:
             fds = self._read_fds
-            if fds is None:
-                return open_regular(target), True
-            fd = fds.get(target)
-            if fd is None:
-                fd = fds[target] = open_regular(target)
-        return fd, False
+            lent = fds.get(target) if self._read_sessions else None
+            if lent is not None and (now is None or not lent.names(now)):
+                del fds[target]
+                lent.retire()
+                lent = None
+            if lent is None:
+                if not self._read_sessions or len(fds) >= SESSION_DESCRIPTORS:
+                    fd = open_regular(target)
+                    return fd, functools.partial(os.close, fd)
+                lent = fds[target] = _Lent(open_regular(target))
+            lent.holders += 1
+        return lent.fd, functools.partial(self._give_back, lent)
+
+    def _give_back(self, lent: _Lent) -> None:
+        with self._read_lock:
+            lent.holders -= 1
+            lent.close_if_done()
 
     @property
     def reads_in_chunks(self) -> bool:
@@ -194,7 +213,7 @@ class LocalStorage(Storage):
         target = self._path(path)
         view = out.cast("B")
         try:
-            fd, owned = self._open_read(target)
+            fd, done = self._open_read(target)
             try:
                 size = os.fstat(fd).st_size
                 if offset + len(view) > size:
@@ -215,8 +234,7 @@ class LocalStorage(Storage):
                         os.posix_fadvise(fd, offset + start, len(part), os.POSIX_FADV_DONTNEED)
                     yield part
             finally:
-                if owned:
-                    os.close(fd)
+                done()
         except StorageError:
             raise
         except (OSError, ValueError, OverflowError) as e:
@@ -275,6 +293,43 @@ class LocalStorage(Storage):
 
     def local_root(self) -> str:
         return str(self.root)
+
+
+#: The most descriptors a read session keeps open (a restore of more data files opens the rest
+#: per read): far below the usual limit of 1,024 descriptors a process.
+SESSION_DESCRIPTORS = 64
+
+
+class _Lent:
+    """A descriptor a read session lends: closed once the session is over (or the path names
+    another file) and no read holds it. Changed under ``LocalStorage._read_lock``."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        st = os.fstat(fd)
+        self.file = (st.st_dev, st.st_ino)
+        self.holders = 0
+        self.retired = False
+
+    def names(self, st: os.stat_result) -> bool:
+        return (st.st_dev, st.st_ino) == self.file
+
+    def retire(self) -> None:
+        self.retired = True
+        self.close_if_done()
+
+    def close_if_done(self) -> None:
+        if self.retired and not self.holders and self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _forget_sessions() -> None:
+    """In a forked child: a lock another thread held stays held; the sessions are not ours."""
+    LocalStorage._read_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_sessions)
 
 
 def open_regular(target: str | os.PathLike[str], *, follow_links: bool = True) -> int:

@@ -3,6 +3,7 @@ first by commit sequence), as resume and retention see them."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 from collections.abc import Iterable, Iterator, Mapping
@@ -292,6 +293,9 @@ class RunView(StorageWrapper):
     @property
     def reads_in_chunks(self) -> bool:
         return self.inner.reads_in_chunks
+
+    def read_session(self) -> contextlib.AbstractContextManager[None]:
+        return self.inner.read_session()
 
     def read_chunks(
         self, path: str, offset: int, out: memoryview, chunk_bytes: int

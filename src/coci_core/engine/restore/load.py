@@ -4,6 +4,7 @@ keeping its state."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -80,21 +81,26 @@ def _values(
         fills = {}
     boxed = {i for i, f in fills.items() if f.box is not None}
     outs = {i: f.raw for i, f in fills.items() if f.box is None}
-    fetched = reader.fetch_all(manifest, entries, outs, skip=boxed)
+    if targets is not None:
+        # before the reads: a failed one may leave its tensor half written, and the threads
+        # that read large arrays ahead may write any of ``outs`` before the loop reaches it
+        targets.written.update(fills[i].path for i in outs)
     values, nbytes = [], 0
-    for i, entry in enumerate(entries):
-        fill = fills.get(i)
-        if fill is not None and targets is not None:
-            targets.written.add(fill.path)  # before: a failed read may leave it half written
-        raw = next(fetched)
-        if fill is not None and fill.box is not None:
-            assert fill.local is not None
-            nbytes += _read_box_into(reader, manifest, entry, fill.box, fill.local)
-            values.append(fill.tensor)
-            continue
-        assert raw is not None
-        values.append(_as_value(entry, raw, manifest.step) if fill is None else fill.tensor)
-        nbytes += entry.nbytes
+    # closed on any error here, so that no read ahead still writes into ``outs`` afterwards
+    with contextlib.closing(reader.fetch_all(manifest, entries, outs, skip=boxed)) as fetched:
+        for i, entry in enumerate(entries):
+            fill = fills.get(i)
+            raw = next(fetched)
+            if fill is not None and fill.box is not None:
+                assert fill.local is not None
+                if targets is not None:
+                    targets.written.add(fill.path)
+                nbytes += _read_box_into(reader, manifest, entry, fill.box, fill.local)
+                values.append(fill.tensor)
+                continue
+            assert raw is not None
+            values.append(_as_value(entry, raw, manifest.step) if fill is None else fill.tensor)
+            nbytes += entry.nbytes
     return values, nbytes
 
 

@@ -9,7 +9,7 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Generator, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -158,6 +158,12 @@ def _read_chunked(
     times.verify_s += verify
     times.read_s += time.perf_counter() - started - verify
     return crc.value
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity, where the system tells it)."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
 
 
 def _read_ahead_thread() -> None:
@@ -350,13 +356,16 @@ class ArrayReader:
         entries: Sequence[TensorEntry],
         outs: dict[int, torch.Tensor],
         skip: Collection[int] = (),
-    ) -> Iterator[torch.Tensor | None]:
+    ) -> Generator[torch.Tensor | None, None, None]:
         """What :meth:`fetch` gives for each of ``entries`` in turn (into ``outs[i]`` where
         given), the arrays stored raw in small pieces read by regions of their data files:
         one read per region, each piece checked over its slice. An array that does not fit
         that path (a delta, a compressed or large piece, a region that cannot be read, a
         checksum that does not match) goes through :meth:`fetch`, which reads it again and
-        raises what it raises there. The entries in ``skip`` are not read (None)."""
+        raises what it raises there. The entries in ``skip`` are not read (None).
+
+        Large arrays are read ahead by threads, into ``outs`` too: close the generator (it
+        waits for the reads in flight) before using ``outs`` after an error."""
         with self.storage.read_session():
             yield from self._fetch_all(manifest, entries, outs, skip)
 
@@ -373,7 +382,7 @@ class ArrayReader:
             for i, entry in enumerate(entries)
             if i not in skip and i not in regions and entry.raw_nbytes >= READ_AHEAD_MIN_BYTES
         ]
-        threads = min(READ_AHEAD_THREADS, os.cpu_count() or 1)
+        threads = min(READ_AHEAD_THREADS, usable_cores())
         if len(ahead) < 2 or threads < 2 or not self.storage.reads_in_chunks:
             yield from self._fetch_in_order(manifest, entries, outs, skip, regions, {})
             return
