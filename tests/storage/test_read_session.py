@@ -52,7 +52,7 @@ def test_a_descriptor_held_by_a_read_outlives_its_session(tmp_path: Path) -> Non
     (tmp_path / "a").write_bytes(b"x" * 4096)
     storage = LocalStorage(tmp_path)
     with storage.read_session():
-        fd, done = storage._open_read(tmp_path / "a")
+        fd, done, _ = storage._open_read(tmp_path / "a")
     assert _is_open(fd)  # a read still holds it: not closed under it
     assert os.pread(fd, 4, 0) == b"xxxx"
     done()

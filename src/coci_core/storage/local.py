@@ -124,7 +124,7 @@ class LocalStorage(Storage):
         target = self._path(path)
         view = out.cast("B")
         try:
-            fd, done = self._open_read(target)
+            fd, done, _ = self._open_read(target)
             try:
                 size = os.fstat(fd).st_size
                 if offset + len(view) > size:
@@ -163,11 +163,13 @@ class LocalStorage(Storage):
                 for lent in ended.values():
                     lent.retire()
 
-    def _open_read(self, target: Path) -> tuple[int, Callable[[], None]]:
-        """A descriptor of ``target``, and what to call once done with it."""
+    def _open_read(self, target: Path) -> tuple[int, Callable[[], None], bool]:
+        """A descriptor of ``target``, what to call once done with it, and whether the pages
+        read stay in the page cache (the whole file was cached when the session opened it;
+        outside a session: no)."""
         if not self._read_sessions or self._read_pid != os.getpid():
             fd = open_regular(target)
-            return fd, functools.partial(os.close, fd)
+            return fd, functools.partial(os.close, fd), False
         try:
             now = os.stat(target)
         except OSError:
@@ -182,10 +184,10 @@ class LocalStorage(Storage):
             if lent is None:
                 if not self._read_sessions or len(fds) >= SESSION_DESCRIPTORS:
                     fd = open_regular(target)
-                    return fd, functools.partial(os.close, fd)
+                    return fd, functools.partial(os.close, fd), False
                 lent = fds[target] = _Lent(open_regular(target))
             lent.holders += 1
-        return lent.fd, functools.partial(self._give_back, lent)
+        return lent.fd, functools.partial(self._give_back, lent), lent.keep
 
     def _give_back(self, lent: _Lent) -> None:
         with self._read_lock:
@@ -205,15 +207,17 @@ class LocalStorage(Storage):
         each part of ``out`` once it is filled (to checksum it while the next one is read).
 
         The pages of each part are dropped from the page cache once read
-        (``POSIX_FADV_DONTNEED``) unless all of them were cached before the read: a restore
-        does not fill the cache with a checkpoint it reads once, evicting what training reads
-        (measured faster than keeping them, and than ``O_DIRECT``; see docs/benchmarks.md),
-        and a chunk already cached (just written, or read by another process) stays there,
-        copied in parts of :data:`~coci_core.knobs.CACHED_READ_BYTES` (each yielded)."""
+        (``POSIX_FADV_DONTNEED``): a restore does not fill the cache with a checkpoint it reads
+        once, evicting what training reads (measured faster than keeping them, and than
+        ``O_DIRECT``; see docs/benchmarks.md). Within a :meth:`read_session`, a file that was
+        wholly cached when the session first read it (just written, or read by another
+        process) stays cached, copied in parts of :data:`~coci_core.knobs.CACHED_READ_BYTES`
+        (each yielded); one that was not is dropped whole when the session ends (what the
+        kernel read ahead too)."""
         target = self._path(path)
         view = out.cast("B")
         try:
-            fd, done = self._open_read(target)
+            fd, done, keep = self._open_read(target)
             try:
                 size = os.fstat(fd).st_size
                 if offset + len(view) > size:
@@ -223,7 +227,7 @@ class LocalStorage(Storage):
                     )
                 for start in range(0, len(view), chunk_bytes):
                     part = view[start : start + chunk_bytes]
-                    if all_cached(fd, offset + start, len(part)):
+                    if keep:
                         for sub in range(0, len(part), CACHED_READ_BYTES):
                             piece = part[sub : sub + CACHED_READ_BYTES]
                             _read_exactly(fd, offset + start + sub, piece, target)
@@ -308,6 +312,9 @@ class _Lent:
         self.fd = fd
         st = os.fstat(fd)
         self.file = (st.st_dev, st.st_ino)
+        # decided before this session read anything of it: the kernel's read-ahead for the
+        # session's own reads must not count as "cached before"
+        self.keep = all_cached(fd, 0, st.st_size)
         self.holders = 0
         self.retired = False
 
@@ -320,6 +327,9 @@ class _Lent:
 
     def close_if_done(self) -> None:
         if self.retired and not self.holders and self.fd >= 0:
+            if not self.keep and DROP_READ_PAGES:
+                with contextlib.suppress(OSError):
+                    os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
             os.close(self.fd)
             self.fd = -1
 
