@@ -20,7 +20,15 @@ CHILD = "tests.preemption._lightning_child"
 
 
 def _rows(lines: list[str], mark: str) -> list[dict[str, Any]]:
-    return [json.loads(x.split(" ", 1)[1]) for x in lines if x.startswith(mark + " ")]
+    """Every ``<mark> <json>`` the ranks printed: two ranks share the pipe, and one's line may
+    run into the other's (``print`` writes the text and the newline apart)."""
+    decoder, rows = json.JSONDecoder(), []
+    for line in lines:
+        if mark + " " not in line:
+            continue
+        for part in line.split(mark + " ")[1:]:
+            rows.append(decoder.raw_decode(part.strip())[0])
+    return rows
 
 
 def _preempt(directory: Path, *args: str, kill_scope: Any = "process") -> tuple[int, list[str]]:
