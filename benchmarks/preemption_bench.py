@@ -267,6 +267,14 @@ def _at(row: dict[str, Any]) -> str:
     return f"{row['size_gb']:g} GB/{row['grace_s']:g} s"
 
 
+def _row_head(r: dict[str, Any]) -> str:
+    """A table row's first cells: the state, its save, the grace period, how often it fit."""
+    return (
+        f"| {r['size_gb']:g} GB | {r['save_s']:.0f} s | {r['grace_s']:g} s "
+        f"| {100 * r['naive_fits']:.0f}%"
+    )
+
+
 def known_end_table(rows: list[dict[str, Any]]) -> str:
     head = (
         "| state | save | notice | naive save fits | none | naive (atomic) | coci "
@@ -278,11 +286,7 @@ def known_end_table(rows: list[dict[str, Any]]) -> str:
             f"{r[f'{p} wall median']:.0f} / {r[f'{p} wall mean']:.0f}"
             for p in ("none", "naive atomic", "coci")
         )
-        body += (
-            f"| {r['size_gb']:g} GB | {r['save_s']:.0f} s | {r['grace_s']:g} s "
-            f"| {100 * r['naive_fits']:.0f}% | {cells} "
-            f"| {r['coci median']:.0f} / {r['coci mean']:.0f} |\n"
-        )
+        body += f"{_row_head(r)} | {cells} | {r['coci median']:.0f} / {r['coci mean']:.0f} |\n"
     return head + body
 
 
@@ -294,10 +298,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     body = ""
     for r in rows:
         cells = " | ".join(f"{r[f'{p} median']:.0f} / {r[f'{p} mean']:.0f}" for p in POLICIES)
-        body += (
-            f"| {r['size_gb']:g} GB | {r['save_s']:.0f} s | {r['grace_s']:g} s "
-            f"| {100 * r['naive_fits']:.0f}% | {cells} |\n"
-        )
+        body += f"{_row_head(r)} | {cells} |\n"
     return head + body
 
 
