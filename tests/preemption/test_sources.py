@@ -249,3 +249,32 @@ def test_a_known_end_is_planned_for_and_a_later_sigterm_takes_the_save_at_once()
     assert plan_save_step(10, 20.0, None, 4.0, 2.0) == 10  # no step time: at once
     assert plan_save_step(10, 6.5, 0.5, 4.0, 2.0) == 10  # it fits, not with its reserve: now
     assert plan_save_step(10, 7.5, 0.5, 4.0, 2.0) == 11  # a step to spare
+
+
+def test_a_plan_made_again_keeps_the_time_left_at_the_notice() -> None:
+    """A second notice of an earlier end: once the pace since the plan shows its step no
+    longer fits, the plan is made again, earlier; the plan and the decision still report the
+    time that was left where the ranks first learned of a notice, not at the new plan."""
+    from coci_core.preemption import Notice
+    from coci_core.training.preemption import PACE_MIN_STEPS
+
+    watch = PreemptionWatch(Preemption(["USR1@30"], margin_s=2))
+    for step in range(1, 4):
+        assert watch.check(step, lambda: 1.0) is None
+    now = time.monotonic()
+    watch.board.post(Notice("SIGUSR1", now, now + 30, known_end=True))
+    first = watch.check(4, lambda: 1.0)
+    assert isinstance(first, NoticePlan) and 29 < first.time_left_s <= 30
+    watch.board.post(Notice("SIGUSR2", now, now + 5, known_end=True))
+    step, again = 4, first
+    while again is first and step < 4 + 10 * PACE_MIN_STEPS:
+        step += 1
+        again = watch.check(step, lambda: 1.0)
+    assert isinstance(again, NoticePlan) and again.save_at < first.save_at
+    assert again.noticed_at == 4 and again.time_left_s <= 5
+    assert again.noticed_left_s == first.noticed_left_s == first.time_left_s
+    watch.board.post(Notice("SIGTERM", time.monotonic(), time.monotonic() + 4))
+    decision = watch.check(step + 1, lambda: 1.0)
+    assert not isinstance(decision, NoticePlan) and decision is not None
+    assert decision.noticed_at == 4 and decision.noticed_left_s == first.time_left_s
+    assert decision.time_left_s <= 4

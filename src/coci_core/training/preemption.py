@@ -124,6 +124,8 @@ class NoticePlan:
             since an earlier plan when slower).
         needed_s: the save's measured time to durable.
         reason: the plan in words.
+        noticed_left_s: seconds until the deadline at ``noticed_at`` (kept when the plan is
+            made again later; None: ``time_left_s``).
     """
 
     noticed_at: int
@@ -133,6 +135,7 @@ class NoticePlan:
     step_s: float
     needed_s: float
     reason: str
+    noticed_left_s: float | None = None
 
 
 def fit_save(
@@ -358,6 +361,7 @@ class PreemptionWatch:
                 noticed_at = step if plan is None else plan.noticed_at
                 self.plan = NoticePlan(
                     noticed_at=noticed_at,
+                    noticed_left_s=left if plan is None else plan.noticed_left_s,
                     source=source,
                     save_at=int(target),
                     time_left_s=left,
@@ -381,6 +385,6 @@ class PreemptionWatch:
             deadline=now + left,
             noticed_after_s=now - notice.received if notice is not None else 0.0,
             noticed_at=plan.noticed_at if plan is not None else step,
-            noticed_left_s=plan.time_left_s if plan is not None else left,
+            noticed_left_s=plan.noticed_left_s if plan is not None else left,
         )
         return self.decision
