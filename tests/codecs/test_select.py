@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from coci_core.codecs import choose_codec, compression_pays, time_to_durable
+from coci_core.codecs import choose_codec, compression_pays, time_to_durable, time_to_restore
 from coci_core.errors import ConfigError
 
 MB = 1_000_000
@@ -37,6 +37,39 @@ def test_compression_pays_on_slow_storage_only() -> None:
     # the margin: a 3% win is not enough at the default 5%
     assert not compression_pays(encode_mbps=1e9, ratio=1.03, write_mbps=100)
     assert compression_pays(encode_mbps=1e9, ratio=1.03, write_mbps=100, margin=0.0)
+
+
+def test_time_to_restore_reads_then_decodes() -> None:
+    MB = 1_000_000
+    assert time_to_restore(MB, read_mbps=100) == pytest.approx(0.01)
+    # 2x smaller: half the read, plus the decode (not overlapped)
+    assert time_to_restore(MB, read_mbps=100, decode_mbps=500, ratio=2) == pytest.approx(0.007)
+    for bad in (
+        {"read_mbps": 0},
+        {"read_mbps": 1, "decode_mbps": 0},
+        {"read_mbps": 1, "ratio": -1},
+    ):
+        with pytest.raises(ConfigError):
+            time_to_restore(MB, **bad)  # type: ignore[arg-type]
+
+
+def test_compression_that_slows_the_restore_does_not_pay() -> None:
+    """A shorter background write is not worth a longer resume: with the decode speed known,
+    compression pays only when the restore (read the smaller bytes, then decode) is no more
+    than the margin slower than reading the raw bytes."""
+    # 200 MB/s storage, a fast pipelined encoder, 1.5x: the write is 33% shorter
+    fast_write = {"encode_mbps": 1000.0, "ratio": 1.5, "write_mbps": 200.0, "pipelined": True}
+    assert compression_pays(**fast_write)  # type: ignore[arg-type]
+    # decoding at 300 MB/s: a restore takes 3.3 + 3.3 ms per MB against 5 ms raw
+    assert not compression_pays(**fast_write, decode_mbps=300)  # type: ignore[arg-type]
+    assert compression_pays(**fast_write, decode_mbps=3000)  # type: ignore[arg-type]
+    # reads faster than writes (local disks): the raw restore is harder to beat
+    assert not compression_pays(**fast_write, decode_mbps=3000, read_mbps=2000)  # type: ignore[arg-type]
+    # a slow object store: compression shortens both
+    slow = {"encode_mbps": 250.0, "ratio": 1.23, "write_mbps": 20.0}
+    assert compression_pays(**slow, decode_mbps=600)  # type: ignore[arg-type]
+    # the durable test still comes first: a restore that gains does not make a slower write pay
+    assert not compression_pays(encode_mbps=250, ratio=1.23, write_mbps=2000, decode_mbps=1e9)
 
 
 def test_choose_codec_modes() -> None:

@@ -58,7 +58,12 @@ from coci_core.codecs.registry import (
     stores_compressed,
     unregister_codec,
 )
-from coci_core.codecs.select import choose_codec, compression_pays, time_to_durable
+from coci_core.codecs.select import (
+    choose_codec,
+    compression_pays,
+    time_to_durable,
+    time_to_restore,
+)
 
 __all__ = [
     "CHUNKS",
@@ -93,5 +98,6 @@ __all__ = [
     "stored_hashes",
     "stores_compressed",
     "time_to_durable",
+    "time_to_restore",
     "unregister_codec",
 ]

@@ -1,4 +1,5 @@
-"""Which codec for which tensor, and whether compressing pays off in time to durable.
+"""Which codec for which tensor, and whether compressing pays off in time to durable without
+lengthening a restore.
 
 The writer measures, these decide (consulting the codecs registered with a ``select``).
 """
@@ -14,7 +15,15 @@ from coci_core.codecs.quantized import QDELTA
 from coci_core.codecs.registry import RAW, BaseAvailable, Mode, selected_codec
 from coci_core.errors import ConfigError
 
-__all__ = ["RAW", "BaseAvailable", "Mode", "choose_codec", "compression_pays", "time_to_durable"]
+__all__ = [
+    "RAW",
+    "BaseAvailable",
+    "Mode",
+    "choose_codec",
+    "compression_pays",
+    "time_to_durable",
+    "time_to_restore",
+]
 
 MODES = ("none", "lossless", "lossy", "auto")
 
@@ -45,6 +54,20 @@ def time_to_durable(
     return max(enc, write / ratio) if pipelined else enc + write / ratio
 
 
+def time_to_restore(
+    nbytes: int, *, read_mbps: float, decode_mbps: float | None = None, ratio: float = 1.0
+) -> float:
+    """Seconds to read ``nbytes`` stored raw (``decode_mbps=None``), or stored compressed by
+    ``ratio`` and decoded: ``n/ratio/read + n/decode`` (a restore reads a compressed piece,
+    then decodes it). MB/s are 1e6 B/s."""
+    if read_mbps <= 0 or ratio <= 0 or (decode_mbps is not None and decode_mbps <= 0):
+        raise ConfigError("speeds and ratio must be positive")
+    read = nbytes / (read_mbps * 1e6)
+    if decode_mbps is None:
+        return read
+    return read / ratio + nbytes / (decode_mbps * 1e6)
+
+
 def compression_pays(
     *,
     encode_mbps: float,
@@ -52,17 +75,30 @@ def compression_pays(
     write_mbps: float,
     pipelined: bool = False,
     margin: float = 0.05,
+    decode_mbps: float | None = None,
+    read_mbps: float | None = None,
 ) -> bool:
-    """Whether compressing shortens the time to durable by more than ``margin`` (a fraction).
+    """Whether compressing shortens the time to durable by more than ``margin`` (a fraction)
+    and, given ``decode_mbps``, lengthens a restore by no more than ``margin``.
 
-    Size-independent (both times are proportional to the bytes). ``margin`` keeps ``"auto"``
-    from switching on noise: compression must win by 5% by default.
+    Size-independent (every time is proportional to the bytes). ``margin`` keeps ``"auto"``
+    from switching on noise: compression must win by 5% by default. ``read_mbps``: the
+    storage's read speed (default: ``write_mbps``). A restore is what a resume waits for with
+    every accelerator idle, so a compression that makes it slower does not pay even when the
+    background write gets shorter.
     """
     raw = time_to_durable(1_000_000, write_mbps=write_mbps)
     comp = time_to_durable(
         1_000_000, write_mbps=write_mbps, encode_mbps=encode_mbps, ratio=ratio, pipelined=pipelined
     )
-    return comp < raw * (1.0 - margin)
+    if not comp < raw * (1.0 - margin):
+        return False
+    if decode_mbps is None:
+        return True
+    read = write_mbps if read_mbps is None else read_mbps
+    raw_restore = time_to_restore(1_000_000, read_mbps=read)
+    comp_restore = time_to_restore(1_000_000, read_mbps=read, decode_mbps=decode_mbps, ratio=ratio)
+    return comp_restore <= raw_restore * (1.0 + margin)
 
 
 def choose_codec(

@@ -26,6 +26,7 @@ from coci_core.codecs import (
     choose_codec,
     chunk_hashes,
     compression_pays,
+    decode_lossless,
     encode_lossless,
     get_codec,
 )
@@ -223,10 +224,12 @@ class PieceEncoder:
             return False
         samples = probe()
         raw = stored = 0
+        encoded: list[tuple[Encoded, int]] = []
         started = time.perf_counter()
         for data, dtype in samples:
             data = data[:PROBE_BYTES]
             enc = encode_lossless(data, dtype, level=self.policy.level)
+            encoded.append((enc, data.nbytes))
             raw += data.nbytes
             stored += enc.nbytes
             if raw >= PROBE_BYTES:
@@ -234,11 +237,17 @@ class PieceEncoder:
         seconds = time.perf_counter() - started
         if raw == 0 or seconds <= 0:
             return None
+        out = np.empty(max(n for _, n in encoded), dtype=np.uint8)
+        started = time.perf_counter()
+        for enc, n in encoded:  # what a restore of these pieces would decode
+            decode_lossless(enc.data, enc.params, out[:n])
+        decode_s = time.perf_counter() - started
         return compression_pays(
             encode_mbps=raw / seconds / 1e6,
             ratio=raw / max(1, stored),
             write_mbps=self.write_mbps,
             pipelined=True,  # the writer encodes the next piece while it writes this one
+            decode_mbps=raw / decode_s / 1e6 if decode_s > 0 else None,
         )
 
     def encode(
