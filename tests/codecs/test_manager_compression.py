@@ -227,6 +227,36 @@ def test_auto_compresses_on_slow_storage_and_not_on_fast_disk(tmp_path: Path) ->
     assert [os.path.getsize(f) for f in files] == [4 << 20] * 3
 
 
+def test_auto_stores_raw_where_decoding_would_slow_the_restore(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On storage slow enough that compression shortens the write, a decoder slower than the
+    storage's reads makes "auto" store raw: the resume would wait longer for the decode than
+    the write saved. The same run with the real decoder compresses."""
+    from coci_core.engine.save import compress
+
+    g = torch.Generator().manual_seed(2)
+    states = [{"w": torch.randn(1 << 19, generator=g).bfloat16().float()} for _ in range(3)]
+    real = compress.decode_lossless
+
+    def slow_decode(stored: Any, params: Any, out: Any) -> None:
+        started = time.perf_counter()
+        real(stored, params, out)
+        # a decoder at 2 MB/s: slower than the 5 MB/s storage reads the raw bytes
+        time.sleep(max(0.0, len(out) / 2e6 - (time.perf_counter() - started)))
+
+    opts = {"auto_min_bytes": 1 << 20}
+    with CheckpointManager(
+        _SlowStorage(tmp_path / "fast-decode", mbps=5), compression_options=opts
+    ) as mgr:
+        assert [e.compressed for e in _save_all(mgr, states)] == [False, True, True]
+    monkeypatch.setattr(compress, "decode_lossless", slow_decode)
+    with CheckpointManager(
+        _SlowStorage(tmp_path / "slow-decode", mbps=5), compression_options=opts
+    ) as mgr:
+        assert not any(e.compressed for e in _save_all(mgr, states))
+
+
 def test_bad_compression_arguments(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="'compression' must be one of"):
         CheckpointManager(tmp_path, compression="zstd")

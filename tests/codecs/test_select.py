@@ -44,6 +44,12 @@ def test_time_to_restore_reads_then_decodes() -> None:
     assert time_to_restore(MB, read_mbps=100) == pytest.approx(0.01)
     # 2x smaller: half the read, plus the decode (not overlapped)
     assert time_to_restore(MB, read_mbps=100, decode_mbps=500, ratio=2) == pytest.approx(0.007)
+    # a delta: decoded over its base's decoded bytes, two decodes
+    assert time_to_restore(MB, read_mbps=100, decode_mbps=500, ratio=2, decodes=2) == pytest.approx(
+        0.009
+    )
+    with pytest.raises(ConfigError, match="decodes"):
+        time_to_restore(MB, read_mbps=100, decode_mbps=500, decodes=0)
     for bad in (
         {"read_mbps": 0},
         {"read_mbps": 1, "decode_mbps": 0},
@@ -63,6 +69,9 @@ def test_compression_that_slows_the_restore_does_not_pay() -> None:
     # decoding at 300 MB/s: a restore takes 3.3 + 3.3 ms per MB against 5 ms raw
     assert not compression_pays(**fast_write, decode_mbps=300)  # type: ignore[arg-type]
     assert compression_pays(**fast_write, decode_mbps=3000)  # type: ignore[arg-type]
+    # between bases a restore decodes the base and the delta: 3.3 + 0.7 ms against 5 ms
+    assert compression_pays(**fast_write, decode_mbps=3000, deltas=True)  # type: ignore[arg-type]
+    assert not compression_pays(**fast_write, decode_mbps=1000, deltas=True)  # type: ignore[arg-type]
     # reads faster than writes (local disks): the raw restore is harder to beat
     assert not compression_pays(**fast_write, decode_mbps=3000, read_mbps=2000)  # type: ignore[arg-type]
     # a slow object store: compression shortens both

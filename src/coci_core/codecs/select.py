@@ -55,17 +55,26 @@ def time_to_durable(
 
 
 def time_to_restore(
-    nbytes: int, *, read_mbps: float, decode_mbps: float | None = None, ratio: float = 1.0
+    nbytes: int,
+    *,
+    read_mbps: float,
+    decode_mbps: float | None = None,
+    ratio: float = 1.0,
+    decodes: int = 1,
 ) -> float:
     """Seconds to read ``nbytes`` stored raw (``decode_mbps=None``), or stored compressed by
-    ``ratio`` and decoded: ``n/ratio/read + n/decode`` (a restore reads a compressed piece,
-    then decodes it). MB/s are 1e6 B/s."""
+    ``ratio``, read and then decoded ``decodes`` times: ``n/ratio/read + decodes*n/decode`` (a
+    restore reads a compressed piece, then decodes it; a delta between bases is decoded over
+    its base's decoded bytes, ``decodes=2``, its own stored bytes taken as small next to the
+    base's). MB/s are 1e6 B/s."""
     if read_mbps <= 0 or ratio <= 0 or (decode_mbps is not None and decode_mbps <= 0):
         raise ConfigError("speeds and ratio must be positive")
+    if type(decodes) is not int or decodes < 1:
+        raise ConfigError(f"decodes must be an integer >= 1: {decodes!r}")
     read = nbytes / (read_mbps * 1e6)
     if decode_mbps is None:
         return read
-    return read / ratio + nbytes / (decode_mbps * 1e6)
+    return read / ratio + decodes * nbytes / (decode_mbps * 1e6)
 
 
 def compression_pays(
@@ -77,15 +86,18 @@ def compression_pays(
     margin: float = 0.05,
     decode_mbps: float | None = None,
     read_mbps: float | None = None,
+    deltas: bool = False,
 ) -> bool:
     """Whether compressing shortens the time to durable by more than ``margin`` (a fraction)
     and, given ``decode_mbps``, lengthens a restore by no more than ``margin``.
 
     Size-independent (every time is proportional to the bytes). ``margin`` keeps ``"auto"``
     from switching on noise: compression must win by 5% by default. ``read_mbps``: the
-    storage's read speed (default: ``write_mbps``). A restore is what a resume waits for with
-    every accelerator idle, so a compression that makes it slower does not pay even when the
-    background write gets shorter.
+    storage's read speed (default: ``write_mbps``). ``deltas``: saves between bases are
+    deltas, so a restore decodes a base and a delta (:func:`time_to_restore` with
+    ``decodes=2``). A restore is what a resume waits for with every accelerator idle, so a
+    compression that makes it slower does not pay even when the background write gets
+    shorter.
     """
     raw = time_to_durable(1_000_000, write_mbps=write_mbps)
     comp = time_to_durable(
@@ -97,7 +109,9 @@ def compression_pays(
         return True
     read = write_mbps if read_mbps is None else read_mbps
     raw_restore = time_to_restore(1_000_000, read_mbps=read)
-    comp_restore = time_to_restore(1_000_000, read_mbps=read, decode_mbps=decode_mbps, ratio=ratio)
+    comp_restore = time_to_restore(
+        1_000_000, read_mbps=read, decode_mbps=decode_mbps, ratio=ratio, decodes=2 if deltas else 1
+    )
     return comp_restore <= raw_restore * (1.0 + margin)
 
 

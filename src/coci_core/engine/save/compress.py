@@ -248,6 +248,7 @@ class PieceEncoder:
             write_mbps=self.write_mbps,
             pipelined=True,  # the writer encodes the next piece while it writes this one
             decode_mbps=raw / decode_s / 1e6 if decode_s > 0 else None,
+            deltas=self.policy.full_every > 1,  # between bases, a restore decodes a delta too
         )
 
     def encode(
