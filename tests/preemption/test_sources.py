@@ -243,6 +243,7 @@ def test_a_known_end_is_planned_for_and_a_later_sigterm_takes_the_save_at_once()
     decision = watch.check(6, lambda: 1.0)
     assert not isinstance(decision, NoticePlan) and decision is not None
     assert decision.save and decision.step == 6 and decision.noticed_at == 4 and decision.moved
+    assert decision.source == "SIGTERM" and decision.noticed_source == "SIGUSR1"
     # the plan: the last boundary at which the save still fits
     # (20 s left, a 4 s save, a quarter of it in reserve: 5 s, 2 s of margin: 13 s to train)
     assert plan_save_step(10, 20.0, 0.5, 4.0, 2.0) == 10 + 26
@@ -278,3 +279,48 @@ def test_a_plan_made_again_keeps_the_time_left_at_the_notice() -> None:
     assert not isinstance(decision, NoticePlan) and decision is not None
     assert decision.noticed_at == 4 and decision.noticed_left_s == first.time_left_s
     assert decision.time_left_s <= 4
+
+
+def test_the_report_names_both_notices_when_a_sigterm_cuts_a_moved_save_short(
+    tmp_path: Path,
+) -> None:
+    """A SIGUSR1 30 s ahead moves the save; a SIGTERM two steps later takes it at once. The
+    telemetry record, read back as ``coci report`` reads it, says which notice came when."""
+    from coci_core.preemption import Notice
+    from coci_core.telemetry import JsonlTelemetry
+    from coci_core.telemetry.records import parse_records
+    from coci_core.telemetry.report import preemption_line
+
+    watch = PreemptionWatch(Preemption(["USR1@30"], margin_s=2))
+    assert watch.check(3, lambda: 1.0) is None
+    now = time.monotonic()
+    watch.board.post(Notice("SIGUSR1", now, now + 30, known_end=True))
+    assert isinstance(watch.check(4, lambda: 1.0), NoticePlan)
+    watch.board.post(Notice("SIGTERM", time.monotonic(), time.monotonic() + 20))
+    decision = watch.check(6, lambda: 1.0)
+    assert not isinstance(decision, NoticePlan) and decision is not None
+    with JsonlTelemetry(tmp_path / "telemetry.jsonl") as sink:
+        sink.record_preemption(
+            decision.step,
+            source=decision.source,
+            time_left_s=decision.time_left_s,
+            save=decision.save,
+            needed_s=decision.needed_s,
+            margin_s=decision.margin_s,
+            reason=decision.reason,
+            saved=6,
+            save_s=1.0,
+            noticed_at=decision.noticed_at,
+            noticed_left_s=decision.noticed_left_s,
+            noticed_source=decision.noticed_source,
+        )
+    records, skipped = parse_records((tmp_path / "telemetry.jsonl").read_bytes())
+    (record,) = [r for r in records if r["type"] == "preemption"]
+    assert skipped == 0 and record["noticed_source"] == "SIGUSR1"
+    line = preemption_line(record)
+    assert line.startswith("preemption notice (SIGUSR1) at step 4, "), line
+    assert ": then SIGTERM at step 6, " in line and "moved" not in line, line
+    assert line.endswith(": saved step 6 (the save took 1.00 s)"), line
+    # a record of an older version, without the field: the one source it names
+    del record["noticed_source"]
+    assert preemption_line(record).startswith("preemption notice (SIGTERM) at step 4, ")

@@ -326,13 +326,15 @@ class JsonlRecords:
         save_s: float | None,
         noticed_at: int | None = None,
         noticed_left_s: float | None = None,
+        noticed_source: str | None = None,
     ) -> None:
         """A preemption notice: the step of the decision (where the ranks learned of it, or
         where its save was moved to before a known end), its source, the seconds left then,
         the decision (``save``, the save's measured time ``needed_s``, the ``margin_s`` kept,
         the ``reason`` in words) and what came of it: the step ``saved`` (None: none) and the
-        time that save took to be durable; ``noticed_at`` and ``noticed_left_s``: the step
-        at which the ranks learned of it and the seconds left then."""
+        time that save took to be durable; ``noticed_at``, ``noticed_left_s`` and
+        ``noticed_source``: the step at which the ranks learned of it, the seconds left then
+        and that notice's source (``source`` is the one in force at ``step``)."""
         self._write(
             {
                 "type": "preemption",
@@ -349,6 +351,7 @@ class JsonlRecords:
                 "noticed_left_s": _finite_or_none(
                     float(time_left_s if noticed_left_s is None else noticed_left_s)
                 ),
+                "noticed_source": str(source if noticed_source is None else noticed_source),
             }
         )
 

@@ -132,6 +132,7 @@ SCHEMA: dict[str, dict[str, _Check]] = {
         "save_s": _number,
         "noticed_at": _opt_step,
         "noticed_left_s": _number,
+        "noticed_source": _STR,
     },
     "progress": {},
     "end": {"failed": _BOOL},

@@ -551,10 +551,17 @@ def preemption_line(r: dict[str, Any]) -> str:
             f"{_num(r.get('time_left_s'), '.1f', unknown='?')} s left"
         )
     else:  # a known end far enough ahead: the save was moved to its last step that fits
+        source = r.get("source") or "?"
+        first = r.get("noticed_source") or source
+        left = _num(r.get("time_left_s"), ".1f", unknown="?")
         head = (
-            f"preemption notice ({r.get('source') or '?'}) at step {noticed_at}, "
-            f"{_num(r.get('noticed_left_s'), '.1f', unknown='?')} s left: the save moved to "
-            f"step {r['step']}, {_num(r.get('time_left_s'), '.1f', unknown='?')} s left"
+            f"preemption notice ({first}) at step {noticed_at}, "
+            f"{_num(r.get('noticed_left_s'), '.1f', unknown='?')} s left: "
+            + (
+                f"the save moved to step {r['step']}, {left} s left"
+                if first == source
+                else f"then {source} at step {r['step']}, {left} s left"
+            )
         )
     saved = r.get("saved")
     if saved is not None:

@@ -339,7 +339,7 @@ def from_summary(summary: RunSummary, directory: str, name: str | None = None) -
             {
                 "step": noticed,
                 "time": _at_step(clocks.get(session, []), noticed),
-                "source": str(r.get("source") or "?"),
+                "source": str(r.get("noticed_source") or r.get("source") or "?"),
                 "time_left_s": _num(r.get("time_left_s")) if left is None else left,
                 "decision": decision,
                 "save_step": step,

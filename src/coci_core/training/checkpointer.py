@@ -522,6 +522,7 @@ class Checkpointer:
                     save_s=save_s,
                     noticed_at=decision.noticed_at,
                     noticed_left_s=decision.noticed_left_s,
+                    noticed_source=decision.noticed_source,
                 )
             except Exception:
                 logger.exception("coci telemetry sink %r failed", sink)

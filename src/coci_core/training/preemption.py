@@ -86,6 +86,9 @@ class PreemptionDecision:
         noticed_at: the step boundary at which every rank learned of the notice (``step``,
             unless the save was moved later).
         noticed_left_s: seconds until the deadline at ``noticed_at``.
+        noticed_source: the source of the notice the ranks learned of at ``noticed_at``
+            (``source`` names the one in force at ``step``: a SIGTERM after a notice of a
+            known end, say).
     """
 
     step: int
@@ -99,6 +102,7 @@ class PreemptionDecision:
     noticed_after_s: float = 0.0
     noticed_at: int | None = None
     noticed_left_s: float | None = None
+    noticed_source: str | None = None
 
     def time_left(self) -> float:
         return self.deadline - time.monotonic()
@@ -386,5 +390,6 @@ class PreemptionWatch:
             noticed_after_s=now - notice.received if notice is not None else 0.0,
             noticed_at=plan.noticed_at if plan is not None else step,
             noticed_left_s=plan.noticed_left_s if plan is not None else left,
+            noticed_source=plan.source if plan is not None else source,
         )
         return self.decision
