@@ -96,8 +96,8 @@ class CociCheckpoint(Checkpoint):
         mtbf_s: mean time between failures of one node, in seconds (None: estimated).
         keep_last: committed checkpoints to keep.
         compression: ``"auto"`` (default: compress only where it shortens the time to
-            durable; raw on a fast local disk), ``"none"``, ``"lossless"`` or ``"lossy"``
-            (opt-in, bounded error); see docs/compression.md.
+            durable without slowing a restore; raw on a fast local disk), ``"none"``,
+            ``"lossless"`` or ``"lossy"`` (opt-in, bounded error); see docs/compression.md.
         compression_options: the knobs of ``coci_core.engine.save.compress.CompressionPolicy``
             (``full_every``, ``lossy_bits``, ``max_lossy_generations``, ...).
         resume: continue from the newest committed checkpoint when ``fit`` gets no ckpt_path.

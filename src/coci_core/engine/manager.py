@@ -106,8 +106,8 @@ class CheckpointManager:
             (give it a directory of its own: one writer per directory).
         chunk_bytes: the unit in which the state is split over ranks (a multiple of 64).
         compression: ``"auto"`` (default: compress only where it shortens the time to
-            durable; raw on a fast local disk), ``"none"``, ``"lossless"``, ``"lossy"``
-            (opt-in, bounded error); or a
+            durable without slowing a restore; raw on a fast local disk), ``"none"``,
+            ``"lossless"``, ``"lossy"`` (opt-in, bounded error); or a
             :class:`~coci_core.engine.save.compress.CompressionPolicy`. See docs/compression.md.
         compression_options: knobs of :class:`~coci_core.engine.save.compress.CompressionPolicy`
             (``full_every``, ``max_lossy_generations``, ``lossy_bits``, ...).

@@ -48,7 +48,8 @@ class CompressionPolicy:
 
     Args:
         mode: ``"none"``, ``"lossless"``, ``"lossy"`` (opt-in, bounded error) or ``"auto"``
-            (compress only where it shortens the time to durable).
+            (compress only where it shortens the time to durable without slowing a
+            restore).
         full_every: a base (no delta) every this many saves.
         max_lossy_generations: lossy deltas in a row before a lossless base is forced.
         lossy_bits: 8 (default), 4, 2 or ``"auto"`` (per tensor, the fewest bits whose
