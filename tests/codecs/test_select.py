@@ -50,13 +50,21 @@ def test_time_to_restore_reads_then_decodes() -> None:
     )
     with pytest.raises(ConfigError, match="decodes"):
         time_to_restore(MB, read_mbps=100, decode_mbps=500, decodes=0)
-    for bad in (
-        {"read_mbps": 0},
-        {"read_mbps": 1, "decode_mbps": 0},
-        {"read_mbps": 1, "ratio": -1},
-    ):
-        with pytest.raises(ConfigError):
+    bad_values = [
+        ("read_mbps", {"read_mbps": 0}),
+        ("read_mbps", {"read_mbps": float("nan")}),
+        ("decode_mbps", {"read_mbps": 1, "decode_mbps": 0}),
+        ("decode_mbps", {"read_mbps": 1, "decode_mbps": float("inf")}),
+        ("ratio", {"read_mbps": 1, "ratio": -1}),
+        ("ratio", {"read_mbps": 1, "ratio": True}),
+    ]
+    for name, bad in bad_values:
+        with pytest.raises(ConfigError, match=f"'{name}' must be a finite number above 0"):
             time_to_restore(MB, **bad)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="'write_mbps' must be a finite number above 0"):
+        time_to_durable(MB, write_mbps=-1)
+    with pytest.raises(ConfigError, match="'margin' must be a number in"):
+        compression_pays(encode_mbps=1, ratio=2, write_mbps=1, margin=1.5)
 
 
 def test_compression_that_slows_the_restore_does_not_pay() -> None:

@@ -6,6 +6,8 @@ The writer measures, these decide (consulting the codecs registered with a ``sel
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from coci_core.codecs._common import FLOAT_DTYPES, dtype_name
@@ -31,6 +33,20 @@ MODES = ("none", "lossless", "lossy", "auto")
 MIN_BYTES = 4096
 
 
+def _check_positive(**values: float | None) -> None:
+    """A ConfigError naming the first of ``values`` (None: not given) that is not a finite
+    number above 0."""
+    for name, value in values.items():
+        if value is None:
+            continue
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not 0 < value < math.inf
+        ):
+            raise ConfigError(f"'{name}' must be a finite number above 0: {value!r}")
+
+
 def time_to_durable(
     nbytes: int,
     *,
@@ -45,8 +61,7 @@ def time_to_durable(
     ``n/encode + n/ratio/write``. Pipelined (piece i+1 encoded while piece i is written: coci's
     writer) the slower stage dominates: ``max(n/encode, n/ratio/write)``. MB/s are 1e6 B/s.
     """
-    if write_mbps <= 0 or ratio <= 0 or (encode_mbps is not None and encode_mbps <= 0):
-        raise ConfigError("speeds and ratio must be positive")
+    _check_positive(write_mbps=write_mbps, ratio=ratio, encode_mbps=encode_mbps)
     write = nbytes / (write_mbps * 1e6)
     if encode_mbps is None:
         return write
@@ -67,8 +82,7 @@ def time_to_restore(
     restore reads a compressed piece, then decodes it; a delta between bases is decoded over
     its base's decoded bytes, ``decodes=2``, its own stored bytes taken as small next to the
     base's). MB/s are 1e6 B/s."""
-    if read_mbps <= 0 or ratio <= 0 or (decode_mbps is not None and decode_mbps <= 0):
-        raise ConfigError("speeds and ratio must be positive")
+    _check_positive(read_mbps=read_mbps, ratio=ratio, decode_mbps=decode_mbps)
     if type(decodes) is not int or decodes < 1:
         raise ConfigError(f"decodes must be an integer >= 1: {decodes!r}")
     read = nbytes / (read_mbps * 1e6)
@@ -99,6 +113,8 @@ def compression_pays(
     compression that makes it slower does not pay even when the background write gets
     shorter.
     """
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+        raise ConfigError(f"'margin' must be a number in [0, 1): {margin!r}")
     raw = time_to_durable(1_000_000, write_mbps=write_mbps)
     comp = time_to_durable(
         1_000_000, write_mbps=write_mbps, encode_mbps=encode_mbps, ratio=ratio, pipelined=pipelined
