@@ -192,8 +192,11 @@ def test_a_notice_of_a_known_end_moves_the_save_to_the_last_step_that_fits(
     (notice,) = [r for r in records if r["type"] == "preemption"]
     assert notice["noticed_at"] == stop["noticed_at"] and notice["step"] == stop["at"]
     assert 3 < notice["noticed_left_s"] <= 4
-    # as late as fits: durable before the deadline, less than a second more than the margin
-    assert notice["save_s"] < notice["time_left_s"] - 1 < 1
+    # as late as fits: less than a second more than the margin left at the planned step; the
+    # save durable before the deadline (the margin is the reserve for a save slower than the
+    # measured ones: a CI run's took 0.039 s with 1.023 s left and a 1 s margin)
+    assert 1 < notice["time_left_s"] < 2
+    assert notice["save_s"] < notice["time_left_s"]
     assert preemption_line(notice).startswith(
         f"preemption notice (SIGUSR1) at step {stop['noticed_at']}, "
     ) and f"the save moved to step {stop['at']}" in preemption_line(notice)
