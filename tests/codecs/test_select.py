@@ -48,7 +48,7 @@ def test_time_to_restore_reads_then_decodes() -> None:
     assert time_to_restore(MB, read_mbps=100, decode_mbps=500, ratio=2, decodes=2) == pytest.approx(
         0.009
     )
-    with pytest.raises(ConfigError, match="decodes"):
+    with pytest.raises(ConfigError, match="'decodes' must be an integer >= 1"):
         time_to_restore(MB, read_mbps=100, decode_mbps=500, decodes=0)
     bad_values = [
         ("read_mbps", {"read_mbps": 0}),

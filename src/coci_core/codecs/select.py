@@ -84,7 +84,7 @@ def time_to_restore(
     base's). MB/s are 1e6 B/s."""
     _check_positive(read_mbps=read_mbps, ratio=ratio, decode_mbps=decode_mbps)
     if type(decodes) is not int or decodes < 1:
-        raise ConfigError(f"decodes must be an integer >= 1: {decodes!r}")
+        raise ConfigError(f"'decodes' must be an integer >= 1: {decodes!r}")
     read = nbytes / (read_mbps * 1e6)
     if decode_mbps is None:
         return read

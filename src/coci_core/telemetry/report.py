@@ -550,7 +550,8 @@ def preemption_line(r: dict[str, Any]) -> str:
             f"preemption notice ({r.get('source') or '?'}) at step {r['step']}, "
             f"{_num(r.get('time_left_s'), '.1f', unknown='?')} s left"
         )
-    else:  # a known end far enough ahead: the save was moved to its last step that fits
+    else:  # a known end far enough ahead: the save moved to its last step that fits, or a
+        # later notice (a SIGTERM) took it at once on the way
         source = r.get("source") or "?"
         first = r.get("noticed_source") or source
         left = _num(r.get("time_left_s"), ".1f", unknown="?")
