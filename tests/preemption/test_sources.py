@@ -290,6 +290,7 @@ def test_the_report_names_both_notices_when_a_sigterm_cuts_a_moved_save_short(
     from coci_core.telemetry import JsonlTelemetry
     from coci_core.telemetry.records import parse_records
     from coci_core.telemetry.report import preemption_line
+    from coci_core.training import Checkpointer
 
     watch = PreemptionWatch(Preemption(["USR1@30"], margin_s=2))
     assert watch.check(3, lambda: 1.0) is None
@@ -299,21 +300,12 @@ def test_the_report_names_both_notices_when_a_sigterm_cuts_a_moved_save_short(
     watch.board.post(Notice("SIGTERM", time.monotonic(), time.monotonic() + 20))
     decision = watch.check(6, lambda: 1.0)
     assert not isinstance(decision, NoticePlan) and decision is not None
-    with JsonlTelemetry(tmp_path / "telemetry.jsonl") as sink:
-        sink.record_preemption(
-            decision.step,
-            source=decision.source,
-            time_left_s=decision.time_left_s,
-            save=decision.save,
-            needed_s=decision.needed_s,
-            margin_s=decision.margin_s,
-            reason=decision.reason,
-            saved=6,
-            save_s=1.0,
-            noticed_at=decision.noticed_at,
-            noticed_left_s=decision.noticed_left_s,
-            noticed_source=decision.noticed_source,
-        )
+    # through the Checkpointer's own recorder, as a run's notice reaches the sinks
+    ckpt = Checkpointer(tmp_path / "ckpt", sinks=[JsonlTelemetry(tmp_path / "telemetry.jsonl")])
+    try:
+        ckpt._record_preemption(decision, 6, 1.0)
+    finally:
+        ckpt.close()
     records, skipped = parse_records((tmp_path / "telemetry.jsonl").read_bytes())
     (record,) = [r for r in records if r["type"] == "preemption"]
     assert skipped == 0 and record["noticed_source"] == "SIGUSR1"
