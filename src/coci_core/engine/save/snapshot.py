@@ -1,11 +1,14 @@
 """Phase 1: copy the state's arrays into host buffers that are allocated once and reused.
 
-All leaves of a save live in one flat, page-aligned host *arena*, each at an aligned offset, so
-that phase 2 can checksum and write the arena as it is, with large sequential writes and no
-serialization pass. With several ranks a snapshot holds only this rank's *regions* (byte ranges
-of leaves, see ``partition.py``), so each rank copies only what it writes. The arena is kept
-and reused while later saves have the same layout (dtypes, shapes and regions); a new layout
-allocates a new arena. When any leaf is on CUDA the arena is pinned and the copies run
+All leaves of a save live in one flat, page-aligned host *arena*, so that phase 2 can checksum
+and write the arena as it is, with large sequential writes and no serialization pass. Small
+whole leaves lie end to end (each at a multiple of its element size), so that from the second
+save of the same tensors on, their copy is a few ``torch.cat`` calls over byte views of them
+rather than one copy per tensor (``PACKED_COPY_BYTES``). With
+several ranks a snapshot holds only this rank's *regions* (byte ranges of leaves, see
+``partition.py``), so each rank copies only what it writes. The arena is kept and reused while
+later saves have the same layout (dtypes, shapes and regions); a new layout allocates a new
+arena. When any leaf is on CUDA the arena is pinned and the copies run
 non-blocking on a side stream.
 """
 
@@ -23,7 +26,13 @@ import torch
 from coci_core.engine.format.tree import ArrayLeaf
 from coci_core.engine.save.partition import Share
 from coci_core.errors import StateChangedError
-from coci_core.knobs import CHECK_GRACE_COPIES, CHECK_GRACE_S, OWNER_POLL_S, SMALL_COPY_BYTES
+from coci_core.knobs import (
+    CHECK_GRACE_COPIES,
+    CHECK_GRACE_S,
+    OWNER_POLL_S,
+    PACKED_COPY_BYTES,
+    SMALL_COPY_BYTES,
+)
 
 __all__ = [
     "SMALL_COPY_BYTES",
@@ -65,18 +74,25 @@ def whole_leaves(leaves: tuple[ArrayLeaf, ...]) -> tuple[Share, ...]:
 def plan_layout(
     leaves: tuple[ArrayLeaf, ...], regions: tuple[Share, ...] | None = None
 ) -> tuple[tuple[LeafSlot, ...], int]:
-    """Aligned offsets of every region (default: whole leaves) and the arena's total size (a
-    whole number of pages)."""
+    """Offsets of every region and the arena's total size (a whole number of pages).
+
+    Whole leaves (``regions`` None) of at most ``PACKED_COPY_BYTES`` lie end to end, each at a
+    multiple of its element size (else at the next multiple of ``ALIGN_BYTES``); larger leaves,
+    and the regions of a save of several ranks, start at a multiple of ``ALIGN_BYTES``.
+    """
     slots = []
     offset = 0
+    packed = regions is None
     for region in whole_leaves(leaves) if regions is None else regions:
         t = leaves[region.leaf].tensor
+        if not packed or region.nbytes > PACKED_COPY_BYTES or offset % t.element_size():
+            offset = _round_up(offset, ALIGN_BYTES)
         whole = region.start == 0 and region.nbytes == leaves[region.leaf].nbytes
         shape = tuple(t.shape) if whole else (region.nbytes // t.element_size(),)
         slots.append(
             LeafSlot(offset, region.nbytes, t.dtype, shape, region.leaf, region.start, whole)
         )
-        offset = _round_up(offset + region.nbytes, ALIGN_BYTES)
+        offset += region.nbytes
     return tuple(slots), max(_round_up(offset, PAGE_BYTES), PAGE_BYTES)
 
 
@@ -96,12 +112,78 @@ def _versions(leaves: tuple[ArrayLeaf, ...]) -> tuple[int | None, ...]:
         return tuple(_version(leaf.tensor) for leaf in leaves)
 
 
+def _byte_view(t: torch.Tensor) -> torch.Tensor | None:
+    """A flat ``uint8`` view of a contiguous host tensor's bytes, or None where there is none
+    that holds its values as they read (lazy conjugate or negative views, quantized, sparse)."""
+    if (
+        t.device.type != "cpu"
+        or t.layout != torch.strided
+        or t.is_quantized
+        or t.is_conj()
+        or t.is_neg()
+        or not t.is_contiguous()
+    ):
+        return None
+    try:
+        return t.detach().view(-1).view(torch.uint8)
+    except RuntimeError:
+        return None
+
+
+@dataclass(frozen=True)
+class CopyRuns:
+    """A snapshot's copy as one ``torch.cat`` per run of small slots that lie end to end in the
+    arena, from byte views of the leaves made once (valid while the leaves keep their memory:
+    the flatten's layout token says so), and one ``torch._foreach_copy_`` for the others."""
+
+    arena: Arena
+    runs: tuple[tuple[torch.Tensor, list[torch.Tensor]], ...]
+    rest: tuple[int, ...]
+
+    @classmethod
+    def plan(
+        cls, arena: Arena, slots: tuple[LeafSlot, ...], leaves: tuple[ArrayLeaf, ...]
+    ) -> CopyRuns:
+        """The runs of whole host ``leaves`` laid out as ``slots`` in ``arena``."""
+        runs: list[tuple[int, int, list[torch.Tensor]]] = []
+        rest: list[int] = []
+        for i, slot in enumerate(slots):
+            view = None if slot.nbytes > PACKED_COPY_BYTES else _byte_view(leaves[slot.leaf].tensor)
+            if view is None or view.numel() != slot.nbytes:
+                rest.append(i)
+            elif runs and runs[-1][1] == slot.offset:
+                runs[-1][2].append(view)
+                runs[-1] = (runs[-1][0], slot.offset + slot.nbytes, runs[-1][2])
+            else:
+                runs.append((slot.offset, slot.offset + slot.nbytes, [view]))
+        return cls(
+            arena,
+            tuple((arena.bytes[start:end], views) for start, end, views in runs),
+            tuple(rest),
+        )
+
+    def copy(self, snap: Snapshot) -> None:
+        """Copy every slot of ``snap`` (laid out as when the runs were planned)."""
+        for out, sources in self.runs:
+            torch.cat(sources, out=out)
+        if self.rest:
+            leaves, slots = snap.leaves, snap.slots
+            torch._foreach_copy_(
+                [snap.views[i] for i in self.rest],
+                [leaves[slots[i].leaf].tensor for i in self.rest],
+            )
+
+
 def _copy_whole(snap: Snapshot) -> None:
-    """Copy every slot of a snapshot of whole host leaves in one call (no Python loop)."""
-    if snap.slots:
-        leaves = snap.leaves
-        sources = [leaves[slot.leaf].tensor for slot in snap.slots]
-        with torch.no_grad():
+    """Copy every slot of a snapshot of whole host leaves in a few calls (no Python loop)."""
+    if not snap.slots:
+        return
+    with torch.no_grad():
+        if snap.runs is not None:
+            snap.runs.copy(snap)
+        else:
+            leaves = snap.leaves
+            sources = [leaves[slot.leaf].tensor for slot in snap.slots]
             torch._foreach_copy_(snap.views, sources)
 
 
@@ -177,8 +259,10 @@ class Snapshot:
     copied: threading.Event
     # each slot's typed, shaped view of the arena (``Arena.view``), made once per arena
     views: list[torch.Tensor] = field(default_factory=list)
-    # every slot a whole leaf in host memory: copied with one ``torch._foreach_copy_``
+    # every slot a whole leaf in host memory: copied with one ``torch._foreach_copy_``, or
+    # by ``runs`` where the same leaves were saved before
     host_whole: bool = False
+    runs: CopyRuns | None = None
     copy_s: float = 0.0
     copied_at: float = 0.0
     error: BaseException | None = None
@@ -293,6 +377,11 @@ class Snapshotter:
         self._slots: tuple[LeafSlot, ...] = ()
         self._views: list[torch.Tensor] | None = None
         self._host_whole = False
+        # the copy runs of the current arena and the layout token they hold for, and the
+        # token of the last prepare: runs are planned when a token comes twice in a row
+        self._runs: CopyRuns | None = None
+        self._runs_layout: tuple[object, ...] | None = None
+        self._last_layout: tuple[object, ...] | None = None
         self._stream: Any = None
         self._lock = threading.Lock()  # held while an arena is allocated (and faulted in)
 
@@ -328,7 +417,8 @@ class Snapshotter:
         self._layout, self._regions = layout, regions
         if self._arena is not None and key == self._layout_key:
             return False
-        self._arena = self._views = None  # free the old arena before allocating the new one
+        # free the old arena before allocating the new one
+        self._arena = self._views = self._runs = None
         self._slots, total = plan_layout(leaves, regions)
         on_cuda = key[0]
         arena = Arena(total, pinned=on_cuda and torch.cuda.is_available())
@@ -371,6 +461,7 @@ class Snapshotter:
             assert arena is not None
             if self._views is None:
                 self._views = [arena.view(slot) for slot in self._slots]
+            runs = self._copy_runs(arena, leaves, layout)
             return Snapshot(
                 arena,
                 self._slots,
@@ -379,8 +470,27 @@ class Snapshotter:
                 threading.Event(),
                 views=self._views,
                 host_whole=self._host_whole,
+                runs=runs,
                 versions=_versions(leaves),
             )
+
+    def _copy_runs(
+        self, arena: Arena, leaves: tuple[ArrayLeaf, ...], layout: tuple[object, ...] | None
+    ) -> CopyRuns | None:
+        """The copy runs for these leaves, planned the second time in a row that the flatten
+        says they are the same tensors at the same addresses (a byte view costs more than one
+        copy of a small tensor: not made for leaves that move between saves)."""
+        last, self._last_layout = self._last_layout, layout
+        if not self._host_whole or layout is None:
+            return None
+        runs = self._runs
+        if runs is not None and runs.arena is arena and self._runs_layout == layout:
+            return runs
+        if last != layout:
+            return None
+        self._runs = CopyRuns.plan(arena, self._slots, leaves)
+        self._runs_layout = layout
+        return self._runs
 
     def copy_small(
         self,
