@@ -17,6 +17,7 @@ import torch
 
 from coci_core import CheckpointManager
 from coci_core.engine.directory.steps import gc_paused
+from coci_core.storage import LocalStorage
 
 
 @pytest.fixture
@@ -107,3 +108,30 @@ def test_a_process_forked_during_a_pause_has_its_collector_on(collector_on: None
         child.join(60)
     assert enabled is True
     assert child.exitcode == 0
+
+
+def test_retention_decodes_no_manifest_the_writer_just_wrote(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer notes the head of each manifest it writes: the listing that retention makes
+    after each commit finds it by its checksum (a damaged one would not match, and is read)."""
+    from coci_core.engine.directory import steps
+
+    decoded: list[int | None] = []
+    real = steps.read_head
+
+    def counted(data: bytes, **kw: Any) -> Any:
+        decoded.append(kw.get("step"))
+        return real(data, **kw)
+
+    monkeypatch.setattr(steps, "read_head", counted)
+    state = {f"t{i}": torch.randn(3) for i in range(50)}
+    with CheckpointManager(tmp_path, keep_last=2) as mgr:
+        for step in range(5):
+            mgr.save(step, state).wait()
+    with CheckpointManager(tmp_path, keep_last=2) as mgr:
+        assert mgr.steps() == [3, 4]  # retention ran after each commit
+    assert decoded == []
+    monkeypatch.setattr(steps, "_infos", {})  # a new process knows none of them
+    assert [i.step for i in steps.step_infos(LocalStorage(tmp_path))] == [4, 3]
+    assert sorted(decoded) == [3, 4]

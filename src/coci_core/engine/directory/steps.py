@@ -38,6 +38,7 @@ __all__ = [
     "newest_first_key",
     "read_manifest",
     "step_info",
+    "remember_written",
     "step_infos",
     "step_versions",
 ]
@@ -256,6 +257,15 @@ def _step_info(
         if kept is not None:
             kept.offer(key[2], doc, info)
     return info
+
+
+def remember_written(data: bytes, info: StepInfo) -> None:
+    """Note the head of a manifest this process has just written as ``data``: the listings
+    that follow (retention after each commit) find it by its checksum without decoding it
+    again (one JSON decode of the whole manifest per save, holding the GIL)."""
+    if len(_infos) >= STEP_INFO_CACHE_ENTRIES:
+        _infos.clear()
+    _infos[(info.step, info.version, hashlib.sha256(data).digest())] = info
 
 
 def step_info(storage: Storage, step: int, version: int = 0) -> StepInfo:

@@ -23,7 +23,12 @@ from typing import Any
 import crc32c
 
 from coci_core.codecs import RAW, stores_compressed
-from coci_core.engine.directory.steps import gc_paused, step_versions
+from coci_core.engine.directory.steps import (
+    StepInfo,
+    gc_paused,
+    remember_written,
+    step_versions,
+)
 from coci_core.engine.format.manifest import (
     MANIFEST_NAME,
     DataFile,
@@ -339,9 +344,9 @@ def _bases(storage: Storage, shares: list[commit.RankShare], run: str) -> tuple[
 
 def _manifest_json(
     job: PersistJob, shares: list[commit.RankShare], bases: tuple[int, ...]
-) -> bytes:
-    """The sealed manifest of the committed shares; raises what reading its head back would
-    (never commit what a resume would refuse: the save fails instead, loudly)."""
+) -> tuple[bytes, StepInfo]:
+    """The sealed manifest of the committed shares and its head; raises what reading its head
+    back would (never commit what a resume would refuse: the save fails instead, loudly)."""
     manifest = Manifest(
         step=job.step,
         created_unix=time.time(),  # shown only: never orders checkpoints (see sequence)
@@ -366,7 +371,16 @@ def _manifest_json(
     check_readable_head(
         manifest, where=f"step {job.step} (not committed: a resume could not read its manifest)"
     )
-    return manifest.to_json()
+    head = StepInfo(
+        manifest.step,
+        manifest.run,
+        manifest.created_unix,
+        True,
+        manifest.bases,
+        manifest.sequence,
+        job.version,
+    )
+    return manifest.to_json(), head
 
 
 def write_checkpoint(
@@ -441,11 +455,12 @@ def _write_checkpoint(
         shares = commit.collect_shares(storage, records, share, group)
         bases = _bases(storage, shares, job.run)
         with gc_paused():
-            manifest_json = _manifest_json(job, shares, bases)
+            manifest_json, head = _manifest_json(job, shares, bases)
             data_files = [s.file.name for s in shares]
             del share, shares
             pieces.placed.clear()
         storage.write_file(f"{staging}/{MANIFEST_NAME}", [memoryview(manifest_json)])
+        remember_written(manifest_json, head)
         # The staging directory may have been removed under us (by hand, or by a tool that is
         # not coci): the manifest write would then recreate it with no data in it.
         missing = [name for name in data_files if not storage.exists(f"{staging}/{name}")]

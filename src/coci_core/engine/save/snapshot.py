@@ -2,9 +2,9 @@
 
 All leaves of a save live in one flat, page-aligned host *arena*, so that phase 2 can checksum
 and write the arena as it is, with large sequential writes and no serialization pass. Small
-whole leaves lie end to end (each at a multiple of its element size), so that from the second
-save of the same tensors on, their copy is a few ``torch.cat`` calls over byte views of them
-rather than one copy per tensor (``PACKED_COPY_BYTES``). With
+whole leaves lie end to end at the start of the arena (each at a multiple of its element size),
+so that from the second save of the same tensors on, their copy is one ``torch.cat`` over byte
+views of them rather than one copy per tensor (``PACKED_COPY_BYTES``). With
 several ranks a snapshot holds only this rank's *regions* (byte ranges of leaves, see
 ``partition.py``), so each rank copies only what it writes. The arena is kept and reused while
 later saves have the same layout (dtypes, shapes and regions); a new layout allocates a new
@@ -74,25 +74,35 @@ def whole_leaves(leaves: tuple[ArrayLeaf, ...]) -> tuple[Share, ...]:
 def plan_layout(
     leaves: tuple[ArrayLeaf, ...], regions: tuple[Share, ...] | None = None
 ) -> tuple[tuple[LeafSlot, ...], int]:
-    """Offsets of every region and the arena's total size (a whole number of pages).
+    """Offsets of every region (in the order of ``regions``) and the arena's total size (a
+    whole number of pages).
 
-    Whole leaves (``regions`` None) of at most ``PACKED_COPY_BYTES`` lie end to end, each at a
-    multiple of its element size (else at the next multiple of ``ALIGN_BYTES``); larger leaves,
-    and the regions of a save of several ranks, start at a multiple of ``ALIGN_BYTES``.
+    Whole leaves (``regions`` None) of at most ``PACKED_COPY_BYTES`` come first, end to end,
+    by element size from the largest (so each lies at a multiple of its own), then the larger
+    ones, each at a multiple of ``ALIGN_BYTES``. The regions of a save of several ranks lie
+    in their order, each at a multiple of ``ALIGN_BYTES``.
     """
-    slots = []
-    offset = 0
     packed = regions is None
-    for region in whole_leaves(leaves) if regions is None else regions:
-        t = leaves[region.leaf].tensor
-        if not packed or region.nbytes > PACKED_COPY_BYTES or offset % t.element_size():
+    shares = whole_leaves(leaves) if regions is None else regions
+    offsets = [0] * len(shares)
+    order = list(range(len(shares)))
+    small: list[int] = []
+    if packed:
+        small = [i for i in order if shares[i].nbytes <= PACKED_COPY_BYTES]
+        small.sort(key=lambda i: -leaves[shares[i].leaf].tensor.element_size())
+        order = small + [i for i in order if shares[i].nbytes > PACKED_COPY_BYTES]
+    offset = 0
+    for n, i in enumerate(order):
+        if n >= len(small):
             offset = _round_up(offset, ALIGN_BYTES)
+        offsets[i] = offset
+        offset += shares[i].nbytes
+    slots = []
+    for region, at in zip(shares, offsets, strict=True):
+        t = leaves[region.leaf].tensor
         whole = region.start == 0 and region.nbytes == leaves[region.leaf].nbytes
         shape = tuple(t.shape) if whole else (region.nbytes // t.element_size(),)
-        slots.append(
-            LeafSlot(offset, region.nbytes, t.dtype, shape, region.leaf, region.start, whole)
-        )
-        offset += region.nbytes
+        slots.append(LeafSlot(at, region.nbytes, t.dtype, shape, region.leaf, region.start, whole))
     return tuple(slots), max(_round_up(offset, PAGE_BYTES), PAGE_BYTES)
 
 
@@ -147,7 +157,8 @@ class CopyRuns:
         """The runs of whole host ``leaves`` laid out as ``slots`` in ``arena``."""
         runs: list[tuple[int, int, list[torch.Tensor]]] = []
         rest: list[int] = []
-        for i, slot in enumerate(slots):
+        for i in sorted(range(len(slots)), key=lambda i: slots[i].offset):
+            slot = slots[i]
             view = None if slot.nbytes > PACKED_COPY_BYTES else _byte_view(leaves[slot.leaf].tensor)
             if view is None or view.numel() != slot.nbytes:
                 rest.append(i)
