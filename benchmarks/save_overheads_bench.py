@@ -60,7 +60,7 @@ def _per_tensor_copy(on: bool) -> Iterator[None]:
     def none(self: Any, arena: Any, leaves: Any, layout: Any) -> None:
         return None
 
-    snapshot.Snapshotter._copy_runs = none  # type: ignore[method-assign,assignment]
+    snapshot.Snapshotter._copy_runs = none  # type: ignore[method-assign]
     try:
         yield
     finally:
@@ -73,12 +73,13 @@ def _collector_running(on: bool) -> Iterator[None]:
     if not on:
         yield
         return
-    real = persist.gc_paused
-    persist.gc_paused = contextlib.nullcontext  # type: ignore[assignment]
+    names = vars(persist)  # the writer's own reference to the pause (a module global)
+    real = names["gc_paused"]
+    names["gc_paused"] = contextlib.nullcontext
     try:
         yield
     finally:
-        persist.gc_paused = real
+        names["gc_paused"] = real
 
 
 class _Probe:
