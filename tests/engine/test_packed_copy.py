@@ -130,6 +130,30 @@ def test_lazy_conjugate_and_negative_views_are_saved_as_they_read(tmp_path: Path
             assert torch.equal(got["neg"], -f)
 
 
+def test_a_tensor_becoming_a_lazy_view_of_the_same_bytes_is_saved_as_it_reads(
+    tmp_path: Path,
+) -> None:
+    """``c``, then ``c.conj()`` or a negative view: the same address, dtype, shape and strides,
+    other values; the copy made from ``c``'s bytes must not be reused. Nor may a conjugate
+    view share the leaf of the tensor it views."""
+    c = torch.randn(6, dtype=torch.complex64)
+    f = torch.randn(6)
+    states = [
+        {"z": c, "f": f},
+        {"z": c, "f": f},
+        {"z": c.conj(), "f": torch._neg_view(f)},
+        {"z": c, "f": f, "z_conj": c.conj()},
+    ]
+    with CheckpointManager(tmp_path, keep_last=None) as mgr:
+        for step, state in enumerate(states):
+            mgr.save(step, state).wait()
+        got = mgr.restore(step=2)
+        assert torch.equal(got["z"], c.conj().resolve_conj())
+        assert torch.equal(got["f"], -f)
+        got = mgr.restore(step=3)
+        assert torch.equal(got["z"], c) and torch.equal(got["z_conj"], c.conj().resolve_conj())
+
+
 @pytest.mark.parametrize("where", ["last byte", "first byte"])
 def test_damage_to_a_packed_tensor_names_that_tensor_only(tmp_path: Path, where: str) -> None:
     """Neighbours in the data file share no bytes: a flipped byte at either edge of one

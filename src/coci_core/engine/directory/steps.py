@@ -188,7 +188,8 @@ def gc_paused() -> Iterator[None]:
 
     The pause is the process's: it ends when the last block that began it ends, in whichever
     thread, and then only if the collector was on when the first began (a program that turned
-    it off keeps it off). Keep such blocks short and free of waits on other processes."""
+    it off keeps it off; a ``gc.disable()`` made while a pause runs is undone at its end). Keep
+    such blocks short and free of waits on other processes."""
     global _gc_pauses, _gc_was_enabled
     with _gc_lock:
         if _gc_pauses == 0:
@@ -204,6 +205,14 @@ def gc_paused() -> Iterator[None]:
                 gc.enable()
 
 
+def _gc_before_fork() -> None:
+    _gc_lock.acquire()  # no fork between a change of the collector and of the count
+
+
+def _gc_after_fork_in_parent() -> None:
+    _gc_lock.release()
+
+
 def _gc_after_fork() -> None:
     """In a forked child (a data loader's worker) no block of the parent's is running: the
     collector is turned back on if a pause of the parent's had turned it off."""
@@ -214,7 +223,11 @@ def _gc_after_fork() -> None:
     _gc_pauses = 0
 
 
-os.register_at_fork(after_in_child=_gc_after_fork)
+os.register_at_fork(
+    before=_gc_before_fork,
+    after_in_parent=_gc_after_fork_in_parent,
+    after_in_child=_gc_after_fork,
+)
 
 
 def _parse(storage: Storage, step: int, data: bytes, version: int = 0) -> Manifest:

@@ -131,8 +131,9 @@ class FlatState:
 def _fingerprint(t: torch.Tensor) -> tuple[Any, ...]:
     """Where a tensor's bytes are and how they are viewed: equal fingerprints are the same
     view of the same memory (tied weights). With the tensor's type (a plain tensor or a
-    parameter: stored alike), all that its leaf and tree node depend on."""
-    return (t.data_ptr(), t.dtype, t.shape, t.stride(), t.device)
+    parameter: stored alike), all that its leaf and tree node depend on. The lazy conjugate
+    and negative bits count: ``c.conj()`` reads other values from the same bytes."""
+    return (t.data_ptr(), t.dtype, t.shape, t.stride(), t.device, t.is_conj(), t.is_neg())
 
 
 # tensor types whose leaves a FlattenCache keeps (subclasses of Parameter are encoded anew)

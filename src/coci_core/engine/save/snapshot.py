@@ -497,6 +497,7 @@ class Snapshotter:
         runs = self._runs
         if runs is not None and runs.arena is arena and self._runs_layout == layout:
             return runs
+        self._runs = None  # its byte views would keep the old leaves' memory alive
         if last != layout:
             return None
         self._runs = CopyRuns.plan(arena, self._slots, leaves)
