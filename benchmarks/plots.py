@@ -227,6 +227,38 @@ def tensor_count(results: dict[str, Any]) -> Figure:
     return fig
 
 
+def save_overheads(results: dict[str, Any]) -> Figure:
+    """Stall with the small tensors copied at once or one by one, and the time in garbage
+    collections per save with the writer's collector paused or running, per state."""
+    cells = results["cells"]
+    states = [c["state"]["name"] for c in cells]
+    x = np.arange(len(states))
+    fig, (stall, collect) = plt.subplots(1, 2, figsize=(10.0, 3.8))
+    for j, (key, label, color) in enumerate(
+        (("runs", "one torch.cat for the small tensors", "tab:green"),
+         ("per_tensor", "one copy per tensor", "tab:gray"))
+    ):  # fmt: skip
+        values = [[float(np.median(c["copy"][key])) * 1e3] for c in cells]
+        stall.bar(x + j * 0.4, [v[0] for v in values], 0.4, label=label, color=color)
+    stall.set_ylabel("stall of save(block=True) (ms)")
+    for j, (key, label, color) in enumerate(
+        (("paused", "collector paused (coci)", "tab:green"),
+         ("running", "collector running", "tab:gray"))
+    ):  # fmt: skip
+        means = [c["summary"][key]["mean"] for c in cells]
+        total = [(m.get("gc_writer_s", 0.0) + m.get("gc_main_s", 0.0)) * 1e3 for m in means]
+        collect.bar(x + j * 0.4, total, 0.4, label=label, color=color)
+    collect.set_ylabel("in garbage collections per save (ms)")
+    for ax in (stall, collect):
+        ax.set_xticks(x + 0.2, states)
+        ax.set_yscale("log")
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize="small")
+    fig.suptitle(f"What a save costs beyond the copy: {results['rounds']} rounds, interleaved")
+    fig.tight_layout()
+    return fig
+
+
 def fsdp(results: dict[str, Any]) -> Figure:
     """Blocking time, time to durable and restore onto another layout, per process count."""
     worlds = list(results["worlds"])
@@ -303,6 +335,7 @@ PLOTS: dict[str, Callable[[dict[str, Any]], Figure]] = {
     "restore": restore,
     "restore-4g": restore,
     "tensor-count": tensor_count,
+    "save-overheads": save_overheads,
     "fsdp": fsdp,
     "loop": loop,
 }
