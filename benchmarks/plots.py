@@ -238,17 +238,17 @@ def save_overheads(results: dict[str, Any]) -> Figure:
         (("runs", "one torch.cat for the small tensors", "tab:green"),
          ("per_tensor", "one copy per tensor", "tab:gray"))
     ):  # fmt: skip
-        values = [[float(np.median(c["copy"][key])) * 1e3] for c in cells]
-        stall.bar(x + j * 0.4, [v[0] for v in values], 0.4, label=label, color=color)
-    stall.set_ylabel("stall of save(block=True) (ms)")
+        medians = [float(np.median(c["copy"][key])) for c in cells]
+        stall.bar(x + j * 0.4, medians, 0.4, label=label, color=color)
+    stall.set_ylabel("stall of save(block=True) (s)")
     for j, (key, label, color) in enumerate(
         (("paused", "collector paused (coci)", "tab:green"),
          ("running", "collector running", "tab:gray"))
     ):  # fmt: skip
         means = [c["summary"][key]["mean"] for c in cells]
-        total = [(m.get("gc_writer_s", 0.0) + m.get("gc_main_s", 0.0)) * 1e3 for m in means]
+        total = [m.get("gc_writer_s", 0.0) + m.get("gc_main_s", 0.0) for m in means]
         collect.bar(x + j * 0.4, total, 0.4, label=label, color=color)
-    collect.set_ylabel("in garbage collections per save (ms)")
+    collect.set_ylabel("in garbage collections per save (s)")
     for ax in (stall, collect):
         ax.set_xticks(x + 0.2, states)
         ax.set_yscale("log")
