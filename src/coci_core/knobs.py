@@ -121,8 +121,8 @@ ASHA_MAX_RUNGS = 64
 #: the small tensors that the next forward pass changes in place (BatchNorm's running
 #: statistics, step counters) are then saved as they were.
 SMALL_COPY_BYTES = 64 << 10
-#: Whole leaves of at most this many bytes lie end to end in the arena and are copied as a few
-#: ``torch.cat`` calls over byte views of them (one copy per tensor costs ~2 us more here);
+#: Whole leaves of at most this many bytes lie end to end at the start of the arena and are
+#: copied by one ``torch.cat`` over byte views of them (one copy per tensor costs ~2 us more here);
 #: larger ones start on a 64-byte boundary and are copied one by one (torch's copy of each uses
 #: every intra-op thread, which ``cat``'s serial copy does not).
 PACKED_COPY_BYTES = 64 << 10

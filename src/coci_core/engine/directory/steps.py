@@ -264,9 +264,7 @@ def _step_info(
                 f"manifest in {step_dir_name(step, version)} says step {head.step}", step=step
             )
         info = StepInfo(step, head.run, head.created_unix, True, head.bases, head.sequence, version)
-        if len(_infos) >= STEP_INFO_CACHE_ENTRIES:
-            _infos.clear()
-        _infos[key] = info
+        _remember(key, info)
         if kept is not None:
             kept.offer(key[2], doc, info)
     return info
@@ -276,9 +274,13 @@ def remember_written(data: bytes, info: StepInfo) -> None:
     """Note the head of a manifest this process has just written as ``data``: the listings
     that follow (retention after each commit) find it by its checksum without decoding it
     again (one JSON decode of the whole manifest per save, holding the GIL)."""
+    _remember((info.step, info.version, hashlib.sha256(data).digest()), info)
+
+
+def _remember(key: tuple[int, int, bytes], info: StepInfo) -> None:
     if len(_infos) >= STEP_INFO_CACHE_ENTRIES:
         _infos.clear()
-    _infos[(info.step, info.version, hashlib.sha256(data).digest())] = info
+    _infos[key] = info
 
 
 def step_info(storage: Storage, step: int, version: int = 0) -> StepInfo:

@@ -155,21 +155,26 @@ class CopyRuns:
         cls, arena: Arena, slots: tuple[LeafSlot, ...], leaves: tuple[ArrayLeaf, ...]
     ) -> CopyRuns:
         """The runs of whole host ``leaves`` laid out as ``slots`` in ``arena``."""
-        runs: list[tuple[int, int, list[torch.Tensor]]] = []
+        runs: list[tuple[int, list[torch.Tensor]]] = []  # (first byte, byte views)
         rest: list[int] = []
+        end = -1  # one past the last byte of the current run
         for i in sorted(range(len(slots)), key=lambda i: slots[i].offset):
             slot = slots[i]
             view = None if slot.nbytes > PACKED_COPY_BYTES else _byte_view(leaves[slot.leaf].tensor)
             if view is None or view.numel() != slot.nbytes:
                 rest.append(i)
-            elif runs and runs[-1][1] == slot.offset:
-                runs[-1][2].append(view)
-                runs[-1] = (runs[-1][0], slot.offset + slot.nbytes, runs[-1][2])
-            else:
-                runs.append((slot.offset, slot.offset + slot.nbytes, [view]))
+                continue
+            if slot.offset != end:
+                runs.append((slot.offset, []))
+                end = slot.offset
+            runs[-1][1].append(view)
+            end += slot.nbytes
         return cls(
             arena,
-            tuple((arena.bytes[start:end], views) for start, end, views in runs),
+            tuple(
+                (arena.bytes[start : start + sum(v.numel() for v in views)], views)
+                for start, views in runs
+            ),
             tuple(rest),
         )
 
