@@ -168,9 +168,7 @@ def run(method: str, a: argparse.Namespace, d: Path) -> dict[str, Any]:
         "in_run_overhead": in_run_overhead(
             step_s, end - clock.ends[a.steps], [k - a.warmup - 1 for k in saved_at]
         ),
-        "within_run_overhead": in_run_overhead(
-            step_s, 0.0, [k - a.warmup - 1 for k in saved_at]
-        ),
+        "within_run_overhead": in_run_overhead(step_s, 0.0, [k - a.warmup - 1 for k in saved_at]),
         "saved_at": saved_at,
         "state_mb": state_mb(model),
         "checkpoints": len(saves) if method == "b" else len(committed),
