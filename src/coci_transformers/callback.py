@@ -151,6 +151,9 @@ class CociCallback(TrainerCallback):
         early = dict(self._arguments)
         if policy == "every_n_steps" and every_n_steps is None:
             early["every_n_steps"] = 1  # the Trainer's save_steps, known when training starts
+        if policy == "epoch" and (planner_options is None or isinstance(planner_options, Mapping)):
+            # the steps per epoch come from the Trainer when training starts: a stand-in
+            early["planner_options"] = {"steps_per_epoch": 1, **dict(planner_options or {})}
         self.options = CheckpointOptions.check(dirpath=dirpath, **early)
         self.save_on_train_end = save_on_train_end
         self._dirpath_given = dirpath is not None
@@ -301,6 +304,12 @@ class CociCallback(TrainerCallback):
             self._total_source = "given as planner_options['total_steps']"
         if arguments["policy"] == "epoch" and per_epoch is not None:
             planner_options.setdefault("steps_per_epoch", per_epoch)
+        elif arguments["policy"] == "epoch" and "steps_per_epoch" not in planner_options:
+            raise ConfigError(
+                "policy 'epoch' needs the steps of an epoch, and this Trainer's training data "
+                "has no length (an IterableDataset): give CociCallback(planner_options="
+                "{'steps_per_epoch': N}), or another policy"
+            )
         arguments["planner_options"] = planner_options
         assert self.dirpath is not None
         options = CheckpointOptions.check(dirpath=self.dirpath, **arguments)
@@ -561,8 +570,10 @@ class CociCallback(TrainerCallback):
         if checkpointer.preempted is not None:
             return  # the process ends on the notice: no final save, no weights to load
         self._final_save()
-        checkpointer.wait()
+        checkpointer.wait(retention=True)  # the steps listed next stay while they are read
         best = best_kept(trainer, checkpointer.manager.steps())
+        # a best step that retention removed since is named no more: the one loaded is
+        trainer.state.best_model_checkpoint = None if best is None else self._step_dir(best[0])
         if best is None:
             return
         step, value = best

@@ -397,3 +397,49 @@ def test_a_restore_reports_where_its_time_went(tmp_path: Path) -> None:
     assert event.decode_s == 0.0  # nothing was compressed
     assert event.seconds >= event.read_s + event.verify_s + event.load_s
     assert torch.equal(fresh.weight, model.weight)
+
+
+class _HeldRetire(FaultyStorage):
+    """Holds every ``retire`` (retention's delete) until ``release`` is set."""
+
+    def __init__(self, inner: LocalStorage) -> None:
+        super().__init__(inner, fail={})
+        self.release = threading.Event()
+        self.entered = threading.Event()
+
+    def retire(self, final: str) -> None:
+        self.entered.set()
+        self.release.wait()
+        self.inner.retire(final)
+
+
+def test_wait_with_retention_waits_for_the_retired_steps(tmp_path: Path) -> None:
+    """``wait()`` returns once the saves are durable, while retention (after each save, on
+    the writer thread) may still be removing old steps, which ``steps()`` then still lists;
+    ``wait(retention=True)`` returns only once they are gone (or raises on its timeout), so
+    that a step it lists stays while it is read (the Trainer adapter's best model)."""
+    storage = _HeldRetire(LocalStorage(tmp_path))
+    mgr = CheckpointManager(storage, keep_last=1)
+    try:
+        mgr.save(1, {"x": torch.tensor(1)})
+        mgr.save(2, {"x": torch.tensor(2)})
+        mgr.wait()
+        assert storage.entered.wait(60)  # retention of step 1 has begun, and is held
+        assert mgr.steps() == [1, 2]
+        with pytest.raises(TimeoutError, match="retention"):
+            mgr.wait(timeout_s=0.2, retention=True)
+        waited = threading.Event()
+        waiter = threading.Thread(target=lambda: (mgr.wait(retention=True), waited.set()))
+        waiter.start()
+        assert not waited.wait(0.2)  # still held: the wait goes on
+        storage.release.set()
+        waiter.join(60)
+        assert waited.is_set()
+        assert mgr.steps() == [2]
+    finally:
+        storage.release.set()
+        mgr.close()
+    # no writer thread (closed, or never started): nothing to wait for
+    mgr.wait(retention=True)
+    with CheckpointManager(tmp_path / "empty", keep_last=1) as fresh:
+        fresh.wait(retention=True)

@@ -169,6 +169,7 @@ def train(
     callback: CociCallback | None = None,
     extra_callbacks: tuple[TrainerCallback, ...] = (),
     in_process: bool = True,
+    compute_metrics: Any = None,
     **extra: Any,
 ) -> dict[str, Any]:
     threads = torch.get_num_threads()
@@ -181,6 +182,7 @@ def train(
             train_dataset=Tokens(),
             eval_dataset=Tokens() if extra.get("eval_strategy", "no") != "no" else None,
             callbacks=[callback, Marks(kill_at), *extra_callbacks],
+            compute_metrics=compute_metrics,
         )
         trainer.seen = []
         trainer.train(resume_from_checkpoint=resume)
@@ -196,6 +198,7 @@ def train(
             ],
             "rank": trainer.args.process_index,
             "best_model": trainer.model.state_dict() if in_process else None,
+            "best_checkpoint": trainer.state.best_model_checkpoint,
         }
     finally:
         torch.set_num_threads(threads)

@@ -14,6 +14,7 @@ from accelerate.state import AcceleratorState
 from transformers import EarlyStoppingCallback
 
 from coci_core import CheckpointManager, Preempted
+from coci_core.engine.format.manifest import step_dir_name
 from coci_transformers import CociCallback
 from tests.transformers.run import Terminate, tiny_model, train
 
@@ -100,3 +101,38 @@ def test_early_stopping_counter_resumes(tmp_path: Path) -> None:
     assert resumed["start"] == 4
     assert [e["step"] for e in resumed["log"] if "eval_loss" in e] == [2, 4, 6]
     assert len(resumed["seen"]) == 2 * 4  # steps 5 and 6
+
+
+def test_the_best_step_removed_by_retention_is_named_no_more(tmp_path: Path) -> None:
+    """load_best_model_at_end with keep_last=1: the best evaluation (the first: a score that
+    falls at each evaluation) is at step 2, whose checkpoint retention removes after step 4's;
+    the end waits for that removal before it lists the kept steps (else it could read a step
+    being removed), loads step 4's weights, and ``best_model_checkpoint`` names step 4's
+    directory, which exists, instead of step 2's, which does not."""
+    evaluations: list[int] = []
+
+    def falling_score(_: Any) -> dict[str, float]:
+        evaluations.append(1)
+        return {"score": -float(len(evaluations))}
+
+    callback = CociCallback(policy="every_n_steps", keep_last=1)
+    result = train(
+        tmp_path,
+        4,
+        callback=callback,
+        save_steps=2,
+        eval_strategy="steps",
+        eval_steps=2,
+        load_best_model_at_end=True,
+        metric_for_best_model="score",
+        greater_is_better=True,
+        compute_metrics=falling_score,
+    )
+    scores = {e["step"]: e["eval_score"] for e in result["log"] if "eval_score" in e}
+    assert scores == {2: -1.0, 4: -2.0}
+    with CheckpointManager(tmp_path / "coci", keep_last=None) as mgr:
+        assert mgr.steps() == [4]
+        saved = mgr.restore(4)["model"]
+    assert all(torch.equal(result["best_model"][k], saved[k]) for k in saved)
+    assert result["best_checkpoint"] == str(tmp_path / "coci" / step_dir_name(4))
+    assert Path(result["best_checkpoint"]).is_dir()

@@ -15,7 +15,7 @@ from coci_core.commands import cli
 from coci_core.errors import CheckpointError, ConfigError
 from coci_transformers import CociCallback
 from coci_transformers._trainer import check_arguments
-from tests.transformers.run import BATCH, arguments, train
+from tests.transformers.run import BATCH, STEPS_PER_EPOCH, arguments, train
 
 
 @pytest.fixture(autouse=True)
@@ -105,3 +105,18 @@ def test_a_weights_only_save_is_not_resumed(tmp_path: Path) -> None:
 
 def _without_loss(log: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{k: v for k, v in e.items() if k not in ("loss", "train_loss")} for e in log]
+
+
+def test_the_epoch_policy_is_made_as_the_options_table_writes_it(tmp_path: Path) -> None:
+    """``CociCallback(policy="epoch")`` (the table's match for ``save_strategy="epoch"``) is
+    made without ``steps_per_epoch`` (the Trainer gives it when training starts) and saves at
+    each epoch's end; given in ``planner_options``, it is the user's."""
+    callback = CociCallback(policy="epoch")
+    train(tmp_path / "a", 2 * STEPS_PER_EPOCH, callback=callback, save_strategy="epoch")
+    with CheckpointManager(tmp_path / "a" / "coci", keep_last=None) as mgr:
+        assert mgr.steps() == [STEPS_PER_EPOCH, 2 * STEPS_PER_EPOCH]
+    AcceleratorState._reset_state(True)
+    given = CociCallback(policy="epoch", planner_options={"steps_per_epoch": 2})
+    train(tmp_path / "b", 6, callback=given, save_strategy="epoch")
+    with CheckpointManager(tmp_path / "b" / "coci", keep_last=None) as mgr:
+        assert mgr.steps() == [2, 4, 6]

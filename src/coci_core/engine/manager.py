@@ -446,8 +446,12 @@ class CheckpointManager:
         if handle is not None:
             handle.before_update()
 
-    def wait(self, timeout_s: float | None = None) -> None:
+    def wait(self, timeout_s: float | None = None, *, retention: bool = False) -> None:
         """Block until every pending save is durable.
+
+        ``retention``: also until the writer has removed the steps beyond ``keep_last`` that
+        those saves retire (it does so after each save is durable, so that this wait and the
+        next save do not wait for it), so that :meth:`steps` lists only steps that stay.
 
         Raises:
             BackgroundSaveError: a background save failed (each failure is reported once).
@@ -458,6 +462,8 @@ class CheckpointManager:
             handle.check_copy(timeout_s) and handle.wait_done(timeout_s)
         ):
             raise TimeoutError(f"save of step {handle.step} not durable after {timeout_s} s")
+        if retention and not self._worker.drain(timeout_s):
+            raise TimeoutError(f"retention after the last save not done after {timeout_s} s")
         self._writer.raise_failed()
 
     def close(self, *, upload_timeout_s: float | None = None) -> None:

@@ -647,9 +647,11 @@ class Checkpointer:
         self._restored = None if self._continues_here(event) else event
         self._on_event(event)
 
-    def wait(self) -> None:
-        """Block until every pending save is durable (re-raises background errors)."""
-        self.manager.wait()
+    def wait(self, *, retention: bool = False) -> None:
+        """Block until every pending save is durable (re-raises background errors);
+        ``retention``: and until the steps they retire are removed (see
+        :meth:`CheckpointManager.wait`)."""
+        self.manager.wait(retention=retention)
 
     def mark_failed(self) -> None:
         """Training ended on an error (an adapter calls it before :meth:`close`): the session

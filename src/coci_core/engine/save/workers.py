@@ -9,7 +9,9 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 __all__ = ["LatestOnlyWorker", "PersistWorker", "Task", "lower_thread_priority"]
@@ -31,6 +33,16 @@ class Task(Protocol):
     """A job of a :class:`PersistWorker`: it runs itself and reports its own errors."""
 
     def run(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class _Barrier:
+    """A task that only says the tasks queued before it have run."""
+
+    done: threading.Event
+
+    def run(self) -> None:
+        self.done.set()
 
 
 class PersistWorker:
@@ -66,6 +78,23 @@ class PersistWorker:
                 logger.exception("coci: unexpected error in the writer thread")
             # A task may hold its owner (the manager): let go of it before waiting for the next.
             task = None
+
+    def drain(self, timeout_s: float | None = None) -> bool:
+        """Block until every task queued before this call has run (at once when the thread is
+        not running, or when called from it); False when ``timeout_s`` passed first."""
+        done = threading.Event()
+        with self._lock:
+            thread = self._thread
+            if thread is None or not thread.is_alive() or thread is threading.current_thread():
+                return True
+            self._queue.put(_Barrier(done))
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not done.wait(0.05):  # a stop() queued before the barrier ends the thread first
+            if not thread.is_alive():
+                return True
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+        return True
 
     def stop(self, *, wait: bool = True) -> None:
         """Finish the queued tasks and end the thread (``wait``: join it, unless called from
