@@ -180,6 +180,7 @@ class CociCallback(TrainerCallback):
         self._validations = ValidationHistory()
         self._es_wait = 0
         self._start_step = 0
+        self._best_tried = False  # load_best_model_at_end's load done (or found nothing)
 
     # -- attaching to the Trainer ---------------------------------------------------------
 
@@ -520,7 +521,12 @@ class CociCallback(TrainerCallback):
                 checkpointer.log_summary(logger)
             return
         if not self._pruning:
-            self._final_save()
+            if args.load_best_model_at_end and not self._best_tried:
+                # the Trainer loads the best model only when best_model_checkpoint is set (a
+                # saved step was its best); coci's kept steps may still hold an evaluated one
+                self._load_best_model()
+            else:
+                self._final_save()
         self._close()
 
     # -- saving -----------------------------------------------------------------------------
@@ -567,6 +573,7 @@ class CociCallback(TrainerCallback):
         """``load_best_model_at_end``: the final state is saved first, then the weights of the
         best step (``metric_for_best_model``) are read from coci."""
         trainer, checkpointer = self._trainer(), self._checkpointer()
+        self._best_tried = True
         if checkpointer.preempted is not None:
             return  # the process ends on the notice: no final save, no weights to load
         self._final_save()
@@ -575,6 +582,15 @@ class CociCallback(TrainerCallback):
         # a best step that retention removed since is named no more: the one loaded is
         trainer.state.best_model_checkpoint = None if best is None else self._step_dir(best[0])
         if best is None:
+            if trainer.args.process_index == 0:
+                logger.warning(
+                    "coci: load_best_model_at_end: no kept step was evaluated (%s at the "
+                    "kept steps %s): the final weights stay; save at the evaluations "
+                    '(CociCallback(policy="every_n_steps") with save_steps = eval_steps) '
+                    "for the best to be kept",
+                    trainer.args.metric_for_best_model,
+                    checkpointer.manager.steps(),
+                )
             return
         step, value = best
         if trainer.args.process_index == 0:

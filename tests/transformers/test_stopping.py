@@ -136,3 +136,59 @@ def test_the_best_step_removed_by_retention_is_named_no_more(tmp_path: Path) -> 
     assert all(torch.equal(result["best_model"][k], saved[k]) for k in saved)
     assert result["best_checkpoint"] == str(tmp_path / "coci" / step_dir_name(4))
     assert Path(result["best_checkpoint"]).is_dir()
+
+
+def test_no_evaluated_kept_step_is_said(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """load_best_model_at_end when no kept step was evaluated (a save at step 3 only,
+    evaluations at steps 2 and 4): the final weights stay, and a warning says why and what to
+    change, instead of nothing."""
+    with caplog.at_level("WARNING"):
+        result = train(
+            tmp_path,
+            4,
+            callback=CociCallback(policy="every_n_steps", every_n_steps=3, save_on_train_end=False),
+            save_steps=2,  # the Trainer's check: a multiple of eval_steps (coci's is 3)
+            eval_strategy="steps",
+            eval_steps=2,
+            load_best_model_at_end=True,
+            metric_for_best_model="loss",
+        )
+    assert [e["step"] for e in result["log"] if "eval_loss" in e] == [2, 4]
+    assert result["best_checkpoint"] is None
+    said = [r.getMessage() for r in caplog.records if "load_best_model_at_end" in r.getMessage()]
+    assert said and "no kept step was evaluated" in said[0] and "[3]" in said[0]
+
+
+def test_the_best_kept_step_is_loaded_when_no_saved_step_was_the_trainers_best(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The Trainer asks for the best model only when one of the saved steps was its best
+    (``best_model_checkpoint`` set): here its best is the evaluation at step 2, where coci did
+    not save (saves at 3 and at the end, 4). coci loads its best kept evaluated step (4) at the
+    end all the same, as the options table says, instead of leaving it unsaid."""
+    evaluations: list[int] = []
+
+    def falling_score(_: Any) -> dict[str, float]:
+        evaluations.append(1)
+        return {"score": -float(len(evaluations))}
+
+    with caplog.at_level("INFO"):
+        result = train(
+            tmp_path,
+            4,
+            callback=CociCallback(policy="every_n_steps", every_n_steps=3),
+            save_steps=2,
+            eval_strategy="steps",
+            eval_steps=2,
+            load_best_model_at_end=True,
+            metric_for_best_model="score",
+            greater_is_better=True,
+            compute_metrics=falling_score,
+        )
+    assert {e["step"] for e in result["log"] if "eval_score" in e} == {2, 4}
+    assert any("loading the best kept step 4" in r.getMessage() for r in caplog.records)
+    assert result["best_checkpoint"] == str(tmp_path / "coci" / step_dir_name(4))
+    with CheckpointManager(tmp_path / "coci", keep_last=None) as mgr:
+        assert mgr.steps() == [3, 4]
+        saved = mgr.restore(4)["model"]
+    assert all(torch.equal(result["best_model"][k], saved[k]) for k in saved)
