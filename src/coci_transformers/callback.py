@@ -578,6 +578,8 @@ class CociCallback(TrainerCallback):
             return  # the process ends on the notice: no final save, no weights to load
         self._final_save()
         checkpointer.wait(retention=True)  # the steps listed next stay while they are read
+        if trainer.args.world_size > 1:  # retention is process 0's: all list after it
+            trainer.accelerator.wait_for_everyone()
         best = best_kept(trainer, checkpointer.manager.steps())
         # a best step that retention removed since is named no more: the one loaded is
         trainer.state.best_model_checkpoint = None if best is None else self._step_dir(best[0])
