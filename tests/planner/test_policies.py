@@ -108,5 +108,12 @@ def test_a_policy_object_stands_for_its_name_and_options() -> None:
     assert Planner(policy=CheckFreq(overhead_bound=0.03)).policy_name == "checkfreq"
     with pytest.raises(ConfigError, match="'every_n_steps' is given twice"):
         Planner(policy=EveryNSteps(every_n_steps=3), every_n_steps=4)
+    with pytest.raises(ConfigError, match="'checkfreq_overhead_bound' is given twice"):
+        Planner(policy=CheckFreq(overhead_bound=0.03), checkfreq_overhead_bound=0.5)
+    # the same value both ways, or the argument left at its default: the object's
+    Planner(policy=CheckFreq(overhead_bound=0.03), checkfreq_overhead_bound=0.03)
+    assert Planner(policy=CheckFreq(overhead_bound=0.03))._settings.policy == CheckFreq(
+        overhead_bound=0.03
+    )
     with pytest.raises(ConfigError, match=r"'policy' must be one of .* or a policy object"):
         Planner(policy=object())  # type: ignore[arg-type]

@@ -21,6 +21,7 @@ from coci_core.planner.model import Termination, make_termination
 from coci_core.planner.objectives import Objective, make_objective
 from coci_core.planner.policies import (
     POLICIES,
+    CheckFreq,
     Coci,
     Epoch,
     EveryNSeconds,
@@ -121,6 +122,8 @@ def policy_arguments(policy: object) -> tuple[str, dict[str, Any]]:
         return name, {"steps_per_epoch": policy.steps_per_epoch}
     if isinstance(policy, Coci):
         return name, {"method": policy.method}
+    if isinstance(policy, CheckFreq):
+        return name, {"checkfreq_overhead_bound": policy.overhead_bound}
     return name, {}
 
 
@@ -151,11 +154,14 @@ def make_settings(
     """
     policy_object = None if isinstance(policy, str) else policy
     policy, carried = policy_arguments(policy)
+    bound = checkfreq_overhead_bound
     given = {
         "every_n_steps": every_n_steps,
         "every_n_seconds": every_n_seconds,
         "steps_per_epoch": steps_per_epoch,
         "method": None if method == "dp" else method,
+        # the default stands for "not given" (as "dp" for method)
+        "checkfreq_overhead_bound": None if bound == CheckFreq.overhead_bound else bound,
     }
     for name, value in carried.items():
         if given[name] is not None and given[name] != value:
@@ -167,6 +173,7 @@ def make_settings(
     every_n_seconds = carried.get("every_n_seconds", every_n_seconds)
     steps_per_epoch = carried.get("steps_per_epoch", steps_per_epoch)
     method = carried.get("method", method)
+    checkfreq_overhead_bound = carried.get("checkfreq_overhead_bound", checkfreq_overhead_bound)
     checked_objective = make_objective(objective).name
     total = None if total_steps is None else check_int("total_steps", total_steps, minimum=1)
     checked_mtbf = check_optional_positive("mtbf_s", mtbf_s)
