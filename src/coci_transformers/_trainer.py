@@ -4,6 +4,7 @@ Trainer will count it, the Trainer being made, its TensorBoard writer, the colle
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import signal
 from collections.abc import Callable, Mapping
@@ -18,6 +19,8 @@ from coci_core.errors import ConfigError
 from coci_core.planner import Termination
 from coci_core.preemption import Preemption, SignalNotice
 from coci_core.training import PlanOutline, TensorBoardTelemetry
+
+logger = logging.getLogger(__name__)
 
 #: TrainingArguments that coci refuses, with the reason (checked when training starts)
 _REFUSED: dict[str, tuple[Callable[[TrainingArguments], bool], str]] = {
@@ -167,6 +170,27 @@ def best_kept(trainer: Trainer, kept: list[int]) -> tuple[int, float] | None:
     sign = -1.0 if args.greater_is_better else 1.0
     step = min(scores, key=lambda k: (sign * scores[k], k))  # the earliest of equal values
     return step, scores[step]
+
+
+def best_to_load(trainer: Trainer, kept: list[int]) -> tuple[int, float] | None:
+    """:func:`best_kept`, said by process 0: the step to load, or that none of the ``kept``
+    steps was evaluated (the final weights then stay)."""
+    best = best_kept(trainer, kept)
+    if trainer.args.process_index != 0:
+        return best
+    name = trainer.args.metric_for_best_model
+    if best is not None:
+        logger.info("coci: loading the best kept step %d (%s %s)", best[0], name, best[1])
+    else:
+        logger.warning(
+            "coci: load_best_model_at_end: no kept step was evaluated (%s at the kept steps "
+            "%s): the final weights stay; save at the evaluations "
+            '(CociCallback(policy="every_n_steps") with save_steps = eval_steps) for the best '
+            "to be kept",
+            name,
+            kept,
+        )
+    return best
 
 
 def plan_line(outline: PlanOutline, total_source: str) -> str:

@@ -64,7 +64,7 @@ from coci_core.training import (
     step_dir_of,
 )
 from coci_transformers._trainer import (
-    best_kept,
+    best_to_load,
     broadcast,
     calling_trainer,
     check_arguments,
@@ -580,29 +580,11 @@ class CociCallback(TrainerCallback):
         checkpointer.wait(retention=True)  # the steps listed next stay while they are read
         if trainer.args.world_size > 1:  # retention is process 0's: all list after it
             trainer.accelerator.wait_for_everyone()
-        best = best_kept(trainer, checkpointer.manager.steps())
+        best = best_to_load(trainer, checkpointer.manager.steps())  # said either way
         # a best step that retention removed since is named no more: the one loaded is
         trainer.state.best_model_checkpoint = None if best is None else self._step_dir(best[0])
-        if best is None:
-            if trainer.args.process_index == 0:
-                logger.warning(
-                    "coci: load_best_model_at_end: no kept step was evaluated (%s at the "
-                    "kept steps %s): the final weights stay; save at the evaluations "
-                    '(CociCallback(policy="every_n_steps") with save_steps = eval_steps) '
-                    "for the best to be kept",
-                    trainer.args.metric_for_best_model,
-                    checkpointer.manager.steps(),
-                )
-            return
-        step, value = best
-        if trainer.args.process_index == 0:
-            logger.info(
-                "coci: loading the best kept step %d (%s %s)",
-                step,
-                trainer.args.metric_for_best_model,
-                value,
-            )
-        _state.load_model(trainer, checkpointer.restore(step))
+        if best is not None:
+            _state.load_model(trainer, checkpointer.restore(best[0]))
 
     # -- stopping: Optuna's pruning ----------------------------------------------------------
 
