@@ -59,8 +59,8 @@ from coci_core.training import (
     min_over_ranks,
     newest_step_dir,
     report_sink,
+    run_step_dir,
     shared_options,
-    step_dir_name,
     step_dir_of,
 )
 from coci_transformers._trainer import (
@@ -539,9 +539,9 @@ class CociCallback(TrainerCallback):
         step = trainer.state.global_step
         if trainer.hp_search_backend is None and trial is None:
             trainer.store_flos()
-        best = trainer.state.best_global_step
-        if best and (best == step or best in set(checkpointer.manager.steps())):
-            trainer.state.best_model_checkpoint = self._step_dir(best)
+        best, manager = trainer.state.best_global_step, checkpointer.manager
+        if best and (best == step or best in manager.runs().get(manager.run_id, ())):
+            trainer.state.best_model_checkpoint = self._step_dir(best, manager.run_id)
         weights_only = bool(trainer.args.save_only_model)
         state = _state.collect(trainer, weights_only=weights_only)
         state["coci"] = checkpointer.state_dict()
@@ -565,9 +565,10 @@ class CociCallback(TrainerCallback):
             if self._trainer().args.process_index == 0:
                 checkpointer.log_summary(logger)
 
-    def _step_dir(self, step: int) -> str:
-        base = str(self.dirpath)
-        return (base.rstrip("/") + "/" if is_url(base) else base + os.sep) + step_dir_name(step)
+    def _step_dir(self, step: int, run: str | None = None) -> str:
+        """The directory of ``run``'s checkpoint of ``step`` (without ``run``: its plain name)."""
+        assert self.dirpath is not None
+        return str(run_step_dir(self.dirpath, step, run, self.options.storage_options))
 
     def _load_best_model(self) -> None:
         """``load_best_model_at_end``: the final state is saved first, then the weights of the
@@ -580,11 +581,13 @@ class CociCallback(TrainerCallback):
         checkpointer.wait(retention=True)  # the steps listed next stay while they are read
         if trainer.args.world_size > 1:  # retention is process 0's: all list after it
             trainer.accelerator.wait_for_everyone()
-        best = best_to_load(trainer, checkpointer.manager.steps())  # said either way
+        run = checkpointer.manager.run_id  # this run's steps: not another's of the same number
+        best = best_to_load(trainer, checkpointer.manager.runs().get(run, []))  # said either way
         # a best step that retention removed since is named no more: the one loaded is
-        trainer.state.best_model_checkpoint = None if best is None else self._step_dir(best[0])
-        if best is not None:
-            _state.load_model(trainer, checkpointer.restore(best[0]))
+        path = None if best is None else self._step_dir(best[0], run)
+        trainer.state.best_model_checkpoint = path
+        if path is not None:
+            _state.load_model(trainer, checkpointer.restore(os.path.basename(path.rstrip("/"))))
 
     # -- stopping: Optuna's pruning ----------------------------------------------------------
 

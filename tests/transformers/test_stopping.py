@@ -192,3 +192,28 @@ def test_the_best_kept_step_is_loaded_when_no_saved_step_was_the_trainers_best(
         assert mgr.steps() == [3, 4]
         saved = mgr.restore(4)["model"]
     assert all(torch.equal(result["best_model"][k], saved[k]) for k in saved)
+
+
+def test_the_best_model_is_never_another_runs(tmp_path: Path) -> None:
+    """A second run started fresh in the directory of a first (steps 2, 4, 6 kept there)
+    evaluates at steps 2 and 4 but keeps no step of its own: load_best_model_at_end keeps its
+    own final weights, never the first run's step 4 (a step of the same number, evaluated by
+    the second run's log history only)."""
+    train(tmp_path, 6, save_steps=2)
+    AcceleratorState._reset_state(True)
+    result = train(
+        tmp_path,
+        4,
+        callback=CociCallback(policy="every_n_steps", every_n_steps=5, save_on_train_end=False),
+        save_steps=2,
+        eval_strategy="steps",
+        eval_steps=2,
+        load_best_model_at_end=True,
+        metric_for_best_model="loss",
+    )
+    assert {e["step"] for e in result["log"] if "eval_loss" in e} == {2, 4}
+    assert result["best_checkpoint"] is None
+    with CheckpointManager(tmp_path / "coci", keep_last=None) as mgr:
+        assert mgr.steps() == [2, 4, 6]
+        other = mgr.restore(4)["model"]
+    assert not all(torch.equal(result["best_model"][k], other[k]) for k in other)
