@@ -539,9 +539,9 @@ class CociCallback(TrainerCallback):
         step = trainer.state.global_step
         if trainer.hp_search_backend is None and trial is None:
             trainer.store_flos()
-        best, manager = trainer.state.best_global_step, checkpointer.manager
-        if best and (best == step or best in manager.runs().get(manager.run_id, ())):
-            trainer.state.best_model_checkpoint = self._step_dir(best, manager.run_id)
+        best = trainer.state.best_global_step
+        if best and (best == step or best in set(checkpointer.manager.steps())):
+            trainer.state.best_model_checkpoint = self._step_dir(best)
         weights_only = bool(trainer.args.save_only_model)
         state = _state.collect(trainer, weights_only=weights_only)
         state["coci"] = checkpointer.state_dict()
