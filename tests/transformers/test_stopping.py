@@ -103,21 +103,17 @@ def test_early_stopping_counter_resumes(tmp_path: Path) -> None:
     assert len(resumed["seen"]) == 2 * 4  # steps 5 and 6
 
 
-def test_the_best_step_removed_by_retention_is_named_no_more(tmp_path: Path) -> None:
-    """load_best_model_at_end with keep_last=1: the best evaluation (the first: a score that
-    falls at each evaluation) is at step 2, whose checkpoint retention removes after step 4's;
-    the end waits for that removal before it lists the kept steps (else it could read a step
-    being removed), loads step 4's weights, and ``best_model_checkpoint`` names step 4's
-    directory, which exists, instead of step 2's, which does not."""
+def _best_at_step_2(directory: Path, callback: CociCallback) -> dict[str, Any]:
+    """4 steps, an evaluation every 2 whose score falls each time (greater is better: step 2
+    is the Trainer's best), load_best_model_at_end."""
     evaluations: list[int] = []
 
     def falling_score(_: Any) -> dict[str, float]:
         evaluations.append(1)
         return {"score": -float(len(evaluations))}
 
-    callback = CociCallback(policy="every_n_steps", keep_last=1)
-    result = train(
-        tmp_path,
+    return train(
+        directory,
         4,
         callback=callback,
         save_steps=2,
@@ -128,6 +124,15 @@ def test_the_best_step_removed_by_retention_is_named_no_more(tmp_path: Path) -> 
         greater_is_better=True,
         compute_metrics=falling_score,
     )
+
+
+def test_the_best_step_removed_by_retention_is_named_no_more(tmp_path: Path) -> None:
+    """load_best_model_at_end with keep_last=1: the best evaluation (the first: a score that
+    falls at each evaluation) is at step 2, whose checkpoint retention removes after step 4's;
+    the end waits for that removal before it lists the kept steps (else it could read a step
+    being removed), loads step 4's weights, and ``best_model_checkpoint`` names step 4's
+    directory, which exists, instead of step 2's, which does not."""
+    result = _best_at_step_2(tmp_path, CociCallback(policy="every_n_steps", keep_last=1))
     scores = {e["step"]: e["eval_score"] for e in result["log"] if "eval_score" in e}
     assert scores == {2: -1.0, 4: -2.0}
     with CheckpointManager(tmp_path / "coci", keep_last=None) as mgr:
@@ -166,25 +171,8 @@ def test_the_best_kept_step_is_loaded_when_no_saved_step_was_the_trainers_best(
     (``best_model_checkpoint`` set): here its best is the evaluation at step 2, where coci did
     not save (saves at 3 and at the end, 4). coci loads its best kept evaluated step (4) at the
     end all the same, as the options table says, instead of leaving it unsaid."""
-    evaluations: list[int] = []
-
-    def falling_score(_: Any) -> dict[str, float]:
-        evaluations.append(1)
-        return {"score": -float(len(evaluations))}
-
     with caplog.at_level("INFO"):
-        result = train(
-            tmp_path,
-            4,
-            callback=CociCallback(policy="every_n_steps", every_n_steps=3),
-            save_steps=2,
-            eval_strategy="steps",
-            eval_steps=2,
-            load_best_model_at_end=True,
-            metric_for_best_model="score",
-            greater_is_better=True,
-            compute_metrics=falling_score,
-        )
+        result = _best_at_step_2(tmp_path, CociCallback(policy="every_n_steps", every_n_steps=3))
     assert {e["step"] for e in result["log"] if "eval_score" in e} == {2, 4}
     assert any("loading the best kept step 4" in r.getMessage() for r in caplog.records)
     assert result["best_checkpoint"] == str(tmp_path / "coci" / step_dir_name(4))
