@@ -206,12 +206,13 @@ def tensor_count(results: dict[str, Any]) -> Figure:
             "restores",
             "seconds",
             "warm",
-            ("coci_restore", "torch_load", "dcp_load"),
+            ("coci_restore", "torch_load", "torch_load_mmap", "dcp_load"),
             "restore, warm page cache (s)",
         ),
     )
     fig, axes = plt.subplots(1, 2, figsize=(10.0, 3.8))
     for ax, (part, key, runs, names, label) in zip(axes, panels, strict=True):
+        names = tuple(n for n in names if all(n in c[part] for c in cells))  # an older run's
         width = 0.8 / len(names)
         for j, name in enumerate(names):
             medians = [float(np.median([r[key] for r in c[part][name][runs]])) for c in cells]
