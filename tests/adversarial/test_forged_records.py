@@ -227,3 +227,31 @@ def test_the_legacy_stream_is_measured_pickle_by_pickle() -> None:
         check_saved_pickle(head + DEEP_KEY + b"].", what="x", legacy=True)
     with pytest.raises(CorruptCheckpointError, match=r"not a torch\.save zip archive"):
         check_saved_pickle(buffer.getvalue(), what="x")
+
+
+def test_a_head_field_given_twice_is_damage(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Step 2's manifest forged with ``"sequence"`` given again at its end (validly sealed):
+    a listing reads the head from the manifest's start and JSON keeps the last value, so the
+    two would order the steps differently. The restore refuses it by name and falls back to
+    step 1; ``coci verify`` names it; ``coci ls`` lists both."""
+    from coci_core.engine.format.manifest import seal
+
+    root = tmp_path / "ckpt"
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, {"w": torch.ones(3)}).wait()
+        mgr.save(2, {"w": torch.full((3,), 2.0)}).wait()
+    path = root / step_dir_name(2) / "manifest.json"
+    body = path.read_bytes()
+    body = body[: body.rindex(b',"checksum"')] + b',"sequence":99}'
+    path.write_bytes(seal(body))
+    with CheckpointManager(root) as mgr:
+        assert mgr.steps() == [1, 2]
+        state = mgr.restore()
+        assert mgr.last_restore is not None and mgr.last_restore.step == 1
+        assert mgr.last_restore.skipped_steps == (2,)
+        assert torch.equal(state["w"], torch.ones(3))
+    assert main(["verify", str(root)]) == 1
+    assert "gives a field of its head twice" in capsys.readouterr().out
+    assert main(["ls", str(root)]) == 0

@@ -83,4 +83,78 @@ def test_a_resume_parses_each_manifest_once(
     monkeypatch.setattr(steps, "_infos", {})  # as in a new process
     with CheckpointManager(tmp_path, keep_last=3) as mgr:
         assert _equal(mgr.restore(), state)
-    assert calls == ["from_head"]  # the listing read heads; the load checked the newest's
+    # the listing read each head from the start of its manifest; the load decoded the newest
+    assert calls == ["from_json"]
+
+
+def test_a_listing_decodes_no_manifest_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The head of a manifest this coci wrote is at its start: a listing in a new process
+    decodes the head's fields of each manifest, not its arrays, and a restore then decodes
+    only the manifest it reads."""
+    from coci_core.engine.format import manifest as manifest_module
+
+    state = _state(300)
+    with CheckpointManager(tmp_path, keep_last=3) as mgr:
+        for step in range(4):
+            mgr.save(step, state).wait()
+    sizes: list[int] = []
+    real = manifest_module._loads
+
+    def counted(body: bytes, where: str, step: int | None) -> Any:
+        sizes.append(len(body))
+        return real(body, where, step)
+
+    monkeypatch.setattr(manifest_module, "_loads", counted)
+    monkeypatch.setattr(steps, "_infos", {})  # as in a new process
+    assert [i.step for i in steps.step_infos(LocalStorage(tmp_path))] == [3, 2, 1]
+    assert len(sizes) == 3 and max(sizes) < 200, sizes  # three heads, not three manifests
+    sizes.clear()
+    monkeypatch.setattr(steps, "_infos", {})
+    with CheckpointManager(tmp_path, keep_last=3) as mgr:
+        assert _equal(mgr.restore(), state)
+    assert len([n for n in sizes if n > 10_000]) == 1, sizes  # the newest, whole, once
+
+
+def test_a_manifest_with_its_head_elsewhere_is_listed_and_restored(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A manifest whose fields are in another order (an earlier coci wrote the head's fields
+    among the others) is decoded whole for its head, and restored from that one decoding."""
+    import json
+
+    from coci_core.engine.format.manifest import seal
+
+    state = _state(50)
+    with CheckpointManager(tmp_path, keep_last=None) as mgr:
+        for step in range(3):
+            mgr.save(step, state).wait()
+    old_order = ("step", "created_unix", "tree", "tensors", "files", "format_version")
+    for step in (1, 2):
+        path = tmp_path / step_dir_name(step) / "manifest.json"
+        doc = json.loads(path.read_bytes())
+        doc.pop("checksum")
+        doc = {k: doc[k] for k in (*old_order, *(k for k in doc if k not in old_order))}
+        path.write_bytes(seal(json.dumps(doc, separators=(",", ":")).encode()))
+    monkeypatch.setattr(steps, "_infos", {})
+    infos = steps.step_infos(LocalStorage(tmp_path))
+    assert [(i.step, i.sequence, i.intact) for i in infos] == [
+        (2, 3, True),
+        (1, 2, True),
+        (0, 1, True),
+    ]
+    calls: list[str] = []
+    for name in ("from_json", "from_head"):
+        real = getattr(Manifest, name).__func__
+
+        def counted(cls: Any, *args: Any, _real: Any = real, _name: str = name, **kw: Any) -> Any:
+            calls.append(_name)
+            return _real(cls, *args, **kw)
+
+        monkeypatch.setattr(Manifest, name, classmethod(counted))
+    monkeypatch.setattr(steps, "_infos", {})
+    with CheckpointManager(tmp_path, keep_last=None) as mgr:
+        assert _equal(mgr.restore(), state) and mgr.last_restore is not None
+        assert mgr.last_restore.step == 2
+    assert calls == ["from_head"]  # the listing's decoding of step 2, checked and used

@@ -203,12 +203,17 @@ def test_block_false_saves_of_a_cached_layout(tmp_path: Path) -> None:
 
 
 def _asdict_json(m: Manifest) -> bytes:
-    """What ``to_json`` wrote with ``dataclasses.asdict``."""
+    """What ``to_json`` wrote with ``dataclasses.asdict``, the head's fields first."""
     doc = dataclasses.asdict(m)
     doc["format_version"] = FORMAT_VERSION
+    doc = {k: doc[k] for k in (*_HEAD, *(k for k in doc if k not in _HEAD))}
     for entry in [*doc["tensors"], *(t for r in doc["per_rank"] for t in r["tensors"])]:
         assert entry.pop("boxes") is None  # written only when set (format 4)
     return seal(json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8"))
+
+
+# the manifest's head, first (a listing reads it alone), then its other fields in order
+_HEAD = ("format_version", "step", "created_unix", "run", "sequence", "bases")
 
 
 @pytest.mark.parametrize("cls", [Piece, TensorEntry, RankState, DataFile, Manifest])
@@ -219,6 +224,8 @@ def test_to_dict_has_every_field_in_order(cls: Any) -> None:
     values: dict[str, Any] = {n: () if n in sequences else 0 for n in names}
     if cls is TensorEntry:
         values["boxes"] = (Region((0,), (1,)),)  # written only when set
+    if cls is Manifest:
+        names = [*_HEAD, *(n for n in names if n not in _HEAD)]
     assert list(cls(**values).to_dict()) == names
 
 
@@ -232,7 +239,7 @@ def test_to_dict_has_every_field_in_order(cls: Any) -> None:
 )
 def test_to_json_bytes_as_before(tmp_path: Path, options: dict[str, Any]) -> None:
     """The manifests of real saves (codec parameters, per-rank state, metadata) are written
-    byte for byte as ``dataclasses.asdict`` wrote them."""
+    byte for byte as ``dataclasses.asdict`` wrote them (the head's fields first)."""
     state = {
         "model": torch.nn.Linear(64, 32).state_dict(),
         "ints": torch.arange(100),

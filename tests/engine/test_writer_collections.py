@@ -116,15 +116,15 @@ def test_retention_decodes_no_manifest_the_writer_just_wrote(
     """The writer notes the head of each manifest it writes: the listing that retention makes
     after each commit finds it by its checksum (a damaged one would not match, and is read)."""
     from coci_core.engine.directory import steps
-    from coci_core.engine.format.manifest import read_head
+    from coci_core.engine.format.manifest import read_head_only
 
     decoded: list[int] = []
 
     def counted(data: bytes, **kw: Any) -> Any:
         decoded.append(int(kw["step"]))
-        return read_head(data, **kw)
+        return read_head_only(data, **kw)
 
-    monkeypatch.setattr("coci_core.engine.directory.steps.read_head", counted)
+    monkeypatch.setattr("coci_core.engine.directory.steps.read_head_only", counted)
     state = {f"t{i}": torch.randn(3) for i in range(50)}
     with CheckpointManager(tmp_path, keep_last=2) as mgr:
         for step in range(5):

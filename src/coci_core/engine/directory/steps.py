@@ -18,7 +18,7 @@ from coci_core.engine.format.manifest import (
     MAX_MANIFEST_BYTES,
     Manifest,
     parse_step_version,
-    read_head,
+    read_head_only,
     step_dir_name,
 )
 from coci_core.errors import CorruptCheckpointError, NoCheckpointError, StorageError
@@ -105,8 +105,9 @@ def step_infos(storage: Storage, *, kept: ManifestCache | None = None) -> list[S
     one run (tried just before the newest intact step below it), so that restore reports it.
 
     Each manifest's head is read (see :func:`step_info`): a manifest damaged beyond its head
-    is found by the restore that reads it. ``kept`` keeps the newest manifest's document, for
-    the restore that follows to check and use without decoding it again.
+    is found by the restore that reads it. ``kept`` keeps the newest document decoded whole
+    (a manifest written by an earlier coci, with its head elsewhere), for the restore that
+    follows to check and use without decoding it again.
     """
     infos: list[StepInfo] = []
     newest_below: StepInfo | None = None  # steps ascend: the newest intact step below this one
@@ -258,14 +259,14 @@ def _step_info(
     info = _infos.get(key)
     if info is None:
         with gc_paused():
-            doc, head = read_head(data, where=_where(storage, step, version), step=step)
+            doc, head = read_head_only(data, where=_where(storage, step, version), step=step)
         if head.step != step:
             raise CorruptCheckpointError(
                 f"manifest in {step_dir_name(step, version)} says step {head.step}", step=step
             )
         info = StepInfo(step, head.run, head.created_unix, True, head.bases, head.sequence, version)
         _remember(key, info)
-        if kept is not None:
+        if kept is not None and doc is not None:
             kept.offer(key[2], doc, info)
     return info
 
@@ -285,7 +286,8 @@ def _remember(key: tuple[int, int, bytes], info: StepInfo) -> None:
 
 def step_info(storage: Storage, step: int, version: int = 0) -> StepInfo:
     """What ordering and retention need of ``step``'s manifest (its run, sequence, bases):
-    its checksum, format and head checked (see :func:`read_head`), the arrays and trees not
+    its checksum, format and head checked (see :func:`read_head_only`: from the head's fields
+    alone where the manifest starts with them), the other fields, arrays and trees not
     (restore checks them all before it uses the step).
 
     Raises:

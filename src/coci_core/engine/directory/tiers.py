@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 from coci_core.engine.directory import retention
 from coci_core.engine.directory.lease import Lease, acquire_lease
 from coci_core.engine.directory.steps import StepInfo, highest_sequence, step_versions
-from coci_core.engine.format.manifest import MANIFEST_NAME, read_head, step_dir_name
+from coci_core.engine.format.manifest import MANIFEST_NAME, read_head_only, step_dir_name
 from coci_core.engine.group import RankGroup
 from coci_core.errors import CheckpointError, DirectoryInUseError, NoCheckpointError, StorageError
 from coci_core.knobs import (
@@ -379,7 +379,7 @@ class RemoteTier:
             return 0  # already there, byte for byte
         sent = 0
         where = f"manifest of {source} in {self.local.url}"
-        for base in read_head(manifest, where=where, step=step)[1].bases:  # the head suffices
+        for base in read_head_only(manifest, where=where, step=step)[1].bases:  # the head suffices
             sent += self._upload_with_bases(base, run, seen)
         if own:
             # another version of the step (a re-save): its files may share names with ours

@@ -49,6 +49,7 @@ __all__ = [
     "parse_step_version",
     "parse_tensor_entry",
     "read_head",
+    "read_head_only",
     "seal",
     "step_dir_name",
 ]
@@ -306,22 +307,23 @@ class Manifest:
         return sum(f.nbytes for f in self.files)
 
     def to_dict(self) -> dict[str, Any]:
-        """The manifest as JSON values, its fields in order (``dataclasses.asdict``'s document,
-        without its deep copy: the values are shared with the manifest, not copied)."""
+        """The manifest as JSON values (``dataclasses.asdict``'s document without its deep copy:
+        the values are shared with the manifest, not copied), the head's fields first."""
+        # the head first, in the order of _HEAD_PREFIX: a listing reads it without the rest
         return {
+            "format_version": self.format_version,
             "step": self.step,
             "created_unix": self.created_unix,
+            "run": self.run,
+            "sequence": self.sequence,
+            "bases": self.bases,
             "tree": self.tree,
             "tensors": [t.to_dict() for t in self.tensors],
             "files": [f.to_dict() for f in self.files],
-            "format_version": self.format_version,
             "world_size": self.world_size,
             "metadata": self.metadata,
             "per_rank": [r.to_dict() for r in self.per_rank],
             "token": self.token,
-            "bases": self.bases,
-            "run": self.run,
-            "sequence": self.sequence,
         }
 
     @property
@@ -357,8 +359,11 @@ class Manifest:
         Raises:
             CorruptCheckpointError: naming the field (and ``step``, when given).
         """
-        doc, sealed = _document(data, where, step)
-        return RecordChecker(where, step).manifest(doc, sealed=sealed)
+        doc, body = _document(data, where, step)
+        manifest = RecordChecker(where, step).manifest(doc, sealed=body is not None)
+        if body is not None:
+            _check_prefix_agrees(body, doc, where, step)
+        return manifest
 
     @classmethod
     def from_head(cls, doc: Any, *, where: str = "manifest", step: int | None = None) -> Manifest:
@@ -382,15 +387,21 @@ class ManifestHead(NamedTuple):
     sequence: int
 
 
-def _document(data: bytes, where: str, step: int | None) -> tuple[Any, bool]:
-    """The JSON document of a manifest's bytes (size and checksum checked) and whether it was
-    sealed."""
+def _sealed_body(data: bytes, where: str, step: int | None) -> bytes | None:
+    """The checked body of a manifest's bytes (size and checksum checked), or None when it
+    carries no checksum."""
     if len(data) > MAX_MANIFEST_BYTES:
         raise CorruptCheckpointError(
             f"{where} has {len(data)} bytes, more than {MAX_MANIFEST_BYTES}", step=step
         )
-    body = _unseal(data, where, step)
-    return _loads(data if body is None else body, where, step), body is not None
+    return _unseal(data, where, step)
+
+
+def _document(data: bytes, where: str, step: int | None) -> tuple[Any, bytes | None]:
+    """The JSON document of a manifest's bytes (size and checksum checked) and its sealed
+    body (None when it carries no checksum)."""
+    body = _sealed_body(data, where, step)
+    return _loads(data if body is None else body, where, step), body
 
 
 def read_head(
@@ -403,8 +414,59 @@ def read_head(
     Raises:
         CorruptCheckpointError: naming the field (and ``step``, when given).
     """
-    doc, sealed = _document(data, where, step)
-    return doc, RecordChecker(where, step).head(doc, sealed=sealed)
+    doc, body = _document(data, where, step)
+    return doc, RecordChecker(where, step).head(doc, sealed=body is not None)
+
+
+# The head as this coci writes it, first (see Manifest.to_dict): each value a JSON number, a
+# run of letters and digits, or an array of numbers, so that the prefix ends at the comma
+# after ``bases``. A manifest written otherwise (an earlier coci's) is decoded whole.
+_HEAD_PREFIX = re.compile(
+    rb'\{"format_version":[0-9]{1,20},"step":[0-9]{1,20},"created_unix":[-+.eE0-9]{1,40},'
+    rb'"run":"[A-Za-z0-9]{0,64}","sequence":[0-9]{1,20},"bases":\[[0-9,]*\],'
+)
+
+
+def _prefix_doc(body: bytes, where: str, step: int | None) -> dict[str, Any] | None:
+    match = _HEAD_PREFIX.match(body)
+    if match is None:
+        return None
+    doc: dict[str, Any] = _loads(match.group(0)[:-1] + b"}", where, step)
+    return doc
+
+
+def read_head_only(
+    data: bytes, *, where: str = "manifest", step: int | None = None
+) -> tuple[Any | None, ManifestHead]:
+    """A manifest's head, as :func:`read_head` checks it, read from the head's fields at the
+    start of the document when it starts with them (as this coci writes it; the document is
+    then not decoded: None in its place), else from the document decoded whole (returned with
+    the head). The checksum covers the whole manifest either way; the other fields are checked
+    by the restore that reads the manifest, which also refuses a head's field given twice with
+    different values.
+
+    Raises:
+        CorruptCheckpointError: naming the field (and ``step``, when given).
+    """
+    body = _sealed_body(data, where, step)
+    prefix = None if body is None else _prefix_doc(body, where, step)
+    if prefix is None:
+        doc = _loads(data if body is None else body, where, step)
+        return doc, RecordChecker(where, step).head(doc, sealed=body is not None)
+    doc = dict.fromkeys(_REQUIRED_TOP_FIELDS)  # the others are checked when it is read whole
+    doc.update(prefix)
+    return None, RecordChecker(where, step).head(doc, sealed=True)
+
+
+def _check_prefix_agrees(body: bytes, doc: Any, where: str, step: int | None) -> None:
+    """Refuse a manifest whose head, as :func:`read_head_only` reads it from the start of the
+    document, is not the head of the whole document (a field given twice: JSON keeps the
+    last), so that a listing and the restore order it alike."""
+    prefix = _prefix_doc(body, where, step)
+    if prefix is not None and any(doc.get(k) != v for k, v in prefix.items()):
+        raise CorruptCheckpointError(
+            f"{where} gives a field of its head twice, with different values", step=step
+        )
 
 
 def check_readable_head(manifest: Manifest, *, where: str) -> None:
