@@ -207,6 +207,35 @@ def test_a_damaged_newest_manifest_is_reported_and_skipped(tmp_path: Path) -> No
         assert mgr.last_restore is not None and mgr.last_restore.skipped_steps == (3,)
 
 
+def test_a_step_passed_over_as_damaged_is_replaced_when_training_reaches_it(
+    tmp_path: Path,
+) -> None:
+    """The README's loop after a resume past a damaged newest step: training reaches that
+    step again and saves it, without ``overwrite`` (before: StepExistsError, the damaged
+    step counted as this run's). Only that step: another of this run's still raises."""
+    with CheckpointManager(tmp_path, keep_last=None, compression="none") as mgr:
+        for step in (100, 200, 300):
+            mgr.save(step, _state(step)).wait()
+    data = next((tmp_path / step_dir_name(300)).glob("data-*"))
+    raw = bytearray(data.read_bytes())
+    raw[0] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    with CheckpointManager(tmp_path, keep_last=None, compression="none") as mgr:
+        assert float(mgr.restore()["w"][0]) == 200.0
+        assert mgr.last_restore is not None and mgr.last_restore.skipped_steps == (300,)
+        mgr.save(300, _state(301)).wait()
+        with pytest.raises(StepExistsError, match="step 300"):
+            mgr.save(300, _state(302))  # saved by this run now: not passed over again
+        with pytest.raises(StepExistsError, match="step 200"):
+            mgr.save(200, _state(201))
+    with CheckpointManager(tmp_path) as reader:
+        assert float(reader.restore()["w"][0]) == 301.0
+        assert reader.last_restore is not None and reader.last_restore.skipped_steps == ()
+        assert [d.name for d in sorted(tmp_path.glob("step-*"))] == [
+            step_dir_name(s) for s in (100, 200, 300)
+        ]
+
+
 @pytest.mark.parametrize("run", [17, None, "", "a-b", "x" * 65, "é", ["a"]])
 def test_a_bad_run_field_is_refused(tmp_path: Path, run: object) -> None:
     from coci_core.engine.format.manifest import Manifest, seal

@@ -187,6 +187,8 @@ class CheckpointManager:
         self.allow_torch_save = bool(allow_torch_save)
         self.listeners: list[Listener] = listeners
         self.last_restore: RestoreEvent | None = None
+        # steps the last restore passed over as damaged: this run's save of one replaces it
+        self._passed_over: set[int] = set()
         self.group = group
         # The run this manager's saves belong to: new for each manager (the group's session,
         # the same on every rank), and the restored checkpoint's run after a restore, so that
@@ -310,7 +312,8 @@ class CheckpointManager:
             DirectoryInUseError: another manager (in this or another process) is writing to
                 the directory.
             StepExistsError: this run's checkpoint of ``step`` exists and ``overwrite`` is
-                False.
+                False (but for one that the restore this run continues passed over as
+                damaged: the save replaces it).
             ConfigError: an argument is malformed (``step`` not an integer in
                 ``[0, 2**63-1]``, ...).
         """
@@ -346,7 +349,10 @@ class CheckpointManager:
             else:
                 previous.wait_done()
         self._writer.raise_failed()
-        version = save_version(self.storage, step, self.run_id, overwrite=overwrite)
+        version = save_version(
+            self.storage, step, self.run_id, overwrite=overwrite, passed_over=self._passed_over
+        )
+        self._passed_over.discard(step)
         if alone and not self.group.is_coordinator:
             raise ConfigError("'alone' saves are made by rank 0 only")
         group = RankGroup(0, 1, self.group.session) if alone else self.group
@@ -560,6 +566,8 @@ class CheckpointManager:
         self._writer.commit_after(sequence)
         if restored is not None:
             self.last_restore = restored
+        event = restored or self.last_restore
+        self._passed_over = set(event.skipped_steps) if event is not None else set()
 
     # -- restoring ------------------------------------------------------------------------
 

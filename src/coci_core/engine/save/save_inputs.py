@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from coci_core.engine.directory.steps import step_versions
@@ -55,20 +55,28 @@ def check_run_position(run: Any, sequence: Any) -> None:
         raise ConfigError(f"'sequence' must be an integer in [0, 2**62], got {shown}")
 
 
-def save_version(storage: Storage, step: int, run_id: str, *, overwrite: bool) -> int:
+def save_version(
+    storage: Storage,
+    step: int,
+    run_id: str,
+    *,
+    overwrite: bool,
+    passed_over: Collection[int] = (),
+) -> int:
     """The version of the step directory that a save of ``step`` by run ``run_id`` goes to
     (see :func:`~coci_core.engine.format.manifest.step_dir_name`): 0 for a step the directory does
-    not hold; the run's own directory of it with ``overwrite``; with ``overwrite``, the
-    step's newest checkpoint of another run (replaced); else a version no run holds yet, so
-    that another run's checkpoint of the step is never touched.
+    not hold; the run's own directory of it with ``overwrite``, or when ``step`` is in
+    ``passed_over`` (the steps a restore passed over as damaged: training reached them again);
+    with ``overwrite``, the step's newest checkpoint of another run (replaced); else a version
+    no run holds yet, so that another run's checkpoint of the step is never touched.
 
     One request when the step is not held (a version is made only beside a held plain
     name). With ``overwrite``, a store that cannot be reached gives the plain name: the write
     itself then fails in the background, as any write to it.
 
     Raises:
-        StepExistsError: the directory holds this run's checkpoint of ``step`` and
-            ``overwrite`` is False.
+        StepExistsError: the directory holds this run's checkpoint of ``step``, ``overwrite``
+            is False and ``step`` is not in ``passed_over``.
         StorageError: the store cannot be reached (without ``overwrite``).
     """
     try:
@@ -82,7 +90,7 @@ def save_version(storage: Storage, step: int, run_id: str, *, overwrite: bool) -
     if not held:
         return 0
     own = [i for i in held if i.intact and i.run == run_id]
-    if own and not overwrite:
+    if own and not overwrite and step not in passed_over:
         raise StepExistsError(
             f"{storage.url} already holds this run's checkpoint of step {step}; pass "
             "overwrite=True to replace it, or save into another directory",
