@@ -91,3 +91,46 @@ def test_import_over_an_existing_step_needs_force(
     with CheckpointManager(ckpt) as mgr:
         assert mgr.steps() == [5]
         assert_same(mgr.restore(), {"w": torch.ones(2)})
+
+
+def test_export_never_replaces_what_is_not_its_file(
+    ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """OUT a FIFO, a symbolic link, a directory for a file format, a file for a directory
+    format: refused by name, exit 2, OUT left as it was (before: each was replaced by the
+    export's file, a device node too); a negative --rank is refused (it read the last rank's
+    state, as Python indexes)."""
+    import os
+    import stat
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    _fails(["export", str(ckpt), str(fifo)], capsys, "not a regular file")
+    assert stat.S_ISFIFO(fifo.lstat().st_mode)
+    target = tmp_path / "target.pt"
+    link = tmp_path / "link.pt"
+    link.symlink_to(target)
+    _fails(["export", str(ckpt), str(link)], capsys, "symbolic link")
+    assert link.is_symlink() and not target.exists()
+    (tmp_path / "adir").mkdir()
+    _fails(["export", str(ckpt), str(tmp_path / "adir")], capsys, "not a regular file")
+    (tmp_path / "a.pt").write_bytes(b"x")
+    _fails(["export", str(ckpt), str(tmp_path / "a.pt"), "--format", "dcp"], capsys, "directory")
+    assert (tmp_path / "a.pt").read_bytes() == b"x"
+    _fails(["export", str(ckpt), str(tmp_path / "out.pt"), "--rank", "-1"], capsys, "--rank")
+    assert not (tmp_path / "out.pt").exists()
+
+
+@pytest.mark.parametrize("fmt", ["torch", "safetensors", "dcp"])
+def test_an_export_that_cannot_write_says_so_in_one_line(
+    ckpt: Path, fmt: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A target the writer cannot create (procfs takes no new file): one line naming it,
+    exit 1, never a traceback (before: torch's, safetensors' and DCP's own errors, with their
+    tracebacks)."""
+    out = f"/proc/coci-export-test-{fmt}"
+    capsys.readouterr()
+    assert main(["export", str(ckpt), out, "--format", fmt]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"coci: cannot write {out}") and err.count("\n") == 1, err
+    assert "Traceback" not in err

@@ -290,7 +290,10 @@ def _export(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if not out.parent.is_dir():
         raise BadInput(f"{args.out}: the directory {out.parent} does not exist")
+    if args.rank < 0:
+        raise BadInput(f"--rank must be 0 or more, got {args.rank}")
     fmt = args.format
+    _check_export_target(out, fmt)
     if args.weights_only and fmt not in ("auto", "torch", "safetensors"):
         raise BadInput(
             f"--weights-only writes a .safetensors or torch.save file, not --format {fmt}"
@@ -332,6 +335,23 @@ def _export(args: argparse.Namespace) -> int:
         return 0
     print(export_state(loaded.state, out, fmt, loaded.step))
     return 0
+
+
+def _check_export_target(out: Path, fmt: str) -> None:
+    """Refuse an OUT that the export would replace but is not what it writes: the file is
+    written beside OUT and renamed over it, which would replace a device, a FIFO or a link."""
+    if out.is_symlink():
+        raise BadInput(f"{out} is a symbolic link: give the path it points to")
+    if not out.exists():
+        return
+    directory = fmt in ("dcp", *ADAPTER_EXPORTS)
+    if directory and not out.is_dir():
+        raise BadInput(f"{out} exists and is not a directory: --format {fmt} writes a directory")
+    if not directory and not out.is_file():
+        raise BadInput(
+            f"{out} exists and is not a regular file: coci export writes a file and would "
+            "replace it"
+        )
 
 
 def _import(args: argparse.Namespace) -> int:

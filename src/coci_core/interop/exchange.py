@@ -27,8 +27,10 @@ checked before anything is built from it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import shutil
 import zipfile
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -175,14 +177,23 @@ def export_state(state: Mapping[str, Any], out: Path, fmt: str, step: int) -> st
     note = _note(natural, step, [leaf.pos for leaf in natural.leaves])
     tmp = out.with_name(f".{out.name}.coci-tmp")
     try:
-        torch.save(natural.state, tmp)
+        try:
+            torch.save(natural.state, tmp)
+        except RuntimeError as e:  # torch's writer: a full disk, a file it cannot create
+            raise CociError(f"cannot write {out}: {_one_line(e)}") from e
         with zipfile.ZipFile(tmp, "a") as archive:  # a record torch.load does not read
             prefix = archive.namelist()[0].split("/")[0]
             archive.writestr(f"{prefix}/{NOTE_FILE}", note)
         os.replace(tmp, out)
     finally:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
     return f"exported step {step} to {out} (torch.save)"
+
+
+def _one_line(e: BaseException) -> str:
+    """An error's message on one line (torch's writer puts its C++ location on another)."""
+    return " ".join(str(e).split()) or type(e).__name__
 
 
 def _export_safetensors(natural: _Natural, out: Path, step: int) -> str:
@@ -203,15 +214,19 @@ def _export_safetensors(natural: _Natural, out: Path, step: int) -> str:
         tensors[name] = t
         names.append(name)
     note = _note(natural, step, names)
+    from safetensors import SafetensorError
+
     tmp = out.with_name(f".{out.name}.coci-tmp")
     try:
         try:
             save_file(tensors, str(tmp), metadata={"coci_step": str(step), SAFETENSORS_NOTE: note})
-        except (ValueError, TypeError, RuntimeError) as e:  # e.g. a dtype it does not have
-            raise CociError(f"cannot write {out} as safetensors: {e}") from e
+        except (ValueError, TypeError, RuntimeError, SafetensorError) as e:
+            # a dtype it does not have; a full disk, a file it cannot create
+            raise CociError(f"cannot write {out} as safetensors: {_one_line(e)}") from e
         os.replace(tmp, out)
     finally:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
     return f"exported step {step}: {len(tensors)} tensors to {out} (safetensors)"
 
 
@@ -219,6 +234,7 @@ def _export_dcp(natural: _Natural, out: Path, step: int) -> str:
     import warnings
 
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
     try:
@@ -241,10 +257,19 @@ def _export_dcp(natural: _Natural, out: Path, step: int) -> str:
         else:  # pragma: no cover - DCP visits every path that holds an array
             raise CociError(f"cannot find where DCP stores {leaf.keys!r}")
     note = _note(natural, step, where)
-    with warnings.catch_warnings():  # "assuming ... a single process": that is the intent
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp_save(natural.state, checkpoint_id=str(out), no_dist=True)
-    (out / NOTE_FILE).write_text(note)
+    made = not out.exists()
+    try:
+        with warnings.catch_warnings():  # "assuming ... a single process": that is the intent
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp_save(natural.state, checkpoint_id=str(out), no_dist=True)
+        (out / NOTE_FILE).write_text(note)
+    except (OSError, RuntimeError, CheckpointException) as e:  # a full disk, no permission
+        if made:  # what this export began, not a directory that was there
+            shutil.rmtree(out, ignore_errors=True)
+        causes = [f[0] for f in e.failures.values()] if isinstance(e, CheckpointException) else []
+        raise CociError(
+            f"cannot write {out} as DCP: {_one_line(causes[0] if causes else e)}"
+        ) from e
     return f"exported step {step} to {out} (torch.distributed.checkpoint)"
 
 
