@@ -153,6 +153,10 @@ MALFORMED: dict[str, bytes] = {
     "1e400 seconds": b'{"type": "restore", "step": 5, "seconds": 1e400}',
     "a 400-digit number": b'{"type": "save", "step": 5, "stall_s": 1' + b"0" * 400 + b"}",
     "a 5000-digit number": b'{"type": "save", "step": 5, "stall_s": 1' + b"0" * 5000 + b"}",
+    "a negative stall": b'{"type": "save", "step": 5, "stall_s": -1e300}',
+    "a stall of 1e300 s": b'{"type": "save", "step": 5, "stall_s": 1e300}',
+    "a negative size": b'{"type": "save", "step": 5, "bytes_written": -1}',
+    "a negative restore": b'{"type": "restore", "step": 5, "seconds": -0.5}',
     "NUL bytes": b"\x00\x00\x00",
     "not JSON": b"coci was here",
 }

@@ -4,7 +4,8 @@ field by field before ``coci report`` and the TensorBoard tab use it.
 Telemetry is written by long jobs that get killed, copied and edited: a line that is not JSON
 (torn by a kill, not UTF-8, nested too deep to parse), a record that is not an object, a known
 record without its ``step``, or a field the readers use that holds the wrong kind of value (a
-string among ``next_steps``, a NaN or 1e400 time, a list as a cost) is skipped and counted,
+string among ``next_steps``, a NaN or 1e400 time, a negative duration or size, a list as a
+cost) is skipped and counted,
 never raised; the rest is shown. Fields the readers do not use are not checked (a newer
 version's records read as far as they can).
 """
@@ -37,6 +38,22 @@ def _number(x: Any) -> bool:
     if type(x) is int:
         return abs(x) <= _MAX_NUMBER
     return type(x) is float and math.isfinite(x) and abs(x) <= _MAX_NUMBER
+
+
+#: A time telemetry measured (a save's stall, a restore) is at least 0 and at most this
+#: (about 31 years): a larger or negative one was not measured by coci.
+_MAX_SECONDS = 1e9
+_MAX_BYTES = 2**63
+
+
+def _seconds(x: Any) -> bool:
+    """A duration coci measured: a number in [0, _MAX_SECONDS] (or None)."""
+    return x is None or (_number(x) and 0 <= x <= _MAX_SECONDS)
+
+
+def _size(x: Any) -> bool:
+    """A number of bytes: a number in [0, 2**63] (or None)."""
+    return x is None or (_number(x) and 0 <= x <= _MAX_BYTES)
 
 
 def _opt(kind: type) -> _Check:
@@ -83,28 +100,28 @@ SCHEMA: dict[str, dict[str, _Check]] = {
         "compressed": _BOOL,
         "first_save": _BOOL,
         "block": _BOOL,
-        "bytes_written": _number,
-        "raw_bytes": _number,
-        **dict.fromkeys(_TIMES, _number),
+        "bytes_written": _size,
+        "raw_bytes": _size,
+        **dict.fromkeys(_TIMES, _seconds),
     },
     "restore": {
-        "seconds": _number,
-        "bytes_read": _number,
+        "seconds": _seconds,
+        "bytes_read": _size,
         "skipped_steps": _steps,
         "rank_state_restored": _BOOL,
         "tier": _STR,
         "reached": _opt_step,
-        **dict.fromkeys(_PARTS, _number),
+        **dict.fromkeys(_PARTS, _seconds),
     },
     "upload": {
         "outcome": _STR,
         "attempt": _opt_step,
-        "seconds": _number,
-        "bytes_uploaded": _number,
+        "seconds": _seconds,
+        "bytes_uploaded": _size,
         "error": _STR,
     },
     "start": {"reached": _opt_step},
-    "restart": {"seconds": _number, "restore_s": _number, "since": _STR, "tier": _STR},
+    "restart": {"seconds": _seconds, "restore_s": _seconds, "since": _STR, "tier": _STR},
     "plan": {
         "policy": _STR,
         "objective": _STR,
@@ -125,11 +142,11 @@ SCHEMA: dict[str, dict[str, _Check]] = {
         "source": _STR,
         "time_left_s": _number,
         "save": _BOOL,
-        "needed_s": _number,
+        "needed_s": _seconds,
         "margin_s": _number,
         "reason": _STR,
         "saved": _opt_step,
-        "save_s": _number,
+        "save_s": _seconds,
         "noticed_at": _opt_step,
         "noticed_left_s": _number,
         "noticed_source": _STR,
