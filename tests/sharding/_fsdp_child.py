@@ -4,7 +4,9 @@ mesh) and AdamW, checkpointed with coci as DCP's docs write it: the state from
 ``set_state_dict``.
 
 ``cfg``: ``dir``, ``mesh`` ([dp] or [dp, tp]), ``steps``, ``every`` (save interval), ``api``
-(``"into"``: the modules' own ``state_dict()`` saved and ``restore(into=...)``). Prints
+(``"into"``: the modules' own ``state_dict()`` saved and ``restore(into=...)``),
+``restore_api`` (the restore's, when it is not the save's; a ``StateMismatchError`` then
+printed as ``MISMATCH <message>``, exit status 3). Prints
 ``AT <step>`` after each optimizer step and ``RESULT <json>`` (the restored step, and digests
 of the full parameters and optimizer state) at the end.
 """
@@ -27,7 +29,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from coci_core import CheckpointManager, RankGroup
+from coci_core import CheckpointManager, RankGroup, StateMismatchError
 from coci_core.engine.restore.inplace import InPlaceTargets
 from tests.harness.states import full_digest
 
@@ -63,8 +65,12 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
     start = 0
     into = cfg.get("api") == "into"  # the modules' own state_dict() and restore(into=...)
     if mgr.latest_step() is not None:
-        if into:
-            state = mgr.restore(into={"model": model, "optim": optimizer})
+        if cfg.get("restore_api", cfg.get("api")) == "into":
+            try:
+                state = mgr.restore(into={"model": model, "optim": optimizer})
+            except StateMismatchError as e:
+                print(f"MISMATCH {e}", flush=True)
+                os._exit(3)
         else:
             model_sd, optim_sd = get_state_dict(model, optimizer)  # the live, sharded state
             state = mgr.restore(targets=InPlaceTargets({"model": model_sd, "optim": optim_sd}))

@@ -64,3 +64,22 @@ def test_killed_and_resumed_run_is_bit_identical(tmp_path: Path, mesh: list[int]
     assert [(r["model"], r["optim"]) for r in resumed] == [
         (r["model"], r["optim"]) for r in reference
     ]
+
+
+def test_a_restore_into_of_state_saved_through_get_state_dict_is_refused(tmp_path: Path) -> None:
+    """Saved as DCP's docs write it (``get_state_dict``: the optimizer's state keyed by
+    parameter names), restored with ``restore(into=...)`` (the optimizer's own ``state_dict()``,
+    keyed by index): every rank refuses it with a StateMismatchError that names the layout
+    and the way to restore it (before: restored without a word, and the next optimizer step
+    failed in torch mixing whole tensors with DTensors)."""
+    cfg = {"mesh": [2], "steps": 6, "every": 3, "api": "state_dict", "dir": str(tmp_path)}
+    _run(2, cfg)
+    command = module(MODULE, json.dumps({**cfg, "steps": 9, "restore_api": "into"}))
+    port = free_port()
+    with contextlib.ExitStack() as stack:
+        ranks = [stack.enter_context(Child(command, env=rank_env(r, 2, port))) for r in range(2)]
+        for child in ranks:
+            said = [line for line in child.lines() if line.startswith("MISMATCH ")]
+            assert child.wait(120) == 3
+            assert len(said) == 1 and "another layout" in said[0], said
+            assert "set_state_dict" in said[0] and "/optim" in said[0]

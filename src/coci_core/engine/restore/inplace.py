@@ -269,6 +269,7 @@ class InPlaceTargets:
         )
         if self.partial:
             missing = []
+        self._check_layouts(every, step)
         if not missing and not mismatched:
             return
         parts = []
@@ -285,6 +286,28 @@ class InPlaceTargets:
             mismatched=mismatched,
             step=step,
         )
+
+    def _check_layouts(self, every: set[Path], step: int) -> None:
+        """Raise when a replaced state (an optimizer's) with DTensors holds none of them at a
+        path the checkpoint has, while the checkpoint holds that state in another layout
+        (``get_state_dict``'s, keyed by parameter names, against ``optimizer.state_dict()``'s):
+        ``load_state_dict`` would take whole tensors that its next step cannot mix with
+        DTensors."""
+        for prefix in self._replaced:
+            n = len(prefix)
+            sharded = [p for p, t in self._live.items() if p[:n] == prefix and _is_dtensor(t)]
+            stored = any(len(p) > n and p[:n] == prefix for p in every)
+            if sharded and stored and not any(p in every for p in sharded):
+                raise StateMismatchError(
+                    f"step {step} holds {_show(prefix)} in another layout than the live "
+                    f"optimizer's state_dict() (no value at any of its {len(sharded)} sharded "
+                    f"tensors, e.g. {_show(sharded[0])}): it was saved as get_state_dict gives "
+                    "it; restore it the same way (targets=InPlaceTargets(get_state_dict(...)) "
+                    "and set_state_dict, see docs/sharding.md)",
+                    missing=sorted(_show(p) for p in sharded),
+                    mismatched=[],
+                    step=step,
+                )
 
     def plan(
         self,
