@@ -134,3 +134,26 @@ def test_an_export_that_cannot_write_says_so_in_one_line(
     err = capsys.readouterr().err
     assert err.startswith(f"coci: cannot write {out}") and err.count("\n") == 1, err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("weights_only", [False, True])
+def test_export_writes_through_no_link_planted_beside_out(
+    ckpt: Path, tmp_path: Path, weights_only: bool
+) -> None:
+    """A symbolic link planted at the name an export used to write first (``.OUT.coci-tmp``)
+    is not written through: the file it points to stays as it was, and OUT is a new regular
+    file (before: the link's target was overwritten and OUT became the link)."""
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep me")
+    (out_dir / ".model.pt.coci-tmp").symlink_to(victim)
+    argv = ["export", str(ckpt), str(out_dir / "model.pt")]
+    if weights_only:
+        argv.append("--weights-only")
+    code = main(argv)
+    assert victim.read_bytes() == b"keep me"
+    out = out_dir / "model.pt"
+    if code == 0:
+        assert out.is_file() and not out.is_symlink()
+    assert not list(out_dir.glob(".model.pt.*.coci-tmp"))  # no temporary file left

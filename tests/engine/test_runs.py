@@ -236,6 +236,49 @@ def test_a_step_passed_over_as_damaged_is_replaced_when_training_reaches_it(
         ]
 
 
+def _flip_data(directory: Path) -> None:
+    data = next(directory.glob("data-*"))
+    raw = bytearray(data.read_bytes())
+    raw[0] ^= 0xFF
+    data.write_bytes(bytes(raw))
+
+
+def test_only_this_runs_checkpoint_passed_over_is_replaced(tmp_path: Path) -> None:
+    """Another run's damaged checkpoint of a step passed over (``step-5-v1``) does not make a
+    save of that step replace this run's healthy one, the one just restored."""
+    with CheckpointManager(tmp_path, keep_last=None, compression="none") as a:
+        a.save(4, _state(4)).wait()
+        a.save(5, _state(5)).wait()
+    with CheckpointManager(tmp_path, keep_last=None, compression="none") as b:
+        b.save(5, _state(55)).wait()  # beside a's: step-...-v1
+    _flip_data(tmp_path / step_dir_name(5, 1))
+    with CheckpointManager(tmp_path, keep_last=None, compression="none") as mgr:
+        assert float(mgr.restore()["w"][0]) == 5.0
+        assert mgr.last_restore is not None and mgr.last_restore.skipped_steps == (5,)
+        with pytest.raises(StepExistsError, match="step 5"):
+            mgr.save(5, _state(999))
+    with CheckpointManager(tmp_path) as reader:
+        assert float(reader.restore(step_dir_name(5))["w"][0]) == 5.0
+
+
+def test_a_save_that_fails_its_checks_keeps_the_replacement(tmp_path: Path) -> None:
+    """A save of the passed-over step refused before it is queued (a value it cannot store)
+    leaves the step to be replaced by the next save of it."""
+    from coci_core import UnsupportedValueError
+
+    with CheckpointManager(tmp_path, keep_last=None, compression="none") as mgr:
+        for step in (4, 5):
+            mgr.save(step, _state(step)).wait()
+    _flip_data(tmp_path / step_dir_name(5))
+    with CheckpointManager(tmp_path, keep_last=None, compression="none") as mgr:
+        assert float(mgr.restore()["w"][0]) == 4.0
+        with pytest.raises(UnsupportedValueError):
+            mgr.save(5, {**_state(6), "bad": object()})
+        mgr.save(5, _state(6)).wait()
+    with CheckpointManager(tmp_path) as reader:
+        assert float(reader.restore()["w"][0]) == 6.0
+
+
 @pytest.mark.parametrize("run", [17, None, "", "a-b", "x" * 65, "é", ["a"]])
 def test_a_bad_run_field_is_refused(tmp_path: Path, run: object) -> None:
     from coci_core.engine.format.manifest import Manifest, seal

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from coci_core import CheckpointManager
-from tests.harness.processes import Child, free_port, module, rank_env
+from tests.harness.processes import Child, free_port, module, rank_env, run, script
 
 MODULE = "tests.sharding._fsdp_child"
 
@@ -83,3 +83,43 @@ def test_a_restore_into_of_state_saved_through_get_state_dict_is_refused(tmp_pat
             assert child.wait(120) == 3
             assert len(said) == 1 and "another layout" in said[0], said
             assert "set_state_dict" in said[0] and "/optim" in said[0]
+
+
+_EMPTY_STATE_CHILD = """
+import json, sys, tempfile, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, distribute_module
+from coci_core import CheckpointManager, RankGroup
+
+dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:" + sys.argv[1])
+mesh = init_device_mesh("cpu", (1,))
+
+
+def build():
+    torch.manual_seed(0)
+    model = distribute_module(torch.nn.Linear(4, 4), mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=0.1)
+
+
+root = tempfile.mkdtemp()
+model, opt = build()
+with CheckpointManager(root, group=RankGroup.from_torch_distributed()) as mgr:
+    mgr.save(0, {"model": model.state_dict(), "optim": opt.state_dict()}).wait()
+model, opt = build()  # a new process's objects
+with CheckpointManager(root, group=RankGroup.from_torch_distributed()) as mgr:
+    state = mgr.restore(into={"model": model, "optim": opt})
+model(DTensor.from_local(torch.ones(2, 4), mesh, [Replicate()])).sum().backward()
+opt.step()  # the restored optimizer steps
+print("RESULT " + json.dumps({"step": mgr.last_restore.step, "state": len(opt.state)}), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_an_optimizer_saved_before_its_first_step_restores_into_dtensors() -> None:
+    """An optimizer of DTensor parameters saved with no state yet (a step-0 checkpoint) holds
+    no array: restore(into=...) takes it (the layout check is for a state saved otherwise,
+    not for one that has none), and the optimizer steps after it."""
+    result = run(script(_EMPTY_STATE_CHILD, str(free_port())), timeout_s=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    (line,) = [ln for ln in result.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert json.loads(line[len("RESULT ") :]) == {"step": 0, "state": 2}

@@ -187,8 +187,9 @@ class CheckpointManager:
         self.allow_torch_save = bool(allow_torch_save)
         self.listeners: list[Listener] = listeners
         self.last_restore: RestoreEvent | None = None
-        # steps the last restore passed over as damaged: this run's save of one replaces it
-        self._passed_over: set[int] = set()
+        # (step, version) of this run's checkpoints that the last restore passed over as
+        # damaged: a save of one replaces it
+        self._passed_over: set[tuple[int, int]] = set()
         self.group = group
         # The run this manager's saves belong to: new for each manager (the group's session,
         # the same on every rank), and the restored checkpoint's run after a restore, so that
@@ -352,7 +353,6 @@ class CheckpointManager:
         version = save_version(
             self.storage, step, self.run_id, overwrite=overwrite, passed_over=self._passed_over
         )
-        self._passed_over.discard(step)
         if alone and not self.group.is_coordinator:
             raise ConfigError("'alone' saves are made by rank 0 only")
         group = RankGroup(0, 1, self.group.session) if alone else self.group
@@ -403,6 +403,7 @@ class CheckpointManager:
         self._inflight = handle
         handle.add_stall(time.perf_counter() - started)
         self._worker.submit(QueuedSave(self._writer, job, handle, holder=self))
+        self._passed_over.discard((step, version))  # replaced (once the save is queued)
         return handle
 
     def _split(
@@ -566,8 +567,7 @@ class CheckpointManager:
         self._writer.commit_after(sequence)
         if restored is not None:
             self.last_restore = restored
-        event = restored or self.last_restore
-        self._passed_over = set(event.skipped_steps) if event is not None else set()
+        self._passed_over = set()
 
     # -- restoring ------------------------------------------------------------------------
 
@@ -682,6 +682,9 @@ class CheckpointManager:
                 self.last_restore, seconds=self.last_restore.seconds + load_s, load_s=load_s
             )
         self.continue_run(loaded.manifest.run, loaded.manifest.sequence)
+        self._passed_over = {
+            (i.step, i.version) for i in loaded.passed_over if i.intact and i.run == self.run_id
+        }
         emit(self.listeners, self.last_restore)
         return loaded.state
 

@@ -46,6 +46,7 @@ from coci_core.engine.format.tree import flatten_state
 from coci_core.engine.format.tree_nodes import LEAF_TAGS, WRAPPER_TAGS, encode_dtype, ndarray_dtype
 from coci_core.engine.restore.tree_read import build_wrapped, check_tree, unflatten_state
 from coci_core.errors import CociError, CorruptCheckpointError
+from coci_core.interop.weights import temp_beside
 from coci_core.knobs import MAX_NOTE_CHARS
 
 __all__ = [
@@ -175,7 +176,7 @@ def export_state(state: Mapping[str, Any], out: Path, fmt: str, step: int) -> st
     if fmt == "dcp":
         return _export_dcp(natural, out, step)
     note = _note(natural, step, [leaf.pos for leaf in natural.leaves])
-    tmp = out.with_name(f".{out.name}.coci-tmp")
+    tmp = temp_beside(out)
     try:
         try:
             torch.save(natural.state, tmp)
@@ -216,7 +217,7 @@ def _export_safetensors(natural: _Natural, out: Path, step: int) -> str:
     note = _note(natural, step, names)
     from safetensors import SafetensorError
 
-    tmp = out.with_name(f".{out.name}.coci-tmp")
+    tmp = temp_beside(out)
     try:
         try:
             save_file(tensors, str(tmp), metadata={"coci_step": str(step), SAFETENSORS_NOTE: note})

@@ -11,6 +11,7 @@ model). The file holds no note: ``coci import`` cannot rebuild a training state 
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,22 @@ def model_weights(state: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], st
     return weights, layout
 
 
+def temp_beside(out: Path) -> Path:
+    """A new, empty file of a name no other has, in ``out``'s directory, to write and then
+    rename over ``out``: made exclusively (a link planted at a name chosen in advance would
+    send the write to its target).
+
+    Raises:
+        CociError: no file can be made there.
+    """
+    try:
+        fd, name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".coci-tmp", dir=out.parent)
+    except OSError as e:  # a place no file can be made (procfs), a full disk
+        raise CociError(f"cannot write {out}: {e.strerror or e}") from e
+    os.close(fd)
+    return Path(name)
+
+
 def export_weights(state: Mapping[str, Any], out: Path, fmt: str, step: int) -> str:
     """Write the model's weights of ``state`` (step ``step``) to ``out``: ``fmt`` is
     ``safetensors`` or ``torch``; a one-line summary.
@@ -76,7 +93,7 @@ def export_weights(state: Mapping[str, Any], out: Path, fmt: str, step: int) -> 
         CociError: no weights to write (see :func:`model_weights`), or safetensors refuses them.
     """
     weights, layout = model_weights(state)
-    tmp = out.with_name(f".{out.name}.coci-tmp")
+    tmp = temp_beside(out)
     try:
         if fmt == "safetensors":
             from safetensors.torch import save_file

@@ -269,7 +269,7 @@ class InPlaceTargets:
         )
         if self.partial:
             missing = []
-        self._check_layouts(every, step)
+        self._check_layouts(stored, step)
         if not missing and not mismatched:
             return
         parts = []
@@ -287,17 +287,18 @@ class InPlaceTargets:
             step=step,
         )
 
-    def _check_layouts(self, every: set[Path], step: int) -> None:
-        """Raise when a replaced state (an optimizer's) with DTensors holds none of them at a
-        path the checkpoint has, while the checkpoint holds that state in another layout
-        (``get_state_dict``'s, keyed by parameter names, against ``optimizer.state_dict()``'s):
-        ``load_state_dict`` would take whole tensors that its next step cannot mix with
-        DTensors."""
+    def _check_layouts(self, stored: Mapping[Path, TensorEntry], step: int) -> None:
+        """Raise when the checkpoint holds arrays of a replaced state (an optimizer's) with
+        DTensors but none at the path of any of them: that state in another layout
+        (``get_state_dict``'s, keyed by parameter names, against ``optimizer.state_dict()``'s),
+        whose whole tensors ``load_state_dict`` would take and its next step could not mix with
+        DTensors. (An optimizer saved with no state yet holds no array there: restored, it
+        has none again.)"""
         for prefix in self._replaced:
             n = len(prefix)
             sharded = [p for p, t in self._live.items() if p[:n] == prefix and _is_dtensor(t)]
-            stored = any(len(p) > n and p[:n] == prefix for p in every)
-            if sharded and stored and not any(p in every for p in sharded):
+            held = any(p[:n] == prefix for p in stored)
+            if sharded and held and not any(p in stored for p in sharded):
                 raise StateMismatchError(
                     f"step {step} holds {_show(prefix)} in another layout than the live "
                     f"optimizer's state_dict() (no value at any of its {len(sharded)} sharded "

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from coci_core.engine.directory.steps import ManifestCache, gc_paused, read_manifest
+from coci_core.engine.directory.steps import ManifestCache, StepInfo, gc_paused, read_manifest
 from coci_core.engine.format.manifest import MANIFEST_NAME, Manifest, TensorEntry, step_dir_name
 from coci_core.engine.format.regions import Region
 from coci_core.engine.format.tree import (
@@ -67,6 +67,8 @@ class LoadedCheckpoint:
     bytes_read: int
     manifest: Manifest
     rank_state_restored: bool = True
+    #: the local checkpoints the restore passed over (damaged, or not intact on every rank)
+    passed_over: tuple[StepInfo, ...] = ()
 
 
 def _values(

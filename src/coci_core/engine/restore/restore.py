@@ -6,6 +6,7 @@ ones), and the one restore path every caller uses. Reading arrays is in
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -446,6 +447,8 @@ def restore_newest(
     point, loaded = _first_intact(
         storage, remote, step, start_at, strict, load, caches, agreement=agreement
     )
+    passed = tuple(c.info for c, _ in point.skipped if c.tier == "local")
+    loaded = dataclasses.replace(loaded, passed_over=passed)
     times = [cache.times for cache in caches.values()]
     event = RestoreEvent(
         step=loaded.step,

@@ -61,12 +61,13 @@ def save_version(
     run_id: str,
     *,
     overwrite: bool,
-    passed_over: Collection[int] = (),
+    passed_over: Collection[tuple[int, int]] = (),
 ) -> int:
     """The version of the step directory that a save of ``step`` by run ``run_id`` goes to
     (see :func:`~coci_core.engine.format.manifest.step_dir_name`): 0 for a step the directory does
-    not hold; the run's own directory of it with ``overwrite``, or when ``step`` is in
-    ``passed_over`` (the steps a restore passed over as damaged: training reached them again);
+    not hold; the run's own directory of it with ``overwrite``, or when that directory is in
+    ``passed_over`` (``(step, version)`` of the run's checkpoints that the restore it continues
+    passed over as damaged: training reached them again);
     with ``overwrite``, the step's newest checkpoint of another run (replaced); else a version
     no run holds yet, so that another run's checkpoint of the step is never touched.
 
@@ -76,7 +77,7 @@ def save_version(
 
     Raises:
         StepExistsError: the directory holds this run's checkpoint of ``step``, ``overwrite``
-            is False and ``step`` is not in ``passed_over``.
+            is False and that checkpoint is not in ``passed_over``.
         StorageError: the store cannot be reached (without ``overwrite``).
     """
     try:
@@ -90,7 +91,7 @@ def save_version(
     if not held:
         return 0
     own = [i for i in held if i.intact and i.run == run_id]
-    if own and not overwrite and step not in passed_over:
+    if own and not overwrite and not any((step, i.version) in passed_over for i in own):
         raise StepExistsError(
             f"{storage.url} already holds this run's checkpoint of step {step}; pass "
             "overwrite=True to replace it, or save into another directory",
