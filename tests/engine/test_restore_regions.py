@@ -60,13 +60,8 @@ def test_a_damaged_small_array_is_named(tmp_path: Path) -> None:
     assert info.value.bad == ["/small/t123"]
 
 
-def test_a_resume_parses_each_manifest_once(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    state = _state(50)
-    with CheckpointManager(tmp_path, keep_last=3) as mgr:
-        for step in range(4):
-            mgr.save(step, state).wait()
+def _count_parses(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the Manifest constructors called from now on, in order."""
     calls: list[str] = []
     for name in ("from_json", "from_head"):
         real = getattr(Manifest, name).__func__
@@ -76,6 +71,17 @@ def test_a_resume_parses_each_manifest_once(
             return _real(cls, *args, **kw)
 
         monkeypatch.setattr(Manifest, name, classmethod(counted))
+    return calls
+
+
+def test_a_resume_parses_each_manifest_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state = _state(50)
+    with CheckpointManager(tmp_path, keep_last=3) as mgr:
+        for step in range(4):
+            mgr.save(step, state).wait()
+    calls = _count_parses(monkeypatch)
     with CheckpointManager(tmp_path, keep_last=3) as mgr:
         assert _equal(mgr.restore(), state)
     assert calls == ["from_json"]  # the heads were known from the saves: the load parsed one
@@ -144,15 +150,7 @@ def test_a_manifest_with_its_head_elsewhere_is_listed_and_restored(
         (1, 2, True),
         (0, 1, True),
     ]
-    calls: list[str] = []
-    for name in ("from_json", "from_head"):
-        real = getattr(Manifest, name).__func__
-
-        def counted(cls: Any, *args: Any, _real: Any = real, _name: str = name, **kw: Any) -> Any:
-            calls.append(_name)
-            return _real(cls, *args, **kw)
-
-        monkeypatch.setattr(Manifest, name, classmethod(counted))
+    calls = _count_parses(monkeypatch)
     monkeypatch.setattr(steps, "_infos", {})
     with CheckpointManager(tmp_path, keep_last=None) as mgr:
         assert _equal(mgr.restore(), state) and mgr.last_restore is not None
