@@ -309,10 +309,31 @@ def _first_intact(
     ``agreement``, the first that every rank of it reads without damage (see
     :mod:`~coci_core.engine.agreement`), or the same error on every rank."""
     try:
-        with gc_paused():  # see _listed_and_tried
-            search, i, result = _listed_and_tried(
-                storage, remote, step, start_at, strict, attempt, caches, on_damaged
-            )
+        # The collector stays paused from the listing to the end of the load: the manifests
+        # decoded for the listing and the state built from the one read are many new objects in
+        # no cycle, and each pause that ended between them set off a collection walking them
+        # all (in a new process a full one: 0.09 s of a 0.3-0.4 s restore of 3,092 arrays).
+        with gc_paused():
+            if step is not None:
+                # the newest checkpoint of that step (or the one named) in each tier, newest first
+                candidates = []
+                for tier, s in _tiers(storage, remote):
+                    info = find_checkpoint(s, step)
+                    candidates.append(Candidate(tier, checkpoint_storage(s, info), info, s))
+                candidates.sort(key=lambda c: newest_first_key(c.info), reverse=True)
+            else:
+                candidates = resume_order(storage, remote, caches=caches)
+                if not candidates:
+                    raise NoCheckpointError(f"no committed checkpoint in {_urls(storage, remote)}")
+                starts = [
+                    i
+                    for i, c in enumerate(candidates)
+                    if start_at is not None and c.matches(start_at)
+                ]
+                if starts:
+                    candidates = candidates[starts[0] :]
+            search = _Search(candidates, storage, remote, step, strict, attempt, caches, on_damaged)
+            i, result = search.first_from(0)
     except CociError as e:
         if agreement is None:
             raise
@@ -320,42 +341,6 @@ def _first_intact(
     if agreement is not None:
         i, result = _agree(search, i, result, agreement)
     return ResumePoint(search.candidates[i], tuple(search.skipped)), result
-
-
-def _listed_and_tried(
-    storage: Storage,
-    remote: Storage | None,
-    step: CheckpointRef | None,
-    start_at: CheckpointRef | None,
-    strict: bool,
-    attempt: Callable[[Candidate, RestoreCache], _T],
-    caches: dict[int, RestoreCache],
-    on_damaged: Callable[[Candidate, CorruptCheckpointError], None] | None,
-) -> tuple[_Search[_T], int, _T]:
-    """The candidates, and the first that ``attempt`` reads without damage: called with the
-    collector paused from the listing to the end of the load (the manifests decoded for the
-    listing, the kept one's document and the state built from it are many new objects in no
-    cycle: each pause that ended between them set off a collection walking them all, a full one
-    in a new process: 0.09 s of a 0.3-0.4 s restore of 3,092 arrays)."""
-    if step is not None:
-        # the newest checkpoint of that step (or the one named) in each tier, newest first
-        candidates = []
-        for tier, s in _tiers(storage, remote):
-            info = find_checkpoint(s, step)
-            candidates.append(Candidate(tier, checkpoint_storage(s, info), info, s))
-        candidates.sort(key=lambda c: newest_first_key(c.info), reverse=True)
-    else:
-        candidates = resume_order(storage, remote, caches=caches)
-        if not candidates:
-            raise NoCheckpointError(f"no committed checkpoint in {_urls(storage, remote)}")
-        starts = [
-            i for i, c in enumerate(candidates) if start_at is not None and c.matches(start_at)
-        ]
-        if starts:
-            candidates = candidates[starts[0] :]
-    search = _Search(candidates, storage, remote, step, strict, attempt, caches, on_damaged)
-    i, result = search.first_from(0)
-    return search, i, result
 
 
 def _agree(search: _Search[_T], i: int, result: _T, agreement: RestoreAgreement) -> tuple[int, _T]:
