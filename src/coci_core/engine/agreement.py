@@ -39,6 +39,8 @@ logger = logging.getLogger(__name__)
 #: manifest records no sequence, step, run), or why it holds none.
 Found = tuple[int, float, int, str]
 
+_READ_WAIT_S = 60.0
+
 
 class RestoreAgreement:
     """One restore's exchange between the ranks of ``group`` through ``store`` (a
@@ -114,7 +116,28 @@ class RestoreAgreement:
                 f"rank(s) {missing or '?'} did not say within {self.timeout_s:g} s which "
                 f"checkpoint they could restore; this rank restores nothing ({e})"
             ) from e
-        return [json.loads(self.store.get(k)) for k in keys]
+        reports = [json.loads(self.store.get(k)) for k in keys]
+        self._wait_until_all_read(key)
+        return reports
+
+    def _wait_until_all_read(self, key: str) -> None:
+        """Keep rank 0 here until every rank has read this round's reports.
+
+        Rank 0 hosts the store when the job was started without an agent (``env://`` with
+        ``MASTER_ADDR``, ``mp.spawn``): after an agreed error it raises and may exit, and the
+        store goes with it, under a rank still reading (which then failed with the store's
+        "connection reset" instead of the agreed error). Every live rank reads within moments
+        of rank 0 (all reports are there when rank 0 reads them); a rank that died after
+        posting is waited for ``_READ_WAIT_S`` at most.
+        """
+        if self.rank != 0:
+            self.store.set(f"{key}/read/r{self.rank}", "1")
+            return
+        read = [f"{key}/read/r{r}" for r in range(1, self.world_size)]
+        try:
+            self.store.wait(read, timedelta(seconds=min(self.timeout_s, _READ_WAIT_S)))
+        except RuntimeError as e:
+            logger.warning("coci: a rank did not read the ranks' restore reports (%s)", e)
 
 
 def _job_store() -> Any:
