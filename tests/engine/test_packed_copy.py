@@ -15,7 +15,7 @@ from coci_core.engine.directory.steps import read_manifest
 from coci_core.engine.format.manifest import step_dir_name
 from coci_core.engine.format.tree import ArrayLeaf
 from coci_core.engine.save.snapshot import ALIGN_BYTES, plan_layout
-from coci_core.errors import CorruptCheckpointError
+from coci_core.errors import CorruptCheckpointError, UnsupportedValueError
 from coci_core.knobs import PACKED_COPY_BYTES
 from coci_core.storage import LocalStorage
 from tests.harness.states import assert_same
@@ -174,3 +174,60 @@ def test_damage_to_a_packed_tensor_names_that_tensor_only(tmp_path: Path, where:
     with CheckpointManager(tmp_path) as mgr, pytest.raises(CorruptCheckpointError) as info:
         mgr.restore(step=2)
     assert info.value.bad == ["/t07"]
+
+
+def test_a_save_of_the_same_tensors_copies_once_beside_its_flatten(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once the copy goes by runs, a save copies the last save's tensors while a helper thread
+    flattens the state, and keeps that copy when the flatten finds the same tensors: one copy
+    per save, none by the snapshot's own copy. A save whose tensors moved copies again from
+    the new memory (as the test above checks the values)."""
+    from coci_core.engine.save import snapshot
+
+    calls: list[str] = []
+    run_copy, snap_copy = snapshot.CopyRuns.copy, snapshot.Snapshotter.copy
+
+    def counted_runs(self: Any) -> None:
+        calls.append("runs")
+        run_copy(self)
+
+    def counted_snapshot(self: Any, snap: Any, **kw: Any) -> None:
+        calls.append("snapshot")
+        snap_copy(self, snap, **kw)
+
+    monkeypatch.setattr(snapshot.CopyRuns, "copy", counted_runs)
+    monkeypatch.setattr(snapshot.Snapshotter, "copy", counted_snapshot)
+    state = _mixed_state(torch.Generator().manual_seed(1))
+    with CheckpointManager(tmp_path, keep_last=None) as mgr:
+        per_save = []
+        for step in range(5):
+            _changed_in_place(state, step)
+            if step == 3:
+                state["large"] = state["large"].clone()  # new memory: the runs' copy is not kept
+            calls.clear()
+            mgr.save(step, state).wait()
+            per_save.append(list(calls))
+            assert_same(mgr.restore(step=step), state)
+    assert per_save == [
+        ["snapshot"],  # no runs yet
+        ["snapshot", "runs"],  # the same tensors twice in a row: runs planned, copied by them
+        ["runs"],  # beside the flatten, and kept
+        ["runs", "snapshot"],  # beside the flatten, which found new memory: copied again
+        ["snapshot", "runs"],  # a new layout twice in a row: runs planned anew
+    ]
+
+
+def test_a_state_that_cannot_be_stored_raises_from_the_flatten_beside_the_copy(
+    tmp_path: Path,
+) -> None:
+    state = _mixed_state(torch.Generator().manual_seed(2))
+    with CheckpointManager(tmp_path, keep_last=None) as mgr:
+        for step in range(3):
+            mgr.save(step, state).wait()
+        assert mgr._snapshotter.ready_runs() is not None  # the next save copies beside
+        with pytest.raises(UnsupportedValueError, match="'/bad'"):
+            mgr.save(3, {**state, "bad": object()})
+        _changed_in_place(state, 3)
+        mgr.save(3, state).wait()
+        assert_same(mgr.restore(step=3), state)

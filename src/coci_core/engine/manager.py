@@ -27,7 +27,7 @@ from coci_core.engine.directory import retention
 from coci_core.engine.directory.lease import acquire_lease
 from coci_core.engine.directory.tiers import RemoteTier
 from coci_core.engine.format.manifest import Manifest
-from coci_core.engine.format.tree import ArrayLeaf, FlattenCache, flatten_state
+from coci_core.engine.format.tree import ArrayLeaf, FlatState, FlattenCache, flatten_state
 from coci_core.engine.group import RankGroup
 from coci_core.engine.handle import SaveHandle
 from coci_core.engine.restore.inplace import InPlaceTargets, in_place_targets
@@ -42,6 +42,7 @@ from coci_core.engine.restore.restore import (
     step_infos,
     verify_checkpoint,
 )
+from coci_core.engine.save.beside import Beside
 from coci_core.engine.save.compress import CompressionPolicy, PieceEncoder, check_policy
 from coci_core.engine.save.partition import DEFAULT_CHUNK_BYTES, Share, partition
 from coci_core.engine.save.persist import PersistJob
@@ -356,10 +357,21 @@ class CheckpointManager:
         if alone and not self.group.is_coordinator:
             raise ConfigError("'alone' saves are made by rank 0 only")
         group = RankGroup(0, 1, self.group.session) if alone else self.group
-        flat = flatten_state(state, allow_torch_save=self.allow_torch_save, cache=self._flat_cache)
-        own = flatten_per_rank(
-            state, per_rank, allow_torch_save=self.allow_torch_save, cache=self._rank_cache
-        )
+        runs = self._snapshotter.ready_runs() if block else None
+        copied_s: float | None = None
+        if runs is None:
+            flat, own = self._flatten(state, per_rank)
+        else:
+            # The usual save: the same tensors as the last one, at the same addresses. Copy
+            # them as the last save did (the copy releases the GIL) while a helper thread
+            # flattens the state; the copy is kept when the flatten finds that layout again.
+            flattening = Beside(lambda: self._flatten(state, per_rank), name="coci-flatten")
+            try:
+                copy_started = time.perf_counter()
+                runs.copy()
+                copied_s = time.perf_counter() - copy_started
+            finally:
+                flat, own = flattening.result()
         if self.group.is_coordinator and self._owner.lease is None:  # after the input checks
             self._owner.lease = acquire_lease(self.storage, self.group.session)
             retention.remove_uncommitted(self.storage, self.group, done_seq=None)
@@ -375,7 +387,7 @@ class CheckpointManager:
         known = flat.layout is not None and (own is None or own.layout is not None)
         layout = (flat.layout, own.layout if own else None) if known else None
         regions, digest = self._split(flat.leaves, leaves, layout, alone)
-        snapshot = self._snapshotter.prepare(leaves, regions, layout)
+        snapshot = self._snapshotter.prepare(leaves, regions, layout, versions=not block)
         handle = SaveHandle(step, block=block, started=started, snapshot=snapshot)
         job = PersistJob(
             step,
@@ -395,7 +407,12 @@ class CheckpointManager:
         if block:
             # Copied before the writer starts: writing the copied part of the arena while the
             # rest is copied was measured to slow the copy to 1.8x the copy limit (from 1.1x).
-            self._snapshotter.copy(snapshot)
+            if (
+                runs is None
+                or copied_s is None
+                or not self._snapshotter.adopt_copy(snapshot, runs, copied_s)
+            ):
+                self._snapshotter.copy(snapshot)
             snapshot.wait_copied()
         else:
             self._snapshotter.copy_small(snapshot, also=self._writer.hot_keys)
@@ -405,6 +422,16 @@ class CheckpointManager:
         self._worker.submit(QueuedSave(self._writer, job, handle, holder=self))
         self._passed_over.discard((step, version))  # replaced (once the save is queued)
         return handle
+
+    def _flatten(
+        self, state: Mapping[str, Any], per_rank: Mapping[str, Any] | None
+    ) -> tuple[FlatState, FlatState | None]:
+        """``state`` and ``per_rank`` flattened with the last save's caches."""
+        flat = flatten_state(state, allow_torch_save=self.allow_torch_save, cache=self._flat_cache)
+        own = flatten_per_rank(
+            state, per_rank, allow_torch_save=self.allow_torch_save, cache=self._rank_cache
+        )
+        return flat, own
 
     def _split(
         self,
