@@ -7,6 +7,7 @@ the call.
 from __future__ import annotations
 
 import io
+import os
 import pickle
 import time
 from pathlib import Path
@@ -17,11 +18,12 @@ import crc32c
 import pytest
 import torch
 
-from coci_core import BackgroundSaveError, CheckpointManager, ConfigError
+from coci_core import BackgroundSaveError, CheckpointManager, ConfigError, StorageError
 from coci_core.commands.cli import main
 from coci_core.engine.format.manifest import step_dir_name
 from coci_core.engine.save import persist
 from coci_core.interop.foreign import read_foreign
+from coci_core.telemetry import JsonlTelemetry
 from tests.adversarial.craft import edit_manifest
 from tests.harness.processes import run, script
 
@@ -255,3 +257,33 @@ def test_a_head_field_given_twice_is_damage(
     assert main(["verify", str(root)]) == 1
     assert "gives a field of its head twice" in capsys.readouterr().out
     assert main(["ls", str(root)]) == 0
+
+
+@pytest.mark.parametrize("planted", [".coci-owner", "telemetry.jsonl", "telemetry.progress"])
+def test_a_link_planted_for_cocis_own_file_is_not_written_through(
+    tmp_path: Path, planted: str
+) -> None:
+    """Anyone who can write into a shared checkpoint directory plants a symbolic link where
+    coci keeps its lease or its telemetry: coci refuses it by name and the file it points to
+    is left as it was (before: truncated and rewritten, or appended to)."""
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"precious " * 200)
+    (root / planted).symlink_to(victim)
+    if planted == ".coci-owner":
+        with CheckpointManager(root) as mgr, pytest.raises(StorageError, match="symbolic link"):
+            mgr.save(1, {"w": torch.ones(3)})
+    else:
+        with pytest.raises(StorageError, match=f"{planted}.*symbolic link"):
+            JsonlTelemetry(root / "telemetry.jsonl")
+    assert victim.read_bytes() == b"precious " * 200
+    assert (root / planted).is_symlink()
+
+
+def test_a_fifo_planted_for_the_lease_is_refused(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    os.mkfifo(root / ".coci-owner")
+    with CheckpointManager(root) as mgr, pytest.raises(StorageError, match="not a regular file"):
+        mgr.save(1, {"w": torch.ones(3)})

@@ -369,6 +369,36 @@ def open_regular(target: str | os.PathLike[str], *, follow_links: bool = True) -
     return fd
 
 
+def open_own_file(target: str | os.PathLike[str], flags: int, mode: int = 0o644) -> int:
+    """A descriptor of coci's own file ``target`` in a checkpoint directory (a lease, a
+    telemetry file), created if absent, opened with ``flags`` (``os.O_RDWR``...): never through
+    a symbolic link and never anything but a regular file, so that an entry planted in a
+    shared directory cannot make coci truncate or write a file elsewhere.
+
+    Raises:
+        StorageError: naming ``target``: a link, not a regular file, or not openable.
+    """
+    flags |= (
+        os.O_CREAT
+        | getattr(os, "O_NOFOLLOW", 0)
+        | getattr(os, "O_NONBLOCK", 0)
+        | getattr(os, "O_CLOEXEC", 0)
+    )
+    if os.path.islink(target):
+        raise StorageError(f"{target} is a symbolic link, not coci's file: remove it")
+    try:
+        fd = os.open(target, flags, mode)
+    except (OSError, ValueError) as e:  # ELOOP: a link planted since the check above
+        raise StorageError.wrap(f"cannot open {target}: {e}", e) from e
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise StorageError(f"{target} is not a regular file, not coci's file: remove it")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def _read_exactly(fd: int, offset: int, out: memoryview, target: Path) -> None:
     got = 0
     while got < len(out):

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol, TypeAlias
 
 from coci_core.knobs import TELEMETRY_PROGRESS_EVERY_S
+from coci_core.storage.local import open_own_file
 from coci_core.telemetry.records import parse_records
 
 __all__ = [
@@ -379,10 +380,14 @@ class JsonlTelemetry(JsonlRecords):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._fd = open_own_file(self.path, os.O_WRONLY | os.O_APPEND)
         # the step reached, rewritten in place: one small write per step, no growth
         progress = self.path.with_name(PROGRESS_FILE)
-        self._progress_fd = os.open(progress, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self._progress_fd = open_own_file(progress, os.O_RDWR)
+        except BaseException:
+            os.close(self._fd)
+            raise
         self.previous_reached, self.previous_ended = _read_reached(self._progress_fd)
 
     def __enter__(self) -> JsonlTelemetry:

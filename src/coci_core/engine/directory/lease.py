@@ -39,6 +39,7 @@ from typing import Any
 from coci_core.errors import DirectoryInUseError, StorageError
 from coci_core.knobs import LEASE_TTL_S
 from coci_core.storage import RecordStore, Storage
+from coci_core.storage.local import open_own_file
 
 __all__ = ["LEASE_NAME", "LEASE_TTL_S", "Lease", "acquire_lease"]
 
@@ -385,9 +386,9 @@ def acquire_lease(storage: Storage, session: str) -> Lease:
             path = os.path.join(root, LEASE_NAME)
             try:
                 os.makedirs(root, exist_ok=True)
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             except OSError as e:
                 raise StorageError.wrap(f"cannot create the lease file {path}: {e}", e) from e
+            fd = open_own_file(path, os.O_RDWR)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:
