@@ -4,17 +4,25 @@ from __future__ import annotations
 
 import threading
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
+import pytest
+import torch
 from torch.distributed import TCPStore
 
+from coci_core import CheckpointManager, ConfigError
 from coci_core.engine.agreement import RestoreAgreement
+from coci_core.engine.restore.restore import restore_newest
+from coci_core.errors import CheckpointError
+from coci_core.storage import open_storage
 from tests.harness.processes import free_port
 
 
 class _Observed:
-    """A store that calls ``before_get`` and ``after_get`` around each ``get``, and
-    ``after_get_wait`` on a ``wait`` that follows a ``get``."""
+    """A store that calls ``before_get`` and ``after_get`` around each ``get``,
+    ``before_wait`` before each ``wait`` and ``after_get_wait`` on a ``wait`` that follows a
+    ``get``."""
 
     def __init__(
         self,
@@ -23,11 +31,13 @@ class _Observed:
         before_get: Any = None,
         after_get: Any = None,
         after_get_wait: Any = None,
+        before_wait: Any = None,
     ):
         self._store = store
         self._before_get = before_get
         self._after_get = after_get
         self._after_get_wait = after_get_wait
+        self._before_wait = before_wait
         self._got = False
 
     def get(self, key: str) -> bytes:
@@ -40,6 +50,8 @@ class _Observed:
         return value
 
     def wait(self, keys: list[str], timeout: timedelta) -> None:
+        if self._before_wait is not None:
+            self._before_wait()
         if self._got and self._after_get_wait is not None:
             self._after_get_wait()
         self._store.wait(keys, timeout)
@@ -88,3 +100,79 @@ def test_rank_0_that_hosts_the_store_stays_until_every_rank_has_read_the_reports
     assert results[1] == [{"found": 0}, {"found": 1}], results[1]
     assert results[0] == results[1]
     assert order == ["rank 1 read a report"] * 2 + ["rank 0 returned"]
+
+
+def test_a_store_that_went_away_is_named_not_a_timeout_nor_a_torch_error() -> None:
+    """Rank 0, which hosts the store, exits (its own error, a kill): the other rank says that
+    the job's store stopped answering, at once, with coci's error (before: torch's
+    DistNetworkError from the first call, or "rank(s) [0, 1] did not say within 1800 s"
+    after a fraction of a second)."""
+    port = free_port()
+    host = TCPStore("127.0.0.1", port, 2, True, timedelta(seconds=30), wait_for_workers=False)
+    client = TCPStore("127.0.0.1", port, 2, False, timedelta(seconds=30))
+    agreement = RestoreAgreement(client, 1, 2, timeout_s=1800)
+    waiting = threading.Event()
+    outcome: list[BaseException] = []
+
+    def rank_1() -> None:
+        store = _Observed(client, before_wait=waiting.set)
+        agreement.store = store
+        try:
+            agreement.exchange({"found": 1})
+        except BaseException as e:
+            outcome.append(e)
+
+    thread = threading.Thread(target=rank_1)
+    thread.start()
+    waiting.wait(30)
+    del host  # rank 0 exits while rank 1 waits for its report
+    thread.join(60)
+    assert not thread.is_alive()
+    (error,) = outcome
+    assert isinstance(error, CheckpointError), repr(error)
+    assert "stopped answering" in str(error) and "1800" not in str(error)
+    with pytest.raises(CheckpointError, match="stopped answering"):
+        RestoreAgreement(client, 1, 2)  # the next restore: not torch's error either
+
+
+def _restore_on_two_ranks(directory: Path, steps: tuple[int | None, int | None]) -> list[Any]:
+    """restore_newest(step=steps[r]) on two ranks (threads) agreeing through a real store:
+    what each returned (the step restored) or raised."""
+    port = free_port()
+    stores = [
+        TCPStore("127.0.0.1", port, 2, True, timedelta(seconds=30), wait_for_workers=False),
+        TCPStore("127.0.0.1", port, 2, False, timedelta(seconds=30)),
+    ]
+    outcome: list[Any] = [None, None]
+
+    def rank(r: int) -> None:
+        agreement = RestoreAgreement(stores[r], r, 2, timeout_s=30)
+        try:
+            loaded, _ = restore_newest(open_storage(str(directory)), steps[r], agreement=agreement)
+            outcome[r] = loaded.step
+        except Exception as e:  # the finding
+            outcome[r] = e
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return outcome
+
+
+def test_ranks_that_ask_for_different_steps_are_told_so(tmp_path: Path) -> None:
+    """restore(step=6) on rank 0 and restore(step=4) on rank 1, both intact: both ranks raise
+    one ConfigError naming what each asked for (before: "no checkpoint can be restored on
+    every rank (rank 0: no step 6 ...)", a CorruptCheckpointError on a healthy directory)."""
+    with CheckpointManager(tmp_path, keep_last=None) as mgr:
+        for step in (2, 4, 6):
+            mgr.save(step, {"w": torch.full((3,), float(step))}).wait()
+    apart = _restore_on_two_ranks(tmp_path, (6, 4))
+    for error in apart:
+        assert isinstance(error, ConfigError), repr(error)
+        assert "rank 0: step 6, rank 1: step 4" in str(error)
+    assert _restore_on_two_ranks(tmp_path, (4, 4)) == [4, 4]
+    assert _restore_on_two_ranks(tmp_path, (None, None)) == [6, 6]
+    (error, _) = _restore_on_two_ranks(tmp_path, (None, 2))
+    assert isinstance(error, ConfigError) and "rank 0: the newest, rank 1: step 2" in str(error)

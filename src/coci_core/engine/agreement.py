@@ -24,6 +24,7 @@ from coci_core.engine.group import RankGroup
 from coci_core.errors import (
     CheckpointError,
     CociError,
+    ConfigError,
     CorruptCheckpointError,
     NoCheckpointError,
     StateMismatchError,
@@ -31,7 +32,7 @@ from coci_core.errors import (
 )
 from coci_core.knobs import RESTORE_AGREE_TIMEOUT_S
 
-__all__ = ["RestoreAgreement", "agreed_error"]
+__all__ = ["RestoreAgreement", "agreed_error", "asked_apart", "store_gone"]
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +61,10 @@ class RestoreAgreement:
         self.world_size = world_size
         self.timeout_s = timeout_s
         # the n-th restore of this rank meets the n-th restore of the others
-        n = int(store.add(f"coci/restore/{name}/count/r{rank}", 1))
+        try:
+            n = int(store.add(f"coci/restore/{name}/count/r{rank}", 1))
+        except RuntimeError as e:  # DistNetworkError and the like
+            raise store_gone(e) from e
         self._prefix = f"coci/restore/{name}/{n}"
         self._round = 0
 
@@ -100,23 +104,26 @@ class RestoreAgreement:
         """
         key = f"{self._prefix}/{self._round}"
         self._round += 1
-        self.store.set(f"{key}/r{self.rank}", json.dumps(report))
         keys = [f"{key}/r{r}" for r in range(self.world_size)]
         try:
+            self.store.set(f"{key}/r{self.rank}", json.dumps(report))
+        except RuntimeError as e:
+            raise store_gone(e) from e
+        try:
             self.store.wait(keys, timedelta(seconds=self.timeout_s))
-        except RuntimeError as e:  # the store's timeout (or a store that went away)
-            missing = []
-            for r in range(self.world_size):
-                try:
-                    if not self.store.check([keys[r]]):
-                        missing.append(r)
-                except RuntimeError:
-                    missing.append(r)
+        except RuntimeError as e:  # the store's timeout, or a store that went away
+            try:
+                missing = [r for r in range(self.world_size) if not self.store.check([keys[r]])]
+            except RuntimeError:
+                raise store_gone(e) from e
             raise CheckpointError(
                 f"rank(s) {missing or '?'} did not say within {self.timeout_s:g} s which "
                 f"checkpoint they could restore; this rank restores nothing ({e})"
             ) from e
-        reports = [json.loads(self.store.get(k)) for k in keys]
+        try:
+            reports = [json.loads(self.store.get(k)) for k in keys]
+        except RuntimeError as e:
+            raise store_gone(e) from e
         self._wait_until_all_read(key)
         return reports
 
@@ -130,14 +137,26 @@ class RestoreAgreement:
         of rank 0 (all reports are there when rank 0 reads them); a rank that died after
         posting is waited for ``_READ_WAIT_S`` at most.
         """
-        if self.rank != 0:
-            self.store.set(f"{key}/read/r{self.rank}", "1")
-            return
-        read = [f"{key}/read/r{r}" for r in range(1, self.world_size)]
         try:
+            if self.rank != 0:
+                self.store.set(f"{key}/read/r{self.rank}", "1")
+                return
+            read = [f"{key}/read/r{r}" for r in range(1, self.world_size)]
             self.store.wait(read, timedelta(seconds=min(self.timeout_s, _READ_WAIT_S)))
-        except RuntimeError as e:
+        except RuntimeError as e:  # every report is in hand: nothing to raise for
             logger.warning("coci: a rank did not read the ranks' restore reports (%s)", e)
+
+
+def store_gone(e: BaseException) -> CheckpointError:
+    """The error of a rank whose job store stopped answering (a DistNetworkError): the
+    process that hosts it (rank 0, unless an agent such as torchrun's does) has most likely
+    exited."""
+    return CheckpointError(
+        "the job's key-value store stopped answering while the ranks agreed on the step to "
+        "restore (the process that hosts it, rank 0 unless torchrun's agent does, has most "
+        f"likely exited; see its error): this rank restores nothing ({type(e).__name__}: "
+        f"{str(e)[:200]})"
+    )
 
 
 def _job_store() -> Any:
@@ -172,10 +191,29 @@ def error_report(e: BaseException) -> dict[str, Any]:
     return {"error": [kind, f"{type(e).__name__}: {str(e)[:500]}"]}
 
 
+def asked_apart(reports: list[dict[str, Any]]) -> ConfigError | None:
+    """The error of ranks that asked for different checkpoints (``restore(step=...)``: each
+    report's ``asked``), or None."""
+    asked = [r.get("asked") for r in reports]
+    if len(set(map(str, asked))) <= 1:
+        return None
+    said = ", ".join(
+        f"rank {r}: {'the newest' if a is None else f'step {a}'}" for r, a in enumerate(asked)
+    )
+    return ConfigError(
+        f"the ranks asked to restore different checkpoints ({said}): every rank restores "
+        "the same one; pass the same step (or none) on every rank"
+    )
+
+
 def agreed_error(reports: list[dict[str, Any]]) -> CociError:
     """The one error every rank raises when some rank holds no checkpoint: of the kind of
     the failures when they are all alike (every rank found nothing: NoCheckpointError), else
-    a CorruptCheckpointError, its message naming each failed rank's reason."""
+    a CorruptCheckpointError, its message naming each failed rank's reason; a ConfigError when
+    the ranks asked for different checkpoints (:func:`asked_apart`)."""
+    apart = asked_apart(reports)
+    if apart is not None:
+        return apart
     failed = [(r, rep["error"]) for r, rep in enumerate(reports) if rep.get("error")]
     kinds = {kind for _, (kind, _) in failed}
     if len(failed) < len(reports) and kinds <= {"NoCheckpointError"}:

@@ -10,6 +10,7 @@ markers left by a killed attempt are never mistaken for this one's.
 from __future__ import annotations
 
 import re
+import time
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
@@ -108,7 +109,15 @@ class RankGroup:
         except (ImportError, RuntimeError, ValueError):
             return cls.from_torch_distributed(timeout_s=timeout_s)
         rank, world = dist.get_rank(), dist.get_world_size()
-        n = store.add(f"coci/managers/r{rank}", 1)  # the n-th manager of this rank
+        gone = (
+            "the job's key-value store stopped answering while the ranks joined their "
+            "CheckpointManagers (the process that hosts it, rank 0 unless torchrun's agent "
+            "does, has most likely exited; see its error)"
+        )
+        try:
+            n = store.add(f"coci/managers/r{rank}", 1)  # the n-th manager of this rank
+        except RuntimeError as e:  # DistNetworkError
+            raise ConfigError(f"{gone}: {e}") from e
         session_key = f"coci/session/{n}"
         wait = timedelta(seconds=JOIN_TIMEOUT_S)
         hint = (
@@ -131,13 +140,19 @@ class RankGroup:
                     f"rank 0's: {hint}"
                 )
             return cls(0, world, session, timeout_s)
+        started = time.monotonic()
         try:
             store.wait([session_key], wait)
             session = store.get(session_key).decode("ascii")
         except RuntimeError as e:
+            if time.monotonic() - started < JOIN_TIMEOUT_S:
+                raise ConfigError(f"{gone}: {e}") from e
             raise ConfigError(
                 f"rank 0 made no CheckpointManager within {JOIN_TIMEOUT_S:g} s of rank "
                 f"{rank}'s: {hint}"
             ) from e
-        store.set(f"coci/joined/{n}/r{rank}", "1")
+        try:
+            store.set(f"coci/joined/{n}/r{rank}", "1")
+        except RuntimeError as e:
+            raise ConfigError(f"{gone}: {e}") from e
         return cls(rank, world, session, timeout_s)

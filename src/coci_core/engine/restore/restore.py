@@ -13,7 +13,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, Literal, TypeVar, cast
 
-from coci_core.engine.agreement import Found, RestoreAgreement, agreed_error, error_report
+from coci_core.engine.agreement import (
+    Found,
+    RestoreAgreement,
+    agreed_error,
+    asked_apart,
+    error_report,
+)
 from coci_core.engine.directory.steps import (
     StepInfo,
     checkpoint_storage,
@@ -308,6 +314,9 @@ def _first_intact(
     damage. Restore, ``coci ls``, ``coci export`` and the adapters all come here. With
     ``agreement``, the first that every rank of it reads without damage (see
     :mod:`~coci_core.engine.agreement`), or the same error on every rank."""
+    # the checkpoint this rank asked for: ranks that ask for different ones are told so (a
+    # search from ``start_at`` on may start apart: the ranks then agree on the oldest found)
+    asked = None if step is None else str(step)
     try:
         # The collector stays paused from the listing to the end of the load: the manifests
         # decoded for the listing and the state built from the one read are many new objects in
@@ -337,17 +346,22 @@ def _first_intact(
     except CociError as e:
         if agreement is None:
             raise
-        raise agreed_error(agreement.exchange(error_report(e))) from e
+        raise agreed_error(agreement.exchange({**error_report(e), "asked": asked})) from e
     if agreement is not None:
-        i, result = _agree(search, i, result, agreement)
+        i, result = _agree(search, i, result, agreement, asked)
     return ResumePoint(search.candidates[i], tuple(search.skipped)), result
 
 
-def _agree(search: _Search[_T], i: int, result: _T, agreement: RestoreAgreement) -> tuple[int, _T]:
+def _agree(
+    search: _Search[_T], i: int, result: _T, agreement: RestoreAgreement, asked: str | None
+) -> tuple[int, _T]:
     """Exchange what each rank holds until all hold the same checkpoint (the oldest of those
     found, or an older one): every rank ends on one step, or raises the same error."""
     while True:
-        reports = agreement.exchange({"found": list(_found(search.candidates[i]))})
+        reports = agreement.exchange({"found": list(_found(search.candidates[i])), "asked": asked})
+        apart = asked_apart(reports)
+        if apart is not None:
+            raise apart
         if any(r.get("error") for r in reports):
             raise agreed_error(reports)
         found = [cast(Found, tuple(r["found"])) for r in reports]
@@ -366,7 +380,7 @@ def _agree(search: _Search[_T], i: int, result: _T, agreement: RestoreAgreement)
         try:
             i, result = search.first_from(start)
         except CociError as e:
-            raise agreed_error(agreement.exchange(error_report(e))) from e
+            raise agreed_error(agreement.exchange({**error_report(e), "asked": asked})) from e
 
 
 def resume_step(
