@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from coci_core import CheckpointManager
 from tests.sharding._dist_child import launch
@@ -51,3 +52,19 @@ def test_opting_out_on_one_directory_refuses_the_second_writer(tmp_path: Path) -
     assert "another coci writer (process" in rank1["error"]
     with CheckpointManager(tmp_path) as mgr:
         assert mgr.steps() == [4]
+
+
+def test_a_job_refused_a_busy_directory_fails_on_every_rank_at_once(tmp_path: Path) -> None:
+    """A second 2-rank job started on a directory another job writes to: rank 0 is refused
+    the lease at its first save, and rank 1, whose save went on, raises the same reason as
+    soon as it waits for that save (before: it waited for rank 0's commit for twice the
+    group's timeout, 1200 s by default, and then blamed a silent rank 0)."""
+    with CheckpointManager(tmp_path) as other_job:
+        other_job.save(1, {"w": torch.ones(3)}).wait()
+        results = launch(2, {"dir": str(tmp_path), "mode": "every"}, module=_MODULE, timeout_s=120)
+        assert other_job.steps() == [1]
+    assert [code for code, _ in results] == [0, 0], results
+    errors = [r["error"] if r else "" for _, r in results]
+    assert errors[0].startswith("DirectoryInUseError"), errors
+    assert "DirectoryInUseError: another coci writer" in errors[1], errors
+    assert "did not commit within" not in errors[1]

@@ -614,3 +614,30 @@ def test_the_plan_line_says_where_a_grown_default_mtbf_comes_from() -> None:
     assert grown.mtbf_source("coci's default") == (
         "coci's default, plus the 42 s run without a failure"
     )
+
+
+def test_a_second_process_on_a_directory_in_use_records_nothing_there(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A second job started on a directory whose run is still going (and refused it at its
+    first save) records no telemetry there: before, its first record read as a restart of the
+    first run from step 0 ("17 steps of work lost") and its progress overwrote the first's."""
+    first = JsonlTelemetry(tmp_path / "telemetry.jsonl")
+    for step in range(1, 18):
+        first.record_progress(step)
+    before = (tmp_path / "telemetry.jsonl").read_bytes()
+    with caplog.at_level(logging.WARNING):
+        second = JsonlTelemetry(tmp_path / "telemetry.jsonl")
+    assert "another process is recording telemetry" in caplog.text
+    second.record_progress(1)
+    second(SaveEvent(step=1, outcome="committed", stall_s=0.01, bytes_written=8))
+    second.close()
+    assert (tmp_path / "telemetry.jsonl").read_bytes() == before
+    assert (tmp_path / "telemetry.progress").read_text().split() == ["17"]
+    first.close()
+    report = _report(tmp_path)
+    assert "lost work: 0 steps over 0 restarts" in report, report
+    assert "started over" not in report, report
+    third = JsonlTelemetry(tmp_path / "telemetry.jsonl")  # once the first has ended
+    assert third.previous_end == 17
+    third.close()

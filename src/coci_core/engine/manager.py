@@ -45,7 +45,7 @@ from coci_core.engine.restore.restore import (
 from coci_core.engine.save.beside import Beside
 from coci_core.engine.save.compress import CompressionPolicy, PieceEncoder, check_policy
 from coci_core.engine.save.partition import DEFAULT_CHUNK_BYTES, Share, partition
-from coci_core.engine.save.persist import PersistJob
+from coci_core.engine.save.persist import PersistJob, abandon_for_the_others, save_token
 from coci_core.engine.save.save_inputs import (
     check_run_position,
     check_step,
@@ -372,12 +372,17 @@ class CheckpointManager:
                 copied_s = time.perf_counter() - copy_started
             finally:
                 flat, own = flattening.result()
-        if self.group.is_coordinator and self._owner.lease is None:  # after the input checks
-            self._owner.lease = acquire_lease(self.storage, self.group.session)
-            retention.remove_uncommitted(self.storage, self.group, done_seq=None)
-        lost = self._owner.lease.lost if self._owner.lease is not None else None
-        if lost is not None:
-            raise DirectoryInUseError(f"{lost}: this manager no longer owns the directory")
+        try:
+            if self.group.is_coordinator and self._owner.lease is None:  # after the input checks
+                self._owner.lease = acquire_lease(self.storage, self.group.session)
+                retention.remove_uncommitted(self.storage, self.group, done_seq=None)
+            lost = self._owner.lease.lost if self._owner.lease is not None else None
+            if lost is not None:
+                raise DirectoryInUseError(f"{lost}: this manager no longer owns the directory")
+        except (DirectoryInUseError, StorageError) as e:
+            token = save_token(self.group.session, alone, self._saves)
+            abandon_for_the_others(self.storage, step, version, token, self.group, e)
+            raise
         leaves = flat.leaves + (own.leaves if own else ())
         if alone and any(leaf.owned and leaf.shape != leaf.tensor.shape for leaf in flat.leaves):
             raise ConfigError(

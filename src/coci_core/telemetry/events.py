@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import math
@@ -388,6 +389,23 @@ class JsonlTelemetry(JsonlRecords):
         except BaseException:
             os.close(self._fd)
             raise
+        try:
+            # one session writes a directory's telemetry at a time (the lock goes with its
+            # process, killed or not)
+            fcntl.flock(self._progress_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            # A second process on a directory another one is writing to (a second job, refused
+            # the directory at its first save): its records would read as the first's (its
+            # start as a restart of the first, its progress over the first's); it writes none.
+            logger.warning(
+                "coci: another process is recording telemetry in %s: this one records none "
+                "there (give each run its own directory)",
+                self.path.parent,
+            )
+            for fd in (self._fd, self._progress_fd):
+                os.close(fd)
+            self._fd = self._progress_fd = -1
+            return
         self.previous_reached, self.previous_ended = _read_reached(self._progress_fd)
 
     def __enter__(self) -> JsonlTelemetry:

@@ -388,7 +388,10 @@ def acquire_lease(storage: Storage, session: str) -> Lease:
                 os.makedirs(root, exist_ok=True)
             except OSError as e:
                 raise StorageError.wrap(f"cannot create the lease file {path}: {e}", e) from e
-            fd = open_own_file(path, os.O_RDWR)
+            try:
+                fd = open_own_file(path, os.O_RDWR)
+            except StorageError as e:
+                raise StorageError.wrap(f"the writer's lease file: {e}", e) from e
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:

@@ -94,7 +94,28 @@ class PersistJob:
     def token(self) -> str:
         """The save's name in staging directories and data files: unique per session and
         save, and the same on every rank."""
-        return f"{self.group.session}{'solo' if self.solo else ''}-{self.seq}"
+        return save_token(self.group.session, self.solo, self.seq)
+
+
+def save_token(session: str, solo: bool, seq: int) -> str:
+    """See :attr:`PersistJob.token`."""
+    return f"{session}{'solo' if solo else ''}-{seq}"
+
+
+def abandon_for_the_others(
+    storage: Storage, step: int, version: int, token: str, group: RankGroup, error: BaseException
+) -> None:
+    """The coordinator's save failed before anything was queued (the directory's lease is
+    another writer's): record the abort where the other ranks, whose saves went on, wait for
+    the commit, so that they raise its reason at once instead of after twice the group's
+    timeout (best effort)."""
+    if not group.is_coordinator or group.world_size == 1:
+        return
+    final = step_dir_name(step, version)
+    staging = storage.staging_dir(final, token)
+    commit.fail(
+        storage, commit.records_dir(final, token) if staging == final else staging, group, error
+    )
 
 
 @dataclass(frozen=True)
