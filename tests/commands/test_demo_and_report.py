@@ -187,6 +187,11 @@ def test_sharded_checkpoint_exports_to_dcp_and_imports_back(tmp_path: Path) -> N
     for m in managers:
         m.close()
     out = tmp_path / "dcp"
+    # a rank the checkpoint was not written by: refused, nothing written (before: exit 0,
+    # the per-rank state left out with a warning)
+    beyond = ["export", str(tmp_path / "src"), str(tmp_path / "r5.pt"), "--rank", "5"]
+    assert main(beyond) == 2
+    assert not (tmp_path / "r5.pt").exists()
     assert main(["export", str(tmp_path / "src"), str(out), "--format", "dcp", "--rank", "1"]) == 0
     assert (out / ".metadata").exists()
     assert main(["import", str(out), str(tmp_path / "back"), "--step", "4"]) == 0
