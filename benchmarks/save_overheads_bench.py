@@ -1,13 +1,14 @@
 """What a save costs the training thread beyond the copy: the per-tensor copy and the writer's
 garbage collections, each measured against the way it was done before, interleaved.
 
-    python -m benchmarks.save_overheads_bench --rounds 8
+    python -m benchmarks.save_overheads_bench --rounds 8 --threads 1
 
 For each state (``tensor_count_bench``'s), two comparisons, the variants alternating save by
 save (the first of each round rotates):
 
-* **copy**: the stall of ``save(block=True)`` as coci makes it (``beside``: the last save's
-  tensors copied by runs of ``torch.cat`` while a helper thread flattens the state), the same
+* **copy**: the stall of ``save(block=True)`` as coci makes it (``beside``: with a core that
+  torch's threads leave free, the last save's tensors copied by runs of ``torch.cat`` while a
+  helper thread flattens the state; with every core taken it is the next variant), the same
   with the flatten first and the copy after it (``runs``), and with one
   ``torch._foreach_copy_`` of every tensor (``per_tensor``): three managers, one per variant,
   the same state;
@@ -244,6 +245,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--states", default=",".join(STATES), help=f"comma list of {STATES}")
     ap.add_argument("--rounds", type=int, default=8, help="rounds; medians and means over them")
     ap.add_argument("--quick", action="store_true", help="small states (a smoke test)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch's intra-op threads (default: torch's own, every core; the copy beside the "
+        "flatten needs a core they leave free, as in a job of one process per GPU)",
+    )
     ap.add_argument("--dir", default=None, help="scratch directory (default: temp)")
     ap.add_argument(
         "--out",
@@ -254,6 +262,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     states = parse_choices(args.states, STATES, "states")
     if args.rounds < 1:
         raise SystemExit("--rounds must be >= 1")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise SystemExit("--threads must be >= 1")
+        torch.set_num_threads(args.threads)
     if args.dir is not None:
         Path(args.dir).mkdir(parents=True, exist_ok=True)
 

@@ -42,7 +42,7 @@ from coci_core.engine.restore.restore import (
     step_infos,
     verify_checkpoint,
 )
-from coci_core.engine.save.beside import Beside
+from coci_core.engine.save.beside import Beside, a_core_is_free
 from coci_core.engine.save.compress import CompressionPolicy, PieceEncoder, check_policy
 from coci_core.engine.save.partition import DEFAULT_CHUNK_BYTES, Share, partition
 from coci_core.engine.save.persist import PersistJob, abandon_for_the_others, save_token
@@ -357,14 +357,15 @@ class CheckpointManager:
         if alone and not self.group.is_coordinator:
             raise ConfigError("'alone' saves are made by rank 0 only")
         group = RankGroup(0, 1, self.group.session) if alone else self.group
-        runs = self._snapshotter.ready_runs() if block else None
+        runs = self._snapshotter.ready_runs() if block and a_core_is_free() else None
         copied_s: float | None = None
         if runs is None:
             flat, own = self._flatten(state, per_rank)
         else:
             # The usual save: the same tensors as the last one, at the same addresses. Copy
             # them as the last save did (the copy releases the GIL) while a helper thread
-            # flattens the state; the copy is kept when the flatten finds that layout again.
+            # flattens the state, on a core torch's threads leave free; the copy is kept when
+            # the flatten finds that layout again.
             flattening = Beside(lambda: self._flatten(state, per_rank), name="coci-flatten")
             try:
                 copy_started = time.perf_counter()
