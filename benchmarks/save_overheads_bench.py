@@ -1,17 +1,14 @@
 """What a save costs the training thread beyond the copy: the per-tensor copy and the writer's
 garbage collections, each measured against the way it was done before, interleaved.
 
-    python -m benchmarks.save_overheads_bench --rounds 8 --threads 1
+    python -m benchmarks.save_overheads_bench --rounds 8
 
 For each state (``tensor_count_bench``'s), two comparisons, the variants alternating save by
 save (the first of each round rotates):
 
-* **copy**: the stall of ``save(block=True)`` as coci makes it (``beside``: with a core that
-  torch's threads leave free, the last save's tensors copied by runs of ``torch.cat`` while a
-  helper thread flattens the state; with every core taken it is the next variant), the same
-  with the flatten first and the copy after it (``runs``), and with one
-  ``torch._foreach_copy_`` of every tensor (``per_tensor``): three managers, one per variant,
-  the same state;
+* **copy**: the stall of ``save(block=True)`` with small tensors copied by runs of
+  ``torch.cat`` (coci's default) against one ``torch._foreach_copy_`` of every tensor (two
+  managers, one per variant, the same state);
 * **writer**: one manager, the writer building a save's records with the cyclic collector
   paused (coci's default) against with it running (``gc_paused`` made a no-op in the writer):
   the writer thread's CPU time per save, and the time spent in garbage collections per save,
@@ -68,30 +65,6 @@ def _per_tensor_copy(on: bool) -> Iterator[None]:
         yield
     finally:
         snapshot.Snapshotter._copy_runs = real  # type: ignore[method-assign]
-
-
-@contextlib.contextmanager
-def _flatten_first(on: bool) -> Iterator[None]:
-    """The save without its copy beside the flatten: the flatten, then the copy."""
-    if not on:
-        yield
-        return
-    real = snapshot.Snapshotter.ready_runs
-
-    def none(self: Any) -> None:
-        return None
-
-    snapshot.Snapshotter.ready_runs = none  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        snapshot.Snapshotter.ready_runs = real  # type: ignore[method-assign]
-
-
-@contextlib.contextmanager
-def _variant(name: str) -> Iterator[None]:
-    with _flatten_first(name == "runs"), _per_tensor_copy(name == "per_tensor"):
-        yield
 
 
 @contextlib.contextmanager
@@ -169,7 +142,7 @@ def _save(mgr: CheckpointManager, root: Path, step: int, state: Any) -> float:
 def state_cell(name: str, rounds: int, quick: bool, scratch: Path) -> dict[str, Any]:
     state, info = build_state(name, quick)
     log(f"{name}: {info['tensors']} tensors, {info['bytes'] / 1e6:.1f} MB")
-    copy: dict[str, list[float]] = {"beside": [], "runs": [], "per_tensor": []}
+    copy: dict[str, list[float]] = {"runs": [], "per_tensor": []}
     roots = {k: scratch / name / f"copy-{k}" for k in copy}
     mgrs = {k: CheckpointManager(roots[k], keep_last=KEEP_LAST) for k in copy}
     writer: dict[str, list[dict[str, float]]] = {"paused": [], "running": []}
@@ -180,15 +153,15 @@ def state_cell(name: str, rounds: int, quick: bool, scratch: Path) -> dict[str, 
         for _ in range(3):  # the arena, the flatten cache and the copy runs made
             step += 1
             for k, mgr in mgrs.items():
-                with _variant(k):
+                with _per_tensor_copy(k == "per_tensor"):
                     _save(mgr, roots[k], step, state)
             _save(wmgr, wroot, step, state)
         wstep = step
         for r in range(rounds):
             step += 1
-            order = list(copy)[r % 3 :] + list(copy)[: r % 3]
+            order = list(copy) if r % 2 == 0 else list(reversed(copy))
             for k in order:
-                with _variant(k):
+                with _per_tensor_copy(k == "per_tensor"):
                     copy[k].append(_save(mgrs[k], roots[k], step, state))
             for k in list(writer) if r % 2 == 0 else list(reversed(writer)):
                 wstep += 1
@@ -210,16 +183,14 @@ def state_cell(name: str, rounds: int, quick: bool, scratch: Path) -> dict[str, 
 
 def report(res: dict[str, Any]) -> str:
     lines = [
-        "| state | tensors | copy runs beside the flatten | copy runs after it | one copy per "
-        "tensor | beside / after |",
-        "|---|---|---|---|---|---|",
+        "| state | tensors | stall, copy runs | one copy per tensor | ratio |",
+        "|---|---|---|---|---|",
     ]
     for c in res["cells"]:
         s = c["summary"]
         lines.append(
-            f"| {c['state']['name']} | {c['state']['tensors']} | {s['beside'] * 1e3:.1f} ms | "
-            f"{s['runs'] * 1e3:.1f} ms | {s['per_tensor'] * 1e3:.1f} ms | "
-            f"{s['beside'] / s['runs']:.2f}x |"
+            f"| {c['state']['name']} | {c['state']['tensors']} | {s['runs'] * 1e3:.1f} ms | "
+            f"{s['per_tensor'] * 1e3:.1f} ms | {s['runs'] / s['per_tensor']:.2f}x |"
         )
     lines += [
         "",
@@ -245,13 +216,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--states", default=",".join(STATES), help=f"comma list of {STATES}")
     ap.add_argument("--rounds", type=int, default=8, help="rounds; medians and means over them")
     ap.add_argument("--quick", action="store_true", help="small states (a smoke test)")
-    ap.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="torch's intra-op threads (default: torch's own, every core; the copy beside the "
-        "flatten needs a core they leave free, as in a job of one process per GPU)",
-    )
     ap.add_argument("--dir", default=None, help="scratch directory (default: temp)")
     ap.add_argument(
         "--out",
@@ -262,10 +226,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     states = parse_choices(args.states, STATES, "states")
     if args.rounds < 1:
         raise SystemExit("--rounds must be >= 1")
-    if args.threads is not None:
-        if args.threads < 1:
-            raise SystemExit("--threads must be >= 1")
-        torch.set_num_threads(args.threads)
     if args.dir is not None:
         Path(args.dir).mkdir(parents=True, exist_ok=True)
 

@@ -15,7 +15,7 @@ from coci_core.engine.directory.steps import read_manifest
 from coci_core.engine.format.manifest import step_dir_name
 from coci_core.engine.format.tree import ArrayLeaf
 from coci_core.engine.save.snapshot import ALIGN_BYTES, plan_layout
-from coci_core.errors import CorruptCheckpointError, UnsupportedValueError
+from coci_core.errors import CorruptCheckpointError
 from coci_core.knobs import PACKED_COPY_BYTES
 from coci_core.storage import LocalStorage
 from tests.harness.states import assert_same
@@ -174,91 +174,3 @@ def test_damage_to_a_packed_tensor_names_that_tensor_only(tmp_path: Path, where:
     with CheckpointManager(tmp_path) as mgr, pytest.raises(CorruptCheckpointError) as info:
         mgr.restore(step=2)
     assert info.value.bad == ["/t07"]
-
-
-@pytest.mark.parametrize("core_free", [True, False])
-def test_a_save_of_the_same_tensors_copies_once_beside_its_flatten(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, core_free: bool
-) -> None:
-    """Once the copy goes by runs, and with a core that torch's threads leave free, a save
-    copies the last save's tensors while a helper thread flattens the state, and keeps that
-    copy when the flatten finds the same tensors: one copy per save, none by the snapshot's
-    own copy. A save whose tensors moved copies again from the new memory (as the test above
-    checks the values). Where torch's threads take every core, the flatten comes first."""
-    from coci_core.engine import manager
-    from coci_core.engine.save import snapshot
-
-    monkeypatch.setattr(manager, "a_core_is_free", lambda: core_free)
-
-    calls: list[str] = []
-    run_copy, snap_copy = snapshot.CopyRuns.copy, snapshot.Snapshotter.copy
-
-    def counted_runs(self: Any) -> None:
-        calls.append("runs")
-        run_copy(self)
-
-    def counted_snapshot(self: Any, snap: Any, **kw: Any) -> None:
-        calls.append("snapshot")
-        snap_copy(self, snap, **kw)
-
-    monkeypatch.setattr(snapshot.CopyRuns, "copy", counted_runs)
-    monkeypatch.setattr(snapshot.Snapshotter, "copy", counted_snapshot)
-    state = _mixed_state(torch.Generator().manual_seed(1))
-    with CheckpointManager(tmp_path, keep_last=None) as mgr:
-        per_save = []
-        for step in range(5):
-            _changed_in_place(state, step)
-            if step == 3:
-                state["large"] = state["large"].clone()  # new memory: the runs' copy is not kept
-            calls.clear()
-            mgr.save(step, state).wait()
-            per_save.append(list(calls))
-            assert_same(mgr.restore(step=step), state)
-    if not core_free:
-        assert per_save == [
-            ["snapshot"],
-            ["snapshot", "runs"],
-            ["snapshot", "runs"],  # the flatten, then the snapshot's copy by its runs
-            ["snapshot"],  # new memory: no runs for it yet
-            ["snapshot", "runs"],
-        ]
-        return
-    assert per_save == [
-        ["snapshot"],  # no runs yet
-        ["snapshot", "runs"],  # the same tensors twice in a row: runs planned, copied by them
-        ["runs"],  # beside the flatten, and kept
-        ["runs", "snapshot"],  # beside the flatten, which found new memory: copied again
-        ["snapshot", "runs"],  # a new layout twice in a row: runs planned anew
-    ]
-
-
-def test_a_state_that_cannot_be_stored_raises_from_the_flatten_beside_the_copy(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from coci_core.engine import manager
-
-    monkeypatch.setattr(manager, "a_core_is_free", lambda: True)
-    state = _mixed_state(torch.Generator().manual_seed(2))
-    with CheckpointManager(tmp_path, keep_last=None) as mgr:
-        for step in range(3):
-            mgr.save(step, state).wait()
-        assert mgr._snapshotter.ready_runs() is not None  # the next save copies beside
-        with pytest.raises(UnsupportedValueError, match="'/bad'"):
-            mgr.save(3, {**state, "bad": object()})
-        _changed_in_place(state, 3)
-        mgr.save(3, state).wait()
-        assert_same(mgr.restore(step=3), state)
-
-
-def test_a_core_is_free_only_where_torchs_threads_leave_one(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    import os
-
-    from coci_core.engine.save.beside import a_core_is_free
-
-    cores = len(os.sched_getaffinity(0))
-    monkeypatch.setattr(torch, "get_num_threads", lambda: cores)
-    assert not a_core_is_free()
-    monkeypatch.setattr(torch, "get_num_threads", lambda: cores - 1)
-    assert a_core_is_free() == (cores > 1)

@@ -622,19 +622,36 @@ def test_a_second_process_on_a_directory_in_use_records_nothing_there(
     """A second job started on a directory whose run is still going (and refused it at its
     first save) records no telemetry there: before, its first record read as a restart of the
     first run from step 0 ("17 steps of work lost") and its progress overwrote the first's."""
-    first = JsonlTelemetry(tmp_path / "telemetry.jsonl")
-    for step in range(1, 18):
-        first.record_progress(step)
-    before = (tmp_path / "telemetry.jsonl").read_bytes()
-    with caplog.at_level(logging.WARNING):
-        second = JsonlTelemetry(tmp_path / "telemetry.jsonl")
-    assert "another process is recording telemetry" in caplog.text
-    second.record_progress(1)
-    second(SaveEvent(step=1, outcome="committed", stall_s=0.01, bytes_written=8))
-    second.close()
-    assert (tmp_path / "telemetry.jsonl").read_bytes() == before
-    assert (tmp_path / "telemetry.progress").read_text().split() == ["17"]
-    first.close()
+    import subprocess
+    import sys
+
+    first = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from coci_core.telemetry import JsonlTelemetry; "
+            f"t = JsonlTelemetry({str(tmp_path / 'telemetry.jsonl')!r}); "
+            "[t.record_progress(s) for s in range(1, 18)]; print('READY', flush=True); "
+            "sys.stdin.read(); t.close()",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert first.stdout is not None and first.stdout.readline().strip() == "READY"
+        before = (tmp_path / "telemetry.jsonl").read_bytes()
+        with caplog.at_level(logging.WARNING):
+            second = JsonlTelemetry(tmp_path / "telemetry.jsonl")
+        assert "another process is recording telemetry" in caplog.text
+        second.record_progress(1)
+        second(SaveEvent(step=1, outcome="committed", stall_s=0.01, bytes_written=8))
+        second.close()
+        assert (tmp_path / "telemetry.jsonl").read_bytes() == before
+        assert (tmp_path / "telemetry.progress").read_text().split() == ["17"]
+    finally:
+        first.communicate("", timeout=60)
+    assert first.returncode == 0
     report = _report(tmp_path)
     assert "lost work: 0 steps over 0 restarts" in report, report
     assert "started over" not in report, report

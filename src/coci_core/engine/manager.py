@@ -27,7 +27,7 @@ from coci_core.engine.directory import retention
 from coci_core.engine.directory.lease import acquire_lease
 from coci_core.engine.directory.tiers import RemoteTier
 from coci_core.engine.format.manifest import Manifest
-from coci_core.engine.format.tree import ArrayLeaf, FlatState, FlattenCache, flatten_state
+from coci_core.engine.format.tree import ArrayLeaf, FlattenCache, flatten_state
 from coci_core.engine.group import RankGroup
 from coci_core.engine.handle import SaveHandle
 from coci_core.engine.restore.inplace import InPlaceTargets, in_place_targets
@@ -42,7 +42,6 @@ from coci_core.engine.restore.restore import (
     step_infos,
     verify_checkpoint,
 )
-from coci_core.engine.save.beside import Beside, a_core_is_free
 from coci_core.engine.save.compress import CompressionPolicy, PieceEncoder, check_policy
 from coci_core.engine.save.partition import DEFAULT_CHUNK_BYTES, Share, partition
 from coci_core.engine.save.persist import PersistJob, abandon_for_the_others, save_token
@@ -357,22 +356,10 @@ class CheckpointManager:
         if alone and not self.group.is_coordinator:
             raise ConfigError("'alone' saves are made by rank 0 only")
         group = RankGroup(0, 1, self.group.session) if alone else self.group
-        runs = self._snapshotter.ready_runs() if block and a_core_is_free() else None
-        copied_s: float | None = None
-        if runs is None:
-            flat, own = self._flatten(state, per_rank)
-        else:
-            # The usual save: the same tensors as the last one, at the same addresses. Copy
-            # them as the last save did (the copy releases the GIL) while a helper thread
-            # flattens the state, on a core torch's threads leave free; the copy is kept when
-            # the flatten finds that layout again.
-            flattening = Beside(lambda: self._flatten(state, per_rank), name="coci-flatten")
-            try:
-                copy_started = time.perf_counter()
-                runs.copy()
-                copied_s = time.perf_counter() - copy_started
-            finally:
-                flat, own = flattening.result()
+        flat = flatten_state(state, allow_torch_save=self.allow_torch_save, cache=self._flat_cache)
+        own = flatten_per_rank(
+            state, per_rank, allow_torch_save=self.allow_torch_save, cache=self._rank_cache
+        )
         try:
             if self.group.is_coordinator and self._owner.lease is None:  # after the input checks
                 self._owner.lease = acquire_lease(self.storage, self.group.session)
@@ -381,8 +368,10 @@ class CheckpointManager:
             if lost is not None:
                 raise DirectoryInUseError(f"{lost}: this manager no longer owns the directory")
         except (DirectoryInUseError, StorageError) as e:
-            token = save_token(self.group.session, alone, self._saves)
-            abandon_for_the_others(self.storage, step, version, token, self.group, e)
+            token = save_token(group.session, alone, self._saves)
+            abandon_for_the_others(self.storage, step, version, token, group, e)
+            # the other ranks queued this save: a later one of this rank must meet theirs
+            self._saves += 0 if alone else 1
             raise
         leaves = flat.leaves + (own.leaves if own else ())
         if alone and any(leaf.owned and leaf.shape != leaf.tensor.shape for leaf in flat.leaves):
@@ -393,7 +382,7 @@ class CheckpointManager:
         known = flat.layout is not None and (own is None or own.layout is not None)
         layout = (flat.layout, own.layout if own else None) if known else None
         regions, digest = self._split(flat.leaves, leaves, layout, alone)
-        snapshot = self._snapshotter.prepare(leaves, regions, layout, versions=not block)
+        snapshot = self._snapshotter.prepare(leaves, regions, layout)
         handle = SaveHandle(step, block=block, started=started, snapshot=snapshot)
         job = PersistJob(
             step,
@@ -413,12 +402,7 @@ class CheckpointManager:
         if block:
             # Copied before the writer starts: writing the copied part of the arena while the
             # rest is copied was measured to slow the copy to 1.8x the copy limit (from 1.1x).
-            if (
-                runs is None
-                or copied_s is None
-                or not self._snapshotter.adopt_copy(snapshot, runs, copied_s)
-            ):
-                self._snapshotter.copy(snapshot)
+            self._snapshotter.copy(snapshot)
             snapshot.wait_copied()
         else:
             self._snapshotter.copy_small(snapshot, also=self._writer.hot_keys)
@@ -428,16 +412,6 @@ class CheckpointManager:
         self._worker.submit(QueuedSave(self._writer, job, handle, holder=self))
         self._passed_over.discard((step, version))  # replaced (once the save is queued)
         return handle
-
-    def _flatten(
-        self, state: Mapping[str, Any], per_rank: Mapping[str, Any] | None
-    ) -> tuple[FlatState, FlatState | None]:
-        """``state`` and ``per_rank`` flattened with the last save's caches."""
-        flat = flatten_state(state, allow_torch_save=self.allow_torch_save, cache=self._flat_cache)
-        own = flatten_per_rank(
-            state, per_rank, allow_torch_save=self.allow_torch_save, cache=self._rank_cache
-        )
-        return flat, own
 
     def _split(
         self,

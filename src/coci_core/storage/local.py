@@ -360,9 +360,14 @@ def open_regular(target: str | os.PathLike[str], *, follow_links: bool = True) -
         fd = os.open(target, flags)
     except (OSError, ValueError) as e:  # ValueError: a NUL in the path
         raise StorageError.wrap(f"cannot open {target}: {e}", e) from e
+    return _regular(fd, f"cannot read {target}: not a regular file")
+
+
+def _regular(fd: int, refusal: str) -> int:
+    """``fd`` when it is a regular file's; else it is closed and ``refusal`` raised."""
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise StorageError(f"cannot read {target}: not a regular file")
+            raise StorageError(refusal)
     except BaseException:
         os.close(fd)
         raise
@@ -390,13 +395,7 @@ def open_own_file(target: str | os.PathLike[str], flags: int, mode: int = 0o644)
         fd = os.open(target, flags, mode)
     except (OSError, ValueError) as e:  # ELOOP: a link planted since the check above
         raise StorageError.wrap(f"cannot open {target}: {e}", e) from e
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise StorageError(f"{target} is not a regular file, not coci's file: remove it")
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+    return _regular(fd, f"{target} is not a regular file, not coci's file: remove it")
 
 
 def _read_exactly(fd: int, offset: int, out: memoryview, target: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
@@ -390,10 +391,15 @@ class JsonlTelemetry(JsonlRecords):
             os.close(self._fd)
             raise
         try:
-            # one session writes a directory's telemetry at a time (the lock goes with its
-            # process, killed or not)
-            fcntl.flock(self._progress_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+            # One process writes a directory's telemetry at a time. A POSIX record lock: it
+            # goes with the process (killed or not), is not inherited by forked children
+            # (data loader workers), and a second sink of the same process is not refused.
+            fcntl.lockf(self._progress_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EACCES, errno.EAGAIN):
+                logger.warning("coci: cannot lock %s (%s); recording anyway", progress, e)
+                self.previous_reached, self.previous_ended = _read_reached(self._progress_fd)
+                return
             # A second process on a directory another one is writing to (a second job, refused
             # the directory at its first save): its records would read as the first's (its
             # start as a restart of the first, its progress over the first's); it writes none.

@@ -143,25 +143,18 @@ def _byte_view(t: torch.Tensor) -> torch.Tensor | None:
 @dataclass(frozen=True)
 class CopyRuns:
     """A snapshot's copy as one ``torch.cat`` per run of small slots that lie end to end in the
-    arena, from byte views of the leaves made once, and one ``torch._foreach_copy_`` for the
-    others (from the leaves it was planned with). Valid while the leaves keep their memory
-    and layout: the flatten's layout token says so."""
+    arena, from byte views of the leaves made once (valid while the leaves keep their memory:
+    the flatten's layout token says so), and one ``torch._foreach_copy_`` for the others."""
 
     arena: Arena
     runs: tuple[tuple[torch.Tensor, list[torch.Tensor]], ...]
     rest: tuple[int, ...]
-    rest_views: list[torch.Tensor]
-    rest_sources: list[torch.Tensor]
 
     @classmethod
     def plan(
-        cls,
-        arena: Arena,
-        slots: tuple[LeafSlot, ...],
-        leaves: tuple[ArrayLeaf, ...],
-        views: list[torch.Tensor],
+        cls, arena: Arena, slots: tuple[LeafSlot, ...], leaves: tuple[ArrayLeaf, ...]
     ) -> CopyRuns:
-        """The runs of whole host ``leaves`` laid out as ``slots`` (``views``) in ``arena``."""
+        """The runs of whole host ``leaves`` laid out as ``slots`` in ``arena``."""
         runs: list[tuple[int, list[torch.Tensor]]] = []  # (first byte, byte views)
         rest: list[int] = []
         end = -1  # one past the last byte of the current run
@@ -183,17 +176,18 @@ class CopyRuns:
                 for start, views in runs
             ),
             tuple(rest),
-            [views[i] for i in rest],
-            [leaves[slots[i].leaf].tensor for i in rest],
         )
 
-    def copy(self) -> None:
-        """Copy every slot (from the leaves' memory as it is now)."""
-        with torch.no_grad():
-            for out, sources in self.runs:
-                torch.cat(sources, out=out)
-            if self.rest:
-                torch._foreach_copy_(self.rest_views, self.rest_sources)
+    def copy(self, snap: Snapshot) -> None:
+        """Copy every slot of ``snap`` (laid out as when the runs were planned)."""
+        for out, sources in self.runs:
+            torch.cat(sources, out=out)
+        if self.rest:
+            leaves, slots = snap.leaves, snap.slots
+            torch._foreach_copy_(
+                [snap.views[i] for i in self.rest],
+                [leaves[slots[i].leaf].tensor for i in self.rest],
+            )
 
 
 def _copy_whole(snap: Snapshot) -> None:
@@ -202,7 +196,7 @@ def _copy_whole(snap: Snapshot) -> None:
         return
     with torch.no_grad():
         if snap.runs is not None:
-            snap.runs.copy()
+            snap.runs.copy(snap)
         else:
             leaves = snap.leaves
             sources = [leaves[slot.leaf].tensor for slot in snap.slots]
@@ -473,14 +467,10 @@ class Snapshotter:
         leaves: tuple[ArrayLeaf, ...],
         regions: tuple[Share, ...] | None = None,
         layout: tuple[object, ...] | None = None,
-        *,
-        versions: bool = True,
     ) -> Snapshot:
         """Bind ``regions`` of ``leaves`` (default: all of every leaf) to an arena, allocating
         one only when the layout changed. ``layout``: the flatten's layout tokens, which
-        spare comparing every leaf's dtype and shape with the arena's. ``versions``: note each
-        leaf's version counter, for a copy made after ``save()`` returns
-        (:meth:`Snapshot.check_unchanged`)."""
+        spare comparing every leaf's dtype and shape with the arena's."""
         with self._lock:
             allocated = self._allocate(leaves, regions, touch=False, layout=layout)
             arena = self._arena
@@ -497,27 +487,8 @@ class Snapshotter:
                 views=self._views,
                 host_whole=self._host_whole,
                 runs=runs,
-                versions=_versions(leaves) if versions else (),
+                versions=_versions(leaves),
             )
-
-    def ready_runs(self) -> CopyRuns | None:
-        """The copy runs of the current arena: a copy of the last snapshot's leaves, as they
-        are now, into it (see :meth:`adopt_copy`); None when there are none."""
-        with self._lock:
-            runs = self._runs
-            return runs if runs is not None and runs.arena is self._arena else None
-
-    def adopt_copy(self, snap: Snapshot, runs: CopyRuns, seconds: float) -> bool:
-        """Take a copy made by ``runs`` (in ``seconds``) as ``snap``'s, when ``snap`` was
-        prepared with those runs (the same leaves, at the same addresses, in the same arena);
-        whether it did. The copy must have been made after the save was asked for."""
-        if snap.runs is not runs or snap.arena is not runs.arena or snap.precopied:
-            return False
-        snap.checked.set()  # copied on the thread that saved: nothing to check
-        snap.copied_at = time.perf_counter()
-        snap.copy_s = seconds
-        snap.copied.set()
-        return True
 
     def _copy_runs(
         self, arena: Arena, leaves: tuple[ArrayLeaf, ...], layout: tuple[object, ...] | None
@@ -534,8 +505,7 @@ class Snapshotter:
         self._runs = None  # its byte views would keep the old leaves' memory alive
         if last != layout:
             return None
-        assert self._views is not None
-        self._runs = CopyRuns.plan(arena, self._slots, leaves, self._views)
+        self._runs = CopyRuns.plan(arena, self._slots, leaves)
         self._runs_layout = layout
         return self._runs
 
