@@ -135,7 +135,7 @@ def test_a_store_that_went_away_is_named_not_a_timeout_nor_a_torch_error() -> No
         RestoreAgreement(client, 1, 2)  # the next restore: not torch's error either
 
 
-def _restore_on_two_ranks(directory: Path, steps: tuple[int | None, int | None]) -> list[Any]:
+def _restore_on_two_ranks(directory: Path, steps: tuple[Any, Any]) -> list[Any]:
     """restore_newest(step=steps[r]) on two ranks (threads) agreeing through a real store:
     what each returned (the step restored) or raised."""
     port = free_port()
@@ -173,6 +173,7 @@ def test_ranks_that_ask_for_different_steps_are_told_so(tmp_path: Path) -> None:
         assert isinstance(error, ConfigError), repr(error)
         assert "rank 0: step 6, rank 1: step 4" in str(error)
     assert _restore_on_two_ranks(tmp_path, (4, 4)) == [4, 4]
+    assert _restore_on_two_ranks(tmp_path, (4, "step-0000000004")) == [4, 4]  # one checkpoint
     assert _restore_on_two_ranks(tmp_path, (None, None)) == [6, 6]
     (error, _) = _restore_on_two_ranks(tmp_path, (None, 2))
     assert isinstance(error, ConfigError) and "rank 0: the newest, rank 1: step 2" in str(error)

@@ -301,3 +301,29 @@ def test_sharded_saves_to_storage_without_rename_commit_in_place() -> None:
     r0.close()
     r1.close()
     assert [n for n in storage.list_dir("") if ".coci-tmp-" in n] == []
+
+
+def test_a_waiting_rank_whose_records_another_writer_removed_fails_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 1 has written its share and waits for rank 0's commit; another writer's clean-up
+    removes the save's staging directory (as the holder of the directory's lease does with what
+    it takes for an abandoned save): rank 1 says so at once (before: it waited twice the
+    group's timeout, then blamed a silent rank 0)."""
+    import shutil
+
+    from coci_core.engine.save import commit
+
+    real = commit.report_share
+
+    def then_removed(storage: object, staging: str, share: object) -> None:
+        real(storage, staging, share)  # type: ignore[arg-type]
+        shutil.rmtree(tmp_path / staging)
+
+    monkeypatch.setattr(commit, "report_share", then_removed)
+    r1 = CheckpointManager(
+        tmp_path, group=RankGroup(1, 2, "s1", timeout_s=600), chunk_bytes=CHUNK
+    )  # rank 0 never commits
+    with pytest.raises(BackgroundSaveError, match=r"records .* were removed before rank 0"):
+        r1.save(3, _state()).wait(timeout_s=60)
+    r1.close()

@@ -330,6 +330,9 @@ def _first_intact(
                     info = find_checkpoint(s, step)
                     candidates.append(Candidate(tier, checkpoint_storage(s, info), info, s))
                 candidates.sort(key=lambda c: newest_first_key(c.info), reverse=True)
+                if candidates:  # the checkpoint it names, however named (5, "step-0000000005")
+                    info = candidates[0].info
+                    asked = f"{info.step}-v{info.version}" if info.version else str(info.step)
             else:
                 candidates = resume_order(storage, remote, caches=caches)
                 if not candidates:

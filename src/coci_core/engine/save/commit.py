@@ -238,21 +238,36 @@ def await_outcome(storage: Any, staging: str, final: str, token: str, group: Ran
             decide within twice ``group.timeout_s``.
     """
     manifest_path = f"{final}/{MANIFEST_NAME}"
+    own_marker = f"{staging}/{_share_name(group.rank)}"
+
+    def committed() -> bool:
+        if storage.exists(manifest_path):
+            try:
+                return Manifest.from_json(storage.read_bytes(manifest_path)).token == token
+            except (CorruptCheckpointError, StorageError):
+                return False
+        return False
 
     def check() -> str | None:
         if storage.exists(f"{staging}/{ABORT_NAME}"):
             return "abort"
-        if storage.exists(manifest_path):
-            try:
-                if Manifest.from_json(storage.read_bytes(manifest_path)).token == token:
-                    return "committed"
-            except (CorruptCheckpointError, StorageError):
-                return None
+        if committed():
+            return "committed"
+        if not storage.exists(own_marker):
+            # moved by the commit (a rename) just now, or removed by another writer's
+            # clean-up of what it took for an abandoned save: then nobody will commit it
+            return "committed" if committed() else "removed"
         return None
 
     outcome = _poll(check, 2 * group.timeout_s)
     if outcome == "committed":
         return
+    if outcome == "removed":
+        raise CommitError(
+            f"this save's records ({staging}) were removed before rank 0 committed it: another "
+            f"writer cleaned them up (is another job writing to {storage.url}?)",
+            ranks=[0],
+        )
     if outcome == "abort":
         try:
             doc = json.loads(storage.read_bytes(f"{staging}/{ABORT_NAME}"))
