@@ -396,10 +396,12 @@ class JsonlTelemetry(JsonlRecords):
             # (data loader workers), and a second sink of the same process is not refused.
             fcntl.lockf(self._progress_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
-            if e.errno not in (errno.EACCES, errno.EAGAIN):
+            held = e.errno in (errno.EACCES, errno.EAGAIN)
+            if not held:
                 logger.warning("coci: cannot lock %s (%s); recording anyway", progress, e)
-                self.previous_reached, self.previous_ended = _read_reached(self._progress_fd)
-                return
+        else:
+            held = False
+        if held:
             # A second process on a directory another one is writing to (a second job, refused
             # the directory at its first save): its records would read as the first's (its
             # start as a restart of the first, its progress over the first's); it writes none.

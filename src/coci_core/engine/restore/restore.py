@@ -362,11 +362,8 @@ def _agree(
     found, or an older one): every rank ends on one step, or raises the same error."""
     while True:
         reports = agreement.exchange({"found": list(_found(search.candidates[i])), "asked": asked})
-        apart = asked_apart(reports)
-        if apart is not None:
-            raise apart
-        if any(r.get("error") for r in reports):
-            raise agreed_error(reports)
+        if any(r.get("error") for r in reports) or asked_apart(reports) is not None:
+            raise agreed_error(reports)  # asked apart first, else the ranks' failures
         found = [cast(Found, tuple(r["found"])) for r in reports]
         agreed = min(found, key=_place)
         if all(f == agreed for f in found):
