@@ -259,26 +259,32 @@ def test_a_head_field_given_twice_is_damage(
     assert main(["ls", str(root)]) == 0
 
 
+@pytest.mark.parametrize("link", ["symbolic", "hard"])
 @pytest.mark.parametrize("planted", [".coci-owner", "telemetry.jsonl", "telemetry.progress"])
 def test_a_link_planted_for_cocis_own_file_is_not_written_through(
-    tmp_path: Path, planted: str
+    tmp_path: Path, planted: str, link: str
 ) -> None:
-    """Anyone who can write into a shared checkpoint directory plants a symbolic link where
-    coci keeps its lease or its telemetry: coci refuses it by name and the file it points to
-    is left as it was (before: truncated and rewritten, or appended to)."""
+    """Anyone who can write into a shared checkpoint directory plants a link where coci keeps
+    its lease or its telemetry (a symbolic link, or a second name of a file of theirs): coci
+    refuses it by name and the file it points to is left as it was (before: truncated and
+    rewritten, or appended to)."""
     root = tmp_path / "ckpt"
     root.mkdir()
     victim = tmp_path / "victim.txt"
     victim.write_bytes(b"precious " * 200)
-    (root / planted).symlink_to(victim)
+    if link == "symbolic":
+        (root / planted).symlink_to(victim)
+    else:
+        os.link(victim, root / planted)
+    said = "symbolic link" if link == "symbolic" else "2 names"
     if planted == ".coci-owner":
-        with CheckpointManager(root) as mgr, pytest.raises(StorageError, match="symbolic link"):
+        with CheckpointManager(root) as mgr, pytest.raises(StorageError, match=said):
             mgr.save(1, {"w": torch.ones(3)})
     else:
-        with pytest.raises(StorageError, match=f"{planted}.*symbolic link"):
+        with pytest.raises(StorageError, match=f"{planted}.*{said}"):
             JsonlTelemetry(root / "telemetry.jsonl")
     assert victim.read_bytes() == b"precious " * 200
-    assert (root / planted).is_symlink()
+    assert (root / planted).is_symlink() == (link == "symbolic")
 
 
 def test_a_fifo_planted_for_the_lease_is_refused(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ import contextlib
 import gc
 import os
 import shutil
+import signal
 import textwrap
 import threading
 import weakref
@@ -83,6 +84,25 @@ def test_second_manager_in_process_cannot_write(tmp_path: Path) -> None:
     second.save(2, _state(2)).wait()
     second.close()
     assert _assert_every_step_exact(tmp_path) == [1, 2]
+
+
+def test_a_second_job_continuing_the_first_is_told_the_directory_is_in_use(
+    tmp_path: Path,
+) -> None:
+    """A second job started with the README's loop while the first still runs restores the
+    first's newest step, goes on, and reaches a step that the first saved meanwhile: its save
+    says the directory is in use (it used to say "this run's checkpoint of step 3 exists")."""
+    with CheckpointManager(tmp_path) as first:
+        first.save(2, _state(2)).wait()
+        second = CheckpointManager(tmp_path)
+        assert torch.equal(second.restore()["w"], _state(2)["w"])  # it goes on from step 2
+        first.save(3, _state(3)).wait()  # and so does the first job, meanwhile
+        with pytest.raises(DirectoryInUseError, match="close\\(\\) it first"):
+            second.save(3, _state(3))
+        second.close()
+    with CheckpointManager(tmp_path) as after:  # the first job's steps are intact
+        assert after.steps() == [2, 3]
+        assert torch.equal(after.restore()["w"], _state(3)["w"])
 
 
 def test_second_manager_never_removes_a_live_save(tmp_path: Path) -> None:
@@ -202,6 +222,43 @@ def test_lease_is_released_by_a_killed_process(tmp_path: Path) -> None:
     with CheckpointManager(tmp_path) as mgr:
         mgr.save(2, {"w": torch.zeros(4)}).wait()
         assert mgr.steps() == [1, 2]
+
+
+def test_a_forked_child_that_outlives_a_killed_writer_holds_no_lease(tmp_path: Path) -> None:
+    """A writer forks a child (as a data loader forks its workers), then is killed: while the
+    child lives on, the next writer may write (the child used to hold the lock it inherited),
+    and the child, which holds no lease of its parent's, may not write there meanwhile."""
+    code = textwrap.dedent(
+        f"""
+        import os, signal, sys, torch
+        from coci_core import CheckpointManager, DirectoryInUseError
+        mgr = CheckpointManager({str(tmp_path)!r})
+        mgr.save(1, {{"w": torch.ones(4)}}).wait()
+        if os.fork() == 0:
+            print("CHILD", os.getpid(), flush=True)
+            sys.stdin.readline()  # the next writer holds the directory now
+            try:
+                CheckpointManager({str(tmp_path)!r}).save(5, {{"w": torch.ones(4)}}).wait()
+                print("CHILD WROTE", flush=True)
+            except DirectoryInUseError:
+                print("CHILD REFUSED", flush=True)
+            os._exit(0)
+        os.kill(os.getpid(), signal.SIGKILL)
+        """
+    )
+    with Child(script(code)) as writer:
+        word, pid = writer.readline().split()
+        assert word == "CHILD"
+        assert writer.wait(timeout_s=60) == -9
+        try:
+            with CheckpointManager(tmp_path) as mgr:
+                mgr.save(2, {"w": torch.zeros(4)}).wait()
+                writer.send("go\n")
+                assert writer.readline().strip() == "CHILD REFUSED"
+                assert mgr.steps() == [1, 2]
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
 
 
 def test_unclosed_managers_are_freed(tmp_path: Path) -> None:

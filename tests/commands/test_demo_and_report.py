@@ -174,7 +174,7 @@ def test_sharded_checkpoint_exports_to_dcp_and_imports_back(tmp_path: Path) -> N
     which `coci import` turns back into a coci checkpoint of the same state."""
     from coci_core import RankGroup
 
-    state = {"w": torch.randn(5000, 7), "b": torch.arange(9), "n": 3}
+    state = {"model": {"w": torch.randn(5000, 7), "b": torch.arange(9)}, "n": 3}
     managers = [
         CheckpointManager(tmp_path / "src", group=RankGroup(r, 2, "cli"), chunk_bytes=4096)
         for r in range(2)
@@ -192,6 +192,10 @@ def test_sharded_checkpoint_exports_to_dcp_and_imports_back(tmp_path: Path) -> N
     beyond = ["export", str(tmp_path / "src"), str(tmp_path / "r5.pt"), "--rank", "5"]
     assert main(beyond) == 2
     assert not (tmp_path / "r5.pt").exists()
+    # the model's weights alone are the same on every rank: any rank exports them
+    assert main([*beyond, "--weights-only"]) == 0
+    weights = torch.load(tmp_path / "r5.pt", weights_only=True)
+    assert_same(weights, state["model"])
     assert main(["export", str(tmp_path / "src"), str(out), "--format", "dcp", "--rank", "1"]) == 0
     assert (out / ".metadata").exists()
     assert main(["import", str(out), str(tmp_path / "back"), "--step", "4"]) == 0

@@ -328,7 +328,7 @@ def _export(args: argparse.Namespace) -> int:
         raise BadInput(f"step {args.step} is not committed in {storage.url} (its steps: {shown})")
     # without --step: the step a resume takes (past damaged newer ones), as restore picks it
     loaded, _ = restore_newest(storage, args.step, rank=args.rank, remote=remote)
-    if not loaded.rank_state_restored:
+    if not loaded.rank_state_restored and not args.weights_only:  # weights are not per rank
         raise BadInput(
             f"--rank {args.rank}: step {loaded.step} holds no per-rank state of that rank (it "
             "was written by fewer ranks); give one of its ranks"

@@ -64,6 +64,7 @@ from coci_core.errors import (
     ConfigError,
     DirectoryInUseError,
     NoCheckpointError,
+    StepExistsError,
     StorageError,
 )
 from coci_core.storage import Storage, open_storage
@@ -350,29 +351,24 @@ class CheckpointManager:
             else:
                 previous.wait_done()
         self._writer.raise_failed()
-        version = save_version(
-            self.storage, step, self.run_id, overwrite=overwrite, passed_over=self._passed_over
-        )
         if alone and not self.group.is_coordinator:
             raise ConfigError("'alone' saves are made by rank 0 only")
         group = RankGroup(0, 1, self.group.session) if alone else self.group
+        try:
+            version = save_version(
+                self.storage, step, self.run_id, overwrite=overwrite, passed_over=self._passed_over
+            )
+        except StepExistsError:
+            # A second job that restored the first's newest step and went on, while the first
+            # still runs, reaches the first's steps: say that the directory is in use, first.
+            if self.group.is_coordinator and self._owner.lease is None:
+                self._own_directory(step, 0, group, alone)
+            raise
         flat = flatten_state(state, allow_torch_save=self.allow_torch_save, cache=self._flat_cache)
         own = flatten_per_rank(
             state, per_rank, allow_torch_save=self.allow_torch_save, cache=self._rank_cache
         )
-        try:
-            if self.group.is_coordinator and self._owner.lease is None:  # after the input checks
-                self._owner.lease = acquire_lease(self.storage, self.group.session)
-                retention.remove_uncommitted(self.storage, self.group, done_seq=None)
-            lost = self._owner.lease.lost if self._owner.lease is not None else None
-            if lost is not None:
-                raise DirectoryInUseError(f"{lost}: this manager no longer owns the directory")
-        except (DirectoryInUseError, StorageError) as e:
-            token = save_token(group.session, alone, self._saves)
-            abandon_for_the_others(self.storage, step, version, token, group, e)
-            # the other ranks queued this save: a later one of this rank must meet theirs
-            self._saves += 0 if alone else 1
-            raise
+        self._own_directory(step, version, group, alone)  # after the input checks
         leaves = flat.leaves + (own.leaves if own else ())
         if alone and any(leaf.owned and leaf.shape != leaf.tensor.shape for leaf in flat.leaves):
             raise ConfigError(
@@ -412,6 +408,24 @@ class CheckpointManager:
         self._worker.submit(QueuedSave(self._writer, job, handle, holder=self))
         self._passed_over.discard((step, version))  # replaced (once the save is queued)
         return handle
+
+    def _own_directory(self, step: int, version: int, group: RankGroup, alone: bool) -> None:
+        """Take the directory's lease on the coordinator's first save (then clear what an
+        earlier writer left uncommitted); raise if another writer holds it, after recording the
+        abort of this save where the other ranks wait for it."""
+        try:
+            if self.group.is_coordinator and self._owner.lease is None:
+                self._owner.lease = acquire_lease(self.storage, self.group.session)
+                retention.remove_uncommitted(self.storage, self.group, done_seq=None)
+            lost = self._owner.lease.lost if self._owner.lease is not None else None
+            if lost is not None:
+                raise DirectoryInUseError(f"{lost}: this manager no longer owns the directory")
+        except (DirectoryInUseError, StorageError) as e:
+            token = save_token(group.session, alone, self._saves)
+            abandon_for_the_others(self.storage, step, version, token, group, e)
+            # the other ranks queued this save: a later one of this rank must meet theirs
+            self._saves += 0 if alone else 1
+            raise
 
     def _split(
         self,

@@ -381,7 +381,8 @@ def open_own_file(target: str | os.PathLike[str], flags: int, mode: int = 0o644)
     shared directory cannot make coci truncate or write a file elsewhere.
 
     Raises:
-        StorageError: naming ``target``: a link, not a regular file, or not openable.
+        StorageError: naming ``target``: a link (symbolic, or a second name of another
+            file), not a regular file, or not openable.
     """
     flags |= (
         os.O_CREAT
@@ -395,7 +396,15 @@ def open_own_file(target: str | os.PathLike[str], flags: int, mode: int = 0o644)
         fd = os.open(target, flags, mode)
     except (OSError, ValueError) as e:  # ELOOP: a link planted since the check above
         raise StorageError.wrap(f"cannot open {target}: {e}", e) from e
-    return _regular(fd, f"{target} is not a regular file, not coci's file: remove it")
+    fd = _regular(fd, f"{target} is not a regular file, not coci's file: remove it")
+    links = os.fstat(fd).st_nlink
+    if links > 1:  # a hard link planted for it: writing would change the other name's file
+        os.close(fd)
+        raise StorageError(
+            f"{target} has {links} names (hard links): coci writes only a file of its own "
+            "there: remove it"
+        )
+    return fd
 
 
 def _read_exactly(fd: int, offset: int, out: memoryview, target: Path) -> None:

@@ -34,6 +34,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 from typing import Any
 
 from coci_core.errors import DirectoryInUseError, StorageError
@@ -50,6 +51,7 @@ LEASE_NAME = ".coci-owner"
 _HELD: dict[str, str] = {}
 # Re-entrant: a manager freed by the garbage collector inside acquire_lease releases its own.
 _HELD_LOCK = threading.RLock()
+_LEASES: weakref.WeakSet[Lease] = weakref.WeakSet()  # this process's, for _forget_in_child
 
 
 class Lease:
@@ -60,6 +62,7 @@ class Lease:
         self._fd = fd
         self._remote = remote
         self._released = False
+        _LEASES.add(self)
 
     @property
     def lost(self) -> str | None:
@@ -270,6 +273,24 @@ class _OwnerRecord:
                 self.storage.remove_record(LEASE_NAME)
         except Exception as e:  # any client error: botocore's are not OSErrors
             logger.info("coci: could not remove the lease record of %s: %s", self.storage.url, e)
+
+
+def _forget_in_child() -> None:
+    """In a forked child (a data loader's worker, say): the parent's leases are not the
+    child's. Their inherited descriptors are closed: a ``flock`` belongs to the open file
+    description, which a child shares, so a worker that outlived a killed writer would
+    otherwise keep the directory locked. Releasing them later does nothing (no record of the
+    parent's is removed, no descriptor number the child reused is closed)."""
+    for lease in list(_LEASES):
+        fd, lease._fd, lease._released = lease._fd, None, True
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    _LEASES.clear()
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _session_of(record: bytes) -> str | None:
