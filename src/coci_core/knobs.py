@@ -87,6 +87,9 @@ REPLAN_CHANGE = 0.2
 REPLAN_SETTLED = 0.05
 #: The longest horizon planned at once (per-step arrays); longer runs are planned in windows.
 MAX_HORIZON_STEPS = 2_000_000
+#: The largest schedule grid (``grid_points``): a re-plan's work grows with it, and the
+#: training thread waits for a re-plan.
+MAX_GRID_POINTS = 10_000
 #: Steps of a fixed-interval policy listed ahead by ``Planner.schedule``.
 FIXED_AHEAD_STEPS = 64
 #: The latest measurements of each cost whose median the planner uses (planner/costs.py).
@@ -214,6 +217,9 @@ STEP_INFO_CACHE_ENTRIES = 4096
 SHARD_PIECE_BYTES = 8 * MiB
 
 # -- preemption notices (preemption/) ----------------------------------------------------
+#: The longest lead time a preemption notice may announce (a signal's ``@seconds``, a
+#: notice's ``lead_s``): one day (SLURM's ``--signal`` allows at most 65535 s).
+MAX_LEAD_S = 86_400.0
 #: How often the cloud metadata pollers ask (AWS advises every 5 s; the notice gives 120 s).
 METADATA_POLL_S = 5.0
 #: How long one metadata request may take (the endpoint is on the machine itself).

@@ -5,7 +5,6 @@ whether the monitored metric is logged and the train loaders are stateful; and t
 from __future__ import annotations
 
 import math
-import os
 from typing import Any
 
 import lightning.pytorch as pl
@@ -15,18 +14,6 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from coci_core.errors import ConfigError
 from coci_core.planner import Planner
-
-
-def check_dirpath(dirpath: Any) -> Any:
-    """``dirpath`` is None, a str path, an os.PathLike or an fsspec URL string (kept a str)."""
-    if dirpath is None or isinstance(dirpath, os.PathLike):
-        return dirpath
-    if isinstance(dirpath, str) and dirpath.strip():
-        return dirpath
-    raise ConfigError(
-        "'dirpath' must be a directory path (a str or an os.PathLike such as pathlib.Path), "
-        f"an fsspec URL string (e.g. 's3://bucket/run'), or None: {dirpath!r}"
-    )
 
 
 def check_monitor(trainer: pl.Trainer, monitor: str | None, *, warn: bool) -> bool:

@@ -35,6 +35,7 @@ from coci_core.training import (
     PlanOutline,
     ValidationHistory,
     check_bool,
+    check_dirpath,
     is_trial_pruned,
     newest_step_dir,
     shared_options,
@@ -63,7 +64,6 @@ from coci_lightning._sharded import check_sharded, is_sharded, sharded_state
 from coci_lightning._stopping import early_stopping_hazard, early_stopping_of, stopped_early
 from coci_lightning._telemetry import LoggerRelay, make_sinks
 from coci_lightning._trainer import (
-    check_dirpath,
     check_monitor,
     loss_of,
     plan_horizon,

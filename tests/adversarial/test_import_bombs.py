@@ -618,3 +618,18 @@ def test_pickle_tree_measures_the_tree_a_pickle_describes() -> None:
     big = pickle.dumps(deep)
     assert _tree(deep)[0] > 100 * len(big)  # what the measure is for
     assert pickle_tree(big, cap=len(big)).size == len(big) + 1  # stopped at the cap
+
+
+@pytest.mark.parametrize("data", [b"c\\\xa4 x\nmod\n.", b"S'\\\xa4'\n."], ids=["global", "string"])
+def test_a_garbled_escape_in_a_pickle_string_is_damage_where_warnings_are_errors(
+    data: bytes,
+) -> None:
+    """Random bytes in a legacy pickle (a garbled DCP data file) held a string opcode with an
+    invalid escape: Python warns (DeprecationWarning), and where warnings are errors the import
+    raised that warning instead of coci's damage error (found by a CI run of the fuzz test)."""
+    from coci_core.engine.format.pickle_tree import pickle_tree_from
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ValueError, match="a string in the pickle is garbled"):
+            pickle_tree_from(io.BytesIO(data), lambda n: 10**6)

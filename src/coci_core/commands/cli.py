@@ -342,6 +342,20 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+PLOT_FORMATS = ("png", "pdf", "svg", "jpg", "jpeg")
+
+
+def _check_plot_target(out: Path) -> None:
+    """``--plot``: a file whose suffix names an image format, in a directory that exists."""
+    if out.suffix.lower().lstrip(".") not in PLOT_FORMATS:
+        raise BadInput(
+            f"--plot {out}: the file's suffix names its format, one of "
+            f"{', '.join('.' + f for f in PLOT_FORMATS)}"
+        )
+    if out.is_dir() or not out.parent.is_dir():
+        raise BadInput(f"--plot {out}: give a file in a directory that exists")
+
+
 def _check_export_target(out: Path, fmt: str) -> None:
     """Refuse an OUT that the export would replace but is not what it writes: the file is
     written beside OUT and renamed over it, which would replace a device, a FIFO or a link."""
@@ -383,6 +397,8 @@ def _report(args: argparse.Namespace) -> int:
     from coci_core.telemetry.report import render, summarize
 
     _checkpoint_dir(args.dir)
+    if args.plot:
+        _check_plot_target(Path(args.plot))
     try:
         summary = summarize(args.dir)
     except FileNotFoundError as e:

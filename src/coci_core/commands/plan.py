@@ -98,10 +98,14 @@ def _loss_from_expr(expr: str) -> Callable[[Any], Any]:
     def fn(k: Any) -> Any:
         return eval(code, {"__builtins__": {}}, {**safe, "k": np.asarray(k, dtype=np.float64)})
 
-    try:
-        fn(np.arange(3))
+    try:  # numbers for a vector of steps and for one step, as the planner asks
+        for k in (np.arange(3.0), np.float64(5.0)):
+            out = np.asarray(fn(k), dtype=np.float64)
+            np.broadcast_to(out, np.shape(k))
     except Exception as e:
-        raise ConfigError(f"'--loss' is not a valid expression in k: {expr!r} ({e})") from e
+        raise ConfigError(
+            f"'--loss' is not an expression of numbers in k: {expr!r} ({type(e).__name__}: {e})"
+        ) from e
     return fn
 
 
@@ -123,8 +127,8 @@ def _loss_from_csv(path: str) -> tuple[list[float], list[float]]:
                 if np.isfinite(v):
                     steps.append(k)
                     losses.append(v)
-    except OSError as e:
-        raise ConfigError(f"'--loss-csv' cannot be read: {path!r} ({e})") from e
+    except (OSError, UnicodeDecodeError, csv.Error) as e:
+        raise ConfigError(f"'--loss-csv' cannot be read as CSV text: {path!r} ({e})") from e
     if not steps:
         raise ConfigError(f"'--loss-csv' has no step,loss rows: {path!r}")
     return steps, losses
@@ -192,6 +196,9 @@ def run_plan(args: argparse.Namespace) -> int:
     """``coci plan``: print the schedule and its explanation (or JSON)."""
     from coci_core.planner.schedule import plan_schedule
 
+    if args.show < 0:
+        print(f"coci plan: --show must be 0 or more: {args.show}", file=sys.stderr)
+        return 2
     try:
         sched = plan_schedule(**_inputs(args), policy=_plan_policy(args))
     except CociError as e:
@@ -313,7 +320,7 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:  # type: ig
         "simulate",
         help="Monte Carlo of policies x metrics",
         description="Simulate random failures of a job (Monte Carlo) under each policy and "
-        "print each one's overheads in seconds per run, with 95%% confidence intervals.",
+        "print each one's overheads in seconds per run, with 95% confidence intervals.",
     )
     _common(sim)
     sim.add_argument(

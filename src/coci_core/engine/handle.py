@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from coci_core.engine.save.save_inputs import check_timeout
 from coci_core.engine.save.snapshot import Snapshot
 from coci_core.errors import BackgroundSaveError
 from coci_core.telemetry import SaveEvent
@@ -102,6 +103,7 @@ class SaveHandle:
             BackgroundSaveError: the save failed; nothing was published.
             TimeoutError: ``timeout_s`` passed first.
         """
+        timeout_s = check_timeout("timeout_s", timeout_s)
         if not self.check_copy(timeout_s) or not self._done.wait(timeout_s):
             raise TimeoutError(f"save of step {self.step} not durable after {timeout_s} s")
         if self._error is not None:

@@ -48,6 +48,7 @@ from coci_core.engine.save.persist import PersistJob, abandon_for_the_others, sa
 from coci_core.engine.save.save_inputs import (
     check_run_position,
     check_step,
+    check_timeout,
     flatten_per_rank,
     json_metadata,
     layout_digest,
@@ -168,6 +169,22 @@ class CheckpointManager:
             )
         if group is not None and not isinstance(group, RankGroup):
             raise ConfigError(f"'group' must be a RankGroup or None, got {group!r}")
+        for name, flag in (("strict", strict), ("allow_torch_save", allow_torch_save)):
+            if type(flag) is not bool:  # "False" would be true
+                raise ConfigError(f"{name!r} must be True or False: {flag!r:.100}")
+        if isinstance(listeners, (str, bytes)) or callable(listeners):
+            raise ConfigError(f"'listeners' must be a list of callables, got {listeners!r:.100}")
+        try:
+            listeners = list(listeners)
+        except TypeError:
+            raise ConfigError(
+                f"'listeners' must be a list of callables, got {listeners!r:.100}"
+            ) from None
+        if storage_options is not None and not isinstance(storage_options, Mapping):
+            raise ConfigError(
+                f"'storage_options' must be a mapping of option names to values (a dict), got "
+                f"{storage_options!r:.100}"
+            )
         group = group if group is not None else RankGroup.default()
         if group.world_size > 1 and on_busy != "wait":
             raise ConfigError(
@@ -177,7 +194,6 @@ class CheckpointManager:
             )
         partition([], 1, chunk_bytes=chunk_bytes)  # validates chunk_bytes
         self.compression = check_policy(compression, compression_options)
-        listeners = list(listeners)
         for listener in listeners:
             if not callable(listener):
                 raise ConfigError(f"'listeners' must be callables, got {listener!r}")
@@ -340,8 +356,9 @@ class CheckpointManager:
         started = time.perf_counter()
         self._check_open()
         check_step(step)
-        if type(overwrite) is not bool:
-            raise ConfigError(f"'overwrite' must be True or False: {overwrite!r}")
+        for name, flag in (("overwrite", overwrite), ("block", block), ("alone", alone)):
+            if type(flag) is not bool:
+                raise ConfigError(f"{name!r} must be True or False: {flag!r:.100}")
         previous = self._inflight
         if previous is not None and not previous.done():
             if previous.step == step:
@@ -485,6 +502,7 @@ class CheckpointManager:
             BackgroundSaveError: a background save failed (each failure is reported once).
             TimeoutError: ``timeout_s`` passed first.
         """
+        timeout_s = check_timeout("timeout_s", timeout_s)
         handle = self._inflight
         if handle is not None and not (
             handle.check_copy(timeout_s) and handle.wait_done(timeout_s)
@@ -504,6 +522,7 @@ class CheckpointManager:
         Raises:
             BackgroundSaveError: a background save failed and was not reported yet.
         """
+        upload_timeout_s = check_timeout("upload_timeout_s", upload_timeout_s)
         inflight = self._inflight
         if inflight is not None:  # before the lock, as in save()
             inflight.check_copy(any_thread=True)
@@ -678,6 +697,14 @@ class CheckpointManager:
         """
         if type(partial) is not bool:
             raise ConfigError(f"'partial' must be True or False: {partial!r}")
+        if strict is not None and type(strict) is not bool:
+            raise ConfigError(f"'strict' must be None, True or False: {strict!r}")
+        if rank is not None and (type(rank) is not int or not 0 <= rank < 2**31):
+            raise ConfigError(f"'rank' must be None or an integer in [0, 2**31): {rank!r:.100}")
+        if targets is not None and not isinstance(targets, InPlaceTargets):
+            raise ConfigError(
+                f"'targets' must be None or InPlaceTargets (see in_place_targets): {targets!r:.100}"
+            )
         self.wait()
         if targets is None and into is not None:
             targets = in_place_targets(into, partial=partial)

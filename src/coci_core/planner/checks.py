@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 from coci_core.errors import ConfigError
@@ -11,12 +12,14 @@ __all__ = ["check_int", "check_optional_positive", "check_positive", "check_nonn
 
 
 def _as_float(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        try:
-            value = float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{name!r} must be a number: {value!r}") from None
-    result = float(value)
+    # Numbers only: a string such as "0.05" would pass a float() check here and then be kept
+    # as the string by the caller, failing in every later re-plan.
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ConfigError(f"{name!r} must be a number: {value!r}")
+    try:
+        result = float(value)
+    except (OverflowError, ValueError):
+        raise ConfigError(f"{name!r} must be finite: {value!r}") from None
     if not math.isfinite(result):
         raise ConfigError(f"{name!r} must be finite: {value!r}")
     return result
@@ -43,8 +46,9 @@ def check_optional_positive(name: str, value: Any) -> float | None:
     return None if value is None else check_positive(name, value)
 
 
-def check_int(name: str, value: Any, *, minimum: int = 0) -> int:
-    """Return ``value`` as an int, or raise ConfigError unless it is an integer >= minimum."""
+def check_int(name: str, value: Any, *, minimum: int = 0, maximum: int | None = None) -> int:
+    """Return ``value`` as an int, or raise ConfigError unless it is an integer >= minimum
+    (and <= ``maximum`` when given)."""
     if isinstance(value, bool):
         raise ConfigError(f"{name!r} must be an integer: {value!r}")
     try:
@@ -55,4 +59,6 @@ def check_int(name: str, value: Any, *, minimum: int = 0) -> int:
         raise ConfigError(f"{name!r} must be an integer: {value!r}")
     if as_int < minimum:
         raise ConfigError(f"{name!r} must be >= {minimum}: {value!r}")
+    if maximum is not None and as_int > maximum:
+        raise ConfigError(f"{name!r} must be in [{minimum}, {maximum}]: {value!r}")
     return as_int

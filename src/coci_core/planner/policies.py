@@ -12,6 +12,7 @@ import numpy as np
 import numpy.typing as npt
 
 from coci_core.errors import ConfigError
+from coci_core.knobs import MAX_GRID_POINTS
 from coci_core.planner.checks import check_int, check_positive
 from coci_core.planner.model import NoTermination
 from coci_core.planner.optimize import (
@@ -257,7 +258,7 @@ class Coci:
     def __post_init__(self) -> None:
         if self.method not in ("dp", "closed_form"):
             raise ConfigError(f"'method' must be 'dp' or 'closed_form': {self.method!r}")
-        check_int("grid_points", self.grid_points, minimum=2)
+        check_int("grid_points", self.grid_points, minimum=2, maximum=MAX_GRID_POINTS)
 
     def plan(self, problem: Problem, *, context: PlanContext) -> IntArray:
         """Daly when that is optimal, else the DP or the closed form."""

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from coci_core.knobs import MAX_GRID_POINTS
 from coci_core.planner.checks import check_int
 from coci_core.planner.optimize import (
     CostBreakdown,
@@ -124,7 +125,7 @@ def dp_schedule(
     grid points. Segments longer than ``band_factor`` times the longest closed-form interval
     are not considered, which bounds the work to O(grid x band), vectorised by blocks of rows.
     """
-    check_int("grid_points", grid_points, minimum=2)
+    check_int("grid_points", grid_points, minimum=2, maximum=MAX_GRID_POINTS)
     tau, s, p = pb.step_time_s, pb.stall_s, pb.persist_s
     wt = pb.cost_weights
     kill_steps, kill_probs = pb.termination.atoms(pb.start_step, pb.end_step)

@@ -21,13 +21,14 @@ from coci_core.planner import PlannerConfig, planner_config
 from coci_core.planner.policies import SavePolicy
 from coci_core.planner.settings import policy_arguments
 from coci_core.preemption import NoticeSource, Preemption, check_preemption
-from coci_core.storage import is_url
+from coci_core.storage import Storage, is_url
 
 __all__ = [
     "SHARED_ARGUMENTS",
     "CheckpointOptions",
     "check_bool",
     "check_keep_last",
+    "check_dirpath",
     "check_storage_options",
     "check_verbose",
     "shared_options",
@@ -92,6 +93,35 @@ def check_remote(remote: object) -> str | None:
         "'remote' must be an fsspec URL string (e.g. 's3://bucket/run'), a directory path, or "
         f"None: {remote!r}"
     )
+
+
+def check_dirpath(dirpath: Any) -> Any:
+    """``dirpath`` is None, a str path, an os.PathLike or an fsspec URL string (kept as given);
+    a local one that exists is a directory.
+
+    Raises:
+        ConfigError: naming ``dirpath`` and what it may be.
+    """
+    if isinstance(dirpath, Storage):  # the core Checkpointer's own storage
+        return dirpath
+    if not (dirpath is None or isinstance(dirpath, os.PathLike)) and not (
+        isinstance(dirpath, str) and dirpath.strip()
+    ):
+        raise ConfigError(
+            "'dirpath' must be a directory path (a str or an os.PathLike such as "
+            "pathlib.Path), an fsspec URL string (e.g. 's3://bucket/run'), or None: "
+            f"{dirpath!r:.100}"
+        )
+    if dirpath is not None and not is_url(dirpath):
+        try:
+            local = os.fspath(dirpath)
+        except TypeError:
+            raise ConfigError(f"'dirpath' must be a str path: {dirpath!r:.100}") from None
+        if not isinstance(local, str) or not local.strip():
+            raise ConfigError(f"'dirpath' must be a non-empty str path: {dirpath!r:.100}")
+        if os.path.exists(local) and not os.path.isdir(local):
+            raise ConfigError(f"'dirpath' {local!r} exists and is not a directory")
+    return dirpath
 
 
 def _check_planner_options(options: object) -> dict[str, Any]:
@@ -186,10 +216,21 @@ class CheckpointOptions:
         Raises:
             ConfigError: naming the first bad argument and what it allows.
         """
+        check_dirpath(dirpath)
         policy_arguments(policy)
         options = _check_planner_options(planner_options)
+        for name in ("policy", "objective", "mtbf_s"):
+            if name in options:  # it would override the argument silently
+                raise ConfigError(
+                    f"'planner_options' must not hold {name!r}: give {name}=... to the callback"
+                )
         for name, value in (("every_n_steps", every_n_steps), ("every_n_seconds", every_n_seconds)):
             if value is not None:
+                if name in options:
+                    raise ConfigError(
+                        f"{name!r} is given twice, as an argument and in 'planner_options': "
+                        "give it once"
+                    )
                 options[name] = value
         check_bool("block", block)
         return cls(

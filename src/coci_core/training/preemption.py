@@ -191,9 +191,10 @@ def plan_save_step(
     if step_s is None or needed_s is None or not step_s > 0:
         return step
     spare = time_left_s - needed_s * (1 + NOTICE_PLAN_RESERVE) - margin_s
-    if not spare > 0 or not math.isfinite(spare):
+    steps = spare // step_s if spare > 0 else 0.0
+    if not 0 < steps < 2**62:  # none, or beyond any run's length (a deadline that far: now)
         return step
-    return step + int(spare // step_s)
+    return step + int(steps)
 
 
 def min_over_ranks() -> Callable[[float], float]:

@@ -281,6 +281,8 @@ def _forget_in_child() -> None:
     description, which a child shares, so a worker that outlived a killed writer would
     otherwise keep the directory locked. Releasing them later does nothing (no record of the
     parent's is removed, no descriptor number the child reused is closed)."""
+    global _HELD_LOCK
+    _HELD_LOCK = threading.RLock()  # another thread of the parent may have held it at the fork
     for lease in list(_LEASES):
         fd, lease._fd, lease._released = lease._fd, None, True
         if fd is not None:

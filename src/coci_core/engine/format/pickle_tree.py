@@ -13,7 +13,7 @@ importer refuses a pickle whose tree is larger than what its files justify befor
 from __future__ import annotations
 
 import pickletools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import IO, Any, cast
 
@@ -133,6 +133,21 @@ def pickle_tree_from(stream: IO[bytes], cap: Callable[[int], int]) -> tuple[Pick
     return _measure(graph, root, cap(length)), length
 
 
+def _ops(data: bytes | IO[bytes]) -> Iterator[tuple[Any, Any]]:
+    """``pickletools.genops``'s opcodes and arguments. A string opcode of garbled bytes with an
+    invalid escape makes Python warn (DeprecationWarning); where warnings are errors that
+    warning is raised here as the damage it is (ValueError), not as a warning."""
+    ops = pickletools.genops(data)
+    while True:
+        try:
+            op, parsed, _ = next(ops)
+        except StopIteration:
+            return
+        except Warning as e:
+            raise ValueError(f"a string in the pickle is garbled ({e})") from e
+        yield op, parsed
+
+
 def _follow(data: bytes | IO[bytes], graph: _Graph) -> int:
     """Run the pickle's stack machine on object numbers; the number of the object it returns."""
     stack: list[int] = []
@@ -160,7 +175,7 @@ def _follow(data: bytes | IO[bytes], graph: _Graph) -> int:
             raise ValueError("the pickle uses an object its stack does not hold")
         return stack[-1]
 
-    for op, parsed, _ in pickletools.genops(data):
+    for op, parsed in _ops(data):
         name, arg = op.name, cast(Any, parsed)  # its type is the opcode's
         if name in _ATOMS:
             stack.append(graph.new(1))

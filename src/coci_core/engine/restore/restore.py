@@ -33,7 +33,7 @@ from coci_core.engine.directory.steps import (
     step_infos,
     step_versions,
 )
-from coci_core.engine.format.manifest import parse_step_version
+from coci_core.engine.format.manifest import MAX_STEP, parse_step_version
 from coci_core.engine.restore.inplace import InPlaceTargets
 from coci_core.engine.restore.load import (
     LoadedCheckpoint,
@@ -43,7 +43,13 @@ from coci_core.engine.restore.load import (
     verify_checkpoint,
 )
 from coci_core.engine.restore.read import MAX_DELTA_CHAIN, ZSTD_MAX_RATIO, read_checked
-from coci_core.errors import CociError, CorruptCheckpointError, NoCheckpointError, StorageError
+from coci_core.errors import (
+    CociError,
+    ConfigError,
+    CorruptCheckpointError,
+    NoCheckpointError,
+    StorageError,
+)
 from coci_core.storage import Storage
 from coci_core.telemetry.events import RestoreEvent
 
@@ -108,6 +114,23 @@ class Candidate:
         return self.info.name == ref if isinstance(ref, str) else self.info.step == ref
 
 
+def check_ref(name: str, ref: object) -> None:
+    """Raise unless ``ref`` names a checkpoint: a step (an integer in ``[0, 2**63-1]``) or a
+    step directory's name (a string).
+
+    Raises:
+        ConfigError: naming ``name`` and what it may be.
+    """
+    if isinstance(ref, str) or (type(ref) is int and 0 <= ref <= MAX_STEP):
+        return
+    big = isinstance(ref, int) and ref.bit_length() > 64  # str() of a huge one may raise
+    shown = f"a {ref.bit_length()}-bit integer" if isinstance(ref, int) and big else f"{ref!r:.100}"
+    raise ConfigError(
+        f"{name!r} must be a step (an integer in [0, 2**63-1]) or a step directory's name "
+        f'("step-0000000004"), got {shown}'
+    )
+
+
 def find_checkpoint(storage: Storage, ref: CheckpointRef) -> StepInfo:
     """The checkpoint ``ref`` names in ``storage``: a step directory's name, or a step's newest
     checkpoint (by commit sequence: two runs may each hold one of that step). A step or name
@@ -116,6 +139,7 @@ def find_checkpoint(storage: Storage, ref: CheckpointRef) -> StepInfo:
     Raises:
         NoCheckpointError: ``ref`` is a string that names no step directory.
     """
+    check_ref("step", ref)
     if isinstance(ref, str):
         parsed = parse_step_version(ref)
         if parsed is None:
@@ -437,6 +461,8 @@ def restore_newest(
             intact checkpoint is left.
         StorageError: the storage cannot be listed or read (see :func:`load_checkpoint`).
     """
+    if start_at is not None:
+        check_ref("start_at", start_at)
     started = time.perf_counter()
     caches: dict[int, RestoreCache] = {}  # per tier: a base found damaged is not read again
 

@@ -95,9 +95,13 @@ class CompressionPolicy:
                 f"'max_lossy_generations' must be at most {MAX_LOSSY_GENERATIONS}: "
                 f"{self.max_lossy_generations!r}"
             )
-        if self.lossy_bits not in (8, 4, 2, "auto"):
+        bits = self.lossy_bits
+        if not (bits == "auto" and type(bits) is str) and not (
+            type(bits) is int and bits in (8, 4, 2)
+        ):
             raise ConfigError(f"'lossy_bits' must be 8, 4, 2 or 'auto': {self.lossy_bits!r}")
-        if not isinstance(self.lossy_target, (int, float)) or not 0 < self.lossy_target < 1:
+        target = self.lossy_target
+        if type(target) not in (int, float) or not 0 < target < 1:
             raise ConfigError(f"'lossy_target' must be in (0, 1): {self.lossy_target!r}")
         if self.lossy_optimizer not in _OPTIMIZER_CHOICES:
             raise ConfigError(

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import numbers
+import threading
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -19,12 +21,29 @@ from coci_core.storage import Storage
 __all__ = [
     "check_run_position",
     "check_step",
+    "check_timeout",
     "flatten_per_rank",
     "json_metadata",
     "layout_digest",
     "rank_regions",
     "save_version",
 ]
+
+
+def check_timeout(name: str, value: Any) -> float | None:
+    """``value`` as a wait's timeout: None (no limit), or a number >= 0 (``inf`` and anything
+    beyond what a wait accepts: as long as a wait may be).
+
+    Raises:
+        ConfigError: naming ``name``: not a number, NaN or negative.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or value != value:
+        raise ConfigError(f"'{name}' must be None or a number of seconds >= 0: {value!r}")
+    if value < 0:
+        raise ConfigError(f"'{name}' must be >= 0: {value!r}")
+    return min(float(value), threading.TIMEOUT_MAX)
 
 
 def check_step(step: Any) -> int:

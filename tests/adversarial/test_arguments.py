@@ -1,0 +1,207 @@
+"""Public arguments fuzzed at and beyond their bounds: each bad value is refused where it is
+given, by coci's own error naming the argument, never accepted to fail later (in the
+background, in every re-plan) and never misread (a string read as true, a negative rank as the
+last one). Found by an attacker's review of every public argument."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from coci_core import CheckpointManager, ConfigError
+from coci_core.commands.cli import main
+from coci_core.engine.save.compress import CompressionPolicy
+from coci_core.planner import CheckFreq, Planner
+from coci_core.preemption.signals import SignalNotice
+from coci_core.training import CheckpointOptions
+from coci_core.training.preemption import plan_save_step
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.mark.parametrize("bits", [8.0, 4.0, True, "8", None])
+def test_lossy_bits_that_only_compare_equal_are_refused(bits: Any) -> None:
+    """8.0 == 8 passed the check, and every delta save then failed in the writer thread."""
+    with pytest.raises(ConfigError, match="'lossy_bits' must be 8, 4, 2 or 'auto'"):
+        CompressionPolicy(mode="lossy", lossy_bits=bits)
+
+
+@pytest.mark.parametrize("value", [float("nan"), -1, "1", True])
+def test_bad_timeouts_are_refused_and_close_still_closes(tmp_path: Path, value: Any) -> None:
+    """``close(upload_timeout_s=inf)`` crashed inside threading after marking the manager
+    closed, leaving the lease held; bad values are refused before anything happens, and a
+    timeout beyond what a wait accepts waits as long as it may."""
+    mgr = CheckpointManager(tmp_path)
+    handle = mgr.save(1, {"w": torch.ones(3)})
+    with pytest.raises(ConfigError, match="'timeout_s'"):
+        mgr.wait(value)
+    with pytest.raises(ConfigError, match="'timeout_s'"):
+        handle.wait(value)
+    with pytest.raises(ConfigError, match="'upload_timeout_s'"):
+        mgr.close(upload_timeout_s=value)
+    mgr.wait(math.inf)
+    handle.wait(1e308)
+    mgr.close(upload_timeout_s=math.inf)
+    with CheckpointManager(tmp_path) as again:  # the lease was given back
+        again.save(2, {"w": torch.zeros(3)}).wait()
+        assert again.steps() == [1, 2]
+
+
+@pytest.mark.parametrize("lead", [math.inf, 1e308, 86_401])
+def test_a_preemption_lead_time_beyond_a_day_is_refused(lead: float) -> None:
+    """``USR1@inf`` was accepted and the notice never stopped training; ``USR1@1e308`` made
+    the next ``should_save`` raise an OverflowError."""
+    with pytest.raises(ConfigError, match="lead time of SIGUSR1 must be a number of seconds"):
+        SignalNotice("USR1", lead)
+    # a deadline far beyond any run: the save is not moved (no overflow)
+    assert plan_save_step(7, 1e308, 1e-300, 1.0, 3.0) == 7
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: Planner(policy="checkfreq", checkfreq_overhead_bound="0.05"),
+        lambda: Planner(policy=CheckFreq(overhead_bound="0.05")),
+        lambda: Planner(mtbf_s="3600"),
+        lambda: Planner(mtbf_s=10**400),
+        lambda: Planner(mtbf_s=True),
+    ],
+    ids=["option-string", "object-string", "mtbf-string", "mtbf-huge", "mtbf-bool"],
+)
+def test_numbers_given_as_strings_or_beyond_floats_are_refused(make: Any) -> None:
+    """A number-like string passed a float() check and was kept: every re-plan then failed
+    and the planner never saved."""
+    with pytest.raises(ConfigError, match="must be (a number|finite)"):
+        make()
+
+
+def test_a_grid_too_large_to_replan_in_time_is_refused() -> None:
+    """``grid_points=100_000`` held the training thread over a minute in one re-plan."""
+    with pytest.raises(ConfigError, match=r"'grid_points' must be in \[2, 10000\]"):
+        Planner(mtbf_s=60, objective="convergence", grid_points=100_000)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "said"),
+    [
+        ({"rank": -1}, "'rank' must be None or an integer"),
+        ({"rank": 1.5}, "'rank' must be None or an integer"),
+        ({"rank": "0"}, "'rank' must be None or an integer"),
+        ({"strict": "no"}, "'strict' must be None, True or False"),
+        ({"targets": 5}, "'targets' must be None or InPlaceTargets"),
+        ({"step": 1.0}, "'step' must be a step"),
+        ({"step": True}, "'step' must be a step"),
+        ({"step": -1}, "'step' must be a step"),
+    ],
+)
+def test_restore_arguments_are_checked_not_misread(
+    tmp_path: Path, kwargs: dict[str, Any], said: str
+) -> None:
+    """``rank=-1`` returned the last rank's state (negative indexing); ``rank="0"`` and
+    ``targets=5`` reported every intact checkpoint as damaged; ``step=True`` was step 1."""
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, {"w": torch.ones(3)}, per_rank={"seed": torch.tensor([1])}).wait()
+        with pytest.raises(ConfigError, match=said):
+            mgr.restore(**kwargs)
+        with pytest.raises(ConfigError, match="must be a step"):
+            mgr.verify(1.0)  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match="must be a step"):
+            mgr.manifest([])  # type: ignore[arg-type]
+        assert mgr.verify(1) == {1: []}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "said"),
+    [
+        ({"allow_torch_save": "False"}, "'allow_torch_save' must be True or False"),
+        ({"strict": "no"}, "'strict' must be True or False"),
+        ({"listeners": print}, "'listeners' must be a list of callables"),
+        ({"listeners": 5}, "'listeners' must be a list of callables"),
+        ({"storage_options": [1]}, "'storage_options' must be a mapping"),
+    ],
+)
+def test_manager_flags_and_containers_are_checked(
+    tmp_path: Path, kwargs: dict[str, Any], said: str
+) -> None:
+    """``allow_torch_save="False"`` switched pickling on (the string is true)."""
+    with pytest.raises(ConfigError, match=said):
+        CheckpointManager(tmp_path, **kwargs)
+
+
+@pytest.mark.parametrize("flag", ["block", "alone"])
+def test_save_flags_must_be_bools(tmp_path: Path, flag: str) -> None:
+    with CheckpointManager(tmp_path) as mgr:
+        with pytest.raises(ConfigError, match=f"'{flag}' must be True or False"):
+            mgr.save(1, {"w": torch.ones(3)}, **{flag: "no"})
+        assert mgr.steps() == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "said"),
+    [
+        (
+            {"policy": "every_n_steps", "planner_options": {"policy": "young", "mtbf_s": 5}},
+            "must not hold 'policy'",
+        ),
+        ({"mtbf_s": 3600, "planner_options": {"mtbf_s": 5}}, "must not hold 'mtbf_s'"),
+        (
+            {"every_n_steps": 100, "planner_options": {"every_n_steps": 3}},
+            "'every_n_steps' is given twice",
+        ),
+        ({"dirpath": 5}, "'dirpath' must be a directory path"),
+        ({"dirpath": b"x"}, "'dirpath' must be a directory path"),
+        ({"dirpath": ""}, "'dirpath' must be a directory path"),
+    ],
+)
+def test_adapter_options_given_twice_or_of_the_wrong_kind_are_refused(
+    kwargs: dict[str, Any], said: str
+) -> None:
+    """What the three adapters share: ``planner_options`` overrode the policy and MTBF given
+    as arguments silently; a ``dirpath`` of the wrong type got a raw TypeError from pathlib
+    (an empty one was the current directory) in the Accelerate and Trainer adapters."""
+    kwargs.setdefault("dirpath", "ckpt")
+    with pytest.raises(ConfigError, match=said):
+        CheckpointOptions.check(**kwargs)
+
+
+def test_a_dirpath_that_is_a_file_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="exists and is not a directory"):
+        CheckpointOptions.check(dirpath=tmp_path / "file")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--loss", "'x'"],
+        ["--loss", "k[0]"],
+        ["--loss-csv", "BINARY"],
+    ],
+)
+def test_a_loss_that_is_no_function_of_numbers_is_one_line(
+    tmp_path: Path, argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    binary = tmp_path / "model.pt"
+    binary.write_bytes(bytes(range(256)) * 8)
+    argv = [str(binary) if a == "BINARY" else a for a in argv]
+    common = ["--total-steps", "1000", "--step-time-s", "0.5", "--stall-s", "1", "--mtbf-s", "3600"]
+    assert main(["simulate", *common, *argv]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "--loss" in err, err
+
+
+@pytest.mark.parametrize("name", ["out.txt", "plot", "missing/out.png"])
+def test_a_plot_target_that_cannot_be_drawn_is_refused_first(
+    tmp_path: Path, name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--plot out.txt`` was a matplotlib traceback after the report; ``--plot DIR`` said
+    it drew DIR and wrote DIR.png."""
+    with CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(1, {"w": torch.ones(3)}).wait()
+    assert main(["report", str(tmp_path / "run"), "--plot", str(tmp_path / name)]) == 2
+    assert "--plot" in capsys.readouterr().err
+    assert not list(tmp_path.glob("*.png")) and not (tmp_path / "out.txt").exists()
