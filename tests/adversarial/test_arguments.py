@@ -205,3 +205,27 @@ def test_a_plot_target_that_cannot_be_drawn_is_refused_first(
     assert main(["report", str(tmp_path / "run"), "--plot", str(tmp_path / name)]) == 2
     assert "--plot" in capsys.readouterr().err
     assert not list(tmp_path.glob("*.png")) and not (tmp_path / "out.txt").exists()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "said"),
+    [
+        ({"seed": 2**64}, "'seed' must be an integer in"),
+        ({"shuffle": "no"}, "'shuffle' must be True or False"),
+        ({"drop_last": 1}, "'drop_last' must be True or False"),
+    ],
+)
+def test_sampler_arguments_are_checked(kwargs: dict[str, Any], said: str) -> None:
+    """``seed=2**64`` was accepted and the first epoch's permutation raised an overflow;
+    ``shuffle="no"`` shuffled."""
+    from coci_core import GlobalSampler
+
+    with pytest.raises(ConfigError, match=said):
+        GlobalSampler(10, num_replicas=1, rank=0, **kwargs)
+
+
+def test_a_policy_name_that_is_no_string_is_refused() -> None:
+    from coci_core.planner.policies import make_policy
+
+    with pytest.raises(ConfigError, match="'policy' must be one of"):
+        make_policy([])  # type: ignore[arg-type]

@@ -286,8 +286,8 @@ POLICIES: dict[str, Callable[..., SavePolicy]] = {
 
 def make_policy(name: str, **options: Any) -> SavePolicy:
     """Build the named policy; unknown names or options raise ConfigError."""
-    if name not in POLICIES:
-        raise ConfigError(f"'policy' must be one of {', '.join(POLICIES)}: {name!r}")
+    if not isinstance(name, str) or name not in POLICIES:
+        raise ConfigError(f"'policy' must be one of {', '.join(POLICIES)}: {name!r:.100}")
     try:
         return POLICIES[name](**options)
     except TypeError as e:
