@@ -75,7 +75,7 @@ def test_a_preemption_lead_time_beyond_a_day_is_refused(lead: float) -> None:
 def test_numbers_given_as_strings_or_beyond_floats_are_refused(make: Any) -> None:
     """A number-like string passed a float() check and was kept: every re-plan then failed
     and the planner never saved."""
-    with pytest.raises(ConfigError, match="must be (a number|finite)"):
+    with pytest.raises(ConfigError, match=r"must be (a number|finite)"):
         make()
 
 
