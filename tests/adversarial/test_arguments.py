@@ -229,3 +229,21 @@ def test_a_policy_name_that_is_no_string_is_refused() -> None:
 
     with pytest.raises(ConfigError, match="'policy' must be one of"):
         make_policy([])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["ls", "DIR", "--remote", "MISSING"], ["ls", ""], ["ls", "bogus://x"], ["verify", ""]],
+    ids=["remote-missing", "empty", "unknown-scheme", "verify-empty"],
+)
+def test_a_directory_that_cannot_be_read_is_one_line_exit_2(
+    tmp_path: Path, argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``coci ls DIR --remote /nonexistent`` exited 0 without a word; an empty directory
+    argument or an unknown URL scheme exited 1."""
+    with CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(1, {"w": torch.ones(3)}).wait()
+    names = {"DIR": str(tmp_path / "run"), "MISSING": str(tmp_path / "missing")}
+    assert main([names.get(a, a) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("coci: ") and "Traceback" not in err, err

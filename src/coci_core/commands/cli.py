@@ -76,20 +76,31 @@ def open_storage(target: str) -> Any:
 
 def _checkpoint_dir(target: str) -> Any:
     """The storage of an existing checkpoint directory (a local one must exist)."""
+    from coci_core.errors import ConfigError
     from coci_core.storage import is_url
 
+    if not target.strip():
+        raise BadInput("the directory is empty: give a checkpoint directory or URL")
     if not is_url(target):
         path = Path(target)
         if not path.exists():
             raise BadInput(f"{target}: the directory does not exist")
         if not path.is_dir():
             raise BadInput(f"{target}: not a directory")
-    return open_storage(target)
+    try:
+        return open_storage(target)
+    except ConfigError as e:  # an unknown URL scheme, ...
+        raise BadInput(f"{target}: {e}") from e
 
 
 def _remote(args: argparse.Namespace) -> Any:
-    """The storage of ``--remote`` (a second tier), or None."""
-    return open_storage(args.remote) if args.remote is not None else None
+    """The storage of ``--remote`` (a second tier; a local one must exist), or None."""
+    if args.remote is None:
+        return None
+    try:
+        return _checkpoint_dir(args.remote)
+    except BadInput as e:
+        raise BadInput(f"--remote {e}") from None
 
 
 def _ls(args: argparse.Namespace) -> int:
