@@ -247,3 +247,19 @@ def test_a_directory_that_cannot_be_read_is_one_line_exit_2(
     assert main([names.get(a, a) for a in argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("coci: ") and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "said"),
+    [
+        ({"termination": ["x"]}, "'termination' must be an integer"),
+        ({"termination": [1.5]}, "'termination' must be an integer"),
+        ({"loss_breakpoints": None}, "'loss_breakpoints' must be a list of steps"),
+        ({"loss_breakpoints": 5}, "'loss_breakpoints' must be a list of steps"),
+    ],
+)
+def test_planner_lists_are_checked(kwargs: dict[str, Any], said: str) -> None:
+    """``termination=[1.5]`` was truncated to rung 1 silently; ``["x"]`` and a breakpoint
+    list that is no list were raw errors."""
+    with pytest.raises(ConfigError, match=said):
+        Planner(mtbf_s=3600, **kwargs)

@@ -413,7 +413,7 @@ def make_termination(spec: Termination | Sequence[int] | None) -> Termination:
     if isinstance(spec, Termination):
         return spec
     if isinstance(spec, (list, tuple)):
-        return AshaRungs(rung_steps=tuple(int(s) for s in spec))
+        return AshaRungs(rung_steps=tuple(check_int("termination", s, minimum=0) for s in spec))
     raise ConfigError(
         f"'termination' must be None, a Termination model or a list of rung steps: {spec!r}"
     )

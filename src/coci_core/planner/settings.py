@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -188,6 +188,8 @@ def make_settings(
     if total is not None and total <= start:
         raise ConfigError(f"'total_steps' must be > start_step: {total_steps!r}")
     checked_termination = make_termination(termination)
+    if isinstance(loss_breakpoints, (str, bytes)) or not isinstance(loss_breakpoints, Iterable):
+        raise ConfigError(f"'loss_breakpoints' must be a list of steps: {loss_breakpoints!r:.100}")
     breakpoints = tuple(check_int("loss_breakpoints", b, minimum=0) for b in loss_breakpoints)
     min_horizon = check_int("min_horizon_steps", min_horizon_steps, minimum=1)
     if (
