@@ -263,3 +263,21 @@ def test_planner_lists_are_checked(kwargs: dict[str, Any], said: str) -> None:
     list that is no list were raw errors."""
     with pytest.raises(ConfigError, match=said):
         Planner(mtbf_s=3600, **kwargs)
+
+
+def test_a_one_shot_schedule_beyond_the_planners_horizon_is_refused() -> None:
+    """``plan_schedule(total_steps=10**8)`` ran for minutes and ``coci plan --total-steps
+    100000000000`` failed allocating 745 GiB."""
+    from coci_core.planner.schedule import plan_schedule
+
+    with pytest.raises(ConfigError, match="'total_steps' - 'start_step' must be at most"):
+        plan_schedule(
+            total_steps=10**8,
+            step_time_s=0.1,
+            stall_s=1.0,
+            persist_s=1.0,
+            restart_s=1.0,
+            mtbf_s=3600.0,
+        )
+    args = ["--step-time-s", "0.1", "--stall-s", "1", "--mtbf-s", "3600"]
+    assert main(["plan", "--total-steps", "100000000000", *args]) == 2
