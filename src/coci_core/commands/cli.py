@@ -22,6 +22,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from coci_core.commands.inputs import (
+    ADAPTER_EXPORTS,
+    BadInput,
+    check_export_target,
+    check_plot_target,
+    checkpoint_dir,
+    remote_dir,
+)
+
 __all__ = ["build_parser", "main"]
 
 
@@ -32,10 +41,6 @@ def __getattr__(name: str) -> Any:
 
         return read_foreign
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-class BadInput(Exception):
-    """The command line or its input is unusable: one line on stderr, exit code 2."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -67,48 +72,12 @@ def _checkpoint_ref(text: str) -> int | str:
     return _step(text)
 
 
-def open_storage(target: str) -> Any:
-    """:func:`coci_core.storage.open_storage`, imported when a subcommand runs."""
-    from coci_core.storage import open_storage as open_
-
-    return open_(target)
-
-
-def _checkpoint_dir(target: str) -> Any:
-    """The storage of an existing checkpoint directory (a local one must exist)."""
-    from coci_core.errors import ConfigError
-    from coci_core.storage import is_url
-
-    if not target.strip():
-        raise BadInput("the directory is empty: give a checkpoint directory or URL")
-    if not is_url(target):
-        path = Path(target)
-        if not path.exists():
-            raise BadInput(f"{target}: the directory does not exist")
-        if not path.is_dir():
-            raise BadInput(f"{target}: not a directory")
-    try:
-        return open_storage(target)
-    except ConfigError as e:  # an unknown URL scheme, ...
-        raise BadInput(f"{target}: {e}") from e
-
-
-def _remote(args: argparse.Namespace) -> Any:
-    """The storage of ``--remote`` (a second tier; a local one must exist), or None."""
-    if args.remote is None:
-        return None
-    try:
-        return _checkpoint_dir(args.remote)
-    except BadInput as e:
-        raise BadInput(f"--remote {e}") from None
-
-
 def _ls(args: argparse.Namespace) -> int:
     from coci_core.engine.restore.restore import committed_dirs, resume_step
     from coci_core.errors import CorruptCheckpointError, NoCheckpointError
 
-    storage = _checkpoint_dir(args.dir)
-    remote = _remote(args)
+    storage = checkpoint_dir(args.dir)
+    remote = remote_dir(args)
     tiers = [("local", storage)] + ([("remote", remote)] if remote is not None else [])
     listed = [(tier, tier_storage, committed_dirs(tier_storage)) for tier, tier_storage in tiers]
     if not any(steps for _, _, steps in listed):
@@ -212,8 +181,8 @@ def _size(n: int) -> str:
 def _verify(args: argparse.Namespace) -> int:
     from coci_core.engine.restore.restore import committed_dirs
 
-    storage = _checkpoint_dir(args.dir)
-    remote = _remote(args)
+    storage = checkpoint_dir(args.dir)
+    remote = remote_dir(args)
     tiers = [("", storage)] + ([("remote ", remote)] if remote is not None else [])
     if args.step is not None and remote is not None:
         # the tier that holds the step (both, when both do)
@@ -296,15 +265,15 @@ def _export(args: argparse.Namespace) -> int:
     from coci_core.errors import CociError, NoCheckpointError
     from coci_core.interop.exchange import export_state, require_safetensors
 
-    storage = _checkpoint_dir(args.dir)
-    remote = _remote(args)
+    storage = checkpoint_dir(args.dir)
+    remote = remote_dir(args)
     out = Path(args.out)
     if not out.parent.is_dir():
         raise BadInput(f"{args.out}: the directory {out.parent} does not exist")
     if args.rank < 0:
         raise BadInput(f"--rank must be 0 or more, got {args.rank}")
     fmt = args.format
-    _check_export_target(out, fmt)
+    check_export_target(out, fmt)
     if args.weights_only and fmt not in ("auto", "torch", "safetensors"):
         raise BadInput(
             f"--weights-only writes a .safetensors or torch.save file, not --format {fmt}"
@@ -353,37 +322,6 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
-PLOT_FORMATS = ("png", "pdf", "svg", "jpg", "jpeg")
-
-
-def _check_plot_target(out: Path) -> None:
-    """``--plot``: a file whose suffix names an image format, in a directory that exists."""
-    if out.suffix.lower().lstrip(".") not in PLOT_FORMATS:
-        raise BadInput(
-            f"--plot {out}: the file's suffix names its format, one of "
-            f"{', '.join('.' + f for f in PLOT_FORMATS)}"
-        )
-    if out.is_dir() or not out.parent.is_dir():
-        raise BadInput(f"--plot {out}: give a file in a directory that exists")
-
-
-def _check_export_target(out: Path, fmt: str) -> None:
-    """Refuse an OUT that the export would replace but is not what it writes: the file is
-    written beside OUT and renamed over it, which would replace a device, a FIFO or a link."""
-    if out.is_symlink():
-        raise BadInput(f"{out} is a symbolic link: give the path it points to")
-    if not out.exists():
-        return
-    directory = fmt in ("dcp", *ADAPTER_EXPORTS)
-    if directory and not out.is_dir():
-        raise BadInput(f"{out} exists and is not a directory: --format {fmt} writes a directory")
-    if not directory and not out.is_file():
-        raise BadInput(
-            f"{out} exists and is not a regular file: coci export writes a file and would "
-            "replace it"
-        )
-
-
 def _import(args: argparse.Namespace) -> int:
     from coci_core.engine.manager import CheckpointManager
     from coci_core.errors import CociError
@@ -407,9 +345,9 @@ def _import(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace) -> int:
     from coci_core.telemetry.report import render, summarize
 
-    _checkpoint_dir(args.dir)
+    checkpoint_dir(args.dir)
     if args.plot:
-        _check_plot_target(Path(args.plot))
+        check_plot_target(Path(args.plot))
     try:
         summary = summarize(args.dir)
     except FileNotFoundError as e:
@@ -429,7 +367,6 @@ def _report(args: argparse.Namespace) -> int:
 
 DEMO_ENTRY_POINTS = "coci.demos"  # adapters register their demo here (pyproject.toml)
 EXPORT_ENTRY_POINTS = "coci.exports"  # adapters register their export format here
-ADAPTER_EXPORTS = ("transformers",)  # the formats an adapter writes (`--format` choices)
 
 
 def adapter_exporter(fmt: str) -> Callable[[str, Path, int | None], str] | None:

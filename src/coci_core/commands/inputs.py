@@ -1,0 +1,93 @@
+"""What the ``coci`` subcommands check of their input before they read anything: the
+directories given, where an export or a plot is written. A failed check is :class:`BadInput`
+(one line on stderr, exit code 2)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "ADAPTER_EXPORTS",
+    "PLOT_FORMATS",
+    "BadInput",
+    "check_export_target",
+    "check_plot_target",
+    "checkpoint_dir",
+    "open_storage",
+    "remote_dir",
+]
+
+ADAPTER_EXPORTS = ("transformers",)  # the formats an adapter writes (`--format` choices)
+
+
+class BadInput(Exception):
+    """The command line or its input is unusable: one line on stderr, exit code 2."""
+
+
+def open_storage(target: str) -> Any:
+    """:func:`coci_core.storage.open_storage`, imported when a subcommand runs."""
+    from coci_core.storage import open_storage as open_
+
+    return open_(target)
+
+
+def checkpoint_dir(target: str) -> Any:
+    """The storage of an existing checkpoint directory (a local one must exist)."""
+    from coci_core.errors import ConfigError
+    from coci_core.storage import is_url
+
+    if not target.strip():
+        raise BadInput("the directory is empty: give a checkpoint directory or URL")
+    if not is_url(target):
+        path = Path(target)
+        if not path.exists():
+            raise BadInput(f"{target}: the directory does not exist")
+        if not path.is_dir():
+            raise BadInput(f"{target}: not a directory")
+    try:
+        return open_storage(target)
+    except ConfigError as e:  # an unknown URL scheme, ...
+        raise BadInput(f"{target}: {e}") from e
+
+
+def remote_dir(args: argparse.Namespace) -> Any:
+    """The storage of ``--remote`` (a second tier; a local one must exist), or None."""
+    if args.remote is None:
+        return None
+    try:
+        return checkpoint_dir(args.remote)
+    except BadInput as e:
+        raise BadInput(f"--remote {e}") from None
+
+
+PLOT_FORMATS = ("png", "pdf", "svg", "jpg", "jpeg")
+
+
+def check_plot_target(out: Path) -> None:
+    """``--plot``: a file whose suffix names an image format, in a directory that exists."""
+    if out.suffix.lower().lstrip(".") not in PLOT_FORMATS:
+        raise BadInput(
+            f"--plot {out}: the file's suffix names its format, one of "
+            f"{', '.join('.' + f for f in PLOT_FORMATS)}"
+        )
+    if out.is_dir() or not out.parent.is_dir():
+        raise BadInput(f"--plot {out}: give a file in a directory that exists")
+
+
+def check_export_target(out: Path, fmt: str) -> None:
+    """Refuse an OUT that the export would replace but is not what it writes: the file is
+    written beside OUT and renamed over it, which would replace a device, a FIFO or a link."""
+    if out.is_symlink():
+        raise BadInput(f"{out} is a symbolic link: give the path it points to")
+    if not out.exists():
+        return
+    directory = fmt in ("dcp", *ADAPTER_EXPORTS)
+    if directory and not out.is_dir():
+        raise BadInput(f"{out} exists and is not a directory: --format {fmt} writes a directory")
+    if not directory and not out.is_file():
+        raise BadInput(
+            f"{out} exists and is not a regular file: coci export writes a file and would "
+            "replace it"
+        )
