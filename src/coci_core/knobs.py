@@ -87,6 +87,9 @@ REPLAN_CHANGE = 0.2
 REPLAN_SETTLED = 0.05
 #: The longest horizon planned at once (per-step arrays); longer runs are planned in windows.
 MAX_HORIZON_STEPS = 2_000_000
+#: The longest run one schedule plans at once (``plan_schedule``, ``coci plan``, the policies
+#: ``coci report`` compares): longer is minutes of work and GBs of per-step arrays.
+MAX_SCHEDULE_STEPS = 10 * MAX_HORIZON_STEPS
 #: The largest schedule grid (``grid_points``): a re-plan's work grows with it, and the
 #: training thread waits for a re-plan.
 MAX_GRID_POINTS = 10_000

@@ -149,7 +149,8 @@ class CociCallback(TrainerCallback):
         self._arguments = shared_options(locals())
         # checked now for what does not depend on the Trainer, again when training starts
         early = dict(self._arguments)
-        if policy == "every_n_steps" and every_n_steps is None:
+        given = planner_options if isinstance(planner_options, Mapping) else {}
+        if policy == "every_n_steps" and every_n_steps is None and "every_n_steps" not in given:
             early["every_n_steps"] = 1  # the Trainer's save_steps, known when training starts
         if policy == "epoch" and (planner_options is None or isinstance(planner_options, Mapping)):
             # the steps per epoch come from the Trainer when training starts: a stand-in
@@ -289,7 +290,12 @@ class CociCallback(TrainerCallback):
                     f"{args.save_total_limit} disagree: give one of them"
                 )
             arguments["keep_last"] = args.save_total_limit
-        if arguments["policy"] == "every_n_steps" and arguments["every_n_steps"] is None:
+        given = arguments["planner_options"] or {}
+        if (
+            arguments["policy"] == "every_n_steps"
+            and arguments["every_n_steps"] is None
+            and "every_n_steps" not in given  # the user's, not the Trainer's save_steps
+        ):
             save_steps = args.save_steps
             if save_steps < 1:  # a fraction of the run, as the Trainer reads it
                 total = planned_steps(trainer)[0]

@@ -281,3 +281,18 @@ def test_a_one_shot_schedule_beyond_the_planners_horizon_is_refused() -> None:
         )
     args = ["--step-time-s", "0.1", "--stall-s", "1", "--mtbf-s", "3600"]
     assert main(["plan", "--total-steps", "100000000000", *args]) == 2
+
+
+def test_values_a_legitimate_caller_gives_are_accepted() -> None:
+    """What the checks above must not refuse: a torch seed beyond 2**63 (``torch.seed()``
+    gives them), a numpy float, and the Trainer adapter's ``every_n_steps`` given only in
+    ``planner_options`` (it stands: the Trainer's ``save_steps`` does not override it)."""
+    import numpy as np
+
+    from coci_core import GlobalSampler
+    from coci_transformers import CociCallback
+
+    assert len(list(GlobalSampler(10, num_replicas=1, rank=0, seed=2**63 + 5))) == 10
+    assert CompressionPolicy(mode="lossy", lossy_target=np.float64(0.01)).lossy_target == 0.01
+    callback = CociCallback(policy="every_n_steps", planner_options={"every_n_steps": 200})
+    assert callback.options.planner_options["every_n_steps"] == 200

@@ -62,7 +62,7 @@ def remote_dir(args: argparse.Namespace) -> Any:
         raise BadInput(f"--remote {e}") from None
 
 
-PLOT_FORMATS = ("png", "pdf", "svg", "jpg", "jpeg")
+PLOT_FORMATS = ("png", "pdf", "svg", "svgz", "eps", "ps", "jpg", "jpeg", "tif", "tiff", "webp")
 
 
 def check_plot_target(out: Path) -> None:

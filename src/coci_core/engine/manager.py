@@ -12,6 +12,7 @@ one of the modules above; most of its lines are the public API's docstrings.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -378,8 +379,10 @@ class CheckpointManager:
         except StepExistsError:
             # A second job that restored the first's newest step and went on, while the first
             # still runs, reaches the first's steps: say that the directory is in use, first.
+            # A probe only: no rank queued this save, so nothing is aborted or counted.
             if self.group.is_coordinator and self._owner.lease is None:
-                self._own_directory(step, 0, group, alone)
+                with contextlib.suppress(StorageError):  # the step exists all the same
+                    acquire_lease(self.storage, self.group.session).release()
             raise
         flat = flatten_state(state, allow_torch_save=self.allow_torch_save, cache=self._flat_cache)
         own = flatten_per_rank(

@@ -10,7 +10,7 @@ import numpy as np
 import numpy.typing as npt
 
 from coci_core.errors import ConfigError
-from coci_core.knobs import MAX_HORIZON_STEPS
+from coci_core.knobs import MAX_SCHEDULE_STEPS
 from coci_core.planner.checks import check_int, check_nonnegative, check_positive
 from coci_core.planner.curve import (
     FLAT,
@@ -227,9 +227,9 @@ def plan_schedule(
     check_int("start_step", start_step, minimum=0)
     if total_steps <= start_step:
         raise ConfigError(f"'total_steps' must be > start_step ({start_step}): {total_steps!r}")
-    if total_steps - start_step > MAX_HORIZON_STEPS:  # per-step arrays: time and memory
+    if total_steps - start_step > MAX_SCHEDULE_STEPS:  # per-step arrays: time and memory
         raise ConfigError(
-            f"'total_steps' - 'start_step' must be at most {MAX_HORIZON_STEPS:,} for one "
+            f"'total_steps' - 'start_step' must be at most {MAX_SCHEDULE_STEPS:,} for one "
             f"schedule (a Planner plans a longer run in windows): {total_steps - start_step:,}"
         )
     check_positive("step_time_s", step_time_s)

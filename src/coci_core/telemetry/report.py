@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from coci_core.knobs import MAX_HORIZON_STEPS, TELEMETRY_PUT_DELAY_S, TELEMETRY_PUT_GAP_S
+from coci_core.knobs import MAX_SCHEDULE_STEPS, TELEMETRY_PUT_DELAY_S, TELEMETRY_PUT_GAP_S
 from coci_core.storage import is_url, open_storage
 from coci_core.telemetry import TELEMETRY_FILE
 from coci_core.telemetry.records import parse_records, skipped_line
@@ -64,7 +64,7 @@ def lost_steps(restored: int, reached: int) -> int:
 
 #: The longest run whose policies the report compares (the planner's per-step arrays; a step
 #: read from telemetry may be anything up to 2**63 - 1).
-COMPARE_MAX_STEPS = 10 * MAX_HORIZON_STEPS
+COMPARE_MAX_STEPS = MAX_SCHEDULE_STEPS
 
 #: The records that say the run reached their step.
 STEP_RECORDS = ("loss", "plan", "save", "progress", "end", "preemption")

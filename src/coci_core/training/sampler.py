@@ -59,8 +59,8 @@ class GlobalSampler(Sampler[int]):
             raise ConfigError(f"'num_replicas' must be an integer >= 1: {num_replicas!r}")
         if type(rank) is not int or not 0 <= rank < num_replicas:
             raise ConfigError(f"'rank' must be an integer in [0, {num_replicas - 1}]: {rank!r}")
-        if type(seed) is not int or not -(2**63) <= seed < 2**63 - 2**31:  # seed + epoch
-            raise ConfigError(f"'seed' must be an integer in [-2**63, 2**63 - 2**31): {seed!r:.60}")
+        if type(seed) is not int or not -(2**63) <= seed < 2**64 - 2**31:  # seed + epoch
+            raise ConfigError(f"'seed' must be an integer in [-2**63, 2**64 - 2**31): {seed!r:.60}")
         for name, flag in (("shuffle", shuffle), ("drop_last", drop_last)):
             if type(flag) is not bool:  # "no" would be true
                 raise ConfigError(f"{name!r} must be True or False: {flag!r:.100}")

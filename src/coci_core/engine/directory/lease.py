@@ -104,10 +104,10 @@ class Lease:
             _HELD.pop(self.key, None)
             if self._remote is not None:
                 self._remote.release()
-            if self._fd is not None:
+            fd, self._fd = self._fd, None
+            if fd is not None:
                 with contextlib.suppress(OSError):
-                    os.close(self._fd)  # closing the descriptor drops the flock
-                self._fd = None
+                    os.close(fd)  # closing the descriptor drops the flock
 
 
 class _OwnerRecord:
@@ -292,7 +292,18 @@ def _forget_in_child() -> None:
     _HELD.clear()
 
 
-os.register_at_fork(after_in_child=_forget_in_child)
+def _before_fork() -> None:
+    # No lease is half made or half released in the child: acquire_lease and release hold it.
+    _HELD_LOCK.acquire()
+
+
+def _after_fork_in_parent() -> None:
+    _HELD_LOCK.release()
+
+
+os.register_at_fork(
+    before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_forget_in_child
+)
 
 
 def _session_of(record: bytes) -> str | None:
@@ -438,4 +449,4 @@ def acquire_lease(storage: Storage, session: str) -> Lease:
             doc = dict(json.loads(info), renewed=time.time(), ttl=LEASE_TTL_S, machine=_machine())
             remote = _take_owner_record(store, doc, key)
         _HELD[key] = info
-    return Lease(key, fd, remote)
+        return Lease(key, fd, remote)  # registered under the lock: see _forget_in_child

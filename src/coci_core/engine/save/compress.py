@@ -11,6 +11,7 @@ when compressing does not pay, only the chunks whose hash changed. Each piece de
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -101,7 +102,7 @@ class CompressionPolicy:
         ):
             raise ConfigError(f"'lossy_bits' must be 8, 4, 2 or 'auto': {self.lossy_bits!r}")
         target = self.lossy_target
-        if type(target) not in (int, float) or not 0 < target < 1:
+        if isinstance(target, bool) or not isinstance(target, numbers.Real) or not 0 < target < 1:
             raise ConfigError(f"'lossy_target' must be in (0, 1): {self.lossy_target!r}")
         if self.lossy_optimizer not in _OPTIMIZER_CHOICES:
             raise ConfigError(

@@ -43,7 +43,10 @@ def check_timeout(name: str, value: Any) -> float | None:
         raise ConfigError(f"'{name}' must be None or a number of seconds >= 0: {value!r}")
     if value < 0:
         raise ConfigError(f"'{name}' must be >= 0: {value!r}")
-    return min(float(value), threading.TIMEOUT_MAX)
+    try:
+        return min(float(value), threading.TIMEOUT_MAX)
+    except OverflowError:  # an integer beyond a float: as long as a wait may be
+        return threading.TIMEOUT_MAX
 
 
 def check_step(step: Any) -> int:
