@@ -15,10 +15,10 @@ from typing import Any
 import torch
 from transformers import EarlyStoppingCallback, Trainer, TrainingArguments
 
-from coci_core.errors import ConfigError
+from coci_core.errors import CociError, ConfigError
 from coci_core.planner import Termination
 from coci_core.preemption import Preemption, SignalNotice
-from coci_core.training import PlanOutline, TensorBoardTelemetry
+from coci_core.training import PlanOutline, TensorBoardTelemetry, newest_step_dir
 
 logger = logging.getLogger(__name__)
 
@@ -244,3 +244,11 @@ def jit_checkpoint_off(trainer: Trainer, preemption: Preemption | None) -> bool:
         callback.jit_manager = None
         return True
     return False
+
+
+def coci_directory(path: Any) -> bool:
+    """Whether ``path`` is a directory holding committed coci checkpoints."""
+    try:
+        return newest_step_dir(str(path)) is not None
+    except (OSError, CociError):
+        return False

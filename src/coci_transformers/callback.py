@@ -44,7 +44,7 @@ from transformers.trainer_utils import get_last_checkpoint
 
 import coci_transformers._state as _state
 from coci_core import CompressionPolicy
-from coci_core.errors import CociError, ConfigError, NoCheckpointError, Preempted
+from coci_core.errors import ConfigError, NoCheckpointError, Preempted
 from coci_core.planner import SavePolicy
 from coci_core.preemption import NoticeSource, Preemption
 from coci_core.storage import is_url
@@ -57,7 +57,6 @@ from coci_core.training import (
     check_bool,
     is_trial_pruned,
     min_over_ranks,
-    newest_step_dir,
     report_sink,
     run_step_dir,
     shared_options,
@@ -68,6 +67,7 @@ from coci_transformers._trainer import (
     broadcast,
     calling_trainer,
     check_arguments,
+    coci_directory,
     early_stopping,
     jit_checkpoint_off,
     metric,
@@ -149,8 +149,8 @@ class CociCallback(TrainerCallback):
         self._arguments = shared_options(locals())
         # checked now for what does not depend on the Trainer, again when training starts
         early = dict(self._arguments)
-        given = planner_options if isinstance(planner_options, Mapping) else {}
-        if policy == "every_n_steps" and every_n_steps is None and "every_n_steps" not in given:
+        own = "every_n_steps" in (planner_options if isinstance(planner_options, Mapping) else {})
+        if policy == "every_n_steps" and every_n_steps is None and not own:
             early["every_n_steps"] = 1  # the Trainer's save_steps, known when training starts
         if policy == "epoch" and (planner_options is None or isinstance(planner_options, Mapping)):
             # the steps per epoch come from the Trainer when training starts: a stand-in
@@ -245,7 +245,7 @@ class CociCallback(TrainerCallback):
         coci_root = False  # resuming from a coci directory given by path
         if isinstance(resume, (str, os.PathLike)):
             found = step_dir_of(resume, self.options.storage_options)
-            root = found[0] if found else (resume if _coci_directory(resume) else None)
+            root = found[0] if found else (resume if coci_directory(resume) else None)
             if root is not None:
                 coci_root = True
                 if self._dirpath_given and str(root) != str(self._dirpath_arg):
@@ -290,11 +290,11 @@ class CociCallback(TrainerCallback):
                     f"{args.save_total_limit} disagree: give one of them"
                 )
             arguments["keep_last"] = args.save_total_limit
-        given = arguments["planner_options"] or {}
+        own = "every_n_steps" in (arguments["planner_options"] or {})  # the user's stands
         if (
             arguments["policy"] == "every_n_steps"
             and arguments["every_n_steps"] is None
-            and "every_n_steps" not in given  # the user's, not the Trainer's save_steps
+            and not own
         ):
             save_steps = args.save_steps
             if save_steps < 1:  # a fraction of the run, as the Trainer reads it
@@ -632,14 +632,6 @@ class CociCallback(TrainerCallback):
     def _announce_plan(self) -> None:
         """One log line at the first step: what coci plans and how to change it."""
         logger.info(plan_line(self._checkpointer().plan_outline(), self._total_source))
-
-
-def _coci_directory(path: Any) -> bool:
-    """Whether ``path`` is a directory holding committed coci checkpoints."""
-    try:
-        return newest_step_dir(str(path)) is not None
-    except (OSError, CociError):
-        return False
 
 
 def _when_restoring(

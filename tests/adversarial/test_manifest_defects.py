@@ -23,7 +23,7 @@ from coci_core import (
     CorruptCheckpointError,
     NoCheckpointError,
 )
-from coci_core.commands import cli
+from coci_core.commands import cli, inputs
 from coci_core.engine.directory import steps
 from coci_core.engine.format import tree
 from coci_core.engine.format.manifest import step_dir_name
@@ -523,7 +523,7 @@ def test_verify_reports_a_step_removed_while_verifying_as_gone(
     """Retention deleting a step while `coci verify` reads it is not damage."""
     _saved(tmp_path)
     storage = _delete_at(tmp_path, 1, op, nth)
-    monkeypatch.setattr(cli, "open_storage", lambda target: storage)
+    monkeypatch.setattr(inputs, "open_storage", lambda target: storage)
     assert cli.main(["verify", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "step 1: removed while verifying (not damaged)" in out
@@ -551,7 +551,7 @@ def test_ls_skips_a_step_removed_under_it(
 ) -> None:
     _saved(tmp_path)
     storage = _delete_at(tmp_path, 1, op, nth)
-    monkeypatch.setattr(cli, "open_storage", lambda target: storage)
+    monkeypatch.setattr(inputs, "open_storage", lambda target: storage)
     assert cli.main(["ls", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "damaged" not in out
