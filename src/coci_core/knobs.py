@@ -90,6 +90,12 @@ MAX_HORIZON_STEPS = 2_000_000
 #: The longest run one schedule plans at once (``plan_schedule``, ``coci plan``, the policies
 #: ``coci report`` compares): longer is minutes of work and GBs of per-step arrays.
 MAX_SCHEDULE_STEPS = 10 * MAX_HORIZON_STEPS
+
+#: The last step a plan holds (a checkpoint's step is an int64).
+MAX_PLAN_STEP = 2**63 - 1
+#: The most nodes a planner's failure model counts (a larger count, or a callable's value beyond
+#: it, is refused: the failure rate's sums would overflow a float).
+MAX_NODES = 10**9
 #: The largest schedule grid (``grid_points``): a re-plan's work grows with it, and the
 #: training thread waits for a re-plan.
 MAX_GRID_POINTS = 10_000

@@ -121,15 +121,45 @@ def test_restore_arguments_are_checked_not_misread(
         ({"strict": "no"}, "'strict' must be True or False"),
         ({"listeners": print}, "'listeners' must be a list of callables"),
         ({"listeners": 5}, "'listeners' must be a list of callables"),
-        ({"storage_options": [1]}, "'storage_options' must be a mapping"),
+        ({"storage_options": [1]}, "'storage_options' must be a dict"),
+        ({"storage_options": {"anon": True}}, "'storage_options' apply to an fsspec URL"),
+        (
+            {"remote": "REMOTE", "remote_storage_options": {"anon": True}},
+            "'remote_storage_options' apply to an fsspec URL",
+        ),
     ],
 )
 def test_manager_flags_and_containers_are_checked(
     tmp_path: Path, kwargs: dict[str, Any], said: str
 ) -> None:
-    """``allow_torch_save="False"`` switched pickling on (the string is true)."""
+    """``allow_torch_save="False"`` switched pickling on (the string is true); fsspec options
+    given with a local directory were ignored."""
+    if kwargs.get("remote") == "REMOTE":
+        kwargs = {**kwargs, "remote": str(tmp_path / "remote")}
     with pytest.raises(ConfigError, match=said):
-        CheckpointManager(tmp_path, **kwargs)
+        CheckpointManager(tmp_path / "run", **kwargs)
+    with CheckpointManager(tmp_path / "run") as mgr:  # nothing was left held
+        mgr.save(1, {"w": torch.ones(2)}).wait()
+
+
+@pytest.mark.parametrize("spelling", ["same", "trailing-slash", "symlink"])
+def test_a_remote_tier_that_is_the_directory_itself_is_refused(
+    tmp_path: Path, spelling: str
+) -> None:
+    """``remote=`` the local directory was accepted, and every upload then found the directory
+    in use by this very manager (logged once: nothing was ever uploaded)."""
+    local = tmp_path / "run"
+    local.mkdir()
+    remote: Any = {"same": local, "trailing-slash": f"{local}/", "symlink": tmp_path / "link"}[
+        spelling
+    ]
+    (tmp_path / "link").symlink_to(local)
+    with pytest.raises(ConfigError, match="'remote' must be another place than 'directory'"):
+        CheckpointManager(local, remote=remote)
+    with CheckpointManager(local, remote=tmp_path / "elsewhere") as mgr:
+        mgr.save(1, {"w": torch.ones(2)}).wait()
+    with CheckpointManager(tmp_path / "elsewhere") as uploaded:
+        assert uploaded.steps() == [1]
 
 
 @pytest.mark.parametrize("flag", ["block", "alone"])
@@ -263,6 +293,66 @@ def test_planner_lists_are_checked(kwargs: dict[str, Any], said: str) -> None:
     list that is no list were raw errors."""
     with pytest.raises(ConfigError, match=said):
         Planner(mtbf_s=3600, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "said"),
+    [
+        ({"nodes": lambda step: -1.0}, "'nodes' must return numbers in"),
+        ({"nodes": lambda step: float("nan")}, "'nodes' must return numbers in"),
+        ({"nodes": lambda step: "4"}, "'nodes' must return numbers: '4'"),
+        ({"nodes": lambda step: 1 / 0}, "'nodes' raised ZeroDivisionError at step 0"),
+        ({"nodes": 10**10}, "'nodes' must be in"),
+        ({"start_step": 2**63}, "'start_step' must be in"),
+        ({"total_steps": 2**64}, "'total_steps' must be in"),
+    ],
+)
+def test_a_failure_model_that_cannot_plan_is_refused_at_construction(
+    kwargs: dict[str, Any], said: str
+) -> None:
+    """A ``nodes`` callable giving -1, NaN or a string, or raising, was accepted, and every
+    re-plan then failed (logged once): no save was ever planned."""
+    with pytest.raises(ConfigError, match=said):
+        Planner(mtbf_s=3600.0, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"mtbf_s": 1e308},
+        {"default_mtbf_s": 1e308},
+        {"mtbf_s": 1e-300, "nodes": lambda step: 1e9},
+        {"mtbf_s": 1e308, "nodes": lambda step: 1e-300},
+        {"start_step": 2**63 - 100},
+        {"start_step": 2**62, "policy": "young"},
+    ],
+)
+def test_extreme_but_valid_settings_plan_without_error(
+    kwargs: dict[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """An MTBF of 1e308 s made the planning horizon infinite, a run starting near the last
+    int64 step overflowed the schedule: every re-plan failed (logged) instead of planning
+    (here: no save, or a save at every step, as the extremes say)."""
+    planner = Planner(stall_s=0.01, **kwargs)
+    start = kwargs.get("start_step", 0)
+    for step in range(start, start + 60):
+        planner.observe(step, loss=1.0 / (1 + step - start), step_time_s=0.1)
+        planner.should_save(step)
+    assert "re-planning" not in caplog.text, caplog.text
+    assert planner.replans >= 1 or start > 2**63 - 1000
+
+
+@pytest.mark.parametrize(
+    ("policies", "said"),
+    [("", "names no policy"), (" , ", "names no policy"), ("young:foo", "only coci takes")],
+)
+def test_simulate_policies_that_name_nothing_are_refused(
+    policies: str, said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--policies ""`` printed an empty table and ``young:foo`` ignored ``:foo``."""
+    common = ["--total-steps", "1000", "--step-time-s", "0.5", "--stall-s", "1", "--mtbf-s", "3600"]
+    assert main(["simulate", *common, "--runs", "10", "--policies", policies]) == 2
+    assert said in capsys.readouterr().err
 
 
 def test_a_one_shot_schedule_beyond_the_planners_horizon_is_refused() -> None:

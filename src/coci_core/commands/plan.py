@@ -257,9 +257,16 @@ def run_simulate(args: argparse.Namespace) -> int:
             **kw,
         )
         names = [n.strip() for n in args.policies.split(",") if n.strip()]
+        if not names:
+            raise ConfigError(f"'--policies' names no policy: {args.policies!r}")
         scheds: dict[str, Any] = {}
         for name in names:
-            base, _, obj = name.partition(":")
+            base, colon, obj = name.partition(":")
+            if colon and base != "coci":
+                raise ConfigError(
+                    f"'--policies' gives {name!r}: only coci takes a ':<objective>' "
+                    f"(as in coci:time)"
+                )
             if base == "coci":
                 s = plan_schedule(**{**inp, "objective": obj or inp["objective"]})
                 scheds[f"coci[{obj or inp['objective']}]"] = s.steps

@@ -26,7 +26,7 @@ from coci_core.engine import lifecycle
 from coci_core.engine.agreement import RestoreAgreement
 from coci_core.engine.directory import retention
 from coci_core.engine.directory.lease import acquire_lease
-from coci_core.engine.directory.tiers import RemoteTier
+from coci_core.engine.directory.tiers import RemoteTier, same_place
 from coci_core.engine.format.manifest import Manifest
 from coci_core.engine.format.tree import ArrayLeaf, FlattenCache, flatten_state
 from coci_core.engine.group import RankGroup
@@ -69,7 +69,7 @@ from coci_core.errors import (
     StepExistsError,
     StorageError,
 )
-from coci_core.storage import Storage, open_storage
+from coci_core.storage import Storage, check_storage_options, open_storage
 from coci_core.telemetry import Listener, RestoreEvent, emit
 
 __all__ = ["CheckpointManager", "SaveHandle"]
@@ -181,11 +181,12 @@ class CheckpointManager:
             raise ConfigError(
                 f"'listeners' must be a list of callables, got {listeners!r:.100}"
             ) from None
-        if storage_options is not None and not isinstance(storage_options, Mapping):
-            raise ConfigError(
-                f"'storage_options' must be a mapping of option names to values (a dict), got "
-                f"{storage_options!r:.100}"
-            )
+        storage_options = check_storage_options(
+            storage_options, directory, names=("storage_options", "directory")
+        )
+        remote_storage_options = check_storage_options(
+            remote_storage_options, remote, names=("remote_storage_options", "remote")
+        )
         group = group if group is not None else RankGroup.default()
         if group.world_size > 1 and on_busy != "wait":
             raise ConfigError(
@@ -198,7 +199,12 @@ class CheckpointManager:
         for listener in listeners:
             if not callable(listener):
                 raise ConfigError(f"'listeners' must be callables, got {listener!r}")
-        self.storage = open_storage(directory, **dict(storage_options or {}))
+        self.storage = open_storage(directory, **storage_options)
+        remote_storage = None if remote is None else open_storage(remote, **remote_storage_options)
+        if remote_storage is not None and same_place(self.storage, remote_storage):
+            raise ConfigError(
+                f"'remote' must be another place than 'directory': both are {self.storage.url!r}"
+            )
         self.keep_last = keep_last
         self.on_busy = on_busy
         self.strict = bool(strict)
@@ -244,10 +250,10 @@ class CheckpointManager:
             else:
                 retention.remove_uncommitted(self.storage, self.group, done_seq=None)
         self.remote: RemoteTier | None = None
-        if remote is not None:
+        if remote_storage is not None:
             self.remote = RemoteTier(
                 self.storage,
-                open_storage(remote, **dict(remote_storage_options or {})),
+                remote_storage,
                 keep_last=remote_keep_last,
                 group=group,
                 run_id=lifecycle.weak_run_id(self, group.session),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -11,6 +12,7 @@ import numpy as np
 import numpy.typing as npt
 
 from coci_core.errors import ConfigError
+from coci_core.knobs import MAX_NODES
 from coci_core.planner.checks import check_int, check_nonnegative, check_positive
 
 __all__ = [
@@ -25,9 +27,12 @@ __all__ = [
     "alive_at",
     "describe_termination",
     "estimate_mtbf_s",
+    "nodes_at",
 ]
 
 FloatArray = npt.NDArray[np.float64]
+
+_MIN_RATE, _MAX_RATE = 1e-100, 1e100  # failures per second
 
 #: MTBF assumed for the whole job when the user gives none and the run has no restart history.
 DEFAULT_MTBF_S = 24 * 3600.0
@@ -49,23 +54,44 @@ class FailureModel:
     def __post_init__(self) -> None:
         check_positive("mtbf_s", self.mtbf_s)
         if not callable(self.nodes):
-            check_int("nodes", self.nodes, minimum=1)
+            check_int("nodes", self.nodes, minimum=1, maximum=MAX_NODES)
 
     def rate_per_s(self, steps: npt.ArrayLike) -> FloatArray:
         """Return the failure rate (1/s) at each of ``steps``."""
         ks = np.asarray(steps, dtype=np.int64)
         if callable(self.nodes):
-            counts = np.array([float(self.nodes(int(k))) for k in ks], dtype=np.float64)
-            if not np.all(np.isfinite(counts)) or np.any(counts <= 0):
-                raise ConfigError(f"'nodes' must return finite values > 0: {counts.min()!r}")
+            counts = np.array([nodes_at(self.nodes, int(k)) for k in ks], dtype=np.float64)
         else:
             counts = np.full(ks.shape, float(self.nodes))
-        return counts / self.mtbf_s
+        # bounded: the extremes of MTBF and node count (1e308 s, 1e-300 nodes) plan the same
+        # (never, every step) and their sums and reciprocals stay finite
+        with np.errstate(over="ignore", under="ignore"):
+            return np.clip(counts / self.mtbf_s, _MIN_RATE, _MAX_RATE)
 
     @property
     def is_constant(self) -> bool:
         """Whether the rate is the same at every step."""
         return not callable(self.nodes)
+
+
+def nodes_at(nodes: Callable[[int], float], step: int) -> float:
+    """``nodes(step)``, checked: a real number in (0, MAX_NODES].
+
+    Raises:
+        ConfigError: naming ``nodes``, the step and what it gave (or raised).
+    """
+    try:
+        value = nodes(step)
+    except Exception as e:
+        raise ConfigError(f"'nodes' raised {type(e).__name__} at step {step}: {e}") from e
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ConfigError(f"'nodes' must return numbers: {value!r:.100} at step {step}")
+    count = float(value)
+    if not 0 < count <= MAX_NODES:  # also NaN
+        raise ConfigError(
+            f"'nodes' must return numbers in (0, {MAX_NODES:,}]: {value!r:.100} at step {step}"
+        )
+    return count
 
 
 def estimate_mtbf_s(

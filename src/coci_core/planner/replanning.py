@@ -22,6 +22,7 @@ from coci_core.knobs import (
     COST_CHECK_EVERY,
     FIXED_AHEAD_STEPS,
     MAX_HORIZON_STEPS,
+    MAX_PLAN_STEP,
     REGIME_CHECK_EVERY,
     REPLAN_CHANGE,
     REPLAN_MIN_GAP_STEPS,
@@ -216,9 +217,12 @@ class Replanner:
             end = s.total_steps
         else:
             interval = s.fixed_every or (daly_interval_s(inputs["stall_s"], inputs["mtbf_s"]) / tau)
-            end = start + max(s.min_horizon_steps, 2 * since, math.ceil(20 * interval))
-        # per-step arrays bound the horizon; a longer run is planned in windows
-        end = min(end, start + MAX_HORIZON_STEPS)
+            # an MTBF of 1e308 s makes the interval infinite: the horizon is bounded below anyway
+            ahead_steps = 20 * interval if 20 * interval < MAX_HORIZON_STEPS else MAX_HORIZON_STEPS
+            end = start + max(s.min_horizon_steps, 2 * since, math.ceil(ahead_steps))
+        # per-step arrays bound the horizon; a longer run is planned in windows (and no step
+        # is planned past the last a checkpoint can have)
+        end = min(end, start + MAX_HORIZON_STEPS, MAX_PLAN_STEP)
         if end - start < 2:
             self.schedule, self.ptr = [], 0
             return

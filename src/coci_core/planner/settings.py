@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from coci_core.errors import ConfigError
+from coci_core.knobs import MAX_NODES, MAX_PLAN_STEP
 from coci_core.planner.checks import check_int, check_optional_positive, check_positive
 from coci_core.planner.costs import CostInputs
 from coci_core.planner.fixed_interval import fixed_interval_of
-from coci_core.planner.model import Termination, make_termination
+from coci_core.planner.model import Termination, make_termination, nodes_at
 from coci_core.planner.objectives import Objective, make_objective
 from coci_core.planner.policies import (
     POLICIES,
@@ -175,16 +176,22 @@ def make_settings(
     method = carried.get("method", method)
     checkfreq_overhead_bound = carried.get("checkfreq_overhead_bound", checkfreq_overhead_bound)
     checked_objective = make_objective(objective).name
-    total = None if total_steps is None else check_int("total_steps", total_steps, minimum=1)
+    total = (
+        None
+        if total_steps is None
+        else check_int("total_steps", total_steps, minimum=1, maximum=MAX_PLAN_STEP)
+    )
     checked_mtbf = check_optional_positive("mtbf_s", mtbf_s)
     checked_default_mtbf = check_positive("default_mtbf_s", default_mtbf_s)
     if not callable(nodes):
-        check_int("nodes", nodes, minimum=1)
+        check_int("nodes", nodes, minimum=1, maximum=MAX_NODES)
     every_steps = (
         None if every_n_steps is None else check_int("every_n_steps", every_n_steps, minimum=1)
     )
     every_seconds = check_optional_positive("every_n_seconds", every_n_seconds)
-    start = check_int("start_step", start_step, minimum=0)
+    start = check_int("start_step", start_step, minimum=0, maximum=MAX_PLAN_STEP)
+    if callable(nodes):
+        nodes_at(nodes, start)  # a callable that fails, fails here rather than in each re-plan
     if total is not None and total <= start:
         raise ConfigError(f"'total_steps' must be > start_step: {total_steps!r}")
     checked_termination = make_termination(termination)

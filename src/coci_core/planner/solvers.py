@@ -27,6 +27,8 @@ __all__ = ["closed_form_schedule", "dp_schedule", "uniform_schedule"]
 
 def uniform_schedule(pb: Problem, interval_steps: float) -> IntArray:
     """Checkpoints every ``interval_steps`` (rounded, at least 1) from ``start_step``."""
+    if not interval_steps < pb.end_step - pb.start_step:  # also infinite (an MTBF of 1e308 s)
+        return np.empty(0, dtype=np.int64)
     k = max(1, round(interval_steps))
     return np.arange(pb.start_step + k, pb.end_step, k, dtype=np.int64)
 

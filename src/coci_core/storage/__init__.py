@@ -6,7 +6,13 @@ from __future__ import annotations
 from coci_core.storage.base import STAGING_MARK, RecordStore, Storage, StorageWrapper, staging_name
 from coci_core.storage.fsspec import FsspecStorage
 from coci_core.storage.local import LocalStorage
-from coci_core.storage.registry import StorageFactory, is_url, open_storage, register_storage
+from coci_core.storage.registry import (
+    StorageFactory,
+    check_storage_options,
+    is_url,
+    open_storage,
+    register_storage,
+)
 
 __all__ = [
     "STAGING_MARK",
@@ -16,6 +22,7 @@ __all__ = [
     "Storage",
     "StorageFactory",
     "StorageWrapper",
+    "check_storage_options",
     "is_url",
     "open_storage",
     "register_storage",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any, TypeGuard
 
@@ -14,7 +14,14 @@ from coci_core.storage.base import Storage
 from coci_core.storage.fsspec import FsspecStorage
 from coci_core.storage.local import LocalStorage
 
-__all__ = ["ENTRY_POINTS", "StorageFactory", "is_url", "open_storage", "register_storage"]
+__all__ = [
+    "ENTRY_POINTS",
+    "StorageFactory",
+    "check_storage_options",
+    "is_url",
+    "open_storage",
+    "register_storage",
+]
 
 #: The entry-point group of backends other packages install: ``<scheme> = "module:Factory"``.
 ENTRY_POINTS = "coci.storage"
@@ -61,6 +68,28 @@ def register_storage(scheme: str, factory: StorageFactory) -> None:
 def is_url(target: object) -> TypeGuard[str]:
     """Whether ``target`` is a URL (``s3://...``), which coci keeps as a string."""
     return isinstance(target, str) and "://" in target
+
+
+def check_storage_options(
+    options: object, dirpath: object, *, names: tuple[str, str] = ("storage_options", "dirpath")
+) -> dict[str, Any]:
+    """``storage_options`` is None or a dict of fsspec options (str keys) for an fsspec URL
+    ``dirpath`` (a string with ``://``); the dict to pass on, or a ConfigError naming it (which
+    never shows the values: they hold credentials). ``names`` names the two arguments."""
+    option_name, url_name = names
+    if options is None:
+        return {}
+    if not isinstance(options, Mapping) or not all(isinstance(k, str) for k in options):
+        raise ConfigError(
+            f"'{option_name}' must be a dict of fsspec options (str keys) or None, got "
+            f"{type(options).__name__}"
+        )
+    if options and not is_url(dirpath):
+        raise ConfigError(
+            f"'{option_name}' apply to an fsspec URL '{url_name}' (e.g. 's3://bucket/run'), "
+            f"not to {dirpath!r}"
+        )
+    return dict(options)
 
 
 def open_storage(target: str | os.PathLike[str] | Storage, **storage_options: Any) -> Storage:

@@ -21,7 +21,7 @@ from coci_core.planner import PlannerConfig, planner_config
 from coci_core.planner.policies import SavePolicy
 from coci_core.planner.settings import policy_arguments
 from coci_core.preemption import NoticeSource, Preemption, check_preemption
-from coci_core.storage import Storage, is_url
+from coci_core.storage import Storage, check_storage_options, is_url
 
 __all__ = [
     "SHARED_ARGUMENTS",
@@ -46,28 +46,6 @@ def check_bool(name: str, value: object) -> bool:
 def check_verbose(verbose: object) -> bool:
     """``verbose`` is a bool, or a ConfigError naming it."""
     return check_bool("verbose", verbose)
-
-
-def check_storage_options(
-    options: object, dirpath: object, *, names: tuple[str, str] = ("storage_options", "dirpath")
-) -> dict[str, Any]:
-    """``storage_options`` is None or a dict of fsspec options (str keys) for an fsspec URL
-    ``dirpath`` (a string with ``://``); the dict to pass on, or a ConfigError naming it (which
-    never shows the values: they hold credentials). ``names`` names the two arguments."""
-    option_name, url_name = names
-    if options is None:
-        return {}
-    if not isinstance(options, Mapping) or not all(isinstance(k, str) for k in options):
-        raise ConfigError(
-            f"'{option_name}' must be a dict of fsspec options (str keys) or None, got "
-            f"{type(options).__name__}"
-        )
-    if options and not is_url(dirpath):
-        raise ConfigError(
-            f"'{option_name}' apply to an fsspec URL '{url_name}' (e.g. 's3://bucket/run'), "
-            f"not to {dirpath!r}"
-        )
-    return dict(options)
 
 
 def check_upload_every(value: object) -> int | Literal["auto"]:

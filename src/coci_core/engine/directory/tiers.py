@@ -20,6 +20,7 @@ that did not reach the remote.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -39,9 +40,18 @@ from coci_core.knobs import (
 from coci_core.storage import Storage
 from coci_core.telemetry import UploadEvent
 
-__all__ = ["RemoteTier"]
+__all__ = ["RemoteTier", "same_place"]
 
 logger = logging.getLogger(__name__)
+
+
+def same_place(a: Storage, b: Storage) -> bool:
+    """Whether two storages are one directory (one local directory by its real path, else
+    one URL)."""
+    root_a, root_b = a.local_root(), b.local_root()
+    if root_a is not None and root_b is not None:
+        return os.path.realpath(root_a) == os.path.realpath(root_b)
+    return a.url.rstrip("/") == b.url.rstrip("/")
 
 
 class RemoteTier:
