@@ -23,8 +23,8 @@ import urllib.request
 from pathlib import Path
 
 from coci_core.errors import ConfigError
-from coci_core.knobs import MAX_LEAD_S, METADATA_POLL_S, METADATA_TIMEOUT_S
-from coci_core.preemption.notice import Notice, NoticeBoard, NoticeSource
+from coci_core.knobs import METADATA_POLL_S, METADATA_TIMEOUT_S
+from coci_core.preemption.notice import Notice, NoticeBoard, NoticeSource, check_lead_s
 
 __all__ = [
     "LINK_LOCAL",
@@ -184,15 +184,7 @@ class GceNotice(MetadataPoller):
         self, endpoint: str = LINK_LOCAL, *, lead_s: float = 30.0, **options: float
     ) -> None:
         super().__init__(endpoint, **options)
-        if (
-            isinstance(lead_s, bool)
-            or not isinstance(lead_s, int | float)
-            or not 0 < lead_s <= MAX_LEAD_S
-        ):
-            raise ConfigError(
-                f"the gce notice's lead_s must be in (0, {MAX_LEAD_S}] seconds: {lead_s!r}"
-            )
-        self.lead_s = float(lead_s)
+        self.lead_s = check_lead_s(lead_s, "the gce notice")
 
     def check(self) -> Notice | None:
         body = self._get("/computeMetadata/v1/instance/preempted", {"Metadata-Flavor": "Google"})

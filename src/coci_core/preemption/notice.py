@@ -11,7 +11,25 @@ import dataclasses
 import threading
 import time
 
-__all__ = ["Notice", "NoticeBoard", "NoticeSource"]
+from coci_core.errors import ConfigError
+from coci_core.knobs import MAX_LEAD_S
+
+__all__ = ["Notice", "NoticeBoard", "NoticeSource", "check_lead_s"]
+
+
+def check_lead_s(lead_s: object, what: str) -> float:
+    """``lead_s`` as seconds, or a ConfigError naming ``what`` unless it is a number in
+    (0, MAX_LEAD_S] (``inf`` would never stop training; 1e308 overflows a deadline)."""
+    if (
+        isinstance(lead_s, bool)
+        or not isinstance(lead_s, int | float)
+        or not 0 < lead_s <= MAX_LEAD_S
+    ):
+        raise ConfigError(
+            f"the lead time of {what} must be a number of seconds in (0, {MAX_LEAD_S}] "
+            f"(a day at most): {lead_s!r}"
+        )
+    return float(lead_s)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,8 +10,7 @@ from types import FrameType
 from typing import Any
 
 from coci_core.errors import ConfigError
-from coci_core.knobs import MAX_LEAD_S
-from coci_core.preemption.notice import Notice, NoticeBoard, NoticeSource
+from coci_core.preemption.notice import Notice, NoticeBoard, NoticeSource, check_lead_s
 
 __all__ = ["SIGNALS", "SignalNotice"]
 
@@ -41,18 +40,9 @@ class SignalNotice(NoticeSource):
             raise ConfigError(
                 f"the preemption signal must be one of {', '.join(SIGNALS)}: {signame!r}"
             )
-        if (
-            isinstance(lead_s, bool)
-            or not isinstance(lead_s, int | float)
-            or not 0 < lead_s <= MAX_LEAD_S
-        ):
-            raise ConfigError(
-                f"the lead time of {signame} must be a number of seconds in (0, {MAX_LEAD_S}] "
-                f"(a day at most): {lead_s!r}"
-            )
         self.name = signame
         self.signum = signal.Signals[signame]
-        self.lead_s = float(lead_s)
+        self.lead_s = check_lead_s(lead_s, signame)
         self._previous: Any = None
         self._installed = False
 
