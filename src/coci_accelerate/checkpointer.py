@@ -571,8 +571,10 @@ def _warn_unless_one_run(accelerator: Accelerator) -> None:
         warnings.warn(
             f"coci: WORLD_SIZE={launched} but the Accelerator runs one process: each of the "
             f"{launched} processes is a run of its own, writing into the same checkpoint "
-            "directory. On a CPU machine pass Accelerator(cpu=True), so that the processes "
-            "form one run (gloo); on a GPU machine, check that each process sees a GPU",
+            "directory, where the first to save holds it and the others' saves fail with "
+            "DirectoryInUseError. On a CPU machine pass Accelerator(cpu=True), so that the "
+            "processes form one run (gloo); on a GPU machine, check that each process sees a "
+            "GPU",
             UserWarning,
             stacklevel=3,
         )

@@ -1,35 +1,55 @@
 """The arguments of Lightning's ``ModelCheckpoint`` that its users bring to ``CociCheckpoint``:
-``every_n_train_steps`` (the ``every_n_steps`` policy), ``mode`` (checked here, used by
-``ckpt_path="best"``), and the two coci refuses with a reason, ``save_weights_only`` and
-``filename``, rather than a bare ``TypeError``."""
+``every_n_train_steps`` (the ``every_n_steps`` policy), ``train_time_interval`` (the
+``every_n_seconds`` policy), ``mode`` (checked here, used by ``ckpt_path="best"``),
+``save_last=True`` (what coci always does), and those coci refuses with a reason rather than a
+bare ``TypeError``: ``save_weights_only``, ``filename``, ``save_top_k`` and ``save_last=False``."""
 
 from __future__ import annotations
+
+import datetime
+from typing import NamedTuple
 
 from coci_core.errors import ConfigError
 from coci_core.planner import SavePolicy
 
-__all__ = ["MODES", "model_checkpoint_arguments"]
+__all__ = ["MODES", "Interval", "model_checkpoint_arguments"]
 
 MODES = ("min", "max")
+
+
+class Interval(NamedTuple):
+    """The policy and its interval that ModelCheckpoint's arguments ask for."""
+
+    policy: str | SavePolicy
+    every_n_steps: int | None
+    every_n_seconds: float | None
 
 
 def model_checkpoint_arguments(
     *,
     policy: str | SavePolicy,
     every_n_steps: int | None,
+    every_n_seconds: float | None,
     every_n_train_steps: int | None,
+    train_time_interval: object,
     mode: object,
     save_weights_only: object,
     filename: object,
-) -> tuple[str | SavePolicy, int | None]:
-    """The policy and ``every_n_steps`` that ModelCheckpoint's arguments ask for.
+    save_top_k: object,
+    save_last: object,
+) -> Interval:
+    """The policy, ``every_n_steps`` and ``every_n_seconds`` that ModelCheckpoint's arguments
+    ask for.
 
     ``every_n_train_steps=N`` is ``policy="every_n_steps", every_n_steps=N``: a save every N
-    steps, as ModelCheckpoint takes them (``every_n_steps`` alone only caps coci's interval).
+    steps, as ModelCheckpoint takes them (``every_n_steps`` alone only caps coci's interval);
+    ``train_time_interval=timedelta(...)`` is ``policy="every_n_seconds"`` with its seconds.
 
     Raises:
-        ConfigError: a bad ``mode``; ``every_n_train_steps`` beside ``every_n_steps`` or another
-            policy; ``save_weights_only=True`` or a ``filename`` (each says why, and what to do).
+        ConfigError: a bad ``mode``; ``every_n_train_steps`` or ``train_time_interval`` beside
+            the option it stands for, each other or another policy; ``save_weights_only=True``,
+            a ``filename``, a ``save_top_k`` or ``save_last`` other than True (each says why,
+            and what to do).
     """
     if mode not in MODES:
         raise ConfigError(
@@ -51,8 +71,35 @@ def model_checkpoint_arguments(
             "way, `coci export DIR NAME.safetensors --weights-only` or `coci export DIR "
             "NAME.ckpt`)"
         )
+    if save_top_k is not None:
+        raise ConfigError(
+            f"'save_top_k' ({save_top_k!r:.40}): coci keeps the newest checkpoints, as many as "
+            "keep_last=N says (a resume needs the newest); for the best k by a metric, add a "
+            "ModelCheckpoint(monitor=..., save_top_k=k) beside CociCheckpoint"
+        )
+    if save_last is not None and save_last is not True:
+        raise ConfigError(
+            f"'save_last' ({save_last!r:.40}): coci always keeps its newest checkpoint, which "
+            "ckpt_path='last' resumes from; leave save_last out (keep_last=N says how many "
+            "are kept)"
+        )
+    if train_time_interval is not None:
+        seconds = _seconds_of(train_time_interval)
+        if every_n_train_steps is not None or every_n_seconds is not None:
+            raise ConfigError(
+                "'train_time_interval' is ModelCheckpoint's name of coci's every_n_seconds "
+                "policy: pass one of train_time_interval, every_n_seconds and "
+                "every_n_train_steps"
+            )
+        if policy not in ("coci", "every_n_seconds"):
+            raise ConfigError(
+                f"'train_time_interval' selects the every_n_seconds policy (a save every so "
+                f"many seconds of training), and 'policy' is {policy!r}: pass "
+                "every_n_seconds=S for that policy's interval"
+            )
+        return Interval("every_n_seconds", every_n_steps, seconds)
     if every_n_train_steps is None:
-        return policy, every_n_steps
+        return Interval(policy, every_n_steps, every_n_seconds)
     if type(every_n_train_steps) is not int or every_n_train_steps < 1:
         raise ConfigError(
             f"'every_n_train_steps' (coci's every_n_steps) must be an integer >= 1: "
@@ -67,4 +114,13 @@ def model_checkpoint_arguments(
             f"'every_n_train_steps' selects the every_n_steps policy (a save every N steps), "
             f"and 'policy' is {policy!r}: pass every_n_steps=N for that policy's interval"
         )
-    return "every_n_steps", every_n_train_steps
+    return Interval("every_n_steps", every_n_train_steps, every_n_seconds)
+
+
+def _seconds_of(interval: object) -> float:
+    if not isinstance(interval, datetime.timedelta) or interval.total_seconds() <= 0:
+        raise ConfigError(
+            f"'train_time_interval' must be a datetime.timedelta longer than zero (as "
+            f"ModelCheckpoint takes it): {interval!r:.60}"
+        )
+    return interval.total_seconds()

@@ -9,6 +9,7 @@ what the callback reads from the Trainer, its EarlyStopping hazard, its Checkpoi
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import logging
 import os
 import time
@@ -160,6 +161,11 @@ class CociCheckpoint(Checkpoint):
             how to get the weights alone: ``coci export DIR OUT --weights-only``).
         filename: ``ModelCheckpoint``'s; only None: coci names its checkpoints by step (a
             name is a ConfigError that says why).
+        save_top_k, save_last: ``ModelCheckpoint``'s; coci keeps the ``keep_last`` newest
+            checkpoints and always the newest: ``save_top_k`` and ``save_last=False`` are
+            ConfigErrors that say so (``save_last=True`` is what coci does).
+        train_time_interval: ``ModelCheckpoint``'s name: a ``timedelta`` is
+            ``policy="every_n_seconds", every_n_seconds=`` its seconds.
     """
 
     def __init__(
@@ -194,6 +200,9 @@ class CociCheckpoint(Checkpoint):
         every_n_train_steps: int | None = None,
         save_weights_only: bool = False,
         filename: str | None = None,
+        save_top_k: int | None = None,
+        save_last: bool | None = None,
+        train_time_interval: datetime.timedelta | None = None,
     ) -> None:
         super().__init__()
         dirpath = check_dirpath(dirpath)
@@ -214,13 +223,17 @@ class CociCheckpoint(Checkpoint):
             raise ConfigError(
                 f"'every_n_epochs' must be an integer >= 1 or None: {every_n_epochs!r}"
             )
-        policy, every_n_steps = model_checkpoint_arguments(
+        policy, every_n_steps, every_n_seconds = model_checkpoint_arguments(
             policy=policy,
             every_n_steps=every_n_steps,
+            every_n_seconds=every_n_seconds,
             every_n_train_steps=every_n_train_steps,
+            train_time_interval=train_time_interval,
             mode=mode,
             save_weights_only=save_weights_only,
             filename=filename,
+            save_top_k=save_top_k,
+            save_last=save_last,
         )
         self.every_n_epochs = every_n_epochs
         if policy == "epoch":

@@ -1,9 +1,10 @@
 """What a ModelCheckpoint user brings to CociCheckpoint (issue 42): ``every_n_train_steps=``
-(the every_n_steps policy), ``mode="max"``, ``save_weights_only`` and ``filename`` (refused,
-saying why), and ``coci export --weights-only``, whose file ``load_state_dict`` reads."""
+(the every_n_steps policy), ``train_time_interval`` (every_n_seconds), ``mode="max"``,
+``save_weights_only``, ``filename``, ``save_top_k`` and ``save_last=False`` (refused, saying why), and ``coci export --weights-only``, whose file ``load_state_dict`` reads."""
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,17 @@ def test_mode_max_takes_the_highest_value_as_best(tmp_path: Path) -> None:
         ({"every_n_train_steps": 5, "policy": "young"}, "pass every_n_steps=N"),
         ({"every_n_train_steps": 0}, "an integer >= 1"),
         ({"mode": "maximize"}, "'mode' must be 'min'"),
+        ({"save_top_k": 2}, "ModelCheckpoint(monitor=..., save_top_k=k) beside"),
+        ({"save_last": False}, "coci always keeps its newest checkpoint"),
+        ({"save_last": "link"}, "coci always keeps its newest checkpoint"),
+        ({"train_time_interval": 5}, "must be a datetime.timedelta"),
+        ({"train_time_interval": timedelta(0)}, "must be a datetime.timedelta"),
+        (
+            {"train_time_interval": timedelta(minutes=5), "every_n_seconds": 60.0},
+            "pass one of train_time_interval",
+        ),
+        ({"train_time_interval": timedelta(minutes=5), "policy": "epoch"}, "every_n_seconds=S"),
+        ({"policy": "epoch", "every_n_steps": 10}, "policy 'epoch' does not use it"),
     ],
 )
 def test_model_checkpoint_arguments_coci_refuses_say_why(
@@ -75,6 +87,24 @@ def test_model_checkpoint_arguments_coci_refuses_say_why(
     with pytest.raises(ConfigError, match=r"'(\w+)'") as raised:
         CociCheckpoint(**arguments)
     assert says in str(raised.value)
+
+
+def test_model_checkpoint_arguments_that_coci_does_are_taken() -> None:
+    """``save_last=True`` is what coci does; ``train_time_interval`` is the every_n_seconds
+    policy, as ``every_n_train_steps`` is the every_n_steps one."""
+    assert CociCheckpoint(save_last=True).options.policy == "coci"
+    timed = CociCheckpoint(train_time_interval=timedelta(minutes=30))
+    assert timed.options.policy == "every_n_seconds"
+    assert timed.options.planner_options["every_n_seconds"] == 1800.0
+
+
+def test_the_epoch_plan_line_says_how_to_change_an_epoch_interval() -> None:
+    """The epoch policy's advice named every_n_steps=N, which that policy ignored."""
+    from coci_core.planner import Planner
+    from coci_core.training.outline import PlanOutline
+
+    advice = PlanOutline.of(Planner(policy="epoch", steps_per_epoch=5)).fixed_advice("X")
+    assert "X(policy='every_n_steps', every_n_steps=N)" in advice
 
 
 def test_export_weights_only_loads_into_the_module(tmp_path: Path) -> None:

@@ -64,7 +64,7 @@ class PlannerSettings:
     def cap_steps(self, step_time_s: float) -> int | None:
         """The longest interval (steps) that ``every_n_steps``/``every_n_seconds`` allow the
         ``coci``, ``daly`` and ``young`` policies, or None."""
-        if self.policy_name not in ("coci", "daly", "young"):
+        if self.policy_name not in _CAPPED:
             return None
         caps = []
         if self.every_n_steps is not None:
@@ -128,6 +128,10 @@ def policy_arguments(policy: object) -> tuple[str, dict[str, Any]]:
     return name, {}
 
 
+# the policies whose interval every_n_steps/every_n_seconds cap (PlannerSettings.cap_steps)
+_CAPPED = ("coci", "daly", "young")
+
+
 def make_settings(
     *,
     policy: str | SavePolicy,
@@ -175,6 +179,13 @@ def make_settings(
     steps_per_epoch = carried.get("steps_per_epoch", steps_per_epoch)
     method = carried.get("method", method)
     checkfreq_overhead_bound = carried.get("checkfreq_overhead_bound", checkfreq_overhead_bound)
+    for name, value in (("every_n_steps", every_n_steps), ("every_n_seconds", every_n_seconds)):
+        if value is not None and policy not in (*_CAPPED, name):
+            raise ConfigError(
+                f"'{name}' is the interval of policy {name!r} (and a cap on the interval of "
+                f"{', '.join(map(repr, _CAPPED))}); policy {policy!r} does not use it: "
+                f"{value!r:.100}"
+            )
     checked_objective = make_objective(objective).name
     total = (
         None

@@ -69,9 +69,13 @@ class PlanOutline:
 
     def fixed_advice(self, adapter: str) -> str:
         """How to change a fixed interval, for the plan line of ``adapter`` (its class)."""
+        option = {
+            "every_n_seconds": "every_n_seconds=S",
+            "epoch": "policy='every_n_steps', every_n_steps=N",
+        }.get(self.report.policy, "every_n_steps=N")
         return (
             f"a fixed interval: the MTBF and the measured costs do not change it; change it "
-            f"with {adapter}(every_n_steps=N), or leave policy out for coci to plan from "
+            f"with {adapter}({option}), or leave policy out for coci to plan from "
             "the measured costs"
         )
 
