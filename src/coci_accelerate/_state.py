@@ -240,13 +240,18 @@ def _check_fits(accelerator: Accelerator, state: dict[str, Any], models: list[An
         "registered objects": len((_own(acc, state) or {"custom": []})["custom"]),
     }
     wrong = [
-        f"{k}: saved {saved[k]}, prepared now {counts[k]}" for k in counts if saved[k] != counts[k]
+        f"{k}: {saved[k]} at the save, {counts[k]} now" for k in counts if saved[k] != counts[k]
     ]
+    if saved["registered objects"] != counts["registered objects"]:
+        # coci's own CociCheckpointer is one of them: name them all, not only the user's
+        names = ", ".join(type(o).__name__ for o in acc._custom_objects)
+        wrong[-1] += f" ({names})"
     if wrong:
         raise CheckpointError(
             "the checkpoint does not match what this run prepared and registered ("
             + "; ".join(wrong)
-            + "): prepare and register the same objects, in the same order"
+            + "): prepare and register the same objects, in the same order, as the run that "
+            "saved it; or start a new run in another dirpath"
         )
     if state["num_processes"] != acc.num_processes:
         raise CheckpointError(

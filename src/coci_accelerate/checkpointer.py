@@ -381,7 +381,10 @@ class CociCheckpointer:
                 raise
         except NoCheckpointError:
             if self.accelerator.is_main_process:
-                logger.info("coci: no committed checkpoint in %s; starting fresh", self.dirpath)
+                logger.info(
+                    "coci: no committed checkpoint in %s; starting fresh",
+                    self.checkpointer.manager.storage.url,
+                )
             return 0
         _state.apply(
             self.accelerator, state, skip=self, input_dir=str(self.dirpath), strict=not partial
@@ -393,6 +396,11 @@ class CociCheckpointer:
         self._opt_counts = dict.fromkeys(self._opt_counts, count)
         self._observed = self._saved = count
         if self.accelerator.is_main_process:
+            logger.info(
+                "coci: Accelerate restores step %d from %s",
+                count,
+                self.checkpointer.manager.storage.url,
+            )
             _log_skip_advice(self.accelerator, count)
         return count
 

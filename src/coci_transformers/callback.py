@@ -353,16 +353,23 @@ class CociCallback(TrainerCallback):
             output_dir = str(trainer.args.output_dir)
             last = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
             if trainer.args.process_index == 0:
+                where = checkpointer.manager.storage.url
                 if last is not None:
                     logger.info(
                         "coci: no coci checkpoint in %s; resuming from the Trainer's %s",
-                        self.dirpath,
-                        last,
+                        where,
+                        os.path.abspath(last),
                     )
                 else:
-                    logger.info("coci: no committed checkpoint in %s; starting fresh", self.dirpath)
+                    logger.info("coci: no committed checkpoint in %s; starting fresh", where)
             return last
         _state.check_fits(state, trainer)
+        if trainer.args.process_index == 0:
+            logger.info(
+                "coci: the Trainer restores step %d from %s",
+                state["global_step"],
+                checkpointer.manager.storage.url,
+            )
         checkpointer.load_state_dict(state.get("coci", {}))
         self._restored = state
         self._saved = int(state["global_step"])
@@ -455,7 +462,7 @@ class CociCallback(TrainerCallback):
         if not self._announced:
             self._announced = True
             if args.process_index == 0:
-                checkpointer.warn_if_not_empty()
+                checkpointer.warn_if_not_empty("trainer.train(resume_from_checkpoint=True)")
                 self._announce_plan()
         save = checkpointer.should_save(count)
         if checkpointer.preempted is not None:  # the notice's step: saved if it fits, stop

@@ -66,16 +66,22 @@ def _stop(accelerator: Accelerator) -> None:
     raise _Stop
 
 
-def test_in_process_resume_is_bit_exact(tmp_path: Path) -> None:
-    """A loop stopped after step 43 and resumed (from 40, in epoch 2) ends bit-identical and
-    trains on exactly the samples the uninterrupted loop did after step 40."""
+def test_in_process_resume_is_bit_exact(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A loop stopped after step 43 and resumed (from 40, in epoch 2) ends bit-identical, trains
+    on exactly the samples the uninterrupted loop did after step 40, and says where it
+    restored from (the directory's absolute path, though the run named it relatively)."""
+    monkeypatch.chdir(tmp_path)
     reference = train(str(tmp_path / "ref"), 70)
     AcceleratorState._reset_state(True)
     with pytest.raises(_Stop):
         train(str(tmp_path / "run"), 70, kill_at=43, on_kill=_stop)
     AcceleratorState._reset_state(True)
-    resumed = train(str(tmp_path / "run"), 70)
+    with caplog.at_level("INFO", logger="coci_accelerate"):
+        resumed = train("run", 70)
     assert resumed["start"] == 40  # close() waits until the save at 40 is durable
+    assert f"coci: Accelerate restores step 40 from {tmp_path / 'run' / 'coci'}" in caplog.text
     assert resumed["digest"] == reference["digest"]
     assert resumed["seen"] == reference["seen"][resumed["start"] * BATCH :]
 
@@ -225,8 +231,15 @@ def test_foreign_layout_and_world_size_change_are_refused(tmp_path: Path) -> Non
     }
     with pytest.raises(CheckpointError, match="written by 2 processes and this run has 1"):
         accelerate_state.apply(accelerator, {**state, "num_processes": 2}, skip=ckpt)
-    with pytest.raises(CheckpointError, match="models: saved 2, prepared now 1"):
+    with pytest.raises(CheckpointError, match="models: 2 at the save, 1 now"):
         accelerate_state.apply(accelerator, {**state, "models": state["models"] * 2}, skip=ckpt)
+    # the registered objects are named: coci's own CociCheckpointer is one of them
+    own = {**state[accelerate_state.PROCESS_KEY], "custom": []}
+    with pytest.raises(
+        CheckpointError,
+        match=r"registered objects: 0 at the save, 1 now \(CociCheckpointer\).*another dirpath",
+    ):
+        accelerate_state.apply(accelerator, {**state, accelerate_state.PROCESS_KEY: own}, skip=ckpt)
 
 
 def test_inexact_dataloader_configuration_warns(tmp_path: Path) -> None:

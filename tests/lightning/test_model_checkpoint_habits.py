@@ -1,6 +1,7 @@
 """What a ModelCheckpoint user brings to CociCheckpoint (issue 42): ``every_n_train_steps=``
 (the every_n_steps policy), ``train_time_interval`` (every_n_seconds), ``mode="max"``,
-``save_weights_only``, ``filename``, ``save_top_k`` and ``save_last=False`` (refused, saying why), and ``coci export --weights-only``, whose file ``load_state_dict`` reads."""
+``save_weights_only``, ``filename``, ``save_top_k`` and ``save_last=False`` (refused, saying
+why), and ``coci export --weights-only``, whose file ``load_state_dict`` reads."""
 
 from __future__ import annotations
 

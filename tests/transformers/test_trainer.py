@@ -71,14 +71,16 @@ def test_bad_options_are_refused_by_name(tmp_path: Path) -> None:
     check_arguments(arguments(tmp_path, 4, fsdp="full_shard", fsdp_config={"version": 2}))
 
 
-def test_resume_from_a_step_directory(tmp_path: Path) -> None:
-    """resume_from_checkpoint=<coci step dir> resumes that step, and the run continues saving
-    into its directory."""
+def test_resume_from_a_step_directory(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """resume_from_checkpoint=<coci step dir> resumes that step, says so, and the run
+    continues saving into its directory."""
     reference = train(tmp_path / "a", 8)  # saves 3, 6 and 8
     AcceleratorState._reset_state(True)
     step_dir = tmp_path / "a" / "coci" / "step-0000000003"
-    resumed = train(tmp_path / "b", 8, resume=str(step_dir))
+    with caplog.at_level("INFO", logger="coci_transformers"):
+        resumed = train(tmp_path / "b", 8, resume=str(step_dir))
     assert resumed["start"] == 3
+    assert f"coci: the Trainer restores step 3 from {tmp_path / 'a' / 'coci'}" in caplog.text
     assert resumed["digest"] == reference["digest"]
     with CheckpointManager(tmp_path / "a" / "coci", keep_last=None) as mgr:
         assert mgr.steps() == [3, 6, 8]  # 6 and 8 saved again by the resumed run
