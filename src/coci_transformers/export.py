@@ -19,9 +19,19 @@ from typing import Any
 import torch
 
 import coci_transformers._state as _state
+from coci_core.errors import ConfigError
 from coci_core.training import newest_step_dir, read_checkpoint, step_dir_of
 
 __all__ = ["export_step"]
+
+
+def _writer(state: object) -> str:
+    """Who wrote ``state``, in words (Lightning's holds its version; a loop's, anything)."""
+    if isinstance(state, dict) and state.get("layout") == "coci.accelerate/1":
+        return "CociCheckpointer (Accelerate)"
+    if isinstance(state, dict) and "pytorch-lightning_version" in state:
+        return "CociCheckpoint (Lightning)"
+    return "a CheckpointManager"
 
 
 def export_step(directory: str, out: str | os.PathLike[str], step: int | str | None = None) -> str:
@@ -32,7 +42,7 @@ def export_step(directory: str, out: str | os.PathLike[str], step: int | str | N
     Raises:
         NoCheckpointError: no committed checkpoint (or none at ``step``).
         CorruptCheckpointError: ``step`` is damaged.
-        CheckpointError: the step was not written by ``CociCallback``.
+        ConfigError: the step was not written by ``CociCallback``.
     """
     if step is None:  # the step a resume takes: the newest, past damaged ones
         newest = newest_step_dir(directory)
@@ -41,7 +51,13 @@ def export_step(directory: str, out: str | os.PathLike[str], step: int | str | N
     else:
         loaded, _ = read_checkpoint(directory, step)
     state = loaded.state
-    _state.check_layout(state)
+    layout = state.get("layout") if isinstance(state, dict) else None
+    if layout != _state.LAYOUT:
+        raise ConfigError(
+            f"--format transformers exports checkpoints of CociCallback (the Trainer's); step "
+            f"{loaded.step} was written by {_writer(state)}: export it with --format torch, or "
+            "to a .safetensors file with --weights-only"
+        )
     target = Path(out)
     target.mkdir(parents=True, exist_ok=True)
     _write_weights(state["model"], target / "model.safetensors")

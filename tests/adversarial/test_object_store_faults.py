@@ -364,7 +364,7 @@ def test_an_empty_prefix_in_an_existing_bucket_is_an_empty_directory(
     with CheckpointManager(f"s3://{s3_prefix}/run", storage_options=s3_server.storage_options) as m:
         assert m.steps() == [] and m.latest_step() is None
     listed = s3_server.run_coci("ls", f"s3://{s3_prefix}/run")
-    assert listed.returncode == 1 and "no committed checkpoints" in listed.stdout
+    assert listed.returncode == 1 and "coci: no committed checkpoints" in listed.stderr
 
 
 @pytest.mark.parametrize("refusal", ["wrong-secret", "missing-bucket"])

@@ -174,3 +174,41 @@ def test_export_weights_only_of_an_unknown_layout_says_where_it_looks(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "'state_dict'" in err and "'net'" in err, err
     assert not out.exists()
+
+
+def test_a_directory_next_to_the_checkpoints_says_where_they_are(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``coci ls`` of the project folder (the adapters write into its ``coci`` folder) or of one
+    step's directory said only "no committed checkpoints": it says where they are, on stderr;
+    ``verify --step`` of a missing step lists the steps there are, as ``export`` does."""
+    from coci_core.commands.cli import main
+
+    with CheckpointManager(tmp_path / "proj" / "coci") as mgr:
+        mgr.save(3, {"w": torch.ones(2)}).wait()
+        mgr.save(5, {"w": torch.ones(2)}).wait()
+    assert main(["ls", str(tmp_path / "proj")]) == 1
+    err = capsys.readouterr().err
+    assert f"did you mean {tmp_path / 'proj' / 'coci'}?" in err, err
+    assert main(["verify", str(tmp_path / "proj" / "coci" / step_dir_name(3))]) == 1
+    err = capsys.readouterr().err
+    assert f"is one checkpoint; give the directory holding it, {tmp_path / 'proj' / 'coci'}" in err
+    assert main(["verify", "--step", "9", str(tmp_path / "proj" / "coci")]) == 2
+    assert "(its steps: 3, 5)" in capsys.readouterr().err
+
+
+def test_export_format_transformers_of_another_layout_is_bad_input(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A loop's checkpoint exported with ``--format transformers`` told the user to "point
+    CociCallback at its own directory" (exit 1): it says which formats fit (exit 2)."""
+    from coci_core.commands.cli import main
+
+    with CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(3, {"w": torch.ones(2)}).wait()
+    assert (
+        main(["export", str(tmp_path / "run"), str(tmp_path / "out"), "--format", "transformers"])
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert "step 3 was written by a CheckpointManager: export it with --format torch" in err, err

@@ -28,6 +28,7 @@ from coci_core.commands.inputs import (
     check_export_target,
     check_plot_target,
     checkpoint_dir,
+    no_checkpoints,
     remote_dir,
 )
 
@@ -81,7 +82,7 @@ def _ls(args: argparse.Namespace) -> int:
     tiers = [("local", storage)] + ([("remote", remote)] if remote is not None else [])
     listed = [(tier, tier_storage, committed_dirs(tier_storage)) for tier, tier_storage in tiers]
     if not any(steps for _, _, steps in listed):
-        print(f"no committed checkpoints in {' or '.join(str(s.url) for _, s in tiers)}")
+        print(f"coci: {no_checkpoints([s for _, s in tiers])}", file=sys.stderr)
         return 1
     # the step a resume takes, decided as restore decides it (the newer ones found damaged)
     damaged: dict[tuple[str, int, int], str] = {}
@@ -194,10 +195,15 @@ def _verify(args: argparse.Namespace) -> int:
         found += tier_found
         damaged += tier_damaged
     if not found:
-        where = " or ".join(str(s.url) for _, s in tiers)
-        print(f"no committed checkpoints in {where}")
+        print(f"coci: {no_checkpoints([s for _, s in tiers])}", file=sys.stderr)
         return 1
     return 1 if damaged else 0
+
+
+def _with_steps(error: Exception, dirs: list[tuple[int, int]]) -> str:
+    """``error``'s message, with the newest steps the directory does hold."""
+    shown = ", ".join(map(str, sorted({s for s, _ in dirs})[-10:])) or "none"
+    return f"{error} (its steps: {shown})"
 
 
 def _holds(ref: int | str, dirs: list[tuple[int, int]]) -> bool:
@@ -222,7 +228,10 @@ def _verify_tier(storage: Any, ref: int | str | None, tier: str) -> tuple[int, i
 
     dirs = committed_dirs(storage)
     if ref is not None:
-        chosen = [find_checkpoint(storage, ref)]
+        try:
+            chosen = [find_checkpoint(storage, ref)]
+        except NoCheckpointError as e:
+            raise BadInput(_with_steps(e, dirs)) from e
     else:
         chosen = [StepInfo(s, "", 0.0, intact=True, version=v) for s, v in dirs]
     # each run's versioned directories (the bases of its deltas), read only when there are any
@@ -244,7 +253,7 @@ def _verify_tier(storage: Any, ref: int | str | None, tier: str) -> tuple[int, i
             bad = verify_checkpoint(where, step, on_bad=report)
         except NoCheckpointError as e:
             if ref is not None:
-                raise BadInput(str(e)) from e
+                raise BadInput(_with_steps(e, dirs)) from e
             # listed here and then removed (retention): gone, not damaged
             print(f"{label}: removed while verifying (not damaged)")
             continue
@@ -287,7 +296,12 @@ def _export(args: argparse.Namespace) -> int:
                 f"--format {fmt} is written by coci_{fmt}, which is not installed "
                 f"(pip install 'coci[{fmt}]')"
             )
-        print(exporter(args.dir, out, args.step))
+        from coci_core.errors import ConfigError
+
+        try:
+            print(exporter(args.dir, out, args.step))
+        except ConfigError as e:  # not this adapter's checkpoint: the input is wrong
+            raise BadInput(str(e)) from e
         return 0
     if fmt == "auto":
         fmt = "safetensors" if out.suffix == ".safetensors" else "torch"
@@ -299,8 +313,7 @@ def _export(args: argparse.Namespace) -> int:
     dirs = committed_dirs(storage)
     remote_dirs = committed_dirs(remote) if remote is not None else []
     if not dirs and not remote_dirs:
-        where = storage.url if remote is None else f"{storage.url} or {remote.url}"
-        raise NoCheckpointError(f"no committed checkpoints in {where}")
+        raise NoCheckpointError(no_checkpoints([storage] if remote is None else [storage, remote]))
     refs = {r for s, v in (*dirs, *remote_dirs) for r in (s, step_dir_name(s, v))}
     steps = sorted({s for s, _ in dirs})
     if args.step is not None and args.step not in refs:

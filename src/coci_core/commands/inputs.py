@@ -5,6 +5,7 @@ directories given, where an export or a plot is written. A failed check is :clas
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ __all__ = [
     "check_export_target",
     "check_plot_target",
     "checkpoint_dir",
+    "no_checkpoints",
     "open_storage",
     "remote_dir",
 ]
@@ -50,6 +52,36 @@ def checkpoint_dir(target: str) -> Any:
         return open_storage(target)
     except ConfigError as e:  # an unknown URL scheme, ...
         raise BadInput(f"{target}: {e}") from e
+
+
+def no_checkpoints(storages: list[Any]) -> str:
+    """ "no committed checkpoints in DIR", and where they may be instead: DIR is one step's
+    directory, or a folder below it holds checkpoints (an adapter's ``coci`` folder)."""
+    from coci_core.engine.format.manifest import parse_step_version
+
+    said = f"no committed checkpoints in {' or '.join(str(s.url) for s in storages)}"
+    root = storages[0].local_root()
+    if root is None:
+        return said
+    path = Path(root)
+    if parse_step_version(path.name) is not None:
+        return (
+            f"{said}: {path.name} is one checkpoint; give the directory holding it, {path.parent}"
+        )
+    try:
+        children = sorted(c for c in path.iterdir() if c.is_dir())[:_LOOKED_AT]
+        for child in sorted(children, key=lambda c: c.name != "coci"):  # coci's default first
+            with os.scandir(child) as entries:
+                names = [e.name for _, e in zip(range(_LOOKED_AT), entries, strict=False)]
+            if any(parse_step_version(n) is not None for n in names):
+                return f"{said}; did you mean {child}? (it holds checkpoints)"
+    except OSError:
+        pass
+    return said
+
+
+# the most folders (and entries of each) looked at for a hint
+_LOOKED_AT = 200
 
 
 def remote_dir(args: argparse.Namespace) -> Any:
