@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import signal
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -18,6 +19,7 @@ from transformers import EarlyStoppingCallback, Trainer, TrainingArguments
 from coci_core.errors import CociError, ConfigError
 from coci_core.planner import Termination
 from coci_core.preemption import Preemption, SignalNotice
+from coci_core.storage import is_url
 from coci_core.training import PlanOutline, TensorBoardTelemetry, newest_step_dir
 
 logger = logging.getLogger(__name__)
@@ -46,7 +48,8 @@ _REFUSED: dict[str, tuple[Callable[[TrainingArguments], bool], str]] = {
             in ("checkpoint", "all_checkpoints")
         ),
         "hub_strategy='checkpoint'/'all_checkpoints' pushes the Trainer's checkpoint-N "
-        "directories, which CociCallback replaces: use hub_strategy='every_save' or 'end'",
+        "directories, which CociCallback replaces: use hub_strategy='end' (the model is "
+        "pushed by trainer.push_to_hub() or trainer.save_model())",
     ),
 }
 
@@ -252,3 +255,11 @@ def coci_directory(path: Any) -> bool:
         return newest_step_dir(str(path)) is not None
     except (OSError, CociError):
         return False
+
+
+def same_directory(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
+    """Whether two spellings name one directory (a path by its real path, a URL by its text
+    without a trailing slash)."""
+    if is_url(a) or is_url(b):
+        return str(a).rstrip("/") == str(b).rstrip("/")
+    return os.path.realpath(os.fspath(a)) == os.path.realpath(os.fspath(b))

@@ -16,6 +16,10 @@ few of that Trainer's own methods on the instance (never on the class):
 - ``_load_best_model`` (``load_best_model_at_end``): coci's best kept step.
 
 These are private methods of ``transformers`` 5.x (the extra pins ``<6``).
+
+Why one module: it is one callback's hooks and the methods it puts on its Trainer, each thin
+(the Trainer's arguments, state and plan line live in ``_trainer``, ``_state``), and the
+documentation of each of its arguments.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ from coci_core.training import (
     check_bool,
     is_trial_pruned,
     min_over_ranks,
+    read_checkpoint,
     report_sink,
     run_step_dir,
     shared_options,
@@ -74,6 +79,7 @@ from coci_transformers._trainer import (
     plan_line,
     planned_steps,
     record_step,
+    same_directory,
     tensorboard_sink,
     trial_termination,
 )
@@ -204,8 +210,16 @@ class CociCallback(TrainerCallback):
             return
         if self.trainer is not None:
             raise ConfigError("a CociCallback serves one Trainer: make one per Trainer")
-        self.trainer = trainer
         t: Any = trainer
+        if getattr(t, "_coci_callback", None) is not None:
+            # the second would take the saves over from the first (each replaces the
+            # Trainer's _save_checkpoint and sets should_save), and both save at the end
+            raise ConfigError(
+                "a Trainer takes one CociCallback, and this one has one already: give one "
+                "(for a second copy of the checkpoints, its remote= tier)"
+            )
+        t._coci_callback = self
+        self.trainer = trainer
         t.train = functools.partial(self._train, trainer.train)
         t._save_checkpoint = self._save_checkpoint
         t._load_from_checkpoint = _when_restoring(
@@ -227,6 +241,14 @@ class CociCallback(TrainerCallback):
                 str(getattr(trainer.args.save_strategy, "value", trainer.args.save_strategy)),
                 trainer.args.save_steps,
             )
+            strategy = str(getattr(trainer.args.hub_strategy, "value", trainer.args.hub_strategy))
+            if trainer.args.push_to_hub and strategy == "every_save":
+                logger.warning(
+                    "coci: push_to_hub with hub_strategy='every_save' pushes at the Trainer's "
+                    "own saves, which CociCallback replaces: nothing is pushed during training; "
+                    "the model is pushed when you call trainer.push_to_hub() or "
+                    "trainer.save_model() (hub_strategy='end')"
+                )
 
     # -- train(): the run's checkpointer and the resume -----------------------------------
 
@@ -248,7 +270,7 @@ class CociCallback(TrainerCallback):
             root = found[0] if found else (resume if coci_directory(resume) else None)
             if root is not None:
                 coci_root = True
-                if self._dirpath_given and str(root) != str(self._dirpath_arg):
+                if self._dirpath_given and not same_directory(root, self._dirpath_arg or ""):
                     raise ConfigError(
                         f"resume_from_checkpoint={str(resume)!r} is not in CociCallback's "
                         f"dirpath {str(self._dirpath_arg)!r}: resume from a step of that "
@@ -599,8 +621,14 @@ class CociCallback(TrainerCallback):
         # a best step that retention removed since is named no more: the one loaded is
         path = None if best is None else self._step_dir(best[0], run)
         trainer.state.best_model_checkpoint = path
-        if path is not None:
-            _state.load_model(trainer, checkpointer.restore(os.path.basename(path.rstrip("/"))))
+        if path is not None:  # read, not restored: no restart for the planner and the report
+            loaded, _ = read_checkpoint(
+                checkpointer.manager.storage.url,
+                os.path.basename(path.rstrip("/")),
+                storage_options=self.options.storage_options,
+                rank=trainer.args.process_index,
+            )
+            _state.load_model(trainer, loaded.state)
 
     # -- stopping: Optuna's pruning ----------------------------------------------------------
 

@@ -248,3 +248,55 @@ def test_four_gloo_ranks_agree_on_a_moved_save_when_only_one_gets_the_notice(
     saved = {s["step"]: s["digest"] for s in _marks(lines[0], "SAVED")}
     restored, state = _restored(tmp_path)  # every rank's share, committed together
     assert restored == step and _digest(state) == saved[step]
+
+
+@pytest.mark.parametrize(
+    ("sent", "handler", "ends"),
+    [
+        ("SIGTERM", "none", True),  # the default action, as without coci: after the save
+        ("none", "none", False),
+        ("SIGUSR1", "none", False),  # a known end to come: the process may finish first
+        ("SIGTERM", "user", False),  # the user's handler ran when it came: theirs to act
+    ],
+)
+def test_a_sigterm_after_the_last_step_boundary_ends_the_process_at_close(
+    tmp_path: Path, sent: str, handler: str, ends: bool
+) -> None:
+    """A SIGTERM after the last step boundary (a final evaluation, the final save) was
+    recorded by coci's handler, never acted on, and dropped at ``close()``: the process went
+    on, where without coci it would have ended. It ends now, once the final save is
+    durable."""
+    from tests.harness.processes import run
+
+    out = run(module("tests.preemption._late_child", str(tmp_path), sent, handler), timeout_s=120)
+    if ends:
+        assert out.returncode == -signal.SIGTERM, (out.returncode, out.stderr)
+        assert "CLOSED" not in out.stdout
+        assert "SIGTERM came after the last step boundary" in out.stderr
+    else:
+        assert out.returncode == 0, out.stderr
+        assert "CLOSED" in out.stdout
+    assert ("USER HANDLER" in out.stdout) == (handler == "user" and sent == "SIGTERM")
+    with CheckpointManager(tmp_path, keep_last=None) as mgr:
+        assert mgr.steps()[-1] == 7  # the final save is durable either way
+
+
+def test_a_handler_installed_after_cocis_is_left_in_place(tmp_path: Path) -> None:
+    """Stopping the watch put back the handler from before coci's, over one the user
+    installed after it."""
+    from coci_core.preemption.notice import NoticeBoard
+    from coci_core.preemption.signals import SignalNotice
+
+    before = signal.getsignal(signal.SIGUSR2)
+    notice = SignalNotice("USR2", 60)
+    assert notice.start(NoticeBoard())
+
+    def users(signum: int, frame: Any) -> None:
+        pass
+
+    signal.signal(signal.SIGUSR2, users)
+    try:
+        notice.stop()
+        assert signal.getsignal(signal.SIGUSR2) is users
+    finally:
+        signal.signal(signal.SIGUSR2, before)

@@ -14,6 +14,7 @@ from accelerate.state import AcceleratorState
 from transformers import EarlyStoppingCallback
 
 from coci_core import CheckpointManager, Preempted
+from coci_core.commands import cli
 from coci_core.engine.format.manifest import step_dir_name
 from coci_transformers import CociCallback
 from tests.transformers.run import Terminate, tiny_model, train
@@ -165,7 +166,7 @@ def test_no_evaluated_kept_step_is_said(tmp_path: Path, caplog: pytest.LogCaptur
 
 
 def test_the_best_kept_step_is_loaded_when_no_saved_step_was_the_trainers_best(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The Trainer asks for the best model only when one of the saved steps was its best
     (``best_model_checkpoint`` set): here its best is the evaluation at step 2, where coci did
@@ -180,6 +181,10 @@ def test_the_best_kept_step_is_loaded_when_no_saved_step_was_the_trainers_best(
         assert mgr.steps() == [3, 4]
         saved = mgr.restore(4)["model"]
     assert all(torch.equal(result["best_model"][k], saved[k]) for k in saved)
+    # the best weights are read, not a resume: no restart in the run's report
+    assert result["start"] is None  # resumed from nothing
+    assert cli.main(["report", str(tmp_path / "coci")]) == 0
+    assert "lost work: 0 steps over 0 restarts after a failure\n" in capsys.readouterr().out
 
 
 def test_the_best_model_is_never_another_runs(tmp_path: Path) -> None:

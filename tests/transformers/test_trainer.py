@@ -15,7 +15,7 @@ from coci_core.commands import cli
 from coci_core.errors import CheckpointError, ConfigError
 from coci_transformers import CociCallback
 from coci_transformers._trainer import check_arguments
-from tests.transformers.run import BATCH, STEPS_PER_EPOCH, arguments, train
+from tests.transformers.run import BATCH, STEPS_PER_EPOCH, arguments, tiny_model, train
 
 
 @pytest.fixture(autouse=True)
@@ -91,6 +91,52 @@ def test_resume_from_a_step_directory(tmp_path: Path, caplog: pytest.LogCaptureF
     again = train(tmp_path / "c", 8, resume=str(tmp_path / "a" / "coci"))
     assert again["start"] == 8 and again["seen"] == []
     assert not (tmp_path / "c" / "coci").exists()
+
+
+def test_a_second_coci_callback_on_one_trainer_is_refused(tmp_path: Path) -> None:
+    """The second took the saves over from the first (each replaces the Trainer's
+    _save_checkpoint), which then saved only at the end, or both failed there on one
+    directory: refused when the Trainer is made, as Lightning refuses two CociCheckpoints."""
+    with pytest.raises(ConfigError, match="a Trainer takes one CociCallback"):
+        train(tmp_path, 4, extra_callbacks=(CociCallback(tmp_path / "b"),))
+
+
+@pytest.mark.parametrize("spelling", ["trailing-slash", "absolute", "absolute-step"])
+def test_resume_from_the_callbacks_own_dirpath_spelled_another_way(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, spelling: str
+) -> None:
+    """``resume_from_checkpoint`` naming the callback's own dirpath with a trailing slash or
+    as an absolute path was refused as "not in CociCallback's dirpath"."""
+    monkeypatch.chdir(tmp_path)
+    train("out", 4, callback=CociCallback("out/coci", policy="every_n_steps"))
+    AcceleratorState._reset_state(True)
+    resume = {
+        "trailing-slash": "out/coci/",
+        "absolute": str(tmp_path / "out" / "coci"),
+        "absolute-step": str(tmp_path / "out" / "coci" / "step-0000000003"),
+    }[spelling]
+    resumed = train(
+        "out", 4, callback=CociCallback("out/coci", policy="every_n_steps"), resume=resume
+    )
+    assert resumed["start"] == (3 if spelling == "absolute-step" else 4)
+
+
+def test_push_to_hub_at_every_save_is_said_to_push_at_the_end_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``hub_strategy="every_save"`` (the default) pushed nothing during training, silently:
+    the Trainer pushes at its own saves, which coci replaces. (The Hub is not reached: its
+    repository is never made here.)"""
+    from transformers import Trainer
+
+    monkeypatch.setattr(Trainer, "init_hf_repo", lambda self, *a, **k: None)
+    with caplog.at_level("WARNING", logger="coci_transformers"):
+        Trainer(
+            model=tiny_model(),
+            args=arguments(tmp_path, 4, push_to_hub=True, hub_model_id="me/tiny"),
+            callbacks=[CociCallback()],
+        )
+    assert "nothing is pushed during training" in caplog.text
 
 
 def test_a_weights_only_save_is_not_resumed(tmp_path: Path) -> None:

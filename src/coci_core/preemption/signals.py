@@ -45,6 +45,8 @@ class SignalNotice(NoticeSource):
         self.lead_s = check_lead_s(lead_s, signame)
         self._previous: Any = None
         self._installed = False
+        self._handler: Any = None
+        self.received = False  # this signal came (set in the handler)
 
     def __repr__(self) -> str:
         return f"SignalNotice({self.name!r}, lead_s={self.lead_s:g})"
@@ -58,6 +60,7 @@ class SignalNotice(NoticeSource):
         known_end = name in ("SIGUSR1", "SIGUSR2")
 
         def handler(signum: int, frame: FrameType | None) -> None:
+            self.received = True
             now = time.monotonic()
             board.post(Notice(name, now, now + lead, f"{name} received", known_end))
             if chained is not None:
@@ -65,12 +68,25 @@ class SignalNotice(NoticeSource):
 
         signal.signal(self.signum, handler)
         self._previous = previous
+        self._handler = handler
         self._installed = True
         return True
 
     def stop(self) -> None:
         if self._installed and threading.current_thread() is threading.main_thread():
-            signal.signal(
-                self.signum, self._previous if self._previous is not None else signal.SIG_DFL
-            )
+            # a handler installed after this one (the user's) stays
+            if signal.getsignal(self.signum) is self._handler:
+                signal.signal(
+                    self.signum, self._previous if self._previous is not None else signal.SIG_DFL
+                )
             self._installed = False
+
+    def unanswered(self) -> bool:
+        """Whether this signal asked the process to stop, and without coci the default action
+        would have ended it (no Python handler was installed before coci's, which has been
+        called already): the caller redelivers it when no step boundary acted on it."""
+        return (
+            self.received
+            and self.name in ("SIGTERM", "SIGINT")
+            and self._previous in (None, signal.SIG_DFL)
+        )

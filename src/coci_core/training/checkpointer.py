@@ -52,6 +52,7 @@ from coci_core.training.preemption import (
     PreemptionDecision,
     PreemptionWatch,
     SaveTimes,
+    redeliver,
 )
 from coci_core.training.restart import process_start_unix
 
@@ -659,16 +660,18 @@ class Checkpointer:
         self._failed = True
 
     def close(self, *, upload_timeout_s: float | None = None) -> None:
-        """Wait for pending saves, stop the writer and close the telemetry sinks (and stop
-        watching preemption notices). ``upload_timeout_s``: how long the remote tier's last
-        upload may still take (see :meth:`CheckpointManager.close`)."""
-        if self._watch is not None:
-            self._watch.stop()
+        """Wait for pending saves, stop the writer and close the telemetry sinks; then stop
+        watching preemption notices, and end the process on a SIGTERM (or SIGINT) that came
+        after the last step boundary, as it would have ended without coci (the final save
+        durable first). ``upload_timeout_s``: how long the remote tier's last upload may
+        still take (see :meth:`CheckpointManager.close`)."""
         if self._last_observed is not None and not self._failed:
             _TRAINED_HERE[self.manager.storage.url] = self._last_observed
         try:
             self.manager.close(upload_timeout_s=upload_timeout_s)
         finally:
+            # after the final save is durable: a SIGTERM meanwhile is redelivered below
+            unanswered = self._watch.stop() if self._watch is not None else []
             self._plans.stop()
             for sink in self.sinks:
                 record_end = getattr(sink, "record_end", None)
@@ -682,6 +685,7 @@ class Checkpointer:
                     sink.close()
                 except Exception:
                     logger.exception("coci telemetry sink %r failed to close", sink)
+            redeliver(unanswered)  # last: everything is closed
 
     def state_dict(self) -> dict[str, Any]:
         """The planner's estimates (JSON), so that a resumed run keeps them."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import signal
 import statistics
 import time
 from collections.abc import Callable
@@ -30,6 +31,7 @@ from typing import Any
 
 from coci_core.knobs import NOTICE_PLAN_RESERVE
 from coci_core.preemption import NoticeBoard, NoticeSource, Preemption
+from coci_core.preemption.signals import SignalNotice
 
 __all__ = [
     "NoticePlan",
@@ -39,6 +41,7 @@ __all__ = [
     "fit_save",
     "min_over_ranks",
     "plan_save_step",
+    "redeliver",
 ]
 
 logger = logging.getLogger(__name__)
@@ -162,7 +165,7 @@ def fit_save(
     behind = f" after {wait_s:.2f} s for the save being written" if wait_s > 0 else ""
     if needed_s is None:
         if usable > 0 or (try_uncertain and time_left_s - wait_s > 0):
-            return True, f"{time_left_s:.1f} s left; the save's time is not measured yet: tried"
+            return True, "the save's time is not measured yet: tried"
         return False, f"{time_left_s:.1f} s left, within the {margin_s:g} s margin: not started"
     if wait_s + needed_s <= usable:
         return True, (
@@ -215,6 +218,18 @@ def min_over_ranks() -> Callable[[float], float]:
     return reduce
 
 
+def redeliver(signals: list[signal.Signals]) -> None:
+    """Send the process ``signals`` again, now under the handlers that were there before
+    coci's (the default action: the process ends, as it would have without coci)."""
+    for signum in signals:
+        logger.warning(
+            "coci: %s came after the last step boundary, with no save to take for it; the "
+            "process ends as it asked",
+            signum.name,
+        )
+        signal.raise_signal(signum)
+
+
 class PreemptionWatch:
     """The notice sources of one process and the ranks' agreement on a notice.
 
@@ -257,14 +272,20 @@ class PreemptionWatch:
                 logger.info("coci: %r not watched (not on the main thread)", source)
         return list(self.sources)
 
-    def stop(self) -> None:
-        """Stop the sources (signal handlers put back)."""
+    def stop(self) -> list[signal.Signals]:
+        """Stop the sources (signal handlers put back); the signals that asked the process to
+        stop and that no step boundary acted on (they came after the last one), which the
+        caller redelivers (:func:`redeliver`) once it is done."""
         sources, self.sources = self.sources, []
+        unanswered: list[signal.Signals] = []
         for source in sources:
             try:
                 source.stop()
             except Exception:
                 logger.exception("coci: stopping %r failed", source)
+            if self.decision is None and isinstance(source, SignalNotice) and source.unanswered():
+                unanswered.append(source.signum)
+        return unanswered
 
     def _go_on_left(self, now: float) -> float:
         """Seconds this rank's notices let training go on: until the earliest known end, 0
