@@ -89,6 +89,13 @@ __all__ = ["CociCallback"]
 logger = logging.getLogger(__name__)
 
 
+class _Default(int):
+    """A default that tells itself from the same number given (``keep_last=3``)."""
+
+
+_KEEP_LAST = _Default(3)
+
+
 class CociCallback(TrainerCallback):
     """Saves a ``transformers.Trainer`` run when coci's planner says so and resumes it:
     ``Trainer(..., callbacks=[CociCallback()])``.
@@ -135,7 +142,7 @@ class CociCallback(TrainerCallback):
         policy: str | SavePolicy = "coci",
         objective: str = "time",
         mtbf_s: float | None = None,
-        keep_last: int | None = 3,
+        keep_last: int | None = _KEEP_LAST,
         compression: str | CompressionPolicy | None = "auto",
         compression_options: Mapping[str, Any] | None = None,
         every_n_steps: int | None = None,
@@ -152,6 +159,9 @@ class CociCallback(TrainerCallback):
         save_on_train_end: bool = True,
     ) -> None:
         check_bool("save_on_train_end", save_on_train_end)
+        # given (even as 3) or not: the Trainer's save_total_limit stands in for it if not
+        self._keep_last_given = keep_last is not _KEEP_LAST
+        keep_last = 3 if keep_last is _KEEP_LAST else keep_last
         self._arguments = shared_options(locals())
         # checked now for what does not depend on the Trainer, again when training starts
         early = dict(self._arguments)
@@ -306,7 +316,7 @@ class CociCallback(TrainerCallback):
         args = trainer.args
         arguments = dict(self._arguments)
         if args.save_total_limit is not None:
-            if arguments["keep_last"] not in (3, args.save_total_limit):
+            if self._keep_last_given and arguments["keep_last"] != args.save_total_limit:
                 raise ConfigError(
                     f"keep_last={arguments['keep_last']} and save_total_limit="
                     f"{args.save_total_limit} disagree: give one of them"

@@ -63,6 +63,9 @@ def test_bad_options_are_refused_by_name(tmp_path: Path) -> None:
         )
     with pytest.raises(ConfigError, match="save_total_limit"):
         train(tmp_path, 4, callback=CociCallback(keep_last=5), save_total_limit=2)
+    # 3 given is told from 3 by default (which save_total_limit replaces): it was overridden
+    with pytest.raises(ConfigError, match="keep_last=3 and save_total_limit=1 disagree"):
+        train(tmp_path, 4, callback=CociCallback(keep_last=3), save_total_limit=1)
     # FSDP2 is saved (contract/test_contract.py, test_fsdp2.py); FSDP1 is refused (on CPU
     # Accelerate cannot make its plugin, so the check that train() runs is called here itself)
     fsdp1 = arguments(tmp_path, 4, fsdp="full_shard", fsdp_config={"version": 1})
