@@ -94,6 +94,8 @@ class _Default(int):
 
 
 _KEEP_LAST = _Default(3)
+#: the file the Trainer's JIT checkpoint puts in checkpoint-<step> while it saves
+_JIT_MARK = "checkpoint-is-incomplete.txt"
 
 
 class CociCallback(TrainerCallback):
@@ -593,6 +595,12 @@ class CociCallback(TrainerCallback):
         per_rank = None if weights_only else {_state.PROCESS_KEY: _state.collect_own()}
         handle = checkpointer.save(step, state, per_rank=per_rank)
         self._saved = step
+        # the Trainer's JIT checkpoint made checkpoint-<step> with only its "incomplete" mark
+        # for this save: left empty, get_last_checkpoint would pick it
+        jit_dir = Path(trainer._get_output_dir(trial)) / f"checkpoint-{step}"
+        with contextlib.suppress(OSError):  # none there: nothing to do
+            if [p.name for p in jit_dir.iterdir()] == [_JIT_MARK]:
+                shutil.rmtree(jit_dir, ignore_errors=True)
         return handle
 
     def _final_save(self) -> None:

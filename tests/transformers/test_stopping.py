@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 from accelerate.state import AcceleratorState
-from transformers import EarlyStoppingCallback
+from transformers import EarlyStoppingCallback, TrainerCallback
 
 from coci_core import CheckpointManager, Preempted
 from coci_core.commands import cli
@@ -77,6 +77,27 @@ def test_sigterm_saves_once_and_stops(tmp_path: Path) -> None:
         assert mgr.steps() == [6]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["coci"]
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+class _JitMark(TrainerCallback):
+    """What the Trainer's JIT checkpoint does before it calls ``_save_checkpoint`` at step 3:
+    makes ``checkpoint-3`` with its "incomplete" mark in it."""
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step == 3:
+            folder = Path(args.output_dir) / "checkpoint-3"
+            folder.mkdir()
+            (folder / "checkpoint-is-incomplete.txt").write_text("in progress")
+
+
+def test_the_jit_checkpoints_empty_folder_is_not_left(tmp_path: Path) -> None:
+    """With ``enable_jit_checkpoint`` and ``preemption=None``, the Trainer's JIT save goes
+    through coci, which left the Trainer's ``checkpoint-N`` empty once the Trainer removed its
+    mark: ``get_last_checkpoint`` would pick that empty folder."""
+    train(tmp_path, 4, extra_callbacks=(_JitMark(),))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["coci"]
+    with CheckpointManager(tmp_path / "coci", keep_last=None) as mgr:
+        assert mgr.steps() == [3, 4]
 
 
 def test_early_stopping_counter_resumes(tmp_path: Path) -> None:
