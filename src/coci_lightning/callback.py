@@ -781,7 +781,14 @@ class CociCheckpoint(Checkpoint):
         if self.checkpointer is not None:
             ckpt, self.checkpointer = self.checkpointer, None
             try:
-                ckpt.close()
+                # Lightning itself goes on after a SIGTERM past the last batch: so does coci
+                ckpt.close(stop_late=False)
+                if ckpt.stopped_late is not None:
+                    logger.warning(
+                        "coci: %s came after the last training step; the final save is "
+                        "durable, and Lightning goes on (as it does without coci)",
+                        ckpt.stopped_late,
+                    )
             finally:  # the end of fit: one summary line (also after an exception)
                 if trainer.is_global_zero:
                     ckpt.log_summary(logger)

@@ -302,6 +302,7 @@ class CociCallback(TrainerCallback):
             result = original(resume_from_checkpoint=resume, trial=trial, **kwargs)
             if self._stop is not None:  # the notice's save is durable (see on_train_end)
                 raise self._stop
+            checkpointer.raise_if_stopped_late()  # a SIGTERM after the last step boundary
             return result
         except BaseException as e:
             if not self._closed:
@@ -613,7 +614,7 @@ class CociCallback(TrainerCallback):
         self._closed = True
         checkpointer = self._checkpointer()
         try:
-            checkpointer.close()
+            checkpointer.close(stop_late=False)  # raised once train() returns (see _train)
         finally:
             if self._trainer().args.process_index == 0:
                 checkpointer.log_summary(logger)
@@ -641,9 +642,8 @@ class CociCallback(TrainerCallback):
         trainer.state.best_model_checkpoint = path
         if path is not None:  # read, not restored: no restart for the planner and the report
             loaded, _ = read_checkpoint(
-                checkpointer.manager.storage.url,
+                checkpointer.manager.storage,
                 os.path.basename(path.rstrip("/")),
-                storage_options=self.options.storage_options,
                 rank=trainer.args.process_index,
             )
             _state.load_model(trainer, loaded.state)

@@ -295,6 +295,17 @@ def test_planner_lists_are_checked(kwargs: dict[str, Any], said: str) -> None:
         Planner(mtbf_s=3600, **kwargs)
 
 
+def test_one_url_is_one_place_unless_its_options_name_another_server() -> None:
+    """``remote=`` the directory's own URL is refused; the same URL with other options (another
+    endpoint: one bucket name on two servers) is two places, and is not."""
+    with pytest.raises(ConfigError, match="'remote' must be another place than 'directory'"):
+        CheckpointManager("memory://args/run", remote="memory://args/run/")
+    other = {"skip_instance_cache": True}  # as an endpoint_url would differ
+    CheckpointManager(
+        "memory://args/run", remote="memory://args/run", remote_storage_options=other
+    ).close(upload_timeout_s=1)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "said"),
     [
@@ -311,9 +322,14 @@ def test_a_failure_model_that_cannot_plan_is_refused_at_construction(
     kwargs: dict[str, Any], said: str
 ) -> None:
     """A ``nodes`` callable giving -1, NaN or a string, or raising, was accepted, and every
-    re-plan then failed (logged once): no save was ever planned."""
+    re-plan then failed (logged once): no save was ever planned. (An adapter's options are
+    checked before training starts: its callable is called when the planner is made, at the
+    start of training, where it may read the process group.)"""
     with pytest.raises(ConfigError, match=said):
         Planner(mtbf_s=3600.0, **kwargs)
+    if callable(kwargs.get("nodes")):
+        CheckpointOptions.check(dirpath=None, mtbf_s=3600.0, planner_options=kwargs)
+    assert Planner(mtbf_s=3600.0, nodes=lambda step: torch.tensor(4.0)).nodes is not None
 
 
 @pytest.mark.parametrize(

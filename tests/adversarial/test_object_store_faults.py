@@ -402,7 +402,7 @@ def test_the_cli_reports_a_store_that_refuses_us(
     args = {"ls": [url], "verify": [url], "export": [url, str(tmp_path / "out.pt")]}[command]
     done = s3_server.run_coci(command, *args, env=env)
     assert done.returncode == 1, done.stdout + done.stderr
-    assert "no committed checkpoints" not in done.stdout
+    assert "no committed checkpoints" not in done.stdout + done.stderr
     assert url in done.stderr and cause in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
     assert not (tmp_path / "out.pt").exists()

@@ -79,6 +79,27 @@ def test_sigterm_saves_once_and_stops(tmp_path: Path) -> None:
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+def test_a_sigterm_after_the_last_step_stops_train_once_the_final_save_is_durable(
+    tmp_path: Path,
+) -> None:
+    """A SIGTERM after the last step's boundary (here in a callback's ``on_step_end`` of step
+    6, the last) was dropped: ``train()`` returned and the script went on. It raises
+    ``Preempted`` once the final save (step 6) is durable."""
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(Preempted) as stopped:
+        train(
+            tmp_path,
+            6,
+            callback=CociCallback(policy="every_n_steps", every_n_steps=100),
+            extra_callbacks=(Terminate(6),),
+        )
+    assert stopped.value.code == 143 and stopped.value.step == 6
+    assert stopped.value.source == "SIGTERM"
+    with CheckpointManager(tmp_path / "coci", keep_last=None) as mgr:
+        assert mgr.steps() == [6]
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 class _JitMark(TrainerCallback):
     """What the Trainer's JIT checkpoint does before it calls ``_save_checkpoint`` at step 3:
     makes ``checkpoint-3`` with its "incomplete" mark in it."""

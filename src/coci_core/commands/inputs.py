@@ -5,6 +5,7 @@ directories given, where an export or a plot is written. A failed check is :clas
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 from pathlib import Path
 from typing import Any
@@ -69,10 +70,12 @@ def no_checkpoints(storages: list[Any]) -> str:
             f"{said}: {path.name} is one checkpoint; give the directory holding it, {path.parent}"
         )
     try:
-        children = sorted(c for c in path.iterdir() if c.is_dir())[:_LOOKED_AT]
+        with os.scandir(path) as listing:
+            entries = list(itertools.islice(listing, _LOOKED_AT))
+        children = sorted(Path(e.path) for e in entries if e.is_dir())
         for child in sorted(children, key=lambda c: c.name != "coci"):  # coci's default first
-            with os.scandir(child) as entries:
-                names = [e.name for _, e in zip(range(_LOOKED_AT), entries, strict=False)]
+            with os.scandir(child) as inner:
+                names = [e.name for e in itertools.islice(inner, _LOOKED_AT)]
             if any(parse_step_version(n) is not None for n in names):
                 return f"{said}; did you mean {child}? (it holds checkpoints)"
     except OSError:

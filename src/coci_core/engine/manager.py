@@ -201,7 +201,12 @@ class CheckpointManager:
                 raise ConfigError(f"'listeners' must be callables, got {listener!r}")
         self.storage = open_storage(directory, **storage_options)
         remote_storage = None if remote is None else open_storage(remote, **remote_storage_options)
-        if remote_storage is not None and same_place(self.storage, remote_storage):
+        if (
+            remote_storage is not None
+            and same_place(self.storage, remote_storage)
+            # one URL on two servers (another endpoint in the options) is two places
+            and (self.storage.local_root() is not None or storage_options == remote_storage_options)
+        ):
             raise ConfigError(
                 f"'remote' must be another place than 'directory': both are {self.storage.url!r}"
             )

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -84,9 +83,12 @@ def nodes_at(nodes: Callable[[int], float], step: int) -> float:
         value = nodes(step)
     except Exception as e:
         raise ConfigError(f"'nodes' raised {type(e).__name__} at step {step}: {e}") from e
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ConfigError(f"'nodes' must return numbers: {value!r:.100} at step {step}")
-    count = float(value)
+    try:
+        if isinstance(value, (bool, str, bytes)):  # float("4") would read a string
+            raise TypeError
+        count = float(value)  # a number, or what converts (a 0-d tensor)
+    except (TypeError, ValueError, OverflowError):
+        raise ConfigError(f"'nodes' must return numbers: {value!r:.100} at step {step}") from None
     if not 0 < count <= MAX_NODES:  # also NaN
         raise ConfigError(
             f"'nodes' must return numbers in (0, {MAX_NODES:,}]: {value!r:.100} at step {step}"

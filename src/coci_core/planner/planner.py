@@ -32,7 +32,7 @@ from coci_core.planner.costs import (
     CostInputs,
 )
 from coci_core.planner.fixed_interval import is_fixed_save
-from coci_core.planner.model import DEFAULT_MTBF_S, Termination, make_termination
+from coci_core.planner.model import DEFAULT_MTBF_S, Termination, make_termination, nodes_at
 from coci_core.planner.observations import RunObservations
 from coci_core.planner.optimize import Problem
 from coci_core.planner.planner_state import load_planner_state, planner_state
@@ -151,6 +151,11 @@ class Planner:
         return planner
 
     def _start(self, config: PlannerConfig) -> None:
+        nodes = config.settings.nodes
+        if callable(nodes):
+            # a callable that fails, fails here (when training starts, for an adapter: it may
+            # read the process group), not in each re-plan
+            nodes_at(nodes, config.settings.start_step)
         self._settings: PlannerSettings = dataclasses.replace(config.settings)
         self._obs = RunObservations(self._settings, CostEstimator(config.costs))
         self._plan = Replanner(self._settings, self._obs)

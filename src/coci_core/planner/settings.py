@@ -18,7 +18,7 @@ from coci_core.knobs import MAX_NODES, MAX_PLAN_STEP
 from coci_core.planner.checks import check_int, check_optional_positive, check_positive
 from coci_core.planner.costs import CostInputs
 from coci_core.planner.fixed_interval import fixed_interval_of
-from coci_core.planner.model import Termination, make_termination, nodes_at
+from coci_core.planner.model import Termination, make_termination
 from coci_core.planner.objectives import Objective, make_objective
 from coci_core.planner.policies import (
     POLICIES,
@@ -201,8 +201,6 @@ def make_settings(
     )
     every_seconds = check_optional_positive("every_n_seconds", every_n_seconds)
     start = check_int("start_step", start_step, minimum=0, maximum=MAX_PLAN_STEP)
-    if callable(nodes):
-        nodes_at(nodes, start)  # a callable that fails, fails here rather than in each re-plan
     if total is not None and total <= start:
         raise ConfigError(f"'total_steps' must be > start_step: {total_steps!r}")
     checked_termination = make_termination(termination)

@@ -83,8 +83,8 @@ class SignalNotice(NoticeSource):
 
     def unanswered(self) -> bool:
         """Whether this signal asked the process to stop, and without coci the default action
-        would have ended it (no Python handler was installed before coci's, which has been
-        called already): the caller redelivers it when no step boundary acted on it."""
+        would have ended it (no Python handler was installed before coci's: one that was has
+        been called already, and what it did stands)."""
         return (
             self.received
             and self.name in ("SIGTERM", "SIGINT")

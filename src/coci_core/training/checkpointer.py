@@ -52,7 +52,6 @@ from coci_core.training.preemption import (
     PreemptionDecision,
     PreemptionWatch,
     SaveTimes,
-    redeliver,
 )
 from coci_core.training.restart import process_start_unix
 
@@ -168,6 +167,8 @@ class Checkpointer:
         self._broadcast = broadcast
         self._min_over_ranks = min_over_ranks
         self._watch: PreemptionWatch | None = None
+        #: a SIGTERM/SIGINT that came after the last step boundary (see :meth:`close`)
+        self.stopped_late: str | None = None
         #: what the ranks agreed on at a preemption notice (None until one came)
         self.preempted: PreemptionDecision | None = None
         #: the save planned before a notice's known end, while training goes on to it
@@ -659,18 +660,23 @@ class Checkpointer:
         is recorded as failed, so a resume of its last step is a restart after a failure."""
         self._failed = True
 
-    def close(self, *, upload_timeout_s: float | None = None) -> None:
-        """Wait for pending saves, stop the writer and close the telemetry sinks; then stop
-        watching preemption notices, and end the process on a SIGTERM (or SIGINT) that came
-        after the last step boundary, as it would have ended without coci (the final save
-        durable first). ``upload_timeout_s``: how long the remote tier's last upload may
-        still take (see :meth:`CheckpointManager.close`)."""
+    def close(self, *, upload_timeout_s: float | None = None, stop_late: bool = True) -> None:
+        """Wait for pending saves, stop the writer and close the telemetry sinks, then stop
+        watching preemption notices. ``upload_timeout_s``: how long the remote tier's last
+        upload may still take (see :meth:`CheckpointManager.close`).
+
+        A SIGTERM (or SIGINT) that came after the last step boundary (during a final
+        evaluation or the final save), which without coci would have ended the process, is
+        :attr:`stopped_late`; with ``stop_late`` (an adapter that raises it itself passes
+        False) and everything closed and durable, ``close`` then raises :class:`Preempted`
+        (exit status 143), on one process: ranks could not agree on it after their last
+        boundary, and a warning says so instead."""
         if self._last_observed is not None and not self._failed:
             _TRAINED_HERE[self.manager.storage.url] = self._last_observed
         try:
             self.manager.close(upload_timeout_s=upload_timeout_s)
         finally:
-            # after the final save is durable: a SIGTERM meanwhile is redelivered below
+            # after the final save is durable: a SIGTERM meanwhile is one that came late
             unanswered = self._watch.stop() if self._watch is not None else []
             self._plans.stop()
             for sink in self.sinks:
@@ -685,7 +691,31 @@ class Checkpointer:
                     sink.close()
                 except Exception:
                     logger.exception("coci telemetry sink %r failed to close", sink)
-            redeliver(unanswered)  # last: everything is closed
+        if unanswered and self._world_size > 1:
+            self.log.warning(
+                "coci: %s came after the last step boundary on this rank; the ranks cannot "
+                "agree on it now, so it is not acted on",
+                unanswered[0].name,
+            )
+        elif unanswered:
+            self.stopped_late = unanswered[0].name
+            if stop_late:
+                self.raise_if_stopped_late()
+
+    def raise_if_stopped_late(self) -> None:
+        """Raise :class:`Preempted` if a stop request came after the last step boundary (see
+        :meth:`close`)."""
+        if self.stopped_late is None:
+            return
+        message = (
+            f"coci: {self.stopped_late} came after the last step boundary; the final save is "
+            "durable, and the process stops as it was asked"
+        )
+        self.log.warning(message)
+        code = self.options.preemption.exit_code if self.options.preemption else 143
+        raise Preempted(
+            message, code=code, step=self.manager.latest_step(), source=self.stopped_late
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """The planner's estimates (JSON), so that a resumed run keeps them."""

@@ -41,7 +41,6 @@ __all__ = [
     "fit_save",
     "min_over_ranks",
     "plan_save_step",
-    "redeliver",
 ]
 
 logger = logging.getLogger(__name__)
@@ -218,18 +217,6 @@ def min_over_ranks() -> Callable[[float], float]:
     return reduce
 
 
-def redeliver(signals: list[signal.Signals]) -> None:
-    """Send the process ``signals`` again, now under the handlers that were there before
-    coci's (the default action: the process ends, as it would have without coci)."""
-    for signum in signals:
-        logger.warning(
-            "coci: %s came after the last step boundary, with no save to take for it; the "
-            "process ends as it asked",
-            signum.name,
-        )
-        signal.raise_signal(signum)
-
-
 class PreemptionWatch:
     """The notice sources of one process and the ranks' agreement on a notice.
 
@@ -274,8 +261,8 @@ class PreemptionWatch:
 
     def stop(self) -> list[signal.Signals]:
         """Stop the sources (signal handlers put back); the signals that asked the process to
-        stop and that no step boundary acted on (they came after the last one), which the
-        caller redelivers (:func:`redeliver`) once it is done."""
+        stop and that no step boundary acted on (they came after the last one), for the
+        caller to act on (see ``Checkpointer.close``)."""
         sources, self.sources = self.sources, []
         unanswered: list[signal.Signals] = []
         for source in sources:

@@ -20,7 +20,7 @@ from coci_core.engine.restore.restore import (
     resume_order,
     step_versions,
 )
-from coci_core.storage import open_storage
+from coci_core.storage import Storage, open_storage
 from coci_core.telemetry import RestoreEvent
 
 __all__ = [
@@ -115,7 +115,7 @@ def run_step_dir(
 
 
 def read_checkpoint(
-    directory: Path | str,
+    directory: Path | str | Storage,
     step: CheckpointRef,
     *,
     storage_options: Mapping[str, Any] | None = None,
@@ -147,7 +147,11 @@ def read_checkpoint(
     """
     targets = InPlaceTargets(live, replaced, partial=partial) if live is not None else None
     agreement = RestoreAgreement.for_job() if agree else None
-    storage = open_storage(str(directory), **dict(storage_options or {}))
+    storage = (
+        directory
+        if isinstance(directory, Storage)  # a manager's own (a wrapper stays one)
+        else open_storage(str(directory), **dict(storage_options or {}))
+    )
     if fall_back:
         remote_storage = None
         if remote is not None:
