@@ -91,3 +91,23 @@ def test_close_during_an_exception_saves_only_when_forced(tmp_path: Path) -> Non
         with pytest.raises(RuntimeError, match="boom"):
             _crash(ckpt, save)
         assert _steps(directory) == expected
+
+
+def test_a_sigterm_after_the_last_step_stops_the_run_at_close(tmp_path: Path) -> None:
+    """A SIGTERM after the last ``ckpt.step()`` (a final evaluation) was dropped at
+    ``close()``, and the script went on: ``close()`` saves the final step, waits until it is
+    durable, then raises ``Preempted`` (exit status 143)."""
+    import os
+    import signal
+
+    from coci_core import Preempted
+
+    before = signal.getsignal(signal.SIGTERM)
+    ckpt, _ = _run(tmp_path, 6)
+    os.kill(os.getpid(), signal.SIGTERM)  # the final evaluation, say
+    with pytest.raises(Preempted) as stopped:
+        ckpt.close()
+    assert stopped.value.code == 143 and stopped.value.step == 6
+    assert _steps(tmp_path) == [4, 6]
+    assert signal.getsignal(signal.SIGTERM) is before
+    AcceleratorState._reset_state(True)
