@@ -161,9 +161,10 @@ class CociCheckpoint(Checkpoint):
             how to get the weights alone: ``coci export DIR OUT --weights-only``).
         filename: ``ModelCheckpoint``'s; only None: coci names its checkpoints by step (a
             name is a ConfigError that says why).
-        save_top_k, save_last: ``ModelCheckpoint``'s; coci keeps the ``keep_last`` newest
-            checkpoints and always the newest: ``save_top_k`` and ``save_last=False`` are
-            ConfigErrors that say so (``save_last=True`` is what coci does).
+        save_top_k: ``ModelCheckpoint``'s; coci keeps the ``keep_last`` newest checkpoints:
+            a ConfigError that says so (for the best k, a ``ModelCheckpoint`` beside it).
+        save_last: ``ModelCheckpoint``'s; coci always keeps the newest: ``True`` is what
+            coci does, ``False`` a ConfigError that says so.
         train_time_interval: ``ModelCheckpoint``'s name: a ``timedelta`` is
             ``policy="every_n_seconds", every_n_seconds=`` its seconds.
     """
