@@ -636,7 +636,11 @@ class CociCallback(TrainerCallback):
         if trainer.args.world_size > 1:  # retention is process 0's: all list after it
             trainer.accelerator.wait_for_everyone()
         run = checkpointer.manager.run_id  # this run's steps: not another's of the same number
-        best = best_to_load(trainer, checkpointer.manager.runs().get(run, []))  # said either way
+        kept = checkpointer.manager.runs().get(run, [])
+        keep_last = checkpointer.manager.keep_last
+        if keep_last is not None:  # those retention keeps (a kill before it ran leaves more)
+            kept = kept[-keep_last:]
+        best = best_to_load(trainer, kept)  # said either way
         # a best step that retention removed since is named no more: the one loaded is
         path = None if best is None else self._step_dir(best[0], run)
         trainer.state.best_model_checkpoint = path

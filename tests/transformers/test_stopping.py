@@ -229,6 +229,45 @@ def test_the_best_kept_step_is_loaded_when_no_saved_step_was_the_trainers_best(
     assert "lost work: 0 steps over 0 restarts after a failure\n" in capsys.readouterr().out
 
 
+def test_the_best_step_is_among_the_steps_retention_keeps_after_a_kill(tmp_path: Path) -> None:
+    """A run killed after its final save's commit and before retention removed the oldest
+    step (here: a first run that kept every step) resumes at its final step with one step
+    too many on disk; load_best_model_at_end chose among all of them, a step that the
+    uninterrupted run had removed. It chooses among the newest ``keep_last``."""
+    evaluations: list[int] = []
+
+    def falling_score(_: Any) -> dict[str, float]:
+        evaluations.append(1)
+        return {"score": -float(len(evaluations))}  # the first evaluation is the best
+
+    options: dict[str, Any] = {
+        "save_steps": 2,
+        "eval_strategy": "steps",
+        "eval_steps": 2,
+        "load_best_model_at_end": True,
+        "metric_for_best_model": "score",
+        "greater_is_better": True,
+        "compute_metrics": falling_score,
+    }
+    train(tmp_path, 6, callback=CociCallback(policy="every_n_steps", keep_last=None), **options)
+    AcceleratorState._reset_state(True)
+    resumed = train(
+        tmp_path,
+        6,
+        # no save to take (retention runs after a save): steps 2, 4 and 6 stay on disk
+        callback=CociCallback(
+            policy="every_n_steps", every_n_steps=100, keep_last=2, save_on_train_end=False
+        ),
+        resume=True,
+        **options,
+    )
+    assert resumed["start"] == 6
+    with CheckpointManager(tmp_path / "coci", keep_last=None) as mgr:
+        assert mgr.steps() == [2, 4, 6]
+    # the best evaluated of the newest two (2 was the best of all)
+    assert resumed["best_checkpoint"] == str(tmp_path / "coci" / step_dir_name(4))
+
+
 def test_the_best_model_is_never_another_runs(tmp_path: Path) -> None:
     """A second run started fresh in the directory of a first (steps 2, 4, 6 kept there)
     evaluates at steps 2 and 4 but keeps no step of its own: load_best_model_at_end keeps its
