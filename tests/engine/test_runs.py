@@ -114,6 +114,35 @@ def test_a_restore_continues_the_restored_run(tmp_path: Path) -> None:
         assert reader.steps() == [2, 3]  # its step 1 was retired, as in one run
 
 
+def test_a_run_resumed_at_its_end_closes_with_keep_last_steps(tmp_path: Path) -> None:
+    """A run killed between its last commit and that commit's retention (here: a first
+    manager that kept every step) and resumed at its end saves nothing more: its close
+    removes what retention left, never the restored step nor another run's steps; a restore
+    of an older step, or a manager that does not own the directory, removes nothing."""
+    with CheckpointManager(tmp_path, keep_last=None, compression="none") as other:
+        other.save(1, _state(0)).wait()  # another run's
+    with CheckpointManager(tmp_path, keep_last=None, compression="none") as killed:
+        for step in (2, 3, 4, 5):
+            killed.save(step, _state(step)).wait()
+    with CheckpointManager(tmp_path, keep_last=2, compression="none") as older:
+        assert older.restore(step=4)["w"][0] == 4.0  # not where the run stopped
+    with CheckpointManager(tmp_path, keep_last=None) as listing:
+        assert listing.steps() == [1, 2, 3, 4, 5]
+    holder = CheckpointManager(tmp_path, keep_last=None, compression="none")
+    try:
+        with CheckpointManager(tmp_path, keep_last=2, compression="none") as reader:
+            assert reader.restore()["w"][0] == 5.0  # another process writes: it may not delete
+    finally:
+        holder.close()
+    with CheckpointManager(tmp_path, keep_last=None) as listing:
+        assert listing.steps() == [1, 2, 3, 4, 5]
+    with CheckpointManager(tmp_path, keep_last=2, compression="none") as resumed:
+        assert resumed.restore()["w"][0] == 5.0
+    with CheckpointManager(tmp_path, keep_last=None) as listing:
+        assert listing.steps() == [1, 4, 5]  # step 1 is the other run's
+        assert listing.restore()["w"][0] == 5.0
+
+
 def test_overwrite_true_replaces_a_step(tmp_path: Path) -> None:
     with CheckpointManager(tmp_path, compression="none") as mgr:
         mgr.save(5, _state(1.0)).wait()

@@ -233,7 +233,8 @@ def test_the_best_step_is_among_the_steps_retention_keeps_after_a_kill(tmp_path:
     """A run killed after its final save's commit and before retention removed the oldest
     step (here: a first run that kept every step) resumes at its final step with one step
     too many on disk; load_best_model_at_end chose among all of them, a step that the
-    uninterrupted run had removed. It chooses among the newest ``keep_last``."""
+    uninterrupted run had removed. It chooses among the newest ``keep_last``, and the resumed
+    run's close removes the step that retention left."""
     evaluations: list[int] = []
 
     def falling_score(_: Any) -> dict[str, float]:
@@ -254,7 +255,7 @@ def test_the_best_step_is_among_the_steps_retention_keeps_after_a_kill(tmp_path:
     resumed = train(
         tmp_path,
         6,
-        # no save to take (retention runs after a save): steps 2, 4 and 6 stay on disk
+        # no save to take: steps 2, 4 and 6 are on disk until the run closes
         callback=CociCallback(
             policy="every_n_steps", every_n_steps=100, keep_last=2, save_on_train_end=False
         ),
@@ -263,7 +264,7 @@ def test_the_best_step_is_among_the_steps_retention_keeps_after_a_kill(tmp_path:
     )
     assert resumed["start"] == 6
     with CheckpointManager(tmp_path / "coci", keep_last=None) as mgr:
-        assert mgr.steps() == [2, 4, 6]
+        assert mgr.steps() == [4, 6]
     # the best evaluated of the newest two (2 was the best of all)
     assert resumed["best_checkpoint"] == str(tmp_path / "coci" / step_dir_name(4))
 

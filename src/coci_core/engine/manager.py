@@ -224,6 +224,8 @@ class CheckpointManager:
         # the same on every rank), and the restored checkpoint's run after a restore, so that
         # a resumed run continues its own retention while other runs' checkpoints are left be.
         self.run_id = group.session
+        # the commit sequence of the checkpoint this run resumed from (see close)
+        self._resumed_at: int | None = None
         self.chunk_bytes = chunk_bytes
         self._saves = 0
         self._snapshotter = Snapshotter()
@@ -550,6 +552,7 @@ class CheckpointManager:
                 handle.check_copy(any_thread=True)
                 handle.wait_done()
             self._worker.stop()
+            self._trim_resumed_run()
             if self.remote is not None and upload_timeout_s is not None:
                 self.remote.close(max(0.0, upload_timeout_s))
             elif self.remote is not None:
@@ -557,6 +560,24 @@ class CheckpointManager:
             self._finalizer.detach()
             self._owner.release(None)  # never raises
             self._writer.raise_failed()
+
+    def _trim_resumed_run(self) -> None:
+        lease = self._owner.lease
+        if (
+            self._resumed_at is None
+            or self.keep_last is None
+            or not self.group.is_coordinator
+            or lease is None
+            or lease.lost is not None
+        ):
+            return
+        retention.trim_resumed_run(
+            self.storage,
+            keep_last=self.keep_last,
+            run_id=self.run_id,
+            sequence=self._resumed_at,
+            next_base=self._encoder.base_step,
+        )
 
     def close_at_exit(self) -> None:
         """:meth:`close`, when the main thread has ended (for a manager left unclosed): never
@@ -618,6 +639,7 @@ class CheckpointManager:
         """
         check_run_position(run, sequence)
         self.run_id = run
+        self._resumed_at = sequence
         self._writer.commit_after(sequence)
         if restored is not None:
             self.last_restore = restored

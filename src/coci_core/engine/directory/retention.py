@@ -1,11 +1,13 @@
 """Retention: which committed steps a run keeps, and the clean-up of what crashes leave.
 
 Called by the manager's writer thread after each commit (``keep_last`` of the run's own steps,
-never a base that a kept step or the next delta needs), before a save when the storage reports
-too little free space (the steps retention would delete anyway go first), after a re-save (the
-later steps whose deltas the old contents were the base of) and at startup under the
-directory's lease (uncommitted leftovers). Deleting a step un-publishes it first where the
-storage can, so that no crash leaves a manifest without its data.
+never a base that a kept step or the next delta needs), when a resumed run closes without a
+commit of its own (the retention a kill right after the run's last commit left undone), before
+a save when the storage reports too little free space (the steps retention would delete
+anyway go first), after a re-save (the later steps whose deltas the old contents were the base
+of) and at startup under the directory's lease (uncommitted leftovers). Deleting a step
+un-publishes it first where the storage can, so that no crash leaves a manifest without its
+data.
 
 A step is deleted only after every listed step whose deltas need it (dependants first, newest
 step number first: a base always has a lower step number than its deltas), and never while a
@@ -34,6 +36,7 @@ __all__ = [
     "own_steps",
     "remove_uncommitted",
     "retire",
+    "trim_resumed_run",
 ]
 
 logger = logging.getLogger(__name__)
@@ -97,6 +100,26 @@ def apply_keep_last(
     for info in _deletable(infos, own[:cut], protected):  # deltas before their bases
         retire(storage, info.step, info.version)
         logger.debug("coci: retention removed step %d", info.step)
+
+
+def trim_resumed_run(
+    storage: Storage, *, keep_last: int, run_id: str, sequence: int, next_base: int | None
+) -> None:
+    """Apply ``keep_last`` for a run that resumed from its newest checkpoint (commit
+    ``sequence``) and committed nothing since: a run killed between its last commit and that
+    commit's retention otherwise keeps one step too many until it saves again (a resume at the
+    run's end never does). Nothing happens after a restore of an older step, or once the run
+    committed again (retention ran then). Never raises: it is logged.
+    """
+    try:
+        own = [i for i in step_infos(storage) if i.intact and i.run == run_id]  # newest first
+        if len(own) <= keep_last or own[0].sequence != sequence:
+            return
+        apply_keep_last(
+            storage, keep_last=keep_last, run_id=run_id, newest=own[0].step, next_base=next_base
+        )
+    except Exception as e:  # the run's checkpoints are durable: never a reason to fail
+        logger.warning("coci: retention of the resumed run failed: %s", e)
 
 
 def drop_dependants(storage: Storage, step: int, run_id: str) -> None:
