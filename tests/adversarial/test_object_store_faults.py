@@ -457,3 +457,29 @@ def test_accelerate_resume_from_a_store_that_refuses_us_raises(
     finally:
         ckpt.close(save=False)
         AcceleratorState._reset_state(True)
+
+
+_FORGED_RECORDS = {
+    "nested past the parser": b"[" * 100_000 + b"]" * 100_000,
+    "a field nested past the parser": b'{"renewed":' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+    "renewed beyond a float": b'{"renewed": 1e400, "ttl": 60, "pid": 1, "since": 1e300}',
+    "a lifetime beyond a float": b'{"renewed": 1, "ttl": 1e400, "pid": 1, "since": 1}',
+    "renewed in a thousand years": json.dumps(
+        {"renewed": time.time() + 3e10, "ttl": 60, "pid": 1, "host": "h", "since": 1}
+    ).encode(),
+    "not an object": b"[1, 2]",
+}
+
+
+@pytest.mark.parametrize("forged", sorted(_FORGED_RECORDS))
+def test_a_forged_owner_record_is_taken_over_as_stale(server: S3Server, forged: str) -> None:
+    """An owner record no writer makes (JSON nested past the parser, numbers beyond a float,
+    a lease that would last a thousand years) neither crashes a save with a raw error nor locks
+    the directory for ever: it is stale, taken over with a warning, and the save commits."""
+    prefix = server.fresh_prefix()
+    url = f"s3://{prefix}/run"
+    server.filesystem().pipe_file(f"{prefix}/run/{LEASE_NAME}", _FORGED_RECORDS[forged])
+    with CheckpointManager(url, storage_options=server.storage_options) as mgr:
+        mgr.save(1, _state(1)).wait()
+        assert mgr.steps() == [1]
+    assert _remote_steps(server, url) == [1]

@@ -115,32 +115,37 @@ def test_a_restore_continues_the_restored_run(tmp_path: Path) -> None:
 
 
 def test_a_run_resumed_at_its_end_closes_with_keep_last_steps(tmp_path: Path) -> None:
-    """A run killed between its last commit and that commit's retention (here: a first
-    manager that kept every step) and resumed at its end saves nothing more: its close
-    removes what retention left, never the restored step nor another run's steps; a restore
-    of an older step, or a manager that does not own the directory, removes nothing."""
+    """A training run killed between its last commit and that commit's retention (here: a
+    first manager that kept one step more) and resumed at its end saves nothing more: its
+    close removes the step that retention left, never the restored step nor another run's.
+    A reader's restore, a restore of an older step, a manager that does not own the
+    directory, or more steps than one beyond ``keep_last`` (a run that kept every step, read
+    with the default) remove nothing."""
     with CheckpointManager(tmp_path, keep_last=None, compression="none") as other:
         other.save(1, _state(0)).wait()  # another run's
     with CheckpointManager(tmp_path, keep_last=None, compression="none") as killed:
-        for step in (2, 3, 4, 5):
+        for step in (2, 3, 4):
             killed.save(step, _state(step)).wait()
-    with CheckpointManager(tmp_path, keep_last=2, compression="none") as older:
-        assert older.restore(step=4)["w"][0] == 4.0  # not where the run stopped
-    with CheckpointManager(tmp_path, keep_last=None) as listing:
-        assert listing.steps() == [1, 2, 3, 4, 5]
+
+    def close_resumed(step: int | None, keep_last: int) -> list[int]:
+        with CheckpointManager(tmp_path, keep_last=keep_last, compression="none") as resumed:
+            assert resumed.restore(step)["w"][0] == (step or 4)
+            resumed.close(resumed_retention=True)
+        with CheckpointManager(tmp_path, keep_last=None) as listing:
+            return listing.steps()
+
+    with CheckpointManager(tmp_path, keep_last=2, compression="none") as reader:
+        assert reader.restore()["w"][0] == 4.0  # a reader: close() deletes nothing
+    assert close_resumed(3, keep_last=2) == [1, 2, 3, 4]  # not where the run stopped
+    assert close_resumed(None, keep_last=1) == [1, 2, 3, 4]  # two over: not a kill's
     holder = CheckpointManager(tmp_path, keep_last=None, compression="none")
     try:
-        with CheckpointManager(tmp_path, keep_last=2, compression="none") as reader:
-            assert reader.restore()["w"][0] == 5.0  # another process writes: it may not delete
+        assert close_resumed(None, keep_last=2) == [1, 2, 3, 4]  # another writer's directory
     finally:
         holder.close()
+    assert close_resumed(None, keep_last=2) == [1, 3, 4]  # step 1 is the other run's
     with CheckpointManager(tmp_path, keep_last=None) as listing:
-        assert listing.steps() == [1, 2, 3, 4, 5]
-    with CheckpointManager(tmp_path, keep_last=2, compression="none") as resumed:
-        assert resumed.restore()["w"][0] == 5.0
-    with CheckpointManager(tmp_path, keep_last=None) as listing:
-        assert listing.steps() == [1, 4, 5]  # step 1 is the other run's
-        assert listing.restore()["w"][0] == 5.0
+        assert listing.restore()["w"][0] == 4.0
 
 
 def test_overwrite_true_replaces_a_step(tmp_path: Path) -> None:

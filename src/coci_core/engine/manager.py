@@ -528,12 +528,18 @@ class CheckpointManager:
             raise TimeoutError(f"retention after the last save not done after {timeout_s} s")
         self._writer.raise_failed()
 
-    def close(self, *, upload_timeout_s: float | None = None) -> None:
+    def close(
+        self, *, upload_timeout_s: float | None = None, resumed_retention: bool = False
+    ) -> None:
         """Wait for pending saves and stop the background worker (idempotent). A manager that
         is never closed is closed when the main thread ends, before the interpreter shuts
         down: its pending saves are made durable then (a save that fails logs one line).
         ``upload_timeout_s``: how long the remote tier's last upload may still take (default
         ``UPLOAD_CLOSE_TIMEOUT_S``; a preempted run gives the time it has left).
+        ``resumed_retention``: this manager resumed training (the adapters pass it): if it
+        restored its run's newest checkpoint and committed nothing since, delete the one
+        step beyond ``keep_last`` that a kill between the run's last commit and that commit's
+        retention left (a reader's restore, False, never deletes anything).
 
         Raises:
             BackgroundSaveError: a background save failed and was not reported yet.
@@ -552,7 +558,8 @@ class CheckpointManager:
                 handle.check_copy(any_thread=True)
                 handle.wait_done()
             self._worker.stop()
-            self._trim_resumed_run()
+            if resumed_retention:
+                self._trim_resumed_run()
             if self.remote is not None and upload_timeout_s is not None:
                 self.remote.close(max(0.0, upload_timeout_s))
             elif self.remote is not None:

@@ -674,7 +674,10 @@ class Checkpointer:
         if self._last_observed is not None and not self._failed:
             _TRAINED_HERE[self.manager.storage.url] = self._last_observed
         try:
-            self.manager.close(upload_timeout_s=upload_timeout_s)
+            self.manager.close(
+                upload_timeout_s=upload_timeout_s,
+                resumed_retention=self.resumed_from is not None and not self._failed,
+            )
         finally:
             # after the final save is durable: a SIGTERM meanwhile is one that came late
             unanswered = self._watch.stop() if self._watch is not None else []

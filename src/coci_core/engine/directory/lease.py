@@ -30,6 +30,7 @@ import errno
 import fcntl
 import json
 import logging
+import math
 import os
 import socket
 import threading
@@ -43,6 +44,10 @@ from coci_core.storage import RecordStore, Storage
 from coci_core.storage.local import open_own_file
 
 __all__ = ["LEASE_NAME", "LEASE_TTL_S", "Lease", "acquire_lease"]
+
+#: the longest time to live a lease record may give itself (writers give ``LEASE_TTL_S``): a
+#: record that claims longer is not a writer's, so it cannot lock a directory for days
+MAX_LEASE_TTL_S = 24 * 3600.0
 
 logger = logging.getLogger(__name__)
 
@@ -306,11 +311,35 @@ os.register_at_fork(
 )
 
 
-def _session_of(record: bytes) -> str | None:
+def _parsed(record: bytes | str) -> dict[str, Any]:
+    """A lease record's fields; empty when it is not a JSON object (damaged, forged, nested
+    beyond what the parser follows)."""
     try:
-        return str(json.loads(record)["session"])
-    except (ValueError, KeyError, TypeError):
-        return None
+        doc = json.loads(record)
+    except (ValueError, RecursionError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def _session_of(record: bytes) -> str | None:
+    session = _parsed(record).get("session")
+    return session if isinstance(session, str) else None
+
+
+def _expiry(record: dict[str, Any]) -> float:
+    """When a lease record expires unless renewed; 0 (stale) for one that no writer makes: not
+    numbers, not finite, a time to live beyond ``MAX_LEASE_TTL_S`` or a renewal more than that
+    ahead of this clock (a clock that runs minutes ahead is waited for, as a live writer)."""
+    try:
+        renewed, ttl = float(record["renewed"]), float(record["ttl"])
+    except (ValueError, KeyError, TypeError, OverflowError):
+        return 0.0
+    now = time.time()
+    if not (math.isfinite(renewed) and 0.0 < ttl <= MAX_LEASE_TTL_S):
+        return 0.0
+    if renewed > now + MAX_LEASE_TTL_S:
+        return 0.0
+    return renewed + ttl
 
 
 def _take_owner_record(store: RecordStore, doc: dict[str, Any], key: str) -> _OwnerRecord:
@@ -320,12 +349,8 @@ def _take_owner_record(store: RecordStore, doc: dict[str, Any], key: str) -> _Ow
     except FileExistsError:
         current = store.read_record(LEASE_NAME)
         held = current[0].decode("utf-8", "replace") if current else ""
-        theirs: Any = {}
-        try:
-            theirs = json.loads(held)
-            expires = float(theirs["renewed"]) + float(theirs["ttl"])
-        except (ValueError, KeyError, TypeError):
-            expires = 0.0  # unreadable: nobody can renew it
+        theirs = _parsed(held)
+        expires = _expiry(theirs)  # 0 when unreadable: nobody can renew it
         if current is not None and expires > time.time() and not _died_here(theirs):
             raise DirectoryInUseError(
                 f"another coci writer ({_holder_text(held)}) is writing to {key} (its lease "
@@ -389,8 +414,8 @@ def _died_here(record: Any) -> bool:
 
 
 def _holder_text(info: str) -> str:
+    doc = _parsed(info)
     try:
-        doc = json.loads(info)
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(doc["since"])))
         return f"process {int(doc['pid'])} on {str(doc['host'])[:64]} since {since}"
     except (ValueError, KeyError, TypeError, OverflowError):

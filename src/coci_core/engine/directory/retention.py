@@ -1,9 +1,9 @@
 """Retention: which committed steps a run keeps, and the clean-up of what crashes leave.
 
 Called by the manager's writer thread after each commit (``keep_last`` of the run's own steps,
-never a base that a kept step or the next delta needs), when a resumed run closes without a
-commit of its own (the retention a kill right after the run's last commit left undone), before
-a save when the storage reports too little free space (the steps retention would delete
+never a base that a kept step or the next delta needs), when a resumed training run closes
+without a commit of its own (what a kill right after the run's last commit left), before a
+save when the storage reports too little free space (the steps retention would delete
 anyway go first), after a re-save (the later steps whose deltas the old contents were the base
 of) and at startup under the directory's lease (uncommitted leftovers). Deleting a step
 un-publishes it first where the storage can, so that no crash leaves a manifest without its
@@ -105,15 +105,16 @@ def apply_keep_last(
 def trim_resumed_run(
     storage: Storage, *, keep_last: int, run_id: str, sequence: int, next_base: int | None
 ) -> None:
-    """Apply ``keep_last`` for a run that resumed from its newest checkpoint (commit
+    """Apply ``keep_last`` for a training run that resumed from its newest checkpoint (commit
     ``sequence``) and committed nothing since: a run killed between its last commit and that
     commit's retention otherwise keeps one step too many until it saves again (a resume at the
-    run's end never does). Nothing happens after a restore of an older step, or once the run
-    committed again (retention ran then). Never raises: it is logged.
+    run's end never does). Nothing happens unless exactly that one step is over, after a
+    restore of an older step, or once the run committed again (retention ran then). Never
+    raises: it is logged.
     """
     try:
         own = [i for i in step_infos(storage) if i.intact and i.run == run_id]  # newest first
-        if len(own) <= keep_last or own[0].sequence != sequence:
+        if len(own) != keep_last + 1 or own[0].sequence != sequence:
             return
         apply_keep_last(
             storage, keep_last=keep_last, run_id=run_id, newest=own[0].step, next_base=next_base
