@@ -18,6 +18,7 @@ from coci_core.engine.directory import retention
 from coci_core.engine.directory.steps import committed_steps, step_info
 from coci_core.engine.format.manifest import MANIFEST_NAME, step_dir_name
 from coci_core.engine.restore.load import check_checkpoint, load_checkpoint, verify_checkpoint
+from coci_core.engine.restore.restore import resume_step
 from coci_core.storage import Storage, StorageWrapper
 from tests.harness.processes import module, run
 
@@ -115,6 +116,63 @@ def test_a_step_removed_with_its_base_mid_read_is_removed_not_damaged(
         READERS[reader](storage)
     assert storage.retention is None  # it ran mid-read
     assert committed_steps(inner) == [4, 5]
+
+
+class _CommitAndRemovalMidRead(StorageWrapper):
+    """A reader's view of a directory whose writer (``keep_last=1``) commits step 2 and
+    removes step 1 right after the reader listed the steps (``when="list"``: before it read
+    step 1's manifest) or once it started reading step 1's data (``when="data"``)."""
+
+    def __init__(self, inner: Storage, writer: CheckpointManager, when: str) -> None:
+        super().__init__(inner)
+        self.writer, self.when, self.raced = writer, when, False
+
+    def _race(self) -> None:
+        if not self.raced:
+            self.raced = True
+            self.writer.save(2, _state(2)).wait()
+            self.writer.wait(retention=True)
+            assert committed_steps(self.inner) == [2]
+
+    def list_dir(self, path: str = "") -> list[str]:
+        names = self.inner.list_dir(path)
+        if path == "" and self.when == "list":
+            self._race()
+        return names
+
+    def read_into(self, path: str, offset: int, out: memoryview) -> None:
+        if path.startswith(step_dir_name(1)) and self.when == "data":
+            self._race()
+        self.inner.read_into(path, offset, out)
+
+    def read_bytes(self, path: str) -> bytes:
+        if (
+            path.startswith(step_dir_name(1))
+            and not path.endswith(MANIFEST_NAME)
+            and self.when == "data"
+        ):
+            self._race()
+        return self.inner.read_bytes(path)
+
+
+@pytest.mark.parametrize("when", ["list", "data"])
+@pytest.mark.parametrize("reader", ["restore", "coci ls"])
+def test_a_reader_racing_a_keep_last_1_writer_takes_the_newer_step(
+    tmp_path: Path, when: str, reader: str
+) -> None:
+    """A reader that listed step 1 just before the writer (``keep_last=1``) committed step 2
+    and removed step 1 lists again: it restores step 2. Before, it raised "no committed
+    checkpoint" (which the README's resume loop reads as a fresh start) or "no intact
+    checkpoint" on a healthy directory (about 15 of 13,000 restores beside such a writer)."""
+    with CheckpointManager(tmp_path, keep_last=1, compression="none") as writer:
+        writer.save(1, _state(1)).wait()
+        storage = _CommitAndRemovalMidRead(LocalStorage(tmp_path), writer, when)
+        if reader == "restore":
+            with CheckpointManager(storage) as other:
+                assert torch.equal(other.restore()["w"], _state(2)["w"])
+        else:
+            assert resume_step(storage).candidate.step == 2
+        assert storage.raced
 
 
 class _FreedByOneDeletion(StorageWrapper):

@@ -357,19 +357,14 @@ def _first_intact(
                 if candidates:  # the checkpoint it names, however named (5, "step-0000000005")
                     info = candidates[0].info
                     asked = f"{info.step}-v{info.version}" if info.version else str(info.step)
+                search = _Search(
+                    candidates, storage, remote, step, strict, attempt, caches, on_damaged
+                )
+                i, result = search.first_from(0)
             else:
-                candidates = resume_order(storage, remote, caches=caches)
-                if not candidates:
-                    raise NoCheckpointError(f"no committed checkpoint in {_urls(storage, remote)}")
-                starts = [
-                    i
-                    for i, c in enumerate(candidates)
-                    if start_at is not None and c.matches(start_at)
-                ]
-                if starts:
-                    candidates = candidates[starts[0] :]
-            search = _Search(candidates, storage, remote, step, strict, attempt, caches, on_damaged)
-            i, result = search.first_from(0)
+                search, i, result = _newest_intact(
+                    storage, remote, start_at, strict, attempt, caches, on_damaged
+                )
     except CociError as e:
         if agreement is None:
             raise
@@ -377,6 +372,55 @@ def _first_intact(
     if agreement is not None:
         i, result = _agree(search, i, result, agreement, asked)
     return ResumePoint(search.candidates[i], tuple(search.skipped)), result
+
+
+#: listings a restore without ``step`` takes when every checkpoint it listed was removed while
+#: it read (a writer's retention with a small ``keep_last``): the newer ones were committed
+#: meanwhile, and a listing that raced a commit and a removal may even have seen neither
+RELIST_TRIES = 4
+
+
+def _newest_intact(
+    storage: Storage,
+    remote: Storage | None,
+    start_at: CheckpointRef | None,
+    strict: bool,
+    attempt: Callable[[Candidate, RestoreCache], _T],
+    caches: dict[int, RestoreCache],
+    on_damaged: Callable[[Candidate, CorruptCheckpointError], None] | None,
+) -> tuple[_Search[_T], int, _T]:
+    """The search of :func:`_first_intact` for the newest intact checkpoint, listed again
+    while what it listed was all removed under it (never after damage)."""
+    for tries_left in range(RELIST_TRIES - 1, -1, -1):
+        candidates = resume_order(storage, remote, caches=caches)
+        if not candidates:
+            if tries_left and _has_steps_or_leftovers(storage):
+                continue  # listed between a commit and a removal
+            raise NoCheckpointError(f"no committed checkpoint in {_urls(storage, remote)}")
+        starts = [
+            i for i, c in enumerate(candidates) if start_at is not None and c.matches(start_at)
+        ]
+        if starts:
+            candidates = candidates[starts[0] :]
+        search = _Search(candidates, storage, remote, None, strict, attempt, caches, on_damaged)
+        try:
+            i, result = search.first_from(0)
+        except CorruptCheckpointError:
+            if tries_left and search.damage is None and start_at is None:
+                logger.info("coci: every step listed was removed while restoring: listing again")
+                continue
+            raise
+        return search, i, result
+    raise AssertionError("unreachable")  # the last try returns or raises
+
+
+def _has_steps_or_leftovers(storage: Storage) -> bool:
+    """Whether the directory holds anything a writer makes (a step, committed or not): only
+    then can an empty listing have raced a commit."""
+    try:
+        return any(name.startswith("step-") for name in storage.list_dir(""))
+    except Exception:
+        return False
 
 
 def _agree(
