@@ -116,6 +116,8 @@ class CociCheckpointer:
         planner_options, self._total_source = _total_steps(
             accelerator, total_steps, num_epochs, policy, planner_options
         )
+        total = planner_options.get("total_steps") if isinstance(planner_options, Mapping) else 0
+        self._total = total if type(total) is int and total > 0 else None  # for a warning only
         check_bool("save_on_close", save_on_close)
         # The options both adapters share, each checked once, here (see CheckpointOptions).
         self.options = CheckpointOptions.check(dirpath=dirpath, **shared_options(locals()))
@@ -215,6 +217,15 @@ class CociCheckpointer:
         if count == 0 or count == self._observed:
             return None  # no optimizer step since the last call (accumulating gradients)
         self._observed = count
+        if count == (self._total or -2) + 1 and self.accelerator.is_main_process:
+            logger.warning(
+                "coci: step %d is past the run's %d total steps (%s): a resumed loop over "
+                "epochs that starts again at epoch 0 trains again what the checkpoint holds; "
+                "start it at ckpt.resume() // len(dataloader)",
+                count,
+                self._total,
+                self._total_source,
+            )
         announce = not self._announced
         self._announced = True
         now = time.perf_counter()

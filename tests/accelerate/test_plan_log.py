@@ -75,3 +75,19 @@ def test_num_epochs_needs_a_prepared_loader(tmp_path: Path) -> None:
         CociCheckpointer(accelerator, num_epochs=2)
     with pytest.raises(ConfigError, match="not both"):
         CociCheckpointer(accelerator, num_epochs=2, total_steps=10)
+
+
+def test_a_step_past_the_total_is_warned_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A loop that runs past the total it planned over (a resumed loop over epochs that starts
+    again at epoch 0 trains again what the checkpoint holds, with no error) is told once, at
+    the first step past it, how to start the loop."""
+    _plan_lines(tmp_path, caplog, total_steps=3)  # the loop takes 6 steps
+    past = [r for r in caplog.records if "past the run's" in r.getMessage()]
+    assert len(past) == 1 and past[0].levelno == logging.WARNING
+    assert past[0].getMessage().startswith("coci: step 4 is past the run's 3 total steps")
+    assert "start it at ckpt.resume() // len(dataloader)" in past[0].getMessage()
+    caplog.clear()
+    _plan_lines(tmp_path / "within", caplog, total_steps=6)
+    assert not [r for r in caplog.records if "past the run's" in r.getMessage()]

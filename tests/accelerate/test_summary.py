@@ -70,3 +70,34 @@ def test_verbose_is_checked(tmp_path: Path) -> None:
     accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
     with pytest.raises(ConfigError, match="'verbose' must be a bool"):
         CociCheckpointer(accelerator, verbose=1)  # type: ignore[arg-type]
+
+
+def test_a_finished_run_requeued_says_it_had_nothing_left_to_train(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A run resumed at its final checkpoint (a scheduler requeued it after it finished, as a
+    late SIGTERM's exit status 143 asks) says so, not "no checkpoint committed", which reads
+    as saves that all went wrong."""
+
+    def run(steps: int) -> list[str]:
+        set_seed(3)
+        accelerator = _accelerator(tmp_path)
+        model = torch.nn.Linear(4, 2)
+        model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        ckpt = CociCheckpointer(accelerator, total_steps=4)
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            done = ckpt.resume()
+            for _ in range(done, steps):
+                accelerator.backward(model(torch.randn(3, 4)).pow(2).mean())
+                optimizer.step()
+                optimizer.zero_grad()
+                ckpt.step()
+            ckpt.close()
+        name = "coci_accelerate.checkpointer"
+        return [
+            r.getMessage() for r in caplog.records if r.name == name and "step" in r.getMessage()
+        ]
+
+    assert any("1 checkpoint committed (newest step 4)" in m for m in run(4))
+    assert "coci: resumed at step 4, the newest checkpoint; no step to train after it" in run(4)

@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from coci_core import (
     BackgroundSaveError,
     CheckpointManager,
+    ConfigError,
     FsspecStorage,
     GlobalSampler,
     LocalStorage,
@@ -92,7 +93,8 @@ def _storage(cfg: dict[str, Any], rank: int) -> Any:
         if pausing:
             return _PausingFsspec(cfg["url"], cfg["pause_step"], **options)
         return FsspecStorage(cfg["url"], **options)
-    return _PausingStorage(cfg["dir"], cfg["pause_step"]) if pausing else LocalStorage(cfg["dir"])
+    directory = cfg["dir"].replace("{rank}", str(rank))  # "{rank}": a disk of each node's own
+    return _PausingStorage(directory, cfg["pause_step"]) if pausing else LocalStorage(directory)
 
 
 def main(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -159,7 +161,12 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
                 "sampler": sampler.state_dict(),
                 "step": step,
             }
-            mgr.save(step, state, per_rank={"rng": rng})
+            try:
+                mgr.save(step, state, per_rank={"rng": rng})
+            except ConfigError as e:
+                out["save_error"] = str(e)
+                mgr.close()
+                return out
             if step == cfg.get("pause_step"):
                 try:
                     mgr.wait()

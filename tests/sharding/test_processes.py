@@ -66,6 +66,25 @@ def test_resume_on_another_world_size_sees_each_sample_once(
     assert all(len(ids) == BATCH for r in first + second for ids in r["steps"].values())
 
 
+def test_ranks_that_do_not_share_the_directory_are_told_so_at_the_first_save(
+    tmp_path: Path,
+) -> None:
+    """Each rank's "same" path on a disk of its own (node-local /scratch): the first save
+    fails at once on every rank with one error naming the rank that does not see rank 0's
+    directory, and nothing is committed (before: every save stalled for the group's timeout,
+    600 s by default, then failed blaming rank 1 for not reporting, which it had, elsewhere)."""
+    cfg = {"dir": str(tmp_path / "node{rank}"), "every": 2, "stop_step": 4, "timeout_s": 600}
+    results = _ok(launch(2, cfg, timeout_s=120))
+    for r in results:
+        assert "do not share one checkpoint directory: rank(s) [1]" in r["save_error"]
+        assert str(tmp_path / "node0") in r["save_error"]
+        assert list(r["steps"]) == ["1", "2"]  # the first save, not one 600 s later
+    for node in ("node0", "node1"):
+        with CheckpointManager(tmp_path / node) as mgr:
+            assert mgr.steps() == []
+    assert not any(p.name.startswith(".coci-shared-") for p in (tmp_path / "node0").iterdir())
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_rank_killed_during_persist_publishes_nothing_and_the_others_get_an_error(
     tmp_path: Path, world: int

@@ -70,17 +70,23 @@ class RestoreAgreement:
 
     @classmethod
     def for_group(
-        cls, group: RankGroup | None, *, timeout_s: float = RESTORE_AGREE_TIMEOUT_S
+        cls,
+        group: RankGroup | None,
+        *,
+        timeout_s: float = RESTORE_AGREE_TIMEOUT_S,
+        topic: str = "",
     ) -> RestoreAgreement | None:
         """The agreement of ``group``'s ranks through the job's store; None when there is
         nothing to agree on (one rank) or no store to agree through (``torch.distributed`` not
-        initialized: ranks made by hand in one process restore each on its own)."""
+        initialized: ranks made by hand in one process restore each on its own). ``topic``:
+        exchanges apart from the restores' (their own count of rounds)."""
         if group is None or group.world_size == 1:
             return None
         store = _job_store()
         if store is None:
             return None
-        return cls(store, group.rank, group.world_size, name=group.session, timeout_s=timeout_s)
+        name = f"{group.session}{topic}"
+        return cls(store, group.rank, group.world_size, name=name, timeout_s=timeout_s)
 
     @classmethod
     def for_job(cls, *, timeout_s: float = RESTORE_AGREE_TIMEOUT_S) -> RestoreAgreement | None:

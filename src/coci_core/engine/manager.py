@@ -26,6 +26,7 @@ from coci_core.engine import lifecycle
 from coci_core.engine.agreement import RestoreAgreement
 from coci_core.engine.directory import retention
 from coci_core.engine.directory.lease import acquire_lease
+from coci_core.engine.directory.shared import check_shared_directory
 from coci_core.engine.directory.tiers import RemoteTier, same_place
 from coci_core.engine.format.manifest import Manifest
 from coci_core.engine.format.tree import ArrayLeaf, FlattenCache, flatten_state
@@ -226,6 +227,7 @@ class CheckpointManager:
         self.run_id = group.session
         # the commit sequence of the checkpoint this run resumed from (see close)
         self._resumed_at: int | None = None
+        self._shared_checked = False  # whether the ranks see one directory (the first save)
         self.chunk_bytes = chunk_bytes
         self._saves = 0
         self._snapshotter = Snapshotter()
@@ -401,6 +403,10 @@ class CheckpointManager:
         own = flatten_per_rank(
             state, per_rank, allow_torch_save=self.allow_torch_save, cache=self._rank_cache
         )
+        if group.world_size > 1 and not self._shared_checked:
+            agreement = RestoreAgreement.for_group(group, timeout_s=group.timeout_s, topic="-dir")
+            check_shared_directory(self.storage, group, agreement)
+            self._shared_checked = True
         self._own_directory(step, version, group, alone)  # after the input checks
         leaves = flat.leaves + (own.leaves if own else ())
         if alone and any(leaf.owned and leaf.shape != leaf.tensor.shape for leaf in flat.leaves):

@@ -249,9 +249,19 @@ class Checkpointer:
     def summary_line(self) -> str:
         """One line on this rank's saves so far: checkpoints committed, skipped and failed
         (when any), total stall and bytes written (see
-        :class:`~coci_core.telemetry.summary.SaveSummary`).
+        :class:`~coci_core.telemetry.summary.SaveSummary`); for a run resumed at its newest
+        checkpoint that trained nothing after it (a finished run requeued), that it did so.
         """
-        return self.summary.line(world_size=self.manager.group.world_size)
+        summary, resumed = self.summary, self.resumed_from
+        if (
+            resumed is not None
+            and self._last_observed in (None, resumed)
+            and not (summary.committed or summary.skipped or summary.failed)
+        ):  # a requeued run that had finished: not a run whose saves all went wrong
+            return (
+                f"coci: resumed at step {resumed}, the newest checkpoint; no step to train after it"
+            )
+        return summary.line(world_size=self.manager.group.world_size)
 
     def log_summary(self, log: logging.Logger) -> None:
         """Log :meth:`summary_line` on ``log``: INFO, or WARNING when a save failed."""

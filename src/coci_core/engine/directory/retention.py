@@ -17,10 +17,12 @@ step's bases are there, and a reader that finds a base gone finds the step itsel
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 from collections.abc import Iterable
 
+from coci_core.engine.directory.shared import PROBE_PREFIX, shared_probe
 from coci_core.engine.directory.steps import StepInfo, committed_dirs, step_infos, step_versions
 from coci_core.engine.format.manifest import MANIFEST_NAME, parse_step_dir, step_dir_name
 from coci_core.engine.group import RankGroup
@@ -167,6 +169,10 @@ def remove_uncommitted(
             if aborted:
                 logger.warning("coci: aborted %d upload(s) a killed writer left open", aborted)
     for name in storage.list_dir(""):
+        if done_seq is None and name.startswith(PROBE_PREFIX) and name != shared_probe(group):
+            with contextlib.suppress(Exception):  # a killed rank 0's probe: never a failure
+                storage.remove_dir(name)
+            continue
         if not name.startswith("step-"):
             continue
         step = parse_step_dir(name)
