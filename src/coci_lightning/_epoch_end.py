@@ -18,6 +18,14 @@ the metrics the epoch logged (Lightning does not save logged metrics, and the re
 trained none of that epoch's steps: ``EarlyStopping(check_on_train_epoch_end=True)`` would find
 no value).
 
+A preemption notice's save at that step cannot wait for a validation that follows (the time
+left may not fit it): it is taken in ``on_train_batch_end``, in the state Lightning resumes as a
+validation cut short before its first batch (``RESTARTED_MID_EVALUATION``). The resumed run puts
+the random states back, runs that validation (its hooks, and what it draws from the random
+streams), then the epoch's end, as the uninterrupted run does; Lightning advances the
+stepped-batches count after that validation (see :func:`as_after_the_batch` and
+:func:`settle_resumed_validation`).
+
 These read Lightning internals (the fit loop's progress counters and its validation decision);
 ``tests/lightning/test_epoch_end_saves.py`` checks them against an uninterrupted run.
 """
@@ -33,6 +41,7 @@ __all__ = [
     "as_after_the_batch",
     "epoch_end_metrics",
     "run_ends_with_this_epoch",
+    "settle_resumed_validation",
     "validation_follows",
 ]
 
@@ -55,10 +64,17 @@ def run_ends_with_this_epoch(trainer: pl.Trainer) -> bool:
     return max_epochs is not None and max_epochs >= 0 and trainer.current_epoch + 1 >= max_epochs
 
 
-def as_after_the_batch(state: dict[str, Any], trainer: pl.Trainer) -> bool:
+def as_after_the_batch(
+    state: dict[str, Any], trainer: pl.Trainer, *, before_validation: bool = False
+) -> bool:
     """Turn a checkpoint dumped in ``on_train_batch_end`` into the state after that batch:
     advance the two counters Lightning advances right after the hook. False (``state``
-    unchanged) when the checkpoint does not have the layout this expects."""
+    unchanged) when the checkpoint does not have the layout this expects.
+
+    ``before_validation``: the state after the batch and before the validation that follows
+    it, which Lightning resumes by running that validation: its batch counter as when the
+    validation's first batch has started (a validation cut short there), and the
+    optimizer-stepped batches not advanced (Lightning advances them after the validation)."""
     try:
         loop = state["loops"]["fit_loop"]
         progress = loop["epoch_loop.batch_progress"]
@@ -68,14 +84,45 @@ def as_after_the_batch(state: dict[str, Any], trainer: pl.Trainer) -> bool:
             return False
         if type(stepped.get("_batches_that_stepped")) is not int:
             return False
+        if before_validation:
+            validation = loop["epoch_loop.val_loop.batch_progress"]
+            total = validation["total"]
+            if not all(type(total.get(k)) is int for k in _PROCESSING):
+                return False
+            if type(validation["current"]) is not dict:
+                return False
     except (KeyError, TypeError):
         return False
     for counter in counters:
         counter["completed"] += 1
+    if before_validation:
+        # the validations earlier in this epoch counted, and one more started, none of its
+        # batches processed (the stage Lightning calls RESTARTED_MID_EVALUATION)
+        done = total["completed"]
+        total.update(ready=done + 1, started=done + 1, processed=done, completed=done)
+        validation["current"].update(ready=1, started=1, processed=0, completed=0)
+        validation["is_last_batch"] = False
     # Private: whether this batch stepped the optimizer, as Lightning asks before counting it.
-    if not trainer.fit_loop._should_accumulate():
+    elif not trainer.fit_loop._should_accumulate():
         stepped["_batches_that_stepped"] += 1
     return True
+
+
+def settle_resumed_validation(trainer: pl.Trainer) -> None:
+    """In a run resumed from a save taken before an epoch's validation (see
+    :func:`as_after_the_batch`), once Lightning has decided to run that validation
+    (``on_train_start``): count the validation's started batch as none, so that a checkpoint
+    taken after it (the end of fit's, another callback's) does not resume it once more."""
+    # Private: the validation loop's restart stage and batch counters.
+    loop = trainer.fit_loop.epoch_loop.val_loop
+    if not loop.restarted_mid_evaluation:
+        return
+    total = loop.batch_progress.total
+    counts = total.state_dict()
+    total.load_state_dict(dict.fromkeys(counts, counts["completed"]))
+
+
+_PROCESSING = ("ready", "started", "processed", "completed")
 
 
 def epoch_end_metrics(trainer: pl.Trainer) -> dict[str, torch.Tensor]:

@@ -47,6 +47,7 @@ from coci_lightning._epoch_end import (
     as_after_the_batch,
     epoch_end_metrics,
     run_ends_with_this_epoch,
+    settle_resumed_validation,
     validation_follows,
 )
 from coci_lightning._habits import model_checkpoint_arguments
@@ -469,7 +470,8 @@ class CociCheckpoint(Checkpoint):
         self._at_validation_end = None
         if self._rng_at_train_start:  # resumed from an epoch's last step: see _epoch_end.py
             self._rng_at_train_start = False
-            self._restore_rng(trainer)
+            self._restore_rng(trainer)  # before the validation, if one is resumed first
+            settle_resumed_validation(trainer)
             if self._pending_metrics is not None:
                 # the live dict that the epoch-end hooks read (Lightning saves no metrics)
                 trainer.callback_metrics.update(self._pending_metrics)
@@ -554,7 +556,14 @@ class CociCheckpoint(Checkpoint):
         if save:
             last_batch = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
             if last_batch:  # in the state Lightning resumes after the epoch's last batch
-                self._save(trainer, epoch_end=True, after_the_batch=True)
+                # and, when a validation follows it (which the time left may not fit), before
+                # that validation: the resumed run runs it (see _epoch_end.py)
+                self._save(
+                    trainer,
+                    epoch_end=True,
+                    after_the_batch=True,
+                    before_validation=validation_follows(trainer),
+                )
             else:
                 self._save(trainer)
         trainer.should_stop = True
@@ -681,11 +690,13 @@ class CociCheckpoint(Checkpoint):
         alone: bool = False,
         epoch_end: bool = False,
         after_the_batch: bool = False,
+        before_validation: bool = False,
     ) -> None:
         # Every rank gets here at the same steps (the decision is shared) and writes its share
         # of the state, and its own random states; ``alone``: only rank 0 got here.
         # ``epoch_end``: after an epoch's last batch, before the epoch's end (resumed with the
-        # metrics that end sees); ``after_the_batch``: from on_train_batch_end of that batch.
+        # metrics that end sees); ``after_the_batch``: from on_train_batch_end of that batch;
+        # ``before_validation``: and before the validation that follows it (resumed with it).
         if self.checkpointer is None or self._last_saved_step == trainer.global_step:
             return
         alone = alone and trainer.world_size > 1
@@ -712,7 +723,9 @@ class CociCheckpoint(Checkpoint):
         finally:
             self._rng_in_state = True
             self._epoch_end_metrics = None
-        if after_the_batch and not as_after_the_batch(state, trainer):
+        if after_the_batch and not as_after_the_batch(
+            state, trainer, before_validation=before_validation
+        ):
             # an unknown loop layout: the next step saves (a state Lightning resumes exactly)
             self._deferred = True
             return

@@ -4,7 +4,9 @@ such a checkpoint ends bit-identical to the uninterrupted run (see coci_lightnin
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +16,7 @@ import torch
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from coci_core import CheckpointManager
+from coci_core import CheckpointManager, Preempted
 from coci_lightning import CociCheckpoint
 from tests.lightning.models import DigitsModel, IndexedDigits, digest
 
@@ -31,9 +33,11 @@ class _EpochModel(DigitsModel):
         super().__init__(batch_size=batch_size)
         self.validate = validate
         self.events: list[tuple[str, int, int]] = []
+        self.losses: list[float] = []
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss = super().training_step(batch, batch_idx)
+        self.losses.append(loss.item())
         self.log("loss_mean", loss, on_step=False, on_epoch=True)
         return loss
 
@@ -195,3 +199,62 @@ def test_epoch_end_monitors_see_the_epochs_metrics_after_a_resume(tmp_path: Path
     assert stops[0].wait_count == stops[1].wait_count
     assert trainer.global_step == ref_trainer.global_step
     assert digest(model) == digest(reference)
+
+
+class _SigtermAt(pl.Callback):
+    """A real SIGTERM to this process before the batch after step ``step`` (coci's handler,
+    chained after Lightning's, takes it; the ranks learn of it at that batch's end)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+class _ValidationCounts(pl.Callback):
+    """The validation loop's batch counters (this epoch's) at each validation's end."""
+
+    def __init__(self) -> None:
+        self.counts: list[dict[str, int]] = []
+
+    def on_validation_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        total = trainer.fit_loop.epoch_loop.val_loop.batch_progress.total
+        self.counts.append(total.state_dict())
+
+
+def test_a_sigterm_at_an_epochs_last_batch_before_its_validation_resumes_exactly(
+    tmp_path: Path, uninterrupted: dict[bool, tuple[Any, ...]]
+) -> None:
+    """SIGTERM during step 16, an epoch's last batch, with the epoch's validation still to
+    run after it: coci saves step 16 and exits 143 without that validation (no time for it);
+    the run resumed from that save runs it (its hooks, and what it draws from the random
+    streams: the loader's seed), then the epoch's end, and ends bit-identical to the run
+    never stopped: every loss after step 16, weights, samples, hooks, learning rate."""
+    coci = CociCheckpoint(policy="every_n_steps", every_n_steps=6, save_on_train_end=False)
+    with pytest.raises(Preempted) as stop:
+        _fit(tmp_path, [coci, _SigtermAt(15)], validate=True, max_steps=40)
+    assert (stop.value.step, stop.value.code) == (16, 143)
+    assert CheckpointManager(tmp_path / "coci").steps() == [6, 12, 16]
+    counts = _ValidationCounts()
+    model, trainer = _fit(
+        tmp_path,
+        [CociCheckpoint(policy="every_n_steps", every_n_steps=6, keep_last=None), counts],
+        validate=True,
+        seed=99,  # another seed: the random states come back from the checkpoint
+        ckpt_path="last",
+        max_steps=40,
+    )
+    # its 2 batches, counted as after an uninterrupted one (a later save does not resume it)
+    assert counts.counts[0] == {"ready": 2, "started": 2, "processed": 2, "completed": 2}
+    ref_model, ref_trainer = uninterrupted[True]
+    assert model.losses == ref_model.losses[16:]
+    assert digest(model) == digest(ref_model)
+    assert model.seen == ref_model.seen[16 * 16 :]
+    events = ref_model.events
+    assert model.events == events[events.index(("validation", 16, 0)) :]  # it, then epoch end
+    lr = [t.optimizers[0].param_groups[0]["lr"] for t in (trainer, ref_trainer)]
+    assert lr[0] == lr[1]
+    loops = (trainer.fit_loop.epoch_loop, ref_trainer.fit_loop.epoch_loop)
+    assert loops[0]._batches_that_stepped == loops[1]._batches_that_stepped
