@@ -19,7 +19,7 @@ import pytest
 from coci_core import CheckpointManager
 from coci_core.telemetry import read_jsonl
 from coci_core.telemetry.report import preemption_line
-from tests.harness.processes import Child, free_port, module, rank_env
+from tests.harness.processes import Child, free_port, module, rank_env, script
 from tests.preemption.metadata_server import MetadataServer
 
 CHILD = "tests.preemption._loop_child"
@@ -300,3 +300,38 @@ def test_a_handler_installed_after_cocis_is_left_in_place(tmp_path: Path) -> Non
         assert signal.getsignal(signal.SIGUSR2) is users
     finally:
         signal.signal(signal.SIGUSR2, before)
+
+
+_RANK_GONE = """
+import os, sys
+import torch.distributed as dist
+from coci_core.training.preemption import min_over_ranks
+dist.init_process_group("gloo")
+reduce = min_over_ranks()
+print("FIRST", reduce(float(dist.get_rank())), flush=True)
+if dist.get_rank() == 1:
+    os._exit(0)  # a rank killed between two step boundaries
+try:
+    reduce(5.0)
+except Exception as e:
+    print("ERROR", type(e).__name__, e, flush=True)
+os._exit(0)
+"""
+
+
+def test_a_rank_gone_at_a_step_boundary_is_named_not_a_gloo_error() -> None:
+    """The ranks compare notices at every step boundary: when another rank has exited, the
+    survivor is told so in coci's words (before: gloo's raw "Connection closed by peer")."""
+    port = free_port()
+    command = script(_RANK_GONE)
+    with (
+        Child(command, env=rank_env(0, 2, port)) as rank0,
+        Child(command, env=rank_env(1, 2, port)) as rank1,
+    ):
+        out1 = [line.strip() for line in rank1.lines()]
+        out0 = [line.strip() for line in rank0.lines()]
+        assert rank1.wait(60) == 0 and rank0.wait(60) == 0
+    assert "FIRST 0.0" in out0 and "FIRST 0.0" in out1
+    (error,) = [line for line in out0 if line.startswith("ERROR")]
+    assert error.startswith("ERROR CociError the ranks could not compare preemption notices")
+    assert "another rank has most likely exited" in error

@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from coci_core.errors import CociError
 from coci_core.knobs import NOTICE_PLAN_RESERVE
 from coci_core.preemption import NoticeBoard, NoticeSource, Preemption
 from coci_core.preemption.signals import SignalNotice
@@ -211,7 +212,15 @@ def min_over_ranks() -> Callable[[float], float]:
 
     def reduce(value: float) -> float:
         t = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+        try:
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+        except RuntimeError as e:  # gloo's "Connection closed by peer" and the like
+            raise CociError(
+                "the ranks could not compare preemption notices at this step boundary: "
+                "another rank has most likely exited or been killed (see its error; a "
+                f"launcher such as torchrun restarts the job) ({type(e).__name__}: "
+                f"{str(e)[:200]})"
+            ) from e
         return float(t.item())
 
     return reduce
