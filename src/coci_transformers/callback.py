@@ -13,7 +13,11 @@ few of that Trainer's own methods on the instance (never on the class):
   and data position itself;
 - ``_load_from_checkpoint``, ``_load_optimizer_and_scheduler``, ``_load_scaler``,
   ``_load_rng_state``: read the restored state instead of files, for that resume only;
-- ``_load_best_model`` (``load_best_model_at_end``): coci's best kept step.
+- ``_load_best_model`` (``load_best_model_at_end``): coci's best kept step;
+- ``_run_epoch``: runs nothing when the run was resumed at its last step (the Trainer checks
+  ``should_training_stop`` only after a step, and would train one past ``max_steps``).
+
+Each restore checks the state it read (``_check``): a forged one is damage, passed over.
 
 These are private methods of ``transformers`` 5.x (the extra pins ``<6``).
 
@@ -67,6 +71,7 @@ from coci_core.training import (
     shared_options,
     step_dir_of,
 )
+from coci_transformers._check import check_saved
 from coci_transformers._trainer import (
     best_to_load,
     broadcast,
@@ -200,6 +205,7 @@ class CociCallback(TrainerCallback):
         self._es_wait = 0
         self._start_step = 0
         self._best_tried = False  # load_best_model_at_end's load done (or found nothing)
+        self._done = False  # resumed at (or past) the run's last step: nothing to train
 
     # -- attaching to the Trainer ---------------------------------------------------------
 
@@ -243,6 +249,8 @@ class CociCallback(TrainerCallback):
         t._load_scaler = _when_restoring(self, trainer._load_scaler, self._load_scaler)
         t._load_rng_state = _when_restoring(self, trainer._load_rng_state, self._load_rng)
         t._load_best_model = self._load_best_model
+        if callable(getattr(trainer, "_run_epoch", None)):
+            t._run_epoch = functools.partial(self._run_epoch, trainer._run_epoch)
         t._report_to_hp_search = functools.partial(
             self._report_to_hp_search, trainer._report_to_hp_search
         )
@@ -382,8 +390,14 @@ class CociCallback(TrainerCallback):
         Trainer's own resume: a ``trainer_state.json`` written from it (what the Trainer
         reads of a checkpoint directory itself), or a Trainer ``checkpoint-N`` when coci has
         none, or None (start fresh)."""
+        # a step whose state the Trainer cannot load (a forged, resealed manifest) is damaged:
+        # passed over inside the restore, by every process together
+        callbacks = None
+        if trainer.args.restore_callback_states_from_checkpoint:
+            callbacks = [*trainer.callback_handler.callbacks, trainer.control]
+        check = functools.partial(check_saved, callbacks=callbacks)
         try:
-            state = checkpointer.restore(step)
+            state = checkpointer.restore(step, check=check)
         except NoCheckpointError:
             output_dir = str(trainer.args.output_dir)
             last = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
@@ -467,8 +481,30 @@ class CociCallback(TrainerCallback):
         jit_checkpoint_off(trainer, self.options.preemption)  # before coci's handler
         checkpointer.watch_preemption()
         self._start_step = state.global_step
+        # A run resumed at its last step (requeued after its final save, as a late SIGTERM's
+        # exit 143 asks) trains no step past max_steps: the Trainer's epoch loop would train
+        # one before it checks should_training_stop (see _run_epoch).
+        self._done = state.max_steps > 0 and state.global_step >= state.max_steps
+        if self._done:
+            control.should_training_stop = True
+            if args.process_index == 0:
+                logger.info(
+                    "coci: the restored step %d is the run's last (max steps %d): nothing "
+                    "left to train",
+                    state.global_step,
+                    state.max_steps,
+                )
         stopper = early_stopping(trainer)
         self._es_wait = stopper.early_stopping_patience_counter if stopper is not None else 0
+
+    def _run_epoch(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's ``_run_epoch``, unless the run was resumed at its last step: the
+        Trainer checks ``should_training_stop`` only after a step, so it would train one more
+        (and coci commit it)."""
+        if self._done:
+            self._trainer().control.should_training_stop = True
+            return None
+        return original(*args, **kwargs)
 
     def _before_update(self) -> None:
         if self.checkpointer is not None and not self._closed:

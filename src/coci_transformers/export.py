@@ -21,6 +21,7 @@ import torch
 import coci_transformers._state as _state
 from coci_core.errors import ConfigError
 from coci_core.training import newest_step_dir, read_checkpoint, step_dir_of
+from coci_transformers._check import check_saved
 
 __all__ = ["export_step"]
 
@@ -47,9 +48,11 @@ def export_step(directory: str, out: str | os.PathLike[str], step: int | str | N
     if step is None:  # the step a resume takes: the newest, past damaged ones
         newest = newest_step_dir(directory)
         found = step_dir_of(newest) if newest is not None else None
-        loaded, _ = read_checkpoint(directory, found[1] if found else 0, fall_back=True)
-    else:
-        loaded, _ = read_checkpoint(directory, step)
+        loaded, _ = read_checkpoint(
+            directory, found[1] if found else 0, fall_back=True, check=check_saved
+        )
+    else:  # a state the Trainer cannot load (a forged, resealed manifest) is damage
+        loaded, _ = read_checkpoint(directory, step, check=check_saved)
     state = loaded.state
     layout = state.get("layout") if isinstance(state, dict) else None
     if layout != _state.LAYOUT:
@@ -103,7 +106,7 @@ def _by_index(optimizer: dict[str, Any]) -> dict[str, Any]:
 
 
 def _rank_state(directory: str, step: int, rank: int) -> dict[str, Any]:
-    loaded, _ = read_checkpoint(directory, step, rank=rank)
+    loaded, _ = read_checkpoint(directory, step, rank=rank, check=check_saved)
     state: dict[str, Any] = loaded.state
     return state
 

@@ -19,7 +19,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal
 
 from coci_core.engine import lifecycle
@@ -702,6 +702,7 @@ class CheckpointManager:
         rank: int | None = None,
         targets: InPlaceTargets | None = None,
         partial: bool = False,
+        check: Callable[[int, dict[str, Any]], None] | None = None,
     ) -> dict[str, Any]:
         """Read, verify and return a committed state (tensors on CPU).
 
@@ -736,6 +737,11 @@ class CheckpointManager:
         ``strict=False``, and objects whose key the checkpoint lacks are not loaded); shapes
         must match all the same.
 
+        ``check(step, state)``: called on each checkpoint read, before it is taken; a
+        :class:`~coci_core.errors.CorruptCheckpointError` it raises makes that checkpoint
+        damaged (an adapter's check that the state it wrote holds what it can load: a forged
+        manifest resealed with a valid checksum is then passed over like a damaged one).
+
         Raises:
             NoCheckpointError: nothing is committed (or not ``step``).
             CorruptCheckpointError: the requested (or, with ``strict``, the newest) checkpoint
@@ -750,6 +756,8 @@ class CheckpointManager:
             raise ConfigError(f"'strict' must be None, True or False: {strict!r}")
         if rank is not None and (type(rank) is not int or not 0 <= rank < 2**31):
             raise ConfigError(f"'rank' must be None or an integer in [0, 2**31): {rank!r:.100}")
+        if check is not None and not callable(check):
+            raise ConfigError(f"'check' must be None or a callable: {check!r:.100}")
         if targets is not None and not isinstance(targets, InPlaceTargets):
             raise ConfigError(
                 f"'targets' must be None or InPlaceTargets (see in_place_targets): {targets!r:.100}"
@@ -767,6 +775,7 @@ class CheckpointManager:
             targets=targets,
             remote=self.remote.remote if self.remote is not None else None,
             agreement=RestoreAgreement.for_group(self.group),
+            check=check,
         )
         self.last_restore = event
         if targets is not None:

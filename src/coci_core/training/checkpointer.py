@@ -640,9 +640,10 @@ class Checkpointer:
         into: Mapping[str, Stateful] | None = None,
         targets: InPlaceTargets | None = None,
         partial: bool = False,
+        check: Callable[[int, dict[str, Any]], None] | None = None,
     ) -> dict[str, Any]:
         """Restore (see :meth:`CheckpointManager.restore`) and tell the planner what it cost."""
-        state = self.manager.restore(step, into=into, targets=targets, partial=partial)
+        state = self.manager.restore(step, into=into, targets=targets, partial=partial, check=check)
         event: RestoreEvent | None = self.manager.last_restore  # reported by the manager
         if event is not None:
             self.resumed_from = event.step

@@ -5,7 +5,7 @@ picks and loads a checkpoint by path itself (Lightning's ``ckpt_path``), not thr
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -127,6 +127,7 @@ def read_checkpoint(
     remote: str | None = None,
     remote_storage_options: Mapping[str, Any] | None = None,
     agree: bool = True,
+    check: Callable[[int, dict[str, Any]], None] | None = None,
 ) -> tuple[LoadedCheckpoint, RestoreEvent]:
     """Restore ``step`` of ``directory`` (verified; a step directory's name, as
     :func:`step_dir_of` gives it, names that checkpoint of a step two runs hold) with
@@ -139,7 +140,9 @@ def read_checkpoint(
     ``fall_back``: the newest intact checkpoint from ``step`` on, of ``directory`` or the
     ``remote`` tier, as a resume takes it (past damaged ones). ``agree``: every process of an
     initialized ``torch.distributed`` job reads together, and all end on one step (the newest
-    intact for every one of them) or raise the same error.
+    intact for every one of them) or raise the same error. ``check``: as for
+    :meth:`CheckpointManager.restore <coci_core.CheckpointManager.restore>` (a checkpoint it
+    finds damaged is passed over with ``fall_back``, else raised).
 
     Raises:
         NoCheckpointError, CorruptCheckpointError, StateMismatchError, StorageError: as
@@ -163,10 +166,11 @@ def read_checkpoint(
             targets=targets,
             remote=remote_storage,
             agreement=agreement,
+            check=check,
         )
     else:
         loaded, event = restore_newest(
-            storage, step, rank=rank, targets=targets, agreement=agreement
+            storage, step, rank=rank, targets=targets, agreement=agreement, check=check
         )
     if targets is not None:
         targets.check(loaded.step)

@@ -11,7 +11,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Generic, Literal, TypeVar, cast
+from typing import Any, Generic, Literal, TypeVar, cast
 
 from coci_core.engine.agreement import (
     Found,
@@ -487,6 +487,7 @@ def restore_newest(
     targets: InPlaceTargets | None = None,
     remote: Storage | None = None,
     agreement: RestoreAgreement | None = None,
+    check: Callable[[int, dict[str, Any]], None] | None = None,
 ) -> tuple[LoadedCheckpoint, RestoreEvent]:
     """Restore ``step`` (a step: its newest checkpoint; or a step directory's name), or without it
     the newest checkpoint of the newest run (from ``start_at`` on, in that order, when given),
@@ -497,7 +498,10 @@ def restore_newest(
     tensors to fill in place (see :func:`load_checkpoint`; call ``targets.check`` once a step is
     restored). ``agreement``: the ranks restoring together (:meth:`RestoreAgreement.for_group`),
     which then all restore the newest step intact for every one of them, or all raise the same
-    error.
+    error. ``check``: called with each candidate's step and state once it is read (an adapter's
+    check that the state it wrote is whole and of its types); a ``CorruptCheckpointError`` it
+    raises makes that candidate damaged, as damage the restore finds itself (the next older is
+    tried, and with ``agreement`` every rank passes over it).
 
     Raises:
         NoCheckpointError: nothing is committed (or not ``step``).
@@ -511,7 +515,10 @@ def restore_newest(
     caches: dict[int, RestoreCache] = {}  # per tier: a base found damaged is not read again
 
     def load(c: Candidate, cache: RestoreCache) -> LoadedCheckpoint:
-        return load_checkpoint(c.storage, c.step, rank=rank, cache=cache, targets=targets)
+        loaded = load_checkpoint(c.storage, c.step, rank=rank, cache=cache, targets=targets)
+        if check is not None:
+            check(loaded.step, loaded.state)
+        return loaded
 
     point, loaded = _first_intact(
         storage, remote, step, start_at, strict, load, caches, agreement=agreement
