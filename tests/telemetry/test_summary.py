@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from coci_core import CheckpointManager
 from coci_core.telemetry import SaveEvent
 from coci_core.telemetry.summary import SaveSummary, save_line
 
@@ -46,3 +49,21 @@ def test_save_line() -> None:
         "coci: step 7 saved: stall 12.3 ms, 1.5 MB written, compressed 2.00x, durable 200 ms "
         "after the save began"
     )
+
+
+def test_a_skip_for_another_reason_than_a_busy_writer_says_why(tmp_path: Path) -> None:
+    """A skip that is not ``on_busy="skip"`` (the checkpoint the run resumed from, a skip the
+    user records) says its reason in the event and the verbose line; a busy writer's skip
+    keeps its own words."""
+    events: list[SaveEvent] = []
+    with CheckpointManager(tmp_path, listeners=[events.append]) as mgr:
+        mgr.skip(7, "it is the checkpoint this run resumed from")
+    (event,) = events
+    assert (
+        event.outcome == "skipped" and event.error == "it is the checkpoint this run resumed from"
+    )
+    assert save_line(event).startswith(
+        "coci: step 7 not saved (skipped: it is the checkpoint this run resumed from); stall "
+    )
+    busy = SaveEvent(step=8, outcome="skipped")
+    assert "skipped: the previous save was still being written" in save_line(busy)

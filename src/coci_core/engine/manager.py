@@ -79,6 +79,7 @@ logger = logging.getLogger(__name__)
 
 OnBusy = Literal["wait", "skip"]
 _ON_BUSY = ("wait", "skip")
+_BUSY = "the previous persist is still running"  # the reason of an on_busy="skip" skip
 
 
 class CheckpointManager:
@@ -632,13 +633,16 @@ class CheckpointManager:
         *,
         block: bool,
         started: float,
-        reason: str = "the previous persist is still running",
+        reason: str = _BUSY,
     ) -> SaveHandle:
         handle = SaveHandle(step, block=block, started=started, snapshot=None)
         handle.add_stall(time.perf_counter() - started)
         # DEBUG: the adapters' verbose=True line tells the user of each save (once)
         logger.debug("coci: skipped step %d: %s", step, reason)
-        handle.finish(handle.new_event(outcome="skipped"), notify=lambda e: emit(self.listeners, e))
+        # a skip for another reason than a busy writer says why (the event's ``error``)
+        why = None if reason == _BUSY else reason
+        event = handle.new_event(outcome="skipped", error=why)
+        handle.finish(event, notify=lambda e: emit(self.listeners, e))
         return handle
 
     def continue_run(self, run: str, sequence: int, restored: RestoreEvent | None = None) -> None:

@@ -55,7 +55,9 @@ class SaveEvent:
     Attributes:
         step: the training step saved.
         outcome: ``"committed"`` (durable), ``"skipped"`` (a previous persist was still running
-            and ``on_busy="skip"``) or ``"failed"`` (see ``error``; nothing was published).
+            and ``on_busy="skip"``, or another reason in ``error``, as from
+            :meth:`CheckpointManager.skip`) or ``"failed"`` (see ``error``; nothing was
+            published).
         stall_s: time the training loop was held: the ``save`` call, including any wait for the
             previous persist, plus the wait in ``before_update`` when ``block=False``.
         update_wait_s: the part of ``stall_s`` spent waiting in ``before_update``.

@@ -33,10 +33,9 @@ def compression_ratio(raw_bytes: float | None, written: float | None, compressed
 def save_line(event: SaveEvent) -> str:
     """One line for one save: step, stall (ms), bytes written (MB), compression, durability."""
     if event.outcome == "skipped":
-        return (
-            f"coci: step {event.step} not saved (skipped: the previous save was still being "
-            f"written); stall {event.stall_s * 1e3:.1f} ms"
-        )
+        why = event.error or "the previous save was still being written"
+        stall = f"stall {event.stall_s * 1e3:.1f} ms"
+        return f"coci: step {event.step} not saved (skipped: {why}); {stall}"
     if event.outcome == "failed":
         return f"coci: save of step {event.step} failed: {event.error}"
     compression = ""

@@ -562,7 +562,7 @@ function timelineSvg(data, axis, W, logy = false) {
 
 function saveText(s) {
   if (s.outcome === 'skipped') {
-    return `step ${s.step}: save skipped (the previous one was still being written); ` +
+    return `step ${s.step}: save skipped (${s.error || 'the previous one was still being written'}); ` +
       `stall ${fmt(s.stall_ms)} ms`;
   }
   if (s.outcome === 'failed') {
