@@ -258,9 +258,10 @@ def _check_training(state: dict[str, Any]) -> None:
         if name in scheduler and not _int(scheduler[name], -1):
             raise _Unfit(f"the LR scheduler's {name} is {_shown(scheduler[name])}")
     for name in ("base_lrs", "_last_lr"):
+        # numbers, or one-element tensors (Adafactor's schedule, a tensor learning rate)
         value = scheduler.get(name, [])
-        if not isinstance(value, list) or not all(_number(v) for v in value):
-            raise _Unfit(f"the LR scheduler's {name} is not a list of numbers")
+        if not isinstance(value, list) or not all(_rate(v) for v in value):
+            raise _Unfit(f"the LR scheduler's {name} is not a list of learning rates")
     lambdas = scheduler.get("lr_lambdas", [])
     if not isinstance(lambdas, list) or not all(v is None or _str_keys(v) for v in lambdas):
         raise _Unfit("the LR scheduler's lr_lambdas is not a list of dicts")
@@ -318,6 +319,14 @@ def check_rng(rng: dict[str, Any]) -> None:
         not isinstance(cuda, (list, tuple)) or not all(_byte_tensor(t) for t in cuda)
     ):
         raise _Unfit("its CUDA random states are not a list of byte tensors")
+
+
+def _rate(value: Any) -> bool:
+    """A learning rate as a scheduler keeps it: a number (Python's or NumPy's) or a tensor of
+    one floating element."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1 and value.is_floating_point()
+    return isinstance(value, (int, float, np.number)) and not isinstance(value, bool)
 
 
 def _byte_tensor(value: Any) -> bool:

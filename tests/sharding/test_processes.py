@@ -15,6 +15,7 @@ import torch
 from coci_core import CheckpointManager
 from coci_core.engine.restore.restore import load_checkpoint
 from coci_core.storage import LocalStorage
+from tests.harness.processes import free_port, run, script
 from tests.sharding._dist_child import BATCH, SAMPLES, digest, launch
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
@@ -137,3 +138,31 @@ def test_dtensor_shards_are_written_by_their_owners_and_restore_whole(
     state = load_checkpoint(LocalStorage(tmp_path / "ckpt"), 3).state
     for key in ("emb", "w", "rep"):
         assert torch.equal(state["model"][key], full_state()[key])
+
+
+_HANDMADE_RANKS = """
+import os, sys, torch, torch.distributed as dist
+from coci_core import CheckpointManager, RankGroup
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
+dist.init_process_group("gloo", rank=0, world_size=1)  # as Lightning and Accelerate on one device
+groups = [RankGroup(r, 2, "handmade", timeout_s=5) for r in (0, 1)]
+managers = [CheckpointManager(sys.argv[1], group=g) for g in groups]
+handles = [m.save(1, {"w": torch.ones(4)}) for m in managers]
+for h in handles:
+    h.wait()
+for m in managers:
+    m.close()
+print("SAVED", sorted(os.listdir(sys.argv[1])))
+"""
+
+
+def test_ranks_made_by_hand_in_one_process_save_without_the_directory_check(
+    tmp_path: Path,
+) -> None:
+    """Two ranks made by hand in one process of a one-process torch.distributed job: no
+    exchange through the job's store can meet them (rank 1 saves only once rank 0's save has
+    returned), so the shared-directory check is not made; the save commits at once and no
+    probe is left behind."""
+    proc = run(script(_HANDMADE_RANKS, str(tmp_path), str(free_port())), timeout_s=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "SAVED ['.coci-owner', 'step-0000000001']" in proc.stdout

@@ -13,7 +13,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+import torch
 from accelerate.state import AcceleratorState
 from torch.distributed import TCPStore
 
@@ -186,6 +188,13 @@ def test_the_saved_trainer_state_is_read_as_the_trainer_wrote_it(saved: Path) ->
     with pytest.raises(CorruptCheckpointError, match="its NumPy random state"):
         check_saved(6, {**state, "coci_process": {"rng": rng}})
     check_saved(6, {"layout": "coci.accelerate/1"})  # another adapter's: its layout says so
+    # learning rates a scheduler keeps as tensors (Adafactor's schedule, a tensor lr) or NumPy
+    # numbers are learning rates all the same (they were refused: no resume at all)
+    lrs = {"_last_lr": [torch.tensor(3.6e-7)], "base_lrs": [np.float64(1e-3), 0.1]}
+    check_saved(6, {**state, "scheduler": {**state["scheduler"], **lrs}})
+    for bad in (["x"], [torch.ones(2)], [True], "0.1"):
+        with pytest.raises(CorruptCheckpointError, match="list of learning rates"):
+            check_saved(6, {**state, "scheduler": {**state["scheduler"], "_last_lr": bad}})
 
 
 def test_a_run_resumed_at_its_last_step_trains_nothing(tmp_path: Path) -> None:

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from typing import Any
 
-from coci_core.engine.agreement import RestoreAgreement, agreed_error, error_report
+from coci_core.engine.agreement import RestoreAgreement
 from coci_core.engine.group import RankGroup
-from coci_core.errors import ConfigError
+from coci_core.errors import CheckpointError, ConfigError, StorageError
 from coci_core.storage import Storage
 
 __all__ = ["PROBE_PREFIX", "check_shared_directory", "shared_probe"]
@@ -24,6 +25,27 @@ logger = logging.getLogger(__name__)
 
 #: the probe's directory, ``{PROBE_PREFIX}{session}`` (removed once every rank has looked)
 PROBE_PREFIX = ".coci-shared-"
+
+
+def _job_processes() -> int:
+    """The processes of the initialized ``torch.distributed`` job (0 without one)."""
+    try:
+        import torch.distributed as dist
+
+        return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 0
+    except (ImportError, RuntimeError, ValueError):
+        return 0
+
+
+def _exchange(agreement: RestoreAgreement, report: dict[str, Any]) -> list[dict[str, Any]]:
+    try:
+        return agreement.exchange(report)
+    except CheckpointError as e:  # its words are a restore's
+        raise CheckpointError(
+            "the ranks did not all reach the first save's check that they share the checkpoint "
+            "directory (a rank killed, hung, or saving at other steps); nothing was written: "
+            f"{e}"
+        ) from e
 
 
 def shared_probe(group: RankGroup) -> str:
@@ -41,23 +63,28 @@ def check_shared_directory(
         ConfigError: a rank does not see rank 0's probe (not one shared directory).
         StorageError: rank 0 could not write the probe (on every rank).
     """
-    if agreement is None or group.world_size == 1:
-        return
+    if agreement is None or group.world_size == 1 or _job_processes() < group.world_size:
+        return  # ranks made by hand in fewer processes: no exchange can meet them all
     probe = shared_probe(group)
     report = {}
-    if group.rank == 0:
-        try:
-            storage.write_file(f"{probe}/rank-0", [memoryview(b"coci")])
-        except Exception as e:  # said to every rank: none waits for a save that cannot be
-            report = error_report(e)
-    reports = agreement.exchange(report)  # rank 0's probe is written once this returns
-    if any(r.get("error") for r in reports):
-        raise agreed_error(reports)
-    sees = group.rank == 0 or storage.exists(f"{probe}/rank-0")
-    reports = agreement.exchange({"sees": sees, "url": str(storage.url)})
-    if group.rank == 0:
-        with contextlib.suppress(Exception):  # a probe left behind is removed at startup
-            storage.remove_dir(probe)
+    try:
+        if group.rank == 0:
+            try:
+                storage.write_file(f"{probe}/rank-0", [memoryview(b"coci")])
+            except Exception as e:  # said to every rank: none waits for a save that cannot be
+                report = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
+        reports = _exchange(agreement, report)  # rank 0's probe is written once this returns
+        if reports[0].get("error"):
+            raise StorageError(
+                f"rank 0 cannot write in the checkpoint directory {str(storage.url)!r}, so no "
+                f"rank saves: {reports[0]['error']}"
+            )
+        sees = group.rank == 0 or storage.exists(f"{probe}/rank-0")
+        reports = _exchange(agreement, {"sees": sees, "url": str(storage.url)})
+    finally:
+        if group.rank == 0:
+            with contextlib.suppress(Exception):  # one left behind is removed at startup
+                storage.remove_dir(probe)
     blind = [r for r, report in enumerate(reports) if not report.get("sees")]
     if blind:
         raise ConfigError(
