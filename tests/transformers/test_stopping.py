@@ -16,6 +16,7 @@ from transformers import EarlyStoppingCallback, TrainerCallback
 from coci_core import CheckpointManager, Preempted
 from coci_core.commands import cli
 from coci_core.engine.format.manifest import step_dir_name
+from coci_core.engine.save.writer import SaveWriter
 from coci_transformers import CociCallback
 from tests.transformers.run import Terminate, tiny_model, train
 
@@ -229,12 +230,17 @@ def test_the_best_kept_step_is_loaded_when_no_saved_step_was_the_trainers_best(
     assert "lost work: 0 steps over 0 restarts after a failure\n" in capsys.readouterr().out
 
 
-def test_the_best_step_is_among_the_steps_retention_keeps_after_a_kill(tmp_path: Path) -> None:
+@pytest.mark.parametrize("first_keep_last", [2, None])
+def test_the_best_step_is_among_the_steps_retention_keeps_after_a_kill(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, first_keep_last: int | None
+) -> None:
     """A run killed after its final save's commit and before retention removed the oldest
-    step (here: a first run that kept every step) resumes at its final step with one step
+    step (here: a first run whose retention never ran) resumes at its final step with one step
     too many on disk; load_best_model_at_end chose among all of them, a step that the
     uninterrupted run had removed. It chooses among the newest ``keep_last``, and the resumed
-    run's close removes the step that retention left."""
+    run's close removes the step that retention left. A first run that kept every step
+    (``keep_last=None``) keeps them all: the resumed run's smaller ``keep_last`` deletes
+    nothing until it saves."""
     evaluations: list[int] = []
 
     def falling_score(_: Any) -> dict[str, float]:
@@ -250,7 +256,10 @@ def test_the_best_step_is_among_the_steps_retention_keeps_after_a_kill(tmp_path:
         "greater_is_better": True,
         "compute_metrics": falling_score,
     }
-    train(tmp_path, 6, callback=CociCallback(policy="every_n_steps", keep_last=None), **options)
+    with monkeypatch.context() as killed:  # what a kill right after each commit leaves
+        killed.setattr(SaveWriter, "_apply_retention", lambda *_, **__: None)
+        first = CociCallback(policy="every_n_steps", keep_last=first_keep_last)
+        train(tmp_path, 6, callback=first, **options)
     AcceleratorState._reset_state(True)
     resumed = train(
         tmp_path,
@@ -264,7 +273,7 @@ def test_the_best_step_is_among_the_steps_retention_keeps_after_a_kill(tmp_path:
     )
     assert resumed["start"] == 6
     with CheckpointManager(tmp_path / "coci", keep_last=None) as mgr:
-        assert mgr.steps() == [4, 6]
+        assert mgr.steps() == ([4, 6] if first_keep_last == 2 else [2, 4, 6])
     # the best evaluated of the newest two (2 was the best of all)
     assert resumed["best_checkpoint"] == str(tmp_path / "coci" / step_dir_name(4))
 

@@ -163,6 +163,8 @@ class Checkpointer:
         self._restored: RestoreEvent | None = None  # until the first step after it
         self._last_observed: int | None = None
         self._failed = False  # training ended on an error (see mark_failed)
+        # the keep_last of the run that wrote the restored checkpoint (see close)
+        self._restored_keep_last: object = _UNKNOWN
         self._world_size = world_size if world_size is not None else 1
         self._broadcast = broadcast
         self._min_over_ranks = min_over_ranks
@@ -685,9 +687,14 @@ class Checkpointer:
         if self._last_observed is not None and not self._failed:
             _TRAINED_HERE[self.manager.storage.url] = self._last_observed
         try:
+            # the retention a kill right after the restored step's commit left undone, when
+            # the run that wrote it kept as many steps as this one
+            same_keep_last = self._restored_keep_last == self.manager.keep_last
             self.manager.close(
                 upload_timeout_s=upload_timeout_s,
-                resumed_retention=self.resumed_from is not None and not self._failed,
+                resumed_retention=self.resumed_from is not None
+                and same_keep_last
+                and not self._failed,
             )
         finally:
             # after the final save is durable: a SIGTERM meanwhile is one that came late
@@ -732,13 +739,19 @@ class Checkpointer:
         )
 
     def state_dict(self) -> dict[str, Any]:
-        """The planner's estimates (JSON), so that a resumed run keeps them."""
-        return {"planner": self.planner.state_dict()}
+        """The planner's estimates (JSON), so that a resumed run keeps them, and the run's
+        ``keep_last``."""
+        return {"planner": self.planner.state_dict(), "keep_last": self.manager.keep_last}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore the planner's estimates."""
         if "planner" in state:
             self.planner.load_state_dict(dict(state["planner"]))
+        kept = state.get("keep_last", _UNKNOWN)
+        self._restored_keep_last = kept if kept is None or type(kept) is int else _UNKNOWN
+
+
+_UNKNOWN = object()  # a checkpoint that does not say its keep_last (older, or forged)
 
 
 def _rank_group(rank: int, world_size: int, broadcast: Callable[[Any], Any] | None) -> RankGroup:
