@@ -16,6 +16,7 @@ from coci_core.engine.agreement import RestoreAgreement
 from coci_core.engine.restore.restore import restore_newest
 from coci_core.errors import CheckpointError
 from coci_core.storage import open_storage
+from tests.harness.agreement import on_two_ranks
 from tests.harness.processes import free_port
 
 
@@ -138,27 +139,12 @@ def test_a_store_that_went_away_is_named_not_a_timeout_nor_a_torch_error() -> No
 def _restore_on_two_ranks(directory: Path, steps: tuple[Any, Any]) -> list[Any]:
     """restore_newest(step=steps[r]) on two ranks (threads) agreeing through a real store:
     what each returned (the step restored) or raised."""
-    port = free_port()
-    stores = [
-        TCPStore("127.0.0.1", port, 2, True, timedelta(seconds=30), wait_for_workers=False),
-        TCPStore("127.0.0.1", port, 2, False, timedelta(seconds=30)),
-    ]
-    outcome: list[Any] = [None, None]
 
-    def rank(r: int) -> None:
-        agreement = RestoreAgreement(stores[r], r, 2, timeout_s=30)
-        try:
-            loaded, _ = restore_newest(open_storage(str(directory)), steps[r], agreement=agreement)
-            outcome[r] = loaded.step
-        except Exception as e:  # the finding
-            outcome[r] = e
+    def restore(r: int, agreement: RestoreAgreement) -> int:
+        loaded, _ = restore_newest(open_storage(str(directory)), steps[r], agreement=agreement)
+        return loaded.step
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    return outcome
+    return on_two_ranks(restore)
 
 
 def test_ranks_that_ask_for_different_steps_are_told_so(tmp_path: Path) -> None:

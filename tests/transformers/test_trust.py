@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
-import threading
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +15,6 @@ import numpy as np
 import pytest
 import torch
 from accelerate.state import AcceleratorState
-from torch.distributed import TCPStore
 
 from coci_core import CheckpointManager
 from coci_core.commands import cli
@@ -28,7 +25,7 @@ from coci_core.errors import CorruptCheckpointError
 from coci_core.storage import open_storage
 from coci_core.training import read_checkpoint
 from coci_transformers._check import check_saved, parse_trainer_state
-from tests.harness.processes import free_port
+from tests.harness.agreement import on_two_ranks
 from tests.transformers.run import BATCH, train
 
 Edit = Callable[[dict[str, Any]], None]
@@ -130,27 +127,13 @@ def test_a_forged_random_state_of_one_rank_makes_every_rank_fall_back(
     random.setstate with a TypeError while the other trained on)."""
     shutil.copytree(saved, tmp_path, dirs_exist_ok=True)
     _forge(tmp_path, 6, _python_rng)
-    port = free_port()
-    stores = [
-        TCPStore("127.0.0.1", port, 2, True, timedelta(seconds=30), wait_for_workers=False),
-        TCPStore("127.0.0.1", port, 2, False, timedelta(seconds=30)),
-    ]
-    outcome: list[Any] = [None, None]
 
-    def rank(r: int) -> None:
-        agreement = RestoreAgreement(stores[r], r, 2, timeout_s=30)
+    def restore(r: int, agreement: RestoreAgreement) -> int:
         storage = open_storage(str(tmp_path / "coci"))
-        try:
-            loaded, _ = restore_newest(storage, rank=r, agreement=agreement, check=check_saved)
-            outcome[r] = loaded.step
-        except Exception as e:  # the finding
-            outcome[r] = e
+        loaded, _ = restore_newest(storage, rank=r, agreement=agreement, check=check_saved)
+        return loaded.step
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    outcome = on_two_ranks(restore)
     assert outcome == [3, 3]
 
 
