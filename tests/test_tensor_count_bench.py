@@ -16,8 +16,8 @@ def test_quick_run_writes_results_and_tables(tmp_path: Path) -> None:
             "--quick",
             "--rounds=1",
             "--idle-budget=0",
-            "--states=64x4MiB,gpt-adamw",
-            "--methods=copy,copy_foreach,coci,torch_save,coci_restore,torch_load,torch_load_mmap",
+            "--states=gpt-adamw",  # each restore sample is a process of its own: few of them
+            "--methods=copy,copy_foreach,coci,torch_save,coci_restore,torch_load_mmap",
             f"--dir={tmp_path / 'scratch'}",
             f"--out={tmp_path / 'out'}",
         ]
@@ -25,10 +25,10 @@ def test_quick_run_writes_results_and_tables(tmp_path: Path) -> None:
     (path,) = (tmp_path / "out").glob("tensor-count-*.json")
     assert json.loads(path.read_text())["rounds"] == 1
     assert not list((tmp_path / "scratch").iterdir())  # the checkpoints are removed
-    gpt = res["cells"][1]
+    (gpt,) = res["cells"]
     assert gpt["state"]["name"] == "gpt-adamw" and gpt["state"]["tensors"] > 300
     assert len(gpt["saves"]["coci"]["reps"]) == 1
-    assert set(gpt["restores"]) == {"coci_restore", "torch_load", "torch_load_mmap"}
+    assert set(gpt["restores"]) == {"coci_restore", "torch_load_mmap"}
     assert gpt["summary"]["coci_restore_over_best_peer_warm"] > 0
     assert gpt["summary"]["us_per_tensor_stall"] == gpt["summary"]["us_per_tensor_stall"]
     assert "| gpt-adamw |" in tensor_count_bench.report(res)

@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from coci_core import (
     BackgroundSaveError,
+    CheckpointError,
     CheckpointManager,
     ConfigError,
     FsspecStorage,
@@ -33,6 +34,7 @@ from coci_core import (
     LocalStorage,
     NoCheckpointError,
     RankGroup,
+    UnsupportedValueError,
 )
 from tests.harness import processes
 from tests.harness.processes import Child, free_port, rank_env
@@ -161,9 +163,11 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
                 "sampler": sampler.state_dict(),
                 "step": step,
             }
+            if rank == cfg.get("bad_rank"):
+                state["extra"] = object()  # refused by this rank's input checks only
             try:
                 mgr.save(step, state, per_rank={"rng": rng})
-            except ConfigError as e:
+            except (ConfigError, CheckpointError, UnsupportedValueError) as e:
                 out["save_error"] = str(e)
                 mgr.close()
                 return out

@@ -86,6 +86,24 @@ def test_ranks_that_do_not_share_the_directory_are_told_so_at_the_first_save(
     assert not any(p.name.startswith(".coci-shared-") for p in (tmp_path / "node0").iterdir())
 
 
+def test_a_rank_whose_first_save_fails_its_input_checks_tells_the_others_at_once(
+    tmp_path: Path,
+) -> None:
+    """Rank 1's state holds an object coci refuses, at the first save: rank 1 raises its own
+    error, and rank 0, at the check that the ranks share the directory, is told at once which
+    rank failed and why (before: it waited there for the group's timeout, 600 s, on the
+    training thread); nothing is committed and no probe is left."""
+    cfg = {"dir": str(tmp_path), "every": 2, "stop_step": 4, "timeout_s": 600, "bad_rank": 1}
+    results = _ok(launch(2, cfg, timeout_s=120))
+    assert "'/extra' cannot be stored" in results[1]["save_error"]
+    assert "the save of rank(s) [1] failed before anything was written" in results[0]["save_error"]
+    assert "UnsupportedValueError: state value at '/extra'" in results[0]["save_error"]
+    assert [list(r["steps"]) for r in results] == [["1", "2"]] * 2
+    with CheckpointManager(tmp_path) as mgr:
+        assert mgr.steps() == []
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".coci-shared-")] == []
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_rank_killed_during_persist_publishes_nothing_and_the_others_get_an_error(
     tmp_path: Path, world: int

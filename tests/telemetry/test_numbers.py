@@ -47,43 +47,28 @@ def _report(directory: Path) -> str:
     return run(module("coci_core.commands.cli", "report", str(directory)), check=True).stdout
 
 
-@pytest.mark.slow
-def test_a_killed_run_has_one_set_of_numbers(tmp_path: Path) -> None:
-    """`coci demo` SIGKILLs a Lightning run at step 120 and resumes it: the demo's line, the
-    report, the tab and the telemetry give the same lost work (the steps from the restored
-    checkpoint to the kill), the same run length and planned checkpoints, and compression
-    1.00x for its raw checkpoints."""
-    total, kill = 200, 120
-    demo = run(
-        module(
-            "coci_core.commands.cli",
-            "demo",
-            "--dir",
-            str(tmp_path / "demo"),
-            "--total-steps",
-            str(total),
-            "--kill-step",
-            str(kill),
-        ),
-        timeout_s=600,
-    )
-    assert demo.returncode == 0, demo.stdout + demo.stderr
+def check_one_set_of_numbers(demo_dir: Path, stdout: str, total: int) -> None:
+    """`coci demo` SIGKILLed a Lightning run at step 120 (``stdout``: its lines; ``demo_dir``:
+    its ``--dir``) and resumed it: the demo's line, the report, the tab and the telemetry give
+    the same lost work (the steps from the restored checkpoint to the kill), the same run
+    length and planned checkpoints, and compression 1.00x for its raw checkpoints. Called by
+    ``tests/commands/test_demo_and_report.py``'s run of the demo (one run for both)."""
     # the kill comes at step 120, or just after the first committed checkpoint
     said = re.search(
-        r"killed at step (\d+), resumed from step (\d+): (\d+) steps? of work lost", demo.stdout
+        r"killed at step (\d+), resumed from step (\d+): (\d+) steps? of work lost", stdout
     )
-    assert said, demo.stdout
+    assert said, stdout
     kill, restored, lost = int(said[1]), int(said[2]), int(said[3])
     assert 0 < restored < kill and lost == kill - restored  # the truth, from the demo's kill
     assert kill >= 120
 
-    ckpt_dir = tmp_path / "demo" / "run" / "coci"
+    ckpt_dir = demo_dir / "run" / "coci"
     records = read_jsonl(ckpt_dir / "telemetry.jsonl")
     (restore,) = [r for r in records if r["type"] == "restore"]
     assert restore["step"] == restored and restore["reached"] == kill
     assert [r["step"] for r in records if r["type"] == "end"] == [total]  # the resumed session
 
-    tab = _tab(tmp_path / "demo" / "run", "coci")
+    tab = _tab(demo_dir / "run", "coci")
     (restart,) = tab["restarts"]
     assert (restart["restored"], restart["failed_at"], restart["lost_steps"]) == (
         restored,
@@ -102,7 +87,7 @@ def test_a_killed_run_has_one_set_of_numbers(tmp_path: Path) -> None:
     assert f"over the run's {total} steps" in report
     assert f"checkpoints planned over the {total} steps run: {summary['planned']} at" in report
     # the demo prints the same report lines
-    assert f"the run had reached step {kill}: {lost} {steps} of work lost" in demo.stdout
+    assert f"the run had reached step {kill}: {lost} {steps} of work lost" in stdout
 
     # planned: the steps reached that the plan in force had; each was taken or missed
     as_stood = summarize(ckpt_dir).planned
@@ -120,7 +105,7 @@ def test_a_killed_run_has_one_set_of_numbers(tmp_path: Path) -> None:
     assert f"at steps {as_stood}, {len(taken)} of them taken" in report
     assert max(committed) == total and total not in as_stood  # the final save
     assert "made afresh with the costs measured by its end" in report
-    assert "made afresh with the costs measured by its end" in demo.stdout
+    assert "made afresh with the costs measured by its end" in stdout
 
     # raw checkpoints: 1.00x, though their files hold padding and the manifest too
     saves = [r for r in records if r["type"] == "save" and r["outcome"] == "committed"]

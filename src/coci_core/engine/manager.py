@@ -388,25 +388,22 @@ class CheckpointManager:
         if alone and not self.group.is_coordinator:
             raise ConfigError("'alone' saves are made by rank 0 only")
         group = RankGroup(0, 1, self.group.session) if alone else self.group
+        first_of_ranks = group.world_size > 1 and not self._shared_checked
         try:
-            version = save_version(
-                self.storage, step, self.run_id, overwrite=overwrite, passed_over=self._passed_over
+            version = self._version(step, overwrite)
+            flat = flatten_state(
+                state, allow_torch_save=self.allow_torch_save, cache=self._flat_cache
             )
-        except StepExistsError:
-            # A second job that restored the first's newest step and went on, while the first
-            # still runs, reaches the first's steps: say that the directory is in use, first.
-            # A probe only: no rank queued this save, so nothing is aborted or counted.
-            if self.group.is_coordinator and self._owner.lease is None:
-                with contextlib.suppress(StorageError):  # the step exists all the same
-                    acquire_lease(self.storage, self.group.session).release()
+            own = flatten_per_rank(
+                state, per_rank, allow_torch_save=self.allow_torch_save, cache=self._rank_cache
+            )
+        except Exception as e:
+            if first_of_ranks:  # the others are at the check below: tell them, not time out
+                with contextlib.suppress(CociError):
+                    self._check_shared(group, failed=e)
             raise
-        flat = flatten_state(state, allow_torch_save=self.allow_torch_save, cache=self._flat_cache)
-        own = flatten_per_rank(
-            state, per_rank, allow_torch_save=self.allow_torch_save, cache=self._rank_cache
-        )
-        if group.world_size > 1 and not self._shared_checked:
-            agreement = RestoreAgreement.for_group(group, timeout_s=group.timeout_s, topic="-dir")
-            check_shared_directory(self.storage, group, agreement)
+        if first_of_ranks:
+            self._check_shared(group)
             self._shared_checked = True
         self._own_directory(step, version, group, alone)  # after the input checks
         leaves = flat.leaves + (own.leaves if own else ())
@@ -448,6 +445,24 @@ class CheckpointManager:
         self._worker.submit(QueuedSave(self._writer, job, handle, holder=self))
         self._passed_over.discard((step, version))  # replaced (once the save is queued)
         return handle
+
+    def _version(self, step: int, overwrite: bool) -> int:
+        try:
+            return save_version(
+                self.storage, step, self.run_id, overwrite=overwrite, passed_over=self._passed_over
+            )
+        except StepExistsError:
+            # A second job that restored the first's newest step and went on, while the first
+            # still runs, reaches the first's steps: say that the directory is in use, first.
+            # A probe only: no rank queued this save, so nothing is aborted or counted.
+            if self.group.is_coordinator and self._owner.lease is None:
+                with contextlib.suppress(StorageError):  # the step exists all the same
+                    acquire_lease(self.storage, self.group.session).release()
+            raise
+
+    def _check_shared(self, group: RankGroup, failed: BaseException | None = None) -> None:
+        agreement = RestoreAgreement.for_group(group, timeout_s=group.timeout_s, topic="-dir")
+        check_shared_directory(self.storage, group, agreement, failed=failed)
 
     def _own_directory(self, step: int, version: int, group: RankGroup, alone: bool) -> None:
         """Take the directory's lease on the coordinator's first save (then clear what an

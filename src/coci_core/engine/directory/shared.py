@@ -53,27 +53,48 @@ def shared_probe(group: RankGroup) -> str:
     return f"{PROBE_PREFIX}{group.session}"
 
 
+def _words(error: BaseException) -> str:
+    return f"{type(error).__name__}: {str(error)[:500]}"
+
+
 def check_shared_directory(
-    storage: Storage, group: RankGroup, agreement: RestoreAgreement | None
+    storage: Storage,
+    group: RankGroup,
+    agreement: RestoreAgreement | None,
+    *,
+    failed: BaseException | None = None,
 ) -> None:
     """Raise on every rank of ``group`` unless each sees what rank 0 writes in ``storage``
     (nothing to check without ``agreement``, the ranks' exchange through the job's store).
 
+    ``failed``: this rank's save failed before the check (its input checks): the others are
+    told at once instead of waiting for it for the group's timeout; the caller raises
+    ``failed`` itself.
+
     Raises:
+        CheckpointError: another rank's save failed before the check (on the other ranks).
         ConfigError: a rank does not see rank 0's probe (not one shared directory).
         StorageError: rank 0 could not write the probe (on every rank).
     """
     if agreement is None or group.world_size == 1 or _job_processes() < group.world_size:
         return  # ranks made by hand in fewer processes: no exchange can meet them all
     probe = shared_probe(group)
-    report = {}
+    report = {} if failed is None else {"failed": _words(failed)}
     try:
-        if group.rank == 0:
+        if group.rank == 0 and failed is None:
             try:
                 storage.write_file(f"{probe}/rank-0", [memoryview(b"coci")])
             except Exception as e:  # said to every rank: none waits for a save that cannot be
-                report = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
+                report = {"error": _words(e)}
         reports = _exchange(agreement, report)  # rank 0's probe is written once this returns
+        failing = [r for r, rep in enumerate(reports) if rep.get("failed")]
+        if failing and failed is None:
+            raise CheckpointError(
+                f"the save of rank(s) {failing} failed before anything was written, so no rank "
+                f"saves this step: rank {failing[0]}: {reports[failing[0]]['failed']}"
+            )
+        if failing:
+            return
         if reports[0].get("error"):
             raise StorageError(
                 f"rank 0 cannot write in the checkpoint directory {str(storage.url)!r}, so no "
