@@ -108,18 +108,20 @@ def as_after_the_batch(
     return True
 
 
-def settle_resumed_validation(trainer: pl.Trainer) -> None:
+def settle_resumed_validation(trainer: pl.Trainer) -> bool:
     """In a run resumed from a save taken before an epoch's validation (see
     :func:`as_after_the_batch`), once Lightning has decided to run that validation
     (``on_train_start``): count the validation's started batch as none, so that a checkpoint
-    taken after it (the end of fit's, another callback's) does not resume it once more."""
+    taken after it (the end of fit's, another callback's) does not resume it once more.
+    Whether the run was resumed so (the step it resumed from is not finished yet)."""
     # Private: the validation loop's restart stage and batch counters.
     loop = trainer.fit_loop.epoch_loop.val_loop
     if not loop.restarted_mid_evaluation:
-        return
+        return False
     total = loop.batch_progress.total
     counts = total.state_dict()
     total.load_state_dict(dict.fromkeys(counts, counts["completed"]))
+    return True
 
 
 _PROCESSING = ("ready", "started", "processed", "completed")

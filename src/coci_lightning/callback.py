@@ -471,7 +471,9 @@ class CociCheckpoint(Checkpoint):
         if self._rng_at_train_start:  # resumed from an epoch's last step: see _epoch_end.py
             self._rng_at_train_start = False
             self._restore_rng(trainer)  # before the validation, if one is resumed first
-            settle_resumed_validation(trainer)
+            if settle_resumed_validation(trainer) and self.checkpointer is not None:
+                # a save at this step once its validation has run replaces the one before it
+                self.checkpointer.resumed_unfinished()
             if self._pending_metrics is not None:
                 # the live dict that the epoch-end hooks read (Lightning saves no metrics)
                 trainer.callback_metrics.update(self._pending_metrics)

@@ -258,3 +258,30 @@ def test_a_sigterm_at_an_epochs_last_batch_before_its_validation_resumes_exactly
     assert lr[0] == lr[1]
     loops = (trainer.fit_loop.epoch_loop, ref_trainer.fit_loop.epoch_loop)
     assert loops[0]._batches_that_stepped == loops[1]._batches_that_stepped
+
+
+def test_a_run_resumed_before_its_last_validation_saves_its_end_over_that_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """SIGTERM during step 16, the run's last batch, with the epoch's validation after it:
+    coci saves step 16 as before that validation. The run resumed from it runs the validation
+    and the epoch's end, and its final save replaces that checkpoint (it was skipped as the
+    step the run resumed from): the finished script, rerun as a scheduler reruns it, trains
+    and validates nothing more."""
+
+    def coci() -> CociCheckpoint:
+        return CociCheckpoint(policy="every_n_steps", every_n_steps=6, keep_last=None)
+
+    with pytest.raises(Preempted) as stop:
+        _fit(tmp_path, [coci(), _SigtermAt(15)], validate=True, max_epochs=1)
+    assert stop.value.step == 16
+    counts = _ValidationCounts()
+    model, _ = _fit(tmp_path, [coci(), counts], validate=True, ckpt_path="last", max_epochs=1)
+    assert len(counts.counts) == 1 and model.events[0] == ("validation", 16, 0)
+    with CheckpointManager(tmp_path / "coci", keep_last=None) as mgr:
+        assert mgr.steps() == [6, 12, 16]
+        saved = mgr.restore(16)["loops"]["fit_loop"]["epoch_loop.val_loop.batch_progress"]
+    assert saved["current"]["completed"] == saved["current"]["started"]  # none cut short
+    again = _ValidationCounts()
+    model, trainer = _fit(tmp_path, [coci(), again], validate=True, ckpt_path="last", max_epochs=1)
+    assert again.counts == [] and model.events == [] and trainer.global_step == 16

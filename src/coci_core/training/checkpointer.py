@@ -155,6 +155,7 @@ class Checkpointer:
         self.last_save: SaveEvent | None = None
         self._checked_not_empty = False
         self.resumed_from: int | None = None  # the step this run was restored from
+        self._resumed_unfinished = False  # see resumed_unfinished()
         started = process_start_unix()
         self._since: Literal["process start", "adapter start"] = (
             "process start" if started is not None else "adapter start"
@@ -568,7 +569,7 @@ class Checkpointer:
         A step the directory already holds is replaced when it belongs to this run (a run
         that went back to an older step and trained on), and never when it belongs to
         another run: the engine saves it beside that run's (``step-...-v1``). The step this
-        run resumed from is not saved again.
+        run resumed from is not saved again (but see :meth:`resumed_unfinished`).
         """
         started = time.monotonic()
         save = functools.partial(
@@ -584,7 +585,7 @@ class Checkpointer:
         except StepExistsError as e:
             if not e.own:  # not raised for another run's step (saved beside it)
                 raise
-            if self.resumed_from != step:
+            if self.resumed_from != step or self._resumed_unfinished:
                 handle = save(overwrite=True)
             else:
                 return self.manager.skip(step, "it is the checkpoint this run resumed from")
@@ -651,6 +652,13 @@ class Checkpointer:
             self.resumed_from = event.step
             self._restored = None if self._continues_here(event) else event
         return state
+
+    def resumed_unfinished(self) -> None:
+        """The checkpoint this run resumed from holds its step before work that the step
+        still had to do (Lightning's save before an epoch's validation): a save of that step
+        once it is done replaces it, instead of being skipped as the checkpoint resumed from
+        (a rerun of the finished script would do that work again)."""
+        self._resumed_unfinished = True
 
     def restored_elsewhere(self, run: str, event: RestoreEvent, sequence: int = 0) -> None:
         """A checkpoint of this directory was restored by other code (Lightning's own
