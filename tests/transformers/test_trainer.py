@@ -142,16 +142,26 @@ def test_push_to_hub_at_every_save_is_said_to_push_at_the_end_only(
     assert "nothing is pushed during training" in caplog.text
 
 
-def test_a_weights_only_save_is_not_resumed(tmp_path: Path) -> None:
+def test_a_weights_only_save_is_not_resumed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """save_only_model=True: coci saves the weights and TrainerState only, and a resume from
-    such a step is refused, saying why."""
+    such a step is refused, saying why; the summary line does not claim the refused resume as
+    a finished run (it said "resumed at step 3, the newest checkpoint; no step to train after
+    it" of a run with steps left)."""
     train(tmp_path, 3, save_only_model=True)
     with CheckpointManager(tmp_path / "coci") as mgr:
         state = mgr.restore(3)
     assert "optimizer" not in state and state["weights_only"] is True
     AcceleratorState._reset_state(True)
-    with pytest.raises(CheckpointError, match="save_only_model"):
+    caplog.clear()
+    with (
+        caplog.at_level("INFO", logger="coci_transformers"),
+        pytest.raises(CheckpointError, match="save_only_model"),
+    ):
         train(tmp_path, 6, resume=True)
+    assert "no step to train after it" not in caplog.text
+    assert "coci: no checkpoint committed" in caplog.text
 
 
 def _without_loss(log: list[dict[str, Any]]) -> list[dict[str, Any]]:
