@@ -559,10 +559,23 @@ class CociCallback(TrainerCallback):
         metrics: Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
-        """The planner plans with the stop hazard of an ``EarlyStoppingCallback``, judged as
-        it judges ``metric_for_best_model`` (before the Trainer updates ``best_metric``)."""
+        """With ``load_best_model_at_end``, an evaluation that improves
+        ``metric_for_best_model`` is saved, as the Trainer's saves at its evaluations are (its
+        save follows this event), whatever the plan: the best model loaded at the end is then
+        the Trainer's best, not only the best of the steps the plan happened to save. The
+        planner plans with the stop hazard of an ``EarlyStoppingCallback``, judged as it
+        judges ``metric_for_best_model`` (before the Trainer updates ``best_metric``)."""
         stopper = early_stopping(self._trainer())
         value = metric(args, metrics)
+        if (
+            args.load_best_model_at_end
+            and value is not None
+            and self.checkpointer is not None
+            and not self._closed
+            and state.global_step != self._saved
+            and self._improves(args, state.best_metric, value)
+        ):
+            control.should_save = True
         if stopper is None or value is None or self.checkpointer is None:
             return
         best = state.best_metric
@@ -584,6 +597,14 @@ class CociCallback(TrainerCallback):
             mode="max" if args.greater_is_better else "min",
         )
         self.checkpointer.set_termination("early_stopping", model)
+
+    @staticmethod
+    def _improves(args: TrainingArguments, best: float | None, value: float) -> bool:
+        """Whether ``value`` is a new best, as the Trainer's ``_determine_best_metric``
+        judges it."""
+        if best is None:
+            return True
+        return value > best if args.greater_is_better else value < best
 
     def on_epoch_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
