@@ -261,6 +261,13 @@ class CociCallback(TrainerCallback):
                 str(getattr(trainer.args.save_strategy, "value", trainer.args.save_strategy)),
                 trainer.args.save_steps,
             )
+            if trainer.args.fsdp and not getattr(trainer, "is_fsdp_enabled", False):
+                logger.warning(
+                    "coci: TrainingArguments(fsdp=...) is set, but the Trainer trains without "
+                    "FSDP: Accelerate applies its FSDP plugin on GPUs only, and on CPU trains "
+                    "with DDP, saying nothing. coci saves the whole model and optimizer state "
+                    "(not shards), which a run with FSDP does not resume"
+                )
             strategy = str(getattr(trainer.args.hub_strategy, "value", trainer.args.hub_strategy))
             if trainer.args.push_to_hub and strategy == "every_save":
                 logger.warning(
