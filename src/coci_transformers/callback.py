@@ -435,13 +435,19 @@ class CociCallback(TrainerCallback):
         if best and self.dirpath is not None:
             saved_state.best_model_checkpoint = self._step_dir(best)
         saved_state.save_to_json(os.path.join(self._resume_dir, "trainer_state.json"))
-        if _state.own(state) is None and trainer.args.process_index == 0:
+        saved_world = state.get("world_size")
+        if trainer.args.process_index == 0 and (
+            _state.own(state) is None or saved_world != trainer.args.world_size
+        ):
+            # fewer processes than at the save: each has its random state, but the Trainer
+            # still skips the trained batches by its own count, not the samples trained on
             logger.warning(
-                "coci: step %d was saved by %s processes and this run has %d: the processes "
-                "without a saved random state start from their current one (not bit-identical "
-                "to a run never stopped), and the Trainer skips the trained batches by count",
+                "coci: step %d was saved by %s processes and this run has %d: the Trainer "
+                "skips the trained batches by count (batches of this run's size, not the "
+                "samples the saved run trained on), and the processes without a saved random "
+                "state start from their current one: not bit-identical to a run never stopped",
                 state["global_step"],
-                state.get("world_size"),
+                saved_world,
                 trainer.args.world_size,
             )
         return self._resume_dir
