@@ -348,6 +348,10 @@ class CociCheckpointer:
         """
         if self._closed and self.checkpointer.preempted is not None:
             return  # stopped on a notice: saved and closed then
+        if not self._closed and sys.exc_info()[1] is not None:
+            # training ended on an error: a resume of this run is a restart after a failure,
+            # and the summary does not tell it as a finished run
+            self.checkpointer.mark_failed()
         try:
             forced = save is True
             wanted = self.save_on_close if save is None else save

@@ -187,9 +187,8 @@ def best_to_load(trainer: Trainer, kept: list[int]) -> tuple[int, float] | None:
     else:
         logger.warning(
             "coci: load_best_model_at_end: no kept step was evaluated (%s at the kept steps "
-            "%s): the final weights stay; save at the evaluations "
-            '(CociCallback(policy="every_n_steps") with save_steps = eval_steps) for the best '
-            "to be kept",
+            "%s; retention removed the evaluated ones): the final weights stay; keep more "
+            "steps (CociCallback(keep_last=N), or keep_last=None) for the best to be kept",
             name,
             kept,
         )

@@ -261,6 +261,13 @@ class CociCallback(TrainerCallback):
                 str(getattr(trainer.args.save_strategy, "value", trainer.args.save_strategy)),
                 trainer.args.save_steps,
             )
+            if trainer.args.fsdp and not getattr(trainer, "is_fsdp_enabled", False):
+                logger.warning(
+                    "coci: TrainingArguments(fsdp=...) is set, but the Trainer trains without "
+                    "FSDP: Accelerate applies its FSDP plugin on GPUs only, and on CPU trains "
+                    "with DDP, saying nothing. coci saves the whole model and optimizer state "
+                    "(not shards), which a run with FSDP does not resume"
+                )
             strategy = str(getattr(trainer.args.hub_strategy, "value", trainer.args.hub_strategy))
             if trainer.args.push_to_hub and strategy == "every_save":
                 logger.warning(
@@ -428,13 +435,19 @@ class CociCallback(TrainerCallback):
         if best and self.dirpath is not None:
             saved_state.best_model_checkpoint = self._step_dir(best)
         saved_state.save_to_json(os.path.join(self._resume_dir, "trainer_state.json"))
-        if _state.own(state) is None and trainer.args.process_index == 0:
+        saved_world = state.get("world_size")
+        if trainer.args.process_index == 0 and (
+            _state.own(state) is None or saved_world != trainer.args.world_size
+        ):
+            # fewer processes than at the save: each has its random state, but the Trainer
+            # still skips the trained batches by its own count, not the samples trained on
             logger.warning(
-                "coci: step %d was saved by %s processes and this run has %d: the processes "
-                "without a saved random state start from their current one (not bit-identical "
-                "to a run never stopped), and the Trainer skips the trained batches by count",
+                "coci: step %d was saved by %s processes and this run has %d: the Trainer "
+                "skips the trained batches by count (batches of this run's size, not the "
+                "samples the saved run trained on), and the processes without a saved random "
+                "state start from their current one: not bit-identical to a run never stopped",
                 state["global_step"],
-                state.get("world_size"),
+                saved_world,
                 trainer.args.world_size,
             )
         return self._resume_dir
@@ -559,10 +572,23 @@ class CociCallback(TrainerCallback):
         metrics: Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
-        """The planner plans with the stop hazard of an ``EarlyStoppingCallback``, judged as
-        it judges ``metric_for_best_model`` (before the Trainer updates ``best_metric``)."""
+        """With ``load_best_model_at_end``, an evaluation that improves
+        ``metric_for_best_model`` is saved, as the Trainer's saves at its evaluations are (its
+        save follows this event), whatever the plan: the best model loaded at the end is then
+        the Trainer's best, not only the best of the steps the plan happened to save. The
+        planner plans with the stop hazard of an ``EarlyStoppingCallback``, judged as it
+        judges ``metric_for_best_model`` (before the Trainer updates ``best_metric``)."""
         stopper = early_stopping(self._trainer())
         value = metric(args, metrics)
+        if (
+            args.load_best_model_at_end
+            and value is not None
+            and self.checkpointer is not None
+            and not self._closed
+            and state.global_step != self._saved
+            and self._improves(args, state.best_metric, value)
+        ):
+            control.should_save = True
         if stopper is None or value is None or self.checkpointer is None:
             return
         best = state.best_metric
@@ -584,6 +610,14 @@ class CociCallback(TrainerCallback):
             mode="max" if args.greater_is_better else "min",
         )
         self.checkpointer.set_termination("early_stopping", model)
+
+    @staticmethod
+    def _improves(args: TrainingArguments, best: float | None, value: float) -> bool:
+        """Whether ``value`` is a new best, as the Trainer's ``_determine_best_metric``
+        judges it."""
+        if best is None:
+            return True
+        return value > best if args.greater_is_better else value < best
 
     def on_epoch_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any

@@ -101,3 +101,40 @@ def test_a_finished_run_requeued_says_it_had_nothing_left_to_train(
 
     assert any("1 checkpoint committed (newest step 4)" in m for m in run(4))
     assert "coci: resumed at step 4, the newest checkpoint; no step to train after it" in run(4)
+
+
+def test_a_crash_after_the_resume_is_not_told_as_a_finished_run(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A loop that raises in its first step after ckpt.resume(), with ckpt.close() in a
+    finally: the summary line says nothing was committed, not "resumed at step 4, the newest
+    checkpoint; no step to train after it" (a run with steps left that crashed)."""
+
+    def run(steps: int, crash: bool) -> list[str]:
+        set_seed(3)
+        accelerator = _accelerator(tmp_path)
+        model = torch.nn.Linear(4, 2)
+        model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        ckpt = CociCheckpointer(accelerator, total_steps=8)
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            try:
+                done = ckpt.resume()
+                for _ in range(done, steps):
+                    if crash:
+                        raise RuntimeError("a data error")
+                    accelerator.backward(model(torch.randn(3, 4)).pow(2).mean())
+                    optimizer.step()
+                    optimizer.zero_grad()
+                    ckpt.step()
+            finally:
+                ckpt.close()
+        name = "coci_accelerate.checkpointer"
+        return [r.getMessage() for r in caplog.records if r.name == name]
+
+    run(4, crash=False)
+    with pytest.raises(RuntimeError, match="a data error"):
+        run(8, crash=True)
+    lines = [r.getMessage() for r in caplog.records if r.name == "coci_accelerate.checkpointer"]
+    assert not any("no step to train after it" in m for m in lines)
+    assert any(m.startswith("coci: no checkpoint committed") for m in lines)

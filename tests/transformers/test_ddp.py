@@ -31,7 +31,9 @@ def _results(stdout: str, mark: str = "RESULT ") -> dict[int, dict[str, Any]]:
 @pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.faults
-def test_two_processes_sigkill_sigterm_and_resume_onto_one(tmp_path: Path) -> None:
+def test_two_processes_sigkill_sigterm_and_resume_onto_one(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     total, kill = 12, 7  # 4 steps an epoch (32 samples, 2 x 4 a step); saves at 3, 6, 9, 12
     env = child_env({"OMP_NUM_THREADS": "1"})
     with Child(
@@ -91,8 +93,13 @@ def test_two_processes_sigkill_sigterm_and_resume_onto_one(tmp_path: Path) -> No
 
     # onto one process: the same step, the run goes on to its end (batches by count)
     AcceleratorState._reset_state(True)
-    one = train(tmp_path / "one", total, resume=True)
+    with caplog.at_level("WARNING", logger="coci_transformers"):
+        one = train(tmp_path / "one", total, resume=True)
     assert one["start"] == start
+    # said, though process 0 has its saved random state: the samples skipped are not those
+    # trained on (it said nothing then)
+    said = [r.getMessage() for r in caplog.records if "saved by 2 processes" in r.getMessage()]
+    assert said and "by count" in said[0], [r.getMessage() for r in caplog.records]
     assert len(one["seen"]) == (total - start) * BATCH
     history = [e for e in expected[0]["log"] if e.get("step", 0) <= start]
     assert one["log"][: len(history)] == history

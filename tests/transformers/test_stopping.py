@@ -188,41 +188,40 @@ def test_the_best_step_removed_by_retention_is_named_no_more(tmp_path: Path) -> 
 
 
 def test_no_evaluated_kept_step_is_said(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """load_best_model_at_end when no kept step was evaluated (a save at step 3 only,
-    evaluations at steps 2 and 4): the final weights stay, and a warning says why and what to
-    change, instead of nothing."""
+    """load_best_model_at_end when no kept step was evaluated (the best evaluation, step 2,
+    saved and then removed by retention, keep_last=1, after the plan's save at step 3; the
+    evaluation at step 4 no better, and no final save): the final weights stay, and a warning
+    says why and what to change, instead of nothing."""
     with caplog.at_level("WARNING"):
-        result = train(
+        result = _best_at_step_2(
             tmp_path,
-            4,
-            callback=CociCallback(policy="every_n_steps", every_n_steps=3, save_on_train_end=False),
-            save_steps=2,  # the Trainer's check: a multiple of eval_steps (coci's is 3)
-            eval_strategy="steps",
-            eval_steps=2,
-            load_best_model_at_end=True,
-            metric_for_best_model="loss",
+            CociCallback(
+                policy="every_n_steps", every_n_steps=3, save_on_train_end=False, keep_last=1
+            ),
         )
-    assert [e["step"] for e in result["log"] if "eval_loss" in e] == [2, 4]
+    assert [e["step"] for e in result["log"] if "eval_score" in e] == [2, 4]
     assert result["best_checkpoint"] is None
     said = [r.getMessage() for r in caplog.records if "load_best_model_at_end" in r.getMessage()]
     assert said and "no kept step was evaluated" in said[0] and "[3]" in said[0]
 
 
-def test_the_best_kept_step_is_loaded_when_no_saved_step_was_the_trainers_best(
+def test_the_trainers_best_evaluation_is_saved_and_loaded_whatever_the_plan(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The Trainer asks for the best model only when one of the saved steps was its best
-    (``best_model_checkpoint`` set): here its best is the evaluation at step 2, where coci did
-    not save (saves at 3 and at the end, 4). coci loads its best kept evaluated step (4) at the
-    end all the same, as the options table says, instead of leaving it unsaid."""
+    """load_best_model_at_end with a plan that does not save at the evaluations (every 3
+    steps, evaluations every 2; coci's own plan does not follow eval_steps either): the
+    evaluation that improves metric_for_best_model (step 2, of a falling score) is saved, as
+    the Trainer's saves at its evaluations are, and its weights are loaded at the end; it
+    loaded the final weights (step 4) before, while the TrainerState named step 2 its best.
+    ``best_model_checkpoint`` names step 2's directory."""
     with caplog.at_level("INFO"):
         result = _best_at_step_2(tmp_path, CociCallback(policy="every_n_steps", every_n_steps=3))
     assert {e["step"] for e in result["log"] if "eval_score" in e} == {2, 4}
-    assert any("loading the best kept step 4" in r.getMessage() for r in caplog.records)
-    assert result["best_checkpoint"] == str(tmp_path / "coci" / step_dir_name(4))
+    assert any("loading the best kept step 2" in r.getMessage() for r in caplog.records)
+    assert result["best_checkpoint"] == str(tmp_path / "coci" / step_dir_name(2))
     with CheckpointManager(tmp_path / "coci", keep_last=None) as mgr:
-        assert mgr.steps() == [3, 4]
-        saved = mgr.restore(4)["model"]
+        assert mgr.steps() == [2, 3, 4]  # the best, the plan's, the final state
+        saved = mgr.restore(2)["model"]
     assert all(torch.equal(result["best_model"][k], saved[k]) for k in saved)
     # the best weights are read, not a resume: no restart in the run's report
     assert result["start"] is None  # resumed from nothing
@@ -280,24 +279,21 @@ def test_the_best_step_is_among_the_steps_retention_keeps_after_a_kill(
 
 def test_the_best_model_is_never_another_runs(tmp_path: Path) -> None:
     """A second run started fresh in the directory of a first (steps 2, 4, 6 kept there)
-    evaluates at steps 2 and 4 but keeps no step of its own: load_best_model_at_end keeps its
-    own final weights, never the first run's step 4 (a step of the same number, evaluated by
-    the second run's log history only)."""
+    evaluates at steps 2 and 4 (a falling score: its best is step 2, which it saves beside
+    the first run's as ``step-...-v1``): load_best_model_at_end loads its own step 2, never
+    the first run's step 2 or 4 (steps of the same numbers, evaluated by the second run's log
+    history only; its step 2 holds the same weights as the first run's, same seed and data)."""
     train(tmp_path, 6, save_steps=2)
     AcceleratorState._reset_state(True)
-    result = train(
-        tmp_path,
-        4,
-        callback=CociCallback(policy="every_n_steps", every_n_steps=5, save_on_train_end=False),
-        save_steps=2,
-        eval_strategy="steps",
-        eval_steps=2,
-        load_best_model_at_end=True,
-        metric_for_best_model="loss",
+    result = _best_at_step_2(
+        tmp_path, CociCallback(policy="every_n_steps", every_n_steps=5, save_on_train_end=False)
     )
-    assert {e["step"] for e in result["log"] if "eval_loss" in e} == {2, 4}
-    assert result["best_checkpoint"] is None
+    assert {e["step"] for e in result["log"] if "eval_score" in e} == {2, 4}
+    own = Path(result["best_checkpoint"])
+    assert own.name == step_dir_name(2) + "-v1" and own.is_dir()
     with CheckpointManager(tmp_path / "coci", keep_last=None) as mgr:
         assert mgr.steps() == [2, 4, 6]
-        other = mgr.restore(4)["model"]
+        saved = mgr.restore(own.name)["model"]
+        other = mgr.restore(step_dir_name(4))["model"]  # the first run's
+    assert all(torch.equal(result["best_model"][k], saved[k]) for k in saved)
     assert not all(torch.equal(result["best_model"][k], other[k]) for k in other)

@@ -4,18 +4,21 @@ SIGKILLed mid-epoch resuming bit-identical is tests/contract's, for every adapte
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from accelerate.state import AcceleratorState
+from transformers import Trainer
 
 from coci_core import CheckpointManager
 from coci_core.commands import cli
 from coci_core.errors import CheckpointError, ConfigError
 from coci_transformers import CociCallback
 from coci_transformers._trainer import check_arguments
-from tests.transformers.run import BATCH, STEPS_PER_EPOCH, arguments, tiny_model, train
+from tests.transformers.run import BATCH, STEPS_PER_EPOCH, Tokens, arguments, tiny_model, train
 
 
 @pytest.fixture(autouse=True)
@@ -142,16 +145,26 @@ def test_push_to_hub_at_every_save_is_said_to_push_at_the_end_only(
     assert "nothing is pushed during training" in caplog.text
 
 
-def test_a_weights_only_save_is_not_resumed(tmp_path: Path) -> None:
+def test_a_weights_only_save_is_not_resumed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """save_only_model=True: coci saves the weights and TrainerState only, and a resume from
-    such a step is refused, saying why."""
+    such a step is refused, saying why; the summary line does not claim the refused resume as
+    a finished run (it said "resumed at step 3, the newest checkpoint; no step to train after
+    it" of a run with steps left)."""
     train(tmp_path, 3, save_only_model=True)
     with CheckpointManager(tmp_path / "coci") as mgr:
         state = mgr.restore(3)
     assert "optimizer" not in state and state["weights_only"] is True
     AcceleratorState._reset_state(True)
-    with pytest.raises(CheckpointError, match="save_only_model"):
+    caplog.clear()
+    with (
+        caplog.at_level("INFO", logger="coci_transformers"),
+        pytest.raises(CheckpointError, match="save_only_model"),
+    ):
         train(tmp_path, 6, resume=True)
+    assert "no step to train after it" not in caplog.text
+    assert "coci: no checkpoint committed" in caplog.text
 
 
 def _without_loss(log: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -171,3 +184,37 @@ def test_the_epoch_policy_is_made_as_the_options_table_writes_it(tmp_path: Path)
     train(tmp_path / "b", 6, callback=given, save_strategy="epoch")
     with CheckpointManager(tmp_path / "b" / "coci", keep_last=None) as mgr:
         assert mgr.steps() == [2, 4, 6]
+
+
+def test_fsdp_that_the_trainer_does_not_apply_is_said(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """TrainingArguments(fsdp=True, fsdp_config={"version": 2}) on CPU: Accelerate ignores the
+    FSDP plugin there and the Trainer trains with DDP, saying nothing; coci says so when the
+    Trainer is made (its checkpoints hold whole tensors, which a run with FSDP refuses),
+    instead of nothing. (The Trainer takes fsdp only in a distributed job: a job of one
+    process, made here in this process.)"""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for name, value in {
+        "LOCAL_RANK": "0",
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "OMP_NUM_THREADS": str(torch.get_num_threads()),  # else Accelerate sets it
+    }.items():
+        monkeypatch.setenv(name, value)
+    args = arguments(tmp_path, 2, fsdp=True, fsdp_config={"version": 2})
+    try:
+        with caplog.at_level("WARNING", logger="coci_transformers"):
+            trainer = Trainer(
+                model=tiny_model(), args=args, train_dataset=Tokens(), callbacks=[CociCallback()]
+            )
+        assert not trainer.is_fsdp_enabled
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    said = [r.getMessage() for r in caplog.records if "fsdp" in r.getMessage()]
+    assert said and "without FSDP" in said[0] and "DDP" in said[0]

@@ -253,11 +253,13 @@ class Checkpointer:
         """One line on this rank's saves so far: checkpoints committed, skipped and failed
         (when any), total stall and bytes written (see
         :class:`~coci_core.telemetry.summary.SaveSummary`); for a run resumed at its newest
-        checkpoint that trained nothing after it (a finished run requeued), that it did so.
+        checkpoint that trained nothing after it (a finished run requeued), that it did so;
+        not for a run that ended on an error (:meth:`mark_failed`) before its next step.
         """
         summary, resumed = self.summary, self.resumed_from
         if (
             resumed is not None
+            and not self._failed  # a resume refused or a crash, not a finished run
             and self._last_observed in (None, resumed)
             and not (summary.committed or summary.skipped or summary.failed)
         ):  # a requeued run that had finished: not a run whose saves all went wrong
