@@ -148,6 +148,31 @@ def test_a_run_resumed_at_its_end_closes_with_keep_last_steps(tmp_path: Path) ->
         assert listing.restore()["w"][0] == 4.0
 
 
+def test_retention_counts_no_step_the_restore_found_damaged(tmp_path: Path) -> None:
+    """Steps 10, 26 and 40 with the data of 26 and 40 damaged: the run resumes from 10 and
+    saves 17 with keep_last=3. The two damaged steps are neither counted among the three kept
+    (which deleted step 10, the only intact step before 17) nor deleted; 26 is replaced when
+    the run reaches it, and retention then keeps the newest three intact steps."""
+    with CheckpointManager(tmp_path, keep_last=None, compression="none") as first:
+        for step in (10, 26, 40):
+            first.save(step, _state(step)).wait()
+    for step in (26, 40):
+        data = next((tmp_path / step_dir_name(step)).glob("data-*"))
+        raw = bytearray(data.read_bytes())
+        raw[0] ^= 0xFF
+        data.write_bytes(bytes(raw))
+    with CheckpointManager(tmp_path, keep_last=3, compression="none") as resumed:
+        assert resumed.restore()["w"][0] == 10.0
+        resumed.save(17, _state(17)).wait()
+        assert resumed.steps() == [10, 17, 26, 40]
+        resumed.save(20, _state(20)).wait()
+        assert resumed.steps() == [10, 17, 20, 26, 40]
+        resumed.save(26, _state(26)).wait()  # replaces the damaged 26, now counted
+        resumed.wait(retention=True)
+        assert resumed.steps() == [17, 20, 26, 40]
+        assert resumed.restore(26)["w"][0] == 26.0
+
+
 def test_overwrite_true_replaces_a_step(tmp_path: Path) -> None:
     with CheckpointManager(tmp_path, compression="none") as mgr:
         mgr.save(5, _state(1.0)).wait()

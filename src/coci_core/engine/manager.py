@@ -443,7 +443,7 @@ class CheckpointManager:
         self._inflight = handle
         handle.add_stall(time.perf_counter() - started)
         self._worker.submit(QueuedSave(self._writer, job, handle, holder=self))
-        self._passed_over.discard((step, version))  # replaced (once the save is queued)
+        self._set_passed_over(self._passed_over - {(step, version)})  # replaced (now queued)
         return handle
 
     def _version(self, step: int, overwrite: bool) -> int:
@@ -675,7 +675,11 @@ class CheckpointManager:
         self._writer.commit_after(sequence)
         if restored is not None:
             self.last_restore = restored
-        self._passed_over = set()
+        self._set_passed_over(set())
+
+    def _set_passed_over(self, passed: set[tuple[int, int]]) -> None:
+        self._passed_over = passed
+        self._writer.damaged = frozenset(passed)  # read by the writer thread's retention
 
     # -- restoring ------------------------------------------------------------------------
 
@@ -807,9 +811,9 @@ class CheckpointManager:
                 self.last_restore, seconds=self.last_restore.seconds + load_s, load_s=load_s
             )
         self.continue_run(loaded.manifest.run, loaded.manifest.sequence)
-        self._passed_over = {
-            (i.step, i.version) for i in loaded.passed_over if i.intact and i.run == self.run_id
-        }
+        self._set_passed_over(
+            {(i.step, i.version) for i in loaded.passed_over if i.intact and i.run == self.run_id}
+        )
         emit(self.listeners, self.last_restore)
         return loaded.state
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 from coci_core.engine.directory.shared import PROBE_PREFIX, shared_probe
 from coci_core.engine.directory.steps import StepInfo, committed_dirs, step_infos, step_versions
@@ -87,14 +87,33 @@ def _deletable(
             del doomed[name]
 
 
+def _counted(
+    infos: list[StepInfo], run_id: str, damaged: Collection[tuple[int, int]]
+) -> list[StepInfo]:
+    """The run's listed intact steps, oldest first, but those its restore found ``damaged``
+    (``(step, version)``): not counted among the kept, nor deleted (the run replaces them
+    when it reaches their steps)."""
+    return [
+        i
+        for i in reversed(infos)
+        if i.intact and i.run == run_id and (i.step, i.version) not in damaged
+    ]
+
+
 def apply_keep_last(
-    storage: Storage, *, keep_last: int, run_id: str, newest: int, next_base: int | None
+    storage: Storage,
+    *,
+    keep_last: int,
+    run_id: str,
+    newest: int,
+    next_base: int | None,
+    damaged: Collection[tuple[int, int]] = (),
 ) -> None:
     """Delete the run's steps beyond the newest ``keep_last``, except ``newest``, the bases of
     the kept ones and ``next_base`` (the base the next deltas will use); a step whose deltas
-    need another is deleted before it."""
+    need another is deleted before it. ``damaged``: see :func:`_counted`."""
     infos = step_infos(storage)
-    own = [i for i in reversed(infos) if i.intact and i.run == run_id]
+    own = _counted(infos, run_id, damaged)
     cut = max(0, len(own) - keep_last)
     protected = {i.step for i in own[cut:]} | {newest}
     if next_base is not None:
@@ -214,6 +233,7 @@ def make_room(
     step: int,
     needed_bytes: int,
     next_base: int | None,
+    damaged: Collection[tuple[int, int]] = (),
 ) -> None:
     """When the storage reports less free space than ``needed_bytes`` for the save of ``step``,
     delete now the old steps that retention would delete once it commits (never the newest
@@ -224,7 +244,7 @@ def make_room(
     if free is None or free >= needed_bytes:
         return
     infos = step_infos(storage)
-    own = [i for i in reversed(infos) if i.intact and i.run == run_id]
+    own = _counted(infos, run_id, damaged)
     if not own:
         return
     keep = [*own[max(0, len(own) - (keep_last - 1)) :], own[-1]]

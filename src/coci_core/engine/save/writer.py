@@ -55,6 +55,9 @@ class SaveWriter:
     run_id: Callable[[], str]
     #: leaves found changed during a background copy: copied by save() itself from then on
     hot_keys: set[str] = field(default_factory=set)
+    #: ``(step, version)`` of the run's steps its restore passed over as damaged: retention
+    #: neither counts nor deletes them (replaced whole by the manager, never changed)
+    damaged: frozenset[tuple[int, int]] = frozenset()
     _failed: list[SaveHandle] = field(default_factory=list)
     _failed_lock: threading.Lock = field(default_factory=threading.Lock)
     # The commit order of the saves (Manifest.sequence): the highest sequence in the directory
@@ -95,6 +98,7 @@ class SaveWriter:
                     needed_bytes=job.snapshot.arena.total_bytes * job.group.world_size
                     + ROOM_MARGIN_BYTES,
                     next_base=self.encoder.base_step,
+                    damaged=self.damaged,
                 )
                 job.sequence = self._next_sequence()
             result = write_checkpoint(self.storage, job, self.encoder)
@@ -205,6 +209,7 @@ class SaveWriter:
                     run_id=self.run_id(),
                     newest=newest,
                     next_base=self.encoder.base_step,
+                    damaged=self.damaged,
                 )
             retention.remove_uncommitted(self.storage, self.group, done_seq=done_seq, newest=newest)
         except Exception as e:
