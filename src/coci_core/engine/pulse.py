@@ -59,18 +59,16 @@ class Pulse:
         self._store.add(self._key, 1)
 
     def _run(self) -> None:
-        import torch.distributed as dist
-
+        # On after ``destroy_process_group()`` too (this holds the store): a save still
+        # persisting then, the job's last, is waited for by the others.
         while not self._stop.wait(PULSE_S):
-            if not dist.is_initialized():  # the job's group destroyed: its store with it
-                return
             try:
                 self._beat()
             except RuntimeError:  # the store went away (its host exited): nothing to tell
                 return
 
     def stop(self) -> None:
-        """Stop the pulse (the others then wait no longer for this rank's saves)."""
+        """Stop the pulse (once this rank's saves are durable: its manager closes)."""
         self._stop.set()
 
 
