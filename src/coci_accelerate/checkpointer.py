@@ -18,6 +18,7 @@ from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
 
 import coci_accelerate._state as _state
+from coci_accelerate._check import check_saved
 from coci_accelerate.tracker import CociTracker
 from coci_core import CompressionPolicy
 from coci_core.errors import CociError, ConfigError, NoCheckpointError, StateMismatchError
@@ -388,7 +389,13 @@ class CociCheckpointer:
             # the models' and optimizers' tensors are read in place: no second copy of them
             targets = _state.live_targets(self.accelerator, partial=partial)
             try:
-                state = self.checkpointer.restore(targets=targets, partial=partial)
+                # a state that resume() could not put back is damage, passed over by all
+                index = self.accelerator.process_index
+                state = self.checkpointer.restore(
+                    targets=targets,
+                    partial=partial,
+                    check=lambda step, saved: check_saved(step, saved, index),
+                )
             except StateMismatchError as e:
                 if e.step is not None:  # another program's checkpoint: say that instead
                     manifest = self.checkpointer.manager.manifest(e.step)

@@ -31,6 +31,11 @@ AUTO_MIN_BYTES = 16 * MiB
 DEFAULT_COMMIT_TIMEOUT_S = 600.0
 #: How long the ranks wait for each other's manager (``RankGroup.default``).
 JOIN_TIMEOUT_S = 300.0
+#: Each rank of a save of several says it is alive this often, through the job's store; a
+#: rank seen alive, then silent for RANK_SILENT_S, is taken for dead: the save that waits for
+#: it fails then, not after the commit timeout (engine/pulse.py).
+PULSE_S = 1.0
+RANK_SILENT_S = 30.0
 #: How long a restoring rank waits for the others to say which step they could restore
 #: (engine/agreement.py): long enough for the slowest rank to read and verify a large state.
 RESTORE_AGREE_TIMEOUT_S = 1800.0

@@ -16,6 +16,7 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
 from coci_core.telemetry import RestoreEvent
 from coci_core.training import parse_step_dir, read_checkpoint, step_dir_name, step_dir_of
+from coci_lightning._rng import check_saved_rng
 from coci_lightning._sharded import use_sharded_load
 
 if TYPE_CHECKING:
@@ -132,6 +133,7 @@ class CociCheckpointIO(CheckpointIO):
                 live=live,
                 replaced=replaced,
                 partial=partial,
+                check=check_saved_rng,
                 fall_back=True,
                 remote=self.remote,
                 remote_storage_options=self.remote_storage_options,
@@ -145,6 +147,7 @@ class CociCheckpointIO(CheckpointIO):
                 live=live,
                 replaced=replaced,
                 partial=partial,
+                check=check_saved_rng,
             )
         self.restored_path = str(path)
         if loaded.step != _step_of(step):

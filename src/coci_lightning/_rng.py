@@ -8,6 +8,7 @@ only hold what a weights-only load accepts.
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import lightning.pytorch as pl
@@ -15,6 +16,11 @@ import numpy as np
 import torch
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.utilities import rank_zero_warn
+
+from coci_core.errors import CorruptCheckpointError
+
+#: this rank's state in coci's saves (``per_rank``): ``{"rng": ...}``
+RANK_STATE_KEY = "coci_rank_state"
 
 
 def collect_plain_rng_states() -> dict[str, Any]:
@@ -65,3 +71,43 @@ def rng_for_rank(trainer: pl.Trainer, saved: dict[str, Any]) -> dict[str, Any]:
         )
         return dict(per_rank[0])
     return dict(per_rank[trainer.global_rank])
+
+
+def check_saved_rng(step: int, state: Any) -> None:
+    """This rank's random states in ``state`` (read for ``step``), if it holds any, are ones
+    :func:`set_plain_rng_states` puts back: each is tried on a generator of its own (never
+    the process's), inside the restore, so that a forged one (a resealed manifest) is damage
+    passed over by every rank together, not Lightning's raw error on that rank alone.
+
+    Raises:
+        CorruptCheckpointError: one is not a random state of its generator.
+    """
+    own = state.get(RANK_STATE_KEY) if isinstance(state, dict) else None
+    if own is None:
+        return
+    try:
+        rng = own["rng"]
+        version, internal, gauss = rng["python"]
+        random.Random().setstate((version, tuple(internal), gauss))
+        if rng.get("numpy") is not None:
+            name, keys, pos, has_gauss, cached = rng["numpy"]
+            keys = keys.numpy() if isinstance(keys, torch.Tensor) else keys
+            np.random.RandomState().set_state(
+                (
+                    str(name),
+                    np.asarray(keys, dtype=np.uint32),
+                    int(pos),
+                    int(has_gauss),
+                    float(cached),
+                )
+            )
+        torch.Generator().set_state(rng["torch"])
+        cuda = rng.get("cuda", [])
+        if not isinstance(cuda, list) or not all(isinstance(t, torch.Tensor) for t in cuda):
+            raise TypeError("its CUDA random states are not a list of tensors")
+    except (TypeError, ValueError, KeyError, IndexError, OverflowError, RuntimeError) as e:
+        raise CorruptCheckpointError(
+            f"step {step}: this rank's random states are not ones coci saved "
+            f"({type(e).__name__}: {str(e)[:100]})",
+            step=step,
+        ) from None

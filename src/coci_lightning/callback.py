@@ -61,7 +61,12 @@ from coci_lightning._preemption import (
     signal_handlers,
     take_sigterm_over,
 )
-from coci_lightning._rng import collect_plain_rng_states, rng_for_rank, set_plain_rng_states
+from coci_lightning._rng import (
+    RANK_STATE_KEY,
+    collect_plain_rng_states,
+    rng_for_rank,
+    set_plain_rng_states,
+)
 from coci_lightning._sharded import check_sharded, is_sharded, sharded_state
 from coci_lightning._stopping import early_stopping_hazard, early_stopping_of, stopped_early
 from coci_lightning._telemetry import LoggerRelay, make_sinks
@@ -80,7 +85,6 @@ __all__ = ["CociCheckpoint"]
 
 logger = logging.getLogger(__name__)
 
-RANK_STATE_KEY = "coci_rank_state"  # per-rank state in coci's saves: {"rng": ...}
 # in the callback's state of a save at an epoch's last step: the metrics its epoch end sees
 EPOCH_END_KEY = "epoch_end_metrics"
 

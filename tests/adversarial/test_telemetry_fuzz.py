@@ -22,7 +22,7 @@ from coci_core.telemetry import JsonlTelemetry, UploadEvent
 from coci_core.telemetry.records import parse_records
 from coci_core.telemetry.tb_plugin import CociPlugin
 from coci_core.training import Checkpointer
-from tests.harness.processes import module, run
+from tests.harness.processes import module, run, script
 
 
 def _session(directory: Path, steps: range, *, restore: bool) -> None:
@@ -252,3 +252,37 @@ def test_the_largest_step_is_shown_without_planning_over_it(tmp_path: Path, real
     assert views.route("reason")["lines"]
     report = views.report()
     assert "not compared: the policies are compared over at most 20,000,000 steps" in report
+
+
+_POINTERS = """
+import os, resource, sys
+from pathlib import Path
+from coci_core.telemetry.timeline import find_runs
+resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))  # a read of /dev/zero: MemoryError
+root = Path(sys.argv[1])
+(root / "run").mkdir()
+(root / "run" / "telemetry.jsonl").write_text("")
+for kind in ("deep", "fifo", "zero", "huge"):
+    log = root / "tb" / kind
+    log.mkdir(parents=True)
+    pointer = log / "coci-telemetry.json"
+    if kind == "deep":
+        pointer.write_text("[" * 100_000 + "]" * 100_000)
+    elif kind == "fifo":
+        os.mkfifo(pointer)
+    elif kind == "zero":
+        os.symlink("/dev/zero", pointer)
+    else:
+        pointer.write_text('{"checkpoint_dir": "' + "x" * 10**6 + '"}')
+print(sorted(find_runs(root).values()))
+"""
+
+
+def test_a_pointer_file_that_is_deep_a_fifo_or_endless_is_passed_over(tmp_path: Path) -> None:
+    """A TensorBoard directory's ``coci-telemetry.json`` nested 100,000 deep, a FIFO, a link to
+    /dev/zero or a megabyte long is no run: the runs are listed at once (before: a
+    RecursionError out of every route, a route that waited for ever for the FIFO's writer, a
+    read of /dev/zero until memory ran out)."""
+    out = run(script(_POINTERS, str(tmp_path)), timeout_s=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == repr([str(tmp_path / "run")])

@@ -32,7 +32,7 @@ from coci_core.errors import (
 )
 from coci_core.knobs import RESTORE_AGREE_TIMEOUT_S
 
-__all__ = ["RestoreAgreement", "agreed_error", "asked_apart", "store_gone"]
+__all__ = ["RestoreAgreement", "agreed_error", "asked_apart", "job_store", "store_gone"]
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class RestoreAgreement:
         exchanges apart from the restores' (their own count of rounds)."""
         if group is None or group.world_size == 1:
             return None
-        store = _job_store()
+        store = job_store()
         if store is None:
             return None
         name = f"{group.session}{topic}"
@@ -92,7 +92,7 @@ class RestoreAgreement:
     def for_job(cls, *, timeout_s: float = RESTORE_AGREE_TIMEOUT_S) -> RestoreAgreement | None:
         """The agreement of every process of the initialized ``torch.distributed`` job (for a
         framework whose every rank loads a checkpoint by path); None with one process."""
-        store = _job_store()
+        store = job_store()
         if store is None:
             return None
         import torch.distributed as dist
@@ -165,7 +165,7 @@ def store_gone(e: BaseException) -> CheckpointError:
     )
 
 
-def _job_store() -> Any:
+def job_store() -> Any:
     """The initialized job's key-value store, or None."""
     try:
         import torch.distributed as dist

@@ -21,6 +21,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from coci_core.engine.directory.lease import Lease
 from coci_core.engine.directory.tiers import RemoteTier
+from coci_core.engine.pulse import Pulse
 from coci_core.engine.save.workers import PersistWorker
 from coci_core.telemetry import Listener, SaveEvent, UploadEvent, emit
 
@@ -101,12 +102,16 @@ class Owner:
     def __init__(self) -> None:
         self.lease: Lease | None = None
         self.remote: RemoteTier | None = None
+        self.pulse: Pulse | None = None
 
     def release(self, worker: PersistWorker | None) -> None:
         """Give everything up; never raises (it runs from ``close``, a finalizer or at exit,
         when the storage may be gone: a lease that cannot be removed expires by itself)."""
         if worker is not None:
             worker.stop(wait=False)
+        pulse, self.pulse = self.pulse, None
+        if pulse is not None:
+            pulse.stop()
         lease, self.lease = self.lease, None
         if lease is not None:
             try:

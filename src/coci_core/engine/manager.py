@@ -32,6 +32,7 @@ from coci_core.engine.format.manifest import Manifest
 from coci_core.engine.format.tree import ArrayLeaf, FlattenCache, flatten_state
 from coci_core.engine.group import RankGroup
 from coci_core.engine.handle import SaveHandle
+from coci_core.engine.pulse import Pulse
 from coci_core.engine.restore.inplace import InPlaceTargets, in_place_targets
 from coci_core.engine.restore.restore import (
     CheckpointRef,
@@ -250,6 +251,7 @@ class CheckpointManager:
         self._finalizer = weakref.finalize(self, self._owner.release, self._worker)
         self._finalizer.atexit = False  # at exit, close_at_exit makes pending saves durable
         self._closed_at_exit = False
+        self._owner.pulse = Pulse.start(group)  # the others' waits for this rank's shares
         if group.is_coordinator:
             try:
                 self._owner.lease = acquire_lease(self.storage, group.session)

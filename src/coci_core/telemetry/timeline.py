@@ -19,6 +19,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from coci_core.errors import StorageError
+from coci_core.storage.local import open_regular
 from coci_core.telemetry.events import TELEMETRY_FILE
 from coci_core.telemetry.records import skipped_line
 from coci_core.telemetry.report import (
@@ -37,6 +39,7 @@ __all__ = ["POINTER_FILE", "find_runs", "from_summary", "timeline", "write_point
 POINTER_FILE = "coci-telemetry.json"
 
 _MAX_DEPTH = 6  # how deep find_runs looks under the log directory
+_MAX_POINTER_BYTES = 64 << 10  # a pointer file is one short line
 
 
 def write_pointer(log_dir: str | os.PathLike[str], checkpoint_dir: str | os.PathLike[str]) -> None:
@@ -58,8 +61,13 @@ def _read_pointer(path: Path) -> str | None:
     """The checkpoint directory a pointer file names, or None (unreadable, or it has no
     telemetry where it says)."""
     try:
-        record = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        fd = open_regular(path)  # not a FIFO (a read would wait) nor /dev/zero (never ends)
+        with os.fdopen(fd, "rb") as f:
+            data = f.read(_MAX_POINTER_BYTES + 1)
+        if len(data) > _MAX_POINTER_BYTES:
+            return None
+        record = json.loads(data.decode("utf-8"))
+    except (OSError, ValueError, RecursionError, StorageError):  # deep nesting: RecursionError
         return None
     if not isinstance(record, dict):
         return None

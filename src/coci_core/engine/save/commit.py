@@ -33,6 +33,7 @@ from coci_core.engine.format.manifest import (
     seal,
 )
 from coci_core.engine.group import RankGroup
+from coci_core.engine.pulse import Watch
 from coci_core.errors import CommitError, CorruptCheckpointError, StorageError
 from coci_core.knobs import COMMIT_POLL_MAX_S, COMMIT_POLL_START_S
 from coci_core.storage.base import staging_name
@@ -154,15 +155,19 @@ def report_share(storage: Any, staging: str, share: RankShare) -> None:
     storage.write_file(f"{staging}/{_share_name(share.rank)}", [memoryview(share.to_json())])
 
 
-def collect_shares(storage: Any, staging: str, own: RankShare, group: RankGroup) -> list[RankShare]:
+def collect_shares(
+    storage: Any, staging: str, own: RankShare, group: RankGroup, watch: Watch | None = None
+) -> list[RankShare]:
     """Every rank's share, in rank order, once all have reported (the coordinator).
+    ``watch``: the ranks' signs of life (a rank gone silent fails the save at once).
 
     Raises:
-        CommitError: a rank reported a failure, did not report within ``group.timeout_s``, or
-            saved a state of another layout.
+        CommitError: a rank reported a failure, went silent, did not report within
+            ``group.timeout_s``, or saved a state of another layout.
     """
     shares: dict[int, RankShare] = {0: own}
     failed: dict[int, str] = {}
+    silent: list[int] = []
     pending = set(range(1, group.world_size))
 
     def check() -> bool | None:
@@ -179,12 +184,20 @@ def collect_shares(storage: Any, staging: str, own: RankShare, group: RankGroup)
                     continue  # still being written: read it again on the next poll
                 shares[rank] = share
                 pending.discard(rank)
-        return True if failed or not pending else None
+        if pending and not failed and watch is not None:
+            silent.extend(watch.silent(sorted(pending)))
+        return True if failed or silent or not pending else None
 
     _poll(check, group.timeout_s)
     if failed:
         reasons = "; ".join(f"rank {r}: {why}" for r, why in sorted(failed.items()))
         raise CommitError(f"rank(s) {sorted(failed)} failed: {reasons}", ranks=sorted(failed))
+    if silent:
+        raise CommitError(
+            f"rank(s) {silent} stopped giving signs of life before writing their share "
+            "(killed, or their node lost): nothing was published",
+            ranks=silent,
+        )
     if pending:
         raise CommitError(
             f"rank(s) {sorted(pending)} did not report within {group.timeout_s:g} s "
@@ -230,12 +243,20 @@ def pieces_by_leaf(shares: Sequence[RankShare], n_leaves: int) -> list[list[Piec
     return out
 
 
-def await_outcome(storage: Any, staging: str, final: str, token: str, group: RankGroup) -> None:
-    """Wait until the coordinator published this save or gave it up (ranks > 0).
+def await_outcome(
+    storage: Any,
+    staging: str,
+    final: str,
+    token: str,
+    group: RankGroup,
+    watch: Watch | None = None,
+) -> None:
+    """Wait until the coordinator published this save or gave it up (ranks > 0). ``watch``:
+    the ranks' signs of life (a coordinator gone silent fails the save at once).
 
     Raises:
-        CommitError: the coordinator aborted the save (naming the failed ranks) or did not
-            decide within twice ``group.timeout_s``.
+        CommitError: the coordinator aborted the save (naming the failed ranks), went silent,
+            or did not decide within twice ``group.timeout_s``.
     """
     manifest_path = f"{final}/{MANIFEST_NAME}"
     own_marker = f"{staging}/{_share_name(group.rank)}"
@@ -257,6 +278,8 @@ def await_outcome(storage: Any, staging: str, final: str, token: str, group: Ran
             # moved by the commit (a rename) just now, or removed by another writer's
             # clean-up of what it took for an abandoned save: then nobody will commit it
             return "committed" if committed() else "removed"
+        if watch is not None and watch.silent([0]):
+            return "silent"
         return None
 
     outcome = _poll(check, 2 * group.timeout_s)
@@ -266,6 +289,12 @@ def await_outcome(storage: Any, staging: str, final: str, token: str, group: Ran
         raise CommitError(
             f"this save's records ({staging}) were removed before rank 0 committed it: another "
             f"writer cleaned them up (is another job writing to {storage.url}?)",
+            ranks=[0],
+        )
+    if outcome == "silent":
+        raise CommitError(
+            "rank 0 (the coordinator) stopped giving signs of life before committing this "
+            "save (killed, or its node lost): nothing was published",
             ranks=[0],
         )
     if outcome == "abort":

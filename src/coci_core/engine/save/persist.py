@@ -41,6 +41,7 @@ from coci_core.engine.format.manifest import (
 )
 from coci_core.engine.format.tree import ArrayLeaf, encode_dtype
 from coci_core.engine.group import RankGroup
+from coci_core.engine.pulse import Watch
 from coci_core.engine.restore.restore import read_manifest
 from coci_core.engine.save import commit
 from coci_core.engine.save.compress import PieceEncoder
@@ -471,9 +472,9 @@ def _write_checkpoint(
             share = pieces.share(data_bytes)
         if not group.is_coordinator:
             commit.report_share(storage, records, share)
-            commit.await_outcome(storage, records, final, job.token, group)
+            commit.await_outcome(storage, records, final, job.token, group, Watch.of(group))
             return WriteResult(final, data_bytes, pieces.raw_bytes, write_s, pieces.encoded)
-        shares = commit.collect_shares(storage, records, share, group)
+        shares = commit.collect_shares(storage, records, share, group, Watch.of(group))
         bases = _bases(storage, shares, job.run)
         with gc_paused():
             manifest_json, head = _manifest_json(job, shares, bases)

@@ -1,0 +1,125 @@
+"""Whether a checkpoint of ``CociCheckpointer`` holds what ``resume()`` puts back, before it is
+taken.
+
+A checkpoint's checksums say that it is what was committed, not that what was committed is the
+adapter's: a manifest edited and resealed (its checksum computed again) passes them.
+``resume()`` hands what it read to ``random.setstate``, ``numpy.random.set_state``,
+``torch.set_rng_state`` and Accelerate's counters, after the models were loaded: a forged value
+raised their own errors there (on the forged process only, while the others trained on), or
+became the step to train from. :func:`check_saved` runs inside the restore, on the state each
+process read (its own random states included): a state that does not fit is a
+:class:`~coci_core.errors.CorruptCheckpointError`, so every process passes over that step
+together and falls back to the newest step intact for all of them.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+from coci_accelerate._state import LAYOUT, PROCESS_KEY
+from coci_core.errors import CorruptCheckpointError
+
+__all__ = ["check_saved"]
+
+_MAX_INT = 2**63 - 1
+
+
+class _Unfit(Exception):
+    """A part of the saved state is not what the adapter writes (the message says which)."""
+
+
+def _int(value: Any, low: int = 0) -> bool:
+    return type(value) is int and low <= value <= _MAX_INT
+
+
+def check_saved(step: int, state: Any, process_index: int) -> None:
+    """``state``, read for ``step`` by process ``process_index``, holds what ``resume()`` puts
+    back, each of its type (a state of another adapter is left to the layout check).
+
+    Raises:
+        CorruptCheckpointError: it does not (a resealed, forged manifest).
+    """
+    if not isinstance(state, dict) or state.get("layout") != LAYOUT:
+        return
+    try:
+        _check(state, process_index)
+    except _Unfit as e:
+        raise CorruptCheckpointError(
+            f"step {step} does not hold a state that CociCheckpointer wrote: {e}", step=step
+        ) from None
+
+
+def _check(state: dict[str, Any], process_index: int) -> None:
+    for name, low in (("completed_steps", 0), ("accelerate_step", 0), ("num_processes", 1)):
+        if name in state and not _int(state[name], low):
+            raise _Unfit(f"{name} is {_shown(state[name])}, not an integer >= {low}")
+    for name in ("models", "optimizers", "schedulers", "dataloaders"):
+        if not isinstance(state.get(name), list):
+            raise _Unfit(f"{name} is not a list")
+    for i, loader in enumerate(state["dataloaders"]):
+        if not isinstance(loader, dict) or not _int(loader.get("iteration", 0)):
+            raise _Unfit(f"dataloaders[{i}] is not a loader's position")
+    if "per_process" in state:  # written before every process wrote its own share
+        own = state["per_process"]
+        mine = own[process_index] if isinstance(own, list) and process_index < len(own) else None
+    else:
+        mine = state.get(PROCESS_KEY)
+    if mine is None:
+        return  # said by resume(), naming the process
+    if not isinstance(mine, dict) or not isinstance(mine.get("rng"), dict):
+        raise _Unfit(f"process {process_index}'s own state holds no random states")
+    if not isinstance(mine.get("custom", []), list):
+        raise _Unfit(f"process {process_index}'s registered objects are not a list")
+    try:
+        _check_rng(mine["rng"])
+    except _Unfit as e:
+        raise _Unfit(f"process {process_index}'s {e}") from None
+
+
+def _check_rng(rng: dict[str, Any]) -> None:
+    """Random states that ``_state._set_rng_state`` puts back, each tried on a generator of
+    its own (never on the process's)."""
+    python = rng.get("python")
+    if not isinstance(python, tuple) or len(python) != 3 or not isinstance(python[1], tuple):
+        raise _Unfit("Python random state is not random.getstate()'s")
+    try:
+        random.Random().setstate(python)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise _Unfit(f"Python random state: {e}") from None
+    numpy = rng.get("numpy")
+    if not isinstance(numpy, tuple) or len(numpy) != 5 or not isinstance(numpy[1], np.ndarray):
+        raise _Unfit("NumPy random state is not numpy.random.get_state()'s")
+    try:
+        np.random.RandomState().set_state(numpy)
+    except (TypeError, ValueError, KeyError, IndexError, OverflowError) as e:
+        raise _Unfit(f"NumPy random state: {e}") from None
+    cpu: Any = rng.get("torch")
+    if not _byte_tensor(cpu):
+        raise _Unfit("torch random state is not a byte tensor")
+    try:
+        torch.Generator().set_state(cpu)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise _Unfit(f"torch random state: {str(e)[:100]}") from None
+    cuda = rng.get("cuda")
+    if cuda is not None and (
+        not isinstance(cuda, (list, tuple)) or not all(_byte_tensor(t) for t in cuda)
+    ):
+        raise _Unfit("CUDA random states are not a list of byte tensors")
+
+
+def _byte_tensor(value: Any) -> bool:
+    return (
+        isinstance(value, torch.Tensor)
+        and value.dtype == torch.uint8
+        and value.dim() == 1
+        and value.device.type == "cpu"
+    )
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

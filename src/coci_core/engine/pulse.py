@@ -1,0 +1,117 @@
+"""Signs of life of the ranks that save together, through the job's key-value store.
+
+A rank SIGKILLed (or lost with its node) writes no commit record: without a sign of life the
+ranks waiting for it learn nothing until the commit timeout (``RankGroup.timeout_s``, 600 s by
+default; twice that for ranks > 0), and a survivor whose training loop already failed on a
+collective with the dead rank waits that long at exit, where it makes its pending save durable.
+So each manager of a group of several ranks adds 1 to its rank's counter in the job's store
+every ``PULSE_S``, and a rank waiting for another's part of a save watches that counter: seen
+alive, then silent for ``RANK_SILENT_S``, the rank is taken for dead and the save fails at
+once, naming it. A rank never seen alive (no store, a group made by hand) is waited for the
+timeout, as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from coci_core.engine.agreement import job_store
+from coci_core.engine.group import RankGroup
+from coci_core.knobs import PULSE_S, RANK_SILENT_S
+
+__all__ = ["Pulse", "Watch"]
+
+logger = logging.getLogger(__name__)
+
+
+def _key(session: str, rank: int) -> str:
+    return f"coci/pulse/{session}/r{rank}"
+
+
+class Pulse:
+    """This rank's sign of life, given while its manager is open (a daemon thread)."""
+
+    def __init__(self, store: Any, key: str) -> None:
+        self._store, self._key = store, key
+        self._stop = threading.Event()
+        self._beat()  # seen alive before the first save
+        self._thread = threading.Thread(target=self._run, name="coci-pulse", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def start(cls, group: RankGroup) -> Pulse | None:
+        """The pulse of ``group``'s rank; None with one rank or no job store."""
+        if group.world_size == 1:
+            return None
+        store = job_store()
+        if store is None:
+            return None
+        try:
+            return cls(store, _key(group.session, group.rank))
+        except RuntimeError as e:  # the store does not answer: the others wait the timeout
+            logger.info("coci: no sign of life through the job's store: %s", e)
+            return None
+
+    def _beat(self) -> None:
+        self._store.add(self._key, 1)
+
+    def _run(self) -> None:
+        # On after ``destroy_process_group()`` too (this holds the store): a save still
+        # persisting then, the job's last, is waited for by the others.
+        while not self._stop.wait(PULSE_S):
+            try:
+                self._beat()
+            except RuntimeError:  # the store went away (its host exited): nothing to tell
+                return
+
+    def stop(self) -> None:
+        """Stop the pulse (once this rank's saves are durable: its manager closes)."""
+        self._stop.set()
+
+
+class Watch:
+    """Which of ``group``'s ranks went silent while this one waits for them."""
+
+    def __init__(self, store: Any, session: str, silent_s: float) -> None:
+        self._store, self._session, self._silent_s = store, session, silent_s
+        self._seen: dict[int, tuple[int, float]] = {}  # rank -> (counter, when it changed)
+        self._looked = -PULSE_S
+        self._gone: float | None = None  # when the store stopped answering
+
+    @classmethod
+    def of(cls, group: RankGroup) -> Watch | None:
+        """A watch of ``group``'s ranks; None with one rank or no job store."""
+        if group.world_size == 1:
+            return None
+        store = job_store()
+        return None if store is None else cls(store, group.session, RANK_SILENT_S)
+
+    def silent(self, ranks: list[int]) -> list[int]:
+        """Those of ``ranks`` seen alive whose counter has not moved for ``silent_s``; all of
+        them once the store has not answered that long (its host, rank 0 without an agent,
+        exited; a store that failed is not asked again). Looks at most once per ``PULSE_S``."""
+        now = time.monotonic()
+        if self._gone is not None:
+            return list(ranks) if now - self._gone >= self._silent_s else []
+        if now - self._looked < PULSE_S:
+            return []
+        self._looked = now
+        out = []
+        for rank in ranks:
+            try:
+                count = int(self._store.add(_key(self._session, rank), 0))
+            except RuntimeError:  # DistNetworkError: the store went away
+                self._gone = now
+                return []
+            last = self._seen.get(rank)
+            if last is None:
+                if count > 0:  # a rank that never beat is left to the timeout
+                    self._seen[rank] = (count, now)
+            elif count > last[0]:
+                self._seen[rank] = (count, now)
+            elif now - last[1] >= self._silent_s:
+                out.append(rank)
+        return out

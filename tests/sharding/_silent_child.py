@@ -1,0 +1,49 @@
+"""One of two ranks whose partner is SIGKILLed before its share of step 2 (see
+test_silent_rank.py): both save step 1; rank ``cfg["victim"]`` then prints ``KILLME`` and waits
+to be killed; the other saves step 2 with the default commit timeout (600 s) and a short
+silence (``cfg["silent_s"]``), and prints ``RESULT`` with the error and how long it took.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from coci_core import BackgroundSaveError, CheckpointManager, RankGroup
+
+
+def main(cfg: dict[str, Any]) -> dict[str, Any]:
+    with contextlib.suppress(ImportError):  # (so that this also runs against a coci without it)
+        from coci_core.engine import pulse
+
+        pulse.RANK_SILENT_S = cfg["silent_s"]  # the knob, shortened for the test
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    mgr = CheckpointManager(cfg["dir"], group=RankGroup.from_torch_distributed())
+    mgr.save(1, {"w": torch.arange(8.0)}).wait()
+    if rank == cfg["victim"]:
+        print("KILLME", flush=True)
+        time.sleep(600)
+    started = time.monotonic()
+    try:
+        mgr.save(2, {"w": torch.arange(8.0) + 2}).wait()
+    except BackgroundSaveError as e:
+        cause = e.__cause__
+        error, ranks = f"{type(cause).__name__}: {cause}", getattr(cause, "ranks", None)
+    else:
+        error, ranks = None, None
+    return {"error": error, "ranks": ranks, "seconds": time.monotonic() - started}
+
+
+if __name__ == "__main__":
+    result = main(json.loads(sys.argv[1]))
+    print("RESULT " + json.dumps(result), flush=True)
+    sys.stdout.flush()
+    os._exit(0)

@@ -1,0 +1,55 @@
+"""A rank SIGKILLed before it writes its share of a save: the other ranks' save fails as soon
+as the dead rank has been silent for ``RANK_SILENT_S`` (its sign of life through the job's
+store stopped), naming it, instead of after the commit timeout (600 s, twice that for ranks
+> 0), which a survivor whose loop already failed on a collective also waited at exit. Two real
+processes, gloo, the default commit timeout."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import pytest
+
+from coci_core import CheckpointManager
+from tests.harness.processes import Child, free_port, module, rank_env
+
+pytestmark = [pytest.mark.dist, pytest.mark.faults]
+
+SILENT_S = 2.0
+
+
+@pytest.mark.parametrize(
+    ("victim", "says"),
+    [
+        (1, "rank(s) [1] stopped giving signs of life before writing their share"),
+        (0, "rank 0 (the coordinator) stopped giving signs of life before committing"),
+    ],
+    ids=["rank-1-killed", "rank-0-killed"],
+)
+def test_a_killed_rank_fails_the_save_once_silent_not_after_the_timeout(
+    tmp_path: Path, victim: int, says: str
+) -> None:
+    cfg = json.dumps({"dir": str(tmp_path), "victim": victim, "silent_s": SILENT_S})
+    port = free_port()
+    with contextlib.ExitStack() as stack:
+        ranks = [
+            stack.enter_context(
+                Child(module("tests.sharding._silent_child", cfg), env=rank_env(r, 2, port))
+            )
+            for r in range(2)
+        ]
+        assert any(line.startswith("KILLME") for line in ranks[victim].lines())
+        ranks[victim].kill()
+        survivor = ranks[1 - victim]
+        out, _ = survivor.communicate(timeout_s=60)  # not the 600 s commit timeout
+        assert survivor.wait() == 0
+    results = [json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")]
+    (result,) = results
+    assert result["error"].startswith("CommitError: ") and says in result["error"], result
+    assert result["ranks"] == [victim]
+    assert SILENT_S <= result["seconds"] < 30, result
+    with CheckpointManager(tmp_path) as reader:  # nothing published; step 1 intact
+        assert reader.steps() == [1]
+        assert reader.verify() == {1: []}
