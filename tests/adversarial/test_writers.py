@@ -105,6 +105,44 @@ def test_a_second_job_continuing_the_first_is_told_the_directory_is_in_use(
         assert torch.equal(after.restore()["w"], _state(3)["w"])
 
 
+_TRAINING_RUN = textwrap.dedent(
+    """
+    import sys, torch
+    from coci_core import CheckpointManager
+    def state(step):
+        g = torch.Generator().manual_seed(step)
+        return {"w": torch.randn(64, 256, generator=g), "b": torch.full((300,), float(step))}
+    with CheckpointManager(sys.argv[1]) as mgr:
+        for step in (2, 3):
+            mgr.save(step, state(step)).wait()
+    print("SAVED", flush=True)
+    """
+)
+
+
+def test_a_manager_that_only_restores_never_refuses_a_writer(tmp_path: Path) -> None:
+    """An evaluation process keeps a manager open to restore the newest checkpoint, from
+    before a training run (re)starts in the directory: the run's saves commit, and so do
+    those of a second manager of the evaluating process once that run is done, with a remote
+    tier too (the reader used to take the directory's lease, and the remote's, when it was
+    made: the run failed at its first save, told that the reader "is writing", and a writer
+    beside it in one process uploaded nothing)."""
+    local, remote = tmp_path / "run", tmp_path / "remote"
+    with CheckpointManager(local) as first:
+        first.save(1, _state(1)).wait()
+    reader = CheckpointManager(local, remote=remote)
+    assert torch.equal(reader.restore()["w"], _state(1)["w"])
+    proc = run(script(_TRAINING_RUN, str(local)))
+    assert proc.returncode == 0 and "SAVED" in proc.stdout, proc.stderr[-2000:]
+    assert torch.equal(reader.restore()["w"], _state(3)["w"])
+    with CheckpointManager(local, remote=remote) as writer:
+        writer.save(4, _state(4)).wait()
+        assert writer.remote is not None and writer.remote.flush(timeout_s=60)
+    assert _assert_every_step_exact(remote) == [4]
+    reader.close()
+    assert _assert_every_step_exact(local) == [1, 2, 3, 4]
+
+
 def test_second_manager_never_removes_a_live_save(tmp_path: Path) -> None:
     """A manager opened while another is mid-save leaves its staging alone: the save commits
     with all its data (before the lease, it deleted the staging and a manifest-only step was

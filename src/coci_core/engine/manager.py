@@ -250,15 +250,9 @@ class CheckpointManager:
         self._finalizer = weakref.finalize(self, self._owner.release, self._worker)
         self._finalizer.atexit = False  # at exit, close_at_exit makes pending saves durable
         self._closed_at_exit = False
-        if group.is_coordinator:
-            try:
-                self._owner.lease = acquire_lease(self.storage, group.session)
-            except (DirectoryInUseError, StorageError) as e:
-                # Reading is fine while another writer runs (or from a read-only directory);
-                # save() asks again and raises.
-                logger.info("coci: %s; this manager can restore, not save, for now", e)
-            else:
-                retention.remove_uncommitted(self.storage, self.group, done_seq=None)
+        # The directory's lease is taken at the first save (see _own_directory), not here: a
+        # manager that only restores (an evaluation process, a script that lists steps) never
+        # holds it, so it never refuses the saves of a run started after it.
         self.remote: RemoteTier | None = None
         if remote_storage is not None:
             self.remote = RemoteTier(
@@ -457,6 +451,8 @@ class CheckpointManager:
             if self.group.is_coordinator and self._owner.lease is None:
                 self._owner.lease = acquire_lease(self.storage, self.group.session)
                 retention.remove_uncommitted(self.storage, self.group, done_seq=None)
+                if self.remote is not None:
+                    self.remote.claim()
             lost = self._owner.lease.lost if self._owner.lease is not None else None
             if lost is not None:
                 raise DirectoryInUseError(f"{lost}: this manager no longer owns the directory")
@@ -576,14 +572,15 @@ class CheckpointManager:
             self._writer.raise_failed()
 
     def _trim_resumed_run(self) -> None:
-        lease = self._owner.lease
-        if (
-            self._resumed_at is None
-            or self.keep_last is None
-            or not self.group.is_coordinator
-            or lease is None
-            or lease.lost is not None
-        ):
+        if self._resumed_at is None or self.keep_last is None or not self.group.is_coordinator:
+            return
+        if self._owner.lease is None:  # a run that resumed and saved nothing since
+            try:
+                self._owner.lease = acquire_lease(self.storage, self.group.session)
+            except (DirectoryInUseError, StorageError) as e:
+                logger.info("coci: %s; nothing of this run is trimmed at close", e)
+                return
+        if self._owner.lease.lost is not None:
             return
         retention.trim_resumed_run(
             self.storage,
