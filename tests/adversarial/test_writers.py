@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import os
 import shutil
 import signal
@@ -21,9 +22,11 @@ from coci_core import (
     CheckpointManager,
     DirectoryInUseError,
     LocalStorage,
+    StepExistsError,
     StorageError,
 )
 from coci_core.engine.format.manifest import step_dir_name
+from coci_core.training.checkpointer import Checkpointer
 from tests.harness.faults import FaultyStorage, HeldStorage
 from tests.harness.processes import Child, run, script
 
@@ -141,6 +144,55 @@ def test_a_manager_that_only_restores_never_refuses_a_writer(tmp_path: Path) -> 
     assert _assert_every_step_exact(remote) == [4]
     reader.close()
     assert _assert_every_step_exact(local) == [1, 2, 3, 4]
+
+
+_CONTINUING_RUN = textwrap.dedent(
+    """
+    import sys, torch
+    from coci_core import CheckpointManager
+    def state(step):
+        g = torch.Generator().manual_seed(step)
+        return {"w": torch.randn(64, 256, generator=g), "b": torch.full((300,), float(step))}
+    with CheckpointManager(sys.argv[1], keep_last=None) as mgr:
+        mgr.restore()
+        step = int(sys.argv[2])
+        mgr.save(step, state(step)).wait()
+    print("SAVED", flush=True)
+    """
+)
+
+
+def test_a_run_continued_by_two_processes_is_told_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A script started again while the first one still wrote its final save resumes from the
+    checkpoint before it and reaches that step: its save says that another writer committed
+    the step after its restore (before: "already holds this run's checkpoint", as if it had
+    saved it itself); the Checkpointer an adapter uses replaces it, with a warning (before:
+    without a word). A re-save of a step it saved itself says what it said before."""
+    with CheckpointManager(tmp_path) as first:
+        for step in (1, 2):
+            first.save(step, _state(step)).wait()
+    second = CheckpointManager(tmp_path, keep_last=None)
+    assert torch.equal(second.restore()["w"], _state(2)["w"])
+    proc = run(script(_CONTINUING_RUN, str(tmp_path), "3"))  # the first job's final save
+    assert proc.returncode == 0 and "SAVED" in proc.stdout, proc.stderr[-2000:]
+    with pytest.raises(StepExistsError, match="by another writer after this manager restored"):
+        second.save(3, _state(3))
+    second.save(4, _state(4)).wait()
+    with pytest.raises(StepExistsError, match="already holds this run's checkpoint") as caught:
+        second.save(4, _state(4))
+    assert not caught.value.elsewhere
+    second.close()
+    checkpointer = Checkpointer(tmp_path, keep_last=None)
+    checkpointer.restore()  # step 4
+    proc = run(script(_CONTINUING_RUN, str(tmp_path), "5"))
+    assert proc.returncode == 0 and "SAVED" in proc.stdout, proc.stderr[-2000:]
+    with caplog.at_level(logging.WARNING, logger="coci_core"):
+        checkpointer.save(5, _state(5)).wait()
+    assert "committed by another writer after this manager restored step 4" in caplog.text
+    checkpointer.close()
+    assert _assert_every_step_exact(tmp_path) == [1, 2, 3, 4, 5]
 
 
 def test_second_manager_never_removes_a_live_save(tmp_path: Path) -> None:

@@ -51,6 +51,7 @@ from coci_core.engine.save.save_inputs import (
     check_run_position,
     check_step,
     check_timeout,
+    committed_elsewhere,
     flatten_per_rank,
     json_metadata,
     layout_digest,
@@ -228,6 +229,8 @@ class CheckpointManager:
         self.run_id = group.session
         # the commit sequence of the checkpoint this run resumed from (see close)
         self._resumed_at: int | None = None
+        # the step restored, when restore() took the newest checkpoint (see _save)
+        self._restored_newest: int | None = None
         self._shared_checked = False  # whether the ranks see one directory (the first save)
         self.chunk_bytes = chunk_bytes
         self._saves = 0
@@ -386,14 +389,28 @@ class CheckpointManager:
             version = save_version(
                 self.storage, step, self.run_id, overwrite=overwrite, passed_over=self._passed_over
             )
-        except StepExistsError:
+        except StepExistsError as e:
             # A second job that restored the first's newest step and went on, while the first
             # still runs, reaches the first's steps: say that the directory is in use, first.
             # A probe only: no rank queued this save, so nothing is aborted or counted.
             if self.group.is_coordinator and self._owner.lease is None:
                 with contextlib.suppress(StorageError):  # the step exists all the same
                     acquire_lease(self.storage, self.group.session).release()
-            raise
+            if (
+                self._restored_newest is None
+                or self._resumed_at is None
+                or not self.group.is_coordinator  # the one that knows its commits
+            ):
+                raise
+            said = committed_elsewhere(
+                self.storage,
+                e,
+                restored=(self._restored_newest, self._resumed_at),
+                first_own=self._writer.first_sequence,
+            )
+            if said is e:
+                raise
+            raise said from None
         flat = flatten_state(state, allow_torch_save=self.allow_torch_save, cache=self._flat_cache)
         own = flatten_per_rank(
             state, per_rank, allow_torch_save=self.allow_torch_save, cache=self._rank_cache
@@ -652,6 +669,7 @@ class CheckpointManager:
                 manifest can record (as the restored manifest's are).
         """
         check_run_position(run, sequence)
+        self._restored_newest = None
         self.run_id = run
         self._resumed_at = sequence
         self._writer.commit_after(sequence)
@@ -789,6 +807,7 @@ class CheckpointManager:
                 self.last_restore, seconds=self.last_restore.seconds + load_s, load_s=load_s
             )
         self.continue_run(loaded.manifest.run, loaded.manifest.sequence)
+        self._restored_newest = loaded.step if step is None else None
         self._passed_over = {
             (i.step, i.version) for i in loaded.passed_over if i.intact and i.run == self.run_id
         }

@@ -585,6 +585,8 @@ class Checkpointer:
             if not e.own:  # not raised for another run's step (saved beside it)
                 raise
             if self.resumed_from != step:
+                if e.elsewhere:  # never replaced without a word
+                    logger.warning("coci: %s; this run replaces it with its own", e)
                 handle = save(overwrite=True)
             else:
                 return self.manager.skip(step, "it is the checkpoint this run resumed from")
