@@ -155,6 +155,9 @@ _CONTINUING_RUN = textwrap.dedent(
         return {"w": torch.randn(64, 256, generator=g), "b": torch.full((300,), float(step))}
     with CheckpointManager(sys.argv[1], keep_last=None) as mgr:
         mgr.restore()
+        assert mgr.claim() is None
+        print("HOLDING", flush=True)
+        sys.stdin.readline()  # its last steps, then its final save
         step = int(sys.argv[2])
         mgr.save(step, state(step)).wait()
     print("SAVED", flush=True)
@@ -175,7 +178,7 @@ def test_a_run_continued_by_two_processes_is_told_so(
             first.save(step, _state(step)).wait()
     second = CheckpointManager(tmp_path, keep_last=None)
     assert torch.equal(second.restore()["w"], _state(2)["w"])
-    proc = run(script(_CONTINUING_RUN, str(tmp_path), "3"))  # the first job's final save
+    proc = run(script(_CONTINUING_RUN, str(tmp_path), "3"), input="\n")  # the first job
     assert proc.returncode == 0 and "SAVED" in proc.stdout, proc.stderr[-2000:]
     with pytest.raises(StepExistsError, match="by another writer after this manager restored"):
         second.save(3, _state(3))
@@ -184,15 +187,57 @@ def test_a_run_continued_by_two_processes_is_told_so(
         second.save(4, _state(4))
     assert not caught.value.elsewhere
     second.close()
-    checkpointer = Checkpointer(tmp_path, keep_last=None)
-    checkpointer.restore()  # step 4
-    proc = run(script(_CONTINUING_RUN, str(tmp_path), "5"))
-    assert proc.returncode == 0 and "SAVED" in proc.stdout, proc.stderr[-2000:]
+    with Child(script(_CONTINUING_RUN, str(tmp_path), "5")) as first_job:
+        assert first_job.readline().strip() == "HOLDING"
+        checkpointer = Checkpointer(tmp_path, keep_last=None)  # warned: the directory is held
+        checkpointer.restore()  # step 4, while the first job still trains to its step 5
+        first_job.send("\n")
+        assert first_job.readline().strip() == "SAVED" and first_job.wait(60) == 0
     with caplog.at_level(logging.WARNING, logger="coci_core"):
         checkpointer.save(5, _state(5)).wait()
     assert "committed by another writer after this manager restored step 4" in caplog.text
     checkpointer.close()
     assert _assert_every_step_exact(tmp_path) == [1, 2, 3, 4, 5]
+
+
+_TRAINING_PROCESS = textwrap.dedent(
+    """
+    import sys, torch
+    from coci_core import CheckpointManager
+    with CheckpointManager(sys.argv[1], keep_last=None) as mgr:
+        mgr.save(1, {"w": torch.ones(4)}).wait()
+        print("SAVED", flush=True)
+        sys.stdin.readline()  # trains on until the test says it is done
+    """
+)
+
+
+def test_a_training_run_holds_its_directory_from_its_start(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A training run (the adapters' Checkpointer) started while another process writes to its
+    directory is warned at its start, naming that process (before: it was told only at its
+    first save, which a plan may put many minutes on); a run that started first holds the
+    directory before it saves, so a manager that saves there later is the one refused."""
+    with Child(script(_TRAINING_PROCESS, str(tmp_path))) as other:
+        assert other.readline().strip() == "SAVED"
+        with caplog.at_level(logging.WARNING, logger="coci_core"):
+            late = Checkpointer(tmp_path, keep_last=None)
+        assert f"(process {other.pid} on" in caplog.text
+        assert "this run's saves are refused while it does" in caplog.text
+        with pytest.raises(DirectoryInUseError, match=f"process {other.pid}"):
+            late.save(2, _state(2))
+        late.close()
+        other.send("done\n")
+        assert other.wait(60) == 0
+    first = Checkpointer(tmp_path, keep_last=None)  # holds the directory before its first save
+    later = CheckpointManager(tmp_path)
+    with pytest.raises(DirectoryInUseError, match="close\\(\\) it first"):
+        later.save(3, _state(3))
+    later.close()
+    first.save(3, _state(3)).wait()
+    first.close()
+    assert CheckpointManager(tmp_path).steps() == [1, 3]
 
 
 def test_second_manager_never_removes_a_live_save(tmp_path: Path) -> None:

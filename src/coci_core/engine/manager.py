@@ -460,16 +460,40 @@ class CheckpointManager:
         self._passed_over.discard((step, version))  # replaced (once the save is queued)
         return handle
 
+    def claim(self) -> str | None:
+        """Take the directory's lease now, as the first save does (on rank 0), for a manager
+        that is to write (the adapters' take it when training starts): a run started later
+        in the directory is then the one refused. Returns None once held, else why it is not
+        (another writer holds it: this manager's saves raise :class:`DirectoryInUseError`
+        meanwhile; or the storage refuses it); never raises."""
+        if not self.group.is_coordinator or self._owner.lease is not None:
+            return None
+        try:
+            self._take_lease()
+        except (DirectoryInUseError, StorageError) as e:
+            return str(e)
+        return None
+
+    def _take_lease(self) -> None:
+        """Take the directory's lease (and the remote tier's), then clear what an earlier
+        writer left uncommitted.
+
+        Raises:
+            DirectoryInUseError: another writer holds it.
+            StorageError: the lease file or record cannot be made.
+        """
+        self._owner.lease = acquire_lease(self.storage, self.group.session)
+        retention.remove_uncommitted(self.storage, self.group, done_seq=None)
+        if self.remote is not None:
+            self.remote.claim()
+
     def _own_directory(self, step: int, version: int, group: RankGroup, alone: bool) -> None:
         """Take the directory's lease on the coordinator's first save (then clear what an
         earlier writer left uncommitted); raise if another writer holds it, after recording the
         abort of this save where the other ranks wait for it."""
         try:
             if self.group.is_coordinator and self._owner.lease is None:
-                self._owner.lease = acquire_lease(self.storage, self.group.session)
-                retention.remove_uncommitted(self.storage, self.group, done_seq=None)
-                if self.remote is not None:
-                    self.remote.claim()
+                self._take_lease()
             lost = self._owner.lease.lost if self._owner.lease is not None else None
             if lost is not None:
                 raise DirectoryInUseError(f"{lost}: this manager no longer owns the directory")

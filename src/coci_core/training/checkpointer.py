@@ -149,6 +149,16 @@ class Checkpointer:
             **options.manager_arguments(),
             **manager_options,
         )
+        # A training run writes: it holds the directory from its start (a run started later
+        # there is the one refused), and is told at once when another run holds it, not
+        # only at its first save, which the plan may put many minutes on.
+        busy = self.manager.claim()
+        if busy is not None:
+            logger.warning(
+                "coci: %s; this run's saves are refused while it does (DirectoryInUseError "
+                "at the first one)",
+                busy,
+            )
         self.warmed = False  # warm_up was called (else the first save maps the buffers)
         # termination models by source ("early_stopping", "optuna"), combined with the options'
         self._terminations: dict[str, Termination] = {}
