@@ -180,7 +180,12 @@ class CociCheckpointer:
         self._install_skip_tracking()
         self._hook_optimizers()
         _state.own_loader_generators(accelerator)
-        accelerator.register_for_checkpointing(self)
+        objects = accelerator._custom_objects
+        closed = [i for i, o in enumerate(objects) if isinstance(o, CociCheckpointer) and o._closed]
+        if closed:  # a closed one's place (a second loop on this Accelerator): the order that
+            objects[closed[0]] = self  # the checkpoints record the registered objects in
+        else:
+            accelerator.register_for_checkpointing(self)
 
     # -- the training loop ----------------------------------------------------------------
 

@@ -129,13 +129,16 @@ class DirectoryInUseError(CociError):
 class StepExistsError(CociError, FileExistsError):
     """``save`` of a step that the directory already holds, without ``overwrite=True``.
 
-    ``own`` says whether the existing checkpoint belongs to the saving manager's run."""
+    ``own`` says whether the existing checkpoint belongs to the saving manager's run;
+    ``elsewhere`` whether another process committed it after this manager restored the run's
+    newest checkpoint (two processes continued one run)."""
 
-    def __init__(self, message: str, *, step: int, run: str, own: bool):
+    def __init__(self, message: str, *, step: int, run: str, own: bool, elsewhere: bool = False):
         super().__init__(message)
         self.step = step
         self.run = run
         self.own = own
+        self.elsewhere = elsewhere
 
 
 class CommitError(CociError):

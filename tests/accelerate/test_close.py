@@ -111,3 +111,35 @@ def test_a_sigterm_after_the_last_step_stops_the_run_at_close(tmp_path: Path) ->
     assert _steps(tmp_path) == [4, 6]
     assert signal.getsignal(signal.SIGTERM) is before
     AcceleratorState._reset_state(True)
+
+
+class _Counter:
+    """A user's object registered for checkpointing after the CociCheckpointer."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"n": self.n}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.n = state["n"]
+
+
+def test_a_second_checkpointer_on_one_accelerator_resumes_the_first(tmp_path: Path) -> None:
+    """Two training loops one after the other on one Accelerator (a notebook), each with its
+    CociCheckpointer: the second resumes where the first closed, and the user's object
+    registered after the first one gets its own state back (before: "registered objects: 2
+    at the save, 3 now (CociCheckpointer, _Counter, CociCheckpointer)", as the closed one
+    stayed registered)."""
+    ckpt, _ = _run(tmp_path, 6)
+    counter = _Counter()
+    ckpt.accelerator.register_for_checkpointing(counter)
+    counter.n = 6
+    ckpt.close()
+    counter.n = -1
+    second = CociCheckpointer(ckpt.accelerator, policy="every_n_steps", every_n_steps=4)
+    assert second.resume() == 6
+    assert counter.n == 6
+    second.close()
+    assert _steps(tmp_path) == [4, 6]

@@ -20,6 +20,7 @@ from coci_core.engine.format.manifest import MANIFEST_NAME, step_dir_name
 from coci_core.engine.restore.load import check_checkpoint, load_checkpoint, verify_checkpoint
 from coci_core.engine.restore.restore import resume_step
 from coci_core.storage import Storage, StorageWrapper
+from coci_core.training.reading import read_checkpoint
 from tests.harness.processes import module, run
 
 # A base every third save: 1 base, 2 and 3 deltas against 1, 4 base, 5 against 4, ...
@@ -156,20 +157,25 @@ class _CommitAndRemovalMidRead(StorageWrapper):
 
 
 @pytest.mark.parametrize("when", ["list", "data"])
-@pytest.mark.parametrize("reader", ["restore", "coci ls"])
+@pytest.mark.parametrize("reader", ["restore", "coci ls", "last"])
 def test_a_reader_racing_a_keep_last_1_writer_takes_the_newer_step(
     tmp_path: Path, when: str, reader: str
 ) -> None:
     """A reader that listed step 1 just before the writer (``keep_last=1``) committed step 2
     and removed step 1 lists again: it restores step 2. Before, it raised "no committed
     checkpoint" (which the README's resume loop reads as a fresh start) or "no intact
-    checkpoint" on a healthy directory (about 15 of 13,000 restores beside such a writer)."""
+    checkpoint" on a healthy directory (about 15 of 13,000 restores beside such a writer); a
+    resume of the step resolved as the newest ("last": Lightning's own restore of it, the
+    Trainer's export) raised "no intact checkpoint ... step 1 was removed" until now."""
     with CheckpointManager(tmp_path, keep_last=1, compression="none") as writer:
         writer.save(1, _state(1)).wait()
         storage = _CommitAndRemovalMidRead(LocalStorage(tmp_path), writer, when)
         if reader == "restore":
             with CheckpointManager(storage) as other:
                 assert torch.equal(other.restore()["w"], _state(2)["w"])
+        elif reader == "last":  # Lightning's ckpt_path="last", the Trainer's export: step 1
+            loaded, _ = read_checkpoint(storage, 1, fall_back=True)  # was the newest
+            assert loaded.step == 2 and torch.equal(loaded.state["w"], _state(2)["w"])
         else:
             assert resume_step(storage).candidate.step == 2
         assert storage.raced

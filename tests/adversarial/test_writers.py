@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import os
 import shutil
 import signal
@@ -21,9 +22,11 @@ from coci_core import (
     CheckpointManager,
     DirectoryInUseError,
     LocalStorage,
+    StepExistsError,
     StorageError,
 )
 from coci_core.engine.format.manifest import step_dir_name
+from coci_core.training.checkpointer import Checkpointer
 from tests.harness.faults import FaultyStorage, HeldStorage
 from tests.harness.processes import Child, run, script
 
@@ -103,6 +106,138 @@ def test_a_second_job_continuing_the_first_is_told_the_directory_is_in_use(
     with CheckpointManager(tmp_path) as after:  # the first job's steps are intact
         assert after.steps() == [2, 3]
         assert torch.equal(after.restore()["w"], _state(3)["w"])
+
+
+_TRAINING_RUN = textwrap.dedent(
+    """
+    import sys, torch
+    from coci_core import CheckpointManager
+    def state(step):
+        g = torch.Generator().manual_seed(step)
+        return {"w": torch.randn(64, 256, generator=g), "b": torch.full((300,), float(step))}
+    with CheckpointManager(sys.argv[1]) as mgr:
+        for step in (2, 3):
+            mgr.save(step, state(step)).wait()
+    print("SAVED", flush=True)
+    """
+)
+
+
+def test_a_manager_that_only_restores_never_refuses_a_writer(tmp_path: Path) -> None:
+    """An evaluation process keeps a manager open to restore the newest checkpoint, from
+    before a training run (re)starts in the directory: the run's saves commit, and so do
+    those of a second manager of the evaluating process once that run is done, with a remote
+    tier too (the reader used to take the directory's lease, and the remote's, when it was
+    made: the run failed at its first save, told that the reader "is writing", and a writer
+    beside it in one process uploaded nothing)."""
+    local, remote = tmp_path / "run", tmp_path / "remote"
+    with CheckpointManager(local) as first:
+        first.save(1, _state(1)).wait()
+    reader = CheckpointManager(local, remote=remote)
+    assert torch.equal(reader.restore()["w"], _state(1)["w"])
+    proc = run(script(_TRAINING_RUN, str(local)))
+    assert proc.returncode == 0 and "SAVED" in proc.stdout, proc.stderr[-2000:]
+    assert torch.equal(reader.restore()["w"], _state(3)["w"])
+    with CheckpointManager(local, remote=remote) as writer:
+        writer.save(4, _state(4)).wait()
+        assert writer.remote is not None and writer.remote.flush(timeout_s=60)
+    assert _assert_every_step_exact(remote) == [4]
+    reader.close()
+    assert _assert_every_step_exact(local) == [1, 2, 3, 4]
+
+
+_CONTINUING_RUN = textwrap.dedent(
+    """
+    import sys, torch
+    from coci_core import CheckpointManager
+    def state(step):
+        g = torch.Generator().manual_seed(step)
+        return {"w": torch.randn(64, 256, generator=g), "b": torch.full((300,), float(step))}
+    with CheckpointManager(sys.argv[1], keep_last=None) as mgr:
+        mgr.restore()
+        assert mgr.claim() is None
+        print("HOLDING", flush=True)
+        sys.stdin.readline()  # its last steps, then its final save
+        step = int(sys.argv[2])
+        mgr.save(step, state(step)).wait()
+    print("SAVED", flush=True)
+    """
+)
+
+
+def test_a_run_continued_by_two_processes_is_told_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A script started again while the first one still wrote its final save resumes from the
+    checkpoint before it and reaches that step: its save says that another writer committed
+    the step after its restore (before: "already holds this run's checkpoint", as if it had
+    saved it itself); the Checkpointer an adapter uses replaces it, with a warning (before:
+    without a word). A re-save of a step it saved itself says what it said before."""
+    with CheckpointManager(tmp_path) as first:
+        for step in (1, 2):
+            first.save(step, _state(step)).wait()
+    second = CheckpointManager(tmp_path, keep_last=None)
+    assert torch.equal(second.restore()["w"], _state(2)["w"])
+    proc = run(script(_CONTINUING_RUN, str(tmp_path), "3"), input="\n")  # the first job
+    assert proc.returncode == 0 and "SAVED" in proc.stdout, proc.stderr[-2000:]
+    with pytest.raises(StepExistsError, match="by another writer after this manager restored"):
+        second.save(3, _state(3))
+    second.save(4, _state(4)).wait()
+    with pytest.raises(StepExistsError, match="already holds this run's checkpoint") as caught:
+        second.save(4, _state(4))
+    assert not caught.value.elsewhere
+    second.close()
+    with Child(script(_CONTINUING_RUN, str(tmp_path), "5")) as first_job:
+        assert first_job.readline().strip() == "HOLDING"
+        checkpointer = Checkpointer(tmp_path, keep_last=None)  # warned: the directory is held
+        checkpointer.restore()  # step 4, while the first job still trains to its step 5
+        first_job.send("\n")
+        assert first_job.readline().strip() == "SAVED" and first_job.wait(60) == 0
+    with caplog.at_level(logging.WARNING, logger="coci_core"):
+        checkpointer.save(5, _state(5)).wait()
+    assert "committed by another writer after this manager restored step 4" in caplog.text
+    checkpointer.close()
+    assert _assert_every_step_exact(tmp_path) == [1, 2, 3, 4, 5]
+
+
+_TRAINING_PROCESS = textwrap.dedent(
+    """
+    import sys, torch
+    from coci_core import CheckpointManager
+    with CheckpointManager(sys.argv[1], keep_last=None) as mgr:
+        mgr.save(1, {"w": torch.ones(4)}).wait()
+        print("SAVED", flush=True)
+        sys.stdin.readline()  # trains on until the test says it is done
+    """
+)
+
+
+def test_a_training_run_holds_its_directory_from_its_start(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A training run (the adapters' Checkpointer) started while another process writes to its
+    directory is warned at its start, naming that process (before: it was told only at its
+    first save, which a plan may put many minutes on); a run that started first holds the
+    directory before it saves, so a manager that saves there later is the one refused."""
+    with Child(script(_TRAINING_PROCESS, str(tmp_path))) as other:
+        assert other.readline().strip() == "SAVED"
+        with caplog.at_level(logging.WARNING, logger="coci_core"):
+            late = Checkpointer(tmp_path, keep_last=None)
+        assert f"(process {other.pid} on" in caplog.text
+        assert "this run's saves are refused while it does" in caplog.text
+        with pytest.raises(DirectoryInUseError, match=f"process {other.pid}"):
+            late.save(2, _state(2))
+        late.close()
+        other.send("done\n")
+        assert other.wait(60) == 0
+    first = Checkpointer(tmp_path, keep_last=None)  # holds the directory before its first save
+    later = CheckpointManager(tmp_path)
+    with pytest.raises(DirectoryInUseError, match="close\\(\\) it first"):
+        later.save(3, _state(3))
+    later.close()
+    first.save(3, _state(3)).wait()
+    first.close()
+    assert CheckpointManager(tmp_path).steps() == [1, 3]
 
 
 def test_second_manager_never_removes_a_live_save(tmp_path: Path) -> None:

@@ -288,15 +288,22 @@ def test_unobserved_failure_raises_on_next_save_wait_and_close(tmp_path: Path, w
     assert mgr.steps() == []
 
 
-def test_leftovers_are_removed_at_start(tmp_path: Path) -> None:
-    """Unpublished directories from a killed run are removed; user files are not."""
+def test_leftovers_are_removed_at_the_first_save(tmp_path: Path) -> None:
+    """Unpublished directories from a killed run are removed by the next manager's first save
+    (a manager that only reads removes nothing); user files are not."""
     (tmp_path / "step-0000000005.coci-tmp-abc").mkdir()
     (tmp_path / "step-0000000005.coci-tmp-abc" / "data-r0.bin").write_bytes(b"x")
     (tmp_path / "step-0000000006").mkdir()  # no manifest: not a checkpoint
     (tmp_path / "notes.txt").write_text("mine")
     with CheckpointManager(tmp_path) as mgr:
         assert mgr.steps() == []
-    assert sorted(n for n in os.listdir(tmp_path) if n != LEASE_NAME) == ["notes.txt"]
+    assert len(os.listdir(tmp_path)) == 3
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, {"v": 1}).wait()
+    assert sorted(n for n in os.listdir(tmp_path) if n != LEASE_NAME) == [
+        "notes.txt",
+        "step-0000000001",
+    ]
 
 
 def test_resave_same_step_replaces_it(tmp_path: Path) -> None:

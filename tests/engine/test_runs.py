@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-from coci_core import CheckpointManager, StepExistsError
+from coci_core import CheckpointManager, LocalStorage, StepExistsError
+from coci_core.engine.directory.lease import acquire_lease
 from coci_core.engine.format.manifest import MANIFEST_NAME, step_dir_name
 from coci_core.engine.restore.restore import newest_first, read_manifest
 from coci_core.errors import CorruptCheckpointError
@@ -138,11 +139,11 @@ def test_a_run_resumed_at_its_end_closes_with_keep_last_steps(tmp_path: Path) ->
         assert reader.restore()["w"][0] == 4.0  # a reader: close() deletes nothing
     assert close_resumed(3, keep_last=2) == [1, 2, 3, 4]  # not where the run stopped
     assert close_resumed(None, keep_last=1) == [1, 2, 3, 4]  # two over: not a kill's
-    holder = CheckpointManager(tmp_path, keep_last=None, compression="none")
+    holder = acquire_lease(LocalStorage(tmp_path), "another")  # a writer's, as at its save
     try:
         assert close_resumed(None, keep_last=2) == [1, 2, 3, 4]  # another writer's directory
     finally:
-        holder.close()
+        holder.release()
     assert close_resumed(None, keep_last=2) == [1, 3, 4]  # step 1 is the other run's
     with CheckpointManager(tmp_path, keep_last=None) as listing:
         assert listing.restore()["w"][0] == 4.0

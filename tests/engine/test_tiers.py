@@ -136,11 +136,11 @@ def test_saves_after_a_restore_from_a_remote_it_cannot_write_come_after_it(
         for step in (1, 2, 3, 4, 5):
             owner.save(step, _state(step)).wait()
         with CheckpointManager(tmp_path / "local", remote=remote) as mgr:
-            assert mgr.remote is not None and not mgr.remote.writable
             mgr.restore()
             assert mgr.last_restore is not None
             assert (mgr.last_restore.step, mgr.last_restore.tier) == (5, "remote")
             mgr.save(6, _state(6)).wait()
+            assert mgr.remote is not None and not mgr.remote.writable  # refused at the save
             assert mgr.latest_step() == 6
             assert _equal(mgr.restore(), _state(6))
             assert mgr.last_restore is not None and mgr.last_restore.tier == "local"
@@ -185,21 +185,23 @@ def test_a_failing_upload_is_retried_and_never_stops_training(tmp_path: Path) ->
     sink = JsonlTelemetry(tmp_path / "telemetry" / TELEMETRY_FILE)
     with CheckpointManager(local, remote=remote, listeners=[listen, sink]) as mgr:
         assert mgr.remote is not None
+        mgr.save(0, _state(0)).wait()  # the first save takes the remote's lease (and cleans it)
+        assert mgr.remote.flush(timeout_s=60)
         blocker = remote / f"{step_dir_name(1)}.coci-tmp-{mgr.group.session}up-1"
         blocker.write_bytes(b"not a directory")
         mgr.save(1, _state(1), block=True).wait()
         assert first_failure.wait(timeout=60)
         failed = [e for e in events if isinstance(e, UploadEvent) and e.outcome == "failed"]
         assert failed and failed[0].step == 1 and failed[0].error
-        assert _steps(local) == [1]  # training goes on: the local commit is unaffected
+        assert _steps(local) == [0, 1]  # training goes on: the local commit is unaffected
         blocker.unlink()
         assert mgr.remote.flush(timeout_s=60)
-    assert _steps(remote) == [1]
+    assert _steps(remote) == [0, 1]
     ok = [e for e in events if isinstance(e, UploadEvent) and e.outcome == "committed"]
     assert ok and ok[-1].step == 1 and ok[-1].attempt >= 2
     sink.close()
     report = render(summarize(tmp_path / "telemetry"))  # what `coci report` prints
-    assert "remote tier: 1 checkpoint uploaded, newest step 1" in report
+    assert "remote tier: 2 checkpoints uploaded, newest step 1" in report
     assert re.search(r"\d+ failed attempts?, the last at step 1", report)
 
 

@@ -165,10 +165,10 @@ def test_another_sessions_leftovers_are_removed_but_not_this_ones(tmp_path: Path
     stale.mkdir()
     (stale / "rank-00001.json").write_text("{}")
     r0, r1 = _managers(tmp_path, 2)
+    r0.save(10, _state())  # rank 0's first save takes the lease and removes leftovers first
     assert not stale.exists()  # a killed attempt's markers can never join this session's save
     mine = tmp_path / "step-0000000011.coci-tmp-s1-1"
     mine.mkdir()  # as if rank 1 had started the next save already
-    r0.save(10, _state())
     r1.save(10, _state())
     r0.wait(timeout_s=60)
     r1.wait(timeout_s=60)

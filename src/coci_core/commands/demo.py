@@ -280,11 +280,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"  FAILED: the trainer exited with {code} instead of being killed")
         return 1
     leftovers = [n for n in os.listdir(directory) if ".coci-tmp-" in n]
-    steps = CheckpointManager(directory, keep_last=None).steps()  # also removes the leftovers
+    steps = CheckpointManager(directory, keep_last=None).steps()
     print(
         f"  trainer killed with SIGKILL during the persist of step {args.kill_step} "
         f"(stage: {paused_at}); committed steps: {steps}; unpublished leftover: {leftovers}, "
-        "removed"
+        "which the next run's first save removes"
     )
 
     code, resumed, _ = run_child(common, kill_on_pause=False)

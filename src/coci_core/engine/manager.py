@@ -52,6 +52,7 @@ from coci_core.engine.save.save_inputs import (
     check_run_position,
     check_step,
     check_timeout,
+    committed_elsewhere,
     flatten_per_rank,
     json_metadata,
     layout_digest,
@@ -229,6 +230,8 @@ class CheckpointManager:
         self.run_id = group.session
         # the commit sequence of the checkpoint this run resumed from (see close)
         self._resumed_at: int | None = None
+        # the step restored, when restore() took the newest checkpoint (see _save)
+        self._restored_newest: int | None = None
         self._shared_checked = False  # whether the ranks see one directory (the first save)
         self.chunk_bytes = chunk_bytes
         self._saves = 0
@@ -252,15 +255,9 @@ class CheckpointManager:
         self._finalizer.atexit = False  # at exit, close_at_exit makes pending saves durable
         self._closed_at_exit = False
         self._owner.pulse = Pulse.start(group)  # the others' waits for this rank's shares
-        if group.is_coordinator:
-            try:
-                self._owner.lease = acquire_lease(self.storage, group.session)
-            except (DirectoryInUseError, StorageError) as e:
-                # Reading is fine while another writer runs (or from a read-only directory);
-                # save() asks again and raises.
-                logger.info("coci: %s; this manager can restore, not save, for now", e)
-            else:
-                retention.remove_uncommitted(self.storage, self.group, done_seq=None)
+        # The directory's lease is taken at the first save (see _own_directory), not here: a
+        # manager that only restores (an evaluation process, a script that lists steps) never
+        # holds it, so it never refuses the saves of a run started after it.
         self.remote: RemoteTier | None = None
         if remote_storage is not None:
             self.remote = RemoteTier(
@@ -453,18 +450,59 @@ class CheckpointManager:
             return save_version(
                 self.storage, step, self.run_id, overwrite=overwrite, passed_over=self._passed_over
             )
-        except StepExistsError:
+        except StepExistsError as e:
             # A second job that restored the first's newest step and went on, while the first
             # still runs, reaches the first's steps: say that the directory is in use, first.
             # A probe only: no rank queued this save, so nothing is aborted or counted.
             if self.group.is_coordinator and self._owner.lease is None:
                 with contextlib.suppress(StorageError):  # the step exists all the same
                     acquire_lease(self.storage, self.group.session).release()
-            raise
+            if (
+                self._restored_newest is None
+                or self._resumed_at is None
+                or not self.group.is_coordinator  # the one that knows its commits
+            ):
+                raise
+            said = committed_elsewhere(
+                self.storage,
+                e,
+                restored=(self._restored_newest, self._resumed_at),
+                first_own=self._writer.first_sequence,
+            )
+            if said is e:
+                raise
+            raise said from None
 
     def _check_shared(self, group: RankGroup, failed: BaseException | None = None) -> None:
         agreement = RestoreAgreement.for_group(group, timeout_s=group.timeout_s, topic="-dir")
         check_shared_directory(self.storage, group, agreement, failed=failed)
+
+    def claim(self) -> str | None:
+        """Take the directory's lease now, as the first save does (on rank 0), for a manager
+        that is to write (the adapters' take it when training starts): a run started later
+        in the directory is then the one refused. Returns None once held, else why it is not
+        (another writer holds it: this manager's saves raise :class:`DirectoryInUseError`
+        meanwhile; or the storage refuses it); never raises."""
+        if not self.group.is_coordinator or self._owner.lease is not None:
+            return None
+        try:
+            self._take_lease()
+        except (DirectoryInUseError, StorageError) as e:
+            return str(e)
+        return None
+
+    def _take_lease(self) -> None:
+        """Take the directory's lease (and the remote tier's), then clear what an earlier
+        writer left uncommitted.
+
+        Raises:
+            DirectoryInUseError: another writer holds it.
+            StorageError: the lease file or record cannot be made.
+        """
+        self._owner.lease = acquire_lease(self.storage, self.group.session)
+        retention.remove_uncommitted(self.storage, self.group, done_seq=None)
+        if self.remote is not None:
+            self.remote.claim()
 
     def _own_directory(self, step: int, version: int, group: RankGroup, alone: bool) -> None:
         """Take the directory's lease on the coordinator's first save (then clear what an
@@ -472,8 +510,7 @@ class CheckpointManager:
         abort of this save where the other ranks wait for it."""
         try:
             if self.group.is_coordinator and self._owner.lease is None:
-                self._owner.lease = acquire_lease(self.storage, self.group.session)
-                retention.remove_uncommitted(self.storage, self.group, done_seq=None)
+                self._take_lease()
             lost = self._owner.lease.lost if self._owner.lease is not None else None
             if lost is not None:
                 raise DirectoryInUseError(f"{lost}: this manager no longer owns the directory")
@@ -593,14 +630,15 @@ class CheckpointManager:
             self._writer.raise_failed()
 
     def _trim_resumed_run(self) -> None:
-        lease = self._owner.lease
-        if (
-            self._resumed_at is None
-            or self.keep_last is None
-            or not self.group.is_coordinator
-            or lease is None
-            or lease.lost is not None
-        ):
+        if self._resumed_at is None or self.keep_last is None or not self.group.is_coordinator:
+            return
+        if self._owner.lease is None:  # a run that resumed and saved nothing since
+            try:
+                self._owner.lease = acquire_lease(self.storage, self.group.session)
+            except (DirectoryInUseError, StorageError) as e:
+                logger.info("coci: %s; nothing of this run is trimmed at close", e)
+                return
+        if self._owner.lease.lost is not None:
             return
         retention.trim_resumed_run(
             self.storage,
@@ -672,6 +710,7 @@ class CheckpointManager:
                 manifest can record (as the restored manifest's are).
         """
         check_run_position(run, sequence)
+        self._restored_newest = None
         self.run_id = run
         self._resumed_at = sequence
         self._writer.commit_after(sequence)
@@ -813,6 +852,7 @@ class CheckpointManager:
                 self.last_restore, seconds=self.last_restore.seconds + load_s, load_s=load_s
             )
         self.continue_run(loaded.manifest.run, loaded.manifest.sequence)
+        self._restored_newest = loaded.step if step is None else None
         self._set_passed_over(
             {(i.step, i.version) for i in loaded.passed_over if i.intact and i.run == self.run_id}
         )

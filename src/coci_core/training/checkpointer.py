@@ -149,6 +149,16 @@ class Checkpointer:
             **options.manager_arguments(),
             **manager_options,
         )
+        # A training run writes: it holds the directory from its start (a run started later
+        # there is the one refused), and is told at once when another run holds it, not
+        # only at its first save, which the plan may put many minutes on.
+        busy = self.manager.claim()
+        if busy is not None:
+            logger.warning(
+                "coci: %s; this run's saves are refused while it does (DirectoryInUseError "
+                "at the first one)",
+                busy,
+            )
         self.warmed = False  # warm_up was called (else the first save maps the buffers)
         # termination models by source ("early_stopping", "optuna"), combined with the options'
         self._terminations: dict[str, Termination] = {}
@@ -588,6 +598,8 @@ class Checkpointer:
             if not e.own:  # not raised for another run's step (saved beside it)
                 raise
             if self.resumed_from != step or self._resumed_unfinished:
+                if e.elsewhere:  # never replaced without a word
+                    logger.warning("coci: %s; this run replaces it with its own", e)
                 handle = save(overwrite=True)
             else:
                 return self.manager.skip(step, "it is the checkpoint this run resumed from")

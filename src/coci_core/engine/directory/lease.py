@@ -465,9 +465,9 @@ def acquire_lease(storage: Storage, session: str) -> Lease:
                     f"is writing to {key}: wait for it to finish, or give each run its own "
                     "directory"
                 ) from None
-            with contextlib.suppress(OSError):
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, info.encode(), 0)
+            with contextlib.suppress(OSError):  # written, then cut: never read empty
+                written = os.pwrite(fd, info.encode(), 0)
+                os.ftruncate(fd, written)
         remote = None
         store = storage.record_store() if root is None else None
         if store is not None:

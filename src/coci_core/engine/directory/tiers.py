@@ -108,24 +108,34 @@ class RemoteTier:
         self._closing = False  # close() began: no retry, no backoff
         self._remote_read = False  # highest_sequence read under the lease
         self._lease_generation = 0
-        if not group.is_coordinator:
-            return  # the other ranks read the remote tier (restore); rank 0 uploads
+
+    def claim(self) -> None:
+        """Take the remote directory's lease, at the manager's first save (on rank 0; the
+        other ranks read the remote tier, they never upload): a manager that only restores
+        never holds it, so it never keeps another run's uploads out. Never raises: another
+        writer's lease refuses the uploads (a warning says so), a store that cannot be
+        reached is tried again at each upload."""
+        if not self._group.is_coordinator or self._lease is not None or self._refused:
+            return
+        remote = self.remote
         try:
-            self._lease = acquire_lease(remote, group.session)
+            lease = acquire_lease(remote, self._group.session)
         except DirectoryInUseError as e:
-            self._refused = str(e)
+            with self._cond:
+                self._refused = str(e)
             logger.warning("coci: remote %s: %s; nothing will be uploaded there", remote.url, e)
+            return
         except StorageError as e:
             logger.warning(
                 "coci: remote %s: %s; each upload tries to take its lease again", remote.url, e
             )
-        else:
-            try:
-                self._take_over_remote()
-            except StorageError as e:
-                logger.warning(
-                    "coci: remote %s: %s; read again before the first upload", remote.url, e
-                )
+            return
+        with self._cond:
+            self._lease = lease
+        try:
+            self._take_over_remote()
+        except StorageError as e:
+            logger.warning("coci: remote %s: %s; read again before the first upload", remote.url, e)
 
     @property
     def writable(self) -> bool:

@@ -406,7 +406,9 @@ def _newest_intact(
         try:
             i, result = search.first_from(0)
         except CorruptCheckpointError:
-            if tries_left and search.damage is None and start_at is None:
+            # Every one listed (from ``start_at``, the newest when it was resolved, on) was
+            # removed: newer ones were committed meanwhile, and the newest is what is asked for.
+            if tries_left and search.damage is None:
                 logger.info("coci: every step listed was removed while restoring: listing again")
                 continue
             raise

@@ -22,6 +22,7 @@ __all__ = [
     "check_run_position",
     "check_step",
     "check_timeout",
+    "committed_elsewhere",
     "flatten_per_rank",
     "json_metadata",
     "layout_digest",
@@ -124,6 +125,45 @@ def save_version(
     if own or overwrite:
         return (own or held)[0].version
     return max(i.version for i in held) + 1
+
+
+def committed_elsewhere(
+    storage: Storage,
+    error: StepExistsError,
+    *,
+    restored: tuple[int, int],
+    first_own: int | None,
+) -> StepExistsError:
+    """``error`` (this run's ``error.step`` exists), said for what it is when another process
+    committed that checkpoint after this manager restored the run's newest one, ``restored``
+    (its step and commit sequence): a checkpoint of the run numbered above the restored one
+    and below this manager's first commit, ``first_own``, is not this manager's. That is two
+    processes continuing one run: a script started again while the first one still wrote
+    its final save resumed from the checkpoint before it."""
+    step, sequence = restored
+    try:
+        held = step_versions(storage, error.step)
+    except StorageError:
+        return error
+    if not any(
+        i.intact
+        and i.run == error.run
+        and i.sequence > sequence
+        and (first_own is None or i.sequence < first_own)
+        for i in held
+    ):
+        return error
+    return StepExistsError(
+        f"{storage.url} holds step {error.step} of the run this manager continues, committed "
+        f"by another writer after this manager restored step {step}, then the newest: two "
+        "processes continued one run (a script started again while the first one was still "
+        "writing its final save?). Restore again to continue from the newest checkpoint, or "
+        "pass overwrite=True to replace it",
+        step=error.step,
+        run=error.run,
+        own=True,
+        elsewhere=True,
+    )
 
 
 def flatten_per_rank(

@@ -66,6 +66,9 @@ class SaveWriter:
     _sequence: int | None = None
     _lease_generation: int = 0
     _sequence_floor: int = 0
+    #: the sequence of this writer's first commit (None before it): any commit of the run
+    #: below it and above the restored checkpoint's was another process's
+    first_sequence: int | None = None
 
     def commit_after(self, sequence: int) -> None:
         """Later saves are committed after ``sequence`` (that of a restored checkpoint)."""
@@ -185,6 +188,8 @@ class SaveWriter:
         if top >= MAX_SEQUENCE:  # the reader bounds what this read: only a forged one is here
             raise self._sequence_exhausted(top)
         self._sequence = top + 1
+        if self.first_sequence is None:
+            self.first_sequence = self._sequence
         return self._sequence
 
     def _sequence_exhausted(self, top: int) -> CorruptCheckpointError:
