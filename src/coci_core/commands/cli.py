@@ -348,6 +348,7 @@ def _import(args: argparse.Namespace) -> int:
         raise BadInput(str(e)) from e
     step = args.step if args.step is not None else recorded if recorded is not None else 0
     with CheckpointManager(args.dir, keep_last=None, allow_torch_save=args.allow_torch_save) as mgr:
+        mgr.claim()  # held before the check: of two imports of one step, one is refused
         if step in mgr.steps() and not args.force:
             raise BadInput(f"step {step} already exists in {args.dir}: pass --force to replace it")
         mgr.save(step, state, overwrite=bool(args.force)).wait()
