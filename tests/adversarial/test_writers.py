@@ -22,6 +22,7 @@ from coci_core import (
     CheckpointManager,
     DirectoryInUseError,
     LocalStorage,
+    RankGroup,
     StepExistsError,
     StorageError,
 )
@@ -435,3 +436,39 @@ def test_read_only_directory_restores(tmp_path: Path) -> None:
                 reader.save(2, _state(2))
     finally:
         tmp_path.chmod(0o755)
+
+
+class _CountingAborts(LocalStorage):
+    """A local directory that counts the calls to abort the uploads left open."""
+
+    aborts = 0
+
+    def abort_uploads(self) -> int:
+        type(self).aborts += 1
+        return 0
+
+
+def test_the_first_save_of_several_ranks_aborts_no_upload(tmp_path: Path) -> None:
+    """Rank 0 takes the lease at the first save, once the other ranks may have begun
+    uploading their shares of it: it aborts no open upload then (on S3 it cut theirs, and the
+    save failed with NoSuchUpload); a manager of one rank, or a claim at the start of training,
+    still aborts what a killed writer left open."""
+    state = {"w": torch.arange(8.0)}
+    ranks = [
+        CheckpointManager(_CountingAborts(tmp_path / "two"), group=RankGroup(r, 2, "ab"))
+        for r in (1, 0)
+    ]
+    try:
+        handles = [mgr.save(1, state) for mgr in ranks]
+        for handle in handles:
+            handle.wait()
+        assert _CountingAborts.aborts == 0
+    finally:
+        for mgr in ranks:
+            mgr.close()
+    with CheckpointManager(_CountingAborts(tmp_path / "one")) as alone:
+        alone.save(1, state).wait()
+    assert _CountingAborts.aborts == 1
+    with CheckpointManager(_CountingAborts(tmp_path / "two"), group=RankGroup(0, 2, "c")) as mgr:
+        assert mgr.claim() is None
+    assert _CountingAborts.aborts == 2

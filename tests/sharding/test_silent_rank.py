@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from coci_core import CheckpointManager
-from tests.harness.processes import Child, free_port, module, rank_env
+from tests.harness.processes import Child, free_port, module, rank_env, run, script
 
 pytestmark = [pytest.mark.dist, pytest.mark.faults]
 
@@ -53,3 +53,46 @@ def test_a_killed_rank_fails_the_save_once_silent_not_after_the_timeout(
     with CheckpointManager(tmp_path) as reader:  # nothing published; step 1 intact
         assert reader.steps() == [1]
         assert reader.verify() == {1: []}
+
+
+_BLOCKED_CLIENT = """
+import sys, threading, time
+from datetime import timedelta
+import torch.distributed as dist
+from coci_core.engine.agreement import job_store
+from coci_core.engine.group import RankGroup
+from coci_core.engine.pulse import Pulse, Watch
+
+dist.init_process_group(
+    "gloo", init_method=f"tcp://127.0.0.1:{sys.argv[1]}", rank=0, world_size=1
+)
+store = job_store()
+pulse = Pulse.start(RankGroup(1, 2, "s"))
+watch = Watch(store.clone(), "s", 2.0)  # rank 0's watch, on a client of its own
+
+def blocked():
+    try:
+        store.wait(["never"], timedelta(seconds=5))
+    except RuntimeError:
+        pass
+
+waiter = threading.Thread(target=blocked)
+waiter.start()
+seen = []
+while waiter.is_alive():
+    seen += watch.silent([1])
+    time.sleep(0.1)
+print("SILENT", seen)
+pulse.stop()
+dist.destroy_process_group()
+"""
+
+
+def test_a_rank_blocked_in_the_jobs_store_still_gives_signs_of_life() -> None:
+    """A thread of the rank waits 5 s in the job's store (as NCCL's set-up or a restore's
+    agreement do): the rank's pulse beats on a connection of its own, so a watch with a 2 s
+    silence never takes it for dead (before: the pulse shared the blocked client, and the
+    rank was declared dead while alive and writing its share)."""
+    proc = run(script(_BLOCKED_CLIENT, str(free_port())), timeout_s=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "SILENT []" in proc.stdout, proc.stdout

@@ -486,21 +486,28 @@ class CheckpointManager:
         if not self.group.is_coordinator or self._owner.lease is not None:
             return None
         try:
-            self._take_lease()
+            self._take_lease(nothing_in_flight=True)
         except (DirectoryInUseError, StorageError) as e:
             return str(e)
         return None
 
-    def _take_lease(self) -> None:
+    def _take_lease(self, *, nothing_in_flight: bool) -> None:
         """Take the directory's lease (and the remote tier's), then clear what an earlier
-        writer left uncommitted.
+        writer left uncommitted. ``nothing_in_flight``: no rank of this group can be writing
+        (the uploads an earlier writer left open are aborted only then: at a save of several
+        ranks, the others' uploads of that save may have begun).
 
         Raises:
             DirectoryInUseError: another writer holds it.
             StorageError: the lease file or record cannot be made.
         """
         self._owner.lease = acquire_lease(self.storage, self.group.session)
-        retention.remove_uncommitted(self.storage, self.group, done_seq=None)
+        try:  # the lease is held: what an earlier writer left is never a reason to fail
+            retention.remove_uncommitted(
+                self.storage, self.group, done_seq=None, abort_uploads=nothing_in_flight
+            )
+        except Exception as e:
+            logger.warning("coci: could not clear what an earlier writer left: %s", e)
         if self.remote is not None:
             self.remote.claim()
 
@@ -510,7 +517,7 @@ class CheckpointManager:
         abort of this save where the other ranks wait for it."""
         try:
             if self.group.is_coordinator and self._owner.lease is None:
-                self._take_lease()
+                self._take_lease(nothing_in_flight=group.world_size == 1)
             lost = self._owner.lease.lost if self._owner.lease is not None else None
             if lost is not None:
                 raise DirectoryInUseError(f"{lost}: this manager no longer owns the directory")

@@ -13,6 +13,7 @@ timeout, as before.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -29,6 +30,31 @@ logger = logging.getLogger(__name__)
 
 def _key(session: str, rank: int) -> str:
     return f"coci/pulse/{session}/r{rank}"
+
+
+def _own_connection(store: Any) -> Any:
+    """A connection of its own to ``store`` (``Store.clone``): a client runs one call at a
+    time, and a thread of the process blocked in a ``wait`` or ``get`` on the job's client
+    (NCCL's set-up, a restore's agreement) would otherwise hold the beats back until this
+    rank looked dead."""
+    try:
+        return store.clone()
+    except (AttributeError, RuntimeError, NotImplementedError):  # a store that cannot clone
+        return store
+
+
+_watch_connections: dict[int, tuple[Any, Any]] = {}  # id(job store) -> (it, its clone)
+_watch_lock = threading.Lock()
+
+
+def _watch_connection(store: Any) -> Any:
+    """One connection of its own per job store for the watches (made once, not per save)."""
+    with _watch_lock:
+        held = _watch_connections.get(id(store))
+        if held is None or held[0] is not store:
+            held = (store, _own_connection(store))
+            _watch_connections[id(store)] = held
+        return held[1]
 
 
 class Pulse:
@@ -50,7 +76,7 @@ class Pulse:
         if store is None:
             return None
         try:
-            return cls(store, _key(group.session, group.rank))
+            return cls(_own_connection(store), _key(group.session, group.rank))
         except RuntimeError as e:  # the store does not answer: the others wait the timeout
             logger.info("coci: no sign of life through the job's store: %s", e)
             return None
@@ -62,10 +88,9 @@ class Pulse:
         # On after ``destroy_process_group()`` too (this holds the store): a save still
         # persisting then, the job's last, is waited for by the others.
         while not self._stop.wait(PULSE_S):
-            try:
+            # a beat that failed (an overloaded store, its host gone) is tried again
+            with contextlib.suppress(RuntimeError):
                 self._beat()
-            except RuntimeError:  # the store went away (its host exited): nothing to tell
-                return
 
     def stop(self) -> None:
         """Stop the pulse (once this rank's saves are durable: its manager closes)."""
@@ -78,8 +103,8 @@ class Watch:
     def __init__(self, store: Any, session: str, silent_s: float) -> None:
         self._store, self._session, self._silent_s = store, session, silent_s
         self._seen: dict[int, tuple[int, float]] = {}  # rank -> (counter, when it changed)
-        self._looked = -PULSE_S
-        self._gone: float | None = None  # when the store stopped answering
+        self._looked: float | None = None
+        self._gone: float | None = None  # since when the store has not answered
 
     @classmethod
     def of(cls, group: RankGroup) -> Watch | None:
@@ -87,25 +112,29 @@ class Watch:
         if group.world_size == 1:
             return None
         store = job_store()
-        return None if store is None else cls(store, group.session, RANK_SILENT_S)
+        if store is None:
+            return None
+        return cls(_watch_connection(store), group.session, RANK_SILENT_S)
 
     def silent(self, ranks: list[int]) -> list[int]:
         """Those of ``ranks`` seen alive whose counter has not moved for ``silent_s``; all of
-        them once the store has not answered that long (its host, rank 0 without an agent,
-        exited; a store that failed is not asked again). Looks at most once per ``PULSE_S``."""
+        them once the store has not answered for that long (its host, rank 0 without an
+        agent, exited). Looks at most once per ``PULSE_S``; after a gap of its own (this
+        process stopped, a whole job suspended), the silence is counted from now."""
         now = time.monotonic()
-        if self._gone is not None:
-            return list(ranks) if now - self._gone >= self._silent_s else []
-        if now - self._looked < PULSE_S:
+        if self._looked is not None and now - self._looked < PULSE_S:
             return []
+        if self._looked is not None and now - self._looked > 3 * PULSE_S:
+            self._seen = {rank: (count, now) for rank, (count, _) in self._seen.items()}
         self._looked = now
         out = []
         for rank in ranks:
             try:
                 count = int(self._store.add(_key(self._session, rank), 0))
-            except RuntimeError:  # DistNetworkError: the store went away
-                self._gone = now
-                return []
+            except RuntimeError:  # DistNetworkError: the store is gone, or did not answer
+                self._gone = now if self._gone is None else self._gone
+                return list(ranks) if now - self._gone >= self._silent_s else []
+            self._gone = None
             last = self._seen.get(rank)
             if last is None:
                 if count > 0:  # a rank that never beat is left to the timeout

@@ -169,7 +169,12 @@ def drop_dependants(storage: Storage, step: int, run_id: str) -> None:
 
 
 def remove_uncommitted(
-    storage: Storage, group: RankGroup, *, done_seq: int | None, newest: int | None = None
+    storage: Storage,
+    group: RankGroup,
+    *,
+    done_seq: int | None,
+    newest: int | None = None,
+    abort_uploads: bool = True,
 ) -> None:
     """Remove what saves left uncommitted: only names coci writes (``step-...``), never a
     directory with a manifest, never a save another rank of this session may still be writing
@@ -177,9 +182,11 @@ def remove_uncommitted(
     that a crash left renamed aside mid-publish is put back first.
 
     Call only while holding the directory's lease, so no other writer owns what goes.
+    ``abort_uploads``: at startup, also abort the uploads left open (only where no rank of
+    this group can have begun one).
     """
     sharded = group.world_size > 1
-    if done_seq is None:  # at startup: nothing of ours is open
+    if done_seq is None and abort_uploads:  # at startup: nothing of ours is open
         try:
             aborted = storage.abort_uploads()
         except Exception as e:  # invisible leftovers: never a reason to fail

@@ -73,6 +73,7 @@ class SaveWriter:
     def commit_after(self, sequence: int) -> None:
         """Later saves are committed after ``sequence`` (that of a restored checkpoint)."""
         self._sequence_floor = max(self._sequence_floor, sequence)
+        self.first_sequence = None  # this writer's commits after that restore are to come
 
     def run(self, job: PersistJob, handle: SaveHandle) -> None:
         """Make ``job`` durable and finish ``handle``; never raises."""
