@@ -64,13 +64,15 @@ def export_step(directory: str, out: str | os.PathLike[str], step: int | str | N
     target = Path(out)
     target.mkdir(parents=True, exist_ok=True)
     _write_weights(state["model"], target / "model.safetensors")
+    written = ["model.safetensors"]
     if state.get("model_config"):
         (target / "config.json").write_text(str(state["model_config"]))
+        written.append("config.json")
     trainer_state = json.loads(state["trainer_state"])
     (target / "trainer_state.json").write_text(
         json.dumps(trainer_state, indent=2, sort_keys=True) + "\n"
     )
-    written = ["model.safetensors", "trainer_state.json"]
+    written.append("trainer_state.json")
     if not state.get("weights_only"):
         optimizer = state["optimizer"]
         if state.get("sharded"):  # keyed by parameter name under FSDP

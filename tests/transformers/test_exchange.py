@@ -79,8 +79,11 @@ def test_coci_export_format_transformers(
         cli.main(["export", str(tmp_path / "run" / "coci"), str(out), "--format", "transformers"])
         == 0
     )
-    assert "exported step 4" in capsys.readouterr().out
-    assert (out / "model.safetensors").is_file() and (out / "trainer_state.json").is_file()
+    said = capsys.readouterr().out
+    assert "exported step 4" in said
+    assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
+    listed = said.split("(transformers: ")[1].strip().rstrip(")").split(", ")
+    assert sorted(listed) == sorted(p.name for p in out.iterdir())  # each file it wrote
     monkeypatch.setattr(cli, "adapter_exporter", lambda fmt: None)
     assert (
         cli.main(["export", str(tmp_path / "run" / "coci"), str(out), "--format", "transformers"])
