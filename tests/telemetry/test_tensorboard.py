@@ -20,7 +20,7 @@ from coci_core import CheckpointManager, ConfigError, RestoreEvent, SaveEvent
 from coci_core.planner import Planner, PlannerReport
 from coci_core.telemetry import UploadEvent
 from coci_core.telemetry.tensorboard import TensorBoardTelemetry
-from coci_core.telemetry.timeline import POINTER_FILE, find_runs
+from coci_core.telemetry.timeline import LOG_DIR_FILE, POINTER_FILE, find_runs, tensorboard_log_dir
 from tests.harness.processes import run, script
 
 needs_tensorboard = pytest.mark.skipif(
@@ -165,6 +165,10 @@ def test_pointer_for_the_coci_tab(tmp_path: Path) -> None:
     assert find_runs(tmp_path / "logs") == {".": str(ckpt)} or find_runs(tmp_path / "logs") == {
         "logs": str(ckpt)
     }
+    # and the checkpoint directory names the writer's directory, for `coci report`
+    assert tensorboard_log_dir(ckpt) == str(tmp_path / "logs" / "host")
+    (ckpt / LOG_DIR_FILE).write_text("[" * 100_000)  # forged: no directory, no error
+    assert tensorboard_log_dir(ckpt) is None
 
 
 @needs_tensorboard

@@ -358,6 +358,7 @@ def _import(args: argparse.Namespace) -> int:
 
 def _report(args: argparse.Namespace) -> int:
     from coci_core.telemetry.report import render, summarize
+    from coci_core.telemetry.timeline import tensorboard_log_dir
 
     checkpoint_dir(args.dir)
     if args.plot:
@@ -368,7 +369,7 @@ def _report(args: argparse.Namespace) -> int:
         print(f"coci: {e}", file=sys.stderr)
         return 1
     tb = None if "://" in args.dir else Path(args.dir) / "tensorboard"
-    tb_dir = str(tb) if tb is not None and tb.is_dir() else None
+    tb_dir = str(tb) if tb is not None and tb.is_dir() else tensorboard_log_dir(args.dir)
     print(render(summary, tensorboard_dir=args.tensorboard or tb_dir))
     if args.plot:
         from coci_core.telemetry.plot import plot_timeline

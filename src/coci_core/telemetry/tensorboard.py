@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, SupportsFloat, SupportsIndex
 
 from coci_core.errors import ConfigError, StorageError
 from coci_core.telemetry import Event, RestartEvent, RestoreEvent, SaveEvent, UploadEvent
-from coci_core.telemetry.timeline import write_pointer
+from coci_core.telemetry.timeline import write_log_dir, write_pointer
 
 if TYPE_CHECKING:
     from coci_core.planner.planner import PlannerReport
@@ -162,6 +162,7 @@ class TensorBoardTelemetry:
             return  # not a local directory: the tab finds telemetry.jsonl under the logdir
         try:
             write_pointer(log_dir, telemetry_dir)
+            write_log_dir(telemetry_dir, log_dir)
         except OSError as e:
             logger.warning("coci: cannot write the coci tab's pointer in %s: %s", log_dir, e)
 

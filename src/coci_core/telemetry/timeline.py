@@ -33,10 +33,21 @@ from coci_core.telemetry.report import (
 )
 from coci_core.telemetry.summary import compression_ratio
 
-__all__ = ["POINTER_FILE", "find_runs", "from_summary", "timeline", "write_pointer"]
+__all__ = [
+    "LOG_DIR_FILE",
+    "POINTER_FILE",
+    "find_runs",
+    "from_summary",
+    "tensorboard_log_dir",
+    "timeline",
+    "write_log_dir",
+    "write_pointer",
+]
 
 #: The file in a TensorBoard run directory that names the run's checkpoint directory.
 POINTER_FILE = "coci-telemetry.json"
+#: in the telemetry's directory: the TensorBoard directory pointing to it (for ``coci report``)
+LOG_DIR_FILE = "coci-tensorboard.json"
 
 _MAX_DEPTH = 6  # how deep find_runs looks under the log directory
 _MAX_POINTER_BYTES = 64 << 10  # a pointer file is one short line
@@ -57,9 +68,32 @@ def write_pointer(log_dir: str | os.PathLike[str], checkpoint_dir: str | os.Path
     os.replace(tmp, path)
 
 
-def _read_pointer(path: Path) -> str | None:
-    """The checkpoint directory a pointer file names, or None (unreadable, or it has no
-    telemetry where it says)."""
+def write_log_dir(telemetry_dir: str | os.PathLike[str], log_dir: str | os.PathLike[str]) -> None:
+    """Write ``telemetry_dir/coci-tensorboard.json`` naming ``log_dir`` (a local directory
+    only), where ``coci report`` finds the TensorBoard directory of a run whose logger chose
+    it (the Trainer's ``logging_dir``, an Accelerate tracker's)."""
+    target = os.fspath(telemetry_dir)
+    if "://" in target or not os.path.isdir(target):
+        return
+    path = Path(target) / LOG_DIR_FILE
+    tmp = path.with_name(f".{LOG_DIR_FILE}.{os.getpid()}")
+    tmp.write_text(json.dumps({"log_dir": os.path.abspath(log_dir)}) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def tensorboard_log_dir(telemetry_dir: str | os.PathLike[str]) -> str | None:
+    """The TensorBoard directory that :func:`write_log_dir` recorded in ``telemetry_dir``, if
+    it is still a directory; else None."""
+    target = os.fspath(telemetry_dir)
+    if "://" in target:
+        return None
+    record = _read_record(Path(target) / LOG_DIR_FILE)
+    log_dir = record.get("log_dir") if record is not None else None
+    return log_dir if isinstance(log_dir, str) and os.path.isdir(log_dir) else None
+
+
+def _read_record(path: Path) -> dict[str, Any] | None:
+    """The JSON object of a small pointer file, or None (unreadable, too long, not one)."""
     try:
         fd = open_regular(path)  # not a FIFO (a read would wait) nor /dev/zero (never ends)
         with os.fdopen(fd, "rb") as f:
@@ -69,7 +103,14 @@ def _read_pointer(path: Path) -> str | None:
         record = json.loads(data.decode("utf-8"))
     except (OSError, ValueError, RecursionError, StorageError):  # deep nesting: RecursionError
         return None
-    if not isinstance(record, dict):
+    return record if isinstance(record, dict) else None
+
+
+def _read_pointer(path: Path) -> str | None:
+    """The checkpoint directory a pointer file names, or None (unreadable, or it has no
+    telemetry where it says)."""
+    record = _read_record(path)
+    if record is None:
         return None
     relative, target = record.get("relative"), record.get("checkpoint_dir")
     if isinstance(relative, str):
