@@ -105,6 +105,7 @@ def one_process(cfg: dict[str, Any]) -> None:
     def resume() -> CheckpointManager:
         mgr = manager()
         mgr.restore()
+        assert mgr.claim() is None  # a training run holds the directory from its start
         print("READY", flush=True)
         sys.stdin.readline()  # the storage goes away meanwhile
         if order == "pending":  # overwrite: no check in save() itself that the step exists

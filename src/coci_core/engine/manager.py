@@ -258,6 +258,8 @@ class CheckpointManager:
         # The directory's lease is taken at the first save (see _own_directory), not here: a
         # manager that only restores (an evaluation process, a script that lists steps) never
         # holds it, so it never refuses the saves of a run started after it.
+        if group.is_coordinator:
+            self._put_back_aside()
         self.remote: RemoteTier | None = None
         if remote_storage is not None:
             self.remote = RemoteTier(
@@ -490,6 +492,25 @@ class CheckpointManager:
         except (DirectoryInUseError, StorageError) as e:
             return str(e)
         return None
+
+    def _put_back_aside(self) -> None:
+        """A crash between the two renames of a re-save left a step renamed aside: put it
+        back now, under a lease held for that only, so that a restore finds it (while a live
+        writer holds the lease, it completes its re-save itself). Never raises."""
+        try:
+            if not any(".coci-old-" in name for name in self.storage.list_dir("")):
+                return
+            lease = acquire_lease(self.storage, self.group.session)
+        except (DirectoryInUseError, StorageError):
+            return
+        try:
+            retention.remove_uncommitted(
+                self.storage, self.group, done_seq=None, abort_uploads=False
+            )
+        except Exception as e:  # the steps are where they were: never a reason to fail
+            logger.warning("coci: could not put back a step a crash left aside: %s", e)
+        finally:
+            lease.release()
 
     def _take_lease(self, *, nothing_in_flight: bool) -> None:
         """Take the directory's lease (and the remote tier's), then clear what an earlier
