@@ -14,14 +14,11 @@ together and falls back to the newest step intact for all of them.
 
 from __future__ import annotations
 
-import random
 from typing import Any
-
-import numpy as np
-import torch
 
 from coci_accelerate._state import LAYOUT, PROCESS_KEY
 from coci_core.errors import CorruptCheckpointError
+from coci_core.training import UnfitRandomState, check_random_states
 
 __all__ = ["check_saved"]
 
@@ -81,43 +78,16 @@ def _check(state: dict[str, Any], process_index: int) -> None:
 
 
 def _check_rng(rng: dict[str, Any]) -> None:
-    """Random states that ``_state._set_rng_state`` puts back, each tried on a generator of
-    its own (never on the process's)."""
-    python = rng.get("python")
-    if not isinstance(python, tuple) or len(python) != 3 or not isinstance(python[1], tuple):
-        raise _Unfit("Python random state is not random.getstate()'s")
+    """Random states that ``_state._set_rng_state`` puts back (``check_random_states``)."""
     try:
-        random.Random().setstate(python)
-    except (TypeError, ValueError, OverflowError) as e:
-        raise _Unfit(f"Python random state: {e}") from None
-    numpy = rng.get("numpy")
-    if not isinstance(numpy, tuple) or len(numpy) != 5 or not isinstance(numpy[1], np.ndarray):
-        raise _Unfit("NumPy random state is not numpy.random.get_state()'s")
-    try:
-        np.random.RandomState().set_state(numpy)
-    except (TypeError, ValueError, KeyError, IndexError, OverflowError) as e:
-        raise _Unfit(f"NumPy random state: {e}") from None
-    cpu: Any = rng.get("torch")
-    if not _byte_tensor(cpu):
-        raise _Unfit("torch random state is not a byte tensor")
-    try:
-        torch.Generator().set_state(cpu)
-    except (RuntimeError, TypeError, ValueError) as e:
-        raise _Unfit(f"torch random state: {str(e)[:100]}") from None
-    cuda = rng.get("cuda")
-    if cuda is not None and (
-        not isinstance(cuda, (list, tuple)) or not all(_byte_tensor(t) for t in cuda)
-    ):
-        raise _Unfit("CUDA random states are not a list of byte tensors")
-
-
-def _byte_tensor(value: Any) -> bool:
-    return (
-        isinstance(value, torch.Tensor)
-        and value.dtype == torch.uint8
-        and value.dim() == 1
-        and value.device.type == "cpu"
-    )
+        check_random_states(
+            python=rng.get("python"),
+            numpy=rng.get("numpy"),
+            torch_cpu=rng.get("torch"),
+            cuda=rng.get("cuda"),
+        )
+    except UnfitRandomState as e:
+        raise _Unfit(str(e)) from None
 
 
 def _shown(value: Any) -> str:

@@ -8,7 +8,6 @@ only hold what a weights-only load accepts.
 
 from __future__ import annotations
 
-import random
 from typing import Any
 
 import lightning.pytorch as pl
@@ -18,6 +17,7 @@ from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.utilities import rank_zero_warn
 
 from coci_core.errors import CorruptCheckpointError
+from coci_core.training import check_random_states
 
 #: this rank's state in coci's saves (``per_rank``): ``{"rng": ...}``
 RANK_STATE_KEY = "coci_rank_state"
@@ -88,23 +88,19 @@ def check_saved_rng(step: int, state: Any) -> None:
     try:
         rng = own["rng"]
         version, internal, gauss = rng["python"]
-        random.Random().setstate((version, tuple(internal), gauss))
-        if rng.get("numpy") is not None:
-            name, keys, pos, has_gauss, cached = rng["numpy"]
+        numpy = rng.get("numpy")
+        if numpy is not None:
+            name, keys, pos, has_gauss, cached = numpy
             keys = keys.numpy() if isinstance(keys, torch.Tensor) else keys
-            np.random.RandomState().set_state(
-                (
-                    str(name),
-                    np.asarray(keys, dtype=np.uint32),
-                    int(pos),
-                    int(has_gauss),
-                    float(cached),
-                )
-            )
-        torch.Generator().set_state(rng["torch"])
-        cuda = rng.get("cuda", [])
-        if not isinstance(cuda, list) or not all(isinstance(t, torch.Tensor) for t in cuda):
-            raise TypeError("its CUDA random states are not a list of tensors")
+            numpy = (str(name), np.asarray(keys, dtype=np.uint32), int(pos), int(has_gauss))
+            numpy += (float(cached),)
+        check_random_states(
+            python=(version, tuple(internal), gauss),
+            numpy=numpy,
+            torch_cpu=rng["torch"],
+            cuda=rng.get("torch.cuda"),
+            numpy_required=False,
+        )
     except (TypeError, ValueError, KeyError, IndexError, OverflowError, RuntimeError) as e:
         raise CorruptCheckpointError(
             f"step {step}: this rank's random states are not ones coci saved "

@@ -17,7 +17,6 @@ import dataclasses
 import inspect
 import json
 import math
-import random
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -26,6 +25,7 @@ import torch
 from transformers import TrainerState
 
 from coci_core.errors import CorruptCheckpointError
+from coci_core.training import UnfitRandomState, check_random_states
 from coci_transformers._state import LAYOUT, PROCESS_KEY
 
 __all__ = ["check_saved", "parse_trainer_state"]
@@ -270,55 +270,20 @@ def _check_training(state: dict[str, Any]) -> None:
 
 
 def check_rng(rng: dict[str, Any]) -> None:
-    """Random states that ``_state.set_rng_state`` puts back: each is tried on a generator of
-    its own (never on the process's).
+    """Random states that ``_state.set_rng_state`` puts back (``check_random_states``).
 
     Raises:
         _Unfit: one is not a random state of its generator.
     """
-    python = rng.get("python")
-    if (
-        not isinstance(python, tuple)
-        or len(python) != 3
-        or python[0] != 3
-        or not isinstance(python[1], tuple)
-        or not all(type(v) is int for v in python[1])
-        or not (python[2] is None or type(python[2]) is float)
-    ):
-        raise _Unfit("its Python random state is not random.getstate()'s")
     try:
-        random.Random().setstate(python)
-    except (TypeError, ValueError, OverflowError) as e:
-        raise _Unfit(f"its Python random state: {e}") from None
-    numpy = rng.get("numpy")
-    if (
-        not isinstance(numpy, tuple)
-        or len(numpy) != 5
-        or numpy[0] != "MT19937"
-        or not isinstance(numpy[1], np.ndarray)
-        or numpy[1].dtype != np.uint32
-        or numpy[1].shape != (624,)
-        or not _int(numpy[2])
-        or not _int(numpy[3])
-        or not _number(numpy[4], finite=False)
-    ):
-        raise _Unfit("its NumPy random state is not numpy.random.get_state()'s")
-    try:
-        np.random.RandomState().set_state(numpy)
-    except (TypeError, ValueError, KeyError, IndexError, OverflowError) as e:
-        raise _Unfit(f"its NumPy random state: {e}") from None
-    cpu: Any = rng.get("cpu")
-    if not _byte_tensor(cpu):
-        raise _Unfit("its torch CPU random state is not a byte tensor")
-    try:
-        torch.Generator().set_state(cpu)
-    except (RuntimeError, TypeError, ValueError) as e:
-        raise _Unfit(f"its torch CPU random state: {str(e)[:100]}") from None
-    cuda = rng.get("cuda")
-    if cuda is not None and (
-        not isinstance(cuda, (list, tuple)) or not all(_byte_tensor(t) for t in cuda)
-    ):
-        raise _Unfit("its CUDA random states are not a list of byte tensors")
+        check_random_states(
+            python=rng.get("python"),
+            numpy=rng.get("numpy"),
+            torch_cpu=rng.get("cpu"),
+            cuda=rng.get("cuda"),
+        )
+    except UnfitRandomState as e:
+        raise _Unfit(f"its {e}") from None
 
 
 def _rate(value: Any) -> bool:
@@ -327,12 +292,3 @@ def _rate(value: Any) -> bool:
     if isinstance(value, torch.Tensor):
         return value.numel() == 1 and value.is_floating_point()
     return isinstance(value, (int, float, np.number)) and not isinstance(value, bool)
-
-
-def _byte_tensor(value: Any) -> bool:
-    return (
-        isinstance(value, torch.Tensor)
-        and value.dtype == torch.uint8
-        and value.dim() == 1
-        and value.device.type == "cpu"
-    )

@@ -72,6 +72,8 @@ FORGED: dict[str, Edit] = {
     "python-short": lambda doc: _rng(doc).__setitem__("python", {"t": "list", "v": [3]}),
     "numpy": lambda doc: _rng(doc).__setitem__("numpy", {"t": "list", "v": ["MT19937", 1]}),
     "torch": lambda doc: _rng(doc).__setitem__("torch", "x"),
+    # Lightning's key for CUDA's states; on a CPU machine torch queues them unchecked
+    "cuda": lambda doc: _rng(doc).__setitem__("torch.cuda", "x"),
 }
 
 

@@ -1,7 +1,8 @@
 """The one door the framework adapters use: a planner and a manager together
 (:class:`Checkpointer`), the options every adapter takes, checked once
 (:class:`CheckpointOptions`), the plan an adapter tells its user (:class:`PlanOutline`), runs
-stopped on purpose (:class:`ValidationHistory`, :func:`is_trial_pruned`), and, for a framework
+stopped on purpose (:class:`ValidationHistory`, :func:`is_trial_pruned`), saved random states
+checked before they are put back (:func:`check_random_states`), and, for a framework
 that restores by path itself, finding and reading step directories (:func:`read_checkpoint`).
 
 It is also the public line for the adapters: a ``coci_*`` package imports from coci_core only
@@ -33,6 +34,7 @@ from coci_core.training.options import (
 )
 from coci_core.training.outline import PlanOutline
 from coci_core.training.preemption import min_over_ranks
+from coci_core.training.random_states import UnfitRandomState, check_random_states
 from coci_core.training.reading import (
     newest_step_dir,
     read_checkpoint,
@@ -51,9 +53,11 @@ __all__ = [
     "PlanOutline",
     "SaveHandle",
     "TensorBoardTelemetry",
+    "UnfitRandomState",
     "ValidationHistory",
     "check_bool",
     "check_dirpath",
+    "check_random_states",
     "check_storage_options",
     "check_verbose",
     "compare_policies",
