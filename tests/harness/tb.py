@@ -1,7 +1,8 @@
 """A real TensorBoard server and a headless Chromium, for the coci tab's tests and docs.
 
 :func:`killed_and_resumed_run` trains ``coci demo``'s Lightning run, kills it with SIGKILL and
-resumes it (two processes); :func:`start_tensorboard` serves a log directory on a free loopback
+resumes it (two processes), :func:`shared_killed_and_resumed_run` once for all the session's
+test processes; :func:`start_tensorboard` serves a log directory on a free loopback
 port (stopped by its PID); :func:`open_browser` drives Debian's chromium through the system's
 chromedriver (never selenium-manager, which would download one); :func:`open_coci_tab` opens
 the tab and waits until it has drawn.
@@ -24,6 +25,9 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
+import pytest
+from filelock import FileLock
+
 from tests.harness.processes import free_port
 
 START_TIMEOUT_S = 90.0
@@ -43,6 +47,26 @@ def killed_and_resumed_run(root: Path, total: int = 200, kill: int = 120) -> tup
     if _train(run, total, root / "resumed.json") != 0:
         raise AssertionError("the resumed demo run failed")
     return run, killed
+
+
+def shared_killed_and_resumed_run(
+    tmp_path_factory: pytest.TempPathFactory, into: Path, total: int = 200, kill: int = 120
+) -> tuple[Path, int]:
+    """:func:`killed_and_resumed_run`'s ``into/run``, trained once for every test process of
+    the session (pytest-xdist's workers share the base temporary directory's parent) and
+    copied, so that a test's TensorBoard reads a run of its own."""
+    base = tmp_path_factory.getbasetemp()
+    shared = (base.parent if "PYTEST_XDIST_WORKER" in os.environ else base) / (
+        f"coci-demo-run-{total}-{kill}"
+    )
+    with FileLock(f"{shared}.lock"):
+        done = shared / "killed.txt"
+        if not done.is_file():
+            shutil.rmtree(shared, ignore_errors=True)
+            _, killed = killed_and_resumed_run(shared, total, kill)
+            done.write_text(str(killed))
+    shutil.copytree(shared / "run", into / "run")
+    return into / "run", int(done.read_text())
 
 
 def plugin_registered() -> bool:

@@ -18,9 +18,9 @@ from coci_core.telemetry.tb_plugin import plan_reason
 from tests.harness.tb import (
     TensorBoard,
     browser_available,
-    killed_and_resumed_run,
     open_browser,
     open_coci_tab,
+    shared_killed_and_resumed_run,
     start_tensorboard,
 )
 
@@ -162,7 +162,7 @@ def _edge_run(directory: Path) -> None:
 def logdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A log directory with the two runs of ``RUNS``."""
     root = tmp_path_factory.mktemp("logs")
-    killed_and_resumed_run(root / "demo", TOTAL, KILL)
+    shared_killed_and_resumed_run(tmp_path_factory, root / "demo", TOTAL, KILL)
     _edge_run(root / "edge" / "coci")
     return root
 

@@ -18,9 +18,9 @@ from tests.harness.processes import module, run
 from tests.harness.tb import (
     TensorBoard,
     browser_available,
-    killed_and_resumed_run,
     open_browser,
     open_coci_tab,
+    shared_killed_and_resumed_run,
     start_tensorboard,
 )
 
@@ -33,7 +33,9 @@ TOTAL, KILL = 200, 120
 def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
     """The log directory ``coci demo`` prints, of a run killed at step 120 (or just after its
     first checkpoint) and resumed, and the step it was killed at."""
-    return killed_and_resumed_run(tmp_path_factory.mktemp("demo"), TOTAL, KILL)
+    return shared_killed_and_resumed_run(
+        tmp_path_factory, tmp_path_factory.mktemp("demo"), TOTAL, KILL
+    )
 
 
 @pytest.fixture(scope="module")
