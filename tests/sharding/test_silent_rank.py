@@ -8,11 +8,16 @@ from __future__ import annotations
 
 import contextlib
 import json
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
+from torch.distributed import TCPStore
 
 from coci_core import CheckpointManager
+from coci_core.engine import pulse
+from coci_core.engine.pulse import Watch
 from tests.harness.processes import Child, free_port, module, rank_env, run, script
 
 pytestmark = [pytest.mark.dist, pytest.mark.faults]
@@ -96,3 +101,42 @@ def test_a_rank_blocked_in_the_jobs_store_still_gives_signs_of_life() -> None:
     proc = run(script(_BLOCKED_CLIENT, str(free_port())), timeout_s=60)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "SILENT []" in proc.stdout, proc.stdout
+
+
+class _Counted:
+    """A store that counts the calls made of it."""
+
+    def __init__(self, store: Any) -> None:
+        self.store, self.calls = store, 0
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.store, name)
+
+        def call(*args: Any) -> Any:
+            self.calls += 1
+            return method(*args)
+
+        return call
+
+
+def test_a_watch_of_thousands_of_ranks_asks_the_store_once_a_look(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rank 0 watching 4,096 ranks asks a real TCPStore for their counters in one call a
+    look, not one each (4,096 requests a second on the job's store, before); the rank that
+    stopped beating is still named, and one that never beat is left to the timeout."""
+    monkeypatch.setattr(pulse, "PULSE_S", 0.0)  # a look at every call
+    master = TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=10))
+    ranks = list(range(4096))
+    for rank in ranks[:-1]:  # the last never beats
+        master.add(f"coci/pulse/s/r{rank}", 1)
+    store = _Counted(master)
+    watch = Watch(store, "s", 0.0)
+    assert watch.silent(ranks) == []  # every rank seen for the first time
+    assert store.calls <= len(ranks) + 1
+    for rank in ranks[:-1]:
+        if rank != 1234:
+            master.add(f"coci/pulse/s/r{rank}", 1)
+    store.calls = 0
+    assert watch.silent(ranks) == [1234]
+    assert store.calls <= 2

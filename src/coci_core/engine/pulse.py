@@ -127,15 +127,15 @@ class Watch:
         if self._looked is not None and now - self._looked > 3 * PULSE_S:
             self._seen = {rank: (count, now) for rank, (count, _) in self._seen.items()}
         self._looked = now
+        try:
+            counts = self._counts(ranks)
+        except RuntimeError:  # DistNetworkError: the store is gone, or did not answer
+            self._gone = now if self._gone is None else self._gone
+            return list(ranks) if now - self._gone >= self._silent_s else []
+        self._gone = None
         out = []
         for rank in ranks:
-            try:
-                count = int(self._store.add(_key(self._session, rank), 0))
-            except RuntimeError:  # DistNetworkError: the store is gone, or did not answer
-                self._gone = now if self._gone is None else self._gone
-                return list(ranks) if now - self._gone >= self._silent_s else []
-            self._gone = None
-            last = self._seen.get(rank)
+            count, last = counts[rank], self._seen.get(rank)
             if last is None:
                 if count > 0:  # a rank that never beat is left to the timeout
                     self._seen[rank] = (count, now)
@@ -144,3 +144,18 @@ class Watch:
             elif now - last[1] >= self._silent_s:
                 out.append(rank)
         return out
+
+    def _counts(self, ranks: list[int]) -> dict[int, int]:
+        """Each rank's counter: in one call of the store for the ranks whose counter exists
+        (thousands of ranks are one request a second, not thousands), one call each for the
+        others (a rank that has not beaten yet: ``multi_get`` would wait for its key)."""
+        keys = {rank: _key(self._session, rank) for rank in ranks}
+        known = [rank for rank in ranks if rank in self._seen]
+        unknown = [rank for rank in ranks if rank not in self._seen]
+        if unknown and self._store.check([keys[rank] for rank in unknown]):
+            known, unknown = list(ranks), []
+        counts = {rank: int(self._store.add(keys[rank], 0)) for rank in unknown}
+        if known:
+            values = self._store.multi_get([keys[rank] for rank in known])
+            counts.update((rank, int(value)) for rank, value in zip(known, values, strict=True))
+        return counts
