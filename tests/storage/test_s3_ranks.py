@@ -80,7 +80,9 @@ def test_a_rank_killed_during_its_upload_publishes_nothing(
 ) -> None:
     """Rank 1 is SIGKILLed with its upload of step 20 begun: rank 0 gives the save up within
     the timeout, step 20 stays invisible, step 10 intact; a relaunch resumes from step 10, saves
-    step 20 anew and leaves no object of the abandoned save."""
+    step 20 anew and leaves no object of the abandoned save, nor a multipart upload a killed
+    rank left open (rank 0 aborts them at the first save's check that the ranks share the
+    directory, before any rank writes; they were left, billed, when it took the lease after)."""
     url = f"s3://{s3_prefix}/ckpt"
     options = s3_server.storage_options
     cfg = {"url": url, "storage_options": options, "every": 10, "timeout_s": 3}
@@ -92,8 +94,13 @@ def test_a_rank_killed_during_its_upload_publishes_nothing(
     with CheckpointManager(url, storage_options=options) as mgr:
         assert mgr.steps() == [10]
         assert mgr.verify() == {10: []}
+    fs = s3_server.filesystem()
+    bucket, key, _ = fs.split_path(f"{url}/step-0000000020.coci-tmp-killed/data-r1.bin")
+    fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)  # as a killed upload leaves
     resumed = _ok(launch(2, {**cfg, "stop_step": 20}))
     assert [r["restored_step"] for r in resumed] == [10, 10]
+    open_uploads = fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=key.split("/")[0])
+    assert open_uploads.get("Uploads", []) == []
     assert resumed[0]["restored_rng"] == survivor["rng_at_save"]["10"]
     with CheckpointManager(url, storage_options=options) as mgr:
         assert mgr.steps() == [10, 20]

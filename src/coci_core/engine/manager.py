@@ -26,7 +26,7 @@ from coci_core.engine import lifecycle
 from coci_core.engine.agreement import RestoreAgreement
 from coci_core.engine.directory import retention
 from coci_core.engine.directory.lease import acquire_lease
-from coci_core.engine.directory.shared import check_shared_directory
+from coci_core.engine.directory.shared import check_shared_directory, meets_every_rank
 from coci_core.engine.directory.tiers import RemoteTier, same_place
 from coci_core.engine.format.manifest import Manifest
 from coci_core.engine.format.tree import ArrayLeaf, FlattenCache, flatten_state
@@ -404,7 +404,7 @@ class CheckpointManager:
                     self._check_shared(group, failed=e)
             raise
         if first_of_ranks:
-            self._check_shared(group)
+            self._check_shared(group, claim=True)
             self._shared_checked = True
         self._own_directory(step, version, group, alone)  # after the input checks
         leaves = flat.leaves + (own.leaves if own else ())
@@ -475,8 +475,27 @@ class CheckpointManager:
                 raise
             raise said from None
 
-    def _check_shared(self, group: RankGroup, failed: BaseException | None = None) -> None:
+    def _check_shared(
+        self, group: RankGroup, failed: BaseException | None = None, *, claim: bool = False
+    ) -> None:
+        """The first save's check that the ranks share the directory. With ``claim``, rank 0
+        takes the lease before it when every rank waits there (no rank writes this save yet):
+        the uploads a killed writer left open are aborted then, as at a claim; a lease
+        refused is said to every rank there."""
         agreement = RestoreAgreement.for_group(group, timeout_s=group.timeout_s, topic="-dir")
+        if (
+            claim
+            and failed is None
+            and self.group.is_coordinator
+            and self._owner.lease is None
+            and meets_every_rank(group, agreement)
+        ):
+            try:
+                self._take_lease(nothing_in_flight=True)
+            except (DirectoryInUseError, StorageError) as e:
+                with contextlib.suppress(CociError):
+                    check_shared_directory(self.storage, group, agreement, failed=e)
+                raise
         check_shared_directory(self.storage, group, agreement, failed=failed)
 
     def claim(self) -> str | None:

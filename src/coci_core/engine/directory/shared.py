@@ -19,7 +19,7 @@ from coci_core.engine.group import RankGroup
 from coci_core.errors import CheckpointError, ConfigError, StorageError
 from coci_core.storage import Storage
 
-__all__ = ["PROBE_PREFIX", "check_shared_directory", "shared_probe"]
+__all__ = ["PROBE_PREFIX", "check_shared_directory", "meets_every_rank", "shared_probe"]
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +35,13 @@ def _job_processes() -> int:
         return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 0
     except (ImportError, RuntimeError, ValueError):
         return 0
+
+
+def meets_every_rank(group: RankGroup, agreement: RestoreAgreement | None) -> bool:
+    """Whether :func:`check_shared_directory` exchanges with every rank of ``group`` (none
+    of them writes this save before it returns), rather than returning at once (one rank, no
+    job store, ranks made by hand in fewer processes)."""
+    return agreement is not None and group.world_size > 1 and _job_processes() >= group.world_size
 
 
 def _exchange(agreement: RestoreAgreement, report: dict[str, Any]) -> list[dict[str, Any]]:
@@ -76,7 +83,7 @@ def check_shared_directory(
         ConfigError: a rank does not see rank 0's probe (not one shared directory).
         StorageError: rank 0 could not write the probe (on every rank).
     """
-    if agreement is None or group.world_size == 1 or _job_processes() < group.world_size:
+    if agreement is None or not meets_every_rank(group, agreement):
         return  # ranks made by hand in fewer processes: no exchange can meet them all
     probe = shared_probe(group)
     report = {} if failed is None else {"failed": _words(failed)}
