@@ -262,48 +262,15 @@ class CociCheckpointer:
     def _announce_plan(self) -> None:
         """One log line at the first step: what coci plans and how to change it."""
         outline = self.checkpointer.plan_outline()
-        report, every = outline.report, outline.every_n_steps
-        if report.next_steps:
-            first = f"first planned save at step {report.next_steps[0]}"
-        else:  # the planner plans once it has measured step times (a fixed interval at once)
-            first = "first save planned once a few step times are measured"
-        if report.interval_steps is not None:
-            interval = f"every {report.interval_steps} steps"
-        elif report.policy == "every_n_steps" and every is not None:
-            interval = f"every {every} steps"
-        elif report.policy == "every_n_seconds":
-            interval = f"every {outline.every_n_seconds} s"
-        else:
-            interval = "interval from the measured costs" + (
-                f", at most {every} steps" if every is not None else ""
-            )
-        total = (
-            f"{outline.total_steps} total steps ({self._total_source})"
-            if outline.total_steps is not None
-            else "total steps unknown (rolling horizon; pass total_steps= or num_epochs=)"
+        line, warn = outline.line(
+            outline.report.step,
+            adapter="CociCheckpointer",
+            objective=self.options.objective,
+            total_source=self._total_source,
+            total_hint="pass total_steps= or num_epochs=",
+            final_save=self.save_on_close,
         )
-        if outline.fixed_interval:
-            logger.info(
-                "coci: plan at step %d: policy %s, %s; %s, %s; %s",
-                report.step,
-                report.policy,
-                total,
-                first,
-                interval,
-                outline.fixed_advice("CociCheckpointer"),
-            )
-            return
-        logger.info(
-            "coci: plan at step %d: policy %s, %s; %s, %s; MTBF %.0f s assumed (%s); "
-            "change with CociCheckpointer(..., mtbf_s=, every_n_steps=, policy=, total_steps=)",
-            report.step,
-            report.policy,
-            total,
-            first,
-            interval,
-            outline.mtbf_s,
-            outline.mtbf_source("coci's default, refined from restarts"),
-        )
+        (logger.warning if warn else logger.info)(line)
 
     @property
     def completed_steps(self) -> int:

@@ -592,41 +592,13 @@ class CociCheckpoint(Checkpoint):
 
     def _tell_plan(self, step: int, outline: PlanOutline) -> None:
         """One log line (rank 0) once the first plan is made: what it is and how to change it."""
-        report, total = outline.report, outline.total_steps
-        ahead = [s for s in report.next_steps if s > step]
-        first = ahead[0] if ahead else None
-        interval = ahead[1] - ahead[0] if len(ahead) > 1 else report.interval_steps
-        if first is not None and total is not None and first > total:
-            first = None
-        step_time = outline.step_time_s
-        source = outline.mtbf_source("default: no mtbf_s given and no failure seen yet")
-        # whole seconds: the default refined by a second of failure-free time is no news
-        mtbf = f"{outline.mtbf_s:.0f}" if outline.mtbf_s >= 10 else f"{outline.mtbf_s:.3g}"
-        length = f"of {total} steps" if total is not None else "over a rolling horizon"
-        if first is None:
-            when = "no save planned before the end" + (
-                " (only the final save)" if self.save_on_train_end else ""
-            )
-        else:
-            when = f"first save at step {first} (in ~{(first - step) * step_time:.3g} s)"
-        every = (
-            f"then every {interval} steps (~{interval * step_time:.3g} s)"
-            if interval
-            else "no further save planned yet"
+        line, warn = outline.line(
+            step,
+            adapter="CociCheckpoint",
+            objective=self.objective,
+            final_save=self.save_on_train_end,
         )
-        head = f"coci: plan ({report.policy} policy, {self.objective} objective) {length}: {when}"
-        if outline.fixed_interval:
-            message = f"{head}, {every}; {outline.fixed_advice('CociCheckpoint')}."
-        else:
-            message = (
-                f"{head}, {every}; MTBF assumed {mtbf} s ({source}). Change it with "
-                "CociCheckpoint(mtbf_s=..., every_n_steps=N (a cap on the interval), "
-                "policy='every_n_steps'); the plan is re-made as costs are measured."
-            )
-        if first is None:
-            logger.warning(message)
-        else:
-            logger.info(message)
+        (logger.warning if warn else logger.info)(line)
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -20,7 +20,7 @@ from coci_core.errors import CociError, ConfigError
 from coci_core.planner import Termination
 from coci_core.preemption import Preemption, SignalNotice
 from coci_core.storage import is_url
-from coci_core.training import PlanOutline, TensorBoardTelemetry, newest_step_dir
+from coci_core.training import TensorBoardTelemetry, newest_step_dir
 
 logger = logging.getLogger(__name__)
 
@@ -193,36 +193,6 @@ def best_to_load(trainer: Trainer, kept: list[int]) -> tuple[int, float] | None:
             kept,
         )
     return best
-
-
-def plan_line(outline: PlanOutline, total_source: str) -> str:
-    """The log line at the first step: what coci plans and how to change it."""
-    report, every = outline.report, outline.every_n_steps
-    if report.next_steps:
-        first = f"first planned save at step {report.next_steps[0]}"
-    else:
-        first = "first save planned once a few step times are measured"
-    if report.interval_steps is not None:
-        interval = f"every {report.interval_steps} steps"
-    elif report.policy == "every_n_steps" and every is not None:
-        interval = f"every {every} steps"
-    elif report.policy == "every_n_seconds":
-        interval = f"every {outline.every_n_seconds} s"
-    else:
-        interval = "interval from the measured costs"
-    total = (
-        f"{outline.total_steps} total steps ({total_source})"
-        if outline.total_steps is not None
-        else "total steps unknown (rolling horizon)"
-    )
-    head = f"coci: plan at step {report.step}: policy {report.policy}, {total}; {first}, {interval}"
-    if outline.fixed_interval:
-        return f"{head}; {outline.fixed_advice('CociCallback')}"
-    source = outline.mtbf_source("coci's default, refined from restarts")
-    return (
-        f"{head}; MTBF {outline.mtbf_s:.0f} s assumed ({source}); "
-        "change with CociCallback(mtbf_s=, every_n_steps=, policy=)"
-    )
 
 
 def jit_checkpoint_off(trainer: Trainer, preemption: Preemption | None) -> bool:

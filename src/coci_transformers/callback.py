@@ -81,7 +81,6 @@ from coci_transformers._trainer import (
     early_stopping,
     jit_checkpoint_off,
     metric,
-    plan_line,
     planned_steps,
     record_step,
     same_directory,
@@ -758,7 +757,15 @@ class CociCallback(TrainerCallback):
 
     def _announce_plan(self) -> None:
         """One log line at the first step: what coci plans and how to change it."""
-        logger.info(plan_line(self._checkpointer().plan_outline(), self._total_source))
+        outline = self._checkpointer().plan_outline()
+        line, warn = outline.line(
+            outline.report.step,
+            adapter="CociCallback",
+            objective=self.options.objective,
+            total_source=self._total_source,
+            final_save=self.save_on_train_end,
+        )
+        (logger.warning if warn else logger.info)(line)
 
 
 def _when_restoring(

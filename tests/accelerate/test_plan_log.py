@@ -49,8 +49,9 @@ def test_plan_from_the_loaders_length(tmp_path: Path, caplog: pytest.LogCaptureF
     save, the interval and how to change it: a fixed interval, which no MTBF moves."""
     (line,) = _plan_lines(tmp_path, caplog, policy="every_n_steps", every_n_steps=4, num_epochs=3)
     assert "plan at step 1" in line
-    assert "36 total steps (len(dataloader) 12 x num_epochs 3)" in line
-    assert "first planned save at step 4, every 4 steps" in line
+    assert "(every_n_steps policy, time objective)" in line
+    assert "of 36 steps (len(dataloader) 12 x num_epochs 3)" in line
+    assert "first save at step 4" in line and "then every 4 steps" in line
     assert "s assumed" not in line and "mtbf_s=" not in line
     assert "a fixed interval: the MTBF and the measured costs do not change it" in line
     assert "CociCheckpointer(every_n_steps=N)" in line
@@ -59,8 +60,8 @@ def test_plan_from_the_loaders_length(tmp_path: Path, caplog: pytest.LogCaptureF
 def test_plan_with_given_total_and_mtbf(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """total_steps and mtbf_s given: the line says so."""
     (line,) = _plan_lines(tmp_path, caplog, total_steps=100, mtbf_s=3600.0)
-    assert "100 total steps (given as total_steps)" in line
-    assert "MTBF 3600 s assumed (given as mtbf_s)" in line
+    assert "of 100 steps (given as total_steps)" in line
+    assert "MTBF assumed 3600 s (given as mtbf_s)" in line
     assert "mtbf_s=" in line  # how to change it
 
 

@@ -22,8 +22,8 @@ def _check_each_line_once(stderr: str) -> None:
     (fresh,) = _lines(stderr, r"starting fresh")
     assert fresh.startswith("coci: no committed checkpoint in ")
     (plan,) = _lines(stderr, r"coci: plan at step")
-    assert "first planned save at step 5, every 5 steps" in plan
-    assert "12 total steps (given as total_steps)" in plan
+    assert "first save at step 5" in plan and "then every 5 steps" in plan
+    assert "of 12 steps (given as total_steps)" in plan
     for step in (5, 10, 12):  # one line per save: the verbose one, no second from the engine
         (line,) = _lines(stderr, rf"(\bstep {step} saved\b|\bsaved step {step}\b)")
         assert f"coci: step {step} saved: stall " in line and " MB written" in line

@@ -100,3 +100,76 @@ class PlanOutline:
         if grown >= 0.5:
             return f"{default}, plus the {grown:.0f} s run without a failure"
         return default
+
+    def line(
+        self,
+        step: int,
+        *,
+        adapter: str,
+        objective: str,
+        total_source: str | None = None,
+        total_hint: str | None = None,
+        final_save: bool = True,
+    ) -> tuple[str, bool]:
+        """The plan line every adapter logs once (rank 0), in one wording: the plan, when
+        the first save comes and how often, the MTBF and where it comes from, and how to
+        change it with ``adapter``'s arguments; and whether it is a warning (no save is
+        planned before the end).
+
+        Args:
+            step: the step the line is told at.
+            adapter: the class the user made (named in the advice).
+            objective: the planner's objective.
+            total_source: where the total steps come from ("given as total_steps").
+            total_hint: how to give the total, said when it is unknown.
+            final_save: whether the adapter saves at the end of training.
+        """
+        report, total, every = self.report, self.total_steps, self.every_n_steps
+        ahead = [s for s in report.next_steps if s > step]
+        first = ahead[0] if ahead else None
+        interval = ahead[1] - ahead[0] if len(ahead) > 1 else report.interval_steps
+        if interval is None and report.policy == "every_n_steps":
+            interval = every
+        if first is not None and total is not None and first > total:
+            first = None
+        step_time = self.step_time_s
+        if total is None:
+            length = "over a rolling horizon" + (f" ({total_hint})" if total_hint else "")
+        else:
+            length = f"of {total} steps" + (f" ({total_source})" if total_source else "")
+        measuring = first is None and step_time == 0 and not self.fixed_interval
+        warn = first is None and not measuring and report.policy != "every_n_seconds"
+        if report.policy == "every_n_seconds":
+            when = f"a save every {self.every_n_seconds:g} s"
+        elif measuring:
+            when = "first save planned once a few step times are measured"
+        elif first is None:
+            when = "no save planned before the end"
+            when += " (only the final save)" if final_save else ""
+        else:
+            when = f"first save at step {first}" + _took(first - step, step_time, "in ")
+        if report.policy == "every_n_seconds":
+            then = ""
+        elif interval:
+            then = f", then every {interval} steps" + _took(interval, step_time)
+        else:
+            then = ", then at an interval from the measured costs" + (
+                f", at most {every} steps" if every is not None else ""
+            )
+        head = f"coci: plan at step {step} ({report.policy} policy, {objective} objective) {length}"
+        if self.fixed_interval:
+            return f"{head}: {when}{then}; {self.fixed_advice(adapter)}.", warn
+        # whole seconds: the default refined by a second of failure-free time is no news
+        mtbf = f"{self.mtbf_s:.0f}" if self.mtbf_s >= 10 else f"{self.mtbf_s:.3g}"
+        source = self.mtbf_source("coci's default: no mtbf_s given and no failure seen yet")
+        return (
+            f"{head}: {when}{then}; MTBF assumed {mtbf} s ({source}). Change it with "
+            f"{adapter}(mtbf_s=..., every_n_steps=N (a cap on the interval), "
+            "policy='every_n_steps'); the plan is re-made as costs are measured.",
+            warn,
+        )
+
+
+def _took(steps: int, step_time_s: float, prefix: str = "") -> str:
+    """`` (~X s)`` for ``steps`` of ``step_time_s``, once step times are measured."""
+    return f" ({prefix}~{steps * step_time_s:.3g} s)" if step_time_s > 0 else ""
