@@ -15,6 +15,7 @@ real framework's, in child processes, killed with a real SIGKILL."""
 from __future__ import annotations
 
 import math
+import re
 import signal
 import subprocess
 from dataclasses import dataclass
@@ -221,11 +222,14 @@ def test_report_reads_the_runs_telemetry(
 def test_the_user_reads_each_line_once_on_stderr(
     driver: AdapterDriver, reference: Reference
 ) -> None:
-    """With no logging configured and ``verbose=True``: one plan line, one line per save and
-    one summary, on stderr (as the framework's own messages), none on stdout."""
+    """With no logging configured and ``verbose=True``: one plan line (in the words every
+    adapter uses, naming this adapter's class), one line per save and one summary, on stderr
+    (as the framework's own messages), none on stdout."""
     plan = Plan.of(driver)
     lines = [line for line in reference.stderr.splitlines() if line.startswith("coci: ")]
-    assert len([line for line in lines if line.startswith("coci: plan ")]) == 1, lines
+    (told,) = [line for line in lines if line.startswith("coci: plan ")]
+    assert re.match(r"coci: plan at step \d+ \(every_n_steps policy, time objective\)", told)
+    assert f"then every {plan.every} steps" in told and f"{driver.adapter.__name__}(" in told
     saved = [line for line in lines if " saved: stall " in line]
     assert [int(line.split()[2]) for line in saved] == plan.saves(), lines
     assert all(" MB written" in line for line in saved)
