@@ -187,8 +187,11 @@ def test_a_notice_of_a_known_end_moves_the_save_to_the_last_step_that_fits(
     assert stop["at"] > stop["noticed_at"] + 50  # about 150 steps fit before the deadline
     records = read_jsonl(tmp_path / "telemetry.jsonl")
     plans = [r for r in records if r["type"] == "plan" and r["step"] >= stop["noticed_at"]]
-    assert plans and plans[-1]["next_steps"] == [stop["at"]]
-    assert plans[-1]["plan_method"].startswith("preemption notice: SIGUSR1")
+    ahead = [r for r in plans if r["step"] < stop["at"]]  # the plan in force until the save
+    assert ahead and ahead[-1]["next_steps"] == [stop["at"]]
+    assert ahead[-1]["plan_method"].startswith("preemption notice: SIGUSR1")
+    # the record at the save: the plan has moved past it, as at any planned save
+    assert plans[-1]["step"] == stop["at"] and plans[-1]["next_steps"] == []
     (notice,) = [r for r in records if r["type"] == "preemption"]
     assert notice["noticed_at"] == stop["noticed_at"] and notice["step"] == stop["at"]
     assert 3 < notice["noticed_left_s"] <= 4
@@ -335,3 +338,43 @@ def test_a_rank_gone_at_a_step_boundary_is_named_not_a_gloo_error() -> None:
     (error,) = [line for line in out0 if line.startswith("ERROR")]
     assert error.startswith("ERROR CociError the ranks could not compare preemption notices")
     assert "another rank has most likely exited" in error
+
+
+def test_a_notice_at_a_planned_step_moves_the_plan_past_it(tmp_path: Path) -> None:
+    """SIGTERM at the step the plan saves at: the notice's save is that planned save, so the
+    plan saved with it has moved past it, and the resumed run does not take it as still due
+    (it saved again at the first step after the resume)."""
+    import torch
+
+    from coci_core import Preempted
+    from coci_core.training import Checkpointer
+
+    options: dict[str, Any] = {
+        "policy": "coci",
+        "mtbf_s": 600.0,
+        "preemption": "TERM@30",
+        "planner_options": {"total_steps": 100, "step_time_s": 1.0, "stall_s": 1.0},
+    }
+    ckpt = Checkpointer(tmp_path, **options)
+    ckpt.watch_preemption()
+    try:
+        ckpt.observe(1)
+        planned = ckpt.planner.schedule[0]
+        assert not any(ckpt.should_save(s) for s in range(1, planned))
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler runs before the next line
+        assert ckpt.should_save(planned) and ckpt.preempted is not None
+        ckpt.save(planned, {"w": torch.zeros(2), "coci": ckpt.state_dict(), "step": planned})
+        with pytest.raises(Preempted):
+            ckpt.stop_if_preempted()
+    finally:
+        ckpt.close()
+    resumed = Checkpointer(tmp_path, **options)
+    try:
+        state = resumed.restore()
+        resumed.load_state_dict(state["coci"])  # the plan, as the adapters restore it
+        assert state["step"] == planned
+        assert all(s > planned for s in resumed.planner.schedule)
+        resumed.observe(planned + 1)
+        assert not resumed.should_save(planned + 1)
+    finally:
+        resumed.close()

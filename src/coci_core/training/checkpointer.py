@@ -402,6 +402,8 @@ class Checkpointer:
             if checked is not None:
                 self.preempted = checked
                 self._on_notice(checked)
+                if checked.save:  # the plan saved with it moves past this step
+                    self.planner.take_save(step)
                 return checked.save
         if self.preempted is not None:
             return False
