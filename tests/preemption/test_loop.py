@@ -378,3 +378,37 @@ def test_a_notice_at_a_planned_step_moves_the_plan_past_it(tmp_path: Path) -> No
         assert not resumed.should_save(planned + 1)
     finally:
         resumed.close()
+
+
+def test_a_resumed_run_plans_a_known_end_from_the_saves_measured_before_it(
+    tmp_path: Path,
+) -> None:
+    """The save times measured before a resume count at the resumed run's first notice: a
+    known end (SIGUSR1 30 s ahead) before its first save of its own moves the save to the last
+    step that fits (it stopped at once, "the save's time is not measured yet")."""
+    import torch
+
+    from coci_core.training import Checkpointer
+
+    options: dict[str, Any] = {"policy": "every_n_steps", "every_n_steps": 10**9}
+    first = Checkpointer(tmp_path, **options)
+    try:
+        first.save(1, {"w": torch.zeros(2), "step": 1})
+        first.wait()  # its time to durable is measured
+        first.save(2, {"w": torch.zeros(2), "coci": first.state_dict(), "step": 2})
+    finally:
+        first.close()
+    resumed = Checkpointer(tmp_path, preemption="USR1@30", **options)
+    try:
+        resumed.load_state_dict(resumed.restore()["coci"])
+        resumed.watch_preemption()
+        for step in range(3, 12):  # steps of a few microseconds each
+            resumed.observe(step)
+            assert not resumed.should_save(step)
+        os.kill(os.getpid(), signal.SIGUSR1)  # the handler runs before the next line
+        resumed.observe(12)
+        assert not resumed.should_save(12)
+        assert resumed.preempted is None and resumed.notice_plan is not None
+        assert resumed.notice_plan.save_at > 1000  # training goes on towards the deadline
+    finally:
+        resumed.close()

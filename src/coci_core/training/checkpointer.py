@@ -763,16 +763,26 @@ class Checkpointer:
         )
 
     def state_dict(self) -> dict[str, Any]:
-        """The planner's estimates (JSON), so that a resumed run keeps them, and the run's
-        ``keep_last``."""
-        return {"planner": self.planner.state_dict(), "keep_last": self.manager.keep_last}
+        """The planner's estimates (JSON), so that a resumed run keeps them, the run's
+        ``keep_last``, and the time the last committed saves took to be durable (what a
+        preemption notice's decision is made from)."""
+        return {
+            "planner": self.planner.state_dict(),
+            "keep_last": self.manager.keep_last,
+            "durable_s": list(self._durable_s),
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore the planner's estimates."""
+        """Restore the planner's estimates and the measured save times."""
         if "planner" in state:
             self.planner.load_state_dict(dict(state["planner"]))
         kept = state.get("keep_last", _UNKNOWN)
         self._restored_keep_last = kept if kept is None or type(kept) is int else _UNKNOWN
+        durable = state.get("durable_s")
+        if isinstance(durable, list) and all(
+            type(t) in (int, float) and math.isfinite(t) and t >= 0 for t in durable
+        ):  # a resumed run's first notice judges its save by the run's saves before
+            self._durable_s = [*[float(t) for t in durable], *self._durable_s][-4:]
 
 
 _UNKNOWN = object()  # a checkpoint that does not say its keep_last (older, or forged)
