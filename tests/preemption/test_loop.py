@@ -18,7 +18,7 @@ import pytest
 
 from coci_core import CheckpointManager
 from coci_core.telemetry import read_jsonl
-from coci_core.telemetry.report import preemption_line
+from coci_core.telemetry.report import notices, preemption_line, render, summarize
 from tests.harness.processes import Child, free_port, module, rank_env, script
 from tests.preemption.metadata_server import MetadataServer
 
@@ -110,6 +110,30 @@ def test_a_save_that_cannot_fit_the_grace_period_is_not_started(tmp_path: Path) 
     )
 
 
+def test_a_notice_whose_save_a_sigkill_cuts_short_is_in_the_report(tmp_path: Path) -> None:
+    """SIGTERM, then SIGKILL sooner than the grace period coci was told (30 s), while the
+    notice's save is being written: ``coci report`` names the notice and says that its save
+    was not durable (it said nothing of it: the notice's record was written once the save was
+    durable); the newest checkpoint stays the previous one."""
+    args = {"dir": str(tmp_path), "sources": ["TERM@30"], "write_delay_s": 2, "telemetry": True}
+    lines: list[str] = []
+    with Child(module(CHILD, json.dumps(args)), stderr=subprocess.DEVNULL) as child:
+        assert _until(child, "READY", lines)
+        os.kill(child.pid, signal.SIGTERM)
+        assert _until(child, "SAVED", lines)  # the notice's save began: its write takes 2 s
+        child.kill()
+        assert child.wait() == -signal.SIGKILL
+    (notice,) = notices(read_jsonl(tmp_path / "telemetry.jsonl"))
+    assert notice["save"] and notice["saved"] is None and notice["step"] > 5
+    assert _restored(tmp_path)[0] == 5
+    report = render(summarize(tmp_path))
+    assert (
+        f"preemption notice (SIGTERM) at step {notice['step']}, 30.0 s left: not saved: the "
+        "process ended before the save was durable (killed before the deadline coci was "
+        "given?)"
+    ) in report, report
+
+
 def test_the_aws_spot_notice_from_the_metadata_endpoint(tmp_path: Path) -> None:
     """The notice's time is the end (two minutes ahead on EC2; 3 to 4 s here): training goes
     on to the last step before it at which the save fits, saves it and stops."""
@@ -192,7 +216,9 @@ def test_a_notice_of_a_known_end_moves_the_save_to_the_last_step_that_fits(
     assert ahead[-1]["plan_method"].startswith("preemption notice: SIGUSR1")
     # the record at the save: the plan has moved past it, as at any planned save
     assert plans[-1]["step"] == stop["at"] and plans[-1]["next_steps"] == []
-    (notice,) = [r for r in records if r["type"] == "preemption"]
+    pending, notice = [r for r in records if r["type"] == "preemption"]
+    assert pending["pending"] and pending["saved"] is None  # the decision, before its save
+    assert notices(records) == [notice] and "pending" not in notice
     assert notice["noticed_at"] == stop["noticed_at"] and notice["step"] == stop["at"]
     assert 3 < notice["noticed_left_s"] <= 4
     # as late as fits: less than a second more than the margin left at the planned step; the

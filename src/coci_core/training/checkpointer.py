@@ -402,6 +402,7 @@ class Checkpointer:
             if checked is not None:
                 self.preempted = checked
                 self._on_notice(checked)
+                self._record_preemption(checked, None, None, pending=True)
                 if checked.save:  # the plan saved with it moves past this step
                     self.planner.take_save(step)
                 return checked.save
@@ -530,10 +531,16 @@ class Checkpointer:
         )
 
     def _record_preemption(
-        self, decision: PreemptionDecision, saved: int | None, save_s: float | None
+        self,
+        decision: PreemptionDecision,
+        saved: int | None,
+        save_s: float | None,
+        *,
+        pending: bool = False,
     ) -> None:
         """The notice, the decision and its outcome, to the sinks that keep it (before they
-        are closed)."""
+        are closed); ``pending``: the decision alone, before its save (a kill during the save
+        leaves this record to tell of the notice)."""
         for sink in self.sinks:
             record = getattr(sink, "record_preemption", None)
             if record is None:
@@ -552,6 +559,7 @@ class Checkpointer:
                     noticed_at=decision.noticed_at,
                     noticed_left_s=decision.noticed_left_s,
                     noticed_source=decision.noticed_source,
+                    pending=pending,
                 )
             except Exception:
                 logger.exception("coci telemetry sink %r failed", sink)
