@@ -684,6 +684,15 @@ class Checkpointer:
         (a rerun of the finished script would do that work again)."""
         self._resumed_unfinished = True
 
+    def restored_from(self) -> str:
+        """Where the last restore read its checkpoint, for the log line that names it: the
+        remote tier's URL when it came from there (a new machine, its local directory
+        empty), else the directory's."""
+        event, remote = self.manager.last_restore, self.manager.remote
+        if event is not None and event.tier == "remote" and remote is not None:
+            return f"{remote.remote.url} (the remote tier)"
+        return self.manager.storage.url
+
     def restored_elsewhere(self, run: str, event: RestoreEvent, sequence: int = 0) -> None:
         """A checkpoint of this directory was restored by other code (Lightning's own
         restore through coci's CheckpointIO, with :func:`restore_newest`): continue its run
