@@ -393,7 +393,7 @@ class CociCheckpointer:
             logger.info(
                 "coci: Accelerate restores step %d from %s",
                 count,
-                self.checkpointer.manager.storage.url,
+                self.checkpointer.restored_from(),
             )
             _log_skip_advice(self.accelerator, count)
         return count

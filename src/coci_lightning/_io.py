@@ -150,14 +150,15 @@ class CociCheckpointIO(CheckpointIO):
                 check=check_saved_rng,
             )
         self.restored_path = str(path)
+        tier = self.remote if event.tier == "remote" and self.remote else None
         if loaded.step != _step_of(step):
-            tier = self.remote if event.tier == "remote" and self.remote else None
             base = tier or getattr(self, "directory", None) or str(root)
             self.restored_path = f"{str(base).rstrip('/')}/{step_dir_name(loaded.step)}"
         if self.on_restore is not None:
             self.on_restore(loaded, event)
         if self.rank == 0:
-            logger.info("coci: Lightning restores step %d from %s", loaded.step, root)
+            where = f"{tier} (the remote tier)" if tier else root
+            logger.info("coci: Lightning restores step %d from %s", loaded.step, where)
         return loaded.state
 
     def remove_checkpoint(self, path: Any) -> None:

@@ -423,7 +423,7 @@ class CociCallback(TrainerCallback):
             logger.info(
                 "coci: the Trainer restores step %d from %s",
                 state["global_step"],
-                checkpointer.manager.storage.url,
+                checkpointer.restored_from(),
             )
         checkpointer.load_state_dict(state.get("coci", {}))
         self._restored = state

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
@@ -39,15 +41,20 @@ def _run(root: Path, remote: Path, steps: int) -> tuple[int, torch.nn.Linear]:
     return start, model
 
 
-def test_a_new_node_resumes_from_the_remote_tier(tmp_path: Path) -> None:
+def test_a_new_node_resumes_from_the_remote_tier(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """Steps 3 and 6 reach the remote tier; on a node without the local directory,
-    ``resume()`` returns 6 from the remote and the run ends where an uninterrupted one does."""
+    ``resume()`` returns 6 from the remote (the log line names it, not the empty local
+    directory) and the run ends where an uninterrupted one does."""
     remote = tmp_path / "remote"
     _run(tmp_path / "node1", remote, 6)
     assert CheckpointManager(remote, keep_last=None).steps() == [3, 6]
     shutil.rmtree(tmp_path / "node1")
-    start, resumed = _run(tmp_path / "node2", remote, 9)
+    with caplog.at_level(logging.INFO, logger="coci_accelerate"):
+        start, resumed = _run(tmp_path / "node2", remote, 9)
     assert start == 6
+    assert f"coci: Accelerate restores step 6 from {remote} (the remote tier)" in caplog.text
     _, reference = _run(tmp_path / "reference", tmp_path / "reference-remote", 9)
     assert torch.equal(resumed.weight, reference.weight)
     assert torch.equal(resumed.bias, reference.bias)

@@ -388,10 +388,13 @@ def test_every_n_epochs_is_checked() -> None:
         CociCheckpoint(every_n_epochs=0)
 
 
-def test_a_new_node_resumes_from_the_remote_tier(tmp_path: Path, reference: DigitsModel) -> None:
+def test_a_new_node_resumes_from_the_remote_tier(
+    tmp_path: Path, reference: DigitsModel, caplog: pytest.LogCaptureFixture
+) -> None:
     """With ``remote=``, each checkpoint also reaches the remote tier; a second fit on a node
     whose local directory is gone (``resume=True``) continues from the remote's newest step
-    and ends bit-identical to an uninterrupted run."""
+    (the log line names it, not the empty local directory) and ends bit-identical to an
+    uninterrupted run."""
     remote = tmp_path / "remote"
     first = CociCheckpoint(
         tmp_path / "node1",
@@ -410,7 +413,9 @@ def test_a_new_node_resumes_from_the_remote_tier(tmp_path: Path, reference: Digi
         resume=True,
         remote=str(remote),
     )
-    resumed = _fit(tmp_path, 40, [second], seed=99)  # another seed: the state comes back
+    with caplog.at_level("INFO", logger="coci_lightning"):
+        resumed = _fit(tmp_path, 40, [second], seed=99)  # another seed: the state comes back
+    assert f"coci: Lightning restores step 20 from {remote} (the remote tier)" in caplog.text
     assert digest(resumed) == digest(reference)
     assert CheckpointManager(tmp_path / "node2", keep_last=None).steps()[-1] == 40
 

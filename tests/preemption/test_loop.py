@@ -18,7 +18,7 @@ import pytest
 
 from coci_core import CheckpointManager
 from coci_core.telemetry import read_jsonl
-from coci_core.telemetry.report import preemption_line
+from coci_core.telemetry.report import notices, preemption_line, render, summarize
 from tests.harness.processes import Child, free_port, module, rank_env, script
 from tests.preemption.metadata_server import MetadataServer
 
@@ -110,6 +110,30 @@ def test_a_save_that_cannot_fit_the_grace_period_is_not_started(tmp_path: Path) 
     )
 
 
+def test_a_notice_whose_save_a_sigkill_cuts_short_is_in_the_report(tmp_path: Path) -> None:
+    """SIGTERM, then SIGKILL sooner than the grace period coci was told (30 s), while the
+    notice's save is being written: ``coci report`` names the notice and says that its save
+    was not durable (it said nothing of it: the notice's record was written once the save was
+    durable); the newest checkpoint stays the previous one."""
+    args = {"dir": str(tmp_path), "sources": ["TERM@30"], "write_delay_s": 2, "telemetry": True}
+    lines: list[str] = []
+    with Child(module(CHILD, json.dumps(args)), stderr=subprocess.DEVNULL) as child:
+        assert _until(child, "READY", lines)
+        os.kill(child.pid, signal.SIGTERM)
+        assert _until(child, "SAVED", lines)  # the notice's save began: its write takes 2 s
+        child.kill()
+        assert child.wait() == -signal.SIGKILL
+    (notice,) = notices(read_jsonl(tmp_path / "telemetry.jsonl"))
+    assert notice["save"] and notice["saved"] is None and notice["step"] > 5
+    assert _restored(tmp_path)[0] == 5
+    report = render(summarize(tmp_path))
+    assert (
+        f"preemption notice (SIGTERM) at step {notice['step']}, 30.0 s left: not saved: the "
+        "process ended before the save was durable (killed before the deadline coci was "
+        "given?)"
+    ) in report, report
+
+
 def test_the_aws_spot_notice_from_the_metadata_endpoint(tmp_path: Path) -> None:
     """The notice's time is the end (two minutes ahead on EC2; 3 to 4 s here): training goes
     on to the last step before it at which the save fits, saves it and stops."""
@@ -187,9 +211,14 @@ def test_a_notice_of_a_known_end_moves_the_save_to_the_last_step_that_fits(
     assert stop["at"] > stop["noticed_at"] + 50  # about 150 steps fit before the deadline
     records = read_jsonl(tmp_path / "telemetry.jsonl")
     plans = [r for r in records if r["type"] == "plan" and r["step"] >= stop["noticed_at"]]
-    assert plans and plans[-1]["next_steps"] == [stop["at"]]
-    assert plans[-1]["plan_method"].startswith("preemption notice: SIGUSR1")
-    (notice,) = [r for r in records if r["type"] == "preemption"]
+    ahead = [r for r in plans if r["step"] < stop["at"]]  # the plan in force until the save
+    assert ahead and ahead[-1]["next_steps"] == [stop["at"]]
+    assert ahead[-1]["plan_method"].startswith("preemption notice: SIGUSR1")
+    # the record at the save: the plan has moved past it, as at any planned save
+    assert plans[-1]["step"] == stop["at"] and plans[-1]["next_steps"] == []
+    pending, notice = [r for r in records if r["type"] == "preemption"]
+    assert pending["pending"] and pending["saved"] is None  # the decision, before its save
+    assert notices(records) == [notice] and "pending" not in notice
     assert notice["noticed_at"] == stop["noticed_at"] and notice["step"] == stop["at"]
     assert 3 < notice["noticed_left_s"] <= 4
     # as late as fits: less than a second more than the margin left at the planned step; the
@@ -335,3 +364,77 @@ def test_a_rank_gone_at_a_step_boundary_is_named_not_a_gloo_error() -> None:
     (error,) = [line for line in out0 if line.startswith("ERROR")]
     assert error.startswith("ERROR CociError the ranks could not compare preemption notices")
     assert "another rank has most likely exited" in error
+
+
+def test_a_notice_at_a_planned_step_moves_the_plan_past_it(tmp_path: Path) -> None:
+    """SIGTERM at the step the plan saves at: the notice's save is that planned save, so the
+    plan saved with it has moved past it, and the resumed run does not take it as still due
+    (it saved again at the first step after the resume)."""
+    import torch
+
+    from coci_core import Preempted
+    from coci_core.training import Checkpointer
+
+    options: dict[str, Any] = {
+        "policy": "coci",
+        "mtbf_s": 600.0,
+        "preemption": "TERM@30",
+        "planner_options": {"total_steps": 100, "step_time_s": 1.0, "stall_s": 1.0},
+    }
+    ckpt = Checkpointer(tmp_path, **options)
+    ckpt.watch_preemption()
+    try:
+        ckpt.observe(1)
+        planned = ckpt.planner.schedule[0]
+        assert not any(ckpt.should_save(s) for s in range(1, planned))
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler runs before the next line
+        assert ckpt.should_save(planned) and ckpt.preempted is not None
+        ckpt.save(planned, {"w": torch.zeros(2), "coci": ckpt.state_dict(), "step": planned})
+        with pytest.raises(Preempted):
+            ckpt.stop_if_preempted()
+    finally:
+        ckpt.close()
+    resumed = Checkpointer(tmp_path, **options)
+    try:
+        state = resumed.restore()
+        resumed.load_state_dict(state["coci"])  # the plan, as the adapters restore it
+        assert state["step"] == planned
+        assert all(s > planned for s in resumed.planner.schedule)
+        resumed.observe(planned + 1)
+        assert not resumed.should_save(planned + 1)
+    finally:
+        resumed.close()
+
+
+def test_a_resumed_run_plans_a_known_end_from_the_saves_measured_before_it(
+    tmp_path: Path,
+) -> None:
+    """The save times measured before a resume count at the resumed run's first notice: a
+    known end (SIGUSR1 30 s ahead) before its first save of its own moves the save to the last
+    step that fits (it stopped at once, "the save's time is not measured yet")."""
+    import torch
+
+    from coci_core.training import Checkpointer
+
+    options: dict[str, Any] = {"policy": "every_n_steps", "every_n_steps": 10**9}
+    first = Checkpointer(tmp_path, **options)
+    try:
+        first.save(1, {"w": torch.zeros(2), "step": 1})
+        first.wait()  # its time to durable is measured
+        first.save(2, {"w": torch.zeros(2), "coci": first.state_dict(), "step": 2})
+    finally:
+        first.close()
+    resumed = Checkpointer(tmp_path, preemption="USR1@30", **options)
+    try:
+        resumed.load_state_dict(resumed.restore()["coci"])
+        resumed.watch_preemption()
+        for step in range(3, 12):  # steps of a few microseconds each
+            resumed.observe(step)
+            assert not resumed.should_save(step)
+        os.kill(os.getpid(), signal.SIGUSR1)  # the handler runs before the next line
+        resumed.observe(12)
+        assert not resumed.should_save(12)
+        assert resumed.preempted is None and resumed.notice_plan is not None
+        assert resumed.notice_plan.save_at > 1000  # training goes on towards the deadline
+    finally:
+        resumed.close()

@@ -4,6 +4,7 @@ SIGKILLed mid-epoch resuming bit-identical is tests/contract's, for every adapte
 
 from __future__ import annotations
 
+import shutil
 import socket
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,23 @@ def test_bad_options_are_refused_by_name(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"fsdp=.*not FSDP1"):
         check_arguments(fsdp1)
     check_arguments(arguments(tmp_path, 4, fsdp="full_shard", fsdp_config={"version": 2}))
+
+
+def test_a_new_machine_resumes_from_the_remote_tier_and_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The output directory gone (a new spot machine), ``train(resume_from_checkpoint=True)``
+    restores the remote tier's newest step, and the log line names the remote tier, not the
+    empty local directory."""
+    remote = tmp_path / "remote"
+    coci = {"policy": "every_n_steps", "remote": str(remote)}
+    train(tmp_path / "out", 4, callback=CociCallback(**coci))  # saves 3 and 4
+    shutil.rmtree(tmp_path / "out")
+    AcceleratorState._reset_state(True)
+    with caplog.at_level("INFO", logger="coci_transformers"):
+        resumed = train(tmp_path / "out", 6, resume=True, callback=CociCallback(**coci))
+    assert resumed["start"] == 4
+    assert f"coci: the Trainer restores step 4 from {remote} (the remote tier)" in caplog.text
 
 
 def test_resume_from_a_step_directory(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

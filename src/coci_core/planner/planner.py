@@ -248,6 +248,16 @@ class Planner:
         except Exception:
             return False
 
+    def take_save(self, step: int) -> None:
+        """A save taken at ``step`` outside the plan's answer (a preemption notice's): it
+        stands for any planned save up to ``step``, so the plan moves past them, as
+        :meth:`should_save` answering True would have moved it (a run resumed from that save
+        does not take a planned step it passed as still due)."""
+        k = int(step)
+        if self._settings.fixed_every is None or self._plan.notice is not None:
+            self._plan.take(k)
+        self._obs.mark_save(k)
+
     def record_save(
         self,
         *,

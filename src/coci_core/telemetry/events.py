@@ -332,6 +332,7 @@ class JsonlRecords:
         noticed_at: int | None = None,
         noticed_left_s: float | None = None,
         noticed_source: str | None = None,
+        pending: bool = False,
     ) -> None:
         """A preemption notice: the step of the decision (where the ranks learned of it, or
         where its save was moved to before a known end), its source, the seconds left then,
@@ -339,7 +340,9 @@ class JsonlRecords:
         the ``reason`` in words) and what came of it: the step ``saved`` (None: none) and the
         time that save took to be durable; ``noticed_at``, ``noticed_left_s`` and
         ``noticed_source``: the step at which the ranks learned of it, the seconds left then
-        and that notice's source (``source`` is the one in force at ``step``)."""
+        and that notice's source (``source`` is the one in force at ``step``). ``pending``:
+        written at the decision, before the save (its outcome's record replaces it; alone, it
+        tells of a process that ended first)."""
         self._write(
             {
                 "type": "preemption",
@@ -357,6 +360,7 @@ class JsonlRecords:
                     float(time_left_s if noticed_left_s is None else noticed_left_s)
                 ),
                 "noticed_source": str(source if noticed_source is None else noticed_source),
+                **({"pending": True} if pending else {}),
             }
         )
 

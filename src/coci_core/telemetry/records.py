@@ -150,6 +150,7 @@ SCHEMA: dict[str, dict[str, _Check]] = {
         "noticed_at": _opt_step,
         "noticed_left_s": _number,
         "noticed_source": _STR,
+        "pending": _BOOL,
     },
     "progress": {},
     "end": {"failed": _BOOL},

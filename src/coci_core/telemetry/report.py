@@ -93,7 +93,7 @@ class RunSummary:
         self.uploads = [r for r in records if r.get("type") == "upload"]
         self.losses = [r for r in records if r.get("type") == "loss"]
         #: the preemption notices: each one's decision and outcome
-        self.preemptions = [r for r in records if r.get("type") == "preemption"]
+        self.preemptions = notices(records)
         self.committed = [s for s in self.saves if s.get("outcome") == "committed"]
         #: every step any plan proposed, reached or not (the tab draws them)
         self.proposed = sorted({int(s) for p in self.plans for s in p.get("next_steps", [])})
@@ -541,6 +541,28 @@ def _restart_line(summary: RunSummary, resume: Restart) -> str:
     )
 
 
+def notices(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The preemption records, one per notice: the record written at a notice's decision,
+    before its save (``pending``), is replaced by its outcome's record when the session
+    wrote one; alone, it is a notice whose process ended (a SIGKILL) before that."""
+    shown: list[dict[str, Any]] = []
+    waiting: dict[tuple[Any, Any], int] = {}  # this session's pending records -> index
+    for r in records:
+        if r.get("type") in SESSION_STARTS:
+            waiting = {}
+        if r.get("type") != "preemption":
+            continue
+        key = (r.get("step"), r.get("noticed_at"))
+        if r.get("pending"):
+            waiting[key] = len(shown)
+            shown.append(r)
+        elif key in waiting:
+            shown[waiting.pop(key)] = r
+        else:
+            shown.append(r)
+    return shown
+
+
 def preemption_line(r: dict[str, Any]) -> str:
     """One preemption notice: when it came, the time left, and the step saved (and how long
     the save took) or why none was."""
@@ -568,7 +590,12 @@ def preemption_line(r: dict[str, Any]) -> str:
     if saved is not None:
         took = _num(r.get("save_s"), ".2f", unknown="?")
         return f"{head}: saved step {saved} (the save took {took} s)"
-    if r.get("save"):
+    if r.get("save") and r.get("pending"):
+        why = (
+            "the process ended before the save was durable (killed before the deadline "
+            "coci was given?)"
+        )
+    elif r.get("save"):
         why = "the save did not finish before the deadline"
     else:
         why = r.get("reason") or "no reason recorded"

@@ -28,6 +28,7 @@ from coci_core.telemetry.report import (
     STEP_RECORDS,
     RunSummary,
     facts,
+    notices,
     preemption_line,
     summarize,
 )
@@ -371,10 +372,11 @@ def from_summary(summary: RunSummary, directory: str, name: str | None = None) -
 
     preemptions = []
     session = 0
+    shown = {id(r) for r in notices(records)}  # one record per notice
     for r in records:
         if r.get("type") == "restore":
             session += 1
-        if r.get("type") != "preemption":
+        if r.get("type") != "preemption" or id(r) not in shown:
             continue
         step = int(r["step"])
         noticed = r.get("noticed_at")

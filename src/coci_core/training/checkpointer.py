@@ -402,6 +402,9 @@ class Checkpointer:
             if checked is not None:
                 self.preempted = checked
                 self._on_notice(checked)
+                self._record_preemption(checked, None, None, pending=True)
+                if checked.save:  # the plan saved with it moves past this step
+                    self.planner.take_save(step)
                 return checked.save
         if self.preempted is not None:
             return False
@@ -528,10 +531,16 @@ class Checkpointer:
         )
 
     def _record_preemption(
-        self, decision: PreemptionDecision, saved: int | None, save_s: float | None
+        self,
+        decision: PreemptionDecision,
+        saved: int | None,
+        save_s: float | None,
+        *,
+        pending: bool = False,
     ) -> None:
         """The notice, the decision and its outcome, to the sinks that keep it (before they
-        are closed)."""
+        are closed); ``pending``: the decision alone, before its save (a kill during the save
+        leaves this record to tell of the notice)."""
         for sink in self.sinks:
             record = getattr(sink, "record_preemption", None)
             if record is None:
@@ -550,6 +559,7 @@ class Checkpointer:
                     noticed_at=decision.noticed_at,
                     noticed_left_s=decision.noticed_left_s,
                     noticed_source=decision.noticed_source,
+                    pending=pending,
                 )
             except Exception:
                 logger.exception("coci telemetry sink %r failed", sink)
@@ -674,6 +684,15 @@ class Checkpointer:
         (a rerun of the finished script would do that work again)."""
         self._resumed_unfinished = True
 
+    def restored_from(self) -> str:
+        """Where the last restore read its checkpoint, for the log line that names it: the
+        remote tier's URL when it came from there (a new machine, its local directory
+        empty), else the directory's."""
+        event, remote = self.manager.last_restore, self.manager.remote
+        if event is not None and event.tier == "remote" and remote is not None:
+            return f"{remote.remote.url} (the remote tier)"
+        return self.manager.storage.url
+
     def restored_elsewhere(self, run: str, event: RestoreEvent, sequence: int = 0) -> None:
         """A checkpoint of this directory was restored by other code (Lightning's own
         restore through coci's CheckpointIO, with :func:`restore_newest`): continue its run
@@ -761,16 +780,26 @@ class Checkpointer:
         )
 
     def state_dict(self) -> dict[str, Any]:
-        """The planner's estimates (JSON), so that a resumed run keeps them, and the run's
-        ``keep_last``."""
-        return {"planner": self.planner.state_dict(), "keep_last": self.manager.keep_last}
+        """The planner's estimates (JSON), so that a resumed run keeps them, the run's
+        ``keep_last``, and the time the last committed saves took to be durable (what a
+        preemption notice's decision is made from)."""
+        return {
+            "planner": self.planner.state_dict(),
+            "keep_last": self.manager.keep_last,
+            "durable_s": list(self._durable_s),
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore the planner's estimates."""
+        """Restore the planner's estimates and the measured save times."""
         if "planner" in state:
             self.planner.load_state_dict(dict(state["planner"]))
         kept = state.get("keep_last", _UNKNOWN)
         self._restored_keep_last = kept if kept is None or type(kept) is int else _UNKNOWN
+        durable = state.get("durable_s")
+        if isinstance(durable, list) and all(
+            type(t) in (int, float) and math.isfinite(t) and t >= 0 for t in durable
+        ):  # a resumed run's first notice judges its save by the run's saves before
+            self._durable_s = [*[float(t) for t in durable], *self._durable_s][-4:]
 
 
 _UNKNOWN = object()  # a checkpoint that does not say its keep_last (older, or forged)
