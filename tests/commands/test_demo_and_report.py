@@ -168,7 +168,7 @@ def test_coci_demo_lightning_end_to_end(tmp_path: Path) -> None:
     bars = [line.split("\r")[-1] for line in err.split("\n")]
     bars = [bar for bar in bars if bar.strip().startswith("training:")]
     assert len(bars) == 3, err
-    check_one_set_of_numbers(tmp_path / "demo", out, total=200, first=True)
+    check_one_set_of_numbers(tmp_path / "demo", out, total=200)
     ends = ["200/200", f"{killed[1]}/200", "200/200"]
     assert [end in bar for end, bar in zip(ends, bars, strict=True)] == [True] * 3, bars
 

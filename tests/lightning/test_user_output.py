@@ -20,7 +20,7 @@ def _lines(stderr: str, pattern: str) -> list[str]:
 
 
 def _check_each_line_once(stderr: str) -> None:
-    (plan,) = _lines(stderr, r"coci: plan \(")
+    (plan,) = _lines(stderr, r"coci: plan at step \d+ \(")
     assert "first save at step 5" in plan and "then every 5 steps" in plan
     # a fixed interval, which no MTBF moves: said so, with how to change it
     assert "MTBF assumed" not in plan and "mtbf_s" not in plan, plan

@@ -47,23 +47,21 @@ def _report(directory: Path) -> str:
     return run(module("coci_core.commands.cli", "report", str(directory)), check=True).stdout
 
 
-def check_one_set_of_numbers(demo_dir: Path, stdout: str, total: int, first: bool) -> None:
-    """`coci demo` SIGKILLed a Lightning run (``stdout``: its lines; ``demo_dir``: its
+def check_one_set_of_numbers(demo_dir: Path, stdout: str, total: int) -> None:
+    """`coci demo` asked to SIGKILL a Lightning run before coci's first save killed it just
+    after its first committed checkpoint instead (``stdout``: its lines; ``demo_dir``: its
     ``--dir``) and resumed it: the demo's line, the report, the tab and the telemetry give the
     same lost work (the steps from the restored checkpoint to the kill), the same run length
-    and planned checkpoints, and compression 1.00x for its raw checkpoints. ``first``: the demo
-    was asked to kill before coci's first save, and killed just after its first committed
-    checkpoint instead. Called by ``tests/commands/test_demo_and_report.py``'s run of the demo
-    (one run for both)."""
+    and planned checkpoints, and compression 1.00x for its raw checkpoints. Called by
+    ``tests/commands/test_demo_and_report.py``'s run of the demo (one run for both)."""
     said = re.search(
         r"killed at step (\d+), resumed from step (\d+): (\d+) steps? of work lost", stdout
     )
     assert said, stdout
     kill, restored, lost = int(said[1]), int(said[2]), int(said[3])
-    assert 0 < restored <= kill and lost == kill - restored  # the truth, from the demo's kill
-    if first:
-        assert f"killed at step {kill}; committed checkpoints at the kill: [{restored}]" in stdout
-        assert f"restart: restored step {restored}" in _report(demo_dir / "run" / "coci")
+    assert 2 < restored <= kill and lost == kill - restored  # the truth, from the demo's kill
+    assert f"killed at step {kill}; committed checkpoints at the kill: [{restored}]" in stdout
+    assert f"restart: restored step {restored}" in _report(demo_dir / "run" / "coci")
 
     ckpt_dir = demo_dir / "run" / "coci"
     records = read_jsonl(ckpt_dir / "telemetry.jsonl")

@@ -40,7 +40,11 @@ def test_no_save_before_the_end_is_a_warning() -> None:
     line, warn = _outline(policy="coci", next_steps=(), interval_steps=None).line(
         10, adapter="CociCallback", objective="time", final_save=False
     )
-    assert "no save planned before the end," in line and warn
+    assert "no save planned before the end; MTBF" in line and warn
+    longer = _outline(policy="every_n_steps", next_steps=(), interval_steps=100)
+    line, warn = longer.line(10, adapter="CociCallback", objective="time")
+    assert "no save planned before the end (only the final save); a fixed interval" in line
+    assert "then every" not in line and warn
 
 
 def test_a_fixed_interval_names_no_mtbf_and_an_unknown_total_its_hint() -> None:

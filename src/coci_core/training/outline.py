@@ -148,7 +148,7 @@ class PlanOutline:
             when += " (only the final save)" if final_save else ""
         else:
             when = f"first save at step {first}" + _took(first - step, step_time, "in ")
-        if report.policy == "every_n_seconds":
+        if report.policy == "every_n_seconds" or warn:
             then = ""
         elif interval:
             then = f", then every {interval} steps" + _took(interval, step_time)
