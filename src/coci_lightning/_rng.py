@@ -88,8 +88,10 @@ def check_saved_rng(step: int, state: Any) -> None:
     try:
         rng = own["rng"]
         version, internal, gauss = rng["python"]
+        if gauss is not None and type(gauss) is not float:  # setstate takes it: gauss() fails
+            raise TypeError(f"its Python gauss_next is {type(gauss).__name__}")
         random.Random().setstate((version, tuple(internal), gauss))
-        if rng.get("numpy") is not None:
+        if "numpy" in rng:  # Lightning's _set_rng_states puts back whatever is there
             name, keys, pos, has_gauss, cached = rng["numpy"]
             keys = keys.numpy() if isinstance(keys, torch.Tensor) else keys
             np.random.RandomState().set_state(
@@ -102,12 +104,23 @@ def check_saved_rng(step: int, state: Any) -> None:
                 )
             )
         torch.Generator().set_state(rng["torch"])
-        cuda = rng.get("cuda", [])
-        if not isinstance(cuda, list) or not all(isinstance(t, torch.Tensor) for t in cuda):
-            raise TypeError("its CUDA random states are not a list of tensors")
+        # the key Lightning's _set_rng_states reads (it clones each state it is given)
+        cuda = rng.get("torch.cuda", [])
+        if not isinstance(cuda, list) or not all(_byte_tensor(t) for t in cuda):
+            raise TypeError("its CUDA random states are not a list of byte tensors")
     except (TypeError, ValueError, KeyError, IndexError, OverflowError, RuntimeError) as e:
         raise CorruptCheckpointError(
             f"step {step}: this rank's random states are not ones coci saved "
             f"({type(e).__name__}: {str(e)[:100]})",
             step=step,
         ) from None
+
+
+def _byte_tensor(value: Any) -> bool:
+    """A generator's state as ``get_rng_state`` gives it: a 1-D uint8 tensor on the CPU."""
+    return (
+        isinstance(value, torch.Tensor)
+        and value.dtype == torch.uint8
+        and value.dim() == 1
+        and value.device.type == "cpu"
+    )

@@ -67,11 +67,25 @@ def _rng(doc: dict[str, Any]) -> dict[str, Any]:
     return rng
 
 
+def _numpy_none(doc: dict[str, Any]) -> None:
+    """NumPy's state made None, its array kept in the tree under another key (the manifest
+    still holds each of its arrays where the tree says)."""
+    rng = _rng(doc)
+    rng["spare"], rng["numpy"] = rng["numpy"], None
+    for entry in doc["per_rank"][0]["tensors"]:
+        entry["key"] = entry["key"].replace("/rng/numpy/", "/rng/spare/")
+
+
 FORGED: dict[str, Edit] = {
     "python-str": lambda doc: _rng(doc).__setitem__("python", "boom"),
     "python-short": lambda doc: _rng(doc).__setitem__("python", {"t": "list", "v": [3]}),
     "numpy": lambda doc: _rng(doc).__setitem__("numpy", {"t": "list", "v": ["MT19937", 1]}),
     "torch": lambda doc: _rng(doc).__setitem__("torch", "x"),
+    # the key Lightning's _set_rng_states reads: an AttributeError or TypeError on that rank
+    "cuda-str": lambda doc: _rng(doc).__setitem__("torch.cuda", "x"),
+    "cuda-int": lambda doc: _rng(doc).__setitem__("torch.cuda", 3),
+    "numpy-none": _numpy_none,
+    "python-gauss-str": lambda doc: _rng(doc)["python"]["v"].__setitem__(2, "x"),
 }
 
 
