@@ -76,6 +76,15 @@ def _numpy_none(doc: dict[str, Any]) -> None:
         entry["key"] = entry["key"].replace("/rng/numpy/", "/rng/spare/")
 
 
+def _own_gone(doc: dict[str, Any]) -> None:
+    """Rank 0's own state moved to another key, its arrays with it (the manifest still holds
+    each array where the tree says): it trained on from its current random states."""
+    tree = doc["per_rank"][0]["tree"]["v"]
+    tree["spare"] = tree.pop("coci_rank_state")
+    for entry in doc["per_rank"][0]["tensors"]:
+        entry["key"] = entry["key"].replace("/coci_rank_state/", "/spare/")
+
+
 FORGED: dict[str, Edit] = {
     "python-str": lambda doc: _rng(doc).__setitem__("python", "boom"),
     "python-short": lambda doc: _rng(doc).__setitem__("python", {"t": "list", "v": [3]}),
@@ -86,6 +95,7 @@ FORGED: dict[str, Edit] = {
     "cuda-int": lambda doc: _rng(doc).__setitem__("torch.cuda", 3),
     "numpy-none": _numpy_none,
     "python-gauss-str": lambda doc: _rng(doc)["python"]["v"].__setitem__(2, "x"),
+    "own-state-gone": _own_gone,
 }
 
 
