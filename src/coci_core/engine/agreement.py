@@ -124,7 +124,7 @@ class RestoreAgreement:
             self.store.set(f"{key}/r{self.rank}", json.dumps(report))
         except RuntimeError as e:
             raise store_gone(e) from e
-        self._wait(keys)
+        self._wait(key, keys)
         try:
             reports = [json.loads(self.store.get(k)) for k in keys]
         except RuntimeError as e:
@@ -132,12 +132,17 @@ class RestoreAgreement:
         self._wait_until_all_read(key)
         return reports
 
-    def _wait(self, keys: list[str]) -> None:
-        """Until every rank's report of this round is in the store.
+    def _wait(self, key: str, keys: list[str]) -> None:
+        """Until every rank's report of this round (``key``) is in the store.
+
+        With a watch, rank 0 looks once a second for ranks silent and posts a report for each
+        (an error: the others then raise the same agreed error), the others look at rank 0
+        only: a dead rank costs every rank ``RANK_SILENT_S``, and the store a number of looks
+        that grows with the ranks, not with their square.
 
         Raises:
-            CheckpointError: a rank did not report within ``timeout_s``, or went silent (see
-                ``watch``); or the store stopped answering.
+            CheckpointError: a rank did not report within ``timeout_s``, or rank 0 went
+                silent (see ``watch``); or the store stopped answering.
         """
         deadline = time.monotonic() + self.timeout_s
         while True:
@@ -148,23 +153,38 @@ class RestoreAgreement:
                 return
             except RuntimeError as e:  # the store's timeout, or a store that went away
                 try:
+                    self.store.check([keys[self.rank]])  # raises when the store is gone
+                    if self.watch is not None and time.monotonic() < deadline:
+                        self._look_for_silent(key, keys)
+                        continue
                     missing = [r for r in range(self.world_size) if not self.store.check([keys[r]])]
                 except RuntimeError:
                     raise store_gone(e) from e
                 if not missing:
                     return
-                silent = self.watch.silent(missing) if self.watch is not None else []
-                if silent:
-                    raise CheckpointError(
-                        f"rank(s) {silent} stopped giving signs of life before saying which "
-                        "checkpoint they could restore (killed, or their node lost); this "
-                        "rank restores nothing"
-                    ) from e
-                if time.monotonic() >= deadline:
-                    raise CheckpointError(
-                        f"rank(s) {missing} did not say within {self.timeout_s:g} s which "
-                        f"checkpoint they could restore; this rank restores nothing ({e})"
-                    ) from e
+                raise CheckpointError(
+                    f"rank(s) {missing} did not say within {self.timeout_s:g} s which "
+                    f"checkpoint they could restore; this rank restores nothing ({e})"
+                ) from e
+
+    def _look_for_silent(self, key: str, keys: list[str]) -> None:
+        """Rank 0: post a report for each rank gone silent before it reported (and mark it
+        read); another rank: raise if rank 0 went silent."""
+        if self.rank != 0:
+            if self.watch.silent([0]):
+                raise CheckpointError(
+                    "rank 0 stopped giving signs of life before saying which checkpoint it "
+                    "could restore (killed, or its node lost); this rank restores nothing"
+                )
+            return
+        missing = [r for r in range(1, self.world_size) if not self.store.check([keys[r]])]
+        for r in self.watch.silent(missing) if missing else []:
+            gone = CheckpointError(
+                f"rank {r} stopped giving signs of life before saying which checkpoint it "
+                "could restore (killed, or its node lost)"
+            )
+            self.store.compare_set(keys[r], "", json.dumps(error_report(gone)))
+            self.store.set(f"{key}/read/r{r}", "1")
 
     def _wait_until_all_read(self, key: str) -> None:
         """Keep rank 0 here until every rank has read this round's reports.
