@@ -14,9 +14,10 @@ together and falls back to the newest step intact for all of them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
-from coci_accelerate._state import LAYOUT, PROCESS_KEY
+from coci_accelerate._state import LAYOUT, PROCESS_KEY, mismatch_error
 from coci_core.errors import CorruptCheckpointError
 from coci_core.training import UnfitRandomState, check_random_states
 
@@ -33,24 +34,31 @@ def _int(value: Any, low: int = 0) -> bool:
     return type(value) is int and low <= value <= _MAX_INT
 
 
-def check_saved(step: int, state: Any, process_index: int) -> None:
+def check_saved(
+    step: int, state: Any, process_index: int, registered: Sequence[str] | None = None
+) -> None:
     """``state``, read for ``step`` by process ``process_index``, holds what ``resume()`` puts
     back, each of its type (a state of another adapter is left to the layout check).
+    ``registered``: the names of the objects this run registered for checkpointing, whose
+    states this process's own state must hold as many of (said here, inside the restore, so
+    that every process raises it: a count forged on one process only was that process's error
+    alone, after the restore, while the others trained on into a collective).
 
     Raises:
         CorruptCheckpointError: it does not (a resealed, forged manifest).
+        CheckpointError: this process saved another number of registered objects.
     """
     if not isinstance(state, dict) or state.get("layout") != LAYOUT:
         return
     try:
-        _check(state, process_index)
+        _check(state, process_index, registered)
     except _Unfit as e:
         raise CorruptCheckpointError(
             f"step {step} does not hold a state that CociCheckpointer wrote: {e}", step=step
         ) from None
 
 
-def _check(state: dict[str, Any], process_index: int) -> None:
+def _check(state: dict[str, Any], process_index: int, registered: Sequence[str] | None) -> None:
     for name, low in (("completed_steps", 0), ("accelerate_step", 0), ("num_processes", 1)):
         if name in state and not _int(state[name], low):
             raise _Unfit(f"{name} is {_shown(state[name])}, not an integer >= {low}")
@@ -66,11 +74,19 @@ def _check(state: dict[str, Any], process_index: int) -> None:
     else:
         mine = state.get(PROCESS_KEY)
     if mine is None:
+        if process_index < state.get("num_processes", 0):  # every process writes its own
+            raise _Unfit(f"process {process_index}'s own state is missing")
         return  # said by resume(), naming the process
     if not isinstance(mine, dict) or not isinstance(mine.get("rng"), dict):
         raise _Unfit(f"process {process_index}'s own state holds no random states")
-    if not isinstance(mine.get("custom", []), list):
+    custom = mine.get("custom", [])
+    if not isinstance(custom, list):
         raise _Unfit(f"process {process_index}'s registered objects are not a list")
+    if registered is not None and len(custom) != len(registered):
+        names = ", ".join(registered)
+        raise mismatch_error(
+            [f"registered objects: {len(custom)} at the save, {len(registered)} now ({names})"]
+        )
     try:
         _check_rng(mine["rng"])
     except _Unfit as e:

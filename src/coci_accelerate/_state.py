@@ -222,6 +222,17 @@ def stored_layout(tree: Any) -> Any:
     return content.get("layout") if isinstance(content, dict) else None
 
 
+def mismatch_error(wrong: list[str]) -> CheckpointError:
+    """The error of a checkpoint whose saved objects are not those this run prepared and
+    registered (``wrong``: what differs)."""
+    return CheckpointError(
+        "the checkpoint does not match what this run prepared and registered ("
+        + "; ".join(wrong)
+        + "): prepare and register the same objects, in the same order, as the run that "
+        "saved it; or start a new run in another dirpath"
+    )
+
+
 def _check_fits(accelerator: Accelerator, state: dict[str, Any], models: list[Any]) -> None:
     acc = accelerator
     check_layout(state.get("layout"))
@@ -247,12 +258,7 @@ def _check_fits(accelerator: Accelerator, state: dict[str, Any], models: list[An
         names = ", ".join(type(o).__name__ for o in acc._custom_objects)
         wrong[-1] += f" ({names})"
     if wrong:
-        raise CheckpointError(
-            "the checkpoint does not match what this run prepared and registered ("
-            + "; ".join(wrong)
-            + "): prepare and register the same objects, in the same order, as the run that "
-            "saved it; or start a new run in another dirpath"
-        )
+        raise mismatch_error(wrong)
     if state["num_processes"] != acc.num_processes:
         raise CheckpointError(
             f"the checkpoint was written by {state['num_processes']} processes and this run has "

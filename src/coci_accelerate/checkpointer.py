@@ -363,10 +363,11 @@ class CociCheckpointer:
             try:
                 # a state that resume() could not put back is damage, passed over by all
                 index = self.accelerator.process_index
+                names = [type(o).__name__ for o in self.accelerator._custom_objects]
                 state = self.checkpointer.restore(
                     targets=targets,
                     partial=partial,
-                    check=lambda step, saved: check_saved(step, saved, index),
+                    check=lambda step, saved: check_saved(step, saved, index, names),
                 )
             except StateMismatchError as e:
                 if e.step is not None:  # another program's checkpoint: say that instead

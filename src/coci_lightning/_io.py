@@ -7,6 +7,7 @@ directory goes through coci's verified restore.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -133,7 +134,7 @@ class CociCheckpointIO(CheckpointIO):
                 live=live,
                 replaced=replaced,
                 partial=partial,
-                check=check_saved_rng,
+                check=functools.partial(check_saved_rng, rank=self.rank),
                 fall_back=True,
                 remote=self.remote,
                 remote_storage_options=self.remote_storage_options,
@@ -147,7 +148,7 @@ class CociCheckpointIO(CheckpointIO):
                 live=live,
                 replaced=replaced,
                 partial=partial,
-                check=check_saved_rng,
+                check=functools.partial(check_saved_rng, rank=self.rank),
             )
         self.restored_path = str(path)
         tier = self.remote if event.tier == "remote" and self.remote else None

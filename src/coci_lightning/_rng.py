@@ -21,6 +21,8 @@ from coci_core.training import check_random_states
 
 #: this rank's state in coci's saves (``per_rank``): ``{"rng": ...}``
 RANK_STATE_KEY = "coci_rank_state"
+#: in coci's saves (the shared state): how many ranks wrote their own (``RANK_STATE_KEY``)
+RANK_STATES_KEY = "coci_rank_states"
 
 
 def collect_plain_rng_states() -> dict[str, Any]:
@@ -73,17 +75,28 @@ def rng_for_rank(trainer: pl.Trainer, saved: dict[str, Any]) -> dict[str, Any]:
     return dict(per_rank[trainer.global_rank])
 
 
-def check_saved_rng(step: int, state: Any) -> None:
+def check_saved_rng(step: int, state: Any, rank: int | None = None) -> None:
     """This rank's random states in ``state`` (read for ``step``), if it holds any, are ones
     :func:`set_plain_rng_states` puts back: each is tried on a generator of its own (never
     the process's), inside the restore, so that a forged one (a resealed manifest) is damage
     passed over by every rank together, not Lightning's raw error on that rank alone.
+    ``rank``: the rank that read it, whose own states a step that as many ranks or more
+    wrote holds (``RANK_STATES_KEY``; none: not checked).
 
     Raises:
-        CorruptCheckpointError: one is not a random state of its generator.
+        CorruptCheckpointError: one is not a random state of its generator, or this rank's
+            are missing.
     """
     own = state.get(RANK_STATE_KEY) if isinstance(state, dict) else None
     if own is None:
+        wrote = state.get(RANK_STATES_KEY) if isinstance(state, dict) else None
+        if rank is not None and type(wrote) is int and rank < wrote:
+            # it would train on from its current random states, the others from theirs saved
+            raise CorruptCheckpointError(
+                f"step {step}: the random states of rank {rank} are missing ({wrote} ranks "
+                "wrote theirs)",
+                step=step,
+            )
         return
     try:
         rng = own["rng"]
@@ -98,8 +111,10 @@ def check_saved_rng(step: int, state: Any) -> None:
             python=(version, tuple(internal), gauss),
             numpy=numpy,
             torch_cpu=rng["torch"],
+            # the key Lightning's _set_rng_states reads (it clones each state it is given)
             cuda=rng.get("torch.cuda"),
-            numpy_required=False,
+            # Lightning's _set_rng_states puts back whatever is there
+            numpy_required="numpy" in rng,
         )
     except (TypeError, ValueError, KeyError, IndexError, OverflowError, RuntimeError) as e:
         raise CorruptCheckpointError(

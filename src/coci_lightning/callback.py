@@ -63,6 +63,7 @@ from coci_lightning._preemption import (
 )
 from coci_lightning._rng import (
     RANK_STATE_KEY,
+    RANK_STATES_KEY,
     collect_plain_rng_states,
     rng_for_rank,
     set_plain_rng_states,
@@ -708,6 +709,7 @@ class CociCheckpoint(Checkpoint):
             self._deferred = True
             return
         self._last_saved_step = trainer.global_step
+        state[RANK_STATES_KEY] = 1 if alone else trainer.world_size  # each writes its own
         handle = self.checkpointer.save(
             trainer.global_step,
             state,

@@ -193,10 +193,18 @@ def check_callback_states(saved: dict[str, Any], callbacks: Iterable[object]) ->
                 raise _Unfit("the saved TrainerControl's flags must be true or false")
 
 
-def check_saved(step: int, state: Any, *, callbacks: Iterable[object] | None = None) -> None:
+def check_saved(
+    step: int,
+    state: Any,
+    *,
+    callbacks: Iterable[object] | None = None,
+    process_index: int | None = None,
+) -> None:
     """``state``, read for ``step``, holds what the Trainer loads, each of its type (a state
     of another adapter is left to the layout check). ``callbacks``: the Trainer's live
     callbacks whose saved states it restores (none: not checked against them).
+    ``process_index``: the process that read it, whose own state (its random states) a step
+    saved by as many processes or more holds (none: not checked).
 
     Raises:
         CorruptCheckpointError: it does not (a resealed, forged manifest).
@@ -204,14 +212,19 @@ def check_saved(step: int, state: Any, *, callbacks: Iterable[object] | None = N
     if not isinstance(state, dict) or state.get("layout") != LAYOUT:
         return  # not this adapter's: said by check_layout, after the restore
     try:
-        _check(step, state, callbacks)
+        _check(step, state, callbacks, process_index)
     except _Unfit as e:
         raise CorruptCheckpointError(
             f"step {step} does not hold a Trainer state that CociCallback wrote: {e}", step=step
         ) from None
 
 
-def _check(step: int, state: dict[str, Any], callbacks: Iterable[object] | None) -> None:
+def _check(
+    step: int,
+    state: dict[str, Any],
+    callbacks: Iterable[object] | None,
+    process_index: int | None,
+) -> None:
     if state.get("global_step") != step:
         raise _Unfit(f"global_step {_shown(state.get('global_step'))} is not the step saved")
     if not _int(state.get("world_size"), 1):
@@ -235,6 +248,11 @@ def _check(step: int, state: dict[str, Any], callbacks: Iterable[object] | None)
     if not state.get("weights_only"):
         _check_training(state)
     mine = state.get(PROCESS_KEY)
+    # every process writes its own at each save: without it, this one would train on from its
+    # current random states while the others resume theirs
+    saved_by = state["world_size"] if not state.get("weights_only") else 0
+    if mine is None and process_index is not None and process_index < saved_by:
+        raise _Unfit(f"process {process_index}'s own state (its random states) is missing")
     if mine is not None:
         if not _str_keys(mine) or not isinstance(mine.get("rng"), dict):
             raise _Unfit("this process's saved state holds no random states")

@@ -401,7 +401,8 @@ class CociCallback(TrainerCallback):
         callbacks = None
         if trainer.args.restore_callback_states_from_checkpoint:
             callbacks = [*trainer.callback_handler.callbacks, trainer.control]
-        check = functools.partial(check_saved, callbacks=callbacks)
+        index = trainer.args.process_index
+        check = functools.partial(check_saved, callbacks=callbacks, process_index=index)
         try:
             state = checkpointer.restore(step, check=check)
         except NoCheckpointError:

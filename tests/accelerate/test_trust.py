@@ -15,8 +15,14 @@ from typing import Any
 import pytest
 from accelerate.state import AcceleratorState
 
+from coci_accelerate._check import check_saved
+from coci_core import CheckpointError
+from coci_core.engine.agreement import RestoreAgreement
 from coci_core.engine.format.manifest import seal
+from coci_core.engine.restore.restore import restore_newest
+from coci_core.storage import open_storage
 from tests.accelerate.example import train_like_example
+from tests.harness.agreement import on_two_ranks
 
 Edit = Callable[[dict[str, Any]], None]
 
@@ -42,6 +48,15 @@ def _top(doc: dict[str, Any]) -> dict[str, Any]:
     return top
 
 
+def _own_gone(doc: dict[str, Any]) -> None:
+    """Process 0's own state moved to another key, its arrays with it (the manifest still
+    holds each array where the tree says): the process has no own state to put back."""
+    tree = doc["per_rank"][0]["tree"]["v"]
+    tree["spare"] = tree.pop("coci_process")
+    for entry in doc["per_rank"][0]["tensors"]:
+        entry["key"] = entry["key"].replace("/coci_process/", "/spare/")
+
+
 FORGED: dict[str, Edit] = {
     "python-random-state": lambda doc: _own(doc).__setitem__("python", "boom"),
     "python-random-state-short": lambda doc: _own(doc).__setitem__(
@@ -52,6 +67,9 @@ FORGED: dict[str, Edit] = {
     "loader-position": lambda doc: _top(doc)["dataloaders"]["v"][0]["v"].__setitem__(
         "iteration", "x"
     ),
+    # a CheckpointError of this process alone, after the restore (a hang in a collective with
+    # several processes)
+    "own-state-gone": _own_gone,
 }
 
 
@@ -70,3 +88,32 @@ def test_a_forged_state_is_passed_over_and_the_resume_is_exact(
     resumed = train_like_example(str(directory), epochs=1)
     assert resumed["start"] == 8  # the newest step intact
     assert resumed["digest"] == reference["digest"]
+
+
+def test_a_registered_object_count_forged_on_one_process_is_every_process_error(
+    saved: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    """Two ranks restore together (threads agreeing through a real store), and process 0's
+    own state of step 12 says it registered no object: both raise the same CheckpointError,
+    naming the count, inside the restore (before: process 0 alone raised it once the restore
+    was done, while the others trained on into a collective with it)."""
+    shutil.copytree(saved[0], tmp_path, dirs_exist_ok=True)
+    path = tmp_path / "coci" / "step-0000000012" / "manifest.json"
+    doc = json.loads(path.read_bytes())
+    doc.pop("checksum")
+    _own(doc)  # its random states are there
+    doc["per_rank"][0]["tree"]["v"]["coci_process"]["v"]["custom"] = {"t": "list", "v": []}
+    path.write_bytes(seal(json.dumps(doc, separators=(",", ":")).encode()))
+
+    def restore(r: int, agreement: RestoreAgreement) -> int:
+        def check(step: int, state: dict[str, Any]) -> None:
+            check_saved(step, state, r, ["CociCheckpointer"])
+
+        storage = open_storage(str(tmp_path / "coci"))
+        loaded, _ = restore_newest(storage, rank=r, agreement=agreement, check=check)
+        return loaded.step
+
+    outcome = on_two_ranks(restore)
+    assert all(isinstance(e, CheckpointError) for e in outcome), outcome
+    assert str(outcome[0]) == str(outcome[1])
+    assert "registered objects: 0 at the save, 1 now (CociCheckpointer)" in str(outcome[0])

@@ -67,13 +67,35 @@ def _rng(doc: dict[str, Any]) -> dict[str, Any]:
     return rng
 
 
+def _numpy_none(doc: dict[str, Any]) -> None:
+    """NumPy's state made None, its array kept in the tree under another key (the manifest
+    still holds each of its arrays where the tree says)."""
+    rng = _rng(doc)
+    rng["spare"], rng["numpy"] = rng["numpy"], None
+    for entry in doc["per_rank"][0]["tensors"]:
+        entry["key"] = entry["key"].replace("/rng/numpy/", "/rng/spare/")
+
+
+def _own_gone(doc: dict[str, Any]) -> None:
+    """Rank 0's own state moved to another key, its arrays with it (the manifest still holds
+    each array where the tree says): it trained on from its current random states."""
+    tree = doc["per_rank"][0]["tree"]["v"]
+    tree["spare"] = tree.pop("coci_rank_state")
+    for entry in doc["per_rank"][0]["tensors"]:
+        entry["key"] = entry["key"].replace("/coci_rank_state/", "/spare/")
+
+
 FORGED: dict[str, Edit] = {
     "python-str": lambda doc: _rng(doc).__setitem__("python", "boom"),
     "python-short": lambda doc: _rng(doc).__setitem__("python", {"t": "list", "v": [3]}),
     "numpy": lambda doc: _rng(doc).__setitem__("numpy", {"t": "list", "v": ["MT19937", 1]}),
     "torch": lambda doc: _rng(doc).__setitem__("torch", "x"),
-    # Lightning's key for CUDA's states; on a CPU machine torch queues them unchecked
-    "cuda": lambda doc: _rng(doc).__setitem__("torch.cuda", "x"),
+    # the key Lightning's _set_rng_states reads: an AttributeError or TypeError on that rank
+    "cuda-str": lambda doc: _rng(doc).__setitem__("torch.cuda", "x"),
+    "cuda-int": lambda doc: _rng(doc).__setitem__("torch.cuda", 3),
+    "numpy-none": _numpy_none,
+    "python-gauss-str": lambda doc: _rng(doc)["python"]["v"].__setitem__(2, "x"),
+    "own-state-gone": _own_gone,
 }
 
 

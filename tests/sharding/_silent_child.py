@@ -1,7 +1,9 @@
 """One of two ranks whose partner is SIGKILLed before its share of step 2 (see
 test_silent_rank.py): both save step 1; rank ``cfg["victim"]`` then prints ``KILLME`` and waits
 to be killed; the other saves step 2 with the default commit timeout (600 s) and a short
-silence (``cfg["silent_s"]``), and prints ``RESULT`` with the error and how long it took.
+silence (``cfg["silent_s"]``), and prints ``RESULT`` with the error and how long it took. With
+``cfg["restore"]`` the other restores instead (the restore's agreement has a default timeout of
+1800 s), its partner killed before it says which step it can restore.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from coci_core import BackgroundSaveError, CheckpointManager, RankGroup
+from coci_core import BackgroundSaveError, CheckpointError, CheckpointManager, RankGroup
 
 
 def main(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -32,6 +34,12 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
         print("KILLME", flush=True)
         time.sleep(600)
     started = time.monotonic()
+    if cfg.get("restore"):
+        try:
+            mgr.restore()
+        except CheckpointError as e:
+            return {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - started}
+        return {"error": None, "seconds": time.monotonic() - started}
     try:
         mgr.save(2, {"w": torch.arange(8.0) + 2}).wait()
     except BackgroundSaveError as e:

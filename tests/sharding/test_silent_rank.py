@@ -60,6 +60,41 @@ def test_a_killed_rank_fails_the_save_once_silent_not_after_the_timeout(
         assert reader.verify() == {1: []}
 
 
+@pytest.mark.parametrize(
+    ("victim", "says"),
+    [
+        (1, "rank 1 stopped giving signs of life before saying which checkpoint"),
+        (0, "the job's key-value store stopped answering"),  # rank 0 hosts it here
+    ],
+    ids=["rank-1-killed", "rank-0-killed"],
+)
+def test_a_rank_killed_before_it_reports_in_a_restore_fails_it_once_silent(
+    tmp_path: Path, victim: int, says: str
+) -> None:
+    """A rank SIGKILLed before it says which step it can restore: the other's restore fails
+    as soon as it has been silent for ``RANK_SILENT_S``, naming it (before: rank 0 waited in
+    the agreement for its timeout, 1800 s, where a save waits only the silence)."""
+    cfg = json.dumps(
+        {"dir": str(tmp_path), "victim": victim, "silent_s": SILENT_S, "restore": True}
+    )
+    port = free_port()
+    with contextlib.ExitStack() as stack:
+        ranks = [
+            stack.enter_context(
+                Child(module("tests.sharding._silent_child", cfg), env=rank_env(r, 2, port))
+            )
+            for r in range(2)
+        ]
+        assert any(line.startswith("KILLME") for line in ranks[victim].lines())
+        ranks[victim].kill()
+        survivor = ranks[1 - victim]
+        out, _ = survivor.communicate(timeout_s=60)  # not the agreement's 1800 s
+        assert survivor.wait() == 0
+    (result,) = [json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")]
+    assert result["error"].startswith("CheckpointError: ") and says in result["error"], result
+    assert result["seconds"] < 30, result
+
+
 _BLOCKED_CLIENT = """
 import sys, threading, time
 from datetime import timedelta

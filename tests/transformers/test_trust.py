@@ -83,6 +83,15 @@ def _python_rng(manifest: dict[str, Any]) -> None:
     rng["python"] = {"t": "tuple", "v": [3, 1, None]}
 
 
+def _own_gone(manifest: dict[str, Any]) -> None:
+    """Process 0's own state moved to another key, its arrays with it (the manifest still
+    holds each array where the tree says): it resumed from its current random states."""
+    tree = manifest["per_rank"][0]["tree"]["v"]
+    tree["spare"] = tree.pop("coci_process")
+    for entry in manifest["per_rank"][0]["tensors"]:
+        entry["key"] = entry["key"].replace("/coci_process/", "/spare/")
+
+
 FORGED: dict[str, Edit] = {
     "unknown field": _set("trainer_state", json.dumps({"bogus": 1})),
     "not JSON": _set("trainer_state", "{{{"),
@@ -100,6 +109,7 @@ FORGED: dict[str, Edit] = {
     "scheduler a string": _set("scheduler", "boom"),
     "scaler a string": _set("scaler", "boom"),
     "python rng not a state": _python_rng,
+    "own random states gone": _own_gone,
 }
 
 

@@ -6,7 +6,9 @@ proposed to all; a rank for which it is damaged goes on to older steps, and the 
 other again, until all hold the same step or one has none left, and then all raise the same
 error. The store, not a collective: a rank that fails says so and the others raise with it, and
 a rank that died is waited for only ``RESTORE_AGREE_TIMEOUT_S`` (a collective would hang until
-the process group's timeout, or for ever).
+the process group's timeout, or for ever); with a watch of the ranks' signs of life (a
+manager's restore: see :mod:`~coci_core.engine.pulse`), only until it has gone silent for
+``RANK_SILENT_S``.
 
 Every rank of a group restores together: the n-th restore of each rank agrees with the n-th
 restore of the others (as the n-th manager of each rank joins the others', see
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -30,7 +33,7 @@ from coci_core.errors import (
     StateMismatchError,
     StorageError,
 )
-from coci_core.knobs import RESTORE_AGREE_TIMEOUT_S
+from coci_core.knobs import PULSE_S, RESTORE_AGREE_TIMEOUT_S
 
 __all__ = ["RestoreAgreement", "agreed_error", "asked_apart", "job_store", "store_gone"]
 
@@ -45,7 +48,9 @@ _READ_WAIT_S = 60.0
 
 class RestoreAgreement:
     """One restore's exchange between the ranks of ``group`` through ``store`` (a
-    ``torch.distributed.Store``): :meth:`exchange` gives every rank's report, in rank order."""
+    ``torch.distributed.Store``): :meth:`exchange` gives every rank's report, in rank order.
+    ``watch``: the ranks' signs of life (a ``pulse.Watch``, its ``silent(ranks)``): a rank
+    that went silent while the others waited for its report fails the restore at once."""
 
     def __init__(
         self,
@@ -55,11 +60,13 @@ class RestoreAgreement:
         *,
         name: str = "job",
         timeout_s: float = RESTORE_AGREE_TIMEOUT_S,
+        watch: Any = None,
     ) -> None:
         self.store = store
         self.rank = rank
         self.world_size = world_size
         self.timeout_s = timeout_s
+        self.watch = watch
         # the n-th restore of this rank meets the n-th restore of the others
         try:
             n = int(store.add(f"coci/restore/{name}/count/r{rank}", 1))
@@ -75,18 +82,20 @@ class RestoreAgreement:
         *,
         timeout_s: float = RESTORE_AGREE_TIMEOUT_S,
         topic: str = "",
+        watch: Any = None,
     ) -> RestoreAgreement | None:
         """The agreement of ``group``'s ranks through the job's store; None when there is
         nothing to agree on (one rank) or no store to agree through (``torch.distributed`` not
         initialized: ranks made by hand in one process restore each on its own). ``topic``:
-        exchanges apart from the restores' (their own count of rounds)."""
+        exchanges apart from the restores' (their own count of rounds); ``watch``: see the
+        class."""
         if group is None or group.world_size == 1:
             return None
         store = job_store()
         if store is None:
             return None
         name = f"{group.session}{topic}"
-        return cls(store, group.rank, group.world_size, name=name, timeout_s=timeout_s)
+        return cls(store, group.rank, group.world_size, name=name, timeout_s=timeout_s, watch=watch)
 
     @classmethod
     def for_job(cls, *, timeout_s: float = RESTORE_AGREE_TIMEOUT_S) -> RestoreAgreement | None:
@@ -115,23 +124,67 @@ class RestoreAgreement:
             self.store.set(f"{key}/r{self.rank}", json.dumps(report))
         except RuntimeError as e:
             raise store_gone(e) from e
-        try:
-            self.store.wait(keys, timedelta(seconds=self.timeout_s))
-        except RuntimeError as e:  # the store's timeout, or a store that went away
-            try:
-                missing = [r for r in range(self.world_size) if not self.store.check([keys[r]])]
-            except RuntimeError:
-                raise store_gone(e) from e
-            raise CheckpointError(
-                f"rank(s) {missing or '?'} did not say within {self.timeout_s:g} s which "
-                f"checkpoint they could restore; this rank restores nothing ({e})"
-            ) from e
+        self._wait(key, keys)
         try:
             reports = [json.loads(self.store.get(k)) for k in keys]
         except RuntimeError as e:
             raise store_gone(e) from e
         self._wait_until_all_read(key)
         return reports
+
+    def _wait(self, key: str, keys: list[str]) -> None:
+        """Until every rank's report of this round (``key``) is in the store.
+
+        With a watch, rank 0 looks once a second for ranks silent and posts a report for each
+        (an error: the others then raise the same agreed error), the others look at rank 0
+        only: a dead rank costs every rank ``RANK_SILENT_S``, and the store a number of looks
+        that grows with the ranks, not with their square.
+
+        Raises:
+            CheckpointError: a rank did not report within ``timeout_s``, or rank 0 went
+                silent (see ``watch``); or the store stopped answering.
+        """
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            left = max(deadline - time.monotonic(), 0.001)
+            try:
+                wait_s = left if self.watch is None else min(left, PULSE_S)
+                self.store.wait(keys, timedelta(seconds=wait_s))
+                return
+            except RuntimeError as e:  # the store's timeout, or a store that went away
+                try:
+                    self.store.check([keys[self.rank]])  # raises when the store is gone
+                    if self.watch is not None and time.monotonic() < deadline:
+                        self._look_for_silent(key, keys)
+                        continue
+                    missing = [r for r in range(self.world_size) if not self.store.check([keys[r]])]
+                except RuntimeError:
+                    raise store_gone(e) from e
+                if not missing:
+                    return
+                raise CheckpointError(
+                    f"rank(s) {missing} did not say within {self.timeout_s:g} s which "
+                    f"checkpoint they could restore; this rank restores nothing ({e})"
+                ) from e
+
+    def _look_for_silent(self, key: str, keys: list[str]) -> None:
+        """Rank 0: post a report for each rank gone silent before it reported (and mark it
+        read); another rank: raise if rank 0 went silent."""
+        if self.rank != 0:
+            if self.watch.silent([0]):
+                raise CheckpointError(
+                    "rank 0 stopped giving signs of life before saying which checkpoint it "
+                    "could restore (killed, or its node lost); this rank restores nothing"
+                )
+            return
+        missing = [r for r in range(1, self.world_size) if not self.store.check([keys[r]])]
+        for r in self.watch.silent(missing) if missing else []:
+            gone = CheckpointError(
+                f"rank {r} stopped giving signs of life before saying which checkpoint it "
+                "could restore (killed, or its node lost)"
+            )
+            self.store.compare_set(keys[r], "", json.dumps(error_report(gone)))
+            self.store.set(f"{key}/read/r{r}", "1")
 
     def _wait_until_all_read(self, key: str) -> None:
         """Keep rank 0 here until every rank has read this round's reports.

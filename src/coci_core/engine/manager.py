@@ -32,7 +32,7 @@ from coci_core.engine.format.manifest import Manifest
 from coci_core.engine.format.tree import ArrayLeaf, FlattenCache, flatten_state
 from coci_core.engine.group import RankGroup
 from coci_core.engine.handle import SaveHandle
-from coci_core.engine.pulse import Pulse
+from coci_core.engine.pulse import Pulse, Watch
 from coci_core.engine.restore.inplace import InPlaceTargets, in_place_targets
 from coci_core.engine.restore.restore import (
     CheckpointRef,
@@ -885,7 +885,7 @@ class CheckpointManager:
             strict=self.strict if strict is None else strict,
             targets=targets,
             remote=self.remote.remote if self.remote is not None else None,
-            agreement=RestoreAgreement.for_group(self.group),
+            agreement=RestoreAgreement.for_group(self.group, watch=Watch.of(self.group)),
             check=check,
         )
         self.last_restore = event
