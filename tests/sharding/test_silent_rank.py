@@ -17,6 +17,7 @@ from torch.distributed import TCPStore
 
 from coci_core import CheckpointManager
 from coci_core.engine import pulse
+from coci_core.engine.agreement import unset
 from coci_core.engine.pulse import Watch
 from tests.harness.processes import Child, free_port, module, rank_env, run, script
 
@@ -175,3 +176,20 @@ def test_a_watch_of_thousands_of_ranks_asks_the_store_once_a_look(
     store.calls = 0
     assert watch.silent(ranks) == [1234]
     assert store.calls <= 2
+
+
+def test_the_restores_look_for_ranks_not_reported_asks_the_store_a_few_dozen_times() -> None:
+    """Rank 0 of 4,096 waiting in a restore's agreement for two ranks that have not reported
+    finds them in a few dozen calls of a real TCPStore a look, not one call a rank."""
+    master = TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=10))
+    keys = [f"coci/restore/s/1/r{rank}" for rank in range(4096)]
+    for rank, key in enumerate(keys):
+        if rank not in (7, 3000):
+            master.set(key, "{}")
+    store = _Counted(master)
+    assert unset(store, keys, range(1, 4096)) == [7, 3000]
+    assert store.calls <= 2 * 2 * 12 + 1
+    store.calls = 0
+    master.set(keys[7], "{}")
+    master.set(keys[3000], "{}")
+    assert unset(store, keys, range(4096)) == [] and store.calls == 1
