@@ -19,7 +19,7 @@ from typing import Any
 
 from coci_accelerate._state import LAYOUT, PROCESS_KEY, mismatch_error
 from coci_core.errors import CorruptCheckpointError
-from coci_core.training import UnfitRandomState, check_random_states
+from coci_core.training import UnfitRandomState, check_saved_random_states
 
 __all__ = ["check_saved"]
 
@@ -96,12 +96,7 @@ def _check(state: dict[str, Any], process_index: int, registered: Sequence[str] 
 def _check_rng(rng: dict[str, Any]) -> None:
     """Random states that ``_state._set_rng_state`` puts back (``check_random_states``)."""
     try:
-        check_random_states(
-            python=rng.get("python"),
-            numpy=rng.get("numpy"),
-            torch_cpu=rng.get("torch"),
-            cuda=rng.get("cuda"),
-        )
+        check_saved_random_states(rng, torch_key="torch")
     except UnfitRandomState as e:
         raise _Unfit(str(e)) from None
 

@@ -25,7 +25,7 @@ import torch
 from transformers import TrainerState
 
 from coci_core.errors import CorruptCheckpointError
-from coci_core.training import UnfitRandomState, check_random_states
+from coci_core.training import UnfitRandomState, check_saved_random_states
 from coci_transformers._state import LAYOUT, PROCESS_KEY
 
 __all__ = ["check_saved", "parse_trainer_state"]
@@ -294,12 +294,7 @@ def check_rng(rng: dict[str, Any]) -> None:
         _Unfit: one is not a random state of its generator.
     """
     try:
-        check_random_states(
-            python=rng.get("python"),
-            numpy=rng.get("numpy"),
-            torch_cpu=rng.get("cpu"),
-            cuda=rng.get("cuda"),
-        )
+        check_saved_random_states(rng, torch_key="cpu")
     except UnfitRandomState as e:
         raise _Unfit(f"its {e}") from None
 

@@ -26,6 +26,22 @@ pytestmark = [pytest.mark.dist, pytest.mark.faults]
 SILENT_S = 2.0
 
 
+def _kill_one(victim: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Two ranks of ``tests.sharding._silent_child``; ``victim`` SIGKILLed when it says
+    KILLME; the survivor's result (it must end within 60 s, not a timeout of minutes)."""
+    command = module("tests.sharding._silent_child", json.dumps({**cfg, "victim": victim}))
+    port = free_port()
+    with contextlib.ExitStack() as stack:
+        ranks = [stack.enter_context(Child(command, env=rank_env(r, 2, port))) for r in range(2)]
+        assert any(line.startswith("KILLME") for line in ranks[victim].lines())
+        ranks[victim].kill()
+        survivor = ranks[1 - victim]
+        out, _ = survivor.communicate(timeout_s=60)
+        assert survivor.wait() == 0
+    (result,) = [json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")]
+    return dict(result)
+
+
 @pytest.mark.parametrize(
     ("victim", "says"),
     [
@@ -37,22 +53,7 @@ SILENT_S = 2.0
 def test_a_killed_rank_fails_the_save_once_silent_not_after_the_timeout(
     tmp_path: Path, victim: int, says: str
 ) -> None:
-    cfg = json.dumps({"dir": str(tmp_path), "victim": victim, "silent_s": SILENT_S})
-    port = free_port()
-    with contextlib.ExitStack() as stack:
-        ranks = [
-            stack.enter_context(
-                Child(module("tests.sharding._silent_child", cfg), env=rank_env(r, 2, port))
-            )
-            for r in range(2)
-        ]
-        assert any(line.startswith("KILLME") for line in ranks[victim].lines())
-        ranks[victim].kill()
-        survivor = ranks[1 - victim]
-        out, _ = survivor.communicate(timeout_s=60)  # not the 600 s commit timeout
-        assert survivor.wait() == 0
-    results = [json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")]
-    (result,) = results
+    result = _kill_one(victim, {"dir": str(tmp_path), "silent_s": SILENT_S})
     assert result["error"].startswith("CommitError: ") and says in result["error"], result
     assert result["ranks"] == [victim]
     assert SILENT_S <= result["seconds"] < 30, result
@@ -75,23 +76,7 @@ def test_a_rank_killed_before_it_reports_in_a_restore_fails_it_once_silent(
     """A rank SIGKILLed before it says which step it can restore: the other's restore fails
     as soon as it has been silent for ``RANK_SILENT_S``, naming it (before: rank 0 waited in
     the agreement for its timeout, 1800 s, where a save waits only the silence)."""
-    cfg = json.dumps(
-        {"dir": str(tmp_path), "victim": victim, "silent_s": SILENT_S, "restore": True}
-    )
-    port = free_port()
-    with contextlib.ExitStack() as stack:
-        ranks = [
-            stack.enter_context(
-                Child(module("tests.sharding._silent_child", cfg), env=rank_env(r, 2, port))
-            )
-            for r in range(2)
-        ]
-        assert any(line.startswith("KILLME") for line in ranks[victim].lines())
-        ranks[victim].kill()
-        survivor = ranks[1 - victim]
-        out, _ = survivor.communicate(timeout_s=60)  # not the agreement's 1800 s
-        assert survivor.wait() == 0
-    (result,) = [json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")]
+    result = _kill_one(victim, {"dir": str(tmp_path), "silent_s": SILENT_S, "restore": True})
     assert result["error"].startswith("CheckpointError: ") and says in result["error"], result
     assert result["seconds"] < 30, result
 

@@ -24,22 +24,23 @@ def _states() -> dict[str, Any]:
     }
 
 
-def _numpy(i: int, value: Any) -> Callable[[dict[str, Any]], None]:
+def _set(name: str, i: int, value: Any) -> Callable[[dict[str, Any]], None]:
+    """An edit of the ``i``-th item of the ``name`` state's tuple."""
+
     def edit(states: dict[str, Any]) -> None:
-        numpy = list(states["numpy"])
-        numpy[i] = value
-        states["numpy"] = tuple(numpy)
+        items = list(states[name])
+        items[i] = value
+        states[name] = tuple(items)
 
     return edit
+
+
+def _numpy(i: int, value: Any) -> Callable[[dict[str, Any]], None]:
+    return _set("numpy", i, value)
 
 
 def _python(i: int, value: Any) -> Callable[[dict[str, Any]], None]:
-    def edit(states: dict[str, Any]) -> None:
-        python = list(states["python"])
-        python[i] = value
-        states["python"] = tuple(python)
-
-    return edit
+    return _set("python", i, value)
 
 
 FORGED: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {

@@ -34,7 +34,11 @@ from coci_core.training.options import (
 )
 from coci_core.training.outline import PlanOutline
 from coci_core.training.preemption import min_over_ranks
-from coci_core.training.random_states import UnfitRandomState, check_random_states
+from coci_core.training.random_states import (
+    UnfitRandomState,
+    check_random_states,
+    check_saved_random_states,
+)
 from coci_core.training.reading import (
     newest_step_dir,
     read_checkpoint,
@@ -58,6 +62,7 @@ __all__ = [
     "check_bool",
     "check_dirpath",
     "check_random_states",
+    "check_saved_random_states",
     "check_storage_options",
     "check_verbose",
     "compare_policies",

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["UnfitRandomState", "check_random_states"]
+__all__ = ["UnfitRandomState", "check_random_states", "check_saved_random_states"]
 
 _MAX_INT = 2**63 - 1
 
@@ -94,4 +94,21 @@ def _byte_tensor(value: Any) -> bool:
         and value.dtype == torch.uint8
         and value.dim() == 1
         and value.device.type == "cpu"
+    )
+
+
+def check_saved_random_states(rng: Any, *, torch_key: str) -> None:
+    """:func:`check_random_states` of the dict an adapter saves: ``python``, ``numpy`` and
+    ``cuda`` under those keys, torch's CPU generator's under ``torch_key``.
+
+    Raises:
+        UnfitRandomState: ``rng`` is not a dict, or one of its states is not of its form.
+    """
+    if not isinstance(rng, dict):
+        raise UnfitRandomState("random states are not a dict")
+    check_random_states(
+        python=rng.get("python"),
+        numpy=rng.get("numpy"),
+        torch_cpu=rng.get(torch_key),
+        cuda=rng.get("cuda"),
     )
