@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -178,3 +179,35 @@ def test_the_restores_look_for_ranks_not_reported_asks_the_store_a_few_dozen_tim
     master.set(keys[7], "{}")
     master.set(keys[3000], "{}")
     assert unset(store, keys, range(4096)) == [] and store.calls == 1
+
+
+def test_a_connection_to_a_store_whose_host_was_killed_is_not_waited_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A rank's writer thread that makes its own connection to the job's store just after
+    rank 0, which hosts it, was SIGKILLed (rank 0 committed the save and went on) gives up
+    after ``RANK_SILENT_S`` and uses the job's client, whose calls fail at once (before: the
+    clone retried for the store's timeout, 30 min, and the rank's save never ended)."""
+    monkeypatch.setattr(pulse, "RANK_SILENT_S", 1.0)
+    port = free_port()
+    host = script(
+        "import sys, time; from datetime import timedelta; from torch.distributed import TCPStore;"
+        "s = TCPStore('127.0.0.1', int(sys.argv[1]), 2, True, timeout=timedelta(seconds=60),"
+        " wait_for_workers=False);"
+        "print('READY', flush=True); time.sleep(600)",
+        str(port),
+    )
+    with Child(host) as server:
+        assert any(line.startswith("READY") for line in server.lines())
+        client = TCPStore("127.0.0.1", port, 2, False, timeout=timedelta(seconds=1800))
+        server.kill()
+        server.wait()
+        made: list[Any] = []
+        thread = threading.Thread(target=lambda: made.append(pulse._own_connection(client)))
+        thread.daemon = True
+        thread.start()
+        thread.join(20)
+        assert not thread.is_alive(), "still connecting to a store whose host is gone"
+    assert made == [client]
+    with pytest.raises(RuntimeError):
+        client.add("k", 1)

@@ -36,11 +36,23 @@ def _own_connection(store: Any) -> Any:
     """A connection of its own to ``store`` (``Store.clone``): a client runs one call at a
     time, and a thread of the process blocked in a ``wait`` or ``get`` on the job's client
     (NCCL's set-up, a restore's agreement) would otherwise hold the beats back until this
-    rank looked dead."""
-    try:
-        return store.clone()
-    except (AttributeError, RuntimeError, NotImplementedError):  # a store that cannot clone
-        return store
+    rank looked dead.
+
+    A clone connects anew, retrying for the store's whole timeout (30 min by default) when
+    the store's host has exited (rank 0 killed): waited for ``RANK_SILENT_S`` at most, then
+    the job's own client is used (its calls fail at once on a host that is gone)."""
+    made: list[Any] = []
+
+    def clone() -> None:
+        with contextlib.suppress(AttributeError, RuntimeError, NotImplementedError):
+            made.append(store.clone())  # a store that cannot clone: the store itself
+
+    thread = threading.Thread(target=clone, name="coci-store-connect", daemon=True)
+    thread.start()
+    thread.join(RANK_SILENT_S)
+    if not made and thread.is_alive():
+        logger.info("coci: no connection of its own to the job's store within %s s", RANK_SILENT_S)
+    return made[0] if made else store
 
 
 _watch_connections: dict[int, tuple[Any, Any]] = {}  # id(job store) -> (it, its clone)
@@ -75,6 +87,7 @@ class Pulse:
         store = job_store()
         if store is None:
             return None
+        _watch_connection(store)  # made while the ranks are alive, not when one is gone
         try:
             return cls(_own_connection(store), _key(group.session, group.rank))
         except RuntimeError as e:  # the store does not answer: the others wait the timeout
