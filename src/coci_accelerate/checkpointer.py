@@ -156,6 +156,8 @@ class CociCheckpointer:
             log=logger,
         )
         self.checkpointer.watch_preemption()
+        self._loaders_shielded = 0
+        self._shield_loaders()
         self._closed = False
         self._tracker = _find_tracker(accelerator)
         config = accelerator.dataloader_config
@@ -194,6 +196,16 @@ class CociCheckpointer:
         lambda self: dict(self.options.storage_options), doc="The fsspec options (secret)."
     )
 
+    def _shield_loaders(self) -> None:
+        """The workers of the prepared loaders leave a notice's signal sent to every process
+        of the job to this one (see :mod:`coci_core.preemption.workers`): those prepared
+        before this checkpointer from their first epoch, those prepared after from the epoch
+        after the first ``step()`` that sees them."""
+        loaders = self.accelerator._dataloaders  # private: see _state.py
+        if len(loaders) != self._loaders_shielded:
+            self.checkpointer.shield_loader_workers(loaders)
+            self._loaders_shielded = len(loaders)
+
     def step(self, step: int | None = None, *, loss: float | None = None) -> SaveHandle | None:
         """Call once per batch, after ``optimizer.step()``; saves when the plan says so.
 
@@ -210,6 +222,7 @@ class CociCheckpointer:
                 it end the process (exit status 143) so that the scheduler restarts the job.
         """
         self._check_prepared()
+        self._shield_loaders()
         if self._hook_optimizers(late=True):
             _state.own_loader_generators(self.accelerator)
         count = self._count

@@ -80,3 +80,42 @@ def forget_coci_handlers(trainer: pl.Trainer, before: Handlers, mine: Handlers) 
     for signum, handler in mine.items():
         if handler is not before.get(signum) and originals.get(signum) is handler:
             originals[signum] = before.get(signum)
+
+
+_SHIELDED = "_coci_shields_workers"
+
+
+def _data_sources(trainer: pl.Trainer) -> list[Any]:
+    """Where the fit's training and validation loaders come from (Lightning's private
+    ``_DataLoaderSource`` objects of its loops), those found."""
+    loops = [trainer.fit_loop, getattr(trainer.fit_loop.epoch_loop, "val_loop", None)]
+    sources = [getattr(loop, "_data_source", None) for loop in loops]
+    return [s for s in sources if s is not None and callable(getattr(s, "dataloader", None))]
+
+
+def shield_loader_workers(trainer: pl.Trainer, shield: Callable[[Any], int]) -> None:
+    """The workers of the loaders the fit requests from now on are shielded (``shield``:
+    ``Checkpointer.shield_loader_workers``) from the notice's signals sent to every process
+    of the job (see :mod:`coci_core.preemption.workers`). Lightning starts the first epoch's
+    workers before any hook sees the loaders, so its sources' ``dataloader`` is wrapped (an
+    instance attribute over a private object's method; :func:`give_loaders_back` removes it).
+    """
+    for source in _data_sources(trainer):
+        request = source.dataloader
+        if getattr(request, _SHIELDED, False):
+            continue
+
+        def shielded(request: Callable[[], Any] = request) -> Any:
+            loaders = request()
+            shield(loaders)
+            return loaders
+
+        setattr(shielded, _SHIELDED, True)
+        source.dataloader = shielded
+
+
+def give_loaders_back(trainer: pl.Trainer) -> None:
+    """Undo :func:`shield_loader_workers` (at teardown)."""
+    for source in _data_sources(trainer):
+        if getattr(vars(source).get("dataloader"), _SHIELDED, False):
+            del source.dataloader

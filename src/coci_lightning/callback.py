@@ -56,8 +56,10 @@ from coci_lightning._io import tier_options, use_coci_io
 from coci_lightning._preemption import (
     Handlers,
     forget_coci_handlers,
+    give_loaders_back,
     give_sigterm_back,
     rank_minimum,
+    shield_loader_workers,
     signal_handlers,
     take_sigterm_over,
 )
@@ -437,6 +439,7 @@ class CociCheckpoint(Checkpoint):
         before = signal_handlers()
         if "SIGTERM" in self.checkpointer.watch_preemption():
             take_sigterm_over(trainer)
+        shield_loader_workers(trainer, self.checkpointer.shield_loader_workers)
         self._handlers = (before, signal_handlers())
         self._validations = ValidationHistory()
         for source, model in self._terminations.items():
@@ -769,6 +772,7 @@ class CociCheckpoint(Checkpoint):
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         give_sigterm_back(trainer)
+        give_loaders_back(trainer)
         if self._handlers is not None:
             forget_coci_handlers(trainer, *self._handlers)
             self._handlers = None

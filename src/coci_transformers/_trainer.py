@@ -4,6 +4,7 @@ Trainer will count it, the Trainer being made, its TensorBoard writer, the colle
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -216,6 +217,25 @@ def jit_checkpoint_off(trainer: Trainer, preemption: Preemption | None) -> bool:
         callback.jit_manager = None
         return True
     return False
+
+
+def shield_eval_loaders(trainer: Trainer, shield: Callable[[Any], int]) -> None:
+    """The workers of the evaluation loaders the Trainer makes from now on (one per
+    evaluation) are shielded (``shield``: ``Checkpointer.shield_loader_workers``) from the
+    notice's signals sent to every process of the job: ``get_eval_dataloader`` is wrapped (an
+    instance attribute; no-op once the checkpointer is closed)."""
+    request = trainer.get_eval_dataloader
+    if getattr(request, "_coci_shields_workers", False):
+        return
+
+    @functools.wraps(request)
+    def shielded(*args: Any, **kwargs: Any) -> Any:
+        loader = request(*args, **kwargs)
+        shield(loader)
+        return loader
+
+    shielded._coci_shields_workers = True  # type: ignore[attr-defined]
+    trainer.get_eval_dataloader = shielded  # type: ignore[method-assign]
 
 
 def coci_directory(path: Any) -> bool:

@@ -84,6 +84,7 @@ from coci_transformers._trainer import (
     planned_steps,
     record_step,
     same_directory,
+    shield_eval_loaders,
     tensorboard_sink,
     trial_termination,
 )
@@ -493,6 +494,9 @@ class CociCallback(TrainerCallback):
                 checkpointer.sinks.append(tensorboard_sink(trainer, self.dirpath))
         jit_checkpoint_off(trainer, self.options.preemption)  # before coci's handler
         checkpointer.watch_preemption()
+        # workers started after this hook (the epoch's iterator, each evaluation's loader)
+        checkpointer.shield_loader_workers(kwargs.get("train_dataloader"))
+        shield_eval_loaders(trainer, checkpointer.shield_loader_workers)
         self._start_step = state.global_step
         # A run resumed at its last step (requeued after its final save, as a late SIGTERM's
         # exit 143 asks) trains no step past max_steps: the Trainer's epoch loop would train

@@ -19,6 +19,7 @@ from coci_core.preemption.registry import (
     register_notice_source,
 )
 from coci_core.preemption.signals import SIGNALS, SignalNotice
+from coci_core.preemption.workers import ShieldedWorkerInit, shield_loader_workers
 
 __all__ = [
     "LINK_LOCAL",
@@ -31,10 +32,12 @@ __all__ = [
     "NoticeBoard",
     "NoticeSource",
     "Preemption",
+    "ShieldedWorkerInit",
     "SignalNotice",
     "check_preemption",
     "detect_cloud",
     "notice_source",
     "notice_source_names",
     "register_notice_source",
+    "shield_loader_workers",
 ]

@@ -33,6 +33,8 @@ from coci_core.knobs import MAX_CHECKPOINTS_COSTED
 from coci_core.planner import Planner, Termination
 from coci_core.planner.optimize import Problem
 from coci_core.planner.schedule import ExpectedOverhead, compare_with_daly
+from coci_core.preemption.signals import SignalNotice
+from coci_core.preemption.workers import shield_loader_workers
 from coci_core.storage import Storage
 from coci_core.telemetry import (
     Event,
@@ -432,6 +434,18 @@ class Checkpointer:
             config, rank=self.rank, min_over_ranks=self._min_over_ranks, broadcast=self._broadcast
         )
         return [s.name for s in self._watch.start()]
+
+    def shield_loader_workers(self, loaders: Any) -> int:
+        """Shield the workers of ``loaders`` (a ``DataLoader``, a list or dict of them,
+        Lightning's ``CombinedLoader``) from the notice signals watched (see
+        :meth:`watch_preemption`) when they are sent to every process of the job, as SLURM
+        does: the training process saves and shuts its workers down. Call it before the
+        loader's iterator starts its workers. How many loaders were newly shielded (0 with no
+        signal watched or no worker); see :mod:`coci_core.preemption.workers`."""
+        if self._watch is None:
+            return 0
+        signums = [s.signum for s in self._watch.sources if isinstance(s, SignalNotice)]
+        return shield_loader_workers(loaders, signums)
 
     def _save_time_s(self) -> SaveTimes:
         """What a save takes to be durable: the longest and the fastest of the last few (None:
