@@ -4,6 +4,7 @@ step boundary, then a clean stop; the Trainer's JIT checkpoint saves nothing mor
 
 from __future__ import annotations
 
+import shutil
 import signal
 from pathlib import Path
 from typing import Any
@@ -297,3 +298,26 @@ def test_the_best_model_is_never_another_runs(tmp_path: Path) -> None:
         other = mgr.restore(step_dir_name(4))["model"]  # the first run's
     assert all(torch.equal(result["best_model"][k], saved[k]) for k in saved)
     assert not all(torch.equal(result["best_model"][k], other[k]) for k in other)
+
+
+def test_a_new_machine_resuming_a_notices_save_counts_no_failure(tmp_path: Path) -> None:
+    """A run stopped by a notice resumes on a new machine (its directory copied, without the
+    telemetry that told the old machine the run ended there): the restore of the notice's
+    save is no failure for the planner's MTBF (it counted one); the restore of a planned
+    save is one."""
+    with pytest.raises(Preempted):
+        train(
+            tmp_path / "old",
+            12,
+            callback=CociCallback(policy="every_n_steps", every_n_steps=3),
+            extra_callbacks=(Terminate(4),),
+        )
+    for new, step in (("new", 5), ("older", 3)):
+        name = step_dir_name(step)
+        shutil.copytree(tmp_path / "old" / "coci" / name, tmp_path / new / "coci" / name)
+        AcceleratorState._reset_state(True)
+        callback = CociCallback(policy="every_n_steps", every_n_steps=3)
+        resumed = train(tmp_path / new, step + 1, resume=True, callback=callback)
+        assert resumed["start"] == step
+        assert callback.checkpointer is not None
+        assert callback.checkpointer.planner.failures == (0 if step == 5 else 1), new

@@ -233,12 +233,12 @@ class RunObservations:
             self.elapsed_s += outside
             self.wall = None
 
-    def record_restore(self, seconds: float) -> None:
-        """One more failure, and its measured restore time."""
+    def record_restore(self, seconds: float, *, failure: bool = True) -> None:
+        """One more failure (unless ``failure`` is False), and its measured restore time."""
         self.close_wall()
         if self.costs.add("restart_s", seconds):
             self.elapsed_s += float(seconds)
-        self.failures += 1
+        self.failures += 1 if failure else 0
 
     def record_restart(self, seconds: float) -> None:
         """The whole restart of the last restore (process start to the first step), which

@@ -283,6 +283,19 @@ class Planner:
                 self._uploads.remote_restore(float(seconds))
         self._plan.force_replan = True
 
+    def forgive_restore(self) -> bool:
+        """The last restore recorded resumed the save a preemption notice asked for, the run's
+        planned stop: not a failure for the MTBF (its time stays a restart cost). Whether
+        there was one to forgive."""
+        for i in range(len(self._recorded) - 1, -1, -1):
+            kind, seconds = self._recorded[i]
+            if kind == "restore":
+                self._recorded[i] = ("resume", seconds)
+                self._obs.failures = max(0, self._obs.failures - 1)
+                self._plan.force_replan = True
+                return True
+        return False
+
     def record_restart(self, seconds: float) -> None:
         """Record the whole restart after the last :meth:`record_restore` (from the process's
         start to its first training step): it replaces that restore's time as the restart
@@ -421,8 +434,8 @@ class Planner:
         self._session = str(state.get("session") or self._session)
         self._base = count + len(missing) - len(self._recorded)
         for kind, seconds in missing:
-            if kind == "restore":
-                self._obs.record_restore(seconds)
+            if kind in ("restore", "resume"):
+                self._obs.record_restore(seconds, failure=kind == "restore")
             else:
                 self._obs.record_restart(seconds)
         if missing:

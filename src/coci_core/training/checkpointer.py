@@ -186,6 +186,7 @@ class Checkpointer:
         self.stopped_late: str | None = None
         #: what the ranks agreed on at a preemption notice (None until one came)
         self.preempted: PreemptionDecision | None = None
+        self._failure_counted = False  # the last restore counted as a failure
         #: the save planned before a notice's known end, while training goes on to it
         self.notice_plan: NoticePlan | None = None
         self._durable_s: list[float] = []  # the last committed saves' time to durable
@@ -211,6 +212,7 @@ class Checkpointer:
     def _on_event(self, event: Event) -> None:
         if isinstance(event, RestoreEvent) and not self._continues_here(event):
             self.planner.record_restore(event.seconds, tier=event.tier)
+            self._failure_counted = True
         if isinstance(event, UploadEvent) and event.outcome == "committed":
             self._on_upload(event)
         if isinstance(event, RestartEvent):
@@ -797,16 +799,23 @@ class Checkpointer:
         """The planner's estimates (JSON), so that a resumed run keeps them, the run's
         ``keep_last``, and the time the last committed saves took to be durable (what a
         preemption notice's decision is made from)."""
+        notice = self.preempted is not None and self.preempted.save
         return {
             "planner": self.planner.state_dict(),
             "keep_last": self.manager.keep_last,
             "durable_s": list(self._durable_s),
+            **({"notice_save": True} if notice else {}),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore the planner's estimates and the measured save times."""
+        """Restore the planner's estimates and the measured save times. The state of a save
+        a preemption notice asked for makes the restore of it no failure for the MTBF (the
+        run stopped as planned), on whatever machine it resumes."""
         if "planner" in state:
             self.planner.load_state_dict(dict(state["planner"]))
+        if state.get("notice_save") is True and self._failure_counted:
+            self.planner.forgive_restore()
+        self._failure_counted = False
         kept = state.get("keep_last", _UNKNOWN)
         self._restored_keep_last = kept if kept is None or type(kept) is int else _UNKNOWN
         durable = state.get("durable_s")
