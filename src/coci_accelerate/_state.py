@@ -331,3 +331,27 @@ def apply(
         if obj is not skip and obj_state is not None:
             obj.load_state_dict(obj_state)
     _set_rng_state(mine["rng"])
+
+
+def agree_on_apply(accelerator: Accelerator, step: int | None, failure: Exception | None) -> None:
+    """Every process learns whether each put the restored state back (one collective with
+    several processes): a registered object's ``load_state_dict`` that raised on one process
+    only stopped that process, while the others trained on into a collective with it.
+
+    Raises:
+        CheckpointError: on every process when one did not, naming the first (chained to its
+            own error on that process); ``failure`` itself with one process."""
+    if accelerator.num_processes == 1:
+        if failure is not None:
+            raise failure
+        return
+    from accelerate.utils import gather_object
+
+    said = f"{type(failure).__name__}: {failure}" if failure is not None else None
+    failed = [(i, m) for i, m in enumerate(gather_object([said])) if m is not None]
+    if failed:
+        index, message = failed[0]
+        raise CheckpointError(
+            f"process {index} could not put step {step}'s state back ({message}): every "
+            "process stops"
+        ) from failure

@@ -394,9 +394,14 @@ class CociCheckpointer:
                     self.checkpointer.manager.storage.url,
                 )
             return 0
-        _state.apply(
-            self.accelerator, state, skip=self, input_dir=str(self.dirpath), strict=not partial
-        )
+        failure: Exception | None = None
+        try:
+            _state.apply(
+                self.accelerator, state, skip=self, input_dir=str(self.dirpath), strict=not partial
+            )
+        except Exception as e:
+            failure = e
+        _state.agree_on_apply(self.accelerator, self.checkpointer.resumed_from, failure)
         self.checkpointer.load_state_dict(state.get("coci", {}))
         self._last_step_end = None
         count = _state.completed_steps(state)

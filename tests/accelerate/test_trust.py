@@ -23,8 +23,10 @@ from coci_core.engine.restore.restore import restore_newest
 from coci_core.storage import open_storage
 from tests.accelerate.example import train_like_example
 from tests.harness.agreement import on_two_ranks
+from tests.harness.processes import child_env, module, run
 
 Edit = Callable[[dict[str, Any]], None]
+_APPLY_CHILD = "tests.accelerate._apply_child"
 
 
 @pytest.fixture(scope="module")
@@ -117,3 +119,22 @@ def test_a_registered_object_count_forged_on_one_process_is_every_process_error(
     assert all(isinstance(e, CheckpointError) for e in outcome), outcome
     assert str(outcome[0]) == str(outcome[1])
     assert "registered objects: 0 at the save, 1 now (CociCheckpointer)" in str(outcome[0])
+
+
+def test_a_registered_object_refusing_its_state_on_one_process_stops_every_process(
+    tmp_path: Path,
+) -> None:
+    """A registered object's ``load_state_dict`` raises on process 1 only (two real processes
+    under torchrun): both processes' ``resume()`` raise the same CheckpointError naming it
+    (before: process 1 alone raised, and process 0 trained on into a collective with it)."""
+    command = module("torch.distributed.run", "--nproc-per-node", "2", "-m", _APPLY_CHILD)
+    env = child_env({"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"})
+    out = run([*command, str(tmp_path)], env=env, timeout_s=120)
+    assert out.returncode == 0, out.stderr
+    results = [json.loads(x[7:]) for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+    assert sorted(r["index"] for r in results) == [0, 1], out.stdout
+    errors = {r["error"] for r in results}
+    assert errors == {
+        "CheckpointError: process 1 could not put step 2's state back (ValueError: n=2 is "
+        "not a count this process accepts): every process stops"
+    }, errors
