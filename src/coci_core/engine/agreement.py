@@ -91,6 +91,7 @@ class RestoreAgreement:
         except RuntimeError as e:  # DistNetworkError and the like
             raise store_gone(e) from e
         self._prefix = f"coci/restore/{name}/{n}"
+        self.instance = f"{name}/{n}"  # this restore's name, the same on every rank
         self._round = 0
 
     @classmethod

@@ -12,6 +12,7 @@ from typing import Any
 from coci_core.engine.agreement import RestoreAgreement
 from coci_core.engine.format.manifest import MANIFEST_NAME, parse_step_version, step_dir_name
 from coci_core.engine.format.torch_saved import check_saved_pickle, load_weights_only
+from coci_core.engine.pulse import restore_watched
 from coci_core.engine.restore.inplace import InPlaceTargets
 from coci_core.engine.restore.restore import (
     CheckpointRef,
@@ -140,9 +141,10 @@ def read_checkpoint(
     ``fall_back``: the newest intact checkpoint from ``step`` on, of ``directory`` or the
     ``remote`` tier, as a resume takes it (past damaged ones). ``agree``: every process of an
     initialized ``torch.distributed`` job reads together, and all end on one step (the newest
-    intact for every one of them) or raise the same error. ``check``: as for
-    :meth:`CheckpointManager.restore <coci_core.CheckpointManager.restore>` (a checkpoint it
-    finds damaged is passed over with ``fall_back``, else raised).
+    intact for every one of them) or raise the same error (when a process is killed while it
+    reads, once it has been silent for ``RANK_SILENT_S``: see :mod:`~coci_core.engine.pulse`).
+    ``check``: as for :meth:`CheckpointManager.restore <coci_core.CheckpointManager.restore>`
+    (a checkpoint it finds damaged is passed over with ``fall_back``, else raised).
 
     Raises:
         NoCheckpointError, CorruptCheckpointError, StateMismatchError, StorageError: as
@@ -155,23 +157,24 @@ def read_checkpoint(
         if isinstance(directory, Storage)  # a manager's own (a wrapper stays one)
         else open_storage(str(directory), **dict(storage_options or {}))
     )
-    if fall_back:
-        remote_storage = None
-        if remote is not None:
-            remote_storage = open_storage(remote, **dict(remote_storage_options or {}))
-        loaded, event = restore_newest(
-            storage,
-            start_at=step,
-            rank=rank,
-            targets=targets,
-            remote=remote_storage,
-            agreement=agreement,
-            check=check,
-        )
-    else:
-        loaded, event = restore_newest(
-            storage, step, rank=rank, targets=targets, agreement=agreement, check=check
-        )
+    with restore_watched(agreement):  # a rank killed meanwhile fails it once silent
+        if fall_back:
+            remote_storage = None
+            if remote is not None:
+                remote_storage = open_storage(remote, **dict(remote_storage_options or {}))
+            loaded, event = restore_newest(
+                storage,
+                start_at=step,
+                rank=rank,
+                targets=targets,
+                remote=remote_storage,
+                agreement=agreement,
+                check=check,
+            )
+        else:
+            loaded, event = restore_newest(
+                storage, step, rank=rank, targets=targets, agreement=agreement, check=check
+            )
     if targets is not None:
         targets.check(loaded.step)
     return loaded, event
