@@ -21,7 +21,7 @@ from coci_lightning import CociCheckpoint
 from tests.lightning.models import DigitsModel
 
 
-def _trainer(directory: str, steps: int) -> pl.Trainer:
+def _trainer(directory: str, steps: int, dirpath: str | None = None) -> pl.Trainer:
     return pl.Trainer(
         accelerator="cpu",
         devices=2,
@@ -31,7 +31,9 @@ def _trainer(directory: str, steps: int) -> pl.Trainer:
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=directory,
-        callbacks=[CociCheckpoint(policy="every_n_steps", every_n_steps=2, block=True)],
+        callbacks=[
+            CociCheckpoint(dirpath=dirpath, policy="every_n_steps", every_n_steps=2, block=True)
+        ],
     )
 
 
@@ -43,7 +45,10 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
     pl.seed_everything(11, verbose=False)
     _trainer(cfg["dir"], 2).fit(DigitsModel(batch_size=8, distributed=True))
     rank = int(os.environ["RANK"])
-    if rank == cfg["victim"]:
+    dirpath = None
+    if rank == cfg["victim"] and cfg.get("empty"):  # this rank sees another, empty directory
+        dirpath = os.path.join(cfg["dir"], "elsewhere")
+    elif rank == cfg["victim"]:
         exchange = agreement.RestoreAgreement.exchange
 
         def stop(self: Any, report: dict[str, Any]) -> Any:
@@ -54,7 +59,8 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
         agreement.RestoreAgreement.exchange = stop  # type: ignore[method-assign]
     started = time.monotonic()
     try:
-        _trainer(cfg["dir"], 4).fit(DigitsModel(batch_size=8, distributed=True), ckpt_path="last")
+        model = DigitsModel(batch_size=8, distributed=True)
+        _trainer(cfg["dir"], 4, dirpath).fit(model, ckpt_path="last")
     except Exception as e:
         return {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - started}
     return {"error": None, "seconds": time.monotonic() - started}
