@@ -3,7 +3,9 @@ test_silent_rank.py): both save step 1; rank ``cfg["victim"]`` then prints ``KIL
 to be killed; the other saves step 2 with the default commit timeout (600 s) and a short
 silence (``cfg["silent_s"]``), and prints ``RESULT`` with the error and how long it took. With
 ``cfg["restore"]`` the other restores instead (the restore's agreement has a default timeout of
-1800 s), its partner killed before it says which step it can restore.
+1800 s), its partner killed before it says which step it can restore. With ``cfg["first"]``
+nothing is saved before the kill: the other's save of step 2 is its first, whose check that the
+ranks share the directory waits for its partner (for the commit timeout, 600 s, before).
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     mgr = CheckpointManager(cfg["dir"], group=RankGroup.from_torch_distributed())
-    mgr.save(1, {"w": torch.arange(8.0)}).wait()
+    if not cfg.get("first"):
+        mgr.save(1, {"w": torch.arange(8.0)}).wait()
     if rank == cfg["victim"]:
         print("KILLME", flush=True)
         time.sleep(600)
@@ -45,6 +48,8 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
     except BackgroundSaveError as e:
         cause = e.__cause__
         error, ranks = f"{type(cause).__name__}: {cause}", getattr(cause, "ranks", None)
+    except CheckpointError as e:  # the first save's check, before anything is written
+        error, ranks = f"{type(e).__name__}: {e}", None
     else:
         error, ranks = None, None
     return {"error": error, "ranks": ranks, "seconds": time.monotonic() - started}
