@@ -15,11 +15,15 @@ from typing import TYPE_CHECKING, Any
 import lightning.pytorch as pl
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
-from coci_core.engine.agreement import RestoreAgreement, agreed_error, error_report, job_store
-from coci_core.engine.pulse import restore_watched
 from coci_core.errors import CheckpointError, NoCheckpointError
 from coci_core.telemetry import RestoreEvent
-from coci_core.training import parse_step_dir, read_checkpoint, step_dir_name, step_dir_of
+from coci_core.training import (
+    parse_step_dir,
+    ranks_read_alike,
+    read_checkpoint,
+    step_dir_name,
+    step_dir_of,
+)
 from coci_lightning._rng import check_saved_rng
 from coci_lightning._sharded import use_sharded_load
 
@@ -203,39 +207,20 @@ def use_coci_io(trainer: Any) -> CociCheckpointIO:
 
 
 def agree_on_resume(path: object, directory: str, options: Mapping[str, Any]) -> None:
-    """Raise the same error on every rank of the ``torch.distributed`` job unless all of them
-    read a coci checkpoint, or none does. Lightning resolves ``ckpt_path`` (``"last"``) on each
-    rank alone: a rank that saw no coci checkpoint in its ``directory`` (another directory, a
-    node's own disk) or a newer Lightning file started fresh or read that file, while the
-    others waited for it in the restore's agreement (30 min), and then in a collective.
-    ``options``: the fsspec options of ``path``'s tier.
+    """Raise the same error on every rank unless all of them read a coci checkpoint, or none
+    does. Lightning resolves ``ckpt_path`` (``"last"``) on each rank alone: a rank that saw no
+    coci checkpoint in its ``directory`` (another directory, a node's own disk) or a newer
+    Lightning file started fresh or read that file, while the others waited for it in the
+    restore's agreement (30 min), and then in a collective. ``options``: the fsspec options
+    of ``path``'s tier.
 
     Raises:
-        CorruptCheckpointError, CheckpointError: some ranks read a coci checkpoint, others
-            not (see :func:`~coci_core.engine.agreement.agreed_error`).
+        CorruptCheckpointError, CheckpointError: as :func:`ranks_read_alike
+            <coci_core.training.ranks_read_alike>`.
     """
-    store = job_store()
-    if store is None:
-        return
-    import torch.distributed as dist
-
-    world = dist.get_world_size()
-    if world == 1:
-        return
-    agreement = RestoreAgreement(store, dist.get_rank(), world, name="lightning-resume")
     if path is None:
-        report = error_report(NoCheckpointError(f"no committed checkpoint in {directory}"))
+        ranks_read_alike(None, NoCheckpointError(f"no committed checkpoint in {directory}"))
     elif step_dir_of(path, options) is None:
-        report = error_report(CheckpointError(f"it reads {path}, not a coci checkpoint"))
+        ranks_read_alike(None, CheckpointError(f"it reads {path}, not a coci checkpoint"))
     else:
-        report = {"found": str(path)}
-    with restore_watched(agreement):  # a rank killed meanwhile fails it once silent
-        reports = agreement.exchange(report)
-    failed = sum(1 for r in reports if r.get("error"))
-    if 0 < failed < len(reports):
-        e = agreed_error(reports)
-        raise type(e)(
-            f"{e}. Lightning resolves ckpt_path on each rank: every rank must see the same "
-            "checkpoint directory (a shared file system or an object store, not each node's "
-            "own disk) and resume from the same checkpoint"
-        )
+        ranks_read_alike(str(path))

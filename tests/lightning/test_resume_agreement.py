@@ -68,5 +68,5 @@ def test_a_rank_that_resolves_no_checkpoint_fails_every_ranks_resume_at_once(
     error = results[0]["error"] or ""
     assert error.startswith("CorruptCheckpointError: no checkpoint can be restored on every")
     assert "rank 1: NoCheckpointError: no committed checkpoint in" in error
-    assert "rank(s) [0] hold one" in error and "every rank must see the same" in error
+    assert "rank(s) [0] hold one" in error and "every process must see the same" in error
     assert all(r["seconds"] < 10 for r in results), results
