@@ -2,7 +2,10 @@
 is SIGKILLed during the resume (see test_resume_agreement.py): both fit 2 steps with a
 ``CociCheckpoint`` (step 2 saved); a second fit resumes (``ckpt_path="last"``); rank
 ``cfg["victim"]`` prints ``KILLME`` when it is about to say which step it read, and waits to be
-killed. The other prints ``RESULT`` with its error and how long its resume took.
+killed. With ``cfg["empty"]``, the victim's ``CociCheckpoint`` names another, empty directory
+instead (and rank 0 committed a step with a plain manager, not a fit: both fail at the
+callback's setup, before reading). Each prints ``RESULT`` with its error and how long its
+resume took.
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ import time
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 
+from coci_core import CheckpointManager, RankGroup
 from coci_core.engine import agreement
 from coci_lightning import CociCheckpoint
 from tests.lightning.models import DigitsModel
@@ -43,12 +48,17 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
 
         pulse.RANK_SILENT_S = cfg["silent_s"]  # the knob, shortened for the test
     pl.seed_everything(11, verbose=False)
-    _trainer(cfg["dir"], 2).fit(DigitsModel(batch_size=8, distributed=True))
     rank = int(os.environ["RANK"])
     dirpath = None
-    if rank == cfg["victim"] and cfg.get("empty"):  # this rank sees another, empty directory
-        dirpath = os.path.join(cfg["dir"], "elsewhere")
-    elif rank == cfg["victim"]:
+    if cfg.get("empty"):  # the victim sees another, empty directory; rank 0 a committed step
+        if rank == 0:
+            with CheckpointManager(os.path.join(cfg["dir"], "coci"), group=RankGroup.single()) as m:
+                m.save(2, {"w": torch.zeros(2)}).wait()
+        else:
+            dirpath = os.path.join(cfg["dir"], "elsewhere")
+    else:
+        _trainer(cfg["dir"], 2).fit(DigitsModel(batch_size=8, distributed=True))
+    if rank == cfg["victim"] and not cfg.get("empty"):
         exchange = agreement.RestoreAgreement.exchange
 
         def stop(self: Any, report: dict[str, Any]) -> Any:
