@@ -5,7 +5,9 @@ silence (``cfg["silent_s"]``), and prints ``RESULT`` with the error and how long
 ``cfg["restore"]`` the other restores instead (the restore's agreement has a default timeout of
 1800 s), its partner killed before it says which step it can restore. With ``cfg["first"]``
 nothing is saved before the kill: the other's save of step 2 is its first, whose check that the
-ranks share the directory waits for its partner (for the commit timeout, 600 s, before).
+ranks share the directory waits for its partner (for the commit timeout, 600 s, before). With
+``cfg["after_report"]`` (and ``restore``) the victim is killed once it said which step it holds,
+before it read the others' reports.
 """
 
 from __future__ import annotations
@@ -33,7 +35,15 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
     mgr = CheckpointManager(cfg["dir"], group=RankGroup.from_torch_distributed())
     if not cfg.get("first"):
         mgr.save(1, {"w": torch.arange(8.0)}).wait()
-    if rank == cfg["victim"]:
+    if rank == cfg["victim"] and cfg.get("after_report"):  # killed once it said what it holds
+        from coci_core.engine.agreement import RestoreAgreement
+
+        def stop(self: Any, key: str) -> None:
+            print("KILLME", flush=True)
+            time.sleep(600)
+
+        RestoreAgreement._wait_until_all_read = stop  # type: ignore[method-assign]
+    elif rank == cfg["victim"]:
         print("KILLME", flush=True)
         time.sleep(600)
     started = time.monotonic()
