@@ -15,8 +15,15 @@ from typing import TYPE_CHECKING, Any
 import lightning.pytorch as pl
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
+from coci_core.errors import CheckpointError, NoCheckpointError
 from coci_core.telemetry import RestoreEvent
-from coci_core.training import parse_step_dir, read_checkpoint, step_dir_name, step_dir_of
+from coci_core.training import (
+    parse_step_dir,
+    ranks_read_alike,
+    read_checkpoint,
+    step_dir_name,
+    step_dir_of,
+)
 from coci_lightning._rng import check_saved_rng
 from coci_lightning._sharded import use_sharded_load
 
@@ -197,3 +204,23 @@ def use_coci_io(trainer: Any) -> CociCheckpointIO:
         strategy.checkpoint_io = io
     use_sharded_load(strategy, io)
     return io
+
+
+def agree_on_resume(path: object, directory: str, options: Mapping[str, Any]) -> None:
+    """Raise the same error on every rank unless all of them read a coci checkpoint, or none
+    does. Lightning resolves ``ckpt_path`` (``"last"``) on each rank alone: a rank that saw no
+    coci checkpoint in its ``directory`` (another directory, a node's own disk) or a newer
+    Lightning file started fresh or read that file, while the others waited for it in the
+    restore's agreement (30 min), and then in a collective. ``options``: the fsspec options
+    of ``path``'s tier.
+
+    Raises:
+        CorruptCheckpointError, CheckpointError: as :func:`ranks_read_alike
+            <coci_core.training.ranks_read_alike>`.
+    """
+    if path is None:
+        ranks_read_alike(None, NoCheckpointError(f"no committed checkpoint in {directory}"))
+    elif step_dir_of(path, options) is None:
+        ranks_read_alike(None, CheckpointError(f"it reads {path}, not a coci checkpoint"))
+    else:
+        ranks_read_alike(str(path))

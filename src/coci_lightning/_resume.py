@@ -58,12 +58,11 @@ def install_last_resolution() -> None:
     if getattr(original, "_coci", False):
         return
 
-    @functools.wraps(original)
-    def parse_ckpt_path(
-        self: _CheckpointConnector, state_fn: Any, ckpt_path: Any, **kwargs: Any
+    def resolve(
+        self: _CheckpointConnector, state_fn: Any, ckpt_path: Any, cocis: list[Any], **kwargs: Any
     ) -> Any:
-        callbacks = getattr(self.trainer, "callbacks", [])
-        cocis = [cb for cb in callbacks if isinstance(cb, CociCheckpoint)]
+        """The checkpoint this rank resolves ``ckpt_path`` to (``cocis``: the attached
+        ``CociCheckpoint`` callbacks)."""
         fn = str(getattr(state_fn, "value", state_fn))
         fitting = fn == "fit"
         # "last" for every entry point; resume=True (no ckpt_path) only for fit
@@ -84,6 +83,17 @@ def install_last_resolution() -> None:
             # validate/test/predict (and fit) of a coci step directory, with or without a
             # CociCheckpoint attached: read it with coci's restore
             use_coci_io(self.trainer)
+        return resolved
+
+    @functools.wraps(original)
+    def parse_ckpt_path(
+        self: _CheckpointConnector, state_fn: Any, ckpt_path: Any, **kwargs: Any
+    ) -> Any:
+        callbacks = getattr(self.trainer, "callbacks", [])
+        cocis = [cb for cb in callbacks if isinstance(cb, CociCheckpoint)]
+        resolved = resolve(self, state_fn, ckpt_path, cocis, **kwargs)
+        if cocis:  # the ranks compare what each resolved at the callback's setup
+            cocis[0].resolved_ckpt_path = (resolved,)
         return resolved
 
     parse_ckpt_path._coci = True  # type: ignore[attr-defined]

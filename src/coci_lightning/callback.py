@@ -52,7 +52,7 @@ from coci_lightning._epoch_end import (
 )
 from coci_lightning._habits import model_checkpoint_arguments
 from coci_lightning._hparams import check_hyperparameters
-from coci_lightning._io import tier_options, use_coci_io
+from coci_lightning._io import agree_on_resume, tier_options, use_coci_io
 from coci_lightning._preemption import (
     Handlers,
     forget_coci_handlers,
@@ -275,6 +275,8 @@ class CociCheckpoint(Checkpoint):
         self._last_end: float | None = None
         self._last_saved_step: int | None = None
         self._fallback_for: str | None = None
+        # the ckpt_path Lightning resolved for the coming run, once (see _resume.py)
+        self.resolved_ckpt_path: tuple[Any] | None = None
         self._rng_in_state = True
         self._deferred = False  # save at the next step (a planned save that could not be taken)
         # the step of an epoch's last batch whose save waits for the validation after it
@@ -413,6 +415,11 @@ class CociCheckpoint(Checkpoint):
             on_restore=lambda loaded, event: self._on_restore(trainer, loaded, event),
             fallback_for=self._fallback_for,
         )
+        resolved, self.resolved_ckpt_path = self.resolved_ckpt_path, None
+        if resolved is not None:  # every rank reads a coci checkpoint, or none does
+            path = resolved[0]
+            path_options = {} if path is None else self.storage_options_for(path)
+            agree_on_resume(path, str(self._directory), path_options)
         if stage != "fit":
             return
         check_hyperparameters(trainer)  # refused now, not at the first save after training

@@ -82,6 +82,31 @@ def test_a_rank_killed_before_it_reports_in_a_restore_fails_it_once_silent(
     assert result["seconds"] < 30, result
 
 
+def test_a_rank_killed_after_it_reports_in_a_restore_is_waited_for_only_until_silent(
+    tmp_path: Path,
+) -> None:
+    """Rank 1 killed once it said which step it holds, before it read the others' reports:
+    rank 0 (which waits until every rank has read them, to keep the store it hosts up)
+    restores once rank 1 is silent (before: it waited 60 s for it)."""
+    cfg = {"dir": str(tmp_path), "silent_s": SILENT_S, "restore": True, "after_report": True}
+    result = _kill_one(1, cfg)
+    assert result["error"] is None, result
+    assert SILENT_S <= result["seconds"] < 30, result
+
+
+def test_a_rank_killed_before_the_first_saves_check_fails_it_once_silent(tmp_path: Path) -> None:
+    """Rank 1 killed before the first save: rank 0's check that the ranks share the directory
+    (an exchange through the job's store) fails once rank 1 is silent, naming it (before: it
+    waited for the commit timeout, 600 s, then blamed the exchange's timeout)."""
+    result = _kill_one(1, {"dir": str(tmp_path), "silent_s": SILENT_S, "first": True})
+    assert result["error"].startswith(
+        "CheckpointError: the ranks did not all reach the first save's check"
+    ), result
+    assert "rank 1 stopped giving signs of life" in result["error"], result
+    assert SILENT_S <= result["seconds"] < 30, result
+    assert CheckpointManager(tmp_path).steps() == []
+
+
 _BLOCKED_CLIENT = """
 import sys, threading, time
 from datetime import timedelta

@@ -91,6 +91,7 @@ class RestoreAgreement:
         except RuntimeError as e:  # DistNetworkError and the like
             raise store_gone(e) from e
         self._prefix = f"coci/restore/{name}/{n}"
+        self.instance = f"{name}/{n}"  # this restore's name, the same on every rank
         self._round = 0
 
     @classmethod
@@ -212,14 +213,26 @@ class RestoreAgreement:
         store goes with it, under a rank still reading (which then failed with the store's
         "connection reset" instead of the agreed error). Every live rank reads within moments
         of rank 0 (all reports are there when rank 0 reads them); a rank that died after
-        posting is waited for ``_READ_WAIT_S`` at most.
+        posting is waited for ``_READ_WAIT_S`` at most, with a watch only until it is silent.
         """
         try:
             if self.rank != 0:
                 self.store.set(f"{key}/read/r{self.rank}", "1")
                 return
-            read = [f"{key}/read/r{r}" for r in range(1, self.world_size)]
-            self.store.wait(read, timedelta(seconds=min(self.timeout_s, _READ_WAIT_S)))
+            read = [f"{key}/read/r{r}" for r in range(self.world_size)]
+            deadline = time.monotonic() + min(self.timeout_s, _READ_WAIT_S)
+            while True:
+                left = max(deadline - time.monotonic(), 0.001)
+                try:
+                    wait_s = left if self.watch is None else min(left, PULSE_S)
+                    self.store.wait(read[1:], timedelta(seconds=wait_s))
+                    return
+                except RuntimeError:
+                    if self.watch is None or time.monotonic() >= deadline:
+                        raise
+                unread = unset(self.store, read, range(1, self.world_size))
+                if unread and self.watch.silent(unread) == unread:
+                    raise RuntimeError(f"rank(s) {unread} went silent")
         except RuntimeError as e:  # every report is in hand: nothing to raise for
             logger.warning("coci: a rank did not read the ranks' restore reports (%s)", e)
 

@@ -482,7 +482,9 @@ class CheckpointManager:
         takes the lease before it when every rank waits there (no rank writes this save yet):
         the uploads a killed writer left open are aborted then, as at a claim; a lease
         refused is said to every rank there."""
-        agreement = RestoreAgreement.for_group(group, timeout_s=group.timeout_s, topic="-dir")
+        agreement = RestoreAgreement.for_group(
+            group, timeout_s=group.timeout_s, topic="-dir", watch=Watch.of(group)
+        )
         if (
             claim
             and failed is None

@@ -17,13 +17,14 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
-from coci_core.engine.agreement import job_store
+from coci_core.engine.agreement import RestoreAgreement, job_store
 from coci_core.engine.group import RankGroup
 from coci_core.knobs import PULSE_S, RANK_SILENT_S
 
-__all__ = ["Pulse", "Watch"]
+__all__ = ["Pulse", "Watch", "restore_watched"]
 
 logger = logging.getLogger(__name__)
 
@@ -172,3 +173,29 @@ class Watch:
             values = self._store.multi_get([keys[rank] for rank in known])
             counts.update((rank, int(value)) for rank, value in zip(known, values, strict=True))
         return counts
+
+
+@contextlib.contextmanager
+def restore_watched(agreement: RestoreAgreement | None) -> Iterator[None]:
+    """Signs of life for a restore of the job's ranks that no manager's pulse covers (a
+    framework that reads by path: Lightning's ``ckpt_path``, :func:`read_checkpoint
+    <coci_core.training.read_checkpoint>`): while it runs, this rank beats under a key of this
+    restore's own and ``agreement`` watches the others' beats, so that a rank killed while it
+    read fails the others' restore once silent for ``RANK_SILENT_S``, not after the
+    agreement's timeout (30 min). A rank that never beat (killed before it came) is waited for
+    the timeout, as before."""
+    if agreement is None or agreement.watch is not None:
+        yield
+        return
+    session = f"restore/{agreement.instance}"
+    pulse = None
+    try:
+        pulse = Pulse(_own_connection(agreement.store), _key(session, agreement.rank))
+        agreement.watch = Watch(_watch_connection(agreement.store), session, RANK_SILENT_S)
+    except RuntimeError as e:  # the store does not answer: the agreement says so
+        logger.info("coci: no sign of life through the job's store: %s", e)
+    try:
+        yield
+    finally:
+        if pulse is not None:
+            pulse.stop()

@@ -41,6 +41,7 @@ from coci_core.training.random_states import (
 )
 from coci_core.training.reading import (
     newest_step_dir,
+    ranks_read_alike,
     read_checkpoint,
     read_torch_file,
     run_step_dir,
@@ -71,6 +72,7 @@ __all__ = [
     "min_over_ranks",
     "newest_step_dir",
     "parse_step_dir",
+    "ranks_read_alike",
     "read_checkpoint",
     "read_torch_file",
     "render",

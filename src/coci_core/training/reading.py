@@ -9,9 +9,10 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from coci_core.engine.agreement import RestoreAgreement
+from coci_core.engine.agreement import RestoreAgreement, agreed_error, error_report, job_store
 from coci_core.engine.format.manifest import MANIFEST_NAME, parse_step_version, step_dir_name
 from coci_core.engine.format.torch_saved import check_saved_pickle, load_weights_only
+from coci_core.engine.pulse import restore_watched
 from coci_core.engine.restore.inplace import InPlaceTargets
 from coci_core.engine.restore.restore import (
     CheckpointRef,
@@ -20,11 +21,13 @@ from coci_core.engine.restore.restore import (
     resume_order,
     step_versions,
 )
+from coci_core.errors import CociError
 from coci_core.storage import Storage, open_storage
 from coci_core.telemetry import RestoreEvent
 
 __all__ = [
     "newest_step_dir",
+    "ranks_read_alike",
     "read_checkpoint",
     "read_torch_file",
     "run_step_dir",
@@ -140,9 +143,10 @@ def read_checkpoint(
     ``fall_back``: the newest intact checkpoint from ``step`` on, of ``directory`` or the
     ``remote`` tier, as a resume takes it (past damaged ones). ``agree``: every process of an
     initialized ``torch.distributed`` job reads together, and all end on one step (the newest
-    intact for every one of them) or raise the same error. ``check``: as for
-    :meth:`CheckpointManager.restore <coci_core.CheckpointManager.restore>` (a checkpoint it
-    finds damaged is passed over with ``fall_back``, else raised).
+    intact for every one of them) or raise the same error (when a process is killed while it
+    reads, once it has been silent for ``RANK_SILENT_S``: see :mod:`~coci_core.engine.pulse`).
+    ``check``: as for :meth:`CheckpointManager.restore <coci_core.CheckpointManager.restore>`
+    (a checkpoint it finds damaged is passed over with ``fall_back``, else raised).
 
     Raises:
         NoCheckpointError, CorruptCheckpointError, StateMismatchError, StorageError: as
@@ -155,26 +159,64 @@ def read_checkpoint(
         if isinstance(directory, Storage)  # a manager's own (a wrapper stays one)
         else open_storage(str(directory), **dict(storage_options or {}))
     )
-    if fall_back:
-        remote_storage = None
-        if remote is not None:
-            remote_storage = open_storage(remote, **dict(remote_storage_options or {}))
-        loaded, event = restore_newest(
-            storage,
-            start_at=step,
-            rank=rank,
-            targets=targets,
-            remote=remote_storage,
-            agreement=agreement,
-            check=check,
-        )
-    else:
-        loaded, event = restore_newest(
-            storage, step, rank=rank, targets=targets, agreement=agreement, check=check
-        )
+    with restore_watched(agreement):  # a rank killed meanwhile fails it once silent
+        if fall_back:
+            remote_storage = None
+            if remote is not None:
+                remote_storage = open_storage(remote, **dict(remote_storage_options or {}))
+            loaded, event = restore_newest(
+                storage,
+                start_at=step,
+                rank=rank,
+                targets=targets,
+                remote=remote_storage,
+                agreement=agreement,
+                check=check,
+            )
+        else:
+            loaded, event = restore_newest(
+                storage, step, rank=rank, targets=targets, agreement=agreement, check=check
+            )
     if targets is not None:
         targets.check(loaded.step)
     return loaded, event
+
+
+def ranks_read_alike(source: str | None, why_not: CociError | None = None) -> None:
+    """Raise the same error on every process of the initialized ``torch.distributed`` job
+    unless all of them read a coci checkpoint, or none does: for a framework that resolves the
+    checkpoint to read on each process alone (Lightning's ``ckpt_path``), before it reads.
+    ``source``: the coci checkpoint this process reads; None: it reads none, for ``why_not``
+    (a ``NoCheckpointError`` when it found none). A process killed meanwhile fails the others'
+    check once silent for ``RANK_SILENT_S``.
+
+    Raises:
+        CorruptCheckpointError, CheckpointError: some processes read a coci checkpoint,
+            others not (the reasons of each of those; see
+            :func:`~coci_core.engine.agreement.agreed_error`).
+    """
+    store = job_store()
+    if store is None:
+        return
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    if world == 1:
+        return
+    agreement = RestoreAgreement(store, dist.get_rank(), world, name="alike")
+    report: dict[str, Any] = {"found": source}
+    if source is None:
+        report = error_report(why_not or CociError("it reads no coci checkpoint"))
+    with restore_watched(agreement):  # a process killed meanwhile fails it once silent
+        reports = agreement.exchange(report)
+    failed = sum(1 for r in reports if r.get("error"))
+    if 0 < failed < len(reports):
+        e = agreed_error(reports)
+        raise type(e)(
+            f"{e}. Each process resolves the checkpoint on its own: every process must see "
+            "the same checkpoint directory (a shared file system or an object store, not each "
+            "node's own disk) and resume from the same checkpoint"
+        )
 
 
 def read_torch_file(source: bytes | Path, *, what: str) -> Any:

@@ -45,14 +45,23 @@ def meets_every_rank(group: RankGroup, agreement: RestoreAgreement | None) -> bo
 
 
 def _exchange(agreement: RestoreAgreement, report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every rank's ``report``; raises when a rank did not give one (it went silent: the
+    agreement's watch reported an error for it, as only rank 0 reports one itself)."""
     try:
-        return agreement.exchange(report)
+        reports = agreement.exchange(report)
     except CheckpointError as e:  # its words are a restore's
-        raise CheckpointError(
-            "the ranks did not all reach the first save's check that they share the checkpoint "
-            "directory (a rank killed, hung, or saving at other steps); nothing was written: "
-            f"{e}"
-        ) from e
+        raise _not_reached(str(e)) from e
+    gone = [rep["error"][1] for r, rep in enumerate(reports) if r > 0 and rep.get("error")]
+    if gone:
+        raise _not_reached(gone[0])
+    return reports
+
+
+def _not_reached(why: str) -> CheckpointError:
+    return CheckpointError(
+        "the ranks did not all reach the first save's check that they share the checkpoint "
+        f"directory (a rank killed, hung, or saving at other steps); nothing was written: {why}"
+    )
 
 
 def shared_probe(group: RankGroup) -> str:

@@ -1,0 +1,83 @@
+"""One of two Lightning DDP ranks (gloo, started by the test with ``LOCAL_RANK``) whose partner
+is SIGKILLed during the resume (see test_resume_agreement.py): both fit 2 steps with a
+``CociCheckpoint`` (step 2 saved); a second fit resumes (``ckpt_path="last"``); rank
+``cfg["victim"]`` prints ``KILLME`` when it is about to say which step it read, and waits to be
+killed. With ``cfg["empty"]``, the victim's ``CociCheckpoint`` names another, empty directory
+instead (and rank 0 committed a step with a plain manager, not a fit: both fail at the
+callback's setup, before reading). Each prints ``RESULT`` with its error and how long its
+resume took.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from coci_core import CheckpointManager, RankGroup
+from coci_core.engine import agreement
+from coci_lightning import CociCheckpoint
+from tests.lightning.models import DigitsModel
+
+
+def _trainer(directory: str, steps: int, dirpath: str | None = None) -> pl.Trainer:
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_steps=steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=directory,
+        callbacks=[
+            CociCheckpoint(dirpath=dirpath, policy="every_n_steps", every_n_steps=2, block=True)
+        ],
+    )
+
+
+def main(cfg: dict[str, Any]) -> dict[str, Any]:
+    with contextlib.suppress(ImportError):
+        from coci_core.engine import pulse
+
+        pulse.RANK_SILENT_S = cfg["silent_s"]  # the knob, shortened for the test
+    pl.seed_everything(11, verbose=False)
+    rank = int(os.environ["RANK"])
+    dirpath = None
+    if cfg.get("empty"):  # the victim sees another, empty directory; rank 0 a committed step
+        if rank == 0:
+            with CheckpointManager(os.path.join(cfg["dir"], "coci"), group=RankGroup.single()) as m:
+                m.save(2, {"w": torch.zeros(2)}).wait()
+        else:
+            dirpath = os.path.join(cfg["dir"], "elsewhere")
+    else:
+        _trainer(cfg["dir"], 2).fit(DigitsModel(batch_size=8, distributed=True))
+    if rank == cfg["victim"] and not cfg.get("empty"):
+        exchange = agreement.RestoreAgreement.exchange
+
+        def stop(self: Any, report: dict[str, Any]) -> Any:
+            print("KILLME", flush=True)
+            time.sleep(600)
+            return exchange(self, report)
+
+        agreement.RestoreAgreement.exchange = stop  # type: ignore[method-assign]
+    started = time.monotonic()
+    try:
+        model = DigitsModel(batch_size=8, distributed=True)
+        _trainer(cfg["dir"], 4, dirpath).fit(model, ckpt_path="last")
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - started}
+    return {"error": None, "seconds": time.monotonic() - started}
+
+
+if __name__ == "__main__":
+    result = main(json.loads(sys.argv[1]))
+    print("RESULT " + json.dumps(result), flush=True)
+    sys.stdout.flush()
+    os._exit(0)
