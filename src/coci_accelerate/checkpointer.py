@@ -156,7 +156,6 @@ class CociCheckpointer:
             log=logger,
         )
         self.checkpointer.watch_preemption()
-        self._loaders_shielded = 0
         self._shield_loaders()
         self._closed = False
         self._tracker = _find_tracker(accelerator)
@@ -201,10 +200,8 @@ class CociCheckpointer:
         of the job to this one (see :mod:`coci_core.preemption.workers`): those prepared
         before this checkpointer from their first epoch, those prepared after from the epoch
         after the first ``step()`` that sees them."""
-        loaders = self.accelerator._dataloaders  # private: see _state.py
-        if len(loaders) != self._loaders_shielded:
-            self.checkpointer.shield_loader_workers(loaders)
-            self._loaders_shielded = len(loaders)
+        # (each call: the list is replaced by free_memory(); a shielded loader is skipped)
+        self.checkpointer.shield_loader_workers(self.accelerator._dataloaders)  # see _state.py
 
     def step(self, step: int | None = None, *, loss: float | None = None) -> SaveHandle | None:
         """Call once per batch, after ``optimizer.step()``; saves when the plan says so.

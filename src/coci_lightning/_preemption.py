@@ -22,7 +22,9 @@ from types import FrameType
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.fabric.utilities.data import _auto_add_worker_init_fn
 
+from coci_core.preemption import loaders_in
 from coci_core.training import CheckpointOptions, min_over_ranks
 
 _NOTIFIER = "_sigterm_notifier_fn"
@@ -107,6 +109,10 @@ def shield_loader_workers(trainer: pl.Trainer, shield: Callable[[Any], int]) -> 
 
         def shielded(request: Callable[[], Any] = request) -> Any:
             loaders = request()
+            for loader in loaders_in(loaders):
+                # what Lightning's _process_dataloader does next, which it skips for a loader
+                # with a worker_init_fn already: seed_everything(workers=True)'s seeding
+                _auto_add_worker_init_fn(loader, trainer.global_rank)
             shield(loaders)
             return loaders
 

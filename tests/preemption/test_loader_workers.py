@@ -7,17 +7,22 @@ killed by signal: Terminated``: nothing saved, and Accelerate's process hung unt
 
 from __future__ import annotations
 
+import copy
 import json
 import os
+import pickle
 import signal
 import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
 
 from coci_core import CheckpointManager
-from tests.harness.processes import Child, module
+from coci_core.preemption import ShieldedWorkerInit, shield_loader_workers
+from tests.harness.processes import Child, module, script
 
 pytestmark = [pytest.mark.faults]
 
@@ -76,3 +81,96 @@ def test_without_the_shield_the_workers_die_and_nothing_is_saved(tmp_path: Path)
     assert code not in (0, 143), lines
     with CheckpointManager(tmp_path) as reader:
         assert reader.steps() == []
+
+
+_STUCK = """
+import ctypes, signal, sys
+import torch
+from torch.utils.data import DataLoader, Dataset
+from coci_core.preemption import shield_loader_workers
+
+class Stuck(Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        print("STUCK", flush=True)
+        mutex = ctypes.create_string_buffer(64)  # a pthread_mutex_t, zeroed: unlocked
+        libc = ctypes.CDLL(None)
+        libc.pthread_mutex_lock(mutex)
+        libc.pthread_mutex_lock(mutex)  # a deadlock in C: no Python handler runs again
+        return torch.zeros(1)
+
+loader = DataLoader(Stuck(), num_workers=1)
+assert shield_loader_workers(loader, [signal.SIGTERM]) == 1
+batches = iter(loader)  # the worker starts and gets stuck on the first sample
+sys.stdin.readline()
+print("EXIT", flush=True)
+"""
+
+
+def test_the_exit_ends_a_shielded_worker_stuck_in_a_c_call() -> None:
+    """A shielded worker deadlocked in C never runs its Python handler: the training
+    process's exit SIGKILLs it after ``WORKER_EXIT_S`` (before: Python's exit joined it
+    without a timeout, and the process never ended)."""
+    with Child(script(_STUCK)) as child:
+        assert child.readline().startswith("STUCK")
+        assert child.proc.stdin is not None
+        child.proc.stdin.write("\n")
+        child.proc.stdin.flush()
+        assert child.readline().startswith("EXIT")
+        assert child.wait(20) == 0
+
+
+def test_a_shielded_loader_copies_and_pickles() -> None:
+    """``copy.deepcopy`` and ``pickle`` of a shielded loader work as of one not shielded
+    (the event the workers share goes along only to a worker being started)."""
+    loader = DataLoader(TensorDataset(torch.zeros(4, 1)), num_workers=2, worker_init_fn=print)
+    assert shield_loader_workers(loader, [signal.SIGTERM]) == 1
+    assert shield_loader_workers(loader, [signal.SIGTERM]) == 0  # once
+    for copied in (copy.deepcopy(loader), pickle.loads(pickle.dumps(loader))):
+        shield = copied.worker_init_fn
+        assert isinstance(shield, ShieldedWorkerInit) and shield.inner is print
+        assert shield.exiting is loader.worker_init_fn.exiting
+
+
+@pytest.mark.filterwarnings("ignore:coci. the train DataLoader is not stateful")
+def test_lightning_keeps_seed_everything_workers_seeding(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``seed_everything(workers=True)`` gives each loader without a ``worker_init_fn``
+    Lightning's seeding of the workers (by rank); the shield wraps it rather than taking its
+    place (before: Lightning saw a ``worker_init_fn`` and added none)."""
+    import lightning.pytorch as pl
+    from lightning.fabric.utilities.seed import pl_worker_init_function
+
+    from coci_lightning import CociCheckpoint
+
+    class Model(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(1, 1)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return self.layer(batch[0]).sum()
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def train_dataloader(self) -> Any:
+            return DataLoader(TensorDataset(torch.zeros(8, 1)), batch_size=4, num_workers=1)
+
+    pl.seed_everything(0, workers=True)
+    monkeypatch.setenv("PL_SEED_WORKERS", "1")
+    trainer = pl.Trainer(
+        max_steps=1,
+        accelerator="cpu",
+        callbacks=[CociCheckpoint(tmp_path, policy="every_n_steps", every_n_steps=100)],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(Model())
+    shield = trainer.train_dataloader.worker_init_fn
+    assert isinstance(shield, ShieldedWorkerInit)
+    assert shield.inner.func is pl_worker_init_function and shield.inner.keywords == {"rank": 0}

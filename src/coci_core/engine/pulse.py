@@ -66,7 +66,8 @@ def _watch_connection(store: Any) -> Any:
         held = _watch_connections.get(id(store))
         if held is None or held[0] is not store:
             held = (store, _own_connection(store))
-            _watch_connections[id(store)] = held
+            if held[1] is not store:  # a clone that timed out is tried again next time
+                _watch_connections[id(store)] = held
         return held[1]
 
 

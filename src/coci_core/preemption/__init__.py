@@ -19,7 +19,7 @@ from coci_core.preemption.registry import (
     register_notice_source,
 )
 from coci_core.preemption.signals import SIGNALS, SignalNotice
-from coci_core.preemption.workers import ShieldedWorkerInit, shield_loader_workers
+from coci_core.preemption.workers import ShieldedWorkerInit, loaders_in, shield_loader_workers
 
 __all__ = [
     "LINK_LOCAL",
@@ -38,6 +38,7 @@ __all__ = [
     "detect_cloud",
     "notice_source",
     "notice_source_names",
+    "loaders_in",
     "register_notice_source",
     "shield_loader_workers",
 ]

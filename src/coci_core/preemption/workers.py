@@ -8,8 +8,10 @@ loop), and the training process then fails at its next batch (``DataLoader worke
 killed by signal: Terminated``): the notice's save is lost.
 
 A shielded worker ignores the notice's signals until the training process exits (it sets an
-event at exit, before Python's exit ends its daemonic children with SIGTERM) or is gone: the
-training process saves, stops its loop and shuts its workers down. (A worker cannot tell who
+event at exit) or is gone: the training process saves, stops its loop and shuts its workers
+down. At its exit it ends the data loader workers still running itself, SIGKILLing those that
+do not end within ``WORKER_EXIT_S`` (a worker stuck in a C call), so that Python's exit, which
+joins its daemonic children without a timeout, never waits for one. (A worker cannot tell who
 sent a signal from Python, and it runs threads started before its ``worker_init_fn``, so
 blocking the signals in it does not keep them away.)
 """
@@ -18,26 +20,66 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import multiprocessing
 import os
 import signal
+import threading
+import time
 from collections.abc import Callable, Iterable
 from types import FrameType
 from typing import Any
 
-__all__ = ["ShieldedWorkerInit", "shield_loader_workers", "shield_worker"]
+__all__ = ["WORKER_EXIT_S", "ShieldedWorkerInit", "loaders_in", "shield_loader_workers"]
+
+logger = logging.getLogger(__name__)
+
+#: how long the training process's exit waits for its loader workers before SIGKILLing them
+WORKER_EXIT_S = 2.0
+
+_events: dict[str, Any] = {}  # start method -> the event set at exit (one each, not per loader)
+_events_lock = threading.Lock()
 
 
-_exiting: list[Any] = []  # the events of this process's shielded loaders
+def _exiting_event(method: str) -> Any:
+    """The event of start method ``method`` that this process sets at its exit."""
+    with _events_lock:
+        event = _events.get(method)
+        if event is None:
+            event = multiprocessing.get_context(method).Event()
+            if not _events:
+                atexit.register(_at_exit)  # after multiprocessing's and torch's: runs first
+            _events[method] = event
+        return event
 
 
-def _set_exiting() -> None:
-    for event in _exiting:
+def _at_exit() -> None:
+    for event in list(_events.values()):
         with contextlib.suppress(Exception):  # (a semaphore already gone at exit)
             event.set()
+    workers = [p for p in multiprocessing.active_children() if p.daemon and _loader_worker(p)]
+    for p in workers:
+        with contextlib.suppress(Exception):
+            p.terminate()
+    deadline = time.monotonic() + WORKER_EXIT_S
+    for p in workers:
+        with contextlib.suppress(Exception):
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join(1.0)
 
 
-def shield_worker(signums: Iterable[int], exiting: Any) -> None:
+def _loader_worker(process: Any) -> bool:
+    """Whether ``process`` is a PyTorch data loader worker (which names itself so; Linux)."""
+    try:
+        with open(f"/proc/{process.pid}/comm", encoding="ascii") as f:
+            return f.read().strip() == "pt_data_worker"
+    except (OSError, ValueError):
+        return False
+
+
+def _shield_worker(signums: Iterable[int], exiting: Any) -> None:
     """Shield the calling process (a data loader worker, in its main thread) from
     ``signums`` until the event ``exiting`` is set or its parent is gone."""
     parent = os.getppid()  # the training process (fork, spawn) or its forkserver
@@ -50,28 +92,51 @@ def shield_worker(signums: Iterable[int], exiting: Any) -> None:
         signal.signal(signum, handler)
 
 
+def _start_method(context: Any) -> str:
+    """The start method of a loader's ``multiprocessing_context`` (None: the default, read
+    without fixing it)."""
+    method = context.get_start_method() if context is not None else None
+    return (
+        method
+        or multiprocessing.get_start_method(allow_none=True)
+        or (multiprocessing.get_all_start_methods()[0])
+    )
+
+
 class ShieldedWorkerInit:
-    """A data loader's ``worker_init_fn`` that shields the worker (see :func:`shield_worker`)
-    and then calls the loader's own ``worker_init_fn``. Picklable (the ``spawn`` and
-    ``forkserver`` start methods) when the inner function is."""
+    """A data loader's ``worker_init_fn`` that shields the worker from ``signums`` (see the
+    module) and then calls the loader's own ``worker_init_fn``, ``inner``. It pickles for
+    the ``spawn`` and ``forkserver`` start methods when ``inner`` does, and copies."""
 
     def __init__(
         self, signums: Iterable[int], inner: Callable[[int], Any] | None, context: Any = None
     ) -> None:
         self.signums = tuple(int(s) for s in signums)
         self.inner = inner
-        self.exiting = (context or multiprocessing).Event()
-        if not _exiting:
-            atexit.register(_set_exiting)  # after multiprocessing's: run before it
-        _exiting.append(self.exiting)
+        self.method = _start_method(context)
+        self.exiting = _exiting_event(self.method)  # inherited by forked workers
+
+    def __getstate__(self) -> dict[str, Any]:
+        from multiprocessing.context import get_spawning_popen
+
+        popen = get_spawning_popen()
+        method = getattr(popen, "method", None) if popen is not None else None
+        state = {"signums": self.signums, "inner": self.inner, "method": method or self.method}
+        if method is not None:  # a worker being started: it takes the event along
+            state["exiting"] = _exiting_event(method)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.signums, self.inner, self.method = state["signums"], state["inner"], state["method"]
+        self.exiting = state.get("exiting") or _exiting_event(self.method)
 
     def __call__(self, worker_id: int) -> None:
-        shield_worker(self.signums, self.exiting)
+        _shield_worker(self.signums, self.exiting)
         if self.inner is not None:
             self.inner(worker_id)
 
 
-def _loaders(obj: Any) -> list[Any]:
+def loaders_in(obj: Any) -> list[Any]:
     """The ``DataLoader`` objects in ``obj``: one, a sequence or mapping of them, or a
     wrapper that holds them (Lightning's ``CombinedLoader``: ``flattened``)."""
     from torch.utils.data import DataLoader
@@ -80,16 +145,16 @@ def _loaders(obj: Any) -> list[Any]:
         return []
     base = vars(obj).get("base_dataloader") if hasattr(obj, "__dict__") else None
     if base is not None:  # Accelerate's prepared loaders wrap the one that starts the workers
-        return _loaders(base)
+        return loaders_in(base)
     if isinstance(obj, DataLoader):
         return [obj]
     flattened = getattr(obj, "flattened", None)
     if isinstance(flattened, list):
-        return [x for item in flattened for x in _loaders(item)]
+        return [x for item in flattened for x in loaders_in(item)]
     if isinstance(obj, dict):
-        return [x for item in obj.values() for x in _loaders(item)]
+        return [x for item in obj.values() for x in loaders_in(item)]
     if isinstance(obj, (list, tuple)):
-        return [x for item in obj for x in _loaders(item)]
+        return [x for item in obj for x in loaders_in(item)]
     return []
 
 
@@ -103,11 +168,16 @@ def shield_loader_workers(loaders: Any, signums: Iterable[int]) -> int:
     if not numbers:
         return 0
     count = 0
-    for loader in _loaders(loaders):
+    for loader in loaders_in(loaders):
         if loader.num_workers == 0 or isinstance(loader.worker_init_fn, ShieldedWorkerInit):
             continue
-        context = loader.multiprocessing_context
-        with contextlib.suppress(AttributeError, ValueError):  # a loader that refuses it
-            loader.worker_init_fn = ShieldedWorkerInit(numbers, loader.worker_init_fn, context)
-            count += 1
+        try:
+            shielded = ShieldedWorkerInit(
+                numbers, loader.worker_init_fn, loader.multiprocessing_context
+            )
+            loader.worker_init_fn = shielded
+        except (AttributeError, ValueError, OSError) as e:  # a loader that refuses it
+            logger.info("coci: the workers of a %s are not shielded: %s", type(loader).__name__, e)
+            continue
+        count += 1
     return count
