@@ -24,7 +24,10 @@ validation cut short before its first batch (``RESTARTED_MID_EVALUATION``). The 
 the random states back, runs that validation (its hooks, and what it draws from the random
 streams), then the epoch's end, as the uninterrupted run does; Lightning advances the
 stepped-batches count after that validation (see :func:`as_after_the_batch` and
-:func:`settle_resumed_validation`).
+:func:`settle_resumed_validation`). When that step is the run's last by ``max_steps``,
+Lightning's fit loop stops on ``max_steps`` before it looks at the restored loops, and would end
+the resumed run without that validation and the epoch's end: the fit loop is held open until
+the validation has run (:func:`hold_for_last_validation`).
 
 These read Lightning internals (the fit loop's progress counters and its validation decision);
 ``tests/lightning/test_epoch_end_saves.py`` checks them against an uninterrupted run.
@@ -40,6 +43,8 @@ import torch
 __all__ = [
     "as_after_the_batch",
     "epoch_end_metrics",
+    "hold_for_last_validation",
+    "release_last_validation",
     "run_ends_with_this_epoch",
     "settle_resumed_validation",
     "validation_follows",
@@ -125,6 +130,46 @@ def settle_resumed_validation(trainer: pl.Trainer) -> bool:
 
 
 _PROCESSING = ("ready", "started", "processed", "completed")
+
+
+class _UntilValidated:
+    """Mixed into the fit loop's class while it is held: not done, whatever ``max_steps``
+    says (the epoch loop still stops on it, once the restored validation has run)."""
+
+    @property
+    def done(self) -> bool:
+        return False
+
+
+def hold_for_last_validation(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> bool:
+    """When ``checkpoint``, restored by ``fit``, was taken before the validation that follows
+    the run's last step by ``max_steps`` (see :func:`as_after_the_batch`), keep Lightning's
+    fit loop from ending before it runs that validation, until
+    :func:`release_last_validation`. Whether it did."""
+    step = checkpoint.get("global_step")
+    if trainer.state.fn != "fit" or type(step) is not int or not 0 < trainer.max_steps <= step:
+        return False
+    try:
+        loop = checkpoint["loops"]["fit_loop"]
+        current = loop["epoch_loop.val_loop.batch_progress"]["current"]
+        cut_short = current["started"] > current["processed"]  # RESTARTED_MID_EVALUATION
+    except (KeyError, TypeError):
+        return False
+    if not cut_short:
+        return False
+    # Private: the fit loop's ``done`` is a property of its class; the live loop takes a
+    # subclass of its own class for as long as it is held.
+    fit_loop = trainer.fit_loop
+    base = type(fit_loop)
+    fit_loop.__class__ = type(base.__name__, (_UntilValidated, base), {})
+    return True
+
+
+def release_last_validation(trainer: pl.Trainer) -> None:
+    """Undo :func:`hold_for_last_validation` (once the validation has run, or at the end)."""
+    fit_loop = trainer.fit_loop
+    if isinstance(fit_loop, _UntilValidated):
+        fit_loop.__class__ = type(fit_loop).__mro__[2]
 
 
 def epoch_end_metrics(trainer: pl.Trainer) -> dict[str, torch.Tensor]:

@@ -46,6 +46,8 @@ from coci_lightning._best import SCORES_KEY, MonitorScores, monitored
 from coci_lightning._epoch_end import (
     as_after_the_batch,
     epoch_end_metrics,
+    hold_for_last_validation,
+    release_last_validation,
     run_ends_with_this_epoch,
     settle_resumed_validation,
     validation_follows,
@@ -606,6 +608,7 @@ class CociCheckpoint(Checkpoint):
         stopper = self._early_stopping(trainer)
         if stopper is not None and getattr(stopper, "_check_on_train_epoch_end", False):
             self._early_stopping_check(trainer, stopper)  # it checked in this hook, before us
+        release_last_validation(trainer)  # had the held validation not run, no more epochs
         if self._at_validation_end is not None:
             # the validation the save waited for did not run: the next step saves instead (a
             # checkpoint taken between epochs does not resume exactly)
@@ -615,6 +618,7 @@ class CociCheckpoint(Checkpoint):
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.state.fn == "fit" and not trainer.sanity_checking:
+            release_last_validation(trainer)  # the validation it was held open for has run
             self._check_monitor(trainer, planned=False)  # where ModelCheckpoint checks
             if self.monitor is not None and self._last_saved_step == trainer.global_step:
                 score = monitored(trainer.callback_metrics, self.monitor)
@@ -769,6 +773,7 @@ class CociCheckpoint(Checkpoint):
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         give_sigterm_back(trainer)
+        release_last_validation(trainer)
         if self._handlers is not None:
             forget_coci_handlers(trainer, *self._handlers)
             self._handlers = None
@@ -808,6 +813,9 @@ class CociCheckpoint(Checkpoint):
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
+        # a save before the validation after the run's last step: Lightning would stop on
+        # max_steps without running it (see _epoch_end.py)
+        hold_for_last_validation(trainer, checkpoint)
         own = checkpoint.get(RANK_STATE_KEY)
         if isinstance(own, dict) and "rng" in own:
             self._pending_rng = own["rng"]

@@ -285,3 +285,24 @@ def test_a_run_resumed_before_its_last_validation_saves_its_end_over_that_checkp
     again = _ValidationCounts()
     model, trainer = _fit(tmp_path, [coci(), again], validate=True, ckpt_path="last", max_epochs=1)
     assert again.counts == [] and model.events == [] and trainer.global_step == 16
+
+
+def test_a_run_resumed_before_its_last_validation_runs_it_when_max_steps_ends_there(
+    tmp_path: Path,
+) -> None:
+    """As above, with the run's length given as ``max_steps`` (16, an epoch's last step):
+    Lightning's fit loop stops on ``max_steps`` before it looks at the restored loops, so the
+    resumed run ended at once ("no step to train after it") without the validation and the
+    epoch's end that the run never stopped has. Now it runs both, as with ``max_epochs``."""
+
+    def coci() -> CociCheckpoint:
+        return CociCheckpoint(policy="every_n_steps", every_n_steps=6, keep_last=None)
+
+    with pytest.raises(Preempted) as stop:
+        _fit(tmp_path, [coci(), _SigtermAt(15)], validate=True, max_steps=16)
+    assert stop.value.step == 16
+    model, trainer = _fit(tmp_path, [coci()], validate=True, ckpt_path="last", max_steps=16)
+    assert model.events == [("validation", 16, 0), ("epoch_end", 16, 0)]
+    assert trainer.global_step == 16 and trainer.current_epoch == 1
+    again, _ = _fit(tmp_path, [coci()], validate=True, ckpt_path="last", max_steps=16)
+    assert again.events == []  # the final save replaced the checkpoint before the validation
