@@ -41,12 +41,14 @@ import lightning.pytorch as pl
 import torch
 
 __all__ = [
+    "after_a_finished_epoch",
     "as_after_the_batch",
     "epoch_end_metrics",
     "hold_for_last_validation",
     "release_last_validation",
     "run_ends_with_this_epoch",
     "settle_resumed_validation",
+    "start_next_epoch",
     "validation_follows",
 ]
 
@@ -163,6 +165,45 @@ def hold_for_last_validation(trainer: pl.Trainer, checkpoint: dict[str, Any]) ->
     base = type(fit_loop)
     fit_loop.__class__ = type(base.__name__, (_UntilValidated, base), {})
     return True
+
+
+def after_a_finished_epoch(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> bool:
+    """Whether ``checkpoint``, restored by a ``fit`` whose length is given as ``max_steps``,
+    was taken after an epoch's end (the final save of a run that ended with that epoch).
+    Lightning treats every resume of a ``max_steps`` run as a restart within an epoch: it would
+    resume the exhausted epoch (its data loader's state included) as an empty epoch, its
+    epoch-end hooks included, and count every later epoch and logged step one too many. For
+    such a checkpoint this drops the data loaders' state from ``checkpoint`` (a fresh epoch
+    starts from a fresh iterator), and :func:`start_next_epoch` then starts the next epoch as
+    Lightning does for it in a ``max_epochs`` run."""
+    if trainer.state.fn != "fit" or trainer.max_steps == -1:
+        return False
+    try:
+        loop = checkpoint["loops"]["fit_loop"]
+        epochs = loop["epoch_progress"]["current"]
+        batches = loop["epoch_loop.batch_progress"]
+        counts = [epochs[k] for k in _PROCESSING]
+        finished = (
+            counts[0] > 0
+            and counts.count(counts[0]) == len(counts)
+            and batches["is_last_batch"] is True
+            and batches["current"]["completed"] == batches["current"]["ready"]
+        )
+        if finished:
+            loop["state_dict"]["combined_loader"] = []
+    except (KeyError, TypeError, AttributeError):
+        return False
+    return bool(finished)
+
+
+def start_next_epoch(trainer: pl.Trainer) -> None:
+    """In ``on_train_start`` of a ``fit`` resumed from a checkpoint for which
+    :func:`after_a_finished_epoch` held: the fit loop (its ``max_steps`` setter forces a
+    restart) and its epoch loop are not restarting."""
+    # Private: the loops' restart flag (the fit loop's setter would force it back on).
+    loop = trainer.fit_loop
+    loop._restarting = False
+    loop.epoch_loop.restarting = False  # and its own children
 
 
 def release_last_validation(trainer: pl.Trainer) -> None:

@@ -44,12 +44,14 @@ from coci_core.training import (
 )
 from coci_lightning._best import SCORES_KEY, MonitorScores, monitored
 from coci_lightning._epoch_end import (
+    after_a_finished_epoch,
     as_after_the_batch,
     epoch_end_metrics,
     hold_for_last_validation,
     release_last_validation,
     run_ends_with_this_epoch,
     settle_resumed_validation,
+    start_next_epoch,
     validation_follows,
 )
 from coci_lightning._habits import model_checkpoint_arguments
@@ -283,6 +285,8 @@ class CociCheckpoint(Checkpoint):
         # from a checkpoint of an epoch's last step: its random states and logged metrics go
         # back in on_train_start, before the epoch's end runs
         self._rng_at_train_start = False
+        # from the final save of a max_steps run that ended with an epoch: see _epoch_end.py
+        self._next_epoch_at_train_start = False
         self._pending_metrics: dict[str, Any] | None = None
         self._start_step: int | None = None  # global_step at on_train_start (None: not started)
         self._plan_told = False
@@ -475,6 +479,10 @@ class CociCheckpoint(Checkpoint):
         self._plan_told = False
         self._deferred = False
         self._at_validation_end = None
+        if self._next_epoch_at_train_start:  # resumed after an epoch's end: see _epoch_end.py
+            self._next_epoch_at_train_start = False
+            start_next_epoch(trainer)
+            self._restore_rng(trainer)  # before the next epoch's loader draws its order
         if self._rng_at_train_start:  # resumed from an epoch's last step: see _epoch_end.py
             self._rng_at_train_start = False
             self._restore_rng(trainer)  # before the validation, if one is resumed first
@@ -795,6 +803,7 @@ class CociCheckpoint(Checkpoint):
         # what a checkpoint read by this stage left for a resumed fit is not for the next fit
         self._pending_rng = self._pending_metrics = None
         self._rng_at_train_start = False
+        self._next_epoch_at_train_start = False
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -816,6 +825,7 @@ class CociCheckpoint(Checkpoint):
         # a save before the validation after the run's last step: Lightning would stop on
         # max_steps without running it (see _epoch_end.py)
         hold_for_last_validation(trainer, checkpoint)
+        self._next_epoch_at_train_start = after_a_finished_epoch(trainer, checkpoint)
         own = checkpoint.get(RANK_STATE_KEY)
         if isinstance(own, dict) and "rng" in own:
             self._pending_rng = own["rng"]
