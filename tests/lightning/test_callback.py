@@ -297,6 +297,17 @@ def test_a_dirpath_that_cannot_be_written_names_it(tmp_path: Path) -> None:
     assert "Not a directory" in said and raised.value.errno == 20
 
 
+def test_ckpt_path_of_the_checkpoint_directory_says_what_to_give(tmp_path: Path) -> None:
+    """``fit(ckpt_path="<root>/coci")``, the directory rather than one of its steps: a
+    ValueError naming a step to give or "last", not the IsADirectoryError of Lightning's
+    torch.load."""
+    _fit(tmp_path, 2, [CociCheckpoint()])
+    with pytest.raises(ValueError, match="is a coci checkpoint directory, not a checkpoint") as e:
+        _fit(tmp_path, 4, [CociCheckpoint()], ckpt_path=str(tmp_path / "coci"))
+    assert repr(str(tmp_path / "coci" / step_dir_name(2, 0))) in str(e.value)
+    assert "ckpt_path='last'" in str(e.value)
+
+
 def test_replaces_default_model_checkpoint(tmp_path: Path) -> None:
     """As a Checkpoint callback it replaces Lightning's default ModelCheckpoint."""
     trainer = _trainer(tmp_path, 1, [CociCheckpoint()])
