@@ -24,7 +24,10 @@ validation cut short before its first batch (``RESTARTED_MID_EVALUATION``). The 
 the random states back, runs that validation (its hooks, and what it draws from the random
 streams), then the epoch's end, as the uninterrupted run does; Lightning advances the
 stepped-batches count after that validation (see :func:`as_after_the_batch` and
-:func:`settle_resumed_validation`).
+:func:`settle_resumed_validation`). When that step is the run's last by ``max_steps``,
+Lightning's fit loop stops on ``max_steps`` before it looks at the restored loops, and would end
+the resumed run without that validation and the epoch's end: the fit loop is held open until
+the validation has run (:func:`hold_for_last_validation`).
 
 These read Lightning internals (the fit loop's progress counters and its validation decision);
 ``tests/lightning/test_epoch_end_saves.py`` checks them against an uninterrupted run.
@@ -38,10 +41,14 @@ import lightning.pytorch as pl
 import torch
 
 __all__ = [
+    "after_a_finished_epoch",
     "as_after_the_batch",
     "epoch_end_metrics",
+    "hold_for_last_validation",
+    "release_last_validation",
     "run_ends_with_this_epoch",
     "settle_resumed_validation",
+    "start_next_epoch",
     "validation_follows",
 ]
 
@@ -125,6 +132,85 @@ def settle_resumed_validation(trainer: pl.Trainer) -> bool:
 
 
 _PROCESSING = ("ready", "started", "processed", "completed")
+
+
+class _UntilValidated:
+    """Mixed into the fit loop's class while it is held: not done, whatever ``max_steps``
+    says (the epoch loop still stops on it, once the restored validation has run)."""
+
+    @property
+    def done(self) -> bool:
+        return False
+
+
+def hold_for_last_validation(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> bool:
+    """When ``checkpoint``, restored by ``fit``, was taken before the validation that follows
+    the run's last step by ``max_steps`` (see :func:`as_after_the_batch`), keep Lightning's
+    fit loop from ending before it runs that validation, until
+    :func:`release_last_validation`. Whether it did."""
+    step = checkpoint.get("global_step")
+    if trainer.state.fn != "fit" or type(step) is not int or not 0 < trainer.max_steps <= step:
+        return False
+    try:
+        loop = checkpoint["loops"]["fit_loop"]
+        current = loop["epoch_loop.val_loop.batch_progress"]["current"]
+        cut_short = current["started"] > current["processed"]  # RESTARTED_MID_EVALUATION
+    except (KeyError, TypeError):
+        return False
+    if not cut_short:
+        return False
+    # Private: the fit loop's ``done`` is a property of its class; the live loop takes a
+    # subclass of its own class for as long as it is held.
+    fit_loop = trainer.fit_loop
+    base = type(fit_loop)
+    fit_loop.__class__ = type(base.__name__, (_UntilValidated, base), {})
+    return True
+
+
+def after_a_finished_epoch(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> bool:
+    """Whether ``checkpoint``, restored by a ``fit`` whose length is given as ``max_steps``,
+    was taken after an epoch's end (the final save of a run that ended with that epoch).
+    Lightning treats every resume of a ``max_steps`` run as a restart within an epoch: it would
+    resume the exhausted epoch (its data loader's state included) as an empty epoch, its
+    epoch-end hooks included, and count every later epoch and logged step one too many. For
+    such a checkpoint this drops the data loaders' state from ``checkpoint`` (a fresh epoch
+    starts from a fresh iterator), and :func:`start_next_epoch` then starts the next epoch as
+    Lightning does for it in a ``max_epochs`` run."""
+    if trainer.state.fn != "fit" or trainer.max_steps == -1:
+        return False
+    try:
+        loop = checkpoint["loops"]["fit_loop"]
+        epochs = loop["epoch_progress"]["current"]
+        batches = loop["epoch_loop.batch_progress"]
+        counts = [epochs[k] for k in _PROCESSING]
+        finished = (
+            counts[0] > 0
+            and counts.count(counts[0]) == len(counts)
+            and batches["is_last_batch"] is True
+            and batches["current"]["completed"] == batches["current"]["ready"]
+        )
+        if finished:
+            loop["state_dict"]["combined_loader"] = []
+    except (KeyError, TypeError, AttributeError):
+        return False
+    return bool(finished)
+
+
+def start_next_epoch(trainer: pl.Trainer) -> None:
+    """In ``on_train_start`` of a ``fit`` resumed from a checkpoint for which
+    :func:`after_a_finished_epoch` held: the fit loop (its ``max_steps`` setter forces a
+    restart) and its epoch loop are not restarting."""
+    # Private: the loops' restart flag (the fit loop's setter would force it back on).
+    loop = trainer.fit_loop
+    loop._restarting = False
+    loop.epoch_loop.restarting = False  # and its own children
+
+
+def release_last_validation(trainer: pl.Trainer) -> None:
+    """Undo :func:`hold_for_last_validation` (once the validation has run, or at the end)."""
+    fit_loop = trainer.fit_loop
+    if isinstance(fit_loop, _UntilValidated):
+        fit_loop.__class__ = type(fit_loop).__mro__[2]
 
 
 def epoch_end_metrics(trainer: pl.Trainer) -> dict[str, torch.Tensor]:

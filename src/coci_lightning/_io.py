@@ -9,15 +9,19 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
 from coci_core.errors import CheckpointError, NoCheckpointError
+from coci_core.storage import is_url
 from coci_core.telemetry import RestoreEvent
 from coci_core.training import (
+    MANIFEST_NAME,
     parse_step_dir,
     ranks_read_alike,
     read_checkpoint,
@@ -107,6 +111,7 @@ class CociCheckpointIO(CheckpointIO):
         self, path: Any, map_location: Any = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
         if not self.is_coci(path):
+            _refuse_a_checkpoint_directory(path)
             return self.inner.load_checkpoint(
                 path, map_location=map_location, weights_only=weights_only
             )
@@ -224,3 +229,22 @@ def agree_on_resume(path: object, directory: str, options: Mapping[str, Any]) ->
         ranks_read_alike(None, CheckpointError(f"it reads {path}, not a coci checkpoint"))
     else:
         ranks_read_alike(str(path))
+
+
+def _refuse_a_checkpoint_directory(path: Any) -> None:
+    """A ``ckpt_path`` that is a local coci checkpoint directory (``<default_root_dir>/coci``)
+    rather than one of its steps: a ``ValueError`` saying what to give instead, not the
+    ``IsADirectoryError`` of Lightning's ``torch.load``."""
+    if not isinstance(path, (str, os.PathLike)) or is_url(path) or not os.path.isdir(path):
+        return
+    steps = sorted(
+        (parsed, entry.name)
+        for entry in Path(path).iterdir()
+        if (parsed := parse_step_dir(entry.name)) is not None and (entry / MANIFEST_NAME).is_file()
+    )
+    if steps:
+        raise ValueError(
+            f"ckpt_path={str(path)!r} is a coci checkpoint directory, not a checkpoint: give "
+            f"one of its steps (e.g. {str(Path(path) / steps[-1][1])!r}), or ckpt_path='last' "
+            "for the newest checkpoint of the CociCheckpoint's dirpath"
+        )

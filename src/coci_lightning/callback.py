@@ -44,10 +44,14 @@ from coci_core.training import (
 )
 from coci_lightning._best import SCORES_KEY, MonitorScores, monitored
 from coci_lightning._epoch_end import (
+    after_a_finished_epoch,
     as_after_the_batch,
     epoch_end_metrics,
+    hold_for_last_validation,
+    release_last_validation,
     run_ends_with_this_epoch,
     settle_resumed_validation,
+    start_next_epoch,
     validation_follows,
 )
 from coci_lightning._habits import model_checkpoint_arguments
@@ -285,6 +289,8 @@ class CociCheckpoint(Checkpoint):
         # from a checkpoint of an epoch's last step: its random states and logged metrics go
         # back in on_train_start, before the epoch's end runs
         self._rng_at_train_start = False
+        # from the final save of a max_steps run that ended with an epoch: see _epoch_end.py
+        self._next_epoch_at_train_start = False
         self._pending_metrics: dict[str, Any] | None = None
         self._start_step: int | None = None  # global_step at on_train_start (None: not started)
         self._plan_told = False
@@ -483,6 +489,10 @@ class CociCheckpoint(Checkpoint):
         self._plan_told = False
         self._deferred = False
         self._at_validation_end = None
+        if self._next_epoch_at_train_start:  # resumed after an epoch's end: see _epoch_end.py
+            self._next_epoch_at_train_start = False
+            start_next_epoch(trainer)
+            self._restore_rng(trainer)  # before the next epoch's loader draws its order
         if self._rng_at_train_start:  # resumed from an epoch's last step: see _epoch_end.py
             self._rng_at_train_start = False
             self._restore_rng(trainer)  # before the validation, if one is resumed first
@@ -616,6 +626,7 @@ class CociCheckpoint(Checkpoint):
         stopper = self._early_stopping(trainer)
         if stopper is not None and getattr(stopper, "_check_on_train_epoch_end", False):
             self._early_stopping_check(trainer, stopper)  # it checked in this hook, before us
+        release_last_validation(trainer)  # had the held validation not run, no more epochs
         if self._at_validation_end is not None:
             # the validation the save waited for did not run: the next step saves instead (a
             # checkpoint taken between epochs does not resume exactly)
@@ -625,6 +636,7 @@ class CociCheckpoint(Checkpoint):
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.state.fn == "fit" and not trainer.sanity_checking:
+            release_last_validation(trainer)  # the validation it was held open for has run
             self._check_monitor(trainer, planned=False)  # where ModelCheckpoint checks
             if self.monitor is not None and self._last_saved_step == trainer.global_step:
                 score = monitored(trainer.callback_metrics, self.monitor)
@@ -780,6 +792,7 @@ class CociCheckpoint(Checkpoint):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         give_sigterm_back(trainer)
         give_loaders_back(trainer)
+        release_last_validation(trainer)
         if self._handlers is not None:
             forget_coci_handlers(trainer, *self._handlers)
             self._handlers = None
@@ -801,6 +814,7 @@ class CociCheckpoint(Checkpoint):
         # what a checkpoint read by this stage left for a resumed fit is not for the next fit
         self._pending_rng = self._pending_metrics = None
         self._rng_at_train_start = False
+        self._next_epoch_at_train_start = False
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -819,6 +833,10 @@ class CociCheckpoint(Checkpoint):
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
+        # a save before the validation after the run's last step: Lightning would stop on
+        # max_steps without running it (see _epoch_end.py)
+        hold_for_last_validation(trainer, checkpoint)
+        self._next_epoch_at_train_start = after_a_finished_epoch(trainer, checkpoint)
         own = checkpoint.get(RANK_STATE_KEY)
         if isinstance(own, dict) and "rng" in own:
             self._pending_rng = own["rng"]

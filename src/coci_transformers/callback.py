@@ -255,12 +255,7 @@ class CociCallback(TrainerCallback):
             self._report_to_hp_search, trainer._report_to_hp_search
         )
         if trainer.args.process_index == 0:
-            logger.info(
-                "coci: the Trainer's own checkpoint saves are off while CociCallback is attached "
-                "(save_strategy=%r, save_steps=%s); coci saves when its plan says so",
-                str(getattr(trainer.args.save_strategy, "value", trainer.args.save_strategy)),
-                trainer.args.save_steps,
-            )
+            logger.info(_own_saves_off(trainer.args, self._arguments["policy"]))
             if trainer.args.fsdp and not getattr(trainer, "is_fsdp_enabled", False):
                 logger.warning(
                     "coci: TrainingArguments(fsdp=...) is set, but the Trainer trains without "
@@ -771,6 +766,23 @@ class CociCallback(TrainerCallback):
             final_save=self.save_on_train_end,
         )
         (logger.warning if warn else logger.info)(line)
+
+
+def _own_saves_off(args: TrainingArguments, policy: object) -> str:
+    """The line that says the Trainer's own saves are off: with the arguments of those saves
+    (``save_steps`` only for ``save_strategy="steps"``) and, for ``"epoch"`` under another
+    policy, coci's policy that saves where the Trainer would have."""
+    strategy = str(getattr(args.save_strategy, "value", args.save_strategy))
+    own = f"save_strategy={strategy!r}"
+    if strategy == "steps":
+        own += f", save_steps={args.save_steps}"
+    line = (
+        f"coci: the Trainer's own checkpoint saves are off while CociCallback is attached "
+        f"({own}); coci saves when its plan says so"
+    )
+    if strategy == "epoch" and policy != "epoch":
+        line += " (at each epoch's end, as the Trainer's own: CociCallback(policy='epoch'))"
+    return line
 
 
 def _when_restoring(

@@ -282,6 +282,32 @@ def test_bad_arguments_raise_at_construction(kwargs: dict[str, Any], message: st
         CociCheckpoint(**kwargs)
 
 
+def test_a_dirpath_that_cannot_be_written_names_it(tmp_path: Path) -> None:
+    """A ``dirpath`` under a regular file (a newcomer's slip; a read-only mount fails the
+    same way) is a StorageError naming the checkpoint directory when ``fit`` starts, before
+    any training, not a bare NotADirectoryError from coci's telemetry file."""
+    from coci_core.errors import StorageError
+
+    (tmp_path / "notes").write_text("a file")
+    dirpath = tmp_path / "notes" / "coci"
+    with pytest.raises(StorageError) as raised:
+        _fit(tmp_path, 2, [CociCheckpoint(dirpath=dirpath)])
+    said = str(raised.value)
+    assert f"cannot write in the checkpoint directory {str(dirpath)!r} (dirpath)" in said
+    assert "Not a directory" in said and raised.value.errno == 20
+
+
+def test_ckpt_path_of_the_checkpoint_directory_says_what_to_give(tmp_path: Path) -> None:
+    """``fit(ckpt_path="<root>/coci")``, the directory rather than one of its steps: a
+    ValueError naming a step to give or "last", not the IsADirectoryError of Lightning's
+    torch.load."""
+    _fit(tmp_path, 2, [CociCheckpoint()])
+    with pytest.raises(ValueError, match="is a coci checkpoint directory, not a checkpoint") as e:
+        _fit(tmp_path, 4, [CociCheckpoint()], ckpt_path=str(tmp_path / "coci"))
+    assert repr(str(tmp_path / "coci" / step_dir_name(2, 0))) in str(e.value)
+    assert "ckpt_path='last'" in str(e.value)
+
+
 def test_replaces_default_model_checkpoint(tmp_path: Path) -> None:
     """As a Checkpoint callback it replaces Lightning's default ModelCheckpoint."""
     trainer = _trainer(tmp_path, 1, [CociCheckpoint()])

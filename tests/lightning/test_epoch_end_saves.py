@@ -285,3 +285,52 @@ def test_a_run_resumed_before_its_last_validation_saves_its_end_over_that_checkp
     again = _ValidationCounts()
     model, trainer = _fit(tmp_path, [coci(), again], validate=True, ckpt_path="last", max_epochs=1)
     assert again.counts == [] and model.events == [] and trainer.global_step == 16
+
+
+def test_a_run_resumed_before_its_last_validation_runs_it_when_max_steps_ends_there(
+    tmp_path: Path,
+) -> None:
+    """As above, with the run's length given as ``max_steps`` (16, an epoch's last step):
+    Lightning's fit loop stops on ``max_steps`` before it looks at the restored loops, so the
+    resumed run ended at once ("no step to train after it") without the validation and the
+    epoch's end that the run never stopped has. Now it runs both, as with ``max_epochs``."""
+
+    def coci() -> CociCheckpoint:
+        return CociCheckpoint(policy="every_n_steps", every_n_steps=6, keep_last=None)
+
+    with pytest.raises(Preempted) as stop:
+        _fit(tmp_path, [coci(), _SigtermAt(15)], validate=True, max_steps=16)
+    assert stop.value.step == 16
+    model, trainer = _fit(tmp_path, [coci()], validate=True, ckpt_path="last", max_steps=16)
+    assert model.events == [("validation", 16, 0), ("epoch_end", 16, 0)]
+    assert trainer.global_step == 16 and trainer.current_epoch == 1
+    again, _ = _fit(tmp_path, [coci()], validate=True, ckpt_path="last", max_steps=16)
+    assert again.events == []  # the final save replaced the checkpoint before the validation
+
+
+def test_a_max_steps_run_ended_with_an_epoch_then_extended_starts_the_next_epoch(
+    tmp_path: Path, uninterrupted: dict[bool, tuple[Any, ...]]
+) -> None:
+    """A run of ``max_steps=16`` (an epoch's last step) ends with its final save, after the
+    epoch's end; the same script with ``max_steps=40`` resumes it. Lightning treats every
+    resume of a ``max_steps`` run as a restart within an epoch: it ran an empty epoch 1 (its
+    epoch-end hooks) from the exhausted loader, then trained epoch 1's data as epoch 2, every
+    later epoch and logged step one too many. Now the resumed run starts epoch 1 from a fresh
+    loader, as a ``max_epochs`` run does: the hooks, epochs, learning rate and logged steps of
+    the run never stopped. (The new epoch's shuffled order is drawn when Lightning makes the
+    loader's iterator, before any hook restores the random states: as after the end of a
+    ``max_epochs`` run, the order is not the uninterrupted run's.)"""
+    _fit(tmp_path, [CociCheckpoint()], validate=True, max_steps=16)
+    assert CheckpointManager(tmp_path / "coci").steps()[-1] == 16
+    model, trainer = _fit(
+        tmp_path, [CociCheckpoint()], validate=True, seed=99, ckpt_path="last", max_steps=40
+    )
+    ref_model, ref_trainer = uninterrupted[True]
+    assert model.events == ref_model.events[ref_model.events.index(("epoch_start", 16, 1)) :]
+    assert trainer.current_epoch == ref_trainer.current_epoch
+    lr = [t.optimizers[0].param_groups[0]["lr"] for t in (trainer, ref_trainer)]
+    assert lr[0] == lr[1]
+    loops = (trainer.fit_loop.epoch_loop, ref_trainer.fit_loop.epoch_loop)
+    assert loops[0]._batches_that_stepped == loops[1]._batches_that_stepped
+    assert sorted(model.seen[:SAMPLES]) == list(range(SAMPLES))  # all of epoch 1, once
+    assert len(model.seen) == 24 * 16

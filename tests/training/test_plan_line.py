@@ -72,3 +72,13 @@ def test_a_fixed_interval_names_no_mtbf_and_an_unknown_total_its_hint() -> None:
     measuring = _outline(policy="coci", next_steps=(), interval_steps=None, costs={})
     line, warn = measuring.line(1, adapter="CociCallback", objective="time")
     assert "first save planned once a few step times are measured" in line and not warn
+
+
+def test_a_first_save_at_the_runs_last_step_is_told_without_an_interval_after_it() -> None:
+    """``epoch`` policy resumed at step 51 of 100 (50 steps an epoch): the one save left is at
+    the run's last step. The line said "first save at step 100 ..., then every 50 steps", an
+    interval past the run's end; it says that step is the run's last instead."""
+    outline = _outline(policy="epoch", next_steps=(100,), interval_steps=50)
+    line, warn = outline.line(51, adapter="CociCallback", objective="time")
+    assert "first save at step 100 (in ~24.5 s), the run's last step;" in line, line
+    assert "then every" not in line and not warn

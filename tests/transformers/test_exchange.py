@@ -84,6 +84,12 @@ def test_coci_export_format_transformers(
     assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
     listed = said.split("(transformers: ")[1].strip().rstrip(")").split(", ")
     assert sorted(listed) == sorted(p.name for p in out.iterdir())  # each file it wrote
+    # a --step the directory does not hold is a wrong input, as for the other formats: exit
+    # code 2, naming the steps it holds (it was exit code 1 without them)
+    missing = ["export", str(tmp_path / "run" / "coci"), str(tmp_path / "x"), "--step", "99"]
+    assert cli.main([*missing, "--format", "transformers"]) == 2
+    assert "step 99 is not committed in" in (err := capsys.readouterr().err)
+    assert "(its steps: " in err and not (tmp_path / "x").exists()
     monkeypatch.setattr(cli, "adapter_exporter", lambda fmt: None)
     assert (
         cli.main(["export", str(tmp_path / "run" / "coci"), str(out), "--format", "transformers"])

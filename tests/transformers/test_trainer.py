@@ -204,6 +204,33 @@ def test_the_epoch_policy_is_made_as_the_options_table_writes_it(tmp_path: Path)
         assert mgr.steps() == [2, 4, 6]
 
 
+@pytest.mark.parametrize(
+    ("strategy", "policy", "said", "not_said"),
+    [
+        ("steps", "coci", "(save_strategy='steps', save_steps=3);", "policy='epoch'"),
+        ("epoch", "coci", "CociCallback(policy='epoch')", "save_steps"),
+        ("epoch", "epoch", "(save_strategy='epoch'); coci saves", "CociCallback(policy="),
+        ("no", "coci", "(save_strategy='no');", "save_steps"),
+    ],
+)
+def test_the_line_on_the_trainers_own_saves_names_what_applies(
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    strategy: str,
+    policy: str,
+    said: str,
+    not_said: str,
+) -> None:
+    """The line that says the Trainer's own saves are off names ``save_steps`` only for
+    ``save_strategy="steps"`` (it named ``save_steps=500`` for "epoch" and "no" too), and for
+    "epoch" the policy that saves where the Trainer would have (the options table's match)."""
+    caplog.set_level("INFO", logger="coci_transformers.callback")
+    args = arguments(tmp_path, 4, save_strategy=strategy)
+    Trainer(model=tiny_model(), args=args, callbacks=[CociCallback(policy=policy)])
+    (line,) = [r.getMessage() for r in caplog.records if "own checkpoint saves" in r.getMessage()]
+    assert said in line and not_said not in line, line
+
+
 def test_fsdp_that_the_trainer_does_not_apply_is_said(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

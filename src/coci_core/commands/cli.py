@@ -206,6 +206,23 @@ def _with_steps(error: Exception, dirs: list[tuple[int, int]]) -> str:
     return f"{error} (its steps: {shown})"
 
 
+def _check_step_held(
+    ref: int | str | None,
+    storage: Any,
+    dirs: list[tuple[int, int]],
+    remote_dirs: list[tuple[int, int]] | None = None,
+) -> None:
+    """A ``--step`` that neither tier holds is a wrong input (exit code 2), said with the
+    local directory's newest steps; a directory with no checkpoint is left to the command."""
+    from coci_core.engine.format.manifest import step_dir_name
+
+    every = [*dirs, *(remote_dirs or [])]
+    refs = {r for s, v in every for r in (s, step_dir_name(s, v))}
+    if ref is not None and every and ref not in refs:
+        shown = ", ".join(map(str, sorted({s for s, _ in dirs})[-10:])) or "none"
+        raise BadInput(f"step {ref} is not committed in {storage.url} (its steps: {shown})")
+
+
 def _holds(ref: int | str, dirs: list[tuple[int, int]]) -> bool:
     """Whether committed step directories ``dirs`` hold ``ref`` (a step or a directory's name)."""
     from coci_core.engine.format.manifest import step_dir_name
@@ -269,7 +286,6 @@ def _verify_tier(storage: Any, ref: int | str | None, tier: str) -> tuple[int, i
 
 
 def _export(args: argparse.Namespace) -> int:
-    from coci_core.engine.format.manifest import step_dir_name
     from coci_core.engine.restore.restore import committed_dirs, restore_newest
     from coci_core.errors import CociError, NoCheckpointError
     from coci_core.interop.exchange import export_state, require_safetensors
@@ -298,6 +314,7 @@ def _export(args: argparse.Namespace) -> int:
             )
         from coci_core.errors import ConfigError
 
+        _check_step_held(args.step, storage, committed_dirs(storage))
         try:
             print(exporter(args.dir, out, args.step))
         except ConfigError as e:  # not this adapter's checkpoint: the input is wrong
@@ -314,11 +331,7 @@ def _export(args: argparse.Namespace) -> int:
     remote_dirs = committed_dirs(remote) if remote is not None else []
     if not dirs and not remote_dirs:
         raise NoCheckpointError(no_checkpoints([storage] if remote is None else [storage, remote]))
-    refs = {r for s, v in (*dirs, *remote_dirs) for r in (s, step_dir_name(s, v))}
-    steps = sorted({s for s, _ in dirs})
-    if args.step is not None and args.step not in refs:
-        shown = ", ".join(map(str, steps[-10:])) or "none"
-        raise BadInput(f"step {args.step} is not committed in {storage.url} (its steps: {shown})")
+    _check_step_held(args.step, storage, dirs, remote_dirs)
     # without --step: the step a resume takes (past damaged newer ones), as restore picks it
     loaded, _ = restore_newest(storage, args.step, rank=args.rank, remote=remote)
     if not loaded.rank_state_restored and not args.weights_only:  # weights are not per rank

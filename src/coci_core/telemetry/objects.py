@@ -19,6 +19,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from coci_core.errors import StorageError
 from coci_core.knobs import TELEMETRY_CLOSE_TIMEOUT_S, TELEMETRY_PUT_DELAY_S, TELEMETRY_PUT_GAP_S
 from coci_core.storage import Storage, is_url, open_storage
 from coci_core.telemetry.events import TELEMETRY_FILE, JsonlRecords, JsonlTelemetry
@@ -226,4 +227,10 @@ def report_sink(dirpath: Path | str, storage_options: dict[str, Any] | None = No
     in a local one, an :class:`ObjectTelemetry` under an fsspec URL."""
     if is_url(dirpath):
         return ObjectTelemetry(dirpath, storage_options)
-    return JsonlTelemetry(Path(dirpath) / TELEMETRY_FILE)
+    try:
+        return JsonlTelemetry(Path(dirpath) / TELEMETRY_FILE)
+    except OSError as e:  # the adapters' first write there: say which directory, and why
+        why = f"{e.strerror}: {e.filename!r}" if e.strerror and e.filename else str(e)
+        raise StorageError.wrap(
+            f"cannot write in the checkpoint directory {str(dirpath)!r} (dirpath): {why}", e
+        ) from e

@@ -150,6 +150,8 @@ class PlanOutline:
             when = f"first save at step {first}" + _took(first - step, step_time, "in ")
         if report.policy == "every_n_seconds" or warn:
             then = ""
+        elif first is not None and total is not None and first >= total:
+            then = ", the run's last step"  # no interval after the run's end
         elif interval:
             then = f", then every {interval} steps" + _took(interval, step_time)
         else:
