@@ -8,11 +8,11 @@ killed by signal: Terminated``: nothing saved, and Accelerate's process hung unt
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 import pickle
 import signal
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from coci_core import CheckpointManager
 from coci_core.preemption import ShieldedWorkerInit, shield_loader_workers
 from tests.harness.processes import Child, module, script
+from tests.preemption.test_loop import _preempt
 
 pytestmark = [pytest.mark.faults]
 
@@ -35,19 +36,10 @@ def _sigterm_to_the_job(cfg: dict[str, Any]) -> tuple[int, list[str]]:
     its lines."""
     command = module("tests.preemption._workers_child", json.dumps(cfg))
     with Child(command, kill_scope="group") as child:
-        lines = []
-        while line := child.readline():
-            lines.append(line)
-            if line.startswith("WORKERS"):
-                assert len(json.loads(line.split(" ", 1)[1])) == 2, line
-                os.killpg(child.pid, signal.SIGTERM)
-                break
-        try:
-            code = child.wait(GRACE_S)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            code = child.wait()
-        lines.extend(child.lines())
+        notify = functools.partial(os.killpg, child.pid, signal.SIGTERM)
+        code, lines = _preempt(child, GRACE_S, notify, mark="WORKERS")
+    (workers,) = [json.loads(x.split(" ", 1)[1]) for x in lines if x.startswith("WORKERS")]
+    assert len(workers) == 2, lines
     return code, lines
 
 
@@ -71,16 +63,6 @@ def test_a_job_wide_sigterm_saves_the_next_step_and_exits_143(
     with CheckpointManager(directory) as reader:
         (step,) = reader.steps()
         assert step >= 4
-
-
-def test_without_the_shield_the_workers_die_and_nothing_is_saved(tmp_path: Path) -> None:
-    """What the shield is for (PyTorch's own handling in a worker)."""
-    code, lines = _sigterm_to_the_job(
-        {"dir": str(tmp_path), "kind": "loop", "shield": False, "context": None}
-    )
-    assert code not in (0, 143), lines
-    with CheckpointManager(tmp_path) as reader:
-        assert reader.steps() == []
 
 
 _STUCK = """

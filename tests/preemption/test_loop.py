@@ -34,13 +34,16 @@ def _marks(lines: list[str], mark: str) -> list[dict[str, Any]]:
     return rows
 
 
-def _preempt(child: Child, grace_s: float, notify: Any) -> tuple[int, list[str]]:
-    """Read the child's lines; at READY call ``notify``; SIGKILL it if it still runs
-    ``grace_s`` later (the scheduler's end of the grace period). Its status and lines."""
+def _preempt(
+    child: Child, grace_s: float, notify: Any, mark: str = "READY"
+) -> tuple[int, list[str]]:
+    """Read the child's lines; at the line starting with ``mark`` call ``notify``;
+    SIGKILL it if it still runs ``grace_s`` later (the scheduler's end of the grace period).
+    Its status and lines."""
     lines = []
     while line := child.readline():  # (leaving lines() early would close the pipe)
         lines.append(line)
-        if line.startswith("READY"):
+        if line.startswith(mark):
             notify()
             break
     try:
