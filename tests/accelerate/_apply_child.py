@@ -6,6 +6,7 @@ a state forged for that process); each process prints ``RESULT <json>``: the err
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Any
 
@@ -55,9 +56,11 @@ def main() -> None:
         error = None
     except Exception as e:
         error = f"{type(e).__name__}: {e}"
-    print("RESULT " + json.dumps({"index": accelerator.process_index, "error": error}), flush=True)
-    again.close()
-    accelerator.end_training()
+    line = "RESULT " + json.dumps({"index": accelerator.process_index, "error": error}) + "\n"
+    os.write(1, line.encode())  # one write: the two processes share the pipe
+    # nothing left to save; no teardown of the process group whose peer may be gone already
+    # (it aborted now and then: "terminate called without an active exception")
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from coci_core.engine.restore.restore import restore_newest
 from coci_core.storage import open_storage
 from tests.accelerate.example import train_like_example
 from tests.harness.agreement import on_two_ranks
-from tests.harness.processes import child_env, module, run
+from tests.harness.processes import child_env, free_port, module, run
 
 Edit = Callable[[dict[str, Any]], None]
 _APPLY_CHILD = "tests.accelerate._apply_child"
@@ -127,7 +127,10 @@ def test_a_registered_object_refusing_its_state_on_one_process_stops_every_proce
     """A registered object's ``load_state_dict`` raises on process 1 only (two real processes
     under torchrun): both processes' ``resume()`` raise the same CheckpointError naming it
     (before: process 1 alone raised, and process 0 trained on into a collective with it)."""
-    command = module("torch.distributed.run", "--nproc-per-node", "2", "-m", _APPLY_CHILD)
+    port = str(free_port())  # not torchrun's default 29500, which another test may hold
+    command = module(
+        "torch.distributed.run", "--nproc-per-node", "2", "--master-port", port, "-m", _APPLY_CHILD
+    )
     env = child_env({"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"})
     out = run([*command, str(tmp_path)], env=env, timeout_s=120)
     assert out.returncode == 0, out.stderr
