@@ -21,7 +21,7 @@ from coci_core.telemetry import read_jsonl
 from coci_core.telemetry.timeline import find_runs
 from tests.accelerate.loop import digits, train
 from tests.harness.faults import flip_stored_byte
-from tests.harness.processes import Child, module, run
+from tests.harness.processes import Child, free_port, module, run
 from tests.harness.results import result_rows
 
 BATCH = 16
@@ -92,8 +92,15 @@ def test_sigkill_two_processes_resume_one_step_past_one_ranks_damage(tmp_path: P
     """The same with 2 processes (torchrun, gloo), the newest step's random states of rank 1
     damaged on disk: both processes resume the step before (the newest intact for both), end
     bit-identical and see each of their remaining samples once."""
+    port = str(free_port())  # not torchrun's default 29500, which another test may hold
     command = module(
-        "torch.distributed.run", "--nproc-per-node", "2", "-m", "tests.accelerate.loop"
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        port,
+        "-m",
+        "tests.accelerate.loop",
     )
     expected = _results(
         run([*command, str(tmp_path / "ref"), "40"], timeout_s=600, check=True).stdout

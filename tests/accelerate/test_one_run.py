@@ -13,14 +13,17 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration
 
 from coci_accelerate import CociCheckpointer
-from tests.harness.processes import child_env, module, run
+from tests.harness.processes import child_env, free_port, module, run
 
 WARNING = r"coci: WORLD_SIZE=2 but the Accelerator runs one process"
 _CHILD = "tests.accelerate._world_child"
 
 
 def _torchrun(directory: Path, *, cpu: bool) -> tuple[list[str], str]:
-    command = module("torch.distributed.run", "--nproc-per-node", "2", "-m", _CHILD)
+    port = str(free_port())  # not torchrun's default 29500, which another test may hold
+    command = module(
+        "torch.distributed.run", "--nproc-per-node", "2", "--master-port", port, "-m", _CHILD
+    )
     # no GPU for the children, as on a CPU machine (where Accelerate finds none by itself)
     env = child_env({"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"})
     out = run([*command, str(directory), "cpu" if cpu else "default"], env=env, timeout_s=120)

@@ -18,7 +18,20 @@ from coci_core import CheckpointManager
 from tests.harness.processes import Child, child_env, free_port, module, run
 from tests.transformers.run import train
 
-COMMAND = module("torch.distributed.run", "--nproc-per-node", "2", "-m", "tests.transformers.run")
+
+def _torchrun() -> list[str]:
+    """torchrun of two processes on a port of their own (its default 29500 may be taken)."""
+    return module(
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "tests.transformers.run",
+    )
+
+
 BATCH = 4  # per process
 
 
@@ -37,7 +50,7 @@ def test_two_processes_sigkill_sigterm_and_resume_onto_one(
     total, kill = 12, 7  # 4 steps an epoch (32 samples, 2 x 4 a step); saves at 3, 6, 9, 12
     env = child_env({"OMP_NUM_THREADS": "1"})
     with Child(
-        [*COMMAND, str(tmp_path / "run"), str(total), str(kill)],
+        [*_torchrun(), str(tmp_path / "run"), str(total), str(kill)],
         env=env,
         stderr=subprocess.DEVNULL,
         kill_scope="tree",
@@ -55,7 +68,7 @@ def test_two_processes_sigkill_sigterm_and_resume_onto_one(
 
     # the same processes first train a run never stopped, then resume the killed one, then
     # train a run that gets SIGTERM
-    command = [*COMMAND, str(tmp_path / "run"), str(total), "--resume"]
+    command = [*_torchrun(), str(tmp_path / "run"), str(total), "--resume"]
     reference, sigterm = ["--reference", str(tmp_path / "ref")], ["--sigterm", str(tmp_path / "t")]
     out = run([*command, *reference, *sigterm], env=env, timeout_s=300)
     # the workers exit 143 on the notice (the SIGTERM run, last): torchrun reports a failure
