@@ -148,7 +148,7 @@ def test_the_option_names_sources_and_rejects_bad_ones() -> None:
     assert check_preemption(None) is None
     with pytest.raises(ConfigError, match="unknown preemption notice source 'slurm'"):
         check_preemption("slurm")
-    with pytest.raises(ConfigError, match=r"'USR1@soon'.*USR1@90"):
+    with pytest.raises(ConfigError, match=r"^'preemption' source 'USR1@soon'.*USR1@90"):
         check_preemption("USR1@soon")
     with pytest.raises(ConfigError, match="margin_s"):
         Preemption(margin_s=-1)
