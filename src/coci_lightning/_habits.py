@@ -2,17 +2,22 @@
 ``every_n_train_steps`` (the ``every_n_steps`` policy), ``train_time_interval`` (the
 ``every_n_seconds`` policy), ``mode`` (checked here, used by ``ckpt_path="best"``),
 ``save_last=True`` (what coci always does), and those coci refuses with a reason rather than a
-bare ``TypeError``: ``save_weights_only``, ``filename``, ``save_top_k`` and ``save_last=False``."""
+bare ``TypeError``: ``save_weights_only``, ``filename``, ``save_top_k`` and ``save_last=False``;
+and the Trainer's ``enable_checkpointing=False`` beside a ``CociCheckpoint``, told in coci's
+words."""
 
 from __future__ import annotations
 
 import datetime
-from typing import NamedTuple
+from typing import Any, NamedTuple
+
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.trainer.connectors.callback_connector import _CallbackConnector
 
 from coci_core.errors import ConfigError
 from coci_core.planner import SavePolicy
 
-__all__ = ["MODES", "Interval", "model_checkpoint_arguments"]
+__all__ = ["MODES", "Interval", "install_checkpointing_message", "model_checkpoint_arguments"]
 
 MODES = ("min", "max")
 
@@ -124,3 +129,31 @@ def _seconds_of(interval: object) -> float:
             f"ModelCheckpoint takes it): {interval!r:.60}"
         )
     return interval.total_seconds()
+
+
+def install_checkpointing_message() -> None:
+    """``Trainer(enable_checkpointing=False, callbacks=[CociCheckpoint()])``: Lightning refuses
+    it saying it "found `ModelCheckpoint` in callbacks list", where there is none; say what
+    to do instead (safe to call many times)."""
+    # Private: Lightning checks this in the Trainer's constructor, before any callback hook.
+    original = _CallbackConnector._configure_checkpoint_callbacks
+    if getattr(original, "_coci", False):
+        return
+
+    def configure(self: _CallbackConnector, enable_checkpointing: bool) -> Any:
+        cocis = [
+            type(c).__name__
+            for c in self.trainer.checkpoint_callbacks
+            if type(c).__module__.startswith("coci_lightning")
+        ]
+        if cocis and not enable_checkpointing:
+            raise MisconfigurationException(
+                "Trainer(enable_checkpointing=False) with a CociCheckpoint in its callbacks: "
+                "CociCheckpoint is a Checkpoint callback, so the Trainer adds no ModelCheckpoint "
+                "of its own beside it; leave enable_checkpointing out (True), or take "
+                "CociCheckpoint out of the callbacks to save nothing"
+            )
+        return original(self, enable_checkpointing)
+
+    configure._coci = True  # type: ignore[attr-defined]
+    _CallbackConnector._configure_checkpoint_callbacks = configure  # type: ignore[method-assign]

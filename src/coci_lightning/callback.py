@@ -219,6 +219,11 @@ class CociCheckpoint(Checkpoint):
     ) -> None:
         super().__init__()
         dirpath = check_dirpath(dirpath)
+        if dirpath is not None and not is_url(dirpath):
+            # as ModelCheckpoint: a relative path is the one from where the callback is made,
+            # whatever directory the process is in at fit (or test) time
+            local = os.path.abspath(os.path.expanduser(os.fspath(dirpath)))
+            dirpath = local if isinstance(dirpath, str) else Path(local)
         for name, flag in (
             ("resume", resume),
             ("save_on_train_end", save_on_train_end),

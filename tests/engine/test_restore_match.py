@@ -40,7 +40,12 @@ def test_a_stored_shape_other_than_the_targets_raises_even_when_partial(saved: P
     live = {"model": {"a": torch.zeros(5)}}
     with CheckpointManager(saved) as mgr:
         for partial in (False, True):
-            with pytest.raises(StateMismatchError, match=r"/model/a: stored \(4,\), live \(5,\)"):
+            with pytest.raises(
+                StateMismatchError,
+                match=r"/model/a: stored \(4,\), live \(5,\) \(the checkpoint holds another "
+                r"model: resume with the model it was saved from, or train the changed one as a "
+                r"new run, in a directory of its own\)",
+            ):
                 mgr.restore(targets=InPlaceTargets(live, partial=partial))
     assert torch.equal(live["model"]["a"], torch.zeros(5))
 

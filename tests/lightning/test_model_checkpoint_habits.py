@@ -135,3 +135,28 @@ def test_export_weights_only_loads_into_the_module(tmp_path: Path) -> None:
     dcp = ("export", directory, str(tmp_path / "d"), "--weights-only", "--format", "dcp")
     refused = run(module("coci_core.commands.cli", *dcp))
     assert refused.returncode == 2 and "--weights-only writes" in refused.stderr
+
+
+def test_a_relative_dirpath_is_where_the_callback_was_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As ``ModelCheckpoint``: ``CociCheckpoint(dirpath="ckpt")`` made in one directory saves
+    there after a ``cd`` (the process's working directory changed before ``fit``)."""
+    monkeypatch.chdir(tmp_path)
+    coci = CociCheckpoint(dirpath="ckpt", preemption=None)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    _trainer(tmp_path, 2, [coci], limit_val_batches=0).fit(DigitsModel())
+    assert not (tmp_path / "elsewhere" / "ckpt").exists()
+    with CheckpointManager(tmp_path / "ckpt") as mgr:
+        assert mgr.steps() == [2]
+
+
+def test_enable_checkpointing_false_beside_coci_says_what_to_do(tmp_path: Path) -> None:
+    """Lightning's own refusal names a ``ModelCheckpoint`` that is not there."""
+    with pytest.raises(
+        Exception,
+        match=r"enable_checkpointing=False\) with a CociCheckpoint.*"
+        r"leave enable_checkpointing out",
+    ):
+        _trainer(tmp_path, 2, [CociCheckpoint(preemption=None)], enable_checkpointing=False)

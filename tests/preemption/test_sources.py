@@ -148,7 +148,7 @@ def test_the_option_names_sources_and_rejects_bad_ones() -> None:
     assert check_preemption(None) is None
     with pytest.raises(ConfigError, match="unknown preemption notice source 'slurm'"):
         check_preemption("slurm")
-    with pytest.raises(ConfigError, match=r"'USR1@soon'.*USR1@90"):
+    with pytest.raises(ConfigError, match=r"^'preemption' source 'USR1@soon'.*USR1@90"):
         check_preemption("USR1@soon")
     with pytest.raises(ConfigError, match="margin_s"):
         Preemption(margin_s=-1)
@@ -316,3 +316,37 @@ def test_the_report_names_both_notices_when_a_sigterm_cuts_a_moved_save_short(
     # a record of an older version, without the field: the one source it names
     del record["noticed_source"]
     assert preemption_line(record).startswith("preemption notice (SIGTERM) at step 4, ")
+
+
+def test_a_known_end_signal_that_torchruns_agent_would_die_of_is_warned_about(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SLURM's --signal=USR1@90 reaches torchrun's (accelerate launch's) agent too: one that
+    does not handle SIGUSR1 dies of it and its workers with it, before any save; one that
+    does SIGKILLs them after its shutdown timeout. The worker's start says what to set."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    monkeypatch.setenv("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
+    monkeypatch.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", raising=False)
+    monkeypatch.delenv("PET_SHUTDOWN_TIMEOUT", raising=False)
+    watch = PreemptionWatch(Preemption(["TERM@30", "USR1@90"]))
+    try:
+        with pytest.warns(UserWarning, match=r"PET_SIGNALS_TO_HANDLE=.*,SIGUSR1 and .*=90"):
+            watch.start()
+    finally:
+        watch.stop()
+    monkeypatch.setenv("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGUSR1")
+    watch = PreemptionWatch(Preemption(["USR1@90"]))
+    try:
+        with pytest.warns(UserWarning, match=r"SIGKILLs the workers 30 s later"):
+            watch.start()
+    finally:
+        watch.stop()
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "90")
+    for env in ({}, {"TORCHELASTIC_RUN_ID": None}):  # told enough; not under torchrun
+        for k in env:
+            monkeypatch.delenv(k)
+        watch = PreemptionWatch(Preemption(["TERM@30", "USR1@90"]))
+        try:
+            assert [s.name for s in watch.start()] == ["SIGTERM", "SIGUSR1"]  # no warning
+        finally:
+            watch.stop()

@@ -103,7 +103,12 @@ def test_accelerate_takes_a_compression_policy_object(tmp_path: Path) -> None:
         ({"compression_options": {"full_evry": 3}}, "full_evry"),
         ({"compression": 5}, "'compression'"),
         ({"compression_options": ["full_every"]}, "compression_options"),
-        ({"planner_options": {"total_step": 10}}, "total_step"),
+        (  # the Planner's arguments that the adapters take as their own are not offered
+            {"planner_options": {"total_step": 10}},
+            r"'planner_options' holds arguments the Planner does not take: \['total_step'\] "
+            r"\(it takes checkfreq_overhead_bound, default_mtbf_s, default_restart_s, "
+            r"default_stall_s, grid_points, ",
+        ),
         ({"planner_options": {"total_steps": 0}}, "'total_steps'"),
         ({"objective": "speed"}, "'objective'"),
         ({"keep_last": 0}, "'keep_last'"),

@@ -81,7 +81,8 @@ def _seconds(spec: str, default: float) -> Callable[[str | None], float]:
             return float(argument)
         except ValueError:
             raise ConfigError(
-                f"'{spec}@{argument}': give the seconds from the signal to the end, e.g. "
+                f"'preemption' source '{spec}@{argument}': give the seconds from the signal to "
+                f"the end as a number, e.g. "
                 f"'{spec}@90'"
             ) from None
 

@@ -3,16 +3,18 @@ SLURM's KillWait), or a signal a set time before the end (SLURM ``--signal=USR1@
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from types import FrameType
 from typing import Any
 
 from coci_core.errors import ConfigError
 from coci_core.preemption.notice import Notice, NoticeBoard, NoticeSource, check_lead_s
 
-__all__ = ["SIGNALS", "SignalNotice"]
+__all__ = ["SIGNALS", "SignalNotice", "launcher_warnings"]
 
 #: The signals a notice may come by.
 SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT")
@@ -90,3 +92,57 @@ class SignalNotice(NoticeSource):
             and self.name in ("SIGTERM", "SIGINT")
             and self._previous in (None, signal.SIG_DFL)
         )
+
+
+#: torchelastic's agent (``torchrun``, ``accelerate launch``) handles these unless told others
+_AGENT_DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+_AGENT_SHUTDOWN_S = 30.0
+
+
+def launcher_warnings(
+    sources: Sequence[Any], environ: Mapping[str, str] | None = None
+) -> list[str]:
+    """What stands between a signal of a known end (SIGUSR1/SIGUSR2) and its save when this
+    process is a worker of torchelastic's agent (``torchrun``, ``accelerate launch``): SLURM's
+    ``--signal=USR1@90`` reaches every process of the job step, the agent included. An agent
+    that does not handle the signal is ended by its default action, and its workers fail with
+    it (the agent hosts their store), before any save; one that handles it forwards it and
+    SIGKILLs the workers after its shutdown timeout (30 s unless given), which may come before
+    the end the signal announces. One line per such signal, saying what to set."""
+    env = os.environ if environ is None else environ
+    if "TORCHELASTIC_RUN_ID" not in env:
+        return []
+    handled = {
+        s.strip().upper()
+        for s in env.get("TORCHELASTIC_SIGNALS_TO_HANDLE", _AGENT_DEFAULT_SIGNALS).split(",")
+    }
+    lines = []
+    for source in sources:
+        if not isinstance(source, SignalNotice) or source.name not in ("SIGUSR1", "SIGUSR2"):
+            continue
+        name, lead = source.name, source.lead_s
+        if name not in handled:
+            lines.append(
+                f"coci: preemption={name[3:]}@{lead:g} under torchrun/accelerate launch, whose "
+                f"agent does not handle {name}: a {name} sent to every process of the job (as "
+                f"SLURM's --signal={name[3:]}@{lead:g} does) ends the agent, and the workers "
+                "fail with it before any save. Launch with "
+                f"PET_SIGNALS_TO_HANDLE={_AGENT_DEFAULT_SIGNALS},{name} and "
+                f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={lead:g} set (torchrun: --signals-to-handle, "
+                "--shutdown-timeout), or send the signal to the workers alone"
+            )
+            continue
+        given = [env.get(k) for k in ("PET_SHUTDOWN_TIMEOUT", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT")]
+        try:
+            timeout = next(float(v) for v in given if v)
+        except (StopIteration, ValueError):
+            timeout = _AGENT_SHUTDOWN_S
+        if timeout < lead:
+            lines.append(
+                f"coci: preemption={name[3:]}@{lead:g} under torchrun/accelerate launch: its "
+                f"agent forwards {name} and SIGKILLs the workers {timeout:g} s later (its "
+                f"shutdown timeout), before the end {lead:g} s after the signal that coci plans "
+                f"the save for. Set TORCH_ELASTIC_SHUTDOWN_TIMEOUT={lead:g} (torchrun: "
+                f"--shutdown-timeout {lead:g}; ignore this if you gave it so)"
+            )
+    return lines

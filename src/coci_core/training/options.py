@@ -17,7 +17,7 @@ from typing import Any, Literal
 from coci_core.engine.directory.retention import check_keep_last
 from coci_core.engine.save.compress import CompressionPolicy, check_policy
 from coci_core.errors import ConfigError
-from coci_core.planner import PlannerConfig, planner_config
+from coci_core.planner import Planner, PlannerConfig, planner_config
 from coci_core.planner.policies import SavePolicy
 from coci_core.planner.settings import policy_arguments
 from coci_core.preemption import NoticeSource, Preemption, check_preemption
@@ -197,6 +197,14 @@ class CheckpointOptions:
         check_dirpath(dirpath)
         policy_arguments(policy)
         options = _check_planner_options(planner_options)
+        own = ("policy", "objective", "mtbf_s", "every_n_steps", "every_n_seconds")
+        unknown = sorted(set(options) - set(inspect.signature(Planner).parameters))
+        if unknown:  # the Planner's own message would list the callback's arguments too
+            takes = sorted(set(inspect.signature(Planner).parameters) - set(own))
+            raise ConfigError(
+                f"'planner_options' holds arguments the Planner does not take: {unknown} (it "
+                f"takes {', '.join(takes)}; {', '.join(own)} are arguments of their own)"
+            )
         for name in ("policy", "objective", "mtbf_s"):
             if name in options:  # it would override the argument silently
                 raise ConfigError(

@@ -26,13 +26,14 @@ import math
 import signal
 import statistics
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 from coci_core.errors import CociError
 from coci_core.knobs import NOTICE_PLAN_RESERVE
 from coci_core.preemption import NoticeBoard, NoticeSource, Preemption
-from coci_core.preemption.signals import SignalNotice
+from coci_core.preemption.signals import SignalNotice, launcher_warnings
 
 __all__ = [
     "NoticePlan",
@@ -266,6 +267,9 @@ class PreemptionWatch:
                 self.sources.append(source)
             else:
                 logger.info("coci: %r not watched (not on the main thread)", source)
+        if self.rank == 0:
+            for line in launcher_warnings(self.sources):
+                warnings.warn(line, UserWarning, stacklevel=2)
         return list(self.sources)
 
     def stop(self) -> list[signal.Signals]:

@@ -279,7 +279,11 @@ class InPlaceTargets:
                 "partial=True to restore the rest and leave these as they are)"
             )
         if mismatched:
-            parts.append(f"{len(mismatched)} stored shape(s) differ: {_few(mismatched)}")
+            parts.append(
+                f"{len(mismatched)} stored shape(s) differ: {_few(mismatched)} (the "
+                "checkpoint holds another model: resume with the model it was saved from, or "
+                "train the changed one as a new run, in a directory of its own)"
+            )
         raise StateMismatchError(
             f"step {step} does not match the state to restore into: " + "; ".join(parts),
             missing=missing,
