@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import tracemalloc
 from collections.abc import Iterator
 from contextlib import redirect_stdout
 from pathlib import Path
@@ -19,7 +20,7 @@ from werkzeug.test import Client
 
 from coci_core.commands.cli import main
 from coci_core.telemetry import JsonlTelemetry, UploadEvent
-from coci_core.telemetry.records import parse_records
+from coci_core.telemetry.records import MAX_LINE_BYTES, parse_records, read_records
 from coci_core.telemetry.tb_plugin import CociPlugin
 from coci_core.training import Checkpointer
 from tests.harness.processes import module, run, script
@@ -286,3 +287,29 @@ def test_a_pointer_file_that_is_deep_a_fifo_or_endless_is_passed_over(tmp_path: 
     out = run(script(_POINTERS, str(tmp_path)), timeout_s=60)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == repr([str(tmp_path / "run")])
+
+
+def test_a_line_longer_than_memory_is_skipped_not_read(tmp_path: Path, real: bytes) -> None:
+    """A telemetry file ending in an endless line (a file extended with a hole, a disk's
+    garbage: here 256 MiB, as well 40 GiB) is read a piece at a time: that line is skipped and
+    counted, the rest shown by both routes and ``coci report``, in a few MiB of memory
+    (before: the whole file was read into memory, and a file larger than it failed every view
+    with a MemoryError traceback)."""
+    views = Views(tmp_path, real)
+    with (views.run / "telemetry.jsonl").open("r+b") as f:
+        f.truncate(len(real) + (256 << 20))  # a hole: no disk used
+    tracemalloc.start()
+    try:
+        skipped = [views.route(name)["skipped_lines"] for name in ("timeline", "reason")]
+        report = views.report()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert skipped == [1, 1]
+    assert report.startswith("1 telemetry line could not be read and was skipped\n")
+    assert peak < 32 << 20, peak
+    # lines across the pieces it reads, one of the longest length and one just over it
+    for pad, over in ((MAX_LINE_BYTES - 5, 0), (MAX_LINE_BYTES, 0), (MAX_LINE_BYTES + 1, 1)):
+        path = tmp_path / f"pad{pad}.jsonl"
+        path.write_bytes(b" " * pad + b"\n" + real)
+        assert read_records(path) == (parse_records(real)[0], over), pad

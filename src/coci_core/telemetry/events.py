@@ -17,7 +17,7 @@ from typing import Any, Literal, Protocol, TypeAlias
 
 from coci_core.knobs import TELEMETRY_PROGRESS_EVERY_S
 from coci_core.storage.local import open_own_file
-from coci_core.telemetry.records import parse_records
+from coci_core.telemetry.records import parse_records, read_records
 
 __all__ = [
     "PROGRESS_FILE",
@@ -469,5 +469,4 @@ def parse_jsonl(text: str) -> list[dict[str, Any]]:
 
 def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """The records of a telemetry file that can be used (see :func:`parse_jsonl`)."""
-    with open(path, "rb") as f:
-        return parse_records(f.read())[0]
+    return read_records(path)[0]
