@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import tracemalloc
 from collections.abc import Iterator
-from contextlib import redirect_stdout
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 from typing import Any
 
@@ -313,3 +314,26 @@ def test_a_line_longer_than_memory_is_skipped_not_read(tmp_path: Path, real: byt
         path = tmp_path / f"pad{pad}.jsonl"
         path.write_bytes(b" " * pad + b"\n" + real)
         assert read_records(path) == (parse_records(real)[0], over), pad
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "dev-zero"])
+def test_a_telemetry_file_that_is_not_a_file_is_named_so(tmp_path: Path, kind: str) -> None:
+    """A ``telemetry.jsonl`` that is a FIFO, a directory or a link to /dev/zero: ``coci
+    report`` says so in one line, exit 1, at once (before: "no telemetry.jsonl in DIR: the
+    adapters write it", of a file that is there); a reader opened after the look is refused
+    too (a FIFO would wait for a writer, /dev/zero never end)."""
+    path = tmp_path / "telemetry.jsonl"
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+    else:
+        path.symlink_to("/dev/zero")
+    err = io.StringIO()
+    with redirect_stderr(err):
+        assert main(["report", str(tmp_path)]) == 1
+    assert err.getvalue() == f"coci: {path} is not a regular file: coci reads a run's " + (
+        "telemetry from the file its adapter writes there\n"
+    )
+    with pytest.raises(FileNotFoundError, match="not a regular file"):
+        read_records(path)

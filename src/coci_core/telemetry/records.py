@@ -192,9 +192,17 @@ def read_records(path: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], in
     for its records, never for the file (a line over :data:`MAX_LINE_BYTES` is skipped).
 
     Raises:
-        OSError: it cannot be read.
+        OSError: it cannot be read; FileNotFoundError: it is not a regular file (a FIFO put
+            there since it was looked at would wait for a writer, /dev/zero never end).
     """
-    with open(path, "rb") as f:
+    from coci_core.errors import StorageError
+    from coci_core.storage.local import open_regular
+
+    try:
+        fd = open_regular(path)
+    except StorageError as e:
+        raise FileNotFoundError(str(e)) from e
+    with os.fdopen(fd, "rb") as f:
         return _parse(_lines(f))
 
 

@@ -190,6 +190,11 @@ def summarize(directory: str | Path, storage_options: dict[str, Any] | None = No
         return RunSummary(*read)
     path = Path(directory) / TELEMETRY_FILE
     if not path.is_file():
+        if path.exists() or path.is_symlink():  # a FIFO, a directory, a device, a broken link
+            raise FileNotFoundError(
+                f"{path} is not a regular file: coci reads a run's telemetry from the file its "
+                "adapter writes there"
+            )
         raise FileNotFoundError(no_telemetry_hint(directory))
     return RunSummary(*read_records(path))
 
