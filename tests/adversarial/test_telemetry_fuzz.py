@@ -337,3 +337,17 @@ def test_a_telemetry_file_that_is_not_a_file_is_named_so(tmp_path: Path, kind: s
     )
     with pytest.raises(FileNotFoundError, match="not a regular file"):
         read_records(path)
+
+
+@pytest.mark.parametrize("forged", [b"99999999999999999999999", b"-5", b"9223372036854775808"])
+def test_a_forged_progress_file_writes_no_record_its_reader_skips(
+    tmp_path: Path, forged: bytes
+) -> None:
+    """A ``telemetry.progress`` holding a step no run reaches (beyond 2**63-1, negative) is
+    unreadable, as a torn one is: the next session's records are all read back (before: its
+    ``start`` record carried the forged step as ``reached``, and every reader skipped it)."""
+    (tmp_path / "telemetry.progress").write_bytes(forged)
+    with JsonlTelemetry(tmp_path / "telemetry.jsonl") as sink:
+        sink.record_progress(1)
+    records, skipped = read_records(tmp_path / "telemetry.jsonl")
+    assert skipped == 0 and [r["type"] for r in records][-1] == "end"
