@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import tracemalloc
 from collections.abc import Iterator
-from contextlib import redirect_stdout
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +21,7 @@ from werkzeug.test import Client
 
 from coci_core.commands.cli import main
 from coci_core.telemetry import JsonlTelemetry, UploadEvent
-from coci_core.telemetry.records import parse_records
+from coci_core.telemetry.records import MAX_LINE_BYTES, parse_records, read_records
 from coci_core.telemetry.tb_plugin import CociPlugin
 from coci_core.training import Checkpointer
 from tests.harness.processes import module, run, script
@@ -286,3 +288,66 @@ def test_a_pointer_file_that_is_deep_a_fifo_or_endless_is_passed_over(tmp_path: 
     out = run(script(_POINTERS, str(tmp_path)), timeout_s=60)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == repr([str(tmp_path / "run")])
+
+
+def test_a_line_longer_than_memory_is_skipped_not_read(tmp_path: Path, real: bytes) -> None:
+    """A telemetry file ending in an endless line (a file extended with a hole, a disk's
+    garbage: here 256 MiB, as well 40 GiB) is read a piece at a time: that line is skipped and
+    counted, the rest shown by both routes and ``coci report``, in a few MiB of memory
+    (before: the whole file was read into memory, and a file larger than it failed every view
+    with a MemoryError traceback)."""
+    views = Views(tmp_path, real)
+    with (views.run / "telemetry.jsonl").open("r+b") as f:
+        f.truncate(len(real) + (256 << 20))  # a hole: no disk used
+    tracemalloc.start()
+    try:
+        skipped = [views.route(name)["skipped_lines"] for name in ("timeline", "reason")]
+        report = views.report()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert skipped == [1, 1]
+    assert report.startswith("1 telemetry line could not be read and was skipped\n")
+    assert peak < 32 << 20, peak
+    # lines across the pieces it reads, one of the longest length and one just over it
+    for pad, over in ((MAX_LINE_BYTES - 5, 0), (MAX_LINE_BYTES, 0), (MAX_LINE_BYTES + 1, 1)):
+        path = tmp_path / f"pad{pad}.jsonl"
+        path.write_bytes(b" " * pad + b"\n" + real)
+        assert read_records(path) == (parse_records(real)[0], over), pad
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "dev-zero"])
+def test_a_telemetry_file_that_is_not_a_file_is_named_so(tmp_path: Path, kind: str) -> None:
+    """A ``telemetry.jsonl`` that is a FIFO, a directory or a link to /dev/zero: ``coci
+    report`` says so in one line, exit 1, at once (before: "no telemetry.jsonl in DIR: the
+    adapters write it", of a file that is there); a reader opened after the look is refused
+    too (a FIFO would wait for a writer, /dev/zero never end)."""
+    path = tmp_path / "telemetry.jsonl"
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+    else:
+        path.symlink_to("/dev/zero")
+    err = io.StringIO()
+    with redirect_stderr(err):
+        assert main(["report", str(tmp_path)]) == 1
+    assert err.getvalue() == f"coci: {path} is not a regular file: coci reads a run's " + (
+        "telemetry from the file its adapter writes there\n"
+    )
+    with pytest.raises(FileNotFoundError, match="not a regular file"):
+        read_records(path)
+
+
+@pytest.mark.parametrize("forged", [b"99999999999999999999999", b"-5", b"9223372036854775808"])
+def test_a_forged_progress_file_writes_no_record_its_reader_skips(
+    tmp_path: Path, forged: bytes
+) -> None:
+    """A ``telemetry.progress`` holding a step no run reaches (beyond 2**63-1, negative) is
+    unreadable, as a torn one is: the next session's records are all read back (before: its
+    ``start`` record carried the forged step as ``reached``, and every reader skipped it)."""
+    (tmp_path / "telemetry.progress").write_bytes(forged)
+    with JsonlTelemetry(tmp_path / "telemetry.jsonl") as sink:
+        sink.record_progress(1)
+    records, skipped = read_records(tmp_path / "telemetry.jsonl")
+    assert skipped == 0 and [r["type"] for r in records][-1] == "end"

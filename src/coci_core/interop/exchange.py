@@ -262,6 +262,8 @@ def _export_dcp(natural: _Natural, out: Path, step: int) -> str:
     try:
         with warnings.catch_warnings():  # "assuming ... a single process": that is the intent
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            # an export over an earlier one replaces it, as every format's does
+            warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
             dcp_save(natural.state, checkpoint_id=str(out), no_dist=True)
         (out / NOTE_FILE).write_text(note)
     except (OSError, RuntimeError, CheckpointException) as e:  # a full disk, no permission

@@ -17,7 +17,7 @@ from typing import Any, Literal, Protocol, TypeAlias
 
 from coci_core.knobs import TELEMETRY_PROGRESS_EVERY_S
 from coci_core.storage.local import open_own_file
-from coci_core.telemetry.records import parse_records
+from coci_core.telemetry.records import MAX_STEP, parse_records, read_records
 
 __all__ = [
     "PROGRESS_FILE",
@@ -452,13 +452,16 @@ class JsonlTelemetry(JsonlRecords):
 
 
 def _read_reached(fd: int) -> tuple[int | None, bool]:
-    """The step a progress file holds (None: empty or unreadable), and whether its session
-    ended there."""
+    """The step a progress file holds (None: empty, unreadable, or a step no run reaches), and
+    whether its session ended there."""
     try:
         fields = os.pread(fd, 64, 0).decode("ascii").split()
-        return int(fields[0]), fields[1:2] == ["end"]
+        step = int(fields[0])
     except (OSError, ValueError, UnicodeDecodeError, IndexError):
         return None, False
+    if not 0 <= step <= MAX_STEP:  # forged: a record carrying it would be skipped by readers
+        return None, False
+    return step, fields[1:2] == ["end"]
 
 
 def parse_jsonl(text: str) -> list[dict[str, Any]]:
@@ -469,5 +472,4 @@ def parse_jsonl(text: str) -> list[dict[str, Any]]:
 
 def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """The records of a telemetry file that can be used (see :func:`parse_jsonl`)."""
-    with open(path, "rb") as f:
-        return parse_records(f.read())[0]
+    return read_records(path)[0]

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
-from typing import Any
+import os
+from collections.abc import Callable, Iterator
+from typing import Any, BinaryIO
 
-__all__ = ["MAX_STEP", "check_record", "parse_records", "skipped_line"]
+__all__ = ["MAX_LINE_BYTES", "MAX_STEP", "check_record", "parse_records", "read_records"]
+__all__ += ["skipped_line"]
 
 #: Steps above this are not a training step's (and would not fit a signed 64-bit integer).
 MAX_STEP = 2**63 - 1
@@ -176,9 +178,66 @@ def parse_records(data: bytes | str) -> tuple[list[dict[str, Any]], int]:
     """The usable records of telemetry text (JSON lines), and how many non-blank lines were
     skipped (see the module's docstring)."""
     lines = data.split(b"\n") if isinstance(data, bytes) else data.split("\n")
+    return _parse(lines)
+
+
+#: A line longer than this is no record coci writes (its longest, a plan, is a few kB): it is
+#: skipped unread, so that a file of one endless line (extended with a hole, a disk's garbage)
+#: is never read into memory.
+MAX_LINE_BYTES = 1 << 20
+
+
+def read_records(path: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], int]:
+    """:func:`parse_records` of the telemetry file ``path``, read a piece at a time: memory
+    for its records, never for the file (a line over :data:`MAX_LINE_BYTES` is skipped).
+
+    Raises:
+        OSError: it cannot be read; FileNotFoundError: it is not a regular file (a FIFO put
+            there since it was looked at would wait for a writer, /dev/zero never end).
+    """
+    from coci_core.errors import StorageError
+    from coci_core.storage.local import open_regular
+
+    try:
+        fd = open_regular(path)
+    except StorageError as e:
+        raise FileNotFoundError(str(e)) from e
+    with os.fdopen(fd, "rb") as f:
+        return _parse(_lines(f))
+
+
+def _lines(f: BinaryIO) -> Iterator[bytes | None]:
+    """The lines of ``f`` without their newline; None for one over :data:`MAX_LINE_BYTES`."""
+    pending = bytearray()
+    overlong = False
+    while chunk := f.read(MAX_LINE_BYTES):
+        start = 0
+        while (end := chunk.find(b"\n", start)) != -1:
+            if overlong or len(pending) + end - start > MAX_LINE_BYTES:
+                yield None
+            else:
+                yield bytes(pending) + chunk[start:end]
+            pending.clear()
+            overlong = False
+            start = end + 1
+        if not overlong:
+            pending += chunk[start:]
+            if len(pending) > MAX_LINE_BYTES:
+                pending.clear()
+                overlong = True
+    if overlong:
+        yield None
+    elif pending:
+        yield bytes(pending)
+
+
+def _parse(lines: Any) -> tuple[list[dict[str, Any]], int]:
     records: list[dict[str, Any]] = []
     skipped = 0
     for line in lines:
+        if line is None:  # longer than any record
+            skipped += 1
+            continue
         if not line.strip():
             continue
         try:

@@ -11,7 +11,7 @@ from typing import Any
 from coci_core.knobs import MAX_SCHEDULE_STEPS, TELEMETRY_PUT_DELAY_S, TELEMETRY_PUT_GAP_S
 from coci_core.storage import is_url, open_storage
 from coci_core.telemetry import TELEMETRY_FILE
-from coci_core.telemetry.records import parse_records, skipped_line
+from coci_core.telemetry.records import read_records, skipped_line
 
 __all__ = [
     "MTBF_SOURCES",
@@ -190,8 +190,13 @@ def summarize(directory: str | Path, storage_options: dict[str, Any] | None = No
         return RunSummary(*read)
     path = Path(directory) / TELEMETRY_FILE
     if not path.is_file():
+        if path.exists() or path.is_symlink():  # a FIFO, a directory, a device, a broken link
+            raise FileNotFoundError(
+                f"{path} is not a regular file: coci reads a run's telemetry from the file its "
+                "adapter writes there"
+            )
         raise FileNotFoundError(no_telemetry_hint(directory))
-    return RunSummary(*parse_records(path.read_bytes()))
+    return RunSummary(*read_records(path))
 
 
 def no_telemetry_hint(directory: str | Path) -> str:
