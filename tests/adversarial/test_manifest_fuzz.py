@@ -3,7 +3,8 @@
 Two real runs are saved with a real CheckpointManager: a rich state written raw (nested dicts,
 an int-keyed and a tuple-keyed dict, an OrderedDict, a tied tensor, ten dtypes, an empty and a
 0-d tensor, an ndarray, numpy and Python scalars, strings, bytes, tuples, a torch.Size, a dtype,
-an infinite float, per-rank state) and a lossless run whose step 2 is a delta against step 1
+an infinite float, per-rank state with a long list of ints stored as an array
+(``random.getstate()``'s)) and a lossless run whose step 2 is a delta against step 1
 (XOR and chunk-incremental pieces with a base). Then, in a fresh copy of a run per case:
 
 - ``crafted``: a structured mutation of one field of the newest manifest (every kind of field:
@@ -104,7 +105,11 @@ def rich_state(step: int) -> dict[str, Any]:
 
 
 def rank_state(step: int) -> dict[str, Any]:
-    return {"rng": torch.arange(4, dtype=torch.uint8) + step, "seed": step}
+    return {
+        "rng": torch.arange(4, dtype=torch.uint8) + step,
+        "seed": step,
+        "python": random.Random(step).getstate(),  # an "ints" node (format 5)
+    }
 
 
 def delta_state(step: int) -> dict[str, Any]:
@@ -498,6 +503,14 @@ def tree_mutations(doc: dict[str, Any], root: Path_, *, crafted: bool) -> list[M
                 out += _sets("node-size", path, "v", ["x", [-1], [2**64], ["1"], [1.5], NAN])
                 if not crafted:
                     out += _sets("node-size", path, "v", [[2, 3]])
+            elif tag == "ints":  # a long list of ints: its array (an ndarray node)
+                types: list[Any] = ["dict", "set", "", 5, None]
+                if not crafted:
+                    types += [{"list": "tuple", "tuple": "list"}[node["type"]]]
+                out += _sets("node-ints", path, "type", types)
+                out += _sets(
+                    "node-ints", path, "v", ["x", 5, None, [], {"t": "tensor", "id": 0}, DEEP]
+                )
             elif tag == "bytes":
                 out += _sets("node-bytes", path, "v", [5, "x", "AAA", "!!!!", "a\x00bc", None])
                 if not crafted:

@@ -1,11 +1,12 @@
 """One of two Lightning DDP ranks (gloo, started by the test with ``LOCAL_RANK``) whose partner
 is SIGKILLed during the resume (see test_resume_agreement.py): both fit 2 steps with a
 ``CociCheckpoint`` (step 2 saved); a second fit resumes (``ckpt_path="last"``); rank
-``cfg["victim"]`` prints ``KILLME`` when it is about to say which step it read, and waits to be
-killed. With ``cfg["empty"]``, the victim's ``CociCheckpoint`` names another, empty directory
-instead (and rank 0 committed a step with a plain manager, not a fit: both fail at the
-callback's setup, before reading). Each prints ``RESULT`` with its error and how long its
-resume took.
+``cfg["victim"]`` prints ``KILLME`` when it is about to say which step it read (with
+``cfg["at"] == "read"``: when its read begins, after the callback's setup agreed that every rank
+reads), and waits to be killed. With ``cfg["empty"]``, the victim's ``CociCheckpoint`` names
+another, empty directory instead (and rank 0 committed a step with a plain manager, not a
+fit: both fail at the callback's setup, before reading). Each prints ``RESULT`` with its error
+and how long its resume took.
 """
 
 from __future__ import annotations
@@ -58,7 +59,17 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
             dirpath = os.path.join(cfg["dir"], "elsewhere")
     else:
         _trainer(cfg["dir"], 2).fit(DigitsModel(batch_size=8, distributed=True))
-    if rank == cfg["victim"] and not cfg.get("empty"):
+    if rank == cfg["victim"] and cfg.get("at") == "read":
+        # after the callback's setup agreed that every rank reads: killed before the read
+        for_job = agreement.RestoreAgreement.for_job.__func__  # type: ignore[attr-defined]
+
+        def stop_read(cls: Any, **kwargs: Any) -> Any:
+            print("KILLME", flush=True)
+            time.sleep(600)
+            return for_job(cls, **kwargs)
+
+        agreement.RestoreAgreement.for_job = classmethod(stop_read)  # type: ignore[assignment]
+    elif rank == cfg["victim"] and not cfg.get("empty"):
         exchange = agreement.RestoreAgreement.exchange
 
         def stop(self: Any, report: dict[str, Any]) -> Any:

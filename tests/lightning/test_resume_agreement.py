@@ -56,6 +56,23 @@ def test_a_rank_killed_during_a_lightning_resume_fails_the_others_once_silent(
     assert SILENT_S <= result["seconds"] < 30, result
 
 
+def test_a_rank_killed_between_the_setup_agreement_and_its_read_fails_the_others_once_silent(
+    tmp_path: Path,
+) -> None:
+    """Rank 1 killed after the callback's setup agreed that every rank reads, before its read
+    began: rank 0's ``fit`` raises naming it once silent (before: rank 1 never beat in the
+    read's agreement and rank 0 waited for it there for 1800 s)."""
+    cfg = {"dir": str(tmp_path), "victim": 1, "silent_s": SILENT_S, "at": "read"}
+    with _ranks(cfg) as ranks:
+        assert any(line.startswith("KILLME") for line in ranks[1].lines())
+        ranks[1].kill()
+        result = _result(ranks[0])
+    assert "rank 1 stopped giving signs of life before saying which checkpoint" in (
+        result["error"] or ""
+    ), result
+    assert SILENT_S <= result["seconds"] < 30, result
+
+
 def test_a_rank_that_resolves_no_checkpoint_fails_every_ranks_resume_at_once(
     tmp_path: Path,
 ) -> None:

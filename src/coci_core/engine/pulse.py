@@ -24,7 +24,7 @@ from coci_core.engine.agreement import RestoreAgreement, job_store
 from coci_core.engine.group import RankGroup
 from coci_core.knobs import PULSE_S, RANK_SILENT_S
 
-__all__ = ["Pulse", "Watch", "restore_watched"]
+__all__ = ["Carry", "Pulse", "Watch", "restore_watched"]
 
 logger = logging.getLogger(__name__)
 
@@ -176,27 +176,69 @@ class Watch:
         return counts
 
 
+class Carry:
+    """What :func:`restore_watched` yields: set ``carry`` (once every rank is known to read
+    next, under the job's next agreement) to leave this rank's beats on after the block, for
+    the watch of that read."""
+
+    carry = False
+
+
+# The beats an agreement of the job left on for the job's next restore (see Carry): the store,
+# the session they are given under (the same on every rank) and the pulse.
+_carried: list[tuple[Any, str, Pulse]] = []
+_carried_lock = threading.Lock()
+
+
+def _take_carried(store: Any) -> tuple[str, Pulse] | None:
+    with _carried_lock:
+        held = _carried.pop() if _carried else None
+    if held is None:
+        return None
+    if held[0] is not store:  # another job's (a process group made anew): not this one's
+        held[2].stop()
+        return None
+    return held[1], held[2]
+
+
 @contextlib.contextmanager
-def restore_watched(agreement: RestoreAgreement | None) -> Iterator[None]:
+def restore_watched(agreement: RestoreAgreement | None) -> Iterator[Carry]:
     """Signs of life for a restore of the job's ranks that no manager's pulse covers (a
     framework that reads by path: Lightning's ``ckpt_path``, :func:`read_checkpoint
     <coci_core.training.read_checkpoint>`): while it runs, this rank beats under a key of this
     restore's own and ``agreement`` watches the others' beats, so that a rank killed while it
     read fails the others' restore once silent for ``RANK_SILENT_S``, not after the
     agreement's timeout (30 min). A rank that never beat (killed before it came) is waited for
-    the timeout, as before."""
+    the timeout, as before.
+
+    An agreement before the read (Lightning's, that every rank reads a coci checkpoint: see
+    :func:`~coci_core.training.ranks_read_alike`) sets the yielded :class:`Carry`: its beats
+    go on after it, and the job's next restore watches them instead of beats of its own, so
+    that a rank killed between the two (seen alive in the first) fails the read once silent
+    too."""
+    carry = Carry()
     if agreement is None or agreement.watch is not None:
-        yield
+        yield carry
         return
-    session = f"restore/{agreement.instance}"
+    carried = _take_carried(agreement.store)
     pulse = None
     try:
-        pulse = Pulse(_own_connection(agreement.store), _key(session, agreement.rank))
+        if carried is not None:
+            session, pulse = carried  # beating since the agreement before, on every rank
+        else:
+            session = f"restore/{agreement.instance}"
+            pulse = Pulse(_own_connection(agreement.store), _key(session, agreement.rank))
         agreement.watch = Watch(_watch_connection(agreement.store), session, RANK_SILENT_S)
     except RuntimeError as e:  # the store does not answer: the agreement says so
         logger.info("coci: no sign of life through the job's store: %s", e)
+    done = False
     try:
-        yield
+        yield carry
+        done = True
     finally:
         if pulse is not None:
-            pulse.stop()
+            if done and carry.carry:
+                with _carried_lock:
+                    _carried.append((agreement.store, session, pulse))
+            else:
+                pulse.stop()

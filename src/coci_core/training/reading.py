@@ -188,7 +188,9 @@ def ranks_read_alike(source: str | None, why_not: CociError | None = None) -> No
     checkpoint to read on each process alone (Lightning's ``ckpt_path``), before it reads.
     ``source``: the coci checkpoint this process reads; None: it reads none, for ``why_not``
     (a ``NoCheckpointError`` when it found none). A process killed meanwhile fails the others'
-    check once silent for ``RANK_SILENT_S``.
+    check once silent for ``RANK_SILENT_S``; when every process reads, its signs of life go on
+    until its read (:func:`read_checkpoint`, of the job's next agreement) ends, so that a
+    process killed in between fails the others' read once silent too.
 
     Raises:
         CorruptCheckpointError, CheckpointError: some processes read a coci checkpoint,
@@ -207,9 +209,12 @@ def ranks_read_alike(source: str | None, why_not: CociError | None = None) -> No
     report: dict[str, Any] = {"found": source}
     if source is None:
         report = error_report(why_not or CociError("it reads no coci checkpoint"))
-    with restore_watched(agreement):  # a process killed meanwhile fails it once silent
+    with restore_watched(agreement) as watched:  # a process killed meanwhile fails it
         reports = agreement.exchange(report)
-    failed = sum(1 for r in reports if r.get("error"))
+        failed = sum(1 for r in reports if r.get("error"))
+        # every process reads next: the read watches these beats, so that a process killed
+        # before its read began (seen alive here) fails the others' read once silent too
+        watched.carry = failed == 0
     if 0 < failed < len(reports):
         e = agreed_error(reports)
         raise type(e)(
