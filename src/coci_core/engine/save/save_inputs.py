@@ -182,7 +182,9 @@ def flatten_per_rank(
     clash = sorted(str(k) for k in per_rank if k in state)
     if clash:
         raise ConfigError(f"'per_rank' keys {clash} are also keys of 'state'")
-    return flatten_state(per_rank, allow_torch_save=allow_torch_save, cache=cache)
+    return flatten_state(
+        per_rank, allow_torch_save=allow_torch_save, cache=cache, ints_as_arrays=True
+    )
 
 
 def rank_regions(
