@@ -33,7 +33,7 @@ def realistic_state() -> dict[str, Any]:
     state["rng"] = {
         "numpy": np.random.RandomState(7).get_state(),  # a tuple with a uint32 array
         "torch": torch.get_rng_state(),
-        "python": random.Random(7).getstate(),  # 625 ints
+        "python": random.Random(7).getstate(),  # 625 ints: an "ints" node, an array
     }
     state["loop"] = {
         "step": 120,
@@ -42,7 +42,7 @@ def realistic_state() -> dict[str, Any]:
         "best": float("inf"),
         "ema": np.float32(0.25),
         "counts": np.arange(6, dtype=np.int16).reshape(2, 3),
-        "ids": list(range(-3, 97)),
+        "ids": list(range(-3, 97)),  # an "ints" node (a list)
         "history": [{"step": s, "loss": 1.0 / (s + 1)} for s in range(3)],
         "tag": b"\x00\xff",
         "dtype": torch.bfloat16,

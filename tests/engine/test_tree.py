@@ -216,11 +216,8 @@ def test_random_states_take_little_of_a_ranks_manifest_and_come_back_exact(
     ids=["int64", "uint32", "uint64", "huge", "bools", "mixed", "short"],
 )
 def test_lists_of_ints_come_back_as_they_were(tmp_path: Any, value: Any) -> None:
-    """In the shared state (JSON numbers) and in a rank's own (an ``ints`` node where they fit)."""
-    with CheckpointManager(tmp_path / "ckpt") as mgr:
-        mgr.save(7, {"v": value}, per_rank={"own": value, "nested": {"x": [value]}}).wait()
-        restored = mgr.restore()
-    for got in (restored["v"], restored["own"], restored["nested"]["x"][0]):
+    restored = _round_trip(tmp_path, {"v": value, "nested": {"x": [value]}})
+    for got in (restored["v"], restored["nested"]["x"][0]):
         assert got == value
         assert type(got) is type(value)
         assert [type(x) for x in got] == [type(x) for x in value]
@@ -229,14 +226,13 @@ def test_lists_of_ints_come_back_as_they_were(tmp_path: Any, value: Any) -> None
 def test_a_manifest_without_ints_keeps_its_format_and_an_older_one_reads(
     tmp_path: Any,
 ) -> None:
-    """A state with no long list of ints in a rank's own state is written in format 3, as
-    before, and reads; a format-3 manifest that holds an ints node is refused (not a node of
-    that format)."""
+    """A state with no long list of ints is written in format 3, as before, and reads; a
+    format-3 manifest that holds an ints node is refused (not a node of that format)."""
     root = tmp_path / "ckpt"
-    state = {"w": torch.ones(2), "short": (1, 2, 3), "shared": list(range(70))}
+    state = {"w": torch.ones(2), "short": (1, 2, 3)}
     with CheckpointManager(root) as mgr:
         mgr.save(1, state).wait()
-        mgr.save(2, {"w": torch.ones(2)}, per_rank={"long": list(range(70))}).wait()
+        mgr.save(2, {"w": torch.ones(2), "long": list(range(70))}).wait()
     assert read_doc(root, 1)["format_version"] == 3
     assert read_doc(root, 2)["format_version"] == 5
     with CheckpointManager(root) as mgr:
@@ -251,10 +247,10 @@ def test_an_ints_node_of_a_float_array_is_refused_by_restore_and_verify(tmp_path
     float32 array is refused by the restore and by ``verify`` alike."""
     root = tmp_path / "ckpt"
     with CheckpointManager(root) as mgr:
-        mgr.save(1, {}, per_rank={"long": list(range(70))}).wait()
+        mgr.save(1, {"long": list(range(70))}).wait()
 
     def to_float(doc: dict[str, Any]) -> None:
-        doc["per_rank"][0]["tensors"][0].update(dtype="float32", numpy_dtype="<f4")
+        doc["tensors"][0].update(dtype="float32", numpy_dtype="<f4")
 
     edit_manifest(root, 1, to_float)
     with pytest.raises(CorruptCheckpointError, match="ints node whose array"):

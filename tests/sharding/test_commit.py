@@ -327,34 +327,3 @@ def test_a_waiting_rank_whose_records_another_writer_removed_fails_at_once(
     with pytest.raises(BackgroundSaveError, match=r"records .* were removed before rank 0"):
         r1.save(3, _state()).wait(timeout_s=60)
     r1.close()
-
-
-def test_ranks_whose_shared_lists_of_ints_differ_save_and_keep_their_own_random_states(
-    tmp_path: Path,
-) -> None:
-    """A long list of ints in the shared state (a loader's indices, of another length on each
-    rank) stays a JSON value that rank 0's manifest holds, as before format 5: made an array,
-    it entered the layout the ranks must agree on and every save of the job failed. Each
-    rank's own ``random.getstate()`` is an array of its share (format 5) and comes back exact."""
-    import random
-
-    managers = _managers(tmp_path, 2)
-    own = [random.Random(rank).getstate() for rank in range(2)]
-    handles = [
-        m.save(
-            3,
-            {**_state(), "indices": list(range(100 - 20 * m.group.rank))},
-            per_rank={"python": own[m.group.rank]},
-        )
-        for m in managers
-    ]
-    assert [h.wait(timeout_s=60).outcome for h in handles] == ["committed", "committed"]
-    doc = json.loads((tmp_path / step_dir_name(3) / MANIFEST_NAME).read_text())
-    assert doc["format_version"] == 5
-    assert all(len(json.dumps(entry)) < 1500 for entry in doc["per_rank"])
-    for rank in range(2):
-        loaded = load_checkpoint(LocalStorage(tmp_path), 3, rank=rank)
-        assert loaded.state["indices"] == list(range(100))  # rank 0's, as every rank's restore
-        assert loaded.state["python"] == own[rank]
-    for m in managers:
-        m.close()

@@ -13,12 +13,10 @@ is installed, else plain dicts and lists), ``argparse.Namespace``, ``pathlib`` p
 classes ``omegaconf.DictConfig``, ``omegaconf.ListConfig`` and ``argparse.Namespace`` themselves
 (Lightning records its hyper-parameters' type as the class).
 
-In a rank's own (``per_rank``) state, a list or tuple of at least ``INT_LIST_MIN`` (64) Python
-ints that fit in 64 bits (the 625 of ``random.getstate()``) becomes an ``{"t": "ints", "type":
-"list"|"tuple", "v": <ndarray node>}`` node: its values are an array in the data file
-(``uint32``, ``int64`` or ``uint64``), not JSON numbers in the manifest, and come back as a list
-or tuple of Python ints. In the shared state such a list stays JSON: a shared array is split
-between the ranks and is part of the layout they agree on, and ranks may hold other lists.
+A list or tuple of at least ``INT_LIST_MIN`` (64) Python ints that fit in 64 bits (the 625 of
+``random.getstate()``) becomes an ``{"t": "ints", "type": "list"|"tuple", "v": <ndarray node>}``
+node: its values are an array in the data file (``uint32``, ``int64`` or ``uint64``), not JSON
+numbers in the manifest, and come back as a list or tuple of Python ints.
 
 Why one module: every kind of value a state may hold is decided in one place (stored, stored
 with ``torch.save``, or refused by key before anything is written), together with the cache
@@ -259,14 +257,8 @@ class FlattenCache:
 
 
 class _Flattener:
-    def __init__(
-        self,
-        allow_torch_save: bool,
-        cache: FlattenCache | None = None,
-        ints_as_arrays: bool = False,
-    ) -> None:
+    def __init__(self, allow_torch_save: bool, cache: FlattenCache | None = None) -> None:
         self.allow_torch_save = allow_torch_save
-        self.ints_as_arrays = ints_as_arrays
         self.leaves: list[ArrayLeaf] = []
         self._aliases: dict[tuple[Any, ...], int] = {}
         self._depth = 0
@@ -356,7 +348,7 @@ class _Flattener:
         if isinstance(value, bytes):
             return {"t": "bytes", "v": base64.b64encode(value).decode("ascii")}
         if type(value) in (list, tuple):
-            if self.ints_as_arrays and len(value) >= INT_LIST_MIN:
+            if len(value) >= INT_LIST_MIN:
                 array = _int_array(value)
                 if array is not None:
                     leaf = self._encode_ndarray(array, key)
@@ -680,11 +672,9 @@ def _detached(t: torch.Tensor) -> torch.Tensor:
     return t if type(t) is torch.Tensor and not t.requires_grad else t.detach()
 
 
-def _replay(
-    state: dict[str, Any], cache: FlattenCache, allow_torch_save: bool, ints_as_arrays: bool
-) -> FlatState:
+def _replay(state: dict[str, Any], cache: FlattenCache, allow_torch_save: bool) -> FlatState:
     """Flatten with ``cache``'s tensor nodes and leaves (:class:`_Miss` when they differ)."""
-    flattener = _Flattener(allow_torch_save, cache, ints_as_arrays)
+    flattener = _Flattener(allow_torch_save, cache)
     tree = flattener.encode(state, "")
     met = flattener.tensors
     if len(met) != len(cache.keys) or flattener.leaves:
@@ -704,19 +694,12 @@ def _replay(
 
 
 def flatten_state(
-    state: Mapping[str, Any],
-    *,
-    allow_torch_save: bool = False,
-    cache: FlattenCache | None = None,
-    ints_as_arrays: bool = False,
+    state: Mapping[str, Any], *, allow_torch_save: bool = False, cache: FlattenCache | None = None
 ) -> FlatState:
     """Split ``state`` into a JSON tree and its array leaves.
 
     Tensors that are the same view of the same memory (tied weights) become one leaf.
     ``cache``: the last flatten of a state like this one (see :class:`FlattenCache`), updated.
-    ``ints_as_arrays``: long lists of ints become ``ints`` nodes (a rank's own state only: a
-    leaf of the shared state is split between the ranks, which may each hold other values,
-    and is part of the layout they must agree on).
 
     Raises:
         UnsupportedValueError: a value cannot be stored without pickle and
@@ -726,10 +709,10 @@ def flatten_state(
         raise UnsupportedValueError(f"state must be a mapping, got {type(state).__name__}")
     if cache is not None and cache.layout is not None:
         try:
-            return _replay(dict(state), cache, allow_torch_save, ints_as_arrays)
+            return _replay(dict(state), cache, allow_torch_save)
         except Exception:  # a miss, or an error that the full flatten raises again
             pass
-    flattener = _Flattener(allow_torch_save, ints_as_arrays=ints_as_arrays)
+    flattener = _Flattener(allow_torch_save)
     tree = flattener.encode(dict(state), "")
     layout = cache.store(flattener) if cache is not None else None
     return FlatState(tree=tree, leaves=tuple(flattener.leaves), layout=layout)

@@ -182,9 +182,7 @@ def flatten_per_rank(
     clash = sorted(str(k) for k in per_rank if k in state)
     if clash:
         raise ConfigError(f"'per_rank' keys {clash} are also keys of 'state'")
-    return flatten_state(
-        per_rank, allow_torch_save=allow_torch_save, cache=cache, ints_as_arrays=True
-    )
+    return flatten_state(per_rank, allow_torch_save=allow_torch_save, cache=cache)
 
 
 def rank_regions(
