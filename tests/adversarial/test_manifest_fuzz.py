@@ -3,8 +3,8 @@
 Two real runs are saved with a real CheckpointManager: a rich state written raw (nested dicts,
 an int-keyed and a tuple-keyed dict, an OrderedDict, a tied tensor, ten dtypes, an empty and a
 0-d tensor, an ndarray, numpy and Python scalars, strings, bytes, tuples, a torch.Size, a dtype,
-an infinite float, per-rank state with a long list of ints stored as an array
-(``random.getstate()``'s)) and a lossless run whose step 2 is a delta against step 1
+an infinite float, long lists of ints stored as arrays (``random.getstate()``'s), per-rank
+state) and a lossless run whose step 2 is a delta against step 1
 (XOR and chunk-incremental pieces with a base). Then, in a fresh copy of a run per case:
 
 - ``crafted``: a structured mutation of one field of the newest manifest (every kind of field:
@@ -98,6 +98,8 @@ def rich_state(step: int) -> dict[str, Any]:
         "name": f"run-{step}",
         "blob": bytes([step, 0, 255]),
         "pair": (step, "x", None),
+        "py_rng": random.Random(step).getstate(),  # an "ints" node (format 5)
+        "ids": list(range(-step, 100)),  # an "ints" node of int64
         "size": torch.Size([2, step]),
         "dtype": torch.float16,
         "flag": True,
@@ -108,7 +110,7 @@ def rank_state(step: int) -> dict[str, Any]:
     return {
         "rng": torch.arange(4, dtype=torch.uint8) + step,
         "seed": step,
-        "python": random.Random(step).getstate(),  # an "ints" node (format 5)
+        "python": random.Random(step).getstate(),
     }
 
 
