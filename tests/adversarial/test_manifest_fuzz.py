@@ -3,8 +3,7 @@
 Two real runs are saved with a real CheckpointManager: a rich state written raw (nested dicts,
 an int-keyed and a tuple-keyed dict, an OrderedDict, a tied tensor, ten dtypes, an empty and a
 0-d tensor, an ndarray, numpy and Python scalars, strings, bytes, tuples, a torch.Size, a dtype,
-an infinite float, long lists of ints stored as arrays (``random.getstate()``'s), per-rank
-state) and a lossless run whose step 2 is a delta against step 1
+an infinite float, per-rank state) and a lossless run whose step 2 is a delta against step 1
 (XOR and chunk-incremental pieces with a base). Then, in a fresh copy of a run per case:
 
 - ``crafted``: a structured mutation of one field of the newest manifest (every kind of field:
@@ -98,8 +97,6 @@ def rich_state(step: int) -> dict[str, Any]:
         "name": f"run-{step}",
         "blob": bytes([step, 0, 255]),
         "pair": (step, "x", None),
-        "py_rng": random.Random(step).getstate(),  # an "ints" node (format 5)
-        "ids": list(range(-step, 100)),  # an "ints" node of int64
         "size": torch.Size([2, step]),
         "dtype": torch.float16,
         "flag": True,
@@ -107,11 +104,7 @@ def rich_state(step: int) -> dict[str, Any]:
 
 
 def rank_state(step: int) -> dict[str, Any]:
-    return {
-        "rng": torch.arange(4, dtype=torch.uint8) + step,
-        "seed": step,
-        "python": random.Random(step).getstate(),
-    }
+    return {"rng": torch.arange(4, dtype=torch.uint8) + step, "seed": step}
 
 
 def delta_state(step: int) -> dict[str, Any]:
@@ -505,14 +498,6 @@ def tree_mutations(doc: dict[str, Any], root: Path_, *, crafted: bool) -> list[M
                 out += _sets("node-size", path, "v", ["x", [-1], [2**64], ["1"], [1.5], NAN])
                 if not crafted:
                     out += _sets("node-size", path, "v", [[2, 3]])
-            elif tag == "ints":  # a long list of ints: its array (an ndarray node)
-                types: list[Any] = ["dict", "set", "", 5, None]
-                if not crafted:
-                    types += [{"list": "tuple", "tuple": "list"}[node["type"]]]
-                out += _sets("node-ints", path, "type", types)
-                out += _sets(
-                    "node-ints", path, "v", ["x", 5, None, [], {"t": "tensor", "id": 0}, DEEP]
-                )
             elif tag == "bytes":
                 out += _sets("node-bytes", path, "v", [5, "x", "AAA", "!!!!", "a\x00bc", None])
                 if not crafted:

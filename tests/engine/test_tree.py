@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import random
 from collections import OrderedDict
 from typing import Any
 
@@ -12,12 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from coci_core import CheckpointManager, CorruptCheckpointError, UnsupportedValueError
+from coci_core import CheckpointManager, UnsupportedValueError
 from coci_core.engine.format.tree import flatten_state, unflatten_state
 from coci_core.engine.format.tree_nodes import SUPPORTED_DTYPES as _SUPPORTED_DTYPES
-from coci_core.engine.restore.load import load_checkpoint, verify_checkpoint
-from coci_core.storage import LocalStorage
-from tests.adversarial.craft import edit_manifest, read_doc
 from tests.harness.states import assert_same, tiny_model_state
 
 ALL_DTYPES = sorted(_SUPPORTED_DTYPES.values(), key=str)
@@ -166,94 +162,3 @@ def test_lists_of_plain_values_are_stored_as_they_are_and_others_tagged(tmp_path
     assert back["plain"] == state["plain"]
     assert back["chunks"] == state["chunks"]
     assert back["odd"][:2] == [1.0, math.inf] and back["odd"][3] == 2**70
-
-
-def _rank_entry_bytes(root: Any, step: int) -> tuple[int, int]:
-    """(the JSON size of rank 0's ``per_rank`` entry, the manifest's ``format_version``)."""
-    doc = read_doc(root, step)
-    return len(json.dumps(doc["per_rank"][0], separators=(",", ":"))), doc["format_version"]
-
-
-def test_random_states_take_little_of_a_ranks_manifest_and_come_back_exact(
-    tmp_path: Any,
-) -> None:
-    """A rank's random states (Python's 625 ints, NumPy's and torch's arrays) take well under
-    2 KB of the manifest (they took 7.5 KB: Python's as JSON numbers), and come back as the
-    generators take them: the next draws are the saved run's."""
-    random.seed(11)
-    np.random.seed(11)
-    rng = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-    }
-    expected = (random.random(), np.random.rand(), torch.rand(1))
-    with CheckpointManager(tmp_path / "ckpt") as mgr:
-        mgr.save(3, {"w": torch.ones(2)}, per_rank={"rng": rng}).wait()
-        size, version = _rank_entry_bytes(tmp_path / "ckpt", 3)
-        restored = mgr.restore()["rng"]
-    assert size < 1500, size
-    assert version == 5
-    assert type(restored["python"][1]) is tuple
-    assert restored["python"] == rng["python"]
-    random.setstate(restored["python"])
-    np.random.set_state(restored["numpy"])
-    torch.set_rng_state(restored["torch"])
-    assert (random.random(), np.random.rand(), torch.rand(1)) == expected
-
-
-@pytest.mark.parametrize(
-    "value",
-    [
-        list(range(-5, 100)),  # int64
-        tuple(range(2**32 - 64, 2**32)),  # uint32
-        [2**63 + i for i in range(64)],  # uint64
-        [2**64 + i for i in range(64)],  # beyond 64 bits: JSON numbers
-        [True] * 64,  # bools stay bools
-        [1] * 63 + [1.0],  # not all ints
-        tuple(range(63)),  # short: JSON numbers
-    ],
-    ids=["int64", "uint32", "uint64", "huge", "bools", "mixed", "short"],
-)
-def test_lists_of_ints_come_back_as_they_were(tmp_path: Any, value: Any) -> None:
-    restored = _round_trip(tmp_path, {"v": value, "nested": {"x": [value]}})
-    for got in (restored["v"], restored["nested"]["x"][0]):
-        assert got == value
-        assert type(got) is type(value)
-        assert [type(x) for x in got] == [type(x) for x in value]
-
-
-def test_a_manifest_without_ints_keeps_its_format_and_an_older_one_reads(
-    tmp_path: Any,
-) -> None:
-    """A state with no long list of ints is written in format 3, as before, and reads; a
-    format-3 manifest that holds an ints node is refused (not a node of that format)."""
-    root = tmp_path / "ckpt"
-    state = {"w": torch.ones(2), "short": (1, 2, 3)}
-    with CheckpointManager(root) as mgr:
-        mgr.save(1, state).wait()
-        mgr.save(2, {"w": torch.ones(2), "long": list(range(70))}).wait()
-    assert read_doc(root, 1)["format_version"] == 3
-    assert read_doc(root, 2)["format_version"] == 5
-    with CheckpointManager(root) as mgr:
-        assert_same(mgr.restore(step=1), state)
-    edit_manifest(root, 2, lambda doc: doc.update(format_version=4))
-    with pytest.raises(CorruptCheckpointError, match="'ints' node is not a node of this format"):
-        load_checkpoint(LocalStorage(root), step=2)
-
-
-def test_an_ints_node_of_a_float_array_is_refused_by_restore_and_verify(tmp_path: Any) -> None:
-    """An ints node must point at a 1-D integer array: a resealed manifest that makes it a
-    float32 array is refused by the restore and by ``verify`` alike."""
-    root = tmp_path / "ckpt"
-    with CheckpointManager(root) as mgr:
-        mgr.save(1, {"long": list(range(70))}).wait()
-
-    def to_float(doc: dict[str, Any]) -> None:
-        doc["tensors"][0].update(dtype="float32", numpy_dtype="<f4")
-
-    edit_manifest(root, 1, to_float)
-    with pytest.raises(CorruptCheckpointError, match="ints node whose array"):
-        load_checkpoint(LocalStorage(root), step=1)
-    with pytest.raises(CorruptCheckpointError, match="ints node whose array"):
-        verify_checkpoint(LocalStorage(root), 1)

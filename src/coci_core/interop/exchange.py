@@ -5,8 +5,7 @@
 What each format holds for other tools:
 
 - ``.pt`` (``torch.save``): the state as it was, except that numpy arrays are stored as tensors
-  (of the same bytes and shape), numpy scalars as Python numbers and a list or tuple of 64 or
-  more ints (``random.getstate()``'s) as a 1-D integer tensor of its values, so that plain
+  (of the same bytes and shape) and numpy scalars as Python numbers, so that plain
   ``torch.load(path)`` (``weights_only=True``) loads it; a state holding values coci stores by
   the name of their type (OmegaConf configs, ``argparse.Namespace``, paths: hyper-parameters)
   has them as those objects, as Lightning's own ``.ckpt`` files do, and loads with
@@ -15,14 +14,13 @@ What each format holds for other tools:
   archive, ``<archive>/coci_export.json``, which ``torch.load`` ignores.
 - ``.safetensors``: one tensor per array, named by its path (``model.0.weight``); the note is
   the ``coci_export`` entry of the metadata header (strings and numbers live there).
-- DCP: the state as it was (numpy and long lists of ints as tensors, numpy scalars as
-  numbers); the note is the file
+- DCP: the state as it was (numpy as tensors, numpy scalars as numbers); the note is the file
   ``coci_export.json`` in the directory, which DCP ignores.
 
 ``coci import`` of a file with a note rebuilds the original state from the note's tree: int
-keys, tuples, ``OrderedDict`` (with ``_metadata``), numpy arrays and scalars, lists of ints,
-non-finite floats, bytes, dtypes and sizes come back as they were. A file without a note (from
-another tool) is imported as that tool wrote it. The note is read as untrusted input: JSON only,
+keys, tuples, ``OrderedDict`` (with ``_metadata``), numpy arrays and scalars, non-finite
+floats, bytes, dtypes and sizes come back as they were. A file without a note (from another
+tool) is imported as that tool wrote it. The note is read as untrusted input: JSON only,
 checked before anything is built from it.
 """
 
@@ -124,8 +122,6 @@ def _naturalize(state: Mapping[str, Any]) -> _Natural:
                 leaf.pos, leaf.keys, leaf.placed = pos, keys, True
             return leaf.value
         if tag == "np":  # a numpy scalar: its Python number
-            return build(node["v"], pos, keys)
-        if tag == "ints":  # a long list of ints: its array (the note makes it a list again)
             return build(node["v"], pos, keys)
         if tag in ("list", "tuple"):
             items = [build(v, [*pos, i], [*keys, ("i", i)]) for i, v in enumerate(node["v"])]

@@ -9,10 +9,8 @@ before it uses anything in the manifest. Every field is then checked against har
 anything is allocated or read (see :class:`Manifest.from_json`). Each array is stored as one
 or more *pieces* (byte ranges, possibly in different ranks' data files). Format 4 is format 3
 plus an array's ``boxes`` (a DTensor cut along a dim other than its first: see
-:class:`TensorEntry`); it is written only for such a state. Format 5 is format 4 plus the state
-tree's ``ints`` nodes (a long list or tuple of ints, its values an array in the data file; see
-:mod:`coci_core.engine.format.tree`); it is written only for a state that holds one. This coci
-reads formats 3, 4 and 5; a manifest of any other ``format_version`` is refused.
+:class:`TensorEntry`); it is written only for such a state. This coci reads formats 3 and 4; a
+manifest of any other ``format_version`` is refused.
 
 Why one module: the records, their JSON form and the checks of that form are one on-disk
 format; the checker builds the records, and a change to a field touches all three.
@@ -28,15 +26,12 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple, NoReturn
 
 from coci_core.engine.format.regions import Region
-from coci_core.engine.format.tree import check_tree, decode_dtype, holds_ints, ndarray_dtype
-from coci_core.engine.format.tree_nodes import INT_LIST_DTYPES
-from coci_core.engine.restore.tree_read import ints_arrays
+from coci_core.engine.format.tree import check_tree, decode_dtype, ndarray_dtype
 from coci_core.errors import CorruptCheckpointError
 
 __all__ = [
     "BOXES_FORMAT_VERSION",
     "FORMAT_VERSION",
-    "INTS_FORMAT_VERSION",
     "MANIFEST_NAME",
     "MAX_ARRAY_BYTES",
     "MAX_MANIFEST_BYTES",
@@ -63,10 +58,7 @@ FORMAT_VERSION = 3
 #: The format of a manifest with an array stored as boxes (a DTensor split along a dim other
 #: than its first): written only then, so that other manifests stay readable by earlier coci.
 BOXES_FORMAT_VERSION = 4
-#: The format of a manifest whose state tree holds an ``ints`` node (a long list of ints stored
-#: as an array): written only then (with or without boxes).
-INTS_FORMAT_VERSION = 5
-READ_FORMAT_VERSIONS = (FORMAT_VERSION, BOXES_FORMAT_VERSION, INTS_FORMAT_VERSION)
+READ_FORMAT_VERSIONS = (FORMAT_VERSION, BOXES_FORMAT_VERSION)
 MANIFEST_NAME = "manifest.json"
 
 # Hard limits, checked before anything is allocated or read.
@@ -342,27 +334,11 @@ class Manifest:
             for t in (*self.tensors, *(t for r in self.per_rank for t in r.tensors))
         )
 
-    @property
-    def has_ints(self) -> bool:
-        """Whether a state tree (shared or a rank's own) holds an ``ints`` node (whose array is
-        an ndarray: the trees are walked only when an array is one)."""
-        trees = ((self.tree, self.tensors), *((r.tree, r.tensors) for r in self.per_rank))
-        return any(
-            any(t.kind == "ndarray" for t in tensors) and holds_ints(tree)
-            for tree, tensors in trees
-        )
-
     def to_json(self) -> bytes:
-        """The manifest as UTF-8 JSON, with its checksum as the last field (format 3; 4 when an
-        array is stored as boxes; 5 when a state tree holds an ``ints`` node)."""
+        """The manifest as UTF-8 JSON, with its checksum as the last field (format 3, or 4 when
+        an array is stored as boxes)."""
         doc = self.to_dict()
-        doc["format_version"] = (
-            INTS_FORMAT_VERSION
-            if self.has_ints
-            else BOXES_FORMAT_VERSION
-            if self.has_boxes
-            else FORMAT_VERSION
-        )
+        doc["format_version"] = BOXES_FORMAT_VERSION if self.has_boxes else FORMAT_VERSION
         return seal(json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8"))
 
     @classmethod
@@ -371,7 +347,7 @@ class Manifest:
     ) -> Manifest:
         """Parse and check a manifest.
 
-        The checksum is verified first, then the format version (3, 4 or 5). Every
+        The checksum is verified first, then the format version (3 or 4). Every
         field is then checked: its JSON type; integers within ``[0, 2**63)``; file names plain ASCII
         (``[A-Za-z0-9._-]``, at most 128); dtypes known, numpy dtypes numbers of the matching
         size; each array's shape times its itemsize (at most ``MAX_ARRAY_BYTES``) equal to its
@@ -617,7 +593,7 @@ class RecordChecker:
         if type(version) is not int or version not in READ_FORMAT_VERSIONS:
             raise CorruptCheckpointError(
                 f"{self.where} has format_version {_show(version)}; this coci reads "
-                f"formats {FORMAT_VERSION}, {BOXES_FORMAT_VERSION} and {INTS_FORMAT_VERSION}",
+                f"formats {FORMAT_VERSION} and {BOXES_FORMAT_VERSION}",
                 step=self.step,
             )
         self.version = version
@@ -695,19 +671,9 @@ class RecordChecker:
                 kinds=[e.kind for e in entries],
                 keys=[e.key for e in entries],
                 what=f"field {name}",
-                ints=self.version is None or self.version >= INTS_FORMAT_VERSION,
             )
         except CorruptCheckpointError as e:
             raise CorruptCheckpointError(f"{self.where}: {e}", step=self.step) from None
-        if any(e.kind == "ndarray" for e in entries):
-            for i in ints_arrays(tree):  # checked ids of ndarray entries
-                entry = entries[i]
-                if entry.numpy_dtype not in INT_LIST_DTYPES or len(entry.shape) != 1:
-                    self.fail(
-                        f"{name}",
-                        f"has an ints node whose array {entry.key[:200]!r} is not a 1-D array "
-                        f"of {', '.join(INT_LIST_DTYPES)}",
-                    )
         if root and not (type(tree) is dict and tree.get("t") in ("dict", "odict")):
             self.fail(name, f"must be a dict node, got {_show(tree)}")
 

@@ -13,11 +13,6 @@ is installed, else plain dicts and lists), ``argparse.Namespace``, ``pathlib`` p
 classes ``omegaconf.DictConfig``, ``omegaconf.ListConfig`` and ``argparse.Namespace`` themselves
 (Lightning records its hyper-parameters' type as the class).
 
-A list or tuple of at least ``INT_LIST_MIN`` (64) Python ints that fit in 64 bits (the 625 of
-``random.getstate()``) becomes an ``{"t": "ints", "type": "list"|"tuple", "v": <ndarray node>}``
-node: its values are an array in the data file (``uint32``, ``int64`` or ``uint64``), not JSON
-numbers in the manifest, and come back as a list or tuple of Python ints.
-
 Why one module: every kind of value a state may hold is decided in one place (stored, stored
 with ``torch.save``, or refused by key before anything is written), together with the cache
 that replays a state's tensors; split, the rules for one value would sit in two files.
@@ -53,7 +48,6 @@ from coci_core.engine.format.torch_saved import (
 from coci_core.engine.format.tree_nodes import (
     AS_IS,
     CONFIG_TYPES,
-    INT_LIST_MIN,
     MAX_TREE_DEPTH,
     NDARRAY_DTYPES,
     PATH_TYPES,
@@ -65,12 +59,7 @@ from coci_core.engine.format.tree_nodes import (
     ndarray_dtype,
 )
 from coci_core.engine.restore.meshes import mesh_copies, with_copies
-from coci_core.engine.restore.tree_read import (
-    build_wrapped,
-    check_tree,
-    holds_ints,
-    unflatten_state,
-)
+from coci_core.engine.restore.tree_read import build_wrapped, check_tree, unflatten_state
 from coci_core.errors import UnsupportedValueError
 
 # Reading a tree (tree_read), its vocabulary (tree_nodes) and torch.save'd values (torch_saved)
@@ -88,7 +77,6 @@ __all__ = [
     "decode_dtype",
     "encode_dtype",
     "flatten_state",
-    "holds_ints",
     "load_torch_saved",
     "load_weights_only",
     "ndarray_dtype",
@@ -348,11 +336,6 @@ class _Flattener:
         if isinstance(value, bytes):
             return {"t": "bytes", "v": base64.b64encode(value).decode("ascii")}
         if type(value) in (list, tuple):
-            if len(value) >= INT_LIST_MIN:
-                array = _int_array(value)
-                if array is not None:
-                    leaf = self._encode_ndarray(array, key)
-                    return {"t": "ints", "type": type(value).__name__, "v": leaf}
             self._enter(key)
             try:
                 if all(_as_is(v) for v in value):
@@ -626,21 +609,6 @@ def _why_not_stored(value: Any) -> str | None:
             f"an instance of the dataclass {what}: restoring it would import that class, code "
             "that a checkpoint must not run; store dataclasses.asdict(value)"
         )
-    return None
-
-
-def _int_array(values: list[Any] | tuple[Any, ...]) -> np.ndarray | None:
-    """``values`` as a 1-D array of the narrowest of ``uint32``, ``int64`` and ``uint64``
-    that holds them, when all are Python ints (not bools) that one of them holds; else None."""
-    if not all(type(v) is int for v in values):
-        return None
-    low, high = min(values), max(values)
-    if low >= 0 and high < 1 << 32:
-        return np.array(values, dtype="<u4")
-    if low >= -(1 << 63) and high < 1 << 63:
-        return np.array(values, dtype="<i8")
-    if low >= 0 and high < 1 << 64:
-        return np.array(values, dtype="<u8")
     return None
 
 

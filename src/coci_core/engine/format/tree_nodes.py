@@ -20,8 +20,6 @@ __all__ = [
     "CLASSES",
     "CONFIG_FLAGS",
     "CONFIG_TYPES",
-    "INT_LIST_DTYPES",
-    "INT_LIST_MIN",
     "LEAF_TAGS",
     "MAX_INT64",
     "MAX_TREE_DEPTH",
@@ -114,12 +112,6 @@ NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 AS_IS = frozenset({type(None), bool, int, str})
 
 LEAF_TAGS = ("tensor", "ndarray", "torch_save")
-#: A list or tuple of at least this many Python ints that fit in 64 bits is stored as an
-#: ``ints`` node: its values in a 1-D ndarray leaf (in the data file), not as JSON numbers
-#: (``random.getstate()``'s 625 ints took 7 KB of every rank's manifest).
-INT_LIST_MIN = 64
-#: the numpy dtypes of an ``ints`` node's array (the narrowest that holds the values)
-INT_LIST_DTYPES = ("<u4", "<i8", "<u8")
 #: nodes that wrap a container node ("v") and build a value of another type from it
 WRAPPER_TAGS = ("config", "namespace")
 NODE_FIELDS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
@@ -138,8 +130,6 @@ NODE_FIELDS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "namespace": (frozenset({"v"}), frozenset()),
     "path": (frozenset({"type", "v"}), frozenset()),
     "class": (frozenset({"v"}), frozenset()),
-    # a list or tuple of ints ("type"), its values the ndarray leaf node "v" (format 5)
-    "ints": (frozenset({"type", "v"}), frozenset()),
 }
 MAX_INT64 = 2**63 - 1
 

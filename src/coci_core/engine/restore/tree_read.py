@@ -16,7 +16,7 @@ import logging
 import math
 import pathlib
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -26,7 +26,6 @@ from coci_core.engine.format.tree_nodes import (
     CLASSES,
     CONFIG_FLAGS,
     CONFIG_TYPES,
-    INT_LIST_DTYPES,
     LEAF_TAGS,
     MAX_INT64,
     MAX_TREE_DEPTH,
@@ -41,7 +40,7 @@ from coci_core.engine.format.tree_nodes import (
 )
 from coci_core.errors import CorruptCheckpointError
 
-__all__ = ["build_wrapped", "check_tree", "holds_ints", "ints_arrays", "unflatten_state"]
+__all__ = ["build_wrapped", "check_tree", "unflatten_state"]
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +137,6 @@ def check_tree(
     kinds: Any = None,
     keys: Any = None,
     what: str = "tree",
-    ints: bool = True,
 ) -> None:
     """Check a state tree from a manifest without recursion, before anything is built from it.
 
@@ -148,7 +146,6 @@ def check_tree(
     array's kind (a repeated node, a tied tensor, is ``"tensor"``). With ``keys`` (the arrays'
     keys, as a manifest records them) the arrays must appear in the order the state was
     flattened, each first at the path its key names, and every array must appear.
-    ``ints``: whether ``ints`` nodes may appear (not in a manifest of format 3 or 4).
 
     Raises:
         CorruptCheckpointError: naming the path of the first bad node.
@@ -194,14 +191,6 @@ def check_tree(
                     next_id += 1
                 elif i > next_id or tag != "tensor":
                     raise bad(f"array {i} out of order (array {next_id} comes next)")
-        elif tag == "ints":
-            if not ints:
-                raise bad("an 'ints' node is not a node of this format")
-            if node["type"] not in ("list", "tuple") or not (
-                type(value) is dict and value.get("t") == "ndarray"
-            ):
-                raise bad("an ints node is malformed")
-            stack.append((value, path, depth))
         elif tag == "float":
             if type(value) is not str or value not in NONFINITE:
                 raise bad(f"a float node holds {str(value)[:40]!r}")
@@ -333,8 +322,6 @@ def _decode(node: Any, leaves: list[Any]) -> Any:
     try:
         if tag in LEAF_TAGS:
             return leaves[node["id"]]
-        if tag == "ints":
-            return _make_ints(node["type"], leaves[node["v"]["id"]])
         if tag == "float":
             return NONFINITE[node["v"]]
         if tag == "np":
@@ -369,50 +356,6 @@ def _decode(node: Any, leaves: list[Any]) -> Any:
     except (KeyError, IndexError, TypeError, ValueError, OverflowError, binascii.Error) as e:
         raise CorruptCheckpointError(f"malformed state tree node {tag!r}: {e}") from e
     raise CorruptCheckpointError(f"unknown state tree node type {str(tag)[:40]!r}")
-
-
-def holds_ints(tree: Any) -> bool:
-    """Whether a state tree holds an ``ints`` node (walked without recursion)."""
-    return next(ints_arrays(tree), None) is not None
-
-
-def ints_arrays(tree: Any) -> Iterator[Any]:
-    """The array ids of a state tree's ``ints`` nodes (walked without recursion)."""
-    stack = [tree]
-    while stack:
-        node = stack.pop()
-        if type(node) is dict:
-            if node.get("t") == "ints" and type(node.get("v")) is dict:
-                yield node["v"].get("id")
-            stack.extend(node.values())
-        elif type(node) is list:
-            stack.extend(node)
-
-
-def _make_ints(kind: str, array: Any) -> list[int] | tuple[int, ...]:
-    """The list or tuple of Python ints of an ``ints`` node, from its array (a 1-D ndarray of
-    one of :data:`INT_LIST_DTYPES`; a tensor when read from an exported file; None where the
-    arrays are not read: a check of the tree)."""
-    if array is None:
-        return None  # type: ignore[return-value]
-    if isinstance(array, torch.Tensor):
-        array = array.numpy() if array.dtype in _INT_TENSOR_DTYPES else None
-    if (
-        not isinstance(array, np.ndarray)
-        or array.ndim != 1
-        or array.dtype.str not in INT_LIST_DTYPES
-    ):
-        raise CorruptCheckpointError(
-            "an ints node's array is not a 1-D array of "
-            + ", ".join(INT_LIST_DTYPES)
-            + f" (got {type(array).__name__}"
-            + (f" {array.dtype} of {array.ndim} dims)" if isinstance(array, np.ndarray) else ")")
-        )
-    values = array.tolist()
-    return values if kind == "list" else tuple(values)
-
-
-_INT_TENSOR_DTYPES = (torch.int64, torch.uint32, torch.uint64)
 
 
 def _decode_key(k: Any) -> Any:
