@@ -25,6 +25,7 @@ from coci_core.preemption import (
     notice_source,
     register_notice_source,
 )
+from coci_core.preemption.signals import launcher_warnings
 from coci_core.training.preemption import NoticePlan, PreemptionWatch, fit_save
 from tests.preemption.metadata_server import MetadataServer
 
@@ -350,3 +351,24 @@ def test_a_known_end_signal_that_torchruns_agent_would_die_of_is_warned_about(
             assert [s.name for s in watch.start()] == ["SIGTERM", "SIGUSR1"]  # no warning
         finally:
             watch.stop()
+
+
+def test_a_torch_whose_agent_takes_no_signals_or_timeout_is_not_told_to_set_them() -> None:
+    """torchrun took --signals-to-handle from torch 2.9 and --shutdown-timeout later: before,
+    its agent handles SIGTERM, SIGINT, SIGHUP and SIGQUIT only and waits 30 s, whatever the
+    environment says, so the warning must not name settings that change nothing (nor trust a
+    TORCH_ELASTIC_SHUTDOWN_TIMEOUT that this torch ignores)."""
+    sources = [SignalNotice("SIGUSR1", lead_s=90.0)]
+    env = {"TORCHELASTIC_RUN_ID": "none", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "90"}
+    (line,) = launcher_warnings(sources, env, options=(False, False))
+    assert "cannot be told to handle it" in line and "PET_SIGNALS_TO_HANDLE" not in line
+    env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGTERM,SIGUSR1"
+    (line,) = launcher_warnings(sources, env, options=(True, False))
+    assert "SIGKILLs the workers 30 s later" in line, line
+    assert "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" not in line and "at most 30 s before" in line
+    del env["TORCHELASTIC_SIGNALS_TO_HANDLE"]
+    (line,) = launcher_warnings(sources, env, options=(True, False))
+    assert "PET_SIGNALS_TO_HANDLE=" in line and "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" not in line
+    assert launcher_warnings(sources, env, options=(True, True)) != []  # USR1 not handled
+    env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGTERM,SIGUSR1"
+    assert launcher_warnings(sources, env, options=(True, True)) == []  # told enough

@@ -3,6 +3,7 @@ SLURM's KillWait), or a signal a set time before the end (SLURM ``--signal=USR1@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import threading
@@ -14,7 +15,7 @@ from typing import Any
 from coci_core.errors import ConfigError
 from coci_core.preemption.notice import Notice, NoticeBoard, NoticeSource, check_lead_s
 
-__all__ = ["SIGNALS", "SignalNotice", "launcher_warnings"]
+__all__ = ["SIGNALS", "SignalNotice", "agent_options", "launcher_warnings"]
 
 #: The signals a notice may come by.
 SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT")
@@ -99,8 +100,23 @@ _AGENT_DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 _AGENT_SHUTDOWN_S = 30.0
 
 
+def agent_options() -> tuple[bool, bool]:
+    """Whether this torch's torchelastic launcher can be told which signals to handle
+    (``--signals-to-handle``, torch 2.9) and how long to wait before it SIGKILLs its workers
+    (``--shutdown-timeout``, a later torch): an earlier one handles SIGTERM, SIGINT, SIGHUP and
+    SIGQUIT only, and waits 30 s, whatever the environment says."""
+    try:
+        from torch.distributed.launcher.api import LaunchConfig
+    except ImportError:
+        return False, False
+    names = {f.name for f in dataclasses.fields(LaunchConfig)}
+    return "signals_to_handle" in names, "shutdown_timeout" in names
+
+
 def launcher_warnings(
-    sources: Sequence[Any], environ: Mapping[str, str] | None = None
+    sources: Sequence[Any],
+    environ: Mapping[str, str] | None = None,
+    options: tuple[bool, bool] | None = None,
 ) -> list[str]:
     """What stands between a signal of a known end (SIGUSR1/SIGUSR2) and its save when this
     process is a worker of torchelastic's agent (``torchrun``, ``accelerate launch``): SLURM's
@@ -108,41 +124,67 @@ def launcher_warnings(
     that does not handle the signal is ended by its default action, and its workers fail with
     it (the agent hosts their store), before any save; one that handles it forwards it and
     SIGKILLs the workers after its shutdown timeout (30 s unless given), which may come before
-    the end the signal announces. One line per such signal, saying what to set."""
+    the end the signal announces. One line per such signal, saying what to set (what this
+    torch's launcher takes: ``options``, as :func:`agent_options` gives them)."""
     env = os.environ if environ is None else environ
     if "TORCHELASTIC_RUN_ID" not in env:
         return []
+    watched = [
+        s for s in sources if isinstance(s, SignalNotice) and s.name in ("SIGUSR1", "SIGUSR2")
+    ]
+    if not watched:
+        return []
+    can_handle, can_wait = agent_options() if options is None else options
     handled = {
         s.strip().upper()
         for s in env.get("TORCHELASTIC_SIGNALS_TO_HANDLE", _AGENT_DEFAULT_SIGNALS).split(",")
     }
     lines = []
-    for source in sources:
-        if not isinstance(source, SignalNotice) or source.name not in ("SIGUSR1", "SIGUSR2"):
-            continue
+    for source in watched:
         name, lead = source.name, source.lead_s
-        if name not in handled:
-            lines.append(
+        if not can_handle or name not in handled:
+            start = (
                 f"coci: preemption={name[3:]}@{lead:g} under torchrun/accelerate launch, whose "
                 f"agent does not handle {name}: a {name} sent to every process of the job (as "
                 f"SLURM's --signal={name[3:]}@{lead:g} does) ends the agent, and the workers "
-                "fail with it before any save. Launch with "
-                f"PET_SIGNALS_TO_HANDLE={_AGENT_DEFAULT_SIGNALS},{name} and "
-                f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={lead:g} set (torchrun: --signals-to-handle, "
-                "--shutdown-timeout), or send the signal to the workers alone"
+                "fail with it before any save. "
+            )
+            if not can_handle:
+                lines.append(
+                    start + "This torch's agent cannot be told to handle it (torch 2.9 and "
+                    "later take --signals-to-handle): send the signal to the workers alone"
+                )
+                continue
+            wait = (
+                f" and TORCH_ELASTIC_SHUTDOWN_TIMEOUT={lead:g}"
+                if can_wait
+                else f" (this torch's agent then SIGKILLs the workers {_AGENT_SHUTDOWN_S:g} s "
+                "after it forwards the signal, whatever it is told)"
+            )
+            lines.append(
+                start + f"Launch with PET_SIGNALS_TO_HANDLE={_AGENT_DEFAULT_SIGNALS},{name}"
+                f"{wait} set (torchrun: --signals-to-handle"
+                + (", --shutdown-timeout" if can_wait else "")
+                + "), or send the signal to the workers alone"
             )
             continue
         given = [env.get(k) for k in ("PET_SHUTDOWN_TIMEOUT", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT")]
         try:
-            timeout = next(float(v) for v in given if v)
+            timeout = next(float(v) for v in given if v) if can_wait else _AGENT_SHUTDOWN_S
         except (StopIteration, ValueError):
             timeout = _AGENT_SHUTDOWN_S
         if timeout < lead:
+            told = (
+                f"Set TORCH_ELASTIC_SHUTDOWN_TIMEOUT={lead:g} (torchrun: --shutdown-timeout "
+                f"{lead:g}; ignore this if you gave it so)"
+                if can_wait
+                else "This torch's agent cannot be told to wait longer (a later torch takes "
+                f"--shutdown-timeout): ask for the signal at most {timeout:g} s before the end"
+            )
             lines.append(
                 f"coci: preemption={name[3:]}@{lead:g} under torchrun/accelerate launch: its "
                 f"agent forwards {name} and SIGKILLs the workers {timeout:g} s later (its "
                 f"shutdown timeout), before the end {lead:g} s after the signal that coci plans "
-                f"the save for. Set TORCH_ELASTIC_SHUTDOWN_TIMEOUT={lead:g} (torchrun: "
-                f"--shutdown-timeout {lead:g}; ignore this if you gave it so)"
+                f"the save for. {told}"
             )
     return lines
