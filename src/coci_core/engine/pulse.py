@@ -22,7 +22,7 @@ from typing import Any
 
 from coci_core.engine.agreement import RestoreAgreement, job_store
 from coci_core.engine.group import RankGroup
-from coci_core.knobs import PULSE_S, RANK_SILENT_S
+from coci_core.knobs import PULSE_S, RANK_SILENT_S, RESTORE_AGREE_TIMEOUT_S
 
 __all__ = ["Carry", "Pulse", "Watch", "restore_watched"]
 
@@ -77,6 +77,10 @@ class Pulse:
     def __init__(self, store: Any, key: str) -> None:
         self._store, self._key = store, key
         self._stop = threading.Event()
+        # a carried pulse's end (time.monotonic()), when no restore takes it (see Carry)
+        self._until: float | None = None
+        self._ended = False
+        self._lock = threading.Lock()
         self._beat()  # seen alive before the first save
         self._thread = threading.Thread(target=self._run, name="coci-pulse", daemon=True)
         self._thread.start()
@@ -103,6 +107,10 @@ class Pulse:
         # On after ``destroy_process_group()`` too (this holds the store): a save still
         # persisting then, the job's last, is waited for by the others.
         while not self._stop.wait(PULSE_S):
+            with self._lock:
+                if self._until is not None and time.monotonic() > self._until:
+                    self._ended = True  # carried, and no restore took it
+                    return
             # a beat that failed (an overloaded store, its host gone) is tried again
             with contextlib.suppress(RuntimeError):
                 self._beat()
@@ -110,6 +118,13 @@ class Pulse:
     def stop(self) -> None:
         """Stop the pulse (once this rank's saves are durable: its manager closes)."""
         self._stop.set()
+
+    def end_by(self, until: float | None) -> bool:
+        """Stop beating at ``until`` (``time.monotonic()``; None: not before :meth:`stop`);
+        False when the pulse already ended by an earlier such time."""
+        with self._lock:
+            self._until = until
+            return not self._ended
 
 
 class Watch:
@@ -188,6 +203,9 @@ class Carry:
 # the session they are given under (the same on every rank) and the pulse.
 _carried: list[tuple[Any, str, Pulse]] = []
 _carried_lock = threading.Lock()
+#: How long carried beats go on with no restore to take them (an error between the agreement
+#: and the read; a process that goes on): the read's own agreement waits no longer.
+CARRY_S = RESTORE_AGREE_TIMEOUT_S
 
 
 def _take_carried(store: Any) -> tuple[str, Pulse] | None:
@@ -215,7 +233,7 @@ def restore_watched(agreement: RestoreAgreement | None) -> Iterator[Carry]:
     :func:`~coci_core.training.ranks_read_alike`) sets the yielded :class:`Carry`: its beats
     go on after it, and the job's next restore watches them instead of beats of its own, so
     that a rank killed between the two (seen alive in the first) fails the read once silent
-    too."""
+    too; beats that no restore takes (an error between the two) stop after ``CARRY_S``."""
     carry = Carry()
     if agreement is None or agreement.watch is not None:
         yield carry
@@ -225,6 +243,8 @@ def restore_watched(agreement: RestoreAgreement | None) -> Iterator[Carry]:
     try:
         if carried is not None:
             session, pulse = carried  # beating since the agreement before, on every rank
+            if not pulse.end_by(None):  # it outlived CARRY_S: beat again, under its key
+                pulse = Pulse(_own_connection(agreement.store), _key(session, agreement.rank))
         else:
             session = f"restore/{agreement.instance}"
             pulse = Pulse(_own_connection(agreement.store), _key(session, agreement.rank))
@@ -238,6 +258,7 @@ def restore_watched(agreement: RestoreAgreement | None) -> Iterator[Carry]:
     finally:
         if pulse is not None:
             if done and carry.carry:
+                pulse.end_by(time.monotonic() + CARRY_S)  # a read that never comes
                 with _carried_lock:
                     _carried.append((agreement.store, session, pulse))
             else:
