@@ -144,7 +144,8 @@ def install_checkpointing_message() -> None:
         cocis = [
             type(c).__name__
             for c in self.trainer.checkpoint_callbacks
-            if type(c).__module__.startswith("coci_lightning")
+            # a user's subclass of CociCheckpoint too
+            if any(k.__module__.startswith("coci_lightning") for k in type(c).__mro__)
         ]
         if cocis and not enable_checkpointing:
             raise MisconfigurationException(

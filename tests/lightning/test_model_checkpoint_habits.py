@@ -152,11 +152,18 @@ def test_a_relative_dirpath_is_where_the_callback_was_made(
         assert mgr.steps() == [2]
 
 
-def test_enable_checkpointing_false_beside_coci_says_what_to_do(tmp_path: Path) -> None:
+class _OwnCheckpoint(CociCheckpoint):
+    """A user's subclass, defined outside coci_lightning."""
+
+
+@pytest.mark.parametrize("kind", [CociCheckpoint, _OwnCheckpoint])
+def test_enable_checkpointing_false_beside_coci_says_what_to_do(
+    tmp_path: Path, kind: type[CociCheckpoint]
+) -> None:
     """Lightning's own refusal names a ``ModelCheckpoint`` that is not there."""
     with pytest.raises(
         Exception,
         match=r"enable_checkpointing=False\) with a CociCheckpoint.*"
         r"leave enable_checkpointing out",
     ):
-        _trainer(tmp_path, 2, [CociCheckpoint(preemption=None)], enable_checkpointing=False)
+        _trainer(tmp_path, 2, [kind(preemption=None)], enable_checkpointing=False)

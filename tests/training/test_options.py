@@ -107,7 +107,7 @@ def test_accelerate_takes_a_compression_policy_object(tmp_path: Path) -> None:
             {"planner_options": {"total_step": 10}},
             r"'planner_options' holds arguments the Planner does not take: \['total_step'\] "
             r"\(it takes checkfreq_overhead_bound, default_mtbf_s, default_restart_s, "
-            r"default_stall_s, grid_points, ",
+            r"default_stall_s, every_n_seconds, every_n_steps, grid_points, ",
         ),
         ({"planner_options": {"total_steps": 0}}, "'total_steps'"),
         ({"objective": "speed"}, "'objective'"),

@@ -197,7 +197,7 @@ class CheckpointOptions:
         check_dirpath(dirpath)
         policy_arguments(policy)
         options = _check_planner_options(planner_options)
-        own = ("policy", "objective", "mtbf_s", "every_n_steps", "every_n_seconds")
+        own = ("policy", "objective", "mtbf_s")  # refused there below
         unknown = sorted(set(options) - set(inspect.signature(Planner).parameters))
         if unknown:  # the Planner's own message would list the callback's arguments too
             takes = sorted(set(inspect.signature(Planner).parameters) - set(own))
