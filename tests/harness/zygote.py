@@ -51,6 +51,7 @@ LIGHTNING_CHILDREN = frozenset(
         "tests.lightning._model_parallel_child",
         "tests.lightning._fsdp1_child",
         "tests.preemption._lightning_child",
+        "tests.telemetry._lightning_run",
     }
 )
 TRANSFORMERS_CHILDREN = frozenset({"tests.transformers.run"})

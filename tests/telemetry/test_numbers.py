@@ -119,31 +119,7 @@ def check_one_set_of_numbers(demo_dir: Path, stdout: str, total: int) -> None:
     assert rows and all(row.split()[3] == "1.00x" for row in rows), listing
 
 
-_LIGHTNING_RUN = """
-import json, sys
-import lightning.pytorch as pl
-from coci_lightning import CociCheckpoint
-from tests.lightning.models import DigitsModel
-
-root, total, kill = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-options = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
-after_save = options.pop("kill_after_a_save", False)
-ckpt = CociCheckpoint(resume=True, **options)
-
-class KillPoint(pl.Callback):
-    def on_train_batch_end(self, trainer, *args):
-        step = trainer.global_step
-        saved = step > kill and bool(ckpt.checkpointer.manager.steps())
-        if saved if after_save else step == kill:
-            print(f"AT {step}", flush=True)
-            sys.stdin.readline()  # SIGKILLed here
-
-pl.seed_everything(0, verbose=False)
-pl.Trainer(
-    accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
-    default_root_dir=root, callbacks=[ckpt, KillPoint()], max_steps=total,
-).fit(DigitsModel())
-"""
+_LIGHTNING_RUN = "tests.telemetry._lightning_run"  # forked from a Lightning zygote
 
 
 def test_a_run_killed_before_its_first_checkpoint_lost_every_step_it_reached(
@@ -152,11 +128,11 @@ def test_a_run_killed_before_its_first_checkpoint_lost_every_step_it_reached(
     """A Lightning run SIGKILLed at step 2, before coci saved anything, then started again by
     a new process (``resume=True``, nothing to restore): the restart lost the 2 steps it had
     reached, in the telemetry, the report, the tab and the facts ("0 steps" before)."""
-    with Child(script(_LIGHTNING_RUN, str(tmp_path), "12", "2")) as child:
+    with Child(module(_LIGHTNING_RUN, str(tmp_path), "12", "2")) as child:
         assert child.kill_at("AT 2") == -9
     ckpt_dir = tmp_path / "coci"
     assert CheckpointManager(ckpt_dir).steps() == []  # nothing to restore
-    with Child(script(_LIGHTNING_RUN, str(tmp_path), "12", "-1")) as child:
+    with Child(module(_LIGHTNING_RUN, str(tmp_path), "12", "-1")) as child:
         assert child.wait(300) == 0
     records = read_jsonl(ckpt_dir / "telemetry.jsonl")
     assert [(r["step"], r["reached"]) for r in records if r["type"] == "start"] == [(0, 2)]
@@ -188,10 +164,10 @@ def test_the_mtbf_after_one_failure_says_it_is_mostly_the_default(tmp_path: Path
     coci's default counted as one failure and averaged with this one, about half the default;
     the plan line and the report say so (before: "estimated from this run's restarts")."""
     options = json.dumps({"every_n_steps": 4, "kill_after_a_save": True})
-    with Child(script(_LIGHTNING_RUN, str(tmp_path), "12", "4", options)) as child:
+    with Child(module(_LIGHTNING_RUN, str(tmp_path), "12", "4", options)) as child:
         assert child.kill_at("AT ") == -9  # after step 4, once its save is committed
     assert CheckpointManager(tmp_path / "coci").steps()  # the resume restores a checkpoint
-    resumed = run(script(_LIGHTNING_RUN, str(tmp_path), "12", "-1", options), timeout_s=300)
+    resumed = run(module(_LIGHTNING_RUN, str(tmp_path), "12", "-1", options), timeout_s=300)
     assert resumed.returncode == 0, resumed.stderr
     said = re.search(
         r"MTBF assumed (\d+) s \(coci's default (\d+) s, counted as one failure, averaged with "
