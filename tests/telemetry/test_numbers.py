@@ -184,22 +184,21 @@ def test_the_mtbf_after_one_failure_says_it_is_mostly_the_default(tmp_path: Path
 
 @pytest.mark.slow
 def test_a_new_process_going_on_from_a_finished_run_is_a_resume(tmp_path: Path) -> None:
-    """A run that ended at step 100, trained on to 200 by a new process (``resume=True``),
+    """A run that ended at step 12, trained on to 24 by a new process (``resume=True``),
     lost nothing and failed nowhere: no restart (nor its cost) is recorded, the report and
     the tab say a resume."""
-    from coci_lightning.demo import _train
-
-    assert _train(tmp_path / "run", 100, tmp_path / "first.json") == 0
-    assert _train(tmp_path / "run", 200, tmp_path / "second.json") == 0
-    ckpt_dir = tmp_path / "run" / "coci"
+    for total in ("12", "24"):
+        done = run(module(_LIGHTNING_RUN, str(tmp_path), total, "-1"), timeout_s=300)
+        assert done.returncode == 0, done.stderr
+    ckpt_dir = tmp_path / "coci"
     records = read_jsonl(ckpt_dir / "telemetry.jsonl")
-    assert [(r["step"], r["reached"]) for r in records if r["type"] == "restore"] == [(100, 100)]
+    assert [(r["step"], r["reached"]) for r in records if r["type"] == "restore"] == [(12, 12)]
     assert [r for r in records if r["type"] == "restart"] == []
-    assert [r["step"] for r in records if r["type"] == "end"] == [100, 200]
-    tab = _tab(tmp_path / "run", "coci")
-    assert tab["restarts"] == [] and [r["restored"] for r in tab["resumes"]] == [100]
+    assert [r["step"] for r in records if r["type"] == "end"] == [12, 24]
+    tab = _tab(tmp_path, "coci")
+    assert tab["restarts"] == [] and [r["restored"] for r in tab["resumes"]] == [12]
     assert (tab["summary"]["restarts"], tab["summary"]["lost_steps"]) == (0, 0)
-    assert "resume: restored step 100" in _report(ckpt_dir)
+    assert "resume: restored step 12" in _report(ckpt_dir)
 
 
 class _Plateau(DigitsModel):
