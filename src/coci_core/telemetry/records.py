@@ -18,8 +18,14 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO
 
-__all__ = ["MAX_LINE_BYTES", "MAX_STEP", "check_record", "parse_records", "read_records"]
-__all__ += ["skipped_line"]
+__all__ = [
+    "MAX_LINE_BYTES",
+    "MAX_STEP",
+    "check_record",
+    "parse_records",
+    "read_records",
+    "skipped_line",
+]
 
 #: Steps above this are not a training step's (and would not fit a signed 64-bit integer).
 MAX_STEP = 2**63 - 1

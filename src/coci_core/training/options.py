@@ -197,15 +197,16 @@ class CheckpointOptions:
         check_dirpath(dirpath)
         policy_arguments(policy)
         options = _check_planner_options(planner_options)
-        own = ("policy", "objective", "mtbf_s")  # refused there below
-        unknown = sorted(set(options) - set(inspect.signature(Planner).parameters))
+        own = ("policy", "objective", "mtbf_s")  # the adapters' arguments, refused there
+        planner_takes = set(inspect.signature(Planner).parameters)
+        unknown = sorted(set(options) - planner_takes)
         if unknown:  # the Planner's own message would list the callback's arguments too
-            takes = sorted(set(inspect.signature(Planner).parameters) - set(own))
+            takes = sorted(planner_takes - set(own))
             raise ConfigError(
                 f"'planner_options' holds arguments the Planner does not take: {unknown} (it "
                 f"takes {', '.join(takes)}; {', '.join(own)} are arguments of their own)"
             )
-        for name in ("policy", "objective", "mtbf_s"):
+        for name in own:
             if name in options:  # it would override the argument silently
                 raise ConfigError(
                     f"'planner_options' must not hold {name!r}: give {name}=... to the callback"
