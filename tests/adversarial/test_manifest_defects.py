@@ -127,13 +127,13 @@ def test_a_crafted_manifest_with_a_valid_checksum_is_still_checked(tmp_path: Pat
 @pytest.mark.parametrize("sealed", [False, True], ids=["unsealed", "sealed"])
 @pytest.mark.parametrize("version", [1, 2])
 def test_formats_before_3_are_refused(tmp_path: Path, version: int, sealed: bool) -> None:
-    """coci reads formats 3 and 4 only: a manifest of format 1 or 2 (which had no checksum) is
+    """coci reads formats 3, 4 and 5 only: a manifest of format 1 or 2 (no checksum) is
     refused naming its version, with or without a valid checksum."""
     _saved(tmp_path)
     doc = read_doc(tmp_path, 2)
     doc["format_version"] = version
     write_doc(tmp_path, 2, doc, seal=sealed)
-    _refused(tmp_path, match=f"format_version {version}; this coci reads formats 3 and 4")
+    _refused(tmp_path, match=f"format_version {version}; this coci reads formats 3, 4 and 5")
 
 
 def test_format_3_without_its_checksum_is_refused(tmp_path: Path) -> None:

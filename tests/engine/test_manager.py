@@ -184,10 +184,16 @@ def test_corrupt_latest_falls_back_and_strict_raises(tmp_path: Path) -> None:
     [
         (
             lambda m: m.update(format_version=99),
-            "format_version 99; this coci reads formats 3 and 4",
+            "format_version 99; this coci reads formats 3, 4 and 5",
         ),
-        (lambda m: m.update(format_version=2), "format_version 2; this coci reads formats 3 and 4"),
-        (lambda m: m.update(format_version=1), "format_version 1; this coci reads formats 3 and 4"),
+        (
+            lambda m: m.update(format_version=2),
+            "format_version 2; this coci reads formats 3, 4 and 5",
+        ),
+        (
+            lambda m: m.update(format_version=1),
+            "format_version 1; this coci reads formats 3, 4 and 5",
+        ),
         (lambda m: m.pop("tensors"), "malformed"),
         (lambda m: m["tensors"][0]["pieces"][0].update(file="../../etc/passwd"), "plain name"),
         (lambda m: m["tensors"][0]["pieces"][0].update(start=4), "do not tile"),

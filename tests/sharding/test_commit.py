@@ -191,7 +191,7 @@ def test_only_rank_zero_deletes_old_checkpoints(tmp_path: Path) -> None:
 
 def test_format_1_manifests_are_refused(tmp_path: Path) -> None:
     """A manifest in the layout of format 1 (one piece per array, no checksum) is refused
-    naming its version: coci reads formats 3 and 4 only."""
+    naming its version: coci reads formats 3, 4 and 5 only."""
     with CheckpointManager(tmp_path) as mgr:
         mgr.save(4, {"w": torch.arange(6.0), "n": 2}).wait()
     path = tmp_path / step_dir_name(4) / "manifest.json"
@@ -204,7 +204,7 @@ def test_format_1_manifests_are_refused(tmp_path: Path) -> None:
     doc.pop("per_rank")
     path.write_text(json.dumps(doc))
     with pytest.raises(
-        CorruptCheckpointError, match="format_version 1; this coci reads formats 3 and 4"
+        CorruptCheckpointError, match="format_version 1; this coci reads formats 3, 4 and 5"
     ):
         load_checkpoint(LocalStorage(tmp_path), 4)
 

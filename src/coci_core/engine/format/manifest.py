@@ -9,8 +9,11 @@ before it uses anything in the manifest. Every field is then checked against har
 anything is allocated or read (see :class:`Manifest.from_json`). Each array is stored as one
 or more *pieces* (byte ranges, possibly in different ranks' data files). Format 4 is format 3
 plus an array's ``boxes`` (a DTensor cut along a dim other than its first: see
-:class:`TensorEntry`); it is written only for such a state. This coci reads formats 3 and 4; a
-manifest of any other ``format_version`` is refused.
+:class:`TensorEntry`); it is written only for such a state. Format 5 is format 4 plus the state
+trees' ``ints`` nodes (a long list of ints as base64 of fixed-width ints: see
+:mod:`coci_core.engine.format.int_lists`); it is written only for a state that holds one (every
+adapter's: Python's random state). This coci reads formats 3, 4 and 5; a manifest of any other
+``format_version`` is refused, and an ``ints`` node in a manifest of format 3 or 4 too.
 
 Why one module: the records, their JSON form and the checks of that form are one on-disk
 format; the checker builds the records, and a change to a field touches all three.
@@ -25,6 +28,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, NoReturn
 
+from coci_core.engine.format.int_lists import holds_ints
 from coci_core.engine.format.regions import Region
 from coci_core.engine.format.tree import check_tree, decode_dtype, ndarray_dtype
 from coci_core.errors import CorruptCheckpointError
@@ -32,6 +36,7 @@ from coci_core.errors import CorruptCheckpointError
 __all__ = [
     "BOXES_FORMAT_VERSION",
     "FORMAT_VERSION",
+    "INTS_FORMAT_VERSION",
     "MANIFEST_NAME",
     "MAX_ARRAY_BYTES",
     "MAX_MANIFEST_BYTES",
@@ -58,7 +63,10 @@ FORMAT_VERSION = 3
 #: The format of a manifest with an array stored as boxes (a DTensor split along a dim other
 #: than its first): written only then, so that other manifests stay readable by earlier coci.
 BOXES_FORMAT_VERSION = 4
-READ_FORMAT_VERSIONS = (FORMAT_VERSION, BOXES_FORMAT_VERSION)
+#: The format of a manifest whose state trees hold an ``ints`` node (a long list of ints, see
+#: :mod:`coci_core.engine.format.int_lists`), with or without boxes: written only then.
+INTS_FORMAT_VERSION = 5
+READ_FORMAT_VERSIONS = (FORMAT_VERSION, BOXES_FORMAT_VERSION, INTS_FORMAT_VERSION)
 MANIFEST_NAME = "manifest.json"
 
 # Hard limits, checked before anything is allocated or read.
@@ -334,11 +342,23 @@ class Manifest:
             for t in (*self.tensors, *(t for r in self.per_rank for t in r.tensors))
         )
 
+    @property
+    def has_ints(self) -> bool:
+        """Whether a state tree (a rank's own, where the adapters keep Python's random state,
+        looked at first; or the shared one) holds an ``ints`` node."""
+        return any(holds_ints(r.tree) for r in self.per_rank) or holds_ints(self.tree)
+
     def to_json(self) -> bytes:
-        """The manifest as UTF-8 JSON, with its checksum as the last field (format 3, or 4 when
-        an array is stored as boxes)."""
+        """The manifest as UTF-8 JSON, with its checksum as the last field (format 3; 4 when
+        an array is stored as boxes; 5 when a state tree holds an ``ints`` node)."""
         doc = self.to_dict()
-        doc["format_version"] = BOXES_FORMAT_VERSION if self.has_boxes else FORMAT_VERSION
+        doc["format_version"] = (
+            INTS_FORMAT_VERSION
+            if self.has_ints
+            else BOXES_FORMAT_VERSION
+            if self.has_boxes
+            else FORMAT_VERSION
+        )
         return seal(json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8"))
 
     @classmethod
@@ -347,7 +367,7 @@ class Manifest:
     ) -> Manifest:
         """Parse and check a manifest.
 
-        The checksum is verified first, then the format version (3 or 4). Every
+        The checksum is verified first, then the format version (3, 4 or 5). Every
         field is then checked: its JSON type; integers within ``[0, 2**63)``; file names plain ASCII
         (``[A-Za-z0-9._-]``, at most 128); dtypes known, numpy dtypes numbers of the matching
         size; each array's shape times its itemsize (at most ``MAX_ARRAY_BYTES``) equal to its
@@ -593,7 +613,8 @@ class RecordChecker:
         if type(version) is not int or version not in READ_FORMAT_VERSIONS:
             raise CorruptCheckpointError(
                 f"{self.where} has format_version {_show(version)}; this coci reads "
-                f"formats {FORMAT_VERSION} and {BOXES_FORMAT_VERSION}",
+                f"formats {', '.join(map(str, READ_FORMAT_VERSIONS[:-1]))} and "
+                f"{READ_FORMAT_VERSIONS[-1]}",
                 step=self.step,
             )
         self.version = version
@@ -671,6 +692,7 @@ class RecordChecker:
                 kinds=[e.kind for e in entries],
                 keys=[e.key for e in entries],
                 what=f"field {name}",
+                ints=self.version is None or self.version >= INTS_FORMAT_VERSION,
             )
         except CorruptCheckpointError as e:
             raise CorruptCheckpointError(f"{self.where}: {e}", step=self.step) from None

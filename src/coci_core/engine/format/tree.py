@@ -13,6 +13,10 @@ is installed, else plain dicts and lists), ``argparse.Namespace``, ``pathlib`` p
 classes ``omegaconf.DictConfig``, ``omegaconf.ListConfig`` and ``argparse.Namespace`` themselves
 (Lightning records its hyper-parameters' type as the class).
 
+A list or tuple of at least 64 Python ints (the 625 of ``random.getstate()``) is one ``ints``
+node: its values as base64 of fixed-width little-endian ints, a value of the tree (not an array
+of the data file: see :mod:`coci_core.engine.format.int_lists`).
+
 Why one module: every kind of value a state may hold is decided in one place (stored, stored
 with ``torch.save``, or refused by key before anything is written), together with the cache
 that replays a state's tensors; split, the rules for one value would sit in two files.
@@ -38,6 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from coci_core.engine.format.int_lists import INT_LIST_MIN, encode_ints
 from coci_core.engine.format.regions import Region, ShardLayout, dtensor_layout, shard_layout
 from coci_core.engine.format.torch_saved import (
     check_loadable,
@@ -336,6 +341,10 @@ class _Flattener:
         if isinstance(value, bytes):
             return {"t": "bytes", "v": base64.b64encode(value).decode("ascii")}
         if type(value) in (list, tuple):
+            if len(value) >= INT_LIST_MIN:
+                ints = encode_ints(value)  # a long list of ints: compact, in the tree
+                if ints is not None:
+                    return ints
             self._enter(key)
             try:
                 if all(_as_is(v) for v in value):

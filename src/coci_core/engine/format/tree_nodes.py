@@ -129,6 +129,8 @@ NODE_FIELDS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "config": (frozenset({"type", "v"}), frozenset({"flags"})),
     "namespace": (frozenset({"v"}), frozenset()),
     "path": (frozenset({"type", "v"}), frozenset()),
+    # a long list of ints (manifest format 5: see coci_core.engine.format.int_lists)
+    "ints": (frozenset({"type", "dtype", "n", "v"}), frozenset()),
     "class": (frozenset({"v"}), frozenset()),
 }
 MAX_INT64 = 2**63 - 1

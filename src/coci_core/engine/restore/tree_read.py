@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from coci_core.engine.format.int_lists import check_ints, decode_ints
 from coci_core.engine.format.tree_nodes import (
     CLASSES,
     CONFIG_FLAGS,
@@ -137,6 +138,7 @@ def check_tree(
     kinds: Any = None,
     keys: Any = None,
     what: str = "tree",
+    ints: bool = True,
 ) -> None:
     """Check a state tree from a manifest without recursion, before anything is built from it.
 
@@ -145,7 +147,9 @@ def check_tree(
     the ``n_leaves`` arrays. With ``kinds`` (the arrays' kinds) an array node must have its
     array's kind (a repeated node, a tied tensor, is ``"tensor"``). With ``keys`` (the arrays'
     keys, as a manifest records them) the arrays must appear in the order the state was
-    flattened, each first at the path its key names, and every array must appear.
+    flattened, each first at the path its key names, and every array must appear. ``ints``:
+    whether ``ints`` nodes (long lists of ints, manifest format 5) may appear (not in a manifest
+    of an earlier format).
 
     Raises:
         CorruptCheckpointError: naming the path of the first bad node.
@@ -191,6 +195,12 @@ def check_tree(
                     next_id += 1
                 elif i > next_id or tag != "tensor":
                     raise bad(f"array {i} out of order (array {next_id} comes next)")
+        elif tag == "ints":
+            if not ints:
+                raise bad("an 'ints' node, which this manifest's format does not have")
+            why = check_ints(node)
+            if why is not None:
+                raise bad(why)
         elif tag == "float":
             if type(value) is not str or value not in NONFINITE:
                 raise bad(f"a float node holds {str(value)[:40]!r}")
@@ -322,6 +332,8 @@ def _decode(node: Any, leaves: list[Any]) -> Any:
     try:
         if tag in LEAF_TAGS:
             return leaves[node["id"]]
+        if tag == "ints":
+            return decode_ints(node)
         if tag == "float":
             return NONFINITE[node["v"]]
         if tag == "np":
