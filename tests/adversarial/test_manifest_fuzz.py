@@ -3,7 +3,8 @@
 Two real runs are saved with a real CheckpointManager: a rich state written raw (nested dicts,
 an int-keyed and a tuple-keyed dict, an OrderedDict, a tied tensor, ten dtypes, an empty and a
 0-d tensor, an ndarray, numpy and Python scalars, strings, bytes, tuples, a torch.Size, a dtype,
-an infinite float, per-rank state) and a lossless run whose step 2 is a delta against step 1
+an infinite float, per-rank state with a long list of ints, ``random.getstate()``'s, stored as
+an ``ints`` node) and a lossless run whose step 2 is a delta against step 1
 (XOR and chunk-incremental pieces with a base). Then, in a fresh copy of a run per case:
 
 - ``crafted``: a structured mutation of one field of the newest manifest (every kind of field:
@@ -104,7 +105,11 @@ def rich_state(step: int) -> dict[str, Any]:
 
 
 def rank_state(step: int) -> dict[str, Any]:
-    return {"rng": torch.arange(4, dtype=torch.uint8) + step, "seed": step}
+    return {
+        "rng": torch.arange(4, dtype=torch.uint8) + step,
+        "seed": step,
+        "python": random.Random(step).getstate(),  # an "ints" node (format 5)
+    }
 
 
 def delta_state(step: int) -> dict[str, Any]:
@@ -498,6 +503,8 @@ def tree_mutations(doc: dict[str, Any], root: Path_, *, crafted: bool) -> list[M
                 out += _sets("node-size", path, "v", ["x", [-1], [2**64], ["1"], [1.5], NAN])
                 if not crafted:
                     out += _sets("node-size", path, "v", [[2, 3]])
+            elif tag == "ints":  # a long list of ints: base64 of n fixed-width ints
+                out += _ints_mutations(node, path, crafted=crafted)
             elif tag == "bytes":
                 out += _sets("node-bytes", path, "v", [5, "x", "AAA", "!!!!", "a\x00bc", None])
                 if not crafted:
@@ -523,6 +530,24 @@ def tree_mutations(doc: dict[str, Any], root: Path_, *, crafted: bool) -> list[M
                 for v in values
                 if type(v) is not type(node) or v != node
             ]
+    return out
+
+
+def _ints_mutations(node: dict[str, Any], path: Path_, *, crafted: bool) -> list[Mutation]:
+    """An ints node's forged fields: counts, widths and encodings that disagree (huge claims
+    among them); in ``damaged`` mode also consistent ones (a list made a tuple, a signed width
+    of the same size, a changed value), which only the checksum can refuse."""
+    n, v = node["n"], node["v"]
+    other = {"list": "tuple", "tuple": "list"}[node["type"]]
+    flipped = v[:-3] + chr(ord(v[-3]) ^ 1) + v[-2:]  # nonzero padding bits (uint32: "xx==")
+    out = _sets("node-ints", path, "type", ["dict", "", 5, None, *([] if crafted else [other])])
+    dtypes = ["bogus", "float32", "<u4", "uint16", "uint64", 5, None]
+    out += _sets("node-ints", path, "dtype", dtypes + ([] if crafted else ["int32"]))
+    counts = [-1, n - 1, n + 1, 2**62, 2**63, 2**64, "625", 1.5, True]
+    out += _sets("node-ints", path, "n", counts)
+    codes = ["", v[:-4], v + "AAAA", "!" + v[1:], "\n" + v[1:], v[:4] + "====" + v[8:], flipped]
+    changed = ("B" if v[0] == "A" else "A") + v[1:]  # another value, spelled canonically
+    out += _sets("node-ints", path, "v", codes + ([] if crafted else [changed]))
     return out
 
 

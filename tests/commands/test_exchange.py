@@ -4,6 +4,7 @@ exported .pt loads with plain ``torch.load``; a plain safetensors file imports f
 from __future__ import annotations
 
 import json
+import random
 import zipfile
 from collections import OrderedDict
 from pathlib import Path
@@ -17,6 +18,7 @@ from safetensors.torch import save_file
 
 from coci_core import CheckpointManager
 from coci_core.commands.cli import main
+from coci_core.engine.format.int_lists import holds_ints
 from tests.harness.states import assert_same, tiny_model_state
 
 FORMATS = {
@@ -32,7 +34,7 @@ def realistic_state() -> dict[str, Any]:
     state["rng"] = {
         "numpy": np.random.RandomState(7).get_state(),  # a tuple with a uint32 array
         "torch": torch.get_rng_state(),
-        "python": (3, tuple(range(5)), None),
+        "python": random.Random(7).getstate(),  # 625 ints: an "ints" node
     }
     state["loop"] = {
         "step": 120,
@@ -41,6 +43,7 @@ def realistic_state() -> dict[str, Any]:
         "best": float("inf"),
         "ema": np.float32(0.25),
         "counts": np.arange(6, dtype=np.int16).reshape(2, 3),
+        "ids": list(range(-3, 97)),  # an "ints" node of int8
         "history": [{"step": s, "loss": 1.0 / (s + 1)} for s in range(3)],
         "tag": b"\x00\xff",
         "dtype": torch.bfloat16,
@@ -84,6 +87,9 @@ def test_export_then_import_restores_the_same_state(
     assert isinstance(back["model"], OrderedDict)
     assert back["model"]._metadata == original["model"]._metadata  # type: ignore[attr-defined]
     assert list(back["optim"]["state"]) == [0, 1, 2, 3, 4, 5]
+    assert back["rng"]["python"] == random.Random(7).getstate()
+    assert type(back["rng"]["python"][1]) is tuple
+    assert type(back["loop"]["ids"]) is list and back["loop"]["ids"] == list(range(-3, 97))
 
 
 def test_exported_pt_loads_with_plain_torch_load(
@@ -100,12 +106,14 @@ def test_exported_pt_loads_with_plain_torch_load(
     assert isinstance(rng[1], torch.Tensor) and rng[1].dtype == torch.uint32
     assert rng[1].numpy().tobytes() == original["rng"]["numpy"][1].tobytes()
     assert loaded["loop"]["ema"] == 0.25 and type(loaded["loop"]["ema"]) is float
+    assert loaded["rng"]["python"] == random.Random(7).getstate()  # a tuple of ints, as saved
     assert torch.equal(loaded["model"]["0.weight"], original["model"]["0.weight"])
     assert loaded["optim"]["state"][0]["step"] == original["optim"]["state"][0]["step"]
     assert sorted(loaded) == sorted(original)
     with zipfile.ZipFile(out) as archive:
         note = [n for n in archive.namelist() if n.endswith("/coci_export.json")]
         assert len(note) == 1 and json.loads(archive.read(note[0]))["step"] == 120
+        assert holds_ints(json.loads(archive.read(note[0]))["tree"])  # the state's ints: compact
 
 
 def test_exported_safetensors_keeps_readable_names_and_the_tree(

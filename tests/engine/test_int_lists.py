@@ -124,10 +124,10 @@ def test_int_lists_are_no_arrays_and_keep_the_flatten_cache() -> None:
         )
         for n in (100, 300)
     ]
-    assert [f.tree["v"]["ids"]["n"] for f in flats] == [100, 300]
+    assert layout_digest(flats[0].leaves, 1 << 20) == layout_digest(flats[1].leaves, 1 << 20)
     assert flats[1].layout is flats[0].layout is not None
     assert flats[1].leaves == flats[0].leaves and len(flats[0].leaves) == 1
-    assert layout_digest(flats[0].leaves, 1 << 20) == layout_digest(flats[1].leaves, 1 << 20)
+    assert [f.tree["v"]["ids"]["n"] for f in flats] == [100, 300]
 
 
 def _as_json_lists(tree: Any) -> Any:
@@ -244,3 +244,17 @@ def test_forged_ints_nodes_are_refused_naming_what_is_wrong(
     assert time.perf_counter() - started < 2
     with pytest.raises(CorruptCheckpointError, match=match):
         verify_checkpoint(storage, 1)
+
+
+def test_saves_of_new_random_states_keep_the_planned_copy_runs(tmp_path: Path) -> None:
+    """Saves whose Python random state (per rank) and a shared list of ints change every time
+    keep the layout: from the second save on, the copy goes by the planned runs (an array per
+    list was a new tensor at each save: no save had them)."""
+    state = {"w": torch.zeros(64), "b": torch.zeros(3)}
+    with CheckpointManager(tmp_path, keep_last=None) as mgr:
+        for step in range(3):
+            random.random()
+            state["ids"] = list(range(step, 100 + 10 * step))
+            mgr.save(step, state, per_rank={"python": random.getstate()}).wait()
+            assert (mgr._snapshotter._runs is not None) == (step >= 1)
+        assert mgr.restore(step=2)["python"] == random.getstate()

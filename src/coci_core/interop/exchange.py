@@ -19,7 +19,8 @@ What each format holds for other tools:
 
 ``coci import`` of a file with a note rebuilds the original state from the note's tree: int
 keys, tuples, ``OrderedDict`` (with ``_metadata``), numpy arrays and scalars, non-finite
-floats, bytes, dtypes and sizes come back as they were. A file without a note (from another
+floats, bytes, dtypes, sizes and long lists of ints (``ints`` nodes of the note's tree, as in a
+manifest of format 5) come back as they were. A file without a note (from another
 tool) is imported as that tool wrote it. The note is read as untrusted input: JSON only,
 checked before anything is built from it.
 """
