@@ -22,9 +22,8 @@ from __future__ import annotations
 
 import base64
 import binascii
+import struct
 from typing import Any
-
-import numpy as np
 
 from coci_core.errors import CorruptCheckpointError
 
@@ -42,21 +41,31 @@ __all__ = [
 INT_LIST_MIN = 64
 
 #: The widths of an ``ints`` node, narrowest first (the writer takes the first that holds every
-#: value): the node's ``dtype`` name and the little-endian numpy dtype of its bytes.
-INT_DTYPES: dict[str, np.dtype[Any]] = {
-    name: np.dtype(code)
-    for name, code in (
-        ("uint8", "u1"),
-        ("int8", "i1"),
-        ("uint16", "<u2"),
-        ("int16", "<i2"),
-        ("uint32", "<u4"),
-        ("int32", "<i4"),
-        ("uint64", "<u8"),
-        ("int64", "<i8"),
-    )
+#: value): the node's ``dtype`` name and the :mod:`struct` code of one little-endian int.
+INT_DTYPES: dict[str, str] = {
+    "uint8": "B",
+    "int8": "b",
+    "uint16": "H",
+    "int16": "h",
+    "uint32": "I",
+    "int32": "i",
+    "uint64": "Q",
+    "int64": "q",
 }
-_RANGES = [(name, int(np.iinfo(d).min), int(np.iinfo(d).max)) for name, d in INT_DTYPES.items()]
+
+
+def _itemsize(dtype: str) -> int:
+    return struct.calcsize("<" + INT_DTYPES[dtype])
+
+
+def _bounds(dtype: str) -> tuple[int, int]:
+    bits = 8 * _itemsize(dtype)
+    if dtype.startswith("int"):
+        return -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    return 0, (1 << bits) - 1
+
+
+_RANGES = [(name, *_bounds(name)) for name in INT_DTYPES]
 _MAX_N = 2**63 - 1
 
 
@@ -70,7 +79,7 @@ def encode_ints(values: list[Any] | tuple[Any, ...]) -> dict[str, Any] | None:
     name = next((n for n, lo, hi in _RANGES if lo <= low and high <= hi), None)
     if name is None:
         return None
-    data = np.array(values, dtype=INT_DTYPES[name]).tobytes()
+    data = struct.pack(f"<{len(values)}{INT_DTYPES[name]}", *values)
     return {
         "t": "ints",
         "type": "list" if type(values) is list else "tuple",
@@ -81,7 +90,7 @@ def encode_ints(values: list[Any] | tuple[Any, ...]) -> dict[str, Any] | None:
 
 
 def _encoded_length(n: int, dtype: str) -> int:
-    return 4 * -(-(n * INT_DTYPES[dtype].itemsize) // 3)
+    return 4 * -(-(n * _itemsize(dtype)) // 3)
 
 
 def check_ints(node: dict[str, Any]) -> str | None:
@@ -110,17 +119,15 @@ def decode_ints(node: dict[str, Any]) -> list[int] | tuple[int, ...]:
     Raises:
         CorruptCheckpointError: ``v`` is not the canonical base64 of ``n`` ints.
     """
-    text, dtype = node["v"], INT_DTYPES[node["dtype"]]
+    text, dtype, n = node["v"], node["dtype"], node["n"]
     try:
         data = base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError) as e:
         raise CorruptCheckpointError(f"an ints node's v is not base64 ({e})") from None
-    if len(data) != node["n"] * dtype.itemsize or base64.b64encode(data).decode() != text:
-        raise CorruptCheckpointError(
-            f"an ints node's v is not the base64 of {node['n']} ints of {node['dtype']}"
-        )
-    values: list[int] = np.frombuffer(data, dtype=dtype).tolist()
-    return values if node["type"] == "list" else tuple(values)
+    if len(data) != n * _itemsize(dtype) or base64.b64encode(data).decode() != text:
+        raise CorruptCheckpointError(f"an ints node's v is not the base64 of {n} ints of {dtype}")
+    values = struct.unpack(f"<{n}{INT_DTYPES[dtype]}", data)
+    return list(values) if node["type"] == "list" else values
 
 
 def holds_ints(tree: Any) -> bool:
