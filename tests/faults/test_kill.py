@@ -2,20 +2,37 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from coci_core import CheckpointManager
-from coci_core.commands.demo import run_child, train
-from tests.harness.processes import run, script
+from coci_core.commands.demo import PAUSE_MARK, train
+from tests.harness.processes import Child, module, run, script
 
 pytestmark = pytest.mark.faults
 
 TOTAL, EVERY, KILL = 120, 20, 80
+
+
+def run_child(args: list[str], *, kill_on_pause: bool) -> tuple[int, dict[str, Any] | None, str]:
+    """``coci_core.commands.demo.run_child``'s trainer and protocol, forked from the harness's
+    torch zygote (the demo's own starts a fresh interpreter: torch imported again, each time):
+    SIGKILLed when it says it is paused in a persist; its exit status, result and stage."""
+    result, paused_at = None, ""
+    with Child(module("coci_core.commands.demo", *args)) as child:
+        for line in child.lines():
+            if line.startswith(PAUSE_MARK) and kill_on_pause:
+                paused_at = line.split()[-1]
+                child.kill()
+            elif line.startswith("RESULT "):
+                result = json.loads(line[len("RESULT ") :])
+        return child.wait(), result, paused_at
 
 
 @pytest.fixture(scope="module")

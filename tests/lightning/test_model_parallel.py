@@ -5,6 +5,7 @@ bit-identical to one never stopped."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -33,13 +34,24 @@ def _run(
     return results
 
 
-def test_killed_mid_epoch_resumes_bit_identical(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, Any]]:
+    """A 2 x 2 run of TOTAL steps never stopped, asking Lightning for gathered files
+    (``save_distributed_checkpoint=False``, which coci's saves ignore): the reference of the
+    killed run, and the checkpoint resumed on another mesh. Its directory and results."""
+    directory = tmp_path_factory.mktemp("uninterrupted")
+    return directory, _run(directory, 2, 2, env={"GATHERED_FILES": "1"})
+
+
+def test_killed_mid_epoch_resumes_bit_identical(
+    tmp_path: Path, uninterrupted: tuple[Path, dict[int, Any]]
+) -> None:
     """FSDP2 over the data-parallel dimension of a 2 x 2 mesh, tensor parallel over the other
     (FSDP2 alone, ``ModelParallelStrategy(data_parallel_size=2)``, is the adapter contract's:
     tests/contract/test_contract.py)."""
     dp, tp = 2, 2
     world = dp * tp
-    expected = _run(tmp_path / "uninterrupted", dp, tp)
+    expected = uninterrupted[1]
     assert len({(r["model"], r["optim"]) for r in expected.values()}) == 1
 
     with Child(
@@ -81,19 +93,23 @@ def test_killed_mid_epoch_resumes_bit_identical(tmp_path: Path) -> None:
         assert resumed[rank]["seen"] == expected[rank]["seen"][restored * per_step :]
 
 
-def test_resumed_on_another_mesh_restores_the_same_state(tmp_path: Path) -> None:
+def test_resumed_on_another_mesh_restores_the_same_state(
+    tmp_path: Path, uninterrupted: tuple[Path, dict[int, Any]]
+) -> None:
     """A checkpoint of a 2 x 2 (data x tensor parallel) run, resumed by 2 processes at 1 x 2:
     each rank reads the boxes its shards hold now; the full model and optimizer state equal
     the saved run's. The saving run asks Lightning for gathered files
     (``save_distributed_checkpoint=False``): coci still saves each rank's shards."""
-    saved = _run(tmp_path, 2, 2, total=6, env={"GATHERED_FILES": "1"})
-    assert CheckpointManager(tmp_path / "coci").latest_step() == 6
-    manifest = json.loads((tmp_path / "coci" / "step-0000000006" / "manifest.json").read_text())
+    shutil.copytree(uninterrupted[0], tmp_path, dirs_exist_ok=True)
+    saved = uninterrupted[1]
+    assert CheckpointManager(tmp_path / "coci").latest_step() == TOTAL
+    step_dir = tmp_path / "coci" / f"step-{TOTAL:010d}"
+    manifest = json.loads((step_dir / "manifest.json").read_text())
     weight = next(e for e in manifest["tensors"] if e["key"] == "/state_dict/net.0.weight")
     assert len({p["file"] for p in weight["pieces"]}) == 4
-    resumed = _run(tmp_path, 1, 2, total=6)  # max_steps reached: nothing trained after it
+    resumed = _run(tmp_path, 1, 2)  # max_steps reached: nothing trained after it
     for rank in (0, 1):
-        assert resumed[rank]["step"] == 6
+        assert resumed[rank]["step"] == TOTAL
         assert resumed[rank]["seen"] == []
         assert resumed[rank]["lr"] == saved[0]["lr"]
         assert (resumed[rank]["model"], resumed[rank]["optim"]) == (

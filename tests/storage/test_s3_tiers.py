@@ -82,7 +82,12 @@ def test_the_server_going_down_mid_run_stops_nothing_and_loses_nothing(tmp_path:
         with CheckpointManager(
             tmp_path / "local",
             remote=url,
-            remote_storage_options=server.storage_options,
+            # one attempt per request: the stopped server's refusals fail an upload at once
+            # (botocore retries a refused connection for 5 to 15 s, for the same outcome)
+            remote_storage_options={
+                **server.storage_options,
+                "config_kwargs": {"retries": {"max_attempts": 1}},
+            },
             listeners=[listen],
             keep_last=2,
         ) as mgr:
