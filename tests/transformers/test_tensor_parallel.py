@@ -1,0 +1,53 @@
+"""The Trainer's 2-D recipe of transformers 5: a model tensor-parallel and FSDP2-sharded when it
+is loaded (``from_pretrained(path, distributed_config=DistributedConfig(tp_size=2,
+fsdp_size=2))``), trained by the Trainer with ``CociCallback`` on 4 processes (gloo), stopped
+after step 4 and resumed (``tests/transformers/_tp_child.py``, which also says how the Trainer
+is brought onto Accelerate's tensor-parallel path on CPU). One launch: the run never stopped,
+the stopped one and the resumed one run in the same 4 processes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from coci_core import CheckpointManager
+from coci_transformers.export import export_step
+from tests.harness.processes import child_env, module, run
+from tests.harness.results import result_rows
+from tests.harness.states import full_digest
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_a_model_sharded_when_loaded_resumes_bit_identical_and_exports_whole(
+    tmp_path: Path,
+) -> None:
+    """Each process saves its own pieces of the 2-D DTensors (the model's weights were put back
+    whole, with ``load_state_dict``, into DTensor parameters before: the resume failed with
+    "got mixed torch.Tensor and DTensor"); the resumed run ends bit-identical to the one never
+    stopped; the export writes the weights whole, as the full state of that run."""
+    command = module("tests.harness.ranks", "4", "tests.transformers._tp_child")
+    done = run([*command, str(tmp_path)], env=child_env({"OMP_NUM_THREADS": "1"}), timeout_s=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {row["rank"]: row for row in result_rows(done.stdout)}
+    assert sorted(rows) == [0, 1, 2, 3]
+    for row in rows.values():
+        reference, resumed = row["reference"], row["resumed"]
+        assert reference["layout"]["model.embed_tokens.weight"][0] == ["fsdp", "tp"]
+        assert resumed["start"] == 4
+        assert resumed["layout"] == reference["layout"]
+        assert (resumed["model"], resumed["optim"]) == (reference["model"], reference["optim"])
+        assert resumed["seen"] == reference["seen"][-len(resumed["seen"]) :]
+    with CheckpointManager(tmp_path / "run" / "coci", keep_last=None) as mgr:
+        manifest = mgr.manifest(6)
+    entries = {e.key: e for e in manifest.tensors}
+    pieces = entries["/model/model.embed_tokens.weight"].pieces
+    assert sorted(p.file for p in pieces) == [f"data-r{r}.bin" for r in range(4)]
+    assert sum(p.length for p in pieces) == 64 * 32 * 4  # each byte written once
+    exported = tmp_path / "exported"
+    export_step(str(tmp_path / "run" / "coci"), exported, 6)
+    weights = load_file(exported / "model.safetensors")
+    assert weights["model.embed_tokens.weight"].shape == (64, 32)
+    assert full_digest(weights) == rows[0]["reference"]["model"]
