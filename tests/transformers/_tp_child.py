@@ -95,10 +95,14 @@ def save_model(path: Path) -> None:
     LlamaForCausalLM(config).save_pretrained(path)
 
 
-def train(directory: Path, *, stop: bool = False, resume: bool = False) -> dict[str, Any]:
+def train(
+    directory: Path, *, stop: bool = False, resume: bool = False, sharded: bool = True
+) -> dict[str, Any]:
+    """A run to step 6 (``sharded``: on the 2-D mesh, in 4 processes; else on one process,
+    the model loaded whole); the digests of its full state at the end."""
     model = LlamaForCausalLM.from_pretrained(
         directory.parent / "model",
-        distributed_config=DistributedConfig(tp_size=2, fsdp_size=2),
+        **({"distributed_config": DistributedConfig(tp_size=2, fsdp_size=2)} if sharded else {}),
     )
     args = TrainingArguments(
         output_dir=str(directory),
@@ -114,7 +118,7 @@ def train(directory: Path, *, stop: bool = False, resume: bool = False) -> dict[
         remove_unused_columns=False,
     )
     callback = CociCallback(policy="every_n_steps", every_n_steps=2)
-    trainer = ParallelTrainer(
+    trainer = (ParallelTrainer if sharded else Recording)(
         model=model,
         args=args,
         train_dataset=Tokens(),

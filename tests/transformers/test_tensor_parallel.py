@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from accelerate.state import AcceleratorState
 from safetensors.torch import load_file
 
 from coci_core import CheckpointManager
@@ -17,6 +18,7 @@ from coci_transformers.export import export_step
 from tests.harness.processes import child_env, module, run
 from tests.harness.results import result_rows
 from tests.harness.states import full_digest
+from tests.transformers._tp_child import TOTAL, train
 
 
 @pytest.mark.slow
@@ -27,7 +29,8 @@ def test_a_model_sharded_when_loaded_resumes_bit_identical_and_exports_whole(
     """Each process saves its own pieces of the 2-D DTensors (the model's weights were put back
     whole, with ``load_state_dict``, into DTensor parameters before: the resume failed with
     "got mixed torch.Tensor and DTensor"); the resumed run ends bit-identical to the one never
-    stopped; the export writes the weights whole, as the full state of that run."""
+    stopped; the export writes the weights whole, as the full state of that run; the
+    checkpoint resumes on one process, the model loaded whole, to that same full state."""
     command = module("tests.harness.ranks", "4", "tests.transformers._tp_child")
     done = run([*command, str(tmp_path)], env=child_env({"OMP_NUM_THREADS": "1"}), timeout_s=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -41,13 +44,22 @@ def test_a_model_sharded_when_loaded_resumes_bit_identical_and_exports_whole(
         assert (resumed["model"], resumed["optim"]) == (reference["model"], reference["optim"])
         assert resumed["seen"] == reference["seen"][-len(resumed["seen"]) :]
     with CheckpointManager(tmp_path / "run" / "coci", keep_last=None) as mgr:
-        manifest = mgr.manifest(6)
+        manifest = mgr.manifest(TOTAL)
     entries = {e.key: e for e in manifest.tensors}
     pieces = entries["/model/model.embed_tokens.weight"].pieces
     assert sorted(p.file for p in pieces) == [f"data-r{r}.bin" for r in range(4)]
     assert sum(p.length for p in pieces) == 64 * 32 * 4  # each byte written once
     exported = tmp_path / "exported"
-    export_step(str(tmp_path / "run" / "coci"), exported, 6)
+    export_step(str(tmp_path / "run" / "coci"), exported, TOTAL)
     weights = load_file(exported / "model.safetensors")
     assert weights["model.embed_tokens.weight"].shape == (64, 32)
     assert full_digest(weights) == rows[0]["reference"]["model"]
+
+    # onto one process, the model loaded whole: step 6 restored, nothing left to train
+    AcceleratorState._reset_state(True)
+    one = train(tmp_path / "run", resume=True, sharded=False)
+    assert one["start"] == TOTAL and one["seen"] == []
+    assert (one["model"], one["optim"]) == (
+        rows[0]["reference"]["model"],
+        rows[0]["reference"]["optim"],
+    )
