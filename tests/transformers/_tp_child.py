@@ -17,10 +17,12 @@ attaches the config as the Accelerator's constructor does (Accelerate's own
 tensor-parallel path (no DDP wrapper; the data split over the data-parallel ranks only).
 
 Run as ``python -m tests.harness.ranks 4 tests.transformers._tp_child DIR``: three runs in the
-same processes, each to step 6: one never stopped, one stopped after step 4 (coci saved it),
-one resumed with ``resume_from_checkpoint=True``. Prints ``RESULT <json>`` per process: the
-digests of the full model and optimizer state at the end of the first and of the last run, the
-step the last resumed from, and each parameter's mesh dimensions and placements.
+same processes, each to step 6: one never stopped (coci saving at each epoch's end: 32
+samples in batches of 4 on 2 data-parallel ranks, 4 steps an epoch), one stopped after step 4
+(coci saved it), one resumed with ``resume_from_checkpoint=True``. Prints ``RESULT <json>``
+per process: the digests of the full model and optimizer state at the end of the first and of
+the last run, the step the last resumed from, and each parameter's mesh dimensions and
+placements.
 """
 
 from __future__ import annotations
@@ -96,10 +98,16 @@ def save_model(path: Path) -> None:
 
 
 def train(
-    directory: Path, *, stop: bool = False, resume: bool = False, sharded: bool = True
+    directory: Path,
+    *,
+    stop: bool = False,
+    resume: bool = False,
+    sharded: bool = True,
+    policy: str = "every_n_steps",
 ) -> dict[str, Any]:
     """A run to step 6 (``sharded``: on the 2-D mesh, in 4 processes; else on one process,
-    the model loaded whole); the digests of its full state at the end."""
+    the model loaded whole), coci saving by ``policy`` (``every_n_steps``: every 2 steps);
+    the digests of its full state at the end."""
     model = LlamaForCausalLM.from_pretrained(
         directory.parent / "model",
         **({"distributed_config": DistributedConfig(tp_size=2, fsdp_size=2)} if sharded else {}),
@@ -117,7 +125,8 @@ def train(
         dataloader_num_workers=0,
         remove_unused_columns=False,
     )
-    callback = CociCallback(policy="every_n_steps", every_n_steps=2)
+    every = {"every_n_steps": 2} if policy == "every_n_steps" else {}
+    callback = CociCallback(policy=policy, **every)
     trainer = (ParallelTrainer if sharded else Recording)(
         model=model,
         args=args,
@@ -154,7 +163,7 @@ def main() -> None:
     if rank == 0:
         save_model(root / "model")
     dist.barrier()
-    reference = train(root / "reference")
+    reference = train(root / "reference", policy="epoch")  # 4 steps per epoch
     train(root / "run", stop=True)
     resumed = train(root / "run", resume=True)
     row = {"rank": rank, "reference": reference, "resumed": resumed}

@@ -29,8 +29,10 @@ def test_a_model_sharded_when_loaded_resumes_bit_identical_and_exports_whole(
     """Each process saves its own pieces of the 2-D DTensors (the model's weights were put back
     whole, with ``load_state_dict``, into DTensor parameters before: the resume failed with
     "got mixed torch.Tensor and DTensor"); the resumed run ends bit-identical to the one never
-    stopped; the export writes the weights whole, as the full state of that run; the
-    checkpoint resumes on one process, the model loaded whole, to that same full state."""
+    stopped; ``policy="epoch"`` saves at the epoch's end, its steps counted with the 2
+    data-parallel ranks (with 4 processes, before: at step 2); the export writes the weights
+    whole, as the full state of that run; the checkpoint resumes on one process, the model
+    loaded whole, to that same full state."""
     command = module("tests.harness.ranks", "4", "tests.transformers._tp_child")
     done = run([*command, str(tmp_path)], env=child_env({"OMP_NUM_THREADS": "1"}), timeout_s=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -43,6 +45,10 @@ def test_a_model_sharded_when_loaded_resumes_bit_identical_and_exports_whole(
         assert resumed["layout"] == reference["layout"]
         assert (resumed["model"], resumed["optim"]) == (reference["model"], reference["optim"])
         assert resumed["seen"] == reference["seen"][-len(resumed["seen"]) :]
+    # policy="epoch" saved at the epoch's end, 4 steps of 2 data-parallel ranks (not 2 steps,
+    # counted with 4 processes each taking its own batches), and at the last step
+    with CheckpointManager(tmp_path / "reference" / "coci", keep_last=None) as mgr:
+        assert mgr.steps() == [4, TOTAL]
     with CheckpointManager(tmp_path / "run" / "coci", keep_last=None) as mgr:
         manifest = mgr.manifest(TOTAL)
     entries = {e.key: e for e in manifest.tensors}
