@@ -85,7 +85,7 @@ def _data_parallel_size(trainer: Trainer) -> int:
     context- and sequence-parallel sizes (``Trainer.get_total_train_batch_size``'s
     ``dp_world_size``; a model sharded when loaded, ``DistributedConfig(tp_size=2,
     fsdp_size=2)`` on 4 processes: 2)."""
-    world = max(1, trainer.args.world_size)
+    world = max(1, int(trainer.args.world_size))
     t: Any = trainer
     for name in ("get_tp_size", "get_cp_size", "get_sp_size"):
         size = getattr(t, name, None)
