@@ -35,6 +35,7 @@ from transformers import Trainer, TrainerState
 from transformers.trainer_callback import ExportableState
 
 from coci_core.errors import CheckpointError
+from coci_transformers._trainer import data_parallel_size
 
 LAYOUT = "coci.transformers/1"
 PROCESS_KEY = "coci_process"
@@ -118,6 +119,7 @@ def collect(trainer: Trainer, *, weights_only: bool, warm_up: bool = False) -> d
     state: dict[str, Any] = {
         "layout": LAYOUT,
         "world_size": trainer.args.world_size,
+        "data_parallel_size": data_parallel_size(trainer),
         "global_step": trainer.state.global_step,
         "weights_only": weights_only,
         "sharded": is_sharded,

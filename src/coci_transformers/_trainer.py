@@ -80,7 +80,7 @@ def check_arguments(args: TrainingArguments) -> None:
             raise ConfigError(f"TrainingArguments({name}=...): {message}")
 
 
-def _data_parallel_size(trainer: Trainer) -> int:
+def data_parallel_size(trainer: Trainer) -> int:
     """The processes that each take their own batches: the world size over the tensor-,
     context- and sequence-parallel sizes (``Trainer.get_total_train_batch_size``'s
     ``dp_world_size``; a model sharded when loaded, ``DistributedConfig(tp_size=2,
@@ -103,7 +103,7 @@ def planned_steps(trainer: Trainer) -> tuple[int | None, int | None, str]:
     except TypeError:
         n = None
     if n:
-        per_batch = args.train_batch_size * _data_parallel_size(trainer)
+        per_batch = args.train_batch_size * data_parallel_size(trainer)
         batches = n // per_batch if args.dataloader_drop_last else math.ceil(n / per_batch)
         per_epoch = max(math.ceil(batches / args.gradient_accumulation_steps), 1)
     if args.max_steps > 0:

@@ -19,7 +19,8 @@ tensor-parallel path (no DDP wrapper; the data split over the data-parallel rank
 Run as ``python -m tests.harness.ranks 4 tests.transformers._tp_child DIR``: three runs in the
 same processes, each to step 6: one never stopped (coci saving at each epoch's end: 32
 samples in batches of 4 on 2 data-parallel ranks, 4 steps an epoch), one stopped after step 4
-(coci saved it), one resumed with ``resume_from_checkpoint=True``. Prints ``RESULT <json>``
+(coci saved it), one resumed with ``resume_from_checkpoint=True``; then its last step resumed
+on 4 processes tensor-parallel (``tp_size=4``, one data-parallel process). Prints ``RESULT <json>``
 per process: the digests of the full model and optimizer state at the end of the first and of
 the last run, the step the last resumed from, and each parameter's mesh dimensions and
 placements.
@@ -91,7 +92,7 @@ def save_model(path: Path) -> None:
         intermediate_size=64,
         num_hidden_layers=2,
         num_attention_heads=4,
-        num_key_value_heads=2,
+        num_key_value_heads=4,  # tensor-parallel over up to 4 processes
         max_position_embeddings=16,
     )
     LlamaForCausalLM(config).save_pretrained(path)
@@ -104,13 +105,18 @@ def train(
     resume: bool = False,
     sharded: bool = True,
     policy: str = "every_n_steps",
+    tp: int = 2,
 ) -> dict[str, Any]:
     """A run to step 6 (``sharded``: on the 2-D mesh, in 4 processes; else on one process,
     the model loaded whole), coci saving by ``policy`` (``every_n_steps``: every 2 steps);
     the digests of its full state at the end."""
     model = LlamaForCausalLM.from_pretrained(
         directory.parent / "model",
-        **({"distributed_config": DistributedConfig(tp_size=2, fsdp_size=2)} if sharded else {}),
+        **(
+            {"distributed_config": DistributedConfig(tp_size=tp, fsdp_size=4 // tp)}
+            if sharded
+            else {}
+        ),
     )
     args = TrainingArguments(
         output_dir=str(directory),
@@ -166,6 +172,7 @@ def main() -> None:
     reference = train(root / "reference", policy="epoch")  # 4 steps per epoch
     train(root / "run", stop=True)
     resumed = train(root / "run", resume=True)
+    train(root / "run", resume=True, tp=4)  # step 6 onto (tp 4, fsdp 1): nothing to train
     row = {"rank": rank, "reference": reference, "resumed": resumed}
     sys.stdout.write("RESULT " + json.dumps(row) + "\n")
     sys.stdout.flush()

@@ -32,11 +32,17 @@ def test_a_model_sharded_when_loaded_resumes_bit_identical_and_exports_whole(
     stopped; ``policy="epoch"`` saves at the epoch's end, its steps counted with the 2
     data-parallel ranks (with 4 processes, before: at step 2); the export writes the weights
     whole, as the full state of that run; the checkpoint resumes on one process, the model
-    loaded whole, to that same full state."""
+    loaded whole, to that same full state; resumed on 4 processes on another mesh, where the
+    processes share their batches otherwise, it says that the data position is not the saved
+    run's."""
     command = module("tests.harness.ranks", "4", "tests.transformers._tp_child")
     done = run([*command, str(tmp_path)], env=child_env({"OMP_NUM_THREADS": "1"}), timeout_s=300)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = {row["rank"]: row for row in result_rows(done.stdout)}
+    # step 6 resumed on as many processes on another mesh (tp 4): the Trainer's batches differ
+    said = [line for line in done.stderr.splitlines() if "data-parallel processes" in line]
+    assert len(said) == 1 and "saved with 2 data-parallel" in said[0], said
+    assert "this run has 1, on as many processes" in said[0]
     assert sorted(rows) == [0, 1, 2, 3]
     for row in rows.values():
         reference, resumed = row["reference"], row["resumed"]
