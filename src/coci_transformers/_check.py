@@ -229,6 +229,9 @@ def _check(
         raise _Unfit(f"global_step {_shown(state.get('global_step'))} is not the step saved")
     if not _int(state.get("world_size"), 1):
         raise _Unfit(f"world_size {_shown(state.get('world_size'))} is not a process count")
+    dp = state.get("data_parallel_size", state["world_size"])
+    if not _int(dp, 1) or dp > state["world_size"]:
+        raise _Unfit(f"data_parallel_size {_shown(dp)} is not a count of its processes")
     for name in ("weights_only", "sharded"):
         if type(state.get(name, False)) is not bool:
             raise _Unfit(f"{name} must be true or false, not {_shown(state.get(name))}")

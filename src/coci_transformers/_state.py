@@ -15,7 +15,10 @@ Under FSDP2 (``TrainingArguments(fsdp=..., fsdp_config={"version": 2})``) the mo
 optimizer's state is sharded: it is taken with ``get_model_state_dict`` /
 ``get_optimizer_state_dict`` (each process's own shards, DTensors, the optimizer keyed by
 parameter name), so each process writes its own shards (no gather), and put back with
-``set_model_state_dict`` / ``set_optimizer_state_dict``.
+``set_model_state_dict`` / ``set_optimizer_state_dict``. The same holds for a model sharded
+when it is loaded (``from_pretrained(..., distributed_config=DistributedConfig(tp_size=...,
+fsdp_size=...))``, ``tp_plan="auto"``: its parameters are DTensors, on a 2-D mesh with FSDP),
+which Accelerate prepares under ``MULTI_GPU`` with a ``ParallelismConfig``, not as FSDP.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from transformers import Trainer, TrainerState
 from transformers.trainer_callback import ExportableState
 
 from coci_core.errors import CheckpointError
+from coci_transformers._trainer import data_parallel_size
 
 LAYOUT = "coci.transformers/1"
 PROCESS_KEY = "coci_process"
@@ -76,8 +80,16 @@ def trainer_state_json(trainer: Trainer, *, update: bool = True) -> str:
 
 
 def sharded(trainer: Trainer) -> bool:
-    """Whether the Trainer's model and optimizer hold their state sharded (FSDP)."""
-    return bool(trainer.accelerator.distributed_type == DistributedType.FSDP)
+    """Whether the Trainer's model and optimizer hold their state sharded: FSDP through
+    Accelerate, or a model whose parameters are DTensors (sharded when it was loaded,
+    ``from_pretrained(..., distributed_config=DistributedConfig(tp_size=..., fsdp_size=...))``
+    or ``tp_plan="auto"``; Accelerate's type is then ``MULTI_GPU``, with a
+    ``ParallelismConfig``)."""
+    if trainer.accelerator.distributed_type == DistributedType.FSDP:
+        return True
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in _model(trainer).parameters())
 
 
 def _model(trainer: Trainer) -> torch.nn.Module:
@@ -107,6 +119,7 @@ def collect(trainer: Trainer, *, weights_only: bool, warm_up: bool = False) -> d
     state: dict[str, Any] = {
         "layout": LAYOUT,
         "world_size": trainer.args.world_size,
+        "data_parallel_size": data_parallel_size(trainer),
         "global_step": trainer.state.global_step,
         "weights_only": weights_only,
         "sharded": is_sharded,
@@ -195,8 +208,8 @@ def check_fits(state: dict[str, Any], trainer: Trainer) -> None:
     if sharded(trainer) and not state.get("sharded"):
         raise CheckpointError(
             f"step {state.get('global_step')} was saved without FSDP and this run shards the "
-            "model with FSDP: resume it without fsdp= (a checkpoint saved under FSDP resumes "
-            "with or without it)"
+            "model (FSDP, or a model sharded when loaded): resume it without fsdp= or "
+            "distributed_config= (a checkpoint saved sharded resumes with or without it)"
         )
 
 

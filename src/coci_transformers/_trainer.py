@@ -80,6 +80,19 @@ def check_arguments(args: TrainingArguments) -> None:
             raise ConfigError(f"TrainingArguments({name}=...): {message}")
 
 
+def data_parallel_size(trainer: Trainer) -> int:
+    """The processes that each take their own batches: the world size over the tensor-,
+    context- and sequence-parallel sizes (``Trainer.get_total_train_batch_size``'s
+    ``dp_world_size``; a model sharded when loaded, ``DistributedConfig(tp_size=2,
+    fsdp_size=2)`` on 4 processes: 2)."""
+    world = max(1, int(trainer.args.world_size))
+    t: Any = trainer
+    for name in ("get_tp_size", "get_cp_size", "get_sp_size"):
+        size = getattr(t, name, None)
+        world //= max(1, int(size())) if callable(size) else 1
+    return max(1, world)
+
+
 def planned_steps(trainer: Trainer) -> tuple[int | None, int | None, str]:
     """The run's optimizer steps and steps per epoch, as the Trainer will count them
     (``set_initial_training_values``), and where the total comes from."""
@@ -90,7 +103,7 @@ def planned_steps(trainer: Trainer) -> tuple[int | None, int | None, str]:
     except TypeError:
         n = None
     if n:
-        per_batch = args.train_batch_size * max(1, args.world_size)
+        per_batch = args.train_batch_size * data_parallel_size(trainer)
         batches = n // per_batch if args.dataloader_drop_last else math.ceil(n / per_batch)
         per_epoch = max(math.ceil(batches / args.gradient_accumulation_steps), 1)
     if args.max_steps > 0:

@@ -78,6 +78,7 @@ from coci_transformers._trainer import (
     calling_trainer,
     check_arguments,
     coci_directory,
+    data_parallel_size,
     early_stopping,
     jit_checkpoint_off,
     metric,
@@ -445,6 +446,20 @@ class CociCallback(TrainerCallback):
                 state["global_step"],
                 saved_world,
                 trainer.args.world_size,
+            )
+        elif trainer.args.process_index == 0 and state.get(
+            "data_parallel_size", saved_world
+        ) != data_parallel_size(trainer):
+            # as many processes on another mesh: they share batches otherwise
+            logger.warning(
+                "coci: step %d was saved with %s data-parallel processes (each taking its own "
+                "batches) and this run has %d, on as many processes (another tensor-parallel "
+                "size): the Trainer skips the trained batches by count (batches of this run's "
+                "size, not the samples the saved run trained on): not bit-identical to a run "
+                "never stopped",
+                state["global_step"],
+                state.get("data_parallel_size"),
+                data_parallel_size(trainer),
             )
         return self._resume_dir
 

@@ -106,6 +106,7 @@ FORGED: dict[str, Edit] = {
     "a callback's state a string": _state_field("stateful_callbacks", {"TrainerControl": "x"}),
     "top-level global_step a string": _set("global_step", "x"),
     "top-level global_step huge": _set("global_step", 10**30),
+    "data_parallel_size 0": _set("data_parallel_size", 0),
     "scheduler a string": _set("scheduler", "boom"),
     "scaler a string": _set("scaler", "boom"),
     "python rng not a state": _python_rng,
