@@ -54,6 +54,7 @@ from coci_core.training.preemption import (
     PreemptionDecision,
     PreemptionWatch,
     SaveTimes,
+    plan_changed,
 )
 from coci_core.training.restart import process_start_unix
 
@@ -189,6 +190,7 @@ class Checkpointer:
         self._failure_counted = False  # the last restore counted as a failure
         #: the save planned before a notice's known end, while training goes on to it
         self.notice_plan: NoticePlan | None = None
+        self._notice_said: NoticePlan | None = None  # the plan the last WARNING line told of
         self._durable_s: list[float] = []  # the last committed saves' time to durable
         self._notice_handle: SaveHandle | None = None
         # the last save's handle and when it began (time.monotonic())
@@ -400,8 +402,8 @@ class Checkpointer:
             checked = self._watch.check(step, self._save_time_s)
             if isinstance(checked, NoticePlan):
                 if checked is not self.notice_plan:
-                    self.notice_plan = checked
-                    self._on_notice_plan(step, checked)
+                    previous, self.notice_plan = self.notice_plan, checked
+                    self._on_notice_plan(step, checked, previous)
                 return False  # the save moved to the plan's step; none before it
             if checked is not None:
                 self.preempted = checked
@@ -465,19 +467,38 @@ class Checkpointer:
             try_uncertain=self.manager.remote is None,
         )
 
-    def _on_notice_plan(self, step: int, plan: NoticePlan) -> None:
+    def _on_notice_plan(self, step: int, plan: NoticePlan, previous: NoticePlan | None) -> None:
         """A notice of a known end, far enough ahead: the planner's next save moves to the
-        plan's step (the plan's telemetry says so), and training goes on to it."""
+        plan's step (the plan's telemetry says so), and training goes on to it. Said once (a
+        WARNING line); made again (``previous``: the plan before), said again only when it
+        changes what the user was told (see :func:`plan_changed`), else logged at INFO."""
         self.planner.plan_notice(plan.save_at, f"{plan.source}: {plan.reason}")
         if self.sinks:
             self._record_telemetry(step, plan=True)
-        if self.rank == 0:
+        if self.rank != 0:
+            return
+        said = self._notice_said
+        if said is None or previous is None:
+            self._notice_said = plan
             self.log.warning(
                 "coci: preemption notice (%s) at step %d: %s",
                 plan.source,
                 plan.noticed_at,
                 plan.reason,
             )
+            return
+        changed = plan_changed(said, plan, step)
+        if changed:
+            self._notice_said = plan
+        self.log.log(
+            logging.WARNING if changed else logging.INFO,
+            "coci: the save planned for the preemption notice (%s) at step %d moves from step "
+            "%d: %s",
+            plan.source,
+            plan.noticed_at,
+            previous.save_at,
+            plan.reason,
+        )
 
     def _on_notice(self, decision: PreemptionDecision) -> None:
         if self.rank == 0 and decision.moved:

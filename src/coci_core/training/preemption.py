@@ -31,7 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 from coci_core.errors import CociError
-from coci_core.knobs import NOTICE_PLAN_RESERVE
+from coci_core.knobs import NOTICE_PLAN_RESAY, NOTICE_PLAN_RESERVE
 from coci_core.preemption import NoticeBoard, NoticeSource, Preemption
 from coci_core.preemption.signals import SignalNotice, launcher_warnings
 
@@ -42,6 +42,7 @@ __all__ = [
     "PreemptionWatch",
     "fit_save",
     "min_over_ranks",
+    "plan_changed",
     "plan_save_step",
 ]
 
@@ -199,6 +200,20 @@ def plan_save_step(
     if not 0 < steps < 2**62:  # none, or beyond any run's length (a deadline that far: now)
         return step
     return step + int(steps)
+
+
+def plan_changed(said: NoticePlan | None, plan: NoticePlan, step: int) -> bool:
+    """Whether ``plan``, made at ``step``, changes what the user was last told (``said``,
+    None: nothing yet): the notice of another source is in force (an earlier end), or the
+    save comes sooner by more than :data:`~coci_core.knobs.NOTICE_PLAN_RESAY` of the steps
+    that ``said`` left ahead of ``step``. A plan made again a few steps earlier because the
+    steps' pace was measured again is not news (it moves again and again, by a little)."""
+    if said is None or said.source != plan.source:
+        return True
+    ahead = said.save_at - step
+    if ahead <= 0:
+        return True
+    return said.save_at - plan.save_at > NOTICE_PLAN_RESAY * ahead
 
 
 def min_over_ranks() -> Callable[[float], float]:
