@@ -211,10 +211,24 @@ class Checkpointer:
             return True
         return any(getattr(sink, "previous_end", None) == event.step for sink in self.sinks)
 
+    def _chosen_older(self, event: RestoreEvent) -> bool:
+        """Whether ``event`` restored another step than the one a restore without ``step``
+        tries first, passing over no damaged newer one: a step the user chose (Lightning's
+        ``ckpt_path=<step>``, the Trainer's ``resume_from_checkpoint=<step dir>``,
+        ``restore(step)``), going back on purpose, not a failure for the MTBF."""
+        if event.skipped_steps:
+            return False
+        try:
+            return self.manager.latest_step() not in (None, event.step)
+        except Exception:  # a listing that fails: counted as a failure, as before
+            return False
+
     def _on_event(self, event: Event) -> None:
         if isinstance(event, RestoreEvent) and not self._continues_here(event):
             self.planner.record_restore(event.seconds, tier=event.tier)
-            self._failure_counted = True
+            self._failure_counted = not self._chosen_older(event)
+            if not self._failure_counted:  # its time stays a restart cost
+                self.planner.forgive_restore()
         if isinstance(event, UploadEvent) and event.outcome == "committed":
             self._on_upload(event)
         if isinstance(event, RestartEvent):
