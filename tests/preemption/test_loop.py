@@ -449,7 +449,8 @@ def test_a_moved_save_made_again_as_steps_slow_is_said_once(
     """SIGUSR1 30 s before the end, steps slowing a little at a time: the plan is made again
     every few steps, a few steps sooner each time. One WARNING line says the save moved; the
     small moves after it are INFO lines (they were a WARNING each, 4-5 per notice); a notice
-    of another source with an earlier end is said again."""
+    of another source with an earlier end is said again; a SIGTERM that cuts the plan short
+    names both notices."""
     import logging
 
     import torch
@@ -457,7 +458,7 @@ def test_a_moved_save_made_again_as_steps_slow_is_said_once(
     from coci_core.training import Checkpointer
 
     options: dict[str, Any] = {"policy": "every_n_steps", "every_n_steps": 10**9}
-    ckpt = Checkpointer(tmp_path, preemption=["USR1@30", "USR2@20"], **options)
+    ckpt = Checkpointer(tmp_path, preemption=["USR1@30", "USR2@20", "TERM@10"], **options)
     caplog.set_level(logging.INFO, logger="coci_core.training.checkpointer")
     plans = []
     try:
@@ -488,5 +489,14 @@ def test_a_moved_save_made_again_as_steps_slow_is_said_once(
         assert not ckpt.should_save(60)
         last = [r for r in caplog.records if "preemption notice" in r.getMessage()][-1]
         assert last.levelno == logging.WARNING and "(SIGUSR2)" in last.getMessage()
+        planned = ckpt.notice_plan.save_at  # type: ignore[union-attr]
+        os.kill(os.getpid(), signal.SIGTERM)  # cuts the known end short: the save now
+        ckpt.observe(61)
+        assert ckpt.should_save(61)
+        cut = [r for r in caplog.records if "preemption notice" in r.getMessage()][-1]
+        assert cut.getMessage().startswith(
+            f"coci: preemption notice (SIGTERM) at step 61, before step {planned} where the "
+            "save for the preemption notice (SIGUSR2) at step 12 was planned, "
+        )  # it read "the save planned for the preemption notice (SIGTERM) at step 61"
     finally:
         ckpt.close()

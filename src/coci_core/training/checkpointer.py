@@ -506,8 +506,7 @@ class Checkpointer:
             self._notice_said = plan
         self.log.log(
             logging.WARNING if changed else logging.INFO,
-            "coci: the save planned for the preemption notice (%s) at step %d moves from step "
-            "%d: %s",
+            "coci: the save for the preemption notice (%s) at step %d moves from step %d: %s",
             plan.source,
             plan.noticed_at,
             previous.save_at,
@@ -515,15 +514,37 @@ class Checkpointer:
         )
 
     def _on_notice(self, decision: PreemptionDecision) -> None:
-        if self.rank == 0 and decision.moved:
+        if self.rank != 0:
+            return
+        plan = self.notice_plan
+        if decision.moved and plan is not None and plan.save_at == decision.step:
             self.log.warning(
-                "coci: the save planned for the preemption notice (%s) at step %d, %.1f s left: %s",
-                decision.source,
+                "coci: step %d, where the save for the preemption notice (%s) at step %d was "
+                "planned, %.1f s left: %s",
                 decision.step,
+                plan.source,
+                plan.noticed_at,
                 decision.time_left_s,
                 decision.reason,
             )
-        elif self.rank == 0:
+        elif decision.moved and plan is not None:  # cut short: a SIGTERM, or slower steps
+            why = (
+                f"preemption notice ({decision.source})"
+                if decision.source != plan.source
+                else "the steps slowed down"
+            )
+            self.log.warning(
+                "coci: %s at step %d, before step %d where the save for the preemption notice "
+                "(%s) at step %d was planned, %.1f s left: %s",
+                why,
+                decision.step,
+                plan.save_at,
+                plan.source,
+                plan.noticed_at,
+                decision.time_left_s,
+                decision.reason,
+            )
+        else:
             self.log.warning(
                 "coci: preemption notice (%s) at step %d, %.1f s left: %s",
                 decision.source,
