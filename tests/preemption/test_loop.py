@@ -483,20 +483,29 @@ def test_a_moved_save_made_again_as_steps_slow_is_said_once(
         assert len(warned) < len(plans)  # the small moves are not warned of again
         assert all(r.levelno == logging.INFO for r in said[1:] if r not in warned)
         assert all("moves from step" in r.getMessage() for r in said[1:])
-        os.kill(os.getpid(), signal.SIGUSR2)  # an earlier end: said again
-        time.sleep(compute_s)
-        ckpt.observe(60)
-        assert not ckpt.should_save(60)
+        step, made = 59, ckpt.notice_plan
+        while ckpt.notice_plan is made and step < 120:  # until the plan was just made again
+            step += 1
+            compute_s *= 1.02  # slowing on
+            time.sleep(compute_s)
+            ckpt.observe(step)
+            assert not ckpt.should_save(step)
+        assert ckpt.notice_plan is not made
+        os.kill(os.getpid(), signal.SIGUSR2)  # an earlier end: planned for at once, said again
+        step += 1
+        ckpt.observe(step)
+        assert not ckpt.should_save(step)
         last = [r for r in caplog.records if "preemption notice" in r.getMessage()][-1]
-        assert last.levelno == logging.WARNING and "(SIGUSR2)" in last.getMessage()
+        assert last.levelno == logging.WARNING  # (the plan just made held for 4 steps)
+        assert f"the preemption notice (SIGUSR2) at step {step} " in last.getMessage()
         planned = ckpt.notice_plan.save_at  # type: ignore[union-attr]
         os.kill(os.getpid(), signal.SIGTERM)  # cuts the known end short: the save now
-        ckpt.observe(61)
-        assert ckpt.should_save(61)
+        ckpt.observe(step + 1)
+        assert ckpt.should_save(step + 1)
         cut = [r for r in caplog.records if "preemption notice" in r.getMessage()][-1]
         assert cut.getMessage().startswith(
-            f"coci: preemption notice (SIGTERM) at step 61, before step {planned} where the "
-            "save for the preemption notice (SIGUSR2) at step 12 was planned, "
+            f"coci: preemption notice (SIGTERM) at step {step + 1}, before step {planned} where "
+            f"the save for the preemption notice (SIGUSR2) at step {step} was planned, "
         )  # it read "the save planned for the preemption notice (SIGTERM) at step 61"
     finally:
         ckpt.close()

@@ -52,6 +52,9 @@ logger = logging.getLogger(__name__)
 STEP_TIMES_KEPT = 8
 #: how many steps after a notice's plan their pace is checked against it
 PACE_MIN_STEPS = 4
+#: how much sooner an end must come than the plan's for the plan to be made again at once
+#: (another source's notice; less is the ranks' skew at a step boundary)
+END_MOVED_S = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,6 +276,7 @@ class PreemptionWatch:
         self._boundary: float | None = None  # time.monotonic() at the last step boundary
         self._step_times: list[float] = []  # the last few steps' times, boundary to boundary
         self._plan_from: tuple[int, float] | None = None  # rank 0: the plan's step and time
+        self._plan_end: float | None = None  # rank 0: the end the plan was made for
 
     def start(self) -> list[NoticeSource]:
         """Start the sources; the ones that started (a signal handler needs the main
@@ -371,8 +375,11 @@ class PreemptionWatch:
             # the pace), or the pace since the plan when that was slower
             step_s = statistics.median(self._step_times) if self._step_times else None
             usable = min(left, go_on)
-            target = self._planned_step(step, now, usable, needed)
-            if target is None:  # no plan, or the steps since it were too slow for it
+            # a notice of an earlier end (another source) makes the plan again at once
+            sooner = self._plan_end is not None and now + usable < self._plan_end - END_MOVED_S
+            target = None if sooner else self._planned_step(step, now, usable, needed)
+            if target is None:  # no plan, an earlier end, or steps too slow for the plan
+                self._plan_end = now + usable
                 pace = self._pace(step, now)
                 if step_s is not None and pace is not None:
                     step_s = max(step_s, pace)
@@ -399,10 +406,10 @@ class PreemptionWatch:
         if "save_at" in payload:
             target, step_s, needed = payload["save_at"], payload["step_s"], payload["needed_s"]
             if plan is None or plan.save_at != target:
-                noticed_at = step if plan is None else plan.noticed_at
+                new = plan is None or plan.source != source  # another source's earlier end
                 self.plan = NoticePlan(
-                    noticed_at=noticed_at,
-                    noticed_left_s=left if plan is None else plan.noticed_left_s,
+                    noticed_at=step if new or plan is None else plan.noticed_at,
+                    noticed_left_s=left if new or plan is None else plan.noticed_left_s,
                     source=source,
                     save_at=int(target),
                     time_left_s=left,
