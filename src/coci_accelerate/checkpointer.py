@@ -178,6 +178,7 @@ class CociCheckpointer:
         self._saved: int | None = None  # the count at the last save
         self._standins: dict[int, Any] = {}
         self._announced = False
+        self._skip_advice: int | None = None  # resumed mid-epoch: the count, until step()
         self._install_skip_tracking()
         self._hook_optimizers()
         _state.own_loader_generators(accelerator)
@@ -256,6 +257,9 @@ class CociCheckpointer:
             # a fresh run into another run's directory (a rerun of the script)
             self.checkpointer.warn_if_not_empty("call ckpt.resume() before the loop")
             self._announce_plan()
+        if self._skip_advice is not None:
+            _log_skip_advice(self.accelerator, self._skip_advice, self._standins)
+            self._skip_advice = None
         if self.checkpointer.should_save(count):
             handle = self.save()
         elif not self.checkpointer.warmed and self.checkpointer.preempted is None:
@@ -411,7 +415,7 @@ class CociCheckpointer:
                 count,
                 self.checkpointer.restored_from(),
             )
-            _log_skip_advice(self.accelerator, count)
+            self._skip_advice = count  # said at the first step, unless the loop skipped
         return count
 
     # -- Accelerate's register_for_checkpointing ------------------------------------------
@@ -552,24 +556,30 @@ def _count_steps(opt: Any, counted: Any) -> None:
     opt.step = step
 
 
-def _log_skip_advice(accelerator: Accelerator, count: int) -> None:
+def _log_skip_advice(accelerator: Accelerator, count: int, standins: dict[int, Any]) -> None:
+    """At the first step after a resume ``count`` optimizer steps in: a WARNING per prepared
+    loader that is not stateful, resumed mid-epoch, that the loop did not skip through
+    ``accelerator.skip_first_batches`` (it gives the epoch's first batches again)."""
+    gas = max(1, int(accelerator.gradient_accumulation_steps))
     for i, loader in enumerate(accelerator._dataloaders):  # private: see _state.py
-        if getattr(loader, "use_stateful_dataloader", False):
+        if getattr(loader, "use_stateful_dataloader", False) or id(loader) in standins:
             continue
         try:
-            per_epoch = len(loader)
+            per_epoch = math.ceil(len(loader) / gas)  # optimizer steps (the last one syncs)
         except TypeError:
             continue
         if per_epoch and count % per_epoch:
-            logger.info(
+            batches = min(len(loader), count % per_epoch * gas)
+            logger.warning(
                 "coci: resumed after %d optimizer steps, %d batches into an epoch of data "
-                "loader %d, which is not stateful: skip them with "
-                "accelerator.skip_first_batches(dataloader, %d) (or use "
-                "DataLoaderConfiguration(use_stateful_dataloader=True))",
+                "loader %d, which is not stateful, and the loop did not skip them through "
+                "accelerator.skip_first_batches: unless it skips them otherwise, this epoch "
+                "trains on them again; skip them with accelerator.skip_first_batches(dataloader,"
+                " %d) (or use DataLoaderConfiguration(use_stateful_dataloader=True))",
                 count,
-                count % per_epoch,
+                batches,
                 i,
-                count % per_epoch,
+                batches,
             )
 
 

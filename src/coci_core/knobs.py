@@ -246,6 +246,10 @@ PREEMPTION_MARGIN_S = 3.0
 #: it, about 1 in 100 moved saves of 20-100 GB did not finish before the deadline, each losing
 #: the work since the previous checkpoint; with it, none.)
 NOTICE_PLAN_RESERVE = 0.25
+#: A save moved toward a known end is said again (a WARNING line) when made again only when it
+#: comes this share of the steps still ahead sooner than the plan last said (or a new notice
+#: is in force); smaller moves (the pace of the steps measured again) are logged at INFO.
+NOTICE_PLAN_RESAY = 0.25
 #: The grace period assumed after a SIGTERM (Kubernetes' and torchelastic's default).
 SIGTERM_GRACE_S = 30.0
 #: The exit status after a preemption (a process ended by SIGTERM reports 128 + 15).

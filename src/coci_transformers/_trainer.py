@@ -196,8 +196,9 @@ def best_to_load(trainer: Trainer, kept: list[int]) -> tuple[int, float] | None:
     if trainer.args.process_index != 0:
         return best
     name = trainer.args.metric_for_best_model
-    if best is not None:
-        logger.info("coci: loading the best kept step %d (%s %s)", best[0], name, best[1])
+    if best is not None:  # the metric as the Trainer logs it (eval_loss), 6 digits
+        key = name if not name or name.startswith("eval_") else f"eval_{name}"
+        logger.info("coci: loading the best kept step %d (%s %.6g)", best[0], key, best[1])
     else:
         logger.warning(
             "coci: load_best_model_at_end: no kept step was evaluated (%s at the kept steps "

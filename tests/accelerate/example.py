@@ -54,12 +54,14 @@ def train_like_example(
     resume: bool = True,
     seen: list[int] | None = None,
     ballast_mb: int = 0,
+    skip: bool = True,
     **ckpt_options: Any,
 ) -> dict[str, Any]:
     """Train; ``explicit``: ``ckpt.step(overall_step)``, else ``ckpt.step()``; ``resume``:
     call ``ckpt.resume()`` first (else start at 0). After step ``kill_at``: ``on_kill()``, or
     raise ``Stop``. ``ballast_mb``: the model carries a random buffer of that size (a large
-    state to save, not trained)."""
+    state to save, not trained). ``skip``: a resumed epoch skips the batches it gave out
+    (``accelerator.skip_first_batches``), else gives them again."""
     set_seed(7)
     accelerator = Accelerator(
         cpu=True,
@@ -93,7 +95,7 @@ def train_like_example(
     try:
         for epoch in range(starting_epoch, epochs):
             model.train()
-            if epoch == starting_epoch and resume_step:
+            if epoch == starting_epoch and resume_step and skip:
                 active_dataloader = accelerator.skip_first_batches(train_dataloader, resume_step)
             else:
                 active_dataloader = train_dataloader

@@ -27,8 +27,8 @@ def test_example_shaped_loop_resumes_bit_identical(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Killed at step 17 (5 batches into epoch 2), resumed in a fresh Accelerator: resume()
-    returns 16, the checkpoint's label, says to skip 4 batches; the loop skips them and ends
-    bit-identical, each sample of the later epochs in the uninterrupted order."""
+    returns 16, the checkpoint's label; the loop skips 4 batches and ends bit-identical, each
+    sample of the later epochs in the uninterrupted order (and is not told to skip them)."""
     reference = train_like_example(str(tmp_path / "ref"))
     _fresh()
     with pytest.raises(Stop):
@@ -38,10 +38,45 @@ def test_example_shaped_loop_resumes_bit_identical(
     _fresh()
     with caplog.at_level(logging.INFO, logger="coci_accelerate"):
         resumed = train_like_example(str(tmp_path / "run"))
-    assert "accelerator.skip_first_batches(dataloader, 4)" in caplog.text
+    assert "skip_first_batches" not in caplog.text  # the loop skips them already
     assert resumed["start"] == 16
     assert resumed["seen"] == reference["seen"][16 * BATCH :]
     assert resumed["digest"] == reference["digest"]
+
+
+def test_a_resumed_loop_that_does_not_skip_is_told_to(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Resumed 4 batches into an epoch by a loop that does not skip them: one WARNING at its
+    first step says how many to skip and how (it showed at resume, before the loop, and so to
+    a loop that skips too)."""
+    with pytest.raises(Stop):
+        train_like_example(str(tmp_path), kill_at=17)
+    _fresh()
+    with caplog.at_level(logging.INFO, logger="coci_accelerate"), pytest.raises(Stop):
+        train_like_example(str(tmp_path), kill_at=17, skip=False)
+    (advice,) = [r for r in caplog.records if "skip_first_batches" in r.getMessage()]
+    assert advice.levelno == logging.WARNING
+    assert "4 batches into an epoch" in advice.getMessage()
+    assert "accelerator.skip_first_batches(dataloader, 4)" in advice.getMessage()
+
+
+def test_the_batches_to_skip_count_the_accumulation_steps(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """gradient_accumulation_steps=2, 12 batches an epoch (6 optimizer steps): resumed after 8
+    optimizer steps is 2 steps, 4 batches, into the second epoch (it said 8)."""
+    from coci_accelerate.checkpointer import _log_skip_advice
+    from tests.accelerate.example import dataset
+
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    loader = accelerator.prepare(torch.utils.data.DataLoader(dataset(), batch_size=BATCH))
+    with caplog.at_level(logging.INFO, logger="coci_accelerate"):
+        _log_skip_advice(accelerator, 8, {})
+        _log_skip_advice(accelerator, 8, {id(loader): loader})  # skipped: nothing said
+    (advice,) = [r.getMessage() for r in caplog.records]
+    assert "after 8 optimizer steps, 4 batches into" in advice
+    assert "skip_first_batches(dataloader, 4)" in advice
 
 
 def test_chained_resumes_with_implicit_step(tmp_path: Path) -> None:

@@ -441,3 +441,71 @@ def test_a_resumed_run_plans_a_known_end_from_the_saves_measured_before_it(
         assert resumed.notice_plan.save_at > 1000  # training goes on towards the deadline
     finally:
         resumed.close()
+
+
+def test_a_moved_save_made_again_as_steps_slow_is_said_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SIGUSR1 30 s before the end, steps slowing a little at a time: the plan is made again
+    every few steps, a few steps sooner each time. One WARNING line says the save moved; the
+    small moves after it are INFO lines (they were a WARNING each, 4-5 per notice); a notice
+    of another source with an earlier end is said again; a SIGTERM that cuts the plan short
+    names both notices."""
+    import logging
+
+    import torch
+
+    from coci_core.training import Checkpointer
+
+    options: dict[str, Any] = {"policy": "every_n_steps", "every_n_steps": 10**9}
+    ckpt = Checkpointer(tmp_path, preemption=["USR1@30", "USR2@20", "TERM@10"], **options)
+    caplog.set_level(logging.INFO, logger="coci_core.training.checkpointer")
+    plans = []
+    try:
+        ckpt.save(1, {"w": torch.zeros(2)})
+        ckpt.wait()  # its time to durable is measured
+        ckpt.watch_preemption()
+        compute_s = 0.002
+        for step in range(2, 60):
+            if step == 12:
+                os.kill(os.getpid(), signal.SIGUSR1)  # the handler runs before the next line
+            if step > 12:
+                compute_s *= 1.02  # steps slowing (a longer compute, not a synchronisation)
+            time.sleep(compute_s)
+            ckpt.observe(step)
+            assert not ckpt.should_save(step)
+            if ckpt.notice_plan is not None and ckpt.notice_plan not in plans:
+                plans.append(ckpt.notice_plan)
+        said = [r for r in caplog.records if "preemption notice" in r.getMessage()]
+        warned = [r for r in said if r.levelno == logging.WARNING]
+        assert len(plans) >= 3 and len(said) == len(plans)  # made again, each logged
+        assert warned[0] is said[0] and "the save moves to step" in said[0].getMessage()
+        assert len(warned) < len(plans)  # the small moves are not warned of again
+        assert all(r.levelno == logging.INFO for r in said[1:] if r not in warned)
+        assert all("moves from step" in r.getMessage() for r in said[1:])
+        step, made = 59, ckpt.notice_plan
+        while ckpt.notice_plan is made and step < 120:  # until the plan was just made again
+            step += 1
+            compute_s *= 1.02  # slowing on
+            time.sleep(compute_s)
+            ckpt.observe(step)
+            assert not ckpt.should_save(step)
+        assert ckpt.notice_plan is not made
+        os.kill(os.getpid(), signal.SIGUSR2)  # an earlier end: planned for at once, said again
+        step += 1
+        ckpt.observe(step)
+        assert not ckpt.should_save(step)
+        last = [r for r in caplog.records if "preemption notice" in r.getMessage()][-1]
+        assert last.levelno == logging.WARNING  # (the plan just made held for 4 steps)
+        assert f"the preemption notice (SIGUSR2) at step {step} " in last.getMessage()
+        planned = ckpt.notice_plan.save_at  # type: ignore[union-attr]
+        os.kill(os.getpid(), signal.SIGTERM)  # cuts the known end short: the save now
+        ckpt.observe(step + 1)
+        assert ckpt.should_save(step + 1)
+        cut = [r for r in caplog.records if "preemption notice" in r.getMessage()][-1]
+        assert cut.getMessage().startswith(
+            f"coci: preemption notice (SIGTERM) at step {step + 1}, before step {planned} where "
+            f"the save for the preemption notice (SIGUSR2) at step {step} was planned, "
+        )  # it read "the save planned for the preemption notice (SIGTERM) at step 61"
+    finally:
+        ckpt.close()

@@ -197,6 +197,30 @@ def test_existing_summary_writer_is_used_and_left_open(tmp_path: Path) -> None:
 
 
 @needs_tensorboard
+def test_a_shared_writer_its_owner_closes_drops_later_records_quietly(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The host closes the shared writer while coci still records (the Trainer's
+    TensorBoardCallback at the train's end, a notice's save reporting from the writer thread):
+    its event file is closed under the SummaryWriter ("Writer is closed"). coci drops its later
+    scalars with one INFO line; it logged a traceback ("telemetry sink ... failed")."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(log_dir=str(tmp_path))
+    tele = TensorBoardTelemetry(writer=writer)
+    tele(SaveEvent(step=1, outcome="committed", stall_s=0.001))
+    writer._get_file_writer().close()  # the owner's close, caught half-way by coci's write
+    with caplog.at_level(logging.INFO, logger="coci_core.telemetry.tensorboard"):
+        tele(SaveEvent(step=2, outcome="committed", stall_s=0.001))
+        tele(SaveEvent(step=3, outcome="committed", stall_s=0.001))
+        tele.flush()
+        tele.close()
+    (line,) = [r for r in caplog.records if "closed" in r.getMessage()]
+    assert line.levelno == logging.INFO and "closed by its owner" in line.getMessage()
+    assert _steps(_read(tmp_path), "coci/stall_ms") == [1]
+
+
+@needs_tensorboard
 def test_close_closes_its_own_writer_and_drops_later_records(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -243,6 +243,30 @@ def test_a_resume_keeps_its_failure_and_restart_after_the_checkpoints_planner_st
     )
 
 
+def test_a_resume_from_a_step_the_user_chose_is_no_failure(tmp_path: Path) -> None:
+    """A restore of an older step than the newest (Lightning's ``ckpt_path=<step>``, the
+    Trainer's ``resume_from_checkpoint=<step dir>``: going back on purpose) counts no failure
+    for the MTBF; a resume of the newest (after a crash) still counts one."""
+    import coci_core.training.checkpointer as checkpointer_module
+
+    first = Checkpointer(tmp_path, policy="coci", objective="time", mtbf_s=60.0)
+    _train(first, 1, 10)
+    _train(first, 11, 20)
+    first.close()
+    checkpointer_module._TRAINED_HERE.clear()  # a new process
+    chosen = Checkpointer(tmp_path, policy="coci", objective="time", mtbf_s=60.0)
+    try:
+        chosen.load_state_dict(chosen.restore(10)["coci"])
+        assert chosen.resumed_from == 10 and chosen.planner.failures == 0
+    finally:
+        chosen.close()
+    crashed = _resume(tmp_path)  # the newest, step 20
+    try:
+        assert crashed.resumed_from == 20 and crashed.planner.failures == 1
+    finally:
+        crashed.close()
+
+
 def test_termination_hazards_combine_by_source(tmp_path: Path) -> None:
     """Each source's hazard replaces that source's earlier one, multiplies with the others and
     with the options' own, and None removes it."""

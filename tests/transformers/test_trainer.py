@@ -97,13 +97,16 @@ def test_a_new_machine_resumes_from_the_remote_tier_and_says_so(
 
 def test_resume_from_a_step_directory(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """resume_from_checkpoint=<coci step dir> resumes that step, says so, and the run
-    continues saving into its directory."""
+    continues saving into its directory; going back to a step on purpose is no failure for
+    the MTBF (it counted one)."""
     reference = train(tmp_path / "a", 8)  # saves 3, 6 and 8
     AcceleratorState._reset_state(True)
     step_dir = tmp_path / "a" / "coci" / "step-0000000003"
+    callback = CociCallback(policy="every_n_steps")
     with caplog.at_level("INFO", logger="coci_transformers"):
-        resumed = train(tmp_path / "b", 8, resume=str(step_dir))
+        resumed = train(tmp_path / "b", 8, resume=str(step_dir), callback=callback)
     assert resumed["start"] == 3
+    assert callback.checkpointer is not None and callback.checkpointer.planner.failures == 0
     assert f"coci: the Trainer restores step 3 from {tmp_path / 'a' / 'coci'}" in caplog.text
     assert resumed["digest"] == reference["digest"]
     with CheckpointManager(tmp_path / "a" / "coci", keep_last=None) as mgr:

@@ -285,8 +285,8 @@ class Planner:
 
     def forgive_restore(self) -> bool:
         """The last restore recorded resumed the save a preemption notice asked for, the run's
-        planned stop: not a failure for the MTBF (its time stays a restart cost). Whether
-        there was one to forgive."""
+        planned stop, or a step the user chose to go back to: not a failure for the MTBF (its
+        time stays a restart cost). Whether there was one to forgive."""
         for i in range(len(self._recorded) - 1, -1, -1):
             kind, seconds = self._recorded[i]
             if kind == "restore":

@@ -270,8 +270,21 @@ class TensorBoardTelemetry:
         with self._lock:
             if not self._writable():
                 return
-            for tag, value in scalars:
-                self._writer.add_scalar(tag, value, step)
+            try:
+                for tag, value in scalars:
+                    self._writer.add_scalar(tag, value, step)
+            except OSError as e:  # "Writer is closed": the host closed its writer meanwhile
+                if self._owns_writer:
+                    raise
+                # (the Trainer's TensorBoardCallback closes its writer at the train's end,
+                # while a notice's save still reports from the writer thread)
+                self._closed = self._warned_closed = True
+                logger.info(
+                    "coci: the TensorBoard writer coci shares was closed by its owner (%s); "
+                    "coci's later TensorBoard scalars are dropped (telemetry.jsonl and coci "
+                    "report keep them)",
+                    e,
+                )
 
     def _writable(self) -> bool:
         """False (warning once) after close. Called with the lock held."""

@@ -54,6 +54,7 @@ from coci_core.training.preemption import (
     PreemptionDecision,
     PreemptionWatch,
     SaveTimes,
+    plan_changed,
 )
 from coci_core.training.restart import process_start_unix
 
@@ -189,6 +190,7 @@ class Checkpointer:
         self._failure_counted = False  # the last restore counted as a failure
         #: the save planned before a notice's known end, while training goes on to it
         self.notice_plan: NoticePlan | None = None
+        self._notice_said: NoticePlan | None = None  # the plan the last WARNING line told of
         self._durable_s: list[float] = []  # the last committed saves' time to durable
         self._notice_handle: SaveHandle | None = None
         # the last save's handle and when it began (time.monotonic())
@@ -209,10 +211,24 @@ class Checkpointer:
             return True
         return any(getattr(sink, "previous_end", None) == event.step for sink in self.sinks)
 
+    def _chosen_older(self, event: RestoreEvent) -> bool:
+        """Whether ``event`` restored another step than the one a restore without ``step``
+        tries first, passing over no damaged newer one: a step the user chose (Lightning's
+        ``ckpt_path=<step>``, the Trainer's ``resume_from_checkpoint=<step dir>``,
+        ``restore(step)``), going back on purpose, not a failure for the MTBF."""
+        if event.skipped_steps:
+            return False
+        try:
+            return self.manager.latest_step() not in (None, event.step)
+        except Exception:  # a listing that fails: counted as a failure, as before
+            return False
+
     def _on_event(self, event: Event) -> None:
         if isinstance(event, RestoreEvent) and not self._continues_here(event):
             self.planner.record_restore(event.seconds, tier=event.tier)
-            self._failure_counted = True
+            self._failure_counted = not self._chosen_older(event)
+            if not self._failure_counted:  # its time stays a restart cost
+                self.planner.forgive_restore()
         if isinstance(event, UploadEvent) and event.outcome == "committed":
             self._on_upload(event)
         if isinstance(event, RestartEvent):
@@ -400,8 +416,8 @@ class Checkpointer:
             checked = self._watch.check(step, self._save_time_s)
             if isinstance(checked, NoticePlan):
                 if checked is not self.notice_plan:
-                    self.notice_plan = checked
-                    self._on_notice_plan(step, checked)
+                    previous, self.notice_plan = self.notice_plan, checked
+                    self._on_notice_plan(step, checked, previous)
                 return False  # the save moved to the plan's step; none before it
             if checked is not None:
                 self.preempted = checked
@@ -465,30 +481,70 @@ class Checkpointer:
             try_uncertain=self.manager.remote is None,
         )
 
-    def _on_notice_plan(self, step: int, plan: NoticePlan) -> None:
+    def _on_notice_plan(self, step: int, plan: NoticePlan, previous: NoticePlan | None) -> None:
         """A notice of a known end, far enough ahead: the planner's next save moves to the
-        plan's step (the plan's telemetry says so), and training goes on to it."""
+        plan's step (the plan's telemetry says so), and training goes on to it. Said once (a
+        WARNING line); made again (``previous``: the plan before), said again only when it
+        changes what the user was told (see :func:`plan_changed`), else logged at INFO."""
         self.planner.plan_notice(plan.save_at, f"{plan.source}: {plan.reason}")
         if self.sinks:
             self._record_telemetry(step, plan=True)
-        if self.rank == 0:
+        if self.rank != 0:
+            return
+        said = self._notice_said
+        if said is None or previous is None:
+            self._notice_said = plan
             self.log.warning(
                 "coci: preemption notice (%s) at step %d: %s",
                 plan.source,
                 plan.noticed_at,
                 plan.reason,
             )
+            return
+        changed = plan_changed(said, plan, step)
+        if changed:
+            self._notice_said = plan
+        self.log.log(
+            logging.WARNING if changed else logging.INFO,
+            "coci: the save for the preemption notice (%s) at step %d moves from step %d: %s",
+            plan.source,
+            plan.noticed_at,
+            previous.save_at,
+            plan.reason,
+        )
 
     def _on_notice(self, decision: PreemptionDecision) -> None:
-        if self.rank == 0 and decision.moved:
+        if self.rank != 0:
+            return
+        plan = self.notice_plan
+        if decision.moved and plan is not None and plan.save_at == decision.step:
             self.log.warning(
-                "coci: the save planned for the preemption notice (%s) at step %d, %.1f s left: %s",
-                decision.source,
+                "coci: step %d, where the save for the preemption notice (%s) at step %d was "
+                "planned, %.1f s left: %s",
                 decision.step,
+                plan.source,
+                plan.noticed_at,
                 decision.time_left_s,
                 decision.reason,
             )
-        elif self.rank == 0:
+        elif decision.moved and plan is not None:  # cut short: a SIGTERM, or slower steps
+            why = (
+                f"preemption notice ({decision.source})"
+                if decision.source != plan.source
+                else "the steps slowed down"
+            )
+            self.log.warning(
+                "coci: %s at step %d, before step %d where the save for the preemption notice "
+                "(%s) at step %d was planned, %.1f s left: %s",
+                why,
+                decision.step,
+                plan.save_at,
+                plan.source,
+                plan.noticed_at,
+                decision.time_left_s,
+                decision.reason,
+            )
+        else:
             self.log.warning(
                 "coci: preemption notice (%s) at step %d, %.1f s left: %s",
                 decision.source,

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 from coci_core.errors import CociError
-from coci_core.knobs import NOTICE_PLAN_RESERVE
+from coci_core.knobs import NOTICE_PLAN_RESAY, NOTICE_PLAN_RESERVE
 from coci_core.preemption import NoticeBoard, NoticeSource, Preemption
 from coci_core.preemption.signals import SignalNotice, launcher_warnings
 
@@ -42,6 +42,7 @@ __all__ = [
     "PreemptionWatch",
     "fit_save",
     "min_over_ranks",
+    "plan_changed",
     "plan_save_step",
 ]
 
@@ -51,6 +52,9 @@ logger = logging.getLogger(__name__)
 STEP_TIMES_KEPT = 8
 #: how many steps after a notice's plan their pace is checked against it
 PACE_MIN_STEPS = 4
+#: how much sooner an end must come than the plan's for the plan to be made again at once
+#: (another source's notice; less is the ranks' skew at a step boundary)
+END_MOVED_S = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,6 +205,20 @@ def plan_save_step(
     return step + int(steps)
 
 
+def plan_changed(said: NoticePlan | None, plan: NoticePlan, step: int) -> bool:
+    """Whether ``plan``, made at ``step``, changes what the user was last told (``said``,
+    None: nothing yet): the notice of another source is in force (an earlier end), or the
+    save comes sooner by more than :data:`~coci_core.knobs.NOTICE_PLAN_RESAY` of the steps
+    that ``said`` left ahead of ``step``. A plan made again a few steps earlier because the
+    steps' pace was measured again is not news (it moves again and again, by a little)."""
+    if said is None or said.source != plan.source:
+        return True
+    ahead = said.save_at - step
+    if ahead <= 0:
+        return True
+    return said.save_at - plan.save_at > NOTICE_PLAN_RESAY * ahead
+
+
 def min_over_ranks() -> Callable[[float], float]:
     """A collective over torch.distributed's default group: the minimum of a number over
     all ranks. Gloo carries it (a group of its own when the default backend is another,
@@ -258,6 +276,7 @@ class PreemptionWatch:
         self._boundary: float | None = None  # time.monotonic() at the last step boundary
         self._step_times: list[float] = []  # the last few steps' times, boundary to boundary
         self._plan_from: tuple[int, float] | None = None  # rank 0: the plan's step and time
+        self._plan_end: float | None = None  # rank 0: the end the plan was made for
 
     def start(self) -> list[NoticeSource]:
         """Start the sources; the ones that started (a signal handler needs the main
@@ -356,8 +375,11 @@ class PreemptionWatch:
             # the pace), or the pace since the plan when that was slower
             step_s = statistics.median(self._step_times) if self._step_times else None
             usable = min(left, go_on)
-            target = self._planned_step(step, now, usable, needed)
-            if target is None:  # no plan, or the steps since it were too slow for it
+            # a notice of an earlier end (another source) makes the plan again at once
+            sooner = self._plan_end is not None and now + usable < self._plan_end - END_MOVED_S
+            target = None if sooner else self._planned_step(step, now, usable, needed)
+            if target is None:  # no plan, an earlier end, or steps too slow for the plan
+                self._plan_end = now + usable
                 pace = self._pace(step, now)
                 if step_s is not None and pace is not None:
                     step_s = max(step_s, pace)
@@ -384,10 +406,10 @@ class PreemptionWatch:
         if "save_at" in payload:
             target, step_s, needed = payload["save_at"], payload["step_s"], payload["needed_s"]
             if plan is None or plan.save_at != target:
-                noticed_at = step if plan is None else plan.noticed_at
+                new = plan is None or plan.source != source  # another source's earlier end
                 self.plan = NoticePlan(
-                    noticed_at=noticed_at,
-                    noticed_left_s=left if plan is None else plan.noticed_left_s,
+                    noticed_at=step if new or plan is None else plan.noticed_at,
+                    noticed_left_s=left if new or plan is None else plan.noticed_left_s,
                     source=source,
                     save_at=int(target),
                     time_left_s=left,
