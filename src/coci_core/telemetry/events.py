@@ -189,6 +189,10 @@ class TelemetrySink(Protocol):
     def close(self) -> None: ...
 
 
+#: Held while a sink chooses its run (once per sink).
+_RUN_LOCK = threading.Lock()
+
+
 def _finite_or_none(x: Any) -> Any:
     """``x`` with every non-finite float (at any depth) replaced by None, for strict JSON."""
     if isinstance(x, float):
@@ -242,8 +246,12 @@ class JsonlRecords:
         """This session's run, chosen at its first record (of type ``kind``) or step (None):
         the previous session's when this one restores, or starts over after it failed."""
         if self.run_id is None:
-            goes_on = kind == "restore" or (self.previous_reached and not self.previous_ended)
-            self.run_id = (self.previous_run_id() if goes_on else None) or new_run_id()
+            with _RUN_LOCK:  # the writer thread's first record and the loop's first step
+                if self.run_id is None:
+                    goes_on = kind == "restore" or (
+                        self.previous_reached and not self.previous_ended
+                    )
+                    self.run_id = (self.previous_run_id() if goes_on else None) or new_run_id()
         return self.run_id
 
     def _write(self, record: dict[str, Any]) -> None:
@@ -448,7 +456,7 @@ class JsonlTelemetry(JsonlRecords):
             self._progress_fd
         )
 
-    _previous_run: str | None = None
+    _previous_run: str | None = None  # the run the progress file names
 
     def previous_run_id(self) -> str | None:
         return self._previous_run
