@@ -251,3 +251,32 @@ def test_a_dcp_export_never_replaces_a_directory_of_other_files(
     err = capsys.readouterr().err
     assert "is not an earlier coci export" in err and err.count("\n") == 1, err
     assert [p.name for p in mine.iterdir()] == ["thesis.tex"]
+
+
+def test_two_dcp_exports_at_once_into_one_directory_leave_one_whole(tmp_path: Path) -> None:
+    """Two exports of different steps racing into one OUT: both succeed and OUT is one of
+    them whole, its data of its note's step (before: both exited 0 and OUT was left without
+    its ``.metadata`` or its note, or with one step's data under the other's note)."""
+    with CheckpointManager(tmp_path / "src") as mgr:
+        for step in (4, 8):
+            mgr.save(step, {"w": torch.full((200_000,), float(step)), "step": step}).wait()
+    out = tmp_path / "out_dcp"
+    codes: list[int] = []
+
+    def export(step: int) -> None:
+        args = [str(tmp_path / "src"), str(out), "--format", "dcp", "--step", str(step)]
+        codes.append(main(["export", *args]))
+
+    for attempt in range(4):
+        codes.clear()
+        exports = [threading.Thread(target=export, args=(step,)) for step in (4, 8)]
+        for thread in exports:
+            thread.start()
+        for thread in exports:
+            thread.join()
+        assert codes == [0, 0]
+        back = tmp_path / f"back{attempt}"
+        assert main(["import", str(out), str(back)]) == 0
+        state = _restored(back)
+        assert float(state["w"][0]) == state["step"] == _note_step(out)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
