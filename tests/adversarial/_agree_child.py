@@ -48,7 +48,7 @@ SCENARIOS: dict[str, list[tuple[int, str, int]]] = {
 def restore_all(root: Path, mesh: Any, rank: int) -> dict[str, Any]:
     """Every scenario's copy, restored through each path: the step, or the error."""
     out: dict[str, Any] = {}
-    for name in [*SCENARIOS, "missing_here", "unreadable_here", "tiers"]:
+    for name in [*SCENARIOS, "missing_here", "unreadable_here", "tiers", "other_run_here"]:
         directory = root / name
         if name in ("missing_here", "unreadable_here"):
             directory = root / "intact"
@@ -56,6 +56,8 @@ def restore_all(root: Path, mesh: Any, rank: int) -> dict[str, Any]:
             directory = root / "empty"  # a node whose disk holds nothing
         if name == "unreadable_here" and rank == 1:
             directory = root / "a-file"  # a node that cannot read the directory at all
+        if name == "other_run_here":  # a node whose disk holds another run's steps 1 to 3
+            directory = root / ("other-run" if rank == 1 else "intact")
         # a remote tier holding an intact copy of what rank 1 finds damaged locally
         remote = root / "intact" if name == "tiers" else None
         if name == "tiers":
@@ -120,6 +122,14 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
         )
         for step in STEPS:
             state = {"model": {"w": distribute_tensor(full(step), mesh, [Shard(0)])}}
+            mgr.save(step, state, per_rank={"rng": rank_value(step, rank)}).wait()
+        mgr.close()
+        # another run (another job) writing the same steps into a directory of its own
+        mgr = CheckpointManager(
+            root / "other-run", group=RankGroup.from_torch_distributed(), keep_last=None
+        )
+        for step in STEPS:
+            state = {"model": {"w": distribute_tensor(-full(step), mesh, [Shard(0)])}}
             mgr.save(step, state, per_rank={"rng": rank_value(step, rank)}).wait()
         mgr.close()
         dist.barrier()

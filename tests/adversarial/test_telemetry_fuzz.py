@@ -160,6 +160,8 @@ MALFORMED: dict[str, bytes] = {
     "a negative size": b'{"type": "save", "step": 5, "bytes_written": -1}',
     "a negative restore": b'{"type": "restore", "step": 5, "seconds": -0.5}',
     "NUL bytes": b"\x00\x00\x00",
+    "an empty run id": b'{"type": "progress", "step": 5, "time": 1.0, "run_id": ""}',
+    "a run id no run has": b'{"type": "end", "step": 5, "run_id": "%s"}' % (b"a" * 65),
     "not JSON": b"coci was here",
 }
 

@@ -4,7 +4,12 @@ exported .pt loads with plain ``torch.load``; a plain safetensors file imports f
 from __future__ import annotations
 
 import json
+<<<<<<< HEAD
 import random
+=======
+import os
+import threading
+>>>>>>> attacker9
 import zipfile
 from collections import OrderedDict
 from pathlib import Path
@@ -210,3 +215,79 @@ def test_torch_saved_values_round_trip_with_allow_torch_save(fmt: str, tmp_path:
     assert main([*argv, "--allow-torch-save"]) == 0
     with CheckpointManager(tmp_path / "back", allow_torch_save=True) as mgr:
         assert_same(mgr.restore(), state)
+
+
+def _note_step(out: Path) -> int:
+    return int(json.loads((out / "coci_export.json").read_text())["step"])
+
+
+def test_a_dcp_export_is_written_beside_and_swapped_in_whole(tmp_path: Path) -> None:
+    """An export over an earlier one never writes into it: the new one is written beside and
+    swapped in whole, so an export killed midway (or racing another of a different step)
+    leaves one whole export, its data and note of one step. Here the earlier export's note is
+    a FIFO, where the in-place writer (before) blocked after it had written the new step's
+    data over the old, and a kill then left step 8's data under no note."""
+    with CheckpointManager(tmp_path / "src") as mgr:
+        for step in (4, 8):
+            mgr.save(step, {"w": torch.full((3,), float(step)), "step": step}).wait()
+    out = tmp_path / "out_dcp"
+    assert main(["export", str(tmp_path / "src"), str(out), "--format", "dcp", "--step", "4"]) == 0
+    assert _note_step(out) == 4
+    (out / "coci_export.json").unlink()
+    os.mkfifo(out / "coci_export.json")
+    args = ["export", str(tmp_path / "src"), str(out), "--format", "dcp", "--step", "8"]
+    done: list[int] = []
+    export = threading.Thread(target=lambda: done.append(main(args)), daemon=True)
+    export.start()
+    export.join(timeout=60)
+    if export.is_alive():  # the old writer, blocked on the FIFO: let it go, then fail
+        os.close(os.open(out / "coci_export.json", os.O_RDONLY | os.O_NONBLOCK))
+        export.join(timeout=60)
+    assert done == [0] and _note_step(out) == 8
+    assert main(["import", str(out), str(tmp_path / "back"), "--step", "8"]) == 0
+    assert_same(_restored(tmp_path / "back"), {"w": torch.full((3,), 8.0), "step": 8})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["back", "out_dcp", "src"]
+
+
+def test_a_dcp_export_never_replaces_a_directory_of_other_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with CheckpointManager(tmp_path / "src") as mgr:
+        mgr.save(4, {"w": torch.zeros(3)}).wait()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "thesis.tex").write_text("keep me")
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "src"), str(mine), "--format", "dcp"]) == 2
+    err = capsys.readouterr().err
+    assert "is not an earlier coci export" in err and err.count("\n") == 1, err
+    assert [p.name for p in mine.iterdir()] == ["thesis.tex"]
+
+
+def test_two_dcp_exports_at_once_into_one_directory_leave_one_whole(tmp_path: Path) -> None:
+    """Two exports of different steps racing into one OUT: both succeed and OUT is one of
+    them whole, its data of its note's step (before: both exited 0 and OUT was left without
+    its ``.metadata`` or its note, or with one step's data under the other's note)."""
+    with CheckpointManager(tmp_path / "src") as mgr:
+        for step in (4, 8):
+            mgr.save(step, {"w": torch.full((200_000,), float(step)), "step": step}).wait()
+    out = tmp_path / "out_dcp"
+    codes: list[int] = []
+
+    def export(step: int) -> None:
+        args = [str(tmp_path / "src"), str(out), "--format", "dcp", "--step", str(step)]
+        codes.append(main(["export", *args]))
+
+    for attempt in range(4):
+        codes.clear()
+        exports = [threading.Thread(target=export, args=(step,)) for step in (4, 8)]
+        for thread in exports:
+            thread.start()
+        for thread in exports:
+            thread.join()
+        assert codes == [0, 0]
+        back = tmp_path / f"back{attempt}"
+        assert main(["import", str(out), str(back)]) == 0
+        state = _restored(back)
+        assert float(state["w"][0]) == state["step"] == _note_step(out)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []

@@ -578,7 +578,8 @@ def test_a_second_process_on_a_directory_in_use_records_nothing_there(
         second(SaveEvent(step=1, outcome="committed", stall_s=0.01, bytes_written=8))
         second.close()
         assert (tmp_path / "telemetry.jsonl").read_bytes() == before
-        assert (tmp_path / "telemetry.progress").read_text().split() == ["17"]
+        step, run = (tmp_path / "telemetry.progress").read_text().split()
+        assert step == "17" and f'"run_id": "{run}"' in before.decode()
     finally:
         first.communicate("", timeout=60)
     assert first.returncode == 0

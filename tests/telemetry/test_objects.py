@@ -28,8 +28,8 @@ def _save(url: str, steps: list[int], sink: ObjectTelemetry, **options: Any) -> 
 def test_s3_run_is_reported_from_its_objects(s3_server: S3Server, s3_prefix: str) -> None:
     """A manager on S3 with the object sink: each session leaves one object under
     ``telemetry/`` that retention and a later writer's clean-up leave alone, without the
-    secret; ``coci report s3://...`` (credentials from the environment) merges the sessions in
-    the order they ran."""
+    secret; ``coci report s3://...`` (credentials from the environment) reads the sessions in
+    the order they ran (two runs here: the second restored nothing)."""
     url = f"s3://{s3_prefix}/run"
     opts = s3_server.storage_options
     _save(url, [10, 20, 30], ObjectTelemetry(url, opts), storage_options=opts)
@@ -47,9 +47,12 @@ def test_s3_run_is_reported_from_its_objects(s3_server: S3Server, s3_prefix: str
     report = s3_server.run_coci("report", url)
     assert report.returncode == 0, report.stderr
     lines = report.stdout.splitlines()
-    assert lines[0] == "checkpoints committed: 5 at steps [10, 20, 30, 40, 50]"
+    # the second session restored nothing: a run of its own, reported apart from the first
+    assert lines[0].startswith("this directory's telemetry holds 2 runs, one after the other")
+    assert lines[1].endswith(": 30 steps, 3 checkpoints committed at steps [10, 20, 30]")
+    assert lines[3] == "checkpoints committed: 2 at steps [40, 50]"
     rows = [line.split() for line in lines if line.strip().split(" ")[0].isdigit()]
-    assert [int(r[0]) for r in rows] == [10, 20, 30, 40, 50]
+    assert [int(r[0]) for r in rows] == [40, 50]
     assert all(1.0 <= float(r[4]) < 1.1 for r in rows)  # MB written: 250,000 float32 each
     assert SECRET_KEY not in report.stdout + report.stderr
 

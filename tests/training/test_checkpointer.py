@@ -188,7 +188,8 @@ def test_the_restart_is_measured_from_process_start_and_planned_with(
     records = read_jsonl(tmp_path / "t.jsonl")
     assert [r["step"] for r in records if r["type"] == "progress"] == [6]  # then at most 1/s
     # the step reached is kept at every step, and the session's end is recorded
-    assert (tmp_path / "telemetry.progress").read_text().split() == ["7", "end"]
+    step, ended, run = (tmp_path / "telemetry.progress").read_text().split()
+    assert (step, ended) == ("7", "end") and {r["run_id"] for r in records} == {run}
     assert [r["step"] for r in records if r["type"] == "end"] == [7]
     assert [r["seconds"] for r in records if r["type"] == "restart"] == [restart.seconds]
 

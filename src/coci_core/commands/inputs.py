@@ -121,6 +121,13 @@ def check_export_target(out: Path, fmt: str) -> None:
     directory = fmt in ("dcp", *ADAPTER_EXPORTS)
     if directory and not out.is_dir():
         raise BadInput(f"{out} exists and is not a directory: --format {fmt} writes a directory")
+    note = "coci_export.json"  # interop.exchange.NOTE_FILE (that module imports torch)
+    if fmt == "dcp" and any(out.iterdir()) and not os.path.lexists(out / note):
+        # the export replaces OUT whole: never a directory of other files
+        raise BadInput(
+            f"{out} holds files and is not an earlier coci export (no {note}): "
+            "--format dcp replaces the directory whole; give a new or empty one"
+        )
     if not directory and not out.is_file():
         raise BadInput(
             f"{out} exists and is not a regular file: coci export writes a file and would "

@@ -10,6 +10,7 @@ import math
 import os
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from coci_core.telemetry.records import MAX_STEP, parse_records, read_records
 
 __all__ = [
     "PROGRESS_FILE",
+    "RUN_ID_CHARS",
     "TELEMETRY_FILE",
     "Event",
     "JsonlRecords",
@@ -32,6 +34,7 @@ __all__ = [
     "RestartEvent",
     "UploadEvent",
     "emit",
+    "new_run_id",
     "parse_jsonl",
     "read_jsonl",
 ]
@@ -186,6 +189,10 @@ class TelemetrySink(Protocol):
     def close(self) -> None: ...
 
 
+#: Held while a sink chooses its run (once per sink).
+_RUN_LOCK = threading.Lock()
+
+
 def _finite_or_none(x: Any) -> Any:
     """``x`` with every non-finite float (at any depth) replaced by None, for strict JSON."""
     if isinstance(x, float):
@@ -209,7 +216,12 @@ class JsonlRecords:
     restore the step the previous session reached when the sink knows it (``reached``: then
     the lost work is exact). A session that starts without a restore after a session that did
     not end (killed before its first checkpoint) first writes a ``start`` record: step 0, and
-    the step the previous session ``reached``."""
+    the step the previous session ``reached``.
+
+    Every record carries ``run_id``: the run it belongs to. A session that goes on with the
+    run (its first record is a restore, or the ``start`` over after a failed session) keeps
+    the previous session's (:attr:`previous_run_id`); any other starts a new run, so that
+    ``coci report`` tells apart two runs written one after the other into one directory."""
 
     #: the newest step this session reached (None before its first step)
     reached: int | None = None
@@ -220,13 +232,32 @@ class JsonlRecords:
     _progress_at: float = -math.inf
     _ended: bool = False
     _began: bool = False  # this session wrote a record
+    #: the run this session's records belong to (None until its first record or step)
+    run_id: str | None = None
 
     def _write_line(self, line: str, record: dict[str, Any]) -> None:
         raise NotImplementedError
 
+    def previous_run_id(self) -> str | None:
+        """The run the previous session's records belong to (None: unknown, or none)."""
+        return None
+
+    def _run_of(self, kind: str | None) -> str:
+        """This session's run, chosen at its first record (of type ``kind``) or step (None):
+        the previous session's when this one restores, or starts over after it failed."""
+        if self.run_id is None:
+            with _RUN_LOCK:  # the writer thread's first record and the loop's first step
+                if self.run_id is None:
+                    goes_on = kind == "restore" or (
+                        self.previous_reached and not self.previous_ended
+                    )
+                    self.run_id = (self.previous_run_id() if goes_on else None) or new_run_id()
+        return self.run_id
+
     def _write(self, record: dict[str, Any]) -> None:
         if not self._began:
             self._began = True
+            self._run_of(record.get("type"))
             if (
                 record.get("type") != "restore"
                 and self.previous_reached
@@ -235,6 +266,7 @@ class JsonlRecords:
                 # the previous session failed and this one starts without a checkpoint to
                 # restore: it starts over from step 0, the steps it reached lost
                 self._write({"type": "start", "step": 0, "reached": self.previous_reached})
+        record["run_id"] = self._run_of(record.get("type"))
         record["time"] = round(time.time(), 3)
         self._write_line(json.dumps(record, default=str, allow_nan=False), record)
 
@@ -420,7 +452,14 @@ class JsonlTelemetry(JsonlRecords):
                 os.close(fd)
             self._fd = self._progress_fd = -1
             return
-        self.previous_reached, self.previous_ended = _read_reached(self._progress_fd)
+        self.previous_reached, self.previous_ended, self._previous_run = _read_reached(
+            self._progress_fd
+        )
+
+    _previous_run: str | None = None  # the run the progress file names
+
+    def previous_run_id(self) -> str | None:
+        return self._previous_run
 
     def __enter__(self) -> JsonlTelemetry:
         return self
@@ -431,7 +470,9 @@ class JsonlTelemetry(JsonlRecords):
     def _reach(self, step: int, *, ended: bool = False) -> None:
         with self._lock:
             if self._progress_fd >= 0:  # fixed width: each write replaces the last whole
-                os.pwrite(self._progress_fd, b"%20d %-3s\n" % (step, b"end" if ended else b""), 0)
+                run = self._run_of(None).encode("ascii")
+                line = b"%20d %-3s %s\n" % (step, b"end" if ended else b"", run)
+                os.pwrite(self._progress_fd, line, 0)
 
     def _write_line(self, line: str, record: dict[str, Any]) -> None:
         data = memoryview((line + "\n").encode("utf-8"))
@@ -451,17 +492,29 @@ class JsonlTelemetry(JsonlRecords):
             self._fd = self._progress_fd = -1
 
 
-def _read_reached(fd: int) -> tuple[int | None, bool]:
-    """The step a progress file holds (None: empty, unreadable, or a step no run reaches), and
-    whether its session ended there."""
+#: A run id: what :func:`new_run_id` makes (and readers check records' ``run_id`` against).
+RUN_ID_CHARS = 16
+
+
+def new_run_id() -> str:
+    """A new run's id: 16 random hex digits."""
+    return uuid.uuid4().hex[:RUN_ID_CHARS]
+
+
+def _read_reached(fd: int) -> tuple[int | None, bool, str | None]:
+    """The step a progress file holds (None: empty, unreadable, or a step no run reaches),
+    whether its session ended there, and its run (None: not written, as by a version before
+    run ids, or forged)."""
     try:
         fields = os.pread(fd, 64, 0).decode("ascii").split()
         step = int(fields[0])
     except (OSError, ValueError, UnicodeDecodeError, IndexError):
-        return None, False
+        return None, False, None
     if not 0 <= step <= MAX_STEP:  # forged: a record carrying it would be skipped by readers
-        return None, False
-    return step, fields[1:2] == ["end"]
+        return None, False, None
+    run = fields[-1] if len(fields) > 1 else ""
+    known = len(run) == RUN_ID_CHARS and all(c in "0123456789abcdef" for c in run)
+    return step, fields[1:2] == ["end"], run if known else None
 
 
 def parse_jsonl(text: str) -> list[dict[str, Any]]:

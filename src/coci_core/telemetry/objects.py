@@ -84,6 +84,23 @@ class ObjectTelemetry(JsonlRecords):
     def __repr__(self) -> str:
         return f"ObjectTelemetry({self.storage.url!r}, path={self.path!r})"
 
+    def previous_run_id(self) -> str | None:
+        """The run of the newest other session's object (read once, at this session's first
+        record, only when it restores: never raises, a failed read is a new run)."""
+        try:
+            names = sorted(
+                n
+                for n in self.storage.list_dir(TELEMETRY_DIR)
+                if n.endswith(".jsonl") and f"{TELEMETRY_DIR}/{n}" != self.path
+            )
+            if not names:
+                return None
+            records, _ = parse_records(self.storage.read_bytes(f"{TELEMETRY_DIR}/{names[-1]}"))
+        except Exception as e:  # telemetry never fails the run
+            logger.warning("coci: could not read the previous session's telemetry: %s", e)
+            return None
+        return next((r["run_id"] for r in reversed(records) if r.get("run_id")), None)
+
     def _write_line(self, line: str, record: dict[str, Any]) -> None:
         with self._cond:
             if self._closed:

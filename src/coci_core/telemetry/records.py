@@ -20,11 +20,13 @@ from typing import Any, BinaryIO
 
 __all__ = [
     "MAX_LINE_BYTES",
+    "MAX_RUN_ID_CHARS",
     "MAX_STEP",
     "check_record",
     "parse_records",
     "read_records",
     "skipped_line",
+    "split_runs",
 ]
 
 #: Steps above this are not a training step's (and would not fit a signed 64-bit integer).
@@ -37,6 +39,15 @@ _Check = Callable[[Any], bool]
 
 def _step(x: Any) -> bool:
     return type(x) is int and 0 <= x <= MAX_STEP
+
+
+#: A run id longer than this was not written by coci (it writes 16 hex digits).
+MAX_RUN_ID_CHARS = 64
+
+
+def _run_id(x: Any) -> bool:
+    """The run a record belongs to (None: written before records carried one)."""
+    return x is None or (type(x) is str and 0 < len(x) <= MAX_RUN_ID_CHARS)
 
 
 def _number(x: Any) -> bool:
@@ -166,11 +177,12 @@ SCHEMA: dict[str, dict[str, _Check]] = {
 
 
 def check_record(record: Any) -> bool:
-    """Whether ``record`` can be used: an object with a string ``type``; for a type coci
+    """Whether ``record`` can be used: an object with a string ``type``, its ``run_id`` (if
+    any) a string of 1 to :data:`MAX_RUN_ID_CHARS` characters; for a type coci
     writes, a ``step`` and every field the readers use of the kind they expect."""
     if type(record) is not dict or type(record.get("type")) is not str:
         return False
-    if not _number(record.get("time")):
+    if not _number(record.get("time")) or not _run_id(record.get("run_id")):
         return False
     fields = SCHEMA.get(record["type"])
     if fields is None:
@@ -266,3 +278,20 @@ def skipped_line(skipped: int) -> str:
     if skipped == 1:
         return "1 telemetry line could not be read and was skipped"
     return f"{skipped} telemetry lines could not be read and were skipped"
+
+
+def split_runs(records: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """``records`` split into runs, in the order written: a record whose ``run_id`` differs
+    from the last one seen starts a new run. A record without one (written before records
+    carried one) belongs to the run of the records around it, so a file written by an older
+    version reads as one run, and a run resumed from one keeps its earlier sessions."""
+    runs: list[list[dict[str, Any]]] = [[]]
+    current: str | None = None
+    for r in records:
+        run = r.get("run_id")
+        if run is not None and run != current:
+            if current is not None:
+                runs.append([])
+            current = run
+        runs[-1].append(r)
+    return runs

@@ -11,13 +11,14 @@ from typing import Any
 from coci_core.knobs import MAX_SCHEDULE_STEPS, TELEMETRY_PUT_DELAY_S, TELEMETRY_PUT_GAP_S
 from coci_core.storage import is_url, open_storage
 from coci_core.telemetry import TELEMETRY_FILE
-from coci_core.telemetry.records import read_records, skipped_line
+from coci_core.telemetry.records import read_records, skipped_line, split_runs
 
 __all__ = [
     "MTBF_SOURCES",
     "Restart",
     "RunSummary",
     "compare_policies",
+    "earlier_runs_lines",
     "facts",
     "lost_steps",
     "no_telemetry_hint",
@@ -82,9 +83,15 @@ def _step(r: dict[str, Any]) -> int | None:
 class RunSummary:
     """The facts ``coci report`` prints, gathered from a checkpoint directory's telemetry
     (``records`` checked as :func:`~coci_core.telemetry.records.parse_records` checks them;
-    ``skipped_lines``: the lines it could not use)."""
+    ``skipped_lines``: the lines it could not use).
+
+    Of the latest run the records hold (:func:`~coci_core.telemetry.records.split_runs`),
+    its ``run_id`` (None: not recorded); the earlier ones are in ``earlier_runs``, oldest first."""
 
     def __init__(self, records: list[dict[str, Any]], skipped_lines: int = 0) -> None:
+        *earlier, records = split_runs(records)
+        self.earlier_runs = [RunSummary(run) for run in earlier]
+        self.run_id: str | None = next((r["run_id"] for r in records if r.get("run_id")), None)
         self.records = records
         self.skipped_lines = skipped_lines
         self.saves = [r for r in records if r.get("type") == "save"]
@@ -411,6 +418,7 @@ def render(
     """The report as text (``with_overhead=False``: without the plan's expected overhead, for
     a caller that states each policy's overhead itself)."""
     lines = [skipped_line(summary.skipped_lines)] if summary.skipped_lines else []
+    lines += earlier_runs_lines(summary)
     actual = [s["step"] for s in summary.committed]
     lines.append(f"checkpoints committed: {len(actual)} at steps {actual}")
     if not summary.plans:
@@ -475,6 +483,23 @@ def render(
         lines.append("")
         lines.append(f"see it in TensorBoard's coci tab: tensorboard --logdir {tensorboard_dir}")
     return "\n".join(lines)
+
+
+def earlier_runs_lines(summary: RunSummary) -> list[str]:
+    """The runs written there before the one reported, a line each ([] for none)."""
+    runs = [*summary.earlier_runs, summary]
+    names = [f"run {r.run_id}" if r.run_id else "a run (no run id recorded)" for r in runs]
+    lines = [
+        f"this directory's telemetry holds {len(runs)} runs, one after the other: this report "
+        f"is of the latest, {names[-1]}; the earlier ones:"
+    ]
+    for run, name in zip(runs[:-1], names, strict=False):
+        steps = [s["step"] for s in run.committed]
+        lines.append(
+            f"  {name}: {plural(run.last_step, 'step')}, {plural(len(steps), 'checkpoint')}"
+            f" committed at steps {steps[:10]}{' ...' if len(steps) > 10 else ''}"
+        )
+    return [*lines, ""] if summary.earlier_runs else []
 
 
 #: Where a plan's MTBF comes from, in words. Without a failure the estimate is coci's prior

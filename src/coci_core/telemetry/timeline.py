@@ -27,6 +27,7 @@ from coci_core.telemetry.report import (
     SESSION_STARTS,
     STEP_RECORDS,
     RunSummary,
+    earlier_runs_lines,
     facts,
     notices,
     preemption_line,
@@ -228,7 +229,9 @@ def timeline(directory: str, name: str | None = None) -> dict[str, Any]:
     ``text``: ``coci report``'s line); ``summary``
     (:func:`~coci_core.telemetry.report.facts`);
     ``skipped_lines`` (the telemetry lines that could not be read, left out) and
-    ``skipped_note`` (that count in words, "" for none).
+    ``skipped_note`` (that count in words, "" for none); ``earlier_runs`` (the runs written
+    into the directory before the one shown: the timeline is of the latest) and
+    ``earlier_note`` (those runs in words, "" for none).
     """
     return from_summary(summarize(directory), directory, name)
 
@@ -426,4 +429,7 @@ def from_summary(summary: RunSummary, directory: str, name: str | None = None) -
         "summary": facts(summary),
         "skipped_lines": summary.skipped_lines,
         "skipped_note": skipped_line(summary.skipped_lines),
+        # the runs written into the directory before the one shown, and that in words
+        "earlier_runs": len(summary.earlier_runs),
+        "earlier_note": " ".join(line.strip() for line in earlier_runs_lines(summary)).strip(),
     }

@@ -309,7 +309,8 @@ class _Search(Generic[_T]):
                 self.skipped.append((c, str(e)))
                 self.errors.append(str(e))
         if step is not None:  # damage before absence
-            raise self.damage or self.absence or NoCheckpointError(f"no step {step}")
+            why = f" ({'; '.join(self.errors)})" if self.errors else ""
+            raise self.damage or self.absence or NoCheckpointError(f"no step {step}{why}")
         raise CorruptCheckpointError(
             f"no intact checkpoint in {_urls(self.storage, remote)}: " + "; ".join(self.errors),
             bad=[],
@@ -320,6 +321,7 @@ class _Search(Generic[_T]):
         for c in self.candidates[start:end]:
             if not any(s is c for s, _ in self.skipped):
                 self.skipped.append((c, why))
+                self.errors.append(f"step {c.step}: {why}")
 
 
 def _first_intact(
@@ -425,6 +427,11 @@ def _has_steps_or_leftovers(storage: Storage) -> bool:
         return False
 
 
+#: Why a rank passes over a checkpoint that is not the one the other ranks hold, though of the
+#: same step and place: node-local directories that hold different runs' checkpoints.
+OTHER_RUN = "passed over: of another run than the other ranks' checkpoint of that step"
+
+
 def _agree(
     search: _Search[_T], i: int, result: _T, agreement: RestoreAgreement, asked: str | None
 ) -> tuple[int, _T]:
@@ -441,12 +448,22 @@ def _agree(
         if _found(search.candidates[i]) == agreed:
             continue  # this rank holds it; the others look again
         # The newest this rank read is damaged or missing on another rank: take the agreed one,
-        # or the next older intact one, and tell the others.
+        # or the next older intact one, and tell the others. One in the agreed one's place but
+        # of another run (node-local disks that hold different runs' checkpoints) is not it:
+        # passed over too (before: this rank took it again, and the ranks exchanged the same
+        # reports for ever).
         start = next(
-            (j for j, c in enumerate(search.candidates) if _place(_found(c)) <= _place(agreed)),
+            (
+                j
+                for j, c in enumerate(search.candidates)
+                if _place(_found(c)) < _place(agreed) or _found(c) == agreed
+            ),
             len(search.candidates),
         )
-        search.pass_over(i, start, "passed over: not intact on every rank")
+        for j in range(i, start):
+            other = search.candidates[j].info.run != agreed[3]
+            why = OTHER_RUN if other else "passed over: not intact on every rank"
+            search.pass_over(j, j + 1, why)
         try:
             i, result = search.first_from(start)
         except CociError as e:

@@ -198,6 +198,10 @@ function drawRun(view, data, reason, axis, width, logy = false) {
     view.appendChild(el('p', { class: 'coci-note', 'data-skipped': String(data.skipped_lines) },
       data.skipped_note));
   }
+  if (data.earlier_note) {  // runs written one after the other: this timeline is the latest's
+    view.appendChild(el('p', { class: 'coci-note', 'data-earlier': String(data.earlier_runs) },
+      data.earlier_note));
+  }
   view.appendChild(legend(data));
   // the reason beside the timeline when both fit, else below it, never cut; room is kept for
   // the scroll bar the drawing may bring (the panel then gives up those pixels)
