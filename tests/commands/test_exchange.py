@@ -4,12 +4,9 @@ exported .pt loads with plain ``torch.load``; a plain safetensors file imports f
 from __future__ import annotations
 
 import json
-<<<<<<< HEAD
-import random
-=======
 import os
+import random
 import threading
->>>>>>> attacker9
 import zipfile
 from collections import OrderedDict
 from pathlib import Path
