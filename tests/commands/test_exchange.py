@@ -288,3 +288,21 @@ def test_two_dcp_exports_at_once_into_one_directory_leave_one_whole(tmp_path: Pa
         state = _restored(back)
         assert float(state["w"][0]) == state["step"] == _note_step(out)
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+def test_a_dcp_export_has_the_mode_of_a_made_directory_or_of_the_one_it_replaces(
+    tmp_path: Path,
+) -> None:
+    """The export written beside OUT and swapped in is not left private (before: 0700, the
+    mode of ``tempfile.mkdtemp``, so other users and tools could not read the export); a new
+    OUT has the mode ``mkdir`` gives, an export over an earlier one keeps that one's mode."""
+    with CheckpointManager(tmp_path / "src") as mgr:
+        mgr.save(4, {"w": torch.zeros(3)}).wait()
+    made = tmp_path / "made"
+    made.mkdir()
+    out = tmp_path / "out_dcp"
+    assert main(["export", str(tmp_path / "src"), str(out), "--format", "dcp"]) == 0
+    assert out.stat().st_mode & 0o777 == made.stat().st_mode & 0o777 != 0o700
+    out.chmod(0o750)
+    assert main(["export", str(tmp_path / "src"), str(out), "--format", "dcp"]) == 0
+    assert out.stat().st_mode & 0o777 == 0o750 and _note_step(out) == 4

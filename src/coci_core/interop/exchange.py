@@ -34,7 +34,9 @@ import errno
 import json
 import os
 import shutil
+import stat
 import tempfile
+import uuid
 import warnings
 import zipfile
 from collections import OrderedDict
@@ -265,7 +267,7 @@ def _export_dcp(natural: _Natural, out: Path, step: int) -> str:
     # different steps, never leave OUT holding one step's data under another's note (before:
     # DCP wrote into OUT in place, over the earlier export's files).
     try:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".coci-tmp", dir=out.parent))
+        tmp = _dir_beside(out)
     except OSError as e:  # a place no directory can be made (procfs), a full disk
         raise CociError(f"cannot write {out} as DCP: {e.strerror or e}") from e
     try:
@@ -273,6 +275,8 @@ def _export_dcp(natural: _Natural, out: Path, step: int) -> str:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp_save(natural.state, checkpoint_id=str(tmp), no_dist=True)
         (tmp / NOTE_FILE).write_text(note)
+        with contextlib.suppress(OSError):  # the mode of the OUT it replaces (none: the umask's)
+            os.chmod(tmp, stat.S_IMODE(out.stat().st_mode))
         _swap_in(tmp, out)
     except (OSError, RuntimeError, CheckpointException) as e:  # a full disk, no permission
         causes = [f[0] for f in e.failures.values()] if isinstance(e, CheckpointException) else []
@@ -282,6 +286,18 @@ def _export_dcp(natural: _Natural, out: Path, step: int) -> str:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # this export's, or the one it replaced
     return f"exported step {step} to {out} (torch.distributed.checkpoint)"
+
+
+def _dir_beside(out: Path) -> Path:
+    """A new empty directory beside ``out`` (``.OUT.*.coci-tmp``), of the mode ``mkdir`` gives
+    under the umask (``tempfile.mkdtemp``'s 0700 left the export unreadable to anyone else)."""
+    while True:
+        tmp = out.parent / f".{out.name}.{uuid.uuid4().hex[:8]}.coci-tmp"
+        try:
+            os.mkdir(tmp)
+            return tmp
+        except FileExistsError:  # pragma: no cover - 32 random bits taken
+            continue
 
 
 def _swap_in(new: Path, out: Path) -> None:
