@@ -163,3 +163,26 @@ def test_ranks_that_ask_for_different_steps_are_told_so(tmp_path: Path) -> None:
     assert _restore_on_two_ranks(tmp_path, (None, None)) == [6, 6]
     (error, _) = _restore_on_two_ranks(tmp_path, (None, 2))
     assert isinstance(error, ConfigError) and "rank 0: the newest, rank 1: step 2" in str(error)
+
+
+def test_newer_steps_only_one_rank_holds_are_not_called_another_runs(tmp_path: Path) -> None:
+    """Node-local directories of two runs, rank 0's at steps 8 and 12, rank 1's at step 4:
+    rank 0 passes over both its steps as not intact on every rank (rank 1 holds no step 8 or
+    12 of any run), and the one error says so (before: "of another run than the other ranks'
+    checkpoint of that step", of steps no other rank holds)."""
+    for name, steps in (("a", (8, 12)), ("b", (4,))):
+        with CheckpointManager(tmp_path / name, keep_last=None) as mgr:
+            for step in steps:
+                mgr.save(step, {"w": torch.full((3,), float(step))}).wait()
+
+    def restore(r: int, agreement: RestoreAgreement) -> int:
+        storage = open_storage(str(tmp_path / ("a", "b")[r]))
+        loaded, _ = restore_newest(storage, None, agreement=agreement)
+        return loaded.step
+
+    errors = on_two_ranks(restore)
+    assert all(isinstance(e, CheckpointError) for e in errors), errors
+    said = str(errors[0])
+    assert "step 12: passed over: not intact on every rank" in said, said
+    assert "step 8: passed over: not intact on every rank" in said, said
+    assert "of another run" not in said, said

@@ -461,7 +461,9 @@ def _agree(
             len(search.candidates),
         )
         for j in range(i, start):
-            other = search.candidates[j].info.run != agreed[3]
+            # of another run only in the agreed one's place; a newer one is on no other rank
+            held = _found(search.candidates[j])
+            other = _place(held) == _place(agreed) and held[3] != agreed[3]
             why = OTHER_RUN if other else "passed over: not intact on every rank"
             search.pass_over(j, j + 1, why)
         try:
