@@ -447,8 +447,8 @@ class CociCallback(TrainerCallback):
                 saved_world,
                 trainer.args.world_size,
             )
-        elif trainer.args.process_index == 0 and state.get(
-            "data_parallel_size", saved_world
+        elif trainer.args.process_index == 0 and (
+            saved_dp := state.get("data_parallel_size", saved_world)
         ) != data_parallel_size(trainer):
             # as many processes on another mesh: they share batches otherwise
             logger.warning(
@@ -458,7 +458,7 @@ class CociCallback(TrainerCallback):
                 "size, not the samples the saved run trained on): not bit-identical to a run "
                 "never stopped",
                 state["global_step"],
-                state.get("data_parallel_size"),
+                saved_dp,
                 data_parallel_size(trainer),
             )
         return self._resume_dir
