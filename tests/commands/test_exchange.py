@@ -241,6 +241,9 @@ def test_a_dcp_export_is_written_beside_and_swapped_in_whole(tmp_path: Path) -> 
         os.close(os.open(out / "coci_export.json", os.O_RDONLY | os.O_NONBLOCK))
         export.join(timeout=60)
     assert done == [0] and _note_step(out) == 8
+    mask = os.umask(0)
+    os.umask(mask)
+    assert out.stat().st_mode & 0o777 == 0o777 & ~mask  # as mkdir makes it (mkdtemp's: 0700)
     assert main(["import", str(out), str(tmp_path / "back"), "--step", "8"]) == 0
     assert_same(_restored(tmp_path / "back"), {"w": torch.full((3,), 8.0), "step": 8})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["back", "out_dcp", "src"]
