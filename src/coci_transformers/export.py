@@ -20,7 +20,7 @@ import torch
 
 import coci_transformers._state as _state
 from coci_core.errors import ConfigError
-from coci_core.training import newest_step_dir, read_checkpoint, step_dir_of
+from coci_core.training import directory_beside, newest_step_dir, read_checkpoint, step_dir_of
 from coci_transformers._check import check_saved
 
 __all__ = ["export_step"]
@@ -62,7 +62,18 @@ def export_step(directory: str, out: str | os.PathLike[str], step: int | str | N
             "to a .safetensors file with --weights-only"
         )
     target = Path(out)
-    target.mkdir(parents=True, exist_ok=True)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # written beside OUT and swapped in whole: an export killed midway, or two at once of
+    # different steps, never leave one step's files beside another's (before: written into
+    # OUT in place, over and beside an earlier export's files)
+    with directory_beside(target, "transformers") as tmp:
+        written = _write_layout(state, tmp, directory, loaded.step)
+    return f"exported step {loaded.step} to {target} (transformers: {', '.join(written)})"
+
+
+def _write_layout(state: dict[str, Any], target: Path, directory: str, step: int) -> list[str]:
+    """Write ``state`` (``step`` of ``directory``) into the directory ``target`` in the
+    Trainer's layout; the names of the files written."""
     _write_weights(state["model"], target / "model.safetensors")
     written = ["model.safetensors"]
     if state.get("model_config"):
@@ -85,13 +96,13 @@ def export_step(directory: str, out: str | os.PathLike[str], step: int | str | N
             written.append("scaler.pt")
         world = int(state.get("world_size") or 1)
         for rank in range(world):
-            mine = _state.own(state if rank == 0 else _rank_state(directory, loaded.step, rank))
+            mine = _state.own(state if rank == 0 else _rank_state(directory, step, rank))
             if mine is None:
                 continue
             name = "rng_state.pth" if world == 1 else f"rng_state_{rank}.pth"
             torch.save(mine["rng"], target / name)
             written.append(name)
-    return f"exported step {loaded.step} to {target} (transformers: {', '.join(written)})"
+    return written
 
 
 def _by_index(optimizer: dict[str, Any]) -> dict[str, Any]:

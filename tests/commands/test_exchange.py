@@ -241,6 +241,9 @@ def test_a_dcp_export_is_written_beside_and_swapped_in_whole(tmp_path: Path) -> 
         os.close(os.open(out / "coci_export.json", os.O_RDONLY | os.O_NONBLOCK))
         export.join(timeout=60)
     assert done == [0] and _note_step(out) == 8
+    mask = os.umask(0)
+    os.umask(mask)
+    assert out.stat().st_mode & 0o777 == 0o777 & ~mask  # as mkdir makes it (mkdtemp's: 0700)
     assert main(["import", str(out), str(tmp_path / "back"), "--step", "8"]) == 0
     assert_same(_restored(tmp_path / "back"), {"w": torch.full((3,), 8.0), "step": 8})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["back", "out_dcp", "src"]
@@ -306,3 +309,45 @@ def test_a_dcp_export_has_the_mode_of_a_made_directory_or_of_the_one_it_replaces
     out.chmod(0o750)
     assert main(["export", str(tmp_path / "src"), str(out), "--format", "dcp"]) == 0
     assert out.stat().st_mode & 0o777 == 0o750 and _note_step(out) == 4
+
+
+def test_a_dcp_export_into_the_working_directory_is_written_in_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``coci export RUN . --format dcp``: the working directory cannot be swapped (renaming
+    ``.`` fails with EBUSY, and a shell would be left in a removed directory), so the export is
+    written into it; a second export of another step there replaces the first's files."""
+    with CheckpointManager(tmp_path / "src") as mgr:
+        for step in (4, 8):
+            mgr.save(step, {"w": torch.full((3,), float(step)), "step": step}).wait()
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    for step in (4, 8):
+        args = ["export", str(tmp_path / "src"), ".", "--format", "dcp", "--step", str(step)]
+        assert main(args) == 0
+        assert _note_step(here) == step and (here / ".metadata").is_file()
+    assert Path.cwd() == here and here.is_dir()
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".coci-tmp")]
+    assert main(["import", str(here), str(tmp_path / "back"), "--step", "8"]) == 0
+    assert_same(_restored(tmp_path / "back"), {"w": torch.full((3,), 8.0), "step": 8})
+
+
+def test_a_trainers_own_checkpoint_directory_is_not_replaced_by_an_export(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--format transformers`` replaces an earlier export whole; a Trainer's own
+    ``checkpoint-N`` (its ``trainer_state.json`` beside a tokenizer's files and
+    ``training_args.bin``) is no export of coci's, and is refused, naming what it holds."""
+    with CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(4, {"w": torch.zeros(3)}).wait()
+    checkpoint = tmp_path / "checkpoint-500"
+    checkpoint.mkdir()
+    for name in ("trainer_state.json", "model.safetensors", "tokenizer.json", "training_args.bin"):
+        (checkpoint / name).write_text("the user's")
+    capsys.readouterr()
+    args = ["export", str(tmp_path / "run"), str(checkpoint), "--format", "transformers"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "tokenizer.json, training_args.bin" in err and err.count("\n") == 1, err
+    assert sorted(p.read_text() for p in checkpoint.iterdir()) == ["the user's"] * 4

@@ -456,3 +456,23 @@ def test_wait_with_retention_waits_for_the_retired_steps(tmp_path: Path) -> None
     mgr.wait(retention=True)
     with CheckpointManager(tmp_path / "empty", keep_last=1) as fresh:
         fresh.wait(retention=True)
+
+
+def test_a_data_file_cut_short_only_in_its_padding_restores_and_verifies(tmp_path: Path) -> None:
+    """A data file of another size than the manifest's ``files`` records, cut only in the
+    padding after its last piece, is no damage (docs/engine.md): every stored byte of every
+    array is under its crc32c, and refusing the step would fall back past an intact one. Cut
+    one byte into the last piece, it is damage."""
+    state = {"w": torch.arange(5, dtype=torch.float32), "b": torch.ones(3, dtype=torch.float64)}
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, state).wait()
+        manifest = mgr.manifest(1)
+        (data,) = manifest.files
+        end = max(p.offset + p.nbytes for t in manifest.tensors for p in t.pieces)
+        path = tmp_path / step_dir_name(1) / data.name
+        assert path.stat().st_size == data.nbytes > end  # padding after the last piece
+        os.truncate(path, end)
+        assert mgr.verify(1) == {1: []}
+        assert_same(mgr.restore(1), state)
+        os.truncate(path, end - 1)
+        assert mgr.verify(1)[1] != []  # the last piece cut: damage

@@ -5,6 +5,7 @@ to a run never stopped."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,9 @@ def test_export_and_import_both_ways(tmp_path: Path) -> None:
         assert mgr.steps() == [12]
 
 
+FORMAT = ("--format", "transformers")
+
+
 def test_coci_export_format_transformers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -84,6 +88,26 @@ def test_coci_export_format_transformers(
     assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
     listed = said.split("(transformers: ")[1].strip().rstrip(")").split(", ")
     assert sorted(listed) == sorted(p.name for p in out.iterdir())  # each file it wrote
+    mask = os.umask(0)
+    os.umask(mask)
+    assert out.stat().st_mode & 0o777 == 0o777 & ~mask  # as mkdir makes it (not 0700)
+    # an export over an earlier one replaces it whole (written beside, swapped in): no file
+    # of the earlier one stays beside this step's (before: written in place, so an earlier
+    # export's rng_state_1.pth, of a run of two processes, stayed under this step's files)
+    (out / "rng_state_1.pth").write_bytes(b"an earlier export's")
+    (out / "config.json").write_text("{}")
+    assert cli.main(["export", str(tmp_path / "run" / "coci"), str(out), *FORMAT]) == 0
+    assert sorted(p.name for p in out.iterdir()) == sorted(listed)
+    assert (out / "config.json").read_text() != "{}"
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+    # a directory of other files is refused, never replaced
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "thesis.tex").write_text("keep me")
+    capsys.readouterr()
+    assert cli.main(["export", str(tmp_path / "run" / "coci"), str(mine), *FORMAT]) == 2
+    assert "is not an earlier coci export (no trainer_state.json)" in capsys.readouterr().err
+    assert [p.name for p in mine.iterdir()] == ["thesis.tex"]
     # a --step the directory does not hold is a wrong input, as for the other formats: exit
     # code 2, naming the steps it holds (it was exit code 1 without them)
     missing = ["export", str(tmp_path / "run" / "coci"), str(tmp_path / "x"), "--step", "99"]

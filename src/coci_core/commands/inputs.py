@@ -10,6 +10,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from coci_core.interop.swap import EXPORT_MARKS, not_an_earlier_export
+
 __all__ = [
     "ADAPTER_EXPORTS",
     "PLOT_FORMATS",
@@ -121,12 +123,10 @@ def check_export_target(out: Path, fmt: str) -> None:
     directory = fmt in ("dcp", *ADAPTER_EXPORTS)
     if directory and not out.is_dir():
         raise BadInput(f"{out} exists and is not a directory: --format {fmt} writes a directory")
-    note = "coci_export.json"  # interop.exchange.NOTE_FILE (that module imports torch)
-    if fmt == "dcp" and any(out.iterdir()) and not os.path.lexists(out / note):
-        # the export replaces OUT whole: never a directory of other files
+    why = not_an_earlier_export(out, fmt) if fmt in EXPORT_MARKS else None
+    if why is not None:  # the export replaces OUT whole: never a directory of other files
         raise BadInput(
-            f"{out} holds files and is not an earlier coci export (no {note}): "
-            "--format dcp replaces the directory whole; give a new or empty one"
+            f"{why}: --format {fmt} replaces the directory whole; give a new or empty one"
         )
     if not directory and not out.is_file():
         raise BadInput(

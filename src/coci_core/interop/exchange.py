@@ -29,14 +29,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
-import errno
 import json
 import os
-import shutil
-import stat
-import tempfile
-import uuid
 import warnings
 import zipfile
 from collections import OrderedDict
@@ -53,6 +47,7 @@ from coci_core.engine.format.tree import flatten_state
 from coci_core.engine.format.tree_nodes import LEAF_TAGS, WRAPPER_TAGS, encode_dtype, ndarray_dtype
 from coci_core.engine.restore.tree_read import build_wrapped, check_tree, unflatten_state
 from coci_core.errors import CociError, CorruptCheckpointError
+from coci_core.interop.swap import directory_beside
 from coci_core.interop.weights import temp_beside
 from coci_core.knobs import MAX_NOTE_CHARS
 
@@ -267,61 +262,17 @@ def _export_dcp(natural: _Natural, out: Path, step: int) -> str:
     # different steps, never leave OUT holding one step's data under another's note (before:
     # DCP wrote into OUT in place, over the earlier export's files).
     try:
-        tmp = _dir_beside(out)
-    except OSError as e:  # a place no directory can be made (procfs), a full disk
-        raise CociError(f"cannot write {out} as DCP: {e.strerror or e}") from e
-    try:
-        with warnings.catch_warnings():  # "assuming ... a single process": that is the intent
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp_save(natural.state, checkpoint_id=str(tmp), no_dist=True)
-        (tmp / NOTE_FILE).write_text(note)
-        with contextlib.suppress(OSError):  # the mode of the OUT it replaces (none: the umask's)
-            os.chmod(tmp, stat.S_IMODE(out.stat().st_mode))
-        _swap_in(tmp, out)
+        with directory_beside(out, "dcp") as tmp:
+            with warnings.catch_warnings():  # "assuming ... a single process": that is the intent
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp_save(natural.state, checkpoint_id=str(tmp), no_dist=True)
+            (tmp / NOTE_FILE).write_text(note)
     except (OSError, RuntimeError, CheckpointException) as e:  # a full disk, no permission
         causes = [f[0] for f in e.failures.values()] if isinstance(e, CheckpointException) else []
         raise CociError(
             f"cannot write {out} as DCP: {_one_line(causes[0] if causes else e)}"
         ) from e
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # this export's, or the one it replaced
     return f"exported step {step} to {out} (torch.distributed.checkpoint)"
-
-
-def _dir_beside(out: Path) -> Path:
-    """A new empty directory beside ``out`` (``.OUT.*.coci-tmp``), of the mode ``mkdir`` gives
-    under the umask (``tempfile.mkdtemp``'s 0700 left the export unreadable to anyone else)."""
-    while True:
-        tmp = out.parent / f".{out.name}.{uuid.uuid4().hex[:8]}.coci-tmp"
-        try:
-            os.mkdir(tmp)
-            return tmp
-        except FileExistsError:  # pragma: no cover - 32 random bits taken
-            continue
-
-
-def _swap_in(new: Path, out: Path) -> None:
-    """Put the directory ``new`` at ``out`` in one step; an ``out`` that was there ends at
-    ``new`` (for the caller to remove). Linux's ``renameat2(RENAME_EXCHANGE)`` swaps the two
-    whole; where it is missing, ``out`` is moved aside first (a kill between the two renames
-    leaves the earlier export whole beside it, named ``.OUT.*.coci-tmp``)."""
-    try:
-        os.rename(new, out)  # no OUT yet (or an empty one): the new one takes its name
-        return
-    except OSError as e:
-        if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
-            raise
-    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
-    if renameat2 is not None:
-        at_cwd, exchange = -100, 2  # AT_FDCWD, RENAME_EXCHANGE
-        if renameat2(at_cwd, os.fsencode(new), at_cwd, os.fsencode(out), exchange) == 0:
-            return
-        if ctypes.get_errno() not in (errno.EINVAL, errno.ENOSYS):  # unsupported: move aside
-            raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()), str(out))
-    aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".coci-tmp", dir=out.parent))
-    os.rename(out, aside / "old")
-    os.rename(new, out)
-    os.rename(aside, new)
 
 
 # -- import ---------------------------------------------------------------------------------

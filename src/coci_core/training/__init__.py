@@ -3,7 +3,8 @@
 (:class:`CheckpointOptions`), the plan an adapter tells its user (:class:`PlanOutline`), runs
 stopped on purpose (:class:`ValidationHistory`, :func:`is_trial_pruned`), saved random states
 checked before they are put back (:func:`check_random_states`), and, for a framework
-that restores by path itself, finding and reading step directories (:func:`read_checkpoint`).
+that restores by path itself, finding and reading step directories (:func:`read_checkpoint`);
+an export directory written beside its place and swapped in whole (:func:`directory_beside`).
 
 It is also the public line for the adapters: a ``coci_*`` package imports from coci_core only
 the names in the ``__all__`` of this module, of ``coci_core`` and of the other public modules
@@ -17,6 +18,7 @@ from coci_core.engine.format.manifest import MANIFEST_NAME, parse_step_dir, step
 from coci_core.engine.format.tree import flatten_state
 from coci_core.engine.manager import SaveHandle
 from coci_core.engine.restore.restore import LoadedCheckpoint
+from coci_core.interop.swap import directory_beside
 from coci_core.telemetry.objects import report_sink
 from coci_core.telemetry.report import compare_policies, render, render_policies, summarize
 from coci_core.telemetry.tensorboard import TensorBoardTelemetry
@@ -67,6 +69,7 @@ __all__ = [
     "check_storage_options",
     "check_verbose",
     "compare_policies",
+    "directory_beside",
     "flatten_state",
     "is_trial_pruned",
     "min_over_ranks",
