@@ -102,6 +102,24 @@ def test_records_without_a_run_id_read_as_one_run(tmp_path: Path) -> None:
     assert [s["step"] for s in summary.committed] == [4, 8, 12, 16, 20, 24]
 
 
+def test_a_new_run_after_records_without_a_run_id_is_a_run_of_its_own(tmp_path: Path) -> None:
+    """After a file written before records carried a run id, a run that begins anew (no
+    restore) is reported apart from it (before: one run, "checkpoints committed: 4 at steps
+    [4, 8, 4, 8]"), as two runs of this version are."""
+    _session(tmp_path, JsonlTelemetry(tmp_path / "telemetry.jsonl"))
+    old = [json.loads(line) for line in (tmp_path / "telemetry.jsonl").read_text().splitlines()]
+    for r in old:
+        del r["run_id"]
+    (tmp_path / "telemetry.jsonl").write_text("".join(json.dumps(r) + "\n" for r in old))
+    progress = tmp_path / "telemetry.progress"
+    progress.write_text(" ".join(progress.read_text().split()[:2]) + "\n")  # as before run ids
+    _session(tmp_path, JsonlTelemetry(tmp_path / "telemetry.jsonl"))
+    summary = summarize(tmp_path)
+    assert [s["step"] for s in summary.committed] == [4, 8] and summary.run_id is not None
+    assert [[s["step"] for s in run.committed] for run in summary.earlier_runs] == [[4, 8]]
+    assert summary.earlier_runs[0].run_id is None
+
+
 @pytest.mark.parametrize("token", [b"../../etc/passwd", b"\xff" * 16, b"A" * 16, b"e" * 15])
 def test_a_forged_run_in_the_progress_file_starts_a_run_of_its_own(
     tmp_path: Path, token: bytes

@@ -284,13 +284,16 @@ def split_runs(records: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     """``records`` split into runs, in the order written: a record whose ``run_id`` differs
     from the last one seen starts a new run. A record without one (written before records
     carried one) belongs to the run of the records around it, so a file written by an older
-    version reads as one run, and a run resumed from one keeps its earlier sessions."""
+    version reads as one run, and a run resumed from one (its first record with a run id a
+    ``restore``, or the ``start`` over after a failed session) keeps its earlier sessions;
+    a run that begins anew after them is a run of its own."""
     runs: list[list[dict[str, Any]]] = [[]]
     current: str | None = None
     for r in records:
         run = r.get("run_id")
         if run is not None and run != current:
-            if current is not None:
+            goes_on = current is None and r.get("type") in ("restore", "start")
+            if runs[-1] and not goes_on:
                 runs.append([])
             current = run
         runs[-1].append(r)
