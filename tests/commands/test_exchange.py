@@ -351,3 +351,21 @@ def test_a_trainers_own_checkpoint_directory_is_not_replaced_by_an_export(
     err = capsys.readouterr().err
     assert "tokenizer.json, training_args.bin" in err and err.count("\n") == 1, err
     assert sorted(p.read_text() for p in checkpoint.iterdir()) == ["the user's"] * 4
+
+
+def test_a_link_named_as_an_earlier_exports_note_is_no_mark_of_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A directory of the user's files holding a symbolic link named ``coci_export.json`` is
+    not taken for an earlier export (which the export replaces whole): refused, untouched."""
+    with CheckpointManager(tmp_path / "src") as mgr:
+        mgr.save(4, {"w": torch.zeros(3)}).wait()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "thesis.tex").write_text("keep me")
+    (mine / "coci_export.json").symlink_to(mine / "thesis.tex")
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "src"), str(mine), "--format", "dcp"]) == 2
+    err = capsys.readouterr().err
+    assert "is not an earlier coci export" in err and err.count("\n") == 1, err
+    assert sorted(p.name for p in mine.iterdir()) == ["coci_export.json", "thesis.tex"]

@@ -148,3 +148,31 @@ def test_object_store_runs_are_told_apart(tmp_path: Path) -> None:
     (earlier,) = summary.earlier_runs
     assert [s["step"] for s in earlier.committed] == [4, 8, 12, 16]
     assert earlier.run_id != summary.run_id
+
+
+def test_a_sink_choosing_its_run_holds_up_no_other_sink() -> None:
+    """A sink's choice of its run may wait on its store (an object store's sink lists it);
+    another sink of the process chooses its own meanwhile (before: one lock for every sink of
+    the process, held through that wait)."""
+    import threading
+
+    listing = threading.Event()
+    release = threading.Event()
+
+    class SlowStore(JsonlRecords):
+        def previous_run_id(self) -> str | None:
+            listing.set()
+            release.wait(timeout=60)
+            return "a" * 16
+
+    slow, other = SlowStore(), JsonlRecords()
+    first = threading.Thread(target=slow._run_of, args=("restore",), daemon=True)
+    first.start()
+    assert listing.wait(timeout=60)
+    second = threading.Thread(target=other._run_of, args=(None,), daemon=True)
+    second.start()
+    second.join(timeout=30)
+    chosen = not second.is_alive()
+    release.set()
+    first.join(timeout=30)
+    assert chosen and other.run_id is not None and other.run_id != slow.run_id == "a" * 16

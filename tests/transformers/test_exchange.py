@@ -106,7 +106,10 @@ def test_coci_export_format_transformers(
     (mine / "thesis.tex").write_text("keep me")
     capsys.readouterr()
     assert cli.main(["export", str(tmp_path / "run" / "coci"), str(mine), *FORMAT]) == 2
-    assert "is not an earlier coci export (no trainer_state.json)" in capsys.readouterr().err
+    assert (
+        "is not an earlier coci export (no trainer_state.json of its own)"
+        in capsys.readouterr().err
+    )
     assert [p.name for p in mine.iterdir()] == ["thesis.tex"]
     # a --step the directory does not hold is a wrong input, as for the other formats: exit
     # code 2, naming the steps it holds (it was exit code 1 without them)

@@ -41,8 +41,9 @@ def not_an_earlier_export(out: Path, fmt: str) -> str | None:
     mark = EXPORT_MARKS[fmt]
     if not names:
         return None
-    if mark not in names:
-        return f"{out} holds files and is not an earlier coci export (no {mark})"
+    marked = out / mark
+    if mark not in names or marked.is_symlink():  # a link: anyone's file, named so
+        return f"{out} holds files and is not an earlier coci export (no {mark} of its own)"
     if fmt == "transformers":
         others = sorted(n for n in names if not _TRANSFORMERS_NAMES.fullmatch(n))
         if others:

@@ -189,7 +189,8 @@ class TelemetrySink(Protocol):
     def close(self) -> None: ...
 
 
-#: Held while a sink chooses its run (once per sink).
+#: Held while a sink makes its own run lock (held while it chooses its run: an object store's
+#: sink lists its store then, which must not hold up the other sinks of the process).
 _RUN_LOCK = threading.Lock()
 
 
@@ -246,7 +247,9 @@ class JsonlRecords:
         """This session's run, chosen at its first record (of type ``kind``) or step (None):
         the previous session's when this one restores, or starts over after it failed."""
         if self.run_id is None:
-            with _RUN_LOCK:  # the writer thread's first record and the loop's first step
+            with _RUN_LOCK:
+                lock: threading.Lock = self.__dict__.setdefault("_run_lock", threading.Lock())
+            with lock:  # the writer thread's first record and the loop's first step
                 if self.run_id is None:
                     goes_on = kind == "restore" or (
                         self.previous_reached and not self.previous_ended
