@@ -406,10 +406,15 @@ class PreemptionWatch:
         if "save_at" in payload:
             target, step_s, needed = payload["save_at"], payload["step_s"], payload["needed_s"]
             if plan is None or plan.save_at != target:
-                new = plan is None or plan.source != source  # another source's earlier end
+                # the notice in force: this one, or another source's with an earlier end
+                noticed_at, noticed_left_s = (
+                    (step, left)
+                    if plan is None or plan.source != source
+                    else (plan.noticed_at, plan.noticed_left_s)
+                )
                 self.plan = NoticePlan(
-                    noticed_at=step if new or plan is None else plan.noticed_at,
-                    noticed_left_s=left if new or plan is None else plan.noticed_left_s,
+                    noticed_at=noticed_at,
+                    noticed_left_s=noticed_left_s,
                     source=source,
                     save_at=int(target),
                     time_left_s=left,
