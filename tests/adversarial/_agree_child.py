@@ -1,7 +1,8 @@
 """One rank of a job whose ranks restore together: saves a ``Shard(0)`` DTensor and per-rank
 state at steps 1 to 3 (``cfg["save"]``), damages copies of the checkpoint (rank 0, between
-barriers), then restores each copy through ``restore()``, ``restore(into=...)`` and
-``InPlaceTargets``, and reports the step each restore ended on, or its error.
+barriers; or forges rank 1's copy of the newest manifest), then restores each copy through
+``restore()``, ``restore(into=...)`` and ``InPlaceTargets``, and reports the step each restore
+ended on, or its error.
 
 Run by ``tests.sharding._dist_child.launch(..., module="tests.adversarial._agree_child")``.
 """
@@ -21,6 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from coci_core import CheckpointManager, CociError, InPlaceTargets, RankGroup
+from tests.adversarial.craft import edit_manifest
 from tests.harness.faults import flip_stored_byte
 
 STEPS = (1, 2, 3)
@@ -45,10 +47,22 @@ SCENARIOS: dict[str, list[tuple[int, str, int]]] = {
 }
 
 
+# name -> an edit of the newest step's manifest (resealed) in rank 1's node-local copy only:
+# a copy of one commit (its place and run) that says other things than the other ranks' copy
+FORGED: dict[str, Any] = {
+    # rank 1's copy says one rank saved it (before: restored, rank 1 without its own state)
+    "forged_world1": lambda doc: doc.update(world_size=1, per_rank=doc["per_rank"][:1]),
+    "forged_world4": lambda doc: doc.update(world_size=4),
+    "forged_step": lambda doc: doc.update(step=7),
+    "forged_run": lambda doc: doc.update(run="forged"),
+}
+
+
 def restore_all(root: Path, mesh: Any, rank: int) -> dict[str, Any]:
     """Every scenario's copy, restored through each path: the step, or the error."""
     out: dict[str, Any] = {}
-    for name in [*SCENARIOS, "missing_here", "unreadable_here", "tiers", "other_run_here"]:
+    names = [*SCENARIOS, "missing_here", "unreadable_here", "tiers", "other_run_here", *FORGED]
+    for name in names:
         directory = root / name
         if name in ("missing_here", "unreadable_here"):
             directory = root / "intact"
@@ -58,6 +72,8 @@ def restore_all(root: Path, mesh: Any, rank: int) -> dict[str, Any]:
             directory = root / "a-file"  # a node that cannot read the directory at all
         if name == "other_run_here":  # a node whose disk holds another run's steps 1 to 3
             directory = root / ("other-run" if rank == 1 else "intact")
+        if name in FORGED:
+            directory = root / (name if rank == 1 else "intact")
         # a remote tier holding an intact copy of what rank 1 finds damaged locally
         remote = root / "intact" if name == "tiers" else None
         if name == "tiers":
@@ -139,6 +155,9 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
                 for step, key, r in damage:
                     own = key.startswith("rank:")
                     flip_stored_byte(root / name, step, r, key.removeprefix("rank:"), own=own)
+            for name, edit in FORGED.items():
+                shutil.copytree(root / "saved", root / name)
+                edit_manifest(root / name, 3, edit)
             (root / "empty").mkdir()
             (root / "a-file").write_bytes(b"not a directory")
     dist.barrier()

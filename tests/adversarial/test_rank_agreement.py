@@ -5,7 +5,8 @@ waiting in a collective).
 Two real gloo ranks save a ``Shard(0)`` DTensor and per-rank state at steps 1 to 3; copies of
 the checkpoint are damaged (one rank's piece, one rank's own state, different steps for
 different ranks, every step for some rank), or missing or unreadable on one rank only, or
-damaged locally with an intact copy on a remote tier, or another run's on one rank only. The
+damaged locally with an intact copy on a remote tier, or another run's on one rank only, or
+the newest manifest forged on one rank only (another world size, step, run). The
 same two ranks, then four ranks (another world size: a resharding restore), restore every
 copy through ``restore()``, ``restore(into=...)`` and ``InPlaceTargets``.
 """
@@ -23,6 +24,10 @@ pytestmark = [pytest.mark.dist, pytest.mark.faults]
 
 PATHS = ("restore", "into", "targets")
 EXPECTED = {"intact": 3, "piece": 2, "rank_state": 2, "staggered": 1, "tiers": 3}
+# rank 1's copy of the newest manifest forged (resealed): another world size, the ranks' own
+# states of one rank only (before: step 3 restored, rank 1 silently without its own state),
+# another step, another run; the step before it on every rank
+EXPECTED.update(dict.fromkeys(("forged_world1", "forged_world4", "forged_step", "forged_run"), 2))
 # other_run_here: rank 1's node-local directory holds another run's steps 1 to 3 (before: the
 # ranks, each holding a step 3 of the same commit sequence, exchanged the same reports for ever)
 FAILING = ("all", "missing_here", "unreadable_here", "other_run_here")

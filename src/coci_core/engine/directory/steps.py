@@ -394,6 +394,9 @@ class ManifestCache:
     def __init__(self, storage: Storage) -> None:
         self.storage = storage
         self._kept: tuple[bytes, Any, StepInfo] | None = None
+        #: what each manifest read says of the ranks that saved it (its world size and how
+        #: many ranks' own states it holds), by step: what ranks restoring together compare
+        self.ranks: dict[int, tuple[int, int]] = {}
 
     def offer(self, digest: bytes, doc: Any, info: StepInfo) -> None:
         """Keep ``doc`` if it is the newest offered so far."""
@@ -408,5 +411,8 @@ class ManifestCache:
             self._kept = None  # parsed once: the load keeps the Manifest
             with gc_paused():
                 manifest = Manifest.from_head(kept[1], where=_where(self.storage, step), step=step)
-            return _checked(manifest, step)
-        return _parse(self.storage, step, data)
+            manifest = _checked(manifest, step)
+        else:
+            manifest = _parse(self.storage, step, data)
+        self.ranks[step] = (manifest.world_size, len(manifest.per_rank))
+        return manifest

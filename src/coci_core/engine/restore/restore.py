@@ -316,6 +316,14 @@ class _Search(Generic[_T]):
             bad=[],
         )
 
+    def ranks_of(self, i: int) -> list[int] | None:
+        """What candidate ``i``'s manifest, as this rank read it, says of the ranks that saved
+        it (see :attr:`ManifestCache.ranks`); None when it was not read."""
+        c = self.candidates[i]
+        cache = self.caches.get(id(c.storage))
+        said = cache.manifests.ranks.get(c.step) if cache is not None else None
+        return list(said) if said is not None else None
+
     def pass_over(self, start: int, end: int, why: str) -> None:
         """Candidates ``start`` to ``end`` (excluded) are passed over for ``why``."""
         for c in self.candidates[start:end]:
@@ -432,19 +440,44 @@ def _has_steps_or_leftovers(storage: Storage) -> bool:
 OTHER_RUN = "passed over: of another run than the other ranks' checkpoint of that step"
 
 
+#: Why ranks pass over a checkpoint that they all hold in one place, of one run, whose
+#: manifests say different things of the ranks that saved it (world size, ranks' own states).
+RANKS_APART = (
+    "passed over: its manifest names another world size or other ranks' own states on some "
+    "ranks than on the others"
+)
+
+
 def _agree(
     search: _Search[_T], i: int, result: _T, agreement: RestoreAgreement, asked: str | None
 ) -> tuple[int, _T]:
     """Exchange what each rank holds until all hold the same checkpoint (the oldest of those
     found, or an older one): every rank ends on one step, or raises the same error."""
     while True:
-        reports = agreement.exchange({"found": list(_found(search.candidates[i])), "asked": asked})
+        reports = agreement.exchange(
+            {
+                "found": list(_found(search.candidates[i])),
+                "ranks": search.ranks_of(i),
+                "asked": asked,
+            }
+        )
         if any(r.get("error") for r in reports) or asked_apart(reports) is not None:
             raise agreed_error(reports)  # asked apart first, else the ranks' failures
         found = [cast(Found, tuple(r["found"])) for r in reports]
         agreed = min(found, key=_place)
         if all(f == agreed for f in found):
-            return i, result
+            if all(r.get("ranks") == reports[0].get("ranks") for r in reports):
+                return i, result
+            # One checkpoint by its place and run, whose manifest says another world on some
+            # rank (a forged or mixed-up copy on a node-local disk): not the same checkpoint on
+            # every rank, passed over by all (before: restored, the rank whose copy named
+            # fewer ranks silently without its own state).
+            search.pass_over(i, i + 1, RANKS_APART)
+            try:
+                i, result = search.first_from(i + 1)
+            except CociError as e:
+                raise agreed_error(agreement.exchange({**error_report(e), "asked": asked})) from e
+            continue
         if _found(search.candidates[i]) == agreed:
             continue  # this rank holds it; the others look again
         # The newest this rank read is damaged or missing on another rank: take the agreed one,
