@@ -61,7 +61,8 @@ FORGED: dict[str, Any] = {
 def restore_all(root: Path, mesh: Any, rank: int) -> dict[str, Any]:
     """Every scenario's copy, restored through each path: the step, or the error."""
     out: dict[str, Any] = {}
-    names = [*SCENARIOS, "missing_here", "unreadable_here", "tiers", "other_run_here", *FORGED]
+    names = [*SCENARIOS, "missing_here", "unreadable_here", "tiers", "other_run_here"]
+    names += [*FORGED, "forged_tiers"]
     for name in names:
         directory = root / name
         if name in ("missing_here", "unreadable_here"):
@@ -74,8 +75,12 @@ def restore_all(root: Path, mesh: Any, rank: int) -> dict[str, Any]:
             directory = root / ("other-run" if rank == 1 else "intact")
         if name in FORGED:
             directory = root / (name if rank == 1 else "intact")
+        if name == "forged_tiers":  # as forged_world1, with the original on a remote tier
+            directory = root / ("forged_world1" if rank == 1 else "intact")
         # a remote tier holding an intact copy of what rank 1 finds damaged locally
         remote = root / "intact" if name == "tiers" else None
+        if name == "forged_tiers":
+            remote = root / "saved"
         if name == "tiers":
             directory = root / "piece"
         for path in ("restore", "into", "targets"):

@@ -28,6 +28,7 @@ EXPECTED = {"intact": 3, "piece": 2, "rank_state": 2, "staggered": 1, "tiers": 3
 # states of one rank only (before: step 3 restored, rank 1 silently without its own state),
 # another step, another run; the step before it on every rank
 EXPECTED.update(dict.fromkeys(("forged_world1", "forged_world4", "forged_step", "forged_run"), 2))
+EXPECTED["forged_tiers"] = 3  # rank 1's forged copy, the original on a remote tier: taken there
 # other_run_here: rank 1's node-local directory holds another run's steps 1 to 3 (before: the
 # ranks, each holding a step 3 of the same commit sequence, exchanged the same reports for ever)
 FAILING = ("all", "missing_here", "unreadable_here", "other_run_here")
