@@ -302,6 +302,8 @@ class CociCallback(TrainerCallback):
                 self.dirpath = root if isinstance(root, str) else Path(root)
                 coci_step = found[1] if found else None
                 resume = True
+            else:
+                _check_resume_path(resume)
         if not self._dirpath_given and not coci_root:
             self.dirpath = Path(trainer._get_output_dir(trial)) / "coci"
         checkpointer = self._open(trainer, trial)
@@ -812,3 +814,24 @@ def _when_restoring(
         return original(checkpoint, *args, **kwargs)
 
     return load
+
+
+def _check_resume_path(resume: str | os.PathLike[str]) -> None:
+    """A ``resume_from_checkpoint`` path that is neither coci's nor an existing directory (a
+    typo) is refused by name, before anything is opened; the Trainer's own error ("Can't find
+    a valid checkpoint at ...") named no argument, and came after coci had made
+    ``<output_dir>/coci`` and marked the run failed."""
+    if is_url(resume) or os.path.isdir(resume):
+        return  # a Trainer checkpoint-N (read by the Trainer), or a URL (read where it is)
+    parent = os.path.dirname(os.path.abspath(resume))
+    if coci_directory(parent):
+        raise ConfigError(
+            f"resume_from_checkpoint={str(resume)!r} is not a committed checkpoint of the coci "
+            f"directory {parent!r}: give one of its step directories, the directory itself "
+            "(its newest intact step) or True"
+        )
+    raise ConfigError(
+        f"resume_from_checkpoint={str(resume)!r} does not exist: give True (coci's newest "
+        "checkpoint, else the Trainer's newest checkpoint-N, else a fresh start), a coci "
+        "directory or one of its step directories, or a Trainer checkpoint-N directory"
+    )

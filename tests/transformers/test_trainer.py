@@ -120,6 +120,20 @@ def test_resume_from_a_step_directory(tmp_path: Path, caplog: pytest.LogCaptureF
     assert not (tmp_path / "c" / "coci").exists()
 
 
+def test_a_resume_path_that_does_not_exist_is_refused_by_name(tmp_path: Path) -> None:
+    """``resume_from_checkpoint`` naming nothing (a typo, a step never committed): refused by
+    the argument's name before anything is opened; it was the Trainer's "Can't find a valid
+    checkpoint at some/typo" (no argument named), after coci had made ``<output_dir>/coci``."""
+    with pytest.raises(ConfigError, match=r"resume_from_checkpoint='some/typo' does not exist"):
+        train(tmp_path / "a", 4, resume="some/typo")
+    assert not (tmp_path / "a" / "coci").exists()
+    train(tmp_path / "b", 3)  # step 3
+    missing = tmp_path / "b" / "coci" / "step-0000000009"
+    with pytest.raises(ConfigError, match="not a committed checkpoint of the coci directory"):
+        train(tmp_path / "c", 4, resume=str(missing))
+    assert not (tmp_path / "c" / "coci").exists()
+
+
 def test_a_second_coci_callback_on_one_trainer_is_refused(tmp_path: Path) -> None:
     """The second took the saves over from the first (each replaces the Trainer's
     _save_checkpoint), which then saved only at the end, or both failed there on one
