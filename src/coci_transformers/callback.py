@@ -433,6 +433,8 @@ class CociCallback(TrainerCallback):
         best = saved_state.best_global_step
         if best and self.dirpath is not None:
             saved_state.best_model_checkpoint = self._step_dir(best)
+            if trainer.args.load_best_model_at_end:
+                checkpointer.manager.keep_also({best})
         saved_state.save_to_json(os.path.join(self._resume_dir, "trainer_state.json"))
         saved_world = state.get("world_size")
         if trainer.args.process_index == 0 and (
@@ -676,6 +678,8 @@ class CociCallback(TrainerCallback):
         best = trainer.state.best_global_step
         if best and (best == step or best in set(checkpointer.manager.steps())):
             trainer.state.best_model_checkpoint = self._step_dir(best)
+            if trainer.args.load_best_model_at_end:  # kept besides keep_last, as the Trainer's
+                checkpointer.manager.keep_also({best})
         weights_only = bool(trainer.args.save_only_model)
         state = _state.collect(trainer, weights_only=weights_only)
         state["coci"] = checkpointer.state_dict()
@@ -725,7 +729,8 @@ class CociCallback(TrainerCallback):
         kept = checkpointer.manager.runs().get(run, [])
         keep_last = checkpointer.manager.keep_last
         if keep_last is not None:  # those retention keeps (a kill before it ran leaves more)
-            kept = kept[-keep_last:]
+            also = checkpointer.manager.kept_also  # the best step, kept besides them
+            kept = [s for i, s in enumerate(kept) if i >= len(kept) - keep_last or s in also]
         best = best_to_load(trainer, kept)  # said either way
         # a best step that retention removed since is named no more: the one loaded is
         path = None if best is None else self._step_dir(best[0], run)
