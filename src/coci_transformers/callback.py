@@ -83,6 +83,7 @@ from coci_transformers._trainer import (
     jit_checkpoint_off,
     metric,
     planned_steps,
+    quiet_default_flow,
     record_step,
     same_directory,
     shield_eval_loaders,
@@ -239,6 +240,7 @@ class CociCallback(TrainerCallback):
             )
         t._coci_callback = self
         self.trainer = trainer
+        quiet_default_flow(trainer)  # its save schedule is coci's plan; the user's asks stand
         t.train = functools.partial(self._train, trainer.train)
         t._save_checkpoint = self._save_checkpoint
         t._load_from_checkpoint = _when_restoring(
@@ -566,13 +568,17 @@ class CociCallback(TrainerCallback):
             if args.process_index == 0:
                 checkpointer.warn_if_not_empty("trainer.train(resume_from_checkpoint=True)")
                 self._announce_plan()
+        # a save asked by a callback before this one (the Trainer's DefaultFlowCallback asks
+        # none: quiet_default_flow) stands, as with the Trainer's own saves
+        asked = bool(control.should_save)
         save = checkpointer.should_save(count)
         if checkpointer.preempted is not None:  # the notice's step: saved if it fits, stop
             control.should_training_stop = True
             control.should_evaluate = False
+            asked = False
         elif self.save_on_train_end and state.max_steps > 0 and count >= state.max_steps:
             save = True
-        control.should_save = save and count != self._saved
+        control.should_save = (save or asked) and count != self._saved
         if not control.should_save and not checkpointer.warmed and not self._preempted():
             trainer = self._trainer()
             weights_only = bool(args.save_only_model)
@@ -640,7 +646,10 @@ class CociCallback(TrainerCallback):
     def on_epoch_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        control.should_save = False  # the plan decided at the step's end (policy "epoch" too)
+        # the plan decided at the step's end (policy "epoch" too); a save asked by a callback
+        # before this one stands (the Trainer's DefaultFlowCallback asks none)
+        if self._preempted() or state.global_step == self._saved:
+            control.should_save = False
         if self._preempted():
             control.should_evaluate = False
 

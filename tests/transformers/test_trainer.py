@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 from accelerate.state import AcceleratorState
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 
 from coci_core import CheckpointManager
 from coci_core.commands import cli
@@ -132,6 +132,30 @@ def test_a_resume_path_that_does_not_exist_is_refused_by_name(tmp_path: Path) ->
     with pytest.raises(ConfigError, match="not a committed checkpoint of the coci directory"):
         train(tmp_path / "c", 4, resume=str(missing))
     assert not (tmp_path / "c" / "coci").exists()
+
+
+class _SaveAt2(TrainerCallback):
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step == 2:
+            control.should_save = True
+
+
+def test_a_save_asked_by_a_callback_before_coci_is_taken(tmp_path: Path) -> None:
+    """A user's callback given before CociCallback that asks for a save
+    (``control.should_save = True`` at step 2) gets it, as one given after it does and as
+    with the Trainer's own saves: coci's step end overwrote it with its plan's answer (no
+    save), the Trainer's DefaultFlowCallback's ask being indistinguishable from it. That
+    callback's schedule (``save_steps`` 3, the last step) still saves nothing of its own."""
+    callback = CociCallback(policy="every_n_steps", every_n_steps=100)
+    trainer = Trainer(
+        model=tiny_model(),
+        args=arguments(tmp_path, 4),  # save_steps 3: the DefaultFlowCallback's ask
+        train_dataset=Tokens(),
+        callbacks=[_SaveAt2(), callback],
+    )
+    trainer.train()
+    with CheckpointManager(tmp_path / "coci", keep_last=None) as mgr:
+        assert mgr.steps() == [2, 4]  # asked, then the final save (not 3)
 
 
 def test_a_second_coci_callback_on_one_trainer_is_refused(tmp_path: Path) -> None:
