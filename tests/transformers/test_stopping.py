@@ -82,6 +82,35 @@ def test_sigterm_saves_once_and_stops(tmp_path: Path) -> None:
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+class _StopAt3(TrainerCallback):
+    """A user's stopping rule, given after CociCallback: stops the run at step 3."""
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step == 3:
+            control.should_training_stop = True
+
+
+def test_a_sigterm_as_a_later_callback_stops_the_run_saves_that_step_once(
+    tmp_path: Path,
+) -> None:
+    """SIGTERM during step 3's end, after CociCallback's ``on_step_end``, in the step a user's
+    callback given after it stops the run (``should_training_stop``), the Trainer's JIT
+    checkpoint on: one save, step 3 (the final save), then ``Preempted`` (exit status 143);
+    no ``checkpoint-N`` of the Trainer's."""
+    with pytest.raises(Preempted) as stopped:
+        train(
+            tmp_path,
+            12,
+            callback=CociCallback(policy="every_n_steps", every_n_steps=100),
+            extra_callbacks=(Terminate(3), _StopAt3()),
+            enable_jit_checkpoint=True,
+        )
+    assert stopped.value.step == 3 and stopped.value.code == 143
+    with CheckpointManager(tmp_path / "coci", keep_last=None) as mgr:
+        assert mgr.steps() == [3]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["coci"]
+
+
 def test_a_sigterm_after_the_last_step_stops_train_once_the_final_save_is_durable(
     tmp_path: Path,
 ) -> None:
