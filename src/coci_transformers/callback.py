@@ -835,8 +835,19 @@ def _check_resume_path(resume: str | os.PathLike[str]) -> None:
     typo) is refused by name, before anything is opened; the Trainer's own error ("Can't find
     a valid checkpoint at ...") named no argument, and came after coci had made
     ``<output_dir>/coci`` and marked the run failed."""
-    if is_url(resume) or os.path.isdir(resume):
-        return  # a Trainer checkpoint-N (read by the Trainer), or a URL (read where it is)
+    if is_url(resume):
+        return  # read where it is
+    if os.path.isdir(resume):
+        inside = os.path.join(resume, "coci")
+        if not os.path.isfile(os.path.join(resume, "trainer_state.json")) and (
+            coci_directory(inside) or get_last_checkpoint(os.fspath(resume)) is not None
+        ):  # a run's output_dir (the Trainer: "Can't find a valid checkpoint at ...")
+            raise ConfigError(
+                f"resume_from_checkpoint={str(resume)!r} is a run's output directory, not a "
+                f"checkpoint: give True (its newest: coci's in {inside!r}, else the Trainer's "
+                "newest checkpoint-N), that coci directory, or one of its checkpoint-N"
+            )
+        return  # a Trainer checkpoint-N, read by the Trainer
     parent = os.path.dirname(os.path.abspath(resume))
     if coci_directory(parent):
         raise ConfigError(
