@@ -202,8 +202,9 @@ def check_fits(state: dict[str, Any], trainer: Trainer) -> None:
     if state.get("weights_only"):
         raise CheckpointError(
             f"step {state.get('global_step')} was saved with save_only_model=True (weights and "
-            "TrainerState only): training cannot resume from it; load its weights with "
-            "`coci export --format transformers` and from_pretrained"
+            "TrainerState only, as the Trainer's own): training cannot resume from it; load "
+            "its weights with `coci export --format transformers` and from_pretrained, and "
+            "start a new run (resume_from_checkpoint=None, or another output_dir)"
         )
     if sharded(trainer) and not state.get("sharded"):
         raise CheckpointError(

@@ -15,7 +15,7 @@ from types import FrameType
 from typing import Any
 
 import torch
-from transformers import EarlyStoppingCallback, Trainer, TrainingArguments
+from transformers import DefaultFlowCallback, EarlyStoppingCallback, Trainer, TrainingArguments
 
 from coci_core.errors import CociError, ConfigError
 from coci_core.planner import Termination
@@ -266,3 +266,30 @@ def same_directory(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool
     if is_url(a) or is_url(b):
         return str(a).rstrip("/") == str(b).rstrip("/")
     return os.path.realpath(os.fspath(a)) == os.path.realpath(os.fspath(b))
+
+
+def quiet_default_flow(trainer: Trainer) -> None:
+    """The Trainer's ``DefaultFlowCallback`` no longer asks for saves (its ``save_strategy``
+    schedule, and the last step's save, are coci's plan to make): its ``should_save`` is put
+    back as it was after its ``on_step_end`` and ``on_epoch_end`` (instance attributes). What
+    the user's own callbacks ask (``control.should_save = True``) then stands, before
+    ``CociCallback`` in ``callbacks`` or after it, as with the Trainer's own saves."""
+    for callback in trainer.callback_handler.callbacks:
+        if not isinstance(callback, DefaultFlowCallback) or getattr(callback, "_coci", False):
+            continue
+        for event in ("on_step_end", "on_epoch_end"):
+            setattr(callback, event, _keeping_should_save(getattr(callback, event)))
+        callback._coci = True  # type: ignore[attr-defined]
+
+
+def _keeping_should_save(event: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(event)
+    def kept(args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        asked = control.should_save
+        result = event(args, state, control, **kwargs)
+        control.should_save = asked
+        if result is not None and result is not control:
+            result.should_save = asked
+        return result
+
+    return kept

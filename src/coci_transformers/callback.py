@@ -83,6 +83,7 @@ from coci_transformers._trainer import (
     jit_checkpoint_off,
     metric,
     planned_steps,
+    quiet_default_flow,
     record_step,
     same_directory,
     shield_eval_loaders,
@@ -239,6 +240,7 @@ class CociCallback(TrainerCallback):
             )
         t._coci_callback = self
         self.trainer = trainer
+        quiet_default_flow(trainer)  # its save schedule is coci's plan; the user's asks stand
         t.train = functools.partial(self._train, trainer.train)
         t._save_checkpoint = self._save_checkpoint
         t._load_from_checkpoint = _when_restoring(
@@ -302,6 +304,8 @@ class CociCallback(TrainerCallback):
                 self.dirpath = root if isinstance(root, str) else Path(root)
                 coci_step = found[1] if found else None
                 resume = True
+            else:
+                _check_resume_path(resume)
         if not self._dirpath_given and not coci_root:
             self.dirpath = Path(trainer._get_output_dir(trial)) / "coci"
         checkpointer = self._open(trainer, trial)
@@ -431,6 +435,8 @@ class CociCallback(TrainerCallback):
         best = saved_state.best_global_step
         if best and self.dirpath is not None:
             saved_state.best_model_checkpoint = self._step_dir(best)
+            if trainer.args.load_best_model_at_end:
+                checkpointer.manager.keep_also({best})
         saved_state.save_to_json(os.path.join(self._resume_dir, "trainer_state.json"))
         saved_world = state.get("world_size")
         if trainer.args.process_index == 0 and (
@@ -562,13 +568,17 @@ class CociCallback(TrainerCallback):
             if args.process_index == 0:
                 checkpointer.warn_if_not_empty("trainer.train(resume_from_checkpoint=True)")
                 self._announce_plan()
+        # a save asked by a callback before this one (the Trainer's DefaultFlowCallback asks
+        # none: quiet_default_flow) stands, as with the Trainer's own saves
+        asked = bool(control.should_save)
         save = checkpointer.should_save(count)
         if checkpointer.preempted is not None:  # the notice's step: saved if it fits, stop
             control.should_training_stop = True
             control.should_evaluate = False
+            asked = False
         elif self.save_on_train_end and state.max_steps > 0 and count >= state.max_steps:
             save = True
-        control.should_save = save and count != self._saved
+        control.should_save = (save or asked) and count != self._saved
         if not control.should_save and not checkpointer.warmed and not self._preempted():
             trainer = self._trainer()
             weights_only = bool(args.save_only_model)
@@ -636,7 +646,10 @@ class CociCallback(TrainerCallback):
     def on_epoch_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        control.should_save = False  # the plan decided at the step's end (policy "epoch" too)
+        # the plan decided at the step's end (policy "epoch" too); a save asked by a callback
+        # before this one stands (the Trainer's DefaultFlowCallback asks none)
+        if self._preempted() or state.global_step == self._saved:
+            control.should_save = False
         if self._preempted():
             control.should_evaluate = False
 
@@ -674,6 +687,8 @@ class CociCallback(TrainerCallback):
         best = trainer.state.best_global_step
         if best and (best == step or best in set(checkpointer.manager.steps())):
             trainer.state.best_model_checkpoint = self._step_dir(best)
+            if trainer.args.load_best_model_at_end:  # kept besides keep_last, as the Trainer's
+                checkpointer.manager.keep_also({best})
         weights_only = bool(trainer.args.save_only_model)
         state = _state.collect(trainer, weights_only=weights_only)
         state["coci"] = checkpointer.state_dict()
@@ -723,7 +738,8 @@ class CociCallback(TrainerCallback):
         kept = checkpointer.manager.runs().get(run, [])
         keep_last = checkpointer.manager.keep_last
         if keep_last is not None:  # those retention keeps (a kill before it ran leaves more)
-            kept = kept[-keep_last:]
+            also = checkpointer.manager.kept_also  # the best step, kept besides them
+            kept = [s for i, s in enumerate(kept) if i >= len(kept) - keep_last or s in also]
         best = best_to_load(trainer, kept)  # said either way
         # a best step that retention removed since is named no more: the one loaded is
         path = None if best is None else self._step_dir(best[0], run)
@@ -812,3 +828,35 @@ def _when_restoring(
         return original(checkpoint, *args, **kwargs)
 
     return load
+
+
+def _check_resume_path(resume: str | os.PathLike[str]) -> None:
+    """A ``resume_from_checkpoint`` path that is neither coci's nor an existing directory (a
+    typo) is refused by name, before anything is opened; the Trainer's own error ("Can't find
+    a valid checkpoint at ...") named no argument, and came after coci had made
+    ``<output_dir>/coci`` and marked the run failed."""
+    if is_url(resume):
+        return  # read where it is
+    if os.path.isdir(resume):
+        inside = os.path.join(resume, "coci")
+        if not os.path.isfile(os.path.join(resume, "trainer_state.json")) and (
+            coci_directory(inside) or get_last_checkpoint(os.fspath(resume)) is not None
+        ):  # a run's output_dir (the Trainer: "Can't find a valid checkpoint at ...")
+            raise ConfigError(
+                f"resume_from_checkpoint={str(resume)!r} is a run's output directory, not a "
+                f"checkpoint: give True (its newest: coci's in {inside!r}, else the Trainer's "
+                "newest checkpoint-N), that coci directory, or one of its checkpoint-N"
+            )
+        return  # a Trainer checkpoint-N, read by the Trainer
+    parent = os.path.dirname(os.path.abspath(resume))
+    if coci_directory(parent):
+        raise ConfigError(
+            f"resume_from_checkpoint={str(resume)!r} is not a committed checkpoint of the coci "
+            f"directory {parent!r}: give one of its step directories, the directory itself "
+            "(its newest intact step) or True"
+        )
+    raise ConfigError(
+        f"resume_from_checkpoint={str(resume)!r} does not exist: give True (coci's newest "
+        "checkpoint, else the Trainer's newest checkpoint-N, else a fresh start), a coci "
+        "directory or one of its step directories, or a Trainer checkpoint-N directory"
+    )

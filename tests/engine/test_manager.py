@@ -102,6 +102,22 @@ def test_retention_keeps_last_and_never_the_new_one(tmp_path: Path) -> None:
     assert mgr.steps() == [4, 5]
 
 
+def test_steps_kept_also_stay_besides_keep_last(tmp_path: Path) -> None:
+    """``keep_also`` (an adapter's best step): retention keeps it besides the newest
+    ``keep_last``, and forgets it once replaced."""
+    with CheckpointManager(tmp_path, keep_last=1) as mgr:
+        mgr.save(1, {"x": torch.tensor(1)})
+        mgr.keep_also({1})
+        for step in (2, 3):
+            mgr.save(step, {"x": torch.tensor(step)})
+        mgr.wait(retention=True)
+        assert mgr.steps() == [1, 3] and mgr.kept_also == {1}
+        mgr.keep_also({3})
+        mgr.save(4, {"x": torch.tensor(4)})
+        mgr.wait(retention=True)
+        assert mgr.steps() == [3, 4]
+
+
 def test_on_busy_skip_and_wait(tmp_path: Path) -> None:
     """While a persist runs, on_busy='skip' skips the save and says so; 'wait' waits."""
     held = HeldStorage(LocalStorage(tmp_path / "skip"))

@@ -82,6 +82,35 @@ def test_sigterm_saves_once_and_stops(tmp_path: Path) -> None:
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+class _StopAt3(TrainerCallback):
+    """A user's stopping rule, given after CociCallback: stops the run at step 3."""
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step == 3:
+            control.should_training_stop = True
+
+
+def test_a_sigterm_as_a_later_callback_stops_the_run_saves_that_step_once(
+    tmp_path: Path,
+) -> None:
+    """SIGTERM during step 3's end, after CociCallback's ``on_step_end``, in the step a user's
+    callback given after it stops the run (``should_training_stop``), the Trainer's JIT
+    checkpoint on: one save, step 3 (the final save), then ``Preempted`` (exit status 143);
+    no ``checkpoint-N`` of the Trainer's."""
+    with pytest.raises(Preempted) as stopped:
+        train(
+            tmp_path,
+            12,
+            callback=CociCallback(policy="every_n_steps", every_n_steps=100),
+            extra_callbacks=(Terminate(3), _StopAt3()),
+            enable_jit_checkpoint=True,
+        )
+    assert stopped.value.step == 3 and stopped.value.code == 143
+    with CheckpointManager(tmp_path / "coci", keep_last=None) as mgr:
+        assert mgr.steps() == [3]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["coci"]
+
+
 def test_a_sigterm_after_the_last_step_stops_train_once_the_final_save_is_durable(
     tmp_path: Path,
 ) -> None:
@@ -149,7 +178,7 @@ def test_early_stopping_counter_resumes(tmp_path: Path) -> None:
     assert len(resumed["seen"]) == 2 * 4  # steps 5 and 6
 
 
-def _best_at_step_2(directory: Path, callback: CociCallback) -> dict[str, Any]:
+def _best_at_step_2(directory: Path, callback: CociCallback, **extra: Any) -> dict[str, Any]:
     """4 steps, an evaluation every 2 whose score falls each time (greater is better: step 2
     is the Trainer's best), load_best_model_at_end."""
     evaluations: list[int] = []
@@ -169,31 +198,34 @@ def _best_at_step_2(directory: Path, callback: CociCallback) -> dict[str, Any]:
         metric_for_best_model="score",
         greater_is_better=True,
         compute_metrics=falling_score,
+        **extra,
     )
 
 
-def test_the_best_step_removed_by_retention_is_named_no_more(tmp_path: Path) -> None:
-    """load_best_model_at_end with keep_last=1: the best evaluation (the first: a score that
-    falls at each evaluation) is at step 2, whose checkpoint retention removes after step 4's;
-    the end waits for that removal before it lists the kept steps (else it could read a step
-    being removed), loads step 4's weights, and ``best_model_checkpoint`` names step 4's
-    directory, which exists, instead of step 2's, which does not."""
-    result = _best_at_step_2(tmp_path, CociCallback(policy="every_n_steps", keep_last=1))
+def test_the_best_step_is_kept_besides_save_total_limit(tmp_path: Path) -> None:
+    """load_best_model_at_end with save_total_limit=1 (coci's keep_last): the best evaluation
+    (the first: a score that falls at each evaluation) is at step 2, and the Trainer's
+    rotation keeps the best checkpoint besides the newest (its documented behaviour: "the last
+    one and the best one"). coci's retention removed step 2 once step 4 was committed, and the
+    end loaded step 4's weights; step 2 is kept, loaded, and named the best."""
+    result = _best_at_step_2(tmp_path, CociCallback(policy="every_n_steps"), save_total_limit=1)
     scores = {e["step"]: e["eval_score"] for e in result["log"] if "eval_score" in e}
     assert scores == {2: -1.0, 4: -2.0}
     with CheckpointManager(tmp_path / "coci", keep_last=None) as mgr:
-        assert mgr.steps() == [4]
-        saved = mgr.restore(4)["model"]
+        assert mgr.steps() == [2, 4]
+        saved = mgr.restore(2)["model"]
     assert all(torch.equal(result["best_model"][k], saved[k]) for k in saved)
-    assert result["best_checkpoint"] == str(tmp_path / "coci" / step_dir_name(4))
+    assert result["best_checkpoint"] == str(tmp_path / "coci" / step_dir_name(2))
     assert Path(result["best_checkpoint"]).is_dir()
 
 
-def test_no_evaluated_kept_step_is_said(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """load_best_model_at_end when no kept step was evaluated (the best evaluation, step 2,
-    saved and then removed by retention, keep_last=1, after the plan's save at step 3; the
-    evaluation at step 4 no better, and no final save): the final weights stay, and a warning
-    says why and what to change, instead of nothing."""
+def test_the_best_step_older_than_keep_last_is_loaded(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """load_best_model_at_end with keep_last=1 and the plan's save at step 3 after the best
+    evaluation's (step 2; the evaluation at step 4 no better, and no final save): step 2 stays
+    beside step 3 and is loaded; it was removed, and the final weights stayed with a warning
+    that no kept step was evaluated."""
     with caplog.at_level("WARNING"):
         result = _best_at_step_2(
             tmp_path,
@@ -202,9 +234,12 @@ def test_no_evaluated_kept_step_is_said(tmp_path: Path, caplog: pytest.LogCaptur
             ),
         )
     assert [e["step"] for e in result["log"] if "eval_score" in e] == [2, 4]
-    assert result["best_checkpoint"] is None
-    said = [r.getMessage() for r in caplog.records if "load_best_model_at_end" in r.getMessage()]
-    assert said and "no kept step was evaluated" in said[0] and "[3]" in said[0]
+    assert result["best_checkpoint"] == str(tmp_path / "coci" / step_dir_name(2))
+    assert "no kept step was evaluated" not in caplog.text
+    with CheckpointManager(tmp_path / "coci", keep_last=None) as mgr:
+        assert mgr.steps() == [2, 3]
+        saved = mgr.restore(2)["model"]
+    assert all(torch.equal(result["best_model"][k], saved[k]) for k in saved)
 
 
 def test_the_trainers_best_evaluation_is_saved_and_loaded_whatever_the_plan(
@@ -241,15 +276,16 @@ def test_the_best_step_is_among_the_steps_retention_keeps_after_a_kill(
     """A run killed after its final save's commit and before retention removed the oldest
     step (here: a first run whose retention never ran) resumes at its final step with one step
     too many on disk; load_best_model_at_end chose among all of them, a step that the
-    uninterrupted run had removed. It chooses among the newest ``keep_last``, and the resumed
-    run's close removes the step that retention left. A first run that kept every step
+    uninterrupted run had removed. It chooses among the newest ``keep_last`` and the best
+    step (step 4, kept besides them as the Trainer's rotation keeps it), and the resumed run's
+    close removes the step that retention left (step 2). A first run that kept every step
     (``keep_last=None``) keeps them all: the resumed run's smaller ``keep_last`` deletes
     nothing until it saves."""
     evaluations: list[int] = []
 
     def falling_score(_: Any) -> dict[str, float]:
         evaluations.append(1)
-        return {"score": -float(len(evaluations))}  # the first evaluation is the best
+        return {"score": [-2.0, -1.0, -3.0][len(evaluations) - 1]}  # step 4's is the best
 
     options: dict[str, Any] = {
         "save_steps": 2,
@@ -278,7 +314,6 @@ def test_the_best_step_is_among_the_steps_retention_keeps_after_a_kill(
     assert resumed["start"] == 6
     with CheckpointManager(tmp_path / "coci", keep_last=None) as mgr:
         assert mgr.steps() == ([4, 6] if first_keep_last == 2 else [2, 4, 6])
-    # the best evaluated of the newest two (2 was the best of all)
     assert resumed["best_checkpoint"] == str(tmp_path / "coci" / step_dir_name(4))
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 from accelerate.state import AcceleratorState
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 
 from coci_core import CheckpointManager
 from coci_core.commands import cli
@@ -118,6 +118,48 @@ def test_resume_from_a_step_directory(tmp_path: Path, caplog: pytest.LogCaptureF
     again = train(tmp_path / "c", 8, resume=str(tmp_path / "a" / "coci"))
     assert again["start"] == 8 and again["seen"] == []
     assert not (tmp_path / "c" / "coci").exists()
+
+
+def test_a_resume_path_that_does_not_exist_is_refused_by_name(tmp_path: Path) -> None:
+    """``resume_from_checkpoint`` naming nothing (a typo, a step never committed): refused by
+    the argument's name before anything is opened; it was the Trainer's "Can't find a valid
+    checkpoint at some/typo" (no argument named), after coci had made ``<output_dir>/coci``."""
+    with pytest.raises(ConfigError, match=r"resume_from_checkpoint='some/typo' does not exist"):
+        train(tmp_path / "a", 4, resume="some/typo")
+    assert not (tmp_path / "a" / "coci").exists()
+    train(tmp_path / "b", 3)  # step 3
+    missing = tmp_path / "b" / "coci" / "step-0000000009"
+    with pytest.raises(ConfigError, match="not a committed checkpoint of the coci directory"):
+        train(tmp_path / "c", 4, resume=str(missing))
+    assert not (tmp_path / "c" / "coci").exists()
+    # the run's output_dir itself (its coci directory inside): not a checkpoint
+    with pytest.raises(ConfigError, match="is a run's output directory, not a checkpoint"):
+        train(tmp_path / "d", 4, resume=str(tmp_path / "b"))
+    assert not (tmp_path / "d" / "coci").exists()
+
+
+class _SaveAt2(TrainerCallback):
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step == 2:
+            control.should_save = True
+
+
+def test_a_save_asked_by_a_callback_before_coci_is_taken(tmp_path: Path) -> None:
+    """A user's callback given before CociCallback that asks for a save
+    (``control.should_save = True`` at step 2) gets it, as one given after it does and as
+    with the Trainer's own saves: coci's step end overwrote it with its plan's answer (no
+    save), the Trainer's DefaultFlowCallback's ask being indistinguishable from it. That
+    callback's schedule (``save_steps`` 3, the last step) still saves nothing of its own."""
+    callback = CociCallback(policy="every_n_steps", every_n_steps=100)
+    trainer = Trainer(
+        model=tiny_model(),
+        args=arguments(tmp_path, 4),  # save_steps 3: the DefaultFlowCallback's ask
+        train_dataset=Tokens(),
+        callbacks=[_SaveAt2(), callback],
+    )
+    trainer.train()
+    with CheckpointManager(tmp_path / "coci", keep_last=None) as mgr:
+        assert mgr.steps() == [2, 4]  # asked, then the final save (not 3)
 
 
 def test_a_second_coci_callback_on_one_trainer_is_refused(tmp_path: Path) -> None:

@@ -695,7 +695,20 @@ class CheckpointManager:
             run_id=self.run_id,
             sequence=self._resumed_at,
             next_base=self._encoder.base_step,
+            also_keep=self._writer.also_keep,
         )
+
+    def keep_also(self, steps: Iterable[int]) -> None:
+        """Keep this run's ``steps`` besides the newest ``keep_last`` (replacing the steps given
+        before): retention, and a full disk's early removal, leave them. An adapter's best
+        model's step (``load_best_model_at_end``), as the Trainer's rotation always keeps its
+        best checkpoint besides the newest ``save_total_limit``."""
+        self._writer.also_keep = frozenset(int(s) for s in steps)
+
+    @property
+    def kept_also(self) -> frozenset[int]:
+        """The steps given to :meth:`keep_also`."""
+        return self._writer.also_keep
 
     def close_at_exit(self) -> None:
         """:meth:`close`, when the main thread has ended (for a manager left unclosed): never

@@ -108,14 +108,17 @@ def apply_keep_last(
     newest: int,
     next_base: int | None,
     damaged: Collection[tuple[int, int]] = (),
+    also_keep: Collection[int] = (),
 ) -> None:
     """Delete the run's steps beyond the newest ``keep_last``, except ``newest``, the bases of
-    the kept ones and ``next_base`` (the base the next deltas will use); a step whose deltas
-    need another is deleted before it. ``damaged``: see :func:`_counted`."""
+    the kept ones, ``next_base`` (the base the next deltas will use) and the steps
+    ``also_keep`` (kept besides the newest ``keep_last``: an adapter's best step, as the
+    Trainer's rotation keeps its best checkpoint); a step whose deltas need another is deleted
+    before it. ``damaged``: see :func:`_counted`."""
     infos = step_infos(storage)
     own = _counted(infos, run_id, damaged)
     cut = max(0, len(own) - keep_last)
-    protected = {i.step for i in own[cut:]} | {newest}
+    protected = {i.step for i in own[cut:]} | {newest} | set(also_keep)
     if next_base is not None:
         protected.add(next_base)
     for info in _deletable(infos, own[:cut], protected):  # deltas before their bases
@@ -124,7 +127,13 @@ def apply_keep_last(
 
 
 def trim_resumed_run(
-    storage: Storage, *, keep_last: int, run_id: str, sequence: int, next_base: int | None
+    storage: Storage,
+    *,
+    keep_last: int,
+    run_id: str,
+    sequence: int,
+    next_base: int | None,
+    also_keep: Collection[int] = (),
 ) -> None:
     """Apply ``keep_last`` for a training run that resumed from its newest checkpoint (commit
     ``sequence``) and committed nothing since: a run killed between its last commit and that
@@ -138,7 +147,12 @@ def trim_resumed_run(
         if len(own) != keep_last + 1 or own[0].sequence != sequence:
             return
         apply_keep_last(
-            storage, keep_last=keep_last, run_id=run_id, newest=own[0].step, next_base=next_base
+            storage,
+            keep_last=keep_last,
+            run_id=run_id,
+            newest=own[0].step,
+            next_base=next_base,
+            also_keep=also_keep,
         )
     except Exception as e:  # the run's checkpoints are durable: never a reason to fail
         logger.warning("coci: retention of the resumed run failed: %s", e)
@@ -241,10 +255,11 @@ def make_room(
     needed_bytes: int,
     next_base: int | None,
     damaged: Collection[tuple[int, int]] = (),
+    also_keep: Collection[int] = (),
 ) -> None:
     """When the storage reports less free space than ``needed_bytes`` for the save of ``step``,
     delete now the old steps that retention would delete once it commits (never the newest
-    step, nor a base that a kept step or the next delta needs)."""
+    step, nor a base that a kept step or the next delta needs, nor ``also_keep``)."""
     if keep_last is None:
         return
     free = storage.free_bytes()
@@ -255,7 +270,7 @@ def make_room(
     if not own:
         return
     keep = [*own[max(0, len(own) - (keep_last - 1)) :], own[-1]]
-    protected = {i.step for i in keep} | _bases_of(keep) | {step}
+    protected = {i.step for i in keep} | _bases_of(keep) | {step} | set(also_keep)
     if next_base is not None:
         protected.add(next_base)
     doomed = _deletable(infos, own, protected)

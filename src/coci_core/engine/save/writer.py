@@ -58,6 +58,9 @@ class SaveWriter:
     #: ``(step, version)`` of the run's steps its restore passed over as damaged: retention
     #: neither counts nor deletes them (replaced whole by the manager, never changed)
     damaged: frozenset[tuple[int, int]] = frozenset()
+    #: steps of the run that retention keeps besides the newest ``keep_last`` (replaced whole
+    #: by the manager, never changed: :meth:`CheckpointManager.keep_also`)
+    also_keep: frozenset[int] = frozenset()
     _failed: list[SaveHandle] = field(default_factory=list)
     _failed_lock: threading.Lock = field(default_factory=threading.Lock)
     # The commit order of the saves (Manifest.sequence): the highest sequence in the directory
@@ -103,6 +106,7 @@ class SaveWriter:
                     + ROOM_MARGIN_BYTES,
                     next_base=self.encoder.base_step,
                     damaged=self.damaged,
+                    also_keep=self.also_keep,
                 )
                 job.sequence = self._next_sequence()
             result = write_checkpoint(self.storage, job, self.encoder)
@@ -216,6 +220,7 @@ class SaveWriter:
                     newest=newest,
                     next_base=self.encoder.base_step,
                     damaged=self.damaged,
+                    also_keep=self.also_keep,
                 )
             retention.remove_uncommitted(self.storage, self.group, done_seq=done_seq, newest=newest)
         except Exception as e:
