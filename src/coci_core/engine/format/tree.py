@@ -135,6 +135,8 @@ class FlatState:
     tree: Any
     leaves: tuple[ArrayLeaf, ...]
     layout: object | None = None
+    #: whether ``tree`` holds an ``ints`` node (a long list of ints)
+    ints: bool = False
 
 
 def _fingerprint(t: torch.Tensor) -> tuple[Any, ...]:
@@ -273,6 +275,7 @@ class _Flattener:
         self._depth = 0
         # Recording for a FlattenCache: every plain tensor met, and whether all leaves were.
         self.plain = True
+        self.ints = False  # an ``ints`` node was made
         self.met: tuple[list[tuple[Any, ...]], list[str], list[dict[str, Any]]] = ([], [], [])
         self.firsts: list[int] = []
         self.sources: list[Any] = []
@@ -368,6 +371,7 @@ class _Flattener:
             if len(value) >= INT_LIST_MIN:
                 ints = encode_ints(value)  # a long list of ints: compact, in the tree
                 if ints is not None:
+                    self.ints = True
                     return ints
             self._enter(key)
             try:
@@ -757,7 +761,7 @@ def _replay(state: dict[str, Any], cache: FlattenCache, allow_torch_save: bool) 
         )
         if newly:  # copy runs planned with a view of its old memory are planned again
             cache.layout = object()
-    return FlatState(tree=tree, leaves=cache.leaves, layout=cache.layout)
+    return FlatState(tree=tree, leaves=cache.leaves, layout=cache.layout, ints=flattener.ints)
 
 
 def flatten_state(
@@ -782,4 +786,4 @@ def flatten_state(
     flattener = _Flattener(allow_torch_save)
     tree = flattener.encode(dict(state), "")
     layout = cache.store(flattener) if cache is not None else None
-    return FlatState(tree=tree, leaves=tuple(flattener.leaves), layout=layout)
+    return FlatState(tree=tree, leaves=tuple(flattener.leaves), layout=layout, ints=flattener.ints)
