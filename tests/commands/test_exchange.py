@@ -409,7 +409,7 @@ def test_an_export_killed_between_the_two_renames_loses_nothing_and_is_cleaned_u
     lock = os.open(live, os.O_RDONLY)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        assert remove_leftovers(out) == left
+        assert remove_leftovers(out, "dcp") == left
         assert _note_step(out) == 4  # the earlier export, back whole
         args = ["export", str(tmp_path / "src"), str(out), "--format", "dcp", "--step", "8"]
         assert main(args) == 0 and _note_step(out) == 8
@@ -423,3 +423,15 @@ def test_an_export_killed_between_the_two_renames_loses_nothing_and_is_cleaned_u
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == [
         ".out_dcp.mine.coci-tmp"
     ]
+
+
+def test_a_leftover_holding_no_export_is_not_put_in_outs_place(tmp_path: Path) -> None:
+    """Only an earlier export of the format is put back at a missing OUT: a directory of
+    other files in a leftover's ``old`` (planted, or of another format) is not made OUT
+    (where the export would then refuse it), only removed with the leftover."""
+    out = tmp_path / "out_dcp"
+    planted = tmp_path / ".out_dcp.00000000abcd.coci-tmp" / "old"
+    planted.mkdir(parents=True)
+    (planted / "thesis.tex").write_text("not an export")
+    assert remove_leftovers(out, "dcp") == [planted.parent]
+    assert not out.exists() and not planted.parent.exists()

@@ -85,7 +85,7 @@ def directory_beside(out: Path, fmt: str) -> Iterator[Path]:
         CociError: no directory can be made beside ``out``.
         OSError: the swap failed.
     """
-    remove_leftovers(out)
+    remove_leftovers(out, fmt)
     why = not_an_earlier_export(out, fmt) if out.is_dir() else None
     if why is not None:
         raise ConfigError(
@@ -123,7 +123,10 @@ def _new_directory_beside(out: Path) -> tuple[Path, int]:
         except FileExistsError:
             continue
         fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-        fcntl.flock(fd, fcntl.LOCK_EX)  # waits out another export's removal of it, if any
+        # waits out another export's removal of it, if any; a file system without locks
+        # (ENOLCK): no export removes one there either
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_EX)
         if _same(fd, name):
             return name, fd
         os.close(fd)  # removed as a leftover between its mkdir and the lock: another name
@@ -140,13 +143,13 @@ def _same(fd: int, path: Path) -> bool:
     return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
 
 
-def remove_leftovers(out: Path) -> list[Path]:
+def remove_leftovers(out: Path, fmt: str) -> list[Path]:
     """Remove the directories beside ``out`` that exports to ``out`` killed midway left
     (``.OUT.<12 hex digits>.coci-tmp``, unlocked: one a live export holds is left to it); the
-    ones removed. Where ``out`` is missing and a leftover holds the earlier export that a kill
-    between :func:`swap_in`'s two renames left moved aside (its ``old``), that export is put
-    back at ``out`` first. Nothing else beside ``out`` is touched; a leftover that cannot be
-    removed (another user's) is left."""
+    ones removed. Where ``out`` is missing and a leftover holds the earlier export of ``fmt``
+    that a kill between :func:`swap_in`'s two renames left moved aside (its ``old``), that
+    export is put back at ``out`` first. Nothing else beside ``out`` is touched; a leftover
+    that cannot be removed (another user's) is left."""
     out = Path(os.path.abspath(out))
     try:
         names = sorted(os.listdir(out.parent))
@@ -167,7 +170,7 @@ def remove_leftovers(out: Path) -> list[Path]:
             if not _same(fd, path):
                 continue
             old = path / "old"
-            if not os.path.lexists(out) and old.is_dir() and not old.is_symlink():
+            if not os.path.lexists(out) and _an_export(old, fmt):
                 os.rename(old, out)  # the earlier export, whole, back in its place
             shutil.rmtree(path)
             removed.append(path)
@@ -176,6 +179,13 @@ def remove_leftovers(out: Path) -> list[Path]:
         finally:
             os.close(fd)
     return removed
+
+
+def _an_export(path: Path, fmt: str) -> bool:
+    """Whether ``path`` is a directory of an export of ``fmt`` (not empty, not a link)."""
+    if path.is_symlink() or not path.is_dir():
+        return False
+    return any(path.iterdir()) and not_an_earlier_export(path, fmt) is None
 
 
 def swap_in(new: Path, out: Path) -> None:
