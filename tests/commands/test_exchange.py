@@ -3,9 +3,13 @@ exported .pt loads with plain ``torch.load``; a plain safetensors file imports f
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import random
+import signal
+import subprocess
+import sys
 import threading
 import zipfile
 from collections import OrderedDict
@@ -21,6 +25,7 @@ from safetensors.torch import save_file
 from coci_core import CheckpointManager
 from coci_core.commands.cli import main
 from coci_core.engine.format.int_lists import holds_ints
+from coci_core.interop.swap import remove_leftovers
 from tests.harness.states import assert_same, tiny_model_state
 
 FORMATS = {
@@ -369,3 +374,64 @@ def test_a_link_named_as_an_earlier_exports_note_is_no_mark_of_one(
     err = capsys.readouterr().err
     assert "is not an earlier coci export" in err and err.count("\n") == 1, err
     assert sorted(p.name for p in mine.iterdir()) == ["coci_export.json", "thesis.tex"]
+
+
+def test_an_export_killed_between_the_two_renames_loses_nothing_and_is_cleaned_up(
+    tmp_path: Path,
+) -> None:
+    """The swap of a system without ``renameat2`` (two renames), SIGKILLed between them: OUT
+    is gone, the earlier export lies whole in a directory beside it. The next export to OUT
+    puts it back, then removes what killed exports left (before: both directories stayed
+    beside OUT for good, and OUT stayed missing until an export wrote it anew), and leaves a
+    live export's directory (locked) and anything else beside OUT alone."""
+    with CheckpointManager(tmp_path / "src") as mgr:
+        for step in (4, 8):
+            mgr.save(step, {"w": torch.full((3,), float(step)), "step": step}).wait()
+    out = tmp_path / "out_dcp"
+    assert main(["export", str(tmp_path / "src"), str(out), "--format", "dcp", "--step", "4"]) == 0
+    child = Path(__file__).with_name("_export_kill_child.py")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    run = subprocess.run(
+        [sys.executable, str(child), str(tmp_path / "src"), str(out), "8"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == -signal.SIGKILL, run.stderr
+    assert not out.exists()
+    left = sorted(p for p in tmp_path.iterdir() if p.name.endswith(".coci-tmp"))
+    assert len(left) == 2  # the new export, written whole, and the earlier one moved aside
+    assert [_note_step(p / "old") for p in left if (p / "old").is_dir()] == [4]
+    live = tmp_path / ".out_dcp.0123456789ab.coci-tmp"  # a live export's, locked
+    live.mkdir()
+    (tmp_path / ".out_dcp.mine.coci-tmp").mkdir()  # not of coci's pattern: a user's
+    lock = os.open(live, os.O_RDONLY)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        assert remove_leftovers(out, "dcp") == left
+        assert _note_step(out) == 4  # the earlier export, back whole
+        args = ["export", str(tmp_path / "src"), str(out), "--format", "dcp", "--step", "8"]
+        assert main(args) == 0 and _note_step(out) == 8
+    finally:
+        os.close(lock)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == [
+        live.name,
+        ".out_dcp.mine.coci-tmp",
+    ]
+    assert main(args) == 0 and _note_step(out) == 8  # unlocked now: a killed export's
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == [
+        ".out_dcp.mine.coci-tmp"
+    ]
+
+
+def test_a_leftover_holding_no_export_is_not_put_in_outs_place(tmp_path: Path) -> None:
+    """Only an earlier export of the format is put back at a missing OUT: a directory of
+    other files in a leftover's ``old`` (planted, or of another format) is not made OUT
+    (where the export would then refuse it), only removed with the leftover."""
+    out = tmp_path / "out_dcp"
+    planted = tmp_path / ".out_dcp.00000000abcd.coci-tmp" / "old"
+    planted.mkdir(parents=True)
+    (planted / "thesis.tex").write_text("not an export")
+    assert remove_leftovers(out, "dcp") == [planted.parent]
+    assert not out.exists() and not planted.parent.exists()

@@ -258,3 +258,22 @@ def test_saves_of_new_random_states_keep_the_planned_copy_runs(tmp_path: Path) -
             mgr.save(step, state, per_rank={"python": random.getstate()}).wait()
             assert (mgr._snapshotter._runs is not None) == (step >= 1)
         assert mgr.restore(step=2)["python"] == random.getstate()
+
+
+def test_the_flatten_says_whether_its_tree_holds_ints_and_the_manifest_takes_its_word(
+    tmp_path: Path,
+) -> None:
+    """The flatten says whether the tree it made holds an ``ints`` node, from the cache too
+    (so a save's manifest does not walk a tree of thousands of tensors to find out, before:
+    every save did); each save's manifest is of format 5 exactly when its state holds one."""
+    w = torch.randn(4)
+    states = [{"w": w, "ids": list(range(100)), "nested": {"x": [{"r": random.getstate()}]}}]
+    states += [{"w": w, "ids": list(range(3)), "nested": {"x": []}}, states[0]]
+    cache = FlattenCache()
+    flats = [flatten_state(s, cache=cache) for s in states]
+    assert flats[2].layout is flats[1].layout is flats[0].layout is not None  # all hits
+    assert [f.ints for f in flats] == [holds_ints(f.tree) for f in flats] == [True, False, True]
+    with CheckpointManager(tmp_path, keep_last=None) as mgr:
+        for step, state in enumerate(states):
+            mgr.save(step, state).wait()
+    assert [read_doc(tmp_path, step)["format_version"] for step in range(3)] == [5, 3, 5]

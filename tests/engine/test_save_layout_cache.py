@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -97,12 +98,72 @@ def test_renamed_keys_miss() -> None:
     assert [leaf.key for leaf in flat.leaves] == ["/x", "/y"]
 
 
-def test_states_with_other_leaves_are_not_cached() -> None:
-    """numpy arrays and torch.save'd values: a full flatten every time (no layout token)."""
+def test_states_with_torch_saved_values_are_not_cached() -> None:
+    """torch.save'd values: a full flatten every time (no layout token)."""
     cache = FlattenCache()
-    state = {"w": torch.randn(2), "a": torch.randn(2).numpy()}
-    assert flatten_state(state, cache=cache).layout is None
-    assert flatten_state(state, cache=cache).layout is None
+    state = {"w": torch.randn(2), "s": torch.randn(2).to_sparse()}
+    assert flatten_state(state, allow_torch_save=True, cache=cache).layout is None
+    assert flatten_state(state, allow_torch_save=True, cache=cache).layout is None
+
+
+def test_random_states_made_anew_at_each_save_hit_the_cache() -> None:
+    """A random state's tensor and numpy array are new objects at new addresses, of the same
+    layout, at each save (``torch.get_rng_state()``, ``numpy.random.get_state()``): the
+    flatten hits the cache with leaves of the current arrays, marked ``moves`` (before: every
+    flatten missed, a numpy array was never cached); the layout token changes once, when the
+    tensor is first found moving, and stays from then on."""
+    w = torch.randn(3)
+    cache = FlattenCache()
+    tokens, nodes = [], []
+    for i in range(4):
+        state = {"w": w, "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state()}}
+        torch.rand(1), np.random.rand()  # the generators move on
+        flat = flatten_state(state, cache=cache)
+        assert _flat_json(flat) == _flat_json(flatten_state(state))
+        leaves = {leaf.key: leaf for leaf in flat.leaves}
+        assert torch.equal(leaves["/rng/torch"].tensor, state["rng"]["torch"])
+        assert np.array_equal(leaves["/rng/numpy/1"].tensor.numpy(), state["rng"]["numpy"][1])
+        assert [leaf.moves for leaf in flat.leaves] == [False, i > 0, True]
+        tokens.append(flat.layout)
+        nodes.append(cache.nodes)
+    assert tokens[0] is not None and tokens[1] is not tokens[0]
+    assert tokens[3] is tokens[2] is tokens[1]
+    assert nodes[3] is nodes[0]  # hits: the first flatten's nodes
+
+
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [
+        (lambda a, b: {"a": a, "b": a}, lambda a, b: {"a": a, "b": a.clone()}),  # untied
+        (lambda a, b: {"a": a, "b": b}, lambda a, b: {"a": a.clone(), "b": b}),  # moved: hit
+        (lambda a, b: {"a": a, "b": b}, lambda a, b: dict.fromkeys("ab", a.clone())),  # tied
+        (lambda a, b: {"a": a, "b": b}, lambda a, b: {"a": b, "b": b}),  # onto b's address
+    ],
+    ids=["untied", "moved", "both-onto-one", "onto-another"],
+)
+def test_a_tensor_that_moves_neither_makes_nor_undoes_a_tie(before: Any, after: Any) -> None:
+    """A tensor at a new address hits the cache only where it made a leaf of its own and ties
+    with no other: the flatten is the full flatten's (its ties and leaves) either way."""
+    a, b = torch.randn(4), torch.randn(4)
+    cache = FlattenCache()
+    flatten_state(before(a, b), cache=cache)
+    state = after(a, b)
+    flat = flatten_state(state, cache=cache)
+    assert _flat_json(flat) == _flat_json(flatten_state(state))
+    assert [leaf.tensor.data_ptr() for leaf in flat.leaves] == [
+        leaf.tensor.data_ptr() for leaf in flatten_state(state).leaves
+    ]
+
+
+def test_a_parameter_whose_data_was_replaced_is_stored_with_its_new_data() -> None:
+    """The same parameter object at a new address (``p.data = ...``): its leaf, a detached
+    view of the old memory, is made anew."""
+    p = torch.nn.Parameter(torch.zeros(3))
+    cache = FlattenCache()
+    flatten_state({"p": p}, cache=cache)
+    p.data = torch.ones(3)
+    (leaf,) = flatten_state({"p": p}, cache=cache).leaves
+    assert leaf.tensor.data_ptr() == p.data_ptr() and torch.equal(leaf.tensor, torch.ones(3))
 
 
 def test_parameters_are_detached_each_time() -> None:

@@ -458,3 +458,40 @@ def test_the_plan_line_of_a_fixed_interval_names_no_mtbf(
     assert "MTBF assumed" not in line and "mtbf_s" not in line
     assert "a fixed interval: the MTBF and the measured costs do not change it" in line
     assert "CociCheckpoint(every_n_steps=N)" in line
+
+
+class _RankCacheSeen(pl.Callback):
+    """At each batch's end, before CociCheckpoint's save of it (Lightning calls checkpoint
+    callbacks last): the per-rank flatten cache's tree nodes (the same list while flattens
+    hit it), whether the last save copied in planned runs, and the torch random state that
+    this batch's save takes."""
+
+    def __init__(self, coci: CociCheckpoint) -> None:
+        self.coci = coci
+        self.nodes: list[object] = []
+        self.runs: list[bool] = []
+        self.rng: list[torch.Tensor] = []
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        assert self.coci.checkpointer is not None
+        mgr = self.coci.checkpointer.manager
+        self.nodes.append(mgr._rank_cache.nodes)
+        self.runs.append(mgr._snapshotter._runs is not None)
+        self.rng.append(torch.get_rng_state())
+
+
+def test_the_random_states_saved_per_rank_hit_the_flatten_cache(tmp_path: Path) -> None:
+    """Each save's random states are new tensors at new addresses (``torch.get_rng_state()``,
+    numpy's keys) of the same layout: the second save's flatten of them hits the per-rank
+    cache, and from the third on the save copies in planned runs (before: every flatten
+    missed, so no save ever did), with the states of its own step, not an earlier one's."""
+    coci = CociCheckpoint(policy="every_n_steps", every_n_steps=1, save_on_train_end=False)
+    seen = _RankCacheSeen(coci)
+    _fit(tmp_path, 5, [coci, seen])
+    # seen at batch k: after the save of step k - 1
+    assert seen.nodes[1] and seen.nodes[2] is seen.nodes[1] and seen.nodes[4] is seen.nodes[1]
+    assert seen.runs == [False, False, False, True, True]
+    with CheckpointManager(tmp_path / "coci", keep_last=None) as mgr:
+        for step in (4, 5):
+            saved = mgr.restore(step)["coci_rank_state"]["rng"]["torch"]
+            assert torch.equal(saved, seen.rng[step - 1])

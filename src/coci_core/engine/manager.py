@@ -428,6 +428,7 @@ class CheckpointManager:
             solo=alone,
             n_shared=len(flat.leaves),
             rank_tree=own.tree if own else None,
+            tree_ints=flat.ints,
             layout=digest,
             group=group,
             run=self.run_id,

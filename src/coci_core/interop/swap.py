@@ -2,25 +2,42 @@
 writes a directory (``--format dcp``, ``--format transformers``): an export killed midway, or
 two at once of different steps, leave OUT one whole export, never one step's files under
 another's note or beside another step's files. (A ``.pt`` or ``.safetensors`` file is written
-beside and renamed over OUT: :func:`coci_core.interop.weights.temp_beside`.)"""
+beside and renamed over OUT: :func:`coci_core.interop.weights.temp_beside`.)
+
+The directory beside OUT, ``.OUT.<12 hex digits>.coci-tmp``, is held under an advisory lock
+(``flock``) while its export lives; an export killed midway leaves it unlocked, and the next
+export to the same OUT removes it (after putting back an earlier export that a kill left moved
+aside: :func:`remove_leftovers`)."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
 import errno
+import fcntl
 import os
 import re
 import secrets
 import shutil
 import stat
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 from coci_core.errors import CociError, ConfigError
 
-__all__ = ["EXPORT_MARKS", "directory_beside", "not_an_earlier_export", "swap_in"]
+__all__ = [
+    "EXPORT_MARKS",
+    "directory_beside",
+    "not_an_earlier_export",
+    "remove_leftovers",
+    "swap_in",
+]
+
+#: the name of a directory beside OUT that an export writes (or moves OUT aside into)
+_BESIDE = re.compile(r"\.(?P<out>.+)\.[0-9a-f]{12}\.coci-tmp")
+
+#: False: :func:`swap_in` takes the two renames of a system without ``renameat2`` (tests)
+_EXCHANGE = True
 
 #: the file each directory format writes, by which an OUT that holds files is known as an
 #: earlier export (and may be replaced); a directory without it is refused, never replaced
@@ -60,11 +77,15 @@ def directory_beside(out: Path, fmt: str) -> Iterator[Path]:
     the block ends without an error it is swapped in at ``out`` whole, and what was at ``out``
     is removed. On an error ``out`` is left as it was.
 
+    Leftovers of earlier exports to ``out`` that were killed are removed first
+    (:func:`remove_leftovers`).
+
     Raises:
         ConfigError: ``out`` holds files and is not an earlier export of ``fmt``.
         CociError: no directory can be made beside ``out``.
         OSError: the swap failed.
     """
+    remove_leftovers(out, fmt)
     why = not_an_earlier_export(out, fmt) if out.is_dir() else None
     if why is not None:
         raise ConfigError(
@@ -75,7 +96,7 @@ def directory_beside(out: Path, fmt: str) -> Iterator[Path]:
     # written into in place
     in_place = out.is_dir() and (os.path.ismount(out) or os.path.samefile(out, os.getcwd()))
     try:
-        tmp = _new_directory_beside(out)
+        tmp, lock = _new_directory_beside(out)
     except OSError as e:  # a place no directory can be made (procfs), a full disk
         raise CociError(f"cannot write {out}: {e.strerror or e}") from e
     try:
@@ -88,43 +109,134 @@ def directory_beside(out: Path, fmt: str) -> Iterator[Path]:
             swap_in(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # this export's, or the one it replaced
+        os.close(lock)
 
 
-def _new_directory_beside(out: Path) -> Path:
+def _new_directory_beside(out: Path) -> tuple[Path, int]:
     """A new directory of a name no other has beside ``out``, made as ``mkdir`` makes one
-    (the umask's mode, as OUT made in place had: ``mkdtemp``'s is 0700)."""
+    (the umask's mode, as OUT made in place had: ``mkdtemp``'s is 0700), and a descriptor of
+    it that holds its lock (closing it lets :func:`remove_leftovers` remove the directory)."""
     for _ in range(100):
         name = out.parent / f".{out.name}.{secrets.token_hex(6)}.coci-tmp"
         try:
             name.mkdir()
         except FileExistsError:
             continue
-        return name
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        # waits out another export's removal of it, if any; a file system without locks
+        # (ENOLCK): no export removes one there either
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        if _same(fd, name):
+            return name, fd
+        os.close(fd)  # removed as a leftover between its mkdir and the lock: another name
     raise FileExistsError(errno.EEXIST, "no free name for a directory beside it", str(out))
+
+
+def _same(fd: int, path: Path) -> bool:
+    """Whether ``path`` is still the directory ``fd`` was opened on."""
+    try:
+        here = path.lstat()
+    except FileNotFoundError:
+        return False
+    there = os.fstat(fd)
+    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
+
+
+def remove_leftovers(out: Path, fmt: str) -> list[Path]:
+    """Remove the directories beside ``out`` that exports to ``out`` killed midway left
+    (``.OUT.<12 hex digits>.coci-tmp``, unlocked: one a live export holds is left to it); the
+    ones removed. Where ``out`` is missing and a leftover holds the earlier export of ``fmt``
+    that a kill between :func:`swap_in`'s two renames left moved aside (its ``old``), that
+    export is put back at ``out`` first. Nothing else beside ``out`` is touched; a leftover
+    that cannot be removed (another user's) is left."""
+    out = Path(os.path.abspath(out))
+    try:
+        names = sorted(os.listdir(out.parent))
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        match = _BESIDE.fullmatch(name)
+        if match is None or match["out"] != out.name:
+            continue
+        path = out.parent / name
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError:  # gone, a link, a file of that name: not an export's
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if not _same(fd, path):
+                continue
+            old = path / "old"
+            if not os.path.lexists(out) and _an_export(old, fmt):
+                os.rename(old, out)  # the earlier export, whole, back in its place
+            shutil.rmtree(path)
+            removed.append(path)
+        except OSError:  # a live export's (locked), or one that cannot be removed
+            continue
+        finally:
+            os.close(fd)
+    return removed
+
+
+def _an_export(path: Path, fmt: str) -> bool:
+    """Whether ``path`` is a directory of an export of ``fmt`` (not empty, not a link)."""
+    if path.is_symlink() or not path.is_dir():
+        return False
+    return any(path.iterdir()) and not_an_earlier_export(path, fmt) is None
 
 
 def swap_in(new: Path, out: Path) -> None:
     """Put the directory ``new`` at ``out`` in one step; an ``out`` that was there ends at
     ``new`` (for the caller to remove). Linux's ``renameat2(RENAME_EXCHANGE)`` swaps the two
-    whole; where it is missing, ``out`` is moved aside first (a kill between the two renames
-    leaves the earlier export whole beside it, named ``.OUT.*.coci-tmp``)."""
+    whole; where it is missing, :func:`_swap_by_renames`."""
     try:
         os.rename(new, out)  # no OUT yet (or an empty one): the new one takes its name
         return
     except OSError as e:
         if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
             raise
+    if not (_EXCHANGE and _exchange(new, out)):
+        _swap_by_renames(new, out)
+
+
+def _exchange(new: Path, out: Path) -> bool:
+    """Swap ``new`` and ``out`` with ``renameat2(RENAME_EXCHANGE)``; False where the system or
+    file system has none."""
     renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
-    if renameat2 is not None:
-        at_cwd, exchange = -100, 2  # AT_FDCWD, RENAME_EXCHANGE
-        if renameat2(at_cwd, os.fsencode(new), at_cwd, os.fsencode(out), exchange) == 0:
-            return
-        if ctypes.get_errno() not in (errno.EINVAL, errno.ENOSYS):  # unsupported: move aside
-            raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()), str(out))
-    aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".coci-tmp", dir=out.parent))
-    os.rename(out, aside / "old")
-    os.rename(new, out)
-    os.rename(aside, new)
+    if renameat2 is None:
+        return False
+    at_cwd, exchange = -100, 2  # AT_FDCWD, RENAME_EXCHANGE
+    if renameat2(at_cwd, os.fsencode(new), at_cwd, os.fsencode(out), exchange) == 0:
+        return True
+    if ctypes.get_errno() in (errno.EINVAL, errno.ENOSYS):  # unsupported: move aside
+        return False
+    raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()), str(out))
+
+
+def _swap_by_renames(new: Path, out: Path) -> None:
+    """:func:`swap_in` in two renames: ``out`` moved into a locked directory beside it (as
+    ``old``), then ``new`` renamed to ``out``. A kill between them leaves no ``out``, the
+    earlier export whole in that directory, which the next export puts back before it removes
+    the leftovers (:func:`remove_leftovers`); a failed second rename puts it back at once."""
+    aside, lock = _new_directory_beside(out)
+    try:
+        os.rename(out, aside / "old")
+        try:
+            os.rename(new, out)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.rename(aside / "old", out)
+            raise
+        os.rename(aside, new)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.rmdir(aside)  # only when empty: never the earlier export it may hold
+        raise
+    finally:
+        os.close(lock)
 
 
 def _move_into(new: Path, out: Path) -> None:

@@ -12,7 +12,7 @@ import os
 from typing import Any
 
 from coci_core.errors import ConfigError
-from coci_core.telemetry.report import plural
+from coci_core.telemetry.report_events import plural
 
 __all__ = ["plot_timeline"]
 

@@ -12,6 +12,14 @@ from coci_core.knobs import MAX_SCHEDULE_STEPS, TELEMETRY_PUT_DELAY_S, TELEMETRY
 from coci_core.storage import is_url, open_storage
 from coci_core.telemetry import TELEMETRY_FILE
 from coci_core.telemetry.records import read_records, skipped_line, split_runs
+from coci_core.telemetry.report_events import (
+    SESSION_STARTS,
+    notices,
+    num,
+    plural,
+    preemption_line,
+    uploads_line,
+)
 
 __all__ = [
     "MTBF_SOURCES",
@@ -69,10 +77,6 @@ COMPARE_MAX_STEPS = MAX_SCHEDULE_STEPS
 
 #: The records that say the run reached their step.
 STEP_RECORDS = ("loss", "plan", "save", "progress", "end", "preemption")
-
-#: The records that start a new session of the run: a restore, or a ``start`` over from
-#: step 0 after a session that failed before its first checkpoint.
-SESSION_STARTS = ("restore", "start")
 
 
 def _step(r: dict[str, Any]) -> int | None:
@@ -351,10 +355,6 @@ def termination_effect(summary: RunSummary) -> dict[str, float] | None:
     }
 
 
-def plural(n: int, noun: str) -> str:
-    return f"{n} {noun}" + ("" if n == 1 else "s")
-
-
 def render_facts(f: dict[str, Any]) -> list[str]:
     """:func:`facts` as lines of text."""
     saves = f["committed"] + f["failed"]
@@ -404,14 +404,6 @@ def _ms(values: list[Any]) -> str:
     return f"{1e3 * statistics.median(known):.1f} ms" if known else "-"
 
 
-def _num(value: Any, spec: str, scale: float = 1.0, unknown: str = "-") -> str:
-    """``value * scale`` formatted by ``spec``; ``unknown`` for a missing (None) value, which
-    telemetry writes for a non-finite or not yet measured one."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return unknown
-    return format(value * scale, spec)
-
-
 def render(
     summary: RunSummary, *, tensorboard_dir: str | None = None, with_overhead: bool = True
 ) -> str:
@@ -439,25 +431,25 @@ def render(
     lines.append(f"{'step':>8} {'stall ms':>10} {'persist ms':>11} {'durable ms':>11} {'MB':>9}")
     for s in summary.committed:
         lines.append(
-            f"{s['step']:>8} {_num(s.get('stall_s'), '.2f', 1e3):>10} "
-            f"{_num(s.get('persist_s'), '.2f', 1e3):>11} "
-            f"{_num(s.get('time_to_durable_s'), '.2f', 1e3):>11} "
-            f"{_num(s.get('bytes_written'), '.2f', 1e-6):>9}"
+            f"{s['step']:>8} {num(s.get('stall_s'), '.2f', 1e3):>10} "
+            f"{num(s.get('persist_s'), '.2f', 1e3):>11} "
+            f"{num(s.get('time_to_durable_s'), '.2f', 1e3):>11} "
+            f"{num(s.get('bytes_written'), '.2f', 1e-6):>9}"
         )
     lines.append(
         f"median stall {_ms([s.get('stall_s') for s in summary.committed])}, "
         f"median persist {_ms([s.get('persist_s') for s in summary.committed])}"
     )
     if summary.uploads:
-        lines.append(_uploads_line(summary.uploads))
+        lines.append(uploads_line(summary.uploads))
     for notice in summary.preemptions:
         lines.append(preemption_line(notice))
     for resume in summary.resumes:
-        lines.append(_restart_line(summary, resume))
+        lines.append(restart_line(summary, resume))
     plan = summary.last_plan
     if plan is not None:
         lines.append("")
-        mtbf = _num(plan.get("mtbf_s"), ".0f", unknown="")
+        mtbf = num(plan.get("mtbf_s"), ".0f", unknown="")
         source = plan.get("mtbf_source")
         lines.append(
             f"plan: policy {plan.get('policy') or '?'}, objective "
@@ -469,7 +461,7 @@ def render(
         if overhead:
 
             def cost(key: str) -> str:
-                return _num(overhead.get(key), ".1f", unknown="?")
+                return num(overhead.get(key), ".1f", unknown="?")
 
             lines.append(
                 f"expected overhead over the horizon: plan {cost('wall_s')} s wall-clock "
@@ -524,7 +516,7 @@ def _plan_when(plan: dict[str, Any]) -> str:
     return f"no checkpoint planned after step {plan['step']} (the run's end, or its final save)"
 
 
-def _restart_line(summary: RunSummary, resume: Restart) -> str:
+def restart_line(summary: RunSummary, resume: Restart) -> str:
     """One restore: what it read, the whole restart, and the work lost (or that the run went
     on from where it ended)."""
     r = summary.records[resume.index]
@@ -538,7 +530,7 @@ def _restart_line(summary: RunSummary, resume: Restart) -> str:
     took = (
         ""
         if whole is None
-        else f"; first step {_num(whole.get('seconds'), '.1f', unknown='?')} s after "
+        else f"; first step {num(whole.get('seconds'), '.1f', unknown='?')} s after "
         f"{whole.get('since', 'process start')}"
     )
     parts = ", ".join(
@@ -552,7 +544,7 @@ def _restart_line(summary: RunSummary, resume: Restart) -> str:
         if isinstance(r.get(key), (int, float)) and r[key] > 0
     )
     restored = (
-        f"restored step {r['step']} in {_num(r.get('seconds'), '.2f', unknown='?')} s"
+        f"restored step {r['step']} in {num(r.get('seconds'), '.2f', unknown='?')} s"
         f"{f' ({parts} s)' if parts else ''}{took}"
     )
     if not resume.failure:
@@ -569,81 +561,3 @@ def _restart_line(summary: RunSummary, resume: Restart) -> str:
         f"restart: {restored}; the run had reached step {resume.failed_at}: "
         f"{plural(resume.lost_steps, 'step')} of work lost and redone"
     )
-
-
-def notices(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The preemption records, one per notice: the record written at a notice's decision,
-    before its save (``pending``), is replaced by its outcome's record when the session
-    wrote one; alone, it is a notice whose process ended (a SIGKILL) before that."""
-    shown: list[dict[str, Any]] = []
-    waiting: dict[tuple[Any, Any], int] = {}  # this session's pending records -> index
-    for r in records:
-        if r.get("type") in SESSION_STARTS:
-            waiting = {}
-        if r.get("type") != "preemption":
-            continue
-        key = (r.get("step"), r.get("noticed_at"))
-        if r.get("pending"):
-            waiting[key] = len(shown)
-            shown.append(r)
-        elif key in waiting:
-            shown[waiting.pop(key)] = r
-        else:
-            shown.append(r)
-    return shown
-
-
-def preemption_line(r: dict[str, Any]) -> str:
-    """One preemption notice: when it came, the time left, and the step saved (and how long
-    the save took) or why none was."""
-    noticed_at = r.get("noticed_at")
-    if noticed_at is None or noticed_at == r["step"]:
-        head = (
-            f"preemption notice ({r.get('source') or '?'}) at step {r['step']}, "
-            f"{_num(r.get('time_left_s'), '.1f', unknown='?')} s left"
-        )
-    else:  # a known end far enough ahead: the save moved to its last step that fits, or a
-        # later notice (a SIGTERM) took it at once on the way
-        source = r.get("source") or "?"
-        first = r.get("noticed_source") or source
-        left = _num(r.get("time_left_s"), ".1f", unknown="?")
-        head = (
-            f"preemption notice ({first}) at step {noticed_at}, "
-            f"{_num(r.get('noticed_left_s'), '.1f', unknown='?')} s left: "
-            + (
-                f"the save moved to step {r['step']}, {left} s left"
-                if first == source
-                else f"then {source} at step {r['step']}, {left} s left"
-            )
-        )
-    saved = r.get("saved")
-    if saved is not None:
-        took = _num(r.get("save_s"), ".2f", unknown="?")
-        return f"{head}: saved step {saved} (the save took {took} s)"
-    if r.get("save") and r.get("pending"):
-        why = (
-            "the process ended before the save was durable (killed before the deadline "
-            "coci was given?)"
-        )
-    elif r.get("save"):
-        why = "the save did not finish before the deadline"
-    else:
-        why = r.get("reason") or "no reason recorded"
-    return f"{head}: not saved: {why}"
-
-
-def _uploads_line(uploads: list[dict[str, Any]]) -> str:
-    """The remote tier in one line: steps uploaded, the newest, failed attempts."""
-    done = [u for u in uploads if u.get("outcome") == "committed"]
-    failed = [u for u in uploads if u.get("outcome") == "failed"]
-    line = f"remote tier: {plural(len(done), 'checkpoint')} uploaded"
-    if done:
-        median = statistics.median(_float(u.get("seconds")) or 0.0 for u in done)
-        line += f", newest step {done[-1]['step']} (median {_num(median, '.2f')} s each)"
-    if failed:
-        last = failed[-1]
-        line += f"; {plural(len(failed), 'failed attempt')}, the last at step {last['step']}: "
-        line += str(last.get("error") or "?")
-        if not done or done[-1]["step"] < last["step"]:
-            line += " (not uploaded since)"
-    return line

@@ -24,15 +24,13 @@ from coci_core.storage.local import open_regular
 from coci_core.telemetry.events import TELEMETRY_FILE
 from coci_core.telemetry.records import skipped_line
 from coci_core.telemetry.report import (
-    SESSION_STARTS,
     STEP_RECORDS,
     RunSummary,
     earlier_runs_lines,
     facts,
-    notices,
-    preemption_line,
     summarize,
 )
+from coci_core.telemetry.report_events import SESSION_STARTS, notices, preemption_line
 from coci_core.telemetry.summary import compression_ratio
 
 __all__ = [

@@ -346,15 +346,24 @@ class Manifest:
     def has_ints(self) -> bool:
         """Whether a state tree (a rank's own, where the adapters keep Python's random state,
         looked at first; or the shared one) holds an ``ints`` node."""
-        return any(holds_ints(r.tree) for r in self.per_rank) or holds_ints(self.tree)
+        return self._has_ints(None)
 
-    def to_json(self) -> bytes:
+    def _has_ints(self, tree_ints: bool | None) -> bool:
+        """:attr:`has_ints`, the shared tree walked only where ``tree_ints`` does not say
+        whether it holds one (None)."""
+        if any(holds_ints(r.tree) for r in self.per_rank):
+            return True
+        return tree_ints if tree_ints is not None else holds_ints(self.tree)
+
+    def to_json(self, *, tree_ints: bool | None = None) -> bytes:
         """The manifest as UTF-8 JSON, with its checksum as the last field (format 3; 4 when
-        an array is stored as boxes; 5 when a state tree holds an ``ints`` node)."""
+        an array is stored as boxes; 5 when a state tree holds an ``ints`` node).
+        ``tree_ints``: whether the shared tree holds one, as the flatten that made it said
+        (None: the tree is walked to find out)."""
         doc = self.to_dict()
         doc["format_version"] = (
             INTS_FORMAT_VERSION
-            if self.has_ints
+            if self._has_ints(tree_ints)
             else BOXES_FORMAT_VERSION
             if self.has_boxes
             else FORMAT_VERSION

@@ -102,6 +102,9 @@ class ArrayLeaf:
     # the array's stored boxes when a part of it is not whole rows (see regions.stored_boxes);
     # ``global_start`` is then this part's first byte in those boxes' bytes
     boxes: tuple[Region, ...] | None = None
+    # made anew from another array at each save (a random state's tensor, a numpy array):
+    # a snapshot's copy runs keep no view of it (see FlattenCache)
+    moves: bool = dataclasses.field(default=False, compare=False)
 
     @property
     def nbytes(self) -> int:
@@ -124,13 +127,16 @@ class FlatState:
     """A state split into its JSON tree and its array leaves (in tree order).
 
     ``layout``: the same object for every flatten of one :class:`FlattenCache` whose leaves
-    have the same tensors' layout (addresses, dtypes, shapes, strides, devices), None when
-    that is not known (no cache, or leaves the cache does not keep).
+    have the same tensors' layout (addresses, dtypes, shapes, strides, devices; a leaf marked
+    ``moves`` may be at another address each time), None when that is not known (no cache, or
+    leaves the cache does not keep).
     """
 
     tree: Any
     leaves: tuple[ArrayLeaf, ...]
     layout: object | None = None
+    #: whether ``tree`` holds an ``ints`` node (a long list of ints)
+    ints: bool = False
 
 
 def _fingerprint(t: torch.Tensor) -> tuple[Any, ...]:
@@ -216,10 +222,16 @@ class FlattenCache:
     (those of the very same tensor objects whole), and checks no tensor again; every other
     value is encoded anew each time.
 
-    Kept only for states whose leaves are all plain strided tensors or DTensors (no numpy
-    arrays or ``torch.save``'d values); a DTensor's fingerprint adds its global shape,
-    placements, mesh shape and coordinate to its local tensor's. Not thread-safe: one flatten
-    at a time.
+    A plain tensor that made a leaf of its own may come back at another address with the same
+    layout (a random state, ``torch.get_rng_state()``, is a new tensor at each save), where
+    its new fingerprint is none the cache met (so no tie between tensors is made or undone);
+    a numpy array (``numpy.random.get_state()``'s) is known by its dtype and shape. Their
+    leaves are made anew and marked ``moves``; the layout token stays the same once every
+    leaf that moves is marked so (a leaf newly found moving gives a new one).
+
+    Kept only for states whose leaves are all plain strided tensors, DTensors or numpy arrays
+    (no ``torch.save``'d values); a DTensor's fingerprint adds its global shape, placements,
+    mesh shape and coordinate to its local tensor's. Not thread-safe: one flatten at a time.
     """
 
     def __init__(self) -> None:
@@ -228,9 +240,13 @@ class FlattenCache:
         self.nodes: list[dict[str, Any]] = []
         # for each leaf, the index of the first tensor met that makes it
         self.firsts: list[int] = []
+        # the leaf each of ``firsts`` made, and every fingerprint met
+        self.leaf_of: dict[int, int] = {}
+        self.known: frozenset[tuple[Any, ...]] = frozenset()
         self.leaves: tuple[ArrayLeaf, ...] = ()
-        # for each leaf, the tensor it was made from (a DTensor's: its local tensor) and how
-        self.sources: list[torch.Tensor] = []
+        # for each leaf, the tensor it was made from (a DTensor's: its local tensor; a numpy
+        # array) and how
+        self.sources: list[Any] = []
         self.makers: list[_Maker] = []
         self.layout: object | None = None
 
@@ -239,12 +255,14 @@ class FlattenCache:
         keep = flattener.plain
         self.fingerprints, self.keys, self.nodes = flattener.met if keep else ([], [], [])
         self.firsts = flattener.firsts if keep else []
+        self.leaf_of = {m: j for j, m in enumerate(self.firsts)}
+        self.known = frozenset(self.fingerprints)
         self.makers = flattener.makers if keep else []
         self.keep_leaves(tuple(flattener.leaves) if keep else (), flattener.sources if keep else [])
         self.layout = object() if keep else None
         return self.layout
 
-    def keep_leaves(self, leaves: tuple[ArrayLeaf, ...], sources: list[torch.Tensor]) -> None:
+    def keep_leaves(self, leaves: tuple[ArrayLeaf, ...], sources: list[Any]) -> None:
         self.leaves = leaves
         self.sources = sources
 
@@ -257,14 +275,18 @@ class _Flattener:
         self._depth = 0
         # Recording for a FlattenCache: every plain tensor met, and whether all leaves were.
         self.plain = True
+        self.ints = False  # an ``ints`` node was made
         self.met: tuple[list[tuple[Any, ...]], list[str], list[dict[str, Any]]] = ([], [], [])
         self.firsts: list[int] = []
-        self.sources: list[torch.Tensor] = []
+        self.sources: list[Any] = []
         self.makers: list[_Maker] = []
         # Replaying a FlattenCache: the tensors met so far (each must match the cache's; a
-        # DTensor's local tensor stands for it).
+        # DTensor's local tensor stands for it), the leaves made anew from arrays that moved
+        # and those arrays' fingerprints.
         self._cache = cache
-        self.tensors: list[torch.Tensor] = []
+        self.tensors: list[Any] = []
+        self.moved: list[int] = []
+        self._moved: set[tuple[Any, ...]] = set()
 
     def _enter(self, key: str) -> None:
         # Containers nested deeper than a manifest may hold are refused here, at save time.
@@ -282,6 +304,7 @@ class _Flattener:
         kind: LeafKind,
         numpy_dtype: str | None = None,
         shard: tuple[tuple[int, ...], int, tuple[Region, ...] | None] | None = None,
+        moves: bool = False,
     ) -> Any:
         alias = _fingerprint(t) if kind == "tensor" and t.numel() else None
         if alias is not None and alias in self._aliases:
@@ -297,6 +320,7 @@ class _Flattener:
                 global_shape=global_shape,
                 global_start=global_start,
                 boxes=boxes,
+                moves=moves,
             )
         )
         if alias is not None:
@@ -304,8 +328,11 @@ class _Flattener:
         return {"t": kind, "id": index}
 
     def encode(self, value: Any, key: str) -> Any:
-        if self._cache is not None and type(value) in _PLAIN_TENSORS:
-            return self._replay_tensor(value, key)
+        if self._cache is not None:
+            if type(value) in _PLAIN_TENSORS:
+                return self._replay_tensor(value, key)
+            if type(value) is np.ndarray:
+                return self._replay_ndarray(value, key)
         if value is None or type(value) in (bool, str):
             return value
         if isinstance(value, str) and not isinstance(value, enum.Enum):
@@ -344,6 +371,7 @@ class _Flattener:
             if len(value) >= INT_LIST_MIN:
                 ints = encode_ints(value)  # a long list of ints: compact, in the tree
                 if ints is not None:
+                    self.ints = True
                     return ints
             self._enter(key)
             try:
@@ -440,7 +468,7 @@ class _Flattener:
         key: str,
         node: Any,
         leaves: int,
-        source: torch.Tensor,
+        source: Any,
         maker: _Maker,
     ) -> None:
         """Note a tensor met for a FlattenCache (with the leaf it made, when it made one)."""
@@ -459,9 +487,44 @@ class _Flattener:
         cache = self._cache
         assert cache is not None
         i = len(self.tensors)
-        if i >= len(cache.keys) or cache.keys[i] != key or cache.fingerprints[i] != _fingerprint(t):
+        if i >= len(cache.keys) or cache.keys[i] != key:
             raise _Miss
+        fingerprint = _fingerprint(t)
+        if cache.fingerprints[i] != fingerprint:
+            self._moves(i, fingerprint)
         self.tensors.append(t)
+        return cache.nodes[i]
+
+    def _moves(self, i: int, fingerprint: tuple[Any, ...]) -> None:
+        """The tensor met ``i``-th is laid out as the cache's but at another address: a leaf
+        made anew, when it made a leaf of its own and now ties with no other tensor (its new
+        fingerprint is none the cache met, nor another moved one's); else :class:`_Miss`."""
+        cache = self._cache
+        assert cache is not None
+        j = cache.leaf_of.get(i)
+        if (
+            j is None
+            or cache.fingerprints[i][1:] != fingerprint[1:]
+            or fingerprint in cache.known
+            or fingerprint in self._moved
+        ):
+            raise _Miss
+        self._moved.add(fingerprint)
+        self.moved.append(j)
+
+    def _replay_ndarray(self, a: np.ndarray, key: str) -> Any:
+        """:meth:`_replay_tensor` for a numpy array: its leaf is made anew each time."""
+        cache = self._cache
+        assert cache is not None
+        i = len(self.tensors)
+        if (
+            i >= len(cache.keys)
+            or cache.keys[i] != key
+            or cache.fingerprints[i] != _ndarray_fingerprint(a)
+        ):
+            raise _Miss
+        self.tensors.append(a)
+        self.moved.append(cache.leaf_of[i])
         return cache.nodes[i]
 
     def _replay_dtensor(self, t: Any, key: str) -> Any:
@@ -516,12 +579,17 @@ class _Flattener:
         return node
 
     def _encode_ndarray(self, a: np.ndarray, key: str) -> Any:
-        self.plain = False
         name = a.dtype.str
         if a.dtype.kind not in "biufc" or a.dtype.byteorder == ">" or name not in NDARRAY_DTYPES:
             return self._fallback(a, key, why=f"numpy dtype {a.dtype} is not stored")
-        data = np.ascontiguousarray(a).view(np.dtype(name))  # e.g. ulonglong as uint64
-        return self.add_leaf(key, torch.from_numpy(data), "ndarray", name)
+        maker = _FromNumpy(name)
+        leaves = len(self.leaves)
+        node = self.add_leaf(key, maker(a), "ndarray", name, moves=True)
+        if type(a) is np.ndarray:
+            self._record(_ndarray_fingerprint(a), key, node, leaves, a, maker)
+        else:  # a subclass (a memmap, a matrix): encoded anew each time
+            self.plain = False
+        return node
 
     def _encode_dict(self, d: Mapping[Any, Any], key: str) -> Any:
         node: dict[str, Any] = {"t": "odict" if type(d) is OrderedDict else "dict"}
@@ -644,6 +712,24 @@ def _no_data(t: torch.Tensor) -> str | None:
     return None
 
 
+def _ndarray_fingerprint(a: np.ndarray) -> tuple[Any, ...]:
+    """What a numpy array's leaf and tree node depend on (its leaf is made anew each time)."""
+    return ("ndarray", a.dtype.str, a.shape)
+
+
+class _FromNumpy:
+    """Makes a numpy array's leaf: its bytes as a tensor (a copy when it is not contiguous)."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __call__(self, a: np.ndarray) -> torch.Tensor:
+        data = np.ascontiguousarray(a).view(np.dtype(self.name))  # e.g. ulonglong as uint64
+        return torch.from_numpy(data)
+
+
 def _detached(t: torch.Tensor) -> torch.Tensor:
     """``t`` without autograd history (itself when it has none)."""
     return t if type(t) is torch.Tensor and not t.requires_grad else t.detach()
@@ -657,17 +743,25 @@ def _replay(state: dict[str, Any], cache: FlattenCache, allow_torch_save: bool) 
     if len(met) != len(cache.keys) or flattener.leaves:
         raise _Miss  # fewer tensors, or a value that made a leaf of its own
     sources = [met[i] for i in cache.firsts]
-    if not all(map(operator.is_, sources, cache.sources)):  # new tensor objects, same layout
+    moved = set(flattener.moved)
+    # new tensor objects, same layout; or arrays that moved (a parameter whose .data was
+    # replaced is the same object: its leaf, a detached view, is made anew all the same)
+    if moved or not all(map(operator.is_, sources, cache.sources)):
+        newly = any(not cache.leaves[j].moves for j in moved)
         cache.keep_leaves(
             tuple(
-                leaf if new is old else dataclasses.replace(leaf, tensor=make(new))
-                for leaf, new, old, make in zip(
-                    cache.leaves, sources, cache.sources, cache.makers, strict=True
+                leaf
+                if new is old and j not in moved
+                else dataclasses.replace(leaf, tensor=make(new), moves=leaf.moves or j in moved)
+                for j, (leaf, new, old, make) in enumerate(
+                    zip(cache.leaves, sources, cache.sources, cache.makers, strict=True)
                 )
             ),
             sources,
         )
-    return FlatState(tree=tree, leaves=cache.leaves, layout=cache.layout)
+        if newly:  # copy runs planned with a view of its old memory are planned again
+            cache.layout = object()
+    return FlatState(tree=tree, leaves=cache.leaves, layout=cache.layout, ints=flattener.ints)
 
 
 def flatten_state(
@@ -692,4 +786,4 @@ def flatten_state(
     flattener = _Flattener(allow_torch_save)
     tree = flattener.encode(dict(state), "")
     layout = cache.store(flattener) if cache is not None else None
-    return FlatState(tree=tree, leaves=tuple(flattener.leaves), layout=layout)
+    return FlatState(tree=tree, leaves=tuple(flattener.leaves), layout=layout, ints=flattener.ints)

@@ -83,6 +83,7 @@ class PersistJob:
     seq: int = 0  # the save's number in its session (the same on every rank)
     solo: bool = False  # rank 0 saves alone (not counted in ``seq``)
     rank_tree: Any = None
+    tree_ints: bool | None = None  # whether ``tree`` holds an ``ints`` node (None: unknown)
     layout: str = ""
     group: RankGroup = field(default_factory=RankGroup.single)
     run: str = ""  # the run the checkpoint belongs to (see CheckpointManager.run_id)
@@ -402,7 +403,7 @@ def _manifest_json(
         manifest.sequence,
         job.version,
     )
-    return manifest.to_json(), head
+    return manifest.to_json(tree_ints=job.tree_ints), head
 
 
 def write_checkpoint(

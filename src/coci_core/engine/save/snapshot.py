@@ -144,7 +144,8 @@ def _byte_view(t: torch.Tensor) -> torch.Tensor | None:
 class CopyRuns:
     """A snapshot's copy as one ``torch.cat`` per run of small slots that lie end to end in the
     arena, from byte views of the leaves made once (valid while the leaves keep their memory:
-    the flatten's layout token says so), and one ``torch._foreach_copy_`` for the others."""
+    the flatten's layout token says so; none of a leaf that ``moves``), and one
+    ``torch._foreach_copy_`` for the others."""
 
     arena: Arena
     runs: tuple[tuple[torch.Tensor, list[torch.Tensor]], ...]
@@ -160,7 +161,9 @@ class CopyRuns:
         end = -1  # one past the last byte of the current run
         for i in sorted(range(len(slots)), key=lambda i: slots[i].offset):
             slot = slots[i]
-            view = None if slot.nbytes > PACKED_COPY_BYTES else _byte_view(leaves[slot.leaf].tensor)
+            leaf = leaves[slot.leaf]
+            small = slot.nbytes <= PACKED_COPY_BYTES and not leaf.moves  # moves: copied anew
+            view = _byte_view(leaf.tensor) if small else None
             if view is None or view.numel() != slot.nbytes:
                 rest.append(i)
                 continue
