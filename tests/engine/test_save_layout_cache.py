@@ -135,11 +135,12 @@ def test_random_states_made_anew_at_each_save_hit_the_cache() -> None:
     ("before", "after"),
     [
         (lambda a, b: {"a": a, "b": a}, lambda a, b: {"a": a, "b": a.clone()}),  # untied
+        (lambda a, b: {"a": a, "b": a}, lambda a, b: {"a": a.clone(), "b": a}),  # first moves
         (lambda a, b: {"a": a, "b": b}, lambda a, b: {"a": a.clone(), "b": b}),  # moved: hit
         (lambda a, b: {"a": a, "b": b}, lambda a, b: dict.fromkeys("ab", a.clone())),  # tied
         (lambda a, b: {"a": a, "b": b}, lambda a, b: {"a": b, "b": b}),  # onto b's address
     ],
-    ids=["untied", "moved", "both-onto-one", "onto-another"],
+    ids=["untied", "first-untied", "moved", "both-onto-one", "onto-another"],
 )
 def test_a_tensor_that_moves_neither_makes_nor_undoes_a_tie(before: Any, after: Any) -> None:
     """A tensor at a new address hits the cache only where it made a leaf of its own and ties

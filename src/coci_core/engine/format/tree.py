@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import collections
 import dataclasses
 import enum
 import functools
@@ -240,9 +241,11 @@ class FlattenCache:
         self.nodes: list[dict[str, Any]] = []
         # for each leaf, the index of the first tensor met that makes it
         self.firsts: list[int] = []
-        # the leaf each of ``firsts`` made, and every fingerprint met
+        # the leaf each of ``firsts`` made, every fingerprint met, and the tensors met that
+        # others tie to (met again under another key: they cannot move alone)
         self.leaf_of: dict[int, int] = {}
         self.known: frozenset[tuple[Any, ...]] = frozenset()
+        self.tied: frozenset[int] = frozenset()
         self.leaves: tuple[ArrayLeaf, ...] = ()
         # for each leaf, the tensor it was made from (a DTensor's: its local tensor; a numpy
         # array) and how
@@ -257,6 +260,8 @@ class FlattenCache:
         self.firsts = flattener.firsts if keep else []
         self.leaf_of = {m: j for j, m in enumerate(self.firsts)}
         self.known = frozenset(self.fingerprints)
+        counts = collections.Counter(self.fingerprints)
+        self.tied = frozenset(i for i in self.firsts if counts[self.fingerprints[i]] > 1)
         self.makers = flattener.makers if keep else []
         self.keep_leaves(tuple(flattener.leaves) if keep else (), flattener.sources if keep else [])
         self.layout = object() if keep else None
@@ -497,13 +502,15 @@ class _Flattener:
 
     def _moves(self, i: int, fingerprint: tuple[Any, ...]) -> None:
         """The tensor met ``i``-th is laid out as the cache's but at another address: a leaf
-        made anew, when it made a leaf of its own and now ties with no other tensor (its new
-        fingerprint is none the cache met, nor another moved one's); else :class:`_Miss`."""
+        made anew, when it made a leaf of its own that no other tensor tied to and now ties with
+        no other (its new fingerprint is none the cache met, nor another moved one's); else
+        :class:`_Miss`."""
         cache = self._cache
         assert cache is not None
         j = cache.leaf_of.get(i)
         if (
             j is None
+            or i in cache.tied
             or cache.fingerprints[i][1:] != fingerprint[1:]
             or fingerprint in cache.known
             or fingerprint in self._moved
