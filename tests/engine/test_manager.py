@@ -118,6 +118,14 @@ def test_steps_kept_also_stay_besides_keep_last(tmp_path: Path) -> None:
         assert mgr.steps() == [3, 4]
 
 
+@pytest.mark.parametrize("steps", [5, "12", [1.0], [-1], [2**63], [True], None])
+def test_keep_also_refuses_what_is_no_steps_by_name(tmp_path: Path, steps: Any) -> None:
+    with CheckpointManager(tmp_path) as mgr:
+        with pytest.raises(ConfigError, match=r"'steps' must be an iterable of step numbers"):
+            mgr.keep_also(steps)
+        assert mgr.kept_also == frozenset()
+
+
 def test_on_busy_skip_and_wait(tmp_path: Path) -> None:
     """While a persist runs, on_busy='skip' skips the save and says so; 'wait' waits."""
     held = HeldStorage(LocalStorage(tmp_path / "skip"))

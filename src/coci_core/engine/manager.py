@@ -704,7 +704,12 @@ class CheckpointManager:
         before): retention, and a full disk's early removal, leave them. An adapter's best
         model's step (``load_best_model_at_end``), as the Trainer's rotation always keeps its
         best checkpoint besides the newest ``save_total_limit``."""
-        self._writer.also_keep = frozenset(int(s) for s in steps)
+        kept = list(steps) if isinstance(steps, Iterable) and not isinstance(steps, str) else None
+        if kept is None or not all(type(s) is int and 0 <= s < 2**63 for s in kept):
+            raise ConfigError(
+                f"'steps' must be an iterable of step numbers (integers in [0, 2**63)): {steps!r}"
+            )
+        self._writer.also_keep = frozenset(kept)
 
     @property
     def kept_also(self) -> frozenset[int]:
