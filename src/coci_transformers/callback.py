@@ -848,6 +848,12 @@ def _check_resume_path(resume: str | os.PathLike[str]) -> None:
                 "newest checkpoint-N), that coci directory, or one of its checkpoint-N"
             )
         return  # a Trainer checkpoint-N, read by the Trainer
+    if os.path.exists(resume):  # a file: a checkpoint's weights, a step's manifest
+        raise ConfigError(
+            f"resume_from_checkpoint={str(resume)!r} is a file, not a checkpoint: give the "
+            "directory of a checkpoint (a coci step directory or a Trainer checkpoint-N), a "
+            "coci directory (its newest intact step) or True"
+        )
     parent = os.path.dirname(os.path.abspath(resume))
     if coci_directory(parent):
         raise ConfigError(

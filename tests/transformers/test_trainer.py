@@ -132,6 +132,12 @@ def test_a_resume_path_that_does_not_exist_is_refused_by_name(tmp_path: Path) ->
     with pytest.raises(ConfigError, match="not a committed checkpoint of the coci directory"):
         train(tmp_path / "c", 4, resume=str(missing))
     assert not (tmp_path / "c" / "coci").exists()
+    # a file (a step's manifest): named as one, not as a path that does not exist
+    manifest = tmp_path / "b" / "coci" / "step-0000000003" / "manifest.json"
+    assert manifest.is_file()
+    with pytest.raises(ConfigError, match=r"manifest.json' is a file, not a checkpoint"):
+        train(tmp_path / "c", 4, resume=str(manifest))
+    assert not (tmp_path / "c" / "coci").exists()
     # the run's output_dir itself (its coci directory inside): not a checkpoint
     with pytest.raises(ConfigError, match="is a run's output directory, not a checkpoint"):
         train(tmp_path / "d", 4, resume=str(tmp_path / "b"))
