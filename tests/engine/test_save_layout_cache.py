@@ -389,6 +389,10 @@ out["rebuilt"] = (
     and same.leaves[0].tensor is not base.leaves[0].tensor
     and same.leaves[0].tensor.data_ptr() == a._local_tensor.data_ptr()
 )
+# a plain tensor over the replicated DTensor's memory, then replaced alone: b keeps its bytes
+flatten_state({"p": b._local_tensor, "q": b}, cache=cache)
+replaced = flatten_state({"p": torch.zeros(5), "q": b}, cache=cache)
+out["tie_undone"] = [leaf.tensor.tolist() for leaf in replaced.leaves]
 with CheckpointManager(tempfile.mkdtemp(), group=RankGroup.from_torch_distributed()) as mgr:
     mgr.save(1, {"a": a}).wait()
     a._local_tensor.add_(1.0)  # written in place between saves
@@ -401,12 +405,16 @@ dist.destroy_process_group()
 
 def test_dtensor_states_reuse_the_flatten_and_miss_on_any_change() -> None:
     """DTensors keep the cached flatten while their layout (local memory, placements, mesh)
-    stays; any change is a miss; new DTensor objects over the same memory get new leaves."""
+    stays; any change is a miss; new DTensor objects over the same memory get new leaves; a
+    plain tensor a DTensor ties to does not move alone."""
     result = run(script(_DTENSOR_CHILD, str(free_port())), timeout_s=120)
     assert result.returncode == 0, result.stderr[-2000:]
     (line,) = [ln for ln in result.stdout.splitlines() if ln.startswith("RESULT ")]
     out = json.loads(line[len("RESULT ") :])
     assert out["hit"] and out["n"] == 2
     assert out["placements_miss"] and out["memory_miss"] and out["rebuilt"]
+    # a plain tensor that a replicated DTensor tied to (its fingerprint another's) moved
+    # alone: before, the DTensor's node named the plain tensor's leaf, saved with its new bytes
+    assert out["tie_undone"] == [[0.0] * 5, [1.0] * 5]
     first = torch.arange(12.0).reshape(3, 4)
     assert out["values"] == [first.tolist(), (first + 1).tolist()]

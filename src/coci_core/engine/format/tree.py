@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import base64
-import collections
 import dataclasses
 import enum
 import functools
@@ -260,8 +259,10 @@ class FlattenCache:
         self.firsts = flattener.firsts if keep else []
         self.leaf_of = {m: j for j, m in enumerate(self.firsts)}
         self.known = frozenset(self.fingerprints)
-        counts = collections.Counter(self.fingerprints)
-        self.tied = frozenset(i for i in self.firsts if counts[self.fingerprints[i]] > 1)
+        # by the leaf the others' nodes name, not by equal fingerprints: a replicated DTensor
+        # over a plain tensor's memory ties to its leaf with a fingerprint of its own
+        shared = {node["id"] for i, node in enumerate(self.nodes) if i not in self.leaf_of}
+        self.tied = frozenset(i for i, j in self.leaf_of.items() if j in shared)
         self.makers = flattener.makers if keep else []
         self.keep_leaves(tuple(flattener.leaves) if keep else (), flattener.sources if keep else [])
         self.layout = object() if keep else None
