@@ -428,10 +428,11 @@ def test_an_export_killed_between_the_two_renames_loses_nothing_and_is_cleaned_u
 def test_a_leftover_holding_no_export_is_not_put_in_outs_place(tmp_path: Path) -> None:
     """Only an earlier export of the format is put back at a missing OUT: a directory of
     other files in a leftover's ``old`` (planted, or of another format) is not made OUT
-    (where the export would then refuse it), only removed with the leftover."""
+    (where the export would then refuse it), nor removed: it may be the only copy of what was
+    at OUT."""
     out = tmp_path / "out_dcp"
     planted = tmp_path / ".out_dcp.00000000abcd.coci-tmp" / "old"
     planted.mkdir(parents=True)
     (planted / "thesis.tex").write_text("not an export")
-    assert remove_leftovers(out, "dcp") == [planted.parent]
-    assert not out.exists() and not planted.parent.exists()
+    assert remove_leftovers(out, "dcp") == []
+    assert not out.exists() and (planted / "thesis.tex").read_text() == "not an export"

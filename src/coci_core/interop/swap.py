@@ -122,7 +122,10 @@ def _new_directory_beside(out: Path) -> tuple[Path, int]:
             name.mkdir()
         except FileExistsError:
             continue
-        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except FileNotFoundError:  # removed as a leftover by another export before its lock
+            continue
         # waits out another export's removal of it, if any; a file system without locks
         # (ENOLCK): no export removes one there either
         with contextlib.suppress(OSError):
@@ -148,8 +151,9 @@ def remove_leftovers(out: Path, fmt: str) -> list[Path]:
     (``.OUT.<12 hex digits>.coci-tmp``, unlocked: one a live export holds is left to it); the
     ones removed. Where ``out`` is missing and a leftover holds the earlier export of ``fmt``
     that a kill between :func:`swap_in`'s two renames left moved aside (its ``old``), that
-    export is put back at ``out`` first. Nothing else beside ``out`` is touched; a leftover
-    that cannot be removed (another user's) is left."""
+    export is put back at ``out`` first; one whose ``old`` is anything else (another format's
+    export) is left as it is. Nothing else beside ``out`` is touched; a leftover that cannot
+    be removed (another user's) is left."""
     out = Path(os.path.abspath(out))
     try:
         names = sorted(os.listdir(out.parent))
@@ -170,7 +174,9 @@ def remove_leftovers(out: Path, fmt: str) -> list[Path]:
             if not _same(fd, path):
                 continue
             old = path / "old"
-            if not os.path.lexists(out) and _an_export(old, fmt):
+            if not os.path.lexists(out) and os.path.lexists(old):
+                if not _an_export(old, fmt):
+                    continue  # what was at OUT, not this format's export: left, never removed
                 os.rename(old, out)  # the earlier export, whole, back in its place
             shutil.rmtree(path)
             removed.append(path)
