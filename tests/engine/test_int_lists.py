@@ -204,7 +204,7 @@ def _flip_padding(v: str) -> str:
         (lambda n: n.update(v="!" + n["v"][1:]), "v is not base64"),
         (lambda n: n.update(v="\n" + n["v"][1:]), "v is not base64"),
         (lambda n: n.update(v=n["v"][:4] + "====" + n["v"][8:]), "v is not"),
-        (lambda n: n.update(v=_flip_padding(n["v"])), "not the base64 of 100 ints"),
+        (lambda n: n.update(v=_flip_padding(n["v"])), "v is not base64 in its canonical"),
         (lambda n: n.pop("n"), r"fields \['dtype', 'type', 'v'\]"),
         (lambda n: n.update(extra=1), r"fields \['dtype', 'extra', 'n', 'type', 'v'\]"),
     ],
@@ -233,17 +233,30 @@ def test_forged_ints_nodes_are_refused_naming_what_is_wrong(
     tmp_path: Path, edit: Any, match: str
 ) -> None:
     """A forged ints node (the checksum recomputed) is refused with a CorruptCheckpointError
-    saying what is wrong, by the restore and by verify, before anything is decoded when its
-    fields disagree (a count of 2**62 allocates nothing)."""
+    saying what is wrong and where in the tree, by the restore and by verify, before anything
+    is decoded (a count of 2**62 allocates nothing; a bad base64 was refused by the decoding,
+    naming no path)."""
     _saved(tmp_path)
     edit_manifest(tmp_path, 1, lambda d: edit(_node(d)))
     storage = LocalStorage(tmp_path)
+    match = "field tree at '/ids': .*" + match
     started = time.perf_counter()
     with pytest.raises(CorruptCheckpointError, match=match):
         load_checkpoint(storage, 1)
     assert time.perf_counter() - started < 2
     with pytest.raises(CorruptCheckpointError, match=match):
         verify_checkpoint(storage, 1)
+
+
+@pytest.mark.parametrize("forged", ["!AAA", "AA=A", "AAA", "AA\n", "A==="])
+def test_a_forged_bytes_node_is_refused_naming_where(tmp_path: Path, forged: str) -> None:
+    """A bytes node whose v is not base64 is refused naming its path in the tree (it failed
+    in the decoding, as 'malformed state tree node', naming none)."""
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, {"w": torch.zeros(2), "blob": b"\x00\xffcoci"}).wait()
+    edit_manifest(tmp_path, 1, lambda d: d["tree"]["v"]["blob"].update(v=forged))
+    with pytest.raises(CorruptCheckpointError, match="field tree at '/blob': a bytes node's v is"):
+        load_checkpoint(LocalStorage(tmp_path), 1)
 
 
 def test_saves_of_new_random_states_keep_the_planned_copy_runs(tmp_path: Path) -> None:

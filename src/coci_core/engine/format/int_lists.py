@@ -14,14 +14,16 @@ the layout the ranks agree on and no part in a flatten cache's tensors.
 Reading checks the node before anything is decoded: its fields, ``dtype`` one of the eight
 names, ``n`` an int of ``[0, 2**63)`` and ``v`` a string of exactly the length that ``n``
 ints of ``dtype`` encode to (so a huge ``n`` is refused without allocating anything, and what
-is decoded is at most the manifest's own size); decoding then takes only base64's alphabet,
-in its one canonical spelling, of exactly ``n`` ints' bytes.
+is decoded is at most the manifest's own size), and ``v`` only base64's alphabet, in its one
+canonical spelling, of exactly ``n`` ints' bytes (checked on the text, so that the reader's
+check of the tree names where a forged ``v`` is; decoding checks it again).
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import re
 import struct
 from typing import Any
 
@@ -30,6 +32,7 @@ from coci_core.errors import CorruptCheckpointError
 __all__ = [
     "INT_DTYPES",
     "INT_LIST_MIN",
+    "base64_problem",
     "check_ints",
     "decode_ints",
     "encode_ints",
@@ -67,6 +70,26 @@ def _bounds(dtype: str) -> tuple[int, int]:
 
 _RANGES = [(name, *_bounds(name)) for name in INT_DTYPES]
 _MAX_N = 2**63 - 1
+
+
+_ALPHABET = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
+# standard base64 with its padding, as b64decode(validate=True) takes it (no newline, no "="
+# but the last one or two)
+_BASE64 = re.compile(r"(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?")
+
+
+def base64_problem(text: str, *, canonical: bool = False) -> str | None:
+    """Why ``text`` is not standard base64 with its padding (as ``b64decode(validate=True)``
+    takes it), or None; ``canonical``: also refuse the bits that padding leaves unused set
+    (another spelling of the same bytes). Read on the text: nothing is decoded."""
+    if _BASE64.fullmatch(text) is None:
+        return "is not base64 (a character outside its alphabet, or padding out of place)"
+    if canonical and text.endswith("="):
+        pads = 2 if text.endswith("==") else 1
+        unused = 0x0F if pads == 2 else 0x03
+        if _ALPHABET.index(text[-pads - 1]) & unused:
+            return "is not base64 in its canonical spelling (padding bits set)"
+    return None
 
 
 def encode_ints(values: list[Any] | tuple[Any, ...]) -> dict[str, Any] | None:
@@ -110,6 +133,11 @@ def check_ints(node: dict[str, Any]) -> str | None:
             f"an ints node's v has {len(text)} characters, where {n} ints of {dtype} take "
             f"{_encoded_length(n, dtype)} in base64"
         )
+    why = base64_problem(text, canonical=True)
+    if why is not None:
+        return f"an ints node's v {why}"
+    if len(text) - len(text.rstrip("=")) != -(n * _itemsize(dtype)) % 3:
+        return f"an ints node's v is not the base64 of {n} ints of {dtype} (its padding)"
     return None
 
 

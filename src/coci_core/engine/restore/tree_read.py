@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from coci_core.engine.format.int_lists import check_ints, decode_ints
+from coci_core.engine.format.int_lists import base64_problem, check_ints, decode_ints
 from coci_core.engine.format.tree_nodes import (
     CLASSES,
     CONFIG_FLAGS,
@@ -228,6 +228,9 @@ def check_tree(
         elif tag == "bytes":
             if type(value) is not str:
                 raise bad("a bytes node holds no string")
+            why = base64_problem(value)
+            if why is not None:
+                raise bad(f"a bytes node's v {why}")
         elif tag == "path":
             if node["type"] not in PATH_TYPES or type(value) is not str:
                 raise bad("a path node is malformed")
