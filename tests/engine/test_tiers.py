@@ -66,6 +66,26 @@ def test_every_commit_reaches_the_remote_and_restores_from_it(tmp_path: Path) ->
     assert _equal(restored, _state(6))
 
 
+def test_steps_kept_also_stay_on_the_remote_too(tmp_path: Path) -> None:
+    """``keep_also`` (an adapter's best step) is kept by the remote's retention too, besides
+    its ``remote_keep_last`` (it kept it locally only: the remote deleted the best step), and
+    forgotten there too once replaced."""
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    with CheckpointManager(local, remote=remote, keep_last=1, remote_keep_last=1) as mgr:
+        assert mgr.remote is not None
+        for step in (1, 2, 3):
+            mgr.save(step, _state(step), block=True).wait()
+            assert mgr.remote.flush(timeout_s=60)
+            if step == 1:
+                mgr.keep_also({1})
+        assert _steps(local) == [1, 3]
+        assert _steps(remote) == [1, 3]
+        mgr.keep_also({3})
+        mgr.save(4, _state(4), block=True).wait()
+        assert mgr.remote.flush(timeout_s=60)
+        assert _steps(remote) == [3, 4]
+
+
 def test_a_newer_save_supersedes_a_pending_upload(tmp_path: Path) -> None:
     """Saves that come faster than uploads: the remote gets the newest step, and never more
     than keep_last of them; every step it has restores exactly."""

@@ -8,7 +8,8 @@ newer local checkpoint supersedes a pending one. Data files go first and the man
 byte for byte as committed locally, so the remote step restores exactly as the local one and
 a reader never sees a torn step (on an object store the manifest is the commit marker). A
 delta checkpoint's bases are uploaded before it when the remote lacks them. Retention on the
-remote keeps the run's newest ``keep_last`` steps, deleting only behind a newer remote commit.
+remote keeps the run's newest ``keep_last`` steps and the steps kept also (an adapter's best
+step: :attr:`RemoteTier.also_keep`), deleting only behind a newer remote commit.
 
 Uploads write only while this run holds the remote directory's lease. A store that is down
 when the run starts, or for longer than the lease time, is not a reason to stop: the lease is
@@ -108,6 +109,9 @@ class RemoteTier:
         self._closing = False  # close() began: no retry, no backoff
         self._remote_read = False  # highest_sequence read under the lease
         self._lease_generation = 0
+        #: steps the remote's retention keeps besides the newest ``keep_last`` (set by the
+        #: manager's :meth:`~coci_core.CheckpointManager.keep_also`, replaced, never changed)
+        self.also_keep: frozenset[int] = frozenset()
 
     def claim(self) -> None:
         """Take the remote directory's lease, at the manager's first save (on rank 0; the
@@ -310,6 +314,7 @@ class RemoteTier:
                     run_id=self._run_id(),
                     newest=step,
                     next_base=None,
+                    also_keep=self.also_keep,
                 )
         except DirectoryInUseError as e:  # another writer owns the remote: write nothing
             with self._cond:
