@@ -7,6 +7,7 @@ import fcntl
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -25,7 +26,7 @@ from safetensors.torch import save_file
 from coci_core import CheckpointManager
 from coci_core.commands.cli import main
 from coci_core.engine.format.int_lists import holds_ints
-from coci_core.interop.swap import remove_leftovers
+from coci_core.interop.swap import file_beside, remove_leftovers
 from tests.harness.states import assert_same, tiny_model_state
 
 FORMATS = {
@@ -423,6 +424,41 @@ def test_an_export_killed_between_the_two_renames_loses_nothing_and_is_cleaned_u
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == [
         ".out_dcp.mine.coci-tmp"
     ]
+
+
+@pytest.mark.parametrize(
+    ("name", "args"),
+    [("out.pt", []), ("out.safetensors", []), ("out.pt", ["--weights-only"])],
+    ids=["torch", "safetensors", "weights-only"],
+)
+def test_a_file_exports_leftovers_are_removed_by_the_next_export_to_out(
+    tmp_path: Path, name: str, args: list[str]
+) -> None:
+    """The temporary file of a ``.pt`` or ``.safetensors`` export killed midway
+    (``.OUT.<12 hex digits>.coci-tmp``, unlocked) is removed by the next export to OUT (before,
+    it stayed for good); a live export's (locked), another OUT's, a directory export's and a
+    user's file of another name are left."""
+    with CheckpointManager(tmp_path / "src") as mgr:
+        mgr.save(4, {"model": {"w": torch.full((3,), 4.0)}, "step": 4}).wait()
+    out = tmp_path / name
+    killed = tmp_path / f".{name}.0123456789ab.coci-tmp"
+    killed.write_bytes(b"half an export")
+    kept = [
+        tmp_path / f".{name}.mine.coci-tmp",  # not of coci's pattern: a user's
+        tmp_path / f".other{name}.abcdef012345.coci-tmp",  # another OUT's
+    ]
+    for path in kept:
+        path.write_bytes(b"keep me")
+    directory = tmp_path / f".{name}.0000000000aa.coci-tmp"  # a directory export's
+    directory.mkdir()
+    with file_beside(out) as live:  # a live export's, as an export makes it
+        assert re.fullmatch(rf"\.{re.escape(name)}\.[0-9a-f]{{12}}\.coci-tmp", live.name)
+        assert main(["export", str(tmp_path / "src"), str(out), *args]) == 0
+        assert not killed.exists() and live.is_file()
+    assert out.is_file() and not live.exists()
+    left = sorted(p for p in tmp_path.iterdir() if p.name.endswith(".coci-tmp"))
+    assert left == sorted([*kept, directory])
+    assert all(p.read_bytes() == b"keep me" for p in kept)
 
 
 def test_a_leftover_holding_no_export_is_not_put_in_outs_place(tmp_path: Path) -> None:

@@ -28,7 +28,6 @@ checked before anything is built from it.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import warnings
@@ -47,8 +46,7 @@ from coci_core.engine.format.tree import flatten_state
 from coci_core.engine.format.tree_nodes import LEAF_TAGS, WRAPPER_TAGS, encode_dtype, ndarray_dtype
 from coci_core.engine.restore.tree_read import build_wrapped, check_tree, unflatten_state
 from coci_core.errors import CociError, CorruptCheckpointError
-from coci_core.interop.swap import directory_beside
-from coci_core.interop.weights import temp_beside
+from coci_core.interop.swap import directory_beside, file_beside
 from coci_core.knobs import MAX_NOTE_CHARS
 
 __all__ = [
@@ -178,8 +176,7 @@ def export_state(state: Mapping[str, Any], out: Path, fmt: str, step: int) -> st
     if fmt == "dcp":
         return _export_dcp(natural, out, step)
     note = _note(natural, step, [leaf.pos for leaf in natural.leaves])
-    tmp = temp_beside(out)
-    try:
+    with file_beside(out) as tmp:
         try:
             torch.save(natural.state, tmp)
         except RuntimeError as e:  # torch's writer: a full disk, a file it cannot create
@@ -188,9 +185,6 @@ def export_state(state: Mapping[str, Any], out: Path, fmt: str, step: int) -> st
             prefix = archive.namelist()[0].split("/")[0]
             archive.writestr(f"{prefix}/{NOTE_FILE}", note)
         os.replace(tmp, out)
-    finally:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
     return f"exported step {step} to {out} (torch.save)"
 
 
@@ -219,17 +213,13 @@ def _export_safetensors(natural: _Natural, out: Path, step: int) -> str:
     note = _note(natural, step, names)
     from safetensors import SafetensorError
 
-    tmp = temp_beside(out)
-    try:
+    with file_beside(out) as tmp:
         try:
             save_file(tensors, str(tmp), metadata={"coci_step": str(step), SAFETENSORS_NOTE: note})
         except (ValueError, TypeError, RuntimeError, SafetensorError) as e:
             # a dtype it does not have; a full disk, a file it cannot create
             raise CociError(f"cannot write {out} as safetensors: {_one_line(e)}") from e
         os.replace(tmp, out)
-    finally:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
     return f"exported step {step}: {len(tensors)} tensors to {out} (safetensors)"
 
 

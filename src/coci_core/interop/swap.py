@@ -1,13 +1,13 @@
-"""An export directory written beside its place and swapped in whole, for every format that
-writes a directory (``--format dcp``, ``--format transformers``): an export killed midway, or
-two at once of different steps, leave OUT one whole export, never one step's files under
-another's note or beside another step's files. (A ``.pt`` or ``.safetensors`` file is written
-beside and renamed over OUT: :func:`coci_core.interop.weights.temp_beside`.)
+"""An export written beside its place and put there whole: a directory (``--format dcp``,
+``--format transformers``) is swapped in, a ``.pt`` or ``.safetensors`` file renamed over OUT.
+An export killed midway, or two at once of different steps, leave OUT one whole export, never
+one step's files under another's note or beside another step's files.
 
-The directory beside OUT, ``.OUT.<12 hex digits>.coci-tmp``, is held under an advisory lock
-(``flock``) while its export lives; an export killed midway leaves it unlocked, and the next
-export to the same OUT removes it (after putting back an earlier export that a kill left moved
-aside: :func:`remove_leftovers`)."""
+The directory or file beside OUT, ``.OUT.<12 hex digits>.coci-tmp``, is held under an
+advisory lock (``flock``) while its export lives; an export killed midway leaves it unlocked,
+and the next export to the same OUT removes it (after putting back an earlier export that a
+kill left moved aside: :func:`remove_leftovers`): a directory export the directories, a file
+export the files."""
 
 from __future__ import annotations
 
@@ -28,12 +28,13 @@ from coci_core.errors import CociError, ConfigError
 __all__ = [
     "EXPORT_MARKS",
     "directory_beside",
+    "file_beside",
     "not_an_earlier_export",
     "remove_leftovers",
     "swap_in",
 ]
 
-#: the name of a directory beside OUT that an export writes (or moves OUT aside into)
+#: the name of a directory or file beside OUT that an export writes (or moves OUT aside into)
 _BESIDE = re.compile(r"\.(?P<out>.+)\.[0-9a-f]{12}\.coci-tmp")
 
 #: False: :func:`swap_in` takes the two renames of a system without ``renameat2`` (tests)
@@ -96,7 +97,7 @@ def directory_beside(out: Path, fmt: str) -> Iterator[Path]:
     # written into in place
     in_place = out.is_dir() and (os.path.ismount(out) or os.path.samefile(out, os.getcwd()))
     try:
-        tmp, lock = _new_directory_beside(out)
+        tmp, lock = _new_beside(out, directory=True)
     except OSError as e:  # a place no directory can be made (procfs), a full disk
         raise CociError(f"cannot write {out}: {e.strerror or e}") from e
     try:
@@ -112,19 +113,45 @@ def directory_beside(out: Path, fmt: str) -> Iterator[Path]:
         os.close(lock)
 
 
-def _new_directory_beside(out: Path) -> tuple[Path, int]:
-    """A new directory of a name no other has beside ``out``, made as ``mkdir`` makes one
-    (the umask's mode, as OUT made in place had: ``mkdtemp``'s is 0700), and a descriptor of
-    it that holds its lock (closing it lets :func:`remove_leftovers` remove the directory)."""
+@contextlib.contextmanager
+def file_beside(out: Path) -> Iterator[Path]:
+    """A new, empty file beside ``out`` (of a name no other has, made exclusively: a link
+    planted at a name chosen in advance would send the write to its target), locked while the
+    block runs, for the block to write and rename over ``out``; removed at the end if it is
+    still there. Leftovers of earlier file exports to ``out`` that were killed are removed
+    first (:func:`remove_leftovers`).
+
+    Raises:
+        CociError: no file can be made there.
+    """
+    out = Path(os.path.abspath(out))
+    remove_leftovers(out, None)
+    try:
+        tmp, lock = _new_beside(out, directory=False)
+    except OSError as e:  # a place no file can be made (procfs), a full disk
+        raise CociError(f"cannot write {out}: {e.strerror or e}") from e
+    try:
+        yield tmp
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)  # still there: the export failed
+        os.close(lock)
+
+
+def _new_beside(out: Path, *, directory: bool) -> tuple[Path, int]:
+    """A new directory (or empty file) of a name no other has beside ``out``, made as
+    ``mkdir`` makes one (the umask's mode, as OUT made in place had: ``mkdtemp``'s is 0700; a
+    file 0600, as ``mkstemp`` makes it), and a descriptor of it that holds its lock (closing
+    it lets :func:`remove_leftovers` remove it)."""
     for _ in range(100):
         name = out.parent / f".{out.name}.{secrets.token_hex(6)}.coci-tmp"
         try:
-            name.mkdir()
-        except FileExistsError:
-            continue
-        try:
-            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-        except FileNotFoundError:  # removed as a leftover by another export before its lock
+            if not directory:  # made and opened in one step (never through a planted link)
+                fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            else:
+                name.mkdir()
+                fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except (FileExistsError, FileNotFoundError):  # taken; removed before its lock
             continue
         # waits out another export's removal of it, if any; a file system without locks
         # (ENOLCK): no export removes one there either
@@ -132,12 +159,12 @@ def _new_directory_beside(out: Path) -> tuple[Path, int]:
             fcntl.flock(fd, fcntl.LOCK_EX)
         if _same(fd, name):
             return name, fd
-        os.close(fd)  # removed as a leftover between its mkdir and the lock: another name
-    raise FileExistsError(errno.EEXIST, "no free name for a directory beside it", str(out))
+        os.close(fd)  # removed as a leftover between its making and the lock: another name
+    raise FileExistsError(errno.EEXIST, "no free name beside it", str(out))
 
 
 def _same(fd: int, path: Path) -> bool:
-    """Whether ``path`` is still the directory ``fd`` was opened on."""
+    """Whether ``path`` is still the directory (or file) ``fd`` was opened on."""
     try:
         here = path.lstat()
     except FileNotFoundError:
@@ -146,14 +173,16 @@ def _same(fd: int, path: Path) -> bool:
     return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
 
 
-def remove_leftovers(out: Path, fmt: str) -> list[Path]:
-    """Remove the directories beside ``out`` that exports to ``out`` killed midway left
-    (``.OUT.<12 hex digits>.coci-tmp``, unlocked: one a live export holds is left to it); the
-    ones removed. Where ``out`` is missing and a leftover holds the earlier export of ``fmt``
-    that a kill between :func:`swap_in`'s two renames left moved aside (its ``old``), that
-    export is put back at ``out`` first; one whose ``old`` is anything else (another format's
-    export) is left as it is. Nothing else beside ``out`` is touched; a leftover that cannot
-    be removed (another user's) is left."""
+def remove_leftovers(out: Path, fmt: str | None) -> list[Path]:
+    """Remove the directories beside ``out`` that exports of the directory format ``fmt`` to
+    ``out`` killed midway left (``.OUT.<12 hex digits>.coci-tmp``, unlocked: one a live export
+    holds is left to it), or with ``fmt`` None the regular files of that name that killed
+    ``.pt`` or ``.safetensors`` exports left (:func:`file_beside`); the ones removed. Where
+    ``out`` is missing and a leftover directory holds the earlier export of ``fmt`` that a
+    kill between :func:`swap_in`'s two renames left moved aside (its ``old``), that export is
+    put back at ``out`` first; one whose ``old`` is anything else (another format's export) is
+    left as it is. Nothing else beside ``out`` is touched; a leftover that cannot be removed
+    (another user's) is left."""
     out = Path(os.path.abspath(out))
     try:
         names = sorted(os.listdir(out.parent))
@@ -165,13 +194,20 @@ def remove_leftovers(out: Path, fmt: str) -> list[Path]:
         if match is None or match["out"] != out.name:
             continue
         path = out.parent / name
+        kind = os.O_DIRECTORY if fmt is not None else os.O_NONBLOCK  # a FIFO: no waiting
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | kind)
         except OSError:  # gone, a link, a file of that name: not an export's
             continue
         try:
+            if fmt is None and not stat.S_ISREG(os.fstat(fd).st_mode):
+                continue  # a directory export's, a FIFO, a device: not a file export's
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             if not _same(fd, path):
+                continue
+            if fmt is None:
+                os.unlink(path)
+                removed.append(path)
                 continue
             old = path / "old"
             if not os.path.lexists(out) and os.path.lexists(old):
@@ -227,7 +263,7 @@ def _swap_by_renames(new: Path, out: Path) -> None:
     ``old``), then ``new`` renamed to ``out``. A kill between them leaves no ``out``, the
     earlier export whole in that directory, which the next export puts back before it removes
     the leftovers (:func:`remove_leftovers`); a failed second rename puts it back at once."""
-    aside, lock = _new_directory_beside(out)
+    aside, lock = _new_beside(out, directory=True)
     try:
         os.rename(out, aside / "old")
         try:

@@ -11,7 +11,6 @@ model). The file holds no note: ``coci import`` cannot rebuild a training state 
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 import torch
 
 from coci_core.errors import CociError
+from coci_core.interop.swap import file_beside
 
 __all__ = ["WEIGHTS_LAYOUTS", "export_weights", "model_weights"]
 
@@ -69,22 +69,6 @@ def model_weights(state: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], st
     return weights, layout
 
 
-def temp_beside(out: Path) -> Path:
-    """A new, empty file of a name no other has, in ``out``'s directory, to write and then
-    rename over ``out``: made exclusively (a link planted at a name chosen in advance would
-    send the write to its target).
-
-    Raises:
-        CociError: no file can be made there.
-    """
-    try:
-        fd, name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".coci-tmp", dir=out.parent)
-    except OSError as e:  # a place no file can be made (procfs), a full disk
-        raise CociError(f"cannot write {out}: {e.strerror or e}") from e
-    os.close(fd)
-    return Path(name)
-
-
 def export_weights(state: Mapping[str, Any], out: Path, fmt: str, step: int) -> str:
     """Write the model's weights of ``state`` (step ``step``) to ``out``: ``fmt`` is
     ``safetensors`` or ``torch``; a one-line summary.
@@ -93,8 +77,7 @@ def export_weights(state: Mapping[str, Any], out: Path, fmt: str, step: int) -> 
         CociError: no weights to write (see :func:`model_weights`), or safetensors refuses them.
     """
     weights, layout = model_weights(state)
-    tmp = temp_beside(out)
-    try:
+    with file_beside(out) as tmp:
         if fmt == "safetensors":
             from safetensors.torch import save_file
 
@@ -113,8 +96,6 @@ def export_weights(state: Mapping[str, Any], out: Path, fmt: str, step: int) -> 
         else:
             torch.save({k: v.detach() for k, v in weights.items()}, tmp)
         os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
     return (
         f"exported the model's weights of step {step}: {len(weights)} tensors "
         f"({WEIGHTS_LAYOUTS[layout]}'s {layout!r}) to {out} ({fmt}; load_state_dict reads it)"
