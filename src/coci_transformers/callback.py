@@ -52,7 +52,7 @@ from transformers.trainer_utils import get_last_checkpoint
 
 import coci_transformers._state as _state
 from coci_core import CompressionPolicy
-from coci_core.errors import ConfigError, NoCheckpointError, Preempted
+from coci_core.errors import ConfigError, CorruptCheckpointError, NoCheckpointError, Preempted
 from coci_core.planner import SavePolicy
 from coci_core.preemption import NoticeSource, Preemption
 from coci_core.storage import is_url
@@ -317,6 +317,9 @@ class CociCallback(TrainerCallback):
             result = original(resume_from_checkpoint=resume, trial=trial, **kwargs)
             if self._stop is not None:  # the notice's save is durable (see on_train_end)
                 raise self._stop
+            args = trainer.args
+            if checkpointer.stopped_late and args.save_only_model and args.process_index == 0:
+                _warn_weights_only_requeue("the final save")
             checkpointer.raise_if_stopped_late()  # a SIGTERM after the last step boundary
             return result
         except BaseException as e:
@@ -420,6 +423,8 @@ class CociCallback(TrainerCallback):
                 else:
                     logger.info("coci: no committed checkpoint in %s; starting fresh", where)
             return last
+        if step is None and state.get("weights_only"):
+            state = self._full_before(trainer, checkpointer, state, check)
         _state.check_fits(state, trainer)
         if trainer.args.process_index == 0:
             logger.info(
@@ -468,6 +473,39 @@ class CociCallback(TrainerCallback):
                 data_parallel_size(trainer),
             )
         return self._resume_dir
+
+    def _full_before(
+        self,
+        trainer: Trainer,
+        checkpointer: Checkpointer,
+        newest: dict[str, Any],
+        check: Callable[[int, dict[str, Any]], None],
+    ) -> dict[str, Any]:
+        """``resume_from_checkpoint=True`` found a newest step saved with
+        ``save_only_model=True`` (no resume from it): the newest older step of the directory
+        saved in full (a run whose ``save_only_model`` changed between sessions), said in a
+        WARNING; ``newest`` itself when there is none (refused by ``check_fits``)."""
+        at = int(newest["global_step"])
+        older = sorted((s for s in checkpointer.manager.steps() if s < at), reverse=True)
+        if trainer.args.world_size > 1:  # the ranks restore the same steps together
+            older = broadcast(older)
+        for candidate in older:
+            try:
+                state = checkpointer.restore(candidate, check=check)
+            except (CorruptCheckpointError, NoCheckpointError):  # damaged, or removed since
+                continue
+            if state.get("weights_only"):
+                continue
+            if trainer.args.process_index == 0:
+                logger.warning(
+                    "coci: the newest step %d was saved with save_only_model=True (the weights "
+                    "and TrainerState only: no resume from it); resuming from step %d, the "
+                    "newest step saved in full: the steps since are trained again",
+                    at,
+                    candidate,
+                )
+            return state
+        return newest
 
     def _load_model(self, trainer: Trainer, *args: Any) -> None:
         pass  # loaded with the optimizer, after accelerator.prepare (see _load_optimizer)
@@ -576,6 +614,8 @@ class CociCallback(TrainerCallback):
             control.should_training_stop = True
             control.should_evaluate = False
             asked = False
+            if args.save_only_model and args.process_index == 0:
+                _warn_weights_only_requeue(f"the preemption notice's save (step {count})")
         elif self.save_on_train_end and state.max_steps > 0 and count >= state.max_steps:
             save = True
         control.should_save = (save or asked) and count != self._saved
@@ -797,6 +837,20 @@ class CociCallback(TrainerCallback):
             final_save=self.save_on_train_end,
         )
         (logger.warning if warn else logger.info)(line)
+
+
+def _warn_weights_only_requeue(save: str) -> None:
+    """A run saving with ``save_only_model=True`` stops on a notice, exiting 143 ("requeue
+    me"): the requeued run cannot resume from that save."""
+    logger.warning(
+        "coci: save_only_model=True: %s holds the model's weights and the TrainerState only "
+        "(no optimizer, scheduler or random states), so the requeued run cannot resume from "
+        "it: train(resume_from_checkpoint=True) resumes from the newest step saved without "
+        "save_only_model if one is kept (training again the steps since), else raises "
+        "CheckpointError and the run starts over only with resume_from_checkpoint=None. For "
+        "a run that is requeued after a notice to go on, train with save_only_model=False",
+        save,
+    )
 
 
 def _own_saves_off(args: TrainingArguments, policy: object) -> str:

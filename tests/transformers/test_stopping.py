@@ -360,3 +360,27 @@ def test_a_new_machine_resuming_a_notices_save_counts_no_failure(tmp_path: Path)
         assert resumed["start"] == step
         assert callback.checkpointer is not None
         assert callback.checkpointer.planner.failures == (0 if step == 5 else 1), new
+
+
+def test_a_weights_only_runs_notice_warns_and_its_requeue_resumes_the_older_full_step(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A run saving with save_only_model=True stopped by SIGTERM exits 143 ("requeue me") with
+    a WARNING that the requeued run cannot resume from its save (it said nothing), and the
+    requeued run, whose newest step is weights-only, resumes from the older step an earlier
+    session saved in full, saying so (it raised CheckpointError)."""
+    train(tmp_path, 3)  # step 3, in full
+    AcceleratorState._reset_state(True)
+    with caplog.at_level("WARNING", logger="coci_transformers"), pytest.raises(Preempted) as stop:
+        train(tmp_path, 8, resume=True, save_only_model=True, extra_callbacks=(Terminate(4),))
+    assert stop.value.code == 143 and stop.value.step == 5
+    assert "save_only_model=True: the preemption notice's save (step 5) holds" in caplog.text
+    assert "the requeued run cannot resume from it" in caplog.text
+    AcceleratorState._reset_state(True)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="coci_transformers"):
+        resumed = train(tmp_path, 8, resume=True)
+    assert resumed["start"] == 3 and len(resumed["seen"]) == 5 * 4
+    assert "coci: the newest step 5 was saved with save_only_model=True" in caplog.text
+    assert "resuming from step 3, the newest step saved in full" in caplog.text
+    assert "coci: the Trainer restores step 3 from" in caplog.text
