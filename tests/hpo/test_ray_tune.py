@@ -4,8 +4,10 @@ SIGKILLed mid-run is restarted by Ray and resumed by coci to the same result."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,8 +16,10 @@ import pytest
 import ray
 import torch
 from ray import tune
+from ray.tune.experiment import Trial
 from ray.tune.schedulers import ASHAScheduler
 
+from coci_core import CheckpointManager, ConfigError
 from coci_core.engine.restore.restore import newest_first
 from coci_core.hpo import asha_rungs
 from coci_core.hpo.ray import CheckpointCleanup, trial_directory
@@ -183,3 +187,57 @@ def test_a_trial_killed_mid_run_is_restarted_by_ray_and_resumed_by_coci(
     for k in range(1, MAX_T * STEPS_PER_ITER + 1):
         _step(model, opt, k)
     assert result["loss"] == _validate(model)
+
+
+class _Told(logging.Handler):
+    """Sets ``event`` when a record holding ``text`` is logged."""
+
+    def __init__(self, text: str, event: threading.Event) -> None:
+        super().__init__()
+        self.text, self.event = text, event
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.text in record.getMessage():
+            self.event.set()
+
+
+def test_the_cleanup_waits_for_a_stopped_trials_writer_and_nothing_is_written_after(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A stopped trial whose process still lives when the experiment ends (Ray ends it while
+    the experiment ends) and makes a pending save durable: the clean-up deleted its directory
+    at once, and the save then wrote its step there (files found after the clean-up); it
+    waits for the trial's writer (its lease), deletes under it, and nothing is left."""
+    root = tmp_path / "ckpt"
+    trial = Trial("train", trial_id="stopped", stub=True)
+    trial.update_last_result({"training_iteration": 1})
+    trial.set_status(Trial.TERMINATED)
+    cleanup = CheckpointCleanup(root, max_t=MAX_T, writer_wait_s=60)
+    writer = CheckpointManager(root / "stopped")  # the stopped trial's, in its process
+    writer.save(4, {"w": torch.zeros(3)}).wait()
+    began = threading.Event()  # the clean-up waits, or (before) it is done
+    told = _Told("still writes to", began)
+    logging.getLogger("coci_core.hpo.ray").addHandler(told)
+
+    def clean() -> None:
+        cleanup.on_experiment_end(trials=[trial])
+        began.set()
+
+    thread = threading.Thread(target=clean)
+    try:
+        with caplog.at_level("INFO", logger="coci_core.hpo.ray"):
+            thread.start()
+            assert began.wait(60)
+            writer.save(8, {"w": torch.ones(3)}).wait()  # its save pending when Ray stopped it
+            writer.close()
+            thread.join(60)
+    finally:
+        logging.getLogger("coci_core.hpo.ray").removeHandler(told)
+    assert not thread.is_alive() and cleanup.deleted == ["stopped"]
+    assert not (root / "stopped").exists() or not any((root / "stopped").iterdir())
+
+
+@pytest.mark.parametrize("wait", [-1, float("nan"), "5", True])
+def test_the_cleanups_writer_wait_is_checked_by_name(wait: Any) -> None:
+    with pytest.raises(ConfigError, match="'writer_wait_s' must be a number of seconds >= 0"):
+        CheckpointCleanup("/tmp/x", max_t=MAX_T, writer_wait_s=wait)

@@ -23,16 +23,18 @@ it from its newest checkpoint.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
 from ray import tune
 
 from coci_core.errors import ConfigError
-from coci_core.hpo.cleanup import delete_checkpoints
+from coci_core.hpo.cleanup import delete_checkpoints_unwritten
 
 __all__ = ["CheckpointCleanup", "trial_directory"]
 
@@ -73,6 +75,12 @@ class CheckpointCleanup(tune.Callback):
         metric, mode: how to find the best trial, by its last result (the Tuner's
             ``metric`` and ``mode``; without a metric, no trial counts as best).
         keep_stopped: keep every trial's checkpoints.
+        writer_wait_s: how long, at most, the clean-up waits for the writers of the stopped
+            trials' directories (all together): Ray ends a stopped trial's process while the
+            experiment ends, and its writer may still make a save durable; each directory is
+            deleted once no writer holds it (its lease), under that lease, so that nothing is
+            written into it after. One still written to after that is left (a warning). The
+            default outlasts an object store's lease of a writer that died (60 s).
     """
 
     def __init__(
@@ -84,9 +92,18 @@ class CheckpointCleanup(tune.Callback):
         metric: str | None = None,
         mode: str | None = None,
         keep_stopped: bool = False,
+        writer_wait_s: float = 90.0,
     ) -> None:
         if not isinstance(max_t, (int, float)) or not max_t > 0:
             raise ConfigError(f"'max_t' must be a number > 0: {max_t!r}")
+        if (
+            type(writer_wait_s) not in (int, float)
+            or not math.isfinite(writer_wait_s)
+            or writer_wait_s < 0
+        ):
+            raise ConfigError(
+                f"'writer_wait_s' must be a number of seconds >= 0: {writer_wait_s!r}"
+            )
         if mode not in (None, "min", "max"):
             raise ConfigError(f"'mode' must be 'min', 'max' or None: {mode!r}")
         if callable(directory_of):
@@ -98,6 +115,7 @@ class CheckpointCleanup(tune.Callback):
         self.time_attr = time_attr
         self.metric, self.mode = metric, mode
         self.keep_stopped = keep_stopped
+        self.writer_wait_s = float(writer_wait_s)
         self.deleted: list[str] = []  # the trial ids whose checkpoints were deleted
 
     def stopped(self, trial: Any) -> bool:
@@ -113,13 +131,33 @@ class CheckpointCleanup(tune.Callback):
         if self.keep_stopped:
             return
         best = _best(trials, self.metric, self.mode)
+        deadline = time.monotonic() + self.writer_wait_s
         for trial in trials:
             if trial is best or not self.stopped(trial):
                 continue
             directory = self._directory_of(str(trial.trial_id))
             try:
-                delete_checkpoints(directory)
+                deleted = delete_checkpoints_unwritten(
+                    directory,
+                    deadline=deadline,
+                    waiting=functools.partial(
+                        logger.info,
+                        "coci: trial %s stopped, and its process still writes to %s: waiting "
+                        "for it before deleting its checkpoints",
+                        trial.trial_id,
+                        directory,
+                    ),
+                )
             except Exception as e:  # a clean-up never fails the experiment
                 logger.warning("coci: could not delete %s: %s", directory, e)
+                continue
+            if deleted is None:
+                logger.warning(
+                    "coci: trial %s stopped, and its process still wrote to %s after %.0f s "
+                    "(writer_wait_s): its checkpoints are left",
+                    trial.trial_id,
+                    directory,
+                    self.writer_wait_s,
+                )
                 continue
             self.deleted.append(str(trial.trial_id))
