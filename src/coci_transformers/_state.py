@@ -196,10 +196,11 @@ def check_layout(state: Any) -> None:
         )
 
 
-def check_fits(state: dict[str, Any], trainer: Trainer) -> None:
-    """The restored ``state`` was written by this adapter and holds what a resume needs."""
+def check_fits(state: dict[str, Any], trainer: Trainer, *, finished: bool = False) -> None:
+    """The restored ``state`` was written by this adapter and holds what a resume needs
+    (``finished``: a step at the run's end, where a weights-only one will do)."""
     check_layout(state)
-    if state.get("weights_only"):
+    if state.get("weights_only") and not finished:
         raise CheckpointError(
             f"step {state.get('global_step')} was saved with save_only_model=True (weights and "
             "TrainerState only, as the Trainer's own): training cannot resume from it; load "

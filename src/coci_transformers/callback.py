@@ -317,9 +317,6 @@ class CociCallback(TrainerCallback):
             result = original(resume_from_checkpoint=resume, trial=trial, **kwargs)
             if self._stop is not None:  # the notice's save is durable (see on_train_end)
                 raise self._stop
-            args = trainer.args
-            if checkpointer.stopped_late and args.save_only_model and args.process_index == 0:
-                _warn_weights_only_requeue("the final save")
             checkpointer.raise_if_stopped_late()  # a SIGTERM after the last step boundary
             return result
         except BaseException as e:
@@ -423,9 +420,13 @@ class CociCallback(TrainerCallback):
                 else:
                     logger.info("coci: no committed checkpoint in %s; starting fresh", where)
             return last
-        if step is None and state.get("weights_only"):
+        total = planned_steps(trainer)[0]
+        finished = total is not None and int(state["global_step"]) >= total
+        if step is None and state.get("weights_only") and not finished:
             state = self._full_before(trainer, checkpointer, state, check)
-        _state.check_fits(state, trainer)
+        # a weights-only step at the run's end (a SIGTERM after the last step) resumes as the
+        # Trainer's own would: nothing is left to train, so no optimizer state is needed
+        _state.check_fits(state, trainer, finished=finished)
         if trainer.args.process_index == 0:
             logger.info(
                 "coci: the Trainer restores step %d from %s",
@@ -444,7 +445,9 @@ class CociCallback(TrainerCallback):
                 checkpointer.manager.keep_also({best})
         saved_state.save_to_json(os.path.join(self._resume_dir, "trainer_state.json"))
         saved_world = state.get("world_size")
-        if trainer.args.process_index == 0 and (
+        if state.get("weights_only"):  # the run's last step: no batch left to skip
+            pass
+        elif trainer.args.process_index == 0 and (
             _state.own(state) is None or saved_world != trainer.args.world_size
         ):
             # fewer processes than at the save: each has its random state, but the Trainer
@@ -515,6 +518,8 @@ class CociCallback(TrainerCallback):
         assert state is not None
         t: Any = trainer
         _state.load_model(trainer, state)
+        if state.get("weights_only"):  # the run's last step: nothing left to train
+            return
         _state.load_optimizer(trainer, state)
         t.lr_scheduler.load_state_dict(state["scheduler"])
 

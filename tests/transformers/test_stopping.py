@@ -384,3 +384,30 @@ def test_a_weights_only_runs_notice_warns_and_its_requeue_resumes_the_older_full
     assert "coci: the newest step 5 was saved with save_only_model=True" in caplog.text
     assert "resuming from step 3, the newest step saved in full" in caplog.text
     assert "coci: the Trainer restores step 3 from" in caplog.text
+
+
+def test_a_weights_only_run_stopped_after_its_last_step_is_requeued_as_finished(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """save_only_model=True and a SIGTERM after the last step's boundary: the final save
+    (step 6, weights-only) is durable and train() raises Preempted (exit 143). The requeued
+    run resumes it as the Trainer resumes its own weights-only checkpoint at the run's end:
+    nothing left to train, the saved weights in the model (it raised CheckpointError)."""
+    with pytest.raises(Preempted) as stopped:
+        train(
+            tmp_path,
+            6,
+            callback=CociCallback(policy="every_n_steps", every_n_steps=100),
+            extra_callbacks=(Terminate(6),),
+            save_only_model=True,
+        )
+    assert stopped.value.code == 143 and stopped.value.step == 6
+    with CheckpointManager(tmp_path / "coci", keep_last=None) as mgr:
+        saved = mgr.restore(6)
+    assert saved["weights_only"] is True
+    AcceleratorState._reset_state(True)
+    with caplog.at_level("INFO", logger="coci_transformers"):
+        again = train(tmp_path, 6, resume=True)
+    assert again["start"] == 6 and again["seen"] == []
+    assert "nothing left to train" in caplog.text and "not bit-identical" not in caplog.text
+    assert all(torch.equal(again["best_model"][k], v) for k, v in saved["model"].items())
