@@ -73,19 +73,18 @@ _MAX_N = 2**63 - 1
 
 
 _ALPHABET = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
-# standard base64 with its padding, as b64decode(validate=True) takes it (no newline, no "="
-# but the last one or two)
-_BASE64 = re.compile(r"(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?")
+# base64's alphabet (the padding "=" apart): matched on the text before the padding
+_ALPHABET_ONLY = re.compile(r"[A-Za-z0-9+/]*")
 
 
 def base64_problem(text: str, *, canonical: bool = False) -> str | None:
     """Why ``text`` is not standard base64 with its padding (as ``b64decode(validate=True)``
     takes it), or None; ``canonical``: also refuse the bits that padding leaves unused set
     (another spelling of the same bytes). Read on the text: nothing is decoded."""
-    if _BASE64.fullmatch(text) is None:
+    pads = 2 if text.endswith("==") else 1 if text.endswith("=") else 0
+    if len(text) % 4 or _ALPHABET_ONLY.fullmatch(text, 0, len(text) - pads) is None:
         return "is not base64 (a character outside its alphabet, or padding out of place)"
-    if canonical and text.endswith("="):
-        pads = 2 if text.endswith("==") else 1
+    if canonical and pads:
         unused = 0x0F if pads == 2 else 0x03
         if _ALPHABET.index(text[-pads - 1]) & unused:
             return "is not base64 in its canonical spelling (padding bits set)"
