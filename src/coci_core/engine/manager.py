@@ -701,7 +701,8 @@ class CheckpointManager:
 
     def keep_also(self, steps: Iterable[int]) -> None:
         """Keep this run's ``steps`` besides the newest ``keep_last`` (replacing the steps given
-        before): retention, and a full disk's early removal, leave them. An adapter's best
+        before): retention (of both tiers: also besides ``remote_keep_last``), and a full
+        disk's early removal, leave them. An adapter's best
         model's step (``load_best_model_at_end``), as the Trainer's rotation always keeps its
         best checkpoint besides the newest ``save_total_limit``."""
         kept = list(steps) if isinstance(steps, Iterable) and not isinstance(steps, str) else None
@@ -710,6 +711,8 @@ class CheckpointManager:
                 f"'steps' must be an iterable of step numbers (integers in [0, 2**63)): {steps!r}"
             )
         self._writer.also_keep = frozenset(kept)
+        if self.remote is not None:  # the remote tier's retention keeps them too
+            self.remote.also_keep = self._writer.also_keep
 
     @property
     def kept_also(self) -> frozenset[int]:

@@ -88,6 +88,9 @@ class RemoteTier:
         self.local = local
         self.remote = remote
         self.keep_last = keep_last
+        #: steps of the run kept besides the newest ``keep_last`` (the manager's
+        #: ``keep_also``: replaced whole, read at each upload's retention)
+        self.also_keep: frozenset[int] = frozenset()
         self._group = group
         self._run_id = run_id
         self._emit = emit
@@ -310,6 +313,7 @@ class RemoteTier:
                     run_id=self._run_id(),
                     newest=step,
                     next_base=None,
+                    also_keep=self.also_keep,
                 )
         except DirectoryInUseError as e:  # another writer owns the remote: write nothing
             with self._cond:
