@@ -198,10 +198,11 @@ def ranks_read_alike(
     until its read (:func:`read_checkpoint`, of the job's next agreement) ends, so that a
     process killed in between fails the others' read once silent too.
 
-    ``name``: what names the checkpoint this process reads the same on every process that
-    reads the same one (a Trainer's ``checkpoint-6``): processes that name different ones
-    raise too. ``coci=False``: the read that follows is the framework's own, not coci's (no
-    signs of life are left on for it).
+    ``name``: what names the checkpoint this process reads the same on every process that reads
+    the same one (a Trainer's ``checkpoint-6``, a framework's own file when ``source`` is None),
+    None when it reads none: processes that name different ones raise too (one that reads a
+    framework's file while another reads nothing, included). ``coci=False``: the read that
+    follows is the framework's own, not coci's (no signs of life are left on for it).
 
     Raises:
         CorruptCheckpointError, CheckpointError: some processes read a checkpoint, others
@@ -219,7 +220,7 @@ def ranks_read_alike(
     agreement = RestoreAgreement(store, dist.get_rank(), world, name="alike")
     report: dict[str, Any] = {"found": source, "name": name}
     if source is None:
-        report = error_report(why_not or CociError("it reads no coci checkpoint"))
+        report = {**error_report(why_not or CociError("it reads no coci checkpoint")), "name": name}
     with restore_watched(agreement) as watched:  # a process killed meanwhile fails it
         reports = agreement.exchange(report)
         failed = sum(1 for r in reports if r.get("error"))
@@ -227,8 +228,8 @@ def ranks_read_alike(
         # before its read began (seen alive here) fails the others' read once silent too
         watched.carry = failed == 0 and coci
     names = [r.get("name") for r in reports]
-    if failed == 0 and any(n != names[0] for n in names):
-        said = ", ".join(f"process {r}: {n}" for r, n in enumerate(names))
+    if failed in (0, len(reports)) and any(n != names[0] for n in names):
+        said = ", ".join(f"process {r}: {n or 'nothing'}" for r, n in enumerate(names))
         raise CorruptCheckpointError(
             f"the processes would resume from different checkpoints ({said}). Each process "
             "resolves the checkpoint on its own: every process must see the same checkpoint "
