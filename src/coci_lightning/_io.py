@@ -212,12 +212,12 @@ def use_coci_io(trainer: Any) -> CociCheckpointIO:
 
 
 def agree_on_resume(path: object, directory: str, options: Mapping[str, Any]) -> None:
-    """Raise the same error on every rank unless all of them read a coci checkpoint, or none
-    does. Lightning resolves ``ckpt_path`` (``"last"``) on each rank alone: a rank that saw no
-    coci checkpoint in its ``directory`` (another directory, a node's own disk) or a newer
-    Lightning file started fresh or read that file, while the others waited for it in the
-    restore's agreement (30 min), and then in a collective. ``options``: the fsspec options
-    of ``path``'s tier.
+    """Raise the same error on every rank unless all of them read a coci checkpoint, or none does,
+    and those that read a file of Lightning's own all read one of the same name. Lightning
+    resolves ``ckpt_path`` (``"last"``) on each rank alone: a rank that saw no coci checkpoint
+    in its ``directory`` (another directory, a node's own disk) or a newer Lightning file
+    started fresh or read that file, while the others waited for it in the restore's agreement
+    (30 min), and then in a collective. ``options``: the fsspec options of ``path``'s tier.
 
     Raises:
         CorruptCheckpointError, CheckpointError: as :func:`ranks_read_alike
@@ -226,7 +226,12 @@ def agree_on_resume(path: object, directory: str, options: Mapping[str, Any]) ->
     if path is None:
         ranks_read_alike(None, NoCheckpointError(f"no committed checkpoint in {directory}"))
     elif step_dir_of(path, options) is None:
-        ranks_read_alike(None, CheckpointError(f"it reads {path}, not a coci checkpoint"))
+        # a file of Lightning's own: every rank reads one of that name, or none does (before:
+        # a rank whose node's disk held an OnExceptionCheckpoint or last file resumed from it
+        # while the others started fresh)
+        name = str(path).rstrip("/").rsplit("/", 1)[-1]
+        not_coci = CheckpointError(f"it reads {path}, not a coci checkpoint")
+        ranks_read_alike(None, not_coci, name=f"Lightning's {name}")
     else:
         ranks_read_alike(str(path))
 

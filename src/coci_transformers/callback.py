@@ -65,6 +65,7 @@ from coci_core.training import (
     check_bool,
     is_trial_pruned,
     min_over_ranks,
+    ranks_read_alike,
     read_checkpoint,
     report_sink,
     run_step_dir,
@@ -409,6 +410,14 @@ class CociCallback(TrainerCallback):
         except NoCheckpointError:
             output_dir = str(trainer.args.output_dir)
             last = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+            if trainer.args.world_size > 1:
+                # each process looks in its output_dir (a node's own disk): all resume from
+                # one Trainer checkpoint, or all start fresh, or all raise (before: process 0
+                # resumed from its checkpoint-N while process 1 started fresh, and the
+                # processes' collectives no longer matched)
+                none = NoCheckpointError(f"no Trainer checkpoint in {output_dir}")
+                name = os.path.basename(last) if last is not None else None
+                ranks_read_alike(last, none, name=name, coci=False)
             if trainer.args.process_index == 0:
                 where = checkpointer.manager.storage.url
                 if last is not None:

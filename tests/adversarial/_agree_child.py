@@ -55,14 +55,27 @@ FORGED: dict[str, Any] = {
     "forged_world4": lambda doc: doc.update(world_size=4),
     "forged_step": lambda doc: doc.update(step=7),
     "forged_run": lambda doc: doc.update(run="forged"),
+    # of the same world and ranks, another value of the shared tree (every rank restores it)
+    # or another layout of rank 1's piece (before: restored, rank 1 with what its copy said)
+    "forged_tree": lambda doc: doc["tree"]["v"].update(step=7),
+    "forged_layout": lambda doc: swap_stored(doc["tensors"][0]["pieces"]),
 }
+
+
+def swap_stored(pieces: list[dict[str, Any]]) -> None:
+    """Where two pieces of an array are stored swapped: each still verifies (its stored
+    bytes' checksum goes with it), the array's rows are swapped."""
+    stored = ("file", "offset", "nbytes", "crc32c", "params")
+    a, b = ({k: p[k] for k in stored} for p in pieces[:2])
+    pieces[0].update(b)
+    pieces[1].update(a)
 
 
 def restore_all(root: Path, mesh: Any, rank: int) -> dict[str, Any]:
     """Every scenario's copy, restored through each path: the step, or the error."""
     out: dict[str, Any] = {}
     names = [*SCENARIOS, "missing_here", "unreadable_here", "tiers", "other_run_here"]
-    names += [*FORGED, "forged_tiers"]
+    names += [*FORGED, "forged_tiers", "forged_tree_tiers"]
     for name in names:
         directory = root / name
         if name in ("missing_here", "unreadable_here"):
@@ -77,9 +90,11 @@ def restore_all(root: Path, mesh: Any, rank: int) -> dict[str, Any]:
             directory = root / (name if rank == 1 else "intact")
         if name == "forged_tiers":  # as forged_world1, with the original on a remote tier
             directory = root / ("forged_world1" if rank == 1 else "intact")
+        if name == "forged_tree_tiers":  # as forged_tree, with the original on a remote tier
+            directory = root / ("forged_tree" if rank == 1 else "intact")
         # a remote tier holding an intact copy of what rank 1 finds damaged locally
         remote = root / "intact" if name == "tiers" else None
-        if name == "forged_tiers":
+        if name in ("forged_tiers", "forged_tree_tiers"):
             remote = root / "saved"
         if name == "tiers":
             directory = root / "piece"
@@ -106,6 +121,7 @@ def restore_all(root: Path, mesh: Any, rank: int) -> dict[str, Any]:
                 if hasattr(got_w, "full_tensor"):
                     got_w = got_w.full_tensor()
                 exact = step is not None and torch.equal(got_w, full(step))
+                exact = exact and state.get("step") == step
                 rng = state.get("rng")
                 own = rng is not None and torch.equal(rng, rank_value(step or 0, rank))
                 out[f"{name}/{path}"] = {"step": step, "exact": exact, "own": own}
@@ -142,7 +158,10 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
             root / "saved", group=RankGroup.from_torch_distributed(), keep_last=None
         )
         for step in STEPS:
-            state = {"model": {"w": distribute_tensor(full(step), mesh, [Shard(0)])}}
+            state = {
+                "model": {"w": distribute_tensor(full(step), mesh, [Shard(0)])},
+                "step": step,
+            }
             mgr.save(step, state, per_rank={"rng": rank_value(step, rank)}).wait()
         mgr.close()
         # another run (another job) writing the same steps into a directory of its own

@@ -28,7 +28,11 @@ EXPECTED = {"intact": 3, "piece": 2, "rank_state": 2, "staggered": 1, "tiers": 3
 # states of one rank only (before: step 3 restored, rank 1 silently without its own state),
 # another step, another run; the step before it on every rank
 EXPECTED.update(dict.fromkeys(("forged_world1", "forged_world4", "forged_step", "forged_run"), 2))
-EXPECTED["forged_tiers"] = 3  # rank 1's forged copy, the original on a remote tier: taken there
+# of the same world and ranks: another shared value, another layout of rank 1's piece (before:
+# step 3 restored, rank 1 with its copy's value, or rows of the other piece)
+EXPECTED.update(dict.fromkeys(("forged_tree", "forged_layout"), 2))
+# rank 1's forged copy, the original on a remote tier: taken there
+EXPECTED["forged_tiers"] = EXPECTED["forged_tree_tiers"] = 3
 # other_run_here: rank 1's node-local directory holds another run's steps 1 to 3 (before: the
 # ranks, each holding a step 3 of the same commit sequence, exchanged the same reports for ever)
 FAILING = ("all", "missing_here", "unreadable_here", "other_run_here")

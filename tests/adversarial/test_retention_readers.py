@@ -230,15 +230,18 @@ def test_sigkill_at_every_point_of_retention_leaves_no_step_without_its_base(
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.split("RESULT", 1)[1])
     # two steps each renamed away, fsynced and deleted: every operation between was a kill point
-    assert result["killed"] >= 6 and result["statuses"] == [-9] * result["killed"]
-    for kill_at in range(result["killed"]):
-        directory = out / f"k{kill_at}"
-        with CheckpointManager(directory, keep_last=None) as mgr:
-            steps = mgr.steps()
-            assert {4, 5} <= set(steps) <= {1, 2, 3, 4, 5}, (kill_at, steps)
-            for step in steps:
-                assert mgr.verify(step) == {step: []}, (kill_at, step)
-                assert torch.equal(mgr.restore(step=step)["w"], _state(step)["w"])
-    finished = out / f"k{result['killed']}"
-    assert committed_steps(LocalStorage(finished)) == [4, 5]
+    assert result["killed"] >= 6 and result["statuses_killed"] == [-9] * result["killed"]
+    # keeping step 2 besides them (keep_also): only step 3 goes, and 2 and its base never
+    assert result["killed_also"] >= 2
+    assert result["statuses_killed_also"] == [-9] * result["killed_also"]
+    for prefix, kept in (("k", {4, 5}), ("a", {1, 2, 4, 5})):
+        for kill_at in range(result["killed" if prefix == "k" else "killed_also"]):
+            with CheckpointManager(out / f"{prefix}{kill_at}", keep_last=None) as mgr:
+                steps = mgr.steps()
+                assert kept <= set(steps) <= {1, 2, 3, 4, 5}, (prefix, kill_at, steps)
+                for step in steps:
+                    assert mgr.verify(step) == {step: []}, (prefix, kill_at, step)
+                    assert torch.equal(mgr.restore(step=step)["w"], _state(step)["w"])
+    assert committed_steps(LocalStorage(out / f"k{result['killed']}")) == [4, 5]
+    assert committed_steps(LocalStorage(out / f"a{result['killed_also']}")) == [1, 2, 4, 5]
     shutil.rmtree(out)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import threading
 from datetime import timedelta
 from pathlib import Path
@@ -13,6 +14,7 @@ from torch.distributed import TCPStore
 
 from coci_core import CheckpointManager, ConfigError
 from coci_core.engine.agreement import RestoreAgreement
+from coci_core.engine.format.manifest import step_dir_name
 from coci_core.engine.restore.restore import restore_newest
 from coci_core.errors import CheckpointError
 from coci_core.storage import open_storage
@@ -186,3 +188,37 @@ def test_newer_steps_only_one_rank_holds_are_not_called_another_runs(tmp_path: P
     assert "step 12: passed over: not intact on every rank" in said, said
     assert "step 8: passed over: not intact on every rank" in said, said
     assert "of another run" not in said, said
+
+
+def _chained(step: int) -> torch.Tensor:
+    return torch.full((4096,), 1.5) + step * (torch.arange(4096) % 3 == 0)
+
+
+def test_ranks_whose_copies_of_a_delta_chain_differ_end_on_one_step_or_one_error(
+    tmp_path: Path,
+) -> None:
+    """Node-local copies of one run whose steps 2 to 4 are deltas against step 1: rank 1's
+    copy without step 4 restores step 3 on both ranks; rank 1's copy without the base (its
+    deltas cannot be read) is one error on both, naming the missing base."""
+    with CheckpointManager(tmp_path / "a", keep_last=None, compression="lossless") as mgr:
+        for step in range(1, 5):
+            mgr.save(step, {"w": _chained(step)}).wait()
+    assert mgr.manifest(4).bases == (1,)
+    for name, gone in (("newest", 4), ("base", 1)):
+        shutil.copytree(tmp_path / "a", tmp_path / name)
+        shutil.rmtree(tmp_path / name / step_dir_name(gone))
+
+    def restore(name: str) -> list[Any]:
+        def on(r: int, agreement: RestoreAgreement) -> int:
+            storage = open_storage(str(tmp_path / ("a", name)[r]))
+            loaded, _ = restore_newest(storage, None, agreement=agreement)
+            assert torch.equal(loaded.state["w"], _chained(loaded.step))
+            return loaded.step
+
+        return on_two_ranks(on)
+
+    assert restore("newest") == [3, 3]
+    errors = restore("base")
+    assert all(isinstance(e, CheckpointError) for e in errors), errors
+    assert str(errors[0]) == str(errors[1]) and "on every rank" in str(errors[0])
+    assert "delta against step 1, which cannot be read" in str(errors[0])

@@ -25,6 +25,7 @@ from coci_core import (
     StorageError,
 )
 from coci_core.engine.directory.lease import LEASE_NAME
+from coci_core.engine.directory.steps import committed_steps
 from coci_core.engine.format.manifest import seal, step_dir_name
 from tests.harness.faults import FaultyStorage, HeldStorage
 from tests.harness.states import assert_same, tiny_model_state
@@ -116,6 +117,22 @@ def test_steps_kept_also_stay_besides_keep_last(tmp_path: Path) -> None:
         mgr.save(4, {"x": torch.tensor(4)})
         mgr.wait(retention=True)
         assert mgr.steps() == [3, 4]
+
+
+def test_steps_kept_also_stay_on_the_remote_tier(tmp_path: Path) -> None:
+    """The remote tier's retention keeps them too (before: ``remote_keep_last`` deleted the
+    best step there, the copy that a run on a node that lost its disk resumes from)."""
+    remote = tmp_path / "remote"
+    with CheckpointManager(
+        tmp_path / "local", keep_last=1, remote=remote, remote_keep_last=1
+    ) as mgr:
+        assert mgr.remote is not None
+        for step in (1, 2, 3):
+            mgr.save(step, {"x": torch.tensor(step)})
+            mgr.wait(retention=True)  # handed to the upload thread, then uploaded
+            assert mgr.remote.flush(30)
+            mgr.keep_also({1})
+        assert committed_steps(LocalStorage(remote)) == [1, 3]
 
 
 @pytest.mark.parametrize("steps", [5, "12", [1.0], [-1], [2**63], [True], None])

@@ -5,8 +5,10 @@ is SIGKILLed during the resume (see test_resume_agreement.py): both fit 2 steps 
 ``cfg["at"] == "read"``: when its read begins, after the callback's setup agreed that every rank
 reads), and waits to be killed. With ``cfg["empty"]``, the victim's ``CociCheckpoint`` names
 another, empty directory instead (and rank 0 committed a step with a plain manager, not a
-fit: both fail at the callback's setup, before reading). Each prints ``RESULT`` with its error
-and how long its resume took.
+fit: both fail at the callback's setup, before reading). With ``cfg["lightning_file"]``, no
+coci step is committed and rank 0's own directory (a node's disk) holds an
+``OnExceptionCheckpoint`` file, rank 1's none. Each prints ``RESULT`` with its error and how long
+its resume took.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import OnExceptionCheckpoint
 
 from coci_core import CheckpointManager, RankGroup
 from coci_core.engine import agreement
@@ -27,7 +30,9 @@ from coci_lightning import CociCheckpoint
 from tests.lightning.models import DigitsModel
 
 
-def _trainer(directory: str, steps: int, dirpath: str | None = None) -> pl.Trainer:
+def _trainer(
+    directory: str, steps: int, dirpath: str | None = None, *extra: pl.Callback
+) -> pl.Trainer:
     return pl.Trainer(
         accelerator="cpu",
         devices=2,
@@ -38,7 +43,8 @@ def _trainer(directory: str, steps: int, dirpath: str | None = None) -> pl.Train
         enable_model_summary=False,
         default_root_dir=directory,
         callbacks=[
-            CociCheckpoint(dirpath=dirpath, policy="every_n_steps", every_n_steps=2, block=True)
+            CociCheckpoint(dirpath=dirpath, policy="every_n_steps", every_n_steps=2, block=True),
+            *extra,
         ],
     )
 
@@ -51,12 +57,20 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
     pl.seed_everything(11, verbose=False)
     rank = int(os.environ["RANK"])
     dirpath = None
+    extra: list[pl.Callback] = []
     if cfg.get("empty"):  # the victim sees another, empty directory; rank 0 a committed step
         if rank == 0:
             with CheckpointManager(os.path.join(cfg["dir"], "coci"), group=RankGroup.single()) as m:
                 m.save(2, {"w": torch.zeros(2)}).wait()
         else:
             dirpath = os.path.join(cfg["dir"], "elsewhere")
+    elif cfg.get("lightning_file"):  # no coci step; an OnExceptionCheckpoint file on node 0
+        node = os.path.join(cfg["dir"], f"node{rank}")
+        os.makedirs(node)
+        if rank == 0:
+            with open(os.path.join(node, "on_exception.ckpt"), "wb") as f:
+                f.write(b"a crashed run's file")
+        extra.append(OnExceptionCheckpoint(dirpath=node))
     else:
         _trainer(cfg["dir"], 2).fit(DigitsModel(batch_size=8, distributed=True))
     if rank == cfg["victim"] and cfg.get("at") == "read":
@@ -69,7 +83,7 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
             return for_job(cls, **kwargs)
 
         agreement.RestoreAgreement.for_job = classmethod(stop_read)  # type: ignore[assignment]
-    elif rank == cfg["victim"] and not cfg.get("empty"):
+    elif rank == cfg["victim"] and not cfg.get("empty") and not cfg.get("lightning_file"):
         exchange = agreement.RestoreAgreement.exchange
 
         def stop(self: Any, report: dict[str, Any]) -> Any:
@@ -81,7 +95,7 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
     started = time.monotonic()
     try:
         model = DigitsModel(batch_size=8, distributed=True)
-        _trainer(cfg["dir"], 4, dirpath).fit(model, ckpt_path="last")
+        _trainer(cfg["dir"], 4, dirpath, *extra).fit(model, ckpt_path="last")
     except Exception as e:
         return {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - started}
     return {"error": None, "seconds": time.monotonic() - started}

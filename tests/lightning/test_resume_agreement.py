@@ -87,3 +87,18 @@ def test_a_rank_that_resolves_no_checkpoint_fails_every_ranks_resume_at_once(
     assert "rank 1: NoCheckpointError: no committed checkpoint in" in error
     assert "rank(s) [0] hold one" in error and "every process must see the same" in error
     assert all(r["seconds"] < 10 for r in results), results
+
+
+def test_a_lightning_file_on_one_ranks_disk_only_fails_every_ranks_resume_at_once(
+    tmp_path: Path,
+) -> None:
+    """No coci step; rank 0's own directory holds an ``OnExceptionCheckpoint`` file, rank 1's
+    none: both ranks raise one error at once (before: rank 0 resumed from the file while rank
+    1 started fresh)."""
+    cfg = {"dir": str(tmp_path), "victim": 1, "lightning_file": True, "silent_s": SILENT_S}
+    with _ranks(cfg) as ranks:
+        results = [_result(rank) for rank in ranks]
+    assert results[0]["error"] == results[1]["error"], results
+    error = results[0]["error"] or ""
+    assert error.startswith("CorruptCheckpointError: the processes would resume from different")
+    assert "process 0: Lightning's on_exception.ckpt, process 1: nothing" in error, error

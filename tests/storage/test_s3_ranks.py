@@ -1,6 +1,7 @@
 """Several ranks writing one checkpoint to a real S3 server (SeaweedFS on loopback): each rank
 uploads its share, rank 0 commits with the manifest, a checkpoint restores on another number of
-ranks, and a rank killed during its upload publishes nothing."""
+ranks (or, one rank's object lost, the step before on both), and a rank killed during its upload
+publishes nothing."""
 
 from __future__ import annotations
 
@@ -68,10 +69,13 @@ def test_two_ranks_write_one_checkpoint_to_s3_and_it_restores_exactly(
             assert model_digest(model) == r["model_at_save"]["30"]
     if compression != "none":
         return  # the resume reads through the same codecs as the restore above
-    # resume on two ranks from step 30: the rest of the epoch, each sample once
+    # rank 1's data object of step 30 (its share, its own random state) lost from the bucket:
+    # resumed on two ranks, both from step 20, the rest of the epoch, each sample once
+    (lost,) = [k for k in _keys(s3_server, url) if k.startswith(f"step-{30:010d}/data-r1-")]
+    s3_server.filesystem().rm(f"{url.removeprefix('s3://')}/{lost}")
     again = _ok(launch(2, {**cfg, "every": 1000, "stop_step": None}))
-    assert [r["restored_step"] for r in again] == [30, 30]
-    seen = [i for r in first for ids in r["steps"].values() for i in ids]
+    assert [r["restored_step"] for r in again] == [20, 20]
+    seen = [i for r in first for s, ids in r["steps"].items() if int(s) <= 20 for i in ids]
     seen += [i for r in again for ids in r["steps"].values() for i in ids]
     assert sorted(seen) == list(range(SAMPLES))
     assert all(SECRET_KEY not in str(r) for r in first + again)

@@ -11,7 +11,9 @@ the whole run in DIR, never stopped, and prints ``REFERENCE <json>``; ``--sigter
 runs it in DIR with SIGTERM sent to process 1 alone after step 4 (each process prints
 ``SIGTERM <json>``, the step it saved, and exits 143); ``--fsdp`` shards the model with FSDP2
 through the Trainer (``fsdp="full_shard"``, ``fsdp_config={"version": 2}``; see
-:class:`FSDP2Trainer`) in every run; ``--coci JSON``: ``CociCallback``'s options (default
+:class:`FSDP2Trainer`) in every run; ``--apart DIR`` (after the reference run) resumes
+with ``output_dir`` ``DIR/node<RANK>`` (each process's own disk) and an empty ``DIR/coci``
+(prints ``APART <json>``: the error, or None); ``--coci JSON``: ``CociCallback``'s options (default
 ``policy="every_n_steps"``, the Trainer's ``save_steps`` 3) in the last run.
 """
 
@@ -36,7 +38,7 @@ from transformers import (
     TrainingArguments,
 )
 
-from coci_core import Preempted
+from coci_core import CociError, Preempted
 from coci_transformers import CociCallback
 from tests.harness.states import full_digest
 
@@ -221,6 +223,20 @@ if __name__ == "__main__":
         at = sys.argv.index("--sigterm")
         sigterm_dir = sys.argv[at + 1]
         del sys.argv[at : at + 2]
+    if "--apart" in sys.argv:  # first, a resume where process 0 alone holds a Trainer checkpoint
+        at = sys.argv.index("--apart")
+        apart = Path(sys.argv[at + 1])
+        del sys.argv[at : at + 2]
+        rank = int(os.environ.get("RANK", "0"))
+        own = CociCallback(policy="every_n_steps", dirpath=str(apart / "coci"))  # empty
+        try:
+            train(apart / f"node{rank}", 1, resume=True, callback=own, in_process=False)
+            say("APART " + json.dumps({"rank": rank, "error": None}))
+        except CociError as e:
+            say("APART " + json.dumps({"rank": rank, "error": f"{type(e).__name__}: {e}"}))
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState._reset_state(True)
     coci = None
     if "--coci" in sys.argv:
         at = sys.argv.index("--coci")

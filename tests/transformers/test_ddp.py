@@ -1,7 +1,8 @@
 """Two processes (torchrun and ``accelerate launch``, gloo, DDP through the Trainer): SIGKILLed
 mid-epoch and resumed with ``train(resume_from_checkpoint=True)``, bit-identical on both;
 SIGTERM to one of them: both save at the next step, stop with exit status 143, and resume
-bit-identical; the killed run's checkpoint also resumes onto one process."""
+bit-identical; the killed run's checkpoint also resumes onto one process; with no coci
+checkpoint and a Trainer checkpoint on process 0's own disk only, both raise one error."""
 
 from __future__ import annotations
 
@@ -70,7 +71,15 @@ def test_two_processes_sigkill_sigterm_and_resume_onto_one(
     # train a run that gets SIGTERM
     command = [*_torchrun(), str(tmp_path / "run"), str(total), "--resume"]
     reference, sigterm = ["--reference", str(tmp_path / "ref")], ["--sigterm", str(tmp_path / "t")]
-    out = run([*command, *reference, *sigterm], env=env, timeout_s=300)
+    # no coci checkpoint, and a Trainer checkpoint in process 0's own output_dir only
+    (tmp_path / "apart" / "node0" / "checkpoint-3").mkdir(parents=True)
+    apart = ["--apart", str(tmp_path / "apart")]
+    out = run([*command, *reference, *apart, *sigterm], env=env, timeout_s=300)
+    # both raise one error (before: process 0 resumed from its checkpoint-3, process 1 started
+    # fresh, and their collectives no longer matched)
+    errors = [r["error"] for r in _results(out.stdout, "APART ").values()]
+    assert len(errors) == 2 and errors[0] == errors[1], errors
+    assert "no Trainer checkpoint in" in errors[0] and "rank(s) [0] hold one" in errors[0]
     # the workers exit 143 on the notice (the SIGTERM run, last): torchrun reports a failure
     assert out.returncode != 0 and "exitcode  : 143" in out.stderr, out.stderr[-3000:]
     expected, resumed = _results(out.stdout, "REFERENCE "), _results(out.stdout)

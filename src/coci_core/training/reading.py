@@ -21,7 +21,7 @@ from coci_core.engine.restore.restore import (
     resume_order,
     step_versions,
 )
-from coci_core.errors import CociError
+from coci_core.errors import CociError, CorruptCheckpointError
 from coci_core.storage import Storage, open_storage
 from coci_core.telemetry import RestoreEvent
 
@@ -182,7 +182,13 @@ def read_checkpoint(
     return loaded, event
 
 
-def ranks_read_alike(source: str | None, why_not: CociError | None = None) -> None:
+def ranks_read_alike(
+    source: str | None,
+    why_not: CociError | None = None,
+    *,
+    name: str | None = None,
+    coci: bool = True,
+) -> None:
     """Raise the same error on every process of the initialized ``torch.distributed`` job
     unless all of them read a coci checkpoint, or none does: for a framework that resolves the
     checkpoint to read on each process alone (Lightning's ``ckpt_path``), before it reads.
@@ -192,10 +198,16 @@ def ranks_read_alike(source: str | None, why_not: CociError | None = None) -> No
     until its read (:func:`read_checkpoint`, of the job's next agreement) ends, so that a
     process killed in between fails the others' read once silent too.
 
+    ``name``: what names the checkpoint this process reads the same on every process that reads
+    the same one (a Trainer's ``checkpoint-6``, a framework's own file when ``source`` is None),
+    None when it reads none: processes that name different ones raise too (one that reads a
+    framework's file while another reads nothing, included). ``coci=False``: the read that
+    follows is the framework's own, not coci's (no signs of life are left on for it).
+
     Raises:
-        CorruptCheckpointError, CheckpointError: some processes read a coci checkpoint,
-            others not (the reasons of each of those; see
-            :func:`~coci_core.engine.agreement.agreed_error`).
+        CorruptCheckpointError, CheckpointError: some processes read a checkpoint, others
+            not (the reasons of each of those; see
+            :func:`~coci_core.engine.agreement.agreed_error`), or they name different ones.
     """
     store = job_store()
     if store is None:
@@ -206,15 +218,23 @@ def ranks_read_alike(source: str | None, why_not: CociError | None = None) -> No
     if world == 1:
         return
     agreement = RestoreAgreement(store, dist.get_rank(), world, name="alike")
-    report: dict[str, Any] = {"found": source}
+    report: dict[str, Any] = {"found": source, "name": name}
     if source is None:
-        report = error_report(why_not or CociError("it reads no coci checkpoint"))
+        report = {**error_report(why_not or CociError("it reads no coci checkpoint")), "name": name}
     with restore_watched(agreement) as watched:  # a process killed meanwhile fails it
         reports = agreement.exchange(report)
         failed = sum(1 for r in reports if r.get("error"))
         # every process reads next: the read watches these beats, so that a process killed
         # before its read began (seen alive here) fails the others' read once silent too
-        watched.carry = failed == 0
+        watched.carry = failed == 0 and coci
+    names = [r.get("name") for r in reports]
+    if failed in (0, len(reports)) and any(n != names[0] for n in names):
+        said = ", ".join(f"process {r}: {n or 'nothing'}" for r, n in enumerate(names))
+        raise CorruptCheckpointError(
+            f"the processes would resume from different checkpoints ({said}). Each process "
+            "resolves the checkpoint on its own: every process must see the same checkpoint "
+            "directory (a shared file system or an object store, not each node's own disk)"
+        )
     if 0 < failed < len(reports):
         e = agreed_error(reports)
         raise type(e)(

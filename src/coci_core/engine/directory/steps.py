@@ -19,6 +19,7 @@ from coci_core.engine.format.manifest import (
     Manifest,
     parse_step_version,
     read_head_only,
+    seal_of,
     step_dir_name,
 )
 from coci_core.errors import CorruptCheckpointError, NoCheckpointError, StorageError
@@ -397,6 +398,9 @@ class ManifestCache:
         #: what each manifest read says of the ranks that saved it (its world size and how
         #: many ranks' own states it holds), by step: what ranks restoring together compare
         self.ranks: dict[int, tuple[int, int]] = {}
+        #: the seal of each manifest read (its checksum: see :func:`seal_of`), by step: copies
+        #: of one checkpoint on the ranks' own disks hold the same, a forged one another
+        self.seals: dict[int, str | None] = {}
 
     def offer(self, digest: bytes, doc: Any, info: StepInfo) -> None:
         """Keep ``doc`` if it is the newest offered so far."""
@@ -415,4 +419,5 @@ class ManifestCache:
         else:
             manifest = _parse(self.storage, step, data)
         self.ranks[step] = (manifest.world_size, len(manifest.per_rank))
+        self.seals[step] = seal_of(data)
         return manifest

@@ -56,6 +56,7 @@ __all__ = [
     "read_head",
     "read_head_only",
     "seal",
+    "seal_of",
     "step_dir_name",
 ]
 
@@ -136,6 +137,15 @@ def seal(body: bytes) -> bytes:
         raise ValueError("only a non-empty JSON object can be sealed")
     digest = hashlib.sha256(body).hexdigest().encode("ascii")
     return body[:-1] + _SEAL_HEAD + digest + b'"}'
+
+
+def seal_of(data: bytes) -> str | None:
+    """The checksum that sealed ``data`` (the hex SHA-256 of its body, unverified: read it of
+    data whose seal was checked), or None when it carries none. Copies of one checkpoint hold
+    the same manifest bytes (an upload copies them as they are), so the same seal: what ranks
+    restoring copies on their own disks compare, without hashing the manifest again."""
+    match = _SEAL_TAIL.fullmatch(data[-_SEAL_LEN:])
+    return None if match is None else match.group(1).decode("ascii")
 
 
 def _unseal(data: bytes, where: str, step: int | None) -> bytes | None:

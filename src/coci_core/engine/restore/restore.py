@@ -316,13 +316,15 @@ class _Search(Generic[_T]):
             bad=[],
         )
 
-    def ranks_of(self, i: int) -> list[int] | None:
+    def said_of(self, i: int) -> tuple[list[int] | None, str | None]:
         """What candidate ``i``'s manifest, as this rank read it, says of the ranks that saved
-        it (see :attr:`ManifestCache.ranks`); None when it was not read."""
+        it (see :attr:`ManifestCache.ranks`), and its seal (``ManifestCache.seals``: the first
+        32 hex digits, enough to tell a forged copy); None for each when it was not read."""
         c = self.candidates[i]
         cache = self.caches.get(id(c.storage))
         said = cache.manifests.ranks.get(c.step) if cache is not None else None
-        return list(said) if said is not None else None
+        seal = cache.manifests.seals.get(c.step) if cache is not None else None
+        return (list(said) if said is not None else None), (seal[:32] if seal else None)
 
     def pass_over(self, start: int, end: int, why: str) -> None:
         """Candidates ``start`` to ``end`` (excluded) are passed over for ``why``."""
@@ -448,16 +450,27 @@ RANKS_APART = (
 )
 
 
+#: Why ranks pass over a checkpoint that they all hold in one place, of one run, of the same
+#: ranks, whose manifests are not the same on every rank (another seal: a forged or mixed-up
+#: copy on a node's own disk, saying other values or another layout).
+MANIFESTS_APART = (
+    "passed over: its manifest on some ranks is not the same as on the others (copies of "
+    "one checkpoint that differ: a forged or mixed-up copy on a node's own disk)"
+)
+
+
 def _agree(
     search: _Search[_T], i: int, result: _T, agreement: RestoreAgreement, asked: str | None
 ) -> tuple[int, _T]:
     """Exchange what each rank holds until all hold the same checkpoint (the oldest of those
     found, or an older one): every rank ends on one step, or raises the same error."""
     while True:
+        ranks, seal = search.said_of(i)
         reports = agreement.exchange(
             {
                 "found": list(_found(search.candidates[i])),
-                "ranks": search.ranks_of(i),
+                "ranks": ranks,
+                "seal": seal,
                 "asked": asked,
             }
         )
@@ -466,13 +479,15 @@ def _agree(
         found = [cast(Found, tuple(r["found"])) for r in reports]
         agreed = min(found, key=_place)
         if all(f == agreed for f in found):
-            if all(r.get("ranks") == reports[0].get("ranks") for r in reports):
+            ranks_alike = all(r.get("ranks") == reports[0].get("ranks") for r in reports)
+            if ranks_alike and all(r.get("seal") == reports[0].get("seal") for r in reports):
                 return i, result
             # One checkpoint by its place and run, whose manifest says another world on some
-            # rank (a forged or mixed-up copy on a node-local disk): not the same checkpoint on
-            # every rank, passed over by all (before: restored, the rank whose copy named
-            # fewer ranks silently without its own state).
-            search.pass_over(i, i + 1, RANKS_APART)
+            # rank, or other values or another layout (a forged or mixed-up copy on a
+            # node-local disk, resealed): not the same checkpoint on every rank, passed over by
+            # all (before: restored, the rank whose copy named fewer ranks silently without its
+            # own state, or with its copy's values).
+            search.pass_over(i, i + 1, RANKS_APART if not ranks_alike else MANIFESTS_APART)
             try:
                 i, result = search.first_from(i + 1)
             except CociError as e:
