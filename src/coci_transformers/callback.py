@@ -192,6 +192,7 @@ class CociCallback(TrainerCallback):
         self.checkpointer: Checkpointer | None = None
         self._restored: dict[str, Any] | None = None
         self._resume_dir: str | None = None
+        self._state_json = _state.StateJson()  # the TrainerState's JSON at the last save
         self._reset_run()
 
     def _reset_run(self) -> None:
@@ -744,7 +745,7 @@ class CociCallback(TrainerCallback):
             if trainer.args.load_best_model_at_end:  # kept besides keep_last, as the Trainer's
                 checkpointer.manager.keep_also({best})
         weights_only = bool(trainer.args.save_only_model)
-        state = _state.collect(trainer, weights_only=weights_only)
+        state = _state.collect(trainer, weights_only=weights_only, cache=self._state_json)
         state["coci"] = checkpointer.state_dict()
         per_rank = None if weights_only else {_state.PROCESS_KEY: _state.collect_own()}
         handle = checkpointer.save(step, state, per_rank=per_rank)

@@ -418,3 +418,18 @@ def test_dtensor_states_reuse_the_flatten_and_miss_on_any_change() -> None:
     assert out["tie_undone"] == [[0.0] * 5, [1.0] * 5]
     first = torch.arange(12.0).reshape(3, 4)
     assert out["values"] == [first.tolist(), (first + 1).tolist()]
+
+
+def test_a_leaf_made_anew_from_the_cache_keeps_every_other_field() -> None:
+    """The replay's new leaf for a new tensor of the same layout is
+    ``dataclasses.replace(leaf, tensor=..., moves=...)``, every field included."""
+    from coci_core.engine.format import tree
+
+    leaf = tree.ArrayLeaf("/k", torch.ones(2), "ndarray", "<f4", (4,), 8, (Region((0,), (2,)),))
+    new = torch.zeros(2)
+    made = tree._with_tensor(leaf, new, moves=True)
+    expected = dataclasses.replace(leaf, tensor=new, moves=True)
+    assert type(made) is tree.ArrayLeaf
+    for f in dataclasses.fields(tree.ArrayLeaf):
+        assert getattr(made, f.name) is getattr(expected, f.name), f.name
+    assert vars(made).keys() == vars(expected).keys()

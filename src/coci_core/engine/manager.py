@@ -429,6 +429,7 @@ class CheckpointManager:
             n_shared=len(flat.leaves),
             rank_tree=own.tree if own else None,
             tree_ints=flat.ints,
+            leaf_layout=flat.layout,
             layout=digest,
             group=group,
             run=self.run_id,

@@ -365,20 +365,43 @@ class Manifest:
             return True
         return tree_ints if tree_ints is not None else holds_ints(self.tree)
 
-    def to_json(self, *, tree_ints: bool | None = None) -> bytes:
+    def to_json(
+        self, *, tree_ints: bool | None = None, tensors_json: tuple[str, bool] | None = None
+    ) -> bytes:
         """The manifest as UTF-8 JSON, with its checksum as the last field (format 3; 4 when
         an array is stored as boxes; 5 when a state tree holds an ``ints`` node).
         ``tree_ints``: whether the shared tree holds one, as the flatten that made it said
-        (None: the tree is walked to find out)."""
+        (None: the tree is walked to find out). ``tensors_json``: the JSON array of the
+        shared arrays' entries, in place of :attr:`tensors` (which must then be empty), and
+        whether one of them is stored as boxes (the writer's template of them: see
+        :mod:`coci_core.engine.save.entries`)."""
         doc = self.to_dict()
+        boxes = tensors_json is not None and tensors_json[1]
         doc["format_version"] = (
             INTS_FORMAT_VERSION
             if self._has_ints(tree_ints)
             else BOXES_FORMAT_VERSION
-            if self.has_boxes
+            if boxes or self.has_boxes
             else FORMAT_VERSION
         )
-        return seal(json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8"))
+        if tensors_json is None:
+            text = json.dumps(doc, separators=(",", ":"), allow_nan=False)
+        else:
+            if self.tensors:
+                raise ValueError("tensors_json is given in place of the manifest's tensors")
+            # json.dumps(doc)'s text, with the given array in place of "tensors"
+            keys = list(doc)
+            at = keys.index("tensors")
+            head = {k: doc[k] for k in keys[:at]}
+            tail = {k: doc[k] for k in keys[at + 1 :]}
+            text = (
+                json.dumps(head, separators=(",", ":"), allow_nan=False)[:-1]
+                + ',"tensors":'
+                + tensors_json[0]
+                + ","
+                + json.dumps(tail, separators=(",", ":"), allow_nan=False)[1:]
+            )
+        return seal(text.encode("utf-8"))
 
     @classmethod
     def from_json(

@@ -743,6 +743,15 @@ def _detached(t: torch.Tensor) -> torch.Tensor:
     return t if type(t) is torch.Tensor and not t.requires_grad else t.detach()
 
 
+def _with_tensor(leaf: ArrayLeaf, tensor: torch.Tensor, *, moves: bool) -> ArrayLeaf:
+    """``dataclasses.replace(leaf, tensor=tensor, moves=moves)``, without its walk over the
+    fields and ``__init__`` (a model's ``state_dict()`` gives new tensors at every save: a leaf
+    each, on the training thread)."""
+    new = object.__new__(ArrayLeaf)
+    new.__dict__.update(leaf.__dict__, tensor=tensor, moves=moves)
+    return new
+
+
 def _replay(state: dict[str, Any], cache: FlattenCache, allow_torch_save: bool) -> FlatState:
     """Flatten with ``cache``'s tensor nodes and leaves (:class:`_Miss` when they differ)."""
     flattener = _Flattener(allow_torch_save, cache)
@@ -760,7 +769,7 @@ def _replay(state: dict[str, Any], cache: FlattenCache, allow_torch_save: bool) 
             tuple(
                 leaf
                 if new is old and j not in moved
-                else dataclasses.replace(leaf, tensor=make(new), moves=leaf.moves or j in moved)
+                else _with_tensor(leaf, make(new), moves=leaf.moves or j in moved)
                 for j, (leaf, new, old, make) in enumerate(
                     zip(cache.leaves, sources, cache.sources, cache.makers, strict=True)
                 )

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import queue
 import threading
 import time
@@ -22,7 +21,7 @@ from typing import Any
 
 import crc32c
 
-from coci_core.codecs import RAW, stores_compressed
+from coci_core.codecs import stores_compressed
 from coci_core.engine.directory.steps import (
     StepInfo,
     gc_paused,
@@ -35,19 +34,19 @@ from coci_core.engine.format.manifest import (
     Manifest,
     Piece,
     RankState,
-    TensorEntry,
     check_readable_head,
     step_dir_name,
 )
-from coci_core.engine.format.tree import ArrayLeaf, encode_dtype
+from coci_core.engine.format.tree import encode_dtype
 from coci_core.engine.group import RankGroup
 from coci_core.engine.pulse import Watch
 from coci_core.engine.restore.restore import read_manifest
 from coci_core.engine.save import commit
 from coci_core.engine.save.compress import PieceEncoder
+from coci_core.engine.save.entries import EntriesTemplate, tensor_entry
 from coci_core.engine.save.snapshot import Snapshot
 from coci_core.engine.save.workers import lower_thread_priority
-from coci_core.errors import CommitError, StorageError
+from coci_core.errors import StorageError
 from coci_core.knobs import SHARD_PIECE_BYTES, WRITE_CHUNK_BYTES
 from coci_core.storage import Storage
 
@@ -84,6 +83,8 @@ class PersistJob:
     solo: bool = False  # rank 0 saves alone (not counted in ``seq``)
     rank_tree: Any = None
     tree_ints: bool | None = None  # whether ``tree`` holds an ``ints`` node (None: unknown)
+    # the flatten's layout token of the shared arrays (None: unknown; see FlatState.layout)
+    leaf_layout: object | None = None
     layout: str = ""
     group: RankGroup = field(default_factory=RankGroup.single)
     run: str = ""  # the run the checkpoint belongs to (see CheckpointManager.run_id)
@@ -185,42 +186,6 @@ class _RunAhead:
             if isinstance(item, BaseException):
                 raise item
             yield item
-
-
-def _entry(leaf: ArrayLeaf, pieces: list[Piece]) -> TensorEntry:
-    if leaf.owned:  # the ranks holding no part of a sharded tensor wrote empty pieces
-        pieces = [p for p in pieces if p.length]
-    codecs = {str(p.params["codec"]) if p.params else RAW for p in pieces} or {RAW}
-    entry = TensorEntry(
-        key=leaf.key,
-        kind=leaf.kind,
-        dtype=encode_dtype(leaf.tensor.dtype),
-        shape=leaf.shape,
-        codec=codecs.pop() if len(codecs) == 1 else "mixed",
-        pieces=tuple(sorted(pieces, key=lambda p: p.start)),
-        numpy_dtype=leaf.numpy_dtype,
-        boxes=leaf.boxes,
-    )
-    if leaf.owned:
-        _check_cover(entry, leaf.tensor.element_size())
-    return entry
-
-
-def _check_cover(entry: TensorEntry, itemsize: int) -> None:
-    """The ranks' parts of a sharded tensor fill it, each byte once (else nothing is published:
-    a DTensor on a mesh of other ranks than the saving group's, for one)."""
-    covered = 0
-    for p in entry.pieces:
-        if p.start != covered:
-            break
-        covered += p.length
-    if covered != math.prod(entry.shape) * itemsize:
-        raise CommitError(
-            f"the ranks' parts of {entry.key!r} (shape {entry.shape}) do not fill it, each byte "
-            "once: is it a DTensor whose mesh is not the ranks that save (every rank of the "
-            "group, one mesh coordinate each)?",
-            ranks=[],
-        )
 
 
 class _Pieces:
@@ -336,7 +301,8 @@ class _Pieces:
         rank_state = RankState(
             tree=job.rank_tree,
             tensors=tuple(
-                _entry(leaf, own.get(job.n_shared + i, [])) for i, leaf in enumerate(own_leaves)
+                tensor_entry(leaf, own.get(job.n_shared + i, []))
+                for i, leaf in enumerate(own_leaves)
             ),
         )
         return commit.RankShare(
@@ -366,22 +332,22 @@ def _bases(storage: Storage, shares: list[commit.RankShare], run: str) -> tuple[
 
 
 def _manifest_json(
-    job: PersistJob, shares: list[commit.RankShare], bases: tuple[int, ...]
+    job: PersistJob,
+    shares: list[commit.RankShare],
+    bases: tuple[int, ...],
+    template: EntriesTemplate | None = None,
 ) -> tuple[bytes, StepInfo]:
     """The sealed manifest of the committed shares and its head; raises what reading its head
-    back would (never commit what a resume would refuse: the save fails instead, loudly)."""
+    back would (never commit what a resume would refuse: the save fails instead, loudly).
+    ``template``: the entries' JSON of the writer's last save (see :mod:`.entries`)."""
+    tensors, boxes = (template if template is not None else EntriesTemplate()).encode(
+        job.snapshot.leaves[: job.n_shared], shares, layout=job.leaf_layout
+    )
     manifest = Manifest(
         step=job.step,
         created_unix=time.time(),  # shown only: never orders checkpoints (see sequence)
         tree=job.tree,
-        tensors=tuple(
-            _entry(leaf, leaf_pieces)
-            for leaf, leaf_pieces in zip(
-                job.snapshot.leaves[: job.n_shared],
-                commit.pieces_by_leaf(shares, job.n_shared),
-                strict=True,
-            )
-        ),
+        tensors=(),  # given as JSON below
         files=tuple(s.file for s in shares),
         world_size=job.group.world_size,
         metadata=job.metadata,
@@ -403,11 +369,14 @@ def _manifest_json(
         manifest.sequence,
         job.version,
     )
-    return manifest.to_json(tree_ints=job.tree_ints), head
+    return manifest.to_json(tree_ints=job.tree_ints, tensors_json=(tensors, boxes)), head
 
 
 def write_checkpoint(
-    storage: Storage, job: PersistJob, encoder: PieceEncoder | None = None
+    storage: Storage,
+    job: PersistJob,
+    encoder: PieceEncoder | None = None,
+    template: EntriesTemplate | None = None,
 ) -> WriteResult:
     """Checksum (and, with an active ``encoder``, encode) this rank's part of the snapshot,
     write it, and commit with the other ranks; clean up on failure (a failure on any rank
@@ -418,7 +387,7 @@ def write_checkpoint(
         CommitError: another rank failed, or did not report within the group's timeout.
     """
     try:
-        result = _write_checkpoint(storage, job, encoder)
+        result = _write_checkpoint(storage, job, encoder, template)
     except BaseException:
         if encoder is not None:
             encoder.finish(committed=False, raw_bytes=0, stored_bytes=0, write_s=0.0)
@@ -434,7 +403,10 @@ def write_checkpoint(
 
 
 def _write_checkpoint(
-    storage: Storage, job: PersistJob, encoder: PieceEncoder | None
+    storage: Storage,
+    job: PersistJob,
+    encoder: PieceEncoder | None,
+    template: EntriesTemplate | None,
 ) -> WriteResult:
     snap = job.snapshot
     group = job.group
@@ -478,7 +450,7 @@ def _write_checkpoint(
         shares = commit.collect_shares(storage, records, share, group, Watch.of(group))
         bases = _bases(storage, shares, job.run)
         with gc_paused():
-            manifest_json, head = _manifest_json(job, shares, bases)
+            manifest_json, head = _manifest_json(job, shares, bases, template)
             data_files = [s.file.name for s in shares]
             del share, shares
             pieces.placed.clear()

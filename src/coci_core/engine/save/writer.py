@@ -23,6 +23,7 @@ from coci_core.engine.handle import SaveHandle
 from coci_core.engine.lifecycle import Owner
 from coci_core.engine.restore.restore import highest_sequence
 from coci_core.engine.save.compress import PieceEncoder
+from coci_core.engine.save.entries import EntriesTemplate
 from coci_core.engine.save.persist import PersistJob, write_checkpoint
 from coci_core.engine.save.snapshot import Snapshotter
 from coci_core.errors import BackgroundSaveError, CorruptCheckpointError, StateChangedError
@@ -61,6 +62,8 @@ class SaveWriter:
     #: steps of the run that retention keeps besides the newest ``keep_last`` (replaced whole
     #: by the manager, never changed: :meth:`CheckpointManager.keep_also`)
     also_keep: frozenset[int] = frozenset()
+    #: the manifest entries' JSON of the last save (see :mod:`.entries`): this thread only
+    template: EntriesTemplate = field(default_factory=EntriesTemplate)
     _failed: list[SaveHandle] = field(default_factory=list)
     _failed_lock: threading.Lock = field(default_factory=threading.Lock)
     # The commit order of the saves (Manifest.sequence): the highest sequence in the directory
@@ -109,7 +112,7 @@ class SaveWriter:
                     also_keep=self.also_keep,
                 )
                 job.sequence = self._next_sequence()
-            result = write_checkpoint(self.storage, job, self.encoder)
+            result = write_checkpoint(self.storage, job, self.encoder, self.template)
         except BaseException as e:
             error: BaseException | None = e
             with contextlib.suppress(Exception):  # the handle must finish: close() waits on it
