@@ -29,6 +29,7 @@ from accelerate.utils import DistributedType
 
 from coci_core import InPlaceTargets
 from coci_core.errors import CheckpointError, ConfigError
+from coci_core.training import check_optimizer_fits
 
 LAYOUT = "coci.accelerate/1"
 PROCESS_KEY = "coci_process"
@@ -310,6 +311,9 @@ def apply(
         for model, model_state in zip(models, state["models"], strict=True):
             model.load_state_dict(model_state, strict=strict)
         for opt, opt_state in zip(acc._optimizers, state["optimizers"], strict=True):
+            check_optimizer_fits(
+                opt, opt_state, fix="start a new run in another dirpath (CociCheckpointer)"
+            )
             opt.load_state_dict(opt_state)
     for sched, sched_state in zip(acc._schedulers, state["schedulers"], strict=True):
         sched.load_state_dict(sched_state)

@@ -35,6 +35,7 @@ from transformers import Trainer, TrainerState
 from transformers.trainer_callback import ExportableState
 
 from coci_core.errors import CheckpointError
+from coci_core.training import check_optimizer_fits
 from coci_transformers._trainer import data_parallel_size
 
 LAYOUT = "coci.transformers/1"
@@ -171,6 +172,11 @@ def load_optimizer(trainer: Trainer, state: dict[str, Any]) -> None:
         )
     else:
         t: Any = trainer
+        check_optimizer_fits(
+            t.optimizer,
+            state["optimizer"],
+            fix=f"start a new run in another output_dir than {t.args.output_dir!r}",
+        )
         t.optimizer.load_state_dict(state["optimizer"])
 
 

@@ -120,6 +120,16 @@ def test_resume_from_a_step_directory(tmp_path: Path, caplog: pytest.LogCaptureF
     assert not (tmp_path / "c" / "coci").exists()
 
 
+def test_a_resume_with_another_optimizer_is_refused_by_name(tmp_path: Path) -> None:
+    """A checkpoint of an AdamW run resumed with ``optim="sgd"``: a ConfigError naming both
+    optimizers' settings and what to do; it was torch's ``KeyError: 'momentum'`` at the first
+    step, after the state had been loaded."""
+    train(tmp_path, 3)  # AdamW (the Trainer's default), step 3
+    AcceleratorState._reset_state(True)
+    with pytest.raises(ConfigError, match=r"this run's optimizer \(SGD\).*lacks .*momentum"):
+        train(tmp_path, 4, resume=True, optim="sgd")
+
+
 def test_a_resume_path_that_does_not_exist_is_refused_by_name(tmp_path: Path) -> None:
     """``resume_from_checkpoint`` naming nothing (a typo, a step never committed): refused by
     the argument's name before anything is opened; it was the Trainer's "Can't find a valid
