@@ -251,6 +251,12 @@ def test_foreign_layout_and_world_size_change_are_refused(tmp_path: Path) -> Non
     adamw = torch.optim.AdamW(torch.nn.Linear(4, 2).parameters()).state_dict()
     with pytest.raises(ConfigError, match=r"this run's optimizer \(SGD\).*lacks .*momentum"):
         accelerate_state.apply(accelerator, {**state, "optimizers": [adamw]}, skip=ckpt)
+    # another model's weights: torch's lines, with the model named and what to do
+    other = torch.nn.Linear(4, 3).state_dict()
+    with pytest.raises(
+        ConfigError, match=r"(?s)this run's model \(Linear\).*size mismatch.*dirpath"
+    ):
+        accelerate_state.apply(accelerator, {**state, "models": [other]}, skip=ckpt)
 
 
 def test_inexact_dataloader_configuration_warns(tmp_path: Path) -> None:

@@ -1,7 +1,8 @@
-"""A saved optimizer state checked against the optimizer it is about to be loaded into, so
-that a resume with another optimizer class (AdamW's state into SGD) says so, rather than
-failing inside torch (``KeyError: 'momentum'`` at the first step, or ``KeyError: 'step'`` in
-``load_state_dict``)."""
+"""A saved state that does not fit the run resuming from it, said as such: an optimizer state
+checked against the optimizer it is about to be loaded into, so that a resume with another
+optimizer class (AdamW's state into SGD) says so, rather than failing inside torch
+(``KeyError: 'momentum'`` at the first step, or ``KeyError: 'step'`` in ``load_state_dict``);
+and a model's ``load_state_dict`` error (another architecture) with what to do."""
 
 from __future__ import annotations
 
@@ -47,3 +48,17 @@ def check_optimizer_fits(optimizer: Any, saved: object, *, fix: str) -> None:
                 f"it was saved with another optimizer. Resume with the optimizer the "
                 f"checkpoint was saved with, or {fix}"
             )
+
+
+def model_misfit(model: Any, error: Exception, *, fix: str) -> ConfigError:
+    """The error to raise when ``model.load_state_dict`` of a checkpoint's weights raised
+    ``error`` (torch's "Missing key(s)", "size mismatch"): it names the model, keeps the
+    first of torch's lines (cut at 600 characters) and says what to do."""
+    model = getattr(model, "module", model)  # a DDP wrapper's own
+    said = str(error).strip()
+    said = said if len(said) <= 600 else said[:600] + " ..."
+    return ConfigError(
+        f"the checkpoint's weights do not fit this run's model ({type(model).__name__}): "
+        f"{said}\nIt was saved from another model (another architecture or config). Resume "
+        f"with the model it was saved with, or {fix}"
+    )
