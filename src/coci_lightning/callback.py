@@ -418,6 +418,7 @@ class CociCheckpoint(Checkpoint):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # Every entry point (fit, validate, test, predict) reads coci step directories.
         check_sharded(trainer.strategy)
+        self._saved_optimizers = None  # not another entry point's checkpoint (validate's)
         o = self.options
         self._directory = self.resolve_dirpath(trainer)
         use_coci_io(trainer).configure(
