@@ -428,3 +428,12 @@ def test_values_a_legitimate_caller_gives_are_accepted() -> None:
     assert CompressionPolicy(mode="lossy", lossy_target=np.float64(0.01)).lossy_target == 0.01
     callback = CociCallback(policy="every_n_steps", planner_options={"every_n_steps": 200})
     assert callback.options.planner_options["every_n_steps"] == 200
+
+
+def test_a_remote_url_fsspec_cannot_open_names_remote(tmp_path: Path) -> None:
+    """``remote="gs://..."`` without gcsfs (here a scheme fsspec does not know) said
+    ``'directory' is not a usable fsspec URL``: the local directory was fine."""
+    with pytest.raises(ConfigError, match=r"^'remote' is not a usable fsspec URL: 'nope://b/x'"):
+        CheckpointManager(tmp_path / "ckpt", remote="nope://b/x")
+    with pytest.raises(ConfigError, match=r"^'directory' is not a usable fsspec URL"):
+        CheckpointManager("nope://b/x")
