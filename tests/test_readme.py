@@ -99,6 +99,43 @@ def test_lightning_quick_start_resumes_instead_of_training_again(
     assert model.seen == 20
 
 
+def test_accelerate_quick_start_run_again_after_its_end_trains_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The README's Accelerate quick start run to its end, then again (a requeue after it
+    ended, or after a SIGTERM at its last step): the second run resumes at the last step and
+    trains nothing. Its loop was a bare ``for x, y in dataloader:``, and the stateful loader
+    saved at the epoch's end started the next epoch: the whole epoch was trained again."""
+    from accelerate.state import AcceleratorState
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from coci_core import CheckpointManager
+
+    code = _block("Quick start: Accelerate")
+    monkeypatch.chdir(tmp_path)
+
+    def run() -> int:
+        AcceleratorState._reset_state(True)
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1)
+        data = TensorDataset(torch.randn(32, 4), torch.randn(32, 1))
+        namespace: dict[str, Any] = {
+            "model": model,
+            "optimizer": torch.optim.AdamW(model.parameters(), lr=1e-2),
+            "dataloader": DataLoader(data, batch_size=8, shuffle=True),
+        }
+        exec(compile(code, str(README), "exec"), namespace)
+        return int(namespace["done"])
+
+    try:
+        assert run() == 4
+        assert run() == 4  # was 8: the epoch trained again
+    finally:
+        AcceleratorState._reset_state(True)
+    with CheckpointManager(tmp_path / "runs" / "exp1" / "coci") as mgr:
+        assert mgr.latest_step() == 4
+
+
 def _commands(kind: str) -> list[str]:
     tokens = MarkdownIt("commonmark").parse(README.read_text())
     return [t.content.strip() for t in tokens if t.type == "fence" and t.info.strip() == kind]

@@ -29,9 +29,11 @@ from accelerate.utils import DistributedType
 
 from coci_core import InPlaceTargets
 from coci_core.errors import CheckpointError, ConfigError
+from coci_core.training import check_optimizer_fits, model_misfit
 
 LAYOUT = "coci.accelerate/1"
 PROCESS_KEY = "coci_process"
+_NEW_RUN = "start a new run in another dirpath (CociCheckpointer(dirpath=...))"
 
 
 def _rng_state() -> dict[str, Any]:
@@ -308,8 +310,12 @@ def apply(
         _apply_sharded(acc, models, state, strict=strict)
     else:
         for model, model_state in zip(models, state["models"], strict=True):
-            model.load_state_dict(model_state, strict=strict)
+            try:
+                model.load_state_dict(model_state, strict=strict)
+            except RuntimeError as e:  # another architecture: torch's message, what to do
+                raise model_misfit(model, e, fix=_NEW_RUN) from e
         for opt, opt_state in zip(acc._optimizers, state["optimizers"], strict=True):
+            check_optimizer_fits(opt, opt_state, fix=_NEW_RUN)
             opt.load_state_dict(opt_state)
     for sched, sched_state in zip(acc._schedulers, state["schedulers"], strict=True):
         sched.load_state_dict(sched_state)

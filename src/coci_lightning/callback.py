@@ -37,6 +37,7 @@ from coci_core.training import (
     ValidationHistory,
     check_bool,
     check_dirpath,
+    check_optimizer_fits,
     is_trial_pruned,
     newest_step_dir,
     shared_options,
@@ -281,6 +282,9 @@ class CociCheckpoint(Checkpoint):
         self.checkpointer: Checkpointer | None = None
         self._planner_state: dict[str, Any] | None = None
         self._pending_rng: dict[str, Any] | None = None
+        # the restored checkpoint's optimizer states, checked against the fit's optimizers
+        # once both exist (on_fit_start, or on_load_checkpoint after the strategy's setup)
+        self._saved_optimizers: list[Any] | None = None
         self._last_end: float | None = None
         self._last_saved_step: int | None = None
         self._fallback_for: str | None = None
@@ -414,6 +418,7 @@ class CociCheckpoint(Checkpoint):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # Every entry point (fit, validate, test, predict) reads coci step directories.
         check_sharded(trainer.strategy)
+        self._saved_optimizers = None  # not another entry point's checkpoint (validate's)
         o = self.options
         self._directory = self.resolve_dirpath(trainer)
         use_coci_io(trainer).configure(
@@ -841,6 +846,9 @@ class CociCheckpoint(Checkpoint):
         # a save before the validation after the run's last step: Lightning would stop on
         # max_steps without running it (see _epoch_end.py)
         hold_for_last_validation(trainer, checkpoint)
+        saved = checkpoint.get("optimizer_states")
+        self._saved_optimizers = saved if isinstance(saved, list) else None
+        self._check_optimizers(trainer)
         self._next_epoch_at_train_start = after_a_finished_epoch(trainer, checkpoint)
         own = checkpoint.get(RANK_STATE_KEY)
         if isinstance(own, dict) and "rng" in own:
@@ -854,6 +862,25 @@ class CociCheckpoint(Checkpoint):
                 f"coci: the checkpoint has no random states for rank {trainer.global_rank} (it "
                 "was written by fewer ranks); this rank continues its own seeded streams",
                 stacklevel=2,
+            )
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._check_optimizers(trainer)
+
+    def _check_optimizers(self, trainer: pl.Trainer) -> None:
+        """The checkpoint's optimizer states fit the fit's optimizers (another optimizer's
+        failed in torch: ``KeyError: 'momentum'`` at the first step), once both exist."""
+        saved, optimizers = self._saved_optimizers, trainer.strategy.optimizers
+        if saved is None or not optimizers:
+            return
+        self._saved_optimizers = None
+        for optimizer, state in zip(optimizers, saved, strict=False):
+            check_optimizer_fits(
+                optimizer,
+                state,
+                fix="train the changed module as a new run, in a directory of its own "
+                "(CociCheckpoint(dirpath=...)) without ckpt_path or resume=True",
             )
 
     @override

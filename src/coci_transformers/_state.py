@@ -35,6 +35,7 @@ from transformers import Trainer, TrainerState
 from transformers.trainer_callback import ExportableState
 
 from coci_core.errors import CheckpointError
+from coci_core.training import check_optimizer_fits, model_misfit
 from coci_transformers._trainer import data_parallel_size
 
 LAYOUT = "coci.transformers/1"
@@ -249,7 +250,15 @@ def load_model(trainer: Trainer, state: dict[str, Any]) -> None:
         options = StateDictOptions(full_state_dict=sharded(trainer))
         set_model_state_dict(_model(trainer), state["model"], options=options)
     else:
-        trainer.accelerator.unwrap_model(trainer.model).load_state_dict(state["model"])
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        try:
+            model.load_state_dict(state["model"])
+        except RuntimeError as e:  # another architecture: torch's message, and what to do
+            raise model_misfit(model, e, fix=_new_run(trainer)) from e
+
+
+def _new_run(trainer: Trainer) -> str:
+    return f"start a new run in another output_dir than {trainer.args.output_dir!r}"
 
 
 def load_optimizer(trainer: Trainer, state: dict[str, Any]) -> None:
@@ -266,6 +275,11 @@ def load_optimizer(trainer: Trainer, state: dict[str, Any]) -> None:
         )
     else:
         t: Any = trainer
+        check_optimizer_fits(
+            t.optimizer,
+            state["optimizer"],
+            fix=_new_run(trainer),
+        )
         t.optimizer.load_state_dict(state["optimizer"])
 
 

@@ -16,7 +16,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from coci_accelerate import CociCheckpointer, CociTracker
 from coci_accelerate import _state as accelerate_state
-from coci_core import CheckpointError, CheckpointManager, CociError
+from coci_core import CheckpointError, CheckpointManager, CociError, ConfigError
 from coci_core.telemetry import read_jsonl
 from coci_core.telemetry.timeline import find_runs
 from tests.accelerate.loop import digits, train
@@ -247,6 +247,16 @@ def test_foreign_layout_and_world_size_change_are_refused(tmp_path: Path) -> Non
         match=r"registered objects: 0 at the save, 1 now \(CociCheckpointer\).*another dirpath",
     ):
         accelerate_state.apply(accelerator, {**state, accelerate_state.PROCESS_KEY: own}, skip=ckpt)
+    # another optimizer's state (AdamW's into this run's SGD): named, not torch's KeyError later
+    adamw = torch.optim.AdamW(torch.nn.Linear(4, 2).parameters()).state_dict()
+    with pytest.raises(ConfigError, match=r"this run's optimizer \(SGD\).*lacks .*momentum"):
+        accelerate_state.apply(accelerator, {**state, "optimizers": [adamw]}, skip=ckpt)
+    # another model's weights: torch's lines, with the model named and what to do
+    other = torch.nn.Linear(4, 3).state_dict()
+    with pytest.raises(
+        ConfigError, match=r"(?s)this run's model \(Linear\).*size mismatch.*dirpath"
+    ):
+        accelerate_state.apply(accelerator, {**state, "models": [other]}, skip=ckpt)
 
 
 def test_inexact_dataloader_configuration_warns(tmp_path: Path) -> None:

@@ -61,6 +61,14 @@ def test_a_preemption_lead_time_beyond_a_day_is_refused(lead: float) -> None:
     assert plan_save_step(7, 1e308, 1e-300, 1.0, 3.0) == 7
 
 
+@pytest.mark.parametrize("spec", ["TERM@-5", "USR1@0", "aws@notaurl"])
+def test_a_preemption_source_with_a_bad_argument_names_the_option(spec: str) -> None:
+    """``preemption="TERM@-5"`` said "the lead time of SIGTERM must be ..." naming no argument
+    (``"TERM@abc"`` named ``'preemption'``): each names the option and the source given."""
+    with pytest.raises(ConfigError, match=rf"^'preemption' source '{spec}': "):
+        CheckpointOptions.check(dirpath="ckpt", preemption=spec)
+
+
 @pytest.mark.parametrize(
     "make",
     [
@@ -202,6 +210,24 @@ def test_a_dirpath_that_is_a_file_is_refused(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("x")
     with pytest.raises(ConfigError, match="exists and is not a directory"):
         CheckpointOptions.check(dirpath=tmp_path / "file")
+
+
+def test_a_remote_that_is_a_file_is_refused_by_name(tmp_path: Path) -> None:
+    """It was accepted, and the run failed at its start with a StorageError "cannot list
+    .../file: Not a directory" naming no argument."""
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match=r"'remote' .* exists and is not a directory"):
+        CheckpointOptions.check(dirpath=tmp_path / "ckpt", remote=tmp_path / "file")
+
+
+def test_a_bad_steps_per_epoch_is_refused_when_the_options_are_checked() -> None:
+    """``planner_options={"steps_per_epoch": -1}`` was accepted by the adapters' constructors
+    and refused only when training started (or never, with another policy)."""
+    for policy in ("epoch", "coci"):
+        with pytest.raises(ConfigError, match="'steps_per_epoch' must be >= 1: -1"):
+            CheckpointOptions.check(
+                dirpath="ckpt", policy=policy, planner_options={"steps_per_epoch": -1}
+            )
 
 
 @pytest.mark.parametrize(
@@ -402,3 +428,12 @@ def test_values_a_legitimate_caller_gives_are_accepted() -> None:
     assert CompressionPolicy(mode="lossy", lossy_target=np.float64(0.01)).lossy_target == 0.01
     callback = CociCallback(policy="every_n_steps", planner_options={"every_n_steps": 200})
     assert callback.options.planner_options["every_n_steps"] == 200
+
+
+def test_a_remote_url_fsspec_cannot_open_names_remote(tmp_path: Path) -> None:
+    """``remote="gs://..."`` without gcsfs (here a scheme fsspec does not know) said
+    ``'directory' is not a usable fsspec URL``: the local directory was fine."""
+    with pytest.raises(ConfigError, match=r"^'remote' is not a usable fsspec URL: 'nope://b/x'"):
+        CheckpointManager(tmp_path / "ckpt", remote="nope://b/x")
+    with pytest.raises(ConfigError, match=r"^'directory' is not a usable fsspec URL"):
+        CheckpointManager("nope://b/x")

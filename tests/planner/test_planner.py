@@ -47,6 +47,24 @@ def test_state_dict_round_trips_mid_run_and_the_restored_planner_decides_the_sam
     assert da == db
 
 
+def test_a_state_of_another_policy_keeps_the_measurements_and_plans_afresh():
+    """The policy changed between runs (``every_n_steps`` first, then coci's own, as the plan
+    line advises): loading the checkpoint's state raised ``'state' policy must be 'coci':
+    'every_n_steps'`` and the resume failed. The measurements carry over; the plan is this
+    policy's, made at the next step."""
+    losses = noisy_run(2_000, seed=5)
+    a = _planner(policy="every_n_steps", every_n_steps=100)
+    _drive(a, losses, 1, 1_000)
+    a.record_restore(30.0)  # a failure the state holds
+    b = _planner()
+    b.load_state_dict(json.loads(json.dumps(a.state_dict())))
+    assert b.failures == a.failures == 1
+    assert b.report().costs["step_time_s"] == pytest.approx(0.3)
+    decisions = _drive(b, losses, 1_000, 2_000)
+    assert b.schedule != a.schedule and sum(decisions) >= 1
+    assert all(s >= 1_000 for s in b.schedule)
+
+
 def test_state_dict_holds_only_json_values():
     """The state survives a strict JSON round trip unchanged (no pickle needed)."""
     p = _planner()

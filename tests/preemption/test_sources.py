@@ -181,6 +181,8 @@ def test_a_save_that_may_fit_is_tried_only_where_cut_short_it_costs_nothing() ->
     fastest pace, counting the save still being written, is never started."""
     ok, why = fit_save(10, 12, 3, fastest_s=8, try_uncertain=True)
     assert ok and "may not finish" in why and "8.00 to 12.00 s" in why
+    # what happens if cut short, not that it was ("tried (cut short, ...)" read as the latter)
+    assert "tried (if the kill cuts it short, the previous checkpoint stays the newest)" in why
     assert not fit_save(10, 12, 3, fastest_s=8)[0]  # an upload waits: not started
     ok, why = fit_save(10, 12, 3, fastest_s=11, try_uncertain=True)
     assert not ok and "not started" in why

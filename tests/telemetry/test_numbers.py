@@ -485,6 +485,13 @@ def test_coci_report_tells_a_checkpointmanager_user_what_to_do(
     (line,) = capsys.readouterr().err.strip().splitlines()
     hint = f"listeners=[JsonlTelemetry({str(plain / 'telemetry.jsonl')!r})]"
     assert hint in line and "coci_core.telemetry" in line
+    assert "the Trainer's CociCallback" in line  # it said "the Lightning and Accelerate adapters"
+    # a run's output_dir (the Trainer's, Accelerate's project_dir): its coci folder is named
+    (tmp_path / "out" / "coci").mkdir(parents=True)
+    (tmp_path / "out" / "coci" / "telemetry.jsonl").write_text("")
+    assert main(["report", str(tmp_path / "out")]) == 1
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert f"did you mean {tmp_path / 'out' / 'coci'}? (it holds a run's telemetry.jsonl)" in line
 
     directory = tmp_path / "ckpt"
 

@@ -32,6 +32,15 @@ def test_a_planned_run_is_told_with_its_times_and_the_advice_of_its_adapter(adap
     assert not warn
 
 
+def test_a_huge_mtbf_is_told_in_a_few_digits() -> None:
+    """``mtbf_s=1e308`` (accepted: finite and > 0) was told in 309 digits."""
+    outline = PlanOutline.of(Planner(total_steps=100, mtbf_s=1e308))
+    line, _ = outline.line(1, adapter="CociCallback", objective="time")
+    assert "MTBF assumed 1e+308 s (given as mtbf_s)" in line
+    outline = PlanOutline.of(Planner(total_steps=100, mtbf_s=3600))
+    assert "MTBF assumed 3600 s" in outline.line(1, adapter="CociCallback", objective="time")[0]
+
+
 def test_no_save_before_the_end_is_a_warning() -> None:
     line, warn = _outline(policy="coci", next_steps=(), interval_steps=None).line(
         10, adapter="CociCallback", objective="time"

@@ -120,6 +120,31 @@ def test_resume_from_a_step_directory(tmp_path: Path, caplog: pytest.LogCaptureF
     assert not (tmp_path / "c" / "coci").exists()
 
 
+def test_a_resume_with_another_optimizer_or_model_is_refused_by_name(tmp_path: Path) -> None:
+    """A checkpoint of an AdamW run resumed with ``optim="sgd"``: a ConfigError naming both
+    optimizers' settings and what to do; it was torch's ``KeyError: 'momentum'`` at the first
+    step, after the state had been loaded. With another model, torch's ``Missing key(s)``
+    without what to do."""
+    train(tmp_path, 3)  # AdamW (the Trainer's default), step 3
+    AcceleratorState._reset_state(True)
+    with pytest.raises(ConfigError, match=r"this run's optimizer \(SGD\).*lacks .*momentum"):
+        train(tmp_path, 4, resume=True, optim="sgd")
+    # another architecture (a third layer) into the same output_dir: named, with what to do
+    AcceleratorState._reset_state(True)
+    model = tiny_model()
+    model = type(model)(type(model.config)(**{**model.config.to_dict(), "n_layer": 3}))
+    trainer = Trainer(
+        model=model,
+        args=arguments(tmp_path, 4),
+        train_dataset=Tokens(),
+        callbacks=[CociCallback(policy="every_n_steps")],
+    )
+    with pytest.raises(
+        ConfigError, match=r"(?s)this run's model \(GPT2LMHeadModel\).*Missing key.*output_dir"
+    ):
+        trainer.train(resume_from_checkpoint=True)
+
+
 def test_a_resume_path_that_does_not_exist_is_refused_by_name(tmp_path: Path) -> None:
     """``resume_from_checkpoint`` naming nothing (a typo, a step never committed): refused by
     the argument's name before anything is opened; it was the Trainer's "Can't find a valid

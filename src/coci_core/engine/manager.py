@@ -72,7 +72,7 @@ from coci_core.errors import (
     StepExistsError,
     StorageError,
 )
-from coci_core.storage import Storage, check_storage_options, open_storage
+from coci_core.storage import Storage, check_storage_options, open_storage, open_storage_named
 from coci_core.telemetry import Listener, RestoreEvent, emit
 
 __all__ = ["CheckpointManager", "SaveHandle"]
@@ -204,7 +204,9 @@ class CheckpointManager:
             if not callable(listener):
                 raise ConfigError(f"'listeners' must be callables, got {listener!r}")
         self.storage = open_storage(directory, **storage_options)
-        remote_storage = None if remote is None else open_storage(remote, **remote_storage_options)
+        remote_storage = (
+            None if remote is None else open_storage_named("remote", remote, remote_storage_options)
+        )
         if (
             remote_storage is not None
             and same_place(self.storage, remote_storage)

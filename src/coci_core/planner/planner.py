@@ -421,8 +421,12 @@ class Planner:
         after ``restore()`` then ``load_state_dict()`` of the checkpoint's state) are
         recorded again: the failure is counted and its restart time kept.
 
+        A state saved under another policy (the policy changed between runs) restores the
+        measurements (costs, losses, failures, time run) and plans afresh under this
+        planner's policy.
+
         Raises:
-            ConfigError: if the state is from another format version or policy.
+            ConfigError: if the state is from another format version.
         """
         load_planner_state(self._plan, state)
         count = 0

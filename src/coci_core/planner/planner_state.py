@@ -56,8 +56,9 @@ def load_planner_state(plan: Replanner, state: dict[str, Any]) -> None:
         raise ConfigError(
             f"'state' format_version must be {FORMAT_VERSION}: {state.get('format_version')!r}"
         )
-    if state.get("policy") != policy:
-        raise ConfigError(f"'state' policy must be {policy!r}: {state.get('policy')!r}")
+    saved_policy = state.get("policy")
+    if not isinstance(saved_policy, str):
+        raise ConfigError(f"'state' policy must be a policy's name: {saved_policy!r}")
     obs = plan.obs
     obs.costs.load_state_dict(state["costs"])
     obs.losses.load_state_dict(state["losses"])
@@ -68,11 +69,20 @@ def load_planner_state(plan: Replanner, state: dict[str, Any]) -> None:
     obs.close_wall()
     obs.elapsed_s = float(state["elapsed_s"])
     obs.failures = int(state["failures"])
-    plan.schedule = [int(s) for s in state["schedule"]]
-    plan.ptr = int(state["ptr"])
     obs.last_true = int(state["last_true"])
     with obs.lock:
         obs.exclude_next = bool(state["exclude_next"])
+    if saved_policy != policy:
+        # the run goes on under another policy (the user changed it between runs): the
+        # measurements hold, the saved plan was another policy's: plan afresh at once
+        plan.curve = plan.no_curve()
+        plan.pending_curve = None
+        plan.force_replan = True
+        plan.problem = None
+        plan.overhead = None
+        return
+    plan.schedule = [int(s) for s in state["schedule"]]
+    plan.ptr = int(state["ptr"])
     plan.next_replan = _optional_int(state["next_replan"])
     plan.force_replan = bool(state["force_replan"])
     plan.replans = int(state["replans"])

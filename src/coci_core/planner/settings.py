@@ -200,6 +200,8 @@ def make_settings(
         None if every_n_steps is None else check_int("every_n_steps", every_n_steps, minimum=1)
     )
     every_seconds = check_optional_positive("every_n_seconds", every_n_seconds)
+    if steps_per_epoch is not None:  # else refused only once the epoch policy is made
+        check_int("steps_per_epoch", steps_per_epoch, minimum=1)
     start = check_int("start_step", start_step, minimum=0, maximum=MAX_PLAN_STEP)
     if total is not None and total <= start:
         raise ConfigError(f"'total_steps' must be > start_step: {total_steps!r}")

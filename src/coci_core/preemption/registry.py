@@ -70,7 +70,12 @@ def notice_source(spec: str) -> NoticeSource:
             f"unknown preemption notice source {spec!r}: the sources are "
             f"{', '.join(notice_source_names())} (as 'name' or 'name@argument'), or 'auto'"
         )
-    return factory(argument.strip() if "@" in spec else None)
+    try:
+        return factory(argument.strip() if "@" in spec else None)
+    except ConfigError as e:
+        if str(e).startswith("'preemption'"):
+            raise
+        raise ConfigError(f"'preemption' source {spec!r}: {e}") from None
 
 
 def _seconds(spec: str, default: float) -> Callable[[str | None], float]:

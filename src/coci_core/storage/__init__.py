@@ -11,6 +11,7 @@ from coci_core.storage.registry import (
     check_storage_options,
     is_url,
     open_storage,
+    open_storage_named,
     register_storage,
 )
 
@@ -25,6 +26,7 @@ __all__ = [
     "check_storage_options",
     "is_url",
     "open_storage",
+    "open_storage_named",
     "register_storage",
     "staging_name",
 ]

@@ -20,6 +20,7 @@ __all__ = [
     "check_storage_options",
     "is_url",
     "open_storage",
+    "open_storage_named",
     "register_storage",
 ]
 
@@ -137,3 +138,16 @@ def _factory(scheme: str) -> StorageFactory:
         ) from e
     register_storage(scheme, loaded)
     return _FACTORIES[scheme]
+
+
+def open_storage_named(name: str, target: Any, storage_options: Mapping[str, Any]) -> Storage:
+    """:func:`open_storage`, its errors naming the argument ``name`` (``'remote'``) where
+    they would name ``'directory'``: a remote tier's URL that fsspec cannot open (no
+    ``gcsfs`` for ``gs://``) said ``'directory' is not a usable fsspec URL``."""
+    try:
+        return open_storage(target, **dict(storage_options))
+    except ConfigError as e:
+        said = str(e)
+        if not said.startswith("'directory'"):
+            raise
+        raise ConfigError(f"{name!r}{said[len(chr(39) + 'directory' + chr(39)) :]}") from e

@@ -3,6 +3,8 @@ a path or an fsspec URL)."""
 
 from __future__ import annotations
 
+import itertools
+import os
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -215,9 +217,22 @@ def no_telemetry_hint(directory: str | Path) -> str:
     adapters write it; a plain :class:`~coci_core.CheckpointManager` loop writes it with a
     listener (the engine itself writes checkpoints only)."""
     path = Path(directory) / TELEMETRY_FILE
+    said = f"no {TELEMETRY_FILE} in {directory}"
+    try:  # a run's output folder, its adapter's "coci" folder below it (coci's default first)
+        with os.scandir(directory) as listing:
+            children = sorted(
+                (Path(e.path) for e in itertools.islice(listing, 200) if e.is_dir()),
+                key=lambda c: (c.name != "coci", c.name),
+            )
+        for child in children:
+            if (child / TELEMETRY_FILE).is_file():
+                return f"{said}; did you mean {child}? (it holds a run's {TELEMETRY_FILE})"
+    except OSError:
+        pass
     return (
-        f"no {TELEMETRY_FILE} in {directory}: the Lightning and Accelerate adapters write it; "
-        f"with a CheckpointManager, pass listeners=[JsonlTelemetry({str(path)!r})] (from "
+        f"{said}: the adapters (Lightning's CociCheckpoint, Accelerate's CociCheckpointer, the "
+        f"Trainer's CociCallback) write it in their checkpoint directory; with a "
+        f"CheckpointManager, pass listeners=[JsonlTelemetry({str(path)!r})] (from "
         f"coci_core.telemetry) to write it (coci ls {directory} lists the checkpoints)"
     )
 

@@ -24,6 +24,7 @@ from coci_core.telemetry.report import compare_policies, render, render_policies
 from coci_core.telemetry.tensorboard import TensorBoardTelemetry
 from coci_core.training.checkpointer import Checkpointer
 from coci_core.training.console import show_by_default
+from coci_core.training.fits import check_optimizer_fits, model_misfit
 from coci_core.training.options import (
     SHARED_ARGUMENTS,
     CheckpointOptions,
@@ -64,6 +65,8 @@ __all__ = [
     "ValidationHistory",
     "check_bool",
     "check_dirpath",
+    "check_optimizer_fits",
+    "model_misfit",
     "check_random_states",
     "check_saved_random_states",
     "check_storage_options",

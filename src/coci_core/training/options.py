@@ -61,12 +61,14 @@ def check_remote(remote: object) -> str | None:
     """``remote`` is None, a path or an fsspec URL (kept a string), or a ConfigError."""
     if remote is None:
         return None
-    if isinstance(remote, str) and remote:
-        return remote
-    if isinstance(remote, os.PathLike):
-        path = os.fspath(remote)
-        if isinstance(path, str):
-            return path
+    path: object = os.fspath(remote) if isinstance(remote, os.PathLike) else remote
+    if isinstance(path, str) and path:
+        if not is_url(path) and os.path.exists(path) and not os.path.isdir(path):
+            raise ConfigError(
+                f"'remote' {path!r} exists and is not a directory: give a directory (or an "
+                "fsspec URL) for the second tier"
+            )
+        return path
     raise ConfigError(
         "'remote' must be an fsspec URL string (e.g. 's3://bucket/run'), a directory path, or "
         f"None: {remote!r}"

@@ -162,7 +162,11 @@ class PlanOutline:
         if self.fixed_interval:
             return f"{head}: {when}{then}; {self.fixed_advice(adapter)}.", warn
         # whole seconds: the default refined by a second of failure-free time is no news
-        mtbf = f"{self.mtbf_s:.0f}" if self.mtbf_s >= 10 else f"{self.mtbf_s:.3g}"
+        mtbf = (
+            f"{self.mtbf_s:.0f}"
+            if 10 <= self.mtbf_s < 1e9  # past a billion seconds: 1e+308, not 309 digits
+            else f"{self.mtbf_s:.3g}"
+        )
         source = self.mtbf_source("coci's default: no mtbf_s given and no failure seen yet")
         return (
             f"{head}: {when}{then}; MTBF assumed {mtbf} s ({source}). Change it with "

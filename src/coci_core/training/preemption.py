@@ -181,7 +181,8 @@ def fit_save(
     if try_uncertain and wait_s + fastest <= time_left_s:
         return True, (
             f"the save takes {fastest:.2f} to {needed_s:.2f} s{behind}, {time_left_s:.1f} s "
-            "left: it may not finish; tried (cut short, the previous checkpoint stays the newest)"
+            "left: it may not finish; tried (if the kill cuts it short, the previous checkpoint "
+            "stays the newest)"
         )
     return False, (
         f"the save takes {needed_s:.2f} s{behind}, only {time_left_s:.1f} s left "

@@ -22,7 +22,7 @@ from coci_core.engine.restore.restore import (
     step_versions,
 )
 from coci_core.errors import CociError, CorruptCheckpointError
-from coci_core.storage import Storage, open_storage
+from coci_core.storage import Storage, open_storage, open_storage_named
 from coci_core.telemetry import RestoreEvent
 
 __all__ = [
@@ -85,7 +85,7 @@ def newest_step_dir(
     commit sequence, in ``directory`` or the ``remote`` tier); or None. A URL stays a string."""
     remote_storage = None
     if remote is not None:
-        remote_storage = open_storage(remote, **dict(remote_storage_options or {}))
+        remote_storage = open_storage_named("remote", remote, remote_storage_options or {})
     candidates = resume_order(
         open_storage(str(directory), **dict(storage_options or {})), remote_storage
     )
@@ -163,7 +163,7 @@ def read_checkpoint(
         if fall_back:
             remote_storage = None
             if remote is not None:
-                remote_storage = open_storage(remote, **dict(remote_storage_options or {}))
+                remote_storage = open_storage_named("remote", remote, remote_storage_options or {})
             loaded, event = restore_newest(
                 storage,
                 start_at=step,
