@@ -17,6 +17,7 @@ from coci_core.commands.cli import main
 from coci_core.engine.save.compress import CompressionPolicy
 from coci_core.planner import CheckFreq, Planner
 from coci_core.preemption.signals import SignalNotice
+from coci_core.storage import check_url
 from coci_core.training import CheckpointOptions
 from coci_core.training.preemption import plan_save_step
 
@@ -437,3 +438,30 @@ def test_a_remote_url_fsspec_cannot_open_names_remote(tmp_path: Path) -> None:
         CheckpointManager(tmp_path / "ckpt", remote="nope://b/x")
     with pytest.raises(ConfigError, match=r"^'directory' is not a usable fsspec URL"):
         CheckpointManager("nope://b/x")
+
+
+@pytest.mark.parametrize("name", ["dirpath", "remote"])
+@pytest.mark.parametrize("adapter", ["lightning", "accelerate", "transformers"])
+def test_an_adapters_url_no_backend_opens_is_refused_when_made_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, adapter: str, name: str
+) -> None:
+    """``dirpath="foo://..."`` (or ``gs://`` without gcsfs) was accepted when the adapter was
+    made and refused once training started, as ``'directory'``: it is refused at once, naming
+    the argument the user wrote; URLs of known schemes, chained or not, are taken."""
+    from accelerate import Accelerator
+
+    from coci_accelerate import CociCheckpointer
+    from coci_lightning import CociCheckpoint
+    from coci_transformers import CociCallback
+
+    monkeypatch.chdir(tmp_path)
+    makers = {
+        "lightning": CociCheckpoint,
+        "transformers": CociCallback,
+        "accelerate": lambda **kw: CociCheckpointer(Accelerator(cpu=True), **kw),
+    }
+    make = makers[adapter]
+    with pytest.raises(ConfigError, match=rf"^'{name}' is not a usable fsspec URL: 'nope://b/x'"):
+        make(**{name: "nope://b/x"})
+    for url in ("simplecache::memory://b/x", "s3://b/x", "file:///b/x", "memory://b/x"):
+        assert check_url(name, url) is None

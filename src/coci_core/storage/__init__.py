@@ -9,6 +9,7 @@ from coci_core.storage.local import LocalStorage
 from coci_core.storage.registry import (
     StorageFactory,
     check_storage_options,
+    check_url,
     is_url,
     open_storage,
     open_storage_named,
@@ -24,6 +25,7 @@ __all__ = [
     "StorageFactory",
     "StorageWrapper",
     "check_storage_options",
+    "check_url",
     "is_url",
     "open_storage",
     "open_storage_named",

@@ -18,6 +18,7 @@ __all__ = [
     "ENTRY_POINTS",
     "StorageFactory",
     "check_storage_options",
+    "check_url",
     "is_url",
     "open_storage",
     "open_storage_named",
@@ -138,6 +139,28 @@ def _factory(scheme: str) -> StorageFactory:
         ) from e
     register_storage(scheme, loaded)
     return _FACTORIES[scheme]
+
+
+def check_url(name: str, url: str) -> None:
+    """Refuse, naming the argument ``name``, a URL whose scheme no backend opens: neither
+    registered, nor installed (entry point), nor known to fsspec with its package installed
+    (``gs://`` without ``gcsfs``, ``foo://``). Nothing is connected to: a bucket that does not
+    exist is found by the first save.
+
+    Raises:
+        ConfigError: naming ``name``, the URL and why.
+    """
+    head = url.split("://", 1)[0].lower()
+    if "::" not in head and _factory(head) is not FsspecStorage:
+        return
+    import fsspec
+
+    for part in url.split("::"):  # fsspec's chained URLs: "simplecache::s3://bucket/run"
+        scheme = part.split("://", 1)[0] if "://" in part else part
+        try:
+            fsspec.get_filesystem_class(scheme.lower())
+        except (ValueError, ImportError) as e:
+            raise ConfigError(f"{name!r} is not a usable fsspec URL: {url!r}: {e}") from e
 
 
 def open_storage_named(name: str, target: Any, storage_options: Mapping[str, Any]) -> Storage:

@@ -21,7 +21,7 @@ from coci_core.planner import Planner, PlannerConfig, planner_config
 from coci_core.planner.policies import SavePolicy
 from coci_core.planner.settings import policy_arguments
 from coci_core.preemption import NoticeSource, Preemption, check_preemption
-from coci_core.storage import Storage, check_storage_options, is_url
+from coci_core.storage import Storage, check_storage_options, check_url, is_url
 
 __all__ = [
     "SHARED_ARGUMENTS",
@@ -68,6 +68,8 @@ def check_remote(remote: object) -> str | None:
                 f"'remote' {path!r} exists and is not a directory: give a directory (or an "
                 "fsspec URL) for the second tier"
             )
+        if is_url(path):
+            check_url("remote", path)
         return path
     raise ConfigError(
         "'remote' must be an fsspec URL string (e.g. 's3://bucket/run'), a directory path, or "
@@ -101,6 +103,8 @@ def check_dirpath(dirpath: Any) -> Any:
             raise ConfigError(f"'dirpath' must be a non-empty str path: {dirpath!r:.100}")
         if os.path.exists(local) and not os.path.isdir(local):
             raise ConfigError(f"'dirpath' {local!r} exists and is not a directory")
+    if is_url(dirpath):
+        check_url("dirpath", dirpath)
     return dirpath
 
 
