@@ -287,12 +287,36 @@ def _config_json(model: Any, cache: StateJson | None = None) -> str | None:
     """The model's ``config.json`` (for ``from_pretrained`` after an export), if it has one
     (``cache``: the last save's, when the config is the same object with the same values)."""
     config = getattr(model, "config", None)
-    to_json = getattr(config, "to_json_string", None)
-    if not callable(to_json):
+    to_json_string = getattr(config, "to_json_string", None)
+    if not callable(to_json_string):
         return None
+
+    def to_json() -> str:
+        return _with_architecture(str(to_json_string()), model)
+
     if cache is None:
-        return str(to_json())
+        return to_json()
     return cache.config_json(config, to_json)
+
+
+def _with_architecture(text: str, model: Any) -> str:
+    """``config.json`` naming the model's class in ``architectures`` when the config does not,
+    as ``save_pretrained`` writes it (``AutoModel`` and an export's tied weights read it):
+    the class of transformers' models it is, past FSDP2's wrapper class."""
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        return text
+    if not isinstance(doc, dict) or doc.get("architectures"):
+        return text
+    from torch.distributed.fsdp import FSDPModule
+    from transformers import PreTrainedModel
+
+    for cls in type(model).__mro__:
+        if issubclass(cls, PreTrainedModel) and not issubclass(cls, FSDPModule):
+            doc["architectures"] = [cls.__name__]
+            return json.dumps(doc, indent=2, sort_keys=True) + "\n"
+    return text
 
 
 def collect_own() -> dict[str, Any]:

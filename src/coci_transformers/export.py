@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +75,7 @@ def export_step(directory: str, out: str | os.PathLike[str], step: int | str | N
 def _write_layout(state: dict[str, Any], target: Path, directory: str, step: int) -> list[str]:
     """Write ``state`` (``step`` of ``directory``) into the directory ``target`` in the
     Trainer's layout; the names of the files written."""
-    _write_weights(state["model"], target / "model.safetensors")
+    _write_weights(state["model"], target / "model.safetensors", state.get("model_config"))
     written = ["model.safetensors"]
     if state.get("model_config"):
         (target / "config.json").write_text(str(state["model_config"]))
@@ -124,15 +125,51 @@ def _rank_state(directory: str, step: int, rank: int) -> dict[str, Any]:
     return state
 
 
-def _write_weights(weights: dict[str, torch.Tensor], path: Path) -> None:
+def _write_weights(weights: dict[str, torch.Tensor], path: Path, config: object = None) -> None:
+    """``weights`` as ``save_pretrained`` writes them: of names that share one tensor (tied
+    embeddings), those the model's class declares tied (``_tied_weights_keys``) are left out,
+    as ``from_pretrained`` ties them back; any other sharing is written as copies."""
     from safetensors.torch import save_file  # a dependency of transformers
 
+    tied = _tied_patterns(config)
+    shared: dict[tuple[int, int, tuple[int, ...], tuple[int, ...]], list[str]] = {}
+    for name, tensor in weights.items():
+        if tensor.numel():
+            alias = (tensor.untyped_storage().data_ptr(), int(tensor.storage_offset()))
+            shared.setdefault((*alias, tuple(tensor.shape), tuple(tensor.stride())), []).append(
+                name
+            )
+    left_out: set[str] = set()
+    for names in shared.values():  # transformers' remove_tied_weights_from_state_dict
+        found = [n for n in sorted(names) if any(re.search(p, n) for p in tied)]
+        left_out.update(found[: len(names) - 1] if len(found) == len(names) else found)
     tensors: dict[str, torch.Tensor] = {}
     storages: set[int] = set()
     for name, tensor in weights.items():
+        if name in left_out:
+            continue
         t = tensor.detach().contiguous()
         if t.untyped_storage().data_ptr() in storages and t.numel():
-            t = t.clone()  # safetensors refuses tensors that share memory (tied weights)
+            t = t.clone()  # safetensors refuses tensors that share memory
         storages.add(t.untyped_storage().data_ptr())
         tensors[name] = t
     save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def _tied_patterns(config: object) -> list[str]:
+    """The tied weights' name patterns of the model class that ``config`` (the saved
+    ``config.json``) names in ``architectures``: a class of ``transformers``, looked up by
+    name and never called; none for any other name."""
+    import transformers
+
+    try:
+        architectures = json.loads(str(config)).get("architectures") if config else None
+    except (ValueError, AttributeError):
+        return []
+    patterns: list[str] = []
+    for name in architectures if isinstance(architectures, list) else []:
+        cls = getattr(transformers, name, None) if isinstance(name, str) else None
+        if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
+            keys = getattr(cls, "_tied_weights_keys", None) or []
+            patterns += [k for k in keys if isinstance(k, str)]
+    return patterns

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 from accelerate.state import AcceleratorState
+from safetensors import safe_open
 from transformers import GPT2LMHeadModel
 
 from coci_core import CheckpointManager, NoCheckpointError
@@ -86,6 +87,16 @@ def test_coci_export_format_transformers(
     said = capsys.readouterr().out
     assert "exported step 4" in said
     assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
+    # the tied lm_head is written as save_pretrained writes it: not at all (it was a copy of
+    # the embeddings); from_pretrained ties it back
+    model = GPT2LMHeadModel.from_pretrained(out)
+    model.save_pretrained(tmp_path / "pretrained")
+    keys = []
+    for file in (out / "model.safetensors", tmp_path / "pretrained" / "model.safetensors"):
+        with safe_open(file, "pt") as weights:
+            keys.append(sorted(weights.keys()))
+    assert keys[0] == keys[1] and "lm_head.weight" not in keys[0]
+    assert model.lm_head.weight is model.transformer.wte.weight
     listed = said.split("(transformers: ")[1].strip().rstrip(")").split(", ")
     assert sorted(listed) == sorted(p.name for p in out.iterdir())  # each file it wrote
     mask = os.umask(0)
