@@ -67,8 +67,9 @@ def delete_checkpoints_unwritten(
                 waiting()
             told = True
             time.sleep(0.05)  # the writer's process ends, or closes its manager
-    try:
-        return delete_checkpoints(directory, **storage_options)
+    try:  # a local directory is removed whole; a store's, through the storage opened above
+        local = not isinstance(directory, Storage) and not is_url(directory)
+        return delete_checkpoints(directory if local else storage)
     finally:
         with contextlib.suppress(Exception):  # its record went with the directory
             lease.release()
