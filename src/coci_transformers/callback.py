@@ -499,7 +499,8 @@ class CociCallback(TrainerCallback):
         saved in full (a run whose ``save_only_model`` changed between sessions), said in a
         WARNING; ``newest`` itself when there is none (refused by ``check_fits``)."""
         at = int(newest["global_step"])
-        older = sorted((s for s in checkpointer.manager.steps() if s < at), reverse=True)
+        held = checkpointer.manager.steps(remote=True)  # a node that lost its disk: the remote's
+        older = sorted((s for s in held if s < at), reverse=True)
         if trainer.args.world_size > 1:  # the ranks restore the same steps together
             older = broadcast(older)
         for candidate in older:

@@ -121,6 +121,9 @@ def test_restore_arguments_are_checked_not_misread(
         with pytest.raises(ConfigError, match="must be a step"):
             mgr.manifest([])  # type: ignore[arg-type]
         assert mgr.verify(1) == {1: []}
+        with pytest.raises(ConfigError, match="'remote' must be True or False"):
+            mgr.steps(remote="yes")  # type: ignore[arg-type]
+        assert mgr.steps(remote=True) == mgr.steps() == [1]  # no remote tier: the local's
 
 
 @pytest.mark.parametrize(

@@ -368,18 +368,35 @@ def test_a_weights_only_runs_notice_warns_and_its_requeue_resumes_the_older_full
     """A run saving with save_only_model=True stopped by SIGTERM exits 143 ("requeue me") with
     a WARNING that the requeued run cannot resume from its save (it said nothing), and the
     requeued run, whose newest step is weights-only, resumes from the older step an earlier
-    session saved in full, saying so (it raised CheckpointError)."""
-    train(tmp_path, 3)  # step 3, in full
+    session saved in full, saying so (it raised CheckpointError); found on the remote tier
+    when the node's disk no longer holds it (it listed the local directory only)."""
+
+    def coci() -> CociCallback:
+        return CociCallback(policy="every_n_steps", remote=str(tmp_path / "remote"))
+
+    train(tmp_path, 3, callback=coci())  # step 3, in full, on both tiers
     AcceleratorState._reset_state(True)
     with caplog.at_level("WARNING", logger="coci_transformers"), pytest.raises(Preempted) as stop:
-        train(tmp_path, 8, resume=True, save_only_model=True, extra_callbacks=(Terminate(4),))
+        train(
+            tmp_path,
+            8,
+            resume=True,
+            callback=coci(),
+            save_only_model=True,
+            extra_callbacks=(Terminate(4),),
+        )
     assert stop.value.code == 143 and stop.value.step == 5
     assert "save_only_model=True: the preemption notice's save (step 5) holds" in caplog.text
     assert "the requeued run cannot resume from it" in caplog.text
+    with CheckpointManager(tmp_path / "coci", keep_last=None) as mgr:
+        assert mgr.steps() == [3, 5]
+    lost = list((tmp_path / "coci").glob("step-0000000003*"))
+    assert len(lost) == 1
+    shutil.rmtree(lost[0])  # the node's disk lost step 3: the remote tier holds it
     AcceleratorState._reset_state(True)
     caplog.clear()
     with caplog.at_level("INFO", logger="coci_transformers"):
-        resumed = train(tmp_path, 8, resume=True)
+        resumed = train(tmp_path, 8, resume=True, callback=coci())
     assert resumed["start"] == 3 and len(resumed["seen"]) == 5 * 4
     assert "coci: the newest step 5 was saved with save_only_model=True" in caplog.text
     assert "resuming from step 3, the newest step saved in full" in caplog.text

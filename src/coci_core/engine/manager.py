@@ -798,9 +798,14 @@ class CheckpointManager:
 
     # -- restoring ------------------------------------------------------------------------
 
-    def steps(self) -> list[int]:
-        """Committed steps, ascending."""
-        return committed_steps(self.storage)
+    def steps(self, *, remote: bool = False) -> list[int]:
+        """Committed steps, ascending; with ``remote=True`` those held by either tier (the
+        remote tier's as far as it can be read), each once: the steps a restore can read."""
+        if type(remote) is not bool:
+            raise ConfigError(f"'remote' must be True or False: {remote!r:.100}")
+        if not remote or self.remote is None:
+            return committed_steps(self.storage)
+        return sorted({c.step for c in resume_order(self.storage, self.remote.remote)})
 
     def latest_step(self) -> int | None:
         """The step a restore without ``step`` tries first: the newest checkpoint of the
