@@ -14,14 +14,18 @@ TOKEN = "test-token"
 
 class MetadataServer:
     """``aws_action`` (a dict, None: 404), ``gce_preempted``, ``azure_events`` (a list) say
-    what the endpoints answer; ``requests`` holds (method, path, headers) per request."""
+    what the endpoints answer; ``raw`` (path with its query: status, body, headers) answers a
+    path as given instead; ``requests`` holds (method, path, headers) per request, and
+    ``asked`` is set at every request."""
 
     def __init__(self) -> None:
         self.aws_action: dict[str, str] | None = None
         self.aws_token_required = True
         self.gce_preempted = False
         self.azure_events: list[dict[str, Any]] = []
+        self.raw: dict[str, tuple[int, bytes, dict[str, str]]] = {}
         self.requests: list[tuple[str, str, dict[str, str]]] = []
+        self.asked = threading.Event()
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -45,8 +49,17 @@ class MetadataServer:
 
             def do_GET(self) -> None:
                 server.requests.append(("GET", self.path, _lower(self.headers)))
+                server.asked.set()
                 h = self.headers
-                if self.path == "/latest/meta-data/spot/instance-action":
+                if self.path in server.raw:
+                    code, body, headers = server.raw[self.path]
+                    self.send_response(code)
+                    for name, value in headers.items():
+                        self.send_header(name, value)
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                elif self.path == "/latest/meta-data/spot/instance-action":
                     if server.aws_token_required and h.get("X-aws-ec2-metadata-token") != TOKEN:
                         self._answer(401)
                     elif server.aws_action is None:

@@ -8,6 +8,7 @@ import email.utils
 import os
 import signal
 import time
+import urllib.error
 from pathlib import Path
 
 import pytest
@@ -114,6 +115,67 @@ def test_the_azure_poller_reads_a_preempt_scheduled_event() -> None:
             {"EventId": "b", "EventType": "Preempt", "NotBefore": not_before}
         )
         assert 43 < _poll(source) <= 45
+
+
+AWS_ACTION = "/latest/meta-data/spot/instance-action"
+AZURE_EVENTS = "/metadata/scheduledevents?api-version=2020-07-01"
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        (AWS_ACTION, b'{"action": "terminate"}'),  # no time
+        (AWS_ACTION, b"[]"),
+        (AWS_ACTION, b'{"action": "terminate", "time": 5}'),
+        (AWS_ACTION, b"\xff\xfe"),
+        (AZURE_EVENTS, b"[]"),
+        (AZURE_EVENTS, b'{"Events": ["Preempt"]}'),
+        (AZURE_EVENTS, b'{"Events": [{"EventType": "Preempt", "NotBefore": 7}]}'),
+    ],
+)
+def test_a_garbled_answer_is_no_notice_and_the_poller_goes_on(
+    path: str, body: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An answer of another shape (a field missing, a list for a dict, a number for a time)
+    raised KeyError, TypeError or AttributeError in the poller's thread: the thread died with
+    a traceback and no notice was watched from then on. It is no notice, said once, and the
+    poller goes on: the stop told later is posted."""
+    with MetadataServer() as server:
+        server.aws_token_required = False
+        server.raw[path] = (200, body, {})
+        make = AwsSpotNotice if path == AWS_ACTION else AzureNotice
+        source = make(server.url, interval_s=0.01, timeout_s=1)
+        board = NoticeBoard()
+        with caplog.at_level("WARNING", logger="coci_core.preemption"):
+            source.start(board)
+            for _ in range(4):  # the fourth request comes after the third's warning
+                assert server.asked.wait(5)
+                server.asked.clear()
+            del server.raw[path]
+            when = time.time() + 120
+            server.aws_action = {
+                "action": "terminate",
+                "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(when)),
+            }
+            not_before = email.utils.formatdate(when, usegmt=True)
+            server.azure_events = [{"EventType": "Preempt", "NotBefore": not_before}]
+            notice = board.wait(5)
+        source.stop()
+        assert notice is not None and notice.source == make.name
+        said = [r.getMessage() for r in caplog.records if "answers garbled" in r.getMessage()]
+        assert len(said) == 1 and "(still asking)" in said[0], caplog.text
+
+
+def test_a_redirect_is_not_followed() -> None:
+    """A metadata endpoint that redirects (to another host: the IMDS token would go with
+    the request) is refused, not followed."""
+    with MetadataServer() as server:
+        server.aws_token_required = False
+        target = f"{server.url}/elsewhere"
+        server.raw[AWS_ACTION] = (302, b"", {"Location": target})
+        with pytest.raises(urllib.error.HTTPError, match="redirect refused"):
+            AwsSpotNotice(server.url, timeout_s=1).check()
+        assert [r[1] for r in server.requests if r[0] == "GET"] == [AWS_ACTION]
 
 
 def test_a_poller_that_gets_no_answer_posts_nothing() -> None:

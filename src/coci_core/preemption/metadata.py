@@ -21,6 +21,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 from coci_core.errors import ConfigError
 from coci_core.knobs import METADATA_POLL_S, METADATA_TIMEOUT_S
@@ -40,8 +41,21 @@ logger = logging.getLogger(__name__)
 #: The clouds' instance metadata address.
 LINK_LOCAL = "http://169.254.169.254"
 
-# never a proxy: the metadata address is this machine's own
-_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """Refuses redirects: an endpoint answers itself (a redirect would send the IMDS token
+    to another host)."""
+
+    def redirect_request(self, req: Any, fp: Any, code: int, msg: str, *args: Any) -> None:
+        raise urllib.error.HTTPError(req.full_url, code, f"redirect refused ({msg})", {}, fp)  # type: ignore[arg-type]
+
+
+# never a proxy: the metadata address is this machine's own; never a redirect
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirect())
+
+# what a garbled answer raises when read (JSON of another shape, a field missing or of
+# another type) besides ValueError: it is no notice, and the poller goes on
+_GARBLED = (ValueError, KeyError, TypeError, AttributeError, IndexError, OverflowError)
 
 
 class MetadataPoller(NoticeSource):
@@ -94,14 +108,16 @@ class MetadataPoller(NoticeSource):
                 notice = self.check()
                 self.polls += 1
                 failures = 0
-            except (OSError, ValueError) as e:  # unreachable, timed out, or garbled
+            except (OSError, *_GARBLED) as e:  # unreachable, timed out, or garbled
                 notice = None
                 failures += 1
                 if failures == 3:
                     logger.warning(
-                        "coci: the %s metadata endpoint %s does not answer: %s",
+                        "coci: the %s metadata endpoint %s %s: %s: %s (still asking)",
                         self.name,
                         self.endpoint,
+                        "does not answer" if isinstance(e, OSError) else "answers garbled",
+                        type(e).__name__,
                         e,
                     )
             if notice is not None:
