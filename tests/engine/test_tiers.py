@@ -86,6 +86,27 @@ def test_steps_kept_also_stay_on_the_remote_too(tmp_path: Path) -> None:
         assert _steps(remote) == [3, 4]
 
 
+def test_a_step_kept_also_is_uploaded_between_the_remote_period(tmp_path: Path) -> None:
+    """With ``remote_upload_every=3`` a step kept also (the best step, given before its save)
+    that is not the period's was never uploaded: a node that lost its disk lost it. It is
+    uploaded at its commit, and the period goes on."""
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    with CheckpointManager(
+        local, remote=remote, keep_last=None, remote_keep_last=None, remote_upload_every=3
+    ) as mgr:
+        assert mgr.remote is not None
+        for step in (1, 2, 3, 4, 5):
+            if step == 2:
+                mgr.keep_also({2})
+            mgr.save(step, _state(step), block=True).wait()
+            assert mgr.remote.flush(timeout_s=60)
+        assert _steps(remote) == [2, 3]
+        mgr.wait()
+    assert _steps(remote) == [2, 3, 5]  # the newest at close, as before
+    with CheckpointManager(remote) as mgr:
+        assert _equal(mgr.restore(step=2), _state(2))
+
+
 def test_a_newer_save_supersedes_a_pending_upload(tmp_path: Path) -> None:
     """Saves that come faster than uploads: the remote gets the newest step, and never more
     than keep_last of them; every step it has restores exactly."""
@@ -275,6 +296,25 @@ class _HeldUploads(LocalStorage):
             self.started.set()
             assert self.release.wait(60)
         return super().write_file(path, chunks, aligned=aligned)
+
+
+def test_a_step_kept_also_is_not_superseded_by_a_newer_upload(tmp_path: Path) -> None:
+    """Saves that come faster than uploads: a newer step replaced the kept step's pending
+    upload, and the remote never had it. It is uploaded after the newer one."""
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    with CheckpointManager(local, remote=remote) as mgr:
+        assert mgr.remote is not None
+        held = mgr.remote.remote = _HeldUploads(remote)
+        mgr.save(1, _state(1)).wait()
+        assert held.started.wait(60)  # step 1's upload is being written
+        mgr.keep_also({2})
+        mgr.save(2, _state(2)).wait()
+        mgr.save(3, _state(3)).wait()  # replaces step 2's pending upload
+        held.release.set()
+        assert mgr.remote.flush(timeout_s=60)
+        assert _steps(remote) == [1, 2, 3]
+    with CheckpointManager(remote) as reader:
+        assert _equal(reader.restore(step=2), _state(2))
 
 
 def test_close_that_gives_up_on_an_upload_keeps_the_remote_until_the_upload_ends(

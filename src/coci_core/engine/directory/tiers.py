@@ -94,6 +94,8 @@ class RemoteTier:
         self._emit = emit
         self._cond = threading.Condition()
         self._pending: int | None = None
+        # a step of also_keep that a newer one replaced before it was uploaded: uploaded next
+        self._kept_pending: int | None = None
         self._busy = False
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -155,12 +157,13 @@ class RemoteTier:
             return list(self._not_uploaded)
 
     def submit(self, step: int) -> None:
-        """``step`` was committed locally: upload it (every ``upload_every``-th commit) when
-        the thread is free; a step submitted before the previous one started replaces it."""
+        """``step`` was committed locally: upload it (every ``upload_every``-th commit, and
+        a step in :attr:`also_keep` whatever the period) when the thread is free; a step
+        submitted before the previous one started replaces it."""
         if not self.writable:
             return
         self._commits += 1
-        if self._commits % self.upload_every:
+        if self._commits % self.upload_every and step not in self.also_keep:
             self._newest_unsent = step
             return
         self._newest_unsent = None
@@ -170,6 +173,8 @@ class RemoteTier:
         with self._cond:
             if self._stopping:
                 return
+            if self._pending not in (None, step) and self._pending in self.also_keep:
+                self._kept_pending = self._pending
             self._pending = step
             if step in self._not_uploaded:
                 self._not_uploaded.remove(step)
@@ -183,7 +188,7 @@ class RemoteTier:
         """Wait until nothing is pending or being uploaded; whether that happened in time."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cond:
-            while self._pending is not None or self._busy:
+            while self._pending is not None or self._kept_pending is not None or self._busy:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
@@ -254,8 +259,13 @@ class RemoteTier:
         while True:
             with self._cond:
                 if self._pending is not None and self._pending != step:
+                    if step is not None and step in self.also_keep:  # failed: after the newer
+                        self._kept_pending = step
                     step, attempt, backoff = self._pending, 0, UPLOAD_BACKOFF_START_S
                 self._pending = None
+                if step is None and self._kept_pending is not None:  # a kept step passed over
+                    step, attempt, backoff = self._kept_pending, 0, UPLOAD_BACKOFF_START_S
+                    self._kept_pending = None
                 if step is None:
                     self._busy = False
                     self._cond.notify_all()
