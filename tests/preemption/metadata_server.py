@@ -15,7 +15,8 @@ TOKEN = "test-token"
 class MetadataServer:
     """``aws_action`` (a dict, None: 404), ``gce_preempted``, ``azure_events`` (a list) say
     what the endpoints answer; ``raw`` (path with its query: status, body, headers) answers a
-    path as given instead; ``requests`` holds (method, path, headers) per request, and
+    path as given instead (status 0: the body is the whole answer, as it is, no HTTP status
+    line or headers); ``requests`` holds (method, path, headers) per request, and
     ``asked`` is set at every request."""
 
     def __init__(self) -> None:
@@ -53,6 +54,10 @@ class MetadataServer:
                 h = self.headers
                 if self.path in server.raw:
                     code, body, headers = server.raw[self.path]
+                    if code == 0:  # not HTTP: the body alone
+                        self.wfile.write(body)
+                        self.close_connection = True
+                        return
                     self.send_response(code)
                     for name, value in headers.items():
                         self.send_header(name, value)

@@ -132,6 +132,7 @@ AZURE_EVENTS = "/metadata/scheduledevents?api-version=2020-07-01"
         (AZURE_EVENTS, b'{"Events": ["Preempt"]}'),
         (AZURE_EVENTS, b'{"Events": [{"EventType": "Preempt", "NotBefore": 7}]}'),
     ],
+    ids=["no-time", "list", "number-time", "not-utf8", "azure-list", "event-str", "number-nb"],
 )
 def test_a_garbled_answer_is_no_notice_and_the_poller_goes_on(
     path: str, body: bytes, caplog: pytest.LogCaptureFixture
@@ -163,6 +164,41 @@ def test_a_garbled_answer_is_no_notice_and_the_poller_goes_on(
         source.stop()
         assert notice is not None and notice.source == make.name
         said = [r.getMessage() for r in caplog.records if "answers garbled" in r.getMessage()]
+        assert len(said) == 1 and "(still asking)" in said[0], caplog.text
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b"SSH-2.0-OpenSSH_9.6\r\n",  # another service on the port: no HTTP status line
+        b"HTTP/1.1 200 OK\r\nX: " + b"a" * 70_000 + b"\r\n\r\n",  # a header line too long
+        b"HTTP/1.1 200 OK\r\n" + b"X: a\r\n" * 101 + b"\r\nTRUE",  # too many headers
+    ],
+    ids=["not-http", "long-header", "many-headers"],
+)
+def test_an_answer_that_is_not_http_is_no_notice_and_the_poller_goes_on(
+    answer: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An endpoint that answers something other than HTTP (another service on the port, a
+    header line or count over http.client's limits) raised http.client.HTTPException, which
+    is no OSError: the poller's thread died with a traceback and no notice was watched from
+    then on. It is said once as an endpoint that does not answer, and the poller goes on."""
+    path = "/computeMetadata/v1/instance/preempted"
+    with MetadataServer() as server:
+        server.raw[path] = (0, answer, {})
+        source = GceNotice(server.url, interval_s=0.01, timeout_s=1)
+        board = NoticeBoard()
+        with caplog.at_level("WARNING", logger="coci_core.preemption"):
+            source.start(board)
+            for _ in range(4):  # the fourth request comes after the third's warning
+                assert server.asked.wait(5)
+                server.asked.clear()
+            del server.raw[path]
+            server.gce_preempted = True
+            notice = board.wait(5)
+        source.stop()
+        assert notice is not None and notice.source == "gce"
+        said = [r.getMessage() for r in caplog.records if "does not answer" in r.getMessage()]
         assert len(said) == 1 and "(still asking)" in said[0], caplog.text
 
 

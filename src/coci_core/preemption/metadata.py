@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import calendar
 import email.utils
+import http.client
 import json
 import logging
 import threading
@@ -108,7 +109,9 @@ class MetadataPoller(NoticeSource):
                 notice = self.check()
                 self.polls += 1
                 failures = 0
-            except (OSError, *_GARBLED) as e:  # unreachable, timed out, or garbled
+            # unreachable, timed out, not HTTP (http.client.HTTPException is no OSError), or
+            # garbled
+            except (OSError, http.client.HTTPException, *_GARBLED) as e:
                 notice = None
                 failures += 1
                 if failures == 3:
@@ -116,7 +119,7 @@ class MetadataPoller(NoticeSource):
                         "coci: the %s metadata endpoint %s %s: %s: %s (still asking)",
                         self.name,
                         self.endpoint,
-                        "does not answer" if isinstance(e, OSError) else "answers garbled",
+                        "answers garbled" if isinstance(e, _GARBLED) else "does not answer",
                         type(e).__name__,
                         e,
                     )
