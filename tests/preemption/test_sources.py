@@ -110,11 +110,39 @@ def test_the_azure_poller_reads_a_preempt_scheduled_event() -> None:
         source = AzureNotice(server.url, interval_s=0.05)
         server.azure_events = [{"EventId": "a", "EventType": "Freeze", "NotBefore": ""}]
         assert source.check() is None  # not a preemption
-        not_before = email.utils.formatdate(time.time() + 45, usegmt=True)
+        not_before = email.utils.formatdate(time.time() + 25, usegmt=True)
         server.azure_events.append(
             {"EventId": "b", "EventType": "Preempt", "NotBefore": not_before}
         )
-        assert 43 < _poll(source) <= 45
+        assert 23 < _poll(source) <= 25
+
+
+@pytest.mark.parametrize("ahead_s", [365 * 86400.0, 600.0], ids=["a-year", "ten-minutes"])
+def test_a_stated_end_past_the_clouds_notice_period_is_taken_as_that_period(
+    ahead_s: float, caplog: pytest.LogCaptureFixture
+) -> None:
+    """AWS stops a spot instance two minutes after its notice appears, Azure evicts 30 s
+    after a Preempt event. A stated end further ahead (this machine's clock set wrong, a
+    garbled time) was planned for as given: training went on to the last step before it,
+    unsaved, past the real end. It is taken as the notice period, and a WARNING says so."""
+    when = time.time() + ahead_s
+    with MetadataServer() as server:
+        server.aws_token_required = False
+        server.aws_action = {
+            "action": "terminate",
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(when)),
+        }
+        not_before = email.utils.formatdate(when, usegmt=True)
+        server.azure_events = [{"EventType": "Preempt", "NotBefore": not_before}]
+        with caplog.at_level("WARNING", logger="coci_core.preemption"):
+            aws = AwsSpotNotice(server.url, timeout_s=1).check()
+            azure = AzureNotice(server.url, timeout_s=1).check()
+    assert aws is not None and azure is not None
+    assert aws.known_end and 119 < aws.time_left() <= 120, aws
+    assert azure.known_end and 29 < azure.time_left() <= 30, azure
+    assert "(taken as 120 s from the notice)" in aws.detail
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2 and all("is this machine's clock right?" in m for m in said), said
 
 
 AWS_ACTION = "/latest/meta-data/spot/instance-action"

@@ -148,10 +148,35 @@ def _monotonic_at(unix: float) -> float:
     return time.monotonic() + (unix - time.time())
 
 
+def _stated_end(
+    name: str, stated: str, unix: float, now: float, notice_s: float
+) -> tuple[float, str]:
+    """The deadline of a cloud notice whose end is stated as ``unix`` (seen at ``now``), and
+    its words for the log. The cloud stops the machine at most ``notice_s`` after the notice
+    appears: a stated end later than that (this machine's clock set wrong, a garbled time)
+    is taken as ``now + notice_s``, else training would go on past the real end unsaved."""
+    deadline = _monotonic_at(unix)
+    if deadline <= now + notice_s:
+        return deadline, stated
+    logger.warning(
+        "coci: the %s notice says the machine stops at %s, %.0f s from now, later than the "
+        "%g s %s gives: planning for %g s (is this machine's clock right?)",
+        name,
+        stated,
+        deadline - now,
+        notice_s,
+        name,
+        notice_s,
+    )
+    return now + notice_s, f"{stated} (taken as {notice_s:g} s from the notice)"
+
+
 class AwsSpotNotice(MetadataPoller):
     """EC2 spot instance interruption notices (two minutes ahead)."""
 
     name = "aws"
+    #: seconds from the notice's appearance to the stop (AWS: two minutes)
+    notice_s = 120.0
 
     def __init__(self, endpoint: str = LINK_LOCAL, **options: float) -> None:
         super().__init__(endpoint, **options)
@@ -173,12 +198,9 @@ class AwsSpotNotice(MetadataPoller):
         action = json.loads(body)
         when = calendar.timegm(time.strptime(action["time"], "%Y-%m-%dT%H:%M:%SZ"))
         now = time.monotonic()
+        deadline, said = _stated_end("aws", action["time"], when, now, self.notice_s)
         return Notice(
-            "aws",
-            now,
-            _monotonic_at(when),
-            f"spot instance-action {action['action']!r} at {action['time']}",
-            known_end=True,
+            "aws", now, deadline, f"spot instance-action {action['action']!r} at {said}", True
         )
 
     def _imds_token(self) -> str | None:
@@ -218,6 +240,8 @@ class AzureNotice(MetadataPoller):
 
     name = "azure"
     api_version = "2020-07-01"
+    #: seconds from a Preempt event's appearance to the eviction (Azure spot: 30 s)
+    notice_s = 30.0
 
     def check(self) -> Notice | None:
         body = self._get(
@@ -232,12 +256,17 @@ class AzureNotice(MetadataPoller):
         now = time.monotonic()
         not_before = event.get("NotBefore") or ""
         parsed = email.utils.parsedate_to_datetime(not_before) if not_before else None
-        deadline = _monotonic_at(parsed.timestamp()) if parsed is not None else now + 30.0
+        if parsed is not None:
+            deadline, said = _stated_end(
+                "azure", not_before, parsed.timestamp(), now, self.notice_s
+            )
+        else:
+            deadline, said = now + self.notice_s, "?"
         return Notice(
             "azure",
             now,
             deadline,
-            f"Scheduled Event Preempt {event.get('EventId', '')} not before {not_before or '?'}",
+            f"Scheduled Event Preempt {event.get('EventId', '')} not before {said}",
             known_end=parsed is not None,
         )
 
