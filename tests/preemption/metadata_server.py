@@ -16,7 +16,8 @@ class MetadataServer:
     """``aws_action`` (a dict, None: 404), ``gce_preempted``, ``azure_events`` (a list) say
     what the endpoints answer; ``raw`` (path with its query: status, body, headers) answers a
     path as given instead (status 0: the body is the whole answer, as it is, no HTTP status
-    line or headers); ``requests`` holds (method, path, headers) per request, and
+    line or headers); a path in ``trickle`` is answered a byte of a header line every 20 ms
+    until the client goes away; ``requests`` holds (method, path, headers) per request, and
     ``asked`` is set at every request."""
 
     def __init__(self) -> None:
@@ -25,6 +26,8 @@ class MetadataServer:
         self.gce_preempted = False
         self.azure_events: list[dict[str, Any]] = []
         self.raw: dict[str, tuple[int, bytes, dict[str, str]]] = {}
+        self.trickle: set[str] = set()
+        self.stopped = threading.Event()
         self.requests: list[tuple[str, str, dict[str, str]]] = []
         self.asked = threading.Event()
         server = self
@@ -52,7 +55,16 @@ class MetadataServer:
                 server.requests.append(("GET", self.path, _lower(self.headers)))
                 server.asked.set()
                 h = self.headers
-                if self.path in server.raw:
+                if self.path in server.trickle:  # a header byte now and then, never done
+                    self.wfile.write(b"HTTP/1.1 200 OK\r\nX-Slow: ")
+                    try:
+                        while not server.stopped.wait(0.02):
+                            self.wfile.write(b"a")
+                            self.wfile.flush()
+                    except OSError:  # the client went away
+                        pass
+                    self.close_connection = True
+                elif self.path in server.raw:
                     code, body, headers = server.raw[self.path]
                     if code == 0:  # not HTTP: the body alone
                         self.wfile.write(body)
@@ -94,6 +106,7 @@ class MetadataServer:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.stopped.set()
         self._httpd.shutdown()
         self._httpd.server_close()
 

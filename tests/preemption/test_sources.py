@@ -230,6 +230,32 @@ def test_an_answer_that_is_not_http_is_no_notice_and_the_poller_goes_on(
         assert len(said) == 1 and "(still asking)" in said[0], caplog.text
 
 
+def test_an_endpoint_that_answers_a_byte_now_and_then_is_cut_off_and_the_poller_goes_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The request's timeout bounded each read of the socket alone: an endpoint that sent a
+    byte of its answer every 20 ms held the poller's one request (up to 64 KiB of a header
+    line, hours), no notice was watched and nothing was said. The whole request is cut off
+    at its timeout: an endpoint that does not answer, said once, and the poller goes on."""
+    path = "/computeMetadata/v1/instance/preempted"
+    with MetadataServer() as server:
+        server.trickle.add(path)
+        source = GceNotice(server.url, interval_s=0.01, timeout_s=0.2)
+        board = NoticeBoard()
+        with caplog.at_level("WARNING", logger="coci_core.preemption"):
+            source.start(board)
+            for _ in range(4):  # the fourth request comes after the third's warning
+                assert server.asked.wait(5), "the first request never ended"
+                server.asked.clear()
+            server.trickle.clear()
+            server.gce_preempted = True
+            notice = board.wait(5)
+        source.stop()
+        assert notice is not None and notice.source == "gce"
+        said = [r.getMessage() for r in caplog.records if "does not answer" in r.getMessage()]
+        assert len(said) == 1 and "no whole answer within 0.2 s" in said[0], caplog.text
+
+
 def test_a_redirect_is_not_followed() -> None:
     """A metadata endpoint that redirects (to another host: the IMDS token would go with
     the request) is refused, not followed."""

@@ -13,10 +13,12 @@ link-local metadata address; never through a proxy).
 from __future__ import annotations
 
 import calendar
+import contextlib
 import email.utils
 import http.client
 import json
 import logging
+import socket
 import threading
 import time
 import urllib.error
@@ -51,8 +53,75 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
         raise urllib.error.HTTPError(req.full_url, code, f"redirect refused ({msg})", {}, fp)  # type: ignore[arg-type]
 
 
-# never a proxy: the metadata address is this machine's own; never a redirect
-_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirect())
+class _Sockets:
+    """The sockets of one request's connections, shut down by :meth:`cut` once the request's
+    whole time is up: a socket's timeout bounds each read alone, so an endpoint that sends a
+    byte now and then (a header line, a body) held the poller's thread for hours."""
+
+    def __init__(self) -> None:
+        self.sockets: list[socket.socket] = []
+        self.cut_off = False
+
+    def cut(self) -> None:
+        self.cut_off = True
+        for sock in self.sockets:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)  # a blocked read returns at once
+
+
+class _TimedHandler(urllib.request.HTTPHandler, urllib.request.HTTPSHandler):
+    """http(s) whose connections are recorded in ``sockets`` as they connect."""
+
+    def __init__(self, sockets: _Sockets) -> None:
+        urllib.request.HTTPHandler.__init__(self)
+        urllib.request.HTTPSHandler.__init__(self)
+        self._sockets = sockets
+
+    def _recording(self, base: type[http.client.HTTPConnection]) -> Any:
+        sockets = self._sockets
+
+        class Recording(base):  # type: ignore[valid-type,misc]
+            def connect(self) -> None:
+                super().connect()
+                sockets.sockets.append(self.sock)
+
+        return Recording
+
+    def http_open(self, req: Any) -> Any:
+        return self.do_open(self._recording(http.client.HTTPConnection), req)
+
+    def https_open(self, req: Any) -> Any:
+        return self.do_open(
+            self._recording(http.client.HTTPSConnection),
+            req,
+            context=self._context,  # type: ignore[attr-defined]
+        )
+
+
+def _open(request: urllib.request.Request, timeout_s: float) -> bytes:
+    """The first 64 KiB of the answer to ``request``, the whole request within ``timeout_s``
+    (else TimeoutError); never through a proxy (the metadata address is this machine's own),
+    never following a redirect."""
+    sockets = _Sockets()
+    opener = urllib.request.build_opener(
+        urllib.request.ProxyHandler({}), _NoRedirect(), _TimedHandler(sockets)
+    )
+    timer = threading.Timer(timeout_s, sockets.cut)
+    timer.daemon = True
+    timer.start()
+    try:
+        with opener.open(request, timeout=timeout_s) as response:
+            body = bytes(response.read(65536))
+    except (OSError, http.client.HTTPException):
+        if sockets.cut_off:
+            raise TimeoutError(f"no whole answer within {timeout_s:g} s") from None
+        raise
+    finally:
+        timer.cancel()
+    if sockets.cut_off:
+        raise TimeoutError(f"no whole answer within {timeout_s:g} s")
+    return body
+
 
 # what a garbled answer raises when read (JSON of another shape, a field missing or of
 # another type) besides ValueError: it is no notice, and the poller goes on
@@ -136,8 +205,7 @@ class MetadataPoller(NoticeSource):
         """The body at ``path``, None on 404."""
         request = urllib.request.Request(self.endpoint + path, headers=headers, method=method)
         try:
-            with _OPENER.open(request, timeout=self.timeout_s) as response:
-                return bytes(response.read(65536))
+            return _open(request, self.timeout_s)
         except urllib.error.HTTPError as e:
             if e.code == 404:
                 return None
