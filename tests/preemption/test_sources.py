@@ -27,7 +27,12 @@ from coci_core.preemption import (
     register_notice_source,
 )
 from coci_core.preemption.signals import launcher_warnings
-from coci_core.training.preemption import NoticePlan, PreemptionWatch, fit_save
+from coci_core.training.preemption import (
+    NoticePlan,
+    PreemptionDecision,
+    PreemptionWatch,
+    fit_save,
+)
 from tests.preemption.metadata_server import MetadataServer
 
 
@@ -143,6 +148,36 @@ def test_a_stated_end_past_the_clouds_notice_period_is_taken_as_that_period(
     assert "(taken as 120 s from the notice)" in aws.detail
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 2 and all("is this machine's clock right?" in m for m in said), said
+
+
+def test_a_stated_end_already_past_saves_at_the_next_step_boundary(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An AWS time or Azure NotBefore already past when seen (this machine's clock ahead) was
+    a known end with negative time left: no save was even tried and training stopped, the
+    work since the last checkpoint lost while the machine ran on. The stop may come at any
+    moment: the next step boundary saves within the notice period, and a WARNING says so."""
+    when = time.time() - 3600
+    with MetadataServer() as server:
+        server.aws_token_required = False
+        server.aws_action = {
+            "action": "terminate",
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(when)),
+        }
+        not_before = email.utils.formatdate(when, usegmt=True)
+        server.azure_events = [{"EventType": "Preempt", "NotBefore": not_before}]
+        with caplog.at_level("WARNING", logger="coci_core.preemption"):
+            aws = AwsSpotNotice(server.url, timeout_s=1).check()
+            azure = AzureNotice(server.url, timeout_s=1).check()
+    assert aws is not None and azure is not None
+    assert not aws.known_end and 119 < aws.time_left() <= 120, aws
+    assert not azure.known_end and 29 < azure.time_left() <= 30, azure
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2 and all("s ago: saving at the next step boundary" in m for m in said)
+    watch = PreemptionWatch(Preemption(["TERM@20"], margin_s=2))
+    watch.board.post(aws)
+    decision = watch.check(7, lambda: 1.0)
+    assert isinstance(decision, PreemptionDecision) and decision.step == 7 and decision.save
 
 
 AWS_ACTION = "/latest/meta-data/spot/instance-action"

@@ -218,25 +218,32 @@ def _monotonic_at(unix: float) -> float:
 
 def _stated_end(
     name: str, stated: str, unix: float, now: float, notice_s: float
-) -> tuple[float, str]:
-    """The deadline of a cloud notice whose end is stated as ``unix`` (seen at ``now``), and
-    its words for the log. The cloud stops the machine at most ``notice_s`` after the notice
-    appears: a stated end later than that (this machine's clock set wrong, a garbled time)
-    is taken as ``now + notice_s``, else training would go on past the real end unsaved."""
+) -> tuple[float, str, bool]:
+    """The deadline of a cloud notice whose end is stated as ``unix`` (seen at ``now``), its
+    words for the log, and whether it is a known end to plan for. The cloud stops the machine
+    at most ``notice_s`` after the notice appears: a stated end later than that (this
+    machine's clock set wrong, a garbled time) is taken as ``now + notice_s``, else training
+    would go on past the real end unsaved; one already past is no end to plan for (the stop
+    may come at any moment): the next step boundary saves, within ``notice_s``, and stops."""
     deadline = _monotonic_at(unix)
-    if deadline <= now + notice_s:
-        return deadline, stated
+    if now < deadline <= now + notice_s:
+        return deadline, stated, True
+    past = deadline <= now
+    if past:
+        when, then = f"{now - deadline:.0f} s ago", "saving at the next step boundary"
+    else:
+        when = f"{deadline - now:.0f} s from now, later than the {notice_s:g} s {name} gives"
+        then = f"planning for {notice_s:g} s"
     logger.warning(
-        "coci: the %s notice says the machine stops at %s, %.0f s from now, later than the "
-        "%g s %s gives: planning for %g s (is this machine's clock right?)",
+        "coci: the %s notice says the machine stops at %s, %s: %s (is this machine's clock right?)",
         name,
         stated,
-        deadline - now,
-        notice_s,
-        name,
-        notice_s,
+        when,
+        then,
     )
-    return now + notice_s, f"{stated} (taken as {notice_s:g} s from the notice)"
+    if past:
+        return now + notice_s, f"{stated} (past: the next step boundary saves)", False
+    return now + notice_s, f"{stated} (taken as {notice_s:g} s from the notice)", True
 
 
 class AwsSpotNotice(MetadataPoller):
@@ -266,9 +273,9 @@ class AwsSpotNotice(MetadataPoller):
         action = json.loads(body)
         when = calendar.timegm(time.strptime(action["time"], "%Y-%m-%dT%H:%M:%SZ"))
         now = time.monotonic()
-        deadline, said = _stated_end("aws", action["time"], when, now, self.notice_s)
+        deadline, said, known = _stated_end("aws", action["time"], when, now, self.notice_s)
         return Notice(
-            "aws", now, deadline, f"spot instance-action {action['action']!r} at {said}", True
+            "aws", now, deadline, f"spot instance-action {action['action']!r} at {said}", known
         )
 
     def _imds_token(self) -> str | None:
@@ -325,17 +332,17 @@ class AzureNotice(MetadataPoller):
         not_before = event.get("NotBefore") or ""
         parsed = email.utils.parsedate_to_datetime(not_before) if not_before else None
         if parsed is not None:
-            deadline, said = _stated_end(
+            deadline, said, known = _stated_end(
                 "azure", not_before, parsed.timestamp(), now, self.notice_s
             )
         else:
-            deadline, said = now + self.notice_s, "?"
+            deadline, said, known = now + self.notice_s, "?", False
         return Notice(
             "azure",
             now,
             deadline,
             f"Scheduled Event Preempt {event.get('EventId', '')} not before {said}",
-            known_end=parsed is not None,
+            known_end=known,
         )
 
 
