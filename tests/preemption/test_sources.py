@@ -346,6 +346,22 @@ def test_the_option_names_sources_and_rejects_bad_ones() -> None:
         SignalNotice("TERM", lead_s=0)
 
 
+def test_auto_beside_a_grace_period_keeps_it_and_a_signal_given_twice_is_refused() -> None:
+    """``["auto", "TERM@120"]`` (auto's cloud poller, a pod's 120 s grace period) watched
+    SIGTERM twice, auto's with 30 s: each SIGTERM posted both notices and the earliest
+    deadline won, so a save of 40 s was declined with 120 s left. The list's own SIGTERM
+    stands; the same signal given twice ('TERM@30', 'SIGTERM@60') is a ConfigError."""
+    for value in (["auto", "TERM@120"], ["TERM@120", "auto"]):
+        config = check_preemption(value)
+        assert config is not None
+        made = config.make_sources()
+        assert [(m.name, getattr(m, "lead_s", None)) for m in made] == [("SIGTERM", 120.0)]
+    with pytest.raises(ConfigError, match=r"gives SIGTERM 2 times \('TERM@30', 'SIGTERM@60'\)"):
+        check_preemption(["TERM@30", "SIGTERM@60"])
+    with pytest.raises(ConfigError, match=r"gives SIGUSR1 2 times.*give each signal once"):
+        check_preemption(["USR1@90", SignalNotice("USR1", lead_s=30)])
+
+
 def test_a_registered_source_is_named_in_the_option() -> None:
     register_notice_source("test-usr2", lambda arg: SignalNotice("USR2", float(arg or 7)))
     source = notice_source("test-usr2@12")
