@@ -25,6 +25,7 @@ class MetadataServer:
         self.aws_token_required = True
         self.gce_preempted = False
         self.azure_events: list[dict[str, Any]] = []
+        self.azure_vm_name: str | None = None  # None: /metadata/instance/compute/name is 404
         self.raw: dict[str, tuple[int, bytes, dict[str, str]]] = {}
         self.trickle: set[str] = set()
         self.stopped = threading.Event()
@@ -88,6 +89,13 @@ class MetadataServer:
                         self._answer(403)
                     else:
                         self._answer(200, b"TRUE" if server.gce_preempted else b"FALSE")
+                elif self.path.startswith("/metadata/instance/compute/name?"):
+                    if h.get("Metadata") != "true":
+                        self._answer(400)
+                    elif server.azure_vm_name is None:
+                        self._answer(404)
+                    else:
+                        self._answer(200, server.azure_vm_name.encode())
                 elif self.path.startswith("/metadata/scheduledevents?api-version="):
                     if h.get("Metadata") != "true":
                         self._answer(400)

@@ -180,6 +180,26 @@ def test_a_stated_end_already_past_saves_at_the_next_step_boundary(
     assert isinstance(decision, PreemptionDecision) and decision.step == 7 and decision.save
 
 
+def test_an_azure_preempt_event_of_another_vm_of_the_scale_set_is_not_this_ones() -> None:
+    """A scale set's Scheduled Events document lists the events of all its VMs: another
+    VM's eviction (its ``Resources``) stopped this one too, which went on running with its
+    training cut short. Only a Preempt naming this VM (IMDS ``compute/name``) is a notice."""
+    not_before = email.utils.formatdate(time.time() + 25, usegmt=True)
+    other = {"EventId": "o", "EventType": "Preempt", "Resources": ["pool_7"], "NotBefore": ""}
+    with MetadataServer() as server:
+        server.azure_vm_name = "pool_3"
+        server.azure_events = [other]
+        source = AzureNotice(server.url, timeout_s=1)
+        assert source.check() is None
+        mine = {"EventId": "m", "EventType": "Preempt", "Resources": ["pool_3"]}
+        server.azure_events.append({**mine, "NotBefore": not_before})
+        notice = source.check()
+        assert notice is not None and "Preempt m " in notice.detail and notice.known_end
+    with MetadataServer() as server:  # no name known: every Preempt is this VM's
+        server.azure_events = [other]
+        assert AzureNotice(server.url, timeout_s=1).check() is not None
+
+
 AWS_ACTION = "/latest/meta-data/spot/instance-action"
 AZURE_EVENTS = "/metadata/scheduledevents?api-version=2020-07-01"
 

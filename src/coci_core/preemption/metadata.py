@@ -6,8 +6,9 @@ link-local metadata address; never through a proxy).
   ``{"action": "terminate", "time": "2025-01-01T12:00:00Z"}``, two minutes ahead), with an
   IMDSv2 token from ``/latest/api/token`` (IMDSv1 when the token is refused).
 * GCE: ``/computeMetadata/v1/instance/preempted`` (``TRUE`` once preempted; about 30 s left).
-* Azure: Scheduled Events (``/metadata/scheduledevents``): an event of type ``Preempt`` and its
-  ``NotBefore`` time (at least 30 s ahead).
+* Azure: Scheduled Events (``/metadata/scheduledevents``): an event of type ``Preempt`` whose
+  ``Resources`` name this VM (``/metadata/instance/compute/name``) and its ``NotBefore`` time
+  (at least 30 s ahead).
 """
 
 from __future__ import annotations
@@ -318,13 +319,38 @@ class AzureNotice(MetadataPoller):
     #: seconds from a Preempt event's appearance to the eviction (Azure spot: 30 s)
     notice_s = 30.0
 
+    def __init__(self, endpoint: str = LINK_LOCAL, **options: float) -> None:
+        super().__init__(endpoint, **options)
+        self._vm: str | None = None  # this VM's name; "" when the endpoint does not say
+
     def check(self) -> Notice | None:
+        if self._vm is None:
+            try:
+                name = self._get(
+                    "/metadata/instance/compute/name?api-version=2021-02-01&format=text",
+                    {"Metadata": "true"},
+                )
+            except urllib.error.HTTPError:
+                name = None
+            self._vm = name.decode().strip() if name else ""
         body = self._get(
             f"/metadata/scheduledevents?api-version={self.api_version}", {"Metadata": "true"}
         )
         if body is None:
             return None
-        events = [e for e in json.loads(body).get("Events", []) if e.get("EventType") == "Preempt"]
+        # a scale set's document lists every VM's events: another VM's eviction (its
+        # Resources name other VMs) is not this one's; without names, every one is
+        events = [
+            e
+            for e in json.loads(body).get("Events", [])
+            if e.get("EventType") == "Preempt"
+            and (
+                not self._vm
+                or not isinstance(e.get("Resources"), list)
+                or not e["Resources"]
+                or self._vm in e["Resources"]
+            )
+        ]
         if not events:
             return None
         event = events[0]
