@@ -202,6 +202,7 @@ def test_an_azure_preempt_event_of_another_vm_of_the_scale_set_is_not_this_ones(
 
 AWS_ACTION = "/latest/meta-data/spot/instance-action"
 AZURE_EVENTS = "/metadata/scheduledevents?api-version=2020-07-01"
+GCE_PREEMPTED = "/computeMetadata/v1/instance/preempted"
 
 
 @pytest.mark.parametrize(
@@ -214,8 +215,18 @@ AZURE_EVENTS = "/metadata/scheduledevents?api-version=2020-07-01"
         (AZURE_EVENTS, b"[]"),
         (AZURE_EVENTS, b'{"Events": ["Preempt"]}'),
         (AZURE_EVENTS, b'{"Events": [{"EventType": "Preempt", "NotBefore": 7}]}'),
+        (GCE_PREEMPTED, b"<html><body>Service Unavailable</body></html>"),
     ],
-    ids=["no-time", "list", "number-time", "not-utf8", "azure-list", "event-str", "number-nb"],
+    ids=[
+        "no-time",
+        "list",
+        "number-time",
+        "not-utf8",
+        "azure-list",
+        "event-str",
+        "number-nb",
+        "gce-html",
+    ],
 )
 def test_a_garbled_answer_is_no_notice_and_the_poller_goes_on(
     path: str, body: bytes, caplog: pytest.LogCaptureFixture
@@ -227,7 +238,7 @@ def test_a_garbled_answer_is_no_notice_and_the_poller_goes_on(
     with MetadataServer() as server:
         server.aws_token_required = False
         server.raw[path] = (200, body, {})
-        make = AwsSpotNotice if path == AWS_ACTION else AzureNotice
+        make = {AWS_ACTION: AwsSpotNotice, AZURE_EVENTS: AzureNotice}.get(path, GceNotice)
         source = make(server.url, interval_s=0.01, timeout_s=1)
         board = NoticeBoard()
         with caplog.at_level("WARNING", logger="coci_core.preemption"):
@@ -243,6 +254,7 @@ def test_a_garbled_answer_is_no_notice_and_the_poller_goes_on(
             }
             not_before = email.utils.formatdate(when, usegmt=True)
             server.azure_events = [{"EventType": "Preempt", "NotBefore": not_before}]
+            server.gce_preempted = True
             notice = board.wait(5)
         source.stop()
         assert notice is not None and notice.source == make.name

@@ -305,7 +305,11 @@ class GceNotice(MetadataPoller):
 
     def check(self) -> Notice | None:
         body = self._get("/computeMetadata/v1/instance/preempted", {"Metadata-Flavor": "Google"})
-        if body is None or body.strip().upper() != b"TRUE":
+        if body is None:
+            return None
+        if body.strip().upper() not in (b"TRUE", b"FALSE"):  # an error page, a proxy's
+            raise ValueError(f"instance/preempted is neither TRUE nor FALSE: {body[:40]!r}")
+        if body.strip().upper() != b"TRUE":
             return None
         now = time.monotonic()
         return Notice("gce", now, now + self.lead_s, "instance/preempted is TRUE")
