@@ -148,6 +148,15 @@ def test_a_stated_end_past_the_clouds_notice_period_is_taken_as_that_period(
     assert "(taken as 120 s from the notice)" in aws.detail
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 2 and all("is this machine's clock right?" in m for m in said), said
+    with MetadataServer() as server:  # clocks a second or two apart: taken as is, unsaid
+        server.azure_events = [
+            {"EventType": "Preempt", "NotBefore": email.utils.formatdate(time.time() + 32)}
+        ]
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="coci_core.preemption"):
+            azure = AzureNotice(server.url, timeout_s=1).check()
+    assert azure is not None and azure.known_end and 29 < azure.time_left() <= 30
+    assert not caplog.records
 
 
 def test_a_stated_end_already_past_saves_at_the_next_step_boundary(

@@ -217,6 +217,10 @@ def _monotonic_at(unix: float) -> float:
     return time.monotonic() + (unix - time.time())
 
 
+#: seconds a stated end may lie past the notice period unsaid (the clocks a little apart)
+_CLOCK_SLACK_S = 5.0
+
+
 def _stated_end(
     name: str, stated: str, unix: float, now: float, notice_s: float
 ) -> tuple[float, str, bool]:
@@ -229,6 +233,8 @@ def _stated_end(
     deadline = _monotonic_at(unix)
     if now < deadline <= now + notice_s:
         return deadline, stated, True
+    if now + notice_s < deadline <= now + notice_s + _CLOCK_SLACK_S:  # clocks a little apart
+        return now + notice_s, stated, True
     past = deadline <= now
     if past:
         when, then = f"{now - deadline:.0f} s ago", "saving at the next step boundary"
