@@ -189,10 +189,10 @@ def _counted_run(directory: Path, steps: int) -> tuple[int, int]:
 
 
 def test_a_registered_objects_state_forged_away_is_passed_over(tmp_path: Path) -> None:
-    """Process 0's own state of step 3 holds None for its registered counter (a copy on a
-    node-local disk, forged and resealed): the step is passed over, the resume takes step 2
-    with the counter's state of step 2 (before: step 3 restored, the counter silently left
-    fresh on that process while the others put back theirs)."""
+    """Process 0's own state of step 3 holds None for its registered counter (the manifest
+    forged and resealed, that process's entry alone): the step is passed over, the resume
+    takes step 2 with the counter's state of step 2 (before: step 3 restored, the counter
+    silently left fresh on that process while the others put back theirs)."""
     assert _counted_run(tmp_path, 3) == (0, 0)
     path = tmp_path / "coci" / "step-0000000003" / "manifest.json"
     doc = json.loads(path.read_bytes())
