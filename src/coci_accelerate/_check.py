@@ -100,9 +100,19 @@ def _check(
             [f"registered objects: {len(custom)} at the save, {len(registered)} now ({names})"]
         )
     if registered is not None:
-        # a registered object's state missing (a forged copy, a node-local disk): resume()
-        # put back nothing into it, and the object went on from its fresh state on this
-        # process only (before: restored, silently)
+        if any(custom[i] is not None for i in stateless):
+            # the checkpointer registered at another place than at the save (before: the
+            # object saved at its place silently left fresh)
+            at = [i for i, entry in enumerate(custom) if entry is None]
+            raise mismatch_error(
+                [
+                    f"registered objects in another order: CociCheckpointer at {at} at the "
+                    f"save, at {sorted(stateless)} now ({', '.join(registered)})"
+                ]
+            )
+        # a registered object's state missing (one process's entry forged and resealed):
+        # resume() put back nothing into it, and the object went on from its fresh state on
+        # this process only (before: restored, silently)
         for i, entry in enumerate(custom):
             if entry is None and i not in stateless:
                 raise _Unfit(

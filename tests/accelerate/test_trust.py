@@ -160,9 +160,10 @@ class _Counter:
         self.n = state["n"]
 
 
-def _counted_run(directory: Path, steps: int) -> tuple[int, int]:
+def _counted_run(directory: Path, steps: int, *, counter_first: bool = True) -> tuple[int, int]:
     """Resume, then train to ``steps`` saving each step, the registered counter at 10 x the
-    step: the step resumed from and the counter it restored."""
+    step: the step resumed from and the counter it restored. ``counter_first``: the counter
+    is registered before the checkpointer registers itself, else after."""
     AcceleratorState._reset_state(True)
     accelerator = Accelerator(
         cpu=True,
@@ -173,8 +174,11 @@ def _counted_run(directory: Path, steps: int) -> tuple[int, int]:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model, optimizer = accelerator.prepare(model, optimizer)
     counter = _Counter()
-    accelerator.register_for_checkpointing(counter)
+    if counter_first:
+        accelerator.register_for_checkpointing(counter)
     ckpt = CociCheckpointer(accelerator, policy="every_n_steps", every_n_steps=1, keep_last=None)
+    if not counter_first:
+        accelerator.register_for_checkpointing(counter)
     try:
         start = ckpt.resume()
         restored = counter.n
@@ -202,3 +206,12 @@ def test_a_registered_objects_state_forged_away_is_passed_over(tmp_path: Path) -
     custom[0] = None
     path.write_bytes(seal(json.dumps(doc, separators=(",", ":")).encode()))
     assert _counted_run(tmp_path, 3) == (2, 20)
+
+
+def test_objects_registered_in_another_order_are_refused(tmp_path: Path) -> None:
+    """The counter saved before the checkpointer, registered after it at the resume: one
+    CheckpointError naming the order (before: the counter silently left fresh, its saved
+    state handed to the checkpointer's place and dropped)."""
+    assert _counted_run(tmp_path, 2) == (0, 0)
+    with pytest.raises(CheckpointError, match=r"another order: CociCheckpointer at \[1\]"):
+        _counted_run(tmp_path, 2, counter_first=False)
