@@ -14,7 +14,7 @@ together and falls back to the newest step intact for all of them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from coci_accelerate._state import LAYOUT, PROCESS_KEY, mismatch_error
@@ -35,14 +35,21 @@ def _int(value: Any, low: int = 0) -> bool:
 
 
 def check_saved(
-    step: int, state: Any, process_index: int, registered: Sequence[str] | None = None
+    step: int,
+    state: Any,
+    process_index: int,
+    registered: Sequence[str] | None = None,
+    *,
+    stateless: Collection[int] = (),
 ) -> None:
     """``state``, read for ``step`` by process ``process_index``, holds what ``resume()`` puts
     back, each of its type (a state of another adapter is left to the layout check).
     ``registered``: the names of the objects this run registered for checkpointing, whose
     states this process's own state must hold as many of (said here, inside the restore, so
     that every process raises it: a count forged on one process only was that process's error
-    alone, after the restore, while the others trained on into a collective).
+    alone, after the restore, while the others trained on into a collective), each with a
+    state of its own except those at ``stateless`` (the checkpointer itself, whose state is
+    the shared ``coci``: None in the process's list).
 
     Raises:
         CorruptCheckpointError: it does not (a resealed, forged manifest).
@@ -51,14 +58,19 @@ def check_saved(
     if not isinstance(state, dict) or state.get("layout") != LAYOUT:
         return
     try:
-        _check(state, process_index, registered)
+        _check(state, process_index, registered, stateless)
     except _Unfit as e:
         raise CorruptCheckpointError(
             f"step {step} does not hold a state that CociCheckpointer wrote: {e}", step=step
         ) from None
 
 
-def _check(state: dict[str, Any], process_index: int, registered: Sequence[str] | None) -> None:
+def _check(
+    state: dict[str, Any],
+    process_index: int,
+    registered: Sequence[str] | None,
+    stateless: Collection[int],
+) -> None:
     for name, low in (("completed_steps", 0), ("accelerate_step", 0), ("num_processes", 1)):
         if name in state and not _int(state[name], low):
             raise _Unfit(f"{name} is {_shown(state[name])}, not an integer >= {low}")
@@ -87,6 +99,26 @@ def _check(state: dict[str, Any], process_index: int, registered: Sequence[str] 
         raise mismatch_error(
             [f"registered objects: {len(custom)} at the save, {len(registered)} now ({names})"]
         )
+    if registered is not None:
+        if any(custom[i] is not None for i in stateless):
+            # the checkpointer registered at another place than at the save (before: the
+            # object saved at its place silently left fresh)
+            at = [i for i, entry in enumerate(custom) if entry is None]
+            raise mismatch_error(
+                [
+                    f"registered objects in another order: CociCheckpointer at {at} at the "
+                    f"save, at {sorted(stateless)} now ({', '.join(registered)})"
+                ]
+            )
+        # a registered object's state missing (one process's entry forged and resealed):
+        # resume() put back nothing into it, and the object went on from its fresh state on
+        # this process only (before: restored, silently)
+        for i, entry in enumerate(custom):
+            if entry is None and i not in stateless:
+                raise _Unfit(
+                    f"process {process_index}'s state of registered object {i} "
+                    f"({registered[i]}) is missing"
+                )
     try:
         _check_rng(mine["rng"])
     except _Unfit as e:

@@ -378,10 +378,13 @@ class CociCheckpointer:
                 # a state that resume() could not put back is damage, passed over by all
                 index = self.accelerator.process_index
                 names = [type(o).__name__ for o in self.accelerator._custom_objects]
+                mine = [i for i, o in enumerate(self.accelerator._custom_objects) if o is self]
                 state = self.checkpointer.restore(
                     targets=targets,
                     partial=partial,
-                    check=lambda step, saved: check_saved(step, saved, index, names),
+                    check=lambda step, saved: check_saved(
+                        step, saved, index, names, stateless=mine
+                    ),
                 )
             except StateMismatchError as e:
                 if e.step is not None:  # another program's checkpoint: say that instead

@@ -13,8 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from accelerate import Accelerator
 from accelerate.state import AcceleratorState
+from accelerate.utils import DataLoaderConfiguration
 
+from coci_accelerate import CociCheckpointer
 from coci_accelerate._check import check_saved
 from coci_core import CheckpointError
 from coci_core.engine.agreement import RestoreAgreement
@@ -141,3 +145,73 @@ def test_a_registered_object_refusing_its_state_on_one_process_stops_every_proce
         "CheckpointError: process 1 could not put step 2's state back (ValueError: n=2 is "
         "not a count this process accepts): every process stops"
     }, errors
+
+
+class _Counter:
+    """An object registered for checkpointing: its state is each process's own."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"n": self.n}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.n = state["n"]
+
+
+def _counted_run(directory: Path, steps: int, *, counter_first: bool = True) -> tuple[int, int]:
+    """Resume, then train to ``steps`` saving each step, the registered counter at 10 x the
+    step: the step resumed from and the counter it restored. ``counter_first``: the counter
+    is registered before the checkpointer registers itself, else after."""
+    AcceleratorState._reset_state(True)
+    accelerator = Accelerator(
+        cpu=True,
+        project_dir=str(directory),
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+    )
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    counter = _Counter()
+    if counter_first:
+        accelerator.register_for_checkpointing(counter)
+    ckpt = CociCheckpointer(accelerator, policy="every_n_steps", every_n_steps=1, keep_last=None)
+    if not counter_first:
+        accelerator.register_for_checkpointing(counter)
+    try:
+        start = ckpt.resume()
+        restored = counter.n
+        for step in range(start + 1, steps + 1):
+            optimizer.step()
+            counter.n = 10 * step
+            ckpt.step(step)
+    finally:
+        ckpt.close()
+        AcceleratorState._reset_state(True)
+    return start, restored
+
+
+def test_a_registered_objects_state_forged_away_is_passed_over(tmp_path: Path) -> None:
+    """Process 0's own state of step 3 holds None for its registered counter (the manifest
+    forged and resealed, that process's entry alone): the step is passed over, the resume
+    takes step 2 with the counter's state of step 2 (before: step 3 restored, the counter
+    silently left fresh on that process while the others put back theirs)."""
+    assert _counted_run(tmp_path, 3) == (0, 0)
+    path = tmp_path / "coci" / "step-0000000003" / "manifest.json"
+    doc = json.loads(path.read_bytes())
+    doc.pop("checksum")
+    custom = doc["per_rank"][0]["tree"]["v"]["coci_process"]["v"]["custom"]["v"]
+    assert custom[0] == {"t": "dict", "v": {"n": 30}} and custom[1] is None  # the checkpointer's
+    custom[0] = None
+    path.write_bytes(seal(json.dumps(doc, separators=(",", ":")).encode()))
+    assert _counted_run(tmp_path, 3) == (2, 20)
+
+
+def test_objects_registered_in_another_order_are_refused(tmp_path: Path) -> None:
+    """The counter saved before the checkpointer, registered after it at the resume: one
+    CheckpointError naming the order (before: the counter silently left fresh, its saved
+    state handed to the checkpointer's place and dropped)."""
+    assert _counted_run(tmp_path, 2) == (0, 0)
+    with pytest.raises(CheckpointError, match=r"another order: CociCheckpointer at \[1\]"):
+        _counted_run(tmp_path, 2, counter_first=False)
