@@ -466,5 +466,8 @@ def test_an_adapters_url_no_backend_opens_is_refused_when_made_naming_it(
     make = makers[adapter]
     with pytest.raises(ConfigError, match=rf"^'{name}' is not a usable fsspec URL: 'nope://b/x'"):
         make(**{name: "nope://b/x"})
-    for url in ("simplecache::memory://b/x", "s3://b/x", "file:///b/x", "memory://b/x"):
+    for malformed in ("://b/x", "s3://", "s3:///x", "simplecache::s3:///x", "3s://b/x"):
+        with pytest.raises(ConfigError, match=rf"^'{name}' is not a usable URL: '{malformed}'"):
+            make(**{name: malformed})  # accepted, then failed (or wrote elsewhere) at training
+    for url in ("simplecache::memory://b/x", "s3://b/x", "file:///b/x", "memory://", "http://h/x"):
         assert check_url(name, url) is None
