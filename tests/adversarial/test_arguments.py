@@ -441,6 +441,11 @@ def test_a_remote_url_fsspec_cannot_open_names_remote(tmp_path: Path) -> None:
         CheckpointManager(tmp_path / "ckpt", remote="nope://b/x")
     with pytest.raises(ConfigError, match=r"^'directory' is not a usable fsspec URL"):
         CheckpointManager("nope://b/x")
+    for malformed in ("://b/x", "s3:///x"):  # "://b/x" wrote into a local directory ":/b/x"
+        with pytest.raises(ConfigError, match=rf"^'directory' is not a usable URL: '{malformed}'"):
+            CheckpointManager(malformed)
+        with pytest.raises(ConfigError, match=rf"^'remote' is not a usable URL: '{malformed}'"):
+            CheckpointManager(tmp_path / "ckpt", remote=malformed)
 
 
 @pytest.mark.parametrize("name", ["dirpath", "remote"])
