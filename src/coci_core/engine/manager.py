@@ -737,6 +737,7 @@ class CheckpointManager:
         self._writer.also_keep = frozenset(kept)
         if self.remote is not None:
             self.remote.also_keep = self._writer.also_keep
+            self.remote.upload_kept()  # one committed before, passed over by the period
 
     @property
     def kept_also(self) -> frozenset[int]:
