@@ -46,9 +46,6 @@ class FsspecStorage(Storage):
             import fsspec
         except ImportError as e:  # pragma: no cover - fsspec is a dependency
             raise ConfigError("fsspec URLs need the 'fsspec' package: pip install fsspec") from e
-        from coci_core.storage.registry import check_url
-
-        check_url("directory", url)  # "://run" opened a local directory ":/run"
         try:
             self.fs, root = fsspec.core.url_to_fs(url, **storage_options)
         except (ValueError, ImportError) as e:

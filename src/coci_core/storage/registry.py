@@ -107,6 +107,7 @@ def open_storage(target: str | os.PathLike[str] | Storage, **storage_options: An
         if not target:
             raise ConfigError("'directory' must be a non-empty path or URL: ''")
         if is_url(target):
+            check_url("directory", target)  # "://run" opened a local directory ":/run"
             factory = _factory(target.split("://", 1)[0].lower())
             return factory(target, **storage_options)
         return LocalStorage(target)
