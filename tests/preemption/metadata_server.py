@@ -15,7 +15,9 @@ TOKEN = "test-token"
 class MetadataServer:
     """``aws_action`` (a dict, None: 404), ``gce_preempted``, ``azure_events`` (a list) say
     what the endpoints answer; ``raw`` (path with its query: status, body, headers) answers a
-    path as given instead; ``requests`` holds (method, path, headers) per request, and
+    path as given instead (status 0: the body is the whole answer, as it is, no HTTP status
+    line or headers); a path in ``trickle`` is answered a byte of a header line every 20 ms
+    until the client goes away; ``requests`` holds (method, path, headers) per request, and
     ``asked`` is set at every request."""
 
     def __init__(self) -> None:
@@ -23,7 +25,10 @@ class MetadataServer:
         self.aws_token_required = True
         self.gce_preempted = False
         self.azure_events: list[dict[str, Any]] = []
+        self.azure_vm_name: str | None = None  # None: /metadata/instance/compute/name is 404
         self.raw: dict[str, tuple[int, bytes, dict[str, str]]] = {}
+        self.trickle: set[str] = set()
+        self.stopped = threading.Event()
         self.requests: list[tuple[str, str, dict[str, str]]] = []
         self.asked = threading.Event()
         server = self
@@ -51,8 +56,21 @@ class MetadataServer:
                 server.requests.append(("GET", self.path, _lower(self.headers)))
                 server.asked.set()
                 h = self.headers
-                if self.path in server.raw:
+                if self.path in server.trickle:  # a header byte now and then, never done
+                    self.wfile.write(b"HTTP/1.1 200 OK\r\nX-Slow: ")
+                    try:
+                        while not server.stopped.wait(0.02):
+                            self.wfile.write(b"a")
+                            self.wfile.flush()
+                    except OSError:  # the client went away
+                        pass
+                    self.close_connection = True
+                elif self.path in server.raw:
                     code, body, headers = server.raw[self.path]
+                    if code == 0:  # not HTTP: the body alone
+                        self.wfile.write(body)
+                        self.close_connection = True
+                        return
                     self.send_response(code)
                     for name, value in headers.items():
                         self.send_header(name, value)
@@ -71,6 +89,13 @@ class MetadataServer:
                         self._answer(403)
                     else:
                         self._answer(200, b"TRUE" if server.gce_preempted else b"FALSE")
+                elif self.path.startswith("/metadata/instance/compute/name?"):
+                    if h.get("Metadata") != "true":
+                        self._answer(400)
+                    elif server.azure_vm_name is None:
+                        self._answer(404)
+                    else:
+                        self._answer(200, server.azure_vm_name.encode())
                 elif self.path.startswith("/metadata/scheduledevents?api-version="):
                     if h.get("Metadata") != "true":
                         self._answer(400)
@@ -89,6 +114,7 @@ class MetadataServer:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.stopped.set()
         self._httpd.shutdown()
         self._httpd.server_close()
 

@@ -27,7 +27,12 @@ from coci_core.preemption import (
     register_notice_source,
 )
 from coci_core.preemption.signals import launcher_warnings
-from coci_core.training.preemption import NoticePlan, PreemptionWatch, fit_save
+from coci_core.training.preemption import (
+    NoticePlan,
+    PreemptionDecision,
+    PreemptionWatch,
+    fit_save,
+)
 from tests.preemption.metadata_server import MetadataServer
 
 
@@ -110,15 +115,103 @@ def test_the_azure_poller_reads_a_preempt_scheduled_event() -> None:
         source = AzureNotice(server.url, interval_s=0.05)
         server.azure_events = [{"EventId": "a", "EventType": "Freeze", "NotBefore": ""}]
         assert source.check() is None  # not a preemption
-        not_before = email.utils.formatdate(time.time() + 45, usegmt=True)
+        not_before = email.utils.formatdate(time.time() + 25, usegmt=True)
         server.azure_events.append(
             {"EventId": "b", "EventType": "Preempt", "NotBefore": not_before}
         )
-        assert 43 < _poll(source) <= 45
+        assert 23 < _poll(source) <= 25
+
+
+@pytest.mark.parametrize("ahead_s", [365 * 86400.0, 600.0], ids=["a-year", "ten-minutes"])
+def test_a_stated_end_past_the_clouds_notice_period_is_taken_as_that_period(
+    ahead_s: float, caplog: pytest.LogCaptureFixture
+) -> None:
+    """AWS stops a spot instance two minutes after its notice appears, Azure evicts 30 s
+    after a Preempt event. A stated end further ahead (this machine's clock set wrong, a
+    garbled time) was planned for as given: training went on to the last step before it,
+    unsaved, past the real end. It is taken as the notice period, and a WARNING says so."""
+    when = time.time() + ahead_s
+    with MetadataServer() as server:
+        server.aws_token_required = False
+        server.aws_action = {
+            "action": "terminate",
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(when)),
+        }
+        not_before = email.utils.formatdate(when, usegmt=True)
+        server.azure_events = [{"EventType": "Preempt", "NotBefore": not_before}]
+        with caplog.at_level("WARNING", logger="coci_core.preemption"):
+            aws = AwsSpotNotice(server.url, timeout_s=1).check()
+            azure = AzureNotice(server.url, timeout_s=1).check()
+    assert aws is not None and azure is not None
+    assert aws.known_end and 119 < aws.time_left() <= 120, aws
+    assert azure.known_end and 29 < azure.time_left() <= 30, azure
+    assert "(taken as 120 s from the notice)" in aws.detail
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2 and all("is this machine's clock right?" in m for m in said), said
+    with MetadataServer() as server:  # clocks a second or two apart: taken as is, unsaid
+        server.azure_events = [
+            {"EventType": "Preempt", "NotBefore": email.utils.formatdate(time.time() + 32)}
+        ]
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="coci_core.preemption"):
+            azure = AzureNotice(server.url, timeout_s=1).check()
+    assert azure is not None and azure.known_end and 29 < azure.time_left() <= 30
+    assert not caplog.records
+
+
+def test_a_stated_end_already_past_saves_at_the_next_step_boundary(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An AWS time or Azure NotBefore already past when seen (this machine's clock ahead) was
+    a known end with negative time left: no save was even tried and training stopped, the
+    work since the last checkpoint lost while the machine ran on. The stop may come at any
+    moment: the next step boundary saves within the notice period, and a WARNING says so."""
+    when = time.time() - 3600
+    with MetadataServer() as server:
+        server.aws_token_required = False
+        server.aws_action = {
+            "action": "terminate",
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(when)),
+        }
+        not_before = email.utils.formatdate(when, usegmt=True)
+        server.azure_events = [{"EventType": "Preempt", "NotBefore": not_before}]
+        with caplog.at_level("WARNING", logger="coci_core.preemption"):
+            aws = AwsSpotNotice(server.url, timeout_s=1).check()
+            azure = AzureNotice(server.url, timeout_s=1).check()
+    assert aws is not None and azure is not None
+    assert not aws.known_end and 119 < aws.time_left() <= 120, aws
+    assert not azure.known_end and 29 < azure.time_left() <= 30, azure
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2 and all("s ago: saving at the next step boundary" in m for m in said)
+    watch = PreemptionWatch(Preemption(["TERM@20"], margin_s=2))
+    watch.board.post(aws)
+    decision = watch.check(7, lambda: 1.0)
+    assert isinstance(decision, PreemptionDecision) and decision.step == 7 and decision.save
+
+
+def test_an_azure_preempt_event_of_another_vm_of_the_scale_set_is_not_this_ones() -> None:
+    """A scale set's Scheduled Events document lists the events of all its VMs: another
+    VM's eviction (its ``Resources``) stopped this one too, which went on running with its
+    training cut short. Only a Preempt naming this VM (IMDS ``compute/name``) is a notice."""
+    not_before = email.utils.formatdate(time.time() + 25, usegmt=True)
+    other = {"EventId": "o", "EventType": "Preempt", "Resources": ["pool_7"], "NotBefore": ""}
+    with MetadataServer() as server:
+        server.azure_vm_name = "pool_3"
+        server.azure_events = [other]
+        source = AzureNotice(server.url, timeout_s=1)
+        assert source.check() is None
+        mine = {"EventId": "m", "EventType": "Preempt", "Resources": ["pool_3"]}
+        server.azure_events.append({**mine, "NotBefore": not_before})
+        notice = source.check()
+        assert notice is not None and "Preempt m " in notice.detail and notice.known_end
+    with MetadataServer() as server:  # no name known: every Preempt is this VM's
+        server.azure_events = [other]
+        assert AzureNotice(server.url, timeout_s=1).check() is not None
 
 
 AWS_ACTION = "/latest/meta-data/spot/instance-action"
 AZURE_EVENTS = "/metadata/scheduledevents?api-version=2020-07-01"
+GCE_PREEMPTED = "/computeMetadata/v1/instance/preempted"
 
 
 @pytest.mark.parametrize(
@@ -131,6 +224,17 @@ AZURE_EVENTS = "/metadata/scheduledevents?api-version=2020-07-01"
         (AZURE_EVENTS, b"[]"),
         (AZURE_EVENTS, b'{"Events": ["Preempt"]}'),
         (AZURE_EVENTS, b'{"Events": [{"EventType": "Preempt", "NotBefore": 7}]}'),
+        (GCE_PREEMPTED, b"<html><body>Service Unavailable</body></html>"),
+    ],
+    ids=[
+        "no-time",
+        "list",
+        "number-time",
+        "not-utf8",
+        "azure-list",
+        "event-str",
+        "number-nb",
+        "gce-html",
     ],
 )
 def test_a_garbled_answer_is_no_notice_and_the_poller_goes_on(
@@ -143,7 +247,7 @@ def test_a_garbled_answer_is_no_notice_and_the_poller_goes_on(
     with MetadataServer() as server:
         server.aws_token_required = False
         server.raw[path] = (200, body, {})
-        make = AwsSpotNotice if path == AWS_ACTION else AzureNotice
+        make = {AWS_ACTION: AwsSpotNotice, AZURE_EVENTS: AzureNotice}.get(path, GceNotice)
         source = make(server.url, interval_s=0.01, timeout_s=1)
         board = NoticeBoard()
         with caplog.at_level("WARNING", logger="coci_core.preemption"):
@@ -159,11 +263,73 @@ def test_a_garbled_answer_is_no_notice_and_the_poller_goes_on(
             }
             not_before = email.utils.formatdate(when, usegmt=True)
             server.azure_events = [{"EventType": "Preempt", "NotBefore": not_before}]
+            server.gce_preempted = True
             notice = board.wait(5)
         source.stop()
         assert notice is not None and notice.source == make.name
         said = [r.getMessage() for r in caplog.records if "answers garbled" in r.getMessage()]
         assert len(said) == 1 and "(still asking)" in said[0], caplog.text
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b"SSH-2.0-OpenSSH_9.6\r\n",  # another service on the port: no HTTP status line
+        b"HTTP/1.1 200 OK\r\nX: " + b"a" * 70_000 + b"\r\n\r\n",  # a header line too long
+        b"HTTP/1.1 200 OK\r\n" + b"X: a\r\n" * 101 + b"\r\nTRUE",  # too many headers
+    ],
+    ids=["not-http", "long-header", "many-headers"],
+)
+def test_an_answer_that_is_not_http_is_no_notice_and_the_poller_goes_on(
+    answer: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An endpoint that answers something other than HTTP (another service on the port, a
+    header line or count over http.client's limits) raised http.client.HTTPException, which
+    is no OSError: the poller's thread died with a traceback and no notice was watched from
+    then on. It is said once as an endpoint that does not answer, and the poller goes on."""
+    path = "/computeMetadata/v1/instance/preempted"
+    with MetadataServer() as server:
+        server.raw[path] = (0, answer, {})
+        source = GceNotice(server.url, interval_s=0.01, timeout_s=1)
+        board = NoticeBoard()
+        with caplog.at_level("WARNING", logger="coci_core.preemption"):
+            source.start(board)
+            for _ in range(4):  # the fourth request comes after the third's warning
+                assert server.asked.wait(5)
+                server.asked.clear()
+            del server.raw[path]
+            server.gce_preempted = True
+            notice = board.wait(5)
+        source.stop()
+        assert notice is not None and notice.source == "gce"
+        said = [r.getMessage() for r in caplog.records if "does not answer" in r.getMessage()]
+        assert len(said) == 1 and "(still asking)" in said[0], caplog.text
+
+
+def test_an_endpoint_that_answers_a_byte_now_and_then_is_cut_off_and_the_poller_goes_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The request's timeout bounded each read of the socket alone: an endpoint that sent a
+    byte of its answer every 20 ms held the poller's one request (up to 64 KiB of a header
+    line, hours), no notice was watched and nothing was said. The whole request is cut off
+    at its timeout: an endpoint that does not answer, said once, and the poller goes on."""
+    path = "/computeMetadata/v1/instance/preempted"
+    with MetadataServer() as server:
+        server.trickle.add(path)
+        source = GceNotice(server.url, interval_s=0.01, timeout_s=0.2)
+        board = NoticeBoard()
+        with caplog.at_level("WARNING", logger="coci_core.preemption"):
+            source.start(board)
+            for _ in range(4):  # the fourth request comes after the third's warning
+                assert server.asked.wait(5), "the first request never ended"
+                server.asked.clear()
+            server.trickle.clear()
+            server.gce_preempted = True
+            notice = board.wait(5)
+        source.stop()
+        assert notice is not None and notice.source == "gce"
+        said = [r.getMessage() for r in caplog.records if "does not answer" in r.getMessage()]
+        assert len(said) == 1 and "no whole answer within 0.2 s" in said[0], caplog.text
 
 
 def test_a_redirect_is_not_followed() -> None:
@@ -219,6 +385,22 @@ def test_the_option_names_sources_and_rejects_bad_ones() -> None:
         check_preemption(3)
     with pytest.raises(ConfigError, match="lead time"):
         SignalNotice("TERM", lead_s=0)
+
+
+def test_auto_beside_a_grace_period_keeps_it_and_a_signal_given_twice_is_refused() -> None:
+    """``["auto", "TERM@120"]`` (auto's cloud poller, a pod's 120 s grace period) watched
+    SIGTERM twice, auto's with 30 s: each SIGTERM posted both notices and the earliest
+    deadline won, so a save of 40 s was declined with 120 s left. The list's own SIGTERM
+    stands; the same signal given twice ('TERM@30', 'SIGTERM@60') is a ConfigError."""
+    for value in (["auto", "TERM@120"], ["TERM@120", "auto"]):
+        config = check_preemption(value)
+        assert config is not None
+        made = config.make_sources()
+        assert [(m.name, getattr(m, "lead_s", None)) for m in made] == [("SIGTERM", 120.0)]
+    with pytest.raises(ConfigError, match=r"gives SIGTERM 2 times \('TERM@30', 'SIGTERM@60'\)"):
+        check_preemption(["TERM@30", "SIGTERM@60"])
+    with pytest.raises(ConfigError, match=r"gives SIGUSR1 2 times.*give each signal once"):
+        check_preemption(["USR1@90", SignalNotice("USR1", lead_s=30)])
 
 
 def test_a_registered_source_is_named_in_the_option() -> None:

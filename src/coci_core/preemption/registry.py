@@ -134,12 +134,25 @@ class Preemption:
             sources = (sources,)
         if not isinstance(sources, Sequence) or not sources:
             raise ConfigError(f"'preemption' sources must be a non-empty list: {sources!r}")
+        signals: dict[str, list[object]] = {}
         for s in sources:
             if isinstance(s, str):
                 if s.lower() != "auto":
-                    notice_source(s)  # checks the name and its argument now
+                    made = notice_source(s)  # checks the name and its argument now
+                    if isinstance(made, SignalNotice):
+                        signals.setdefault(made.name, []).append(s)
             elif not isinstance(s, NoticeSource):
                 raise ConfigError(f"a 'preemption' source must be a name or a NoticeSource: {s!r}")
+            elif isinstance(s, SignalNotice):
+                signals.setdefault(s.name, []).append(s)
+        for signame, given in signals.items():
+            # both would record each notice, and the earliest deadline (the shorter lead) wins
+            if len(given) > 1:
+                raise ConfigError(
+                    f"'preemption' gives {signame} {len(given)} times "
+                    f"({', '.join(repr(g) for g in given)}): give each signal once, with its "
+                    "lead time (a SIGTERM's grace period, e.g. 'TERM@120')"
+                )
         object.__setattr__(self, "sources", tuple(sources))
         m = self.margin_s
         if isinstance(m, bool) or not isinstance(m, int | float) or not m >= 0:
@@ -151,16 +164,20 @@ class Preemption:
     def make_sources(self) -> list[NoticeSource]:
         """The sources to start (``"auto"`` expanded for this machine)."""
         made: list[NoticeSource] = []
+        auto = False
         for s in self.sources:
             if isinstance(s, NoticeSource):
                 made.append(s)
             elif s.lower() == "auto":
-                made.append(notice_source("sigterm"))
-                cloud = detect_cloud()
-                if cloud is not None:
-                    made.append(notice_source(cloud))
+                auto = True
             else:
                 made.append(notice_source(s))
+        if auto:  # what the list does not give itself: ["auto", "TERM@120"] keeps its 120 s
+            if not any(isinstance(m, SignalNotice) and m.name == "SIGTERM" for m in made):
+                made.insert(0, notice_source("sigterm"))
+            cloud = detect_cloud()
+            if cloud is not None and not any(m.name == cloud for m in made):
+                made.append(notice_source(cloud))
         return made
 
 

@@ -20,7 +20,6 @@ from coci_core.codecs import RAW as RAW_CODEC
 from coci_core.codecs import decode, needs_base
 from coci_core.engine.directory.steps import ManifestCache
 from coci_core.engine.format.manifest import Manifest, Piece, TensorEntry, step_dir_name
-from coci_core.engine.hugepages import empty_bytes
 from coci_core.errors import CheckpointError, CorruptCheckpointError, StorageError
 from coci_core.knobs import (
     CHUNKED_MIN_BYTES,
@@ -173,9 +172,8 @@ def _read_ahead_thread() -> None:
 
 def _alloc(nbytes: int) -> torch.Tensor:
     """A buffer of ``nbytes`` for an array or a stored piece: every size that reaches here was
-    checked against the manifest's limits and the data files' sizes (huge pages: see
-    :mod:`~coci_core.engine.hugepages`)."""
-    return empty_bytes(nbytes)
+    checked against the manifest's limits and the data files' sizes."""
+    return torch.empty(nbytes, dtype=torch.uint8)
 
 
 class ArrayReader:

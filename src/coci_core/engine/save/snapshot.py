@@ -24,7 +24,6 @@ import numpy as np
 import torch
 
 from coci_core.engine.format.tree import ArrayLeaf
-from coci_core.engine.hugepages import empty_bytes
 from coci_core.engine.save.partition import Share
 from coci_core.errors import StateChangedError
 from coci_core.knobs import (
@@ -248,7 +247,7 @@ class Arena:
     """One page-aligned host buffer holding every leaf of a save."""
 
     def __init__(self, total_bytes: int, *, pinned: bool) -> None:
-        raw = empty_bytes(total_bytes + PAGE_BYTES, pin_memory=pinned)
+        raw = torch.empty(total_bytes + PAGE_BYTES, dtype=torch.uint8, pin_memory=pinned)
         start = (-raw.data_ptr()) % PAGE_BYTES
         self._raw = raw
         self.bytes = raw[start : start + total_bytes]
