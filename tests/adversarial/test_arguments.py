@@ -441,6 +441,11 @@ def test_a_remote_url_fsspec_cannot_open_names_remote(tmp_path: Path) -> None:
         CheckpointManager(tmp_path / "ckpt", remote="nope://b/x")
     with pytest.raises(ConfigError, match=r"^'directory' is not a usable fsspec URL"):
         CheckpointManager("nope://b/x")
+    for malformed in ("://b/x", "s3:///x"):  # "://b/x" wrote into a local directory ":/b/x"
+        with pytest.raises(ConfigError, match=rf"^'directory' is not a usable URL: '{malformed}'"):
+            CheckpointManager(malformed)
+        with pytest.raises(ConfigError, match=rf"^'remote' is not a usable URL: '{malformed}'"):
+            CheckpointManager(tmp_path / "ckpt", remote=malformed)
 
 
 @pytest.mark.parametrize("name", ["dirpath", "remote"])
@@ -466,5 +471,8 @@ def test_an_adapters_url_no_backend_opens_is_refused_when_made_naming_it(
     make = makers[adapter]
     with pytest.raises(ConfigError, match=rf"^'{name}' is not a usable fsspec URL: 'nope://b/x'"):
         make(**{name: "nope://b/x"})
-    for url in ("simplecache::memory://b/x", "s3://b/x", "file:///b/x", "memory://b/x"):
+    for malformed in ("://b/x", "s3://", "s3:///x", "simplecache::s3:///x", "3s://b/x"):
+        with pytest.raises(ConfigError, match=rf"^'{name}' is not a usable URL: '{malformed}'"):
+            make(**{name: malformed})  # accepted, then failed (or wrote elsewhere) at training
+    for url in ("simplecache::memory://b/x", "s3://b/x", "file:///b/x", "memory://", "http://h/x"):
         assert check_url(name, url) is None

@@ -107,6 +107,25 @@ def test_a_step_kept_also_is_uploaded_between_the_remote_period(tmp_path: Path) 
         assert _equal(mgr.restore(step=2), _state(2))
 
 
+def test_a_step_kept_also_after_its_commit_is_uploaded(tmp_path: Path) -> None:
+    """``keep_also`` given after the step's commit (the best step, known from a later
+    evaluation), which ``remote_upload_every=3`` passed over: kept on the local disk only, and a
+    node that lost its disk lost it. It is uploaded then."""
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    with CheckpointManager(
+        local, remote=remote, keep_last=2, remote_keep_last=None, remote_upload_every=3
+    ) as mgr:
+        assert mgr.remote is not None
+        for step in (1, 2, 3, 4):
+            mgr.save(step, _state(step), block=True).wait()
+            if step == 2:
+                mgr.keep_also({2})
+            assert mgr.remote.flush(timeout_s=60)
+        assert _steps(remote) == [2, 3]
+    with CheckpointManager(remote) as mgr:
+        assert _equal(mgr.restore(step=2), _state(2))
+
+
 def test_a_newer_save_supersedes_a_pending_upload(tmp_path: Path) -> None:
     """Saves that come faster than uploads: the remote gets the newest step, and never more
     than keep_last of them; every step it has restores exactly."""

@@ -19,7 +19,7 @@ from ray import tune
 from ray.tune.experiment import Trial
 from ray.tune.schedulers import ASHAScheduler
 
-from coci_core import CheckpointManager, ConfigError
+from coci_core import CheckpointManager, ConfigError, DirectoryInUseError
 from coci_core.engine.restore.restore import newest_first
 from coci_core.hpo import asha_rungs
 from coci_core.hpo.ray import CheckpointCleanup, trial_directory
@@ -234,7 +234,31 @@ def test_the_cleanup_waits_for_a_stopped_trials_writer_and_nothing_is_written_af
     finally:
         logging.getLogger("coci_core.hpo.ray").removeHandler(told)
     assert not thread.is_alive() and cleanup.deleted == ["stopped"]
-    assert not (root / "stopped").exists() or not any((root / "stopped").iterdir())
+    # nothing but the clean-up's mark (and the lease's lock file)
+    left = [p.name[:13] for p in (root / "stopped").iterdir() if p.name != ".coci-owner"]
+    assert left == ["coci-deleted-"]
+
+
+def test_a_stopped_trials_first_save_after_the_cleanup_is_refused(tmp_path: Path) -> None:
+    """A stopped trial whose manager had not saved yet (no lease held, no directory made)
+    when the experiment ended: the clean-up found nothing to wait for, and the trial's first
+    save, late, then wrote its step into the cleaned directory (a checkpoint of a stopped trial
+    left after the clean-up). The clean-up leaves a mark: that save is refused; a manager made
+    after the clean-up (a new run there) saves as usual."""
+    root = tmp_path / "ckpt"
+    trial = Trial("train", trial_id="late", stub=True)
+    trial.update_last_result({"training_iteration": 1})
+    trial.set_status(Trial.TERMINATED)
+    writer = CheckpointManager(root / "late")  # the stopped trial's, made before its first save
+    CheckpointCleanup(root, max_t=MAX_T, writer_wait_s=0).on_experiment_end(trials=[trial])
+    with pytest.raises(DirectoryInUseError, match="were deleted by a clean-up"):
+        writer.save(4, {"w": torch.zeros(3)}).wait()
+    writer.close()
+    left = [p.name[:13] for p in (root / "late").iterdir() if p.name != ".coci-owner"]
+    assert left == ["coci-deleted-"]  # the mark alone: nothing of the stopped trial
+    with CheckpointManager(root / "late") as again:  # made after the clean-up: a new run
+        again.save(1, {"w": torch.ones(3)}).wait()
+        assert again.steps() == [1]
 
 
 @pytest.mark.parametrize("wait", [-1, float("nan"), "5", True])

@@ -13,7 +13,11 @@ runs it in DIR with SIGTERM sent to process 1 alone after step 4 (each process p
 through the Trainer (``fsdp="full_shard"``, ``fsdp_config={"version": 2}``; see
 :class:`FSDP2Trainer`) in every run; ``--apart DIR`` (after the reference run) resumes
 with ``output_dir`` ``DIR/node<RANK>`` (each process's own disk) and an empty ``DIR/coci``
-(prints ``APART <json>``: the error, or None); ``--coci JSON``: ``CociCallback``'s options (default
+(prints ``APART <json>``: the error, or None); ``--fallback DIR`` (may be given more than once,
+after ``--apart``) resumes ``DIR/node0``'s run whose newest step is weights-only, each process
+with ``dirpath`` ``DIR/node<RANK>/coci`` and the remote tier ``DIR/remote`` if there is one,
+9 steps, and stops as its first step begins (prints ``FALLBACK <json>``: the step resumed, or
+the error); ``--coci JSON``: ``CociCallback``'s options (default
 ``policy="every_n_steps"``, the Trainer's ``save_steps`` 3) in the last run.
 """
 
@@ -118,6 +122,16 @@ class Terminate(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if state.global_step == self.at and self.rank in (None, args.process_index):
             os.kill(os.getpid(), signal.SIGTERM)
+
+
+class Resumed(TrainerCallback):
+    """Ends the run (raises :class:`Resumed.Stop`) as its first step begins, once resumed."""
+
+    class Stop(Exception):
+        pass
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        raise Resumed.Stop
 
 
 def say(line: str) -> None:
@@ -234,6 +248,33 @@ if __name__ == "__main__":
             say("APART " + json.dumps({"rank": rank, "error": None}))
         except CociError as e:
             say("APART " + json.dumps({"rank": rank, "error": f"{type(e).__name__}: {e}"}))
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState._reset_state(True)
+    while "--fallback" in sys.argv:  # resumes past a newest weights-only step, on own disks
+        at = sys.argv.index("--fallback")
+        fallback = Path(sys.argv[at + 1])
+        del sys.argv[at : at + 2]
+        rank = int(os.environ.get("RANK", "0"))
+        remote = str(fallback / "remote") if (fallback / "remote").is_dir() else None
+        own = CociCallback(
+            policy="every_n_steps", dirpath=str(fallback / f"node{rank}" / "coci"), remote=remote
+        )
+        row: dict[str, Any] = {"rank": rank, "dir": fallback.name}
+        try:  # ends at its first step: the ranks' own directories would fail their first save
+            train(
+                fallback / f"node{rank}",
+                9,
+                resume=True,
+                callback=own,
+                extra_callbacks=(Resumed(),),
+                in_process=False,
+            )
+        except CociError as e:
+            row["error"] = f"{type(e).__name__}: {e}"
+        except Resumed.Stop:
+            row["start"] = own.checkpointer.resumed_from if own.checkpointer else None
+        say("FALLBACK " + json.dumps(row))
         from accelerate.state import AcceleratorState
 
         AcceleratorState._reset_state(True)

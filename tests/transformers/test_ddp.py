@@ -2,7 +2,9 @@
 mid-epoch and resumed with ``train(resume_from_checkpoint=True)``, bit-identical on both;
 SIGTERM to one of them: both save at the next step, stop with exit status 143, and resume
 bit-identical; the killed run's checkpoint also resumes onto one process; with no coci
-checkpoint and a Trainer checkpoint on process 0's own disk only, both raise one error."""
+checkpoint and a Trainer checkpoint on process 0's own disk only, both raise one error; past a
+newest weights-only step, both resume the same older full step (one from the remote tier) or
+both raise one error."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import pytest
 from accelerate.state import AcceleratorState
 
 from coci_core import CheckpointManager
+from coci_transformers import CociCallback
 from tests.harness.processes import Child, child_env, free_port, module, run
 from tests.transformers.run import train
 
@@ -74,12 +77,38 @@ def test_two_processes_sigkill_sigterm_and_resume_onto_one(
     # no coci checkpoint, and a Trainer checkpoint in process 0's own output_dir only
     (tmp_path / "apart" / "node0" / "checkpoint-3").mkdir(parents=True)
     apart = ["--apart", str(tmp_path / "apart")]
-    out = run([*command, *reference, *apart, *sigterm], env=env, timeout_s=300)
+    # resume_from_checkpoint=True whose newest step (6) is weights-only: in "kept" the remote
+    # tier alone holds full step 3 and process 1's disk nothing (a new node): both resume 3; in
+    # "alone" process 0's disk holds 3 and process 1's step 6 only, no remote: both refuse
+    fallback = []
+    for name, remote in (("kept", True), ("alone", False)):
+        node0 = tmp_path / name / "node0"
+        coci = {"policy": "every_n_steps"} | (
+            {"remote": str(node0.parent / "remote")} if remote else {}
+        )
+        train(node0, 3, callback=CociCallback(**coci))
+        AcceleratorState._reset_state(True)
+        train(node0, 6, resume=True, callback=CociCallback(**coci), save_only_model=True)
+        AcceleratorState._reset_state(True)
+        (six,) = (node0 / "coci").glob("step-0000000006*")
+        if remote:  # process 0's disk lost step 3 too: the remote tier alone holds it
+            (three,) = (node0 / "coci").glob("step-0000000003*")
+            shutil.rmtree(three)
+        else:
+            shutil.copytree(six, tmp_path / name / "node1" / "coci" / six.name)
+        fallback += ["--fallback", str(tmp_path / name)]
+    out = run([*command, *reference, *apart, *fallback, *sigterm], env=env, timeout_s=300)
     # both raise one error (before: process 0 resumed from its checkpoint-3, process 1 started
     # fresh, and their collectives no longer matched)
     errors = [r["error"] for r in _results(out.stdout, "APART ").values()]
     assert len(errors) == 2 and errors[0] == errors[1], errors
     assert "no Trainer checkpoint in" in errors[0] and "rank(s) [0] hold one" in errors[0]
+    rows = [json.loads(x[9:]) for x in out.stdout.splitlines() if x.startswith("FALLBACK ")]
+    kept = [r.get("start", r.get("error")) for r in rows if r["dir"] == "kept"]
+    assert kept == [3, 3], rows  # each process the same step, one from the remote tier
+    alone = [r.get("error") for r in rows if r["dir"] == "alone"]
+    assert len(alone) == 2 and alone[0] == alone[1], rows  # one error, on both
+    assert "save_only_model" in alone[0], alone
     # the workers exit 143 on the notice (the SIGTERM run, last): torchrun reports a failure
     assert out.returncode != 0 and "exitcode  : 143" in out.stderr, out.stderr[-3000:]
     expected, resumed = _results(out.stdout, "REFERENCE "), _results(out.stdout)

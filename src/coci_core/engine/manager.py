@@ -25,7 +25,7 @@ from typing import Any, Literal
 from coci_core.engine import lifecycle
 from coci_core.engine.agreement import RestoreAgreement
 from coci_core.engine.directory import retention
-from coci_core.engine.directory.lease import acquire_lease
+from coci_core.engine.directory.lease import acquire_lease, deletion_marks
 from coci_core.engine.directory.shared import check_shared_directory, meets_every_rank
 from coci_core.engine.directory.tiers import RemoteTier, same_place
 from coci_core.engine.format.manifest import Manifest
@@ -260,6 +260,9 @@ class CheckpointManager:
         # The directory's lease is taken at the first save (see _own_directory), not here: a
         # manager that only restores (an evaluation process, a script that lists steps) never
         # holds it, so it never refuses the saves of a run started after it.
+        # the marks of clean-ups (delete_checkpoints_unwritten) there now: one left after this
+        # (a stopped run's directory deleted) refuses this manager the lease (see _take_lease)
+        self._deleted_seen: frozenset[str] | None = None
         if group.is_coordinator:
             self._put_back_aside()
         self.remote: RemoteTier | None = None
@@ -523,7 +526,9 @@ class CheckpointManager:
         back now, under a lease held for that only, so that a restore finds it (while a live
         writer holds the lease, it completes its re-save itself). Never raises."""
         try:
-            if not any(".coci-old-" in name for name in self.storage.list_dir("")):
+            names = self.storage.list_dir("")
+            self._deleted_seen = deletion_marks(names)
+            if not any(".coci-old-" in name for name in names):
                 return
             lease = acquire_lease(self.storage, self.group.session)
         except (DirectoryInUseError, StorageError):
@@ -548,6 +553,22 @@ class CheckpointManager:
             StorageError: the lease file or record cannot be made.
         """
         self._owner.lease = acquire_lease(self.storage, self.group.session)
+        if self._deleted_seen is not None:
+            try:
+                late = deletion_marks(self.storage.list_dir("")) - self._deleted_seen
+            except BaseException:
+                self._owner.lease.release()
+                self._owner.lease = None
+                raise
+            if late:
+                self._owner.lease.release()
+                self._owner.lease = None
+                raise DirectoryInUseError(
+                    f"the checkpoints of {self.storage.url} were deleted by a clean-up "
+                    f"({sorted(late)[0]}: CheckpointCleanup, delete_checkpoints_unwritten) after "
+                    "this CheckpointManager was made: its run was stopped, and nothing of it is "
+                    "written there now (a run started afterwards writes there as usual)"
+                )
         try:  # the lease is held: what an earlier writer left is never a reason to fail
             retention.remove_uncommitted(
                 self.storage, self.group, done_seq=None, abort_uploads=nothing_in_flight
@@ -716,6 +737,7 @@ class CheckpointManager:
         self._writer.also_keep = frozenset(kept)
         if self.remote is not None:
             self.remote.also_keep = self._writer.also_keep
+            self.remote.upload_kept()  # one committed before, passed over by the period
 
     @property
     def kept_also(self) -> frozenset[int]:

@@ -7,11 +7,12 @@ import logging
 import os
 import shutil
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from coci_core.engine.directory.lease import acquire_lease
+from coci_core.engine.directory.lease import DELETED_MARK, LEASE_NAME, acquire_lease
 from coci_core.errors import DirectoryInUseError
 from coci_core.storage import Storage, is_url, open_storage
 
@@ -48,13 +49,15 @@ def delete_checkpoints_unwritten(
     after it is cleaned (its writer holds the lease until its last save is durable; a writer
     that takes it later finds it taken). Waits until ``deadline`` (``time.monotonic()``),
     calling ``waiting`` once when it begins to; None when a writer still held it then
-    (nothing deleted)."""
-    if not isinstance(directory, Storage) and not is_url(directory):
-        if not Path(directory).is_dir():
-            return 0  # no lease to take: taking it would make the directory
-        storage: Storage = open_storage(directory)
-    else:
-        storage = open_storage(directory, **storage_options)
+    (nothing deleted).
+
+    Before it deletes, it leaves a file ``coci-deleted-<token>`` there (the directory is made
+    for it when there is none), which stays: a manager made before it (the stopped run's,
+    which holds no lease before its first save) refuses to take the lease then, so that its
+    first save, late, does not write into the directory again (a manager made after it, a new
+    run in the directory, writes there as usual)."""
+    local = not isinstance(directory, Storage) and not is_url(directory)
+    storage = open_storage(directory, **({} if local else storage_options))
     told = False
     while True:
         try:
@@ -67,9 +70,26 @@ def delete_checkpoints_unwritten(
                 waiting()
             told = True
             time.sleep(0.05)  # the writer's process ends, or closes its manager
-    try:  # a local directory is removed whole; a store's, through the storage opened above
-        local = not isinstance(directory, Storage) and not is_url(directory)
-        return delete_checkpoints(directory if local else storage)
+    try:
+        mark = f"{DELETED_MARK}{uuid.uuid4().hex}"
+        storage.write_file(mark, [memoryview(b"deleted by a clean-up of a stopped run\n")])
+        count = 0
+        root = storage.local_root()
+        if root is not None:  # a local directory: its files too (not only directories)
+            for entry in Path(root).iterdir():
+                if entry.name in (mark, LEASE_NAME):
+                    continue
+                count += 1
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    entry.unlink(missing_ok=True)
+            return count
+        for name in storage.list_dir(""):
+            if name not in (mark, LEASE_NAME):
+                storage.remove_dir(name)
+                count += 1
+        return count
     finally:
-        with contextlib.suppress(Exception):  # its record went with the directory
+        with contextlib.suppress(Exception):
             lease.release()

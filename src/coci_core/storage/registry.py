@@ -107,6 +107,7 @@ def open_storage(target: str | os.PathLike[str] | Storage, **storage_options: An
         if not target:
             raise ConfigError("'directory' must be a non-empty path or URL: ''")
         if is_url(target):
+            check_url("directory", target)  # "://run" opened a local directory ":/run"
             factory = _factory(target.split("://", 1)[0].lower())
             return factory(target, **storage_options)
         return LocalStorage(target)
@@ -144,23 +145,37 @@ def _factory(scheme: str) -> StorageFactory:
 def check_url(name: str, url: str) -> None:
     """Refuse, naming the argument ``name``, a URL whose scheme no backend opens: neither
     registered, nor installed (entry point), nor known to fsspec with its package installed
-    (``gs://`` without ``gcsfs``, ``foo://``). Nothing is connected to: a bucket that does not
-    exist is found by the first save.
+    (``gs://`` without ``gcsfs``, ``foo://``), or that is malformed: a scheme that is none
+    (``://run``), no bucket or host (``s3://``, ``s3:///run``; ``file``, ``local`` and
+    ``memory`` need none). Nothing is connected to: a bucket that does not exist is found by
+    the first save.
 
     Raises:
         ConfigError: naming ``name``, the URL and why.
     """
+    target = url.rsplit("::", 1)[-1]  # fsspec's chained URLs: "simplecache::s3://bucket/run"
+    scheme, _, rest = target.partition("://")
+    if not re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*", scheme):
+        raise ConfigError(
+            f"{name!r} is not a usable URL: {url!r}: its scheme {scheme!r} is not a scheme "
+            "(a letter, then letters, digits, '+', '-' or '.': 's3://bucket/run')"
+        )
     head = url.split("://", 1)[0].lower()
     if "::" not in head and _factory(head) is not FsspecStorage:
         return
     import fsspec
 
     for part in url.split("::"):  # fsspec's chained URLs: "simplecache::s3://bucket/run"
-        scheme = part.split("://", 1)[0] if "://" in part else part
+        protocol = part.split("://", 1)[0] if "://" in part else part
         try:
-            fsspec.get_filesystem_class(scheme.lower())
+            fsspec.get_filesystem_class(protocol.lower())
         except (ValueError, ImportError) as e:
             raise ConfigError(f"{name!r} is not a usable fsspec URL: {url!r}: {e}") from e
+    if scheme.lower() not in ("file", "local", "memory") and not rest.split("/", 1)[0]:
+        raise ConfigError(
+            f"{name!r} is not a usable URL: {url!r}: it names no bucket or host after "
+            f"'{scheme}://' (e.g. '{scheme}://bucket/run')"
+        )
 
 
 def open_storage_named(name: str, target: Any, storage_options: Mapping[str, Any]) -> Storage:

@@ -43,7 +43,7 @@ from coci_core.knobs import LEASE_TTL_S
 from coci_core.storage import RecordStore, Storage
 from coci_core.storage.local import open_own_file
 
-__all__ = ["LEASE_NAME", "LEASE_TTL_S", "Lease", "acquire_lease"]
+__all__ = ["DELETED_MARK", "LEASE_NAME", "LEASE_TTL_S", "Lease", "acquire_lease", "deletion_marks"]
 
 #: the longest time to live a lease record may give itself (writers give ``LEASE_TTL_S``): a
 #: record that claims longer is not a writer's, so it cannot lock a directory for days
@@ -52,6 +52,19 @@ MAX_LEASE_TTL_S = 24 * 3600.0
 logger = logging.getLogger(__name__)
 
 LEASE_NAME = ".coci-owner"
+
+#: the name's start of the file a clean-up (``delete_checkpoints_unwritten``) leaves in the
+#: directory whose checkpoints it deleted, under its lease, before it deletes them: a manager
+#: made before it (a stopped run's, whose first save comes late) refuses to take the lease
+#: then, so that nothing of the stopped run is written there again. Not a ``.coci-`` name: a
+#: writer's clean-up of leftovers (``remove_uncommitted``) leaves it alone.
+DELETED_MARK = "coci-deleted-"
+
+
+def deletion_marks(names: list[str]) -> frozenset[str]:
+    """The clean-ups' marks among a directory's ``names``."""
+    return frozenset(n for n in names if n.startswith(DELETED_MARK))
+
 
 _HELD: dict[str, str] = {}
 # Re-entrant: a manager freed by the garbage collector inside acquire_lease releases its own.

@@ -86,6 +86,8 @@ class RemoteTier:
         self.upload_every = upload_every
         self._commits = 0
         self._newest_unsent: int | None = None
+        # the steps the period passed over (not uploaded), for a keep_also given after them
+        self._passed: set[int] = set()
         self.local = local
         self.remote = remote
         self.keep_last = keep_last
@@ -165,9 +167,36 @@ class RemoteTier:
         self._commits += 1
         if self._commits % self.upload_every and step not in self.also_keep:
             self._newest_unsent = step
+            with self._cond:
+                self._passed.add(step)
+                if len(self._passed) > 4096:  # a long run's: the oldest are retired locally
+                    self._passed.discard(min(self._passed))
             return
         self._newest_unsent = None
         self._enqueue(step)
+
+    def upload_kept(self) -> None:
+        """The steps of :attr:`also_keep` that the period passed over at their commit (a
+        ``keep_also`` given after it: the best step known after its save): uploaded when the
+        thread is free, after the one pending."""
+        if not self.writable:
+            return
+        with self._cond:
+            late = sorted(self._passed & self.also_keep, reverse=True)
+            if not late or self._stopping:
+                return
+            for step in late:
+                if self._pending is None:
+                    self._pending = step
+                elif self._kept_pending is None:
+                    self._kept_pending = step
+                else:
+                    continue  # one more slot: given again by a later keep_also
+                self._passed.discard(step)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="coci-upload", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
 
     def _enqueue(self, step: int) -> None:
         with self._cond:
