@@ -9,6 +9,7 @@ fixtures are in :mod:`tests.docs_blocks`.
 
 from __future__ import annotations
 
+import os
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +22,15 @@ ROOT = Path(__file__).resolve().parent
 DOCUMENTS = (ROOT / "README.md", ROOT / "docs")
 
 pytest_plugins = ["tests.docs_blocks"]
+
+# Every connection to torch's TCPStore (a rank's init_process_group, a manager's pulse and
+# watch clones) names its peer with getnameinfo; ::ffff:127.0.0.1 is not in /etc/hosts, so
+# glibc asks DNS for its PTR record. Where the DNS server drops a query now and then (about 1
+# in 40 in the CI sandbox), that connection waited glibc's 5 s timeout before it retried: 5 s
+# stalls at random in every multi-rank test (25 s of the rank agreement test's 55 s). A lost
+# answer is retried after 1 s instead, in pytest and in every child it starts; a value already
+# set is kept.
+os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:4")
 
 
 @pytest.fixture(autouse=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness.processes import ROOT, Child, child_env, module, run
+from tests.harness.processes import ROOT, Child, child_env, module, rank_env, run
 from tests.harness.results import result_rows
 
 CHILD = "tests._harness_child"
@@ -123,3 +123,10 @@ def test_ranks_runs_the_processes_of_a_run_and_one_that_fails_ends_it() -> None:
 def test_the_root_is_the_default_directory() -> None:
     got = _result(run(module(CHILD, "report"), input="").stdout)
     assert got["cwd"] == str(ROOT)
+
+
+def test_a_lost_dns_answer_is_retried_after_1_s_in_pytest_and_its_ranks() -> None:
+    """Each TCPStore connection asks DNS for ::ffff:127.0.0.1's name (see conftest.py): a lost
+    answer cost glibc's default 5 s, at random, in every multi-rank test."""
+    assert "timeout:1" in os.environ["RES_OPTIONS"].split()
+    assert rank_env(1, 2, 29500)["RES_OPTIONS"] == os.environ["RES_OPTIONS"]
