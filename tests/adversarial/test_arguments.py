@@ -62,7 +62,7 @@ def test_a_preemption_lead_time_beyond_a_day_is_refused(lead: float) -> None:
     assert plan_save_step(7, 1e308, 1e-300, 1.0, 3.0) == 7
 
 
-@pytest.mark.parametrize("spec", ["TERM@-5", "USR1@0", "aws@notaurl"])
+@pytest.mark.parametrize("spec", ["TERM@-5", "USR1@0", "aws@notaurl", "aws@", "gce@ "])
 def test_a_preemption_source_with_a_bad_argument_names_the_option(spec: str) -> None:
     """``preemption="TERM@-5"`` said "the lead time of SIGTERM must be ..." naming no argument
     (``"TERM@abc"`` named ``'preemption'``): each names the option and the source given."""

@@ -122,6 +122,22 @@ def test_the_azure_poller_reads_a_preempt_scheduled_event() -> None:
         assert 23 < _poll(source) <= 25
 
 
+def test_an_azure_not_before_without_a_zone_is_utc(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``NotBefore`` that names no time zone was read as this machine's local time (hours
+    off where it is not UTC): it is UTC, as Azure's times are."""
+    monkeypatch.setenv("TZ", "Etc/GMT+5")  # local time 5 hours behind UTC
+    time.tzset()
+    try:
+        with MetadataServer() as server:
+            source = AzureNotice(server.url, interval_s=0.05)
+            not_before = time.strftime("%a, %d %b %Y %H:%M:%S", time.gmtime(time.time() + 20))
+            server.azure_events = [{"EventType": "Preempt", "NotBefore": not_before}]
+            assert 18 < _poll(source) <= 20
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+
+
 @pytest.mark.parametrize("ahead_s", [365 * 86400.0, 600.0], ids=["a-year", "ten-minutes"])
 def test_a_stated_end_past_the_clouds_notice_period_is_taken_as_that_period(
     ahead_s: float, caplog: pytest.LogCaptureFixture

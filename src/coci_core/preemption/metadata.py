@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import calendar
 import contextlib
+import datetime
 import email.utils
 import http.client
 import json
@@ -367,6 +368,8 @@ class AzureNotice(MetadataPoller):
         now = time.monotonic()
         not_before = event.get("NotBefore") or ""
         parsed = email.utils.parsedate_to_datetime(not_before) if not_before else None
+        if parsed is not None and parsed.tzinfo is None:  # no zone given: UTC, as Azure's
+            parsed = parsed.replace(tzinfo=datetime.timezone.utc)  # are (not local time)
         if parsed is not None:
             deadline, said, known = _stated_end(
                 "azure", not_before, parsed.timestamp(), now, self.notice_s

@@ -70,6 +70,11 @@ def notice_source(spec: str) -> NoticeSource:
             f"unknown preemption notice source {spec!r}: the sources are "
             f"{', '.join(notice_source_names())} (as 'name' or 'name@argument'), or 'auto'"
         )
+    if "@" in spec and not argument.strip():  # "aws@": the default endpoint was taken
+        raise ConfigError(
+            f"'preemption' source {spec!r}: nothing after '@': give its argument "
+            f"('{name.strip()}@<argument>') or the name alone ('{name.strip()}')"
+        )
     try:
         return factory(argument.strip() if "@" in spec else None)
     except ConfigError as e:
