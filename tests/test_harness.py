@@ -130,3 +130,40 @@ def test_a_lost_dns_answer_is_retried_after_1_s_in_pytest_and_its_ranks() -> Non
     answer cost glibc's default 5 s, at random, in every multi-rank test."""
     assert "timeout:1" in os.environ["RES_OPTIONS"].split()
     assert rank_env(1, 2, 29500)["RES_OPTIONS"] == os.environ["RES_OPTIONS"]
+
+
+def test_an_s3_server_whose_port_was_taken_meanwhile_is_started_on_others(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A port chosen free and taken before weed binds it (by another process, or by weed's
+    own outgoing connections) made weed exit with "address already in use", and the test
+    that wanted the server errored (seen once in CI): the server is started again on other
+    ports."""
+    import socket
+
+    from tests.harness import s3
+
+    taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    chosen = s3._free_ports
+    calls: list[list[int]] = []
+
+    def first_with_a_taken_port(n: int) -> list[int]:
+        ports = chosen(n)
+        if not calls:
+            ports[4] = taken.getsockname()[1]  # the filer's, as in CI
+        calls.append(ports)
+        return ports
+
+    monkeypatch.setattr(s3, "_free_ports", first_with_a_taken_port)
+    try:
+        server = s3.start_s3_server(tmp_path / "seaweedfs")
+    finally:
+        taken.close()
+    try:
+        assert len(calls) == 2
+        assert "address already in use" in (tmp_path / "seaweedfs" / "weed-0.log").read_text()
+        assert s3._answers(server.endpoint)
+    finally:
+        server.stop()

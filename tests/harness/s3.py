@@ -160,6 +160,9 @@ def _answers(endpoint: str) -> bool:
         client.close()
 
 
+_BIND_ATTEMPTS = 3
+
+
 def start_s3_server(workdir: Path, *, max_volumes: int = 16) -> S3Server:
     """Start SeaweedFS (master, volume, filer, S3 gateway in one process) under ``workdir``,
     with room for ``max_volumes`` volumes of 64 MB (a benchmark writing GBs needs more)."""
@@ -182,6 +185,29 @@ def start_s3_server(workdir: Path, *, max_volumes: int = 16) -> S3Server:
             }
         )
     )
+    # The ports are free when chosen, but another process (or weed's own outgoing
+    # connections, from the same ephemeral range) may take one before weed binds it: weed then
+    # exits with "address already in use" (seen once in CI). Started again on other ports.
+    for attempt in range(_BIND_ATTEMPTS):
+        server = _start_on_free_ports(weed, workdir, data, config, max_volumes)
+        try:
+            _wait_until_ready(server, make_bucket=True)
+        except BaseException as e:
+            server.stop()
+            clash = "address already in use" in server.log_tail(20_000)
+            if not (isinstance(e, RuntimeError) and clash) or attempt == _BIND_ATTEMPTS - 1:
+                raise
+            server.log_path.rename(workdir / f"weed-{attempt}.log")  # kept, for a look
+            shutil.rmtree(data)
+            data.mkdir()
+            continue
+        return server
+    raise AssertionError("unreachable")
+
+
+def _start_on_free_ports(
+    weed: str, workdir: Path, data: Path, config: Path, max_volumes: int
+) -> S3Server:
     (master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc) = _free_ports(8)
     args = [
         weed,
@@ -211,13 +237,7 @@ def start_s3_server(workdir: Path, *, max_volumes: int = 16) -> S3Server:
     ]
     log_path = workdir / "weed.log"
     process = _launch(args, workdir, log_path)
-    server = S3Server(f"http://127.0.0.1:{s3}", process, workdir, log_path, args=args)
-    try:
-        _wait_until_ready(server, make_bucket=True)
-    except BaseException:
-        server.stop()
-        raise
-    return server
+    return S3Server(f"http://127.0.0.1:{s3}", process, workdir, log_path, args=args)
 
 
 def _launch(args: list[str], workdir: Path, log_path: Path) -> subprocess.Popen[bytes]:
