@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -476,3 +476,31 @@ def test_an_adapters_url_no_backend_opens_is_refused_when_made_naming_it(
             make(**{name: malformed})  # accepted, then failed (or wrote elsewhere) at training
     for url in ("simplecache::memory://b/x", "s3://b/x", "file:///b/x", "memory://", "http://h/x"):
         assert check_url(name, url) is None
+    with pytest.raises(ConfigError, match=rf"^'{name}' is not a usable URL: 'http:///x'"):
+        check_url(name, "http:///x")
+
+
+def test_a_url_of_a_scheme_that_needs_no_host_is_taken_without_one(tmp_path: Path) -> None:
+    """``hdfs:///run`` (the default name node) was refused as naming no bucket or host: only
+    object stores and network protocols need one; a filesystem registered with fsspec whose
+    URLs leave the host out is taken, and a manager saves and restores through it."""
+    import fsspec
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    class NoHostFileSystem(MemoryFileSystem):
+        protocol = ("cocinohost",)
+        store: ClassVar[dict[str, Any]] = {}
+        pseudo_dirs: ClassVar[list[str]] = [""]
+
+    fsspec.register_implementation("cocinohost", NoHostFileSystem, clobber=True)
+    assert check_url("dirpath", "cocinohost:///run") is None
+    with pytest.raises(ConfigError, match=r"^'dirpath' is not a usable URL: 's3:///run'"):
+        check_url("dirpath", "s3:///run")
+    m = CheckpointManager("cocinohost:///run", keep_last=2)
+    try:
+        m.save(3, {"w": torch.arange(4.0)})
+        m.wait()
+        assert torch.equal(m.restore()["w"], torch.arange(4.0))
+        assert m.last_restore is not None and m.last_restore.step == 3
+    finally:
+        m.close()

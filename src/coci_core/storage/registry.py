@@ -142,13 +142,40 @@ def _factory(scheme: str) -> StorageFactory:
     return _FACTORIES[scheme]
 
 
+# Schemes whose URL means nothing without a bucket (object stores) or a host (network
+# protocols); others (``file``, ``memory``, ``hdfs``: its default name node) may leave it out.
+_NEEDS_BUCKET_OR_HOST = frozenset(
+    [
+        "s3",
+        "s3a",
+        "gs",
+        "gcs",
+        "az",
+        "abfs",
+        "abfss",
+        "adl",
+        "oss",
+        "r2",
+        "b2",
+        "http",
+        "https",
+        "ftp",
+        "sftp",
+        "ssh",
+        "smb",
+        "webhdfs",
+    ]
+)
+
+
 def check_url(name: str, url: str) -> None:
     """Refuse, naming the argument ``name``, a URL whose scheme no backend opens: neither
     registered, nor installed (entry point), nor known to fsspec with its package installed
     (``gs://`` without ``gcsfs``, ``foo://``), or that is malformed: a scheme that is none
-    (``://run``), no bucket or host (``s3://``, ``s3:///run``; ``file``, ``local`` and
-    ``memory`` need none). Nothing is connected to: a bucket that does not exist is found by
-    the first save.
+    (``://run``), no bucket or host where the scheme needs one (``s3://``, ``s3:///run``: the
+    object stores and the network protocols; ``hdfs:///run`` names the default name node,
+    ``file:///run`` the local disk). Nothing is connected to: a bucket that does not exist is
+    found by the first save.
 
     Raises:
         ConfigError: naming ``name``, the URL and why.
@@ -171,7 +198,7 @@ def check_url(name: str, url: str) -> None:
             fsspec.get_filesystem_class(protocol.lower())
         except (ValueError, ImportError) as e:
             raise ConfigError(f"{name!r} is not a usable fsspec URL: {url!r}: {e}") from e
-    if scheme.lower() not in ("file", "local", "memory") and not rest.split("/", 1)[0]:
+    if scheme.lower() in _NEEDS_BUCKET_OR_HOST and not rest.split("/", 1)[0]:
         raise ConfigError(
             f"{name!r} is not a usable URL: {url!r}: it names no bucket or host after "
             f"'{scheme}://' (e.g. '{scheme}://bucket/run')"
