@@ -150,6 +150,45 @@ def test_a_rank_blocked_in_the_jobs_store_still_gives_signs_of_life() -> None:
     assert "SILENT []" in proc.stdout, proc.stdout
 
 
+_CONNECTIONS = """
+import sys
+import psutil
+import torch.distributed as dist
+from coci_core.engine.agreement import RestoreAgreement
+from coci_core.engine.group import RankGroup
+from coci_core.engine.pulse import Pulse, Watch, restore_watched
+
+port = int(sys.argv[1])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+
+def to_store():
+    return sum(
+        1 for c in psutil.Process().net_connections("tcp") if c.raddr and c.raddr.port == port
+    )
+
+before = to_store()
+pulses = [Pulse.start(RankGroup(0, 2, name)) for name in ("first", "second", "third")]
+watches = [Watch.of(RankGroup(0, 2, name)) for name in ("first", "second")]
+with restore_watched(RestoreAgreement.for_job()):
+    during = to_store()
+print("CONNECTIONS", before, during, flush=True)
+for p in pulses:
+    p.stop()
+dist.destroy_process_group()
+"""
+
+
+def test_the_pulses_and_watches_of_a_process_share_one_connection_to_the_store() -> None:
+    """Three managers' pulses, two watches and a restore's beats of one process: one
+    connection of their own to the job's store between them (before: one per pulse and one
+    for the watches, each a socket on rank 0's store and a DNS lookup that can stall)."""
+    proc = run(script(_CONNECTIONS, str(free_port())), timeout_s=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("CONNECTIONS"))
+    before, during = map(int, line.split()[1:])
+    assert before >= 1 and during == before + 1, proc.stdout
+
+
 class _Counted:
     """A store that counts the calls made of it."""
 

@@ -56,18 +56,21 @@ def _own_connection(store: Any) -> Any:
     return made[0] if made else store
 
 
-_watch_connections: dict[int, tuple[Any, Any]] = {}  # id(job store) -> (it, its clone)
-_watch_lock = threading.Lock()
+_side_connections: dict[int, tuple[Any, Any]] = {}  # id(job store) -> (it, its clone)
+_side_lock = threading.Lock()
 
 
-def _watch_connection(store: Any) -> Any:
-    """One connection of its own per job store for the watches (made once, not per save)."""
-    with _watch_lock:
-        held = _watch_connections.get(id(store))
+def _side_connection(store: Any) -> Any:
+    """The process's one connection of its own to the job's ``store``, made once and shared
+    by every pulse and watch of the process (their calls never block: ``add``, ``check``,
+    ``multi_get`` of keys that exist). One per manager or restore before: a rank opened a
+    connection to rank 0's store for each, each a DNS lookup and a socket on the host."""
+    with _side_lock:
+        held = _side_connections.get(id(store))
         if held is None or held[0] is not store:
             held = (store, _own_connection(store))
             if held[1] is not store:  # a clone that timed out is tried again next time
-                _watch_connections[id(store)] = held
+                _side_connections[id(store)] = held
         return held[1]
 
 
@@ -93,9 +96,8 @@ class Pulse:
         store = job_store()
         if store is None:
             return None
-        _watch_connection(store)  # made while the ranks are alive, not when one is gone
         try:
-            return cls(_own_connection(store), _key(group.session, group.rank))
+            return cls(_side_connection(store), _key(group.session, group.rank))
         except RuntimeError as e:  # the store does not answer: the others wait the timeout
             logger.info("coci: no sign of life through the job's store: %s", e)
             return None
@@ -144,7 +146,7 @@ class Watch:
         store = job_store()
         if store is None:
             return None
-        return cls(_watch_connection(store), group.session, RANK_SILENT_S)
+        return cls(_side_connection(store), group.session, RANK_SILENT_S)
 
     def silent(self, ranks: list[int]) -> list[int]:
         """Those of ``ranks`` seen alive whose counter has not moved for ``silent_s``; all of
@@ -244,11 +246,11 @@ def restore_watched(agreement: RestoreAgreement | None) -> Iterator[Carry]:
         if carried is not None:
             session, pulse = carried  # beating since the agreement before, on every rank
             if not pulse.end_by(None):  # it outlived CARRY_S: beat again, under its key
-                pulse = Pulse(_own_connection(agreement.store), _key(session, agreement.rank))
+                pulse = Pulse(_side_connection(agreement.store), _key(session, agreement.rank))
         else:
             session = f"restore/{agreement.instance}"
-            pulse = Pulse(_own_connection(agreement.store), _key(session, agreement.rank))
-        agreement.watch = Watch(_watch_connection(agreement.store), session, RANK_SILENT_S)
+            pulse = Pulse(_side_connection(agreement.store), _key(session, agreement.rank))
+        agreement.watch = Watch(_side_connection(agreement.store), session, RANK_SILENT_S)
     except RuntimeError as e:  # the store does not answer: the agreement says so
         logger.info("coci: no sign of life through the job's store: %s", e)
     done = False
