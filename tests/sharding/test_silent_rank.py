@@ -107,6 +107,54 @@ def test_a_rank_killed_before_the_first_saves_check_fails_it_once_silent(tmp_pat
     assert CheckpointManager(tmp_path).steps() == []
 
 
+_JOB_TIMEOUT = """
+import sys, time
+from datetime import timedelta
+import torch.distributed as dist
+from coci_core.engine.agreement import RestoreAgreement
+
+timeout_s = float(sys.argv[1])
+dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+agreement = RestoreAgreement.for_job()
+print("TIMEOUT", agreement.timeout_s, flush=True)
+if dist.get_rank() == 1 and sys.argv[2] == "never":
+    sys.stdin.read()  # never comes to the restore: held here until the test ends
+else:
+    began = time.monotonic()
+    try:
+        agreement.exchange({"found": [1, 0.0, 3, "run"]})
+        print("AGREED", flush=True)
+    except Exception as e:
+        print("ERROR", round(time.monotonic() - began, 1), e, flush=True)
+"""
+
+
+@pytest.mark.parametrize(("timeout_s", "rank_1"), [(4.0, "never"), (7200.0, "comes")])
+def test_a_restores_agreement_waits_for_a_rank_that_never_came_the_jobs_timeout(
+    timeout_s: float, rank_1: str
+) -> None:
+    """A rank that never reaches the restore (killed before its first sign of life, or stuck)
+    was waited for 30 min whatever the job's timeout: the agreement now waits the timeout
+    given to ``init_process_group`` (4 s here: the survivor's error after about 4 s, not
+    1800), and a job that gave its collectives 2 h (a rank preprocessing long) is given as
+    long before coci calls a late rank missing."""
+    port = free_port()
+    with Child(
+        script(_JOB_TIMEOUT, str(timeout_s), rank_1), env=rank_env(1, 2, port), stdout="pipe"
+    ) as late:
+        rank0 = run(script(_JOB_TIMEOUT, str(timeout_s), rank_1), env=rank_env(0, 2, port))
+        assert rank0.returncode == 0, rank0.stderr[-2000:]
+        assert f"TIMEOUT {timeout_s}" in rank0.stdout, rank0.stdout
+        if rank_1 == "never":
+            said = next(x for x in rank0.stdout.splitlines() if x.startswith("ERROR"))
+            seconds = float(said.split()[1])
+            assert timeout_s <= seconds < 30, said
+            assert "rank(s) [1] did not say within 4 s" in said, said
+        else:
+            assert "AGREED" in rank0.stdout, rank0.stdout
+            assert any(line.startswith("AGREED") for line in late.lines()), "rank 1"
+
+
 _BLOCKED_CLIENT = """
 import sys, threading, time
 from datetime import timedelta

@@ -5,8 +5,9 @@ through the job's key-value store, which step each found intact. The oldest of t
 proposed to all; a rank for which it is damaged goes on to older steps, and the ranks tell each
 other again, until all hold the same step or one has none left, and then all raise the same
 error. The store, not a collective: a rank that fails says so and the others raise with it, and
-a rank that died is waited for only ``RESTORE_AGREE_TIMEOUT_S`` (a collective would hang until
-the process group's timeout, or for ever); with a watch of the ranks' signs of life (a
+a rank that never came is waited for the job's own timeout (``init_process_group``'s
+``timeout``, which its store keeps; ``RESTORE_AGREE_TIMEOUT_S`` where none is known), as a
+collective of the job would wait for it; with a watch of the ranks' signs of life (a
 manager's restore: see :mod:`~coci_core.engine.pulse`), only until it has gone silent for
 ``RANK_SILENT_S``.
 
@@ -36,7 +37,14 @@ from coci_core.errors import (
 )
 from coci_core.knobs import PULSE_S, RESTORE_AGREE_TIMEOUT_S
 
-__all__ = ["RestoreAgreement", "agreed_error", "asked_apart", "job_store", "store_gone"]
+__all__ = [
+    "RestoreAgreement",
+    "agreed_error",
+    "asked_apart",
+    "job_store",
+    "job_timeout_s",
+    "store_gone",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +107,7 @@ class RestoreAgreement:
         cls,
         group: RankGroup | None,
         *,
-        timeout_s: float = RESTORE_AGREE_TIMEOUT_S,
+        timeout_s: float | None = None,
         topic: str = "",
         watch: Any = None,
     ) -> RestoreAgreement | None:
@@ -107,19 +115,21 @@ class RestoreAgreement:
         nothing to agree on (one rank) or no store to agree through (``torch.distributed`` not
         initialized: ranks made by hand in one process restore each on its own). ``topic``:
         exchanges apart from the restores' (their own count of rounds); ``watch``: see the
-        class."""
+        class; ``timeout_s``: by default the job's (:func:`job_timeout_s`)."""
         if group is None or group.world_size == 1:
             return None
         store = job_store()
         if store is None:
             return None
         name = f"{group.session}{topic}"
+        timeout_s = job_timeout_s(store) if timeout_s is None else timeout_s
         return cls(store, group.rank, group.world_size, name=name, timeout_s=timeout_s, watch=watch)
 
     @classmethod
-    def for_job(cls, *, timeout_s: float = RESTORE_AGREE_TIMEOUT_S) -> RestoreAgreement | None:
+    def for_job(cls, *, timeout_s: float | None = None) -> RestoreAgreement | None:
         """The agreement of every process of the initialized ``torch.distributed`` job (for a
-        framework whose every rank loads a checkpoint by path); None with one process."""
+        framework whose every rank loads a checkpoint by path); None with one process.
+        ``timeout_s``: by default the job's (:func:`job_timeout_s`)."""
         store = job_store()
         if store is None:
             return None
@@ -128,6 +138,7 @@ class RestoreAgreement:
         world = dist.get_world_size()
         if world == 1:
             return None
+        timeout_s = job_timeout_s(store) if timeout_s is None else timeout_s
         return cls(store, dist.get_rank(), world, timeout_s=timeout_s)
 
     def exchange(self, report: dict[str, Any]) -> list[dict[str, Any]]:
@@ -235,6 +246,18 @@ class RestoreAgreement:
                     raise RuntimeError(f"rank(s) {unread} went silent")
         except RuntimeError as e:  # every report is in hand: nothing to raise for
             logger.warning("coci: a rank did not read the ranks' restore reports (%s)", e)
+
+
+def job_timeout_s(store: Any) -> float:
+    """How long the job's collectives wait for a rank: the ``timeout`` given to
+    ``init_process_group`` (Lightning's ``DDPStrategy(timeout=...)``, Accelerate's
+    ``InitProcessGroupKwargs``, the ``Trainer``'s ``ddp_timeout``), which the job's store
+    keeps; ``RESTORE_AGREE_TIMEOUT_S`` where the store tells none."""
+    try:
+        seconds = float(store.timeout.total_seconds())
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        return RESTORE_AGREE_TIMEOUT_S
+    return seconds if 0 < seconds < float("inf") else RESTORE_AGREE_TIMEOUT_S
 
 
 def store_gone(e: BaseException) -> CheckpointError:

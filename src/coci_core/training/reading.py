@@ -9,7 +9,13 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from coci_core.engine.agreement import RestoreAgreement, agreed_error, error_report, job_store
+from coci_core.engine.agreement import (
+    RestoreAgreement,
+    agreed_error,
+    error_report,
+    job_store,
+    job_timeout_s,
+)
 from coci_core.engine.format.manifest import MANIFEST_NAME, parse_step_version, step_dir_name
 from coci_core.engine.format.torch_saved import check_saved_pickle, load_weights_only
 from coci_core.engine.pulse import restore_watched
@@ -217,7 +223,9 @@ def ranks_read_alike(
     world = dist.get_world_size()
     if world == 1:
         return
-    agreement = RestoreAgreement(store, dist.get_rank(), world, name="alike")
+    agreement = RestoreAgreement(
+        store, dist.get_rank(), world, name="alike", timeout_s=job_timeout_s(store)
+    )
     report: dict[str, Any] = {"found": source, "name": name}
     if source is None:
         report = {**error_report(why_not or CociError("it reads no coci checkpoint")), "name": name}
