@@ -398,3 +398,28 @@ def test_close_gives_up_on_a_remote_that_keeps_failing_and_names_the_steps(
     ), errors
     assert _steps(tmp_path / "local") == [1, 2]
     assert _steps(tmp_path / "remote") == []
+
+
+def test_close_names_the_steps_a_remote_owned_by_another_writer_never_got(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two managers of one process given one remote tier (two runs of a sweep with the same
+    remote): the second is refused the remote at its first save (a warning), and its close()
+    names in one error line the steps that stay on its local disk alone (before: nothing was
+    said at the end, as if every step had reached the remote)."""
+    remote = tmp_path / "remote"
+    with CheckpointManager(tmp_path / "a", remote=remote) as first:
+        first.save(1, _state(1)).wait()
+        second = CheckpointManager(tmp_path / "b", remote=remote, keep_last=None)
+        for step in (2, 3):
+            second.save(step, _state(step)).wait()
+        assert second.remote is not None and not second.remote.writable
+        caplog.set_level(logging.ERROR, logger="coci_core")
+        second.close()
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert any(
+        "step(s) 2, 3 were not uploaded" in m and str(remote) in m and "close() it first" in m
+        for m in errors
+    ), errors
+    assert _steps(tmp_path / "b") == [2, 3]
+    assert _steps(remote) == [1]

@@ -286,6 +286,31 @@ def test_a_writer_killed_on_this_machine_does_not_hold_the_prefix(
         assert mgr.steps() == [1, 2]
 
 
+@pytest.mark.parametrize("pid", ["2**70", "Infinity"])
+def test_a_live_owner_record_of_this_machine_with_no_pid_refuses_the_writer(
+    s3_server: S3Server, s3_prefix: str, pid: str
+) -> None:
+    """A live owner record naming this machine and a PID no process can have (forged) was a
+    raw OverflowError out of the save ("Python int too large to convert to C long"): the
+    writer is refused as by any live record, and the record is left as it was."""
+    url = f"s3://{s3_prefix}/run"
+    fs = s3_server.filesystem()
+    forged = (
+        json.dumps(
+            {"host": "x", "session": "s", "since": 0.0, "renewed": time.time(), "ttl": 600}
+            | {"machine": lease_module._machine()}
+        )[:-1]
+        + f', "pid": {2**70 if pid == "2**70" else pid}}}'
+    )
+    fs.pipe_file(f"{s3_prefix}/run/{LEASE_NAME}", forged.encode())
+    with (
+        CheckpointManager(url, storage_options=s3_server.storage_options) as mgr,
+        pytest.raises(DirectoryInUseError, match="another coci writer"),
+    ):
+        mgr.save(1, {"w": torch.ones(3)})
+    assert fs.cat_file(f"{s3_prefix}/run/{LEASE_NAME}") == forged.encode()
+
+
 def _poll(condition: Any, timeout_s: float = 20.0) -> None:
     """Wait until ``condition()`` holds (checked every 20 ms), or fail after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s

@@ -61,6 +61,30 @@ def test_two_runs_one_after_the_other_are_reported_apart(tmp_path: Path) -> None
     assert [s["step"] for s in shown["saves"] if s.get("outcome") == "committed"] == [4, 8]
 
 
+def test_a_directory_of_many_runs_lists_the_ten_newest_earlier_ones(tmp_path: Path) -> None:
+    """A directory a job starts anew in again and again (a nightly run): the report and the
+    tab list the 10 newest earlier runs and count the older ones, so what they say stays the
+    same length however many runs came before (before: a line for every earlier run, above
+    the report; 200,000 runs printed 14 MB and put it all into the tab's note)."""
+    for _ in range(13):
+        _session(tmp_path, JsonlTelemetry(tmp_path / "telemetry.jsonl"))
+    runs = list(dict.fromkeys(r["run_id"] for r in read_jsonl(tmp_path / "telemetry.jsonl")))
+    assert len(runs) == 13
+    text = _report(tmp_path)
+    listed = [line for line in text.splitlines() if line.startswith("  run ")]
+    assert [line.split(":")[0] for line in listed] == [f"  run {run}" for run in runs[2:12]]
+    assert text.startswith(
+        "this directory's telemetry holds 13 runs, one after the other: this report is of the "
+        f"latest, run {runs[12]}; the earlier ones:\n  (2 older runs not listed)\n"
+        f"  run {runs[2]}: 8 steps, 2 checkpoints committed at steps [4, 8]\n"
+    ), text
+    shown = timeline(str(tmp_path))
+    assert shown["earlier_runs"] == 12
+    assert "(2 older runs not listed)" in shown["earlier_note"]
+    note = shown["earlier_note"]
+    assert f"run {runs[1]}" not in note and f"run {runs[2]}" in note
+
+
 def test_a_resumed_run_is_one_run(tmp_path: Path) -> None:
     """A session that restores goes on with the run (its id kept through the progress file);
     so does one that starts over (no checkpoint restored) after a session that was killed."""

@@ -492,14 +492,23 @@ def render(
     return "\n".join(lines)
 
 
+#: the earlier runs ``coci report`` and the TensorBoard tab list, the newest ones
+EARLIER_RUNS_LISTED = 10
+
+
 def earlier_runs_lines(summary: RunSummary) -> list[str]:
-    """The runs written there before the one reported, a line each ([] for none)."""
+    """The runs written there before the one reported, a line each ([] for none): the
+    ``EARLIER_RUNS_LISTED`` newest, and how many older ones are not listed."""
     runs = [*summary.earlier_runs, summary]
     names = [f"run {r.run_id}" if r.run_id else "a run (no run id recorded)" for r in runs]
     lines = [
         f"this directory's telemetry holds {len(runs)} runs, one after the other: this report "
         f"is of the latest, {names[-1]}; the earlier ones:"
     ]
+    older = len(summary.earlier_runs) - EARLIER_RUNS_LISTED
+    if older > 0:
+        lines.append(f"  ({plural(older, 'older run')} not listed)")
+        runs, names = runs[older:], names[older:]
     for run, name in zip(runs[:-1], names, strict=False):
         steps = [s["step"] for s in run.committed]
         lines.append(

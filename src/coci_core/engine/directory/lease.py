@@ -413,9 +413,10 @@ def _died_here(record: Any) -> bool:
         if not record["machine"] or record["machine"] != _machine():
             return False
         pid = int(record["pid"])
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, OverflowError):
         return False
-    if pid == os.getpid():
+    # no process has a PID outside (0, 2**22] (Linux's pid_max); 0 and -1 would ask a group
+    if not 0 < pid <= 1 << 22 or pid == os.getpid():
         return False
     try:
         os.kill(pid, 0)

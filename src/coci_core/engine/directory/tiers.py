@@ -163,6 +163,11 @@ class RemoteTier:
         a step in :attr:`also_keep` whatever the period) when the thread is free; a step
         submitted before the previous one started replaces it."""
         if not self.writable:
+            if self._group.is_coordinator:  # refused: close() names what never went there
+                with self._cond:
+                    if step in self._not_uploaded:
+                        self._not_uploaded.remove(step)
+                    self._not_uploaded.append(step)
             return
         self._commits += 1
         if self._commits % self.upload_every and step not in self.also_keep:
