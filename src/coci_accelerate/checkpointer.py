@@ -114,7 +114,7 @@ class CociCheckpointer:
             raise ConfigError(
                 f"'accelerator' must be an Accelerator, got {type(accelerator).__name__}"
             )
-        planner_options, self._total_source = _total_steps(
+        planner_options, self._total_source, self._epoch_hint = _total_steps(
             accelerator, total_steps, num_epochs, policy, planner_options
         )
         total = planner_options.get("total_steps") if isinstance(planner_options, Mapping) else 0
@@ -165,7 +165,7 @@ class CociCheckpointer:
                 "coci: a run resumed mid-epoch sees each remaining sample exactly once only with "
                 "Accelerator(dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))"
                 " and either use_stateful_dataloader=True (needs torchdata) or "
-                "accelerator.skip_first_batches(dataloader, ckpt.resume() % len(dataloader)); "
+                f"accelerator.skip_first_batches(dataloader, {_skip_expression(accelerator)}); "
                 "with this configuration the resumed epoch may repeat or skip samples",
                 UserWarning,
                 stacklevel=2,
@@ -225,11 +225,20 @@ class CociCheckpointer:
             _state.own_loader_generators(self.accelerator)
         count = self._count
         if step is not None and (type(step) is not int or step != count):
+            gas = self.accelerator.gradient_accumulation_steps
             raise ConfigError(
                 f"ckpt.step({step!r}): coci labels a step with the number of optimizer steps "
                 f"completed so far, {count} here: count overall_step += 1 after "
                 "optimizer.step() (as Accelerate's checkpointing example does) and pass that, "
                 "or call ckpt.step() with no argument; ckpt.resume() returns that count"
+                + (
+                    f". With gradient_accumulation_steps={gas}, optimizer.step() completes an "
+                    "optimizer step only once every that many batches, when "
+                    "accelerator.sync_gradients is True: count then "
+                    "(if accelerator.sync_gradients: overall_step += 1), not every batch"
+                    if gas > 1
+                    else ""
+                )
             )
         if count == 0 or count == self._observed:
             return None  # no optimizer step since the last call (accumulating gradients)
@@ -238,10 +247,11 @@ class CociCheckpointer:
             logger.warning(
                 "coci: step %d is past the run's %d total steps (%s): a resumed loop over "
                 "epochs that starts again at epoch 0 trains again what the checkpoint holds; "
-                "start it at ckpt.resume() // len(dataloader)",
+                "start it at %s",
                 count,
                 self._total,
                 self._total_source,
+                self._epoch_hint,
             )
         announce = not self._announced
         self._announced = True
@@ -512,22 +522,32 @@ def _total_steps(
     num_epochs: int | None,
     policy: str | SavePolicy,
     planner_options: Mapping[str, Any] | None,
-) -> tuple[Mapping[str, Any], str]:
+) -> tuple[Mapping[str, Any], str, str]:
     """The planner options with ``total_steps`` (and the epoch policy's ``steps_per_epoch``),
-    and where the total comes from."""
+    where the total comes from, and the expression of the epoch to start a resumed loop at."""
     if planner_options is not None and not isinstance(planner_options, Mapping):
-        return planner_options, ""  # CheckpointOptions.check says what is wrong with it
+        return planner_options, "", ""  # CheckpointOptions.check says what is wrong with it
     options = dict(planner_options or {})
     for name, value in (("total_steps", total_steps), ("num_epochs", num_epochs)):
         if value is not None and (type(value) is not int or value < 1):
             raise ConfigError(f"'{name}' must be an integer >= 1 or None: {value!r}")
     if total_steps is not None and num_epochs is not None:
         raise ConfigError("give 'total_steps' or 'num_epochs', not both")
-    per_epoch = None
+    gas = max(1, int(accelerator.gradient_accumulation_steps))
+    per_epoch = batches = None
     for loader in accelerator._dataloaders:  # private: see _state.py
         with contextlib.suppress(TypeError):
-            per_epoch = math.ceil(len(loader) / accelerator.gradient_accumulation_steps)
+            batches = len(loader)
+            per_epoch = math.ceil(batches / gas)  # optimizer steps (the last one syncs)
             break
+    # an epoch in optimizer steps, in words: len(dataloader) counts batches, and with gradient
+    # accumulation an optimizer step takes several of them
+    epoch = (
+        "len(dataloader)"
+        if gas == 1 or per_epoch is None
+        else f"{per_epoch} (optimizer steps per epoch: len(dataloader) {batches} with "
+        f"gradient_accumulation_steps {gas})"
+    )
     source = "given as planner_options['total_steps']"
     if total_steps is not None:
         options["total_steps"] = total_steps
@@ -539,10 +559,26 @@ def _total_steps(
                 "CociCheckpointer after accelerator.prepare(..., dataloader), or pass total_steps"
             )
         options["total_steps"] = per_epoch * num_epochs
-        source = f"len(dataloader) {per_epoch} x num_epochs {num_epochs}"
+        source = (
+            f"len(dataloader) {per_epoch} x num_epochs {num_epochs}"
+            if gas == 1
+            else f"{per_epoch} optimizer steps per epoch (len(dataloader) {batches} with "
+            f"gradient_accumulation_steps {gas}) x num_epochs {num_epochs}"
+        )
     if policy == "epoch" and per_epoch is not None:
         options.setdefault("steps_per_epoch", per_epoch)
-    return options, source
+    return options, source, f"ckpt.resume() // {epoch}"
+
+
+def _skip_expression(accelerator: Accelerator) -> str:
+    """The batches of the resumed epoch to skip, as an expression for the user's loop."""
+    gas = max(1, int(accelerator.gradient_accumulation_steps))
+    if gas == 1:
+        return "ckpt.resume() % len(dataloader)"
+    return (
+        f"ckpt.resume() % math.ceil(len(dataloader) / {gas}) * {gas}, the batches of the "
+        f"resumed epoch with gradient_accumulation_steps {gas}"
+    )
 
 
 def _count_steps(opt: Any, counted: Any) -> None:
