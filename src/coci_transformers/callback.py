@@ -871,8 +871,9 @@ def _warn_weights_only_requeue(save: str) -> None:
 
 def _own_saves_off(args: TrainingArguments, policy: object) -> str:
     """The line that says the Trainer's own saves are off: with the arguments of those saves
-    (``save_steps`` only for ``save_strategy="steps"``) and, for ``"epoch"`` under another
-    policy, coci's policy that saves where the Trainer would have."""
+    (``save_steps`` only for ``save_strategy="steps"``) and, for ``"epoch"`` or ``"steps"``
+    under coci's own plan, the policy that saves where the Trainer would have: advice, so that
+    the line does not read as if coci saved there."""
     strategy = str(getattr(args.save_strategy, "value", args.save_strategy))
     own = f"save_strategy={strategy!r}"
     if strategy == "steps":
@@ -882,7 +883,14 @@ def _own_saves_off(args: TrainingArguments, policy: object) -> str:
         f"({own}); coci saves when its plan says so"
     )
     if strategy == "epoch" and policy != "epoch":
-        line += " (at each epoch's end, as the Trainer's own: CociCallback(policy='epoch'))"
+        line += (
+            "; for a save at each epoch's end, as the Trainer's, pass CociCallback(policy='epoch')"
+        )
+    elif strategy == "steps" and policy == "coci":
+        line += (
+            "; for a save every save_steps, as the Trainer's, pass "
+            "CociCallback(policy='every_n_steps') (it takes save_steps)"
+        )
     return line
 
 

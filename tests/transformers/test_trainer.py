@@ -284,7 +284,21 @@ def test_the_epoch_policy_is_made_as_the_options_table_writes_it(tmp_path: Path)
     ("strategy", "policy", "said", "not_said"),
     [
         ("steps", "coci", "(save_strategy='steps', save_steps=3);", "policy='epoch'"),
-        ("epoch", "coci", "CociCallback(policy='epoch')", "save_steps"),
+        (
+            "steps",
+            "coci",
+            "; for a save every save_steps, as the Trainer's, pass "
+            "CociCallback(policy='every_n_steps') (it takes save_steps)",
+            "policy='epoch'",
+        ),
+        ("steps", "every_n_steps", "save_steps=3); coci saves when its plan says so", "pass"),
+        (
+            "epoch",
+            "coci",
+            "coci saves when its plan says so; for a save at each epoch's end, as the "
+            "Trainer's, pass CociCallback(policy='epoch')",
+            "save_steps",
+        ),
         ("epoch", "epoch", "(save_strategy='epoch'); coci saves", "CociCallback(policy="),
         ("no", "coci", "(save_strategy='no');", "save_steps"),
     ],
@@ -299,7 +313,9 @@ def test_the_line_on_the_trainers_own_saves_names_what_applies(
 ) -> None:
     """The line that says the Trainer's own saves are off names ``save_steps`` only for
     ``save_strategy="steps"`` (it named ``save_steps=500`` for "epoch" and "no" too), and for
-    "epoch" the policy that saves where the Trainer would have (the options table's match)."""
+    "epoch" and "steps" under coci's plan the policy that saves where the Trainer would have
+    (the options table's match), as advice: "coci saves when its plan says so (at each
+    epoch's end, ...)" read as if coci's plan saved at each epoch's end."""
     caplog.set_level("INFO", logger="coci_transformers.callback")
     args = arguments(tmp_path, 4, save_strategy=strategy)
     Trainer(model=tiny_model(), args=args, callbacks=[CociCallback(policy=policy)])
