@@ -55,18 +55,22 @@ def train_like_example(
     seen: list[int] | None = None,
     ballast_mb: int = 0,
     skip: bool = True,
+    stateful: bool = False,
     **ckpt_options: Any,
 ) -> dict[str, Any]:
     """Train; ``explicit``: ``ckpt.step(overall_step)``, else ``ckpt.step()``; ``resume``:
     call ``ckpt.resume()`` first (else start at 0). After step ``kill_at``: ``on_kill()``, or
     raise ``Stop``. ``ballast_mb``: the model carries a random buffer of that size (a large
     state to save, not trained). ``skip``: a resumed epoch skips the batches it gave out
-    (``accelerator.skip_first_batches``), else gives them again."""
+    (``accelerator.skip_first_batches``), else gives them again. ``stateful``: the loader is
+    stateful (``use_stateful_dataloader=True``), which resumes mid-epoch by itself."""
     set_seed(7)
     accelerator = Accelerator(
         cpu=True,
         project_dir=directory,
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+        dataloader_config=DataLoaderConfiguration(
+            use_seedable_sampler=True, use_stateful_dataloader=stateful
+        ),
     )
     model = torch.nn.Sequential(
         torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(16, 3)

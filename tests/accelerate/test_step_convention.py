@@ -61,6 +61,41 @@ def test_a_resumed_loop_that_does_not_skip_is_told_to(
     assert "accelerator.skip_first_batches(dataloader, 4)" in advice.getMessage()
 
 
+def test_skipping_the_batches_of_a_stateful_loader_after_a_resume_is_told_it_drops_them(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Accelerate's example skips the resumed epoch's first batches; a stateful loader is
+    put back mid-epoch by the resume itself, so the example's skip drops as many again, never
+    trained on (the resumed run ended 4 steps short, saying nothing): a WARNING at the call
+    names both counts. The loop that iterates the stateful loader itself is told nothing."""
+    reference = train_like_example(str(tmp_path / "ref"), stateful=True)
+    _fresh()
+    with pytest.raises(Stop):
+        train_like_example(str(tmp_path / "run"), kill_at=17, stateful=True)
+    _fresh()
+    with caplog.at_level(logging.INFO, logger="coci_accelerate"):
+        skipped = train_like_example(str(tmp_path / "run"), stateful=True)
+    assert skipped["start"] == 16
+    assert len(skipped["seen"]) == len(reference["seen"][16 * BATCH :]) - 4 * BATCH
+    (told,) = [r for r in caplog.records if "skip_first_batches(dataloader, 4)" in r.getMessage()]
+    assert told.levelno == logging.WARNING
+    assert told.getMessage().startswith(
+        "coci: accelerator.skip_first_batches(dataloader, 4) of a loader with "
+        "use_stateful_dataloader=True, which ckpt.resume() put back 4 batches into its epoch:"
+    )
+    assert "the skip drops 4 more batches of this epoch, never trained on" in told.getMessage()
+    _fresh()
+    with pytest.raises(Stop):
+        train_like_example(str(tmp_path / "own"), kill_at=17, stateful=True)
+    _fresh()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="coci_accelerate"):
+        itself = train_like_example(str(tmp_path / "own"), stateful=True, skip=False)
+    assert "skip_first_batches" not in caplog.text
+    assert itself["seen"] == reference["seen"][16 * BATCH :]
+    assert itself["digest"] == reference["digest"]
+
+
 def test_the_batches_to_skip_count_the_accumulation_steps(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
