@@ -494,7 +494,7 @@ class CociCheckpointer:
 
         def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
             if self._skip_advice is not None and num_batches:  # resumed, before the 1st step
-                _warn_skipping_a_stateful_loader(acc, dataloader, self._skip_advice, num_batches)
+                _check_skip(acc, dataloader, self._skip_advice, num_batches)
             skipped = original(dataloader, num_batches)
             if not any(dataloader is dl for dl in acc._dataloaders) or not hasattr(
                 skipped, "iteration"
@@ -624,36 +624,52 @@ def _log_skip_advice(accelerator: Accelerator, count: int, standins: dict[int, A
             )
 
 
-def _warn_skipping_a_stateful_loader(
-    accelerator: Accelerator, loader: Any, count: int, num_batches: int
-) -> None:
+def _check_skip(accelerator: Accelerator, loader: Any, count: int, num_batches: int) -> None:
     """``accelerator.skip_first_batches(loader, n)`` right after a resume ``count`` optimizer
-    steps in, of a prepared stateful loader that the resume put back mid-epoch: it continues
-    from there by itself, so the skip drops ``n`` more batches (Accelerate's example skips
-    them, for a loader that is not stateful). A WARNING, on the main process."""
-    if not getattr(loader, "use_stateful_dataloader", False) or not any(
-        loader is dl
-        for dl in accelerator._dataloaders  # private: see _state.py
-    ):
+    steps in, of a prepared loader: a WARNING (main process) when ``n`` is not the batches of
+    the resumed epoch already trained on. A stateful loader is put back mid-epoch by the resume
+    itself, so any skip drops ``n`` more batches (Accelerate's example skips them, for a loader
+    that is not stateful); for another loader ``n`` counts batches, where ``count`` counts
+    optimizer steps (with gradient accumulation, several batches each, the epoch's last one
+    fewer)."""
+    if not any(loader is dl for dl in accelerator._dataloaders):  # private: see _state.py
         return
     gas = max(1, int(accelerator.gradient_accumulation_steps))
     try:
-        per_epoch = math.ceil(len(loader) / gas)
+        batches = len(loader)
     except TypeError:
         return
-    if not per_epoch or not count % per_epoch:
-        return  # resumed at an epoch's start: nothing was put back to skip twice
-    into = min(len(loader), count % per_epoch * gas)
-    logger.warning(
-        "coci: accelerator.skip_first_batches(dataloader, %d) of a loader with "
-        "use_stateful_dataloader=True, which ckpt.resume() put back %d batches into its epoch: "
-        "it continues from there by itself, so the skip drops %d more batches of this epoch, "
-        "never trained on; after a resume, iterate a stateful loader itself "
-        "(skip_first_batches is for a loader that is not stateful)",
-        num_batches,
-        into,
-        num_batches,
+    per_epoch = math.ceil(batches / gas)
+    into = min(batches, count % per_epoch * gas) if per_epoch else 0
+    steps = f"{count} optimizer steps" + (
+        f" with gradient_accumulation_steps {gas}" if gas > 1 else ""
     )
+    if getattr(loader, "use_stateful_dataloader", False):
+        if into:
+            logger.warning(
+                "coci: accelerator.skip_first_batches(dataloader, %d) of a loader with "
+                "use_stateful_dataloader=True, which ckpt.resume() put back %d batches into its "
+                "epoch: it continues from there by itself, so the skip drops %d more batches of "
+                "this epoch, never trained on; after a resume, iterate a stateful loader itself "
+                "(skip_first_batches is for a loader that is not stateful)",
+                num_batches,
+                into,
+                num_batches,
+            )
+        return
+    if num_batches != into:
+        logger.warning(
+            "coci: accelerator.skip_first_batches(dataloader, %d), but ckpt.resume() restored "
+            "a step %d batches into this epoch (%s, %d batches an epoch): %s; skip %d",
+            num_batches,
+            into,
+            steps,
+            batches,
+            f"the resumed epoch trains {into - num_batches} of them again"
+            if num_batches < into
+            else f"{num_batches - into} batches of this epoch are never trained on",
+            into,
+        )
 
 
 def _warn_unless_one_run(accelerator: Accelerator) -> None:

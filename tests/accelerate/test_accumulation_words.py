@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from accelerate import Accelerator
+from accelerate.state import AcceleratorState
 from accelerate.utils import DataLoaderConfiguration
 from torch.utils.data import DataLoader
 
@@ -57,6 +58,7 @@ def _train(
     epochs: int,
     *,
     per_batch_count: bool = False,
+    stop_at: int | None = None,
 ) -> None:
     overall_step = 0
     for _ in range(epochs):
@@ -69,6 +71,8 @@ def _train(
             if per_batch_count or accelerator.sync_gradients:
                 overall_step += 1
             ckpt.step(overall_step, loss=loss.item())
+            if overall_step == stop_at:
+                return
 
 
 def test_the_plan_line_counts_optimizer_steps_per_epoch_and_names_the_loaders_batches(
@@ -154,3 +158,41 @@ class _Resumed:
 
     def resume(self) -> int:
         return self.steps
+
+
+def test_a_skip_of_other_than_the_resumed_epochs_batches_is_told_the_right_count(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Saved after 5 optimizer steps (4 an epoch, the last of 1 batch): 1 step, 3 batches, into
+    the second epoch. A count of batches taken as ``ckpt.resume() % len(dataloader)`` (5)
+    drops 2 batches untrained, silently: a WARNING at the call says so and gives 3; a count
+    too small is told it trains batches again; the right count is told nothing."""
+    accelerator, model, optimizer, loader = _prepared(tmp_path)
+    ckpt = CociCheckpointer(accelerator, policy="every_n_steps", every_n_steps=5)
+    _train(accelerator, model, optimizer, loader, ckpt, 2, stop_at=5)
+    ckpt.close(save=False)
+    said: dict[int, list[str]] = {}
+    for batches in (5, 1, 3):
+        AcceleratorState._reset_state(True)
+        accelerator, model, optimizer, loader = _prepared(tmp_path)
+        ckpt = CociCheckpointer(accelerator, policy="every_n_steps", every_n_steps=5)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="coci_accelerate"):
+            assert ckpt.resume() == 5
+            accelerator.skip_first_batches(loader, batches)
+        ckpt.close(save=False)
+        said[batches] = [
+            r.getMessage()
+            for r in caplog.records
+            if "skip_first_batches(dataloader, " in r.getMessage()
+        ]
+    (dropped,) = said[5]
+    assert dropped == (
+        "coci: accelerator.skip_first_batches(dataloader, 5), but ckpt.resume() restored a "
+        f"step 3 batches into this epoch (5 optimizer steps with "
+        f"gradient_accumulation_steps {ACCUMULATION}, {BATCHES} batches an epoch): 2 batches of "
+        "this epoch are never trained on; skip 3"
+    )
+    (again,) = said[1]
+    assert "the resumed epoch trains 2 of them again; skip 3" in again
+    assert said[3] == []
