@@ -7,6 +7,7 @@ import functools
 import logging
 import math
 import os
+import re
 import sys
 import time
 import warnings
@@ -180,6 +181,7 @@ class CociCheckpointer:
         self._announced = False
         self._skip_advice: int | None = None  # resumed mid-epoch: the count, until step()
         self._install_skip_tracking()
+        self._install_load_state_check()
         self._hook_optimizers()
         _state.own_loader_generators(accelerator)
         objects = accelerator._custom_objects
@@ -483,6 +485,44 @@ class CociCheckpointer:
         # An update (or an fp16 update the scaler skipped: the batch is consumed either way).
         self._opt_counts[key] += 1
         self._count = max(self._opt_counts.values())
+
+    def _install_load_state_check(self) -> None:
+        """``accelerator.load_state(folder)`` of a folder that ``save_state`` wrote before a
+        ``CociCheckpointer`` was registered: Accelerate refuses it counting the registered
+        objects, coci's among them, which the user did not register; say why and what to do."""
+        acc = self.accelerator
+        if getattr(acc.load_state, "_coci_checked", False):
+            return  # a second checkpointer on this Accelerator (its place: the closed one's)
+        original = acc.load_state
+
+        def load_state(input_dir: str | None = None, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return original(input_dir, *args, **kwargs)
+            except RuntimeError as e:
+                found = re.search(r"Found checkpoints: (\d+)", str(e))
+                registered = acc._custom_objects  # private: see _state.py
+                if (
+                    not str(e).startswith("Number of custom checkpoints")
+                    or found is None
+                    or int(found.group(1)) != len(registered) - 1
+                    or not any(isinstance(o, CociCheckpointer) for o in registered)
+                ):
+                    raise
+                raise ConfigError(
+                    f"accelerator.load_state({input_dir!r}): the folder holds the states of "
+                    f"{found.group(1)} objects registered with register_for_checkpointing, this "
+                    f"Accelerator has {len(registered)}: the CociCheckpointer registers itself "
+                    "(so that save_state carries coci's planner state), and the folder was "
+                    "saved without one. coci cannot take over that run midway (ckpt.resume() "
+                    "reads coci's checkpoints only, and its step count would start at 0): "
+                    "finish it as it was written, or call accelerator.load_state(...) before "
+                    "making the CociCheckpointer to start a new run, counted from step 0, from "
+                    "that folder's state (Accelerate has loaded the models, optimizers and "
+                    "schedulers already, not the registered objects)"
+                ) from e
+
+        load_state._coci_checked = True  # type: ignore[attr-defined]
+        acc.load_state = load_state
 
     def _install_skip_tracking(self) -> None:
         """``accelerator.skip_first_batches(loader, n)`` makes a new loader that runs the rest

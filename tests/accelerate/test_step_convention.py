@@ -192,3 +192,56 @@ def test_gradient_accumulation_counts_optimizer_updates(tmp_path: Path) -> None:
         ckpt.close()
     with CheckpointManager(tmp_path / "coci", keep_last=None) as mgr:
         assert mgr.steps() == [4, 8]
+
+
+def test_load_state_of_a_folder_saved_before_coci_is_told_why_it_is_refused(
+    tmp_path: Path,
+) -> None:
+    """A script that ran with Accelerate's save_state, then got a CociCheckpointer, calls
+    load_state on its old folder: Accelerate refused it with "Registered objects: 2" where the
+    script registered one (coci registers itself). A ConfigError says why and what to do; the
+    same folder loaded before the checkpointer is made loads."""
+
+    class Counter:
+        def __init__(self) -> None:
+            self.seen = 0
+
+        def state_dict(self) -> dict[str, int]:
+            return {"seen": self.seen}
+
+        def load_state_dict(self, state: dict[str, int]) -> None:
+            self.seen = state["seen"]
+
+    def prepared() -> tuple[Accelerator, Counter]:
+        _fresh()
+        accelerator = Accelerator(
+            cpu=True,
+            project_dir=str(tmp_path),
+            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+        )
+        counter = Counter()
+        accelerator.register_for_checkpointing(counter)
+        model = torch.nn.Linear(8, 3)
+        accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        return accelerator, counter
+
+    accelerator, counter = prepared()
+    counter.seen = 24
+    accelerator.save_state(str(tmp_path / "epoch_0"))
+    accelerator, counter = prepared()
+    ckpt = CociCheckpointer(accelerator, save_on_close=False)
+    with pytest.raises(ConfigError) as refused:
+        accelerator.load_state(str(tmp_path / "epoch_0"))
+    ckpt.close()
+    said = str(refused.value)
+    assert said.startswith(
+        f"accelerator.load_state({str(tmp_path / 'epoch_0')!r}): the folder holds the states "
+        "of 1 objects registered with register_for_checkpointing, this Accelerator has 2: the "
+        "CociCheckpointer registers itself"
+    ), said
+    assert "call accelerator.load_state(...) before making the CociCheckpointer" in said
+    accelerator, counter = prepared()
+    accelerator.load_state(str(tmp_path / "epoch_0"))
+    ckpt = CociCheckpointer(accelerator, save_on_close=False)
+    assert counter.seen == 24 and ckpt.resume() == 0
+    ckpt.close()
