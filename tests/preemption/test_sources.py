@@ -403,6 +403,34 @@ def test_the_option_names_sources_and_rejects_bad_ones() -> None:
         SignalNotice("TERM", lead_s=0)
 
 
+def test_an_exit_code_a_requeue_reads_as_done_is_refused(tmp_path: Path) -> None:
+    """``exit_code=0`` was taken: a preempted job then exits with success, which SLURM's
+    ``--requeue``, Kubernetes' ``OnFailure`` and torchrun read as done, and never resumes.
+    0 is refused naming ``exit_code`` and 1-255; a code in that range is the process's exit
+    status on a notice."""
+    import torch
+
+    from coci_core import Preempted
+    from coci_core.training import Checkpointer
+
+    for bad in (0, 256, -1, True, "143"):
+        with pytest.raises(ConfigError, match=r"exit_code must be an integer in \[1, 255\]"):
+            Preemption(["TERM@30"], exit_code=bad)  # type: ignore[arg-type]
+    ckpt = Checkpointer(tmp_path, preemption=Preemption(["TERM@30"], exit_code=1))
+    try:
+        ckpt.watch_preemption()
+        ckpt.observe(1)
+        signal.raise_signal(signal.SIGTERM)  # its handler has run when this returns
+        ckpt.observe(2)
+        assert ckpt.should_save(2)
+        ckpt.save(2, {"w": torch.zeros(2)})
+        with pytest.raises(Preempted) as stopped:
+            ckpt.stop_if_preempted()
+        assert stopped.value.code == 1 and stopped.value.step == 2
+    finally:
+        ckpt.close()
+
+
 def test_auto_beside_a_grace_period_keeps_it_and_a_signal_given_twice_is_refused() -> None:
     """``["auto", "TERM@120"]`` (auto's cloud poller, a pod's 120 s grace period) watched
     SIGTERM twice, auto's with 30 s: each SIGTERM posted both notices and the earliest
