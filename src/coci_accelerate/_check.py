@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from typing import Any
 
-from coci_accelerate._state import LAYOUT, PROCESS_KEY, mismatch_error
+from coci_accelerate._state import LAYOUT, PROCESS_KEY, mismatch_error, saved_none
 from coci_core.errors import CorruptCheckpointError
 from coci_core.training import UnfitRandomState, check_saved_random_states
 
@@ -94,6 +94,14 @@ def _check(
     custom = mine.get("custom", [])
     if not isinstance(custom, list):
         raise _Unfit(f"process {process_index}'s registered objects are not a list")
+    none = mine.get("custom_none", [])
+    if not isinstance(none, list) or any(
+        type(i) is not int or not 0 <= i < len(custom) or custom[i] is not None for i in none
+    ):
+        raise _Unfit(
+            f"process {process_index}'s registered objects whose state was None are "
+            f"{_shown(none)}, not places of None in its {len(custom)} states"
+        )
     if registered is not None and len(custom) != len(registered):
         names = ", ".join(registered)
         raise mismatch_error(
@@ -103,7 +111,8 @@ def _check(
         if any(custom[i] is not None for i in stateless):
             # the checkpointer registered at another place than at the save (before: the
             # object saved at its place silently left fresh)
-            at = [i for i, entry in enumerate(custom) if entry is None]
+            none = saved_none(mine)
+            at = [i for i, entry in enumerate(custom) if entry is None and i not in none]
             raise mismatch_error(
                 [
                     f"registered objects in another order: CociCheckpointer at {at} at the "
@@ -112,9 +121,11 @@ def _check(
             )
         # a registered object's state missing (one process's entry forged and resealed):
         # resume() put back nothing into it, and the object went on from its fresh state on
-        # this process only (before: restored, silently)
+        # this process only (before: restored, silently). A None its state_dict() returned
+        # is recorded in custom_none, and put back.
+        none = saved_none(mine)
         for i, entry in enumerate(custom):
-            if entry is None and i not in stateless:
+            if entry is None and i not in stateless and i not in none:
                 raise _Unfit(
                     f"process {process_index}'s state of registered object {i} "
                     f"({registered[i]}) is missing"

@@ -98,9 +98,23 @@ def _loader_state(loader: Any, standin: Any = None) -> dict[str, Any]:
 
 
 def collect_own(accelerator: Accelerator, *, skip: object) -> dict[str, Any]:
-    """This process's own state: random states and registered objects."""
+    """This process's own state: random states and registered objects. ``custom_none``
+    lists the objects whose ``state_dict()`` returned None: a None entry not listed (the
+    checkpointer's own, at ``skip``, aside) is a state missing, damage (see ``_check``)."""
     custom = [None if obj is skip else obj.state_dict() for obj in accelerator._custom_objects]
-    return {"rng": _rng_state(), "custom": custom}
+    none = [
+        i
+        for i, (obj, entry) in enumerate(zip(accelerator._custom_objects, custom, strict=True))
+        if entry is None and obj is not skip
+    ]
+    return {"rng": _rng_state(), "custom": custom, "custom_none": none}
+
+
+def saved_none(own: dict[str, Any]) -> frozenset[int]:
+    """The registered objects whose state was saved as None (their ``state_dict()`` returned
+    it; none listed before coci recorded it)."""
+    listed = own.get("custom_none", [])
+    return frozenset(listed) if isinstance(listed, list) else frozenset()
 
 
 def completed_steps(state: dict[str, Any]) -> int:
@@ -333,9 +347,10 @@ def apply(
     mine = _own(acc, state)
     if mine is None:
         raise CheckpointError(f"the checkpoint has no state of process {acc.process_index}")
-    for obj, obj_state in zip(acc._custom_objects, mine["custom"], strict=True):
-        if obj is not skip and obj_state is not None:
-            obj.load_state_dict(obj_state)
+    none = saved_none(mine)
+    for i, (obj, obj_state) in enumerate(zip(acc._custom_objects, mine["custom"], strict=True)):
+        if obj is not skip and (obj_state is not None or i in none):
+            obj.load_state_dict(obj_state)  # None too, as Accelerate's load_state hands it
     _set_rng_state(mine["rng"])
 
 

@@ -54,6 +54,9 @@ UPLOAD_BACKOFF_MAX_S = 30.0
 UPLOAD_CHUNK_BYTES = 64 * MiB
 #: ``close()`` waits this long at most for a pending upload.
 UPLOAD_CLOSE_TIMEOUT_S = 600.0
+#: Steps kept also (``keep_also``) that may wait for their upload at once, behind newer
+#: uploads: past it the oldest is left out of the remote tier, with a WARNING.
+UPLOAD_KEPT_WAITING = 64
 
 # -- object stores (storage/s3_parallel.py) ------------------------------------------------
 #: The part size of multipart uploads and of parallel ranged reads (S3's minimum is 5 MiB).

@@ -160,10 +160,27 @@ class _Counter:
         self.n = state["n"]
 
 
-def _counted_run(directory: Path, steps: int, *, counter_first: bool = True) -> tuple[int, int]:
+class _NoState:
+    """A registered object whose ``state_dict()`` returns None; what its
+    ``load_state_dict`` was given."""
+
+    def __init__(self) -> None:
+        self.loaded: list[object] = []
+
+    def state_dict(self) -> None:
+        return None
+
+    def load_state_dict(self, state: None) -> None:
+        self.loaded.append(state)
+
+
+def _counted_run(
+    directory: Path, steps: int, *, counter_first: bool = True, also: object = None
+) -> tuple[int, int]:
     """Resume, then train to ``steps`` saving each step, the registered counter at 10 x the
     step: the step resumed from and the counter it restored. ``counter_first``: the counter
-    is registered before the checkpointer registers itself, else after."""
+    is registered before the checkpointer registers itself, else after; ``also``: an object
+    registered right after the counter."""
     AcceleratorState._reset_state(True)
     accelerator = Accelerator(
         cpu=True,
@@ -174,11 +191,12 @@ def _counted_run(directory: Path, steps: int, *, counter_first: bool = True) -> 
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model, optimizer = accelerator.prepare(model, optimizer)
     counter = _Counter()
+    registered = [counter] if also is None else [counter, also]
     if counter_first:
-        accelerator.register_for_checkpointing(counter)
+        accelerator.register_for_checkpointing(*registered)
     ckpt = CociCheckpointer(accelerator, policy="every_n_steps", every_n_steps=1, keep_last=None)
     if not counter_first:
-        accelerator.register_for_checkpointing(counter)
+        accelerator.register_for_checkpointing(*registered)
     try:
         start = ckpt.resume()
         restored = counter.n
@@ -206,6 +224,34 @@ def test_a_registered_objects_state_forged_away_is_passed_over(tmp_path: Path) -
     custom[0] = None
     path.write_bytes(seal(json.dumps(doc, separators=(",", ":")).encode()))
     assert _counted_run(tmp_path, 3) == (2, 20)
+
+
+def test_a_registered_objects_state_of_none_is_put_back_and_its_record_forged_away_is_not(
+    tmp_path: Path,
+) -> None:
+    """An object whose ``state_dict()`` really returns None: the resume takes the newest
+    step and hands it None, as Accelerate's ``load_state`` does (before: its None read as a
+    state forged away, and every process passed over every step). A forged manifest that drops
+    the record that its state was None, or records a None where a state is, is still damage:
+    the step before it is taken."""
+    assert _counted_run(tmp_path, 3, also=_NoState()) == (0, 0)
+    resumed = _NoState()
+    assert _counted_run(tmp_path, 3, also=resumed) == (3, 30)
+    assert resumed.loaded == [None]
+    for step, forge, taken in (
+        (3, lambda own: own.pop("custom_none"), (2, 20)),
+        (2, lambda own: own["custom_none"]["v"].append(0), (1, 10)),  # the counter's place
+    ):
+        path = tmp_path / "coci" / f"step-{step:010d}" / "manifest.json"
+        doc = json.loads(path.read_bytes())
+        doc.pop("checksum")
+        own = doc["per_rank"][0]["tree"]["v"]["coci_process"]["v"]
+        assert own["custom"]["v"][1] is None and own["custom_none"] == {"t": "list", "v": [1]}
+        forge(own)
+        path.write_bytes(seal(json.dumps(doc, separators=(",", ":")).encode()))
+        resumed = _NoState()
+        assert _counted_run(tmp_path, 2, also=resumed) == taken  # (saves no step 3)
+        assert resumed.loaded == [None]
 
 
 def test_objects_registered_in_another_order_are_refused(tmp_path: Path) -> None:

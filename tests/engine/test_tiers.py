@@ -336,6 +336,76 @@ def test_a_step_kept_also_is_not_superseded_by_a_newer_upload(tmp_path: Path) ->
         assert _equal(reader.restore(step=2), _state(2))
 
 
+def _kept_while_uploading(mgr: CheckpointManager) -> list[int]:
+    """``keep_also({2, 3, 4})``, then steps 2 to 5 saved while step 1 uploads (each kept
+    step replaced in the pending upload by the next save): the steps on the remote after."""
+    assert mgr.remote is not None
+    remote = mgr.remote.remote.local_root()
+    assert remote is not None
+    held = mgr.remote.remote = _HeldUploads(Path(remote))
+    mgr.keep_also({2, 3, 4})
+    mgr.save(1, _state(1)).wait()
+    assert held.started.wait(60)  # step 1's upload is being written
+    for step in (2, 3, 4, 5):
+        mgr.save(step, _state(step)).wait()
+    held.release.set()
+    assert mgr.remote.flush(timeout_s=60)
+    return _steps(Path(remote))
+
+
+def test_kept_steps_saved_faster_than_uploads_all_reach_the_remote(tmp_path: Path) -> None:
+    """Three steps kept also (``keep_also({2, 3, 4})``), each replaced in the upload's one
+    pending place by the next save while step 1 uploads: one place held the kept step a newer
+    save replaced, so steps 2 and 3 never reached the remote (only 1, 4, 5 did). Every kept
+    step waits its turn, and uploads after the newer one."""
+    remote = tmp_path / "remote"
+    with CheckpointManager(tmp_path / "local", remote=remote, keep_last=None) as mgr:
+        assert _kept_while_uploading(mgr) == [1, 2, 3, 4, 5]
+        assert mgr.remote is not None and mgr.remote.not_uploaded == []
+    with CheckpointManager(remote) as reader:
+        assert all(_equal(reader.restore(step=s), _state(s)) for s in (2, 3, 4))
+
+
+def test_kept_steps_given_after_the_period_passed_them_all_reach_the_remote(
+    tmp_path: Path,
+) -> None:
+    """``keep_also({1, 2, 3})`` after ``remote_upload_every=5`` passed over steps 1 to 4:
+    two places (the pending upload and one kept step) took steps 3 and 2, and step 1 waited
+    for a later ``keep_also`` that never came: the remote never had it. All three are
+    uploaded."""
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    with CheckpointManager(
+        local, remote=remote, keep_last=None, remote_keep_last=None, remote_upload_every=5
+    ) as mgr:
+        assert mgr.remote is not None
+        for step in (1, 2, 3, 4):
+            mgr.save(step, _state(step), block=True).wait()
+        mgr.keep_also({1, 2, 3})
+        assert mgr.remote.flush(timeout_s=60)
+        assert _steps(remote) == [1, 2, 3]
+    assert _steps(remote) == [1, 2, 3, 4]  # the newest at close, as before
+
+
+def test_a_kept_step_dropped_from_a_full_upload_queue_is_warned_of(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """More kept steps wait for the remote than it holds places for (2 here): the oldest is
+    left out of the remote tier, and a WARNING names it, the remote and where it stays."""
+    import coci_core.engine.directory.tiers as tiers
+
+    monkeypatch.setattr(tiers, "UPLOAD_KEPT_WAITING", 2)
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    with (
+        CheckpointManager(local, remote=remote, keep_last=None) as mgr,
+        caplog.at_level(logging.WARNING, logger="coci_core.engine.directory.tiers"),
+    ):
+        assert _kept_while_uploading(mgr) == [1, 3, 4, 5]  # 2, 3 and 4 waited behind 5
+    said = [r.getMessage() for r in caplog.records if "kept step" in r.getMessage()]
+    assert len(said) == 1, caplog.text
+    assert f"step 2 is not uploaded to {LocalStorage(remote).url}" in said[0]
+    assert f"stays in {LocalStorage(local).url}" in said[0]
+
+
 def test_close_that_gives_up_on_an_upload_keeps_the_remote_until_the_upload_ends(
     tmp_path: Path,
 ) -> None:

@@ -18,6 +18,7 @@ from coci_core.preemption import (
     AwsSpotNotice,
     AzureNotice,
     GceNotice,
+    Notice,
     NoticeBoard,
     Preemption,
     SignalNotice,
@@ -138,6 +139,30 @@ def test_an_azure_not_before_without_a_zone_is_utc(monkeypatch: pytest.MonkeyPat
         time.tzset()
 
 
+def _state_end(server: MetadataServer, when: float) -> None:
+    """``server``'s AWS spot action and Azure Preempt event both state the end ``when`` (UTC
+    seconds since the epoch)."""
+    server.aws_action = {
+        "action": "terminate",
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(when)),
+    }
+    not_before = email.utils.formatdate(when, usegmt=True)
+    server.azure_events = [{"EventType": "Preempt", "NotBefore": not_before}]
+
+
+def _stated_end_notices(when: float, caplog: pytest.LogCaptureFixture) -> tuple[Notice, Notice]:
+    """The notices of AWS and Azure (a local stand-in) both stating the end ``when``, their
+    WARNINGs in ``caplog``."""
+    with MetadataServer() as server:
+        server.aws_token_required = False
+        _state_end(server, when)
+        with caplog.at_level("WARNING", logger="coci_core.preemption"):
+            aws = AwsSpotNotice(server.url, timeout_s=1).check()
+            azure = AzureNotice(server.url, timeout_s=1).check()
+    assert aws is not None and azure is not None
+    return aws, azure
+
+
 @pytest.mark.parametrize("ahead_s", [365 * 86400.0, 600.0], ids=["a-year", "ten-minutes"])
 def test_a_stated_end_past_the_clouds_notice_period_is_taken_as_that_period(
     ahead_s: float, caplog: pytest.LogCaptureFixture
@@ -147,18 +172,7 @@ def test_a_stated_end_past_the_clouds_notice_period_is_taken_as_that_period(
     garbled time) was planned for as given: training went on to the last step before it,
     unsaved, past the real end. It is taken as the notice period, and a WARNING says so."""
     when = time.time() + ahead_s
-    with MetadataServer() as server:
-        server.aws_token_required = False
-        server.aws_action = {
-            "action": "terminate",
-            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(when)),
-        }
-        not_before = email.utils.formatdate(when, usegmt=True)
-        server.azure_events = [{"EventType": "Preempt", "NotBefore": not_before}]
-        with caplog.at_level("WARNING", logger="coci_core.preemption"):
-            aws = AwsSpotNotice(server.url, timeout_s=1).check()
-            azure = AzureNotice(server.url, timeout_s=1).check()
-    assert aws is not None and azure is not None
+    aws, azure = _stated_end_notices(when, caplog)
     assert aws.known_end and 119 < aws.time_left() <= 120, aws
     assert azure.known_end and 29 < azure.time_left() <= 30, azure
     assert "(taken as 120 s from the notice)" in aws.detail
@@ -183,18 +197,7 @@ def test_a_stated_end_already_past_saves_at_the_next_step_boundary(
     work since the last checkpoint lost while the machine ran on. The stop may come at any
     moment: the next step boundary saves within the notice period, and a WARNING says so."""
     when = time.time() - 3600
-    with MetadataServer() as server:
-        server.aws_token_required = False
-        server.aws_action = {
-            "action": "terminate",
-            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(when)),
-        }
-        not_before = email.utils.formatdate(when, usegmt=True)
-        server.azure_events = [{"EventType": "Preempt", "NotBefore": not_before}]
-        with caplog.at_level("WARNING", logger="coci_core.preemption"):
-            aws = AwsSpotNotice(server.url, timeout_s=1).check()
-            azure = AzureNotice(server.url, timeout_s=1).check()
-    assert aws is not None and azure is not None
+    aws, azure = _stated_end_notices(when, caplog)
     assert not aws.known_end and 119 < aws.time_left() <= 120, aws
     assert not azure.known_end and 29 < azure.time_left() <= 30, azure
     said = [r.getMessage() for r in caplog.records]
@@ -272,13 +275,7 @@ def test_a_garbled_answer_is_no_notice_and_the_poller_goes_on(
                 assert server.asked.wait(5)
                 server.asked.clear()
             del server.raw[path]
-            when = time.time() + 120
-            server.aws_action = {
-                "action": "terminate",
-                "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(when)),
-            }
-            not_before = email.utils.formatdate(when, usegmt=True)
-            server.azure_events = [{"EventType": "Preempt", "NotBefore": not_before}]
+            _state_end(server, time.time() + 120)
             server.gce_preempted = True
             notice = board.wait(5)
         source.stop()
@@ -403,6 +400,34 @@ def test_the_option_names_sources_and_rejects_bad_ones() -> None:
         SignalNotice("TERM", lead_s=0)
 
 
+def test_an_exit_code_a_requeue_reads_as_done_is_refused(tmp_path: Path) -> None:
+    """``exit_code=0`` was taken: a preempted job then exits with success, which SLURM's
+    ``--requeue``, Kubernetes' ``OnFailure`` and torchrun read as done, and never resumes.
+    0 is refused naming ``exit_code`` and 1-255; a code in that range is the process's exit
+    status on a notice."""
+    import torch
+
+    from coci_core import Preempted
+    from coci_core.training import Checkpointer
+
+    for bad in (0, 256, -1, True, "143"):
+        with pytest.raises(ConfigError, match=r"exit_code must be an integer in \[1, 255\]"):
+            Preemption(["TERM@30"], exit_code=bad)  # type: ignore[arg-type]
+    ckpt = Checkpointer(tmp_path, preemption=Preemption(["TERM@30"], exit_code=1))
+    try:
+        ckpt.watch_preemption()
+        ckpt.observe(1)
+        signal.raise_signal(signal.SIGTERM)  # its handler has run when this returns
+        ckpt.observe(2)
+        assert ckpt.should_save(2)
+        ckpt.save(2, {"w": torch.zeros(2)})
+        with pytest.raises(Preempted) as stopped:
+            ckpt.stop_if_preempted()
+        assert stopped.value.code == 1 and stopped.value.step == 2
+    finally:
+        ckpt.close()
+
+
 def test_auto_beside_a_grace_period_keeps_it_and_a_signal_given_twice_is_refused() -> None:
     """``["auto", "TERM@120"]`` (auto's cloud poller, a pod's 120 s grace period) watched
     SIGTERM twice, auto's with 30 s: each SIGTERM posted both notices and the earliest
@@ -456,7 +481,6 @@ def test_a_save_that_may_fit_is_tried_only_where_cut_short_it_costs_nothing() ->
 
 
 def test_the_watch_decides_from_the_fastest_and_the_wait() -> None:
-    from coci_core.preemption import Notice
     from coci_core.training.preemption import SaveTimes
 
     def decide(times: SaveTimes) -> tuple[bool, str]:
@@ -480,8 +504,6 @@ def test_one_process_decides_once_at_the_first_boundary_after_the_notice() -> No
     watch = PreemptionWatch(Preemption(["TERM@20"], margin_s=2))
     assert watch.check(1, lambda: 1.0) is None
     now = time.monotonic()
-    from coci_core.preemption import Notice
-
     watch.board.post(Notice("SIGTERM", now, now + 20))
     decision = watch.check(2, lambda: 1.0)
     assert decision is not None and decision.step == 2 and decision.save
@@ -491,7 +513,6 @@ def test_one_process_decides_once_at_the_first_boundary_after_the_notice() -> No
 def test_a_known_end_is_planned_for_and_a_later_sigterm_takes_the_save_at_once() -> None:
     """A SIGUSR1 30 s ahead: the save is planned many steps later, the same plan at the next
     boundaries; a SIGTERM then takes the save at once, at that boundary."""
-    from coci_core.preemption import Notice
     from coci_core.training.preemption import plan_save_step
 
     watch = PreemptionWatch(Preemption(["USR1@30"], margin_s=2))
@@ -520,7 +541,6 @@ def test_a_plan_made_again_keeps_the_time_left_at_the_notice() -> None:
     longer fits, the plan is made again, earlier; the plan and the decision report the step
     and the time that was left where the ranks learned of the notice in force (the second
     source's), not at the new plan."""
-    from coci_core.preemption import Notice
     from coci_core.training.preemption import PACE_MIN_STEPS
 
     watch = PreemptionWatch(Preemption(["USR1@30"], margin_s=2))
@@ -552,7 +572,6 @@ def test_the_report_names_both_notices_when_a_sigterm_cuts_a_moved_save_short(
 ) -> None:
     """A SIGUSR1 30 s ahead moves the save; a SIGTERM two steps later takes it at once. The
     telemetry record, read back as ``coci report`` reads it, says which notice came when."""
-    from coci_core.preemption import Notice
     from coci_core.telemetry import JsonlTelemetry
     from coci_core.telemetry.records import parse_records
     from coci_core.telemetry.report import preemption_line

@@ -126,7 +126,8 @@ class Preemption:
             :class:`NoticeSource` objects.
         margin_s: seconds kept in reserve before the deadline: a save is taken only when
             its measured time fits in the time left less this.
-        exit_code: the process's exit status after stopping on a notice.
+        exit_code: the process's exit status after stopping on a notice, 1 to 255 (not 0:
+            a requeue reads success as done and would never resume the job).
     """
 
     sources: tuple[str | NoticeSource, ...] = ("auto",)
@@ -163,8 +164,13 @@ class Preemption:
         if isinstance(m, bool) or not isinstance(m, int | float) or not m >= 0:
             raise ConfigError(f"'preemption' margin_s must be a number of seconds >= 0: {m!r}")
         code = self.exit_code
-        if type(code) is not int or not 0 <= code <= 255:
-            raise ConfigError(f"'preemption' exit_code must be an integer in [0, 255]: {code!r}")
+        if type(code) is not int or not 1 <= code <= 255:
+            # 0 reads as "done" to a requeue (SLURM --requeue, Kubernetes' OnFailure, torchrun's
+            # restarts): the preempted job would never resume
+            raise ConfigError(
+                f"'preemption' exit_code must be an integer in [1, 255] (0 is success: a "
+                f"requeue reads it as done and never resumes the job): {code!r}"
+            )
 
     def make_sources(self) -> list[NoticeSource]:
         """The sources to start (``"auto"`` expanded for this machine)."""

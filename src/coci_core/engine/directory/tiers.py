@@ -24,6 +24,7 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 
 from coci_core.engine.directory import retention
@@ -37,6 +38,7 @@ from coci_core.knobs import (
     UPLOAD_BACKOFF_START_S,
     UPLOAD_CHUNK_BYTES,
     UPLOAD_CLOSE_TIMEOUT_S,
+    UPLOAD_KEPT_WAITING,
 )
 from coci_core.storage import Storage
 from coci_core.telemetry import UploadEvent
@@ -96,8 +98,9 @@ class RemoteTier:
         self._emit = emit
         self._cond = threading.Condition()
         self._pending: int | None = None
-        # a step of also_keep that a newer one replaced before it was uploaded: uploaded next
-        self._kept_pending: int | None = None
+        # the steps of also_keep that a newer one replaced before they were uploaded (or that
+        # the period passed over), oldest first: uploaded when nothing newer is pending
+        self._kept_waiting: deque[int] = deque()
         self._busy = False
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -154,7 +157,8 @@ class RemoteTier:
     @property
     def not_uploaded(self) -> list[int]:
         """The steps handed to the upload since the newest upload that committed, in the order
-        they were committed locally (each newer upload supersedes the older ones)."""
+        they were committed locally (each newer upload supersedes the older ones), and the
+        kept steps waiting for their upload behind it."""
         with self._cond:
             return list(self._not_uploaded)
 
@@ -193,10 +197,8 @@ class RemoteTier:
             for step in late:
                 if self._pending is None:
                     self._pending = step
-                elif self._kept_pending is None:
-                    self._kept_pending = step
                 else:
-                    continue  # one more slot: given again by a later keep_also
+                    self._wait_kept(step)
                 self._passed.discard(step)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="coci-upload", daemon=True)
@@ -208,7 +210,7 @@ class RemoteTier:
             if self._stopping:
                 return
             if self._pending not in (None, step) and self._pending in self.also_keep:
-                self._kept_pending = self._pending
+                self._wait_kept(self._pending)
             self._pending = step
             if step in self._not_uploaded:
                 self._not_uploaded.remove(step)
@@ -218,11 +220,32 @@ class RemoteTier:
                 self._thread.start()
             self._cond.notify_all()
 
+    def _wait_kept(self, step: int) -> None:
+        """``step``, kept also, waits for its upload behind a newer one (under ``_cond``); the
+        oldest waiting is left out, with a WARNING, past ``UPLOAD_KEPT_WAITING`` of them."""
+        if step in self._kept_waiting:
+            return
+        self._kept_waiting.append(step)
+        if step not in self._not_uploaded:
+            self._not_uploaded.insert(0, step)
+        if len(self._kept_waiting) > UPLOAD_KEPT_WAITING:
+            dropped = self._kept_waiting.popleft()
+            if dropped in self._not_uploaded:
+                self._not_uploaded.remove(dropped)
+            logger.warning(
+                "coci: more than %d kept steps wait for their upload; kept step %d is not "
+                "uploaded to %s (the oldest waiting), it stays in %s",
+                UPLOAD_KEPT_WAITING,
+                dropped,
+                self.remote.url,
+                self.local.url,
+            )
+
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until nothing is pending or being uploaded; whether that happened in time."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cond:
-            while self._pending is not None or self._kept_pending is not None or self._busy:
+            while self._pending is not None or self._kept_waiting or self._busy:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
@@ -294,18 +317,21 @@ class RemoteTier:
             with self._cond:
                 if self._pending is not None and self._pending != step:
                     if step is not None and step in self.also_keep:  # failed: after the newer
-                        self._kept_pending = step
+                        self._wait_kept(step)
                     step, attempt, backoff = self._pending, 0, UPLOAD_BACKOFF_START_S
                 self._pending = None
-                if step is None and self._kept_pending is not None:  # a kept step passed over
-                    step, attempt, backoff = self._kept_pending, 0, UPLOAD_BACKOFF_START_S
-                    self._kept_pending = None
+                while step is None and self._kept_waiting:  # kept steps a newer one replaced
+                    kept = self._kept_waiting.popleft()
+                    if kept in self.also_keep:  # (else no longer kept: superseded)
+                        step, attempt, backoff = kept, 0, UPLOAD_BACKOFF_START_S
+                    elif kept in self._not_uploaded:
+                        self._not_uploaded.remove(kept)
                 if step is None:
                     self._busy = False
                     self._cond.notify_all()
-                    while self._pending is None and not self._stopping:
+                    while self._pending is None and not self._kept_waiting and not self._stopping:
                         self._cond.wait()
-                    if self._pending is None:
+                    if self._pending is None and not self._kept_waiting:
                         return
                     continue
                 if self._stopping:
@@ -323,6 +349,7 @@ class RemoteTier:
                     step = None
                     if self._refused is not None:
                         self._pending = None
+                        self._kept_waiting.clear()
                     continue
                 logger.warning(
                     "coci: upload of step %d to %s failed: %s",
@@ -374,7 +401,10 @@ class RemoteTier:
         else:
             with self._cond:
                 if step in self._not_uploaded:  # the ones handed over before it are superseded
-                    del self._not_uploaded[: self._not_uploaded.index(step) + 1]
+                    at = self._not_uploaded.index(step)  # (but the kept ones waiting)
+                    self._not_uploaded[: at + 1] = [
+                        s for s in self._not_uploaded[:at] if s in self._kept_waiting
+                    ]
         self._last_error = error
         self._emit(
             UploadEvent(
