@@ -14,6 +14,7 @@ non-blocking on a side stream.
 
 from __future__ import annotations
 
+import operator
 import threading
 import time
 from collections.abc import Collection
@@ -114,10 +115,14 @@ def _version(t: torch.Tensor) -> int | None:
         return None
 
 
+_TENSOR = operator.attrgetter("tensor")
+_VERSION = operator.attrgetter("_version")
+
+
 def _versions(leaves: tuple[ArrayLeaf, ...]) -> tuple[int | None, ...]:
     """Every leaf's version counter (see :func:`_version`)."""
     try:
-        return tuple([leaf.tensor._version for leaf in leaves])
+        return tuple(map(_VERSION, map(_TENSOR, leaves)))
     except (RuntimeError, AttributeError):  # an inference tensor among them
         return tuple(_version(leaf.tensor) for leaf in leaves)
 
@@ -150,6 +155,7 @@ class CopyRuns:
     arena: Arena
     runs: tuple[tuple[torch.Tensor, list[torch.Tensor]], ...]
     rest: tuple[int, ...]
+    rest_leaves: tuple[int, ...] = ()  # the leaf of each slot of ``rest``
 
     @classmethod
     def plan(
@@ -179,6 +185,7 @@ class CopyRuns:
                 for start, views in runs
             ),
             tuple(rest),
+            tuple(slots[i].leaf for i in rest),
         )
 
     def copy(self, snap: Snapshot) -> None:
@@ -186,10 +193,9 @@ class CopyRuns:
         for out, sources in self.runs:
             torch.cat(sources, out=out)
         if self.rest:
-            leaves, slots = snap.leaves, snap.slots
             torch._foreach_copy_(
-                [snap.views[i] for i in self.rest],
-                [leaves[slots[i].leaf].tensor for i in self.rest],
+                list(map(snap.views.__getitem__, self.rest)),
+                list(map(_TENSOR, map(snap.leaves.__getitem__, self.rest_leaves))),
             )
 
 
