@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
+from coci_core import CheckpointManager
 from coci_core.engine.format import tree
 from coci_core.engine.format.tree import FlattenCache, flatten_state
 from coci_core.errors import UnsupportedValueError
@@ -216,3 +218,22 @@ def test_the_guard_is_used_where_torch_has_one(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(tree, "_layouts", lambda ts: calls.append(ts) or [])
     flat = flatten_state(state, cache=cache)
     assert flat.layout is cache.layout and calls == []
+
+
+def test_only_a_save_that_copies_in_the_background_reads_version_counters(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``block=True`` copies every tensor before ``save()`` returns: nothing to check later,
+    so no version counter is read; ``block=False`` reads them (its check needs them)."""
+    from coci_core.engine.save import snapshot
+
+    reads: list[int] = []
+    real = snapshot._versions
+    monkeypatch.setattr(snapshot, "_versions", lambda leaves: reads.append(1) or real(leaves))
+    state = {"w": torch.randn(1000), "b": torch.randn(3)}
+    with CheckpointManager(tmp_path, keep_last=None) as mgr:
+        mgr.save(1, state, block=True).wait()
+        assert reads == []
+        mgr.save(2, state, block=False).wait()
+        assert reads == [1]
+        assert torch.equal(mgr.restore(step=2)["w"], state["w"])

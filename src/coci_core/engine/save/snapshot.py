@@ -476,10 +476,14 @@ class Snapshotter:
         leaves: tuple[ArrayLeaf, ...],
         regions: tuple[Share, ...] | None = None,
         layout: tuple[object, ...] | None = None,
+        *,
+        background: bool = True,
     ) -> Snapshot:
         """Bind ``regions`` of ``leaves`` (default: all of every leaf) to an arena, allocating
         one only when the layout changed. ``layout``: the flatten's layout tokens, which
-        spare comparing every leaf's dtype and shape with the arena's."""
+        spare comparing every leaf's dtype and shape with the arena's. ``background``: part
+        of the copy may run after the caller goes on (each leaf's version counter is read now,
+        to check it by); False: all of it is copied by the caller before it goes on."""
         with self._lock:
             allocated = self._allocate(leaves, regions, touch=False, layout=layout)
             arena = self._arena
@@ -496,7 +500,7 @@ class Snapshotter:
                 views=self._views,
                 host_whole=self._host_whole,
                 runs=runs,
-                versions=_versions(leaves),
+                versions=_versions(leaves) if background else (),
             )
 
     def _copy_runs(
