@@ -7,7 +7,8 @@ For each state (``tensor_count_bench``'s), two managers save the same state with
 ``save(block=True)``, alternating save by save (the first of each round rotates):
 
 * **bulk** (coci's default): the tensors' addresses read by one ``map``, the rest of their
-  layouts by one guard over all of them (``FlattenCache``), dicts of tensors replayed whole;
+  layouts by one guard over all of them (``FlattenCache``), dicts of tensors (and an
+  optimizer's dicts of them under int keys) replayed whole;
   and no version counter read for a save that copies everything before it returns;
 * **per tensor**: every dict walked key by key, one fingerprint (address, dtype, shape,
   strides, device, lazy bits) read per tensor and every tensor's version counter read, as
@@ -75,7 +76,7 @@ def _per_tensor(on: bool) -> Iterator[None]:
         yield
         return
     cls = tree._Flattener
-    real = cls.check_layouts, cls._replay_tensor_dict
+    real = cls.check_layouts, cls._replay_tensor_dict, cls._replay_dict_dicts
     prepare = snapshot.Snapshotter.prepare
 
     def versions_read(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -83,11 +84,12 @@ def _per_tensor(on: bool) -> Iterator[None]:
 
     cls.check_layouts = _check_each  # type: ignore[method-assign]
     cls._replay_tensor_dict = _no_dict  # type: ignore[method-assign,assignment]
+    cls._replay_dict_dicts = _no_dict  # type: ignore[method-assign,assignment]
     snapshot.Snapshotter.prepare = versions_read  # type: ignore[method-assign]
     try:
         yield
     finally:
-        cls.check_layouts, cls._replay_tensor_dict = real  # type: ignore[method-assign]
+        cls.check_layouts, cls._replay_tensor_dict, cls._replay_dict_dicts = real  # type: ignore[method-assign]
         snapshot.Snapshotter.prepare = prepare  # type: ignore[method-assign]
 
 

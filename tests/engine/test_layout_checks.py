@@ -237,3 +237,70 @@ def test_only_a_save_that_copies_in_the_background_reads_version_counters(
         mgr.save(2, state, block=False).wait()
         assert reads == [1]
         assert torch.equal(mgr.restore(step=2)["w"], state["w"])
+
+
+def _optimizer_state() -> dict[str, Any]:
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    return {"model": model.state_dict(), "optim": opt.state_dict()}
+
+
+def _state_key_added(s: dict[str, Any]) -> None:
+    s["optim"]["state"][0]["extra"] = torch.zeros(1)
+
+
+def _state_key_dropped(s: dict[str, Any]) -> None:
+    del s["optim"]["state"][1]["exp_avg"]
+
+
+def _bool_key(s: dict[str, Any]) -> None:
+    states = s["optim"]["state"]
+    states[True] = states.pop(1)  # equal to 1, stored as another key
+
+
+def _float_value(s: dict[str, Any]) -> None:
+    s["optim"]["state"][2]["step"] = 1.0
+
+
+def _param_dropped(s: dict[str, Any]) -> None:
+    del s["optim"]["state"][3]
+
+
+def _inner_moved(s: dict[str, Any]) -> None:
+    inner = s["optim"]["state"][0]
+    inner["exp_avg"] = inner["exp_avg"].clone()
+
+
+OPTIMIZER_CHANGES: dict[str, Callable[[dict[str, Any]], None]] = {
+    "none": lambda s: None,
+    "key-added": _state_key_added,
+    "key-dropped": _state_key_dropped,
+    "bool-key": _bool_key,
+    "float-value": _float_value,
+    "param-dropped": _param_dropped,
+    "moved": _inner_moved,
+}
+
+
+@pytest.mark.parametrize("change", OPTIMIZER_CHANGES)
+def test_an_optimizer_state_replayed_whole_sees_every_change(change: str, guard: str) -> None:
+    """An optimizer's state (dicts of tensors under int keys) is replayed whole while its keys
+    stay; any change of a key, a value or a tensor gives what a full flatten gives."""
+    state = _optimizer_state()
+    cache = FlattenCache()
+    first = flatten_state(state, cache=cache)
+    OPTIMIZER_CHANGES[change](state)
+    again = flatten_state(state, cache=cache)
+    full = flatten_state(state)
+    assert _flat_json(again) == _flat_json(full)
+    assert [_layout(leaf.tensor) for leaf in again.leaves] == [
+        _layout(leaf.tensor) for leaf in full.leaves
+    ]
+    if change == "none":
+        assert again.layout is first.layout
+        assert (
+            again.tree["v"]["optim"]["v"]["state"]["items"]
+            is (first.tree["v"]["optim"]["v"]["state"]["items"])
+        )

@@ -30,6 +30,7 @@ import dataclasses
 import enum
 import functools
 import io
+import itertools
 import math
 import operator
 import pathlib
@@ -196,6 +197,8 @@ def _holds(guard: Any, tensors: list[torch.Tensor]) -> bool:
 # tensor types whose leaves a FlattenCache keeps (subclasses of Parameter are encoded anew)
 _PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
 _STR = frozenset({str})
+_INT = frozenset({int})
+_DICT = frozenset({dict})
 
 
 @functools.lru_cache(maxsize=4096)
@@ -307,6 +310,9 @@ class FlattenCache:
         # dicts of plain tensors only, under str keys, by (first tensor met, key): their
         # keys and the tree's mapping of them (see ``_Flattener.tensor_dicts``)
         self.tensor_dicts: dict[tuple[int, str], tuple[list[str], dict[str, Any]]] = {}
+        # dicts of such dicts under int keys (an optimizer's state), likewise: their keys,
+        # each inner dict's keys and the tree's items of them
+        self.dict_dicts: dict[tuple[int, str], tuple[list[int], list[list[str]], list[Any]]] = {}
 
     def store(self, flattener: _Flattener) -> object | None:
         """Keep what ``flattener`` met (when it can be reused); the new layout's token."""
@@ -329,6 +335,7 @@ class FlattenCache:
         ]
         self.guard = _guard(flattener.plains) if keep else None
         self.tensor_dicts = flattener.tensor_dicts if keep else {}
+        self.dict_dicts = flattener.dict_dicts if keep else {}
         self.keep_leaves(tuple(flattener.leaves) if keep else (), flattener.sources if keep else [])
         self.layout = object() if keep else None
         return self.layout
@@ -356,6 +363,7 @@ class _Flattener:
         # each dict of plain tensors only, under str keys: (first tensor met, key) ->
         # (its keys, its node's mapping), replayed whole (see ``_replay_tensor_dict``)
         self.tensor_dicts: dict[tuple[int, str], tuple[list[str], dict[str, Any]]] = {}
+        self.dict_dicts: dict[tuple[int, str], tuple[list[int], list[list[str]], list[Any]]] = {}
         # the plain tensors met (replaying, their layouts are checked after the walk, all at
         # once: ``check_layouts``)
         self.plains: list[Any] = []
@@ -599,6 +607,29 @@ class _Flattener:
         self.plains.extend(values)
         return mapping
 
+    def _replay_dict_dicts(self, d: Mapping[Any, Any], key: str) -> list[Any] | None:
+        """The items of a dict of dicts of plain tensors, under int keys (an optimizer's
+        state), that the cache met at this place with the same keys, or None."""
+        cache = self._cache
+        assert cache is not None
+        known = cache.dict_dicts.get((len(self.tensors), key))
+        if known is None:
+            return None
+        names, inner, items = known
+        if len(d) != len(names) or list(d) != names or set(map(type, d)) != _INT:
+            return None
+        dicts = list(d.values())
+        if set(map(type, dicts)) != _DICT or list(map(list, dicts)) != inner:
+            return None
+        if not set(map(type, itertools.chain.from_iterable(dicts))) <= _STR:
+            return None
+        values = list(itertools.chain.from_iterable(map(dict.values, dicts)))
+        if not set(map(type, values)) <= _PLAIN_TENSORS:
+            return None
+        self.tensors.extend(values)
+        self.plains.extend(values)
+        return items
+
     def check_layouts(self) -> None:
         """After a replay's walk over as many tensors as the cache met: :class:`_Miss` unless
         every plain tensor is laid out as the one the cache met at its place, or moved where
@@ -748,16 +779,35 @@ class _Flattener:
                     and set(map(type, d.values())) <= _PLAIN_TENSORS
                 ):
                     self.tensor_dicts[(first, key)] = (list(d), node["v"])
+        elif items := self._replay_dict_dicts(d, key) if self._cache is not None else None:
+            node["items"] = items
         else:
+            first = len(self.met[0])
             node["items"] = [
                 [self._encode_key(k, key), self.encode(v, f"{key}/{k}")] for k, v in d.items()
             ]
+            if self._cache is None and d and self._only_tensor_dicts(d, first):
+                inner = [list(v) for v in d.values()]
+                self.dict_dicts[(first, key)] = (list(d), inner, node["items"])
         metadata = getattr(
             d, "_metadata", None
         )  # nn.Module.state_dict() keeps module versions here
         if metadata is not None:
             node["metadata"] = self.encode(metadata, f"{key}/_metadata")
         return node
+
+    def _only_tensor_dicts(self, d: Mapping[Any, Any], first: int) -> bool:
+        """Whether ``d``, just encoded from the ``first``-th tensor met on, holds under int keys
+        only dicts that hold under str keys only plain tensors, each met once."""
+        if set(map(type, d)) != _INT or set(map(type, d.values())) != _DICT:
+            return False
+        keys = list(itertools.chain.from_iterable(d.values()))
+        values = list(itertools.chain.from_iterable(map(dict.values, d.values())))
+        return (
+            len(self.met[0]) - first == len(values)
+            and set(map(type, keys)) <= _STR
+            and set(map(type, values)) <= _PLAIN_TENSORS
+        )
 
     def _encode_key(self, k: Any, key: str) -> Any:
         if k is None or type(k) in (str, int, bool) or (type(k) is float and math.isfinite(k)):
