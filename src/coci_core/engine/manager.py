@@ -421,7 +421,7 @@ class CheckpointManager:
         known = flat.layout is not None and (own is None or own.layout is not None)
         layout = (flat.layout, own.layout if own else None) if known else None
         regions, digest = self._split(flat.leaves, leaves, layout, alone)
-        snapshot = self._snapshotter.prepare(leaves, regions, layout)
+        snapshot = self._snapshotter.prepare(leaves, regions, layout, background=not block)
         handle = SaveHandle(step, block=block, started=started, snapshot=snapshot)
         job = PersistJob(
             step,

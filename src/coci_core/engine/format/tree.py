@@ -30,6 +30,7 @@ import dataclasses
 import enum
 import functools
 import io
+import itertools
 import math
 import operator
 import pathlib
@@ -66,6 +67,12 @@ from coci_core.engine.format.tree_nodes import (
 from coci_core.engine.restore.meshes import mesh_copies, with_copies
 from coci_core.engine.restore.tree_read import build_wrapped, check_tree, unflatten_state
 from coci_core.errors import UnsupportedValueError
+
+_TensorGuards: Any
+try:
+    from torch._C._dynamo.guards import TensorGuards as _TensorGuards
+except ImportError:  # a torch without it: tensors are checked part by part
+    _TensorGuards = None
 
 # Reading a tree (tree_read), its vocabulary (tree_nodes) and torch.save'd values (torch_saved)
 # live in their own modules; their names stay importable from here.
@@ -147,8 +154,51 @@ def _fingerprint(t: torch.Tensor) -> tuple[Any, ...]:
     return (t.data_ptr(), t.dtype, t.shape, t.stride(), t.device, t.is_conj(), t.is_neg())
 
 
+# the parts of ``_fingerprint``, in its order: each read from many tensors by one ``map``
+_LAYOUT_PARTS = (
+    torch.Tensor.data_ptr,
+    operator.attrgetter("dtype"),
+    operator.attrgetter("shape"),
+    torch.Tensor.stride,
+    operator.attrgetter("device"),
+    torch.Tensor.is_conj,
+    torch.Tensor.is_neg,
+)
+
+
+def _layouts(tensors: list[torch.Tensor]) -> list[list[Any]]:
+    """Every tensor's :func:`_fingerprint`, as one list per part of it."""
+    return [list(map(part, tensors)) for part in _LAYOUT_PARTS]
+
+
+def _guard(tensors: list[torch.Tensor]) -> Any:
+    """A check that tensors have the Python types, dispatch keys (device type, lazy conjugate
+    and negative bits), dtypes, device indexes, ``requires_grad``, shapes and strides of
+    ``tensors``, all of them in one C++ call (torch's ``TensorGuards``, what ``torch.compile``
+    checks its inputs with); None where this torch has none."""
+    if _TensorGuards is None:
+        return None
+    try:
+        return _TensorGuards(*tensors, dynamic_dims_sizes=[], dynamic_dims_strides=[])
+    except Exception:  # another signature: the checks part by part
+        return None
+
+
+def _holds(guard: Any, tensors: list[torch.Tensor]) -> bool:
+    """Whether :func:`_guard`'s ``guard`` holds for ``tensors`` (False: not known)."""
+    if guard is None:
+        return False
+    try:
+        return bool(guard.check(*tensors))
+    except Exception:
+        return False
+
+
 # tensor types whose leaves a FlattenCache keeps (subclasses of Parameter are encoded anew)
 _PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
+_STR = frozenset({str})
+_INT = frozenset({int})
+_DICT = frozenset({dict})
 
 
 @functools.lru_cache(maxsize=4096)
@@ -251,6 +301,18 @@ class FlattenCache:
         self.sources: list[Any] = []
         self.makers: list[_Maker] = []
         self.layout: object | None = None
+        # the tensors met that are not plain tensors (DTensors, numpy arrays); the
+        # fingerprints of the plain ones as ``_layouts`` gives them, and their ``_guard``
+        self.others: list[int] = []
+        self.plain_at: list[int] = []
+        self.plain_layouts: list[list[Any]] = []
+        self.guard: Any = None
+        # dicts of plain tensors only, under str keys, by (first tensor met, key): their
+        # keys and the tree's mapping of them (see ``_Flattener.tensor_dicts``)
+        self.tensor_dicts: dict[tuple[int, str], tuple[list[str], dict[str, Any]]] = {}
+        # dicts of such dicts under int keys (an optimizer's state), likewise: their keys,
+        # each inner dict's keys and the tree's items of them
+        self.dict_dicts: dict[tuple[int, str], tuple[list[int], list[list[str]], list[Any]]] = {}
 
     def store(self, flattener: _Flattener) -> object | None:
         """Keep what ``flattener`` met (when it can be reused); the new layout's token."""
@@ -264,6 +326,16 @@ class FlattenCache:
         shared = {node["id"] for i, node in enumerate(self.nodes) if i not in self.leaf_of}
         self.tied = frozenset(i for i, j in self.leaf_of.items() if j in shared)
         self.makers = flattener.makers if keep else []
+        self.others = flattener.others if keep else []
+        others = frozenset(self.others)
+        self.plain_at = [i for i in range(len(self.fingerprints)) if i not in others]
+        self.plain_layouts = [
+            [self.fingerprints[i][part] for i in self.plain_at]
+            for part in range(len(_LAYOUT_PARTS))
+        ]
+        self.guard = _guard(flattener.plains) if keep else None
+        self.tensor_dicts = flattener.tensor_dicts if keep else {}
+        self.dict_dicts = flattener.dict_dicts if keep else {}
         self.keep_leaves(tuple(flattener.leaves) if keep else (), flattener.sources if keep else [])
         self.layout = object() if keep else None
         return self.layout
@@ -286,6 +358,15 @@ class _Flattener:
         self.firsts: list[int] = []
         self.sources: list[Any] = []
         self.makers: list[_Maker] = []
+        # where DTensors and numpy arrays were met, among the tensors met
+        self.others: list[int] = []
+        # each dict of plain tensors only, under str keys: (first tensor met, key) ->
+        # (its keys, its node's mapping), replayed whole (see ``_replay_tensor_dict``)
+        self.tensor_dicts: dict[tuple[int, str], tuple[list[str], dict[str, Any]]] = {}
+        self.dict_dicts: dict[tuple[int, str], tuple[list[int], list[list[str]], list[Any]]] = {}
+        # the plain tensors met (replaying, their layouts are checked after the walk, all at
+        # once: ``check_layouts``)
+        self.plains: list[Any] = []
         # Replaying a FlattenCache: the tensors met so far (each must match the cache's; a
         # DTensor's local tensor stands for it), the leaves made anew from arrays that moved
         # and those arrays' fingerprints.
@@ -460,6 +541,11 @@ class _Flattener:
             return self._encode_dtensor(t, key)
         if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
             return self._fallback(t, key, why=f"tensor subclass {type(t).__name__} is not stored")
+        if _storage_short(t):
+            raise UnsupportedValueError(
+                f"state value at {key!r} is a tensor whose storage was freed or shrunk in place "
+                "(untyped_storage().resize_()): it no longer holds the tensor's bytes"
+            )
         leaves = len(self.leaves)
         node = self.add_leaf(key, _detached(t), "tensor")
         if type(t) not in _PLAIN_TENSORS:
@@ -479,6 +565,10 @@ class _Flattener:
     ) -> None:
         """Note a tensor met for a FlattenCache (with the leaf it made, when it made one)."""
         fingerprints, keys, nodes = self.met
+        if maker is _detached:
+            self.plains.append(source)
+        else:  # a DTensor's or a numpy array's
+            self.others.append(len(fingerprints))
         fingerprints.append(fingerprint)
         keys.append(key)
         nodes.append(node)
@@ -488,18 +578,88 @@ class _Flattener:
             self.makers.append(maker)
 
     def _replay_tensor(self, t: torch.Tensor, key: str) -> Any:
-        """A plain tensor met while replaying the cache: its node, when it is laid out as the
-        tensor the cache met at this place, under the same key."""
+        """A plain tensor met while replaying the cache: the node of the tensor the cache met at
+        this place, under the same key (its layout is checked by :meth:`check_layouts`)."""
         cache = self._cache
         assert cache is not None
         i = len(self.tensors)
         if i >= len(cache.keys) or cache.keys[i] != key:
             raise _Miss
-        fingerprint = _fingerprint(t)
-        if cache.fingerprints[i] != fingerprint:
-            self._moves(i, fingerprint)
         self.tensors.append(t)
+        self.plains.append(t)
         return cache.nodes[i]
+
+    def _replay_tensor_dict(self, d: Mapping[Any, Any], key: str) -> dict[str, Any] | None:
+        """The mapping of a dict of plain tensors that the cache met at this place with the
+        same keys (its tensors' layouts are checked by :meth:`check_layouts`), or None."""
+        cache = self._cache
+        assert cache is not None
+        known = cache.tensor_dicts.get((len(self.tensors), key))
+        if known is None:
+            return None
+        names, mapping = known
+        if len(d) != len(names) or list(d) != names or set(map(type, d)) != _STR:
+            return None
+        values = list(d.values())
+        if not set(map(type, values)) <= _PLAIN_TENSORS:
+            return None
+        self.tensors.extend(values)
+        self.plains.extend(values)
+        return mapping
+
+    def _replay_dict_dicts(self, d: Mapping[Any, Any], key: str) -> list[Any] | None:
+        """The items of a dict of dicts of plain tensors, under int keys (an optimizer's
+        state), that the cache met at this place with the same keys, or None."""
+        cache = self._cache
+        assert cache is not None
+        known = cache.dict_dicts.get((len(self.tensors), key))
+        if known is None:
+            return None
+        names, inner, items = known
+        if len(d) != len(names) or list(d) != names or set(map(type, d)) != _INT:
+            return None
+        dicts = list(d.values())
+        if set(map(type, dicts)) != _DICT or list(map(list, dicts)) != inner:
+            return None
+        if not set(map(type, itertools.chain.from_iterable(dicts))) <= _STR:
+            return None
+        values = list(itertools.chain.from_iterable(map(dict.values, dicts)))
+        if not set(map(type, values)) <= _PLAIN_TENSORS:
+            return None
+        self.tensors.extend(values)
+        self.plains.extend(values)
+        return items
+
+    def check_layouts(self) -> None:
+        """After a replay's walk over as many tensors as the cache met: :class:`_Miss` unless
+        every plain tensor is laid out as the one the cache met at its place, or moved where
+        :meth:`_moves` allows it. Checked over all tensors at once (their addresses, then the
+        cache's guard; where it does not hold, one ``map`` per part of the fingerprints):
+        one fingerprint per tensor was most of a replay."""
+        cache = self._cache
+        assert cache is not None
+        if self.others != cache.others:
+            raise _Miss
+        plains = self.plains
+        ptrs = list(map(torch.Tensor.data_ptr, plains))
+        held = _holds(cache.guard, plains)
+        if held and ptrs == cache.plain_layouts[0]:
+            return
+        # where the guard holds, every part but the address is the cache's
+        layouts = [ptrs] if held else _layouts(plains)
+        differ: set[int] = set()
+        for new, old in zip(layouts, cache.plain_layouts, strict=False):
+            if new != old:
+                differ.update(k for k, (a, b) in enumerate(zip(new, old, strict=True)) if a != b)
+        for k in sorted(differ):
+            if _storage_short(plains[k]):  # freed in place (address 0): refused by the flatten
+                raise _Miss
+            i = cache.plain_at[k]
+            fingerprint = _fingerprint(plains[k])
+            if cache.fingerprints[i] != fingerprint:
+                self._moves(i, fingerprint)
+        if not held:  # laid out as the cache's (requires_grad or a type changed): guard these
+            cache.guard = _guard(plains)
 
     def _moves(self, i: int, fingerprint: tuple[Any, ...]) -> None:
         """The tensor met ``i``-th is laid out as the cache's but at another address: a leaf
@@ -531,6 +691,7 @@ class _Flattener:
             or cache.fingerprints[i] != _ndarray_fingerprint(a)
         ):
             raise _Miss
+        self.others.append(i)
         self.tensors.append(a)
         self.moved.append(cache.leaf_of[i])
         return cache.nodes[i]
@@ -547,6 +708,7 @@ class _Flattener:
             or cache.fingerprints[i] != _dtensor_fingerprint(t, local)
         ):
             raise _Miss
+        self.others.append(i)
         self.tensors.append(local)
         return cache.nodes[i]
 
@@ -601,21 +763,51 @@ class _Flattener:
 
     def _encode_dict(self, d: Mapping[Any, Any], key: str) -> Any:
         node: dict[str, Any] = {"t": "odict" if type(d) is OrderedDict else "dict"}
-        if all(type(k) is str for k in d):
+        mapping = self._replay_tensor_dict(d, key) if self._cache is not None else None
+        if mapping is not None:
+            node["v"] = mapping
+        elif all(type(k) is str for k in d):
             if all(_as_is(v) for v in d.values()):
                 node["v"] = dict(d)  # what encode gives each value (module versions: fast)
             else:
+                first = len(self.met[0])
                 node["v"] = {k: self.encode(v, f"{key}/{k}") for k, v in d.items()}
+                if (
+                    self._cache is None
+                    and d
+                    and len(self.met[0]) - first == len(d)
+                    and set(map(type, d.values())) <= _PLAIN_TENSORS
+                ):
+                    self.tensor_dicts[(first, key)] = (list(d), node["v"])
+        elif items := self._replay_dict_dicts(d, key) if self._cache is not None else None:
+            node["items"] = items
         else:
+            first = len(self.met[0])
             node["items"] = [
                 [self._encode_key(k, key), self.encode(v, f"{key}/{k}")] for k, v in d.items()
             ]
+            if self._cache is None and d and self._only_tensor_dicts(d, first):
+                inner = [list(v) for v in d.values()]
+                self.dict_dicts[(first, key)] = (list(d), inner, node["items"])
         metadata = getattr(
             d, "_metadata", None
         )  # nn.Module.state_dict() keeps module versions here
         if metadata is not None:
             node["metadata"] = self.encode(metadata, f"{key}/_metadata")
         return node
+
+    def _only_tensor_dicts(self, d: Mapping[Any, Any], first: int) -> bool:
+        """Whether ``d``, just encoded from the ``first``-th tensor met on, holds under int keys
+        only dicts that hold under str keys only plain tensors, each met once."""
+        if set(map(type, d)) != _INT or set(map(type, d.values())) != _DICT:
+            return False
+        keys = list(itertools.chain.from_iterable(d.values()))
+        values = list(itertools.chain.from_iterable(map(dict.values, d.values())))
+        return (
+            len(self.met[0]) - first == len(values)
+            and set(map(type, keys)) <= _STR
+            and set(map(type, values)) <= _PLAIN_TENSORS
+        )
 
     def _encode_key(self, k: Any, key: str) -> Any:
         if k is None or type(k) in (str, int, bool) or (type(k) is float and math.isfinite(k)):
@@ -720,6 +912,15 @@ def _no_data(t: torch.Tensor) -> str | None:
     return None
 
 
+def _storage_short(t: torch.Tensor) -> bool:
+    """Whether ``t``'s storage no longer holds all of its bytes (freed or shrunk in place, as
+    parameter offloading does): a copy of it would read memory that it does not own."""
+    if t.numel() == 0:
+        return False
+    extent = sum((n - 1) * step for n, step in zip(t.shape, t.stride(), strict=True)) + 1
+    return bool(t.untyped_storage().nbytes() < (t.storage_offset() + extent) * t.element_size())
+
+
 def _ndarray_fingerprint(a: np.ndarray) -> tuple[Any, ...]:
     """What a numpy array's leaf and tree node depend on (its leaf is made anew each time)."""
     return ("ndarray", a.dtype.str, a.shape)
@@ -759,7 +960,8 @@ def _replay(state: dict[str, Any], cache: FlattenCache, allow_torch_save: bool) 
     met = flattener.tensors
     if len(met) != len(cache.keys) or flattener.leaves:
         raise _Miss  # fewer tensors, or a value that made a leaf of its own
-    sources = [met[i] for i in cache.firsts]
+    flattener.check_layouts()
+    sources = list(map(met.__getitem__, cache.firsts))
     moved = set(flattener.moved)
     # new tensor objects, same layout; or arrays that moved (a parameter whose .data was
     # replaced is the same object: its leaf, a detached view, is made anew all the same)

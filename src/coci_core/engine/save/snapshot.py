@@ -14,6 +14,7 @@ non-blocking on a side stream.
 
 from __future__ import annotations
 
+import operator
 import threading
 import time
 from collections.abc import Collection
@@ -114,10 +115,14 @@ def _version(t: torch.Tensor) -> int | None:
         return None
 
 
+_TENSOR = operator.attrgetter("tensor")
+_VERSION = operator.attrgetter("_version")
+
+
 def _versions(leaves: tuple[ArrayLeaf, ...]) -> tuple[int | None, ...]:
     """Every leaf's version counter (see :func:`_version`)."""
     try:
-        return tuple([leaf.tensor._version for leaf in leaves])
+        return tuple(map(_VERSION, map(_TENSOR, leaves)))
     except (RuntimeError, AttributeError):  # an inference tensor among them
         return tuple(_version(leaf.tensor) for leaf in leaves)
 
@@ -150,6 +155,7 @@ class CopyRuns:
     arena: Arena
     runs: tuple[tuple[torch.Tensor, list[torch.Tensor]], ...]
     rest: tuple[int, ...]
+    rest_leaves: tuple[int, ...] = ()  # the leaf of each slot of ``rest``
 
     @classmethod
     def plan(
@@ -179,6 +185,7 @@ class CopyRuns:
                 for start, views in runs
             ),
             tuple(rest),
+            tuple(slots[i].leaf for i in rest),
         )
 
     def copy(self, snap: Snapshot) -> None:
@@ -186,10 +193,9 @@ class CopyRuns:
         for out, sources in self.runs:
             torch.cat(sources, out=out)
         if self.rest:
-            leaves, slots = snap.leaves, snap.slots
             torch._foreach_copy_(
-                [snap.views[i] for i in self.rest],
-                [leaves[slots[i].leaf].tensor for i in self.rest],
+                list(map(snap.views.__getitem__, self.rest)),
+                list(map(_TENSOR, map(snap.leaves.__getitem__, self.rest_leaves))),
             )
 
 
@@ -470,10 +476,14 @@ class Snapshotter:
         leaves: tuple[ArrayLeaf, ...],
         regions: tuple[Share, ...] | None = None,
         layout: tuple[object, ...] | None = None,
+        *,
+        background: bool = True,
     ) -> Snapshot:
         """Bind ``regions`` of ``leaves`` (default: all of every leaf) to an arena, allocating
         one only when the layout changed. ``layout``: the flatten's layout tokens, which
-        spare comparing every leaf's dtype and shape with the arena's."""
+        spare comparing every leaf's dtype and shape with the arena's. ``background``: part
+        of the copy may run after the caller goes on (each leaf's version counter is read now,
+        to check it by); False: all of it is copied by the caller before it goes on."""
         with self._lock:
             allocated = self._allocate(leaves, regions, touch=False, layout=layout)
             arena = self._arena
@@ -490,7 +500,7 @@ class Snapshotter:
                 views=self._views,
                 host_whole=self._host_whole,
                 runs=runs,
-                versions=_versions(leaves),
+                versions=_versions(leaves) if background else (),
             )
 
     def _copy_runs(
