@@ -526,3 +526,79 @@ def test_a_moved_save_made_again_as_steps_slow_is_said_once(
     finally:
         monkeypatch.undo()  # the real clock for close's waits
         ckpt.close()
+
+
+def test_a_sigterm_with_a_known_end_pending_is_named_as_the_notice_in_force(
+    tmp_path: Path,
+) -> None:
+    """SIGUSR1 20 s before the end and SIGTERM (30 s grace) to one process: the SIGTERM asks to
+    stop now, so it is the notice the save is taken for, in the decision and in the report
+    (it was named SIGUSR1, the earlier deadline: "the steps slowed down", "the save moved")."""
+    args = {
+        "dir": str(tmp_path),
+        "sources": ["TERM@30", "USR1@20"],
+        "margin_s": 1,
+        "telemetry": True,
+    }
+
+    def notify() -> None:
+        os.kill(child.pid, signal.SIGUSR1)
+        os.kill(child.pid, signal.SIGTERM)
+
+    with Child(module(CHILD, json.dumps(args)), stderr=subprocess.DEVNULL) as child:
+        code, lines = _preempt(child, 30, notify)
+    assert code == 143
+    (stop,) = _marks(lines, "PREEMPTED")
+    assert stop["source"] == "SIGTERM" and stop["saved"] == stop["at"]
+    (notice,) = notices(read_jsonl(tmp_path / "telemetry.jsonl"))
+    assert "SIGTERM" in preemption_line(notice) and "moved" not in preemption_line(notice)
+    assert _restored(tmp_path)[0] == stop["at"]
+
+
+@pytest.mark.dist
+def test_a_sigterm_on_another_rank_than_a_known_ends_is_named_on_rank_0(tmp_path: Path) -> None:
+    """Rank 0 gets SIGUSR1 (20 s to the end), rank 1 SIGTERM: both save the same step at once
+    and stop; rank 0, which logs and records the notice, names another rank's notice as the
+    one in force, not its own SIGUSR1 (it said "the steps slowed down")."""
+    args = {
+        "dir": str(tmp_path),
+        "sources": ["TERM@30", "USR1@20"],
+        "margin_s": 1,
+        "step_s": 0.02,
+        "telemetry": True,
+    }
+    lines: list[list[str]] = [[], []]
+    port = free_port()
+    children = [
+        Child(  # rank 0's log lines read from a pipe of their own
+            module(CHILD, json.dumps(args)),
+            env=rank_env(r, 2, port),
+            stderr="pipe" if r == 0 else subprocess.DEVNULL,
+        )
+        for r in range(2)
+    ]
+    try:
+        assert all(_until(child, "READY", lines[r]) for r, child in enumerate(children))
+        os.kill(children[0].pid, signal.SIGUSR1)
+        log = children[0].proc.stderr
+        assert log is not None
+        while "coci: preemption notice (SIGUSR1)" not in (line := log.readline()):  # planned
+            assert line, "rank 0 never planned the save for its SIGUSR1"
+        os.kill(children[1].pid, signal.SIGTERM)
+        logged = log.read()
+        codes = [child.wait(60) for child in children]
+        for rank, child in enumerate(children):
+            lines[rank].extend(child.lines())
+    finally:
+        for child in children:
+            child.close()
+    assert codes == [143, 143]
+    stops = [_marks(rank_lines, "PREEMPTED")[0] for rank_lines in lines]
+    assert [s["source"] for s in stops] == ["another rank", "SIGTERM"]
+    assert stops[0]["saved"] == stops[1]["saved"] == stops[0]["at"] == stops[1]["at"]
+    assert "coci: preemption notice (another rank) at step" in logged
+    (notice,) = notices(read_jsonl(tmp_path / "telemetry.jsonl"))
+    assert "then a notice on another rank at step" in preemption_line(notice)
+    saved = {s["step"]: s["digest"] for s in _marks(lines[0], "SAVED")}
+    step, state = _restored(tmp_path)
+    assert step == stops[0]["at"] and _digest(state) == saved[step]

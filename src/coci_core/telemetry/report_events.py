@@ -75,7 +75,8 @@ def preemption_line(r: dict[str, Any]) -> str:
             + (
                 f"the save moved to step {r['step']}, {left} s left"
                 if first == source
-                else f"then {source} at step {r['step']}, {left} s left"
+                else f"then {'a notice on another rank' if source == 'another rank' else source}"
+                f" at step {r['step']}, {left} s left"
             )
         )
     saved = r.get("saved")

@@ -358,10 +358,14 @@ class PreemptionWatch:
             left = self.min_over_ranks(left)
         if math.isinf(left):
             return None
-        go_on = self._go_on_left(now)
+        own_go_on = go_on = self._go_on_left(now)
         if self.min_over_ranks is not None:  # every rank got the notice at the same boundary
             go_on = self.min_over_ranks(go_on)
         source = notice.source if notice is not None else "another rank"
+        if go_on <= 0:  # a rank was asked to stop now (SIGTERM): that notice is in force
+            stop = [n for n in self.board.all() if not n.known_end]
+            source = stop[0].source if stop and own_go_on <= 0 else source
+            source = "another rank" if own_go_on > 0 else source
         margin = self.config.margin_s
         payload: dict[str, Any] | None = None
         if self.rank == 0:
