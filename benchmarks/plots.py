@@ -260,6 +260,29 @@ def save_overheads(results: dict[str, Any]) -> Figure:
     return fig
 
 
+def replay(results: dict[str, Any]) -> Figure:
+    """The training thread's CPU in a save's replay of the last save's layout, the layout
+    checked in bulk (coci) or tensor by tensor (before), per state."""
+    cells = results["cells"]
+    states = [c["state"]["name"] for c in cells]
+    x = np.arange(len(states))
+    fig, ax = plt.subplots(figsize=(7.0, 3.8))
+    for j, (key, label, color) in enumerate(
+        (("bulk", "layout checked in bulk (coci)", "tab:green"),
+         ("per_tensor", "one fingerprint per tensor (before)", "tab:gray"))
+    ):  # fmt: skip
+        medians = [float(np.median(c["samples"][key]["replay_cpu"])) for c in cells]
+        ax.bar(x + j * 0.4, medians, 0.4, label=label, color=color)
+    ax.set_ylabel("training thread's CPU in the replay (s)")
+    ax.set_xticks(x + 0.2, states)
+    ax.set_yscale("log")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.suptitle(f"Replaying the last save's layout: medians of {results['rounds']} rounds")
+    fig.tight_layout()
+    return fig
+
+
 def fsdp(results: dict[str, Any]) -> Figure:
     """Blocking time, time to durable and restore onto another layout, per process count."""
     worlds = list(results["worlds"])
@@ -337,6 +360,7 @@ PLOTS: dict[str, Callable[[dict[str, Any]], Figure]] = {
     "restore-4g": restore,
     "tensor-count": tensor_count,
     "save-overheads": save_overheads,
+    "replay": replay,
     "fsdp": fsdp,
     "loop": loop,
 }
