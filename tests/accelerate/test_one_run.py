@@ -28,7 +28,8 @@ def _torchrun(directory: Path, *, cpu: bool) -> tuple[list[str], str]:
     env = child_env({"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"})
     out = run([*command, str(directory), "cpu" if cpu else "default"], env=env, timeout_s=120)
     assert out.returncode == 0, out.stderr
-    results = sorted(line for line in out.stdout.splitlines() if line.startswith("RESULT "))
+    # the two children share torchrun's stdout: one's line may land inside the other's
+    results = sorted(re.findall(r"RESULT \d+ \d+", out.stdout))
     return results, out.stderr
 
 
