@@ -343,20 +343,20 @@ def _plan_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
 def test_max_epochs_run_is_planned_and_told(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A 640-step run given by max_epochs (no max_steps) with default settings is planned over
-    its estimated 640 steps, saves before its end, and says its plan in one rank-zero log line:
+    """A 160-step run given by max_epochs (no max_steps) with default settings is planned over
+    its estimated 160 steps, saves before its end, and says its plan in one rank-zero log line:
     the first planned save, the interval, the MTBF and where it came from, how to change it."""
     callback = CociCheckpoint(keep_last=None, save_on_train_end=False)
     pl.seed_everything(1, verbose=False)
-    trainer = _trainer(tmp_path, -1, [callback], max_epochs=40, log_every_n_steps=50)
+    trainer = _trainer(tmp_path, -1, [callback], max_epochs=10, log_every_n_steps=50)
     with caplog.at_level("INFO"):
         trainer.fit(DigitsModel())
-    assert trainer.global_step == 640
+    assert trainer.global_step == 160
     with CheckpointManager(tmp_path / "coci", keep_last=None) as mgr:
         steps = mgr.steps()
-    assert steps and steps[0] < 640
+    assert steps and steps[0] < 160
     (line,) = _plan_lines(caplog)
-    for part in ("of 640 steps", "first save at step", "interval", "MTBF", "mtbf_s="):
+    for part in ("of 160 steps", "first save at step", "interval", "MTBF", "mtbf_s="):
         assert part in line, line
     assert "default" in line  # the MTBF's source: nothing given, no failure seen yet
 
