@@ -19,6 +19,7 @@ from typing import Any
 
 from coci_accelerate._state import LAYOUT, PROCESS_KEY, mismatch_error, saved_none
 from coci_core.errors import CorruptCheckpointError
+from coci_core.planner.planner_state import check_planner_state
 from coci_core.training import UnfitRandomState, check_saved_random_states
 
 __all__ = ["check_saved"]
@@ -80,6 +81,12 @@ def _check(
     for i, loader in enumerate(state["dataloaders"]):
         if not isinstance(loader, dict) or not _int(loader.get("iteration", 0)):
             raise _Unfit(f"dataloaders[{i}] is not a loader's position")
+    coci = state.get("coci", {})
+    if not isinstance(coci, dict):
+        raise _Unfit("coci's own state is not a dict")
+    why = None if coci.get("planner") is None else check_planner_state(coci["planner"])
+    if why is not None:
+        raise _Unfit(f"coci's planner state cannot be loaded ({why})")
     if "per_process" in state:  # written before every process wrote its own share
         own = state["per_process"]
         mine = own[process_index] if isinstance(own, list) and process_index < len(own) else None

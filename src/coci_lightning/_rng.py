@@ -17,6 +17,7 @@ from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.utilities import rank_zero_warn
 
 from coci_core.errors import CorruptCheckpointError
+from coci_core.planner.planner_state import check_planner_state
 from coci_core.training import check_random_states
 
 #: this rank's state in coci's saves (``per_rank``): ``{"rng": ...}``
@@ -87,6 +88,14 @@ def check_saved_rng(step: int, state: Any, rank: int | None = None) -> None:
         CorruptCheckpointError: one is not a random state of its generator, or this rank's
             are missing.
     """
+    callbacks = state.get("callbacks") if isinstance(state, dict) else None
+    ours = callbacks.get("CociCheckpoint") if isinstance(callbacks, dict) else None
+    if isinstance(ours, dict) and ours.get("planner") is not None:
+        why = check_planner_state(ours["planner"])
+        if why is not None:  # CociCheckpoint.load_state_dict would raise it from fit()
+            raise CorruptCheckpointError(
+                f"step {step}: coci's planner state cannot be loaded ({why[:200]})", step=step
+            )
     own = state.get(RANK_STATE_KEY) if isinstance(state, dict) else None
     if own is None:
         wrote = state.get(RANK_STATES_KEY) if isinstance(state, dict) else None

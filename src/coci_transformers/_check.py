@@ -25,6 +25,7 @@ import torch
 from transformers import TrainerState
 
 from coci_core.errors import CorruptCheckpointError
+from coci_core.planner.planner_state import check_planner_state
 from coci_core.training import UnfitRandomState, check_saved_random_states
 from coci_transformers._state import LAYOUT, PROCESS_KEY
 
@@ -248,6 +249,10 @@ def _check(
     coci = state.get("coci", {})
     if not _str_keys(coci) or not isinstance(coci.get("planner", {}), dict):
         raise _Unfit("coci's own state is not a dict")
+    planner = coci.get("planner")
+    why = None if planner is None else check_planner_state(planner)
+    if why is not None:
+        raise _Unfit(f"coci's planner state cannot be loaded ({why})")
     if not state.get("weights_only"):
         _check_training(state)
     mine = state.get(PROCESS_KEY)

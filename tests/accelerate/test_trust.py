@@ -73,6 +73,11 @@ FORGED: dict[str, Edit] = {
     "loader-position": lambda doc: _top(doc)["dataloaders"]["v"][0]["v"].__setitem__(
         "iteration", "x"
     ),
+    # coci's own planner state (before: a raw ValueError out of resume(), after the models
+    # were loaded)
+    "planner-observed": lambda doc: _top(doc)["coci"]["v"]["planner"]["v"].__setitem__(
+        "observed", "x"
+    ),
     # a CheckpointError of this process alone, after the restore (a hang in a collective with
     # several processes)
     "own-state-gone": _own_gone,

@@ -6,6 +6,7 @@ last one). Found by an attacker's review of every public argument."""
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -20,6 +21,7 @@ from coci_core.preemption.signals import SignalNotice
 from coci_core.storage import check_url
 from coci_core.training import CheckpointOptions
 from coci_core.training.preemption import plan_save_step
+from tests.harness.processes import module, run
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -252,6 +254,22 @@ def test_a_loss_that_is_no_function_of_numbers_is_one_line(
     assert main(["simulate", *common, *argv]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and "--loss" in err, err
+
+
+@pytest.mark.parametrize("kind", ["/dev/zero", "fifo", "directory"])
+def test_a_loss_csv_that_is_no_regular_file_is_one_line_not_a_hang(
+    tmp_path: Path, kind: str
+) -> None:
+    """`coci plan --loss-csv` of a device, a FIFO or a directory exits 2 with one line (before:
+    /dev/zero was read without end, the FIFO waited for a writer for ever)."""
+    path = {"/dev/zero": "/dev/zero", "fifo": str(tmp_path / "fifo"), "directory": str(tmp_path)}
+    if kind == "fifo":
+        os.mkfifo(path[kind])
+    common = ["--total-steps", "1000", "--step-time-s", "0.5", "--stall-s", "1", "--mtbf-s", "3600"]
+    command = module("coci_core.commands.cli", "plan", *common, "--loss-csv", path[kind])
+    done = run(command, timeout_s=20)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and "not a regular file" in done.stderr, done.stderr
 
 
 @pytest.mark.parametrize("name", ["out.txt", "plot", "missing/out.png"])

@@ -493,3 +493,28 @@ def test_close_names_the_steps_a_remote_owned_by_another_writer_never_got(
     ), errors
     assert _steps(tmp_path / "b") == [2, 3]
     assert _steps(remote) == [1]
+
+
+def test_close_does_not_say_steps_retention_removed_stay_on_the_local_disk(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The second manager refused the remote keeps two steps locally (``keep_last=2``): its
+    close() names steps 4 and 5 as staying on its disk, and steps 1 to 3 as removed by its
+    retention, in neither tier (before: "step(s) 1, 2, 3, 4, 5 were not uploaded, they stay
+    committed in" its directory, which held only 4 and 5)."""
+    remote = tmp_path / "remote"
+    with CheckpointManager(tmp_path / "a", remote=remote) as first:
+        first.save(1, _state(1)).wait()
+        second = CheckpointManager(tmp_path / "b", remote=remote, keep_last=2)
+        for step in range(1, 6):
+            second.save(step, _state(step)).wait()
+        caplog.set_level(logging.ERROR, logger="coci_core")
+        second.close()
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert _steps(tmp_path / "b") == [4, 5]
+    assert any(
+        "step(s) 4, 5 were not uploaded, they stay committed in" in m
+        and "step(s) 1, 2, 3 were removed" in m
+        and "in neither" in m
+        for m in errors
+    ), errors

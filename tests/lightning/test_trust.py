@@ -85,6 +85,29 @@ def _own_gone(doc: dict[str, Any]) -> None:
         entry["key"] = entry["key"].replace("/coci_rank_state/", "/spare/")
 
 
+def _planner_observed(doc: dict[str, Any]) -> None:
+    """The callback's planner state (wherever Lightning keeps the callback's state) says it
+    observed "x" steps."""
+    found = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            planner = node.get("planner")
+            inner = planner.get("v") if isinstance(planner, dict) else None
+            if isinstance(inner, dict) and "observed" in inner:
+                found.append(inner)
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(doc["tree"])
+    assert found, "no planner state in the manifest"
+    for planner in found:
+        planner["observed"] = "x"
+
+
 FORGED: dict[str, Edit] = {
     "python-str": lambda doc: _rng(doc).__setitem__("python", "boom"),
     "python-short": lambda doc: _rng(doc).__setitem__("python", {"t": "list", "v": [3]}),
@@ -96,6 +119,8 @@ FORGED: dict[str, Edit] = {
     "numpy-none": _numpy_none,
     "python-gauss-str": lambda doc: _rng(doc)["python"]["v"].__setitem__(2, "x"),
     "own-state-gone": _own_gone,
+    # coci's own planner state (before: a raw ValueError out of fit())
+    "planner-observed": _planner_observed,
 }
 
 

@@ -23,6 +23,7 @@ from coci_core import (
 )
 from coci_core.engine.format.manifest import MANIFEST_NAME, step_dir_name
 from coci_core.engine.restore.restore import load_checkpoint
+from coci_core.engine.save.commit import ABORT_NAME, await_outcome
 from coci_core.storage import FsspecStorage
 from tests.harness.faults import FaultyStorage
 
@@ -327,3 +328,24 @@ def test_a_waiting_rank_whose_records_another_writer_removed_fails_at_once(
     with pytest.raises(BackgroundSaveError, match=r"records .* were removed before rank 0"):
         r1.save(3, _state()).wait(timeout_s=60)
     r1.close()
+
+
+@pytest.mark.parametrize(
+    "record",
+    [b'{"ranks": [1e400], "reason": "x"}', b"[" * 100_000 + b"]" * 100_000, b'{"ranks": 5}'],
+    ids=["infinite rank", "nested past the parser", "ranks not a list"],
+)
+def test_an_abort_record_no_coordinator_writes_is_a_commit_error(
+    tmp_path: Path, record: bytes
+) -> None:
+    """A waiting rank reads an ``ABORT.json`` that rank 0 did not write (forged, damaged): the
+    save fails with a ``CommitError`` naming the unreadable record (before: a raw
+    ``OverflowError`` or ``RecursionError`` out of the rank's save)."""
+    storage = LocalStorage(tmp_path)
+    staging = "step-0000000001.coci-tmp-x-1"
+    (tmp_path / staging).mkdir()
+    (tmp_path / staging / "rank-00001.json").write_bytes(b"{}")
+    (tmp_path / staging / ABORT_NAME).write_bytes(record)
+    group = RankGroup(1, 2, "s", timeout_s=5)
+    with pytest.raises(CommitError, match="unreadable abort record"):
+        await_outcome(storage, staging, "step-0000000001", "token", group)

@@ -78,6 +78,13 @@ def _set(name: str, value: Any) -> Edit:
     return edit
 
 
+def _planner(name: str, value: Any) -> Edit:
+    def edit(manifest: dict[str, Any]) -> None:
+        _tree(manifest)["coci"]["v"]["planner"]["v"][name] = value
+
+    return edit
+
+
 def _python_rng(manifest: dict[str, Any]) -> None:
     rng = manifest["per_rank"][0]["tree"]["v"]["coci_process"]["v"]["rng"]["v"]
     rng["python"] = {"t": "tuple", "v": [3, 1, None]}
@@ -110,6 +117,10 @@ FORGED: dict[str, Edit] = {
     "scheduler a string": _set("scheduler", "boom"),
     "scaler a string": _set("scaler", "boom"),
     "python rng not a state": _python_rng,
+    # coci's own planner state (before: a raw ValueError or AttributeError out of train())
+    "planner observed a string": _planner("observed", "x"),
+    "planner costs a string": _planner("costs", "x"),
+    "planner of another format": _planner("format_version", 2),
     "own random states gone": _own_gone,
 }
 

@@ -111,12 +111,22 @@ def _loss_from_expr(expr: str) -> Callable[[Any], Any]:
 
 def _loss_from_csv(path: str) -> tuple[list[float], list[float]]:
     """Observed ``(steps, losses)`` from a CSV of ``step,loss`` (a header row is allowed)."""
+    import os
+
     import numpy as np
+
+    from coci_core.errors import StorageError
+    from coci_core.storage.local import open_regular
 
     steps: list[float] = []
     losses: list[float] = []
     try:
-        with open(path, newline="") as f:
+        # a regular file only: a FIFO would wait for a writer, /dev/zero never end
+        fd = open_regular(path)
+    except StorageError as e:
+        raise ConfigError(f"'--loss-csv' cannot be read as CSV text: {path!r} ({e})") from e
+    try:
+        with os.fdopen(fd, newline="") as f:
             for row in csv.reader(f):
                 if len(row) < 2:
                     continue

@@ -29,7 +29,12 @@ from collections.abc import Callable, Iterator
 
 from coci_core.engine.directory import retention
 from coci_core.engine.directory.lease import Lease, acquire_lease
-from coci_core.engine.directory.steps import StepInfo, highest_sequence, step_versions
+from coci_core.engine.directory.steps import (
+    StepInfo,
+    highest_sequence,
+    step_infos,
+    step_versions,
+)
 from coci_core.engine.format.manifest import MANIFEST_NAME, read_head_only, step_dir_name
 from coci_core.engine.group import RankGroup
 from coci_core.errors import CheckpointError, DirectoryInUseError, NoCheckpointError, StorageError
@@ -272,14 +277,22 @@ class RemoteTier:
                 why = f"failed ({self._refused or self._last_error})"
             else:
                 why = f"did not finish within {timeout_s:.0f} s"
+            kept, gone = self._still_local(unsent)
+            lost = (
+                f"; step(s) {_steps_text(gone)} were removed from {self.local.url} by its "
+                "retention (keep_last) before an upload: they are in neither"
+                if gone
+                else ""
+            )
             logger.error(
                 "coci: upload of step %d to %s %s; close() gives up: step(s) %s were not "
-                "uploaded, they stay committed in %s (the remote keeps what it had)",
+                "uploaded, they stay committed in %s (the remote keeps what it had)%s",
                 unsent[-1],
                 self.remote.url,
                 why,
-                _steps_text(unsent),
+                _steps_text(kept) if kept else "none",
                 self.local.url,
+                lost,
             )
         with self._cond:
             self._stopping = True
@@ -292,6 +305,16 @@ class RemoteTier:
                 # when it ends (by the thread), never while it may still write.
                 return
         self._release_lease()
+
+    def _still_local(self, steps: list[int]) -> tuple[list[int], list[int]]:
+        """``steps`` split into those this run still holds committed on the local tier and
+        those its retention removed (all held when the local tier cannot be listed)."""
+        run = self._run_id()
+        try:
+            held = {i.step for i in step_infos(self.local) if i.intact and i.run == run}
+        except (StorageError, CheckpointError):
+            return list(steps), []
+        return [s for s in steps if s in held], [s for s in steps if s not in held]
 
     def _release_lease(self) -> None:
         with self._cond:

@@ -301,8 +301,8 @@ def await_outcome(
         try:
             doc = json.loads(storage.read_bytes(f"{staging}/{ABORT_NAME}"))
             ranks, reason = [int(r) for r in doc["ranks"]], str(doc["reason"])
-        except (ValueError, KeyError, TypeError, StorageError) as e:
-            ranks, reason = [0], f"unreadable abort record: {e}"
+        except (ValueError, KeyError, TypeError, OverflowError, RecursionError, StorageError) as e:
+            ranks, reason = [0], f"unreadable abort record: {type(e).__name__}: {str(e)[:200]}"
         raise CommitError(f"the save was abandoned: {reason}", ranks=ranks)
     raise CommitError(
         f"rank 0 (the coordinator) did not commit within {2 * group.timeout_s:g} s", ranks=[0]
