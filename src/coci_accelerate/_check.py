@@ -19,8 +19,7 @@ from typing import Any
 
 from coci_accelerate._state import LAYOUT, PROCESS_KEY, mismatch_error, saved_none
 from coci_core.errors import CorruptCheckpointError
-from coci_core.planner.planner_state import check_planner_state
-from coci_core.training import UnfitRandomState, check_saved_random_states
+from coci_core.training import UnfitRandomState, check_planner_state, check_saved_random_states
 
 __all__ = ["check_saved"]
 

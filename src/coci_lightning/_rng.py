@@ -17,8 +17,7 @@ from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.utilities import rank_zero_warn
 
 from coci_core.errors import CorruptCheckpointError
-from coci_core.planner.planner_state import check_planner_state
-from coci_core.training import check_random_states
+from coci_core.training import check_planner_state, check_random_states
 
 #: this rank's state in coci's saves (``per_rank``): ``{"rng": ...}``
 RANK_STATE_KEY = "coci_rank_state"

@@ -25,8 +25,7 @@ import torch
 from transformers import TrainerState
 
 from coci_core.errors import CorruptCheckpointError
-from coci_core.planner.planner_state import check_planner_state
-from coci_core.training import UnfitRandomState, check_saved_random_states
+from coci_core.training import UnfitRandomState, check_planner_state, check_saved_random_states
 from coci_transformers._state import LAYOUT, PROCESS_KEY
 
 __all__ = ["check_saved", "parse_trainer_state"]

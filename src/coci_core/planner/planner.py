@@ -44,7 +44,7 @@ from coci_core.planner.settings import PlannerConfig, PlannerSettings, make_sett
 from coci_core.planner.two_level import TierCosts, TwoLevelPlan, plan_two_levels
 from coci_core.planner.upload_costs import UploadCosts
 
-__all__ = ["Planner", "PlannerConfig", "PlannerReport", "planner_config"]
+__all__ = ["Planner", "PlannerConfig", "PlannerReport", "check_planner_state", "planner_config"]
 
 T = TypeVar("T")
 
@@ -473,3 +473,29 @@ def _checked(arguments: Mapping[str, Any]) -> PlannerConfig:
 _SIGNATURE = inspect.signature(Planner)
 _ARGUMENTS = frozenset(_SIGNATURE.parameters)
 _COST_ARGUMENTS = frozenset(inspect.signature(CostInputs.check).parameters)
+
+
+def check_planner_state(state: Any) -> str | None:
+    """Why a saved planner state (a checkpoint's, read as untrusted) cannot be loaded, or
+    None: it is loaded into a scratch planner, under that planner's policy so that every
+    field is read."""
+    if not isinstance(state, dict):
+        return f"not a dict: {type(state).__name__}"
+    scratch = Planner()
+    probe = {**state, "policy": scratch._plan.settings.policy_name}
+    if not isinstance(state.get("policy"), str):
+        probe["policy"] = state.get("policy")
+    try:
+        scratch.load_state_dict(probe)
+    except (
+        ConfigError,
+        TypeError,
+        ValueError,
+        KeyError,
+        AttributeError,
+        IndexError,
+        OverflowError,
+        RecursionError,
+    ) as e:
+        return f"{type(e).__name__}: {e}"
+    return None

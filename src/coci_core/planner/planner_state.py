@@ -8,7 +8,7 @@ from coci_core.errors import ConfigError
 from coci_core.planner.curve import FLAT, curve_from_dict
 from coci_core.planner.replanning import Replanner
 
-__all__ = ["FORMAT_VERSION", "check_planner_state", "load_planner_state", "planner_state"]
+__all__ = ["FORMAT_VERSION", "load_planner_state", "planner_state"]
 
 FORMAT_VERSION = 1
 
@@ -43,34 +43,6 @@ def planner_state(plan: Replanner) -> dict[str, Any]:
         "curve": plan.curve.to_dict(),
         "pending_curve": None if plan.pending_curve is None else plan.pending_curve.to_dict(),
     }
-
-
-def check_planner_state(state: Any) -> str | None:
-    """Why a saved planner state (a checkpoint's, read as untrusted) cannot be loaded, or
-    None: it is loaded into a scratch planner, under that planner's policy so that every
-    field is read."""
-    from coci_core.planner.planner import Planner
-
-    if not isinstance(state, dict):
-        return f"not a dict: {type(state).__name__}"
-    scratch = Planner()
-    probe = {**state, "policy": scratch._plan.settings.policy_name}
-    if not isinstance(state.get("policy"), str):
-        probe["policy"] = state.get("policy")
-    try:
-        scratch.load_state_dict(probe)
-    except (
-        ConfigError,
-        TypeError,
-        ValueError,
-        KeyError,
-        AttributeError,
-        IndexError,
-        OverflowError,
-        RecursionError,
-    ) as e:
-        return f"{type(e).__name__}: {e}"
-    return None
 
 
 def _optional_int(value: Any) -> int | None:

@@ -19,6 +19,7 @@ from coci_core.engine.format.tree import flatten_state
 from coci_core.engine.manager import SaveHandle
 from coci_core.engine.restore.restore import LoadedCheckpoint
 from coci_core.interop.swap import directory_beside
+from coci_core.planner.planner import check_planner_state
 from coci_core.telemetry.objects import report_sink
 from coci_core.telemetry.report import compare_policies, render, render_policies, summarize
 from coci_core.telemetry.tensorboard import TensorBoardTelemetry
@@ -57,6 +58,7 @@ __all__ = [
     "SHARED_ARGUMENTS",
     "CheckpointOptions",
     "Checkpointer",
+    "check_planner_state",
     "LoadedCheckpoint",
     "PlanOutline",
     "SaveHandle",
