@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import io
 import json
 import locale
@@ -39,16 +40,26 @@ from typing import IO, Any
 # it before configuring logging may use that kind.
 # The transformers kind imports the Trainer and GPT-2 (6 s) with the two variables that
 # tests/transformers/run.py sets before it imports them.
+# What children import lazily is imported too: torch._dynamo (1.3 s of CPU), which torch's
+# optimizers import when the first is made, and scikit-learn's data sets (1.5 s), which the
+# digits are loaded with.
+_LAZY = ("torch._dynamo", "sklearn.datasets")
 KINDS = {
-    "torch": ("torch",),
-    "lightning": ("torch", "lightning.pytorch"),
-    "transformers": ("torch", "transformers.trainer", "transformers.models.gpt2.modeling_gpt2"),
+    "torch": ("torch", *_LAZY),
+    "lightning": ("torch", "lightning.pytorch", *_LAZY),
+    "transformers": (
+        "torch",
+        "transformers.trainer",
+        "transformers.models.gpt2.modeling_gpt2",
+        *_LAZY,
+    ),
 }
 LIGHTNING_CHILDREN = frozenset(
     {
         "tests.lightning._child",
         "tests.lightning._ddp_child",
         "tests.lightning._model_parallel_child",
+        "tests.lightning._resume_kill_child",
         "tests.lightning._fsdp1_child",
         "tests.preemption._lightning_child",
         "tests.telemetry._lightning_run",
@@ -122,6 +133,10 @@ def serve(sock_fd: int, kind: str) -> None:
     for name in KINDS[kind]:
         __import__(name)
     import torch
+
+    # what is imported is shared with every child: frozen, so that no child's collections (at
+    # its exit above all) touch those objects and copy the memory they share
+    gc.freeze()
 
     threads = torch.get_num_threads()  # a fresh interpreter's, the zygote has no OMP_NUM_THREADS
     sock = socket.socket(fileno=sock_fd)

@@ -1,9 +1,11 @@
 """Training with Lightning's ``ModelParallelStrategy`` (FSDP2 over a tensor-parallel plan) on
 CPU processes (gloo), checkpointed by ``CociCheckpoint``.
 
-Run as ``python -m tests.lightning._model_parallel_child DIR DP TP TOTAL [KILL]``; Lightning
-starts the other ranks by running the same command (``GATHERED_FILES=1`` in the environment:
-``save_distributed_checkpoint=False``, which coci's saves ignore). With KILL, rank 0 prints
+Run as ``python -m tests.lightning._model_parallel_child DIR DP TP TOTAL [KILL]`` (Lightning
+starts the other ranks by running the same command), or in DP x TP processes by
+``python -m tests.harness.ranks N tests.lightning._model_parallel_child ...`` as torchrun would
+(``GATHERED_FILES=1`` in the environment: ``save_distributed_checkpoint=False``, which coci's
+saves ignore). With KILL, rank 0 prints
 ``AT <step>`` after that step and every rank waits to be killed; at the end every rank prints
 ``RESULT <json>`` (rank, global step, the learning rate, digests of the full model and
 optimizer state, the samples this rank trained on).

@@ -23,10 +23,17 @@ TOTAL = 12
 KILL = 7  # inside the first epoch (8 steps at 2 data-parallel ranks)
 
 
+def _ranks(processes: int, *args: str) -> list[str]:
+    """The child in ``processes`` processes, as torchrun starts a Lightning script (forked
+    with Lightning imported: tests/harness/ranks.py); Lightning's own launcher is
+    tests/lightning/test_ddp.py's."""
+    return module("tests.harness.ranks", str(processes), _CHILD, *args)
+
+
 def _run(
     directory: Path, dp: int, tp: int, total: int = TOTAL, env: dict[str, str] | None = None
 ) -> dict[int, dict[str, Any]]:
-    command = module(_CHILD, str(directory), str(dp), str(tp), str(total))
+    command = _ranks(dp * tp, str(directory), str(dp), str(tp), str(total))
     out = run(command, env=child_env(env), timeout_s=600)
     assert out.returncode == 0, out.stderr[-3000:]
     results = {row["rank"]: row for row in result_rows(out.stdout)}
@@ -55,7 +62,7 @@ def test_killed_mid_epoch_resumes_bit_identical(
     assert len({(r["model"], r["optim"]) for r in expected.values()}) == 1
 
     with Child(
-        module(_CHILD, str(tmp_path / "run"), str(dp), str(tp), str(TOTAL), str(KILL)),
+        _ranks(world, str(tmp_path / "run"), str(dp), str(tp), str(TOTAL), str(KILL)),
         stderr=subprocess.DEVNULL,
         kill_scope="group",
     ) as child:
