@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from planner_helpers import noisy_run
 
+from coci_core import ConfigError
 from coci_core.planner import Planner, PlannerReport
 
 
@@ -63,6 +64,27 @@ def test_a_state_of_another_policy_keeps_the_measurements_and_plans_afresh():
     decisions = _drive(b, losses, 1_000, 2_000)
     assert b.schedule != a.schedule and sum(decisions) >= 1
     assert all(s >= 1_000 for s in b.schedule)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("observed", "x"), ("costs", "x"), ("schedule", [None]), ("elapsed_s", 1e400), ("ptr", {})],
+)
+def test_a_forged_state_is_one_config_error_and_leaves_the_planner_as_it_was(field, value):
+    """A state with a field of the wrong type (a forged or foreign checkpoint, loaded by a
+    plain loop's ``Checkpointer.load_state_dict``) raised the raw ``ValueError`` /
+    ``AttributeError`` of the field read, after the fields before it were loaded: one
+    ``ConfigError`` naming the state now, and nothing loaded."""
+    losses = noisy_run(2_000, seed=5)
+    a = _planner()
+    _drive(a, losses, 1, 1_000)
+    b = _planner()
+    _drive(b, losses, 1, 10)
+    before = json.dumps(b.state_dict())
+    forged = {**json.loads(json.dumps(a.state_dict())), field: value}
+    with pytest.raises(ConfigError, match=r"'state' cannot be loaded as a planner's state"):
+        b.load_state_dict(forged)
+    assert json.dumps(b.state_dict()) == before
 
 
 def test_state_dict_holds_only_json_values():

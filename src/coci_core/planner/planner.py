@@ -426,8 +426,12 @@ class Planner:
         planner's policy.
 
         Raises:
-            ConfigError: if the state is from another format version.
+            ConfigError: if the state is from another format version, or a field of it is
+                not what this version writes (the planner is then left as it was).
         """
+        why = check_planner_state(state)
+        if why is not None:
+            raise ConfigError(f"'state' cannot be loaded as a planner's state ({why[:300]})")
         load_planner_state(self._plan, state)
         count = 0
         with contextlib.suppress(TypeError, ValueError):
@@ -486,7 +490,7 @@ def check_planner_state(state: Any) -> str | None:
     if not isinstance(state.get("policy"), str):
         probe["policy"] = state.get("policy")
     try:
-        scratch.load_state_dict(probe)
+        load_planner_state(scratch._plan, probe)
     except (
         ConfigError,
         TypeError,

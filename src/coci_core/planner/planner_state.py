@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from coci_core.errors import ConfigError
@@ -45,6 +46,13 @@ def planner_state(plan: Replanner) -> dict[str, Any]:
     }
 
 
+def _finite(value: Any, name: str) -> float:
+    number = float(value)
+    if not math.isfinite(number) or number < 0:
+        raise ValueError(f"'{name}' must be a finite number >= 0, got {value!r}")
+    return number
+
+
 def _optional_int(value: Any) -> int | None:
     return None if value is None else int(value)
 
@@ -67,7 +75,7 @@ def load_planner_state(plan: Replanner, state: dict[str, Any]) -> None:
     obs.observed = int(state["observed"])
     obs.last_step = _optional_int(state["last_step"])
     obs.close_wall()
-    obs.elapsed_s = float(state["elapsed_s"])
+    obs.elapsed_s = _finite(state["elapsed_s"], "elapsed_s")
     obs.failures = int(state["failures"])
     obs.last_true = int(state["last_true"])
     with obs.lock:
@@ -86,7 +94,9 @@ def load_planner_state(plan: Replanner, state: dict[str, Any]) -> None:
     plan.next_replan = _optional_int(state["next_replan"])
     plan.force_replan = bool(state["force_replan"])
     plan.replans = int(state["replans"])
-    plan.plan_inputs = {str(k): float(v) for k, v in state["plan_inputs"].items()}
+    plan.plan_inputs = {
+        str(k): _finite(v, f"plan_inputs.{k}") for k, v in state["plan_inputs"].items()
+    }
     plan.horizon_end = _optional_int(state["horizon_end"])
     plan.regime_flagged = bool(state["regime_flagged"])
     plan.curve = plan.no_curve()
