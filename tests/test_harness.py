@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 from pathlib import Path
 
 import pytest
@@ -167,3 +168,17 @@ def test_an_s3_server_whose_port_was_taken_meanwhile_is_started_on_others(
         assert s3._answers(server.endpoint)
     finally:
         server.stop()
+
+
+def test_a_free_port_is_below_the_ephemeral_range_and_free() -> None:
+    """The ports the ranks' stores listen on are taken outside the range the kernel gives
+    connections their local ports from, so that no connection takes one before its store
+    binds it; each can be bound."""
+    from tests.harness.processes import _ephemeral_ports_start, free_port
+
+    ports = {free_port() for _ in range(20)}
+    assert all(1024 <= p < _ephemeral_ports_start() for p in ports), ports
+    assert len(ports) > 1  # chosen at random: two test processes rarely pick the same one
+    for port in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -118,10 +119,32 @@ def run(
 
 
 def free_port() -> int:
-    """A TCP port on loopback that nothing listens on now."""
+    """A TCP port on loopback that nothing listens on now, chosen at random below the kernel's
+    range of ephemeral ports: a port of that range (what binding port 0 gives) can be taken
+    as the local port of any connection made before the child binds it (a rank's store failed
+    with EADDRINUSE so, while another test's ranks connected)."""
+    low = _ephemeral_ports_start()
+    if low - 1024 >= 4096:
+        pick = random.SystemRandom()
+        for _ in range(100):
+            port = pick.randrange(max(1024, low - 12288), low)
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _ephemeral_ports_start() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def descendants(pid: int) -> list[int]:
