@@ -178,9 +178,7 @@ def test_two_gloo_ranks_save_the_same_step_when_only_one_gets_sigterm(tmp_path: 
                     break
         assert ready == 2
         os.kill(children[1].pid, signal.SIGTERM)
-        codes = [child.wait(60) for child in children]
-        for rank, child in enumerate(children):
-            lines[rank].extend(child.lines())
+        codes = _wait_all(children, lines)
     finally:
         for child in children:
             child.close()
@@ -235,6 +233,14 @@ def test_a_notice_of_a_known_end_moves_the_save_to_the_last_step_that_fits(
     assert _restored(tmp_path)[0] == stop["at"]
 
 
+def _wait_all(children: list[Child], lines: list[list[str]]) -> list[int]:
+    """Each child's exit status, once it ended; the rest of its lines added to ``lines``."""
+    codes = [child.wait(60) for child in children]
+    for rank, child in enumerate(children):
+        lines[rank].extend(child.lines())
+    return codes
+
+
 def _until(child: Child, mark: str, lines: list[str]) -> bool:
     """Read ``child``'s lines into ``lines`` up to one starting with ``mark``; whether one did."""
     while line := child.readline():
@@ -265,9 +271,7 @@ def test_four_gloo_ranks_agree_on_a_moved_save_when_only_one_gets_the_notice(
     try:
         assert all(_until(child, "READY", lines[r]) for r, child in enumerate(children))
         os.kill(children[3].pid, signal.SIGUSR1)
-        codes = [child.wait(60) for child in children]
-        for rank, child in enumerate(children):
-            lines[rank].extend(child.lines())
+        codes = _wait_all(children, lines)
     finally:
         for child in children:
             child.close()
@@ -586,9 +590,7 @@ def test_a_sigterm_on_another_rank_than_a_known_ends_is_named_on_rank_0(tmp_path
             assert line, "rank 0 never planned the save for its SIGUSR1"
         os.kill(children[1].pid, signal.SIGTERM)
         logged = log.read()
-        codes = [child.wait(60) for child in children]
-        for rank, child in enumerate(children):
-            lines[rank].extend(child.lines())
+        codes = _wait_all(children, lines)
     finally:
         for child in children:
             child.close()
